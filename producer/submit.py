@@ -1,0 +1,99 @@
+"""Building and validating requests, shared by the sync and asyncio producers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..schemas.codec import encode_request
+from ..schemas.errors import ErrorCode, RequestRejected
+from ..schemas.keys import ModelKeys, check_model_name
+from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request
+
+DEFAULT_LANES = 3
+LANES_CACHE_S = 30.0
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def build_request(
+    model: str,
+    inputs: str | Iterable[str],
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    request_id: str | None = None,
+    deadline_ms: int | None = None,
+    reply: str | None = None,
+    result_ttl_s: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    result_format: Format | None = None,
+) -> Request:
+    """Validate a request on the producer side, with the same rules the worker applies."""
+    check_model_name(model)
+    texts = [inputs] if isinstance(inputs, str) else list(inputs)
+    body: dict[str, Any] = {
+        "id": request_id or new_request_id(),
+        "model": model,
+        "inputs": texts,
+        "deadline_ms": deadline_ms,
+        "reply": reply,
+        "result_ttl_s": result_ttl_s,
+        "metadata": dict(metadata or {}),
+        "format": result_format,
+    }
+    try:
+        return Request.model_validate(body, context={"limits": limits})
+    except ValidationError as exc:
+        msg = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()
+        )
+        code = ErrorCode.TOO_LARGE if "too_large" in msg else ErrorCode.INVALID_REQUEST
+        if "empty_input" in msg:
+            code = ErrorCode.EMPTY_INPUT
+        raise RequestRejected(msg, code) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready to XADD."""
+
+    stream: str
+    fields: dict[bytes, bytes]
+    request: Request
+
+
+def prepare(request: Request, lane: int, lanes: int, wire_format: Format) -> Prepared:
+    if not 0 <= lane < lanes:
+        raise RequestRejected(
+            f"priority {lane} out of range: model {request.model!r} has lanes 0..{lanes - 1}",
+            ErrorCode.INVALID_REQUEST,
+        )
+    return Prepared(
+        ModelKeys(request.model).lane(lane), encode_request(request, wire_format), request
+    )
+
+
+class LaneCache:
+    """Lane counts per model, as published by workers (``bf:{model}:lanes``), cached briefly."""
+
+    def __init__(self, default: int = DEFAULT_LANES) -> None:
+        self.default = default
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def get(self, model: str) -> int | None:
+        hit = self._seen.get(model)
+        if hit and time.monotonic() - hit[0] < LANES_CACHE_S:
+            return hit[1]
+        return None
+
+    def put(self, model: str, raw: bytes | str | None) -> int:
+        lanes = int(raw) if raw else self.default
+        self._seen[model] = (time.monotonic(), lanes)
+        return lanes

@@ -1,0 +1,70 @@
+"""Every Redis key, stream, group and channel name batchfleet uses, built here alone.
+
+All keys of one model share the hash tag ``{<model>}`` so that a model's streams,
+results and dead letters live in one Redis Cluster slot and its Lua scripts stay
+single-slot. See docs/protocol.md for the same table in prose.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "bf"
+GROUP = "workers"
+"""The consumer group every worker of a model joins on each of its lane streams."""
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def check_model_name(model: str) -> str:
+    """Return ``model`` if it is a legal model name, else raise ``ValueError``."""
+    if not MODEL_NAME.match(model):
+        raise ValueError(f"bad model name {model!r}: 1-64 chars of letters, digits, '_', '.', '-'")
+    return model
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKeys:
+    """Names for one model's keys (all in the slot of ``{model}``)."""
+
+    model: str
+
+    def __post_init__(self) -> None:
+        check_model_name(self.model)
+
+    @property
+    def tag(self) -> str:
+        return f"{PREFIX}:{{{self.model}}}"
+
+    def lane(self, lane: int) -> str:
+        """The request stream of one priority lane (0 = highest)."""
+        return f"{self.tag}:lane:{lane}"
+
+    def lanes(self, count: int) -> list[str]:
+        return [self.lane(i) for i in range(count)]
+
+    def result(self, request_id: str) -> str:
+        """The key holding a request's final result (with a TTL)."""
+        return f"{self.tag}:result:{request_id}"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream: entries that could not be answered, with the reason."""
+        return f"{self.tag}:dead"
+
+    @property
+    def workers(self) -> str:
+        """Hash of live consumers: name → unix ms of its last heartbeat."""
+        return f"{self.tag}:workers"
+
+    @property
+    def lanes_key(self) -> str:
+        """A string holding the model's lane count, written by workers for producers."""
+        return f"{self.tag}:lanes"
+
+
+def default_reply_channel(client_id: str) -> str:
+    """The reply channel a Python producer subscribes to (one per producer)."""
+    return f"{PREFIX}:reply:{client_id}"

@@ -1,0 +1,134 @@
+"""Shared fixtures: a real redis-server per session, tiny models, worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from batchfleet.schemas.keys import ModelKeys
+from tiny_models import make_classifier, make_embedding_model
+
+from batchfleet.redis_server import LocalRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    server = LocalRedis()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    """A flushed database on the session's redis-server."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_embedding_model(tmp_path_factory.mktemp("tiny-embedder"))
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+
+
+def fleet_toml(redis_url: str, models: dict[str, dict[str, object]]) -> str:
+    """A fleet file's text from plain dicts (enough TOML for the tests)."""
+
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return f'"{v}"'
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return str(v)
+
+    lines = [f'redis_url = "{redis_url}"', "[worker]", "claim_idle_ms = 2000", ""]
+    for name, spec in models.items():
+        tables = {k: v for k, v in spec.items() if isinstance(v, dict)}
+        lines.append(f"[models.{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
+        for table, items in tables.items():
+            lines.append(f"[models.{name}.{table}]")
+            lines += [f"{k} = {value(v)}" for k, v in items.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+class WorkerProcess:
+    """A real `batchfleet worker` (Celery worker) process."""
+
+    def __init__(self, config: Path, name: str, log: Path, *extra: str) -> None:
+        self.name = name
+        self.log = log
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "batchfleet", "worker", "--config", str(config),
+             "--name", name, "--loglevel", "INFO", *extra],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )  # fmt: skip
+
+    def wait_ready(self, client: redis.Redis, model: str, timeout: float = 60.0) -> None:
+        """Ready once its batch loop for ``model`` has registered (it is reading)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited:\n{self.log.read_text()[-3000:]}")
+            if client.hexists(ModelKeys(model).workers, self.name):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"worker {self.name} not ready:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def start(config_text: str, name: str, *extra: str) -> WorkerProcess:
+        config = tmp_path / f"{name}.toml"
+        config.write_text(config_text)
+        w = WorkerProcess(config, name, tmp_path / f"{name}.log", *extra)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()

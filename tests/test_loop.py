@@ -1,0 +1,198 @@
+"""The batch loop in-process against a real redis-server: bad input, deadlines,
+redelivery, idempotent results, reply channels."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from batchfleet.config import ModelConfig, WorkerConfig
+from batchfleet.producer import Producer
+from batchfleet.schemas.codec import decode_result, encode_request
+from batchfleet.schemas.errors import ErrorCode
+from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.handlers.base import Encoded
+from batchfleet.worker.handlers.embedding import EmbeddingHandler
+from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.streams import Entry, Finish, ModelStreams
+
+MODEL = "tiny"
+KEYS = ModelKeys(MODEL)
+
+
+@pytest.fixture(scope="module")
+def handler(tiny_embedder: Path) -> EmbeddingHandler:
+    return EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+
+
+def run_loop(
+    r: redis.Redis, handler: Any, consumer: str = "w1", **worker: Any
+) -> BatchLoop:
+    cfg = ModelConfig(path="/unused", max_tokens=32)
+    loop = BatchLoop(
+        MODEL,
+        cfg,
+        handler,
+        r,
+        consumer=consumer,
+        worker=WorkerConfig(block_ms=50, **worker),
+        burst=True,
+    )
+    loop.run()
+    return loop
+
+
+def result_of(r: redis.Redis, request_id: str) -> Any:
+    raw = r.get(KEYS.result(request_id))
+    assert raw is not None, f"no result for {request_id}"
+    return decode_result(raw)
+
+
+def test_good_requests_get_results_with_timings(r: redis.Redis, handler: EmbeddingHandler) -> None:
+    producer = Producer(client=r)
+    jobs = [producer.submit(MODEL, ["the dog", "the quick brown fox"], priority=i % 3) for i in range(20)]
+    loop = run_loop(r, handler)
+    for job in jobs:
+        res = job.result(timeout=1)
+        assert res.status == "ok" and len(res.outputs or []) == 2
+        assert res.truncated == [False, False]
+        t = res.timings
+        assert t.worker == "w1" and t.batch_size >= 2 and t.batch_id
+        assert 0 <= t.queued_ms <= t.total_ms and t.inference_ms > 0
+    assert all(r.xlen(KEYS.lane(i)) == 0 for i in range(3)), "acked entries are deleted"
+    assert loop.stats.snapshot()["requests"] == {"ok": 20}
+
+
+def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandler) -> None:
+    producer = Producer(client=r)
+    good = producer.submit(MODEL, "the dog", priority=0)
+    lane = KEYS.lane(1)
+    r.xadd(lane, {"msgpack": b"\xc1 not msgpack"})  # nobody to answer: dead letter
+    r.xadd(lane, {"msgpack": msgpack.packb({"id": "wrong-model", "model": "other", "inputs": ["x"]})})
+    r.xadd(lane, {"msgpack": msgpack.packb({"id": "empty", "model": MODEL, "inputs": [""]})})
+    r.xadd(lane, {"json": json.dumps({"id": "huge", "model": MODEL, "inputs": ["a" * 50_000]})})
+    r.xadd(lane, {"msgpack": msgpack.packb({"id": "typo", "model": MODEL, "input": ["x"]})})
+    good2 = producer.submit(MODEL, "the quick brown fox", priority=1)
+
+    loop = run_loop(r, handler)
+
+    assert good.result(timeout=1).ok and good2.result(timeout=1).ok
+    for rid, code in [
+        ("wrong-model", ErrorCode.UNKNOWN_MODEL),
+        ("empty", ErrorCode.EMPTY_INPUT),
+        ("huge", ErrorCode.TOO_LARGE),
+        ("typo", ErrorCode.INVALID_REQUEST),
+    ]:
+        res = result_of(r, rid)
+        assert res.status == "error" and res.error.code is code, rid
+    assert r.get(KEYS.result("huge")).startswith(b"{"), "a JSON request gets a JSON result"
+    dead = r.xrange(KEYS.dead)
+    assert len(dead) == 1 and dead[0][1][b"code"] == b"malformed"
+    assert dead[0][1][b"orig_msgpack"] == b"\xc1 not msgpack"
+    assert r.xpending(lane, GROUP)["pending"] == 0
+    assert loop.stats.snapshot()["dead_letters"] == 1
+
+
+def test_expired_requests_are_answered_without_computing(
+    r: redis.Redis, handler: EmbeddingHandler
+) -> None:
+    producer = Producer(client=r)
+    late = producer.submit(MODEL, "the dog", deadline_ms=1)
+    time.sleep(0.05)
+    fine = producer.submit(MODEL, "the dog", deadline_ms=60_000)
+    loop = run_loop(r, handler)
+    res = late.result(timeout=1)
+    assert res.status == "expired" and res.error.code is ErrorCode.DEADLINE_EXCEEDED
+    assert res.outputs is None
+    assert fine.result(timeout=1).ok
+    assert loop.stats.rows == 1, "the expired request was not computed"
+
+
+def test_reply_channel_gets_the_result(r: redis.Redis, handler: EmbeddingHandler) -> None:
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("my-replies")
+    req = Request(id="chan-1", model=MODEL, inputs=["the dog"], reply="my-replies")
+    r.xadd(KEYS.lane(0), encode_request(req))
+    run_loop(r, handler)
+    msg = None
+    end = time.monotonic() + 2
+    while msg is None and time.monotonic() < end:
+        msg = pubsub.get_message(timeout=0.2)
+    assert msg is not None and decode_result(msg["data"]).id == "chan-1"
+
+
+def _pending_on_ghost(r: redis.Redis, req: Request) -> str:
+    """Given an entry delivered to a consumer that then died (never acked)."""
+    streams = ModelStreams(r, MODEL, 3, "ghost")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), encode_request(req))
+    (entry,) = streams.read(10, None)
+    return entry.id
+
+
+def test_entries_of_a_dead_worker_are_reclaimed(r: redis.Redis, handler: EmbeddingHandler) -> None:
+    entry_id = _pending_on_ghost(r, Request(id="orphan", model=MODEL, inputs=["the dog"]))
+    time.sleep(0.15)
+    run_loop(r, handler, claim_idle_ms=100)
+    assert result_of(r, "orphan").ok
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+    assert r.xrange(KEYS.lane(0), entry_id, entry_id) == []
+
+
+def test_redelivered_request_with_a_result_is_not_recomputed(
+    r: redis.Redis, handler: EmbeddingHandler
+) -> None:
+    req = Request(id="done-before", model=MODEL, inputs=["the dog"])
+    _pending_on_ghost(r, req)
+    r.set(KEYS.result(req.id), b"the first result stands")
+    time.sleep(0.15)
+    loop = run_loop(r, handler, claim_idle_ms=100)
+    assert r.get(KEYS.result(req.id)) == b"the first result stands"
+    assert loop.stats.batches == 0
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def test_a_result_is_written_once(r: redis.Redis) -> None:
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    (entry,) = streams.read(1, None)
+    first = streams.finish([Finish(entry, "rid", b"one", 60, "c")])
+    second = streams.finish([Finish(entry, "rid", b"two", 60, "c")])
+    assert (first, second) == ([True], [False])
+    assert r.get(KEYS.result("rid")) == b"one"
+    assert 0 < r.ttl(KEYS.result("rid")) <= 60
+
+
+class Poisoned(EmbeddingHandler):
+    """Raises whenever a batch holds the text 'poison' (as token ids)."""
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        if any(r.ids == self._poison for r in rows):
+            raise RuntimeError("model blew up on this input")
+        return super().run(rows)
+
+
+def test_a_failing_request_does_not_sink_its_batch(tiny_embedder: Path, r: redis.Redis) -> None:
+    handler = Poisoned(tiny_embedder, device="cpu", max_tokens=32)
+    handler._poison = handler.encode(["poison"])[0].ids  # type: ignore[attr-defined]
+    producer = Producer(client=r)
+    jobs = producer.submit_many(MODEL, ["the dog", "poison", "the fox", "what a day"], priority=0)
+    loop = run_loop(r, handler)
+    results = {j.id: j.result(timeout=1) for j in jobs}
+    statuses = [results[j.id].status for j in jobs]
+    assert statuses == ["ok", "error", "ok", "ok"]
+    assert results[jobs[1].id].error.code is ErrorCode.INFERENCE_FAILED
+    assert loop.stats.batches >= 1
+
+
+def test_entry_id_time_is_the_enqueue_time() -> None:
+    assert Entry(0, "1700000000123-4", {}).enqueued_ms == 1700000000123

@@ -1,0 +1,150 @@
+"""The Celery application: a batchfleet worker is a Celery worker with a batch-loop step.
+
+Flower, ``celery inspect`` and remote control see the worker like any other; the
+micro-batch loops run in threads owned by a worker bootstep (not a consumer step,
+so a broker reconnect does not restart them).
+
+Start it with ``batchfleet worker --config fleet.toml``, or with plain Celery:
+``BATCHFLEET_CONFIG=fleet.toml celery -A batchfleet.worker.app worker -P solo``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from celery import Celery, bootsteps
+
+from ..config import FleetConfig, load_config
+from ..connection import connect, default_url
+from .handlers import resolve
+from .loop import BatchLoop
+
+logger = logging.getLogger(__name__)
+
+CELERY_QUEUE = "batchfleet"
+
+
+def batch_task_name(model: str) -> str:
+    """Name under which a model's micro-batches show in Flower."""
+    return f"batchfleet.batch.{model}"
+
+
+class BatchLoopStep(bootsteps.StartStopStep):
+    """Loads each served model once (in the worker process: never forked after CUDA init)
+    and runs its batch loop on a thread until the worker stops."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.loops: list[BatchLoop] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        fleet: FleetConfig = app.batchfleet_config
+        only: list[str] | None = app.batchfleet_models
+        burst: bool = app.batchfleet_burst
+        names = only or list(fleet.models)
+        if not names:
+            raise RuntimeError("no models configured: add [models.<name>] to the fleet file")
+        consumer = fleet.worker.name or worker.hostname
+        client = connect(fleet.redis_url, socket_timeout=None)
+        for name in names:
+            if name not in fleet.models:
+                raise RuntimeError(
+                    f"model {name!r} is not in the fleet file ({sorted(fleet.models)})"
+                )
+            cfg = fleet.models[name]
+            started = time.monotonic()
+            handler = resolve(cfg.handler)(
+                cfg.resolved_path(),
+                device=cfg.device,
+                dtype=cfg.dtype,
+                max_tokens=cfg.max_tokens,
+                options=cfg.options,
+            )
+            logger.info(
+                "model %s loaded in %.1fs: %s", name, time.monotonic() - started, handler.info()
+            )
+            loop = BatchLoop(
+                name, cfg, handler, client, consumer=consumer, worker=fleet.worker, burst=burst
+            )
+            self.loops.append(loop)
+        for loop in self.loops:
+            thread = threading.Thread(
+                target=self._serve, args=(loop, burst), name=f"batchloop-{loop.model}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, loop: BatchLoop, burst: bool) -> None:
+        """Run a loop; restart it after an unexpected error (its held entries stay pending and
+        are reclaimed), and in burst mode stop the worker once every loop is idle."""
+        while not loop.stopping:
+            try:
+                loop.run()
+                break
+            except Exception:
+                logger.exception("batch loop of %s crashed; restarting in 1s", loop.model)
+                time.sleep(1.0)
+                loop.reset()
+        if burst and all(lp.wait_stopped(0) for lp in self.loops):
+            logger.info("burst mode: all streams drained, stopping the worker")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self, worker: Any) -> None:
+        fleet: FleetConfig = worker.app.batchfleet_config
+        for loop in self.loops:
+            loop.stop()
+        deadline = time.monotonic() + fleet.worker.shutdown_grace_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def info(self, worker: Any) -> dict[str, Any]:
+        return {"batchfleet": {loop.model: loop.stats.snapshot() for loop in self.loops}}
+
+
+def create_app(
+    config: FleetConfig | None = None, *, models: list[str] | None = None, burst: bool = False
+) -> Celery:
+    """A Celery app wired to the fleet's Redis, with the batch-loop step installed."""
+    fleet = config or load_config()
+    app = Celery("batchfleet", broker=fleet.redis_url or default_url(), set_as_current=True)
+    app.conf.update(
+        accept_content=["json", "msgpack"],
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        task_default_queue=CELERY_QUEUE,
+        worker_send_task_events=True,
+        broker_connection_retry_on_startup=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+    )
+    app.batchfleet_config = fleet  # type: ignore[attr-defined]
+    app.batchfleet_models = models  # type: ignore[attr-defined]
+    app.batchfleet_burst = burst  # type: ignore[attr-defined]
+    app.steps["worker"].add(BatchLoopStep)
+    for name in fleet.models:
+        # Registered so `inspect registered` and Flower know the batch task names.
+        app.task(name=batch_task_name(name), shared=False)(_batch_placeholder)
+    return app
+
+
+def _batch_placeholder(*args: Any, **kwargs: Any) -> None:
+    """Micro-batches are reported under this name; the task itself is never queued."""
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A batchfleet.worker.app` looks up `app`; build it from the environment then.
+    if name == "app":
+        global app
+        app = create_app()
+        return app
+    raise AttributeError(name)

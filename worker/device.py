@@ -1,0 +1,50 @@
+"""Device and dtype choice, host→device copies, and recognising out-of-memory errors."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def pick_device(wanted: str) -> torch.device:
+    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; anything else as given."""
+    if wanted == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(wanted)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {wanted!r} asked for, but CUDA is not available")
+    return device
+
+
+def pick_dtype(wanted: str, device: torch.device) -> torch.dtype:
+    """``auto`` → float16 on CUDA (bfloat16 where supported), float32 on CPU."""
+    if wanted == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return DTYPES[wanted]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device``; through pinned memory, asynchronously, on CUDA."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for CUDA OOM, host ``MemoryError``, and allocator failures torch reports as text."""
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """After an OOM, give cached blocks back so the split retry can allocate."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,420 @@
+"""The batch loop of one model: read → plan → infer → publish → ack.
+
+It runs on its own thread inside the Celery worker process. Inference runs on a
+second, "device" thread, so while batch k computes the loop already reads,
+decodes and tokenizes what batch k+1 will hold, and publishes batch k-1's results
+after batch k has been started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+import redis
+
+from ..batching.engine import Engine
+from ..batching.types import Batch, Waiting
+from ..config import ModelConfig, WorkerConfig
+from ..schemas.codec import EntryRejected, decode_entry, encode_result
+from ..schemas.errors import ErrorCode
+from ..schemas.messages import ErrorInfo, Format, Request, Result, Timings
+from .handlers.base import Encoded, Handler
+from .inference import BatchOutcome, Failure, run_batch
+from .stats import LoopStats
+from .streams import Entry, Finish, ModelStreams, RedisClock
+
+logger = logging.getLogger(__name__)
+
+RECLAIM_EVERY_S = 5.0
+HEARTBEAT_EVERY_S = 2.0
+
+
+@dataclass(slots=True)
+class Held:
+    """A valid request this worker has read and not yet answered."""
+
+    entry: Entry
+    request: Request
+    fmt: Format
+    rows: list[Encoded]
+    waiting: Waiting
+    read_at: float
+
+
+@dataclass(slots=True)
+class InFlight:
+    batch: Batch
+    held: list[Held]
+    future: Future[BatchOutcome]
+    dispatched_at: float
+    batch_id: str
+
+
+class BatchLoop:
+    """Serves one model from its lane streams until stopped (or, in burst mode, until idle)."""
+
+    def __init__(
+        self,
+        model: str,
+        config: ModelConfig,
+        handler: Handler,
+        client: redis.Redis,
+        *,
+        consumer: str,
+        worker: WorkerConfig | None = None,
+        burst: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.handler = handler
+        self.worker = worker or WorkerConfig()
+        self.consumer = consumer
+        self.burst = burst
+        self.streams = ModelStreams(client, model, config.lanes, consumer)
+        self.engine = Engine(config.batch.policy(config.lanes))
+        self.stats = LoopStats(model=model, lanes=config.lanes)
+        self._clock = clock
+        self._held: dict[str, Held] = {}
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._last_reclaim = 0.0
+        self._last_heartbeat = 0.0
+        self._idle_reads = 0
+        self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{model}")
+
+    # --- control ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop reading; the running batch finishes and is published before ``run`` returns."""
+        self._stop.set()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def reset(self) -> None:
+        """Forget held requests after a crash (they stay pending in Redis and are reclaimed)."""
+        self._held.clear()
+        self._stopped.clear()
+        self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{self.model}")
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._device.shutdown(wait=True)
+            self._stopped.set()
+
+    def _run(self) -> None:
+        self.streams.ensure_groups()
+        clock = self._clock or RedisClock(self.streams)
+        inflight: InFlight | None = None
+        backoff = 0.05
+        logger.info("batch loop for %s started as %s", self.model, self.consumer)
+        while True:
+            try:
+                inflight = self._step(clock, inflight)
+                backoff = 0.05
+            except redis.ConnectionError as exc:
+                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if inflight is None and (self._stop.is_set() or self._burst_done()):
+                break
+        with contextlib.suppress(redis.RedisError):
+            self.streams.unregister()
+        logger.info("batch loop for %s stopped", self.model)
+
+    def _burst_done(self) -> bool:
+        return self.burst and not self._held and self._idle_reads >= 2
+
+    def _step(self, clock: Callable[[], float], inflight: InFlight | None) -> InFlight | None:
+        now = clock()
+        finished: tuple[InFlight, BatchOutcome] | None = None
+        if inflight is not None and inflight.future.done():
+            finished = (inflight, inflight.future.result())
+            self._learn(*finished, now)
+            inflight = None
+
+        if inflight is None:
+            plan = self.engine.plan(self._waiting(), now, None)
+        else:
+            expected = inflight.dispatched_at + self.engine.estimate(
+                inflight.batch.rows, inflight.batch.padded_tokens
+            )
+            plan = self.engine.plan(self._waiting(), now, max(expected, now))
+        if plan.expired:
+            self._expire(plan.expired, clock())
+        if inflight is None and plan.batch is not None and not self._stop.is_set():
+            inflight = self._dispatch(plan.batch, clock())
+        if finished is not None:
+            self._publish(*finished, clock())
+
+        if self._stop.is_set():
+            if inflight is not None:
+                wait_futures([inflight.future])
+            return inflight
+
+        # Read more, blocking only as long as nothing else needs doing.
+        now = clock()
+        budget = self.engine.read_budget(len(self._held))
+        if inflight is not None:
+            if budget > 0:
+                self._read(budget, None, now)
+            wait_futures([inflight.future], timeout=0.002)
+            return inflight
+        if budget <= 0:
+            time.sleep(max(0.0005, min((plan.wake_at or now + 0.005) - now, 0.05)))
+            return None
+        if plan.wake_at is not None:
+            block_ms = int(max(1.0, min((plan.wake_at - now) * 1000, self.worker.block_ms)))
+        elif plan.batch is not None:
+            block_ms = None  # device busy from now on: just top up
+        else:
+            block_ms = self.worker.block_ms
+        self._read(budget, block_ms, now)
+        return inflight
+
+    def _waiting(self) -> list[Waiting]:
+        return [h.waiting for h in self._held.values()]
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def _read(self, budget: int, block_ms: int | None, now: float) -> None:
+        if now - self._last_heartbeat > HEARTBEAT_EVERY_S:
+            self._last_heartbeat = now
+            self.streams.heartbeat(int(now * 1000))
+        if now - self._last_reclaim > RECLAIM_EVERY_S:
+            self._last_reclaim = now
+            self._admit(self.streams.reclaim(self.worker.claim_idle_ms, budget), now)
+        entries = self.streams.read(budget, block_ms)
+        self._idle_reads = 0 if entries else self._idle_reads + 1
+        self._admit(entries, now)
+
+    def _admit(self, entries: Sequence[Entry], now: float) -> None:
+        """Decode, validate and tokenize new entries; answer the bad ones at once."""
+        if not entries:
+            return
+        limits = self.config.limits
+        fresh: list[tuple[Entry, Request, Format]] = []
+        for entry in entries:
+            try:
+                request, fmt = decode_entry(entry.fields, self.model, limits)
+            except EntryRejected as exc:
+                self._reject(entry, exc, now)
+                continue
+            fresh.append((entry, request, fmt))
+        redelivered = [i for i, (e, _, _) in enumerate(fresh) if e.deliveries > 1]
+        if redelivered:
+            done = self.streams.existing_results([fresh[i][1].id for i in redelivered])
+            already = {redelivered[j] for j, d in enumerate(done) if d}
+            if already:
+                self.streams.ack_only([fresh[i][0] for i in already])
+                fresh = [f for i, f in enumerate(fresh) if i not in already]
+        texts = [t for _, req, _ in fresh for t in req.inputs]
+        try:
+            encoded = self.handler.encode(texts) if texts else []
+        except Exception:
+            encoded = []
+        pos = 0
+        for entry, request, fmt in fresh:
+            if encoded:
+                rows = encoded[pos : pos + len(request.inputs)]
+                pos += len(request.inputs)
+            else:
+                try:
+                    rows = self.handler.encode(request.inputs)
+                except Exception as exc:
+                    self._answer_error(
+                        entry,
+                        request,
+                        fmt,
+                        ErrorCode.INVALID_REQUEST,
+                        f"cannot tokenize: {exc}",
+                        now,
+                    )
+                    continue
+            enq = entry.enqueued_ms / 1000
+            deadline = None if request.deadline_ms is None else enq + request.deadline_ms / 1000
+            waiting = Waiting(
+                key=entry.key,
+                lane=entry.lane,
+                arrived=enq,
+                tokens=max(r.tokens for r in rows),
+                size=len(rows),
+                deadline=deadline,
+            )
+            self._held[entry.key] = Held(entry, request, fmt, list(rows), waiting, now)
+            self.stats.received(entry.lane)
+
+    def _reject(self, entry: Entry, exc: EntryRejected, now: float) -> None:
+        env = exc.envelope
+        self.stats.rejected(exc.code.value)
+        if env.id is None:
+            dead = self.streams.dead_letter(
+                entry, exc.code.value, str(exc), self.consumer, self.worker.dead_letter_maxlen
+            )
+            self.stats.dead_lettered()
+            logger.warning(
+                "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead, exc
+            )
+            return
+        result = Result(
+            id=env.id,
+            model=self.model,
+            status="error",
+            error=ErrorInfo(code=exc.code, message=str(exc)),
+            metadata=env.metadata,
+            timings=self._timings(entry, now, now, now, 0.0, 0, ""),
+            finished_at_ms=int(now * 1000),
+        )
+        ttl = self.config.result_ttl_s
+        self.streams.finish(
+            [Finish(entry, env.id, encode_result(result, env.format), ttl, env.reply)]
+        )
+        logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
+
+    # --- computing --------------------------------------------------------------------------
+
+    def _dispatch(self, batch: Batch, now: float) -> InFlight:
+        held = [self._held.pop(w.key) for w in batch.items]
+        groups = [h.rows for h in held]
+        future = self._device.submit(run_batch, self.handler, groups)
+        batch_id = uuid.uuid4().hex[:12]
+        logger.debug(
+            "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
+            batch_id,
+            self.model,
+            len(held),
+            batch.rows,
+            batch.padded_tokens,
+            batch.reason,
+        )
+        return InFlight(batch, held, future, now, batch_id)
+
+    def _learn(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
+        seconds = max(0.0, now - inflight.dispatched_at)
+        if outcome.out_of_memory:
+            self.engine.out_of_memory(inflight.batch, now)
+        elif outcome.calls == 1:
+            self.engine.observe(inflight.batch, seconds)
+
+    def _publish(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
+        batch = inflight.batch
+        run_ms = (now - inflight.dispatched_at) * 1000
+        finishes: list[Finish] = []
+        for held, out in zip(inflight.held, outcome.outcomes, strict=True):
+            timings = self._timings(
+                held.entry,
+                held.read_at,
+                inflight.dispatched_at,
+                now,
+                run_ms,
+                batch.rows,
+                inflight.batch_id,
+            )
+            req = held.request
+            if isinstance(out, Failure):
+                result = Result(
+                    id=req.id,
+                    model=self.model,
+                    status="error",
+                    error=ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message),
+                    metadata=req.metadata,
+                    timings=timings,
+                    finished_at_ms=int(now * 1000),
+                )
+            else:
+                result = Result(
+                    id=req.id,
+                    model=self.model,
+                    status="ok",
+                    outputs=out,
+                    truncated=[r.truncated for r in held.rows],
+                    metadata=req.metadata,
+                    timings=timings,
+                    finished_at_ms=int(now * 1000),
+                )
+            finishes.append(self._finish_of(held.entry, held.request, held.fmt, result))
+            self.stats.answered(held.entry.lane, result.status, timings)
+        self.streams.finish(finishes)
+        self.stats.batch(batch, run_ms, outcome.out_of_memory)
+
+    def _expire(self, expired: Sequence[Waiting], now: float) -> None:
+        finishes = []
+        for w in expired:
+            held = self._held.pop(w.key, None)
+            if held is None:
+                continue
+            result = Result(
+                id=held.request.id,
+                model=self.model,
+                status="expired",
+                error=ErrorInfo(
+                    code=ErrorCode.DEADLINE_EXCEEDED,
+                    message="deadline cannot be met; not computed",
+                ),
+                metadata=held.request.metadata,
+                timings=self._timings(held.entry, held.read_at, now, now, 0.0, 0, ""),
+                finished_at_ms=int(now * 1000),
+            )
+            finishes.append(self._finish_of(held.entry, held.request, held.fmt, result))
+            self.stats.answered(held.entry.lane, "expired", result.timings)
+        self.streams.finish(finishes)
+
+    def _answer_error(
+        self, entry: Entry, request: Request, fmt: Format, code: ErrorCode, message: str, now: float
+    ) -> None:
+        result = Result(
+            id=request.id,
+            model=self.model,
+            status="error",
+            error=ErrorInfo(code=code, message=message),
+            metadata=request.metadata,
+            timings=self._timings(entry, now, now, now, 0.0, 0, ""),
+            finished_at_ms=int(now * 1000),
+        )
+        self.streams.finish([self._finish_of(entry, request, fmt, result)])
+        self.stats.answered(entry.lane, "error", result.timings)
+
+    def _finish_of(self, entry: Entry, request: Request, fmt: Format, result: Result) -> Finish:
+        ttl = min(
+            request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
+        )
+        return Finish(entry, request.id, encode_result(result, fmt), ttl, request.reply)
+
+    def _timings(
+        self,
+        entry: Entry,
+        read_at: float,
+        dispatched_at: float,
+        now: float,
+        run_ms: float,
+        rows: int,
+        batch_id: str,
+    ) -> Timings:
+        enq = entry.enqueued_ms / 1000
+        return Timings(
+            queued_ms=round(max(0.0, read_at - enq) * 1000, 3),
+            batch_wait_ms=round(max(0.0, dispatched_at - read_at) * 1000, 3),
+            inference_ms=round(run_ms, 3),
+            total_ms=round(max(0.0, now - enq) * 1000, 3),
+            batch_size=rows,
+            batch_id=batch_id,
+            worker=self.consumer,
+        )

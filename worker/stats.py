@@ -1,0 +1,79 @@
+"""In-process counters of one batch loop, for ``celery inspect stats`` and the demo summary."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..batching.types import Batch
+from ..schemas.messages import Timings
+
+RECENT = 2048
+
+
+@dataclass
+class LoopStats:
+    model: str
+    lanes: int
+    requests: Counter[str] = field(default_factory=Counter)
+    """Answered requests by status."""
+    received_by_lane: Counter[int] = field(default_factory=Counter)
+    rejected_by_code: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    rows: int = 0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    oom_events: int = 0
+    dead_letters: int = 0
+    recent_batch_rows: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent_total_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def received(self, lane: int) -> None:
+        with self._lock:
+            self.received_by_lane[lane] += 1
+
+    def rejected(self, code: str) -> None:
+        with self._lock:
+            self.rejected_by_code[code] += 1
+
+    def dead_lettered(self) -> None:
+        with self._lock:
+            self.dead_letters += 1
+
+    def answered(self, lane: int, status: str, timings: Timings) -> None:
+        with self._lock:
+            self.requests[status] += 1
+            self.recent_total_ms.append(timings.total_ms)
+
+    def batch(self, batch: Batch, run_ms: float, oom: bool) -> None:
+        with self._lock:
+            self.batches += 1
+            self.rows += batch.rows
+            self.padded_tokens += batch.padded_tokens
+            self.real_tokens += batch.real_tokens
+            self.reasons[batch.reason] += 1
+            self.recent_batch_rows.append(batch.rows)
+            self.oom_events += int(oom)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain JSON-able numbers (Celery sends them through the broker)."""
+        with self._lock:
+            waste = 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+            return {
+                "model": self.model,
+                "lanes": self.lanes,
+                "requests": dict(self.requests),
+                "received_by_lane": {str(k): v for k, v in self.received_by_lane.items()},
+                "rejected": dict(self.rejected_by_code),
+                "batches": self.batches,
+                "rows": self.rows,
+                "mean_batch_rows": round(self.rows / self.batches, 2) if self.batches else 0.0,
+                "padding_waste": round(waste, 4),
+                "dispatch_reasons": dict(self.reasons),
+                "oom_events": self.oom_events,
+                "dead_letters": self.dead_letters,
+            }

@@ -1,0 +1,183 @@
+"""The worker's typed view of one model's Redis keys: read, finish, dead-letter, reclaim."""
+
+from __future__ import annotations
+
+import importlib.resources
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from redis.commands.core import Script
+
+from ..schemas.keys import GROUP, ModelKeys
+
+
+def _script(client: redis.Redis, name: str) -> Script:
+    source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
+    return client.register_script(source)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One lane-stream entry as read by this worker."""
+
+    lane: int
+    id: str
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+
+    @property
+    def key(self) -> str:
+        """Unique across the model's lanes (ids are unique only within one stream)."""
+        return f"{self.lane}/{self.id}"
+
+    @property
+    def enqueued_ms(self) -> int:
+        """Redis server time (unix ms) at which the entry was added: its id's first part."""
+        return int(self.id.split("-", 1)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A result to store for one entry."""
+
+    entry: Entry
+    request_id: str
+    payload: bytes
+    ttl_s: int
+    reply: str | None
+
+
+class ModelStreams:
+    """Reads and retires one model's lane streams as one consumer of the group."""
+
+    def __init__(self, client: redis.Redis, model: str, lanes: int, consumer: str) -> None:
+        self.client = client
+        self.keys = ModelKeys(model)
+        self.lanes = lanes
+        self.consumer = consumer
+        self.streams = self.keys.lanes(lanes)
+        self._lane_of = {name.encode(): i for i, name in enumerate(self.streams)}
+        self._finish = _script(client, "finish.lua")
+        self._dead = _script(client, "dead_letter.lua")
+
+    def ensure_groups(self) -> None:
+        """Create the group on every lane (from the stream's start, so nothing queued before
+        the first worker is missed) and publish the lane count for producers."""
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self.client.set(self.keys.lanes_key, self.lanes)
+
+    def heartbeat(self, now_ms: int) -> None:
+        """Mark this consumer alive (readiness checks and `status` read this hash)."""
+        self.client.hset(self.keys.workers, self.consumer, now_ms)
+
+    def unregister(self) -> None:
+        self.client.hdel(self.keys.workers, self.consumer)
+
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries for this consumer, highest lane first; ``block_ms=None`` never blocks."""
+        reply = self.client.xreadgroup(
+            GROUP,
+            self.consumer,
+            {s: ">" for s in self.streams},
+            count=max(1, count),
+            block=block_ms,
+        )
+        out: list[Entry] = []
+        for stream, messages in reply or []:
+            lane = self._lane_of[stream if isinstance(stream, bytes) else stream.encode()]
+            for entry_id, fields in messages:
+                if fields is None:  # deleted while pending
+                    continue
+                out.append(Entry(lane, entry_id.decode(), fields))
+        out.sort(key=lambda e: e.lane)
+        return out
+
+    def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over entries other consumers have held for ``min_idle_ms`` (crashed workers)."""
+        out: list[Entry] = []
+        for lane, stream in enumerate(self.streams):
+            reply = self.client.xautoclaim(
+                stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+            )
+            # Redis 6.2 answers [cursor, messages]; 7.x adds the deleted ids.
+            messages = reply[1] if len(reply) > 1 else []
+            for entry_id, fields in messages:
+                if fields:
+                    out.append(Entry(lane, entry_id.decode(), fields, deliveries=2))
+        return out
+
+    def existing_results(self, request_ids: Sequence[str]) -> list[bool]:
+        """Which of these requests already have a stored result (redeliveries)."""
+        if not request_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(self.keys.result(rid))
+        return [bool(n) for n in pipe.execute()]
+
+    def finish(self, items: Sequence[Finish]) -> list[bool]:
+        """Store, publish and ack many results in one round trip; True where newly stored."""
+        if not items:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for it in items:
+            self._finish(
+                keys=[self.keys.result(it.request_id), self.streams[it.entry.lane]],
+                args=[GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
+                client=pipe,
+            )
+        return [bool(x) for x in pipe.execute()]
+
+    def ack_only(self, entries: Sequence[Entry]) -> None:
+        """Retire entries whose result already exists."""
+        pipe = self.client.pipeline(transaction=False)
+        for e in entries:
+            pipe.xack(self.streams[e.lane], GROUP, e.id)
+            pipe.xdel(self.streams[e.lane], e.id)
+        pipe.execute()
+
+    def dead_letter(self, entry: Entry, code: str, reason: str, worker: str, maxlen: int) -> str:
+        flat: list[bytes | str] = []
+        for k, v in entry.fields.items():
+            flat += [k, v]
+        args = [GROUP, entry.id, code, reason[:1000], maxlen, worker, *flat]
+        dead_id = self._dead(keys=[self.keys.dead, self.streams[entry.lane]], args=args)
+        return dead_id.decode() if isinstance(dead_id, bytes) else str(dead_id)
+
+    def redis_time(self) -> float:
+        """Redis server clock in unix seconds."""
+        sec, usec = self.client.time()
+        return sec + usec / 1e6
+
+
+class RedisClock:
+    """Local monotonic time mapped onto the Redis server's clock (stream ids use it)."""
+
+    def __init__(self, streams: ModelStreams, refresh_s: float = 60.0) -> None:
+        self._streams = streams
+        self._refresh_s = refresh_s
+        self._sync()
+
+    def _sync(self) -> None:
+        t0 = time.monotonic()
+        server = self._streams.redis_time()
+        t1 = time.monotonic()
+        self._offset = server - (t0 + t1) / 2
+        self._synced = t1
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self._synced > self._refresh_s:
+            try:
+                self._sync()
+                now = time.monotonic()
+            except redis.RedisError:
+                pass
+        return now + self._offset
