@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from batchfleet.worker.handlers import resolve
 from batchfleet.worker.handlers.classification import ClassificationHandler
 from batchfleet.worker.handlers.embedding import EmbeddingHandler

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from batchfleet.worker.handlers.base import Encoded
 from batchfleet.worker.inference import Failure, run_batch
 

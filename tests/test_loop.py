@@ -12,8 +12,6 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-
-from batchfleet.config import ModelConfig, WorkerConfig
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.errors import ErrorCode
@@ -24,6 +22,8 @@ from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
 
+from batchfleet.config import ModelConfig, WorkerConfig
+
 MODEL = "tiny"
 KEYS = ModelKeys(MODEL)
 
@@ -33,9 +33,7 @@ def handler(tiny_embedder: Path) -> EmbeddingHandler:
     return EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
 
 
-def run_loop(
-    r: redis.Redis, handler: Any, consumer: str = "w1", **worker: Any
-) -> BatchLoop:
+def run_loop(r: redis.Redis, handler: Any, consumer: str = "w1", **worker: Any) -> BatchLoop:
     cfg = ModelConfig(path="/unused", max_tokens=32)
     loop = BatchLoop(
         MODEL,
@@ -58,7 +56,10 @@ def result_of(r: redis.Redis, request_id: str) -> Any:
 
 def test_good_requests_get_results_with_timings(r: redis.Redis, handler: EmbeddingHandler) -> None:
     producer = Producer(client=r)
-    jobs = [producer.submit(MODEL, ["the dog", "the quick brown fox"], priority=i % 3) for i in range(20)]
+    jobs = [
+        producer.submit(MODEL, ["the dog", "the quick brown fox"], priority=i % 3)
+        for i in range(20)
+    ]
     loop = run_loop(r, handler)
     for job in jobs:
         res = job.result(timeout=1)
@@ -76,7 +77,9 @@ def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandl
     good = producer.submit(MODEL, "the dog", priority=0)
     lane = KEYS.lane(1)
     r.xadd(lane, {"msgpack": b"\xc1 not msgpack"})  # nobody to answer: dead letter
-    r.xadd(lane, {"msgpack": msgpack.packb({"id": "wrong-model", "model": "other", "inputs": ["x"]})})
+    r.xadd(
+        lane, {"msgpack": msgpack.packb({"id": "wrong-model", "model": "other", "inputs": ["x"]})}
+    )
     r.xadd(lane, {"msgpack": msgpack.packb({"id": "empty", "model": MODEL, "inputs": [""]})})
     r.xadd(lane, {"json": json.dumps({"id": "huge", "model": MODEL, "inputs": ["a" * 50_000]})})
     r.xadd(lane, {"msgpack": msgpack.packb({"id": "typo", "model": MODEL, "input": ["x"]})})

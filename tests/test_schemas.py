@@ -6,7 +6,6 @@ import json
 
 import msgpack
 import pytest
-
 from batchfleet.schemas.codec import (
     EntryRejected,
     decode_entry,

@@ -1,0 +1,84 @@
+"""A client written from docs/protocol.md alone: bare redis-py and msgpack/json, no batchfleet
+imports in the client code (only the fixtures start the worker)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+from conftest import WorkerProcess, fleet_toml
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def poll(r: redis.Redis, key: str, timeout: float = 30.0) -> bytes:
+    end = time.monotonic() + timeout
+    while (raw := r.get(key)) is None:
+        assert time.monotonic() < end, f"no result at {key}"
+        time.sleep(0.005)
+    return raw
+
+
+def test_plain_redis_client(
+    redis_url: str, r: redis.Redis, tiny_embedder: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    fleet = fleet_toml(redis_url, {"docs": {"path": str(tiny_embedder), "max_tokens": 64}})
+    start_worker(fleet, "raw").wait_ready(r, "docs")
+
+    # lanes come from bf:{model}:lanes
+    lanes = int(r.get("bf:{docs}:lanes") or 3)
+    assert lanes == 3
+
+    # msgpack request on lane 0, polled
+    rid = uuid.uuid4().hex
+    body = {"id": rid, "model": "docs", "inputs": ["hello world", "the dog"],
+            "metadata": {"user": "ada"}}  # fmt: skip
+    r.xadd("bf:{docs}:lane:0", {"msgpack": msgpack.packb(body)})
+    result = msgpack.unpackb(poll(r, f"bf:{{docs}}:result:{rid}"))
+    assert result["status"] == "ok" and result["id"] == rid
+    assert len(result["outputs"]) == 2 and len(result["outputs"][0]) == 32
+    assert result["truncated"] == [False, False]
+    assert result["metadata"] == {"user": "ada"}
+    assert set(result["timings"]) >= {"queued_ms", "batch_wait_ms", "inference_ms", "total_ms",
+                                      "batch_size", "batch_id", "worker"}  # fmt: skip
+
+    # JSON request on lane 2, result by subscription on our own channel
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("svc-replies")
+    rid2 = "order:" + uuid.uuid4().hex
+    body2 = {"id": rid2, "model": "docs", "inputs": ["what a day"], "reply": "svc-replies",
+             "deadline_ms": 30000}  # fmt: skip
+    r.xadd("bf:{docs}:lane:2", {"json": json.dumps(body2)})
+    end = time.monotonic() + 30
+    message = None
+    while message is None and time.monotonic() < end:
+        message = pubsub.get_message(timeout=0.5)
+    assert message is not None
+    published = json.loads(message["data"])
+    assert published["id"] == rid2 and published["status"] == "ok"
+    assert json.loads(poll(r, f"bf:{{docs}}:result:{rid2}")) == published
+    assert 0 < r.ttl(f"bf:{{docs}}:result:{rid2}") <= 3600
+
+    # an invalid request gets an error result with a stable code
+    rid3 = uuid.uuid4().hex
+    r.xadd("bf:{docs}:lane:1", {"json": json.dumps({"id": rid3, "model": "docs", "inputs": []})})
+    bad = json.loads(poll(r, f"bf:{{docs}}:result:{rid3}"))
+    assert bad["status"] == "error" and bad["error"]["code"] == "invalid_request"
+
+    # an entry with no id goes to the dead-letter stream
+    r.xadd("bf:{docs}:lane:1", {"json": b"{oops"})
+    end = time.monotonic() + 30
+    while not r.xlen("bf:{docs}:dead"):
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    ((_, dead),) = r.xrange("bf:{docs}:dead")
+    assert dead[b"code"] == b"malformed" and dead[b"orig_json"] == b"{oops"
+
+    # acked entries are deleted: XLEN is the backlog
+    assert sum(r.xlen(f"bf:{{docs}}:lane:{n}") for n in range(lanes)) == 0
