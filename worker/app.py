@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -23,6 +24,9 @@ from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
 from .handlers import resolve
 from .loop import BatchLoop
+from .observers import LoopObserver
+
+ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +76,16 @@ class BatchLoopStep(bootsteps.StartStopStep):
             logger.info(
                 "model %s loaded in %.1fs: %s", name, time.monotonic() - started, handler.info()
             )
+            observers = [make(worker, fleet, name) for make in app.batchfleet_observers]
             loop = BatchLoop(
-                name, cfg, handler, client, consumer=consumer, worker=fleet.worker, burst=burst
+                name,
+                cfg,
+                handler,
+                client,
+                consumer=consumer,
+                worker=fleet.worker,
+                burst=burst,
+                observers=observers,
             )
             self.loops.append(loop)
         for loop in self.loops:
@@ -130,6 +142,8 @@ def create_app(
     app.batchfleet_config = fleet  # type: ignore[attr-defined]
     app.batchfleet_models = models  # type: ignore[attr-defined]
     app.batchfleet_burst = burst  # type: ignore[attr-defined]
+    # Factories (worker, fleet, model) -> LoopObserver: metrics, Flower events, webhooks.
+    app.batchfleet_observers = []  # type: ignore[attr-defined]
     app.steps["worker"].add(BatchLoopStep)
     for name in fleet.models:
         # Registered so `inspect registered` and Flower know the batch task names.

@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import redis
 
@@ -25,9 +26,10 @@ from ..batching.types import Batch, Waiting
 from ..config import ModelConfig, WorkerConfig
 from ..schemas.codec import EntryRejected, decode_entry, encode_result
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import ErrorInfo, Format, Request, Result, Timings
+from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings
 from .handlers.base import Encoded, Handler
 from .inference import BatchOutcome, Failure, run_batch
+from .observers import Answered, LoopObserver, Observers
 from .stats import LoopStats
 from .streams import Entry, Finish, ModelStreams, RedisClock
 
@@ -72,6 +74,7 @@ class BatchLoop:
         worker: WorkerConfig | None = None,
         burst: bool = False,
         clock: Callable[[], float] | None = None,
+        observers: Sequence[LoopObserver] = (),
     ) -> None:
         self.model = model
         self.config = config
@@ -82,6 +85,7 @@ class BatchLoop:
         self.streams = ModelStreams(client, model, config.lanes, consumer)
         self.engine = Engine(config.batch.policy(config.lanes))
         self.stats = LoopStats(model=model, lanes=config.lanes)
+        self.observers = Observers([self.stats, *observers])
         self._clock = clock
         self._held: dict[str, Held] = {}
         self._stop = threading.Event()
@@ -269,42 +273,29 @@ class BatchLoop:
             dead = self.streams.dead_letter(
                 entry, exc.code.value, str(exc), self.consumer, self.worker.dead_letter_maxlen
             )
-            self.stats.dead_lettered()
+            self.observers.on_dead_letter(self.model, entry.lane, exc.code.value, str(exc))
             logger.warning(
                 "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead, exc
             )
             return
-        result = Result(
-            id=env.id,
-            model=self.model,
-            status="error",
-            error=ErrorInfo(code=exc.code, message=str(exc)),
-            metadata=env.metadata,
-            timings=self._timings(entry, now, now, now, 0.0, 0, ""),
-            finished_at_ms=int(now * 1000),
-        )
-        ttl = self.config.result_ttl_s
-        self.streams.finish(
-            [Finish(entry, env.id, encode_result(result, env.format), ttl, env.reply)]
-        )
         logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
+        result = self._result(env.id, "error", env.metadata, self._timings(entry, now, now, now),
+                              error=ErrorInfo(code=exc.code, message=str(exc)))  # fmt: skip
+        ttl = self.config.result_ttl_s
+        self._store([(Finish(entry, env.id, encode_result(result, env.format), ttl, env.reply),
+                      Answered(entry.lane, None, result, True))])  # fmt: skip
 
     # --- computing --------------------------------------------------------------------------
 
     def _dispatch(self, batch: Batch, now: float) -> InFlight:
         held = [self._held.pop(w.key) for w in batch.items]
-        groups = [h.rows for h in held]
-        future = self._device.submit(run_batch, self.handler, groups)
+        future = self._device.submit(run_batch, self.handler, [h.rows for h in held])
         batch_id = uuid.uuid4().hex[:12]
         logger.debug(
             "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
-            batch_id,
-            self.model,
-            len(held),
-            batch.rows,
-            batch.padded_tokens,
-            batch.reason,
-        )
+            batch_id, self.model, len(held), batch.rows, batch.padded_tokens, batch.reason,
+        )  # fmt: skip
+        self.observers.on_dispatch(self.model, batch, batch_id, now)
         return InFlight(batch, held, future, now, batch_id)
 
     def _learn(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
@@ -313,90 +304,88 @@ class BatchLoop:
             self.engine.out_of_memory(inflight.batch, now)
         elif outcome.calls == 1:
             self.engine.observe(inflight.batch, seconds)
+        failed = sum(isinstance(o, Failure) for o in outcome.outcomes)
+        self.observers.on_batch_done(
+            self.model, inflight.batch, inflight.batch_id, seconds, outcome.out_of_memory, failed
+        )
 
     def _publish(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
-        batch = inflight.batch
         run_ms = (now - inflight.dispatched_at) * 1000
-        finishes: list[Finish] = []
+        answers = []
         for held, out in zip(inflight.held, outcome.outcomes, strict=True):
-            timings = self._timings(
-                held.entry,
-                held.read_at,
-                inflight.dispatched_at,
-                now,
-                run_ms,
-                batch.rows,
-                inflight.batch_id,
-            )
+            timings = self._timings(held.entry, held.read_at, inflight.dispatched_at, now,
+                                    run_ms, inflight.batch.rows, inflight.batch_id)  # fmt: skip
             req = held.request
             if isinstance(out, Failure):
-                result = Result(
-                    id=req.id,
-                    model=self.model,
-                    status="error",
-                    error=ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message),
-                    metadata=req.metadata,
-                    timings=timings,
-                    finished_at_ms=int(now * 1000),
-                )
+                error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message)
+                result = self._result(req.id, "error", req.metadata, timings, error=error)
             else:
-                result = Result(
-                    id=req.id,
-                    model=self.model,
-                    status="ok",
-                    outputs=out,
-                    truncated=[r.truncated for r in held.rows],
-                    metadata=req.metadata,
-                    timings=timings,
-                    finished_at_ms=int(now * 1000),
-                )
-            finishes.append(self._finish_of(held.entry, held.request, held.fmt, result))
-            self.stats.answered(held.entry.lane, result.status, timings)
-        self.streams.finish(finishes)
-        self.stats.batch(batch, run_ms, outcome.out_of_memory)
+                result = self._result(req.id, "ok", req.metadata, timings, outputs=out,
+                                      truncated=[r.truncated for r in held.rows])  # fmt: skip
+            answers.append(self._answer_of(held.entry, req, held.fmt, result))
+        self._store(answers)
 
     def _expire(self, expired: Sequence[Waiting], now: float) -> None:
-        finishes = []
+        answers = []
+        error = ErrorInfo(
+            code=ErrorCode.DEADLINE_EXCEEDED, message="deadline cannot be met; not computed"
+        )
         for w in expired:
             held = self._held.pop(w.key, None)
-            if held is None:
-                continue
-            result = Result(
-                id=held.request.id,
-                model=self.model,
-                status="expired",
-                error=ErrorInfo(
-                    code=ErrorCode.DEADLINE_EXCEEDED,
-                    message="deadline cannot be met; not computed",
-                ),
-                metadata=held.request.metadata,
-                timings=self._timings(held.entry, held.read_at, now, now, 0.0, 0, ""),
-                finished_at_ms=int(now * 1000),
-            )
-            finishes.append(self._finish_of(held.entry, held.request, held.fmt, result))
-            self.stats.answered(held.entry.lane, "expired", result.timings)
-        self.streams.finish(finishes)
+            if held is not None:
+                timings = self._timings(held.entry, held.read_at, now, now)
+                result = self._result(
+                    held.request.id, "expired", held.request.metadata, timings, error=error
+                )
+                answers.append(self._answer_of(held.entry, held.request, held.fmt, result))
+        self._store(answers)
 
     def _answer_error(
         self, entry: Entry, request: Request, fmt: Format, code: ErrorCode, message: str, now: float
     ) -> None:
-        result = Result(
-            id=request.id,
-            model=self.model,
-            status="error",
-            error=ErrorInfo(code=code, message=message),
-            metadata=request.metadata,
-            timings=self._timings(entry, now, now, now, 0.0, 0, ""),
-            finished_at_ms=int(now * 1000),
+        error = ErrorInfo(code=code, message=message)
+        result = self._result(
+            request.id, "error", request.metadata, self._timings(entry, now, now, now), error=error
         )
-        self.streams.finish([self._finish_of(entry, request, fmt, result)])
-        self.stats.answered(entry.lane, "error", result.timings)
+        self._store([self._answer_of(entry, request, fmt, result)])
 
-    def _finish_of(self, entry: Entry, request: Request, fmt: Format, result: Result) -> Finish:
+    # --- answering --------------------------------------------------------------------------
+
+    def _result(
+        self,
+        request_id: str,
+        status: Status,
+        metadata: dict[str, str],
+        timings: Timings,
+        **rest: Any,
+    ) -> Result:
+        return Result(
+            id=request_id,
+            model=self.model,
+            status=status,
+            metadata=metadata,
+            timings=timings,
+            finished_at_ms=int(time.time() * 1000),
+            **rest,
+        )
+
+    def _answer_of(
+        self, entry: Entry, request: Request, fmt: Format, result: Result
+    ) -> tuple[Finish, Answered]:
         ttl = min(
             request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
         )
-        return Finish(entry, request.id, encode_result(result, fmt), ttl, request.reply)
+        finish = Finish(entry, request.id, encode_result(result, fmt), ttl, request.reply)
+        return finish, Answered(entry.lane, request, result, True)
+
+    def _store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
+        """Store, publish and ack results in one round trip, then tell the observers."""
+        if not answers:
+            return
+        stored = self.streams.finish([f for f, _ in answers])
+        self.observers.on_answered(
+            self.model, [replace(a, stored=s) for (_, a), s in zip(answers, stored, strict=True)]
+        )
 
     def _timings(
         self,
@@ -404,9 +393,9 @@ class BatchLoop:
         read_at: float,
         dispatched_at: float,
         now: float,
-        run_ms: float,
-        rows: int,
-        batch_id: str,
+        run_ms: float = 0.0,
+        rows: int = 0,
+        batch_id: str = "",
     ) -> Timings:
         enq = entry.enqueued_ms / 1000
         return Timings(

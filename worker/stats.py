@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching.types import Batch
-from ..schemas.messages import Timings
+from .observers import Answered, LoopObserver
 
 RECENT = 2048
 
 
-@dataclass
-class LoopStats:
+@dataclass(eq=False)
+class LoopStats(LoopObserver):
     model: str
     lanes: int
     requests: Counter[str] = field(default_factory=Counter)
@@ -40,16 +41,25 @@ class LoopStats:
         with self._lock:
             self.rejected_by_code[code] += 1
 
-    def dead_lettered(self) -> None:
+    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
         with self._lock:
             self.dead_letters += 1
 
-    def answered(self, lane: int, status: str, timings: Timings) -> None:
+    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
         with self._lock:
-            self.requests[status] += 1
-            self.recent_total_ms.append(timings.total_ms)
+            for a in answered:
+                self.requests[a.result.status] += 1
+                self.recent_total_ms.append(a.result.timings.total_ms)
 
-    def batch(self, batch: Batch, run_ms: float, oom: bool) -> None:
+    def on_batch_done(
+        self,
+        model: str,
+        batch: Batch,
+        batch_id: str,
+        seconds: float,
+        out_of_memory: bool,
+        failed: int,
+    ) -> None:
         with self._lock:
             self.batches += 1
             self.rows += batch.rows
@@ -57,7 +67,7 @@ class LoopStats:
             self.real_tokens += batch.real_tokens
             self.reasons[batch.reason] += 1
             self.recent_batch_rows.append(batch.rows)
-            self.oom_events += int(oom)
+            self.oom_events += int(out_of_memory)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain JSON-able numbers (Celery sends them through the broker)."""
