@@ -27,7 +27,7 @@ class CostModel:
     """Exponentially weighted, non-negative, ridge-regularised linear fit of batch time."""
 
     def __init__(
-        self, prior: Coefficients = PRIOR, *, decay: float = 0.995, ridge: float = 0.05
+        self, prior: Coefficients = PRIOR, *, decay: float = 0.995, ridge: float = 0.01
     ) -> None:
         self._prior = (prior[0], prior[1] * ROW_SCALE, prior[2] * TOKEN_SCALE)
         self._decay = decay

@@ -23,6 +23,8 @@ from .window import decide
 
 SAFETY = 1e-6
 """Seconds of margin so a deadline decision never lands on the wrong side of a float."""
+STARVATION_LOOKAHEAD = 2.0
+"""Batch times ahead at which a request nearing its starvation bound is promoted."""
 READ_AHEAD_BATCHES = 3
 """The worker holds about this many batches beyond the running one: the next, and two to
 choose from for length grouping (2 leaves too little choice); not enough to hoard."""
@@ -96,8 +98,9 @@ class Engine:
         full_tokens = row_cap * max_tok
         if token_cap is not None:
             full_tokens = min(full_tokens, token_cap)
-        # Until the next dispatch opportunity: about one full batch from now.
-        horizon = estimate(row_cap, full_tokens)
+        # Promote one batch early (two batch times ahead): a starving lane whose share is
+        # under one row per batch then still makes its bound when two requests coincide.
+        horizon = STARVATION_LOOKAHEAD * estimate(row_cap, full_tokens)
 
         by_lane = group_by_lane(alive)
         promoted, rest = self._lanes.order(by_lane, now, horizon, row_cap, policy)
@@ -140,7 +143,7 @@ class Engine:
         for w in items:
             if w.key in promoted_keys:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + w.size
-        self._lanes.commit(by_lane, promoted_rows, now, horizon, row_cap, policy)
+        self._lanes.commit(by_lane, promoted_rows, row_cap, policy)
         # "starvation" when a promotion decided who went (with room, all would have).
         reason = "starvation" if promoted_rows and comp.full else decision.reason
         batch = Batch(tuple(items), reason)

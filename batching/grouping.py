@@ -154,8 +154,10 @@ def _group_by_length(
                 break  # adding ever shorter rows only lowers it from here
             prev = score
             waste = rows * longest - real
-            if best is None or score > best[0] * (1 + 1e-9) or (
-                score >= best[0] * (1 - 1e-9) and -waste > best[1]
+            if (
+                best is None
+                or score > best[0] * (1 + 1e-9)
+                or (score >= best[0] * (1 - 1e-9) and -waste > best[1])
             ):
                 best = (score, -waste, i, j)
     if best is None:

@@ -14,21 +14,27 @@ So each request gets a *starvation deadline* ``arrived + max_starvation_ms``. Ba
 are filled in strict lane order, oldest first within a lane, except that requests of
 lower lanes whose starvation deadline falls before the next dispatch opportunity
 (``now + horizon``, one batch time) are *promoted* to the front. Promotions are metered
-by weighted deficit round robin over ``lane_weights``: per batch, a lane may promote at
-most its weighted share of the rows (fractions carry over as deficit). Hence:
+by weighted deficit round robin over ``lane_weights``: a lane may promote its weighted
+share of each batch's rows: credit accrues by that share per batch, up to
+:data:`BURST_BATCHES` batches' worth, and promotions spend it (rounded up, so a share
+under one row still gets its row at once and pays it back later). Hence:
 
 * with headroom nobody is promoted: strict priority, oldest first;
 * a lower lane whose load fits its share waits at most ``max_starvation_ms`` (it is
   promoted at the last dispatch before its bound);
-* lane 0 always keeps at least ``w0 / Σw`` of the rows of every batch while it is
+* lane 0 keeps at least ``w0 / Σw`` of the rows (over a few batches) while it is
   backlogged, however flooded the lower lanes are.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from .types import Policy, Waiting
+
+BURST_BATCHES = 4
+"""A lane's unused promotion credit is kept up to this many batches' worth."""
 
 
 def lane_weight(policy: Policy, lane: int) -> float:
@@ -70,7 +76,8 @@ class LaneScheduler:
                 rest.extend(items)
                 continue
             share = row_cap * lane_weight(policy, lane) / total
-            allowance = int(self._deficit.get(lane, 0.0) + share)
+            # Round up and carry the debt: a share under one row still gets its row now.
+            allowance = math.ceil(self._deficit.get(lane, _burst(share)) - 1e-9)
             taken = 0
             rows = 0
             for w in items:
@@ -90,23 +97,18 @@ class LaneScheduler:
         self,
         by_lane: dict[int, list[Waiting]],
         promoted_rows: dict[int, int],
-        now: float,
-        horizon: float,
         row_cap: int,
         policy: Policy,
     ) -> None:
-        """Charge a dispatched batch's promotions to the lanes' deficits."""
-        cutoff = now + horizon - policy.max_starvation_ms / 1000.0
+        """Charge a dispatched batch's promotions to the lanes' credit; accrue their shares."""
         lanes = sorted(by_lane)
         total = sum(lane_weight(policy, lane) for lane in lanes)
         deficit = self._deficit
         for lane in lanes[1:]:
-            if by_lane[lane][0].arrived > cutoff:
-                deficit.pop(lane, None)  # not starving: no credit builds up (as in DRR)
-                continue
             share = row_cap * lane_weight(policy, lane) / total
-            left = deficit.get(lane, 0.0) + share - promoted_rows.get(lane, 0)
-            deficit[lane] = min(left, max(1.0, share))
+            burst = _burst(share)
+            left = deficit.get(lane, burst) - promoted_rows.get(lane, 0) + share
+            deficit[lane] = min(left, burst)
 
     @staticmethod
     def starving_at(
@@ -117,6 +119,11 @@ class LaneScheduler:
         bound = policy.max_starvation_ms / 1000.0
         times = [by_lane[lane][0].arrived + bound - horizon for lane in lanes[1:]]
         return min(times) if times else None
+
+
+def _burst(share: float) -> float:
+    """Credit a quiet lane saves up, so a clump of its requests all make the bound."""
+    return BURST_BATCHES * max(1.0, share)
 
 
 def group_by_lane(waiting: Sequence[Waiting]) -> dict[int, list[Waiting]]:
@@ -149,6 +156,4 @@ def split_budget(budget: int, lanes: Sequence[int], policy: Policy) -> dict[int,
     if budget <= 0 or not lanes:
         return {}
     total = sum(lane_weight(policy, lane) for lane in lanes)
-    return {
-        lane: max(1, round(budget * lane_weight(policy, lane) / total)) for lane in lanes
-    }
+    return {lane: max(1, round(budget * lane_weight(policy, lane) / total)) for lane in lanes}

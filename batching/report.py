@@ -53,7 +53,7 @@ class SimReport:
     mean_batch_rows: float
     batch_rows: dict[int, int]
     padding_waste: float
-    """Padded-token waste over the run: 1 − real tokens / padded tokens."""
+    """Padded-token waste over the run: 1 - real tokens / padded tokens."""
     batch_waste_p50: float
     batch_waste_p99: float
     reasons: dict[str, int]
@@ -118,6 +118,7 @@ def build_report(
     ooms: int,
     stuck: int,
     plan_calls: int,
+    share_window: tuple[float, float] | None = None,
 ) -> SimReport:
     """Summarise ``dispatched`` (request, start, end) records and the batches run."""
     first = min((w.arrived for w, _, _ in dispatched), default=0.0)
@@ -150,6 +151,13 @@ def build_report(
     padded = sum(b.padded_tokens for b in batches)
     real = sum(b.real_tokens for b in batches)
     per_batch = sorted(b.padding_waste for b in batches)
+    extra: dict[str, float] = {}
+    if share_window is not None:
+        t0, t1 = share_window
+        inside = Counter(w.lane for w, s, _ in dispatched if t0 <= s < t1)
+        total = sum(inside.values()) or 1
+        for lane in lanes:
+            extra[f"share_lane{lane}"] = inside[lane] / total
     return SimReport(
         requests=requests,
         completed=len(dispatched),
@@ -171,4 +179,5 @@ def build_report(
         batch_waste_p99=percentile(per_batch, 99),
         reasons=dict(Counter(b.reason for b in batches)),
         plan_calls=plan_calls,
+        extra=extra,
     )

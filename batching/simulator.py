@@ -76,12 +76,15 @@ def simulate(
     workers: int = 1,
     *,
     memory_tokens: int | None = None,
+    share_window: tuple[float, float] | None = None,
     seed: int = 0,
 ) -> SimReport:
     """Run ``trace`` through ``workers`` workers with ``policy``; report what happened.
 
     ``memory_tokens``: a batch with more padded tokens runs out of memory (it costs
     its fixed overhead, its requests go back to waiting, the engine is told).
+    ``share_window``: also report each lane's share of the rows dispatched in that
+    span of time (``extra["share_lane<N>"]``), e.g. while every lane is backlogged.
     """
     cost = cost or LinearCost()
     rng = random.Random(seed)
@@ -175,6 +178,7 @@ def simulate(
         ooms=rec.ooms,
         stuck=stuck,
         plan_calls=rec.plan_calls,
+        share_window=share_window,
     )
 
 

@@ -1,4 +1,4 @@
-"""Arrival traces for the simulator: Poisson, bursts, lane mixes, 5–60-word lengths.
+"""Arrival traces for the simulator: Poisson, bursts, lane mixes, 5-60-word lengths.
 
 A trace is a list of :class:`~.types.Waiting`, sorted by ``arrived``, with unique keys.
 Every generator takes a ``seed`` so a run is reproducible.
@@ -19,7 +19,7 @@ WORDS_MIN = 5
 WORDS_MAX = 60
 WORDS_MEDIAN = 15.0
 WORDS_SIGMA = 0.6
-"""Word counts are log-normal (median 15 words, a long tail), clipped to 5–60: most
+"""Word counts are log-normal (median 15 words, a long tail), clipped to 5-60: most
 inputs are a sentence or two, a few are paragraphs — like search queries and chat turns."""
 
 
@@ -29,7 +29,7 @@ def words_to_tokens(words: int) -> int:
 
 
 def sample_tokens(rng: random.Random) -> int:
-    """One token length drawn from the 5–60-word distribution."""
+    """One token length drawn from the 5-60-word distribution."""
     words = rng.lognormvariate(math.log(WORDS_MEDIAN), WORDS_SIGMA)
     return words_to_tokens(min(WORDS_MAX, max(WORDS_MIN, round(words))))
 
@@ -48,7 +48,7 @@ def poisson(
     """``n`` requests arriving as a Poisson process of ``rate`` per second.
 
     ``lanes``: relative share of each lane (lane i gets ``lanes[i]``); ``tokens``:
-    every request this long (None: the 5–60-word distribution); ``deadline_ms``:
+    every request this long (None: the 5-60-word distribution); ``deadline_ms``:
     each request's deadline after its arrival (None: no deadlines).
     """
     return _generate(n, lambda t: rate, rate, lanes, tokens, deadline_ms, start, seed, prefix)

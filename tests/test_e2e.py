@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -80,6 +81,10 @@ def test_two_workers_answer_1000_requests_across_three_lanes_exactly_once(
     for lane in range(3):
         jobs += producer.submit_many("tiny", texts[lane::3], priority=lane)
     results = list(producer.results(jobs, timeout=180))
+    end = time.monotonic() + 10
+    while len(published) < len(jobs) and time.monotonic() < end:
+        time.sleep(0.05)  # let the listener drain its last messages
+    time.sleep(0.2)  # and catch any duplicate that would follow
     stop.set()
     listener.join()
 

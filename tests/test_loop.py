@@ -137,7 +137,7 @@ def _pending_on_ghost(r: redis.Redis, req: Request) -> str:
     streams = ModelStreams(r, MODEL, 3, "ghost")
     streams.ensure_groups()
     r.xadd(KEYS.lane(0), encode_request(req))
-    (entry,) = streams.read(10, None)
+    (entry,) = streams.read({0: 10}, None)
     return entry.id
 
 
@@ -167,7 +167,7 @@ def test_a_result_is_written_once(r: redis.Redis) -> None:
     streams = ModelStreams(r, MODEL, 3, "w")
     streams.ensure_groups()
     r.xadd(KEYS.lane(0), {"msgpack": b"x"})
-    (entry,) = streams.read(1, None)
+    (entry,) = streams.read({0: 1}, None)
     first = streams.finish([Finish(entry, "rid", b"one", 60, "c")])
     second = streams.finish([Finish(entry, "rid", b"two", 60, "c")])
     assert (first, second) == ([True], [False])

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from ..batching.engine import Engine
+from ..batching.lanes import split_budget
 from ..batching.types import Batch, Waiting
 from ..config import ModelConfig, WorkerConfig
 from ..schemas.codec import EntryRejected, decode_entry, encode_result
@@ -206,7 +207,8 @@ class BatchLoop:
         if now - self._last_reclaim > RECLAIM_EVERY_S:
             self._last_reclaim = now
             self._admit(self.streams.reclaim(self.worker.claim_idle_ms, budget), now)
-        entries = self.streams.read(budget, block_ms)
+        lanes = range(self.config.lanes)
+        entries = self.streams.read(split_budget(budget, lanes, self.engine.policy), block_ms)
         self._idle_reads = 0 if entries else self._idle_reads + 1
         self._admit(entries, now)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.resources
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from redis.commands.core import Script
@@ -80,23 +81,32 @@ class ModelStreams:
     def unregister(self) -> None:
         self.client.hdel(self.keys.workers, self.consumer)
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """New entries for this consumer, highest lane first; ``block_ms=None`` never blocks."""
+    def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
+        """New entries for this consumer: up to ``counts[lane]`` from each lane (one round
+        trip); if there are none and ``block_ms`` is set, block that long on all lanes."""
+        pipe = self.client.pipeline(transaction=False)
+        asked = [lane for lane, n in sorted(counts.items()) if n > 0]
+        for lane in asked:
+            pipe.xreadgroup(GROUP, self.consumer, {self.streams[lane]: ">"}, count=counts[lane])
+        out = [e for reply in pipe.execute() for e in self._entries(reply)]
+        if out or block_ms is None:
+            return out
         reply = self.client.xreadgroup(
             GROUP,
             self.consumer,
-            {s: ">" for s in self.streams},
-            count=max(1, count),
-            block=block_ms,
+            {self.streams[lane]: ">" for lane in asked},
+            count=max(counts.values()),
+            block=max(1, block_ms),
         )
+        return self._entries(reply)
+
+    def _entries(self, reply: list[Any] | None) -> list[Entry]:
         out: list[Entry] = []
         for stream, messages in reply or []:
             lane = self._lane_of[stream if isinstance(stream, bytes) else stream.encode()]
             for entry_id, fields in messages:
-                if fields is None:  # deleted while pending
-                    continue
-                out.append(Entry(lane, entry_id.decode(), fields))
-        out.sort(key=lambda e: e.lane)
+                if fields:  # None: deleted while pending
+                    out.append(Entry(lane, entry_id.decode(), fields))
         return out
 
     def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
