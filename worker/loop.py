@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 5.0
 HEARTBEAT_EVERY_S = 2.0
+SUSPECT = 3
+"""Deliveries from which a request runs alone (see ModelStreams.reclaim)."""
 
 
 @dataclass(slots=True)
@@ -92,6 +94,8 @@ class BatchLoop:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._last_reclaim = 0.0
+        self._reclaiming = False
+        self._running_suspect = False
         self._unpublished: list[tuple[InFlight, BatchOutcome]] = []
         self._last_heartbeat = 0.0
         self._idle_reads = 0
@@ -209,11 +213,11 @@ class BatchLoop:
         return inflight
 
     def _waiting(self) -> list[Waiting]:
-        return [h.waiting for h in self._held.values() if h.entry.deliveries == 1]
+        return [h.waiting for h in self._held.values() if h.entry.deliveries < SUSPECT]
 
     def _suspect(self) -> Waiting | None:
-        """A redelivered request (its worker may have died on it): it runs alone."""
-        return next((h.waiting for h in self._held.values() if h.entry.deliveries > 1), None)
+        """A request whose last two holders died (one may have died of it): it runs alone."""
+        return next((h.waiting for h in self._held.values() if h.entry.deliveries >= SUSPECT), None)
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -221,9 +225,14 @@ class BatchLoop:
         if now - self._last_heartbeat > HEARTBEAT_EVERY_S:
             self._last_heartbeat = now
             self.streams.heartbeat(int(now * 1000))
-        if now - self._last_reclaim > RECLAIM_EVERY_S:
+        holds_suspect = self._running_suspect or self._suspect() is not None
+        if now - self._last_reclaim > RECLAIM_EVERY_S or (self._reclaiming and not holds_suspect):
             self._last_reclaim = now
-            self._admit(self.streams.reclaim(self.worker.claim_idle_ms, budget), now)
+            found = self.streams.reclaim(
+                self.worker.claim_idle_ms, budget, suspects=not holds_suspect
+            )
+            self._reclaiming = bool(found)
+            self._admit(found, now)
         lanes = range(self.config.lanes)
         entries = self.streams.read(split_budget(budget, lanes, self.engine.policy), block_ms)
         self._idle_reads = 0 if entries else self._idle_reads + 1
@@ -331,10 +340,12 @@ class BatchLoop:
             "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
             batch_id, self.model, len(held), batch.rows, batch.padded_tokens, batch.reason,
         )  # fmt: skip
+        self._running_suspect = batch.reason == "retry"
         self.observers.on_dispatch(self.model, batch, batch_id, now)
         return InFlight(batch, held, future, now, batch_id)
 
     def _learn(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
+        self._running_suspect = False
         seconds = max(0.0, now - inflight.dispatched_at)
         if outcome.out_of_memory:
             self.engine.out_of_memory(inflight.batch, now)

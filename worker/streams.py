@@ -113,27 +113,38 @@ class ModelStreams:
                     out.append(Entry(lane, entry_id.decode(), fields))
         return out
 
-    def reclaim(self, min_idle_ms: int, count: int, lock_ms: int = 2000) -> list[Entry]:
+    def reclaim(
+        self, min_idle_ms: int, count: int, *, suspects: bool, lock_ms: int = 2000
+    ) -> list[Entry]:
         """Take over entries held by any consumer for ``min_idle_ms`` (its worker died).
 
-        One worker at a time per model reclaims (a short Redis lock), so live workers do
-        not steal the same entries back and forth. Each entry comes with its delivery
-        count, which the caller uses to spot poison requests.
+        Entries on their first redelivery are taken up to ``count``. Entries that were
+        already redelivered (their last two holders died: one of them may be the cause)
+        are taken one at a time, and only when ``suspects`` is true, so a suspect runs
+        alone and an innocent entry never dies alongside a poison one. One worker reclaims
+        at a time per model (a short Redis lock), so live workers do not steal back and
+        forth. Each entry carries its delivery count, for the caller's poison check.
         """
-        if not self.client.set(self.keys.reclaim_lock, self.consumer, nx=True, px=lock_ms):
+        lock = self.keys.reclaim_lock
+        mine = self.client.set(lock, self.consumer, nx=True, px=lock_ms)
+        if not mine and self.client.get(lock) != self.consumer.encode():
             return []
         out: list[Entry] = []
         for lane, stream in enumerate(self.streams):
             pending = self.client.xpending_range(
                 stream, GROUP, min="-", max="+", count=count, idle=min_idle_ms
             )
-            if not pending:
+            first = [p for p in pending if p["times_delivered"] <= 1]
+            again = [p for p in pending if p["times_delivered"] > 1][: 1 if suspects else 0]
+            if suspects and again:
+                suspects = False
+            chosen = {p["message_id"]: int(p["times_delivered"]) for p in first + again}
+            if not chosen:
                 continue
-            delivered = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-            claimed = self.client.xclaim(stream, GROUP, self.consumer, min_idle_ms, list(delivered))
+            claimed = self.client.xclaim(stream, GROUP, self.consumer, min_idle_ms, list(chosen))
             for entry_id, fields in claimed:
                 if fields:  # None: deleted while pending
-                    out.append(Entry(lane, entry_id.decode(), fields, delivered[entry_id] + 1))
+                    out.append(Entry(lane, entry_id.decode(), fields, chosen[entry_id] + 1))
                 else:
                     self.client.xack(stream, GROUP, entry_id)
         return out
