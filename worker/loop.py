@@ -23,7 +23,7 @@ import redis
 
 from ..batching.engine import Engine
 from ..batching.lanes import split_budget
-from ..batching.types import Batch, Waiting
+from ..batching.types import Batch, Policy, Waiting
 from ..config import ModelConfig, WorkerConfig
 from ..schemas.codec import EntryRejected, decode_entry, encode_result
 from ..schemas.errors import ErrorCode
@@ -94,6 +94,8 @@ class BatchLoop:
         self._last_reclaim = 0.0
         self._last_heartbeat = 0.0
         self._idle_reads = 0
+        self._paused = False
+        self._draining = False
         self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{model}")
 
     # --- control ----------------------------------------------------------------------------
@@ -114,6 +116,34 @@ class BatchLoop:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    def pause(self) -> None:
+        """Stop reading new entries; what this worker already holds is still answered."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def drain(self) -> None:
+        """Stop reading, answer everything held, then stop (``run`` returns)."""
+        self._draining = True
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def held(self) -> int:
+        """Requests read and not yet dispatched (the running batch not included)."""
+        return len(self._held)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Change the batch policy live; the engine keeps what it learnt."""
+        self.engine.set_policy(policy)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -139,7 +169,7 @@ class BatchLoop:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            if inflight is None and (self._stop.is_set() or self._burst_done()):
+            if inflight is None and (self._stop.is_set() or self._burst_done() or self._drained()):
                 break
         with contextlib.suppress(redis.RedisError):
             self.streams.unregister()
@@ -147,6 +177,9 @@ class BatchLoop:
 
     def _burst_done(self) -> bool:
         return self.burst and not self._held and self._idle_reads >= 2
+
+    def _drained(self) -> bool:
+        return self._draining and not self._held
 
     def _step(self, clock: Callable[[], float], inflight: InFlight | None) -> InFlight | None:
         now = clock()
@@ -175,8 +208,11 @@ class BatchLoop:
                 wait_futures([inflight.future])
             return inflight
 
-        # Read more, blocking only as long as nothing else needs doing.
         now = clock()
+        if self._paused or self._draining:
+            self._idle(now, inflight, plan.wake_at)
+            return inflight
+        # Read more, blocking only as long as nothing else needs doing.
         budget = self.engine.read_budget(len(self._held))
         if inflight is not None:
             if budget > 0:
@@ -194,6 +230,16 @@ class BatchLoop:
             block_ms = self.worker.block_ms
         self._read(budget, block_ms, now)
         return inflight
+
+    def _idle(self, now: float, inflight: InFlight | None, wake_at: float | None) -> None:
+        """Paused or draining: keep the heartbeat, wait for the device or the next wake-up."""
+        if now - self._last_heartbeat > HEARTBEAT_EVERY_S:
+            self._last_heartbeat = now
+            self.streams.heartbeat(int(now * 1000))
+        if inflight is not None:
+            wait_futures([inflight.future], timeout=0.01)
+        else:
+            time.sleep(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
 
     def _waiting(self) -> list[Waiting]:
         return [h.waiting for h in self._held.values()]
