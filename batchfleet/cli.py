@@ -106,7 +106,13 @@ def _control(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             return 2
         arguments["settings"] = args.settings
-    replies = send(_url(args), f"bf_{args.command}", arguments, destination=args.destination)
+    replies = send(
+        _url(args),
+        f"bf_{args.command}",
+        arguments,
+        destination=args.destination,
+        timeout=args.timeout,
+    )
     if not replies:
         print("no worker answered", file=sys.stderr)
         return 1
@@ -192,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "policy":
             c.add_argument("settings", nargs="+", help="e.g. max_batch_size=8 max_wait_ms=2")
         c.add_argument("--destination", "-d", action="append", help="only this worker hostname")
+        c.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for replies")
         c.set_defaults(func=_control)
     return parser
 

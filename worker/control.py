@@ -213,6 +213,7 @@ def send(
             command,
             arguments=arguments or {},
             destination=list(destination) if destination else None,
+            limit=len(destination) if destination else None,
             reply=True,
             timeout=timeout,
         )
