@@ -17,12 +17,14 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.worker.app import create_app
 from batchfleet.worker.control import parse_settings
 from conftest import WorkerProcess, fleet_toml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from batchfleet import cli
+from batchfleet.config import load_config
 from batchfleet.redis_server import free_port
 from batchfleet.status import print_status
 
@@ -111,6 +113,7 @@ def test_flower_shows_the_worker_and_each_micro_batch_as_a_task(
     r: redis.Redis,
     tiny_embedder: Path,
     start_worker: Callable[..., WorkerProcess],
+    tmp_path: Path,
 ) -> None:
     # Given Flower and a worker (batches of at most 8 rows)
     w = start_worker(ops_fleet(redis_url, tiny_embedder, free_port()), "flw")
@@ -147,6 +150,20 @@ def test_flower_shows_the_worker_and_each_micro_batch_as_a_task(
         assert f"'batch of {sizes[uuid]} rows'" in task["args"]
         assert 1 <= sizes[uuid] <= 8
     assert sum(sizes.values()) == 40
+
+    # `celery control disable_events` stops the batch tasks; enable_events brings them back
+    def batches_of(more: list[Any]) -> set[str]:
+        assert all(res.ok for res in producer.results(more, timeout=30))
+        return {j.result().timings.batch_id for j in more}
+
+    control = create_app(load_config(overrides_path(tmp_path, redis_url))).control
+    assert "disabled" in str(control.disable_events(destination=[hostname], reply=True))
+    with Producer(redis_url) as producer:
+        silent = batches_of(producer.submit_many("tiny", ["the cat"] * 5))
+        assert "enabled" in str(control.enable_events(destination=[hostname], reply=True))
+        loud = batches_of(producer.submit_many("tiny", ["the cow"] * 5))
+    wait_for(lambda: loud <= set(get_json(f"{flower}/api/tasks?limit=1000")), what="new tasks")
+    assert not silent & set(get_json(f"{flower}/api/tasks?limit=1000"))
 
 
 def test_control_metrics_and_status_change_and_show_what_the_worker_does(
@@ -263,6 +280,12 @@ def test_drain_answers_what_it_holds_then_the_worker_exits_and_another_takes_ove
     start_worker(fleet, "drn2").wait_ready(r, "tiny")
     assert all(res.ok for res in producer.results(jobs, timeout=60))
     producer.close()
+
+
+def overrides_path(tmp_path: Path, redis_url: str) -> Path:
+    path = tmp_path / "client.toml"
+    path.write_text(f'redis_url = "{redis_url}"\n')
+    return path
 
 
 def _inspect(redis_url: str, command: str, dest: str = f"ctl@{HOST}") -> dict[str, Any]:

@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from celery.signals import worker_ready
+
 from ..batching.types import Batch
 from ..config import EventsConfig, FleetConfig
 from .observers import LoopObserver
@@ -41,6 +43,16 @@ def describe(batch: Batch) -> str:
         f"('batch of {batch.rows} rows', {len(batch.items)} requests, lanes {{{by_lane}}}, "
         f"{batch.padded_tokens} padded tokens, reason {batch.reason!r})"
     )
+
+
+@worker_ready.connect
+def _explicit_event_groups(sender: Any = None, **_: Any) -> None:
+    """A worker sending task events has event groups ``set()`` (all); Celery's
+    ``disable_events`` only discards ``'task'`` from a non-empty set, so it would do
+    nothing. Name the groups the worker sends, so disable/enable_events work."""
+    dispatcher = getattr(sender, "event_dispatcher", None)
+    if dispatcher is not None and dispatcher.enabled and not dispatcher.groups:
+        dispatcher.groups = {"worker", "task"}
 
 
 class EventSender:
