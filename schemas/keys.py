@@ -75,6 +75,19 @@ class ModelKeys:
         return f"{self.tag}:lanes"
 
 
+LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
+"""SCAN pattern matching every model's lanes key: the models a fleet serves."""
+
+
+def model_of_lanes_key(key: str) -> str | None:
+    """The model whose lanes key this is (a match of ``LANES_KEY_PATTERN``), else None."""
+    head, tail = f"{PREFIX}:{{", "}:lanes"
+    if key.startswith(head) and key.endswith(tail):
+        model = key[len(head) : -len(tail)]
+        return model if MODEL_NAME.match(model) else None
+    return None
+
+
 def default_reply_channel(client_id: str) -> str:
     """The reply channel a Python producer subscribes to (one per producer)."""
     return f"{PREFIX}:reply:{client_id}"

@@ -22,8 +22,11 @@ from celery import Celery, bootsteps
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
+from . import control
+from .events import batch_task_name, flower_events
 from .handlers import resolve
 from .loop import BatchLoop
+from .metrics import prometheus_metrics
 from .observers import LoopObserver
 
 ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
@@ -31,11 +34,6 @@ ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
 logger = logging.getLogger(__name__)
 
 CELERY_QUEUE = "batchfleet"
-
-
-def batch_task_name(model: str) -> str:
-    """Name under which a model's micro-batches show in Flower."""
-    return f"batchfleet.batch.{model}"
 
 
 class BatchLoopStep(bootsteps.StartStopStep):
@@ -119,7 +117,16 @@ class BatchLoopStep(bootsteps.StartStopStep):
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def info(self, worker: Any) -> dict[str, Any]:
-        return {"batchfleet": {loop.model: loop.stats.snapshot() for loop in self.loops}}
+        out: dict[str, Any] = {
+            "batchfleet": {
+                loop.model: {**loop.stats.snapshot(), **control.loop_info(loop)}
+                for loop in self.loops
+            }
+        }
+        metrics = getattr(worker, "_batchfleet_metrics", None)
+        if metrics is not None:
+            out["batchfleet_metrics_url"] = metrics.url
+        return out
 
 
 def create_app(
@@ -143,7 +150,11 @@ def create_app(
     app.batchfleet_models = models  # type: ignore[attr-defined]
     app.batchfleet_burst = burst  # type: ignore[attr-defined]
     # Factories (worker, fleet, model) -> LoopObserver: metrics, Flower events, webhooks.
-    app.batchfleet_observers = []  # type: ignore[attr-defined]
+    app.batchfleet_observers = [  # type: ignore[attr-defined]
+        control.recent_rate,
+        prometheus_metrics,
+        flower_events,
+    ]
     app.steps["worker"].add(BatchLoopStep)
     for name in fleet.models:
         # Registered so `inspect registered` and Flower know the batch task names.
