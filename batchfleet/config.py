@@ -32,6 +32,7 @@ from .batching.types import Policy
 from .connection import DEFAULT_REDIS_URL
 from .schemas.keys import check_model_name
 from .schemas.messages import Limits
+from .webhooks.config import WebhooksConfig
 
 
 class BatchConfig(BaseModel):
@@ -124,6 +125,7 @@ class FleetConfig(BaseSettings):
     )
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
 
     @field_validator("redis_url")
     @classmethod

@@ -17,7 +17,7 @@ from ..schemas.errors import ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
 from .client import PIPELINE_CHUNK, raise_for_status
-from .submit import LaneCache, Prepared, build_request, prepare
+from .submit import LaneCache, Prepared, WebhookArg, build_request, prepare
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,7 @@ class AsyncProducer:
         result_ttl_s: int | None,
         request_id: str | None,
         result_format: Format | None,
+        webhook: WebhookArg = None,
     ) -> Prepared:
         request = build_request(
             model,
@@ -93,6 +94,7 @@ class AsyncProducer:
             result_ttl_s=result_ttl_s,
             metadata=metadata,
             result_format=result_format,
+            webhook=webhook,
         )
         lane = self.default_priority if priority is None else priority
         return prepare(request, lane, await self.lanes(model), self.wire_format)
@@ -108,9 +110,18 @@ class AsyncProducer:
         result_ttl_s: int | None = None,
         request_id: str | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> AsyncJob:
         p = await self._prepare(
-            model, inputs, priority, deadline_ms, metadata, result_ttl_s, request_id, result_format
+            model,
+            inputs,
+            priority,
+            deadline_ms,
+            metadata,
+            result_ttl_s,
+            request_id,
+            result_format,
+            webhook,
         )
         await self.client.xadd(p.stream, p.fields)
         return AsyncJob(p.request.id, model, self)
@@ -124,12 +135,13 @@ class AsyncProducer:
         deadline_ms: int | None = None,
         metadata: Mapping[str, str] | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> list[AsyncJob]:
         jobs: list[AsyncJob] = []
         pipe = self.client.pipeline(transaction=False)
         for i, inputs in enumerate(requests, 1):
             p = await self._prepare(
-                model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                model, inputs, priority, deadline_ms, metadata, None, None, result_format, webhook
             )
             pipe.xadd(p.stream, p.fields)
             jobs.append(AsyncJob(p.request.id, model, self))

@@ -15,7 +15,7 @@ from ..schemas.codec import decode_result
 from ..schemas.errors import JobFailed, ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
-from .submit import LaneCache, Prepared, build_request, prepare
+from .submit import LaneCache, Prepared, WebhookArg, build_request, prepare
 
 PIPELINE_CHUNK = 1000
 
@@ -108,6 +108,7 @@ class Producer:
         result_ttl_s: int | None,
         request_id: str | None,
         result_format: Format | None,
+        webhook: WebhookArg = None,
     ) -> Prepared:
         request = build_request(
             model,
@@ -119,6 +120,7 @@ class Producer:
             result_ttl_s=result_ttl_s,
             metadata=metadata,
             result_format=result_format,
+            webhook=webhook,
         )
         lane = self.default_priority if priority is None else priority
         return prepare(request, lane, self.lanes(model), self.wire_format)
@@ -134,10 +136,22 @@ class Producer:
         result_ttl_s: int | None = None,
         request_id: str | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> Job:
-        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest)."""
+        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest).
+
+        ``webhook="https://..."`` (or ``{"url": ..., "secret_id": ..., "format": ...}``) also
+        POSTs the result there, signed; the result stays pollable either way."""
         p = self._prepare(
-            model, inputs, priority, deadline_ms, metadata, result_ttl_s, request_id, result_format
+            model,
+            inputs,
+            priority,
+            deadline_ms,
+            metadata,
+            result_ttl_s,
+            request_id,
+            result_format,
+            webhook,
         )
         self.client.xadd(p.stream, p.fields)
         return Job(p.request.id, model, self)
@@ -151,13 +165,14 @@ class Producer:
         deadline_ms: int | None = None,
         metadata: Mapping[str, str] | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> list[Job]:
         """Queue many requests (each a text or a list of texts), pipelined in chunks."""
         jobs: list[Job] = []
         pipe = self.client.pipeline(transaction=False)
         for i, inputs in enumerate(requests, 1):
             p = self._prepare(
-                model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                model, inputs, priority, deadline_ms, metadata, None, None, result_format, webhook
             )
             pipe.xadd(p.stream, p.fields)
             jobs.append(Job(p.request.id, model, self))

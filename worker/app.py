@@ -22,6 +22,8 @@ from celery import Celery, bootsteps
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
+from ..webhooks import tasks as webhook_tasks
+from ..webhooks.observer import webhook_observer
 from .handlers import resolve
 from .loop import BatchLoop
 from .observers import LoopObserver
@@ -143,7 +145,8 @@ def create_app(
     app.batchfleet_models = models  # type: ignore[attr-defined]
     app.batchfleet_burst = burst  # type: ignore[attr-defined]
     # Factories (worker, fleet, model) -> LoopObserver: metrics, Flower events, webhooks.
-    app.batchfleet_observers = []  # type: ignore[attr-defined]
+    app.batchfleet_observers = [webhook_observer]  # type: ignore[attr-defined]
+    webhook_tasks.register(app)  # run by `batchfleet webhooks worker`, on queue `webhooks`
     app.steps["worker"].add(BatchLoopStep)
     for name in fleet.models:
         # Registered so `inspect registered` and Flower know the batch task names.
