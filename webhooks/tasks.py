@@ -250,4 +250,5 @@ def register(app: Celery) -> Task:
         reject_on_worker_lost=True,
         max_retries=None,
         ignore_result=True,
+        throws=(DeliveryFailed,),  # FAILURE in Flower, logged without a traceback
     )(deliver)
