@@ -145,7 +145,8 @@ class Deliverer:
             record = deadletter.get(self.client, d.redelivery_of)
             if record is None:
                 raise DeliveryFailed(f"dead-letter record {d.redelivery_of} is gone")
-            return record.body
+            if record.body:  # empty when the result had expired: try the result key again
+                return record.body
         raw = self.client.get(ModelKeys(d.model).result(d.request_id))
         if raw is None:
             raise DeliveryFailed(f"result of {d.request_id} expired before it was delivered")
