@@ -63,7 +63,7 @@ class WebhooksConfig(BaseModel):
     """Delay after the first failed attempt; doubles each attempt (with jitter)."""
     backoff_max_s: float = Field(6 * 3600.0, gt=0)
     """Longest delay between two attempts, Retry-After included."""
-    max_countdown_s: float = Field(300.0, gt=0)
+    max_countdown_s: float = Field(300.0, gt=0, le=1800)
     """Longer delays wait in Redis (``bf:webhooks:scheduled``), not as a Celery ETA: an ETA
     task sits unacknowledged and the broker redelivers it after its visibility timeout."""
     failed_maxlen: int = Field(100_000, ge=1)
