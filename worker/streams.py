@@ -63,9 +63,9 @@ class ModelStreams:
         self._finish = _script(client, "finish.lua")
         self._dead = _script(client, "dead_letter.lua")
 
-    def ensure_groups(self) -> None:
+    def ensure_groups(self, max_depth: int | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
-        the first worker is missed) and publish the lane count for producers."""
+        the first worker is missed) and publish the lane count and depth limit for producers."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -73,6 +73,10 @@ class ModelStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self.client.set(self.keys.lanes_key, self.lanes)
+        if max_depth:
+            self.client.set(self.keys.max_depth, max_depth)
+        else:
+            self.client.delete(self.keys.max_depth)
 
     def heartbeat(self, now_ms: int) -> None:
         """Mark this consumer alive (readiness checks and `status` read this hash)."""
@@ -109,19 +113,41 @@ class ModelStreams:
                     out.append(Entry(lane, entry_id.decode(), fields))
         return out
 
-    def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over entries other consumers have held for ``min_idle_ms`` (crashed workers)."""
+    def reclaim(self, min_idle_ms: int, count: int, lock_ms: int = 2000) -> list[Entry]:
+        """Take over entries held by any consumer for ``min_idle_ms`` (its worker died).
+
+        One worker at a time per model reclaims (a short Redis lock), so live workers do
+        not steal the same entries back and forth. Each entry comes with its delivery
+        count, which the caller uses to spot poison requests.
+        """
+        if not self.client.set(self.keys.reclaim_lock, self.consumer, nx=True, px=lock_ms):
+            return []
         out: list[Entry] = []
         for lane, stream in enumerate(self.streams):
-            reply = self.client.xautoclaim(
-                stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+            pending = self.client.xpending_range(
+                stream, GROUP, min="-", max="+", count=count, idle=min_idle_ms
             )
-            # Redis 6.2 answers [cursor, messages]; 7.x adds the deleted ids.
-            messages = reply[1] if len(reply) > 1 else []
-            for entry_id, fields in messages:
-                if fields:
-                    out.append(Entry(lane, entry_id.decode(), fields, deliveries=2))
+            if not pending:
+                continue
+            delivered = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            claimed = self.client.xclaim(stream, GROUP, self.consumer, min_idle_ms, list(delivered))
+            for entry_id, fields in claimed:
+                if fields:  # None: deleted while pending
+                    out.append(Entry(lane, entry_id.decode(), fields, delivered[entry_id] + 1))
+                else:
+                    self.client.xack(stream, GROUP, entry_id)
         return out
+
+    def release(self, entries: Sequence[Entry], idle_ms: int) -> None:
+        """Hand entries this worker read but will not compute back to the fleet: mark them
+        idle long enough for the next reclaim, without counting a delivery."""
+        by_lane: dict[int, list[str]] = {}
+        for e in entries:
+            by_lane.setdefault(e.lane, []).append(e.id)
+        for lane, ids in by_lane.items():
+            self.client.xclaim(
+                self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms, justid=True
+            )
 
     def existing_results(self, request_ids: Sequence[str]) -> list[bool]:
         """Which of these requests already have a stored result (redeliveries)."""
