@@ -85,6 +85,48 @@ def _dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+def _webhooks_worker(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .webhooks.worker import run_worker
+
+    fleet = load_config(args.config)
+    return run_worker(fleet, name=args.name, concurrency=args.concurrency, loglevel=args.loglevel)
+
+
+def _webhooks_list_failed(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .connection import connect
+    from .webhooks.deadletter import list_failed
+
+    fleet = load_config(args.config)
+    client = connect(fleet.redis_url)
+    found = 0
+    for record in list_failed(client, count=args.count):
+        print(json.dumps(record.summary()))
+        found += 1
+    if not found:
+        print("no failed webhook deliveries", file=sys.stderr)
+    return 0
+
+
+def _webhooks_redeliver(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .connection import connect
+    from .webhooks.deadletter import redeliver
+    from .worker.app import create_app
+
+    fleet = load_config(args.config)
+    if not args.ids and not args.all:
+        print("give record ids (from list-failed) or --all", file=sys.stderr)
+        return 2
+    queued = redeliver(connect(fleet.redis_url), create_app(fleet), args.ids, count=args.count)
+    for record_id in queued:
+        print(record_id)
+    missing = len(args.ids) - len(queued) if args.ids else 0
+    print(f"queued {len(queued)} redeliveries", file=sys.stderr)
+    return 1 if missing else 0
+
+
 def _simulate(args: argparse.Namespace, rest: list[str]) -> int:
     from .batching.simulate_cli import main as simulate_main
 
@@ -198,6 +240,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--count", type=int, default=100)
     q.add_argument("--redis-url", default=None)
     q.set_defaults(func=_dlq)
+    h = sub.add_parser("webhooks", help="webhook delivery: worker, failed deliveries")
+    hsub = h.add_subparsers(dest="webhooks_command", required=True)
+    hw = hsub.add_parser("worker", help="run a webhooks worker (CPU Celery worker, threads)")
+    hw.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hw.add_argument("--name", "-n", help="Celery hostname (unique per worker)")
+    hw.add_argument("--concurrency", type=int, default=None, help="deliveries in flight")
+    hw.add_argument("--loglevel", default="INFO")
+    hw.set_defaults(func=_webhooks_worker)
+    hl = hsub.add_parser("list-failed", help="print failed deliveries, one JSON line each")
+    hl.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hl.add_argument("--count", type=int, default=100)
+    hl.set_defaults(func=_webhooks_list_failed)
+    hr = hsub.add_parser("redeliver", help="queue failed deliveries again (same webhook-id)")
+    hr.add_argument("ids", nargs="*", help="record ids from list-failed")
+    hr.add_argument("--all", action="store_true", help="the oldest --count records")
+    hr.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hr.add_argument("--count", type=int, default=100)
+    hr.set_defaults(func=_webhooks_redeliver)
 
     sub.add_parser("simulate", help="run the batching simulator (see `simulate --help`)")
 

@@ -32,6 +32,7 @@ from .batching.types import Policy
 from .connection import DEFAULT_REDIS_URL
 from .schemas.keys import check_model_name
 from .schemas.messages import Limits
+from .webhooks.config import WebhooksConfig
 
 
 class BatchConfig(BaseModel):
@@ -154,6 +155,7 @@ class FleetConfig(BaseSettings):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
 
     @field_validator("redis_url")
     @classmethod

@@ -22,6 +22,8 @@ from celery import Celery, bootsteps
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
+from ..webhooks import tasks as webhook_tasks
+from ..webhooks.observer import webhook_observer
 from . import control
 from .events import batch_task_name, flower_events
 from .handlers import resolve
@@ -154,7 +156,9 @@ def create_app(
         control.recent_rate,
         prometheus_metrics,
         flower_events,
+        webhook_observer,
     ]
+    webhook_tasks.register(app)  # run by `batchfleet webhooks worker`, on queue `webhooks`
     app.steps["worker"].add(BatchLoopStep)
     for name in fleet.models:
         # Registered so `inspect registered` and Flower know the batch task names.
