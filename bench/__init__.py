@@ -1,0 +1,1 @@
+"""Benchmarks: batchfleet side by side with Celery and celery-batches (``python -m bench``)."""
