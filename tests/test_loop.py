@@ -72,6 +72,23 @@ def test_good_requests_get_results_with_timings(r: redis.Redis, handler: Embeddi
     assert loop.stats.snapshot()["requests"] == {"ok": 20}
 
 
+def test_each_result_reports_its_whole_batch_size(
+    r: redis.Redis, handler: EmbeddingHandler
+) -> None:
+    # Given 40 requests of two inputs each, queued at once (so batches hold several)
+    producer = Producer(client=r)
+    jobs = producer.submit_many(MODEL, [["the dog", "a cat"]] * 40, priority=1)
+    run_loop(r, handler)
+    # Then every member of a batch reports the batch's rows: 2 per request in it
+    by_batch: dict[str, list[int]] = {}
+    for job in jobs:
+        t = job.result(timeout=1).timings
+        by_batch.setdefault(t.batch_id, []).append(t.batch_size)
+    assert any(len(sizes) > 1 for sizes in by_batch.values())
+    for sizes in by_batch.values():
+        assert sizes == [2 * len(sizes)] * len(sizes)
+
+
 def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandler) -> None:
     producer = Producer(client=r)
     good = producer.submit(MODEL, "the dog", priority=0)

@@ -405,10 +405,11 @@ class BatchLoop:
 
     def _publish(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
         run_ms = (now - inflight.dispatched_at) * 1000
+        rows = inflight.batch.rows  # a sum over the batch: once, not once per request
         answers = []
         for held, out in zip(inflight.held, outcome.outcomes, strict=True):
             timings = self._timings(held.entry, held.read_at, inflight.dispatched_at, now,
-                                    run_ms, inflight.batch.rows, inflight.batch_id)  # fmt: skip
+                                    run_ms, rows, inflight.batch_id)  # fmt: skip
             req = held.request
             if isinstance(out, Failure):
                 error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message)
