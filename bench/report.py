@@ -87,6 +87,16 @@ def table(offline: Offline, rows: list[Summary]) -> list[str]:
             f"{s.failed} | {s.batch_mean:.1f} / {s.batch_p50:g} / {s.batch_max} | {hist} | "
             f"{s.padding_waste:.0%} |"
         )
+    split = [s for s in rows if s.server_p50_ms]
+    if split:
+        out += ["", "batchfleet's own timings (p50, ms, Redis clock: enqueue → result stored), "
+                "and the producer's lag behind the schedule (p99, ms):", "",
+                "| system | offered/s | queued | batch wait | inference | enqueue → stored | "
+                "e2e p50 | producer lag p99 |", "|" + " --- |" * 8]  # fmt: skip
+        for s in split:
+            q, w, i, t = s.server_p50_ms or (0, 0, 0, 0)
+            out.append(f"| {s.system} | {s.offered:g} | {_ms(q)} | {_ms(w)} | {_ms(i)} | "
+                       f"{_ms(t)} | {_ms(s.p50_ms)} | {_ms(s.lag_p99_ms)} |")  # fmt: skip
     return out
 
 

@@ -69,7 +69,9 @@ def run_model(
         system: System = SYSTEMS[name](spec, url, workdir)
         system.start()
         try:
-            system.run(poisson_load(100, WARMUP, seed=99), drain)  # warm-up, not reported
+            # Warm-up at the first rate (not reported): loads the model, and the adaptive
+            # engine learns its cost and the arrival rate it will first see.
+            system.run(poisson_load(min(rates[0], 200), WARMUP, seed=99), drain)
             saturated_at: float | None = None
             for rate in rates:
                 n = spec.count(rate, args.quick, args.scale)

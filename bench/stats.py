@@ -38,6 +38,8 @@ class Summary:
     padding_waste: float
     lag_p99_ms: float
     timed_out: bool
+    server_p50_ms: tuple[float, float, float, float] | None = None
+    """batchfleet: p50 of queued, batch wait, inference, enqueue → stored (Redis clock)."""
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -100,4 +102,7 @@ def summarize(run: Run, tokens: Callable[[str], int]) -> Summary:
         padding_waste=1 - real / padded if padded else 0.0,
         lag_p99_ms=pct(run.lag, 99) * 1e3,
         timed_out=run.timed_out,
+        server_p50_ms=tuple(pct([x[i] for x in run.server], 50) for i in range(4))  # type: ignore[arg-type]
+        if run.server
+        else None,
     )

@@ -46,6 +46,9 @@ class Run:
     ok: list[bool] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
     batch_id: list[str] = field(default_factory=list)
+    server: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """batchfleet only: the result's own timings (ms, Redis clock): queued, batch wait,
+    inference, enqueue → stored; to split the end-to-end latency, never mixed with it."""
     timed_out: bool = False
 
 
@@ -76,6 +79,7 @@ class System:
         self.workdir = workdir
         self.client = redis.Redis.from_url(url)
         self.arrived: dict[str, tuple[float, bool, int, str]] = {}
+        self.server: dict[str, tuple[float, float, float, float]] = {}
         self._stop = threading.Event()
         self._collector: threading.Thread | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -170,10 +174,12 @@ class System:
         end = clock() + drain_s
         pending = set(keys)
         while pending and clock() < end:
-            pending = {k for k in pending if k not in self.arrived}
-            time.sleep(0.01)
+            time.sleep(0.02)
+            pending.difference_update([k for k in pending if k in self.arrived])
         out.timed_out = bool(pending)
         for k in keys:
+            if k in self.server:
+                out.server.append(self.server.pop(k))
             got = self.arrived.pop(k, None)
             if got is None:
                 out.done.append(None)
@@ -228,6 +234,8 @@ class Batchfleet(System):
         if msg.get("type") != "message":
             return None
         r = decode_result(msg["data"])
+        t = r.timings
+        self.server[r.id] = (t.queued_ms, t.batch_wait_ms, t.inference_ms, t.total_ms)
         return r.id, r.status == "ok", r.timings.batch_size, r.timings.batch_id
 
     def submit(self, indices: range, load: Load) -> list[str]:
