@@ -89,6 +89,42 @@ def test_each_result_reports_its_whole_batch_size(
         assert sizes == [2 * len(sizes)] * len(sizes)
 
 
+class Noop:
+    name = "noop"
+    device = "cpu"
+
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        return [Encoded(ids=(1, 2, 3), type_ids=(), truncated=False) for _ in texts]
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        return [0] * len(rows)
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_short_window_is_polled_not_left_to_a_redis_block_timeout(r: redis.Redis) -> None:
+    # Given a fixed 50 ms window and one lone request (so the loop must wait out the window)
+    cfg = ModelConfig(path="/unused", batch={"max_wait_ms": 50, "adaptive": False})
+    loop = BatchLoop(MODEL, cfg, Noop(), r, consumer="w1",
+                     worker=WorkerConfig(block_ms=400), burst=True)  # fmt: skip
+    blocks: list[int | None] = []
+    read = loop.streams.read
+
+    def recording_read(counts: Any, block_ms: int | None) -> Any:
+        blocks.append(block_ms if loop.held else -1)
+        return read(counts, block_ms)
+
+    loop.streams.read = recording_read  # type: ignore[method-assign]
+    job = Producer(client=r).submit(MODEL, "the dog")
+    loop.run()
+    # Then it is answered, and while holding it the loop never blocked in Redis (whose
+    # timeouts fire only on its next tick, up to 100 ms late): it polled instead
+    assert job.result(timeout=1).ok
+    assert None in blocks
+    assert all(b in (None, -1) for b in blocks), blocks
+
+
 def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandler) -> None:
     producer = Producer(client=r)
     good = producer.submit(MODEL, "the dog", priority=0)

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 5.0
 HEARTBEAT_EVERY_S = 2.0
+SHORT_WAIT_S = 0.1
+"""On an otherwise quiet server Redis times a blocking read out only on its next event-loop
+tick (every 1/hz: 100 ms at the default hz 10), so the last this-long of a wait is polled."""
+POLL_S = 0.001
 SUSPECT = 3
 """Deliveries from which a request runs alone (see ModelStreams.reclaim)."""
 
@@ -239,8 +243,13 @@ class BatchLoop:
         if budget <= 0:
             time.sleep(max(0.0005, min((plan.wake_at or now + 0.005) - now, 0.05)))
             return None
+        if plan.wake_at is not None and plan.wake_at - now < SHORT_WAIT_S:
+            self._read(budget, None, now)  # a BLOCK this short could return up to 100 ms late
+            time.sleep(max(0.0, min(plan.wake_at - now, POLL_S)))
+            return inflight
         if plan.wake_at is not None:
-            block_ms = int(max(1.0, min((plan.wake_at - now) * 1000, self.worker.block_ms)))
+            wait_ms = (plan.wake_at - now - SHORT_WAIT_S) * 1000
+            block_ms = int(max(1.0, min(wait_ms, self.worker.block_ms)))
         elif plan.batch is not None:
             block_ms = None  # device busy from now on: just top up
         else:
