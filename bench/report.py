@@ -229,7 +229,8 @@ def write_report(out: Path, stem: str, results: Results, facts: dict[str, str],
 
     for model, (offline, rows, notes) in results.items():
         spec = MODELS[model]
-        lines += [f"## {model}: {spec.cost}, max batch {spec.max_batch}", "",
+        max_batch = facts.get("max batch override") or spec.max_batch
+        lines += [f"## {model}: {spec.cost}, max batch {max_batch}", "",
                   f"Offline limit (batches back to back, no queue): **{offline.throughput:,.1f} "
                   f"req/s** ({offline.detail}).", ""]  # fmt: skip
         lines += [*table(offline, rows), ""]

@@ -11,6 +11,7 @@ the offered rate is saturated: its higher rates are skipped, except the last
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     p.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="override the models' max batch (and celery-batches' flush size)")  # fmt: skip
     p.add_argument("--drain-s", type=float, default=None,
                    help="wait this long for the last results (default 90, quick 30)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -114,12 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, tuple[Offline, list[Summary], list[str]]] = {}
     with LocalRedis() as url, tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         facts = machine_facts(url)
+        if args.max_batch:
+            facts["max batch override"] = str(args.max_batch)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())  # fmt: skip
         try:
             with Progress(*columns, transient=True) as progress:
                 for name in args.models:
-                    results[name] = run_model(MODELS[name], args, url, Path(tmp), progress)
+                    spec = MODELS[name]
+                    if args.max_batch:
+                        spec = dataclasses.replace(spec, max_batch=args.max_batch)
+                    results[name] = run_model(spec, args, url, Path(tmp), progress)
         except BaseException:
             keep = Path(tempfile.mkdtemp(prefix="bench-logs-"))
             for log in Path(tmp).glob("*.log"):
