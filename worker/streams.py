@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
 from ..schemas.keys import GROUP, ModelKeys
@@ -17,6 +18,15 @@ from ..schemas.keys import GROUP, ModelKeys
 def _script(client: redis.Redis, name: str) -> Script:
     source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
     return client.register_script(source)
+
+
+def _queue_script(pipe: Any, script: Script, keys: list[str], args: list[Any]) -> None:
+    """Queue a script call on a pipeline. A cluster pipeline refuses EVALSHA (it cannot load a
+    missing script on the right node mid-pipeline), so it gets the source with EVAL."""
+    if isinstance(pipe, ClusterPipeline):
+        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    else:
+        script(keys=keys, args=args, client=pipe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +148,11 @@ class ModelStreams:
             return []
         pipe = self.client.pipeline(transaction=False)
         for it in items:
-            self._finish(
-                keys=[self.keys.result(it.request_id), self.streams[it.entry.lane]],
-                args=[GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
-                client=pipe,
+            _queue_script(
+                pipe,
+                self._finish,
+                [self.keys.result(it.request_id), self.streams[it.entry.lane]],
+                [GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
             )
         return [bool(x) for x in pipe.execute()]
 
