@@ -18,12 +18,12 @@ import uuid
 from pathlib import Path
 
 import redis
-
 from batchfleet.producer.submit import build_request, prepare
-from batchfleet.redis_server import LocalRedis
 from batchfleet.schemas.codec import encode_result
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Result, Timings
+
+from batchfleet.redis_server import LocalRedis
 
 CHUNK = 10_000
 

@@ -21,7 +21,9 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 class GatedEmbedding(EmbeddingHandler):
     """Loading waits for ``<gate>/load``; each batch marks ``<gate>/running``, waits for ``<gate>/run``."""
 
-    def __init__(self, path: str | Path, *, options: dict[str, Any] | None = None, **kw: Any) -> None:
+    def __init__(
+        self, path: str | Path, *, options: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
         self.gate = Path(str((options or {})["gate"]))
         _wait_for(self.gate / "load")
         super().__init__(path, options={}, **kw)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 from batchfleet.producer import Producer
+from batchfleet.worker.health import Health
 from conftest import WorkerProcess, fleet_toml
 
 from batchfleet.redis_server import free_port
-from batchfleet.worker.health import Health
 
 pytestmark = pytest.mark.timeout(120)
 
