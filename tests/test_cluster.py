@@ -107,6 +107,9 @@ def test_cluster_url_and_models_on_different_shards(cluster: LocalRedisCluster) 
 
 
 def test_broker_url_is_required_with_a_cluster(cluster: LocalRedisCluster) -> None:
+    plain = "redis://127.0.0.1:6379/3"
+    assert load_config(None, redis_url=plain).celery_broker_url() == plain, "default: redis_url"
+    assert load_config(None, redis_url=cluster.url, broker_url=plain).celery_broker_url() == plain
     with pytest.raises(ValueError, match="broker_url"):
         load_config(None, redis_url=cluster.url).celery_broker_url()
     with pytest.raises(ValueError, match="cannot be a Redis Cluster"):
