@@ -64,6 +64,36 @@ def _init_groups(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dlq(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import dlq
+    from .connection import connect, default_url
+
+    client = connect(args.redis_url or default_url())
+    console = Console()
+    ids = args.ids or None
+    if args.action == "list":
+        table = Table(title=f"dead letters of {args.model}")
+        for col in ("id", "request", "code", "reason", "source", "worker"):
+            table.add_column(col)
+        for d in dlq.list_dead(client, args.model, args.count):
+            table.add_row(d.id, d.request_id or "-", d.code, d.reason[:80], d.source, d.worker)
+        console.print(table)
+        return 0
+    if ids is None and not args.all:
+        console.print(f"name dead-letter ids, or --all, to {args.action}")
+        return 2
+    if args.action == "replay":
+        report = dlq.replay(client, args.model, ids, force=args.force)
+        console.print(f"replayed {len(report.replayed)}, skipped {len(report.skipped)} "
+                      "(already answered; --force replaces their result)")  # fmt: skip
+        return 0
+    console.print(f"purged {dlq.purge(client, args.model, ids)}")
+    return 0
+
+
 def _simulate(args: argparse.Namespace, rest: list[str]) -> int:
     from .batching.simulate_cli import main as simulate_main
 
@@ -106,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
     g.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
     g.set_defaults(func=_init_groups)
+
+    q = sub.add_parser("dlq", help="inspect, replay or purge a model's dead letters")
+    q.add_argument("action", choices=["list", "replay", "purge"])
+    q.add_argument("model")
+    q.add_argument("ids", nargs="*", help="dead-letter entry ids (default: none; see --all)")
+    q.add_argument("--all", action="store_true", help="replay/purge every dead letter")
+    q.add_argument("--force", action="store_true", help="replay even answered requests")
+    q.add_argument("--count", type=int, default=100)
+    q.add_argument("--redis-url", default=None)
+    q.set_defaults(func=_dlq)
 
     sub.add_parser("simulate", help="run the batching simulator (see `simulate --help`)")
     return parser

@@ -79,6 +79,8 @@ class ModelConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     lanes: int = Field(3, ge=1, le=16)
     max_tokens: int = Field(512, ge=1, le=65_536)
+    max_queue_depth: int | None = Field(None, ge=1)
+    """Per lane: producers get QueueFull once a lane holds this many requests."""
     result_ttl_s: int = Field(3600, ge=1)
     batch: BatchConfig = Field(default_factory=BatchConfig)
     limits: Limits = Field(default_factory=Limits)
@@ -109,6 +111,8 @@ class WorkerConfig(BaseModel):
     dead_letter_maxlen: int = Field(100_000, ge=1)
     claim_idle_ms: int = Field(60_000, ge=100)
     """An entry pending this long on another consumer is taken over (its worker died)."""
+    max_deliveries: int = Field(3, ge=1, le=100)
+    """An entry delivered more often than this without an answer is poison: dead-lettered."""
 
 
 class HealthConfig(BaseModel):

@@ -45,6 +45,23 @@ def default_url() -> str:
     )
 
 
+def is_cluster_pipeline(pipe: object) -> bool:
+    """True for a (sync or asyncio) Redis Cluster pipeline."""
+    from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+    from redis.cluster import ClusterPipeline
+
+    return isinstance(pipe, ClusterPipeline | AsyncClusterPipeline)
+
+
+def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
+    """Queue a registered script's call on a pipeline. A cluster pipeline refuses EVALSHA (it
+    cannot load a missing script on the right shard mid-pipeline), so it gets EVAL with the
+    source; a plain pipeline gets EVALSHA (an asyncio one returns an awaitable)."""
+    if is_cluster_pipeline(pipe):
+        return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    return script(keys=keys, args=args, client=pipe)
+
+
 def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "socket_connect_timeout": 5.0,

@@ -27,8 +27,9 @@ def init_groups(fleet: FleetConfig, models: list[str] | None = None) -> dict[str
     try:
         created: dict[str, list[str]] = {}
         for name in names:
-            streams = ModelStreams(client, name, fleet.models[name].lanes, consumer="init-groups")
-            streams.ensure_groups()
+            cfg = fleet.models[name]
+            streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")
+            streams.ensure_groups(cfg.max_queue_depth)
             created[name] = streams.streams
             logger.info("model %s: group ready on %s", name, ", ".join(streams.streams))
         return created

@@ -43,9 +43,18 @@ def free_port() -> int:
 class LocalRedis:
     """``with LocalRedis() as url:`` runs a private redis-server until the block ends."""
 
-    def __init__(self, port: int | None = None, *, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
+        extra_args: list[str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra_args = list(extra_args or [])
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -54,7 +63,9 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> str:
-        self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-redis-")
+        """Start (or, after :meth:`crash`, restart on the same port and data directory)."""
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-redis-")
         args = [
             find_redis_server(),
             "--port", str(self.port),
@@ -62,9 +73,13 @@ class LocalRedis:
             "--dir", self._dir.name,
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--maxmemory-policy", "noeviction",
+            *self.extra_args,
         ]  # fmt: skip
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if "--tls-port" in self.extra_args:
+            return self.url  # the caller knows how to reach a TLS-only server
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         end = time.monotonic() + timeout
         while True:
@@ -81,6 +96,12 @@ class LocalRedis:
                 time.sleep(0.02)
         client.close()
         return self.url
+
+    def crash(self) -> None:
+        """SIGKILL the server (no shutdown save); its data directory stays for a restart."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Reason = Literal["full", "window", "idle", "deadline", "starvation"]
+Reason = Literal["full", "window", "idle", "deadline", "starvation", "retry"]
 """Why a batch left: it filled a cap, its window ran out, the device was idle and
-waiting would not pay, a member's deadline forced it, or a starved lane forced it."""
+waiting would not pay, a member's deadline forced it, or a starved lane forced it.
+``retry`` is the worker's own: a redelivered request runs alone (it may be the one that
+crashed its last worker), so a poison request cannot take healthy batch-mates down."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,24 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
-from ..connection import connect_async, default_url
+from ..connection import connect_async, default_url, is_cluster_pipeline, queue_script
 from ..schemas.codec import decode_result
 from ..schemas.errors import ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
 from .client import PIPELINE_CHUNK, raise_for_status
-from .submit import LaneCache, Prepared, build_request, prepare
+from .submit import (
+    SUBMIT_LUA,
+    LaneCache,
+    Prepared,
+    build_request,
+    prepare,
+    queue_full,
+    unavailable,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +58,9 @@ class AsyncProducer:
         wire_format: Format = "msgpack",
         default_priority: int = 1,
     ) -> None:
-        self.client = client or connect_async(url or default_url())
+        self.url = url or default_url()
+        self.client = client or connect_async(self.url)
+        self._submit = self.client.register_script(SUBMIT_LUA)
         self.limits = limits
         self.wire_format: Format = wire_format
         self.default_priority = default_priority
@@ -109,10 +120,22 @@ class AsyncProducer:
         request_id: str | None = None,
         result_format: Format | None = None,
     ) -> AsyncJob:
-        p = await self._prepare(
-            model, inputs, priority, deadline_ms, metadata, result_ttl_s, request_id, result_format
-        )
-        await self.client.xadd(p.stream, p.fields)
+        try:
+            p = await self._prepare(
+                model,
+                inputs,
+                priority,
+                deadline_ms,
+                metadata,
+                result_ttl_s,
+                request_id,
+                result_format,
+            )
+            await self._submit(keys=p.keys, args=p.args)
+        except redis.ResponseError as exc:
+            raise (queue_full(exc) or exc) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise unavailable(self.url, exc) from exc
         return AsyncJob(p.request.id, model, self)
 
     async def submit_many(
@@ -126,16 +149,33 @@ class AsyncProducer:
         result_format: Format | None = None,
     ) -> list[AsyncJob]:
         jobs: list[AsyncJob] = []
-        pipe = self.client.pipeline(transaction=False)
-        for i, inputs in enumerate(requests, 1):
-            p = await self._prepare(
-                model, inputs, priority, deadline_ms, metadata, None, None, result_format
-            )
-            pipe.xadd(p.stream, p.fields)
-            jobs.append(AsyncJob(p.request.id, model, self))
-            if i % PIPELINE_CHUNK == 0:
-                await pipe.execute()
-        await pipe.execute()
+        try:
+            prepared = [
+                await self._prepare(
+                    model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                )
+                for inputs in requests
+            ]
+            for start in range(0, len(prepared), PIPELINE_CHUNK):
+                chunk = prepared[start : start + PIPELINE_CHUNK]
+                pipe = self.client.pipeline(transaction=False)
+                for p in chunk:
+                    queued = queue_script(pipe, self._submit, p.keys, p.args)
+                    if not is_cluster_pipeline(pipe):
+                        await queued  # a plain asyncio pipeline's script call is awaited
+                full = None
+                for p, reply in zip(chunk, await pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(reply, Exception):
+                        full = queue_full(reply)
+                        if full is None:
+                            raise reply
+                    else:
+                        jobs.append(AsyncJob(p.request.id, model, self))
+                if full is not None:
+                    full.accepted = jobs  # type: ignore[attr-defined]
+                    raise full
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise unavailable(self.url, exc) from exc
         return jobs
 
     async def peek(self, job: AsyncJob) -> Result | None:

@@ -10,14 +10,24 @@ from typing import Any
 
 import redis
 
-from ..connection import connect, default_url
+from ..connection import connect, default_url, queue_script
 from ..schemas.codec import decode_result
 from ..schemas.errors import JobFailed, ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
-from .submit import LaneCache, Prepared, build_request, prepare
+from .submit import (
+    SUBMIT_LUA,
+    LaneCache,
+    Prepared,
+    build_request,
+    prepare,
+    queue_full,
+    unavailable,
+)
 
 PIPELINE_CHUNK = 1000
+SWEEP_S = 2.0
+"""A reply-channel listener re-reads stored results after this long without a message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +81,9 @@ class Producer:
         wire_format: Format = "msgpack",
         default_priority: int = 1,
     ) -> None:
-        if client is None:
-            client = connect(url or default_url())
-        self.client = client
+        self.url = url or default_url()
+        self.client = client if client is not None else connect(self.url)
+        self._submit = self.client.register_script(SUBMIT_LUA)
         self.limits = limits
         self.wire_format: Format = wire_format
         self.default_priority = default_priority
@@ -136,10 +146,22 @@ class Producer:
         result_format: Format | None = None,
     ) -> Job:
         """Queue one request (one or more input texts) on lane ``priority`` (0 = highest)."""
-        p = self._prepare(
-            model, inputs, priority, deadline_ms, metadata, result_ttl_s, request_id, result_format
-        )
-        self.client.xadd(p.stream, p.fields)
+        try:
+            p = self._prepare(
+                model,
+                inputs,
+                priority,
+                deadline_ms,
+                metadata,
+                result_ttl_s,
+                request_id,
+                result_format,
+            )
+            self._submit(keys=p.keys, args=p.args)
+        except redis.ResponseError as exc:
+            raise (queue_full(exc) or exc) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise unavailable(self.url, exc) from exc
         return Job(p.request.id, model, self)
 
     def submit_many(
@@ -152,18 +174,38 @@ class Producer:
         metadata: Mapping[str, str] | None = None,
         result_format: Format | None = None,
     ) -> list[Job]:
-        """Queue many requests (each a text or a list of texts), pipelined in chunks."""
+        """Queue many requests (each a text or a list of texts), pipelined in chunks.
+
+        Raises :class:`QueueFull` (with ``accepted``: the jobs that did go in) when a lane
+        fills up part-way.
+        """
         jobs: list[Job] = []
-        pipe = self.client.pipeline(transaction=False)
-        for i, inputs in enumerate(requests, 1):
-            p = self._prepare(
-                model, inputs, priority, deadline_ms, metadata, None, None, result_format
-            )
-            pipe.xadd(p.stream, p.fields)
-            jobs.append(Job(p.request.id, model, self))
-            if i % PIPELINE_CHUNK == 0:
-                pipe.execute()
-        pipe.execute()
+        try:
+            prepared = [
+                self._prepare(
+                    model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                )
+                for inputs in requests
+            ]
+            for start in range(0, len(prepared), PIPELINE_CHUNK):
+                chunk = prepared[start : start + PIPELINE_CHUNK]
+                pipe = self.client.pipeline(transaction=False)
+                for p in chunk:
+                    queue_script(pipe, self._submit, p.keys, p.args)
+                replies = pipe.execute(raise_on_error=False)
+                full = None
+                for p, reply in zip(chunk, replies, strict=True):
+                    if isinstance(reply, Exception):
+                        full = queue_full(reply)
+                        if full is None:
+                            raise reply
+                    else:
+                        jobs.append(Job(p.request.id, model, self))
+                if full is not None:
+                    full.accepted = jobs  # type: ignore[attr-defined]
+                    raise full
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise unavailable(self.url, exc) from exc
         return jobs
 
     # --- results ------------------------------------------------------------------------------
@@ -176,39 +218,59 @@ class Producer:
         """Poll ``job``'s result key, backing off from 1 ms to 25 ms between reads."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.001
+        down: Exception | None = None
         while True:
-            result = self.peek(job)
+            try:
+                result = self.peek(job)
+                down = None
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                result, down = None, exc  # Redis restarting: keep trying until the timeout
             if result is not None:
                 return result
             if deadline is not None and time.monotonic() >= deadline:
+                if down is not None:
+                    raise unavailable(self.url, down)
                 raise ResultTimeout(f"no result for {job.id} within {timeout}s")
-            time.sleep(pause)
+            time.sleep(pause if down is None else 0.2)
             pause = min(pause * 1.5, 0.025)
 
     def results(self, jobs: Iterable[Job], timeout: float | None = 60.0) -> Iterator[Result]:
         """Yield results as they arrive on this producer's reply channel (no polling loop).
 
-        Subscribes first, then fetches any already stored, so none is missed.
-        Raises :class:`ResultTimeout` if some are still missing after ``timeout``.
+        Subscribes first, then fetches any already stored, so none is missed. Pub/sub is
+        fire-and-forget, so after a reconnect or a quiet spell (``SWEEP_S``) it fetches the
+        stored results again. Raises :class:`ResultTimeout` if some are still missing after
+        ``timeout``.
         """
         waiting = {j.id: j for j in jobs}
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.reply_channel)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pubsub: redis.client.PubSub | None = None
         try:
-            yield from self._stored(waiting)
-            deadline = None if timeout is None else time.monotonic() + timeout
             while waiting:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if deadline is not None and time.monotonic() >= deadline:
                     raise ResultTimeout(f"{len(waiting)} results missing after {timeout}s")
-                msg = pubsub.get_message(timeout=min(left or 1.0, 1.0))
-                if msg is None or msg.get("type") != "message":
-                    continue
-                result = decode_result(msg["data"])
-                if waiting.pop(result.id, None) is not None:
-                    yield result
+                try:
+                    if pubsub is None:
+                        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(self.reply_channel)
+                        yield from self._stored(waiting)
+                        swept = time.monotonic()
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg is not None and msg.get("type") == "message":
+                        result = decode_result(msg["data"])
+                        if waiting.pop(result.id, None) is not None:
+                            yield result
+                    elif time.monotonic() - swept > SWEEP_S:
+                        yield from self._stored(waiting)
+                        swept = time.monotonic()
+                except (redis.ConnectionError, redis.TimeoutError):
+                    if pubsub is not None:
+                        pubsub.close()
+                    pubsub = None
+                    time.sleep(0.2)
         finally:
-            pubsub.close()
+            if pubsub is not None:
+                pubsub.close()
 
     def _stored(self, waiting: dict[str, Job]) -> Iterator[Result]:
         ids = list(waiting)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -11,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..schemas.codec import encode_request
-from ..schemas.errors import ErrorCode, RequestRejected
+from ..schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
 from ..schemas.keys import ModelKeys, check_model_name
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request
 
@@ -62,11 +63,36 @@ def build_request(
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A request ready to XADD."""
+    """A request ready to add with the submit script."""
 
     stream: str
     fields: dict[bytes, bytes]
     request: Request
+
+    @property
+    def keys(self) -> list[str]:
+        return [self.stream, ModelKeys(self.request.model).max_depth]
+
+    @property
+    def args(self) -> list[bytes]:
+        ((name, body),) = self.fields.items()
+        return [name, body]
+
+
+SUBMIT_LUA = importlib.resources.files(__package__).joinpath("lua", "submit.lua").read_text()
+
+
+def queue_full(exc: Exception) -> QueueFull | None:
+    """The QueueFull a submit-script error reply stands for, if it is one."""
+    text = str(exc)
+    return (
+        QueueFull(f"queue full: {text.removeprefix('QUEUEFULL ')}") if "QUEUEFULL" in text else None
+    )
+
+
+def unavailable(url: str, exc: Exception) -> Unavailable:
+    safe = url.split("@")[-1]
+    return Unavailable(f"cannot reach Redis at {safe}: {exc}")
 
 
 def prepare(request: Request, lane: int, lanes: int, wire_format: Format) -> Prepared:

@@ -105,6 +105,18 @@ def _envelope(body: Any, fmt: Format) -> Envelope:
     return env
 
 
+def envelope_of(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Best effort: the id and reply target of an entry that may be valid or not."""
+    try:
+        if MSGPACK_FIELD in fields:
+            return _envelope(unpack(fields[MSGPACK_FIELD], limits), "msgpack")
+        if JSON_FIELD in fields:
+            return _envelope(json.loads(fields[JSON_FIELD]), "json")
+    except Exception:
+        pass
+    return Envelope()
+
+
 class EntryRejected(RequestRejected):
     """An entry failed to decode or validate; ``envelope`` says whom to answer."""
 

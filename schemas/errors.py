@@ -20,6 +20,11 @@ class ErrorCode(str, Enum):
     """An input text is empty."""
     INFERENCE_FAILED = "inference_failed"
     """The model raised while computing this request."""
+    POISONED = "poisoned"
+    """Delivered too many times without an answer (it keeps failing or crashing workers);
+    moved to the dead-letter stream."""
+    QUEUE_FULL = "queue_full"
+    """The lane is at its maximum depth (raised to producers, never stored as a result)."""
     DEADLINE_EXCEEDED = "deadline_exceeded"
     """Used with status ``expired``: the deadline passed before it could be computed."""
     INTERNAL = "internal"
@@ -41,6 +46,16 @@ class RequestRejected(BatchfleetError):
     """A request failed validation; ``code`` says why."""
 
     code = ErrorCode.INVALID_REQUEST
+
+
+class QueueFull(BatchfleetError):
+    """The lane holds its maximum number of requests: back off and retry, or shed load."""
+
+    code = ErrorCode.QUEUE_FULL
+
+
+class Unavailable(BatchfleetError):
+    """Redis cannot be reached (after retries with backoff)."""
 
 
 class ConfigError(BatchfleetError):

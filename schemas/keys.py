@@ -55,6 +55,16 @@ class ModelKeys:
         return f"{self.tag}:dead"
 
     @property
+    def reclaim_lock(self) -> str:
+        """Short lock: the one worker taking over dead workers' entries right now."""
+        return f"{self.tag}:reclaim-lock"
+
+    @property
+    def max_depth(self) -> str:
+        """A string holding the per-lane queue-depth limit (absent or 0: unbounded)."""
+        return f"{self.tag}:max-depth"
+
+    @property
     def workers(self) -> str:
         """Hash of live consumers: name → unix ms of its last heartbeat."""
         return f"{self.tag}:workers"

@@ -57,7 +57,9 @@ def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_classifier(tmp_path_factory.mktemp("tiny-classifier"))
 
 
-def fleet_toml(redis_url: str, models: dict[str, dict[str, object]]) -> str:
+def fleet_toml(
+    redis_url: str, models: dict[str, dict[str, object]], worker: dict[str, object] | None = None
+) -> str:
     """A fleet file's text from plain dicts (enough TOML for the tests)."""
 
     def value(v: object) -> str:
@@ -69,7 +71,9 @@ def fleet_toml(redis_url: str, models: dict[str, dict[str, object]]) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return str(v)
 
-    lines = [f'redis_url = "{redis_url}"', "[worker]", "claim_idle_ms = 2000", ""]
+    worker = {"claim_idle_ms": 2000, **(worker or {})}
+    lines = [f'redis_url = "{redis_url}"', "[worker]"]
+    lines += [f"{k} = {value(v)}" for k, v in worker.items()] + [""]
     for name, spec in models.items():
         tables = {k: v for k, v in spec.items() if isinstance(v, dict)}
         lines.append(f"[models.{name}]")
@@ -87,7 +91,9 @@ class WorkerProcess:
     def __init__(self, config: Path, name: str, log: Path, *extra: str) -> None:
         self.name = name
         self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        here = str(Path(__file__).parent)
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "batchfleet", "worker", "--config", str(config),
              "--name", name, "--loglevel", "INFO", *extra],
@@ -106,6 +112,14 @@ class WorkerProcess:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"worker {self.name} not ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no acks, like a crash or an OOM-killer."""
+        self.process.kill()
+        self.process.wait()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.process.poll() is None:

@@ -199,3 +199,50 @@ def test_a_failing_request_does_not_sink_its_batch(tiny_embedder: Path, r: redis
 
 def test_entry_id_time_is_the_enqueue_time() -> None:
     assert Entry(0, "1700000000123-4", {}).enqueued_ms == 1700000000123
+
+
+def test_out_of_memory_splits_and_lowers_the_caps(tiny_embedder: Path, r: redis.Redis) -> None:
+    from fault_handlers import FaultyEmbedder
+
+    # Given a model that runs out of memory above 4 rows, and 96 requests queued at once
+    handler = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"oom_above": 4})
+    producer = Producer(client=r)
+    jobs = producer.submit_many(MODEL, [f"the dog {i}" for i in range(96)], priority=0)
+    loop = run_loop(r, handler)
+    # Then every request succeeds, the OOM was seen, and later batches fit under the limit
+    results = [j.result(timeout=1) for j in jobs]
+    assert all(res.ok for res in results)
+    assert loop.stats.oom_events >= 1
+    sizes = [res.timings.batch_size for res in results]
+    assert max(sizes) > 4, "the first batch was larger than the device could take"
+    assert sizes[-1] <= 8, "the engine lowered its caps"
+    assert handler.largest_run <= 4
+
+
+def test_dead_letters_list_replay_and_purge(r: redis.Redis, handler: EmbeddingHandler) -> None:
+    from batchfleet import dlq
+
+    # Given two dead letters: an unreadable entry, and a poison request that was answered
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(2), {"msgpack": b"\xc1"})
+    req = Request(id="poisoned-1", model=MODEL, inputs=["the dog"])
+    r.xadd(KEYS.lane(1), encode_request(req))
+    entries = streams.read({1: 1, 2: 1}, None)
+    for e in entries:
+        streams.dead_letter(e, "poisoned", "test", "w", 100)
+    r.set(KEYS.result(req.id), b"old error result")
+
+    listed = dlq.list_dead(r, MODEL)
+    assert [d.code for d in listed] == ["poisoned", "poisoned"]
+    assert {d.request_id for d in listed} == {None, "poisoned-1"}
+
+    # When replayed without force, the answered one is skipped; with force it goes back
+    report = dlq.replay(r, MODEL)
+    assert len(report.replayed) == 1 and len(report.skipped) == 1
+    report = dlq.replay(r, MODEL, [d.id for d in dlq.list_dead(r, MODEL)], force=True)
+    assert len(report.replayed) == 1 and r.get(KEYS.result(req.id)) is None
+    run_loop(r, handler)
+    assert result_of(r, req.id).ok, "the replayed request was computed"
+    assert dlq.purge(r, MODEL) == 1  # the unreadable one, dead-lettered again
+    assert r.xlen(KEYS.dead) == 0

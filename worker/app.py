@@ -64,7 +64,7 @@ class BatchLoopStep(bootsteps.StartStopStep):
         if not names:
             raise RuntimeError("no models configured: add [models.<name>] to the fleet file")
         consumer = fleet.worker.name or worker.hostname
-        client = connect(fleet.redis_url, socket_timeout=None)
+        client = connect(fleet.redis_url, socket_timeout=fleet.worker.block_ms / 1000 + 10)
         for name in names:
             if name not in fleet.models:
                 raise RuntimeError(

@@ -23,9 +23,9 @@ import redis
 
 from ..batching.engine import Engine
 from ..batching.lanes import split_budget
-from ..batching.types import Batch, Waiting
+from ..batching.types import Batch, Plan, Waiting
 from ..config import ModelConfig, WorkerConfig
-from ..schemas.codec import EntryRejected, decode_entry, encode_result
+from ..schemas.codec import EntryRejected, decode_entry, encode_result, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings
 from .handlers.base import Encoded, Handler
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 RECLAIM_EVERY_S = 5.0
 HEARTBEAT_EVERY_S = 2.0
+SUSPECT = 3
+"""Deliveries from which a request runs alone (see ModelStreams.reclaim)."""
 
 
 @dataclass(slots=True)
@@ -92,6 +94,9 @@ class BatchLoop:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._last_reclaim = 0.0
+        self._reclaiming = False
+        self._running_suspect = False
+        self._unpublished: list[tuple[InFlight, BatchOutcome]] = []
         self._last_heartbeat = 0.0
         self._idle_reads = 0
         self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{model}")
@@ -125,7 +130,7 @@ class BatchLoop:
             self._stopped.set()
 
     def _run(self) -> None:
-        self.streams.ensure_groups()
+        self.streams.ensure_groups(self.config.max_queue_depth)
         clock = self._clock or RedisClock(self.streams)
         inflight: InFlight | None = None
         backoff = 0.05
@@ -134,13 +139,22 @@ class BatchLoop:
             try:
                 inflight = self._step(clock, inflight)
                 backoff = 0.05
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             if inflight is None and (self._stop.is_set() or self._burst_done()):
                 break
+        if self._held:
+            with contextlib.suppress(redis.RedisError):
+                self.streams.release(
+                    [h.entry for h in self._held.values()], self.worker.claim_idle_ms
+                )
+                logger.info(
+                    "released %d unstarted requests of %s to the fleet", len(self._held), self.model
+                )
+            self._held.clear()
         with contextlib.suppress(redis.RedisError):
             self.streams.unregister()
         logger.info("batch loop for %s stopped", self.model)
@@ -150,13 +164,15 @@ class BatchLoop:
 
     def _step(self, clock: Callable[[], float], inflight: InFlight | None) -> InFlight | None:
         now = clock()
-        finished: tuple[InFlight, BatchOutcome] | None = None
         if inflight is not None and inflight.future.done():
-            finished = (inflight, inflight.future.result())
-            self._learn(*finished, now)
+            self._unpublished.append((inflight, inflight.future.result()))
+            self._learn(*self._unpublished[-1], now)
             inflight = None
 
-        if inflight is None:
+        suspect = self._suspect()
+        if inflight is None and suspect is not None:
+            plan = Plan(batch=Batch((suspect,), "retry"))
+        elif inflight is None:
             plan = self.engine.plan(self._waiting(), now, None)
         else:
             expected = inflight.dispatched_at + self.engine.estimate(
@@ -167,8 +183,9 @@ class BatchLoop:
             self._expire(plan.expired, clock())
         if inflight is None and plan.batch is not None and not self._stop.is_set():
             inflight = self._dispatch(plan.batch, clock())
-        if finished is not None:
-            self._publish(*finished, clock())
+        while self._unpublished:  # kept until stored, so a Redis outage loses no result
+            self._publish(*self._unpublished[0], clock())
+            self._unpublished.pop(0)
 
         if self._stop.is_set():
             if inflight is not None:
@@ -196,7 +213,11 @@ class BatchLoop:
         return inflight
 
     def _waiting(self) -> list[Waiting]:
-        return [h.waiting for h in self._held.values()]
+        return [h.waiting for h in self._held.values() if h.entry.deliveries < SUSPECT]
+
+    def _suspect(self) -> Waiting | None:
+        """A request whose last two holders died (one may have died of it): it runs alone."""
+        return next((h.waiting for h in self._held.values() if h.entry.deliveries >= SUSPECT), None)
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -204,9 +225,14 @@ class BatchLoop:
         if now - self._last_heartbeat > HEARTBEAT_EVERY_S:
             self._last_heartbeat = now
             self.streams.heartbeat(int(now * 1000))
-        if now - self._last_reclaim > RECLAIM_EVERY_S:
+        holds_suspect = self._running_suspect or self._suspect() is not None
+        if now - self._last_reclaim > RECLAIM_EVERY_S or (self._reclaiming and not holds_suspect):
             self._last_reclaim = now
-            self._admit(self.streams.reclaim(self.worker.claim_idle_ms, budget), now)
+            found = self.streams.reclaim(
+                self.worker.claim_idle_ms, budget, suspects=not holds_suspect
+            )
+            self._reclaiming = bool(found)
+            self._admit(found, now)
         lanes = range(self.config.lanes)
         entries = self.streams.read(split_budget(budget, lanes, self.engine.policy), block_ms)
         self._idle_reads = 0 if entries else self._idle_reads + 1
@@ -232,6 +258,11 @@ class BatchLoop:
             if already:
                 self.streams.ack_only([fresh[i][0] for i in already])
                 fresh = [f for i, f in enumerate(fresh) if i not in already]
+        poison = [f for f in fresh if f[0].deliveries > self.worker.max_deliveries]
+        for entry, _, _ in poison:
+            self._poisoned(entry, now)
+        if poison:
+            fresh = [f for f in fresh if f[0].deliveries <= self.worker.max_deliveries]
         texts = [t for _, req, _ in fresh for t in req.inputs]
         try:
             encoded = self.handler.encode(texts) if texts else []
@@ -268,17 +299,29 @@ class BatchLoop:
             self._held[entry.key] = Held(entry, request, fmt, list(rows), waiting, now)
             self.stats.received(entry.lane)
 
-    def _reject(self, entry: Entry, exc: EntryRejected, now: float) -> None:
+    def _poisoned(self, entry: Entry, now: float) -> None:
+        """Delivered too often without an answer: dead-letter it and tell its requester."""
+        reason = (
+            f"delivered {entry.deliveries} times without an answer (max_deliveries "
+            f"{self.worker.max_deliveries}): it keeps failing or crashing workers"
+        )
+        env = envelope_of(entry.fields, self.config.limits)
+        self._reject(entry, EntryRejected(reason, ErrorCode.POISONED, env), now, dead=True)
+
+    def _reject(self, entry: Entry, exc: EntryRejected, now: float, dead: bool = False) -> None:
+        """Answer a request that will not be computed; dead-letter it if nobody can be
+        answered (or ``dead``: it is poison and operators should see it)."""
         env = exc.envelope
         self.stats.rejected(exc.code.value)
-        if env.id is None:
-            dead = self.streams.dead_letter(
+        if dead or env.id is None:
+            dead_id = self.streams.dead_letter(
                 entry, exc.code.value, str(exc), self.consumer, self.worker.dead_letter_maxlen
             )
             self.observers.on_dead_letter(self.model, entry.lane, exc.code.value, str(exc))
             logger.warning(
-                "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead, exc
+                "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead_id, exc
             )
+        if env.id is None:
             return
         logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
         result = self._result(env.id, "error", env.metadata, self._timings(entry, now, now, now),
@@ -297,10 +340,12 @@ class BatchLoop:
             "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
             batch_id, self.model, len(held), batch.rows, batch.padded_tokens, batch.reason,
         )  # fmt: skip
+        self._running_suspect = batch.reason == "retry"
         self.observers.on_dispatch(self.model, batch, batch_id, now)
         return InFlight(batch, held, future, now, batch_id)
 
     def _learn(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
+        self._running_suspect = False
         seconds = max(0.0, now - inflight.dispatched_at)
         if outcome.out_of_memory:
             self.engine.out_of_memory(inflight.batch, now)

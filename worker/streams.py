@@ -9,24 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from redis.cluster import ClusterPipeline
 from redis.commands.core import Script
 
+from ..connection import queue_script
 from ..schemas.keys import GROUP, ModelKeys
 
 
 def _script(client: redis.Redis, name: str) -> Script:
     source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
     return client.register_script(source)
-
-
-def _queue_script(pipe: Any, script: Script, keys: list[str], args: list[Any]) -> None:
-    """Queue a script call on a pipeline. A cluster pipeline refuses EVALSHA (it cannot load a
-    missing script on the right node mid-pipeline), so it gets the source with EVAL."""
-    if isinstance(pipe, ClusterPipeline):
-        pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    else:
-        script(keys=keys, args=args, client=pipe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +64,9 @@ class ModelStreams:
         self._finish = _script(client, "finish.lua")
         self._dead = _script(client, "dead_letter.lua")
 
-    def ensure_groups(self) -> None:
+    def ensure_groups(self, max_depth: int | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
-        the first worker is missed) and publish the lane count for producers."""
+        the first worker is missed) and publish the lane count and depth limit for producers."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -83,6 +74,10 @@ class ModelStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self.client.set(self.keys.lanes_key, self.lanes)
+        if max_depth:
+            self.client.set(self.keys.max_depth, max_depth)
+        else:
+            self.client.delete(self.keys.max_depth)
 
     def heartbeat(self, now_ms: int) -> None:
         """Mark this consumer alive (readiness checks and `status` read this hash)."""
@@ -119,19 +114,52 @@ class ModelStreams:
                     out.append(Entry(lane, entry_id.decode(), fields))
         return out
 
-    def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over entries other consumers have held for ``min_idle_ms`` (crashed workers)."""
+    def reclaim(
+        self, min_idle_ms: int, count: int, *, suspects: bool, lock_ms: int = 2000
+    ) -> list[Entry]:
+        """Take over entries held by any consumer for ``min_idle_ms`` (its worker died).
+
+        Entries on their first redelivery are taken up to ``count``. Entries that were
+        already redelivered (their last two holders died: one of them may be the cause)
+        are taken one at a time, and only when ``suspects`` is true, so a suspect runs
+        alone and an innocent entry never dies alongside a poison one. One worker reclaims
+        at a time per model (a short Redis lock), so live workers do not steal back and
+        forth. Each entry carries its delivery count, for the caller's poison check.
+        """
+        lock = self.keys.reclaim_lock
+        mine = self.client.set(lock, self.consumer, nx=True, px=lock_ms)
+        if not mine and self.client.get(lock) != self.consumer.encode():
+            return []
         out: list[Entry] = []
         for lane, stream in enumerate(self.streams):
-            reply = self.client.xautoclaim(
-                stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count
+            pending = self.client.xpending_range(
+                stream, GROUP, min="-", max="+", count=count, idle=min_idle_ms
             )
-            # Redis 6.2 answers [cursor, messages]; 7.x adds the deleted ids.
-            messages = reply[1] if len(reply) > 1 else []
-            for entry_id, fields in messages:
-                if fields:
-                    out.append(Entry(lane, entry_id.decode(), fields, deliveries=2))
+            first = [p for p in pending if p["times_delivered"] <= 1]
+            again = [p for p in pending if p["times_delivered"] > 1][: 1 if suspects else 0]
+            if suspects and again:
+                suspects = False
+            chosen = {p["message_id"]: int(p["times_delivered"]) for p in first + again}
+            if not chosen:
+                continue
+            claimed = self.client.xclaim(stream, GROUP, self.consumer, min_idle_ms, list(chosen))
+            for entry_id, fields in claimed:
+                if fields:  # None: deleted while pending
+                    out.append(Entry(lane, entry_id.decode(), fields, chosen[entry_id] + 1))
+                else:
+                    self.client.xack(stream, GROUP, entry_id)
         return out
+
+    def release(self, entries: Sequence[Entry], idle_ms: int) -> None:
+        """Hand entries this worker read but will not compute back to the fleet: mark them
+        idle long enough for the next reclaim, without counting a delivery."""
+        by_lane: dict[int, list[str]] = {}
+        for e in entries:
+            by_lane.setdefault(e.lane, []).append(e.id)
+        for lane, ids in by_lane.items():
+            self.client.xclaim(
+                self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms, justid=True
+            )
 
     def existing_results(self, request_ids: Sequence[str]) -> list[bool]:
         """Which of these requests already have a stored result (redeliveries)."""
@@ -148,7 +176,7 @@ class ModelStreams:
             return []
         pipe = self.client.pipeline(transaction=False)
         for it in items:
-            _queue_script(
+            queue_script(
                 pipe,
                 self._finish,
                 [self.keys.result(it.request_id), self.streams[it.entry.lane]],
