@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -94,10 +95,120 @@ def _dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+def _webhooks_worker(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .webhooks.worker import run_worker
+
+    fleet = load_config(args.config)
+    return run_worker(fleet, name=args.name, concurrency=args.concurrency, loglevel=args.loglevel)
+
+
+def _webhooks_list_failed(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .connection import connect
+    from .webhooks.deadletter import list_failed
+
+    fleet = load_config(args.config)
+    client = connect(fleet.redis_url)
+    found = 0
+    for record in list_failed(client, count=args.count):
+        print(json.dumps(record.summary()))
+        found += 1
+    if not found:
+        print("no failed webhook deliveries", file=sys.stderr)
+    return 0
+
+
+def _webhooks_redeliver(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .connection import connect
+    from .webhooks.deadletter import redeliver
+    from .worker.app import create_app
+
+    fleet = load_config(args.config)
+    if not args.ids and not args.all:
+        print("give record ids (from list-failed) or --all", file=sys.stderr)
+        return 2
+    queued = redeliver(connect(fleet.redis_url), create_app(fleet), args.ids, count=args.count)
+    for record_id in queued:
+        print(record_id)
+    missing = len(args.ids) - len(queued) if args.ids else 0
+    print(f"queued {len(queued)} redeliveries", file=sys.stderr)
+    return 1 if missing else 0
+
+
 def _simulate(args: argparse.Namespace, rest: list[str]) -> int:
     from .batching.simulate_cli import main as simulate_main
 
     return int(simulate_main(rest))
+
+
+def _status(args: argparse.Namespace) -> int:
+    import redis
+
+    from .status import print_status
+
+    try:
+        print_status(_url(args), args.model, workers=not args.no_workers)
+    except redis.ConnectionError as exc:
+        print(f"cannot reach Redis: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from .status import top
+
+    with contextlib.suppress(KeyboardInterrupt):
+        top(_url(args), args.model, interval=args.interval)
+    return 0
+
+
+def _flower(args: argparse.Namespace) -> int:
+    env = dict(os.environ, FLOWER_UNAUTHENTICATED_API=os.environ.get(
+        "FLOWER_UNAUTHENTICATED_API", "false"))  # fmt: skip
+    if args.config:
+        env["BATCHFLEET_CONFIG"] = os.path.abspath(args.config)
+    if args.redis_url:
+        env["REDIS_URL"] = args.redis_url
+    argv = ["celery", "-A", "batchfleet.worker.app", "flower",
+            f"--port={args.port}", f"--address={args.address}", *args.flower_args]  # fmt: skip
+    os.execvpe(argv[0], argv, env)
+    return 1  # not reached
+
+
+def _control(args: argparse.Namespace) -> int:
+    from .worker.control import parse_settings, send
+
+    arguments: dict[str, object] = {"model": args.model}
+    if args.command == "policy":
+        try:
+            parse_settings(args.settings)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        arguments["settings"] = args.settings
+    replies = send(
+        _url(args),
+        f"bf_{args.command}",
+        arguments,
+        destination=args.destination,
+        timeout=args.timeout,
+    )
+    if not replies:
+        print("no worker answered", file=sys.stderr)
+        return 1
+    for host, reply in sorted(replies.items()):
+        print(f"{host}: {json.dumps(reply)}")
+    return 1 if any("error" in r for r in replies.values()) else 0
+
+
+def _url(args: argparse.Namespace) -> str:
+    from .config import load_config
+
+    if args.redis_url:
+        return str(args.redis_url)
+    return load_config(args.config).redis_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,8 +257,66 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--count", type=int, default=100)
     q.add_argument("--redis-url", default=None)
     q.set_defaults(func=_dlq)
+    h = sub.add_parser("webhooks", help="webhook delivery: worker, failed deliveries")
+    hsub = h.add_subparsers(dest="webhooks_command", required=True)
+    hw = hsub.add_parser("worker", help="run a webhooks worker (CPU Celery worker, threads)")
+    hw.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hw.add_argument("--name", "-n", help="Celery hostname (unique per worker)")
+    hw.add_argument("--concurrency", type=int, default=None, help="deliveries in flight")
+    hw.add_argument("--loglevel", default="INFO")
+    hw.set_defaults(func=_webhooks_worker)
+    hl = hsub.add_parser("list-failed", help="print failed deliveries, one JSON line each")
+    hl.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hl.add_argument("--count", type=int, default=100)
+    hl.set_defaults(func=_webhooks_list_failed)
+    hr = hsub.add_parser("redeliver", help="queue failed deliveries again (same webhook-id)")
+    hr.add_argument("ids", nargs="*", help="record ids from list-failed")
+    hr.add_argument("--all", action="store_true", help="the oldest --count records")
+    hr.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hr.add_argument("--count", type=int, default=100)
+    hr.set_defaults(func=_webhooks_redeliver)
 
     sub.add_parser("simulate", help="run the batching simulator (see `simulate --help`)")
+
+    def where(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config", "-c", help="fleet file (for redis_url); default $BATCHFLEET_CONFIG"
+        )
+        p.add_argument("--redis-url", default=None, help="overrides the fleet file's redis_url")
+
+    st = sub.add_parser("status", help="streams, depth and lag per lane, workers (one table)")
+    where(st)
+    st.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
+    st.add_argument("--no-workers", action="store_true", help="skip `celery inspect stats`")
+    st.set_defaults(func=_status)
+
+    tp = sub.add_parser("top", help="`status`, refreshed live (Ctrl-C to quit)")
+    where(tp)
+    tp.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
+    tp.add_argument("--interval", "-i", type=float, default=2.0, help="seconds between refreshes")
+    tp.set_defaults(func=_top)
+
+    fl = sub.add_parser("flower", help="run Flower on the fleet's broker")
+    where(fl)
+    fl.add_argument("--port", type=int, default=5555)
+    fl.add_argument("--address", default="127.0.0.1")
+    fl.add_argument("flower_args", nargs="*", help="passed to flower (after --)")
+    fl.set_defaults(func=_flower)
+
+    for name, text in (
+        ("pause", "stop reading new requests (held ones are still answered)"),
+        ("resume", "resume reading after pause"),
+        ("drain", "answer what is held, then stop; the worker exits when all its models are"),
+        ("policy", "change batch policy knobs live: policy MODEL key=value ..."),
+    ):
+        c = sub.add_parser(name, help=text)
+        where(c)
+        c.add_argument("model", nargs=None if name == "policy" else "?", help="model (default all)")
+        if name == "policy":
+            c.add_argument("settings", nargs="+", help="e.g. max_batch_size=8 max_wait_ms=2")
+        c.add_argument("--destination", "-d", action="append", help="only this worker hostname")
+        c.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for replies")
+        c.set_defaults(func=_control)
     return parser
 
 

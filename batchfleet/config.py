@@ -35,6 +35,7 @@ from .batching.types import Policy
 from .connection import DEFAULT_REDIS_URL, URL_SCHEMES, is_cluster_url
 from .schemas.keys import check_model_name
 from .schemas.messages import Limits
+from .webhooks.config import WebhooksConfig
 
 
 class BatchConfig(BaseModel):
@@ -125,6 +126,30 @@ class HealthConfig(BaseModel):
     host: str = "0.0.0.0"
 
 
+class MetricsConfig(BaseModel):
+    """The worker's Prometheus ``/metrics`` endpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    port: int = Field(9808, ge=0, le=65_535)
+    """0: any free port. If the port is taken (several workers on one host), a free one is
+    used instead and logged; ``celery inspect stats`` shows each worker's ``metrics_url``."""
+    address: str = "0.0.0.0"
+
+
+class EventsConfig(BaseModel):
+    """Celery task events for Flower: one task per micro-batch, never per request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    max_batches_per_s: float = Field(50.0, gt=0)
+    """Per worker and model; above this rate batches are sampled (the rest are not reported)."""
+    queue_size: int = Field(10_000, ge=1)
+    """Events waiting for the sender thread; beyond this they are dropped, never blocking."""
+
+
 class FleetConfig(BaseSettings):
     """The whole fleet file."""
 
@@ -145,6 +170,9 @@ class FleetConfig(BaseSettings):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
 
     @field_validator("redis_url")
     @classmethod

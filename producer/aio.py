@@ -22,6 +22,7 @@ from .submit import (
     SUBMIT_LUA,
     LaneCache,
     Prepared,
+    WebhookArg,
     build_request,
     prepare,
     queue_full,
@@ -93,6 +94,7 @@ class AsyncProducer:
         result_ttl_s: int | None,
         request_id: str | None,
         result_format: Format | None,
+        webhook: WebhookArg = None,
     ) -> Prepared:
         request = build_request(
             model,
@@ -104,6 +106,7 @@ class AsyncProducer:
             result_ttl_s=result_ttl_s,
             metadata=metadata,
             result_format=result_format,
+            webhook=webhook,
         )
         lane = self.default_priority if priority is None else priority
         return prepare(request, lane, await self.lanes(model), self.wire_format)
@@ -119,6 +122,7 @@ class AsyncProducer:
         result_ttl_s: int | None = None,
         request_id: str | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> AsyncJob:
         try:
             p = await self._prepare(
@@ -130,6 +134,7 @@ class AsyncProducer:
                 result_ttl_s,
                 request_id,
                 result_format,
+                webhook,
             )
             await self._submit(keys=p.keys, args=p.args)
         except redis.ResponseError as exc:
@@ -147,12 +152,21 @@ class AsyncProducer:
         deadline_ms: int | None = None,
         metadata: Mapping[str, str] | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> list[AsyncJob]:
         jobs: list[AsyncJob] = []
         try:
             prepared = [
                 await self._prepare(
-                    model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                    model,
+                    inputs,
+                    priority,
+                    deadline_ms,
+                    metadata,
+                    None,
+                    None,
+                    result_format,
+                    webhook,
                 )
                 for inputs in requests
             ]

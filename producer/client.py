@@ -19,6 +19,7 @@ from .submit import (
     SUBMIT_LUA,
     LaneCache,
     Prepared,
+    WebhookArg,
     build_request,
     prepare,
     queue_full,
@@ -118,6 +119,7 @@ class Producer:
         result_ttl_s: int | None,
         request_id: str | None,
         result_format: Format | None,
+        webhook: WebhookArg = None,
     ) -> Prepared:
         request = build_request(
             model,
@@ -129,6 +131,7 @@ class Producer:
             result_ttl_s=result_ttl_s,
             metadata=metadata,
             result_format=result_format,
+            webhook=webhook,
         )
         lane = self.default_priority if priority is None else priority
         return prepare(request, lane, self.lanes(model), self.wire_format)
@@ -144,8 +147,12 @@ class Producer:
         result_ttl_s: int | None = None,
         request_id: str | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> Job:
-        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest)."""
+        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest).
+
+        ``webhook="https://..."`` (or ``{"url": ..., "secret_id": ..., "format": ...}``) also
+        POSTs the result there, signed; the result stays pollable either way."""
         try:
             p = self._prepare(
                 model,
@@ -156,6 +163,7 @@ class Producer:
                 result_ttl_s,
                 request_id,
                 result_format,
+                webhook,
             )
             self._submit(keys=p.keys, args=p.args)
         except redis.ResponseError as exc:
@@ -173,6 +181,7 @@ class Producer:
         deadline_ms: int | None = None,
         metadata: Mapping[str, str] | None = None,
         result_format: Format | None = None,
+        webhook: WebhookArg = None,
     ) -> list[Job]:
         """Queue many requests (each a text or a list of texts), pipelined in chunks.
 
@@ -183,7 +192,15 @@ class Producer:
         try:
             prepared = [
                 self._prepare(
-                    model, inputs, priority, deadline_ms, metadata, None, None, result_format
+                    model,
+                    inputs,
+                    priority,
+                    deadline_ms,
+                    metadata,
+                    None,
+                    None,
+                    result_format,
+                    webhook,
                 )
                 for inputs in requests
             ]

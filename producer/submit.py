@@ -14,7 +14,10 @@ from pydantic import ValidationError
 from ..schemas.codec import encode_request
 from ..schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
 from ..schemas.keys import ModelKeys, check_model_name
-from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request
+from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Webhook
+
+WebhookArg = str | Webhook | Mapping[str, Any] | None
+"""A webhook URL, or a :class:`Webhook` / map with ``url``, ``secret_id``, ``format``."""
 
 DEFAULT_LANES = 3
 LANES_CACHE_S = 30.0
@@ -35,6 +38,7 @@ def build_request(
     result_ttl_s: int | None = None,
     metadata: Mapping[str, str] | None = None,
     result_format: Format | None = None,
+    webhook: WebhookArg = None,
 ) -> Request:
     """Validate a request on the producer side, with the same rules the worker applies."""
     check_model_name(model)
@@ -48,6 +52,7 @@ def build_request(
         "result_ttl_s": result_ttl_s,
         "metadata": dict(metadata or {}),
         "format": result_format,
+        "webhook": {"url": webhook} if isinstance(webhook, str) else webhook,
     }
     try:
         return Request.model_validate(body, context={"limits": limits})

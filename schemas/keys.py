@@ -75,6 +75,45 @@ class ModelKeys:
         return f"{self.tag}:lanes"
 
 
+LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
+"""SCAN pattern matching every model's lanes key: the models a fleet serves."""
+
+
+def model_of_lanes_key(key: str) -> str | None:
+    """The model whose lanes key this is (a match of ``LANES_KEY_PATTERN``), else None."""
+    head, tail = f"{PREFIX}:{{", "}:lanes"
+    if key.startswith(head) and key.endswith(tail):
+        model = key[len(head) : -len(tail)]
+        return model if MODEL_NAME.match(model) else None
+    return None
+
+
 def default_reply_channel(client_id: str) -> str:
     """The reply channel a Python producer subscribes to (one per producer)."""
     return f"{PREFIX}:reply:{client_id}"
+
+
+WEBHOOK_QUEUE = "webhooks"
+"""The Celery queue (a Redis list of that name) webhook delivery tasks travel on."""
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookKeys:
+    """Names of the webhook delivery keys (fleet-wide, not per model)."""
+
+    prefix: str = f"{PREFIX}:webhooks"
+
+    @property
+    def scheduled(self) -> str:
+        """Sorted set of deliveries waiting longer than a Celery countdown may: score = due ms."""
+        return f"{self.prefix}:scheduled"
+
+    @property
+    def failed(self) -> str:
+        """Stream of failed deliveries (dead letters), for ``batchfleet webhooks list-failed``."""
+        return f"{self.prefix}:failed"
+
+    @property
+    def disabled(self) -> str:
+        """Hash of endpoints that answered 410 Gone: url → JSON reason. No more deliveries."""
+        return f"{self.prefix}:disabled"

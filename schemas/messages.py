@@ -34,6 +34,20 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SECRET_ID = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class Webhook(_Wire):
+    """Where to POST a request's result. Secrets live in the fleet file, never in a request."""
+
+    url: str = Field(min_length=8, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\s]+$")
+    """``https://`` (``http://`` only where the fleet allows it); checked again on delivery."""
+    secret_id: str | None = Field(None, pattern=SECRET_ID)
+    """Which configured secret signs the delivery; default: the fleet's."""
+    format: Format | None = None
+    """Body encoding; default ``json``."""
+
+
 class Request(_Wire):
     """One inference request: the map stored in a lane stream entry."""
 
@@ -50,6 +64,8 @@ class Request(_Wire):
     """Encoding of the result; default: the encoding the request came in."""
     metadata: dict[str, str] = Field(default_factory=dict)
     """Opaque strings echoed back in the result."""
+    webhook: Webhook | None = None
+    """POST the result there too (signed, retried); it stays pollable either way."""
 
     @model_validator(mode="after")
     def _within_limits(self, info: ValidationInfo) -> Request:

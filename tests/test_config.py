@@ -77,3 +77,10 @@ def test_model_paths(tmp_path: Path) -> None:
 def test_max_inputs_never_exceeds_the_batch(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, FLEET))
     assert cfg.models["minilm"].limits.max_inputs == 16
+
+
+def test_the_shipped_example_fleet_file_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    cfg = load_config(Path(__file__).parents[1] / "deploy" / "fleet.example.toml")
+    assert cfg.models["minilm"].max_queue_depth == 10000
+    assert cfg.worker.max_deliveries == 3

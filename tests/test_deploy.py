@@ -114,6 +114,10 @@ def test_workers_scalers_and_budgets_agree(rendered: tuple[str, list[dict[str, A
         port = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         assert int(env["BATCHFLEET_HEALTH__PORT"]) == port
+        metrics = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+        assert int(env["BATCHFLEET_METRICS__PORT"]) == metrics
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(metrics)
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
         drain = float(env["BATCHFLEET_WORKER__SHUTDOWN_GRACE_S"])
@@ -197,7 +201,9 @@ def test_compose_services() -> None:
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert targets == {f"{name}:9100" for name in workers}
+    ports = {svc["environment"]["BATCHFLEET_METRICS__PORT"] for svc in workers.values()}
+    assert targets == {f"{name}:{port}" for name in workers for port in ports}
+    assert "BATCHFLEET_WEBHOOKS__SECRET" in services["webhooks"]["environment"]
     assert "redis.conf" in " ".join(services["redis"]["command"])
 
 

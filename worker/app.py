@@ -22,9 +22,14 @@ from celery import Celery, bootsteps
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
+from ..webhooks import tasks as webhook_tasks
+from ..webhooks.observer import webhook_observer
+from . import control
+from .events import batch_task_name, flower_events
 from .handlers import resolve
 from .health import Health, HealthServer
 from .loop import BatchLoop
+from .metrics import prometheus_metrics
 from .observers import LoopObserver
 
 ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
@@ -32,11 +37,6 @@ ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
 logger = logging.getLogger(__name__)
 
 CELERY_QUEUE = "batchfleet"
-
-
-def batch_task_name(model: str) -> str:
-    """Name under which a model's micro-batches show in Flower."""
-    return f"batchfleet.batch.{model}"
 
 
 class BatchLoopStep(bootsteps.StartStopStep):
@@ -130,7 +130,16 @@ class BatchLoopStep(bootsteps.StartStopStep):
             self.health_server.close()
 
     def info(self, worker: Any) -> dict[str, Any]:
-        return {"batchfleet": {loop.model: loop.stats.snapshot() for loop in self.loops}}
+        out: dict[str, Any] = {
+            "batchfleet": {
+                loop.model: {**loop.stats.snapshot(), **control.loop_info(loop)}
+                for loop in self.loops
+            }
+        }
+        metrics = getattr(worker, "_batchfleet_metrics", None)
+        if metrics is not None:
+            out["batchfleet_metrics_url"] = metrics.url
+        return out
 
 
 def create_app(
@@ -155,7 +164,13 @@ def create_app(
     app.batchfleet_models = models  # type: ignore[attr-defined]
     app.batchfleet_burst = burst  # type: ignore[attr-defined]
     # Factories (worker, fleet, model) -> LoopObserver: metrics, Flower events, webhooks.
-    app.batchfleet_observers = []  # type: ignore[attr-defined]
+    app.batchfleet_observers = [  # type: ignore[attr-defined]
+        control.recent_rate,
+        prometheus_metrics,
+        flower_events,
+        webhook_observer,
+    ]
+    webhook_tasks.register(app)  # run by `batchfleet webhooks worker`, on queue `webhooks`
     app.steps["worker"].add(BatchLoopStep)
     for name in fleet.models:
         # Registered so `inspect registered` and Flower know the batch task names.

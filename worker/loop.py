@@ -23,7 +23,7 @@ import redis
 
 from ..batching.engine import Engine
 from ..batching.lanes import split_budget
-from ..batching.types import Batch, Plan, Waiting
+from ..batching.types import Batch, Plan, Policy, Waiting
 from ..config import ModelConfig, WorkerConfig
 from ..schemas.codec import EntryRejected, decode_entry, encode_result, envelope_of
 from ..schemas.errors import ErrorCode
@@ -99,6 +99,8 @@ class BatchLoop:
         self._unpublished: list[tuple[InFlight, BatchOutcome]] = []
         self._last_heartbeat = 0.0
         self._idle_reads = 0
+        self._paused = False
+        self._draining = False
         self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{model}")
 
     # --- control ----------------------------------------------------------------------------
@@ -119,6 +121,34 @@ class BatchLoop:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    def pause(self) -> None:
+        """Stop reading new entries; what this worker already holds is still answered."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def drain(self) -> None:
+        """Stop reading, answer everything held, then stop (``run`` returns)."""
+        self._draining = True
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def held(self) -> int:
+        """Requests read and not yet dispatched (the running batch not included)."""
+        return len(self._held)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Change the batch policy live; the engine keeps what it learnt."""
+        self.engine.set_policy(policy)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -144,7 +174,7 @@ class BatchLoop:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            if inflight is None and (self._stop.is_set() or self._burst_done()):
+            if inflight is None and (self._stop.is_set() or self._burst_done() or self._drained()):
                 break
         if self._held:
             with contextlib.suppress(redis.RedisError):
@@ -161,6 +191,9 @@ class BatchLoop:
 
     def _burst_done(self) -> bool:
         return self.burst and not self._held and self._idle_reads >= 2
+
+    def _drained(self) -> bool:
+        return self._draining and not self._held
 
     def _step(self, clock: Callable[[], float], inflight: InFlight | None) -> InFlight | None:
         now = clock()
@@ -192,8 +225,11 @@ class BatchLoop:
                 wait_futures([inflight.future])
             return inflight
 
-        # Read more, blocking only as long as nothing else needs doing.
         now = clock()
+        if self._paused or self._draining:
+            self._idle(now, inflight, plan.wake_at)
+            return inflight
+        # Read more, blocking only as long as nothing else needs doing.
         budget = self.engine.read_budget(len(self._held))
         if inflight is not None:
             if budget > 0:
@@ -212,6 +248,14 @@ class BatchLoop:
         self._read(budget, block_ms, now)
         return inflight
 
+    def _idle(self, now: float, inflight: InFlight | None, wake_at: float | None) -> None:
+        """Paused or draining: keep the heartbeat, wait for the device or the next wake-up."""
+        self._heartbeat(now)
+        if inflight is not None:
+            wait_futures([inflight.future], timeout=0.01)
+        else:
+            time.sleep(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
+
     def _waiting(self) -> list[Waiting]:
         return [h.waiting for h in self._held.values() if h.entry.deliveries < SUSPECT]
 
@@ -221,10 +265,13 @@ class BatchLoop:
 
     # --- reading ----------------------------------------------------------------------------
 
-    def _read(self, budget: int, block_ms: int | None, now: float) -> None:
+    def _heartbeat(self, now: float) -> None:
         if now - self._last_heartbeat > HEARTBEAT_EVERY_S:
             self._last_heartbeat = now
             self.streams.heartbeat(int(now * 1000))
+
+    def _read(self, budget: int, block_ms: int | None, now: float) -> None:
+        self._heartbeat(now)
         holds_suspect = self._running_suspect or self._suspect() is not None
         if now - self._last_reclaim > RECLAIM_EVERY_S or (self._reclaiming and not holds_suspect):
             self._last_reclaim = now

@@ -1,0 +1,255 @@
+"""The delivery task: one attempt per run, on the Celery queue ``webhooks``.
+
+Each attempt is a Celery task run, so Flower shows it (state, retries, runtime). Timeouts,
+connection errors, 429 and 5xx are retried with exponential backoff and jitter (at least
+``Retry-After``); 410 disables the endpoint; other 4xx and refused URLs fail at once. Short
+waits are Celery countdowns; longer ones wait in the sorted set ``bf:webhooks:scheduled``
+(see :mod:`.worker`), because a Celery ETA task is held unacknowledged and the Redis broker
+redelivers it after its visibility timeout. A delivery that gives up becomes a dead-letter
+record (:mod:`.deadletter`). The result itself stays stored and pollable throughout.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import redis
+from celery import Celery, Task
+from pydantic import BaseModel, ConfigDict
+
+from ..connection import connect
+from ..schemas.codec import decode_result, pack
+from ..schemas.keys import WEBHOOK_QUEUE, ModelKeys, WebhookKeys
+from ..schemas.messages import Format
+from . import deadletter, ssrf
+from .config import WebhooksConfig
+from .errors import DeliveryFailed, NetworkError, TargetRefused
+from .signing import headers as signed_headers
+
+logger = logging.getLogger(__name__)
+
+TASK_NAME = "batchfleet.webhooks.deliver"
+EVENT_TYPE = "inference.result"
+_NAMESPACE = uuid.UUID("0b5c0a51-7e2f-4d0c-9a55-1f1eb7c0a6d1")
+USER_AGENT = "batchfleet-webhooks/1"
+
+
+def webhook_id(model: str, request_id: str, finished_at_ms: int) -> str:
+    """The ``webhook-id`` of a result: the same on every attempt and redelivery, and new
+    for a new result even if a client reuses a request id after the old one expired."""
+    return "msg_" + uuid.uuid5(_NAMESPACE, f"{model}\0{request_id}\0{finished_at_ms}").hex
+
+
+class Delivery(BaseModel):
+    """The task's arguments: which result goes where (small: the body is read from Redis)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    request_id: str
+    url: str
+    webhook_id: str
+    secret_id: str | None = None
+    format: Format = "json"
+    first_attempt_ms: int | None = None
+    """Unix ms of the first attempt (set by it)."""
+    redelivery_of: str | None = None
+    """Dead-letter record id this is a redelivery of: the body comes from there."""
+
+
+Verdict = Literal["delivered", "retry", "fail", "gone"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    verdict: Verdict
+    reason: str
+    status: int | None = None
+    retry_after_s: float | None = None
+
+
+def classify(status: int, retry_after: str | None, now: float) -> Outcome:
+    """What an HTTP status means for the delivery."""
+    if 200 <= status < 300:
+        return Outcome("delivered", f"HTTP {status}", status)
+    if status == 410:
+        return Outcome("gone", "HTTP 410 Gone: endpoint disabled", status)
+    if status == 429 or status >= 500:
+        return Outcome("retry", f"HTTP {status}", status, parse_retry_after(retry_after, now))
+    return Outcome("fail", f"HTTP {status}", status)
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), else None."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, when.timestamp() - now)
+
+
+def backoff_s(
+    attempt: int, cfg: WebhooksConfig, retry_after_s: float | None, rng: random.Random
+) -> float:
+    """Delay after failed attempt ``attempt`` (1-based): base·2^(n-1) with ±25% jitter,
+    capped, and never shorter than what the receiver asked for in Retry-After."""
+    delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
+    delay *= rng.uniform(0.75, 1.25)
+    if retry_after_s is not None:
+        delay = max(delay, retry_after_s)
+    return min(delay, cfg.backoff_max_s)
+
+
+def encode_body(raw_result: bytes, fmt: Format) -> bytes:
+    """The POST body: a Standard Webhooks payload ``{type, timestamp, data: <result>}``."""
+    result = decode_result(raw_result)
+    stamp = datetime.fromtimestamp(result.finished_at_ms / 1000, tz=timezone.utc)
+    payload = {
+        "type": EVENT_TYPE,
+        "timestamp": stamp.isoformat().replace("+00:00", "Z"),
+        "data": result.model_dump(mode="json", exclude_none=True),
+    }
+    if fmt == "msgpack":
+        return pack(payload)
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+class Deliverer:
+    """Everything an attempt needs, built once per worker process from the fleet file."""
+
+    def __init__(self, cfg: WebhooksConfig, client: redis.Redis) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.keys = WebhookKeys()
+        self.policy = ssrf.Policy.build(cfg.allow, allow_http=cfg.allow_http)
+        self.rng = random.Random()
+
+    def body(self, d: Delivery) -> bytes:
+        if d.redelivery_of is not None:
+            record = deadletter.get(self.client, d.redelivery_of)
+            if record is None:
+                raise DeliveryFailed(f"dead-letter record {d.redelivery_of} is gone")
+            if record.body:  # empty when the result had expired: try the result key again
+                return record.body
+        raw = self.client.get(ModelKeys(d.model).result(d.request_id))
+        if raw is None:
+            raise DeliveryFailed(f"result of {d.request_id} expired before it was delivered")
+        return encode_body(raw, d.format)
+
+    def attempt(self, d: Delivery, body: bytes) -> Outcome:
+        """One POST. Never raises for the endpoint's behaviour: returns what to do next."""
+        if self.client.hexists(self.keys.disabled, d.url):
+            return Outcome("fail", "endpoint disabled (it answered 410 Gone)")
+        secret = self.cfg.secret_for(d.secret_id)
+        if secret is None:
+            which = f"secret_id {d.secret_id!r}" if d.secret_id else "the fleet's default secret"
+            return Outcome("fail", f"no webhook secret configured for {which}")
+        try:
+            reply = ssrf.send(
+                d.url,
+                body,
+                {
+                    **signed_headers(secret, d.webhook_id, body),
+                    "Content-Type": "application/json"
+                    if d.format == "json"
+                    else "application/msgpack",
+                    "User-Agent": USER_AGENT,
+                },
+                self.policy,
+                connect_timeout=self.cfg.connect_timeout_s,
+                read_timeout=self.cfg.read_timeout_s,
+                max_response_bytes=self.cfg.max_response_bytes,
+            )
+        except TargetRefused as exc:
+            return Outcome("fail", f"refused: {exc}")
+        except NetworkError as exc:
+            return Outcome("retry", str(exc))
+        return classify(reply.status, reply.headers.get("retry-after"), time.time())
+
+    def disable(self, d: Delivery, reason: str) -> None:
+        record = {"at_ms": int(time.time() * 1000), "webhook_id": d.webhook_id, "reason": reason}
+        self.client.hset(self.keys.disabled, d.url, json.dumps(record))
+
+    def schedule(self, d: Delivery, retries: int, delay_s: float) -> None:
+        """Park a delivery in Redis until it is due (see :mod:`.worker`)."""
+        member = json.dumps({"kwargs": d.model_dump(), "retries": retries}, sort_keys=True)
+        due_ms = int((time.time() + delay_s) * 1000)
+        self.client.zadd(self.keys.scheduled, {member: due_ms})
+
+
+_deliverers: dict[int, Deliverer] = {}
+_lock = threading.Lock()
+
+
+def deliverer_for(app: Celery) -> Deliverer:
+    with _lock:
+        found = _deliverers.get(id(app))
+        if found is None:
+            fleet = app.batchfleet_config  # type: ignore[attr-defined]
+            found = Deliverer(fleet.webhooks, connect(fleet.redis_url))
+            _deliverers[id(app)] = found
+        return found
+
+
+def deliver(task: Task, **kwargs: Any) -> dict[str, Any]:
+    """One delivery attempt (the body of the Celery task ``batchfleet.webhooks.deliver``)."""
+    d = Delivery.model_validate(kwargs)
+    if d.first_attempt_ms is None:
+        d = d.model_copy(update={"first_attempt_ms": int(time.time() * 1000)})
+    worker = deliverer_for(task.app)
+    attempt = task.request.retries + 1
+    try:
+        body = worker.body(d)
+    except DeliveryFailed as exc:
+        deadletter.record(worker.client, worker.cfg, d, b"", str(exc), None, attempt)
+        raise
+    outcome = worker.attempt(d, body)
+    log = f"webhook {d.webhook_id} of {d.model}/{d.request_id} attempt {attempt}: {outcome.reason}"
+    if outcome.verdict == "delivered":
+        logger.info("%s: delivered", log)
+        if d.redelivery_of is not None:
+            deadletter.remove(worker.client, d.redelivery_of)
+        return {"webhook_id": d.webhook_id, "status": outcome.status, "attempts": attempt}
+    if outcome.verdict == "retry" and attempt < worker.cfg.max_attempts:
+        delay = backoff_s(attempt, worker.cfg, outcome.retry_after_s, worker.rng)
+        logger.info("%s: retrying in %.1fs", log, delay)
+        if delay <= worker.cfg.max_countdown_s:
+            raise task.retry(kwargs=d.model_dump(), countdown=delay, max_retries=None)
+        worker.schedule(d, attempt, delay)
+        return {"webhook_id": d.webhook_id, "scheduled_in_s": round(delay, 3)}
+    if outcome.verdict == "gone":
+        worker.disable(d, outcome.reason)
+    logger.warning("%s: giving up", log)
+    deadletter.record(worker.client, worker.cfg, d, body, outcome.reason, outcome.status, attempt)
+    raise DeliveryFailed(f"{log}: giving up")
+
+
+def register(app: Celery) -> Task:
+    """Define the delivery task on ``app`` (the batch workers send it, webhook workers run it)."""
+    return app.task(  # type: ignore[no-any-return]
+        name=TASK_NAME,
+        bind=True,
+        shared=False,
+        queue=WEBHOOK_QUEUE,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        max_retries=None,
+        ignore_result=True,
+        throws=(DeliveryFailed,),  # FAILURE in Flower, logged without a traceback
+    )(deliver)

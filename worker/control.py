@@ -1,0 +1,222 @@
+"""Remote control through Celery's own mechanism: pause, resume, drain, live batch policy.
+
+``celery -A batchfleet.worker.app control bf_pause tiny`` (or ``batchfleet pause tiny``)
+reaches every worker that serves ``tiny``; leave the model out to act on all of a worker's
+models. ``inspect bf_state`` shows each loop's state and policy. Commands find the batch
+loops through the worker (``state.consumer.controller``); Flower cannot call them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from celery.worker.control import control_command, inspect_command
+from pydantic import ValidationError
+
+from ..config import BatchConfig, FleetConfig
+from ..schemas.keys import GROUP
+from .loop import BatchLoop
+from .observers import Answered, LoopObserver
+
+logger = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 60.0
+
+
+class RecentRate(LoopObserver):
+    """Answered requests over the last minute, for ``inspect stats`` and ``batchfleet top``."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int, int]] = deque()
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+
+    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
+        errors = sum(a.result.status != "ok" for a in answered)
+        with self._lock:
+            self._events.append((time.monotonic(), len(answered), errors))
+
+    def snapshot(self) -> dict[str, float]:
+        now = time.monotonic()
+        with self._lock:
+            while self._events and self._events[0][0] < now - self.window_s:
+                self._events.popleft()
+            total = sum(n for _, n, _ in self._events)
+            errors = sum(e for _, _, e in self._events)
+        span = max(1e-3, min(self.window_s, now - self._since))
+        return {
+            "requests_per_s": round(total / span, 2),
+            "error_ratio": round(errors / total, 4) if total else 0.0,
+        }
+
+
+def recent_rate(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
+    """Observer factory for ``app.batchfleet_observers``."""
+    return RecentRate()
+
+
+def loop_info(loop: BatchLoop) -> dict[str, Any]:
+    """What ``inspect stats`` and Flower's worker page show besides the counters: state,
+    policy, queue depths and pending counts per lane (read from Redis now)."""
+    policy = loop.engine.policy
+    info: dict[str, Any] = {
+        "consumer": loop.consumer,
+        "state": "draining" if loop.draining else "paused" if loop.paused else "running",
+        "held": loop.held,
+        "policy": {
+            "max_batch_size": policy.max_batch_size,
+            "max_wait_ms": policy.max_wait_ms,
+            "max_batch_tokens": policy.max_batch_tokens,
+            "lane_weights": list(policy.lane_weights),
+        },
+    }
+    rate = next((o for o in loop.observers.observers if isinstance(o, RecentRate)), None)
+    if rate is not None:
+        info.update(rate.snapshot())
+    try:
+        pipe = loop.streams.client.pipeline(transaction=False)
+        for stream in loop.streams.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+        replies = pipe.execute()
+        info["depth"] = {str(i): replies[2 * i] for i in range(len(loop.streams.streams))}
+        info["pending"] = {
+            str(i): replies[2 * i + 1]["pending"] for i in range(len(loop.streams.streams))
+        }
+    except redis.RedisError as exc:
+        info["redis_error"] = str(exc)
+    return info
+
+
+def _loops(state: Any, model: str | None) -> list[BatchLoop]:
+    worker = state.consumer.controller
+    loops = [lp for step in worker.steps for lp in getattr(step, "loops", ())]
+    return [lp for lp in loops if isinstance(lp, BatchLoop) and model in (None, "", lp.model)]
+
+
+def _act(state: Any, model: str | None, what: str) -> dict[str, Any]:
+    loops = _loops(state, model)
+    if not loops:
+        # Not an error: a broadcast reaches workers that do not serve this model.
+        return {"ok": f"no loop for {model!r} here", "models": []}
+    for lp in loops:
+        getattr(lp, what)()
+        logger.info("control: %s %s", what, lp.model)
+    return {"ok": what, "models": [lp.model for lp in loops]}
+
+
+@control_command(args=[("model", str)], signature="[model]")
+def bf_pause(state: Any, model: str | None = None) -> dict[str, Any]:
+    """Stop reading new requests (all models, or one); held ones are still answered."""
+    return _act(state, model, "pause")
+
+
+@control_command(args=[("model", str)], signature="[model]")
+def bf_resume(state: Any, model: str | None = None) -> dict[str, Any]:
+    """Resume reading after bf_pause."""
+    return _act(state, model, "resume")
+
+
+@control_command(args=[("model", str)], signature="[model]")
+def bf_drain(state: Any, model: str | None = None) -> dict[str, Any]:
+    """Stop reading, answer what is held, stop the loop; when no loop is left, the worker
+    shuts down (warm shutdown), so it can be removed without losing a request."""
+    reply = _act(state, model, "drain")
+    all_loops = _loops(state, None)
+    threading.Thread(
+        target=_exit_when_stopped, args=(all_loops,), name="bf-drain", daemon=True
+    ).start()
+    return reply
+
+
+def _exit_when_stopped(loops: list[BatchLoop]) -> None:
+    for lp in loops:
+        if not lp.draining:
+            return  # other models keep serving
+    for lp in loops:
+        lp.wait_stopped()
+    logger.info("drained: all batch loops stopped, shutting the worker down")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@control_command(args=[("model", str)], variadic="settings", signature="model key=value ...")
+def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str, Any]:
+    """Change batch policy knobs live (max_batch_size, max_wait_ms, max_batch_tokens,
+    lane_weights, preferred_batch_sizes, max_starvation_ms, adaptive)."""
+    try:
+        changes = parse_settings([s for s in settings if s != model])
+    except ValueError as exc:
+        return {"error": str(exc)}
+    loops = _loops(state, model)
+    if not loops:
+        return {"ok": f"no loop for {model!r} here", "models": []}
+    for lp in loops:
+        try:
+            batch = BatchConfig.model_validate({**lp.config.batch.model_dump(), **changes})
+            policy = batch.policy(lp.config.lanes)
+        except (ValidationError, ValueError) as exc:
+            return {"error": f"{lp.model}: {exc}"}
+        lp.config = lp.config.model_copy(update={"batch": batch})
+        lp.set_policy(policy)
+        logger.info("control: policy of %s changed: %s", lp.model, changes)
+    return {"ok": "policy", "models": [lp.model for lp in loops], "changes": changes}
+
+
+@inspect_command()
+def bf_state(state: Any) -> dict[str, Any]:
+    """Each batch loop's state (running, paused, draining), policy and queue depths."""
+    return {lp.model: loop_info(lp) for lp in _loops(state, None)}
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """``["max_batch_size=8", "lane_weights=4,2,1"]`` → values parsed as JSON where they can."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {item!r}")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = [float(x) for x in raw.split(",")] if "," in raw else raw
+        if key in ("lane_weights", "preferred_batch_sizes") and not isinstance(value, list):
+            value = [value]
+        out[key.strip()] = value
+    return out
+
+
+def send(
+    redis_url: str,
+    command: str,
+    arguments: dict[str, Any] | None = None,
+    *,
+    destination: Sequence[str] | None = None,
+    timeout: float = 2.0,
+) -> dict[str, Any]:
+    """Broadcast a control command from outside a worker; returns hostname → reply."""
+    from celery import Celery
+
+    app = Celery("batchfleet-control", broker=redis_url, set_as_current=False)
+    app.conf.update(accept_content=["json", "msgpack"])
+    try:
+        replies = app.control.broadcast(
+            command,
+            arguments=arguments or {},
+            destination=list(destination) if destination else None,
+            limit=len(destination) if destination else None,
+            reply=True,
+            timeout=timeout,
+        )
+    finally:
+        app.close()
+    return {host: reply for item in replies or [] for host, reply in item.items()}

@@ -1,0 +1,337 @@
+"""Prometheus ``/metrics`` of one worker process (``prometheus-client``).
+
+Histograms and counters are fed by :class:`PrometheusObserver` on the loop thread (cheap
+in-memory updates). Queue state — stream length, pending, consumer-group lag and the age
+of the oldest waiting request per lane — is read from Redis at scrape time by
+:class:`StreamCollector`, so it is fresh and costs nothing between scrapes. Every worker
+reports the same queue gauges: aggregate them with ``max by (model, lane)``.
+Flower's own ``/metrics`` covers the task events (``flower_events_total`` …).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..batching.types import Batch
+from ..config import FleetConfig, MetricsConfig
+from ..connection import connect
+from ..schemas.keys import GROUP, ModelKeys
+from .observers import Answered, LoopObserver
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = tuple(2**i for i in range(4, 18))
+RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class Metrics:
+    """The metric families of one worker, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def hist(name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        def counter(name: str, doc: str, labels: Sequence[str]) -> Any:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.batch_rows = hist(
+            "batchfleet_batch_rows", "Rows (inputs) per micro-batch.", ["model"], ROW_BUCKETS
+        )
+        self.padded_tokens = hist(
+            "batchfleet_batch_padded_tokens",
+            "Padded tokens per micro-batch (rows x longest row).",
+            ["model"],
+            TOKEN_BUCKETS,
+        )
+        self.padding_waste = hist(
+            "batchfleet_batch_padding_waste_ratio",
+            "Share of a batch's padded tokens that are padding.",
+            ["model"],
+            RATIO_BUCKETS,
+        )
+        self.inference = hist(
+            "batchfleet_inference_seconds",
+            "Device time of a micro-batch.",
+            ["model"],
+            LATENCY_BUCKETS,
+        )
+        self.queue_wait = hist(
+            "batchfleet_queue_wait_seconds",
+            "Enqueue to read by a worker.",
+            ["model", "lane"],
+            LATENCY_BUCKETS,
+        )
+        self.batch_wait = hist(
+            "batchfleet_batch_wait_seconds",
+            "Read to batch dispatched.",
+            ["model", "lane"],
+            LATENCY_BUCKETS,
+        )
+        self.latency = hist(
+            "batchfleet_request_latency_seconds",
+            "Enqueue to result stored (end to end).",
+            ["model", "lane"],
+            LATENCY_BUCKETS,
+        )
+        self.batches = counter(
+            "batchfleet_batches", "Micro-batches dispatched, by reason.", ["model", "reason"]
+        )
+        self.rows = counter("batchfleet_batch_rows_processed", "Rows computed.", ["model"])
+        self.results = counter(
+            "batchfleet_results",
+            "Results stored, by status (ok, error, expired: expirations).",
+            ["model", "lane", "status"],
+        )
+        self.errors = counter(
+            "batchfleet_errors", "Error and expired results, by code.", ["model", "code"]
+        )
+        self.dead_letters = counter(
+            "batchfleet_dead_letters", "Entries moved to the dead-letter stream.", ["model", "code"]
+        )
+        self.oom = counter(
+            "batchfleet_out_of_memory", "Micro-batches that ran out of device memory.", ["model"]
+        )
+
+
+class PrometheusObserver(LoopObserver):
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
+        self.m.batches.labels(model, batch.reason).inc()
+        self.m.batch_rows.labels(model).observe(batch.rows)
+        self.m.padded_tokens.labels(model).observe(batch.padded_tokens)
+        self.m.padding_waste.labels(model).observe(batch.padding_waste)
+
+    def on_batch_done(
+        self,
+        model: str,
+        batch: Batch,
+        batch_id: str,
+        seconds: float,
+        out_of_memory: bool,
+        failed: int,
+    ) -> None:
+        self.m.inference.labels(model).observe(seconds)
+        self.m.rows.labels(model).inc(batch.rows)
+        if out_of_memory:
+            self.m.oom.labels(model).inc()
+
+    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
+        for a in answered:
+            lane = str(a.lane)
+            res = a.result
+            self.m.results.labels(model, lane, res.status).inc()
+            if res.error is not None:
+                self.m.errors.labels(model, res.error.code.value).inc()
+            t = res.timings
+            self.m.latency.labels(model, lane).observe(t.total_ms / 1000)
+            if res.status == "ok":
+                self.m.queue_wait.labels(model, lane).observe(t.queued_ms / 1000)
+                self.m.batch_wait.labels(model, lane).observe(t.batch_wait_ms / 1000)
+
+    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
+        self.m.dead_letters.labels(model, code).inc()
+
+
+class StreamCollector(Collector):
+    """Queue gauges per model and lane, read from Redis at each scrape (one round trip)."""
+
+    def __init__(self, client: redis.Redis, models: dict[str, int]) -> None:
+        self.client = client
+        self.models = models  # model -> lanes
+        self.up = True
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        length = GaugeMetricFamily(
+            "batchfleet_stream_length", "Entries in a lane stream (its backlog).", labels=["model", "lane"]
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            "batchfleet_stream_pending",
+            "Entries read by a worker and not yet answered.",
+            labels=["model", "lane"],
+        )
+        lag = GaugeMetricFamily(
+            "batchfleet_stream_lag",
+            "Entries no worker has read yet (consumer-group lag).",
+            labels=["model", "lane"],
+        )
+        oldest = GaugeMetricFamily(
+            "batchfleet_oldest_waiting_seconds",
+            "Age of the oldest unanswered request in a lane.",
+            labels=["model", "lane"],
+        )
+        workers = GaugeMetricFamily(
+            "batchfleet_model_workers", "Workers with a fresh heartbeat.", labels=["model"]
+        )
+        try:
+            rows = read_lanes(self.client, self.models)
+        except redis.RedisError as exc:
+            logger.warning("metrics: redis unreachable: %s", exc)
+            return
+        for row in rows:
+            labels = [row.model, str(row.lane)]
+            length.add_metric(labels, row.length)
+            pending.add_metric(labels, row.pending)
+            lag.add_metric(labels, row.lag)
+            oldest.add_metric(labels, row.oldest_s)
+        for model, n in live_workers(self.client, list(self.models)).items():
+            workers.add_metric([model], n)
+        yield from (length, pending, lag, oldest, workers)
+        yield from _device_memory()
+
+
+class LaneRow:
+    """Depth of one lane, as read from Redis."""
+
+    __slots__ = ("lag", "lane", "length", "model", "oldest_s", "pending")
+
+    def __init__(
+        self, model: str, lane: int, length: int, pending: int, lag: int, oldest_s: float
+    ) -> None:
+        self.model, self.lane, self.length = model, lane, length
+        self.pending, self.lag, self.oldest_s = pending, lag, oldest_s
+
+
+def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
+    """Length, pending, lag and oldest age of every lane, in one pipelined round trip.
+
+    Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
+    pending, which is exact here because answered entries are deleted from the stream.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    order: list[tuple[str, int]] = []
+    for model, lanes in models.items():
+        for lane, stream in enumerate(ModelKeys(model).lanes(lanes)):
+            order.append((model, lane))
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            pipe.xrange(stream, count=1)
+    replies = pipe.execute(raise_on_error=False)
+    sec, usec = replies[0]
+    now_ms = sec * 1000 + usec / 1000
+    out = []
+    for i, (model, lane) in enumerate(order):
+        length, groups, first = replies[1 + 3 * i : 4 + 3 * i]
+        if isinstance(length, Exception):
+            length = 0
+        group = {}
+        if not isinstance(groups, Exception):
+            group = next((g for g in groups if _s(g.get("name")) == GROUP), {})
+        pending = int(group.get("pending") or 0)
+        lag = group.get("lag")
+        lag = int(lag) if lag is not None else max(0, int(length) - pending)
+        oldest = 0.0
+        if first and not isinstance(first, Exception):
+            first_ms = int(_s(first[0][0]).split("-", 1)[0])
+            oldest = max(0.0, (now_ms - first_ms) / 1000)
+        out.append(LaneRow(model, lane, int(length), pending, lag, oldest))
+    return out
+
+
+def live_workers(
+    client: redis.Redis, models: Sequence[str], fresh_ms: int = 10_000
+) -> dict[str, int]:
+    """Per model, how many consumers sent a heartbeat within ``fresh_ms``."""
+    beats = heartbeats(client, models)
+    return {m: sum(age <= fresh_ms / 1000 for age in ws.values()) for m, ws in beats.items()}
+
+
+def heartbeats(client: redis.Redis, models: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for model in models:
+        pipe.hgetall(ModelKeys(model).workers)
+    (sec, usec), *hashes = pipe.execute()
+    now_ms = sec * 1000 + usec / 1000
+    return {
+        model: {_s(k): max(0.0, (now_ms - int(v)) / 1000) for k, v in h.items()}
+        for model, h in zip(models, hashes, strict=True)
+    }
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _device_memory() -> Iterator[GaugeMetricFamily]:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return
+    allocated = GaugeMetricFamily(
+        "batchfleet_device_memory_allocated_bytes", "CUDA memory allocated.", labels=["device"]
+    )
+    reserved = GaugeMetricFamily(
+        "batchfleet_device_memory_reserved_bytes", "CUDA memory reserved.", labels=["device"]
+    )
+    for i in range(torch.cuda.device_count()):
+        allocated.add_metric([f"cuda:{i}"], torch.cuda.memory_allocated(i))
+        reserved.add_metric([f"cuda:{i}"], torch.cuda.memory_reserved(i))
+    yield allocated
+    yield reserved
+
+
+class MetricsServer:
+    """One ``/metrics`` HTTP server per worker process, shared by its models' observers."""
+
+    def __init__(self, fleet: FleetConfig, models: dict[str, int]) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.metrics = Metrics(self.registry)
+        self.client = connect(fleet.redis_url, socket_timeout=5.0)
+        self.registry.register(StreamCollector(self.client, models))
+        self.port = self._serve(fleet.metrics)
+        self.url = f"http://{fleet.metrics.address}:{self.port}/metrics"
+
+    def _serve(self, cfg: MetricsConfig) -> int:
+        try:
+            server, _ = start_http_server(cfg.port, cfg.address, registry=self.registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            server, _ = start_http_server(0, cfg.address, registry=self.registry)
+            logger.warning(
+                "metrics port %d is taken; serving /metrics on port %d instead",
+                cfg.port,
+                server.server_port,
+            )
+        self._server = server
+        logger.info("serving /metrics on %s:%d", cfg.address, server.server_port)
+        return int(server.server_port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self.client.close()
+
+
+def prometheus_metrics(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
+    """Observer factory for ``app.batchfleet_observers``: starts the worker's server once."""
+    if not fleet.metrics.enabled:
+        return LoopObserver()
+    server = getattr(worker, "_batchfleet_metrics", None)
+    if server is None:
+        only = worker.app.batchfleet_models or list(fleet.models)
+        server = MetricsServer(fleet, {m: fleet.models[m].lanes for m in only})
+        worker._batchfleet_metrics = server
+    return PrometheusObserver(server.metrics)
