@@ -23,6 +23,7 @@ from .submit import (
     LaneCache,
     Prepared,
     WebhookArg,
+    accepted_ids,
     build_request,
     prepare,
     queue_full,
@@ -177,14 +178,8 @@ class AsyncProducer:
                     queued = queue_script(pipe, self._submit, p.keys, p.args)
                     if not is_cluster_pipeline(pipe):
                         await queued  # a plain asyncio pipeline's script call is awaited
-                full = None
-                for p, reply in zip(chunk, await pipe.execute(raise_on_error=False), strict=True):
-                    if isinstance(reply, Exception):
-                        full = queue_full(reply)
-                        if full is None:
-                            raise reply
-                    else:
-                        jobs.append(AsyncJob(p.request.id, model, self))
+                ids, full = accepted_ids(chunk, await pipe.execute(raise_on_error=False))
+                jobs += [AsyncJob(rid, model, self) for rid in ids]
                 if full is not None:
                     full.accepted = jobs  # type: ignore[attr-defined]
                     raise full

@@ -20,6 +20,7 @@ from .submit import (
     LaneCache,
     Prepared,
     WebhookArg,
+    accepted_ids,
     build_request,
     prepare,
     queue_full,
@@ -210,14 +211,8 @@ class Producer:
                 for p in chunk:
                     queue_script(pipe, self._submit, p.keys, p.args)
                 replies = pipe.execute(raise_on_error=False)
-                full = None
-                for p, reply in zip(chunk, replies, strict=True):
-                    if isinstance(reply, Exception):
-                        full = queue_full(reply)
-                        if full is None:
-                            raise reply
-                    else:
-                        jobs.append(Job(p.request.id, model, self))
+                ids, full = accepted_ids(chunk, replies)
+                jobs += [Job(rid, model, self) for rid in ids]
                 if full is not None:
                     full.accepted = jobs  # type: ignore[attr-defined]
                     raise full
