@@ -55,6 +55,16 @@ def _submit(args: argparse.Namespace) -> int:
         return 0 if result.ok else 1
 
 
+def _init_groups(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .groups import init_groups
+
+    created = init_groups(load_config(args.config), args.model or None)
+    for model, streams in created.items():
+        print(f"{model}: {' '.join(streams)}")
+    return 0
+
+
 def _dlq(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -230,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0)
     s.add_argument("--redis-url", default=None)
     s.set_defaults(func=_submit)
+
+    g = sub.add_parser(
+        "init-groups", help="create every model's consumer groups (deploy time; idempotent)"
+    )
+    g.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    g.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
+    g.set_defaults(func=_init_groups)
 
     q = sub.add_parser("dlq", help="inspect, replay or purge a model's dead letters")
     q.add_argument("action", choices=["list", "replay", "purge"])

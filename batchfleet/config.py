@@ -9,6 +9,9 @@ Example (see deploy/fleet.example.toml)::
     [models.minilm.batch]
     max_batch_size = 32
 
+Redis Cluster: ``redis_url = "redis+cluster://node:6379"`` (or ``rediss+cluster://``); Celery's
+broker cannot be a cluster, so set ``broker_url`` (``BATCHFLEET_BROKER_URL``) to a plain Redis.
+
 Environment: ``REDIS_URL`` or ``BATCHFLEET_REDIS_URL``; nested keys with ``__``, e.g.
 ``BATCHFLEET_MODELS__MINILM__BATCH__MAX_WAIT_MS=5``. Environment wins over the file.
 """
@@ -29,7 +32,7 @@ from pydantic_settings import (
 )
 
 from .batching.types import Policy
-from .connection import DEFAULT_REDIS_URL
+from .connection import DEFAULT_REDIS_URL, URL_SCHEMES, is_cluster_url
 from .schemas.keys import check_model_name
 from .schemas.messages import Limits
 from .webhooks.config import WebhooksConfig
@@ -113,6 +116,16 @@ class WorkerConfig(BaseModel):
     """An entry delivered more often than this without an answer is poison: dead-lettered."""
 
 
+class HealthConfig(BaseModel):
+    """The worker's HTTP readiness/liveness endpoint (``/livez``, ``/readyz``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int | None = Field(None, ge=0, le=65535)
+    """TCP port (8080 in the deploy/ manifests); unset turns the endpoint off."""
+    host: str = "0.0.0.0"
+
+
 class MetricsConfig(BaseModel):
     """The worker's Prometheus ``/metrics`` endpoint."""
 
@@ -151,8 +164,12 @@ class FleetConfig(BaseSettings):
         DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("BATCHFLEET_REDIS_URL", "REDIS_URL", "redis_url"),
     )
+    broker_url: str | None = None
+    """Celery's broker (control, events, Flower); default ``redis_url`` unless that is a
+    cluster, which Celery's Redis transport cannot use."""
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
@@ -160,9 +177,29 @@ class FleetConfig(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        if not v.startswith(URL_SCHEMES):
+            raise ValueError(f"redis_url must start with one of {', '.join(URL_SCHEMES)}")
         return v
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker(cls, v: str | None) -> str | None:
+        if v is not None and is_cluster_url(v):
+            raise ValueError(
+                "broker_url cannot be a Redis Cluster (Celery's transport needs one node)"
+            )
+        return v
+
+    def celery_broker_url(self) -> str:
+        """The broker Celery connects to; raises if only a cluster URL is configured."""
+        if self.broker_url:
+            return self.broker_url
+        if is_cluster_url(self.redis_url):
+            raise ValueError(
+                "redis_url is a Redis Cluster, which Celery cannot use as its broker: "
+                "set broker_url (or BATCHFLEET_BROKER_URL) to a plain redis:// URL"
+            )
+        return self.redis_url
 
     @field_validator("models")
     @classmethod

@@ -2,6 +2,9 @@
 
 Both producers and workers connect here, with bounded timeouts (a call never blocks
 forever on a dead server) and retries with exponential backoff on connection errors.
+A ``redis+cluster://`` (or ``rediss+cluster://``) URL names any node of a Redis Cluster
+and gets a cluster client; every key of a model shares one hash slot, so the same calls
+work on both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,22 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 RETRY_ON = [RedisConnectionError, RedisTimeoutError]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+SyncClient = redis.Redis | redis.RedisCluster
+AsyncClient = aioredis.Redis | aioredis.RedisCluster
+
+
+def is_cluster_url(url: str) -> bool:
+    """True for ``redis+cluster://`` and ``rediss+cluster://`` URLs."""
+    return url.partition("://")[0] in CLUSTER_SCHEMES
+
+
+def plain_url(url: str) -> str:
+    """The URL with a cluster scheme turned into its plain one (what redis-py parses)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{CLUSTER_SCHEMES.get(scheme, scheme)}{sep}{rest}"
 
 
 def default_url() -> str:
@@ -24,6 +43,23 @@ def default_url() -> str:
     return (
         os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     )
+
+
+def is_cluster_pipeline(pipe: object) -> bool:
+    """True for a (sync or asyncio) Redis Cluster pipeline."""
+    from redis.asyncio.cluster import ClusterPipeline as AsyncClusterPipeline
+    from redis.cluster import ClusterPipeline
+
+    return isinstance(pipe, ClusterPipeline | AsyncClusterPipeline)
+
+
+def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
+    """Queue a registered script's call on a pipeline. A cluster pipeline refuses EVALSHA (it
+    cannot load a missing script on the right shard mid-pipeline), so it gets EVAL with the
+    source; a plain pipeline gets EVALSHA (an asyncio one returns an awaitable)."""
+    if is_cluster_pipeline(pipe):
+        return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+    return script(keys=keys, args=args, client=pipe)
 
 
 def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -40,25 +76,28 @@ def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, A
 
 def connect(
     url: str, *, socket_timeout: float | None = 15.0, retries: int = 3, **extra: Any
-) -> redis.Redis:
-    """A synchronous client returning bytes."""
+) -> SyncClient:
+    """A synchronous client returning bytes (a cluster client for a cluster URL)."""
     from redis.retry import Retry
 
-    return redis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
-        **_options(socket_timeout, extra),
-    )
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries)
+    if is_cluster_url(url):
+        opts = _options(socket_timeout, extra)
+        opts.pop("retry_on_error")  # the cluster client retries and re-routes by itself
+        return redis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
+    return redis.Redis.from_url(url, retry=retry, **_options(socket_timeout, extra))
 
 
 def connect_async(
     url: str, *, socket_timeout: float | None = 15.0, retries: int = 3, **extra: Any
-) -> aioredis.Redis:
-    """An asyncio client returning bytes."""
+) -> AsyncClient:
+    """An asyncio client returning bytes (a cluster client for a cluster URL)."""
     from redis.asyncio.retry import Retry
 
-    return aioredis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
-        **_options(socket_timeout, extra),
-    )
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries)
+    if is_cluster_url(url):
+        opts = _options(socket_timeout, extra)
+        opts.pop("retry_on_error")
+        opts.pop("health_check_interval")
+        return aioredis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
+    return aioredis.Redis.from_url(url, retry=retry, **_options(socket_timeout, extra))

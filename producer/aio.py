@@ -12,7 +12,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from ..connection import connect_async, default_url
+from ..connection import connect_async, default_url, is_cluster_pipeline, queue_script
 from ..schemas.codec import decode_result
 from ..schemas.errors import ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
@@ -23,6 +23,7 @@ from .submit import (
     LaneCache,
     Prepared,
     WebhookArg,
+    accepted_ids,
     build_request,
     prepare,
     queue_full,
@@ -174,15 +175,11 @@ class AsyncProducer:
                 chunk = prepared[start : start + PIPELINE_CHUNK]
                 pipe = self.client.pipeline(transaction=False)
                 for p in chunk:
-                    await self._submit(keys=p.keys, args=p.args, client=pipe)
-                full = None
-                for p, reply in zip(chunk, await pipe.execute(raise_on_error=False), strict=True):
-                    if isinstance(reply, Exception):
-                        full = queue_full(reply)
-                        if full is None:
-                            raise reply
-                    else:
-                        jobs.append(AsyncJob(p.request.id, model, self))
+                    queued = queue_script(pipe, self._submit, p.keys, p.args)
+                    if not is_cluster_pipeline(pipe):
+                        await queued  # a plain asyncio pipeline's script call is awaited
+                ids, full = accepted_ids(chunk, await pipe.execute(raise_on_error=False))
+                jobs += [AsyncJob(rid, model, self) for rid in ids]
                 if full is not None:
                     full.accepted = jobs  # type: ignore[attr-defined]
                     raise full

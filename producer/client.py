@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from ..connection import connect, default_url
+from ..connection import connect, default_url, queue_script
 from ..schemas.codec import decode_result
 from ..schemas.errors import JobFailed, ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
@@ -20,6 +20,7 @@ from .submit import (
     LaneCache,
     Prepared,
     WebhookArg,
+    accepted_ids,
     build_request,
     prepare,
     queue_full,
@@ -208,16 +209,10 @@ class Producer:
                 chunk = prepared[start : start + PIPELINE_CHUNK]
                 pipe = self.client.pipeline(transaction=False)
                 for p in chunk:
-                    self._submit(keys=p.keys, args=p.args, client=pipe)
+                    queue_script(pipe, self._submit, p.keys, p.args)
                 replies = pipe.execute(raise_on_error=False)
-                full = None
-                for p, reply in zip(chunk, replies, strict=True):
-                    if isinstance(reply, Exception):
-                        full = queue_full(reply)
-                        if full is None:
-                            raise reply
-                    else:
-                        jobs.append(Job(p.request.id, model, self))
+                ids, full = accepted_ids(chunk, replies)
+                jobs += [Job(rid, model, self) for rid in ids]
                 if full is not None:
                     full.accepted = jobs  # type: ignore[attr-defined]
                     raise full

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.resources
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,21 @@ def queue_full(exc: Exception) -> QueueFull | None:
     return (
         QueueFull(f"queue full: {text.removeprefix('QUEUEFULL ')}") if "QUEUEFULL" in text else None
     )
+
+
+def accepted_ids(
+    chunk: Sequence[Prepared], replies: Sequence[object]
+) -> tuple[list[str], QueueFull | None]:
+    """Ids of the pipelined submits that went in, and the QueueFull that refused others."""
+    ids, full = [], None
+    for p, reply in zip(chunk, replies, strict=True):
+        if isinstance(reply, Exception):
+            full = queue_full(reply)
+            if full is None:
+                raise reply
+        else:
+            ids.append(p.request.id)
+    return ids, full
 
 
 def unavailable(url: str, exc: Exception) -> Unavailable:

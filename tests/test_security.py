@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,8 @@ def test_producer_and_worker_users(acl_url: dict[str, str], tiny_embedder: Path)
 
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(

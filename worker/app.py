@@ -27,6 +27,7 @@ from ..webhooks.observer import webhook_observer
 from . import control
 from .events import batch_task_name, flower_events
 from .handlers import resolve
+from .health import Health, HealthServer
 from .loop import BatchLoop
 from .metrics import prometheus_metrics
 from .observers import LoopObserver
@@ -48,10 +49,15 @@ class BatchLoopStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.loops: list[BatchLoop] = []
         self.threads: list[threading.Thread] = []
+        self.health = Health()
+        self.health_server: HealthServer | None = None
 
     def start(self, worker: Any) -> None:
         app = worker.app
         fleet: FleetConfig = app.batchfleet_config
+        if fleet.health.port is not None:  # up first: it answers "unready" while models load
+            self.health_server = HealthServer(self.health, fleet.health.host, fleet.health.port)
+            self.health_server.start()
         only: list[str] | None = app.batchfleet_models
         burst: bool = app.batchfleet_burst
         names = only or list(fleet.models)
@@ -65,6 +71,7 @@ class BatchLoopStep(bootsteps.StartStopStep):
                     f"model {name!r} is not in the fleet file ({sorted(fleet.models)})"
                 )
             cfg = fleet.models[name]
+            self.health.loading(name)
             started = time.monotonic()
             handler = resolve(cfg.handler)(
                 cfg.resolved_path(),
@@ -94,6 +101,7 @@ class BatchLoopStep(bootsteps.StartStopStep):
             )
             self.threads.append(thread)
             thread.start()
+        self.health.serving(self.threads)
 
     def _serve(self, loop: BatchLoop, burst: bool) -> None:
         """Run a loop; restart it after an unexpected error (its held entries stay pending and
@@ -112,11 +120,14 @@ class BatchLoopStep(bootsteps.StartStopStep):
 
     def stop(self, worker: Any) -> None:
         fleet: FleetConfig = worker.app.batchfleet_config
+        self.health.draining()
         for loop in self.loops:
             loop.stop()
         deadline = time.monotonic() + fleet.worker.shutdown_grace_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self.health_server is not None:
+            self.health_server.close()
 
     def info(self, worker: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -136,7 +147,8 @@ def create_app(
 ) -> Celery:
     """A Celery app wired to the fleet's Redis, with the batch-loop step installed."""
     fleet = config or load_config()
-    app = Celery("batchfleet", broker=fleet.redis_url or default_url(), set_as_current=True)
+    broker = fleet.celery_broker_url() or default_url()  # never a cluster: see FleetConfig
+    app = Celery("batchfleet", broker=broker, set_as_current=True)
     app.conf.update(
         accept_content=["json", "msgpack"],
         task_serializer="json",

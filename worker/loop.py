@@ -16,8 +16,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import redis
 
@@ -25,14 +24,15 @@ from ..batching.engine import Engine
 from ..batching.lanes import split_budget
 from ..batching.types import Batch, Plan, Policy, Waiting
 from ..config import ModelConfig, WorkerConfig
-from ..schemas.codec import EntryRejected, decode_entry, encode_result, envelope_of
+from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings
-from .handlers.base import Encoded, Handler
+from ..schemas.messages import Format, Request
+from .answers import Answerer, BatchRun, Held
+from .handlers.base import Handler
 from .inference import BatchOutcome, Failure, run_batch
-from .observers import Answered, LoopObserver, Observers
+from .observers import LoopObserver, Observers
 from .stats import LoopStats
-from .streams import Entry, Finish, ModelStreams, RedisClock
+from .streams import Entry, ModelStreams, RedisClock
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,6 @@ tick (every 1/hz: 100 ms at the default hz 10), so the last this-long of a wait 
 POLL_S = 0.001
 SUSPECT = 3
 """Deliveries from which a request runs alone (see ModelStreams.reclaim)."""
-
-
-@dataclass(slots=True)
-class Held:
-    """A valid request this worker has read and not yet answered."""
-
-    entry: Entry
-    request: Request
-    fmt: Format
-    rows: list[Encoded]
-    waiting: Waiting
-    read_at: float
 
 
 @dataclass(slots=True)
@@ -93,6 +81,9 @@ class BatchLoop:
         self.engine = Engine(config.batch.policy(config.lanes))
         self.stats = LoopStats(model=model, lanes=config.lanes)
         self.observers = Observers([self.stats, *observers])
+        self.answers = Answerer(
+            model, config, self.worker, consumer, self.streams, self.observers, self.stats
+        )
         self._clock = clock
         self._held: dict[str, Held] = {}
         self._stop = threading.Event()
@@ -304,7 +295,7 @@ class BatchLoop:
             try:
                 request, fmt = decode_entry(entry.fields, self.model, limits)
             except EntryRejected as exc:
-                self._reject(entry, exc, now)
+                self.answers.reject(entry, exc, now)
                 continue
             fresh.append((entry, request, fmt))
         redelivered = [i for i, (e, _, _) in enumerate(fresh) if e.deliveries > 1]
@@ -333,7 +324,7 @@ class BatchLoop:
                 try:
                     rows = self.handler.encode(request.inputs)
                 except Exception as exc:
-                    self._answer_error(
+                    self.answers.error(
                         entry,
                         request,
                         fmt,
@@ -362,29 +353,7 @@ class BatchLoop:
             f"{self.worker.max_deliveries}): it keeps failing or crashing workers"
         )
         env = envelope_of(entry.fields, self.config.limits)
-        self._reject(entry, EntryRejected(reason, ErrorCode.POISONED, env), now, dead=True)
-
-    def _reject(self, entry: Entry, exc: EntryRejected, now: float, dead: bool = False) -> None:
-        """Answer a request that will not be computed; dead-letter it if nobody can be
-        answered (or ``dead``: it is poison and operators should see it)."""
-        env = exc.envelope
-        self.stats.rejected(exc.code.value)
-        if dead or env.id is None:
-            dead_id = self.streams.dead_letter(
-                entry, exc.code.value, str(exc), self.consumer, self.worker.dead_letter_maxlen
-            )
-            self.observers.on_dead_letter(self.model, entry.lane, exc.code.value, str(exc))
-            logger.warning(
-                "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead_id, exc
-            )
-        if env.id is None:
-            return
-        logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
-        result = self._result(env.id, "error", env.metadata, self._timings(entry, now, now, now),
-                              error=ErrorInfo(code=exc.code, message=str(exc)))  # fmt: skip
-        ttl = self.config.result_ttl_s
-        self._store([(Finish(entry, env.id, encode_result(result, env.format), ttl, env.reply),
-                      Answered(entry.lane, None, result, True))])  # fmt: skip
+        self.answers.reject(entry, EntryRejected(reason, ErrorCode.POISONED, env), now, dead=True)
 
     # --- computing --------------------------------------------------------------------------
 
@@ -413,101 +382,9 @@ class BatchLoop:
         )
 
     def _publish(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
-        run_ms = (now - inflight.dispatched_at) * 1000
-        rows = inflight.batch.rows  # a sum over the batch: once, not once per request
-        answers = []
-        for held, out in zip(inflight.held, outcome.outcomes, strict=True):
-            timings = self._timings(held.entry, held.read_at, inflight.dispatched_at, now,
-                                    run_ms, rows, inflight.batch_id)  # fmt: skip
-            req = held.request
-            if isinstance(out, Failure):
-                error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message)
-                result = self._result(req.id, "error", req.metadata, timings, error=error)
-            else:
-                result = self._result(req.id, "ok", req.metadata, timings, outputs=out,
-                                      truncated=[r.truncated for r in held.rows])  # fmt: skip
-            answers.append(self._answer_of(held.entry, req, held.fmt, result))
-        self._store(answers)
+        run = BatchRun(inflight.batch_id, inflight.batch.rows, inflight.dispatched_at, now)
+        self.answers.computed(run, list(zip(inflight.held, outcome.outcomes, strict=True)))
 
     def _expire(self, expired: Sequence[Waiting], now: float) -> None:
-        answers = []
-        error = ErrorInfo(
-            code=ErrorCode.DEADLINE_EXCEEDED, message="deadline cannot be met; not computed"
-        )
-        for w in expired:
-            held = self._held.pop(w.key, None)
-            if held is not None:
-                timings = self._timings(held.entry, held.read_at, now, now)
-                result = self._result(
-                    held.request.id, "expired", held.request.metadata, timings, error=error
-                )
-                answers.append(self._answer_of(held.entry, held.request, held.fmt, result))
-        self._store(answers)
-
-    def _answer_error(
-        self, entry: Entry, request: Request, fmt: Format, code: ErrorCode, message: str, now: float
-    ) -> None:
-        error = ErrorInfo(code=code, message=message)
-        result = self._result(
-            request.id, "error", request.metadata, self._timings(entry, now, now, now), error=error
-        )
-        self._store([self._answer_of(entry, request, fmt, result)])
-
-    # --- answering --------------------------------------------------------------------------
-
-    def _result(
-        self,
-        request_id: str,
-        status: Status,
-        metadata: dict[str, str],
-        timings: Timings,
-        **rest: Any,
-    ) -> Result:
-        return Result(
-            id=request_id,
-            model=self.model,
-            status=status,
-            metadata=metadata,
-            timings=timings,
-            finished_at_ms=int(time.time() * 1000),
-            **rest,
-        )
-
-    def _answer_of(
-        self, entry: Entry, request: Request, fmt: Format, result: Result
-    ) -> tuple[Finish, Answered]:
-        ttl = min(
-            request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
-        )
-        finish = Finish(entry, request.id, encode_result(result, fmt), ttl, request.reply)
-        return finish, Answered(entry.lane, request, result, True)
-
-    def _store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
-        """Store, publish and ack results in one round trip, then tell the observers."""
-        if not answers:
-            return
-        stored = self.streams.finish([f for f, _ in answers])
-        self.observers.on_answered(
-            self.model, [replace(a, stored=s) for (_, a), s in zip(answers, stored, strict=True)]
-        )
-
-    def _timings(
-        self,
-        entry: Entry,
-        read_at: float,
-        dispatched_at: float,
-        now: float,
-        run_ms: float = 0.0,
-        rows: int = 0,
-        batch_id: str = "",
-    ) -> Timings:
-        enq = entry.enqueued_ms / 1000
-        return Timings(
-            queued_ms=round(max(0.0, read_at - enq) * 1000, 3),
-            batch_wait_ms=round(max(0.0, dispatched_at - read_at) * 1000, 3),
-            inference_ms=round(run_ms, 3),
-            total_ms=round(max(0.0, now - enq) * 1000, 3),
-            batch_size=rows,
-            batch_id=batch_id,
-            worker=self.consumer,
-        )
+        helds = [h for w in expired if (h := self._held.pop(w.key, None)) is not None]
+        self.answers.expired(helds, now)

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+from ..connection import queue_script
 from ..schemas.keys import GROUP, ModelKeys
 
 
@@ -175,10 +176,11 @@ class ModelStreams:
             return []
         pipe = self.client.pipeline(transaction=False)
         for it in items:
-            self._finish(
-                keys=[self.keys.result(it.request_id), self.streams[it.entry.lane]],
-                args=[GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
-                client=pipe,
+            queue_script(
+                pipe,
+                self._finish,
+                [self.keys.result(it.request_id), self.streams[it.entry.lane]],
+                [GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
             )
         return [bool(x) for x in pipe.execute()]
 

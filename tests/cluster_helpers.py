@@ -1,0 +1,143 @@
+"""A throwaway 3-master Redis Cluster on loopback ports (tests and the sizing script)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from batchfleet.redis_server import find_redis_server
+
+BUS_OFFSET = 10_000
+"""A cluster node also listens on port + 10000 (the cluster bus), so ports stay below 55536."""
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A loopback port whose cluster-bus port is free too."""
+    for _ in range(1000):
+        port = random.randint(20_000, 30_000)
+        if port in taken or port + BUS_OFFSET in taken:
+            continue
+        if _bindable(port) and _bindable(port + BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class LocalRedisCluster:
+    """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster create``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.ports: list[int] = []
+        for _ in range(masters):
+            self.ports.append(free_cluster_port(set(self.ports)))
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        """The data-plane URL (any node works: the client discovers the rest)."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def start(self, timeout: float = 30.0) -> str:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli not found (apt-get install redis-server)")
+        self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-cluster-")
+        for port in self.ports:
+            node_dir = Path(self._dir.name) / str(port)
+            node_dir.mkdir()
+            args = [
+                find_redis_server(),
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--dir", str(node_dir),
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "2000",
+                "--save", "",
+                "--appendonly", "no",
+                "--maxmemory-policy", "noeviction",
+            ]  # fmt: skip
+            self.processes.append(
+                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+        end = time.monotonic() + timeout
+        for port in self.ports:
+            self._wait_ping(port, end)
+        nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        subprocess.run(
+            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout,
+        )
+        for port in self.ports:
+            self._wait_ok(port, end)
+        return self.url
+
+    def _wait_ping(self, port: int, end: float) -> None:
+        client = redis.Redis(port=port, socket_connect_timeout=0.5)
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    if time.monotonic() > end:
+                        raise TimeoutError(f"cluster node {port} did not answer") from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _wait_ok(self, port: int, end: float) -> None:
+        client = redis.Redis(port=port)
+        try:
+            while client.cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > end:
+                    raise TimeoutError(f"cluster node {port} never reached cluster_state:ok")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def owner(self, key: str) -> int:
+        """Port of the master that owns ``key``'s slot."""
+        client = redis.Redis(port=self.ports[0])
+        try:
+            slot = int(client.execute_command("CLUSTER KEYSLOT", key))
+            for start, stop, master, *_ in client.execute_command("CLUSTER SLOTS"):
+                if start <= slot <= stop:
+                    return int(master[1])
+        finally:
+            client.close()
+        raise LookupError(f"no master owns slot of {key}")
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.processes.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None

@@ -1,0 +1,160 @@
+"""The data plane on a real 3-master Redis Cluster; Celery's broker on a plain redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from batchfleet.producer import AsyncProducer, Producer
+from batchfleet.schemas.keys import GROUP, ModelKeys
+from cluster_helpers import LocalRedisCluster
+from conftest import WorkerProcess, fleet_toml
+
+from batchfleet.config import load_config
+from batchfleet.connection import connect, is_cluster_url
+from batchfleet.groups import init_groups
+from batchfleet.redis_server import LocalRedis
+
+pytestmark = pytest.mark.timeout(180)
+
+MODELS = ("tiny", "sentiment")  # their hash slots live on different masters (asserted below)
+GHOSTED = 12
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalRedisCluster]:
+    c = LocalRedisCluster()
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def rc(cluster: LocalRedisCluster) -> Iterator[redis.RedisCluster]:
+    client = connect(cluster.url)
+    assert isinstance(client, redis.RedisCluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_fleet(
+    cluster: LocalRedisCluster,
+    redis_server: LocalRedis,
+    tiny_embedder: Path,
+    tiny_classifier: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    text = fleet_toml(
+        cluster.url,
+        {
+            "tiny": {"handler": "embedding", "path": str(tiny_embedder), "max_tokens": 64,
+                     "batch": {"max_batch_size": 32, "max_wait_ms": 5}},
+            "sentiment": {"handler": "text-classification", "path": str(tiny_classifier),
+                          "max_tokens": 64, "lanes": 2},
+        },
+    )  # fmt: skip
+    first, _, rest = text.partition("\n")
+    path = tmp_path_factory.mktemp("cluster") / "fleet.toml"
+    path.write_text(f'{first}\nbroker_url = "{redis_server.url}"\n{rest}')
+    return path
+
+
+@pytest.fixture(scope="module")
+def ghost_jobs(cluster_fleet: Path, rc: redis.RedisCluster) -> list[str]:
+    """Requests a consumer read and then died with (before any worker runs)."""
+    rc.flushall()
+    init_groups(load_config(cluster_fleet))
+    with Producer(str(load_config(cluster_fleet).redis_url)) as producer:
+        jobs = producer.submit_many("tiny", [f"orphan {i}" for i in range(GHOSTED)], priority=0)
+    stream = ModelKeys("tiny").lane(0)
+    read = rc.xreadgroup(GROUP, "ghost", {stream: ">"}, count=100)
+    assert len(read[0][1]) == GHOSTED
+    time.sleep(2.1)  # past the fleet's claim_idle_ms (2000)
+    return [j.id for j in jobs]
+
+
+@pytest.fixture(scope="module")
+def worker(
+    cluster_fleet: Path,
+    ghost_jobs: list[str],
+    rc: redis.RedisCluster,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    log = tmp_path_factory.mktemp("cluster-worker") / "w.log"
+    w = WorkerProcess(cluster_fleet, "cw0", log)
+    try:
+        for model in MODELS:
+            w.wait_ready(rc, model)
+        yield w
+    finally:
+        assert w.stop() == 0
+
+
+def test_cluster_url_and_models_on_different_shards(cluster: LocalRedisCluster) -> None:
+    assert is_cluster_url(cluster.url)
+    owners = {}
+    for model in MODELS:
+        keys = ModelKeys(model)
+        names = [*keys.lanes(3), keys.result("x"), keys.dead, keys.workers, keys.lanes_key]
+        assert len({cluster.owner(k) for k in names}) == 1, f"{model}: keys on several shards"
+        owners[model] = cluster.owner(keys.lane(0))
+    assert owners["tiny"] != owners["sentiment"]
+
+
+def test_broker_url_is_required_with_a_cluster(cluster: LocalRedisCluster) -> None:
+    plain = "redis://127.0.0.1:6379/3"
+    assert load_config(None, redis_url=plain).celery_broker_url() == plain, "default: redis_url"
+    assert load_config(None, redis_url=cluster.url, broker_url=plain).celery_broker_url() == plain
+    with pytest.raises(ValueError, match="broker_url"):
+        load_config(None, redis_url=cluster.url).celery_broker_url()
+    with pytest.raises(ValueError, match="cannot be a Redis Cluster"):
+        load_config(None, redis_url=cluster.url, broker_url=cluster.url)
+
+
+def test_reclaims_a_dead_consumers_entries(
+    worker: WorkerProcess, ghost_jobs: list[str], cluster: LocalRedisCluster
+) -> None:
+    with Producer(cluster.url) as producer:
+        from batchfleet.producer.client import Job
+
+        results = [Job(rid, "tiny", producer).result(timeout=30) for rid in ghost_jobs]
+    assert all(r.ok for r in results)
+    assert {r.timings.worker for r in results} == {"cw0"}
+
+
+def test_submit_batch_and_results_by_poll_and_reply(
+    worker: WorkerProcess, cluster: LocalRedisCluster, rc: redis.RedisCluster
+) -> None:
+    with Producer(cluster.url) as producer:
+        # When requests go to both models (two shards), on every lane
+        jobs = []
+        for lane in range(3):
+            jobs += producer.submit_many("tiny", [f"the dog {lane}-{i}" for i in range(40)],
+                                         priority=lane)  # fmt: skip
+        label = producer.submit("sentiment", "what a day", priority=0)
+        # Then results come on the reply channel, and by polling
+        results = list(producer.results(jobs, timeout=60))
+        (out,) = label.outputs(timeout=30)
+        assert jobs[0].result(timeout=5).ok
+    assert sorted(r.id for r in results) == sorted(j.id for j in jobs)
+    assert all(r.ok and len(r.outputs[0]) == 32 for r in results)
+    assert max(r.timings.batch_size for r in results) > 1, "answered in micro-batches"
+    assert out["label"] in {"negative", "neutral", "positive"}
+    for lane in range(3):
+        assert rc.xpending(ModelKeys("tiny").lane(lane), GROUP)["pending"] == 0
+
+
+def test_async_producer_on_cluster(worker: WorkerProcess, cluster: LocalRedisCluster) -> None:
+    async def go() -> list[str]:
+        async with AsyncProducer(cluster.url) as producer:
+            jobs = await producer.submit_many("tiny", [f"async {i}" for i in range(20)])
+            one = await producer.submit("sentiment", "fine", priority=1)
+            assert (await one.result(timeout=30)).ok
+            return [r.status async for r in producer.results(jobs, timeout=60)]
+
+    assert asyncio.run(go()) == ["ok"] * 20

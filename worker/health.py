@@ -1,0 +1,113 @@
+"""The worker's readiness and liveness over HTTP, for Kubernetes probes and load balancers.
+
+``GET /readyz`` answers 200 once every model is loaded and its batch loop runs, and 503
+while models load and from the moment the worker starts draining (SIGTERM). ``GET /livez``
+answers 200 while the process serves and no batch loop thread has died, else 503. The body
+is a small JSON object with the reason. A stdlib ``http.server`` on a daemon thread: no
+dependency, and it keeps answering while the model loads on the main thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class Health:
+    """What the probes report: a phase set by the worker step, and its loop threads."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._phase = self.STARTING
+        self._detail = "loading models"
+        self._threads: Sequence[threading.Thread] = ()
+
+    def loading(self, model: str) -> None:
+        with self._lock:
+            self._detail = f"loading model {model}"
+
+    def serving(self, threads: Sequence[threading.Thread]) -> None:
+        """Every loop is started: ready from now on."""
+        with self._lock:
+            self._phase, self._detail, self._threads = self.SERVING, "", tuple(threads)
+
+    def draining(self) -> None:
+        """Shutdown began: unready, so no new work is routed here; still live."""
+        with self._lock:
+            self._phase, self._detail = self.DRAINING, "draining: finishing the running batch"
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        with self._lock:
+            dead = [t.name for t in self._threads if not t.is_alive()]
+            ok = self._phase == self.SERVING and not dead
+            detail = self._detail or (f"loop threads died: {dead}" if dead else "ok")
+            return ok, {"phase": self._phase, "detail": detail}
+
+    def live(self) -> tuple[bool, dict[str, Any]]:
+        with self._lock:
+            dead = [t.name for t in self._threads if not t.is_alive()]
+            # A loop thread ends only on shutdown; one gone while serving is a wedged worker.
+            ok = not (self._phase == self.SERVING and dead)
+            return ok, {"phase": self._phase, "dead_loops": dead}
+
+
+def _handler_for(health: Health) -> type[BaseHTTPRequestHandler]:
+    routes: dict[str, Callable[[], tuple[bool, dict[str, Any]]]] = {
+        "/readyz": health.ready,
+        "/livez": health.live,
+        "/healthz": health.live,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            probe = routes.get(self.path.split("?", 1)[0])
+            if probe is None:
+                self.send_error(404, "try /readyz or /livez")
+                return
+            ok, body = probe()
+            data = json.dumps({"ok": ok, **body}).encode()
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("health %s", format % args)
+
+    return Handler
+
+
+class HealthServer:
+    """Serves a :class:`Health` on ``host:port`` from a daemon thread until ``close``."""
+
+    def __init__(self, health: Health, host: str, port: int) -> None:
+        self.health = health
+        self._server = ThreadingHTTPServer((host, port), _handler_for(health))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="health-http", daemon=True
+        )
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        logger.info("health endpoint on port %d (/readyz, /livez)", self.port)
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
