@@ -4,6 +4,7 @@ redelivery, idempotent results, reply channels."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -299,3 +300,24 @@ def test_dead_letters_list_replay_and_purge(r: redis.Redis, handler: EmbeddingHa
     assert result_of(r, req.id).ok, "the replayed request was computed"
     assert dlq.purge(r, MODEL) == 1  # the unreadable one, dead-lettered again
     assert r.xlen(KEYS.dead) == 0
+
+
+def test_timings_of_a_request_that_arrives_during_a_blocking_read(
+    r: redis.Redis, handler: EmbeddingHandler
+) -> None:
+    # Given a worker blocked in XREADGROUP on empty streams
+    cfg = ModelConfig(path="/unused", max_tokens=32)
+    loop = BatchLoop(
+        MODEL, cfg, handler, r, consumer="w1", worker=WorkerConfig(block_ms=800), burst=True
+    )
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    time.sleep(0.4)
+    # When a request arrives mid-block
+    job = Producer(client=r).submit(MODEL, "the dog", priority=0)
+    thread.join(10)
+    # Then its queue time is the short wait for the read to return, not zero, and its batch
+    # wait does not absorb the time the worker spent blocked before it arrived
+    t = job.result(timeout=1).timings
+    assert t.batch_wait_ms < 200, t
+    assert t.queued_ms + t.batch_wait_ms + t.inference_ms <= t.total_ms + 1

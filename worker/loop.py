@@ -91,6 +91,7 @@ class BatchLoop:
         self._last_reclaim = 0.0
         self._reclaiming = False
         self._running_suspect = False
+        self._now: Callable[[], float] = time.time
         self._unpublished: list[tuple[InFlight, BatchOutcome]] = []
         self._last_heartbeat = 0.0
         self._idle_reads = 0
@@ -157,6 +158,7 @@ class BatchLoop:
     def _run(self) -> None:
         self.streams.ensure_groups(self.config.max_queue_depth)
         clock = self._clock or RedisClock(self.streams)
+        self._now = clock
         inflight: InFlight | None = None
         backoff = 0.05
         logger.info("batch loop for %s started as %s", self.model, self.consumer)
@@ -283,7 +285,8 @@ class BatchLoop:
         lanes = range(self.config.lanes)
         entries = self.streams.read(split_budget(budget, lanes, self.engine.policy), block_ms)
         self._idle_reads = 0 if entries else self._idle_reads + 1
-        self._admit(entries, now)
+        # After a blocking read, "read at" is when it returned, not when it started.
+        self._admit(entries, self._now() if block_ms else now)
 
     def _admit(self, entries: Sequence[Entry], now: float) -> None:
         """Decode, validate and tokenize new entries; answer the bad ones at once."""
