@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]" "matplotlib>=3.8"
+	# bench/ compares against celery-batches, which declares celery<5.7 but runs on 5.7
+	$(BIN)/pip install -q --no-deps "celery-batches>=0.11"
 	touch $(STAMP)
 
 demo: $(STAMP)
