@@ -229,9 +229,12 @@ class BatchLoop:
         # Read more, blocking only as long as nothing else needs doing.
         budget = self.engine.read_budget(len(self._held))
         if inflight is not None:
-            if budget > 0:
+            if budget > 0:  # top up while the device works, polling for its end
                 self._read(budget, None, now)
-            wait_futures([inflight.future], timeout=0.002)
+                wait_futures([inflight.future], timeout=0.002)
+            else:  # holding enough: just wake the moment the device is done
+                until = plan.wake_at or now + 0.05
+                wait_futures([inflight.future], timeout=min(0.05, max(0.0005, until - now)))
             return inflight
         if budget <= 0:
             time.sleep(max(0.0005, min((plan.wake_at or now + 0.005) - now, 0.05)))
