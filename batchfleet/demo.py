@@ -132,14 +132,19 @@ def run_demo(requests: int = 300, rate: float = 40.0, redis_url: str | None = No
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
             sent = progress.add_task("submitted", total=requests)
+            burst_left = 0
             for i, text in enumerate(texts):
                 lane = rng.choices([0, 1, 2], weights=[1, 3, 2])[0]
                 job = producer.submit(MODEL, text, priority=lane, deadline_ms=30_000)
                 jobs.append(job)
                 lanes[job.id] = lane
                 progress.advance(sent)
-                # open-loop arrivals at `rate` per second, in small bursts
-                time.sleep(max(0.0, started + (i + 1) / rate - time.monotonic()))
+                # open-loop arrivals at `rate` per second on average, in bursts of 1-16
+                # (as traffic comes): bursts are what micro-batching turns into throughput
+                if burst_left == 0:
+                    burst_left = rng.randint(1, 16)
+                    time.sleep(max(0.0, started + (i + 1) / rate - time.monotonic()))
+                burst_left -= 1
             done = progress.add_task("answered", total=requests)
             results: list[Result] = []
             for result in producer.results(jobs, timeout=120):
