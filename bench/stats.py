@@ -25,6 +25,9 @@ class Summary:
     offered: float
     n: int
     achieved: float
+    """ok results / (first submit → last result): start-up and drain included."""
+    steady: float
+    """ok results / time in steady state: between the 10th and 90th percentile completion."""
     p50_ms: float
     p95_ms: float
     p99_ms: float
@@ -40,6 +43,20 @@ class Summary:
     timed_out: bool
     server_p50_ms: tuple[float, float, float, float] | None = None
     """batchfleet: p50 of queued, batch wait, inference, enqueue → stored (Redis clock)."""
+
+
+def steady_rate(done: Sequence[float], lo: float = 0.1, hi: float = 0.9) -> float:
+    """Completions per second between the ``lo`` and ``hi`` quantiles of completion time.
+
+    The offline limit is a steady-state rate (batches back to back, no start-up, no
+    drain); this is the same measure for a system: its first batches (the window
+    opening, the cost model learning) and its last, partial one are left out. With
+    fewer than 20 completions it falls back to all of them."""
+    t = sorted(done)
+    if len(t) < 2:
+        return 0.0
+    i, j = (int(lo * (len(t) - 1)), int(hi * (len(t) - 1))) if len(t) >= 20 else (0, len(t) - 1)
+    return (j - i) / (t[j] - t[i]) if t[j] > t[i] else 0.0
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -89,6 +106,7 @@ def summarize(run: Run, tokens: Callable[[str], int]) -> Summary:
         offered=load.rate,
         n=load.n,
         achieved=ok / span if span > 0 else 0.0,
+        steady=steady_rate([d for k, d in enumerate(run.done) if d is not None and run.ok[k]]),
         p50_ms=pct(lat, 50),
         p95_ms=pct(lat, 95),
         p99_ms=pct(lat, 99),

@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
+from batchfleet.batching.types import Batch, Waiting
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.errors import ErrorCode
@@ -21,6 +22,7 @@ from batchfleet.schemas.messages import Request
 from batchfleet.worker.handlers.base import Encoded
 from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.observers import LoopObserver
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
 
 from batchfleet.config import ModelConfig, WorkerConfig
@@ -321,3 +323,89 @@ def test_timings_of_a_request_that_arrives_during_a_blocking_read(
     t = job.result(timeout=1).timings
     assert t.batch_wait_ms < 200, t
     assert t.queued_ms + t.batch_wait_ms + t.inference_ms <= t.total_ms + 1
+
+
+def test_one_script_call_stores_a_whole_batch_and_keeps_the_first_result(r: redis.Redis) -> None:
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    for lane in (0, 2, 2):
+        r.xadd(KEYS.lane(lane), {"msgpack": b"x"})
+    entries = streams.read({0: 5, 2: 5}, None)
+    assert len(entries) == 3
+    r.set(KEYS.result("b"), b"stored before")  # a redelivery: b already has its result
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("c")
+    items = [
+        Finish(e, rid, f"r-{rid}".encode(), 60, "c") for e, rid in zip(entries, "abc", strict=True)
+    ]
+    assert streams.finish(items) == [True, False, True]
+    assert [r.get(KEYS.result(k)) for k in "abc"] == [b"r-a", b"stored before", b"r-c"]
+    got = []
+    end = time.monotonic() + 2
+    while len(got) < 3 and time.monotonic() < end:  # a third would be a wrong publish
+        if (msg := pubsub.get_message(timeout=0.2)) is not None:
+            got.append(msg["data"])
+    assert got == [b"r-a", b"r-c"]  # published once each, only when newly stored
+    assert [r.xlen(KEYS.lane(n)) for n in range(3)] == [0, 0, 0]  # every entry retired
+    assert all(r.xpending(KEYS.lane(n), GROUP)["pending"] == 0 for n in range(3))
+
+
+class Gate(EmbeddingHandler):
+    """Each batch waits for the test's go-ahead; records its size."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.go = threading.Event()
+        self.sizes: list[int] = []
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        self.sizes.append(len(rows))
+        assert self.go.wait(30)
+        return super().run(rows)
+
+
+def test_one_batch_is_queued_behind_the_running_one_and_no_more(
+    tiny_embedder: Path, r: redis.Redis
+) -> None:
+    """Shortly before batch k is due to end, batch k+1 is planned and queued behind it,
+    so the device does not wait for the loop; when k overruns, nothing more is queued
+    (the rest stay held: they may still be regrouped, or expire)."""
+    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
+    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
+    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=50))
+    dispatched: list[int] = []
+
+    class Count(LoopObserver):
+        def on_dispatch(self, model: str, batch: Any, batch_id: str, now: float) -> None:
+            dispatched.append(batch.rows)
+
+    loop.observers.observers.append(Count())
+    for rows in (1, 2, 4) * 3:  # teach it: a batch takes 0.5 s
+        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
+        loop.engine.observe(Batch(items, "full"), 0.5)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    producer = Producer(client=r)
+    first = producer.submit(MODEL, "the first request")
+    wait_until(lambda: gate.sizes == [1])
+    jobs = producer.submit_many(MODEL, [f"request number {i}" for i in range(10)])
+    try:
+        wait_until(lambda: len(dispatched) == 2 and loop.held == 6)
+    except AssertionError:
+        raise AssertionError(
+            f"dispatched {dispatched}, held {loop.held}, sizes {gate.sizes}"
+        ) from None
+    time.sleep(0.3)  # the loop keeps running: nothing more may be dispatched meanwhile
+    assert dispatched == [1, 4] and loop.held == 6
+    gate.go.set()
+    assert all(j.result(timeout=10).ok for j in [first, *jobs])
+    loop.stop()
+    thread.join(10)
+    assert sum(gate.sizes) == 11 and max(gate.sizes) <= 4
+
+
+def wait_until(cond: Any, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"condition not reached: {cond.__doc__ or cond}"
+        time.sleep(0.01)

@@ -7,6 +7,7 @@ The batch loop decides *what* happens to a request; this module turns that into 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,6 +73,7 @@ class Answerer:
         self.streams = streams
         self.observers = observers
         self.stats = stats
+        self._lock = threading.Lock()
 
     def computed(self, run: BatchRun, members: Sequence[tuple[Held, list[Any] | Failure]]) -> None:
         """Results of a finished batch: outputs, or ``inference_failed`` for a failure."""
@@ -136,6 +138,10 @@ class Answerer:
         """Store, publish and ack results in one round trip, then tell the observers."""
         if not answers:
             return
+        with self._lock:  # the publisher thread and the loop thread both answer
+            self._store(answers)
+
+    def _store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
         stored = self.streams.finish([f for f, _ in answers])
         self.observers.on_answered(
             self.model, [replace(a, stored=s) for (_, a), s in zip(answers, stored, strict=True)]
@@ -149,8 +155,11 @@ class Answerer:
         timings: Timings,
         **rest: Any,
     ) -> Result:
-        return Result(id=request_id, model=self.model, status=status, metadata=metadata,
-                      timings=timings, finished_at_ms=int(time.time() * 1000), **rest)  # fmt: skip
+        # Every field is built here from checked values: skip validation (hot path).
+        return Result.model_construct(
+            id=request_id, model=self.model, status=status, metadata=metadata, timings=timings,
+            finished_at_ms=int(time.time() * 1000), **rest,
+        )  # fmt: skip
 
     def _answer(
         self, entry: Entry, request: Request, fmt: Format, result: Result
@@ -158,7 +167,16 @@ class Answerer:
         ttl = min(
             request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
         )
-        finish = Finish(entry, request.id, encode_result(result, fmt), ttl, request.reply)
+        try:
+            payload = encode_result(result, fmt)
+        except Exception as exc:  # a handler returned outputs the wire cannot carry
+            logger.warning("result of %s cannot be encoded: %s", request.id, exc)
+            message = f"handler output cannot be encoded: {type(exc).__name__}: {exc}"
+            error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=message)
+            result = result.model_copy(update={"status": "error", "outputs": None,
+                                               "truncated": None, "error": error})  # fmt: skip
+            payload = encode_result(result, fmt)
+        finish = Finish(entry, request.id, payload, ttl, request.reply)
         return finish, Answered(entry.lane, request, result, True)
 
     def timings(

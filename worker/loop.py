@@ -1,21 +1,25 @@
 """The batch loop of one model: read → plan → infer → publish → ack.
 
-It runs on its own thread inside the Celery worker process. Inference runs on a
-second, "device" thread, so while batch k computes the loop already reads,
-decodes and tokenizes what batch k+1 will hold, and publishes batch k-1's results
-after batch k has been started.
+It runs on its own thread inside the Celery worker process, with two helpers: a
+"device" thread runs the batches, one at a time, and a "publisher" thread stores,
+publishes and acks each finished batch's results. So while batch k computes, the loop
+reads, decodes and tokenizes what batch k+1 will hold, and batch k-1's results go out
+without waiting for the loop. When the device is due to free up within ``PREQUEUE_S``
+the loop plans the next batch and queues it behind the running one, so the device does
+not sit idle through the hand-off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -42,6 +46,8 @@ SHORT_WAIT_S = 0.1
 """On an otherwise quiet server Redis times a blocking read out only on its next event-loop
 tick (every 1/hz: 100 ms at the default hz 10), so the last this-long of a wait is polled."""
 POLL_S = 0.001
+PREQUEUE_S = 0.003
+"""Plan and queue the next batch when the running one is due to end within this long."""
 SUSPECT = 3
 """Deliveries from which a request runs alone (see ModelStreams.reclaim)."""
 
@@ -50,9 +56,12 @@ SUSPECT = 3
 class InFlight:
     batch: Batch
     held: list[Held]
-    future: Future[BatchOutcome]
     dispatched_at: float
     batch_id: str
+    started_at: float = 0.0
+    """When the device thread began it (a queued batch waits for the one before)."""
+    finished_at: float = 0.0
+    outcome: BatchOutcome | None = None
 
 
 class BatchLoop:
@@ -92,12 +101,22 @@ class BatchLoop:
         self._reclaiming = False
         self._running_suspect = False
         self._now: Callable[[], float] = time.time
-        self._unpublished: list[tuple[InFlight, BatchOutcome]] = []
+        self._unpublished: deque[InFlight] = deque()
+        """Computed batches whose results could not be stored yet (Redis away)."""
+        self._computed: deque[InFlight] = deque()
+        """Finished on the device, not yet learnt from (loop thread)."""
+        self._storing: set[str] = set()
+        """Batches handed to the publisher thread and not stored yet (their ids)."""
+        self._inflight: deque[InFlight] = deque()
+        """Dispatched and not yet computed: the running batch, and at most one queued."""
+        self._wake = threading.Event()
+        """Set by the device thread when a batch finishes, to wake a waiting loop."""
         self._last_heartbeat = 0.0
         self._idle_reads = 0
         self._paused = False
         self._draining = False
         self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{model}")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{model}")
 
     # --- control ----------------------------------------------------------------------------
 
@@ -111,8 +130,12 @@ class BatchLoop:
     def reset(self) -> None:
         """Forget held requests after a crash (they stay pending in Redis and are reclaimed)."""
         self._held.clear()
+        self._inflight.clear()
+        self._computed.clear()
+        self._storing.clear()
         self._stopped.clear()
         self._device = ThreadPoolExecutor(1, thread_name_prefix=f"device-{self.model}")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"publish-{self.model}")
 
     @property
     def stopping(self) -> bool:
@@ -153,25 +176,27 @@ class BatchLoop:
             self._run()
         finally:
             self._device.shutdown(wait=True)
+            self._publisher.shutdown(wait=True)
             self._stopped.set()
 
     def _run(self) -> None:
         self.streams.ensure_groups(self.config.max_queue_depth)
         clock = self._clock or RedisClock(self.streams)
         self._now = clock
-        inflight: InFlight | None = None
         backoff = 0.05
         logger.info("batch loop for %s started as %s", self.model, self.consumer)
         while True:
             try:
-                inflight = self._step(clock, inflight)
+                self._step(clock)
                 backoff = 0.05
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            if inflight is None and (self._stop.is_set() or self._burst_done() or self._drained()):
+            if self._busy():
+                continue
+            if self._stop.is_set() or self._burst_done() or self._drained():
                 break
         if self._held:
             with contextlib.suppress(redis.RedisError):
@@ -186,80 +211,103 @@ class BatchLoop:
             self.streams.unregister()
         logger.info("batch loop for %s stopped", self.model)
 
+    def _busy(self) -> bool:
+        """Batches dispatched whose results are not stored yet."""
+        return bool(self._inflight or self._computed or self._storing or self._unpublished)
+
     def _burst_done(self) -> bool:
         return self.burst and not self._held and self._idle_reads >= 2
 
     def _drained(self) -> bool:
         return self._draining and not self._held
 
-    def _step(self, clock: Callable[[], float], inflight: InFlight | None) -> InFlight | None:
+    def _step(self, clock: Callable[[], float]) -> None:
+        self._wake.clear()
         now = clock()
-        if inflight is not None and inflight.future.done():
-            self._unpublished.append((inflight, inflight.future.result()))
-            self._learn(*self._unpublished[-1], now)
-            inflight = None
+        while self._computed:
+            self._learn(self._computed.popleft())
+        while self._unpublished:  # kept until stored, so a Redis outage loses no result
+            self._store(self._unpublished[0])
+            self._unpublished.popleft()
 
+        running = len(self._inflight)
+        expected = self._device_free_at(now) if running else None
+        # Results must go out as fast as batches come in: with a second finished batch
+        # still waiting for the publisher, hold the next one (it grows meanwhile).
+        behind = len(self._storing) > 1
         suspect = self._suspect()
-        if inflight is None and suspect is not None:
+        # Queue the next batch behind the running one only when that one is due to end
+        # within PREQUEUE_S. Past its predicted end, when it ends is unknown: wait for it,
+        # so the next batch is not formed early from whatever has arrived.
+        can_queue = running == 1 and (expected is None or self._due_soon(now))
+        if behind:
+            plan = self.engine.plan(self._waiting(), now, max(expected or now, now + POLL_S))
+        elif running == 0 and suspect is not None:
             plan = Plan(batch=Batch((suspect,), "retry"))
-        elif inflight is None:
+        elif running == 0 or (can_queue and suspect is None and not self._running_suspect):
             plan = self.engine.plan(self._waiting(), now, None)
         else:
-            expected = inflight.dispatched_at + self.engine.estimate(
-                inflight.batch.rows, inflight.batch.padded_tokens
-            )
-            plan = self.engine.plan(self._waiting(), now, max(expected, now))
+            plan = self.engine.plan(self._waiting(), now, expected)
         if plan.expired:
             self._expire(plan.expired, clock())
-        if inflight is None and plan.batch is not None and not self._stop.is_set():
-            inflight = self._dispatch(plan.batch, clock())
-        while self._unpublished:  # kept until stored, so a Redis outage loses no result
-            self._publish(*self._unpublished[0], clock())
-            self._unpublished.pop(0)
+        if plan.batch is not None and not self._stop.is_set():
+            self._dispatch(plan.batch, clock())
 
         if self._stop.is_set():
-            if inflight is not None:
-                wait_futures([inflight.future])
-            return inflight
+            if self._inflight or self._computed:
+                self._wake.wait(0.05)
+            return
 
         now = clock()
+        wake_at = plan.wake_at
+        if len(self._inflight) == 1 and self._held:
+            due = self._device_free_at(now)  # wake in time to queue the next batch behind it
+            if due is not None:
+                wake_at = min(wake_at or math.inf, due - PREQUEUE_S)
         if self._paused or self._draining:
-            self._idle(now, inflight, plan.wake_at)
-            return inflight
+            self._idle(now, wake_at)
+            return
         # Read more, blocking only as long as nothing else needs doing.
         budget = self.engine.read_budget(len(self._held))
-        if inflight is not None:
-            if budget > 0:  # top up while the device works, polling for its end
-                self._read(budget, None, now)
-                wait_futures([inflight.future], timeout=0.002)
-            else:  # holding enough: just wake the moment the device is done
-                until = plan.wake_at or now + 0.05
-                wait_futures([inflight.future], timeout=min(0.05, max(0.0005, until - now)))
-            return inflight
-        if budget <= 0:
-            time.sleep(max(0.0005, min((plan.wake_at or now + 0.005) - now, 0.05)))
-            return None
-        if plan.wake_at is not None and plan.wake_at - now < SHORT_WAIT_S:
+        if budget <= 0:  # holding enough: wake when the device frees up or a timer is due
+            self._heartbeat(now)
+            self._wake.wait(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
+            return
+        if wake_at is not None and wake_at - now < SHORT_WAIT_S:
             self._read(budget, None, now)  # a BLOCK this short could return up to 100 ms late
-            time.sleep(max(0.0, min(plan.wake_at - now, POLL_S)))
-            return inflight
-        if plan.wake_at is not None:
-            wait_ms = (plan.wake_at - now - SHORT_WAIT_S) * 1000
+            if wake_at > clock():
+                self._wake.wait(POLL_S)
+            return
+        if wake_at is not None:
+            wait_ms = (wake_at - now - SHORT_WAIT_S) * 1000
             block_ms = int(max(1.0, min(wait_ms, self.worker.block_ms)))
-        elif plan.batch is not None:
-            block_ms = None  # device busy from now on: just top up
         else:
             block_ms = self.worker.block_ms
         self._read(budget, block_ms, now)
-        return inflight
 
-    def _idle(self, now: float, inflight: InFlight | None, wake_at: float | None) -> None:
+    def _due_soon(self, now: float) -> bool:
+        try:
+            first = self._inflight[0]
+        except IndexError:
+            return True
+        if not first.started_at:
+            return False
+        due = first.started_at + self.engine.estimate(first.batch.rows, first.batch.padded_tokens)
+        return abs(due - now) <= PREQUEUE_S
+
+    def _device_free_at(self, now: float) -> float | None:
+        """When the running batch should end (None: none is running any more)."""
+        try:
+            first = self._inflight[0]  # the device thread may pop it meanwhile
+        except IndexError:
+            return None
+        began = first.started_at or now
+        return max(now, began + self.engine.estimate(first.batch.rows, first.batch.padded_tokens))
+
+    def _idle(self, now: float, wake_at: float | None) -> None:
         """Paused or draining: keep the heartbeat, wait for the device or the next wake-up."""
         self._heartbeat(now)
-        if inflight is not None:
-            wait_futures([inflight.future], timeout=0.01)
-        else:
-            time.sleep(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
+        self._wake.wait(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
 
     def _waiting(self) -> list[Waiting]:
         return [h.waiting for h in self._held.values() if h.entry.deliveries < SUSPECT]
@@ -363,32 +411,72 @@ class BatchLoop:
 
     # --- computing --------------------------------------------------------------------------
 
-    def _dispatch(self, batch: Batch, now: float) -> InFlight:
+    def _dispatch(self, batch: Batch, now: float) -> None:
         held = [self._held.pop(w.key) for w in batch.items]
-        future = self._device.submit(run_batch, self.handler, [h.rows for h in held])
         batch_id = uuid.uuid4().hex[:12]
         logger.debug(
             "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
             batch_id, self.model, len(held), batch.rows, batch.padded_tokens, batch.reason,
         )  # fmt: skip
         self._running_suspect = batch.reason == "retry"
+        inflight = InFlight(batch, held, now, batch_id)
+        self._inflight.append(inflight)
         self.observers.on_dispatch(self.model, batch, batch_id, now)
-        return InFlight(batch, held, future, now, batch_id)
+        self._device.submit(self._compute, inflight)
 
-    def _learn(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
-        self._running_suspect = False
-        seconds = max(0.0, now - inflight.dispatched_at)
+    def _compute(self, inflight: InFlight) -> None:
+        """Device thread: run the batch, hand its results to the publisher, wake the loop."""
+        inflight.started_at = self._now()
+        try:
+            inflight.outcome = run_batch(self.handler, [h.rows for h in inflight.held])
+        except BaseException as exc:  # run_batch isolates handler errors; this is a bug
+            logger.exception("batch %s of %s crashed", inflight.batch_id, self.model)
+            failure = Failure(f"{type(exc).__name__}: {exc}")
+            inflight.outcome = BatchOutcome([failure] * len(inflight.held))
+        inflight.finished_at = self._now()
+        self._storing.add(inflight.batch_id)
+        self._publisher.submit(self._publish, inflight)
+        self._inflight.popleft()
+        self._computed.append(inflight)
+        self._wake.set()
+
+    def _learn(self, inflight: InFlight) -> None:
+        """Loop thread: teach the engine the measured batch time."""
+        outcome = inflight.outcome
+        assert outcome is not None
+        if inflight.batch.reason == "retry":
+            self._running_suspect = False
         if outcome.out_of_memory:
-            self.engine.out_of_memory(inflight.batch, now)
+            self.engine.out_of_memory(inflight.batch, inflight.finished_at)
         elif outcome.calls == 1:
-            self.engine.observe(inflight.batch, seconds)
+            self.engine.observe(inflight.batch, inflight.finished_at - inflight.started_at)
+
+    def _publish(self, inflight: InFlight) -> None:
+        """Publisher thread: tell the observers, then store, publish and ack the results."""
+        outcome = inflight.outcome
+        assert outcome is not None
+        seconds = max(0.0, inflight.finished_at - inflight.started_at)
         failed = sum(isinstance(o, Failure) for o in outcome.outcomes)
         self.observers.on_batch_done(
             self.model, inflight.batch, inflight.batch_id, seconds, outcome.out_of_memory, failed
         )
+        try:
+            self._store(inflight)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # the loop retries
+            logger.warning("results of batch %s not stored yet: %s", inflight.batch_id, exc)
+            self._unpublished.append(inflight)
+        except Exception:  # never stored nor acked: redelivered, then dead-lettered if it recurs
+            logger.exception("results of batch %s of %s failed", inflight.batch_id, self.model)
+        finally:
+            self._storing.discard(inflight.batch_id)
+            self._wake.set()
 
-    def _publish(self, inflight: InFlight, outcome: BatchOutcome, now: float) -> None:
-        run = BatchRun(inflight.batch_id, inflight.batch.rows, inflight.dispatched_at, now)
+    def _store(self, inflight: InFlight) -> None:
+        outcome = inflight.outcome
+        assert outcome is not None
+        run = BatchRun(
+            inflight.batch_id, inflight.batch.rows, inflight.started_at, inflight.finished_at
+        )
         self.answers.computed(run, list(zip(inflight.held, outcome.outcomes, strict=True)))
 
     def _expire(self, expired: Sequence[Waiting], now: float) -> None:

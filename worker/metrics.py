@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import sys
+from collections import Counter as Tally
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -114,6 +115,7 @@ class Metrics:
 class PrometheusObserver(LoopObserver):
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
         self.m.batches.labels(model, batch.reason).inc()
@@ -136,17 +138,33 @@ class PrometheusObserver(LoopObserver):
             self.m.oom.labels(model).inc()
 
     def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
+        counts: Tally[tuple[str, str]] = Tally()
         for a in answered:
             lane = str(a.lane)
             res = a.result
-            self.m.results.labels(model, lane, res.status).inc()
+            counts[lane, res.status] += 1
             if res.error is not None:
                 self.m.errors.labels(model, res.error.code.value).inc()
             t = res.timings
-            self.m.latency.labels(model, lane).observe(t.total_ms / 1000)
+            latency, queue_wait, batch_wait = self._lane(model, lane)
+            latency.observe(t.total_ms / 1000)
             if res.status == "ok":
-                self.m.queue_wait.labels(model, lane).observe(t.queued_ms / 1000)
-                self.m.batch_wait.labels(model, lane).observe(t.batch_wait_ms / 1000)
+                queue_wait.observe(t.queued_ms / 1000)
+                batch_wait.observe(t.batch_wait_ms / 1000)
+        for (lane, status), n in counts.items():
+            self.m.results.labels(model, lane, status).inc(n)
+
+    def _lane(self, model: str, lane: str) -> tuple[Any, Any, Any]:
+        """The per-lane histogram children (label lookups cost more than observing)."""
+        key = (model, lane)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = (
+                self.m.latency.labels(model, lane),
+                self.m.queue_wait.labels(model, lane),
+                self.m.batch_wait.labels(model, lane),
+            )
+        return found
 
     def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
         self.m.dead_letters.labels(model, code).inc()

@@ -1,9 +1,12 @@
 """Hooks the batch loop calls as work moves through it.
 
 Metrics, Flower task events and webhook deliveries plug in here, so the loop itself
-stays one concept. Every hook runs on the loop thread: keep it cheap and never block
-on the network (hand slow work to a queue or another thread). A hook that raises is
-logged and ignored: observers can never break inference.
+stays one concept. ``on_dispatch`` runs on the loop thread; ``on_batch_done`` and
+``on_answered`` run on the model's publisher thread (``on_answered`` also on the loop
+thread for rejected or expired requests, never both at once), so an observer's state
+must be safe to touch from two threads. Keep hooks cheap and never block on the network
+(hand slow work to a queue or another thread). A hook that raises is logged and ignored:
+observers can never break inference.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ from redis.commands.core import Script
 from ..connection import queue_script
 from ..schemas.keys import GROUP, ModelKeys
 
+FINISH_CHUNK = 256
+"""Results stored per script call: one round trip per batch, and a bounded script run."""
+
 
 def _script(client: redis.Redis, name: str) -> Script:
     source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
@@ -171,18 +174,19 @@ class ModelStreams:
         return [bool(n) for n in pipe.execute()]
 
     def finish(self, items: Sequence[Finish]) -> list[bool]:
-        """Store, publish and ack many results in one round trip; True where newly stored."""
+        """Store, publish and ack many results in one round trip (one script call per
+        ``FINISH_CHUNK`` results); True where newly stored."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for it in items:
-            queue_script(
-                pipe,
-                self._finish,
-                [self.keys.result(it.request_id), self.streams[it.entry.lane]],
-                [GROUP, it.entry.id, it.payload, it.ttl_s, it.reply or ""],
-            )
-        return [bool(x) for x in pipe.execute()]
+        for start in range(0, len(items), FINISH_CHUNK):
+            chunk = items[start : start + FINISH_CHUNK]
+            keys = [self.keys.result(it.request_id) for it in chunk] + self.streams
+            args: list[str | bytes | int] = [GROUP, len(chunk)]
+            for it in chunk:
+                args += [it.entry.id, it.entry.lane, it.payload, it.ttl_s, it.reply or ""]
+            queue_script(pipe, self._finish, keys, args)
+        return [bool(x) for reply in pipe.execute() for x in reply]
 
     def ack_only(self, entries: Sequence[Entry]) -> None:
         """Retire entries whose result already exists."""

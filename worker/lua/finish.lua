@@ -1,23 +1,34 @@
--- finish.lua: store a request's result once, publish it, and retire its stream entry.
--- Atomic, so a result is written at most once and an entry is acked only with its result.
+-- finish.lua: store each result of a batch once, publish it, and retire its stream entry.
+-- Atomic per call, so a result is written at most once and an entry is acked only with its
+-- result. One call carries a whole batch (or one result): one round trip, one script run.
 --
--- KEYS[1]  result key            (bf:{model}:result:<id>)
--- KEYS[2]  lane stream           (bf:{model}:lane:<n>)
--- ARGV[1]  consumer group name
--- ARGV[2]  stream entry id
--- ARGV[3]  encoded result (msgpack or JSON bytes)
--- ARGV[4]  result TTL in seconds
--- ARGV[5]  reply channel to PUBLISH to, or '' for none
+-- KEYS[1..n]        result keys, one per result     (bf:{model}:result:<id>)
+-- KEYS[n+1..n+L]    the model's lane streams        (bf:{model}:lane:<0..L-1>)
+-- ARGV[1]           consumer group name
+-- ARGV[2]           n, the number of results
+-- then 5 per result i (1-based), from ARGV[3 + 5*(i-1)]:
+--   stream entry id, lane number (0-based), encoded result, TTL in seconds,
+--   reply channel to PUBLISH to ('' for none)
 --
--- Returns 1 if this call stored the result, 0 if one was already stored (a redelivery:
--- the stored result stands, nothing is published again).
-local written = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'EX', tonumber(ARGV[4]))
-if written and ARGV[5] ~= '' then
-  redis.call('PUBLISH', ARGV[5], ARGV[3])
+-- Returns an array of n integers: 1 where this call stored the result, 0 where one was
+-- already stored (a redelivery: the stored result stands, nothing is published again).
+local n = tonumber(ARGV[2])
+local out = {}
+for i = 1, n do
+  local a = 3 + 5 * (i - 1)
+  local id = ARGV[a]
+  local stream = KEYS[n + 1 + tonumber(ARGV[a + 1])]
+  local payload = ARGV[a + 2]
+  local written = redis.call('SET', KEYS[i], payload, 'NX', 'EX', tonumber(ARGV[a + 3]))
+  if written and ARGV[a + 4] ~= '' then
+    redis.call('PUBLISH', ARGV[a + 4], payload)
+  end
+  redis.call('XACK', stream, ARGV[1], id)
+  redis.call('XDEL', stream, id)
+  if written then
+    out[i] = 1
+  else
+    out[i] = 0
+  end
 end
-redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[2], ARGV[2])
-if written then
-  return 1
-end
-return 0
+return out
