@@ -2,18 +2,23 @@
 
 First a greedy pass takes requests in priority order (promoted, then lane by lane,
 oldest first) while they fit the row cap, the padded-token cap, and every member's
-deadline. Then, when padding costs anything, the batch is re-chosen for throughput
-from a *pool*: the next few batches' worth of requests in priority order, where a
-lower lane joins only while the lanes above it hold less than one full batch. Among
-the pool's windows of similar token lengths (contiguous in sorted order) that contain
-the *anchor* (the first request in priority order after the promoted ones, i.e. the
-oldest of the highest lane waiting), it takes the most *efficient* one: what its rows
-would cost in batches of their own length and best size, over what it costs. A full
-batch of equal lengths at the best size scores 1; padding, unshared overhead and (on
-a CPU) a batch bigger than the best size lower it. So the batch size is chosen too,
-and a short request joins long ones only if the overhead it saves pays for its padding.
-Ties: the least padding. Promoted requests always go; the anchor always goes; a request
-of unusual length is overtaken only until it is the anchor. Deadlines are kept.
+deadline. Then, when padding costs anything, the batch is re-chosen for throughput:
+
+* Two requests *must go*: the *anchor* (the first in priority order after the promoted
+  ones: the oldest of the highest lane waiting) and the oldest promoted one, if any.
+* The rest come from a *pool*: the other promoted requests, then the next few batches'
+  worth in priority order, where a lower lane joins only while the lanes above it hold
+  less than a good batch's worth (so a higher lane with enough of its own is not diluted).
+* Among the windows of the pool contiguous in token-length order (anywhere: often beside
+  the longest must-go), it takes the most *efficient* batch: what its rows would cost in
+  batches of their own length and best size, over what it costs. A batch of equal
+  lengths at the best size scores 1; padding, unshared overhead and (on a CPU) a batch
+  bigger than the best size lower it. So the batch size is chosen too, and a short
+  request joins long ones only if the overhead it saves pays for its padding. Ties: the
+  least padding. Only a gain of :data:`MIN_GAIN` over the greedy choice counts.
+
+A request of unusual length is overtaken only until it is the anchor (or the oldest
+promoted). Deadlines are kept: a regrouped batch that would miss one is not used.
 """
 
 from __future__ import annotations
@@ -114,11 +119,11 @@ def compose(
 
 def pool_of(ordered: Sequence[Waiting], fixed: int, row_cap: int, enough: int) -> list[int]:
     """Indices the batch may be re-chosen from, in priority order: the promoted ones but
-    the oldest (``ordered[1:fixed]``), then the rest up to
-    :data:`POOL_BATCHES` batches of rows, where a lower lane joins only while the lanes
-    above it hold fewer than ``enough`` rows (a good batch's worth), so a higher lane with
-    enough for a batch of its own is never diluted by lower ones."""
-    pool = [i for i in range(fixed) if i not in must_go(ordered, fixed)]
+    the oldest (``ordered[1:fixed]``), then the rest after the anchor (``ordered[fixed]``)
+    up to :data:`POOL_BATCHES` batches of rows, where a lower lane joins only while the
+    lanes above it hold fewer than ``enough`` rows (a good batch's worth), so a higher
+    lane with enough for a batch of its own is never diluted by lower ones."""
+    pool = list(range(1, fixed))
     limit = POOL_BATCHES * row_cap
     rows = 0
     lane = None
@@ -130,15 +135,16 @@ def pool_of(ordered: Sequence[Waiting], fixed: int, row_cap: int, enough: int) -
             lane = w.lane
         if rows + w.size > limit and rows:
             break
-        pool.append(i)
+        if i != fixed:
+            pool.append(i)
         rows += w.size
     return pool
 
 
-def must_go(ordered: Sequence[Waiting], fixed: int) -> set[int]:
-    """The promoted request that always goes: the oldest (promoted ones are sorted by age,
-    so each promoted lane's oldest becomes it within a batch or two)."""
-    return {0} if fixed > 0 else set()
+def must_go(fixed: int) -> list[int]:
+    """Indices that always go: the oldest promoted request (promoted ones are sorted by
+    age, so each promoted lane's oldest becomes it within a batch or two) and the anchor."""
+    return [0, fixed] if fixed > 0 else [fixed]
 
 
 def _regroup(
@@ -152,20 +158,25 @@ def _regroup(
     fixed: int,
     enough: int,
 ) -> list[int] | None:
-    """Re-choose the batch for throughput; None keeps the greedy choice."""
+    """Re-choose the batch for throughput; None keeps the greedy choice.
+
+    The batch is the must-go requests plus a window of the pool, contiguous in length
+    order, anywhere (beside the longest must-go, typically): the one with the best
+    efficiency. A member that cannot make its deadline keeps the greedy choice.
+    """
     if fixed >= len(ordered):
         return None  # only promoted requests: nothing to anchor on
-    # The anchor may have been left out by promoted requests filling the batch; a member
-    # that cannot make its deadline in the chosen batch makes us keep the greedy choice.
-    musts = must_go(ordered, fixed)
-    keep = [i for i in chosen if i in musts]
+    keep = must_go(fixed)
     pool_idx = pool_of(ordered, fixed, row_cap, enough)
-    if len(pool_idx) <= 1:
+    if not pool_idx:
         return None
     fixed_rows = sum(ordered[i].size for i in keep)
-    fixed_tok = max((ordered[i].tokens for i in keep), default=0)
+    fixed_tok = max(ordered[i].tokens for i in keep)
     fixed_real = sum(ordered[i].tokens * ordered[i].size for i in keep)
     avail = row_cap - fixed_rows
+    over_tokens = token_cap is not None and fixed_rows * fixed_tok > token_cap
+    if len(keep) > 1 and (avail < 0 or over_tokens):
+        return None  # the must-go pair alone breaks a cap: the greedy choice handles it
 
     cache: dict[int, float] = {}
 
@@ -187,51 +198,42 @@ def _regroup(
         row_sum.append(row_sum[-1] + w.size)
         real_sum.append(real_sum[-1] + w.tokens * w.size)
         ideal_sum.append(ideal_sum[-1] + ideal(w))
-    p = pool.index(fixed)
     ideal_fixed = sum(ideal(ordered[i]) for i in keep)
 
-    def fits(i: int, j: int) -> bool:
-        r = row_sum[j + 1] - row_sum[i]
-        if r > avail and not (i == j == p and fixed_rows == 0):
-            return False
-        return token_cap is None or (fixed_rows + r) * max(fixed_tok, toks[j]) <= token_cap
+    def score(rows: int, longest: int, ideal_rows: float) -> float:
+        return ideal_rows / estimate(rows, rows * longest)
 
     # Score: what the rows would cost in batches of their own length and best size,
-    # over what this batch costs. Ties: less padding.
-    best: tuple[float, int, int, int] | None = None  # (score, -waste, i, j)
-    for j in range(p, len(pool)):
-        if not fits(p, j):
-            break  # windows ending further right only get longer
+    # over what this batch costs. Ties: less padding. Start with the must-go alone.
+    alone = score(fixed_rows, fixed_tok, ideal_fixed)
+    best: tuple[float, int, int, int] = (alone, -(fixed_rows * fixed_tok - fixed_real), 0, -1)
+    for j in range(len(pool)):
         longest = max(fixed_tok, toks[j])
         prev = -1.0
-        for i in range(p, -1, -1):
-            if i < p and not fits(i, j):
+        for i in range(j, -1, -1):
+            r = row_sum[j + 1] - row_sum[i]
+            if r > avail:
                 break
-            rows = fixed_rows + row_sum[j + 1] - row_sum[i]
-            real = fixed_real + real_sum[j + 1] - real_sum[i]
-            score = (ideal_fixed + ideal_sum[j + 1] - ideal_sum[i]) / estimate(rows, rows * longest)
-            if score < prev * (1 - 1e-9):
+            rows = fixed_rows + r
+            if token_cap is not None and rows * longest > token_cap:
+                break
+            sc = score(rows, longest, ideal_fixed + ideal_sum[j + 1] - ideal_sum[i])
+            if sc < prev * (1 - 1e-9):
                 break  # adding ever shorter rows only lowers it from here
-            prev = score
-            waste = rows * longest - real
-            if (
-                best is None
-                or score > best[0] * (1 + 1e-9)
-                or (score >= best[0] * (1 - 1e-9) and -waste > best[1])
-            ):
-                best = (score, -waste, i, j)
-    if best is None:
-        return None
+            prev = sc
+            waste = rows * longest - (fixed_real + real_sum[j + 1] - real_sum[i])
+            if sc > best[0] * (1 + 1e-9) or (sc >= best[0] * (1 - 1e-9) and -waste > best[1]):
+                best = (sc, -waste, i, j)
     # Reordering costs fairness (younger rows overtake older ones): only for a real gain.
     g_rows = sum(ordered[k].size for k in chosen)
     g_longest = max(ordered[k].tokens for k in chosen)
-    g_score = sum(ideal(ordered[k]) for k in chosen) / estimate(g_rows, g_rows * g_longest)
+    g_score = score(g_rows, g_longest, sum(ideal(ordered[k]) for k in chosen))
     if best[0] < g_score * (1 + MIN_GAIN):
         return None
     _, _, i, j = best
     members = sorted(keep + pool[i : j + 1])
-    rows = fixed_rows + row_sum[j + 1] - row_sum[i]
-    max_tok = max(fixed_tok, toks[j])
+    rows = sum(ordered[k].size for k in members)
+    max_tok = max(ordered[k].tokens for k in members)
     dls = [ordered[k].deadline for k in members if ordered[k].deadline is not None]
     if dls and start + estimate(rows, rows * max_tok) > min(dls):
         return None
