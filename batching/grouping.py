@@ -224,12 +224,14 @@ def _regroup(
             waste = rows * longest - (fixed_real + real_sum[j + 1] - real_sum[i])
             if sc > best[0] * (1 + 1e-9) or (sc >= best[0] * (1 - 1e-9) and -waste > best[1]):
                 best = (sc, -waste, i, j)
-    # Reordering costs fairness (younger rows overtake older ones): only for a real gain.
-    g_rows = sum(ordered[k].size for k in chosen)
-    g_longest = max(ordered[k].tokens for k in chosen)
-    g_score = score(g_rows, g_longest, sum(ideal(ordered[k]) for k in chosen))
-    if best[0] < g_score * (1 + MIN_GAIN):
-        return None
+    # Reordering costs fairness (younger rows overtake older ones): only for a real gain,
+    # unless the greedy choice leaves a must-go out (promoted requests filled it).
+    if all(k in chosen for k in keep):
+        g_rows = sum(ordered[k].size for k in chosen)
+        g_longest = max(ordered[k].tokens for k in chosen)
+        g_score = score(g_rows, g_longest, sum(ideal(ordered[k]) for k in chosen))
+        if best[0] < g_score * (1 + MIN_GAIN):
+            return None
     _, _, i, j = best
     members = sorted(keep + pool[i : j + 1])
     rows = sum(ordered[k].size for k in members)
