@@ -70,7 +70,7 @@ class Engine:
         policy = self.policy
         self._rates.learn(waiting)
         self._memory.tick(now, policy)
-        estimate = self._cost.estimate
+        estimate = self._cost.estimator()
         start = now if busy_until is None else max(now, busy_until)
 
         alive: list[Waiting] = []

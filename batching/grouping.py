@@ -23,6 +23,7 @@ promoted). Deadlines are kept: a regrouped batch that would miss one is not used
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -207,7 +208,10 @@ def _regroup(
     # over what this batch costs. Ties: less padding. Start with the must-go alone.
     alone = score(fixed_rows, fixed_tok, ideal_fixed)
     best: tuple[float, int, int, int] = (alone, -(fixed_rows * fixed_tok - fixed_real), 0, -1)
-    for j in range(len(pool)):
+    # A window ending below the longest must-go is padded to it anyway: of those, the one
+    # ending at the last such row scores best (longer rows, same cost), so start there.
+    first = max(0, bisect.bisect_right(toks, fixed_tok) - 1)
+    for j in range(first, len(pool)):
         longest = max(fixed_tok, toks[j])
         prev = -1.0
         for i in range(j, -1, -1):
