@@ -48,7 +48,7 @@ costs = st.tuples(
     st.floats(0.001, 0.03),
     st.floats(0.0, 0.002),
     st.floats(0.0, 0.0001),
-    st.sampled_from([0.0, 0.0, 2e-6, 2e-5]),  # a CPU's rows x padded-tokens term, or none
+    st.sampled_from([0.0, 0.0, 5e-7, 2e-6]),  # a CPU's rows x padded-tokens term (MiniLM: 5.4e-7)
 )
 
 
