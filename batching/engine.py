@@ -3,9 +3,9 @@
 The worker calls :meth:`Engine.plan` whenever something arrives, the device frees up
 or a returned ``wake_at`` passes, and reports back measured batch times
 (:meth:`Engine.observe`) and out-of-memory failures (:meth:`Engine.out_of_memory`).
-The rules live in one module each: ``costmodel`` (batch time fit), ``rates``
+The rules live in one module each: ``costmodel`` (batch time fit, best batch size), ``rates``
 (arrival rates), ``lanes`` (priority and starvation), ``grouping`` (caps, deadlines,
-length), ``window`` (when to dispatch), ``memory`` (OOM back-off).
+length, batch size), ``window`` (when to dispatch), ``memory`` (OOM back-off).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Engine:
         policy = self.policy
         self._rates.learn(waiting)
         self._memory.tick(now, policy)
-        estimate = self._cost.estimate
+        estimate = self._cost.estimator()
         start = now if busy_until is None else max(now, busy_until)
 
         alive: list[Waiting] = []
@@ -104,12 +104,17 @@ class Engine:
 
         by_lane = group_by_lane(alive)
         promoted, rest = self._lanes.order(by_lane, now, horizon, row_cap, policy)
+        cost = self._cost
         comp = compose(
             promoted + rest,
             row_cap=row_cap,
             token_cap=token_cap,
             start=now,
             estimate=estimate,
+            row_cost=(lambda t: cost.row_cost(t, row_cap, token_cap))
+            if cost.padding_costs
+            else None,
+            best_rows=lambda t: cost.best_rows(t, row_cap, token_cap),
             fixed=len(promoted),
         )
         items = comp.items
@@ -143,7 +148,7 @@ class Engine:
         for w in items:
             if w.key in promoted_keys:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + w.size
-        self._lanes.commit(by_lane, promoted_rows, row_cap, policy)
+        self._lanes.commit(by_lane, promoted_rows, row_cap, policy, sum(w.size for w in items))
         # "starvation" when a promotion decided who went (with room, all would have).
         reason = "starvation" if promoted_rows and comp.full else decision.reason
         batch = Batch(tuple(items), reason)

