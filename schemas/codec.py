@@ -158,16 +158,17 @@ def decode_entry(
             ErrorCode.MALFORMED,
             Envelope(format=fmt),
         ) from None
-    env = _envelope(body, fmt)
     if not isinstance(body, dict):
         raise EntryRejected(
-            f"{fmt} body must be a map, got {type(body).__name__}", ErrorCode.MALFORMED, env
+            f"{fmt} body must be a map, got {type(body).__name__}",
+            ErrorCode.MALFORMED,
+            _envelope(body, fmt),
         )
     if body.get("model") != model and isinstance(body.get("model"), str):
         raise EntryRejected(
             f"unknown model {body['model']!r} on the stream of model {model!r}",
             ErrorCode.UNKNOWN_MODEL,
-            env,
+            _envelope(body, fmt),
         )
     try:
         request = Request.model_validate(body, context={"limits": limits})
@@ -176,7 +177,7 @@ def decode_entry(
             f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}"
             for e in exc.errors()[:5]
         )
-        raise EntryRejected(detail, _code_of(exc), env) from None
+        raise EntryRejected(detail, _code_of(exc), _envelope(body, fmt)) from None
     return request, request.format or fmt
 
 

@@ -144,7 +144,11 @@ class Answerer:
     def _store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
         stored = self.streams.finish([f for f, _ in answers])
         self.observers.on_answered(
-            self.model, [replace(a, stored=s) for (_, a), s in zip(answers, stored, strict=True)]
+            self.model,
+            [
+                a if s else replace(a, stored=False)
+                for (_, a), s in zip(answers, stored, strict=True)
+            ],
         )
 
     def result(

@@ -26,6 +26,9 @@ from .observers import LoopObserver
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+COALESCE_S = 0.02
+"""The sender thread waits this long after an event before sending: events are batched,
+and it never takes the GIL right when a batch is being handed to the device."""
 
 
 def batch_task_name(model: str) -> str:
@@ -101,32 +104,49 @@ class EventSender:
     def _run(self) -> None:
         dispatcher = None
         while True:
-            item = self.queue.get()
-            if item is _STOP:
+            first = self.queue.get()
+            if first is not _STOP:
+                # Let the batch that caused it start (and its results go out) before this
+                # thread wants the GIL; then send everything queued meanwhile at once.
+                time.sleep(COALESCE_S)
+            items = [first]
+            while items[-1] is not _STOP:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _STOP:
+                    break
+                dispatcher = self._send(dispatcher, *item)
+            if items[-1] is _STOP:
                 break
-            type_, fields = item
-            try:
-                if dispatcher is None:
-                    dispatcher = self._dispatcher()
-                dispatcher.send(type_, **fields)
-                self.sent += 1
-            except Exception as exc:  # broker down: drop the event, reconnect later
-                self.dropped += 1
-                logger.warning("flower event %s not sent: %s", type_, exc)
-                if dispatcher is not None:
-                    try:
-                        dispatcher.close()
-                        dispatcher.connection.release()
-                    except Exception:
-                        pass
-                dispatcher = None
-                time.sleep(0.5)
         if dispatcher is not None:
             try:
                 dispatcher.close()
                 dispatcher.connection.release()
             except Exception:
                 pass
+
+    def _send(self, dispatcher: Any, type_: str, fields: dict[str, Any]) -> Any:
+        """Send one event; returns the dispatcher to use next (None after a failure)."""
+        try:
+            if dispatcher is None:
+                dispatcher = self._dispatcher()
+            dispatcher.send(type_, **fields)
+            self.sent += 1
+        except Exception as exc:  # broker down: drop the event, reconnect later
+            self.dropped += 1
+            logger.warning("flower event %s not sent: %s", type_, exc)
+            if dispatcher is not None:
+                try:
+                    dispatcher.close()
+                    dispatcher.connection.release()
+                except Exception:
+                    pass
+            dispatcher = None
+            time.sleep(0.5)
+        return dispatcher
 
 
 class FlowerEvents(LoopObserver):

@@ -11,7 +11,6 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from ..connection import queue_script
 from ..schemas.keys import GROUP, ModelKeys
 
 FINISH_CHUNK = 256
@@ -176,17 +175,17 @@ class ModelStreams:
     def finish(self, items: Sequence[Finish]) -> list[bool]:
         """Store, publish and ack many results in one round trip (one script call per
         ``FINISH_CHUNK`` results); True where newly stored."""
-        if not items:
-            return []
-        pipe = self.client.pipeline(transaction=False)
+        out: list[bool] = []
         for start in range(0, len(items), FINISH_CHUNK):
             chunk = items[start : start + FINISH_CHUNK]
             keys = [self.keys.result(it.request_id) for it in chunk] + self.streams
             args: list[str | bytes | int] = [GROUP, len(chunk)]
             for it in chunk:
                 args += [it.entry.id, it.entry.lane, it.payload, it.ttl_s, it.reply or ""]
-            queue_script(pipe, self._finish, keys, args)
-        return [bool(x) for reply in pipe.execute() for x in reply]
+            # Called directly, not on a pipeline: a pipeline holding a script first asks
+            # SCRIPT EXISTS, a second round trip each time.
+            out += [bool(x) for x in self._finish(keys=keys, args=args)]
+        return out
 
     def ack_only(self, entries: Sequence[Entry]) -> None:
         """Retire entries whose result already exists."""
