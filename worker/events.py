@@ -121,12 +121,7 @@ class EventSender:
                 dispatcher = self._send(dispatcher, *item)
             if items[-1] is _STOP:
                 break
-        if dispatcher is not None:
-            try:
-                dispatcher.close()
-                dispatcher.connection.release()
-            except Exception:
-                pass
+        _close(dispatcher)
 
     def _send(self, dispatcher: Any, type_: str, fields: dict[str, Any]) -> Any:
         """Send one event; returns the dispatcher to use next (None after a failure)."""
@@ -138,15 +133,20 @@ class EventSender:
         except Exception as exc:  # broker down: drop the event, reconnect later
             self.dropped += 1
             logger.warning("flower event %s not sent: %s", type_, exc)
-            if dispatcher is not None:
-                try:
-                    dispatcher.close()
-                    dispatcher.connection.release()
-                except Exception:
-                    pass
+            _close(dispatcher)
             dispatcher = None
             time.sleep(0.5)
         return dispatcher
+
+
+def _close(dispatcher: Any) -> None:
+    if dispatcher is None:
+        return
+    try:
+        dispatcher.close()
+        dispatcher.connection.release()
+    except Exception:
+        pass
 
 
 class FlowerEvents(LoopObserver):
