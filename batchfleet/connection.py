@@ -10,6 +10,7 @@ work on both.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -51,6 +52,31 @@ def is_cluster_pipeline(pipe: object) -> bool:
     from redis.cluster import ClusterPipeline
 
     return isinstance(pipe, ClusterPipeline | AsyncClusterPipeline)
+
+
+def run_script_calls(
+    client: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]
+) -> list[Any]:
+    """Run a registered script once per ``(keys, args)`` on one pipeline; error replies come
+    back as exception objects. Plain EVALSHA, without the ``SCRIPT EXISTS`` round trip that
+    redis-py's pipeline adds before every execute holding a script: a NOSCRIPT reply (the
+    server restarted or was flushed) loads the script and reruns just those calls. A cluster
+    pipeline gets EVAL with the source (see :func:`queue_script`)."""
+    pipe = client.pipeline(transaction=False)
+    cluster = is_cluster_pipeline(pipe)
+    for keys, args in calls:
+        if cluster:
+            pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        else:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+    replies = list(pipe.execute(raise_on_error=False))
+    missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+    if missing:
+        client.script_load(script.script)
+        again = run_script_calls(client, script, [calls[i] for i in missing])
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    return replies
 
 
 def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:

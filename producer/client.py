@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from ..connection import connect, default_url, queue_script
+from ..connection import connect, default_url, run_script_calls
 from ..schemas.codec import decode_result
 from ..schemas.errors import JobFailed, ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
@@ -207,10 +207,8 @@ class Producer:
             ]
             for start in range(0, len(prepared), PIPELINE_CHUNK):
                 chunk = prepared[start : start + PIPELINE_CHUNK]
-                pipe = self.client.pipeline(transaction=False)
-                for p in chunk:
-                    queue_script(pipe, self._submit, p.keys, p.args)
-                replies = pipe.execute(raise_on_error=False)
+                calls = [(p.keys, p.args) for p in chunk]
+                replies = run_script_calls(self.client, self._submit, calls)
                 ids, full = accepted_ids(chunk, replies)
                 jobs += [Job(rid, model, self) for rid in ids]
                 if full is not None:

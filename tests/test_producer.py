@@ -68,3 +68,15 @@ def test_invalid_requests_are_refused_before_redis(redis_url: str, r: redis.Redi
     with pytest.raises(ValueError):
         producer.submit("bad name", "x")
     assert not list(r.scan_iter("bf:*"))
+
+
+def test_submit_many_survives_a_flushed_script_cache(r: redis.Redis) -> None:
+    """The submit script is called by EVALSHA alone (no SCRIPT EXISTS first): after Redis
+    forgets it (a restart, SCRIPT FLUSH), the NOSCRIPT replies load it and rerun."""
+    producer = Producer(client=r)
+    first = producer.submit_many("m", ["one", "two"])
+    r.script_flush()
+    again = producer.submit_many("m", ["three", "four", "five"], priority=2)
+    assert len(first) == 2 and len(again) == 3
+    keys = ModelKeys("m")
+    assert r.xlen(keys.lane(1)) == 2 and r.xlen(keys.lane(2)) == 3

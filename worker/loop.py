@@ -425,7 +425,7 @@ class BatchLoop:
         self.observers.on_dispatch(self.model, batch, batch_id, now)
 
     def _compute(self, inflight: InFlight) -> None:
-        """Device thread: run the batch, wake the loop, publish its results.
+        """Device thread: run the batch, publish its results, wake the loop.
 
         When nothing is queued behind it and the publisher is idle (light load), this
         thread publishes them itself: one thread hand-off less on the latency path.
@@ -440,13 +440,13 @@ class BatchLoop:
         inflight.finished_at = self._now()
         inline = len(self._inflight) == 1 and not self._storing
         self._storing.add(inflight.batch_id)
-        if not inline:
+        if inline:  # before the loop is woken: it would compete for the GIL meanwhile
+            self._publish(inflight)
+        else:
             self._publisher.submit(self._publish, inflight)
         self._inflight.popleft()
         self._computed.append(inflight)
         self._wake.set()
-        if inline:
-            self._publish(inflight)
 
     def _learn(self, inflight: InFlight) -> None:
         """Loop thread: teach the engine the measured batch time."""
