@@ -222,9 +222,11 @@ def write_report(out: Path, stem: str, results: Results, facts: dict[str, str],
     lines += ["Latency is submit → result visible to the producer, on one clock (the harness's",
               "`perf_counter`): submitted from one thread at Poisson arrival times (open loop),",
               "results timestamped by a second thread as they are pushed (batchfleet: the",
-              "producer's reply channel; Celery: the result backend's pub/sub). Throughput is",
-              "ok results / (first submit → last result). Compare ratios within this run: the",
-              "machine is shared and noisy.", ""]  # fmt: skip
+              "producer's reply channel; Celery: the result backend's pub/sub). Throughput:",
+              "*achieved* = ok results / (first submit → last result); *steady* = completions",
+              "per second between the 10th and 90th percentile completion (start-up and drain",
+              "left out, like the offline limit); targets and \"% of limit\" use *steady*.",
+              "Compare ratios within this run: the machine is shared and noisy.", ""]  # fmt: skip
     lines += ["## Targets", "", *targets(results), ""]
     from .models import MODELS
 
