@@ -54,6 +54,19 @@ def is_cluster_pipeline(pipe: object) -> bool:
     return isinstance(pipe, ClusterPipeline | AsyncClusterPipeline)
 
 
+def _queue_calls(pipe: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]) -> None:
+    cluster = is_cluster_pipeline(pipe)
+    for keys, args in calls:
+        if cluster:
+            pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        else:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def _no_script(replies: Sequence[Any]) -> list[int]:
+    return [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
+
+
 def run_script_calls(
     client: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]
 ) -> list[Any]:
@@ -63,17 +76,26 @@ def run_script_calls(
     server restarted or was flushed) loads the script and reruns just those calls. A cluster
     pipeline gets EVAL with the source (see :func:`queue_script`)."""
     pipe = client.pipeline(transaction=False)
-    cluster = is_cluster_pipeline(pipe)
-    for keys, args in calls:
-        if cluster:
-            pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-        else:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+    _queue_calls(pipe, script, calls)
     replies = list(pipe.execute(raise_on_error=False))
-    missing = [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
-    if missing:
+    if missing := _no_script(replies):
         client.script_load(script.script)
         again = run_script_calls(client, script, [calls[i] for i in missing])
+        for i, reply in zip(missing, again, strict=True):
+            replies[i] = reply
+    return replies
+
+
+async def run_script_calls_async(
+    client: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]
+) -> list[Any]:
+    """:func:`run_script_calls` for an asyncio client."""
+    pipe = client.pipeline(transaction=False)
+    _queue_calls(pipe, script, calls)
+    replies = list(await pipe.execute(raise_on_error=False))
+    if missing := _no_script(replies):
+        await client.script_load(script.script)
+        again = await run_script_calls_async(client, script, [calls[i] for i in missing])
         for i, reply in zip(missing, again, strict=True):
             replies[i] = reply
     return replies

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from ..connection import connect_async, default_url, is_cluster_pipeline, queue_script
+from ..connection import connect_async, default_url, run_script_calls_async
 from ..schemas.codec import decode_result
 from ..schemas.errors import ResultTimeout
 from ..schemas.keys import ModelKeys, default_reply_channel
@@ -173,12 +173,9 @@ class AsyncProducer:
             ]
             for start in range(0, len(prepared), PIPELINE_CHUNK):
                 chunk = prepared[start : start + PIPELINE_CHUNK]
-                pipe = self.client.pipeline(transaction=False)
-                for p in chunk:
-                    queued = queue_script(pipe, self._submit, p.keys, p.args)
-                    if not is_cluster_pipeline(pipe):
-                        await queued  # a plain asyncio pipeline's script call is awaited
-                ids, full = accepted_ids(chunk, await pipe.execute(raise_on_error=False))
+                calls = [(p.keys, p.args) for p in chunk]
+                replies = await run_script_calls_async(self.client, self._submit, calls)
+                ids, full = accepted_ids(chunk, replies)
                 jobs += [AsyncJob(rid, model, self) for rid in ids]
                 if full is not None:
                     full.accepted = jobs  # type: ignore[attr-defined]

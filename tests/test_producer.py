@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import redis
-from batchfleet.producer import Producer
+from batchfleet.producer import AsyncProducer, Producer
 from batchfleet.schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.worker.streams import ModelStreams
@@ -80,3 +81,15 @@ def test_submit_many_survives_a_flushed_script_cache(r: redis.Redis) -> None:
     assert len(first) == 2 and len(again) == 3
     keys = ModelKeys("m")
     assert r.xlen(keys.lane(1)) == 2 and r.xlen(keys.lane(2)) == 3
+
+
+def test_async_submit_many_survives_a_flushed_script_cache(r: redis.Redis, redis_url: str) -> None:
+    async def go() -> tuple[int, int]:
+        async with AsyncProducer(redis_url) as producer:
+            first = await producer.submit_many("am", ["one", "two"], priority=0)
+            r.script_flush()
+            again = await producer.submit_many("am", ["three"], priority=0)
+            return len(first), len(again)
+
+    assert asyncio.run(go()) == (2, 1)
+    assert r.xlen(ModelKeys("am").lane(0)) == 3
