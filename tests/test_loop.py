@@ -409,3 +409,32 @@ def wait_until(cond: Any, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < end, f"condition not reached: {cond.__doc__ or cond}"
         time.sleep(0.01)
+
+
+def test_a_batch_that_overruns_its_estimate_is_followed_at_once(
+    tiny_embedder: Path, r: redis.Redis
+) -> None:
+    """The engine expects 1 ms batches; the first one takes 0.3 s. Requests held meanwhile
+    go when it ends, not when a Redis BLOCK (10 s here) happens to return."""
+    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
+    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
+    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=10_000))
+    for rows in (1, 2, 4) * 3:
+        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
+        loop.engine.observe(Batch(items, "full"), 0.001)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    producer = Producer(client=r)
+    first = producer.submit(MODEL, "the first request")
+    wait_until(lambda: gate.sizes == [1])
+    later = producer.submit_many(MODEL, ["second one", "third one"])
+    wait_until(lambda: loop.held == 2)
+    time.sleep(0.3)
+    gate.go.set()
+    assert first.result(timeout=10).ok
+    start = time.monotonic()
+    assert all(j.result(timeout=10).ok for j in later)
+    waited = time.monotonic() - start
+    loop.stop()
+    thread.join(10)
+    assert waited < 1, f"held requests waited {waited:.1f} s for a Redis block to end"

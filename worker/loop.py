@@ -46,6 +46,8 @@ SHORT_WAIT_S = 0.1
 """On an otherwise quiet server Redis times a blocking read out only on its next event-loop
 tick (every 1/hz: 100 ms at the default hz 10), so the last this-long of a wait is polled."""
 POLL_S = 0.001
+ACTIVE_POLL_S = 0.002
+"""While the device runs and requests are held for it, new entries are polled this often."""
 PREQUEUE_S = 0.003
 """Plan and queue the next batch when the running one is due to end within this long."""
 SUSPECT = 3
@@ -254,7 +256,7 @@ class BatchLoop:
             self._dispatch(plan.batch, clock())
 
         if self._stop.is_set():
-            if self._inflight or self._computed:
+            if self._inflight or self._computed or self._storing:
                 self._wake.wait(0.05)
             return
 
@@ -262,7 +264,7 @@ class BatchLoop:
         wake_at = plan.wake_at
         if len(self._inflight) == 1 and self._held:
             due = self._device_free_at(now)  # wake in time to queue the next batch behind it
-            if due is not None:
+            if due is not None and due - PREQUEUE_S > now:
                 wake_at = min(wake_at or math.inf, due - PREQUEUE_S)
         if self._paused or self._draining:
             self._idle(now, wake_at)
@@ -272,6 +274,13 @@ class BatchLoop:
         if budget <= 0:  # holding enough: wake when the device frees up or a timer is due
             self._heartbeat(now)
             self._wake.wait(max(0.0005, min((wake_at or now + 0.05) - now, 0.05)))
+            return
+        if self._inflight and self._held:
+            # Work waits for the device: never sit in a Redis BLOCK, which the device's end
+            # cannot interrupt. Top up, then wait for the device, a timer, or the next poll.
+            self._read(budget, None, now)
+            left = ACTIVE_POLL_S if wake_at is None else wake_at - clock()
+            self._wake.wait(max(0.0, min(left, ACTIVE_POLL_S)))
             return
         if wake_at is not None and wake_at - now < SHORT_WAIT_S:
             self._read(budget, None, now)  # a BLOCK this short could return up to 100 ms late
