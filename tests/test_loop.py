@@ -370,9 +370,7 @@ def test_one_batch_is_queued_behind_the_running_one_and_no_more(
     """Shortly before batch k is due to end, batch k+1 is planned and queued behind it,
     so the device does not wait for the loop; when k overruns, nothing more is queued
     (the rest stay held: they may still be regrouped, or expire)."""
-    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
-    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
-    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=50))
+    loop, gate = gated_loop(tiny_embedder, r, batch_s=0.5, block_ms=50)
     dispatched: list[int] = []
 
     class Count(LoopObserver):
@@ -380,9 +378,6 @@ def test_one_batch_is_queued_behind_the_running_one_and_no_more(
             dispatched.append(batch.rows)
 
     loop.observers.observers.append(Count())
-    for rows in (1, 2, 4) * 3:  # teach it: a batch takes 0.5 s
-        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
-        loop.engine.observe(Batch(items, "full"), 0.5)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     producer = Producer(client=r)
@@ -404,6 +399,20 @@ def test_one_batch_is_queued_behind_the_running_one_and_no_more(
     assert sum(gate.sizes) == 11 and max(gate.sizes) <= 4
 
 
+def gated_loop(
+    tiny_embedder: Path, r: redis.Redis, *, batch_s: float, block_ms: int
+) -> tuple[BatchLoop, Gate]:
+    """A loop on a gated handler (max batch 4) whose engine has learnt that a batch
+    takes ``batch_s``, whatever its size."""
+    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
+    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
+    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=block_ms))
+    for rows in (1, 2, 4) * 3:
+        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
+        loop.engine.observe(Batch(items, "full"), batch_s)
+    return loop, gate
+
+
 def wait_until(cond: Any, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -416,12 +425,7 @@ def test_a_batch_that_overruns_its_estimate_is_followed_at_once(
 ) -> None:
     """The engine expects 1 ms batches; the first one takes 0.3 s. Requests held meanwhile
     go when it ends, not when a Redis BLOCK (10 s here) happens to return."""
-    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
-    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
-    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=10_000))
-    for rows in (1, 2, 4) * 3:
-        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
-        loop.engine.observe(Batch(items, "full"), 0.001)
+    loop, gate = gated_loop(tiny_embedder, r, batch_s=0.001, block_ms=10_000)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     producer = Producer(client=r)
