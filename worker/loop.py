@@ -58,7 +58,6 @@ SUSPECT = 3
 class InFlight:
     batch: Batch
     held: list[Held]
-    dispatched_at: float
     batch_id: str
     started_at: float = 0.0
     """When the device thread began it (a queued batch waits for the one before)."""
@@ -233,7 +232,8 @@ class BatchLoop:
             self._unpublished.popleft()
 
         running = len(self._inflight)
-        expected = self._device_free_at(now) if running else None
+        due = self._due() if running else None
+        expected = None if not running else max(now, due or now)
         # Results must go out as fast as batches come in: with a second finished batch
         # still waiting for the publisher, hold the next one (it grows meanwhile).
         behind = len(self._storing) > 1
@@ -241,7 +241,9 @@ class BatchLoop:
         # Queue the next batch behind the running one only when that one is due to end
         # within PREQUEUE_S. Past its predicted end, when it ends is unknown: wait for it,
         # so the next batch is not formed early from whatever has arrived.
-        can_queue = running == 1 and (expected is None or self._due_soon(now))
+        can_queue = running == 1 and (
+            not self._inflight or (due is not None and abs(due - now) <= PREQUEUE_S)
+        )
         if behind:
             plan = self.engine.plan(self._waiting(), now, max(expected or now, now + POLL_S))
         elif running == 0 and suspect is not None:
@@ -263,7 +265,7 @@ class BatchLoop:
         now = clock()
         wake_at = plan.wake_at
         if len(self._inflight) == 1 and self._held:
-            due = self._device_free_at(now)  # wake in time to queue the next batch behind it
+            due = self._due()  # wake in time to queue the next batch behind it
             if due is not None and due - PREQUEUE_S > now:
                 wake_at = min(wake_at or math.inf, due - PREQUEUE_S)
         if self._paused or self._draining:
@@ -294,24 +296,15 @@ class BatchLoop:
             block_ms = self.worker.block_ms
         self._read(budget, block_ms, now)
 
-    def _due_soon(self, now: float) -> bool:
-        try:
-            first = self._inflight[0]
-        except IndexError:
-            return True
-        if not first.started_at:
-            return False
-        due = first.started_at + self.engine.estimate(first.batch.rows, first.batch.padded_tokens)
-        return abs(due - now) <= PREQUEUE_S
-
-    def _device_free_at(self, now: float) -> float | None:
-        """When the running batch should end (None: none is running any more)."""
+    def _due(self) -> float | None:
+        """When the running batch should end by the cost model (None: none has started)."""
         try:
             first = self._inflight[0]  # the device thread may pop it meanwhile
         except IndexError:
             return None
-        began = first.started_at or now
-        return max(now, began + self.engine.estimate(first.batch.rows, first.batch.padded_tokens))
+        if not first.started_at:
+            return None
+        return first.started_at + self.engine.estimate(first.batch.rows, first.batch.padded_tokens)
 
     def _idle(self, now: float, wake_at: float | None) -> None:
         """Paused or draining: keep the heartbeat, wait for the device or the next wake-up."""
@@ -428,7 +421,7 @@ class BatchLoop:
             batch_id, self.model, len(held), batch.rows, batch.padded_tokens, batch.reason,
         )  # fmt: skip
         self._running_suspect = batch.reason == "retry"
-        inflight = InFlight(batch, held, now, batch_id)
+        inflight = InFlight(batch, held, batch_id)
         self._inflight.append(inflight)
         self._device.submit(self._compute, inflight)
         self.observers.on_dispatch(self.model, batch, batch_id, now)
