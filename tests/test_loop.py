@@ -253,6 +253,30 @@ def test_a_failing_request_does_not_sink_its_batch(tiny_embedder: Path, r: redis
     assert loop.stats.batches >= 1
 
 
+class Unencodable(EmbeddingHandler):
+    """Returns an output the wire cannot carry (a bare object) for the text "odd one"."""
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        out = super().run(rows)
+        return [object() if r.ids == self._odd else o for r, o in zip(rows, out, strict=True)]
+
+
+def test_an_output_the_wire_cannot_carry_is_an_error_result(
+    tiny_embedder: Path, r: redis.Redis
+) -> None:
+    handler = Unencodable(tiny_embedder, device="cpu", max_tokens=32)
+    handler._odd = handler.encode(["odd one"])[0].ids  # type: ignore[attr-defined]
+    producer = Producer(client=r)
+    jobs = producer.submit_many(MODEL, ["the dog", "odd one", "the fox"], priority=0)
+    run_loop(r, handler)
+    results = [j.result(timeout=1) for j in jobs]
+    assert [x.status for x in results] == ["ok", "error", "ok"]
+    err = results[1].error
+    assert err is not None and err.code is ErrorCode.INFERENCE_FAILED
+    assert "cannot be encoded" in err.message
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
 def test_entry_id_time_is_the_enqueue_time() -> None:
     assert Entry(0, "1700000000123-4", {}).enqueued_ms == 1700000000123
 
