@@ -55,6 +55,8 @@ def is_cluster_pipeline(pipe: object) -> bool:
 
 
 def _queue_calls(pipe: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]) -> None:
+    """EVALSHA on a plain pipeline; EVAL with the source on a cluster pipeline, which refuses
+    EVALSHA (it cannot load a missing script on the right shard mid-pipeline)."""
     cluster = is_cluster_pipeline(pipe)
     for keys, args in calls:
         if cluster:
@@ -73,8 +75,7 @@ def run_script_calls(
     """Run a registered script once per ``(keys, args)`` on one pipeline; error replies come
     back as exception objects. Plain EVALSHA, without the ``SCRIPT EXISTS`` round trip that
     redis-py's pipeline adds before every execute holding a script: a NOSCRIPT reply (the
-    server restarted or was flushed) loads the script and reruns just those calls. A cluster
-    pipeline gets EVAL with the source (see :func:`queue_script`)."""
+    server restarted or was flushed) loads the script and reruns just those calls."""
     pipe = client.pipeline(transaction=False)
     _queue_calls(pipe, script, calls)
     replies = list(pipe.execute(raise_on_error=False))
@@ -99,15 +100,6 @@ async def run_script_calls_async(
         for i, reply in zip(missing, again, strict=True):
             replies[i] = reply
     return replies
-
-
-def queue_script(pipe: Any, script: Any, keys: list[Any], args: list[Any]) -> Any:
-    """Queue a registered script's call on a pipeline. A cluster pipeline refuses EVALSHA (it
-    cannot load a missing script on the right shard mid-pipeline), so it gets EVAL with the
-    source; a plain pipeline gets EVALSHA (an asyncio one returns an awaitable)."""
-    if is_cluster_pipeline(pipe):
-        return pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
-    return script(keys=keys, args=args, client=pipe)
 
 
 def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
