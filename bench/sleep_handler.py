@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchfleet.worker.handlers.base import Encoded
+from batchfleet.worker.runner import BatchRunner, Encoded
 
 BASE_S = 0.020
 PER_ROW_S = 0.001
 
 
-class SleepHandler:
+class SleepHandler(BatchRunner):
     name = "sleep"
 
     def __init__(self, path: Path, *, device: str = "cpu", **_: Any) -> None:

@@ -49,6 +49,10 @@ class ModelKeys:
         """The key holding a request's final result (with a TTL)."""
         return f"{self.tag}:result:{request_id}"
 
+    def partial(self, request_id: str) -> str:
+        """A stream of a request's partial outputs, for runners that stream (with a TTL)."""
+        return f"{self.tag}:partial:{request_id}"
+
     @property
     def dead(self) -> str:
         """Dead-letter stream: entries that could not be answered, with the reason."""

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from batchfleet.worker.handlers.base import Encoded
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
+from batchfleet.worker.runner import Encoded
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 
 
-class FaultyEmbedder(EmbeddingHandler):
+class FaultyEmbedder(EmbeddingRunner):
     """Options: ``batch_ms``/``row_ms`` (GPU-like sleep per batch), ``poison_text`` (raise),
     ``crash_text`` (kill the process), ``oom_above`` (OOM over this many rows)."""
 

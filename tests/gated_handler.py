@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchfleet.worker.handlers.base import Encoded
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
+from batchfleet.worker.runner import Encoded
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 
 
 def _wait_for(path: Path, timeout: float = 60.0) -> None:
@@ -18,7 +18,7 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-class GatedEmbedding(EmbeddingHandler):
+class GatedEmbedding(EmbeddingRunner):
     """Loading waits for ``<gate>/load``; each batch marks ``<gate>/running``, waits for ``<gate>/run``."""
 
     def __init__(

@@ -52,9 +52,9 @@ def cluster_fleet(
     text = fleet_toml(
         cluster.url,
         {
-            "tiny": {"handler": "embedding", "path": str(tiny_embedder), "max_tokens": 64,
+            "tiny": {"runner": "embedding", "path": str(tiny_embedder), "max_tokens": 64,
                      "batch": {"max_batch_size": 32, "max_wait_ms": 5}},
-            "sentiment": {"handler": "text-classification", "path": str(tiny_classifier),
+            "sentiment": {"runner": "text-classification", "path": str(tiny_classifier),
                           "max_tokens": 64, "lanes": 2},
         },
     )  # fmt: skip

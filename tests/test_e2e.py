@@ -28,13 +28,13 @@ def fleet(redis_url: str, tiny_embedder: Path, tiny_classifier: Path) -> str:
         redis_url,
         {
             "tiny": {
-                "handler": "embedding",
+                "runner": "embedding",
                 "path": str(tiny_embedder),
                 "max_tokens": 64,
                 "batch": {"max_batch_size": 32, "max_wait_ms": 5},
             },
             "sentiment": {
-                "handler": "text-classification",
+                "runner": "text-classification",
                 "path": str(tiny_classifier),
                 "max_tokens": 64,
                 "lanes": 2,

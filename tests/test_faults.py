@@ -28,7 +28,7 @@ def faulty(
     path: Path, batch: dict[str, object] | None = None, **options: object
 ) -> dict[str, object]:
     return {
-        "handler": "fault_handlers:FaultyEmbedder",
+        "runner": "fault_handlers:FaultyEmbedder",
         "path": str(path),
         "max_tokens": 32,
         "batch": {"max_batch_size": 16, "max_wait_ms": 5, **(batch or {})},

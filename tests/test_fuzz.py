@@ -14,8 +14,8 @@ import redis
 from batchfleet.schemas.codec import EntryRejected, decode_entry
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,12 +87,12 @@ def check_decoder(fields: dict[bytes, bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def handler(tiny_embedder: Path) -> EmbeddingHandler:
-    return EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+def handler(tiny_embedder: Path) -> EmbeddingRunner:
+    return EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
 
 
 def test_10000_fuzzed_entries_through_the_decoder_and_the_worker_loop(
-    r: redis.Redis, handler: EmbeddingHandler
+    r: redis.Redis, handler: EmbeddingRunner
 ) -> None:
     # Given 10,000 random and mutated entries, each checked against the decoder
     seen: list[dict[bytes, bytes]] = []

@@ -73,7 +73,7 @@ def test_unready_while_loading_and_draining(
     port = free_port()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent),
                                                       os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    text = fleet_toml(redis_url, {"tiny": {"handler": "gated_handler:GatedEmbedding",
+    text = fleet_toml(redis_url, {"tiny": {"runner": "gated_handler:GatedEmbedding",
                                            "path": str(tiny_embedder), "max_tokens": 32,
                                            "options": {"gate": str(gate)}}})  # fmt: skip
     text += f'\n[health]\nport = {port}\nhost = "127.0.0.1"\n'

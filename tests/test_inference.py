@@ -1,4 +1,4 @@
-"""Failure isolation inside one micro-batch: bisection and out-of-memory splitting."""
+"""Failure isolation inside one step of a one-shot runner: bisection and OOM splitting."""
 
 from __future__ import annotations
 
@@ -6,20 +6,30 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from batchfleet.worker.handlers.base import Encoded
-from batchfleet.worker.inference import Failure, run_batch
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.runner import BatchRunner, Encoded, Failed, Final, Prepared, Work
 
 
 def _row(token: int, n: int = 3) -> Encoded:
     return Encoded(ids=(token,) * n, type_ids=(0,) * n, truncated=False)
 
 
-class Picky:
+def _work(*groups: Sequence[Encoded]) -> Work:
+    admit = tuple(
+        (f"k{i}", Prepared(list(g), len(g), max(r.tokens for r in g))) for i, g in enumerate(groups)
+    )
+    return Work("step", admit)
+
+
+def _outputs(report: Any) -> list[Any]:
+    return [e.outputs if isinstance(e, Final) else e for e in report.events]
+
+
+class Picky(BatchRunner):
     """Echoes each row's first id; raises on a poison id, or OOM above ``max_rows`` rows.
     (A stand-in for a GPU model: CUDA OOM cannot be provoked on this CPU machine.)"""
 
     name = "picky"
-    device = "cpu"
 
     def __init__(self, poison: int | None = None, max_rows: int | None = None) -> None:
         self.poison = poison
@@ -27,7 +37,9 @@ class Picky:
         self.calls: list[int] = []
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        raise NotImplementedError
+        if any(t == "bad" for t in texts):
+            raise ValueError("cannot encode 'bad'")
+        return [_row(len(t)) for t in texts]
 
     def run(self, rows: Sequence[Encoded]) -> list[Any]:
         self.calls.append(len(rows))
@@ -37,57 +49,53 @@ class Picky:
             raise ValueError("poison")
         return [r.ids[0] for r in rows]
 
-    def info(self) -> dict[str, Any]:
-        return {}
-
 
 def test_clean_batch_runs_once() -> None:
     h = Picky()
-    out = run_batch(h, [[_row(1)], [_row(2), _row(3)]])
-    assert out.outcomes == [[1], [2, 3]]
-    assert h.calls == [3] and not out.out_of_memory
+    report = h.step(_work([_row(1)], [_row(2), _row(3)]))
+    assert _outputs(report) == [[1], [2, 3]]
+    assert h.calls == [3] and not report.out_of_memory and report.calls == 1
 
 
 def test_poison_request_is_isolated_by_bisection() -> None:
     h = Picky(poison=5)
-    groups = [[_row(i)] for i in range(8)]
-    out = run_batch(h, groups)
-    assert isinstance(out.outcomes[5], Failure) and "poison" in out.outcomes[5].message
-    assert [o for i, o in enumerate(out.outcomes) if i != 5] == [[i] for i in range(8) if i != 5]
-    assert not out.out_of_memory
+    report = h.step(_work(*[[_row(i)] for i in range(8)]))
+    events = report.events
+    assert isinstance(events[5], Failed) and "poison" in events[5].message
+    assert events[5].key == "k5"
+    assert [e.outputs for i, e in enumerate(events) if i != 5] == [[i] for i in range(8) if i != 5]
+    assert not report.out_of_memory
     assert len(h.calls) <= 1 + 2 * 3  # log2(8) levels of halves
+    assert report.calls == len(h.calls) > 1
 
 
-def test_out_of_memory_splits_until_it_fits() -> None:
+def test_out_of_memory_splits_down_to_what_fits() -> None:
     h = Picky(max_rows=2)
-    out = run_batch(h, [[_row(i)] for i in range(8)])
-    assert out.outcomes == [[i] for i in range(8)]
-    assert out.out_of_memory
-    assert max(c for c in h.calls[1:]) <= 4
+    report = h.step(_work(*[[_row(i)] for i in range(6)], [_row(7), _row(8), _row(9)]))
+    assert _outputs(report) == [[i] for i in range(6)] + [[7, 8, 9]]
+    assert report.out_of_memory
+    assert max(n for n in h.calls if n <= 2) <= 2
 
 
-def test_out_of_memory_splits_one_large_request() -> None:
-    h = Picky(max_rows=2)
-    out = run_batch(h, [[_row(i) for i in range(6)]])
-    assert out.outcomes == [[0, 1, 2, 3, 4, 5]]
-    assert out.out_of_memory
-
-
-def test_host_memory_error_counts_as_oom() -> None:
-    class Host(Picky):
-        def run(self, rows: Sequence[Encoded]) -> list[Any]:
-            if len(rows) > 1:
-                raise MemoryError()
-            return [r.ids[0] for r in rows]
-
-    out = run_batch(Host(), [[_row(1)], [_row(2)]])
-    assert out.outcomes == [[1], [2]] and out.out_of_memory
+def test_out_of_memory_on_one_row_fails_only_that_request() -> None:
+    h = Picky(max_rows=0)
+    report = h.step(_work([_row(1)], [_row(2)]))
+    assert all(isinstance(e, Failed) and "out of memory" in e.message for e in report.events)
+    assert report.out_of_memory
 
 
 def test_wrong_output_count_is_a_failure() -> None:
     class Short(Picky):
         def run(self, rows: Sequence[Encoded]) -> list[Any]:
-            return []
+            return [0] * (len(rows) + 1)
 
-    out = run_batch(Short(), [[_row(1)]])
-    assert isinstance(out.outcomes[0], Failure)
+    report = Short().step(_work([_row(1)], [_row(2)]))
+    assert all(isinstance(e, Failed) and "2 outputs for 1 rows" in e.message for e in report.events)
+
+
+def test_prepare_many_isolates_an_input_the_tokenizer_rejects() -> None:
+    h = Picky()
+    reqs = [Request(id=i, model="m", inputs=[t]) for i, t in (("a", "ok"), ("b", "bad"))]
+    good, bad = h.prepare_many(reqs)
+    assert isinstance(good, Prepared) and good.rows == 1
+    assert isinstance(bad, Exception) and "cannot tokenize" in str(bad)

@@ -13,16 +13,14 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from batchfleet.batching.types import Batch, Waiting
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Request
-from batchfleet.worker.handlers.base import Encoded
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
-from batchfleet.worker.observers import LoopObserver
+from batchfleet.worker.runner import Encoded
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
 
 from batchfleet.config import ModelConfig, WorkerConfig
@@ -32,8 +30,8 @@ KEYS = ModelKeys(MODEL)
 
 
 @pytest.fixture(scope="module")
-def handler(tiny_embedder: Path) -> EmbeddingHandler:
-    return EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+def handler(tiny_embedder: Path) -> EmbeddingRunner:
+    return EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
 
 
 def run_loop(r: redis.Redis, handler: Any, consumer: str = "w1", **worker: Any) -> BatchLoop:
@@ -57,7 +55,7 @@ def result_of(r: redis.Redis, request_id: str) -> Any:
     return decode_result(raw)
 
 
-def test_good_requests_get_results_with_timings(r: redis.Redis, handler: EmbeddingHandler) -> None:
+def test_good_requests_get_results_with_timings(r: redis.Redis, handler: EmbeddingRunner) -> None:
     producer = Producer(client=r)
     jobs = [
         producer.submit(MODEL, ["the dog", "the quick brown fox"], priority=i % 3)
@@ -75,9 +73,7 @@ def test_good_requests_get_results_with_timings(r: redis.Redis, handler: Embeddi
     assert loop.stats.snapshot()["requests"] == {"ok": 20}
 
 
-def test_each_result_reports_its_whole_batch_size(
-    r: redis.Redis, handler: EmbeddingHandler
-) -> None:
+def test_each_result_reports_its_whole_batch_size(r: redis.Redis, handler: EmbeddingRunner) -> None:
     # Given 40 requests of two inputs each, queued at once (so batches hold several)
     producer = Producer(client=r)
     jobs = producer.submit_many(MODEL, [["the dog", "a cat"]] * 40, priority=1)
@@ -92,43 +88,7 @@ def test_each_result_reports_its_whole_batch_size(
         assert sizes == [2 * len(sizes)] * len(sizes)
 
 
-class Noop:
-    name = "noop"
-    device = "cpu"
-
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        return [Encoded(ids=(1, 2, 3), type_ids=(), truncated=False) for _ in texts]
-
-    def run(self, rows: Sequence[Encoded]) -> list[Any]:
-        return [0] * len(rows)
-
-    def info(self) -> dict[str, Any]:
-        return {}
-
-
-def test_a_short_window_is_polled_not_left_to_a_redis_block_timeout(r: redis.Redis) -> None:
-    # Given a fixed 50 ms window and one lone request (so the loop must wait out the window)
-    cfg = ModelConfig(path="/unused", batch={"max_wait_ms": 50, "adaptive": False})
-    loop = BatchLoop(MODEL, cfg, Noop(), r, consumer="w1",
-                     worker=WorkerConfig(block_ms=400), burst=True)  # fmt: skip
-    blocks: list[int | None] = []
-    read = loop.streams.read
-
-    def recording_read(counts: Any, block_ms: int | None) -> Any:
-        blocks.append(block_ms if loop.held else -1)
-        return read(counts, block_ms)
-
-    loop.streams.read = recording_read  # type: ignore[method-assign]
-    job = Producer(client=r).submit(MODEL, "the dog")
-    loop.run()
-    # Then it is answered, and while holding it the loop never blocked in Redis (whose
-    # timeouts fire only on its next tick, up to 100 ms late): it polled instead
-    assert job.result(timeout=1).ok
-    assert None in blocks
-    assert all(b in (None, -1) for b in blocks), blocks
-
-
-def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandler) -> None:
+def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingRunner) -> None:
     producer = Producer(client=r)
     good = producer.submit(MODEL, "the dog", priority=0)
     lane = KEYS.lane(1)
@@ -161,7 +121,7 @@ def test_bad_entries_never_stop_the_loop(r: redis.Redis, handler: EmbeddingHandl
 
 
 def test_expired_requests_are_answered_without_computing(
-    r: redis.Redis, handler: EmbeddingHandler
+    r: redis.Redis, handler: EmbeddingRunner
 ) -> None:
     producer = Producer(client=r)
     late = producer.submit(MODEL, "the dog", deadline_ms=1)
@@ -175,7 +135,7 @@ def test_expired_requests_are_answered_without_computing(
     assert loop.stats.rows == 1, "the expired request was not computed"
 
 
-def test_reply_channel_gets_the_result(r: redis.Redis, handler: EmbeddingHandler) -> None:
+def test_reply_channel_gets_the_result(r: redis.Redis, handler: EmbeddingRunner) -> None:
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe("my-replies")
     req = Request(id="chan-1", model=MODEL, inputs=["the dog"], reply="my-replies")
@@ -197,7 +157,7 @@ def _pending_on_ghost(r: redis.Redis, req: Request) -> str:
     return entry.id
 
 
-def test_entries_of_a_dead_worker_are_reclaimed(r: redis.Redis, handler: EmbeddingHandler) -> None:
+def test_entries_of_a_dead_worker_are_reclaimed(r: redis.Redis, handler: EmbeddingRunner) -> None:
     entry_id = _pending_on_ghost(r, Request(id="orphan", model=MODEL, inputs=["the dog"]))
     time.sleep(0.15)
     run_loop(r, handler, claim_idle_ms=100)
@@ -207,7 +167,7 @@ def test_entries_of_a_dead_worker_are_reclaimed(r: redis.Redis, handler: Embeddi
 
 
 def test_redelivered_request_with_a_result_is_not_recomputed(
-    r: redis.Redis, handler: EmbeddingHandler
+    r: redis.Redis, handler: EmbeddingRunner
 ) -> None:
     req = Request(id="done-before", model=MODEL, inputs=["the dog"])
     _pending_on_ghost(r, req)
@@ -231,7 +191,7 @@ def test_a_result_is_written_once(r: redis.Redis) -> None:
     assert 0 < r.ttl(KEYS.result("rid")) <= 60
 
 
-class Poisoned(EmbeddingHandler):
+class Poisoned(EmbeddingRunner):
     """Raises whenever a batch holds the text 'poison' (as token ids)."""
 
     def run(self, rows: Sequence[Encoded]) -> list[Any]:
@@ -253,7 +213,7 @@ def test_a_failing_request_does_not_sink_its_batch(tiny_embedder: Path, r: redis
     assert loop.stats.batches >= 1
 
 
-class Unencodable(EmbeddingHandler):
+class Unencodable(EmbeddingRunner):
     """Returns an output the wire cannot carry (a bare object) for the text "odd one"."""
 
     def run(self, rows: Sequence[Encoded]) -> list[Any]:
@@ -299,7 +259,7 @@ def test_out_of_memory_splits_and_lowers_the_caps(tiny_embedder: Path, r: redis.
     assert handler.largest_run <= 4
 
 
-def test_dead_letters_list_replay_and_purge(r: redis.Redis, handler: EmbeddingHandler) -> None:
+def test_dead_letters_list_replay_and_purge(r: redis.Redis, handler: EmbeddingRunner) -> None:
     from batchfleet import dlq
 
     # Given two dead letters: an unreadable entry, and a poison request that was answered
@@ -329,7 +289,7 @@ def test_dead_letters_list_replay_and_purge(r: redis.Redis, handler: EmbeddingHa
 
 
 def test_timings_of_a_request_that_arrives_during_a_blocking_read(
-    r: redis.Redis, handler: EmbeddingHandler
+    r: redis.Redis, handler: EmbeddingRunner
 ) -> None:
     # Given a worker blocked in XREADGROUP on empty streams
     cfg = ModelConfig(path="/unused", max_tokens=32)
@@ -345,7 +305,7 @@ def test_timings_of_a_request_that_arrives_during_a_blocking_read(
     # Then its queue time is the short wait for the read to return, not zero, and its batch
     # wait does not absorb the time the worker spent blocked before it arrived
     t = job.result(timeout=1).timings
-    assert t.batch_wait_ms < 200, t
+    assert t.batch_wait_ms < 400, t  # it arrived 400 ms into the block: none of that counts
     assert t.queued_ms + t.batch_wait_ms + t.inference_ms <= t.total_ms + 1
 
 
@@ -366,103 +326,10 @@ def test_one_script_call_stores_a_whole_batch_and_keeps_the_first_result(r: redi
     assert [r.get(KEYS.result(k)) for k in "abc"] == [b"r-a", b"stored before", b"r-c"]
     got = []
     end = time.monotonic() + 2
-    while len(got) < 3 and time.monotonic() < end:  # a third would be a wrong publish
+    while len(got) < 4 and time.monotonic() < end:  # a fourth would be a wrong publish
         if (msg := pubsub.get_message(timeout=0.2)) is not None:
             got.append(msg["data"])
-    assert got == [b"r-a", b"r-c"]  # published once each, only when newly stored
+    # each once; for b (a second entry of an answered request) the stored result, unchanged
+    assert got == [b"r-a", b"stored before", b"r-c"]
     assert [r.xlen(KEYS.lane(n)) for n in range(3)] == [0, 0, 0]  # every entry retired
     assert all(r.xpending(KEYS.lane(n), GROUP)["pending"] == 0 for n in range(3))
-
-
-class Gate(EmbeddingHandler):
-    """Each batch waits for the test's go-ahead; records its size."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.go = threading.Event()
-        self.sizes: list[int] = []
-
-    def run(self, rows: Sequence[Encoded]) -> list[Any]:
-        self.sizes.append(len(rows))
-        assert self.go.wait(30)
-        return super().run(rows)
-
-
-def test_one_batch_is_queued_behind_the_running_one_and_no_more(
-    tiny_embedder: Path, r: redis.Redis
-) -> None:
-    """Shortly before batch k is due to end, batch k+1 is planned and queued behind it,
-    so the device does not wait for the loop; when k overruns, nothing more is queued
-    (the rest stay held: they may still be regrouped, or expire)."""
-    loop, gate = gated_loop(tiny_embedder, r, batch_s=0.5, block_ms=50)
-    dispatched: list[int] = []
-
-    class Count(LoopObserver):
-        def on_dispatch(self, model: str, batch: Any, batch_id: str, now: float) -> None:
-            dispatched.append(batch.rows)
-
-    loop.observers.observers.append(Count())
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    producer = Producer(client=r)
-    first = producer.submit(MODEL, "the first request")
-    wait_until(lambda: gate.sizes == [1])
-    jobs = producer.submit_many(MODEL, [f"request number {i}" for i in range(10)])
-    try:
-        wait_until(lambda: len(dispatched) == 2 and loop.held == 6)
-    except AssertionError:
-        raise AssertionError(
-            f"dispatched {dispatched}, held {loop.held}, sizes {gate.sizes}"
-        ) from None
-    time.sleep(0.3)  # the loop keeps running: nothing more may be dispatched meanwhile
-    assert dispatched == [1, 4] and loop.held == 6
-    gate.go.set()
-    assert all(j.result(timeout=10).ok for j in [first, *jobs])
-    loop.stop()
-    thread.join(10)
-    assert sum(gate.sizes) == 11 and max(gate.sizes) <= 4
-
-
-def gated_loop(
-    tiny_embedder: Path, r: redis.Redis, *, batch_s: float, block_ms: int
-) -> tuple[BatchLoop, Gate]:
-    """A loop on a gated handler (max batch 4) whose engine has learnt that a batch
-    takes ``batch_s``, whatever its size."""
-    gate = Gate(tiny_embedder, device="cpu", max_tokens=32)
-    cfg = ModelConfig(path="/unused", max_tokens=32, batch={"max_batch_size": 4})
-    loop = BatchLoop(MODEL, cfg, gate, r, consumer="w1", worker=WorkerConfig(block_ms=block_ms))
-    for rows in (1, 2, 4) * 3:
-        items = tuple(Waiting(key=f"k{i}", lane=0, arrived=0.0, tokens=8) for i in range(rows))
-        loop.engine.observe(Batch(items, "full"), batch_s)
-    return loop, gate
-
-
-def wait_until(cond: Any, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"condition not reached: {cond.__doc__ or cond}"
-        time.sleep(0.01)
-
-
-def test_a_batch_that_overruns_its_estimate_is_followed_at_once(
-    tiny_embedder: Path, r: redis.Redis
-) -> None:
-    """The engine expects 1 ms batches; the first one takes 0.3 s. Requests held meanwhile
-    go when it ends, not when a Redis BLOCK (10 s here) happens to return."""
-    loop, gate = gated_loop(tiny_embedder, r, batch_s=0.001, block_ms=10_000)
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    producer = Producer(client=r)
-    first = producer.submit(MODEL, "the first request")
-    wait_until(lambda: gate.sizes == [1])
-    later = producer.submit_many(MODEL, ["second one", "third one"])
-    wait_until(lambda: loop.held == 2)
-    time.sleep(0.3)
-    gate.go.set()
-    assert first.result(timeout=10).ok
-    start = time.monotonic()
-    assert all(j.result(timeout=10).ok for j in later)
-    waited = time.monotonic() - start
-    loop.stop()
-    thread.join(10)
-    assert waited < 1, f"held requests waited {waited:.1f} s for a Redis block to end"

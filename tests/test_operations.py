@@ -38,7 +38,7 @@ def ops_fleet(redis_url: str, tiny_embedder: Path, metrics_port: int, **batch: A
         redis_url,
         {
             "tiny": {
-                "handler": "embedding",
+                "runner": "embedding",
                 "path": str(tiny_embedder),
                 "max_tokens": 64,
                 "batch": {"max_batch_size": 8, "max_wait_ms": 5, **batch},

@@ -12,8 +12,8 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import ModelKeys
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 
 from batchfleet.config import ModelConfig, WorkerConfig
 from batchfleet.redis_server import LocalRedis, find_redis_server, free_port
@@ -59,7 +59,7 @@ def acl_url(redis_server: LocalRedis, r: redis.Redis) -> Iterator[dict[str, str]
 
 def test_producer_and_worker_users(acl_url: dict[str, str], tiny_embedder: Path) -> None:
     worker_client = redis.Redis.from_url(acl_url["worker"])
-    handler = EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+    handler = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
     loop = BatchLoop(
         "tiny", ModelConfig(path="/unused", max_tokens=32), handler, worker_client,
         consumer="acl-worker", worker=WorkerConfig(block_ms=20), burst=True,
@@ -122,7 +122,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
 
 def test_rediss_end_to_end(tls_redis: tuple[str, Path], tiny_embedder: Path) -> None:
     url, _ = tls_redis
-    handler = EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+    handler = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
     from batchfleet.connection import connect
 
     loop = BatchLoop(

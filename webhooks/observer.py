@@ -1,5 +1,5 @@
 """The batch-loop observer that queues a delivery task for each newly stored result with a
-webhook. It runs on the loop thread, so it only enqueues (one pipelined publish per batch
+webhook. It runs on the sink's writer thread, so it only enqueues (one pipelined publish per batch
 of results to the ``webhooks`` queue); the HTTP happens in a webhooks worker."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from celery import Celery
 
 from ..config import FleetConfig
 from ..schemas.keys import WEBHOOK_QUEUE
-from ..worker.observers import Answered, LoopObserver
+from ..worker.observers import Answered, LoopEvent, LoopObserver, Reply
 from .tasks import TASK_NAME, Delivery, webhook_id
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.1, "i
 """Bounded: a broker outage must not hold the batch loop for long."""
 
 
-def deliveries(answered: Sequence[Answered]) -> list[Delivery]:
+def deliveries(answered: Sequence[Reply]) -> list[Delivery]:
     """The deliveries owed for these answers: newly stored results whose request has a webhook."""
     out: list[Delivery] = []
     for a in answered:
@@ -41,13 +41,17 @@ def deliveries(answered: Sequence[Answered]) -> list[Delivery]:
     return out
 
 
-class WebhookObserver(LoopObserver):
+class WebhookObserver:
     """Enqueues ``batchfleet.webhooks.deliver`` tasks; never touches the network itself."""
 
     def __init__(self, app: Celery) -> None:
         self.app = app
 
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
+    def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Answered):
+            self.enqueue(event.model, event.replies)
+
+    def enqueue(self, model: str, answered: Sequence[Reply]) -> None:
         owed = deliveries(answered)
         if not owed:
             return

@@ -1,28 +1,23 @@
-"""Answering requests: build each result, then store, publish and ack it in one round trip.
+"""Turning the scheduler's decisions into results on the wire (timings included).
 
-The batch loop decides *what* happens to a request; this module turns that into the
-``Result`` on the wire (timings included) and tells the observers.
+The loop decides *what* happens to a request; this module builds the ``Result`` and the
+:class:`~.streams.Finish` that the sink stores. Nothing here touches Redis.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..batching.types import Waiting
-from ..config import ModelConfig, WorkerConfig
+from ..config import ModelConfig
 from ..schemas.codec import EntryRejected, encode_result
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings
-from .handlers.base import Encoded
-from .inference import Failure
-from .observers import Answered, Observers
-from .stats import LoopStats
-from .streams import Entry, Finish, ModelStreams
+from .observers import Reply
+from .runner import Prepared
+from .streams import Entry, Finish
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +33,17 @@ class Held:
     entry: Entry
     request: Request
     fmt: Format
-    rows: list[Encoded]
+    prepared: Prepared
     waiting: Waiting
     read_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One result to store, publish and ack, and what observers hear once it is."""
+
+    finish: Finish
+    reply: Reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,107 +52,67 @@ class BatchRun:
 
     batch_id: str
     rows: int
-    dispatched_at: float
+    started_at: float
     finished_at: float
 
 
 class Answerer:
-    """Writes one model's results as one consumer."""
+    """Builds one model's results as one consumer (worker)."""
 
-    def __init__(
-        self,
-        model: str,
-        config: ModelConfig,
-        worker: WorkerConfig,
-        consumer: str,
-        streams: ModelStreams,
-        observers: Observers,
-        stats: LoopStats,
-    ) -> None:
+    def __init__(self, model: str, config: ModelConfig, consumer: str) -> None:
         self.model = model
         self.config = config
-        self.worker = worker
         self.consumer = consumer
-        self.streams = streams
-        self.observers = observers
-        self.stats = stats
-        self._lock = threading.Lock()
 
-    def computed(self, run: BatchRun, members: Sequence[tuple[Held, list[Any] | Failure]]) -> None:
-        """Results of a finished batch: outputs, or ``inference_failed`` for a failure."""
-        run_ms = (run.finished_at - run.dispatched_at) * 1000
-        answers = []
-        for held, out in members:
-            timings = self.timings(held.entry, held.read_at, run.dispatched_at, run.finished_at,
-                                   run_ms, run.rows, run.batch_id)  # fmt: skip
-            req = held.request
-            if isinstance(out, Failure):
-                error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=out.message)
-                result = self.result(req.id, "error", req.metadata, timings, error=error)
-            else:
-                result = self.result(req.id, "ok", req.metadata, timings, outputs=out,
-                                     truncated=[r.truncated for r in held.rows])  # fmt: skip
-            answers.append(self._answer(held.entry, req, held.fmt, result))
-        self.store(answers)
+    def computed(self, run: BatchRun, held: Held, outputs: list[Any], now: float) -> Outgoing:
+        """An ``ok`` result of a finished batch."""
+        timings = self._batch_timings(run, held, now)
+        req = held.request
+        truncated = list(held.prepared.truncated) if held.prepared.truncated is not None else None
+        result = self.result(req.id, "ok", req.metadata, timings, now, outputs=outputs,
+                             truncated=truncated)  # fmt: skip
+        return self._answer(held, result)
 
-    def expired(self, helds: Sequence[Held], now: float) -> None:
-        """``expired`` results for requests whose deadline cannot be met (never computed)."""
-        answers = []
-        for held in helds:
-            timings = self.timings(held.entry, held.read_at, now, now)
-            result = self.result(
-                held.request.id, "expired", held.request.metadata, timings, error=EXPIRED
-            )
-            answers.append(self._answer(held.entry, held.request, held.fmt, result))
-        self.store(answers)
+    def failed(
+        self, run: BatchRun, held: Held, code: ErrorCode, message: str, now: float
+    ) -> Outgoing:
+        """An ``error`` result for a request whose computation failed."""
+        timings = self._batch_timings(run, held, now)
+        error = ErrorInfo(code=code, message=message)
+        req = held.request
+        return self._answer(
+            held, self.result(req.id, "error", req.metadata, timings, now, error=error)
+        )
+
+    def expired(self, held: Held, now: float) -> Outgoing:
+        """``expired``: its deadline cannot be met, so it is never computed."""
+        timings = self.timings(held.entry, held.read_at, now, now)
+        req = held.request
+        return self._answer(
+            held, self.result(req.id, "expired", req.metadata, timings, now, error=EXPIRED)
+        )
 
     def error(
         self, entry: Entry, request: Request, fmt: Format, code: ErrorCode, message: str, now: float
-    ) -> None:
+    ) -> Outgoing:
         """An ``error`` result for a valid request that cannot be computed."""
         result = self.result(request.id, "error", request.metadata,
-                             self.timings(entry, now, now, now), error=ErrorInfo(code=code, message=message))  # fmt: skip
-        self.store([self._answer(entry, request, fmt, result)])
+                             self.timings(entry, now, now, now), now,
+                             error=ErrorInfo(code=code, message=message))  # fmt: skip
+        return self._outgoing(entry, request, fmt, result)
 
-    def reject(self, entry: Entry, exc: EntryRejected, now: float, dead: bool = False) -> None:
-        """Answer an entry that will not be computed; dead-letter it if nobody can be
-        answered (or ``dead``: it is poison and operators should see it)."""
+    def rejected(self, entry: Entry, exc: EntryRejected, now: float) -> Outgoing | None:
+        """The error result of an entry that will not be computed (None: no readable id)."""
         env = exc.envelope
-        self.stats.rejected(exc.code.value)
-        if dead or env.id is None:
-            dead_id = self.streams.dead_letter(
-                entry, exc.code.value, str(exc), self.consumer, self.worker.dead_letter_maxlen
-            )
-            self.observers.on_dead_letter(self.model, entry.lane, exc.code.value, str(exc))
-            logger.warning(
-                "entry %s of %s dead-lettered as %s: %s", entry.id, self.model, dead_id, exc
-            )
         if env.id is None:
-            return
+            return None
         logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
-        result = self.result(env.id, "error", env.metadata, self.timings(entry, now, now, now),
+        result = self.result(env.id, "error", env.metadata, self.timings(entry, now, now, now), now,
                              error=ErrorInfo(code=exc.code, message=str(exc)))  # fmt: skip
         finish = Finish(
             entry, env.id, encode_result(result, env.format), self.config.result_ttl_s, env.reply
         )
-        self.store([(finish, Answered(entry.lane, None, result, True))])
-
-    def store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
-        """Store, publish and ack results in one round trip, then tell the observers."""
-        if not answers:
-            return
-        with self._lock:  # the publisher thread and the loop thread both answer
-            self._store(answers)
-
-    def _store(self, answers: Sequence[tuple[Finish, Answered]]) -> None:
-        stored = self.streams.finish([f for f, _ in answers])
-        self.observers.on_answered(
-            self.model,
-            [
-                a if s else replace(a, stored=False)
-                for (_, a), s in zip(answers, stored, strict=True)
-            ],
-        )
+        return Outgoing(finish, Reply(entry.lane, None, result, True))
 
     def result(
         self,
@@ -157,50 +120,78 @@ class Answerer:
         status: Status,
         metadata: dict[str, str],
         timings: Timings,
+        now: float,
         **rest: Any,
     ) -> Result:
         # Every field is built here from checked values: skip validation (hot path).
         return Result.model_construct(
             id=request_id, model=self.model, status=status, metadata=metadata, timings=timings,
-            finished_at_ms=int(time.time() * 1000), **rest,
+            finished_at_ms=int(now * 1000), **rest,
         )  # fmt: skip
 
-    def _answer(
-        self, entry: Entry, request: Request, fmt: Format, result: Result
-    ) -> tuple[Finish, Answered]:
+    def _answer(self, held: Held, result: Result) -> Outgoing:
+        return self._outgoing(held.entry, held.request, held.fmt, result)
+
+    def _outgoing(self, entry: Entry, request: Request, fmt: Format, result: Result) -> Outgoing:
         ttl = min(
             request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
         )
         try:
             payload = encode_result(result, fmt)
-        except Exception as exc:  # a handler returned outputs the wire cannot carry
+        except Exception as exc:  # a runner returned outputs the wire cannot carry
             logger.warning("result of %s cannot be encoded: %s", request.id, exc)
-            message = f"handler output cannot be encoded: {type(exc).__name__}: {exc}"
+            message = f"runner output cannot be encoded: {type(exc).__name__}: {exc}"
             error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=message)
             result = result.model_copy(update={"status": "error", "outputs": None,
                                                "truncated": None, "error": error})  # fmt: skip
             payload = encode_result(result, fmt)
         finish = Finish(entry, request.id, payload, ttl, request.reply)
-        return finish, Answered(entry.lane, request, result, True)
+        return Outgoing(finish, Reply(entry.lane, request, result, True))
+
+    def _batch_timings(self, run: BatchRun, held: Held, now: float) -> Timings:
+        run_ms = (run.finished_at - run.started_at) * 1000
+        return self.timings(held.entry, held.read_at, run.started_at, now, run_ms, run.rows,
+                            run.batch_id)  # fmt: skip
 
     def timings(
         self,
         entry: Entry,
         read_at: float,
-        dispatched_at: float,
+        started_at: float,
         now: float,
         run_ms: float = 0.0,
         rows: int = 0,
         batch_id: str = "",
     ) -> Timings:
-        """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → dispatch → now."""
+        """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → start → now."""
         enq = entry.enqueued_ms / 1000
         return Timings(
             queued_ms=round(max(0.0, read_at - enq) * 1000, 3),
-            batch_wait_ms=round(max(0.0, dispatched_at - read_at) * 1000, 3),
+            batch_wait_ms=round(max(0.0, started_at - read_at) * 1000, 3),
             inference_ms=round(run_ms, 3),
             total_ms=round(max(0.0, now - enq) * 1000, 3),
             batch_size=rows,
             batch_id=batch_id,
             worker=self.consumer,
         )
+
+
+def waiting_of(entry: Entry, request: Request, prepared: Prepared) -> Waiting:
+    """What the batching engine sees of a request."""
+    enq = entry.enqueued_ms / 1000
+    deadline = None if request.deadline_ms is None else enq + request.deadline_ms / 1000
+    return Waiting(
+        key=entry.key,
+        lane=entry.lane,
+        arrived=enq,
+        tokens=prepared.tokens,
+        size=prepared.rows,
+        deadline=deadline,
+    )
+
+
+def dead_reason(entry: Entry, max_deliveries: int) -> str:
+    return (
+        f"delivered {entry.deliveries} times without an answer (max_deliveries "
+        f"{max_deliveries}): it keeps failing or crashing workers"
+    )

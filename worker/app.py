@@ -26,11 +26,11 @@ from ..webhooks import tasks as webhook_tasks
 from ..webhooks.observer import webhook_observer
 from . import control
 from .events import batch_task_name, flower_events
-from .handlers import resolve
 from .health import Health, HealthServer
 from .loop import BatchLoop
 from .metrics import prometheus_metrics
 from .observers import LoopObserver
+from .runners import resolve
 
 ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
 
@@ -73,7 +73,7 @@ class BatchLoopStep(bootsteps.StartStopStep):
             cfg = fleet.models[name]
             self.health.loading(name)
             started = time.monotonic()
-            handler = resolve(cfg.handler)(
+            runner = resolve(cfg.runner)(
                 cfg.resolved_path(),
                 device=cfg.device,
                 dtype=cfg.dtype,
@@ -81,13 +81,13 @@ class BatchLoopStep(bootsteps.StartStopStep):
                 options=cfg.options,
             )
             logger.info(
-                "model %s loaded in %.1fs: %s", name, time.monotonic() - started, handler.info()
+                "model %s loaded in %.1fs: %s", name, time.monotonic() - started, runner.info()
             )
             observers = [make(worker, fleet, name) for make in app.batchfleet_observers]
             loop = BatchLoop(
                 name,
                 cfg,
-                handler,
+                runner,
                 client,
                 consumer=consumer,
                 worker=fleet.worker,

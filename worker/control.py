@@ -23,16 +23,15 @@ from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
 from ..config import BatchConfig, FleetConfig
-from ..schemas.keys import GROUP
 from .loop import BatchLoop
-from .observers import Answered, LoopObserver
+from .observers import Answered, LoopEvent, LoopObserver
 
 logger = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 60.0
 
 
-class RecentRate(LoopObserver):
+class RecentRate:
     """Answered requests over the last minute, for ``inspect stats`` and ``batchfleet top``."""
 
     def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
@@ -41,10 +40,12 @@ class RecentRate(LoopObserver):
         self._lock = threading.Lock()
         self._since = time.monotonic()
 
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
-        errors = sum(a.result.status != "ok" for a in answered)
+    def notify(self, event: LoopEvent) -> None:
+        if not isinstance(event, Answered):
+            return
+        errors = sum(a.result.status != "ok" for a in event.replies)
         with self._lock:
-            self._events.append((time.monotonic(), len(answered), errors))
+            self._events.append((time.monotonic(), len(event.replies), errors))
 
     def snapshot(self) -> dict[str, float]:
         now = time.monotonic()
@@ -67,34 +68,33 @@ def recent_rate(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
 
 def loop_info(loop: BatchLoop) -> dict[str, Any]:
     """What ``inspect stats`` and Flower's worker page show besides the counters: state,
-    policy, queue depths and pending counts per lane (read from Redis now)."""
+    the live batch policy, queue depths and pending counts per lane (read from Redis now)."""
     policy = loop.engine.policy
     info: dict[str, Any] = {
         "consumer": loop.consumer,
-        "state": "draining" if loop.draining else "paused" if loop.paused else "running",
+        "state": loop.state,
         "held": loop.held,
+        "runner": loop.runner.info(),
         "policy": {
             "max_batch_size": policy.max_batch_size,
             "max_wait_ms": policy.max_wait_ms,
             "max_batch_tokens": policy.max_batch_tokens,
+            "preferred_batch_sizes": list(policy.preferred_batch_sizes),
             "lane_weights": list(policy.lane_weights),
+            "max_starvation_ms": policy.max_starvation_ms,
+            "adaptive": policy.adaptive,
         },
     }
     rate = next((o for o in loop.observers.observers if isinstance(o, RecentRate)), None)
     if rate is not None:
         info.update(rate.snapshot())
-    try:
-        pipe = loop.streams.client.pipeline(transaction=False)
-        for stream in loop.streams.streams:
-            pipe.xlen(stream)
-            pipe.xpending(stream, GROUP)
-        replies = pipe.execute()
-        info["depth"] = {str(i): replies[2 * i] for i in range(len(loop.streams.streams))}
-        info["pending"] = {
-            str(i): replies[2 * i + 1]["pending"] for i in range(len(loop.streams.streams))
-        }
-    except redis.RedisError as exc:
-        info["redis_error"] = str(exc)
+    if loop.streams is not None:
+        try:
+            depth, pending = loop.streams.depths()
+            info["depth"] = {str(i): n for i, n in enumerate(depth)}
+            info["pending"] = {str(i): n for i, n in enumerate(pending)}
+        except redis.RedisError as exc:
+            info["redis_error"] = str(exc)
     return info
 
 

@@ -31,9 +31,12 @@ def pick_dtype(wanted: str, device: torch.device) -> torch.dtype:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device``; through pinned memory, asynchronously, on CUDA."""
+    """Copy a host tensor to ``device``; from pinned memory, asynchronously, on CUDA
+    (tensors from :class:`~.host_buffers.HostBuffers` are pinned already)."""
     if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(device, non_blocking=True)
     return tensor
 
 

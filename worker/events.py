@@ -14,14 +14,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+from uuid import uuid4
 
 from celery.signals import worker_ready
 
 from ..batching.types import Batch
 from ..config import EventsConfig, FleetConfig
-from .observers import LoopObserver
+from .observers import (
+    BatchDone,
+    Dispatched,
+    Expired,
+    LoopEvent,
+    LoopObserver,
+    StateChanged,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,65 +157,118 @@ def _close(dispatcher: Any) -> None:
         pass
 
 
-class FlowerEvents(LoopObserver):
+MAX_IDS_SHOWN = 16
+"""Request ids listed in a Flower task's kwargs (the rest are counted)."""
+
+
+def _ids(request_ids: Sequence[str]) -> str:
+    shown = list(request_ids[:MAX_IDS_SHOWN])
+    more = len(request_ids) - len(shown)
+    return repr(shown) + (f" + {more} more" if more > 0 else "")
+
+
+class FlowerEvents:
     """Reports a model's micro-batches as tasks: received + started on dispatch, then
-    succeeded (or failed when no request in it was answered ok) with the run time."""
+    succeeded (or failed when every request in it failed) with the run time. Requests
+    answered ``expired`` in a planning round show as one failed task, so expiries and shed
+    load are visible in Flower too; so are pause, drain and resume."""
 
     def __init__(self, sender: EventSender, model: str, config: EventsConfig) -> None:
         self.sender = sender
+        self.model = model
         self.name = batch_task_name(model)
         self.min_gap = 1.0 / config.max_batches_per_s
         self._next = 0.0
+        self._next_expiry = 0.0
         self._reported: set[str] = set()
         self.sampled_out = 0
 
-    def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
+    def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Dispatched):
+            self._dispatched(event)
+        elif isinstance(event, BatchDone):
+            self._done(event)
+        elif isinstance(event, Expired):
+            self._expired(event)
+        elif isinstance(event, StateChanged):
+            self._state(event)
+
+    def _dispatched(self, ev: Dispatched) -> None:
         mono = time.monotonic()
         if mono < self._next or not self.sender.enabled():
             self.sampled_out += 1
             return
         self._next = mono + self.min_gap
-        self._reported.add(batch_id)
-        args = describe(batch)
+        self._reported.add(ev.batch_id)
+        batch = ev.batch
         kwargs = (
             f"{{'rows': {batch.rows}, 'requests': {len(batch.items)}, "
-            f"'padded_tokens': {batch.padded_tokens}, 'reason': {batch.reason!r}}}"
+            f"'padded_tokens': {batch.padded_tokens}, 'reason': {batch.reason!r}, "
+            f"'request_ids': {_ids(ev.request_ids)}}}"
         )
+        self._received(ev.batch_id, describe(batch), kwargs)
+
+    def _received(self, uuid: str, args: str, kwargs: str) -> None:
         self.sender.put(
             "task-received",
-            {"uuid": batch_id, "name": self.name, "args": args, "kwargs": kwargs, "retries": 0,
-             "eta": None, "root_id": batch_id, "parent_id": None},
+            {"uuid": uuid, "name": self.name, "args": args, "kwargs": kwargs, "retries": 0,
+             "eta": None, "root_id": uuid, "parent_id": None},
         )  # fmt: skip
-        self.sender.put("task-started", {"uuid": batch_id})
+        self.sender.put("task-started", {"uuid": uuid})
 
-    def on_batch_done(
-        self,
-        model: str,
-        batch: Batch,
-        batch_id: str,
-        seconds: float,
-        out_of_memory: bool,
-        failed: int,
-    ) -> None:
-        if batch_id not in self._reported:
+    def _done(self, ev: BatchDone) -> None:
+        if ev.batch_id not in self._reported:
             return
-        self._reported.discard(batch_id)
-        if failed >= len(batch.items):
-            reason = "out of memory" if out_of_memory else "inference failed"
+        self._reported.discard(ev.batch_id)
+        if ev.failed >= len(ev.batch.items):
+            reason = "out of memory" if ev.out_of_memory else "inference failed"
             self.sender.put(
                 "task-failed",
-                {"uuid": batch_id, "exception": f"{reason} for all {failed} requests",
-                 "traceback": "", "runtime": seconds},
+                {"uuid": ev.batch_id, "exception": f"{reason} for all {ev.failed} requests",
+                 "traceback": "", "runtime": ev.seconds},
             )  # fmt: skip
             return
-        result = f"'{batch.rows} rows, {failed} failed requests'"
-        self.sender.put("task-succeeded", {"uuid": batch_id, "result": result, "runtime": seconds})
+        result = f"'{ev.batch.rows} rows, {ev.failed} failed requests'"
+        self.sender.put(
+            "task-succeeded", {"uuid": ev.batch_id, "result": result, "runtime": ev.seconds}
+        )
+
+    def _expired(self, ev: Expired) -> None:
+        mono = time.monotonic()
+        if mono < self._next_expiry or not self.sender.enabled():
+            self.sampled_out += 1
+            return
+        self._next_expiry = mono + self.min_gap
+        uuid = f"expired-{uuid4().hex[:12]}"
+        lanes: dict[int, int] = {}
+        for lane in ev.lanes:
+            lanes[lane] = lanes.get(lane, 0) + 1
+        by_lane = ", ".join(f"{lane}: {n}" for lane, n in sorted(lanes.items()))
+        args = f"('{len(ev.request_ids)} requests expired', lanes {{{by_lane}}})"
+        self._received(uuid, args, f"{{'request_ids': {_ids(ev.request_ids)}}}")
+        self.sender.put(
+            "task-failed",
+            {"uuid": uuid, "exception": f"deadline_exceeded: {len(ev.request_ids)} requests "
+             "expired before they could be computed (not run)", "traceback": "", "runtime": 0.0},
+        )  # fmt: skip
+
+    def _state(self, ev: StateChanged) -> None:
+        if not self.sender.enabled():
+            return
+        uuid = f"state-{uuid4().hex[:12]}"
+        self._received(uuid, f"('model {self.model} {ev.state}',)", "{}")
+        self.sender.put("task-succeeded", {"uuid": uuid, "result": repr(ev.state), "runtime": 0.0})
+
+
+class _Silent:
+    def notify(self, event: LoopEvent) -> None:
+        pass
 
 
 def flower_events(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
     """Observer factory for ``app.batchfleet_observers`` (one sender thread per worker)."""
     if not fleet.events.enabled:
-        return LoopObserver()
+        return _Silent()
     sender = getattr(worker, "_batchfleet_events", None)
     if sender is None:
         sender = EventSender(worker, fleet.events)

@@ -33,7 +33,7 @@ from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
 from ..connection import connect
 from ..schemas.keys import GROUP, ModelKeys
-from .observers import Answered, LoopObserver
+from .observers import Answered, BatchDone, DeadLettered, Dispatched, LoopEvent, LoopObserver, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -112,32 +112,31 @@ class Metrics:
         )
 
 
-class PrometheusObserver(LoopObserver):
+class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
-    def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
+    def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Dispatched):
+            self._dispatched(event.model, event.batch)
+        elif isinstance(event, BatchDone):
+            self.m.inference.labels(event.model).observe(event.seconds)
+            self.m.rows.labels(event.model).inc(event.batch.rows)
+            if event.out_of_memory:
+                self.m.oom.labels(event.model).inc()
+        elif isinstance(event, Answered):
+            self._answered(event.model, event.replies)
+        elif isinstance(event, DeadLettered):
+            self.m.dead_letters.labels(event.model, event.code).inc()
+
+    def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()
         self.m.batch_rows.labels(model).observe(batch.rows)
         self.m.padded_tokens.labels(model).observe(batch.padded_tokens)
         self.m.padding_waste.labels(model).observe(batch.padding_waste)
 
-    def on_batch_done(
-        self,
-        model: str,
-        batch: Batch,
-        batch_id: str,
-        seconds: float,
-        out_of_memory: bool,
-        failed: int,
-    ) -> None:
-        self.m.inference.labels(model).observe(seconds)
-        self.m.rows.labels(model).inc(batch.rows)
-        if out_of_memory:
-            self.m.oom.labels(model).inc()
-
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
+    def _answered(self, model: str, answered: Sequence[Reply]) -> None:
         counts: Tally[tuple[str, str]] = Tally()
         for a in answered:
             lane = str(a.lane)
@@ -165,9 +164,6 @@ class PrometheusObserver(LoopObserver):
                 self.m.batch_wait.labels(model, lane),
             )
         return found
-
-    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
-        self.m.dead_letters.labels(model, code).inc()
 
 
 class StreamCollector(Collector):

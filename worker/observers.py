@@ -1,11 +1,11 @@
-"""Hooks the batch loop calls as work moves through it.
+"""What the batch loop tells the world as work moves through it: one event object per hook.
 
-Metrics, Flower task events and webhook deliveries plug in here, so the loop itself
-stays one concept. ``on_dispatch`` runs on the loop thread; ``on_batch_done`` and
-``on_answered`` run on the model's publisher thread (``on_answered`` also on the loop
-thread for rejected or expired requests, never both at once), so an observer's state
-must be safe to touch from two threads. Keep hooks cheap and never block on the network
-(hand slow work to a queue or another thread). A hook that raises is logged and ignored:
+Metrics, Flower task events, stats and webhook deliveries plug in here as observers, so
+the loop itself stays one concept. ``Dispatched``, ``BatchDone``, ``Expired`` and
+``DeadLettered`` are sent from the model's loop thread; ``Answered`` from its sink's
+writer thread once the results are stored. An observer's state must therefore be safe to
+touch from two threads. Keep ``notify`` cheap and never block on the network (hand slow
+work to a queue or another thread). An observer that raises is logged and ignored:
 observers can never break inference.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..batching.types import Batch
 from ..schemas.messages import Request, Result
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Answered:
-    """A result the loop has just stored (``stored`` False: one existed already)."""
+class Reply:
+    """A result the sink has just written (``stored`` False: one existed already)."""
 
     lane: int
     request: Request | None
@@ -32,60 +33,86 @@ class Answered:
     stored: bool
 
 
-class LoopObserver:
-    """Base class: override the hooks you need."""
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """A micro-batch was handed to the device."""
 
-    def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
-        """A micro-batch was handed to the device."""
-
-    def on_batch_done(
-        self,
-        model: str,
-        batch: Batch,
-        batch_id: str,
-        seconds: float,
-        out_of_memory: bool,
-        failed: int,
-    ) -> None:
-        """A micro-batch finished (``failed`` requests in it got an error)."""
-
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
-        """Results were stored (and published) for these requests."""
-
-    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
-        """An entry nobody could be answered for went to the dead-letter stream."""
+    model: str
+    batch: Batch
+    batch_id: str
+    request_ids: tuple[str, ...]
+    at: float
 
 
-class Observers(LoopObserver):
-    """Fans each hook out to many observers, isolating their failures."""
+@dataclass(frozen=True, slots=True)
+class BatchDone:
+    """A micro-batch finished on the device (``failed`` of its requests got an error)."""
+
+    model: str
+    batch: Batch
+    batch_id: str
+    request_ids: tuple[str, ...]
+    seconds: float
+    out_of_memory: bool
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """Requests answered ``expired`` in one planning round (never computed)."""
+
+    model: str
+    request_ids: tuple[str, ...]
+    lanes: tuple[int, ...]
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """Results were stored (and published) for these requests."""
+
+    model: str
+    replies: Sequence[Reply]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """An entry went to the dead-letter stream (unreadable, or poison)."""
+
+    model: str
+    lane: int
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StateChanged:
+    """The loop was paused, resumed, or began draining or stopping."""
+
+    model: str
+    state: str
+
+
+LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged
+
+
+class LoopObserver(Protocol):
+    def notify(self, event: LoopEvent) -> None:
+        """React to one event (ignore the kinds you do not need)."""
+        ...
+
+
+class Observers:
+    """Fans each event out to many observers, isolating their failures."""
 
     def __init__(self, observers: Sequence[LoopObserver] = ()) -> None:
         self.observers = list(observers)
 
-    def _each(self, hook: str, *args: object) -> None:
+    def notify(self, event: LoopEvent) -> None:
         for obs in self.observers:
             try:
-                getattr(obs, hook)(*args)
+                obs.notify(event)
             except Exception:
-                logger.exception("observer %s failed in %s", type(obs).__name__, hook)
-
-    def on_dispatch(self, model: str, batch: Batch, batch_id: str, now: float) -> None:
-        self._each("on_dispatch", model, batch, batch_id, now)
-
-    def on_batch_done(
-        self,
-        model: str,
-        batch: Batch,
-        batch_id: str,
-        seconds: float,
-        out_of_memory: bool,
-        failed: int,
-    ) -> None:
-        self._each("on_batch_done", model, batch, batch_id, seconds, out_of_memory, failed)
-
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
-        if answered:
-            self._each("on_answered", model, answered)
-
-    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
-        self._each("on_dead_letter", model, lane, code, reason)
+                logger.exception(
+                    "observer %s failed on %s", type(obs).__name__, type(event).__name__
+                )

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching.types import Batch
-from .observers import Answered, LoopObserver
+from .observers import Answered, BatchDone, DeadLettered, LoopEvent
 
 RECENT = 2048
 
 
 @dataclass(eq=False)
-class LoopStats(LoopObserver):
+class LoopStats:
     model: str
     lanes: int
     requests: Counter[str] = field(default_factory=Counter)
@@ -41,33 +39,25 @@ class LoopStats(LoopObserver):
         with self._lock:
             self.rejected_by_code[code] += 1
 
-    def on_dead_letter(self, model: str, lane: int, code: str, reason: str) -> None:
-        with self._lock:
-            self.dead_letters += 1
-
-    def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
-        with self._lock:
-            for a in answered:
-                self.requests[a.result.status] += 1
-                self.recent_total_ms.append(a.result.timings.total_ms)
-
-    def on_batch_done(
-        self,
-        model: str,
-        batch: Batch,
-        batch_id: str,
-        seconds: float,
-        out_of_memory: bool,
-        failed: int,
-    ) -> None:
-        with self._lock:
-            self.batches += 1
-            self.rows += batch.rows
-            self.padded_tokens += batch.padded_tokens
-            self.real_tokens += batch.real_tokens
-            self.reasons[batch.reason] += 1
-            self.recent_batch_rows.append(batch.rows)
-            self.oom_events += int(out_of_memory)
+    def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Answered):
+            with self._lock:
+                for a in event.replies:
+                    self.requests[a.result.status] += 1
+                    self.recent_total_ms.append(a.result.timings.total_ms)
+        elif isinstance(event, BatchDone):
+            batch = event.batch
+            with self._lock:
+                self.batches += 1
+                self.rows += batch.rows
+                self.padded_tokens += batch.padded_tokens
+                self.real_tokens += batch.real_tokens
+                self.reasons[batch.reason] += 1
+                self.recent_batch_rows.append(batch.rows)
+                self.oom_events += int(event.out_of_memory)
+        elif isinstance(event, DeadLettered):
+            with self._lock:
+                self.dead_letters += 1
 
     def snapshot(self) -> dict[str, Any]:
         """Plain JSON-able numbers (Celery sends them through the broker)."""

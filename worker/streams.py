@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,15 @@ class ModelStreams:
         else:
             self.client.delete(self.keys.max_depth)
 
+    def depths(self) -> tuple[list[int], list[int]]:
+        """Entries in each lane stream, and how many of them are pending (being worked on)."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+        replies = pipe.execute()
+        return replies[0::2], [int(p["pending"]) for p in replies[1::2]]
+
     def heartbeat(self, now_ms: int) -> None:
         """Mark this consumer alive (readiness checks and `status` read this hash)."""
         self.client.hset(self.keys.workers, self.consumer, now_ms)
@@ -116,11 +126,42 @@ class ModelStreams:
                     out.append(Entry(lane, entry_id.decode(), fields))
         return out
 
-    def reclaim(
-        self, min_idle_ms: int, count: int, *, suspects: bool, lock_ms: int = 2000
-    ) -> list[Entry]:
-        """Take over entries held by any consumer for ``min_idle_ms`` (its worker died).
+    def live_consumers(self, now_ms: int, timeout_ms: int) -> set[str]:
+        """Consumers whose last heartbeat is within ``timeout_ms`` of ``now_ms``."""
+        beats = self.client.hgetall(self.keys.workers)
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k))
+            for k, v in beats.items()
+            if now_ms - int(v) <= timeout_ms
+        }
 
+    def holders(self) -> dict[str, int]:
+        """Consumers holding pending entries on any lane, with how many."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xpending(stream, GROUP)
+        out: dict[str, int] = {}
+        for summary in pipe.execute():
+            for c in summary.get("consumers") or []:
+                name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+                out[name] = out.get(name, 0) + int(c["pending"])
+        return out
+
+    def reclaim(
+        self,
+        min_idle_ms: int,
+        count: int,
+        *,
+        suspects: bool,
+        dead: Sequence[str] = (),
+        dead_idle_ms: int = 0,
+        lock_ms: int = 2000,
+    ) -> list[Entry]:
+        """Take over entries whose worker died.
+
+        Entries of the ``dead`` consumers (their heartbeat stopped) are taken once idle for
+        ``dead_idle_ms``; any consumer's entries once idle for ``min_idle_ms`` (the fallback
+        for a worker that still beats but is stuck, and for entries handed back at shutdown).
         Entries on their first redelivery are taken up to ``count``. Entries that were
         already redelivered (their last two holders died: one of them may be the cause)
         are taken one at a time, and only when ``suspects`` is true, so a suspect runs
@@ -137,14 +178,25 @@ class ModelStreams:
             pending = self.client.xpending_range(
                 stream, GROUP, min="-", max="+", count=count, idle=min_idle_ms
             )
-            first = [p for p in pending if p["times_delivered"] <= 1]
-            again = [p for p in pending if p["times_delivered"] > 1][: 1 if suspects else 0]
+            for name in dead:
+                if name != self.consumer:
+                    pending += self.client.xpending_range(
+                        stream, GROUP, min="-", max="+", count=count, idle=dead_idle_ms,
+                        consumername=name,
+                    )  # fmt: skip
+            seen: dict[bytes, dict[str, Any]] = {p["message_id"]: p for p in pending}
+            unique = list(seen.values())
+            first = [p for p in unique if p["times_delivered"] <= 1][:count]
+            again = [p for p in unique if p["times_delivered"] > 1][: 1 if suspects else 0]
             if suspects and again:
                 suspects = False
             chosen = {p["message_id"]: int(p["times_delivered"]) for p in first + again}
             if not chosen:
                 continue
-            claimed = self.client.xclaim(stream, GROUP, self.consumer, min_idle_ms, list(chosen))
+            # Claim with the idle bound each passed (a dead consumer's may be younger than
+            # min_idle_ms): an entry another worker claimed meanwhile is idle 0 and stays.
+            bound = min(min_idle_ms, dead_idle_ms) if dead else min_idle_ms
+            claimed = self.client.xclaim(stream, GROUP, self.consumer, bound, list(chosen))
             for entry_id, fields in claimed:
                 if fields:  # None: deleted while pending
                     out.append(Entry(lane, entry_id.decode(), fields, chosen[entry_id] + 1))
@@ -163,14 +215,22 @@ class ModelStreams:
                 self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms, justid=True
             )
 
-    def existing_results(self, request_ids: Sequence[str]) -> list[bool]:
-        """Which of these requests already have a stored result (redeliveries)."""
+    def stored_results(self, request_ids: Sequence[str]) -> list[bytes | None]:
+        """The stored result of each request, where there is one (redeliveries)."""
         if not request_ids:
             return []
         pipe = self.client.pipeline(transaction=False)
         for rid in request_ids:
-            pipe.exists(self.keys.result(rid))
-        return [bool(n) for n in pipe.execute()]
+            pipe.get(self.keys.result(rid))
+        return list(pipe.execute())
+
+    def append_partial(self, request_id: str, payload: bytes, ttl_s: int) -> None:
+        """Append one partial output to the request's stream and keep it ``ttl_s``."""
+        key = self.keys.partial(request_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xadd(key, {b"msgpack": payload}, maxlen=100_000, approximate=True)
+        pipe.expire(key, ttl_s)
+        pipe.execute()
 
     def finish(self, items: Sequence[Finish]) -> list[bool]:
         """Store, publish and ack many results in one round trip (one script call per
@@ -187,14 +247,6 @@ class ModelStreams:
             out += [bool(x) for x in self._finish(keys=keys, args=args)]
         return out
 
-    def ack_only(self, entries: Sequence[Entry]) -> None:
-        """Retire entries whose result already exists."""
-        pipe = self.client.pipeline(transaction=False)
-        for e in entries:
-            pipe.xack(self.streams[e.lane], GROUP, e.id)
-            pipe.xdel(self.streams[e.lane], e.id)
-        pipe.execute()
-
     def dead_letter(self, entry: Entry, code: str, reason: str, worker: str, maxlen: int) -> str:
         flat: list[bytes | str] = []
         for k, v in entry.fields.items():
@@ -210,12 +262,16 @@ class ModelStreams:
 
 
 class RedisClock:
-    """Local monotonic time mapped onto the Redis server's clock (stream ids use it)."""
+    """Local monotonic time mapped onto the Redis server's clock (stream ids use it).
+
+    Synced on first use and every ``refresh_s``; while Redis cannot be reached it keeps
+    the last offset (the local clock before the first sync)."""
 
     def __init__(self, streams: ModelStreams, refresh_s: float = 60.0) -> None:
         self._streams = streams
         self._refresh_s = refresh_s
-        self._sync()
+        self._offset = time.time() - time.monotonic()
+        self._synced = -math.inf
 
     def _sync(self) -> None:
         t0 = time.monotonic()
@@ -227,6 +283,7 @@ class RedisClock:
     def __call__(self) -> float:
         now = time.monotonic()
         if now - self._synced > self._refresh_s:
+            self._synced = now  # one try per period, whatever the outcome
             try:
                 self._sync()
                 now = time.monotonic()

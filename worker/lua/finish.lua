@@ -11,7 +11,9 @@
 --   reply channel to PUBLISH to ('' for none)
 --
 -- Returns an array of n integers: 1 where this call stored the result, 0 where one was
--- already stored (a redelivery: the stored result stands, nothing is published again).
+-- already stored (a redelivery, or a second entry with the same request id: the stored
+-- result stands and is published again on this entry's reply channel, so a client that
+-- only subscribes still gets its answer).
 local n = tonumber(ARGV[2])
 local out = {}
 for i = 1, n do
@@ -20,8 +22,15 @@ for i = 1, n do
   local stream = KEYS[n + 1 + tonumber(ARGV[a + 1])]
   local payload = ARGV[a + 2]
   local written = redis.call('SET', KEYS[i], payload, 'NX', 'EX', tonumber(ARGV[a + 3]))
-  if written and ARGV[a + 4] ~= '' then
-    redis.call('PUBLISH', ARGV[a + 4], payload)
+  if ARGV[a + 4] ~= '' then
+    if written then
+      redis.call('PUBLISH', ARGV[a + 4], payload)
+    else
+      local stored = redis.call('GET', KEYS[i])
+      if stored then
+        redis.call('PUBLISH', ARGV[a + 4], stored)
+      end
+    end
   end
   redis.call('XACK', stream, ARGV[1], id)
   redis.call('XDEL', stream, id)

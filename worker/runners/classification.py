@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from .transformers_base import TransformersHandler
+from .transformers_base import TransformersRunner
 
 
-class ClassificationHandler(TransformersHandler):
+class ClassificationRunner(TransformersRunner):
     """Softmax over labels (sigmoid per label for multi-label models)."""
 
     name = "text-classification"

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from transformers import AutoModel, PreTrainedModel
 
-from .transformers_base import TransformersHandler
+from .transformers_base import TransformersRunner
 
 
-class EmbeddingHandler(TransformersHandler):
+class EmbeddingRunner(TransformersRunner):
     """Options: ``normalize`` (default true)."""
 
     name = "embedding"

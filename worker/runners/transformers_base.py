@@ -1,4 +1,4 @@
-"""Shared machinery of the transformers handlers: load, tokenize, pad, run."""
+"""Shared machinery of the transformers runners: load, tokenize, collate, run."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ..device import pick_device, pick_dtype, to_device
-from .base import Encoded
+from ..host_buffers import HostBuffers
+from ..runner import BatchRunner, Encoded
 
 
-class TransformersHandler:
-    """Base for handlers over a Hugging Face model directory (offline; fast tokenizer).
+class TransformersRunner(BatchRunner):
+    """Base for runners over a Hugging Face model directory (offline; fast tokenizer).
 
     Subclasses set ``name``, implement ``_load_model`` and ``_outputs``.
     """
@@ -24,13 +25,15 @@ class TransformersHandler:
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | None,
         *,
         device: str = "auto",
         dtype: str = "auto",
         max_tokens: int = 512,
         options: dict[str, Any] | None = None,
     ) -> None:
+        if path is None:
+            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
         self.options = dict(options or {})
         self.torch_device = pick_device(device)
         self.device = str(self.torch_device)
@@ -49,6 +52,10 @@ class TransformersHandler:
         self._tok.enable_truncation(self.max_tokens)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._uses_type_ids = "token_type_ids" in tokenizer.model_input_names
+        names = ["input_ids", "attention_mask"] + (
+            ["token_type_ids"] if self._uses_type_ids else []
+        )
+        self._buffers = HostBuffers(names, pinned=self.torch_device.type == "cuda")
 
     def _load_model(self, path: str) -> PreTrainedModel:
         raise NotImplementedError
@@ -63,20 +70,28 @@ class TransformersHandler:
         ]
 
     def collate(self, rows: Sequence[Encoded]) -> dict[str, torch.Tensor]:
-        """Pad to the longest row in this batch (never to max_tokens)."""
+        """Pad to the longest row in this batch (never to max_tokens), in reused host
+        buffers (pinned on CUDA), and copy them to the device.
+
+        The buffers are refilled by the next batch: safe because a batch's outputs are
+        read back to the host (which waits for the copy) before the next one is collated."""
         width = max(r.tokens for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        types = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        views = self._buffers.take(len(rows), width)
+        ids, mask = views["input_ids"], views["attention_mask"]
+        ids.fill_(self.pad_id)
+        mask.zero_()
+        types = views.get("token_type_ids")
+        if types is not None:
+            types.zero_()
+        np_ids, np_mask = ids.numpy(), mask.numpy()
+        np_types = types.numpy() if types is not None else None
         for i, row in enumerate(rows):
             n = row.tokens
-            ids[i, :n] = torch.tensor(row.ids, dtype=torch.long)
-            types[i, :n] = torch.tensor(row.type_ids, dtype=torch.long)
-            mask[i, :n] = 1
-        batch = {"input_ids": ids, "attention_mask": mask}
-        if self._uses_type_ids:
-            batch["token_type_ids"] = types
-        return {k: to_device(v, self.torch_device) for k, v in batch.items()}
+            np_ids[i, :n] = row.ids
+            np_mask[i, :n] = 1
+            if np_types is not None and row.type_ids:
+                np_types[i, :n] = row.type_ids
+        return {k: to_device(v, self.torch_device) for k, v in views.items()}
 
     def run(self, rows: Sequence[Encoded]) -> list[Any]:
         inputs = self.collate(rows)
@@ -86,7 +101,7 @@ class TransformersHandler:
 
     def info(self) -> dict[str, Any]:
         return {
-            "handler": self.name,
+            "runner": self.name,
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_tokens": self.max_tokens,

@@ -1,0 +1,128 @@
+"""The intake against a real Redis: heartbeat-based takeover of a dead worker's entries,
+a live worker's long batch left alone, and redelivered entries of answered requests."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from batchfleet.schemas.codec import decode_result, encode_request
+from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.runners.embedding import EmbeddingRunner
+from batchfleet.worker.streams import ModelStreams
+
+from batchfleet.config import ModelConfig, WorkerConfig
+
+MODEL = "tiny"
+KEYS = ModelKeys(MODEL)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_embedder: Path) -> EmbeddingRunner:
+    return EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
+
+
+def held_by(r: redis.Redis, consumer: str, req: Request, beat_age_ms: int | None) -> str:
+    """Given an entry read by ``consumer``, whose last heartbeat is ``beat_age_ms`` old
+    (None: it never beat)."""
+    streams = ModelStreams(r, MODEL, 3, consumer)
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), encode_request(req))
+    (entry,) = streams.read({0: 10}, None)
+    if beat_age_ms is not None:
+        sec, usec = r.time()
+        streams.heartbeat(int(sec * 1000 + usec / 1000) - beat_age_ms)
+    return entry.id
+
+
+def run_loop(r: redis.Redis, runner: Any, **worker: Any) -> BatchLoop:
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), runner, r, consumer="w1",
+                     worker=WorkerConfig(block_ms=50, **worker), burst=True)  # fmt: skip
+    loop.run()
+    return loop
+
+
+def test_a_dead_workers_entries_are_taken_over_once_its_heartbeat_stops(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    # Given a worker that read a request and stopped beating 10 s ago (kill -9)
+    held_by(r, "dead", Request(id="orphan", model=MODEL, inputs=["the dog"]), 10_000)
+    time.sleep(0.3)  # the entry has been idle longer than the heartbeat timeout below
+    # When a live worker runs, with the idle-time fallback far away (its default)
+    run_loop(r, runner, heartbeat_timeout_ms=200)
+    # Then it took the entry over through the stale heartbeat and answered it
+    res = decode_result(r.get(KEYS.result("orphan")))
+    assert res.ok and res.timings.worker == "w1"
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def test_a_live_workers_long_batch_is_not_taken(r: redis.Redis, runner: EmbeddingRunner) -> None:
+    # Given a worker computing a request for a long time, still beating
+    held_by(r, "busy", Request(id="long", model=MODEL, inputs=["the dog"]), 0)
+    time.sleep(0.3)
+    # When another worker runs (its entry idle past the heartbeat timeout, not the fallback)
+    loop = run_loop(r, runner, heartbeat_timeout_ms=60_000)
+    # Then the entry stays with its worker: not computed twice
+    assert r.get(KEYS.result("long")) is None
+    assert loop.stats.batches == 0
+    (pending,) = r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 10)
+    assert pending["consumer"] == b"busy"
+
+
+def test_the_idle_fallback_takes_entries_of_a_worker_that_beats_but_is_stuck(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    held_by(r, "stuck", Request(id="stuck-1", model=MODEL, inputs=["the dog"]), 0)
+    time.sleep(0.3)
+    run_loop(r, runner, heartbeat_timeout_ms=60_000, claim_idle_ms=200)
+    assert decode_result(r.get(KEYS.result("stuck-1"))).ok
+
+
+def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_result(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    # Given a request answered already, whose entry is pending on a dead worker
+    req = Request(id="answered", model=MODEL, inputs=["the dog"], reply="chan")
+    held_by(r, "dead", req, 10_000)
+    r.set(KEYS.result(req.id), b"the first result stands")
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("chan")
+    time.sleep(0.3)
+    loop = run_loop(r, runner, heartbeat_timeout_ms=200)
+    # Then it is not computed again; the stored result is published again and stands
+    assert loop.stats.batches == 0
+    assert r.get(KEYS.result(req.id)) == b"the first result stands"
+    msg = None
+    end = time.monotonic() + 5
+    while msg is None and time.monotonic() < end:
+        msg = pubsub.get_message(timeout=0.2)
+    assert msg is not None and msg["data"] == b"the first result stands"
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def test_a_second_entry_with_an_answered_id_gets_the_stored_result_on_its_channel(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    # Given a request answered, then submitted again under the same id (a producer retry)
+    first = Request(id="twice", model=MODEL, inputs=["the dog"], reply="chan-1")
+    r.xadd(KEYS.lane(1), encode_request(first))
+    run_loop(r, runner)
+    stored = r.get(KEYS.result("twice"))
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("chan-2")
+    again = Request(id="twice", model=MODEL, inputs=["the cat"], reply="chan-2")
+    r.xadd(KEYS.lane(1), encode_request(again))
+    run_loop(r, runner)
+    # Then the subscriber of the second gets the first result; the stored one never changes
+    msg = None
+    end = time.monotonic() + 5
+    while msg is None and time.monotonic() < end:
+        msg = pubsub.get_message(timeout=0.2)
+    assert msg is not None and msg["data"] == stored
+    assert r.get(KEYS.result("twice")) == stored
+    assert r.xlen(KEYS.lane(1)) == 0

@@ -1,0 +1,141 @@
+"""Runners on tiny random-weight models loaded from disk like real ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from batchfleet.worker.runners import resolve
+from batchfleet.worker.runners.classification import ClassificationRunner
+from batchfleet.worker.runners.embedding import EmbeddingRunner
+from tiny_models import LABELS
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog and then the dog jumps back",
+    "hi",
+    "what a day",
+    "people work long and get little",
+    "x",
+]
+
+
+def _max_diff(a: object, b: object) -> float:
+    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
+
+
+@pytest.fixture(scope="module")
+def embedder(tiny_embedder: Path) -> EmbeddingRunner:
+    return EmbeddingRunner(tiny_embedder, device="cpu", dtype="float32", max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_classifier: Path) -> ClassificationRunner:
+    return ClassificationRunner(tiny_classifier, device="cpu", dtype="float32", max_tokens=48)
+
+
+def test_embedding_batch_invariance(embedder: EmbeddingRunner) -> None:
+    rows = embedder.encode(TEXTS)
+    assert len({r.tokens for r in rows}) > 2, "needs mixed lengths to exercise padding"
+    together = embedder.run(rows)
+    for row, out in zip(rows, together, strict=True):
+        assert _max_diff(out, embedder.run([row])[0]) <= 1e-4
+
+
+def test_classification_batch_invariance(classifier: ClassificationRunner) -> None:
+    rows = classifier.encode(TEXTS)
+    together = classifier.run(rows)
+    for row, out in zip(rows, together, strict=True):
+        alone = classifier.run([row])[0]
+        assert out["label"] == alone["label"]
+        assert _max_diff(list(out["scores"].values()), list(alone["scores"].values())) <= 1e-4
+
+
+def test_embeddings_are_normalised(embedder: EmbeddingRunner) -> None:
+    for vec in embedder.run(embedder.encode(TEXTS)):
+        assert abs(sum(x * x for x in vec) - 1.0) < 1e-4
+
+
+def test_classification_outputs(classifier: ClassificationRunner) -> None:
+    out = classifier.run(classifier.encode(["what a day"]))[0]
+    assert set(out["scores"]) == set(LABELS.values())
+    assert out["label"] == max(out["scores"], key=out["scores"].get)
+    assert abs(sum(out["scores"].values()) - 1.0) < 1e-4
+
+
+def test_truncation_is_reported_per_input(embedder: EmbeddingRunner) -> None:
+    rows = embedder.encode(["the dog " * 200, "the dog"])
+    assert [r.truncated for r in rows] == [True, False]
+    assert rows[0].tokens == embedder.max_tokens == 48
+
+
+def test_padding_is_to_the_longest_row_not_max_tokens(embedder: EmbeddingRunner) -> None:
+    rows = embedder.encode(["hi", "what a day"])
+    batch = embedder.collate(rows)
+    assert batch["input_ids"].shape == (2, max(r.tokens for r in rows))
+
+
+def test_max_tokens_is_capped_by_the_model(tiny_embedder: Path) -> None:
+    h = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=10_000)
+    assert h.max_tokens == 128  # max_position_embeddings of the tiny model
+
+
+def test_resolve_runners() -> None:
+    assert resolve("embedding") is EmbeddingRunner
+    assert resolve("text-classification") is ClassificationRunner
+    assert resolve("batchfleet.worker.runners.embedding:EmbeddingRunner") is EmbeddingRunner
+    with pytest.raises(ValueError, match="unknown runner"):
+        resolve("nonsense")
+
+
+def test_no_cuda_request_fails_clearly(tiny_embedder: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        EmbeddingRunner(tiny_embedder, device="cuda")
+
+
+def test_collation_reuses_its_host_buffers(embedder: EmbeddingRunner) -> None:
+    # Given a large batch collated first, then a smaller one
+    big = embedder.collate(embedder.encode(TEXTS))
+    ptr = big["input_ids"].data_ptr()
+    small_rows = embedder.encode(["hi", "what a day"])
+    small = embedder.collate(small_rows)
+    # Then the small batch is a view of the same memory, padded and masked afresh
+    assert small["input_ids"].data_ptr() == ptr
+    assert small["input_ids"].is_contiguous()
+    width = max(r.tokens for r in small_rows)
+    assert small["attention_mask"].sum(dim=1).tolist() == [r.tokens for r in small_rows]
+    assert small["input_ids"][0, small_rows[0].tokens :].tolist() == [embedder.pad_id] * (
+        width - small_rows[0].tokens
+    )
+    # and the outputs match a fresh run of each row alone (nothing left from the big batch)
+    for row, out in zip(small_rows, embedder.run(small_rows), strict=True):
+        assert _max_diff(out, embedder.run([row])[0]) <= 1e-4
+
+
+def test_host_buffers_grow_when_a_batch_is_larger() -> None:
+    from batchfleet.worker.host_buffers import HostBuffers
+
+    buffers = HostBuffers(["input_ids"], initial=8)
+    assert buffers.take(2, 4)["input_ids"].shape == (2, 4)
+    assert buffers.take(3, 5)["input_ids"].shape == (3, 5)
+    assert buffers.capacity >= 16
+
+
+def test_prepare_many_reports_costs_and_truncation(embedder: EmbeddingRunner) -> None:
+    from batchfleet.schemas.messages import Request
+
+    reqs = [
+        Request(id="a", model="m", inputs=["hi", "the dog " * 200]),
+        Request(id="b", model="m", inputs=["what a day"]),
+    ]
+    a, b = embedder.prepare_many(reqs)
+    assert not isinstance(a, Exception) and not isinstance(b, Exception)
+    assert (a.rows, a.tokens, a.truncated) == (2, 48, (False, True))
+    assert b.rows == 1 and b.tokens == len(embedder.encode(["what a day"])[0].ids)
+
+
+def test_a_runner_needing_weights_says_so_without_a_path() -> None:
+    with pytest.raises(ValueError, match="needs `path`"):
+        EmbeddingRunner(None, device="cpu")

@@ -1,0 +1,81 @@
+"""The loop's inbox: how the intake, executor, sink and control threads reach the one
+thread that owns a model's request state. Each sends an event; only the loop acts on it."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..batching.types import Policy
+from .runner import StepReport
+from .streams import Entry
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    """The intake read these entries at ``read_at`` (loop clock)."""
+
+    entries: Sequence[Entry]
+    read_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReadIdle:
+    """A blocking read returned nothing: the streams were empty (burst mode stops on it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """The executor finished a step; times are the loop clock, measured on the device thread."""
+
+    step_id: str
+    report: StepReport
+    started_at: float
+    finished_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Something the loop reads changed (a batch was stored, a flag was set): decide again."""
+
+
+@dataclass(frozen=True, slots=True)
+class SetPolicy:
+    policy: Policy
+
+
+Event = Arrived | ReadIdle | StepDone | Wake | SetPolicy
+
+
+class Inbox(Protocol):
+    def put(self, event: Event) -> None: ...
+
+    def get(self, timeout: float | None) -> Event | None:
+        """The next event, waiting up to ``timeout`` seconds (None: until one comes)."""
+        ...
+
+    def get_nowait(self) -> Event | None: ...
+
+
+class ThreadInbox:
+    """The real inbox: a thread-safe FIFO."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def put(self, event: Event) -> None:
+        self._q.put(event)
+
+    def get(self, timeout: float | None) -> Event | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self) -> Event | None:
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None

@@ -1,0 +1,186 @@
+"""The intake: one model's reading side, on a thread of its own.
+
+It heartbeats, takes over the entries of workers that died, retires redelivered entries
+that already have a result, and reads as many new entries as the loop last asked for
+(:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
+heartbeat never waits for a batch (a long batch is never taken for a dead worker), and the
+loop never sits in a Redis ``BLOCK`` that the end of a batch could not interrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import redis
+
+from ..config import WorkerConfig
+from ..schemas.codec import envelope_of
+from ..schemas.messages import Limits
+from .inbox import Arrived, Event, ReadIdle
+from .streams import Entry, Finish, ModelStreams
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_EVERY_S = 1.0
+RECLAIM_EVERY_S = 1.0
+
+
+class Intake:
+    """Reads one model's lane streams for its loop."""
+
+    def __init__(
+        self,
+        streams: ModelStreams,
+        worker: WorkerConfig,
+        limits: Limits,
+        clock: Callable[[], float],
+        post: Callable[[Event], None],
+        *,
+        result_ttl_s: int,
+        name: str = "intake",
+    ) -> None:
+        self.streams = streams
+        self.worker = worker
+        self.limits = limits
+        self._clock = clock
+        self._post = post
+        self._result_ttl_s = result_ttl_s
+        self._cond = threading.Condition()
+        self._counts: dict[int, int] = {}
+        self._suspects = True
+        self._stop = False
+        self._last_beat = -1e18
+        self._last_reclaim = -1e18
+        self._reclaiming = False
+        self._posted = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # --- the loop's side ----------------------------------------------------------------
+
+    def start(self, max_depth: int | None) -> None:
+        """Create the groups, register, and start reading (as granted)."""
+        self.streams.ensure_groups(max_depth)
+        self._beat(force=True)
+        self._thread.start()
+
+    def grant(self, counts: Mapping[int, int], suspects: bool, seen: int) -> None:
+        """Read up to ``counts[lane]`` new entries (replacing the last grant); take over a
+        suspect (a twice-redelivered entry) only when ``suspects``. ``seen``: how many
+        deliveries the loop has taken in; a grant made before it saw the latest one is
+        stale (it does not count what that one brought) and is ignored."""
+        counts = {lane: n for lane, n in counts.items() if n > 0}
+        with self._cond:
+            if seen < self._posted:
+                return
+            if counts == self._counts and suspects == self._suspects:
+                return
+            self._counts = counts
+            self._suspects = suspects
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def release(self, entries: Sequence[Entry]) -> None:
+        """Hand entries read but never started back to the fleet (after :meth:`join`)."""
+        if entries:
+            self.streams.release(entries, self.worker.claim_idle_ms)
+            logger.info("released %d unstarted requests to the fleet", len(entries))
+
+    def unregister(self) -> None:
+        self.streams.unregister()
+
+    # --- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                if not self._counts:
+                    self._cond.wait(max(0.0, self._next_beat() - self._clock()))
+                    if self._stop:
+                        return
+                counts, suspects = dict(self._counts), self._suspects
+            try:
+                self._beat()
+                if counts:
+                    self._read(counts, suspects)
+                backoff = 0.05
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
+                with self._cond:
+                    self._cond.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:
+                logger.exception("intake of %s failed; retrying", self.streams.keys.model)
+                with self._cond:
+                    self._cond.wait(1.0)
+
+    def _next_beat(self) -> float:
+        return self._last_beat + HEARTBEAT_EVERY_S
+
+    def _beat(self, force: bool = False) -> None:
+        now = self._clock()
+        if force or now >= self._next_beat():
+            self._last_beat = now
+            self.streams.heartbeat(int(now * 1000))
+
+    def _read(self, counts: dict[int, int], suspects: bool) -> None:
+        budget = sum(counts.values())
+        now = self._clock()
+        if now - self._last_reclaim >= RECLAIM_EVERY_S or (self._reclaiming and suspects):
+            self._last_reclaim = now
+            found = self._reclaim(now, budget, suspects)
+            self._reclaiming = bool(found)
+            if found:
+                self._deliver(found)
+                return
+        entries = self.streams.read(counts, self.worker.block_ms)
+        if entries:
+            self._deliver(entries)
+        else:
+            self._post(ReadIdle())
+
+    def _reclaim(self, now: float, count: int, suspects: bool) -> list[Entry]:
+        timeout = self.worker.heartbeat_timeout_ms
+        live = self.streams.live_consumers(int(now * 1000), timeout)
+        dead = [c for c in self.streams.holders() if c not in live]
+        found = self.streams.reclaim(
+            self.worker.claim_idle_ms, count, suspects=suspects, dead=dead, dead_idle_ms=timeout
+        )
+        if found:
+            logger.info("took over %d entries (dead workers: %s)", len(found), dead)
+        return self._retire_answered(found)
+
+    def _retire_answered(self, entries: list[Entry]) -> list[Entry]:
+        """Redelivered entries whose request has a result already are not computed again:
+        the stored result is published on their reply channel and they are acked."""
+        again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
+        known = [(e, env) for e, env in again if env.id is not None]
+        stored = self.streams.stored_results([env.id for _, env in known if env.id])
+        done = [
+            Finish(e, env.id, payload, self._result_ttl_s, env.reply)
+            for (e, env), payload in zip(known, stored, strict=True)
+            if payload is not None and env.id is not None
+        ]
+        if not done:
+            return entries
+        self.streams.finish(done)  # SET NX keeps the stored one; it is republished, acked
+        retired = {f.entry.key for f in done}
+        return [e for e in entries if e.key not in retired]
+
+    def _deliver(self, entries: list[Entry]) -> None:
+        with self._cond:
+            self._counts = {}  # consumed: the loop grants again once it has admitted them
+            self._posted += 1
+        self._post(Arrived(entries, self._clock()))

@@ -1,0 +1,240 @@
+"""The runner seam: what the worker needs from a model.
+
+A runner owns one loaded model on one device. The worker calls it from two threads:
+
+- ``prepare_many(requests)`` on the loop thread, as requests arrive (CPU work: tokenize,
+  decode images...). Each request becomes a :class:`Prepared` carrying the runner's own
+  payload and the cost features the batching engine plans with (rows, tokens).
+- ``step(work)`` on the device thread. A step admits requests and returns
+  :class:`StepReport` events: a final output, a partial output, or a failure per request.
+  Requests of a one-shot model (an encoder) finish in the step that admits them; a
+  generator would keep some running across steps and stream partial outputs.
+
+:class:`BatchRunner` is the base for one-shot models: implement ``encode(texts)`` and
+``run(rows)``; it isolates a failing request by bisecting its batch and splits a batch
+that runs out of memory. Write your own runner by subclassing it (see
+docs/runners.md), or implement :class:`Runner` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ..schemas.errors import BatchfleetError, ErrorCode
+from ..schemas.messages import Request
+from .device import is_out_of_memory, release_cached_memory
+
+logger = logging.getLogger(__name__)
+
+
+class PrepareError(BatchfleetError):
+    """A request that the runner cannot take (its inputs); answered as an error result."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request made ready on the CPU side, with the cost features batching plans by."""
+
+    payload: Any
+    """The runner's own (for :class:`BatchRunner`: the request's encoded rows)."""
+    rows: int
+    """Rows it adds to a batch."""
+    tokens: int
+    """Its longest row's token count (a batch is padded to its longest row)."""
+    truncated: tuple[bool, ...] | None = None
+    """Per input: was it cut to the model's limit? (reported in the result)"""
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One device step: the requests it admits, by the scheduler's key."""
+
+    step_id: str
+    admit: tuple[tuple[str, Prepared], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """A request's final outputs (one per input)."""
+
+    key: str
+    outputs: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A piece of a request's output that can be sent before it finishes (streaming)."""
+
+    key: str
+    chunk: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A request whose computation failed; it is answered ``error`` with ``code``."""
+
+    key: str
+    message: str
+    code: ErrorCode = ErrorCode.INFERENCE_FAILED
+
+
+StepEvent = Final | Partial | Failed
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one step did: events per request, and what the engine should learn."""
+
+    events: list[StepEvent] = field(default_factory=list)
+    out_of_memory: bool = False
+    """Memory ran out at some point (the engine lowers its caps)."""
+    calls: int = 1
+    """Model calls it took: 1 when clean; more when a batch was bisected or split, and
+    then its time says nothing about the batch's cost."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the worker needs from a model. Implement it (or subclass BatchRunner)."""
+
+    name: str
+    """Kind of runner, for logs and stats (e.g. ``embedding``)."""
+    device: str
+
+    def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
+        """CPU side, loop thread: one Prepared (or the PrepareError) per request."""
+        ...
+
+    def step(self, work: Work) -> StepReport:
+        """Device side: run one step; never raise for a request's fault (report Failed)."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """A few facts for ``inspect stats`` (device, dtype, max tokens...)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One input text, tokenized and cut to the model's max tokens."""
+
+    ids: tuple[int, ...]
+    type_ids: tuple[int, ...]
+    truncated: bool
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+class BatchRunner:
+    """Base of one-shot runners: every admitted request finishes in its step.
+
+    Subclasses implement ``encode(texts)`` (tokenize, no padding) and ``run(rows)`` (one
+    batch, one output per row, msgpack/JSON-able). ``run`` raising
+    ``torch.cuda.OutOfMemoryError`` or ``MemoryError`` makes the batch split and the engine
+    lower its caps; any other exception is pinned on the request that causes it by
+    bisection, so its batch-mates still succeed.
+    """
+
+    name = "batch"
+    device = "cpu"
+    torch_device: Any = None
+
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        raise NotImplementedError
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        return {"runner": self.name, "device": self.device}
+
+    def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
+        texts = [t for req in requests for t in req.inputs]
+        try:  # one call for all: fast tokenizers batch (and parallelise) it
+            encoded = self.encode(texts)
+            if len(encoded) != len(texts):
+                raise RuntimeError(f"encode returned {len(encoded)} rows for {len(texts)} texts")
+        except Exception:
+            return [self._prepare_one(req) for req in requests]
+        out: list[Prepared | PrepareError] = []
+        pos = 0
+        for req in requests:
+            rows = encoded[pos : pos + len(req.inputs)]
+            pos += len(req.inputs)
+            out.append(_prepared(rows))
+        return out
+
+    def _prepare_one(self, request: Request) -> Prepared | PrepareError:
+        try:
+            return _prepared(self.encode(request.inputs))
+        except Exception as exc:
+            return PrepareError(f"cannot tokenize: {type(exc).__name__}: {exc}")
+
+    def step(self, work: Work) -> StepReport:
+        report = StepReport(calls=0)
+        groups = [(key, prep.payload) for key, prep in work.admit]
+        report.events = self._run(groups, report)
+        return report
+
+    def _run(self, groups: list[tuple[str, Sequence[Encoded]]], acc: StepReport) -> list[StepEvent]:
+        rows = [row for _, g in groups for row in g]
+        acc.calls += 1
+        try:
+            flat = self.run(rows)
+            if len(flat) != len(rows):
+                raise RuntimeError(f"runner returned {len(flat)} outputs for {len(rows)} rows")
+        except Exception as exc:
+            return self._split(groups, rows, exc, acc)
+        out: list[StepEvent] = []
+        i = 0
+        for key, g in groups:
+            out.append(Final(key, list(flat[i : i + len(g)])))
+            i += len(g)
+        return out
+
+    def _split(
+        self,
+        groups: list[tuple[str, Sequence[Encoded]]],
+        rows: list[Encoded],
+        exc: Exception,
+        acc: StepReport,
+    ) -> list[StepEvent]:
+        """Retry halves: by request while there are several, by rows on out-of-memory."""
+        oom = is_out_of_memory(exc)
+        if oom:
+            acc.out_of_memory = True
+            if self.torch_device is not None:
+                release_cached_memory(self.torch_device)
+        if len(groups) > 1:
+            mid = len(groups) // 2
+            return self._run(groups[:mid], acc) + self._run(groups[mid:], acc)
+        (key, _), message = groups[0], f"{type(exc).__name__}: {exc}"
+        if oom and len(rows) > 1:
+            mid = len(rows) // 2
+            halves = [
+                self._run([(key, rows[:mid])], acc)[0],
+                self._run([(key, rows[mid:])], acc)[0],
+            ]
+            failed = next((h for h in halves if isinstance(h, Failed)), None)
+            if failed is not None:
+                return [failed]
+            assert isinstance(halves[0], Final) and isinstance(halves[1], Final)
+            return [Final(key, halves[0].outputs + halves[1].outputs)]
+        logger.warning("request %s failed in inference: %s", key, message)
+        return [Failed(key, message)]
+
+
+def _prepared(rows: Sequence[Encoded]) -> Prepared:
+    return Prepared(
+        payload=list(rows),
+        rows=len(rows),
+        tokens=max((r.tokens for r in rows), default=0),
+        truncated=tuple(r.truncated for r in rows),
+    )

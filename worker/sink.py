@@ -1,0 +1,241 @@
+"""Result sinks: everything that leaves a worker about its requests goes through one.
+
+:class:`RedisSink` stores, publishes and acks final results with ``finish.lua`` (one
+script call per batch), appends partial results to a per-request stream, and writes dead
+letters, on a writer thread of its own, in order; a Redis outage holds the queue until
+Redis is back, so no computed result is lost. :class:`MemorySink` keeps everything in
+memory, for tests and simulations. Both tell the observers once results are stored and
+wake the loop, which holds new batches while results pile up (``backlog``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import redis
+
+from ..schemas.codec import pack
+from .answers import Outgoing
+from .observers import Answered, DeadLettered, Observers
+from .streams import Entry, ModelStreams
+
+logger = logging.getLogger(__name__)
+
+
+class ResultSink(Protocol):
+    @property
+    def backlog(self) -> int:
+        """Batches of results handed over and not stored yet."""
+        ...
+
+    def start(self) -> None: ...
+
+    def send(self, answers: Sequence[Outgoing]) -> None:
+        """Store, publish and ack these results (asynchronously, in order)."""
+        ...
+
+    def partial(self, request_id: str, chunk: Any) -> None:
+        """Append a partial output to the request's stream (streaming runners)."""
+        ...
+
+    def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
+        """Move an entry to the dead-letter stream (it is acked there)."""
+        ...
+
+    def close(self, timeout: float | None = None) -> None:
+        """Store everything handed over (up to ``timeout``), then stop."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    answers: Sequence[Outgoing]
+
+
+@dataclass(frozen=True, slots=True)
+class _Partial:
+    request_id: str
+    chunk: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Dead:
+    entry: Entry
+    code: str
+    reason: str
+
+
+_Job = _Finish | _Partial | _Dead
+
+
+class RedisSink:
+    """Writes one model's results to Redis on a writer thread."""
+
+    def __init__(
+        self,
+        streams: ModelStreams,
+        observers: Observers,
+        wake: Callable[[], None],
+        *,
+        dead_letter_maxlen: int,
+        partial_ttl_s: int = 3600,
+        name: str = "sink",
+    ) -> None:
+        self.streams = streams
+        self.observers = observers
+        self._wake = wake
+        self._dead_maxlen = dead_letter_maxlen
+        self._partial_ttl_s = partial_ttl_s
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def backlog(self) -> int:
+        return self._backlog
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, answers: Sequence[Outgoing]) -> None:
+        if answers:
+            with self._lock:
+                self._backlog += 1
+            self._queue.put(_Finish(answers))
+
+    def partial(self, request_id: str, chunk: Any) -> None:
+        self._queue.put(_Partial(request_id, chunk))
+
+    def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
+        self._queue.put(_Dead(entry, code, reason))
+
+    def close(self, timeout: float | None = None) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._closing.set()  # a writer still retrying against a dead Redis gives up
+        if self._thread.is_alive():
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._write(job)
+
+    def _write(self, job: _Job) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                self._do(job)
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self._closing.is_set():
+                    logger.error("Redis unreachable at shutdown: %s not written (%s)", job, exc)
+                    self._done(job)
+                    return
+                # Kept until written, in order, so a Redis outage loses no result.
+                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # never stored nor acked: redelivered, dead-lettered if it recurs
+                logger.exception("writing %s failed", type(job).__name__)
+                self._done(job)
+                return
+
+    def _do(self, job: _Job) -> None:
+        if isinstance(job, _Finish):
+            stored = self.streams.finish([a.finish for a in job.answers])
+            self._done(job)
+            replies = [
+                a.reply if s else replace(a.reply, stored=False)
+                for a, s in zip(job.answers, stored, strict=True)
+            ]
+            self.observers.notify(Answered(self.streams.keys.model, replies))
+        elif isinstance(job, _Partial):
+            self.streams.append_partial(job.request_id, pack(job.chunk), self._partial_ttl_s)
+        else:
+            dead_id = self.streams.dead_letter(
+                job.entry, job.code, job.reason, self.streams.consumer, self._dead_maxlen
+            )
+            logger.warning("entry %s dead-lettered as %s: %s", job.entry.id, dead_id, job.reason)
+            self.observers.notify(
+                DeadLettered(self.streams.keys.model, job.entry.lane, job.code, job.reason)
+            )
+
+    def _done(self, job: _Job) -> None:
+        if isinstance(job, _Finish):
+            with self._lock:
+                self._backlog -= 1
+            self._wake()
+
+
+@dataclass
+class MemorySink:
+    """Keeps results in memory like Redis would (first result stands, published once).
+
+    ``hold=True`` keeps what is sent in ``backlog`` until :meth:`flush` (to test the loop's
+    behaviour while results pile up)."""
+
+    model: str
+    observers: Observers = field(default_factory=Observers)
+    wake: Callable[[], None] = lambda: None
+    hold: bool = False
+    results: dict[str, bytes] = field(default_factory=dict)
+    published: dict[str, list[bytes]] = field(default_factory=dict)
+    partials: dict[str, list[Any]] = field(default_factory=dict)
+    dead: list[tuple[Entry, str, str]] = field(default_factory=list)
+    acked: list[Entry] = field(default_factory=list)
+    sent: list[list[Outgoing]] = field(default_factory=list)
+    _pending: list[list[Outgoing]] = field(default_factory=list)
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        pass
+
+    def send(self, answers: Sequence[Outgoing]) -> None:
+        if answers:
+            self._pending.append(list(answers))
+            if not self.hold:
+                self.flush()
+
+    def flush(self) -> None:
+        """Store everything sent so far."""
+        while self._pending:
+            batch = self._pending.pop(0)
+            self.sent.append(batch)
+            replies = []
+            for a in batch:
+                f = a.finish
+                new = f.request_id not in self.results
+                if new:
+                    self.results[f.request_id] = f.payload
+                stored = self.results[f.request_id]
+                if f.reply:  # first result, or the stored one again for a duplicate entry
+                    self.published.setdefault(f.reply, []).append(stored)
+                self.acked.append(f.entry)
+                replies.append(a.reply if new else replace(a.reply, stored=False))
+            self.observers.notify(Answered(self.model, replies))
+            self.wake()
+
+    def partial(self, request_id: str, chunk: Any) -> None:
+        self.partials.setdefault(request_id, []).append(chunk)
+
+    def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
+        self.dead.append((entry, code, reason))
+        self.acked.append(entry)
+        self.observers.notify(DeadLettered(self.model, entry.lane, code, reason))
+
+    def close(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(Exception):
+            self.flush()
