@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 from batchfleet.producer import Producer
-from batchfleet.worker import loop as loop_module
 from batchfleet.worker.loop import BatchLoop
-from batchfleet.worker.runner import Encoded
+from batchfleet.worker.runner import StepReport, Work
 
 from batchfleet.config import ModelConfig, WorkerConfig
 from batchfleet.redis_server import LocalRedis
@@ -31,28 +28,34 @@ from bench.load import corpus
 from bench.sleep_handler import BASE_S, PER_ROW_S, SleepHandler
 
 
+class TimedSleep(SleepHandler):
+    """The sleep model, timing each step on the device thread."""
+
+    def __init__(self) -> None:
+        super().__init__(Path("/unused"))
+        self.spans: list[tuple[float, float, int]] = []
+
+    def step(self, work: Work) -> StepReport:
+        t0 = time.perf_counter()
+        report = super().step(work)
+        self.spans.append((t0, time.perf_counter(), sum(p.rows for _, p in work.admit)))
+        return report
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1500
-    spans: list[tuple[float, float, int]] = []
-    run_batch = loop_module.run_batch
-
-    def timed(handler: Any, groups: Sequence[Sequence[Encoded]]) -> Any:
-        t0 = time.perf_counter()
-        out = run_batch(handler, groups)
-        spans.append((t0, time.perf_counter(), sum(len(g) for g in groups)))
-        return out
-
-    loop_module.run_batch = timed  # type: ignore[assignment]
+    runner = TimedSleep()
     with LocalRedis() as url:
         client = redis.Redis.from_url(url)
         producer = Producer(client=client)
         texts = corpus(n)
         for lane in range(3):
             producer.submit_many("sleep", texts[lane::3], priority=lane)
-        cfg = ModelConfig(path="/unused", batch={"max_batch_size": 32})
-        loop = BatchLoop("sleep", cfg, SleepHandler(Path("/unused")), client, consumer="g1",
+        cfg = ModelConfig(batch={"max_batch_size": 32})
+        loop = BatchLoop("sleep", cfg, runner, client, consumer="g1",
                          worker=WorkerConfig(block_ms=50), burst=True)  # fmt: skip
         loop.run()
+    spans = runner.spans
     gaps = sorted((b[0] - a[1]) * 1e3 for a, b in pairwise(spans))
     busy = sum(end - start for start, end, _ in spans)
     ideal = sum(BASE_S + PER_ROW_S * rows for _, _, rows in spans)

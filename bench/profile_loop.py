@@ -43,7 +43,7 @@ def main() -> None:
                 producer.submit_many("noop", chunk[lane::3], priority=lane)
         t1 = time.perf_counter()
         print(f"submit_many: {args.n} in {t1 - t0:.2f} s ({(t1 - t0) / args.n * 1e6:.1f} µs each)")
-        cfg = ModelConfig(path="/unused", batch={"max_batch_size": args.max_batch})
+        cfg = ModelConfig(batch={"max_batch_size": args.max_batch})
         loop = BatchLoop("noop", cfg, NoopHandler(Path("/unused")), client, consumer="p1",
                          worker=WorkerConfig(block_ms=50), burst=True)  # fmt: skip
         c0, t0 = time.process_time(), time.perf_counter()

@@ -90,6 +90,7 @@ class WorkerProcess:
 
     def __init__(self, config: Path, name: str, log: Path, *extra: str) -> None:
         self.name = name
+        """Its consumer name in the groups."""
         self.log = log
         here = str(Path(__file__).parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)

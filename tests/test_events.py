@@ -7,7 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from batchfleet.batching.types import Batch, Waiting
-from batchfleet.worker.events import EventSender, FlowerEvents, describe
+from batchfleet.worker.events import MAX_IDS_SHOWN, EventSender, FlowerEvents, describe
+from batchfleet.worker.observers import BatchDone, Dispatched, Expired, StateChanged
 
 from batchfleet.config import EventsConfig
 
@@ -31,16 +32,31 @@ def batch(rows: int, lane: int = 0) -> Batch:
     return Batch(items, "window")
 
 
+def ids(b: Batch) -> tuple[str, ...]:
+    return tuple(f"req-{w.key}" for w in b.items)
+
+
+def dispatched(obs: FlowerEvents, b: Batch, batch_id: str) -> None:
+    obs.notify(Dispatched("tiny", b, batch_id, ids(b), 0.0))
+
+
+def done(
+    obs: FlowerEvents, b: Batch, batch_id: str, seconds: float, oom: bool, failed: int
+) -> None:
+    obs.notify(BatchDone("tiny", b, batch_id, ids(b), seconds, oom, failed))
+
+
 def test_each_batch_is_one_task_with_its_size_in_args() -> None:
     sender = FakeSender()
     obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=1e6))  # type: ignore[arg-type]
     b = batch(4)
-    obs.on_dispatch("tiny", b, "b1", 0.0)
-    obs.on_batch_done("tiny", b, "b1", 0.02, False, 0)
+    dispatched(obs, b, "b1")
+    done(obs, b, "b1", 0.02, False, 0)
     assert [t for t, _ in sender.sent] == ["task-received", "task-started", "task-succeeded"]
     received = sender.sent[0][1]
     assert received["name"] == "batchfleet.batch.tiny" and received["uuid"] == "b1"
     assert "'batch of 4 rows'" in received["args"] and "20 padded tokens" in received["args"]
+    assert "'request_ids': ['req-0/0', 'req-0/1', 'req-0/2', 'req-0/3']" in received["kwargs"]
     assert sender.sent[2][1]["runtime"] == 0.02
 
 
@@ -48,8 +64,8 @@ def test_a_batch_where_every_request_failed_is_a_failed_task() -> None:
     sender = FakeSender()
     obs = FlowerEvents(sender, "tiny", EventsConfig())  # type: ignore[arg-type]
     b = batch(2)
-    obs.on_dispatch("tiny", b, "b1", 0.0)
-    obs.on_batch_done("tiny", b, "b1", 0.5, True, 2)
+    dispatched(obs, b, "b1")
+    done(obs, b, "b1", 0.5, True, 2)
     assert sender.sent[-1][0] == "task-failed"
     assert "out of memory" in sender.sent[-1][1]["exception"]
 
@@ -58,8 +74,8 @@ def test_above_the_rate_batches_are_sampled_and_pairs_stay_whole() -> None:
     sender = FakeSender()
     obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=2))  # type: ignore[arg-type]
     for i in range(100):  # 100 batches at once: one is reported
-        obs.on_dispatch("tiny", batch(1), f"b{i}", 0.0)
-        obs.on_batch_done("tiny", batch(1), f"b{i}", 0.001, False, 0)
+        dispatched(obs, batch(1), f"b{i}")
+        done(obs, batch(1), f"b{i}", 0.001, False, 0)
     assert [t for t, _ in sender.sent] == ["task-received", "task-started", "task-succeeded"]
     assert obs.sampled_out == 99
 
@@ -68,8 +84,9 @@ def test_nothing_is_sent_while_the_workers_task_events_are_disabled() -> None:
     sender = FakeSender()
     sender.on = False
     obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=1e6))  # type: ignore[arg-type]
-    obs.on_dispatch("tiny", batch(3), "b1", 0.0)
-    obs.on_batch_done("tiny", batch(3), "b1", 0.01, False, 0)
+    dispatched(obs, batch(3), "b1")
+    done(obs, batch(3), "b1", 0.01, False, 0)
+    obs.notify(Expired("tiny", ("a",), (0,), 0.0))
     assert sender.sent == []
 
 
@@ -106,3 +123,33 @@ def test_describe_names_lanes_tokens_and_reason() -> None:
     text = describe(b)
     assert text.startswith("('batch of 5 rows'") and "lanes {0: 2, 2: 3}" in text
     assert "reason 'full'" in text
+
+
+def test_a_big_batch_lists_a_bounded_number_of_request_ids() -> None:
+    sender = FakeSender()
+    obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=1e6))  # type: ignore[arg-type]
+    dispatched(obs, batch(100), "b1")
+    kwargs = sender.sent[0][1]["kwargs"]
+    assert kwargs.count("req-") == MAX_IDS_SHOWN and f"+ {100 - MAX_IDS_SHOWN} more" in kwargs
+
+
+def test_expired_requests_show_as_a_failed_task_with_their_ids() -> None:
+    sender = FakeSender()
+    obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=1e6))  # type: ignore[arg-type]
+    obs.notify(Expired("tiny", ("a", "b", "c"), (0, 2, 2), 0.0))
+    kinds = [t for t, _ in sender.sent]
+    assert kinds == ["task-received", "task-started", "task-failed"]
+    received, failed = sender.sent[0][1], sender.sent[2][1]
+    assert received["name"] == "batchfleet.batch.tiny"
+    assert "'3 requests expired'" in received["args"] and "lanes {0: 1, 2: 2}" in received["args"]
+    assert "['a', 'b', 'c']" in received["kwargs"]
+    assert failed["exception"].startswith("deadline_exceeded")
+
+
+def test_pause_and_resume_show_in_flower() -> None:
+    sender = FakeSender()
+    obs = FlowerEvents(sender, "tiny", EventsConfig())  # type: ignore[arg-type]
+    obs.notify(StateChanged("tiny", "paused"))
+    obs.notify(StateChanged("tiny", "running"))
+    args = [f["args"] for t, f in sender.sent if t == "task-received"]
+    assert args == ["('model tiny paused',)", "('model tiny running',)"]

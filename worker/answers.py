@@ -40,10 +40,31 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """One result to store, publish and ack, and what observers hear once it is."""
+    """One result to store, publish and ack. It is encoded by whoever stores it (the sink's
+    writer thread), so encoding runs beside the loop rather than on it."""
 
-    finish: Finish
-    reply: Reply
+    entry: Entry
+    request: Request | None
+    """None when the entry could not be decoded into a request."""
+    result: Result
+    fmt: Format
+    ttl_s: int
+    reply_to: str | None
+
+    def encode(self) -> tuple[Finish, Reply]:
+        """The bytes to store, and what observers hear once they are stored."""
+        result = self.result
+        try:
+            payload = encode_result(result, self.fmt)
+        except Exception as exc:  # a runner returned outputs the wire cannot carry
+            logger.warning("result of %s cannot be encoded: %s", result.id, exc)
+            message = f"runner output cannot be encoded: {type(exc).__name__}: {exc}"
+            error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=message)
+            result = result.model_copy(update={"status": "error", "outputs": None,
+                                               "truncated": None, "error": error})  # fmt: skip
+            payload = encode_result(result, self.fmt)
+        finish = Finish(self.entry, result.id, payload, self.ttl_s, self.reply_to)
+        return finish, Reply(self.entry.lane, self.request, result, True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +130,7 @@ class Answerer:
         logger.info("request %s of %s rejected: %s", env.id, self.model, exc)
         result = self.result(env.id, "error", env.metadata, self.timings(entry, now, now, now), now,
                              error=ErrorInfo(code=exc.code, message=str(exc)))  # fmt: skip
-        finish = Finish(
-            entry, env.id, encode_result(result, env.format), self.config.result_ttl_s, env.reply
-        )
-        return Outgoing(finish, Reply(entry.lane, None, result, True))
+        return Outgoing(entry, None, result, env.format, self.config.result_ttl_s, env.reply)
 
     def result(
         self,
@@ -136,17 +154,7 @@ class Answerer:
         ttl = min(
             request.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
         )
-        try:
-            payload = encode_result(result, fmt)
-        except Exception as exc:  # a runner returned outputs the wire cannot carry
-            logger.warning("result of %s cannot be encoded: %s", request.id, exc)
-            message = f"runner output cannot be encoded: {type(exc).__name__}: {exc}"
-            error = ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message=message)
-            result = result.model_copy(update={"status": "error", "outputs": None,
-                                               "truncated": None, "error": error})  # fmt: skip
-            payload = encode_result(result, fmt)
-        finish = Finish(entry, request.id, payload, ttl, request.reply)
-        return Outgoing(finish, Reply(entry.lane, request, result, True))
+        return Outgoing(entry, request, result, fmt, ttl, request.reply)
 
     def _batch_timings(self, run: BatchRun, held: Held, now: float) -> Timings:
         run_ms = (run.finished_at - run.started_at) * 1000
@@ -165,7 +173,7 @@ class Answerer:
     ) -> Timings:
         """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → start → now."""
         enq = entry.enqueued_ms / 1000
-        return Timings(
+        return Timings.model_construct(  # checked values (hot path)
             queued_ms=round(max(0.0, read_at - enq) * 1000, 3),
             batch_wait_ms=round(max(0.0, started_at - read_at) * 1000, 3),
             inference_ms=round(run_ms, 3),

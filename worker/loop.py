@@ -293,13 +293,15 @@ class BatchLoop:
                 continue
             fresh.append((entry, request, fmt))
         prepared = self.runner.prepare_many([req for _, req, _ in fresh]) if fresh else []
+        admit = self.scheduler.admit
+        lanes: list[int] = []
         for (entry, request, fmt), prep in zip(fresh, prepared, strict=True):
             if isinstance(prep, PrepareError):
                 out.append(self.answers.error(entry, request, fmt, prep.code, str(prep), now))
                 continue
-            waiting = waiting_of(entry, request, prep)
-            self.scheduler.admit(Held(entry, request, fmt, prep, waiting, now))
-            self.stats.received(entry.lane)
+            admit(Held(entry, request, fmt, prep, waiting_of(entry, request, prep), now))
+            lanes.append(entry.lane)
+        self.stats.received(lanes)
         self.parts.sink.send(out)
 
     def _reject(

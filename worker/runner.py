@@ -232,6 +232,9 @@ class BatchRunner:
 
 
 def _prepared(rows: Sequence[Encoded]) -> Prepared:
+    if len(rows) == 1:  # the common case, on the hot path
+        row = rows[0]
+        return Prepared(rows, 1, len(row.ids), (row.truncated,))
     return Prepared(
         payload=list(rows),
         rows=len(rows),

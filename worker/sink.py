@@ -152,11 +152,12 @@ class RedisSink:
 
     def _do(self, job: _Job) -> None:
         if isinstance(job, _Finish):
-            stored = self.streams.finish([a.finish for a in job.answers])
+            encoded = [a.encode() for a in job.answers]
+            stored = self.streams.finish([f for f, _ in encoded])
             self._done(job)
             replies = [
-                a.reply if s else replace(a.reply, stored=False)
-                for a, s in zip(job.answers, stored, strict=True)
+                reply if s else replace(reply, stored=False)
+                for (_, reply), s in zip(encoded, stored, strict=True)
             ]
             self.observers.notify(Answered(self.streams.keys.model, replies))
         elif isinstance(job, _Partial):
@@ -216,7 +217,7 @@ class MemorySink:
             self.sent.append(batch)
             replies = []
             for a in batch:
-                f = a.finish
+                f, reply = a.encode()
                 new = f.request_id not in self.results
                 if new:
                     self.results[f.request_id] = f.payload
@@ -224,7 +225,7 @@ class MemorySink:
                 if f.reply:  # first result, or the stored one again for a duplicate entry
                     self.published.setdefault(f.reply, []).append(stored)
                 self.acked.append(f.entry)
-                replies.append(a.reply if new else replace(a.reply, stored=False))
+                replies.append(reply if new else replace(reply, stored=False))
             self.observers.notify(Answered(self.model, replies))
             self.wake()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,11 @@ class LoopStats:
     recent_total_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def received(self, lane: int) -> None:
+    def received(self, lanes: Iterable[int]) -> None:
+        """Requests admitted, one lane number each."""
+        counts = Counter(lanes)
         with self._lock:
-            self.received_by_lane[lane] += 1
+            self.received_by_lane.update(counts)
 
     def rejected(self, code: str) -> None:
         with self._lock:
