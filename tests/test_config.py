@@ -84,3 +84,32 @@ def test_the_shipped_example_fleet_file_is_valid(monkeypatch: pytest.MonkeyPatch
     cfg = load_config(Path(__file__).parents[1] / "deploy" / "fleet.example.toml")
     assert cfg.models["minilm"].max_queue_depth == 10000
     assert cfg.worker.max_deliveries == 3
+
+
+def test_runner_is_the_key_and_handler_its_older_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    old = load_config(_write(tmp_path, FLEET)).models["minilm"]
+    new = load_config(_write(tmp_path, FLEET.replace("handler =", "runner ="))).models["minilm"]
+    assert old.runner == new.runner == "embedding"
+
+
+def test_a_runner_that_needs_no_weights_needs_no_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a fleet file serving a custom runner with no `path`
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    text = '[models.count]\nrunner = "virtual_world:Words"\n'
+    model = load_config(_write(tmp_path, text)).models["count"]
+    assert model.resolved_path() is None
+    # Then the worker builds it the way it builds any runner, and it serves
+    from batchfleet.worker.runners import resolve
+    from virtual_world import rig
+
+    runner = resolve(model.runner)(model.resolved_path(), device="cpu", dtype="auto",
+                                   max_tokens=model.max_tokens, options=model.options)  # fmt: skip
+    r = rig(runner)
+    rid = r.submit("three words here")
+    r.run()
+    assert r.result(rid).outputs == [3]

@@ -135,6 +135,8 @@ def test_flower_shows_the_worker_and_each_micro_batch_as_a_task(
     stats = workers[hostname]["stats"]["batchfleet"]["tiny"]
     assert stats["requests"]["ok"] == 35 and stats["rows"] == 40
     assert stats["state"] == "running" and stats["depth"] == {"0": 0, "1": 0, "2": 0}
+    line = workers[hostname]["stats"]["batchfleet tiny"]  # Flower's "Other" tab: one line
+    assert line.startswith("running |") and "answered: ok 35" in line and "lane depth 0/0/0" in line
 
     # and every micro-batch as a succeeded task named after the model, sized right
     def batch_tasks() -> dict[str, Any]:

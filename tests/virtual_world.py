@@ -235,7 +235,9 @@ class Words(BatchRunner):
 
     name = "words"
 
-    def __init__(self, poison: str | None = None, oom_above: int = 0) -> None:
+    def __init__(
+        self, path: object = None, *, poison: str | None = None, oom_above: int = 0, **_: Any
+    ) -> None:
         self.poison = poison
         self.oom_above = oom_above
         self.runs: list[int] = []

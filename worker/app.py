@@ -130,12 +130,12 @@ class BatchLoopStep(bootsteps.StartStopStep):
             self.health_server.close()
 
     def info(self, worker: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "batchfleet": {
-                loop.model: {**loop.stats.snapshot(), **control.loop_info(loop)}
-                for loop in self.loops
-            }
+        models = {
+            loop.model: {**loop.stats.snapshot(), **control.loop_info(loop)} for loop in self.loops
         }
+        out: dict[str, Any] = {"batchfleet": models}
+        # Flower's worker page lists each top-level key on a line: one readable line a model.
+        out.update({f"batchfleet {m}": control.summary_line(info) for m, info in models.items()})
         metrics = getattr(worker, "_batchfleet_metrics", None)
         if metrics is not None:
             out["batchfleet_metrics_url"] = metrics.url
@@ -185,7 +185,7 @@ def _batch_placeholder(*args: Any, **kwargs: Any) -> None:
 def __getattr__(name: str) -> Any:
     # `celery -A batchfleet.worker.app` looks up `app`; build it from the environment then.
     if name == "app":
-        global app
-        app = create_app()
-        return app
+        built = create_app()
+        globals()["app"] = built
+        return built
     raise AttributeError(name)

@@ -98,6 +98,22 @@ def loop_info(loop: BatchLoop) -> dict[str, Any]:
     return info
 
 
+def summary_line(info: dict[str, Any]) -> str:
+    """One line of a loop's ``inspect stats`` entry, for Flower's worker page."""
+    requests = ", ".join(f"{k} {v}" for k, v in sorted(info.get("requests", {}).items())) or "none"
+    depth = "/".join(str(v) for _, v in sorted(info.get("depth", {}).items()))
+    pending = "/".join(str(v) for _, v in sorted(info.get("pending", {}).items()))
+    policy = info.get("policy", {})
+    return (
+        f"{info.get('state', '?')} | {info.get('requests_per_s', 0.0)} req/s, error ratio "
+        f"{info.get('error_ratio', 0.0)} | answered: {requests} | {info.get('batches', 0)} batches, "
+        f"mean {info.get('mean_batch_rows', 0.0)} rows, padding waste "
+        f"{info.get('padding_waste', 0.0):.0%} | held {info.get('held', 0)}, lane depth {depth or '-'}, "
+        f"pending {pending or '-'} | max batch {policy.get('max_batch_size')}, max wait "
+        f"{policy.get('max_wait_ms')} ms, adaptive {policy.get('adaptive')}"
+    )
+
+
 def _loops(state: Any, model: str | None) -> list[BatchLoop]:
     worker = state.consumer.controller
     loops = [lp for step in worker.steps for lp in getattr(step, "loops", ())]

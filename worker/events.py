@@ -28,6 +28,7 @@ from .observers import (
     Expired,
     LoopEvent,
     LoopObserver,
+    NullObserver,
     StateChanged,
 )
 
@@ -260,15 +261,10 @@ class FlowerEvents:
         self.sender.put("task-succeeded", {"uuid": uuid, "result": repr(ev.state), "runtime": 0.0})
 
 
-class _Silent:
-    def notify(self, event: LoopEvent) -> None:
-        pass
-
-
 def flower_events(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
     """Observer factory for ``app.batchfleet_observers`` (one sender thread per worker)."""
     if not fleet.events.enabled:
-        return _Silent()
+        return NullObserver()
     sender = getattr(worker, "_batchfleet_events", None)
     if sender is None:
         sender = EventSender(worker, fleet.events)

@@ -145,7 +145,9 @@ class Intake:
             if found:
                 self._deliver(found)
                 return
-        entries = self.streams.read(counts, self.worker.block_ms)
+        # Never block past the next heartbeat: a silent worker is taken for dead.
+        block_ms = min(self.worker.block_ms, int(HEARTBEAT_EVERY_S * 1000))
+        entries = self.streams.read(counts, block_ms)
         if entries:
             self._deliver(entries)
         else:

@@ -29,6 +29,7 @@ from ..batching.engine import Engine
 from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig
+from ..connection import SyncClient
 from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Format, Request
@@ -91,7 +92,7 @@ class BatchLoop:
         model: str,
         config: ModelConfig,
         runner: Runner,
-        client: redis.Redis | None = None,
+        client: SyncClient | None = None,
         *,
         consumer: str,
         worker: WorkerConfig | None = None,

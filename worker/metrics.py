@@ -31,9 +31,18 @@ from prometheus_client.registry import Collector
 
 from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
-from ..connection import connect
+from ..connection import SyncClient, connect
 from ..schemas.keys import GROUP, ModelKeys
-from .observers import Answered, BatchDone, DeadLettered, Dispatched, LoopEvent, LoopObserver, Reply
+from .observers import (
+    Answered,
+    BatchDone,
+    DeadLettered,
+    Dispatched,
+    LoopEvent,
+    LoopObserver,
+    NullObserver,
+    Reply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +178,7 @@ class PrometheusObserver:
 class StreamCollector(Collector):
     """Queue gauges per model and lane, read from Redis at each scrape (one round trip)."""
 
-    def __init__(self, client: redis.Redis, models: dict[str, int]) -> None:
+    def __init__(self, client: SyncClient, models: dict[str, int]) -> None:
         self.client = client
         self.models = models  # model -> lanes
         self.up = True
@@ -225,7 +234,7 @@ class LaneRow:
         self.pending, self.lag, self.oldest_s = pending, lag, oldest_s
 
 
-def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
+def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
     """Length, pending, lag and oldest age of every lane, in one pipelined round trip.
 
     Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
@@ -248,7 +257,7 @@ def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
         length, groups, first = replies[1 + 3 * i : 4 + 3 * i]
         if isinstance(length, Exception):
             length = 0
-        group = {}
+        group: dict[str, Any] = {}
         if not isinstance(groups, Exception):
             group = next((g for g in groups if _s(g.get("name")) == GROUP), {})
         pending = int(group.get("pending") or 0)
@@ -263,14 +272,14 @@ def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
 
 
 def live_workers(
-    client: redis.Redis, models: Sequence[str], fresh_ms: int = 10_000
+    client: SyncClient, models: Sequence[str], fresh_ms: int = 10_000
 ) -> dict[str, int]:
     """Per model, how many consumers sent a heartbeat within ``fresh_ms``."""
     beats = heartbeats(client, models)
     return {m: sum(age <= fresh_ms / 1000 for age in ws.values()) for m, ws in beats.items()}
 
 
-def heartbeats(client: redis.Redis, models: Sequence[str]) -> dict[str, dict[str, float]]:
+def heartbeats(client: SyncClient, models: Sequence[str]) -> dict[str, dict[str, float]]:
     """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
@@ -342,7 +351,7 @@ class MetricsServer:
 def prometheus_metrics(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
     """Observer factory for ``app.batchfleet_observers``: starts the worker's server once."""
     if not fleet.metrics.enabled:
-        return LoopObserver()
+        return NullObserver()
     server = getattr(worker, "_batchfleet_metrics", None)
     if server is None:
         only = worker.app.batchfleet_models or list(fleet.models)

@@ -102,6 +102,13 @@ class LoopObserver(Protocol):
         ...
 
 
+class NullObserver:
+    """Hears everything, does nothing (a feature that is turned off)."""
+
+    def notify(self, event: LoopEvent) -> None:
+        pass
+
+
 class Observers:
     """Fans each event out to many observers, isolating their failures."""
 

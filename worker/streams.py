@@ -12,13 +12,14 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+from ..connection import SyncClient
 from ..schemas.keys import GROUP, ModelKeys
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
 
 
-def _script(client: redis.Redis, name: str) -> Script:
+def _script(client: SyncClient, name: str) -> Script:
     source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
     return client.register_script(source)
 
@@ -57,7 +58,7 @@ class Finish:
 class ModelStreams:
     """Reads and retires one model's lane streams as one consumer of the group."""
 
-    def __init__(self, client: redis.Redis, model: str, lanes: int, consumer: str) -> None:
+    def __init__(self, client: SyncClient, model: str, lanes: int, consumer: str) -> None:
         self.client = client
         self.keys = ModelKeys(model)
         self.lanes = lanes
@@ -108,7 +109,7 @@ class ModelStreams:
         out = [e for reply in pipe.execute() for e in self._entries(reply)]
         if out or block_ms is None:
             return out
-        reply = self.client.xreadgroup(
+        reply: Any = self.client.xreadgroup(
             GROUP,
             self.consumer,
             {self.streams[lane]: ">" for lane in asked},
@@ -184,7 +185,7 @@ class ModelStreams:
                         stream, GROUP, min="-", max="+", count=count, idle=dead_idle_ms,
                         consumername=name,
                     )  # fmt: skip
-            seen: dict[bytes, dict[str, Any]] = {p["message_id"]: p for p in pending}
+            seen: dict[Any, dict[str, Any]] = {p["message_id"]: p for p in pending}
             unique = list(seen.values())
             first = [p for p in unique if p["times_delivered"] <= 1][:count]
             again = [p for p in unique if p["times_delivered"] > 1][: 1 if suspects else 0]
@@ -196,7 +197,7 @@ class ModelStreams:
             # Claim with the idle bound each passed (a dead consumer's may be younger than
             # min_idle_ms): an entry another worker claimed meanwhile is idle 0 and stays.
             bound = min(min_idle_ms, dead_idle_ms) if dead else min_idle_ms
-            claimed = self.client.xclaim(stream, GROUP, self.consumer, bound, list(chosen))
+            claimed: Any = self.client.xclaim(stream, GROUP, self.consumer, bound, list(chosen))
             for entry_id, fields in claimed:
                 if fields:  # None: deleted while pending
                     out.append(Entry(lane, entry_id.decode(), fields, chosen[entry_id] + 1))
@@ -207,7 +208,7 @@ class ModelStreams:
     def release(self, entries: Sequence[Entry], idle_ms: int) -> None:
         """Hand entries this worker read but will not compute back to the fleet: mark them
         idle long enough for the next reclaim, without counting a delivery."""
-        by_lane: dict[int, list[str]] = {}
+        by_lane: dict[int, list[Any]] = {}
         for e in entries:
             by_lane.setdefault(e.lane, []).append(e.id)
         for lane, ids in by_lane.items():

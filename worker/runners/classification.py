@@ -22,7 +22,7 @@ class ClassificationRunner(TransformersRunner):
         logits = model_out.logits.float()
         multi = getattr(self.model.config, "problem_type", None) == "multi_label_classification"
         probs = torch.sigmoid(logits) if multi else torch.softmax(logits, dim=-1)
-        labels = self.model.config.id2label
+        labels: dict[Any, str] = dict(self.model.config.id2label or {})
         out = []
         for row in probs.cpu().tolist():
             best = max(range(len(row)), key=row.__getitem__)
