@@ -1,0 +1,133 @@
+"""The result sinks, one contract for both: the Redis sink against a real Redis, and the
+in-memory one the virtual-time tests use. First result stands; a duplicate entry gets it
+published again; partial outputs and dead letters land; observers hear what was stored."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from batchfleet.schemas.codec import decode_result
+from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.schemas.messages import Request, Result, Timings
+from batchfleet.worker.answers import Outgoing
+from batchfleet.worker.observers import Answered, DeadLettered, LoopEvent, Observers
+from batchfleet.worker.sink import MemorySink, RedisSink
+from batchfleet.worker.streams import Entry, ModelStreams
+
+MODEL = "tiny"
+KEYS = ModelKeys(MODEL)
+
+
+@dataclass
+class Heard:
+    events: list[LoopEvent] = field(default_factory=list)
+
+    def notify(self, event: LoopEvent) -> None:
+        self.events.append(event)
+
+
+@dataclass
+class Harness:
+    """One sink with what the contract needs to see of it."""
+
+    sink: Any
+    heard: Heard
+    entries: list[Entry]
+    stored: Any  # request id -> bytes | None
+    published: Any  # channel -> list of payloads
+    partials: Any  # request id -> list of chunks
+    dead_codes: Any  # () -> list of codes
+    pending: Any  # () -> number of entries not acked
+
+
+def outgoing(entry: Entry, rid: str, status: str = "ok", reply: str | None = "chan") -> Outgoing:
+    req = Request(id=rid, model=MODEL, inputs=["x"], reply=reply)
+    result = Result.model_construct(id=rid, model=MODEL, status=status, outputs=[[1.0]],
+                                    metadata={}, timings=Timings(), finished_at_ms=1)  # fmt: skip
+    return Outgoing(entry, req, result, "msgpack", 60, reply)
+
+
+@pytest.fixture(params=["redis", "memory"])
+def harness(request: pytest.FixtureRequest, r: redis.Redis) -> Iterator[Harness]:
+    heard = Heard()
+    if request.param == "memory":
+        mem = MemorySink(MODEL, Observers([heard]))
+        entries = [Entry(0, f"1-{i}", {b"msgpack": b"x"}) for i in range(4)]
+        yield Harness(
+            mem, heard, entries, mem.results.get, lambda ch: mem.published.get(ch, []),
+            lambda rid: mem.partials.get(rid, []), lambda: [c for _, c, _ in mem.dead],
+            lambda: len(entries) - len({e.key for e in mem.acked}),
+        )  # fmt: skip
+        return
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    for _ in range(4):
+        r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    entries = streams.read({0: 4}, None)
+    sink = RedisSink(streams, Observers([heard]), lambda: None, dead_letter_maxlen=100)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("chan")
+    got: dict[str, list[bytes]] = {}
+
+    def published(channel: str) -> list[bytes]:
+        end = time.monotonic() + 1.0  # a third publish, if there were one, would come by then
+        while time.monotonic() < end:
+            if (msg := pubsub.get_message(timeout=0.1)) is not None:
+                got.setdefault(msg["channel"].decode(), []).append(msg["data"])
+        return got.get(channel, [])
+
+    def partials(rid: str) -> list[Any]:
+        return [msgpack.unpackb(f[b"msgpack"]) for _, f in r.xrange(KEYS.partial(rid))]
+
+    sink.start()
+    yield Harness(
+        sink, heard, entries, lambda rid: r.get(KEYS.result(rid)), published, partials,
+        lambda: [f[b"code"].decode() for _, f in r.xrange(KEYS.dead)],
+        lambda: r.xpending(KEYS.lane(0), GROUP)["pending"],
+    )  # fmt: skip
+    sink.close(5)
+    pubsub.close()
+
+
+def test_results_are_stored_once_published_and_acked(harness: Harness) -> None:
+    a, b, c, _ = harness.entries
+    harness.sink.send([outgoing(a, "r1"), outgoing(b, "r2", status="error")])
+    harness.sink.send([outgoing(c, "r1", status="error")])  # a second entry of r1
+    harness.sink.close(5)
+    first = harness.stored("r1")
+    assert (
+        decode_result(first).status == "ok"
+        and decode_result(harness.stored("r2")).status == "error"
+    )
+    # r1's stored result stands, and is published again for the second entry
+    assert harness.published("chan").count(first) == 2
+    assert harness.pending() == 1  # only the fourth entry, never sent, is still pending
+    answered = [e for e in harness.heard.events if isinstance(e, Answered)]
+    assert [[rep.stored for rep in e.replies] for e in answered] == [[True, True], [False]]
+    assert harness.sink.backlog == 0
+
+
+def test_an_output_the_wire_cannot_carry_becomes_an_error_result(harness: Harness) -> None:
+    out = outgoing(harness.entries[0], "odd")
+    bad = Outgoing(out.entry, out.request, out.result.model_copy(update={"outputs": [object()]}),
+                   "msgpack", 60, None)  # fmt: skip
+    harness.sink.send([bad])
+    harness.sink.close(5)
+    res = decode_result(harness.stored("odd"))
+    assert res.status == "error" and "cannot be encoded" in res.error.message
+
+
+def test_partials_and_dead_letters(harness: Harness) -> None:
+    harness.sink.partial("gen-1", {"delta": "Hel"})
+    harness.sink.partial("gen-1", {"delta": "lo"})
+    harness.sink.dead_letter(harness.entries[3], "malformed", "not msgpack")
+    harness.sink.close(5)
+    assert harness.partials("gen-1") == [{"delta": "Hel"}, {"delta": "lo"}]
+    assert harness.dead_codes() == ["malformed"]
+    assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]
