@@ -129,7 +129,53 @@ def test_chaos_kill_9(
     print(
         f"chaos: 5000 requests, {kills} kill -9, lost 0, duplicated 0, {dict(statuses)}; "
         f"{len(orphans)} orphaned requests answered {waits[0]:.1f}-{waits[-1]:.1f} s after "
-        f"their worker was killed (p50 {waits[len(waits) // 2]:.1f} s); served by {dict(served)}"
+        f"their worker was killed (p50 {waits[len(waits) // 2]:.1f} s, behind a backlog of "
+        f"thousands); served by {dict(served)}"
+    )
+
+
+def test_a_killed_workers_requests_are_answered_within_seconds_with_defaults(
+    redis_url: str, r: redis.Redis, tiny_embedder: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    # Given two workers with the default takeover settings and a steady backlog
+    fleet = fleet_toml(
+        redis_url,
+        {"tiny": faulty(tiny_embedder, batch_ms=40, row_ms=1)},
+        worker={"claim_idle_ms": DEFAULTS.claim_idle_ms,
+                "heartbeat_timeout_ms": DEFAULTS.heartbeat_timeout_ms},
+    )  # fmt: skip
+    victim, survivor = (start_worker(fleet, f"orphans-{i}") for i in range(2))
+    for w in (victim, survivor):
+        w.wait_ready(r, "tiny")
+    producer = Producer(redis_url)
+    replies = Replies(r, producer.reply_channel)
+    jobs = producer.submit_many("tiny", [f"the dog {i} jumps" for i in range(3000)])
+    end = time.monotonic() + 30
+    while not (held := pending_of(r, victim.name)):
+        assert time.monotonic() < end, "the victim never held a request"
+        time.sleep(0.05)
+    # When one is kill -9'd holding requests
+    victim.kill()
+    killed_at = time.monotonic()
+    taken_at = None
+    while any(rid not in replies.at for rid in held):
+        assert time.monotonic() - killed_at < 120, "orphans never answered"
+        if taken_at is None and not pending_of(r, victim.name):
+            taken_at = time.monotonic()
+        time.sleep(0.05)
+    # Then the survivor took them over once the victim's heartbeat went stale and answered
+    # them (the default timeout is 6 s; the claim_idle_ms fallback is 300 s away)
+    waits = sorted(replies.at[rid] - killed_at for rid in held)
+    assert all(res.ok for res in producer.results(jobs, timeout=120))
+    replies.stop(len(jobs))
+    print(
+        f"orphans: {len(held)} requests held by a kill -9'd worker taken over "
+        f"{(taken_at or killed_at) - killed_at:.1f} s after the kill, answered "
+        f"{waits[0]:.1f}-{waits[-1]:.1f} s after it (defaults: heartbeat_timeout_ms "
+        f"{DEFAULTS.heartbeat_timeout_ms}, claim_idle_ms {DEFAULTS.claim_idle_ms})"
+    )
+    assert waits[-1] < DEFAULTS.claim_idle_ms / 1000, (
+        "taken by the idle fallback, not the heartbeat"
     )
 
 
