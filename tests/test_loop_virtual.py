@@ -301,3 +301,26 @@ def test_prepared_cost_features_reach_the_engine() -> None:
     ((_, d),) = dispatches(r)
     assert d.batch.rows == 2 and d.batch.padded_tokens == 6
     assert isinstance(Prepared(None, 1, 1), Prepared)
+
+
+def test_a_runner_that_raises_in_prepare_or_miscounts_outputs_fails_only_those_requests() -> None:
+    class Broken(Words):
+        def prepare_many(self, requests: Sequence[Request]) -> list[Any]:
+            if any("crash" in req.inputs[0] for req in requests):
+                raise RuntimeError("tokenizer bug")
+            return Words.prepare_many(self, requests)
+
+        def step(self, work: Work) -> StepReport:
+            return StepReport([Final(key, [1, 2]) for key, _ in work.admit])  # 2 for 1 input
+
+    r = rig(Broken())
+    crash = r.submit("crash here", at=T0)
+    miscount = r.submit("fine", at=T0 + 1)
+    r.run()
+    res = r.result(crash)
+    assert res.error.code is ErrorCode.INTERNAL and "tokenizer bug" in res.error.message
+    res = r.result(miscount)
+    assert (
+        res.error.code is ErrorCode.INFERENCE_FAILED
+        and "2 outputs for 1 inputs" in res.error.message
+    )

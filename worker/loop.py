@@ -45,7 +45,7 @@ from .observers import (
     Observers,
     StateChanged,
 )
-from .runner import Failed, Final, Partial, PrepareError, Runner, Work
+from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner, Work
 from .scheduler import Scheduler, Step
 from .sink import RedisSink, ResultSink
 from .stats import LoopStats
@@ -293,7 +293,7 @@ class BatchLoop:
                 )
                 continue
             fresh.append((entry, request, fmt))
-        prepared = self.runner.prepare_many([req for _, req, _ in fresh]) if fresh else []
+        prepared = self._prepare([req for _, req, _ in fresh]) if fresh else []
         admit = self.scheduler.admit
         lanes: list[int] = []
         for (entry, request, fmt), prep in zip(fresh, prepared, strict=True):
@@ -304,6 +304,19 @@ class BatchLoop:
             lanes.append(entry.lane)
         self.stats.received(lanes)
         self.parts.sink.send(out)
+
+    def _prepare(self, requests: list[Request]) -> list[Prepared | PrepareError]:
+        """The runner's CPU side; a runner that raises or miscounts fails the requests."""
+        try:
+            prepared = self.runner.prepare_many(requests)
+            if len(prepared) == len(requests):
+                return prepared
+            problem = f"returned {len(prepared)} prepared for {len(requests)} requests"
+        except Exception as exc:
+            logger.exception("runner %s failed to prepare requests", self.runner.name)
+            problem = f"failed: {type(exc).__name__}: {exc}"
+        error = PrepareError(f"runner {self.runner.name} {problem}", ErrorCode.INTERNAL)
+        return [error] * len(requests)
 
     def _reject(
         self,
@@ -345,7 +358,11 @@ class BatchLoop:
             held = by_key.pop(ev.key, None)
             if held is None:
                 continue
-            if isinstance(ev, Final):
+            if isinstance(ev, Final) and len(ev.outputs) != len(held.request.inputs):
+                failed += 1
+                message = f"runner returned {len(ev.outputs)} outputs for {len(held.request.inputs)} inputs"
+                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
+            elif isinstance(ev, Final):
                 out.append(self.answers.computed(run, held, ev.outputs, now))
             elif isinstance(ev, Failed):
                 failed += 1
