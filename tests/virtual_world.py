@@ -21,8 +21,9 @@ from typing import Any
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
 from batchfleet.worker.inbox import Arrived, Event, ReadIdle, StepDone, Wake
-from batchfleet.worker.loop import BatchLoop, Parts
+from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import LoopEvent
+from batchfleet.worker.parts import Parts
 from batchfleet.worker.runner import BatchRunner, Encoded, Runner, Work
 from batchfleet.worker.sink import MemorySink
 from batchfleet.worker.streams import Entry

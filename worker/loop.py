@@ -20,8 +20,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import redis
 
@@ -34,9 +32,7 @@ from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Format, Request
 from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
-from .executor import Executor
-from .inbox import Arrived, Event, Inbox, ReadIdle, SetPolicy, StepDone, ThreadInbox, Wake
-from .intake import Intake
+from .inbox import Arrived, Event, ReadIdle, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
     Dispatched,
@@ -45,43 +41,13 @@ from .observers import (
     Observers,
     StateChanged,
 )
-from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner, Work
+from .parts import Parts, redis_parts
+from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner
 from .scheduler import Scheduler, Step
-from .sink import RedisSink, ResultSink
 from .stats import LoopStats
-from .streams import Entry, ModelStreams, RedisClock
+from .streams import Entry, ModelStreams
 
 logger = logging.getLogger(__name__)
-
-
-class Source(Protocol):
-    """What the loop needs from its intake (the Redis one, or a scripted one in tests)."""
-
-    def start(self, max_depth: int | None) -> None: ...
-    def grant(self, counts: dict[int, int], suspects: bool, seen: int) -> None: ...
-    def stop(self) -> None: ...
-    def join(self, timeout: float | None = None) -> None: ...
-    def release(self, entries: Sequence[Entry]) -> None: ...
-    def unregister(self) -> None: ...
-
-
-class Device(Protocol):
-    """What the loop needs from its executor."""
-
-    def start(self) -> None: ...
-    def submit(self, work: Work) -> None: ...
-    def close(self, timeout: float | None = None) -> None: ...
-
-
-@dataclass
-class Parts:
-    """A loop's collaborators, injectable (tests run them in virtual time)."""
-
-    clock: Callable[[], float]
-    inbox: Inbox
-    source: Source
-    device: Device
-    sink: ResultSink
 
 
 class BatchLoop:
@@ -389,19 +355,7 @@ class BatchLoop:
 
 
 def _redis_parts(loop: BatchLoop) -> Parts:
-    """The production parts: Redis intake and sink, a device thread, the Redis clock."""
     assert loop.streams is not None
-    inbox = ThreadInbox()
-    clock = RedisClock(loop.streams)
-    model = loop.model
-    source = Intake(
-        loop.streams, loop.worker, loop.config.limits, clock, inbox.put,
-        result_ttl_s=loop.config.result_ttl_s, name=f"intake-{model}",
-    )  # fmt: skip
-    device = Executor(loop.runner, clock, inbox.put, name=f"device-{model}")
-    sink = RedisSink(
-        loop.streams, loop.observers, lambda: inbox.put(Wake()),
-        dead_letter_maxlen=loop.worker.dead_letter_maxlen, partial_ttl_s=loop.config.result_ttl_s,
-        name=f"sink-{model}",
-    )  # fmt: skip
-    return Parts(clock, inbox, source, device, sink)
+    return redis_parts(
+        loop.streams, loop.runner, loop.config, loop.worker, loop.observers, loop.model
+    )

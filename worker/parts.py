@@ -1,0 +1,74 @@
+"""A batch loop's collaborators, behind small protocols so tests can replace them.
+
+Production wires the Redis intake and sink, a device thread and the Redis server's clock
+(:func:`redis_parts`); ``tests/virtual_world.py`` wires scripted ones in virtual time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config import ModelConfig, WorkerConfig
+from .executor import Executor
+from .inbox import Inbox, ThreadInbox, Wake
+from .intake import Intake
+from .observers import Observers
+from .runner import Runner, Work
+from .sink import RedisSink, ResultSink
+from .streams import Entry, ModelStreams, RedisClock
+
+
+class Source(Protocol):
+    """What the loop needs from its intake (the Redis one, or a scripted one in tests)."""
+
+    def start(self, max_depth: int | None) -> None: ...
+    def grant(self, counts: dict[int, int], suspects: bool, seen: int) -> None: ...
+    def stop(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def release(self, entries: Sequence[Entry]) -> None: ...
+    def unregister(self) -> None: ...
+
+
+class Device(Protocol):
+    """What the loop needs from its executor."""
+
+    def start(self) -> None: ...
+    def submit(self, work: Work) -> None: ...
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+@dataclass
+class Parts:
+    """A loop's collaborators, injectable (tests run them in virtual time)."""
+
+    clock: Callable[[], float]
+    inbox: Inbox
+    source: Source
+    device: Device
+    sink: ResultSink
+
+
+def redis_parts(
+    streams: ModelStreams,
+    runner: Runner,
+    config: ModelConfig,
+    worker: WorkerConfig,
+    observers: Observers,
+    model: str,
+) -> Parts:
+    """The production parts: Redis intake and sink, a device thread, the Redis clock."""
+    inbox = ThreadInbox()
+    clock = RedisClock(streams)
+    source = Intake(
+        streams, worker, config.limits, clock, inbox.put,
+        result_ttl_s=config.result_ttl_s, name=f"intake-{model}",
+    )  # fmt: skip
+    device = Executor(runner, clock, inbox.put, name=f"device-{model}")
+    sink = RedisSink(
+        streams, observers, lambda: inbox.put(Wake()),
+        dead_letter_maxlen=worker.dead_letter_maxlen, partial_ttl_s=config.result_ttl_s,
+        name=f"sink-{model}",
+    )  # fmt: skip
+    return Parts(clock, inbox, source, device, sink)
