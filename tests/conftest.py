@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -55,6 +56,15 @@ def tiny_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+
+
+def next_message(pubsub: redis.client.PubSub, timeout: float = 5.0) -> Any:
+    """The next message on a subscription (None if none within ``timeout``)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (msg := pubsub.get_message(timeout=0.2)) is not None:
+            return msg
+    return None
 
 
 def fleet_toml(

@@ -76,18 +76,20 @@ class Replies:
 DEFAULTS = WorkerConfig()
 
 
+def default_fleet(redis_url: str, tiny_embedder: Path) -> str:
+    """A GPU-like ~40 ms-per-batch model, with the default takeover settings (dead after
+    6 s without a heartbeat, the idle fallback at 300 s, max_deliveries 3)."""
+    defaults = DEFAULTS.model_dump(
+        include={"claim_idle_ms", "heartbeat_timeout_ms", "max_deliveries"}
+    )
+    return fleet_toml(redis_url, {"tiny": faulty(tiny_embedder, batch_ms=40, row_ms=1)}, defaults)
+
+
 def test_chaos_kill_9(
     redis_url: str, r: redis.Redis, tiny_embedder: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    # Given three workers at a GPU-like ~40 ms per batch, with the default takeover settings
-    # (dead after 6 s without a heartbeat, max_deliveries 3)
-    fleet = fleet_toml(
-        redis_url,
-        {"tiny": faulty(tiny_embedder, batch_ms=40, row_ms=1)},
-        worker={"claim_idle_ms": DEFAULTS.claim_idle_ms,
-                "heartbeat_timeout_ms": DEFAULTS.heartbeat_timeout_ms,
-                "max_deliveries": DEFAULTS.max_deliveries},
-    )  # fmt: skip
+    # Given three workers with the default takeover settings
+    fleet = default_fleet(redis_url, tiny_embedder)
     workers = [start_worker(fleet, f"chaos-{i}") for i in range(3)]
     for w in workers:
         w.wait_ready(r, "tiny")
@@ -138,12 +140,7 @@ def test_a_killed_workers_requests_are_answered_within_seconds_with_defaults(
     redis_url: str, r: redis.Redis, tiny_embedder: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
     # Given two workers with the default takeover settings and a steady backlog
-    fleet = fleet_toml(
-        redis_url,
-        {"tiny": faulty(tiny_embedder, batch_ms=40, row_ms=1)},
-        worker={"claim_idle_ms": DEFAULTS.claim_idle_ms,
-                "heartbeat_timeout_ms": DEFAULTS.heartbeat_timeout_ms},
-    )  # fmt: skip
+    fleet = default_fleet(redis_url, tiny_embedder)
     victim, survivor = (start_worker(fleet, f"orphans-{i}") for i in range(2))
     for w in (victim, survivor):
         w.wait_ready(r, "tiny")

@@ -15,6 +15,7 @@ from batchfleet.schemas.messages import Request
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import ModelStreams
+from conftest import next_message
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -97,10 +98,7 @@ def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_resul
     # Then it is not computed again; the stored result is published again and stands
     assert loop.stats.batches == 0
     assert r.get(KEYS.result(req.id)) == b"the first result stands"
-    msg = None
-    end = time.monotonic() + 5
-    while msg is None and time.monotonic() < end:
-        msg = pubsub.get_message(timeout=0.2)
+    msg = next_message(pubsub)
     assert msg is not None and msg["data"] == b"the first result stands"
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
 
@@ -119,10 +117,7 @@ def test_a_second_entry_with_an_answered_id_gets_the_stored_result_on_its_channe
     r.xadd(KEYS.lane(1), encode_request(again))
     run_loop(r, runner)
     # Then the subscriber of the second gets the first result; the stored one never changes
-    msg = None
-    end = time.monotonic() + 5
-    while msg is None and time.monotonic() < end:
-        msg = pubsub.get_message(timeout=0.2)
+    msg = next_message(pubsub)
     assert msg is not None and msg["data"] == stored
     assert r.get(KEYS.result("twice")) == stored
     assert r.xlen(KEYS.lane(1)) == 0

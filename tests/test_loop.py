@@ -22,6 +22,7 @@ from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runner import Encoded
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
+from conftest import next_message
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -141,10 +142,7 @@ def test_reply_channel_gets_the_result(r: redis.Redis, handler: EmbeddingRunner)
     req = Request(id="chan-1", model=MODEL, inputs=["the dog"], reply="my-replies")
     r.xadd(KEYS.lane(0), encode_request(req))
     run_loop(r, handler)
-    msg = None
-    end = time.monotonic() + 2
-    while msg is None and time.monotonic() < end:
-        msg = pubsub.get_message(timeout=0.2)
+    msg = next_message(pubsub)
     assert msg is not None and decode_result(msg["data"]).id == "chan-1"
 
 
