@@ -55,6 +55,9 @@ class WebhooksConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0, le=60)
     read_timeout_s: float = Field(10.0, gt=0, le=300)
     """Longest wait for each read of the response (so also for the status line)."""
+    attempt_timeout_s: float = Field(15.0, gt=0, le=600)
+    """Longest time one attempt may take in all: connect, send, and the whole response. An
+    endpoint that drips its answer a byte at a time is cut off here (and retried)."""
     max_response_bytes: int = Field(64 * 1024, ge=0, le=16 * 1024 * 1024)
     """More of a response body than this is not read."""
 

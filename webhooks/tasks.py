@@ -174,6 +174,7 @@ class Deliverer:
                 self.policy,
                 connect_timeout=self.cfg.connect_timeout_s,
                 read_timeout=self.cfg.read_timeout_s,
+                attempt_timeout=self.cfg.attempt_timeout_s,
                 max_response_bytes=self.cfg.max_response_bytes,
             )
         except TargetRefused as exc:
