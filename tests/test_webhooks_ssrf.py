@@ -214,6 +214,17 @@ def test_an_endpoint_dripping_bytes_is_cut_off_at_the_attempt_timeout(body_only:
         assert rx.cut_off.wait(20)
 
 
+def test_a_tls_handshake_that_never_ends_is_cut_off_at_the_attempt_timeout() -> None:
+    # Given a port whose TCP connections the kernel accepts but nobody ever answers
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"https://127.0.0.1:{silent.getsockname()[1]}/hook"
+        # Then the attempt ends at its own deadline, not after the longer connect timeout
+        with pytest.raises(AttemptTimeout, match="attempt timed out"):
+            ssrf.send(url, b"{}", {}, LOOPBACK_OK, connect_timeout=30, attempt_timeout=0.5)
+
+
 def test_nothing_listening_is_a_network_error() -> None:
     from batchfleet.redis_server import free_port
 

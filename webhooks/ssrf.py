@@ -255,9 +255,8 @@ def post(
     ``attempt_timeout``; :class:`NetworkError` for other failures.
     """
     deadline = Deadline(attempt_timeout)
-    timeout = urllib3.Timeout(
-        connect=min(connect_timeout, attempt_timeout), read=min(read_timeout, attempt_timeout)
-    )
+    # The socket exists only once connected, so the deadline cannot cut a connect short
+    timeout = urllib3.Timeout(connect=min(connect_timeout, attempt_timeout), read=read_timeout)
     common: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": 1}
     pool: urllib3.HTTPConnectionPool
     if target.scheme == "https":
@@ -292,11 +291,11 @@ def post(
                 data = response.read(max_response_bytes + 1, decode_content=False)
             finally:
                 response.close()
-    except Urllib3Timeout as exc:
-        raise AttemptTimeout(f"timed out: {exc}") from None
     except (HTTPError, OSError) as exc:
         if deadline.expired:
             raise _overran(deadline) from None
+        if isinstance(exc, Urllib3Timeout | TimeoutError):
+            raise AttemptTimeout(f"timed out: {exc}") from None
         raise NetworkError(f"{type(exc).__name__}: {exc}") from None
     if deadline.expired:  # cut off mid-response, or finished just as time ran out
         raise _overran(deadline)
