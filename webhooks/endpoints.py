@@ -72,10 +72,6 @@ class Slots:
             pipe.set(KEYS.slow(endpoint), 1, ex=SLOW_TTL_S)
         pipe.execute()
 
-    def in_flight(self, endpoint: str, now_ms: int) -> int:
-        """Unexpired leases of ``endpoint``."""
-        return int(self.client.zcount(KEYS.inflight(endpoint), f"({now_ms}", "+inf"))
-
 
 @dataclass(frozen=True, slots=True)
 class DisabledEndpoint:
