@@ -69,7 +69,7 @@ def test_slots_cap_an_endpoint_across_clients_and_leases_expire(
 ) -> None:
     # Given two "workers" (separate clients) sharing a cap of 2 slots per endpoint
     other = redis.Redis.from_url(redis_url)
-    a, b = endpoints.Slots(r, 2, 1, 10.0), endpoints.Slots(other, 2, 1, 10.0)
+    a, b = endpoints.Slots(r, 2, 1, 10.0, 4), endpoints.Slots(other, 2, 1, 10.0, 4)
     ep, elsewhere = "https://slow.example:443", "https://fine.example:443"
     now = 1_000_000
     # When both take slots: the third is refused, another endpoint is unaffected
@@ -86,7 +86,7 @@ def test_slots_cap_an_endpoint_across_clients_and_leases_expire(
 
 
 def test_an_endpoint_that_timed_out_gets_the_slow_cap_until_it_answers(r: redis.Redis) -> None:
-    slots, ep, now = endpoints.Slots(r, 3, 1, 10.0), "https://slow.example:443", 1_000_000
+    slots, ep, now = endpoints.Slots(r, 3, 1, 10.0, 4), "https://slow.example:443", 1_000_000
     token = slots.acquire(ep, now)
     assert token is not None
     slots.release(ep, token, "timeout")
@@ -94,6 +94,24 @@ def test_an_endpoint_that_timed_out_gets_the_slow_cap_until_it_answers(r: redis.
     assert held is not None and slots.acquire(ep, now) is None  # 1 slot while slow
     slots.release(ep, held, "answered")
     assert [slots.acquire(ep, now) is not None for _ in range(4)] == [True, True, True, False]
+
+
+def test_slow_endpoints_together_get_only_the_slow_lane(r: redis.Redis) -> None:
+    # Given a worker whose slow lane has 2 places, and 3 endpoints that timed out
+    slots, now = endpoints.Slots(r, 4, 1, 10.0, 2), 1_000_000
+    slow = [f"https://slow{i}.example:443" for i in range(3)]
+    for ep in slow:
+        token = slots.acquire(ep, now)
+        assert token is not None
+        slots.release(ep, token, "timeout")
+    # When each gets a delivery: the third finds the lane full, and holds no slot
+    first, second = slots.acquire(slow[0], now), slots.acquire(slow[1], now)
+    assert first and second and slots.acquire(slow[2], now) is None
+    assert r.zcard(KEYS.inflight(slow[2])) == 0
+    # Then a healthy endpoint is unaffected, and a place freed in the lane is taken again
+    assert slots.acquire("https://fine.example:443", now) is not None
+    slots.release(slow[0], first, "timeout")
+    assert slots.acquire(slow[2], now) is not None
 
 
 def test_scheduler_releases_due_entries_once_and_a_crashed_claim_comes_back(

@@ -79,7 +79,8 @@ class WebhooksConfig(BaseModel):
     wait in ``bf:webhooks:scheduled`` without holding a thread. Keep it under
     ``concurrency`` so one hanging endpoint cannot take every thread."""
     slow_endpoint_concurrency: int = Field(1, ge=1, le=1024)
-    """The same for an endpoint whose last attempt timed out, until it answers in time."""
+    """The same for an endpoint whose last attempt timed out, until it answers in time.
+    Slow endpoints together may also use at most half of a worker's ``concurrency``."""
 
     @field_validator("secret")
     @classmethod

@@ -5,13 +5,16 @@ The cap keeps one slow or hanging receiver from holding every delivery thread: a
 first takes one of its endpoint's slots (a lease in Redis, so the cap holds across webhooks
 workers, and a crashed worker's lease ends by itself); a delivery that finds none free waits
 in the scheduled set instead of blocking a thread. An endpoint whose last attempt timed out
-is "slow" and gets fewer slots until it answers in time again: a separate, narrow lane.
+is "slow" and gets fewer slots until it answers in time again; and all slow endpoints
+together may use only some of a worker's threads (a narrow lane), so that many slow
+receivers at once still leave threads for the rest.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,26 +47,47 @@ def endpoint_of(url: str) -> str:
 
 
 class Slots:
-    """Per-endpoint concurrency leases (see the module docstring)."""
+    """Per-endpoint concurrency leases, and this process's lane for slow endpoints (see the
+    module docstring)."""
 
-    def __init__(self, client: redis.Redis, cap: int, slow_cap: int, lease_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, cap: int, slow_cap: int, lease_s: float, slow_lane: int
+    ) -> None:
         self.client = client
         self.cap = cap
         self.slow_cap = slow_cap
         self.lease_ms = int((lease_s + LEASE_MARGIN_S) * 1000)
         self._acquire = client.register_script(_ACQUIRE)
+        self._slow_lane = threading.BoundedSemaphore(slow_lane)
+        self._in_slow_lane: set[str] = set()
+        self._lock = threading.Lock()
 
     def acquire(self, endpoint: str, now_ms: int) -> str | None:
-        """A lease token when one of ``endpoint``'s slots was free, else None."""
+        """A lease token when one of ``endpoint``'s slots was free (and, for a slow endpoint,
+        a place in this process's slow lane), else None."""
         token = uuid.uuid4().hex
         keys = [KEYS.inflight(endpoint), KEYS.slow(endpoint)]
-        args = [now_ms, token, self.lease_ms, self.cap, self.slow_cap]
-        return token if self._acquire(keys=keys, args=args) == 1 else None
+        taken = self._acquire(
+            keys=keys, args=[now_ms, token, self.lease_ms, self.cap, self.slow_cap]
+        )
+        if taken == 0:
+            return None
+        if taken == 2:
+            if not self._slow_lane.acquire(blocking=False):
+                self.client.zrem(KEYS.inflight(endpoint), token)
+                return None
+            with self._lock:
+                self._in_slow_lane.add(token)
+        return token
 
     def release(
         self, endpoint: str, token: str, how: Literal["answered", "timeout", "error"]
     ) -> None:
         """Give the slot back. A timeout marks the endpoint slow, an answer clears the mark."""
+        with self._lock:
+            if token in self._in_slow_lane:
+                self._in_slow_lane.discard(token)
+                self._slow_lane.release()
         pipe = self.client.pipeline(transaction=False)
         pipe.zrem(KEYS.inflight(endpoint), token)
         if how == "answered":

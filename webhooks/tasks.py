@@ -171,7 +171,11 @@ class Deliverer:
         self.keys = WebhookKeys()
         self.policy = ssrf.Policy.build(cfg.allow, allow_http=cfg.allow_http)
         self.slots = endpoints.Slots(
-            client, cfg.endpoint_concurrency, cfg.slow_endpoint_concurrency, cfg.attempt_timeout_s
+            client,
+            cfg.endpoint_concurrency,
+            cfg.slow_endpoint_concurrency,
+            cfg.attempt_timeout_s,
+            slow_lane=max(1, cfg.concurrency // 2),
         )
         self.result_ttls = dict(result_ttls or {})
         self.clock = clock

@@ -117,13 +117,15 @@ def run_worker(
     fleet: FleetConfig, *, name: str | None = None, concurrency: int | None = None, loglevel: str
 ) -> int:
     """Run a webhooks worker until SIGTERM/SIGINT."""
+    if concurrency:  # the slow lane is sized from it (see endpoints)
+        fleet.webhooks.concurrency = concurrency
     app = create_webhooks_app(fleet)
     name = name or f"webhooks-{os.getpid()}"
     app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={concurrency or fleet.webhooks.concurrency}",
+            f"--concurrency={fleet.webhooks.concurrency}",
             f"--loglevel={loglevel}",
             f"--hostname={name if '@' in name else f'{name}@%h'}",
             f"--queues={WEBHOOK_QUEUE}",

@@ -11,16 +11,17 @@
 -- ARGV[4]  cap: slots of the endpoint
 -- ARGV[5]  cap while the slow marker exists
 --
--- Returns 1 when the slot was taken, 0 when all are in use.
+-- Returns 0 when all slots are in use, else 1 (the slot was taken) or 2 (taken, and the
+-- endpoint is slow).
 local now = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local cap = tonumber(ARGV[4])
+local cap, taken = tonumber(ARGV[4]), 1
 if redis.call('EXISTS', KEYS[2]) == 1 then
-  cap = tonumber(ARGV[5])
+  cap, taken = tonumber(ARGV[5]), 2
 end
 if redis.call('ZCARD', KEYS[1]) >= cap then
   return 0
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-return 1
+return taken
