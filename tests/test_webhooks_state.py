@@ -168,6 +168,23 @@ def test_status_follows_a_delivery_from_retry_to_delivered(
     assert 0 < r.ttl(ModelKeys("tiny").webhook_status("r1")) <= 120  # the model's result TTL
 
 
+def test_a_dripping_endpoint_times_out_is_retried_and_marked_slow(
+    r: redis.Redis, deliverer: Callable[..., Deliverer]
+) -> None:
+    # Given an endpoint whose answer would take about 30 s, a byte every 50 ms
+    worker = deliverer(attempt_timeout_s=0.5, read_timeout_s=5.0)
+    with Receiver([Answer(body=b"x" * 600, drip_s=0.05)]) as rx:
+        # When a delivery's attempt runs out of time
+        assert worker.run(stored(r, rx.url), 0)["retry_in_s"] > 0
+        assert rx.cut_off.wait(20)
+    # Then it is a timeout, retried per the backoff, and the endpoint is slow
+    status = webhook_status(r, "tiny", "r1")
+    assert status is not None and status.state == "scheduled"
+    assert status.reason.startswith("attempt timed out") and status.http_status is None
+    assert r.zcard(KEYS.scheduled) == 1
+    assert r.exists(KEYS.slow(endpoints.endpoint_of(rx.url)))
+
+
 def test_a_refused_url_is_reported_without_a_connection(
     r: redis.Redis, deliverer: Callable[..., Deliverer]
 ) -> None:
