@@ -41,24 +41,6 @@ def deliveries(answered: Sequence[Answered]) -> list[Delivery]:
     return out
 
 
-def enqueue(app: Celery, answered: Sequence[Answered]) -> int:
-    """Queue the deliveries owed for these answers (one producer, bounded publish retries);
-    returns how many. The observer's whole job, kept apart from its hook's signature."""
-    owed = deliveries(answered)
-    if not owed:
-        return 0
-    with app.producer_or_acquire() as producer:
-        for d in owed:
-            app.send_task(
-                TASK_NAME,
-                kwargs=d.model_dump(),
-                queue=WEBHOOK_QUEUE,
-                producer=producer,
-                retry_policy=PUBLISH_RETRY,
-            )
-    return len(owed)
-
-
 class WebhookObserver(LoopObserver):
     """Enqueues ``batchfleet.webhooks.deliver`` tasks; never touches the network itself."""
 
@@ -66,8 +48,19 @@ class WebhookObserver(LoopObserver):
         self.app = app
 
     def on_answered(self, model: str, answered: Sequence[Answered]) -> None:
-        if queued := enqueue(self.app, answered):
-            logger.debug("queued %d webhook deliveries for %s", queued, model)
+        owed = deliveries(answered)
+        if not owed:
+            return
+        with self.app.producer_or_acquire() as producer:
+            for d in owed:
+                self.app.send_task(
+                    TASK_NAME,
+                    kwargs=d.model_dump(),
+                    queue=WEBHOOK_QUEUE,
+                    producer=producer,
+                    retry_policy=PUBLISH_RETRY,
+                )
+        logger.debug("queued %d webhook deliveries for %s", len(owed), model)
 
 
 def webhook_observer(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
