@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -135,6 +136,45 @@ def _webhooks_redeliver(args: argparse.Namespace) -> int:
     missing = len(args.ids) - len(queued) if args.ids else 0
     print(f"queued {len(queued)} redeliveries", file=sys.stderr)
     return 1 if missing else 0
+
+
+def _webhooks_client(args: argparse.Namespace) -> Any:
+    from .config import load_config
+    from .connection import connect
+
+    return connect(load_config(args.config).redis_url)
+
+
+def _webhooks_status(args: argparse.Namespace) -> int:
+    from .webhooks.status import webhook_status
+
+    found = webhook_status(_webhooks_client(args), args.model, args.id)
+    if found is None:
+        print("no webhook status: not attempted yet, no webhook, or expired", file=sys.stderr)
+        return 1
+    print(found.model_dump_json(indent=2))
+    return 0
+
+
+def _webhooks_disabled(args: argparse.Namespace) -> int:
+    from .webhooks.endpoints import list_disabled
+
+    for endpoint in list_disabled(_webhooks_client(args)):
+        print(json.dumps(endpoint.summary()))
+    return 0
+
+
+def _webhooks_enable(args: argparse.Namespace) -> int:
+    from .webhooks.endpoints import enable
+
+    if not args.urls and not args.all:
+        print("give URLs (from `webhooks disabled`) or --all", file=sys.stderr)
+        return 2
+    enabled = enable(_webhooks_client(args), args.urls or None)
+    for url in enabled:
+        print(url)
+    print(f"re-enabled {len(enabled)} URLs", file=sys.stderr)
+    return 1 if args.urls and len(enabled) < len(args.urls) else 0
 
 
 def _simulate(args: argparse.Namespace, rest: list[str]) -> int:
@@ -275,6 +315,19 @@ def build_parser() -> argparse.ArgumentParser:
     hr.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
     hr.add_argument("--count", type=int, default=100)
     hr.set_defaults(func=_webhooks_redeliver)
+    hs = hsub.add_parser("status", help="where a request's webhook delivery stands (JSON)")
+    hs.add_argument("model")
+    hs.add_argument("id", help="request id")
+    hs.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hs.set_defaults(func=_webhooks_status)
+    hd = hsub.add_parser("disabled", help="URLs disabled after a 410 Gone, one JSON line each")
+    hd.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    hd.set_defaults(func=_webhooks_disabled)
+    he = hsub.add_parser("enable", help="re-enable disabled URLs (gave-up deliveries: redeliver)")
+    he.add_argument("urls", nargs="*", help="URLs from `webhooks disabled`")
+    he.add_argument("--all", action="store_true", help="every disabled URL")
+    he.add_argument("--config", "-c", help="fleet file (TOML); default $BATCHFLEET_CONFIG")
+    he.set_defaults(func=_webhooks_enable)
 
     sub.add_parser("simulate", help="run the batching simulator (see `simulate --help`)")
 

@@ -78,6 +78,11 @@ class ModelKeys:
         """A string holding the model's lane count, written by workers for producers."""
         return f"{self.tag}:lanes"
 
+    def webhook_status(self, request_id: str) -> str:
+        """JSON: where a request's webhook delivery stands (webhooks workers write it, with
+        the result's TTL; the result itself never changes once stored)."""
+        return f"{self.tag}:webhook:{request_id}"
+
 
 LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
 """SCAN pattern matching every model's lanes key: the models a fleet serves."""
@@ -109,7 +114,8 @@ class WebhookKeys:
 
     @property
     def scheduled(self) -> str:
-        """Sorted set of deliveries waiting longer than a Celery countdown may: score = due ms."""
+        """Sorted set of deliveries waiting for their next attempt (every wait, short or long,
+        so none is lost with a worker): member = JSON task arguments, score = due unix ms."""
         return f"{self.prefix}:scheduled"
 
     @property
@@ -121,3 +127,12 @@ class WebhookKeys:
     def disabled(self) -> str:
         """Hash of endpoints that answered 410 Gone: url → JSON reason. No more deliveries."""
         return f"{self.prefix}:disabled"
+
+    def inflight(self, endpoint: str) -> str:
+        """Sorted set of the deliveries in flight to one endpoint (``scheme://host:port``):
+        member = attempt token, score = unix ms its lease ends (the per-endpoint cap)."""
+        return f"{self.prefix}:{{{endpoint}}}:inflight"
+
+    def slow(self, endpoint: str) -> str:
+        """Present (with a TTL) while an endpoint's last attempt timed out: its cap is lowered."""
+        return f"{self.prefix}:{{{endpoint}}}:slow"

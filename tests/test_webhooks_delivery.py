@@ -17,6 +17,7 @@ from batchfleet.producer import Producer
 from batchfleet.schemas.keys import WebhookKeys
 from batchfleet.webhooks import deadletter
 from batchfleet.webhooks.signing import verify
+from batchfleet.webhooks.status import WebhookStatus, webhook_status
 from conftest import WorkerProcess, fleet_toml
 from webhook_receiver import Answer, Receiver
 
@@ -55,12 +56,12 @@ def webhooks_toml(**overrides: object) -> str:
 class WebhooksWorker:
     """A real `batchfleet webhooks worker` process."""
 
-    def __init__(self, config: Path, log: Path) -> None:
+    def __init__(self, config: Path, log: Path, name: str = "wh") -> None:
         self.log = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "batchfleet", "webhooks", "worker", "--config", str(config),
-             "--name", f"wh-{config.stem}", "--concurrency", "4"],
+             "--name", f"{name}-{config.stem}", "--concurrency", "4"],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
 
@@ -73,6 +74,11 @@ class WebhooksWorker:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"webhooks worker not ready:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no acks, like a crash or an OOM-killer."""
+        self.process.kill()
+        self.process.wait()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -133,6 +139,17 @@ def _failed(r: redis.Redis, count: int, timeout: float) -> list[deadletter.Faile
     raise TimeoutError(f"no dead-letter record within {timeout}s")
 
 
+def _status(r: redis.Redis, request_id: str, state: str, timeout: float = 20) -> WebhookStatus:
+    """The webhook status of ``tiny``/``request_id`` once it is in ``state``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = webhook_status(r, "tiny", request_id)
+        if found is not None and found.state == state:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError(f"webhook status {state!r} not reached: {found}")
+
+
 def test_500_twice_then_200_is_delivered_once_on_the_third_attempt(
     fleet: Callable[..., Path], workers: Callable[..., object], redis_url: str, r: redis.Redis
 ) -> None:
@@ -159,6 +176,8 @@ def test_500_twice_then_200_is_delivered_once_on_the_third_attempt(
     assert got[1].at - got[0].at >= 0.15  # backed off
     assert list(deadletter.list_failed(r)) == []
     assert job.peek() == result  # still pollable
+    status = _status(r, job.id, "delivered")
+    assert (status.attempts, status.http_status) == (3, 200)
 
 
 def test_receiver_down_for_the_whole_horizon_dead_letters_then_redeliver_succeeds(
@@ -168,11 +187,11 @@ def test_receiver_down_for_the_whole_horizon_dead_letters_then_redeliver_succeed
     r: redis.Redis,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # Given nothing listening on the webhook's port, a short horizon (3 attempts), and waits
-    # longer than max_countdown_s, so retries wait in bf:webhooks:scheduled, not as Celery ETAs
+    # Given nothing listening on the webhook's port and a short horizon (3 attempts); retries
+    # wait in bf:webhooks:scheduled, not as Celery ETAs
     port = free_port()
     url = f"http://127.0.0.1:{port}/hook"
-    config = fleet(max_attempts=3, backoff_base_s=0.2, max_countdown_s=0.1)
+    config = fleet(max_attempts=3, backoff_base_s=0.2)
     workers(config)
     with Producer(redis_url) as producer:
         job = producer.submit("tiny", "nobody home", webhook=url)
@@ -189,6 +208,8 @@ def test_receiver_down_for_the_whole_horizon_dead_letters_then_redeliver_succeed
     assert record.attempts == 3 and record.status is None
     assert record.delivery["request_id"] == job.id and record.delivery["url"] == url
     assert "Connection refused" in record.reason or "NewConnectionError" in record.reason
+    status = _status(r, job.id, "failed")
+    assert status.dead_letter_id == record.id and status.attempts == 3
     capsys.readouterr()
     assert cli_main(["webhooks", "list-failed", "--config", str(config)]) == 0
     assert job.id in capsys.readouterr().out
@@ -213,7 +234,7 @@ def test_a_hanging_receiver_does_not_delay_other_results(
     # Given a receiver that holds every delivery for 30 s, and delivery timeouts longer than that
     hang = Answer(hang_s=30.0)
     with Receiver(default=hang) as rx, Producer(redis_url) as producer:
-        workers(fleet(read_timeout_s=60))
+        workers(fleet(read_timeout_s=60, attempt_timeout_s=60))
 
         def latency(**kwargs: object) -> float:
             started = time.monotonic()
@@ -239,3 +260,75 @@ def test_a_hanging_receiver_does_not_delay_other_results(
     assert still_hanging  # every measurement happened while the delivery was stuck
     assert worst < 2.0  # vs. 30 s had the delivery run on the inference path
     assert p50 < max(0.5, 5 * statistics.median(baseline))
+
+
+def test_a_hanging_endpoint_holds_only_its_own_slots(
+    fleet: Callable[..., Path], workers: Callable[..., object], redis_url: str, r: redis.Redis
+) -> None:
+    # Given an endpoint that holds every delivery (far longer than this test), 2 slots per
+    # endpoint, and 4 delivery threads
+    with (
+        Receiver(default=Answer(hang_s=120)) as hanging,
+        Receiver() as healthy,
+        Producer(redis_url) as producer,
+    ):
+        workers(fleet(attempt_timeout_s=90, read_timeout_s=90, endpoint_concurrency=2))
+        # When 6 results go to the hanging endpoint, then 10 to a healthy one
+        stuck = [producer.submit("tiny", f"stuck {i}", webhook=hanging.url) for i in range(6)]
+        for job in stuck:
+            assert job.result(timeout=20).ok
+        hanging.wait_for(2, timeout=20)
+        fine = [producer.submit("tiny", f"fine {i}", webhook=healthy.url) for i in range(10)]
+        # Then every healthy delivery arrives, while the hanging endpoint holds its 2 slots
+        got = healthy.wait_for(10, timeout=60)
+        assert not hanging.closing.is_set()
+        held = r.zcard(WebhookKeys().inflight(f"http://127.0.0.1:{hanging.port}"))
+        arrived_at_hanging = len(hanging.received)
+        for job in fine:
+            assert _status(r, job.id, "delivered").attempts == 1
+        waiting = [webhook_status(r, "tiny", job.id) for job in stuck]
+
+    assert sorted(verify(SECRET, g.body, g.headers)["data"]["id"] for g in got) == sorted(
+        job.id for job in fine
+    )
+    assert held == 2 and arrived_at_hanging == 2
+    assert waiting == [None] * 6  # none finished an attempt: 2 in flight, 4 waiting for a slot
+
+
+def test_a_retry_survives_the_webhooks_worker_killed_during_its_backoff(
+    fleet: Callable[..., Path],
+    workers: Callable[..., tuple[object, WebhooksWorker]],
+    redis_url: str,
+    r: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    # Given a receiver that fails once, then accepts, and a short backoff (about 2 s: the
+    # kind of wait that used to be a Celery countdown held in the worker's memory)
+    scheduled = WebhookKeys().scheduled
+    config = fleet(backoff_base_s=2.0)
+    with Receiver([Answer(500)]) as rx, Producer(redis_url) as producer:
+        _, hooks = workers(config)
+        job = producer.submit("tiny", "survive me", webhook=rx.url)
+        assert job.result(timeout=20).ok
+        rx.wait_for(1, timeout=20)
+        assert _status(r, job.id, "scheduled").attempts == 1
+        end = time.monotonic() + 20
+        while r.hlen("unacked") and time.monotonic() < end:  # the first attempt's task acked
+            time.sleep(0.02)
+        assert r.zcard(scheduled) == 1 and r.hlen("unacked") == 0
+
+        # When the webhooks worker is killed during the backoff and a new one starts
+        hooks.kill()
+        again = WebhooksWorker(config, tmp_path / "webhooks-2.log", name="wh2")
+        try:
+            again.wait_ready()
+            # Then the retry is delivered (within seconds, not the broker's visibility
+            # timeout of an hour), once
+            got = rx.wait_for(2, timeout=30)
+            status = _status(r, job.id, "delivered")
+        finally:
+            again.stop()
+
+    assert len(rx.received) == 2 and status.attempts == 2
+    assert got[0].headers["webhook-id"] == got[1].headers["webhook-id"]
+    assert r.zcard(scheduled) == 0 and r.llen("webhooks") == 0 and r.hlen("unacked") == 0

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import trustme
 from batchfleet.webhooks import ssrf
-from batchfleet.webhooks.errors import NetworkError, TargetRefused
+from batchfleet.webhooks.errors import AttemptTimeout, NetworkError, TargetRefused
 from batchfleet.webhooks.tasks import classify
 from webhook_receiver import Answer, Receiver
 
@@ -199,6 +199,30 @@ def test_a_slow_receiver_hits_the_read_timeout() -> None:
         with pytest.raises(NetworkError, match="timed out"):
             ssrf.send(rx.url, b"{}", {}, LOOPBACK_OK, read_timeout=0.3)
         assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("body_only", [False, True], ids=["drips-status-line", "drips-body"])
+def test_an_endpoint_dripping_bytes_is_cut_off_at_the_attempt_timeout(body_only: bool) -> None:
+    # Given an endpoint that sends its answer a byte every 50 ms: each read is far under the
+    # read timeout, but the whole answer would take about 30 s
+    drip = Answer(body=b"x" * 600, drip_s=0.05, drip_body_only=body_only)
+    with Receiver([drip]) as rx:
+        # When the attempt may take 0.5 s in all
+        with pytest.raises(AttemptTimeout, match="attempt timed out"):
+            ssrf.send(rx.url, b"{}", {}, LOOPBACK_OK, read_timeout=5.0, attempt_timeout=0.5)
+        # Then the endpoint sees its connection closed long before it has sent everything
+        assert rx.cut_off.wait(20)
+
+
+def test_a_tls_handshake_that_never_ends_is_cut_off_at_the_attempt_timeout() -> None:
+    # Given a port whose TCP connections the kernel accepts but nobody ever answers
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"https://127.0.0.1:{silent.getsockname()[1]}/hook"
+        # Then the attempt ends at its own deadline, not after the longer connect timeout
+        with pytest.raises(AttemptTimeout, match="attempt timed out"):
+            ssrf.send(url, b"{}", {}, LOOPBACK_OK, connect_timeout=30, attempt_timeout=0.5)
 
 
 def test_nothing_listening_is_a_network_error() -> None:

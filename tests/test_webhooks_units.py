@@ -8,7 +8,13 @@ import pytest
 from batchfleet.schemas.messages import Request, Result
 from batchfleet.webhooks.config import WebhooksConfig
 from batchfleet.webhooks.observer import deliveries
-from batchfleet.webhooks.tasks import backoff_s, classify, parse_retry_after, webhook_id
+from batchfleet.webhooks.tasks import (
+    backoff_s,
+    busy_wait_s,
+    classify,
+    parse_retry_after,
+    webhook_id,
+)
 from batchfleet.worker.observers import Answered
 from pydantic import ValidationError
 
@@ -42,6 +48,13 @@ def test_backoff_doubles_with_jitter_is_capped_and_honours_retry_after() -> None
         assert 0.75 * nominal <= d <= min(60.0, 1.25 * nominal)
     assert backoff_s(1, cfg, 30.0, rng) == 30.0
     assert backoff_s(1, cfg, 3600.0, rng) == 60.0
+
+
+def test_busy_waits_double_up_to_the_attempt_timeout() -> None:
+    cfg = WebhooksConfig(attempt_timeout_s=8.0)
+    rng = random.Random(3)
+    for busy, nominal in [(0, 0.5), (1, 1.0), (3, 4.0), (4, 8.0), (5, 8.0), (5000, 8.0)]:
+        assert 0.5 * nominal <= busy_wait_s(busy, cfg, rng) <= nominal
 
 
 def _answered(stored: bool, webhook: dict[str, str] | None, rid: str = "r1") -> Answered:

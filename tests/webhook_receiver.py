@@ -23,19 +23,26 @@ class Received:
 
 @dataclass
 class Answer:
-    """What to answer one request: status, headers, body, or sleep first (``hang_s``)."""
+    """What to answer one request: status, headers, body, or sleep first (``hang_s``).
+
+    ``drip_s`` sends the answer one byte at a time, waiting that long before each byte: from
+    the status line on, or only the body when ``drip_body_only``.
+    """
 
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b"ok"
     hang_s: float = 0.0
+    drip_s: float = 0.0
+    drip_body_only: bool = False
 
 
 class Receiver:
     """``with Receiver() as rx:`` serves on 127.0.0.1 (a free port) until the block ends.
 
     Answers come from ``script`` (one per request, in order), then ``default``. Every request
-    is recorded in ``received``; ``connections`` counts accepted TCP connections.
+    is recorded in ``received``; ``connections`` counts accepted TCP connections. ``cut_off``
+    is set when the client closed the connection before a dripped answer was all sent.
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class Receiver:
         self.connections = 0
         self.arrived = threading.Event()
         self.closing = threading.Event()
+        self.cut_off = threading.Event()
         self._lock = threading.Lock()
         self._server: http.server.ThreadingHTTPServer | None = None
         self.on_request: Callable[[Received], None] | None = None
@@ -84,6 +92,9 @@ class Receiver:
                 answer = outer._answer()
                 if answer.hang_s:
                     outer.closing.wait(answer.hang_s)  # ends early when the test closes
+                if answer.drip_s:
+                    self._drip(answer)
+                    return
                 self.send_response(answer.status)
                 for k, v in answer.headers.items():
                     self.send_header(k, v)
@@ -91,6 +102,21 @@ class Receiver:
                 self.end_headers()
                 with contextlib.suppress(OSError):
                     self.wfile.write(answer.body)
+
+            def _drip(self, answer: Answer) -> None:
+                head = f"HTTP/1.1 {answer.status} X\r\nContent-Length: {len(answer.body)}\r\n"
+                head += "".join(f"{k}: {v}\r\n" for k, v in answer.headers.items()) + "\r\n"
+                dripped = answer.body if answer.drip_body_only else head.encode() + answer.body
+                try:
+                    if answer.drip_body_only:
+                        self.wfile.write(head.encode())
+                    for i in range(len(dripped)):
+                        if outer.closing.wait(answer.drip_s):
+                            return
+                        self.wfile.write(dripped[i : i + 1])
+                except OSError:
+                    outer.cut_off.set()
+                self.close_connection = True
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True

@@ -55,6 +55,9 @@ class WebhooksConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0, le=60)
     read_timeout_s: float = Field(10.0, gt=0, le=300)
     """Longest wait for each read of the response (so also for the status line)."""
+    attempt_timeout_s: float = Field(15.0, gt=0, le=600)
+    """Longest time one attempt may take in all: connect, send, and the whole response. An
+    endpoint that drips its answer a byte at a time is cut off here (and retried)."""
     max_response_bytes: int = Field(64 * 1024, ge=0, le=16 * 1024 * 1024)
     """More of a response body than this is not read."""
 
@@ -63,14 +66,21 @@ class WebhooksConfig(BaseModel):
     """Delay after the first failed attempt; doubles each attempt (with jitter)."""
     backoff_max_s: float = Field(6 * 3600.0, gt=0)
     """Longest delay between two attempts, Retry-After included."""
-    max_countdown_s: float = Field(300.0, gt=0, le=1800)
-    """Longer delays wait in Redis (``bf:webhooks:scheduled``), not as a Celery ETA: an ETA
-    task sits unacknowledged and the broker redelivers it after its visibility timeout."""
+    max_countdown_s: float | None = Field(None, gt=0)
+    """Ignored (kept so older fleet files load): every wait now sits in Redis,
+    ``bf:webhooks:scheduled``, never as a Celery ETA held in a worker's memory."""
     failed_maxlen: int = Field(100_000, ge=1)
     """Dead-letter records kept (``bf:webhooks:failed``)."""
 
     concurrency: int = Field(8, ge=1, le=256)
     """Threads of a ``batchfleet webhooks worker``: deliveries in flight at once."""
+    endpoint_concurrency: int = Field(4, ge=1, le=1024)
+    """Deliveries in flight at once to one endpoint (scheme, host, port), fleet-wide; more
+    wait in ``bf:webhooks:scheduled`` without holding a thread. Keep it under
+    ``concurrency`` so one hanging endpoint cannot take every thread."""
+    slow_endpoint_concurrency: int = Field(1, ge=1, le=1024)
+    """The same for an endpoint whose last attempt timed out, until it answers in time.
+    Slow endpoints together may also use at most half of a worker's ``concurrency``."""
 
     @field_validator("secret")
     @classmethod

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from ..schemas.keys import WEBHOOK_QUEUE, WebhookKeys
+from . import endpoints
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -112,7 +113,8 @@ def redeliver(
     client: redis.Redis, app: Celery, record_ids: list[str] | None = None, *, count: int = 100
 ) -> list[str]:
     """Queue a fresh delivery (attempts start again) for each record, or for the oldest
-    ``count`` when no ids are given; re-enables their endpoints. Returns the ids queued."""
+    ``count`` when no ids are given. Re-enables their URLs, including one disabled because
+    it answered 410 Gone. Returns the ids queued."""
     from .tasks import TASK_NAME
 
     if record_ids:
@@ -121,6 +123,6 @@ def redeliver(
         records = list(list_failed(client, count=count))
     for rec in records:
         kwargs = dict(rec.delivery, redelivery_of=rec.id, first_attempt_ms=None)
-        client.hdel(KEYS.disabled, kwargs["url"])
+        endpoints.enable(client, [kwargs["url"]])
         app.send_task(TASK_NAME, kwargs=kwargs, queue=WEBHOOK_QUEUE)
     return [rec.id for rec in records]

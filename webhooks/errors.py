@@ -17,5 +17,9 @@ class NetworkError(WebhookError):
     """Connecting, sending or reading failed or timed out. Retried."""
 
 
+class AttemptTimeout(NetworkError):
+    """No complete response in time (a connect, a read, or the whole attempt). Retried."""
+
+
 class DeliveryFailed(WebhookError):
     """The delivery gave up; it is in the dead-letter stream (``batchfleet webhooks list-failed``)."""

@@ -3,7 +3,10 @@
 Webhook URLs come from clients, so a URL must not reach the fleet's own network: the host is
 resolved **once**, every address it resolves to is checked, and the connection goes to that
 pinned address (no second lookup, so no DNS rebinding), with TLS SNI and certificate checks
-against the URL's hostname. No redirects, connect/read timeouts, a cap on the response read.
+against the URL's hostname. No redirects, a cap on the response read, and timeouts: per
+connect and per read, and one for the whole attempt, which a watchdog enforces by shutting
+the socket down (a read timeout alone lets a server that drips a byte now and then hold an
+attempt forever).
 
 ``requests-hardened`` does the pinning the same way but has no operator allowlist of hosts or
 CIDRs and no response cap, and checks only the first address: hence this module, on urllib3.
@@ -11,17 +14,22 @@ CIDRs and no response cap, and checks only the first address: hence this module,
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import ssl
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import urllib3
+from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.exceptions import HTTPError
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
-from .errors import NetworkError, TargetRefused
+from .errors import AttemptTimeout, NetworkError, TargetRefused
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -163,6 +171,72 @@ class Reply:
     truncated: bool = False
 
 
+class Deadline:
+    """Shuts an attempt's socket down once ``seconds`` have passed, which ends any connect,
+    TLS handshake, write or read in progress on it: the whole attempt is bounded."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Watched:
+    """A urllib3 connection whose socket is handed to a :class:`Deadline` once created."""
+
+    def __init__(self, *args: Any, deadline: Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline = deadline
+
+    def _new_conn(self) -> socket.socket:
+        sock: socket.socket = super()._new_conn()  # type: ignore[misc]
+        self._deadline.watch(sock)
+        return sock
+
+
+class _WatchedHTTP(_Watched, HTTPConnection):
+    pass
+
+
+class _WatchedHTTPS(_Watched, HTTPSConnection):
+    pass
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTP
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPS
+
+
 def post(
     target: Target,
     body: bytes,
@@ -170,32 +244,38 @@ def post(
     *,
     connect_timeout: float = 5.0,
     read_timeout: float = 10.0,
+    attempt_timeout: float = 15.0,
     max_response_bytes: int = 64 * 1024,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Reply:
-    """POST ``body`` to the pinned ``target``; redirects are returned, never followed."""
-    timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
+    """POST ``body`` to the pinned ``target``; redirects are returned, never followed.
+
+    Raises :class:`AttemptTimeout` when a connect or a read takes longer than its timeout,
+    or the whole attempt (connect, send, and the complete response) longer than
+    ``attempt_timeout``; :class:`NetworkError` for other failures.
+    """
+    deadline = Deadline(attempt_timeout)
+    # The socket exists only once connected, so the deadline cannot cut a connect short
+    timeout = urllib3.Timeout(connect=min(connect_timeout, attempt_timeout), read=read_timeout)
+    common: dict[str, Any] = {"timeout": timeout, "retries": False, "maxsize": 1}
     pool: urllib3.HTTPConnectionPool
     if target.scheme == "https":
         named = _is_name(target.host)
-        pool = urllib3.HTTPSConnectionPool(
+        pool = _HTTPSPool(
             str(target.ip),
             target.port,
-            timeout=timeout,
-            retries=False,
-            maxsize=1,
             ssl_context=ssl_context,
             cert_reqs="CERT_REQUIRED",
             server_hostname=target.host if named else None,
             assert_hostname=target.host,
+            deadline=deadline,
+            **common,
         )
     else:
-        pool = urllib3.HTTPConnectionPool(
-            str(target.ip), target.port, timeout=timeout, retries=False, maxsize=1
-        )
+        pool = _HTTPPool(str(target.ip), target.port, deadline=deadline, **common)
     sent = {"Host": target.host_header, "Connection": "close", **headers}
     try:
-        with pool:
+        with deadline, pool:
             response = pool.urlopen(
                 "POST",
                 target.path,
@@ -211,12 +291,20 @@ def post(
                 data = response.read(max_response_bytes + 1, decode_content=False)
             finally:
                 response.close()
-    except HTTPError as exc:
+    except (HTTPError, OSError) as exc:
+        if deadline.expired:
+            raise _overran(deadline) from None
+        if isinstance(exc, Urllib3Timeout | TimeoutError):
+            raise AttemptTimeout(f"timed out: {exc}") from None
         raise NetworkError(f"{type(exc).__name__}: {exc}") from None
-    except OSError as exc:
-        raise NetworkError(f"{type(exc).__name__}: {exc}") from None
+    if deadline.expired:  # cut off mid-response, or finished just as time ran out
+        raise _overran(deadline)
     found = {k.lower(): v for k, v in response.headers.items()}
     return Reply(response.status, found, data[:max_response_bytes], len(data) > max_response_bytes)
+
+
+def _overran(deadline: Deadline) -> AttemptTimeout:
+    return AttemptTimeout(f"attempt timed out: no complete response within {deadline.seconds:g}s")
 
 
 def send(
@@ -228,6 +316,7 @@ def send(
     resolve: Resolver = system_resolver,
     connect_timeout: float = 5.0,
     read_timeout: float = 10.0,
+    attempt_timeout: float = 15.0,
     max_response_bytes: int = 64 * 1024,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Reply:
@@ -238,6 +327,7 @@ def send(
         headers,
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
+        attempt_timeout=attempt_timeout,
         max_response_bytes=max_response_bytes,
         ssl_context=ssl_context,
     )

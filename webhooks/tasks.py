@@ -18,6 +18,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -30,10 +31,11 @@ from ..connection import connect
 from ..schemas.codec import decode_result, pack
 from ..schemas.keys import WEBHOOK_QUEUE, ModelKeys, WebhookKeys
 from ..schemas.messages import Format
-from . import deadletter, ssrf
+from . import deadletter, endpoints, ssrf, status
 from .config import WebhooksConfig
-from .errors import DeliveryFailed, NetworkError, TargetRefused
+from .errors import AttemptTimeout, DeliveryFailed, NetworkError, TargetRefused
 from .signing import headers as signed_headers
+from .status import State, WebhookStatus
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,18 @@ class Delivery(BaseModel):
     """Unix ms of the first attempt (set by it)."""
     redelivery_of: str | None = None
     """Dead-letter record id this is a redelivery of: the body comes from there."""
+    busy: int = 0
+    """Times in a row this delivery found its endpoint's slots all in use (no attempt made)."""
 
 
-Verdict = Literal["delivered", "retry", "fail", "gone"]
+Verdict = Literal["delivered", "retry", "fail", "gone", "refused", "disabled", "busy"]
+FINAL_STATE: dict[Verdict, State] = {
+    "fail": "failed",
+    "retry": "failed",  # out of attempts
+    "gone": "disabled",
+    "disabled": "disabled",
+    "refused": "refused",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,15 @@ def backoff_s(
     return min(delay, cfg.backoff_max_s)
 
 
+BUSY_BASE_S = 0.5
+
+
+def busy_wait_s(busy: int, cfg: WebhooksConfig, rng: random.Random) -> float:
+    """Wait before looking for a free slot again: 0.5 s doubling per miss up to the attempt
+    timeout (by then every slot's holder has finished), with jitter to spread the herd."""
+    return min(cfg.attempt_timeout_s, BUSY_BASE_S * 2 ** min(busy, 16)) * rng.uniform(0.5, 1.0)
+
+
 def encode_body(raw_result: bytes, fmt: Format) -> bytes:
     """The POST body: a Standard Webhooks payload ``{type, timestamp, data: <result>}``."""
     result = decode_result(raw_result)
@@ -130,15 +150,39 @@ def encode_body(raw_result: bytes, fmt: Format) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
+SCHEDULED = threading.Event()
+"""Set when this process schedules a delivery: wakes its scheduler (:mod:`.worker`) early."""
+
+DEFAULT_RESULT_TTL_S = 3600
+
+
 class Deliverer:
     """Everything an attempt needs, built once per worker process from the fleet file."""
 
-    def __init__(self, cfg: WebhooksConfig, client: redis.Redis) -> None:
+    def __init__(
+        self,
+        cfg: WebhooksConfig,
+        client: redis.Redis,
+        result_ttls: Mapping[str, int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.client = client
         self.keys = WebhookKeys()
         self.policy = ssrf.Policy.build(cfg.allow, allow_http=cfg.allow_http)
+        self.slots = endpoints.Slots(
+            client,
+            cfg.endpoint_concurrency,
+            cfg.slow_endpoint_concurrency,
+            cfg.attempt_timeout_s,
+            slow_lane=max(1, cfg.concurrency // 2),
+        )
+        self.result_ttls = dict(result_ttls or {})
+        self.clock = clock
         self.rng = random.Random()
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
 
     def body(self, d: Delivery) -> bytes:
         if d.redelivery_of is not None:
@@ -154,43 +198,116 @@ class Deliverer:
 
     def attempt(self, d: Delivery, body: bytes) -> Outcome:
         """One POST. Never raises for the endpoint's behaviour: returns what to do next."""
-        if self.client.hexists(self.keys.disabled, d.url):
-            return Outcome("fail", "endpoint disabled (it answered 410 Gone)")
+        if endpoints.is_disabled(self.client, d.url):
+            return Outcome(
+                "disabled", "endpoint disabled (it answered 410 Gone): `batchfleet webhooks enable`"
+            )
         secret = self.cfg.secret_for(d.secret_id)
         if secret is None:
             which = f"secret_id {d.secret_id!r}" if d.secret_id else "the fleet's default secret"
             return Outcome("fail", f"no webhook secret configured for {which}")
         try:
-            reply = ssrf.send(
-                d.url,
+            target = ssrf.check_url(d.url, self.policy)
+        except TargetRefused as exc:
+            return Outcome("refused", f"refused: {exc}")
+        except NetworkError as exc:  # DNS
+            return Outcome("retry", str(exc))
+        endpoint = endpoints.endpoint_of(d.url)
+        token = self.slots.acquire(endpoint, self.now_ms())
+        if token is None:
+            return Outcome("busy", f"{endpoint} has all its delivery slots in use")
+        how: Literal["answered", "timeout", "error"] = "error"
+        try:
+            reply = ssrf.post(
+                target,
                 body,
                 {
-                    **signed_headers(secret, d.webhook_id, body),
+                    **signed_headers(secret, d.webhook_id, body, now=self.clock()),
                     "Content-Type": "application/json"
                     if d.format == "json"
                     else "application/msgpack",
                     "User-Agent": USER_AGENT,
                 },
-                self.policy,
                 connect_timeout=self.cfg.connect_timeout_s,
                 read_timeout=self.cfg.read_timeout_s,
+                attempt_timeout=self.cfg.attempt_timeout_s,
                 max_response_bytes=self.cfg.max_response_bytes,
             )
-        except TargetRefused as exc:
-            return Outcome("fail", f"refused: {exc}")
+            how = "answered"
+        except AttemptTimeout as exc:
+            how = "timeout"
+            return Outcome("retry", str(exc))
         except NetworkError as exc:
             return Outcome("retry", str(exc))
-        return classify(reply.status, reply.headers.get("retry-after"), time.time())
+        finally:
+            self.slots.release(endpoint, token, how)
+        return classify(reply.status, reply.headers.get("retry-after"), self.clock())
 
-    def disable(self, d: Delivery, reason: str) -> None:
-        record = {"at_ms": int(time.time() * 1000), "webhook_id": d.webhook_id, "reason": reason}
-        self.client.hset(self.keys.disabled, d.url, json.dumps(record))
-
-    def schedule(self, d: Delivery, retries: int, delay_s: float) -> None:
-        """Park a delivery in Redis until it is due (see :mod:`.worker`)."""
+    def schedule(self, d: Delivery, retries: int, delay_s: float) -> int:
+        """Park a delivery in Redis until it is due (see :mod:`.worker`); returns the due ms."""
         member = json.dumps({"kwargs": d.model_dump(), "retries": retries}, sort_keys=True)
-        due_ms = int((time.time() + delay_s) * 1000)
+        due_ms = self.now_ms() + int(delay_s * 1000)
         self.client.zadd(self.keys.scheduled, {member: due_ms})
+        SCHEDULED.set()
+        return due_ms
+
+    def report(
+        self, d: Delivery, state: State, attempts: int, outcome: Outcome, **extra: Any
+    ) -> None:
+        """Write the delivery's status for the submitter (:mod:`.status`)."""
+        found = WebhookStatus(
+            state=state,
+            webhook_id=d.webhook_id,
+            url=d.url,
+            attempts=attempts,
+            reason=outcome.reason,
+            http_status=outcome.status,
+            updated_ms=self.now_ms(),
+            **extra,
+        )
+        ttl = self.result_ttls.get(d.model, DEFAULT_RESULT_TTL_S)
+        status.write(self.client, d.model, d.request_id, found, ttl)
+
+    def run(self, d: Delivery, retries: int) -> dict[str, Any]:
+        """One delivery attempt (attempt number ``retries + 1``) and what follows from it.
+        Returns the task's result; raises :class:`DeliveryFailed` when it gives up."""
+        attempt = retries + 1
+        try:
+            body = self.body(d)
+        except DeliveryFailed as exc:
+            self.give_up(d, b"", Outcome("fail", str(exc)), attempt)
+            raise
+        outcome = self.attempt(d, body)
+        if outcome.verdict == "busy":  # no attempt made: look for a free slot again later
+            delay = busy_wait_s(d.busy, self.cfg, self.rng)
+            self.schedule(d.model_copy(update={"busy": d.busy + 1}), retries, delay)
+            return {"webhook_id": d.webhook_id, "endpoint_busy": True, "retry_in_s": delay}
+        log = f"webhook {d.webhook_id} of {d.model}/{d.request_id} #{attempt}: {outcome.reason}"
+        if outcome.verdict == "delivered":
+            logger.info("%s: delivered", log)
+            if d.redelivery_of is not None:
+                deadletter.remove(self.client, d.redelivery_of)
+            self.report(d, "delivered", attempt, outcome)
+            return {"webhook_id": d.webhook_id, "status": outcome.status, "attempts": attempt}
+        if outcome.verdict == "retry" and attempt < self.cfg.max_attempts:
+            delay = backoff_s(attempt, self.cfg, outcome.retry_after_s, self.rng)
+            logger.info("%s: retrying in %.1fs", log, delay)
+            due_ms = self.schedule(d.model_copy(update={"busy": 0}), attempt, delay)
+            self.report(d, "scheduled", attempt, outcome, next_attempt_ms=due_ms)
+            return {"webhook_id": d.webhook_id, "retry_in_s": round(delay, 3)}
+        if outcome.verdict == "gone":
+            endpoints.disable(self.client, d.url, self.now_ms(), d.webhook_id, outcome.reason)
+        logger.warning("%s: giving up", log)
+        self.give_up(d, body, outcome, attempt)
+        raise DeliveryFailed(f"{log}: giving up")
+
+    def give_up(self, d: Delivery, body: bytes, outcome: Outcome, attempts: int) -> None:
+        """Dead-letter the delivery and report its final state."""
+        record_id = deadletter.record(
+            self.client, self.cfg, d, body, outcome.reason, outcome.status, attempts
+        )
+        state = FINAL_STATE.get(outcome.verdict, "failed")
+        self.report(d, state, attempts, outcome, dead_letter_id=record_id)
 
 
 _deliverers: dict[int, Deliverer] = {}
@@ -202,7 +319,8 @@ def deliverer_for(app: Celery) -> Deliverer:
         found = _deliverers.get(id(app))
         if found is None:
             fleet = app.batchfleet_config  # type: ignore[attr-defined]
-            found = Deliverer(fleet.webhooks, connect(fleet.redis_url))
+            ttls = {name: m.result_ttl_s for name, m in fleet.models.items()}
+            found = Deliverer(fleet.webhooks, connect(fleet.redis_url), ttls)
             _deliverers[id(app)] = found
         return found
 
@@ -212,32 +330,7 @@ def deliver(task: Task, **kwargs: Any) -> dict[str, Any]:
     d = Delivery.model_validate(kwargs)
     if d.first_attempt_ms is None:
         d = d.model_copy(update={"first_attempt_ms": int(time.time() * 1000)})
-    worker = deliverer_for(task.app)
-    attempt = task.request.retries + 1
-    try:
-        body = worker.body(d)
-    except DeliveryFailed as exc:
-        deadletter.record(worker.client, worker.cfg, d, b"", str(exc), None, attempt)
-        raise
-    outcome = worker.attempt(d, body)
-    log = f"webhook {d.webhook_id} of {d.model}/{d.request_id} attempt {attempt}: {outcome.reason}"
-    if outcome.verdict == "delivered":
-        logger.info("%s: delivered", log)
-        if d.redelivery_of is not None:
-            deadletter.remove(worker.client, d.redelivery_of)
-        return {"webhook_id": d.webhook_id, "status": outcome.status, "attempts": attempt}
-    if outcome.verdict == "retry" and attempt < worker.cfg.max_attempts:
-        delay = backoff_s(attempt, worker.cfg, outcome.retry_after_s, worker.rng)
-        logger.info("%s: retrying in %.1fs", log, delay)
-        if delay <= worker.cfg.max_countdown_s:
-            raise task.retry(kwargs=d.model_dump(), countdown=delay, max_retries=None)
-        worker.schedule(d, attempt, delay)
-        return {"webhook_id": d.webhook_id, "scheduled_in_s": round(delay, 3)}
-    if outcome.verdict == "gone":
-        worker.disable(d, outcome.reason)
-    logger.warning("%s: giving up", log)
-    deadletter.record(worker.client, worker.cfg, d, body, outcome.reason, outcome.status, attempt)
-    raise DeliveryFailed(f"{log}: giving up")
+    return deliverer_for(task.app).run(d, task.request.retries or 0)
 
 
 def register(app: Celery) -> Task:

@@ -6,6 +6,7 @@ plus a step that moves due deliveries from ``bf:webhooks:scheduled`` back onto t
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import logging
 import os
@@ -19,33 +20,55 @@ from celery import Celery, bootsteps
 from ..config import FleetConfig
 from ..connection import connect
 from ..schemas.keys import WEBHOOK_QUEUE, WebhookKeys
-from .tasks import TASK_NAME
+from .tasks import SCHEDULED, TASK_NAME
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+"""Longest sleep of the scheduler: entries other workers schedule are seen within this."""
+CLAIM_LEASE_MS = 30_000
+"""A claimed entry is due again after this unless its worker queued and removed it."""
+CLAIM_LIMIT = 100
+
+_CLAIM = importlib.resources.files(__package__).joinpath("lua", "claim_due.lua").read_text()
 
 
-def release_due(client: redis.Redis, app: Celery, now_ms: int, limit: int = 100) -> int:
-    """Queue the scheduled deliveries due by ``now_ms``; returns how many were queued.
+class Scheduler:
+    """Moves due deliveries from ``bf:webhooks:scheduled`` onto the ``webhooks`` queue.
 
-    ``ZREM`` decides which worker releases an entry, so with many workers each goes once.
+    Claiming is a script that pushes a due entry's score a lease into the future; the entry is
+    removed only once its task is queued, so a worker killed in between loses nothing (another
+    releases it when the lease ends). With many workers each entry is claimed by one.
     """
-    key = WebhookKeys().scheduled
-    released = 0
-    for member in client.zrangebyscore(key, "-inf", now_ms, start=0, num=limit):
-        if client.zrem(key, member) != 1:
-            continue  # another worker took it
-        entry = json.loads(member)
-        app.send_task(
-            TASK_NAME, kwargs=entry["kwargs"], retries=entry["retries"], queue=WEBHOOK_QUEUE
-        )
-        released += 1
-    return released
+
+    def __init__(self, client: redis.Redis, app: Celery) -> None:
+        self.client = client
+        self.app = app
+        self.key = WebhookKeys().scheduled
+        self._claim = client.register_script(_CLAIM)
+
+    def release_due(self, now_ms: int) -> tuple[int, int | None]:
+        """Queue the deliveries due by ``now_ms``: how many, and when the next one is due."""
+        claimed, first = self._claim(keys=[self.key], args=[now_ms, CLAIM_LIMIT, CLAIM_LEASE_MS])
+        for member in claimed:
+            entry = json.loads(member)
+            self.app.send_task(
+                TASK_NAME, kwargs=entry["kwargs"], retries=entry["retries"], queue=WEBHOOK_QUEUE
+            )
+            self.client.zrem(self.key, member)
+        return len(claimed), None if first is None else int(float(first))
+
+    def pause_s(self, released: int, next_due_ms: int | None, now_ms: int) -> float:
+        """How long to sleep before looking again."""
+        if released >= CLAIM_LIMIT:
+            return 0.0
+        if next_due_ms is None:
+            return POLL_S
+        return min(POLL_S, max(0.01, (next_due_ms - now_ms) / 1000))
 
 
 class SchedulerStep(bootsteps.StartStopStep):
-    """Polls the scheduled set on a thread while the worker runs."""
+    """Runs the :class:`Scheduler` on a thread while the worker runs."""
 
     requires = {"celery.worker.components:Pool"}
 
@@ -56,21 +79,26 @@ class SchedulerStep(bootsteps.StartStopStep):
 
     def start(self, worker: Any) -> None:
         fleet: FleetConfig = worker.app.batchfleet_config
-        client = connect(fleet.redis_url)
+        scheduler = Scheduler(connect(fleet.redis_url), worker.app)
         self.thread = threading.Thread(
-            target=self._run, args=(worker.app, client), name="webhook-scheduler", daemon=True
+            target=self._run, args=(scheduler,), name="webhook-scheduler", daemon=True
         )
         self.thread.start()
 
-    def _run(self, app: Celery, client: redis.Redis) -> None:
-        while not self.stopping.wait(POLL_S):
+    def _run(self, scheduler: Scheduler) -> None:
+        while not self.stopping.is_set():
+            SCHEDULED.clear()  # before looking: a delivery scheduled from now on wakes us
+            now_ms = int(time.time() * 1000)
             try:
-                release_due(client, app, int(time.time() * 1000))
+                released, next_due = scheduler.release_due(now_ms)
             except Exception:
                 logger.exception("webhook scheduler: releasing due deliveries failed")
+                released, next_due = 0, None
+            SCHEDULED.wait(scheduler.pause_s(released, next_due, now_ms))
 
     def stop(self, worker: Any) -> None:
         self.stopping.set()
+        SCHEDULED.set()
         if self.thread is not None:
             self.thread.join(5)
 
@@ -89,13 +117,15 @@ def run_worker(
     fleet: FleetConfig, *, name: str | None = None, concurrency: int | None = None, loglevel: str
 ) -> int:
     """Run a webhooks worker until SIGTERM/SIGINT."""
+    if concurrency:  # the slow lane is sized from it (see endpoints)
+        fleet.webhooks.concurrency = concurrency
     app = create_webhooks_app(fleet)
     name = name or f"webhooks-{os.getpid()}"
     app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={concurrency or fleet.webhooks.concurrency}",
+            f"--concurrency={fleet.webhooks.concurrency}",
             f"--loglevel={loglevel}",
             f"--hostname={name if '@' in name else f'{name}@%h'}",
             f"--queues={WEBHOOK_QUEUE}",
