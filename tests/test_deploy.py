@@ -19,7 +19,7 @@ import pytest
 import redis
 import yaml
 from batchfleet.producer import Producer
-from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
 from batchfleet.worker.streams import Finish, ModelStreams
 
 from batchfleet.config import load_config
@@ -292,6 +292,14 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
             with pytest.raises(redis.exceptions.NoPermissionError):
                 forbidden()
     assert streams.reclaim(100_000, 10, suspects=True) == []
+    # what the intake, the sink and the webhooks workers do besides
+    streams.heartbeat(1)
+    assert "w1" in streams.live_consumers(2, 10) and streams.holders() == {}
+    streams.append_partial("gen-1", b"\x80", 60)
+    assert streams.depths() == ([0, 0, 0], [0, 0, 0])
+    scheduled = WebhookKeys().scheduled
+    worker.zadd(scheduled, {"d1": 1})
+    assert worker.zrangebyscore(scheduled, 0, 2) == [b"d1"] and worker.pexpire(scheduled, 1000)
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker.flushall()
     with pytest.raises(redis.exceptions.NoPermissionError):
