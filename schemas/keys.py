@@ -74,6 +74,13 @@ class ModelKeys:
         """A string holding the model's lane count, written by workers for producers."""
         return f"{self.tag}:lanes"
 
+    def lane_of(self, stream: str) -> int | None:
+        """The lane number of one of this model's lane streams (as :meth:`lane` names it),
+        else None: dead letters name their source stream."""
+        head = f"{self.tag}:lane:"
+        tail = stream.removeprefix(head)
+        return int(tail) if tail != stream and tail.isdigit() and len(tail) < 4 else None
+
 
 LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
 """SCAN pattern matching every model's lanes key: the models a fleet serves."""
