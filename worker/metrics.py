@@ -29,9 +29,11 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .. import fleetview
 from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
 from ..connection import connect
+from ..schemas.errors import ErrorCode
 from ..schemas.keys import GROUP, ModelKeys
 from .observers import Answered, LoopObserver
 
@@ -41,6 +43,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = tuple(2**i for i in range(4, 18))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+STATUSES = ("ok", "error", "expired")
+"""The values of a result's ``status``."""
 
 
 class Metrics:
@@ -110,6 +114,18 @@ class Metrics:
         self.oom = counter(
             "batchfleet_out_of_memory", "Micro-batches that ran out of device memory.", ["model"]
         )
+
+    def init_model(self, model: str, lanes: int) -> None:
+        """Create a model's counter series at 0, so that they exist before their first event:
+        Grafana panels are not empty and ``rate()`` and alerts see a series from the start."""
+        for lane in range(lanes):
+            for status in STATUSES:
+                self.results.labels(model, str(lane), status)
+        for code in ErrorCode:
+            self.errors.labels(model, code.value)
+            self.dead_letters.labels(model, code.value)
+        self.oom.labels(model)
+        self.rows.labels(model)
 
 
 class PrometheusObserver(LoopObserver):
@@ -200,8 +216,15 @@ class StreamCollector(Collector):
         workers = GaugeMetricFamily(
             "batchfleet_model_workers", "Workers with a fresh heartbeat.", labels=["model"]
         )
+        dead = GaugeMetricFamily(
+            "batchfleet_dead_letter_stream_length",
+            "Entries in a model's dead-letter stream (until replayed or purged).",
+            labels=["model"],
+        )
         try:
-            rows = read_lanes(self.client, self.models)
+            rows = fleetview.read_lanes(self.client, self.models)
+            live = fleetview.live_workers(self.client, list(self.models))
+            dead_letters = fleetview.dead_letter_counts(self.client, list(self.models))
         except redis.RedisError as exc:
             logger.warning("metrics: redis unreachable: %s", exc)
             return
@@ -211,9 +234,11 @@ class StreamCollector(Collector):
             pending.add_metric(labels, row.pending)
             lag.add_metric(labels, row.lag)
             oldest.add_metric(labels, row.oldest_s)
-        for model, n in live_workers(self.client, list(self.models)).items():
+        for model, n in live.items():
             workers.add_metric([model], n)
-        yield from (length, pending, lag, oldest, workers)
+        for model, n in dead_letters.items():
+            dead.add_metric([model], n)
+        yield from (length, pending, lag, oldest, workers, dead)
         yield from _device_memory()
 
 
@@ -317,6 +342,8 @@ class MetricsServer:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.metrics = Metrics(self.registry)
+        for model, lanes in models.items():
+            self.metrics.init_model(model, lanes)
         self.client = connect(fleet.redis_url, socket_timeout=5.0)
         self.registry.register(StreamCollector(self.client, models))
         self.port = self._serve(fleet.metrics)
