@@ -33,6 +33,8 @@ from .remote import inspect_stats
 
 STALE_S = 10.0
 """A worker whose heartbeat is older than this is shown as stale."""
+STATUS_COLUMNS = {"ok": "ok", "errors": "error", "expired": "expired"}
+"""Column → the result status it counts (expired apart from errors: a capacity problem)."""
 
 
 @dataclass
@@ -70,9 +72,10 @@ class FleetStatus:
                         "model": ms.model,
                         "state": info.get("state", "?") if age <= STALE_S else "stale",
                         "requests_per_s": info.get("requests_per_s"),
-                        "ok": requests.get("ok"),
-                        "errors": requests.get("error"),
-                        "expired": requests.get("expired"),
+                        **{
+                            column: requests.get(status, 0) if info else None
+                            for column, status in STATUS_COLUMNS.items()
+                        },
                         "batches": info.get("batches"),
                         "mean_batch_rows": info.get("mean_batch_rows"),
                         "heartbeat_age_s": round(age, 3),
