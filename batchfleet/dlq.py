@@ -107,8 +107,12 @@ def replay(
     report = ReplayReport()
     for dead in _select(client, model, ids):
         lane = keys.lane_of(dead.source)
-        if lane is None:
-            report.refused[dead.id] = f"its source {dead.source!r} is not a lane of {model!r}"
+        if lane is None or not dead.original:
+            report.refused[dead.id] = (
+                f"its source {dead.source!r} is not a lane of {model!r}"
+                if lane is None
+                else "it holds no original entry"
+            )
             continue
         rid = dead.request_id
         script_keys = [keys.lane(lane), keys.max_depth, keys.dead]

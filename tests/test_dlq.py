@@ -74,3 +74,13 @@ def test_list_json_has_full_ids(
     listed = json.loads(capsys.readouterr().out)
     assert [d["id"] for d in listed] == ids
     assert listed[0]["request_id"] == "dead-0" and listed[0]["source"] == KEYS.lane(1)
+
+
+def test_entries_that_cannot_go_back_are_refused_with_the_reason(r: redis.Redis) -> None:
+    elsewhere = r.xadd(KEYS.dead, {"source": "bf:{other}:lane:0", "orig_json": "{}"}).decode()
+    empty = r.xadd(KEYS.dead, {"source": KEYS.lane(0), "code": "malformed"}).decode()
+    report = dlq.replay(r, MODEL)
+    assert report.replayed == [] and set(report.refused) == {elsewhere, empty}
+    assert "is not a lane of 'tiny'" in report.refused[elsewhere]
+    assert "no original entry" in report.refused[empty]
+    assert r.xlen(KEYS.dead) == 2
