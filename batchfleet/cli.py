@@ -197,9 +197,10 @@ def _flower(args: argparse.Namespace) -> int:
         env["BATCHFLEET_CONFIG"] = os.path.abspath(args.config)
     if args.redis_url:
         env["REDIS_URL"] = args.redis_url
-    argv = ["celery", "-A", "batchfleet.worker.app", "flower",
+    # `python -m celery` of this interpreter: a venv's `celery` need not be on PATH
+    argv = [sys.executable, "-m", "celery", "-A", "batchfleet.remote", "flower",
             f"--port={args.port}", f"--address={args.address}", *args.flower_args]  # fmt: skip
-    os.execvpe(argv[0], argv, env)
+    os.execve(sys.executable, argv, env)
     return 1  # not reached
 
 

@@ -1,8 +1,9 @@
-"""Talking to running workers from outside (CLI, scripts): Celery broadcasts and inspect.
+"""Talking to running workers from outside (CLI, scripts, Flower): broadcasts and inspect.
 
 Torch-free: a bare Celery client app on the fleet's broker, never the worker's app, so
-``batchfleet pause`` starts in well under a second. The control commands themselves
-(``bf_pause`` …) are defined in :mod:`batchfleet.worker.control`.
+``batchfleet pause`` starts in well under a second, and ``celery -A batchfleet.remote
+flower`` (what ``batchfleet flower`` runs) does not load torch. The control commands
+themselves (``bf_pause`` …) are defined in :mod:`batchfleet.worker.control`.
 """
 
 from __future__ import annotations
@@ -93,3 +94,16 @@ def parse_settings(items: Sequence[str]) -> dict[str, Any]:
             value = [value]
         out[key.strip()] = value
     return out
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A batchfleet.remote flower` looks up `app`: the fleet's broker, from the
+    # environment (BATCHFLEET_CONFIG, REDIS_URL, BATCHFLEET_BROKER_URL) as workers read it.
+    if name == "app":
+        from .config import load_config
+
+        global app
+        app = Celery("batchfleet", broker=load_config().celery_broker_url(), set_as_current=False)
+        app.conf.update(SERIALIZERS)
+        return app
+    raise AttributeError(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,10 +69,14 @@ def test_non_model_commands_leave_torch_and_transformers_unimported(
         assert rc in (0, 1), f"`batchfleet {' '.join(argv)}` exited {rc}: {proc.stderr[-2000:]}"
 
 
-def test_status_and_top_modules_are_light() -> None:
+def test_status_top_and_flower_modules_are_light(redis_url: str) -> None:
     code = (
         "import sys, batchfleet.status, batchfleet.trace, batchfleet.remote, batchfleet.dlq;"
+        "assert batchfleet.remote.app.conf.broker_url.startswith('redis://');"  # Flower's app
         f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = dict(os.environ, REDIS_URL=redis_url)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.strip() == "[]"

@@ -93,14 +93,18 @@ def flower(redis_url: str, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     env = dict(os.environ, REDIS_URL=redis_url, FLOWER_UNAUTHENTICATED_API="true")
     log = (tmp_path / "flower.log").open("wb")
+    # `batchfleet flower` runs `celery -A batchfleet.remote flower`: a torch-free app
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "batchfleet.worker.app", "flower",
-         f"--port={port}", "--address=127.0.0.1"],
+        [sys.executable, "-m", "batchfleet", "flower", "--port", str(port),
+         "--address", "127.0.0.1"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: get_json(f"{url}/api/workers") is not None, 30, "flower to listen")
+        maps = Path(f"/proc/{proc.pid}/maps")
+        if maps.exists():
+            assert "libtorch" not in maps.read_text(), "Flower loaded torch"
         yield url
     finally:
         proc.terminate()
