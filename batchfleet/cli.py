@@ -77,10 +77,14 @@ def _dlq(args: argparse.Namespace) -> int:
     console = Console()
     ids = args.ids or None
     if args.action == "list":
+        dead = dlq.list_dead(client, args.model, args.count)
+        if args.json:
+            print(json.dumps([d.to_json() for d in dead], indent=2))
+            return 0
         table = Table(title=f"dead letters of {args.model}")
         for col in ("id", "request", "code", "reason", "source", "worker"):
-            table.add_column(col)
-        for d in dlq.list_dead(client, args.model, args.count):
+            table.add_column(col, no_wrap=col == "id")
+        for d in dead:
             table.add_row(d.id, d.request_id or "-", d.code, d.reason[:80], d.source, d.worker)
         console.print(table)
         return 0
@@ -89,11 +93,26 @@ def _dlq(args: argparse.Namespace) -> int:
         return 2
     if args.action == "replay":
         report = dlq.replay(client, args.model, ids, force=args.force)
-        console.print(f"replayed {len(report.replayed)}, skipped {len(report.skipped)} "
-                      "(already answered; --force replaces their result)")  # fmt: skip
-        return 0
+        print(f"replayed {len(report.replayed)}, skipped {len(report.skipped)} (already "
+              f"answered; --force replaces their result), refused {len(report.refused)}")  # fmt: skip
+        for dead_id, why in report.refused.items():
+            print(f"  {dead_id} stays a dead letter: {why}")
+        return 1 if report.refused else 0
     console.print(f"purged {dlq.purge(client, args.model, ids)}")
     return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from .connection import connect
+    from .trace import render, trace
+
+    client = connect(_url(args))
+    try:
+        found = trace(client, args.model, args.request_id, max_scan=args.max_scan)
+    finally:
+        client.close()
+    print(json.dumps(found.to_json(), indent=2) if args.json else render(found))
+    return 1 if found.state == "unknown" else 0
 
 
 def _webhooks_worker(args: argparse.Namespace) -> int:
@@ -123,14 +142,15 @@ def _webhooks_list_failed(args: argparse.Namespace) -> int:
 def _webhooks_redeliver(args: argparse.Namespace) -> int:
     from .config import load_config
     from .connection import connect
+    from .remote import client_app
     from .webhooks.deadletter import redeliver
-    from .worker.app import create_app
 
     fleet = load_config(args.config)
     if not args.ids and not args.all:
         print("give record ids (from list-failed) or --all", file=sys.stderr)
         return 2
-    queued = redeliver(connect(fleet.redis_url), create_app(fleet), args.ids, count=args.count)
+    with client_app(fleet.celery_broker_url()) as app:
+        queued = redeliver(connect(fleet.redis_url), app, args.ids, count=args.count)
     for record_id in queued:
         print(record_id)
     missing = len(args.ids) - len(queued) if args.ids else 0
@@ -189,7 +209,13 @@ def _status(args: argparse.Namespace) -> int:
     from .status import print_status
 
     try:
-        print_status(_url(args), args.model, workers=not args.no_workers)
+        print_status(
+            _url(args),
+            args.model,
+            workers=not args.no_workers,
+            broker_url=_broker(args),
+            as_json=args.json,
+        )
     except redis.ConnectionError as exc:
         print(f"cannot reach Redis: {exc}", file=sys.stderr)
         return 1
@@ -200,7 +226,7 @@ def _top(args: argparse.Namespace) -> int:
     from .status import top
 
     with contextlib.suppress(KeyboardInterrupt):
-        top(_url(args), args.model, interval=args.interval)
+        top(_url(args), args.model, interval=args.interval, broker_url=_broker(args))
     return 0
 
 
@@ -211,14 +237,15 @@ def _flower(args: argparse.Namespace) -> int:
         env["BATCHFLEET_CONFIG"] = os.path.abspath(args.config)
     if args.redis_url:
         env["REDIS_URL"] = args.redis_url
-    argv = ["celery", "-A", "batchfleet.worker.app", "flower",
+    # `python -m celery` of this interpreter: a venv's `celery` need not be on PATH
+    argv = [sys.executable, "-m", "celery", "-A", "batchfleet.remote", "flower",
             f"--port={args.port}", f"--address={args.address}", *args.flower_args]  # fmt: skip
-    os.execvpe(argv[0], argv, env)
+    os.execve(sys.executable, argv, env)
     return 1  # not reached
 
 
 def _control(args: argparse.Namespace) -> int:
-    from .worker.control import parse_settings, send
+    from .remote import parse_settings, send
 
     arguments: dict[str, object] = {"model": args.model}
     if args.command == "policy":
@@ -229,7 +256,7 @@ def _control(args: argparse.Namespace) -> int:
             return 2
         arguments["settings"] = args.settings
     replies = send(
-        _url(args),
+        _broker(args),
         f"bf_{args.command}",
         arguments,
         destination=args.destination,
@@ -249,6 +276,15 @@ def _url(args: argparse.Namespace) -> str:
     if args.redis_url:
         return str(args.redis_url)
     return load_config(args.config).redis_url
+
+
+def _broker(args: argparse.Namespace) -> str:
+    """Where workers listen for broadcasts: ``--redis-url``, else the fleet's broker."""
+    from .config import load_config
+
+    if args.redis_url:
+        return str(args.redis_url)
+    return load_config(args.config).celery_broker_url()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--all", action="store_true", help="replay/purge every dead letter")
     q.add_argument("--force", action="store_true", help="replay even answered requests")
     q.add_argument("--count", type=int, default=100)
+    q.add_argument("--json", action="store_true", help="list: a JSON array (full ids)")
     q.add_argument("--redis-url", default=None)
     q.set_defaults(func=_dlq)
     h = sub.add_parser("webhooks", help="webhook delivery: worker, failed deliveries")
@@ -341,7 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     where(st)
     st.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
     st.add_argument("--no-workers", action="store_true", help="skip `celery inspect stats`")
+    st.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     st.set_defaults(func=_status)
+
+    tr = sub.add_parser("trace", help="a request's journey: lane, worker, batch, timings, result")
+    where(tr)
+    tr.add_argument("model")
+    tr.add_argument("request_id")
+    tr.add_argument("--json", action="store_true", help="one JSON document")
+    tr.add_argument("--max-scan", type=int, default=100_000, help="entries searched per stream")
+    tr.set_defaults(func=_trace)
 
     tp = sub.add_parser("top", help="`status`, refreshed live (Ctrl-C to quit)")
     where(tp)
@@ -367,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("model", nargs=None if name == "policy" else "?", help="model (default all)")
         if name == "policy":
             c.add_argument("settings", nargs="+", help="e.g. max_batch_size=8 max_wait_ms=2")
-        c.add_argument("--destination", "-d", action="append", help="only this worker hostname")
+        c.add_argument("--destination", "-d", action="append",
+                       help="only this worker: hostname (NAME@HOST) or name, as `status` shows")  # fmt: skip
         c.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for replies")
         c.set_defaults(func=_control)
     return parser

@@ -64,8 +64,12 @@ def _redis(url: str | None, console: Console) -> Iterator[str]:
         console.print(f"Using Redis at [bold]{url}[/]")
         yield url
         return
-    with LocalRedis() as local:
-        console.print(f"Started a local redis-server at [bold]{local}[/]")
+    server = LocalRedis()
+    with server as local:
+        kind = server.binaries.kind
+        console.print(
+            f"Started a local {kind} server at [bold]{local}[/] ({server.binaries.server})"
+        )
         yield local
 
 

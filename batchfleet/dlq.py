@@ -1,14 +1,22 @@
-"""Operators' view of a model's dead-letter stream: list, replay, purge."""
+"""Operators' view of a model's dead-letter stream: list, replay, purge.
+
+A replay goes through ``lua/replay.lua``: like a producer's submit it respects the lane's
+maximum depth, and it moves the entry atomically (no copy left behind, none lost).
+"""
 
 from __future__ import annotations
 
+import importlib.resources
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
 from .schemas.codec import envelope_of
 from .schemas.keys import ModelKeys
+
+REPLAY_LUA = importlib.resources.files(__package__).joinpath("lua", "replay.lua").read_text()
 
 ORIG = b"orig_"
 
@@ -28,6 +36,18 @@ class DeadLetter:
     @property
     def request_id(self) -> str | None:
         return envelope_of(self.original).id
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``batchfleet dlq list --json`` prints for it (full ids, no original body)."""
+        return {
+            "id": self.id,
+            "request_id": self.request_id,
+            "code": self.code,
+            "reason": self.reason,
+            "source": self.source,
+            "source_id": self.source_id,
+            "worker": self.worker,
+        }
 
 
 def _parse(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
@@ -69,30 +89,48 @@ class ReplayReport:
     """Dead-letter ids put back on their lane (new entries)."""
     skipped: list[str] = field(default_factory=list)
     """Dead-letter ids left alone: their request already has a result (use ``force``)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Dead-letter id → why it stayed: its lane is full (max depth), or it has no lane."""
 
 
 def replay(
     client: redis.Redis, model: str, ids: Sequence[str] | None = None, *, force: bool = False
 ) -> ReplayReport:
-    """Put dead letters back on the lane they came from, as new entries.
+    """Put dead letters back on the lane they came from, as new entries, while the lane is
+    below its maximum depth; the others stay dead letters (``report.refused`` says why).
 
     A request that was answered (say with a ``poisoned`` error) keeps that result unless
     ``force`` deletes it first, so the replay can store a new one.
     """
     keys = ModelKeys(model)
+    script = client.register_script(REPLAY_LUA)
     report = ReplayReport()
     for dead in _select(client, model, ids):
+        lane = keys.lane_of(dead.source)
+        if lane is None or not dead.original:
+            report.refused[dead.id] = (
+                f"its source {dead.source!r} is not a lane of {model!r}"
+                if lane is None
+                else "it holds no original entry"
+            )
+            continue
         rid = dead.request_id
-        if rid is not None and client.exists(keys.result(rid)):
-            if not force:
-                report.skipped.append(dead.id)
-                continue
-            client.delete(keys.result(rid))
-        pipe = client.pipeline(transaction=True)
-        pipe.xadd(dead.source, dead.original)
-        pipe.xdel(keys.dead, dead.id)
-        pipe.execute()
-        report.replayed.append(dead.id)
+        script_keys = [keys.lane(lane), keys.max_depth, keys.dead]
+        if rid is not None:
+            script_keys.append(keys.result(rid))
+        flat = [part for item in dead.original.items() for part in item]
+        try:
+            verdict, _ = script(keys=script_keys, args=[dead.id, int(force), *flat])
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("QUEUEFULL"):
+                raise
+            report.refused[dead.id] = f"lane {lane} is full: {exc}"
+            continue
+        verdict = verdict.decode() if isinstance(verdict, bytes) else verdict
+        if verdict == "replayed":
+            report.replayed.append(dead.id)
+        elif verdict == "answered":
+            report.skipped.append(dead.id)
     return report
 
 

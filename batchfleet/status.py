@@ -2,14 +2,17 @@
 
 Queue state comes from Redis alone (lane streams, the consumer group, the workers'
 heartbeat hash, the dead-letter stream), so it works with no worker running. Per-worker
-throughput, error ratio and state come from ``celery inspect stats`` when workers answer.
+throughput, answered requests by status (ok, error, expired) and state come from ``celery
+inspect stats`` when workers answer; a worker shows as its Celery hostname then, which
+``-d`` takes (a bare ``--name`` works there too).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -18,11 +21,20 @@ from rich.live import Live
 from rich.table import Table
 
 from .connection import connect
-from .schemas.keys import LANES_KEY_PATTERN, ModelKeys, model_of_lanes_key
-from .worker.metrics import LaneRow, heartbeats, read_lanes
+from .fleetview import (
+    LaneRow,
+    dead_letter_counts,
+    discover_models,
+    heartbeats,
+    lane_counts,
+    read_lanes,
+)
+from .remote import inspect_stats
 
 STALE_S = 10.0
 """A worker whose heartbeat is older than this is shown as stale."""
+STATUS_COLUMNS = {"ok": "ok", "errors": "error", "expired": "expired"}
+"""Column → the result status it counts (expired apart from errors: a capacity problem)."""
 
 
 @dataclass
@@ -40,15 +52,52 @@ class FleetStatus:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Celery hostname → its ``inspect stats`` ``batchfleet`` section (model → info)."""
 
+    def worker_rows(self) -> list[dict[str, Any]]:
+        """One row per (worker, model): heartbeat from Redis, the rest from ``inspect stats``.
+        ``worker`` is the Celery hostname when the worker answered (a ``-d`` destination),
+        else its consumer name (which ``-d`` accepts too)."""
+        by_consumer: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        for host, models in self.workers.items():
+            for model, info in models.items():
+                by_consumer[(info.get("consumer", host), model)] = (host, info)
+        rows = []
+        for ms in self.models:
+            for name, age in sorted(ms.workers.items()):
+                host, info = by_consumer.get((name, ms.model), (name, {}))
+                requests = info.get("requests", {})
+                rows.append(
+                    {
+                        "worker": host,
+                        "consumer": name,
+                        "model": ms.model,
+                        "state": info.get("state", "?") if age <= STALE_S else "stale",
+                        "requests_per_s": info.get("requests_per_s"),
+                        **{
+                            column: requests.get(status, 0) if info else None
+                            for column, status in STATUS_COLUMNS.items()
+                        },
+                        "batches": info.get("batches"),
+                        "mean_batch_rows": info.get("mean_batch_rows"),
+                        "heartbeat_age_s": round(age, 3),
+                    }
+                )
+        return rows
 
-def discover_models(client: redis.Redis) -> list[str]:
-    """Every model some worker has served on this Redis (from the lanes keys)."""
-    found = set()
-    for key in client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
-        model = model_of_lanes_key(key.decode() if isinstance(key, bytes) else key)
-        if model:
-            found.add(model)
-    return sorted(found)
+    def to_json(self) -> dict[str, Any]:
+        """What ``batchfleet status --json`` prints."""
+        return {
+            "models": [
+                {
+                    "model": ms.model,
+                    "dead_letters": ms.dead_letters,
+                    "lanes": [
+                        {k: v for k, v in asdict(row).items() if k != "model"} for row in ms.lanes
+                    ],
+                }
+                for ms in self.models
+            ],
+            "workers": self.worker_rows(),
+        }
 
 
 def collect(client: redis.Redis, models: Sequence[str] | None = None) -> list[ModelStatus]:
@@ -56,42 +105,27 @@ def collect(client: redis.Redis, models: Sequence[str] | None = None) -> list[Mo
     names = list(models) if models else discover_models(client)
     if not names:
         return []
-    pipe = client.pipeline(transaction=False)
-    for m in names:
-        keys = ModelKeys(m)
-        pipe.get(keys.lanes_key)
-        pipe.xlen(keys.dead)
-    replies = pipe.execute()
-    lanes = {m: int(replies[2 * i] or 3) for i, m in enumerate(names)}
-    dead = {m: int(replies[2 * i + 1]) for i, m in enumerate(names)}
-    rows = read_lanes(client, lanes)
+    rows = read_lanes(client, lane_counts(client, names))
     beats = heartbeats(client, names)
+    dead = dead_letter_counts(client, names)
     return [ModelStatus(m, [r for r in rows if r.model == m], beats[m], dead[m]) for m in names]
 
 
-def inspect_workers(redis_url: str, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
-    """``celery inspect stats`` of every batchfleet worker that answers within ``timeout``."""
-    from celery import Celery
-
-    app = Celery("batchfleet-status", broker=redis_url, set_as_current=False)
-    app.conf.update(accept_content=["json", "msgpack"], event_serializer="json")
-    try:
-        replies = app.control.inspect(timeout=timeout).stats() or {}
-    finally:
-        app.close()
-    return {host: info["batchfleet"] for host, info in replies.items() if "batchfleet" in info}
-
-
 def gather(
-    redis_url: str, models: Sequence[str] | None = None, *, workers: bool = True
+    redis_url: str,
+    models: Sequence[str] | None = None,
+    *,
+    workers: bool = True,
+    broker_url: str | None = None,
 ) -> FleetStatus:
+    """Queue state from ``redis_url``; worker stats through ``broker_url`` (default the same)."""
     client = connect(redis_url)
     try:
         status = FleetStatus(collect(client, models))
     finally:
         client.close()
     if workers:
-        status.workers = inspect_workers(redis_url)
+        status.workers = inspect_stats(broker_url or redis_url)
     return status
 
 
@@ -120,27 +154,20 @@ def render(status: FleetStatus) -> Group:
                 str(ms.dead_letters) if i == 0 else "",
             )
     workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "model", "state", "req/s (1m)", "errors", "batches", "mean rows",
-                "heartbeat"):  # fmt: skip
+    for col in ("worker", "model", "state", "req/s (1m)", "ok", "errors", "expired", "batches",
+                "mean rows", "heartbeat"):  # fmt: skip
         workers.add_column(col, justify="left" if col in ("worker", "model", "state") else "right")
-    by_consumer: dict[tuple[str, str], dict[str, Any]] = {}
-    for host, models in status.workers.items():
-        for model, info in models.items():
-            by_consumer[(info.get("consumer", host), model)] = info
-    for ms in status.models:
-        for name, age in sorted(ms.workers.items()):
-            info = by_consumer.get((name, ms.model), {})
-            state = info.get("state", "?") if age <= STALE_S else "stale"
-            workers.add_row(
-                name,
-                ms.model,
-                state,
-                f"{info['requests_per_s']:.1f}" if "requests_per_s" in info else "-",
-                f"{info['error_ratio']:.1%}" if "error_ratio" in info else "-",
-                str(info.get("batches", "-")),
-                str(info.get("mean_batch_rows", "-")),
-                _age(age) + " ago",
-            )
+    for w in status.worker_rows():
+        rate = w["requests_per_s"]
+        workers.add_row(
+            w["worker"],
+            w["model"],
+            w["state"],
+            "-" if rate is None else f"{rate:.1f}",
+            *("-" if w[k] is None else str(w[k]) for k in ("ok", "errors", "expired", "batches")),
+            "-" if w["mean_batch_rows"] is None else str(w["mean_batch_rows"]),
+            _age(w["heartbeat_age_s"]) + " ago",
+        )
     if not status.models:
         return Group("no models found on this Redis (no worker has started yet)")
     return Group(streams, workers)
@@ -151,11 +178,17 @@ def print_status(
     models: Sequence[str] | None = None,
     *,
     workers: bool = True,
+    broker_url: str | None = None,
     console: Console | None = None,
+    as_json: bool = False,
 ) -> FleetStatus:
-    """``batchfleet status``: print the tables once."""
-    status = gather(redis_url, models, workers=workers)
-    (console or Console()).print(render(status))
+    """``batchfleet status``: print the tables (or one JSON document) once."""
+    status = gather(redis_url, models, workers=workers, broker_url=broker_url)
+    out = console or Console()
+    if as_json:
+        out.out(json.dumps(status.to_json(), indent=2), highlight=False)
+    else:
+        out.print(render(status))
     return status
 
 
@@ -165,11 +198,16 @@ def top(
     *,
     interval: float = 2.0,
     iterations: int | None = None,
+    broker_url: str | None = None,
 ) -> None:
     """``batchfleet top``: the same tables, refreshed every ``interval`` seconds."""
     done = 0
-    with Live(render(gather(redis_url, models)), refresh_per_second=4, screen=False) as live:
+
+    def view() -> Group:
+        return render(gather(redis_url, models, broker_url=broker_url))
+
+    with Live(view(), refresh_per_second=4, screen=False) as live:
         while iterations is None or done < iterations:
             time.sleep(interval)
-            live.update(render(gather(redis_url, models)))
+            live.update(view())
             done += 1

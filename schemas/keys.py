@@ -83,6 +83,13 @@ class ModelKeys:
         the result's TTL; the result itself never changes once stored)."""
         return f"{self.tag}:webhook:{request_id}"
 
+    def lane_of(self, stream: str) -> int | None:
+        """The lane number of one of this model's lane streams (as :meth:`lane` names it),
+        else None: dead letters name their source stream."""
+        head = f"{self.tag}:lane:"
+        tail = stream.removeprefix(head)
+        return int(tail) if tail != stream and tail.isdigit() and len(tail) < 4 else None
+
 
 LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
 """SCAN pattern matching every model's lanes key: the models a fleet serves."""

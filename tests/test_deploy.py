@@ -258,6 +258,7 @@ def acl_redis() -> Iterator[int]:
             proc.wait(5)
 
 
+@pytest.mark.server
 def test_redis_conf_has_aof_and_noeviction(acl_redis: int) -> None:
     admin = redis.Redis(port=acl_redis, username="celery", password="CHANGE_ME_celery")
     assert admin.info("persistence")["aof_enabled"] == 1
@@ -266,6 +267,7 @@ def test_redis_conf_has_aof_and_noeviction(acl_redis: int) -> None:
         redis.Redis(port=acl_redis).ping()  # the default user is off
 
 
+@pytest.mark.server
 def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
     worker = connect(base.format("worker:CHANGE_ME_worker"))

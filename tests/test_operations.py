@@ -18,7 +18,6 @@ import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.worker.app import create_app
-from batchfleet.worker.control import parse_settings
 from conftest import WorkerProcess, fleet_toml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -26,6 +25,7 @@ from rich.console import Console
 from batchfleet import cli
 from batchfleet.config import load_config
 from batchfleet.redis_server import free_port
+from batchfleet.remote import parse_settings
 from batchfleet.status import print_status
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,14 +93,18 @@ def flower(redis_url: str, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     env = dict(os.environ, REDIS_URL=redis_url, FLOWER_UNAUTHENTICATED_API="true")
     log = (tmp_path / "flower.log").open("wb")
+    # `batchfleet flower` runs `celery -A batchfleet.remote flower`: a torch-free app
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "batchfleet.worker.app", "flower",
-         f"--port={port}", "--address=127.0.0.1"],
+        [sys.executable, "-m", "batchfleet", "flower", "--port", str(port),
+         "--address", "127.0.0.1"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: get_json(f"{url}/api/workers") is not None, 30, "flower to listen")
+        maps = Path(f"/proc/{proc.pid}/maps")
+        if maps.exists():
+            assert "libtorch" not in maps.read_text(), "Flower loaded torch"
         yield url
     finally:
         proc.terminate()
@@ -215,12 +219,15 @@ def test_control_metrics_and_status_change_and_show_what_the_worker_does(
         (1, 12, 12),
         (2, 3, 3),
     ]
-    assert "ctl" in text and "paused" in text
+    assert f"ctl@{HOST}" in text and "paused" in text
+    (row,) = status.to_json()["workers"]
+    assert (row["worker"], row["consumer"], row["state"]) == (f"ctl@{HOST}", "ctl", "paused")
     cells = [line.replace("│", " ").split() for line in text.splitlines()]
     assert ["1", "12", "0", "12"] in [c[:4] for c in cells], "lane 1: depth, pending, lag"
 
-    # Resume (the batchfleet wrapper): they are answered, in batches of up to 8
-    assert cli.main(["resume", "tiny", "--redis-url", redis_url, *dest]) == 0
+    # Resume (the batchfleet wrapper, to the worker by the bare name status shows): they
+    # are answered, in batches of up to 8
+    assert cli.main(["resume", "tiny", "--redis-url", redis_url, "-d", "ctl"]) == 0
     results = list(producer.results(jobs, timeout=30))
     assert all(res.ok for res in results)
     assert max(res.timings.batch_size for res in results) > 2

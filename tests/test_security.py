@@ -16,7 +16,7 @@ from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 
 from batchfleet.config import ModelConfig, WorkerConfig
-from batchfleet.redis_server import LocalRedis, find_redis_server, free_port
+from batchfleet.redis_server import LocalRedis, find_server, free_port
 
 ACL_FILE = Path(__file__).parents[1] / "deploy" / "redis" / "users.acl"
 KEYS = ModelKeys("tiny")
@@ -88,6 +88,12 @@ def test_producer_and_worker_users(acl_url: dict[str, str], tiny_embedder: Path)
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
+    binaries = find_server()
+    if not binaries.tls:
+        pytest.skip(
+            f"{binaries.server} ({binaries.kind}) is built without TLS: "
+            "put a redis-server with TLS on PATH to run this test"
+        )
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(
@@ -98,7 +104,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     )  # fmt: skip
     port = free_port()
     server = subprocess.Popen(
-        [find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+        [binaries.server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
          "--tls-auth-clients", "no", "--save", "", "--dir", str(d)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -8,7 +8,6 @@ loops through the worker (``state.consumer.controller``); Flower cannot call the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,15 +15,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
 from ..config import BatchConfig, FleetConfig
-from .loop import BatchLoop
+from ..remote import parse_settings
 from .observers import Answered, LoopEvent, LoopObserver
+
+if TYPE_CHECKING:
+    from .loop import BatchLoop
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def summary_line(info: dict[str, Any]) -> str:
 def _loops(state: Any, model: str | None) -> list[BatchLoop]:
     worker = state.consumer.controller
     loops = [lp for step in worker.steps for lp in getattr(step, "loops", ())]
-    return [lp for lp in loops if isinstance(lp, BatchLoop) and model in (None, "", lp.model)]
+    return [lp for lp in loops if model in (None, "", lp.model)]
 
 
 def _act(state: Any, model: str | None, what: str) -> dict[str, Any]:
@@ -192,47 +194,3 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
 def bf_state(state: Any) -> dict[str, Any]:
     """Each batch loop's state (running, paused, draining), policy and queue depths."""
     return {lp.model: loop_info(lp) for lp in _loops(state, None)}
-
-
-def parse_settings(items: Sequence[str]) -> dict[str, Any]:
-    """``["max_batch_size=8", "lane_weights=4,2,1"]`` → values parsed as JSON where they can."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"expected key=value, got {item!r}")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = [float(x) for x in raw.split(",")] if "," in raw else raw
-        if key in ("lane_weights", "preferred_batch_sizes") and not isinstance(value, list):
-            value = [value]
-        out[key.strip()] = value
-    return out
-
-
-def send(
-    redis_url: str,
-    command: str,
-    arguments: dict[str, Any] | None = None,
-    *,
-    destination: Sequence[str] | None = None,
-    timeout: float = 2.0,
-) -> dict[str, Any]:
-    """Broadcast a control command from outside a worker; returns hostname → reply."""
-    from celery import Celery
-
-    app = Celery("batchfleet-control", broker=redis_url, set_as_current=False)
-    app.conf.update(accept_content=["json", "msgpack"])
-    try:
-        replies = app.control.broadcast(
-            command,
-            arguments=arguments or {},
-            destination=list(destination) if destination else None,
-            limit=len(destination) if destination else None,
-            reply=True,
-            timeout=timeout,
-        )
-    finally:
-        app.close()
-    return {host: reply for item in replies or [] for host, reply in item.items()}

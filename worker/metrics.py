@@ -29,10 +29,11 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .. import fleetview
 from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
 from ..connection import SyncClient, connect
-from ..schemas.keys import GROUP, ModelKeys
+from ..schemas.errors import ErrorCode
 from .observers import (
     Answered,
     BatchDone,
@@ -50,6 +51,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = tuple(2**i for i in range(4, 18))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+STATUSES = ("ok", "error", "expired")
+"""The values of a result's ``status``."""
 
 
 class Metrics:
@@ -119,6 +122,18 @@ class Metrics:
         self.oom = counter(
             "batchfleet_out_of_memory", "Micro-batches that ran out of device memory.", ["model"]
         )
+
+    def init_model(self, model: str, lanes: int) -> None:
+        """Create a model's counter series at 0, so that they exist before their first event:
+        Grafana panels are not empty and ``rate()`` and alerts see a series from the start."""
+        for lane in range(lanes):
+            for status in STATUSES:
+                self.results.labels(model, str(lane), status)
+        for code in ErrorCode:
+            self.errors.labels(model, code.value)
+            self.dead_letters.labels(model, code.value)
+        self.oom.labels(model)
+        self.rows.labels(model)
 
 
 class PrometheusObserver:
@@ -205,8 +220,15 @@ class StreamCollector(Collector):
         workers = GaugeMetricFamily(
             "batchfleet_model_workers", "Workers with a fresh heartbeat.", labels=["model"]
         )
+        dead = GaugeMetricFamily(
+            "batchfleet_dead_letter_stream_length",
+            "Entries in a model's dead-letter stream (until replayed or purged).",
+            labels=["model"],
+        )
         try:
-            rows = read_lanes(self.client, self.models)
+            rows = fleetview.read_lanes(self.client, self.models)
+            live = fleetview.live_workers(self.client, list(self.models))
+            dead_letters = fleetview.dead_letter_counts(self.client, list(self.models))
         except redis.RedisError as exc:
             logger.warning("metrics: redis unreachable: %s", exc)
             return
@@ -216,85 +238,12 @@ class StreamCollector(Collector):
             pending.add_metric(labels, row.pending)
             lag.add_metric(labels, row.lag)
             oldest.add_metric(labels, row.oldest_s)
-        for model, n in live_workers(self.client, list(self.models)).items():
+        for model, n in live.items():
             workers.add_metric([model], n)
-        yield from (length, pending, lag, oldest, workers)
+        for model, n in dead_letters.items():
+            dead.add_metric([model], n)
+        yield from (length, pending, lag, oldest, workers, dead)
         yield from _device_memory()
-
-
-class LaneRow:
-    """Depth of one lane, as read from Redis."""
-
-    __slots__ = ("lag", "lane", "length", "model", "oldest_s", "pending")
-
-    def __init__(
-        self, model: str, lane: int, length: int, pending: int, lag: int, oldest_s: float
-    ) -> None:
-        self.model, self.lane, self.length = model, lane, length
-        self.pending, self.lag, self.oldest_s = pending, lag, oldest_s
-
-
-def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
-    """Length, pending, lag and oldest age of every lane, in one pipelined round trip.
-
-    Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
-    pending, which is exact here because answered entries are deleted from the stream.
-    """
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    order: list[tuple[str, int]] = []
-    for model, lanes in models.items():
-        for lane, stream in enumerate(ModelKeys(model).lanes(lanes)):
-            order.append((model, lane))
-            pipe.xlen(stream)
-            pipe.xinfo_groups(stream)
-            pipe.xrange(stream, count=1)
-    replies = pipe.execute(raise_on_error=False)
-    sec, usec = replies[0]
-    now_ms = sec * 1000 + usec / 1000
-    out = []
-    for i, (model, lane) in enumerate(order):
-        length, groups, first = replies[1 + 3 * i : 4 + 3 * i]
-        if isinstance(length, Exception):
-            length = 0
-        group: dict[str, Any] = {}
-        if not isinstance(groups, Exception):
-            group = next((g for g in groups if _s(g.get("name")) == GROUP), {})
-        pending = int(group.get("pending") or 0)
-        lag = group.get("lag")
-        lag = int(lag) if lag is not None else max(0, int(length) - pending)
-        oldest = 0.0
-        if first and not isinstance(first, Exception):
-            first_ms = int(_s(first[0][0]).split("-", 1)[0])
-            oldest = max(0.0, (now_ms - first_ms) / 1000)
-        out.append(LaneRow(model, lane, int(length), pending, lag, oldest))
-    return out
-
-
-def live_workers(
-    client: SyncClient, models: Sequence[str], fresh_ms: int = 10_000
-) -> dict[str, int]:
-    """Per model, how many consumers sent a heartbeat within ``fresh_ms``."""
-    beats = heartbeats(client, models)
-    return {m: sum(age <= fresh_ms / 1000 for age in ws.values()) for m, ws in beats.items()}
-
-
-def heartbeats(client: SyncClient, models: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    for model in models:
-        pipe.hgetall(ModelKeys(model).workers)
-    (sec, usec), *hashes = pipe.execute()
-    now_ms = sec * 1000 + usec / 1000
-    return {
-        model: {_s(k): max(0.0, (now_ms - int(v)) / 1000) for k, v in h.items()}
-        for model, h in zip(models, hashes, strict=True)
-    }
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _device_memory() -> Iterator[GaugeMetricFamily]:
@@ -322,6 +271,8 @@ class MetricsServer:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.metrics = Metrics(self.registry)
+        for model, lanes in models.items():
+            self.metrics.init_model(model, lanes)
         self.client = connect(fleet.redis_url, socket_timeout=5.0)
         self.registry.register(StreamCollector(self.client, models))
         self.port = self._serve(fleet.metrics)

@@ -1,0 +1,127 @@
+"""The fleet's queue state as Redis holds it: lanes, heartbeats, dead letters (read-only).
+
+Shared by ``batchfleet status`` / ``top`` and the workers' ``/metrics`` collector. Torch-free
+and Celery-free, so the CLI stays quick to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .schemas.keys import GROUP, LANES_KEY_PATTERN, ModelKeys, model_of_lanes_key
+
+DEFAULT_LANES = 3
+"""Lanes assumed for a model whose lanes key is missing (the fleet file's default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRow:
+    """Depth of one lane, as read from Redis."""
+
+    model: str
+    lane: int
+    length: int
+    pending: int
+    lag: int
+    oldest_s: float
+
+
+def discover_models(client: redis.Redis) -> list[str]:
+    """Every model some worker (or ``init-groups``) has announced on this Redis."""
+    found = set()
+    for key in client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
+        model = model_of_lanes_key(_s(key))
+        if model:
+            found.add(model)
+    return sorted(found)
+
+
+def lane_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, int]:
+    """Per model, its lane count from its lanes key (``DEFAULT_LANES`` when absent)."""
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.get(ModelKeys(model).lanes_key)
+    return {m: int(v or DEFAULT_LANES) for m, v in zip(models, pipe.execute(), strict=True)}
+
+
+def dead_letter_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, int]:
+    """Per model, the length of its dead-letter stream."""
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.xlen(ModelKeys(model).dead)
+    return {m: int(n) for m, n in zip(models, pipe.execute(), strict=True)}
+
+
+def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
+    """Length, pending, lag and oldest age of every lane, in one pipelined round trip.
+
+    Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
+    pending, which is exact here because answered entries are deleted from the stream.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    order: list[tuple[str, int]] = []
+    for model, lanes in models.items():
+        for lane, stream in enumerate(ModelKeys(model).lanes(lanes)):
+            order.append((model, lane))
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            pipe.xrange(stream, count=1)
+    replies = pipe.execute(raise_on_error=False)
+    now_ms = _ms(replies[0])
+    out = []
+    for i, (model, lane) in enumerate(order):
+        length, groups, first = replies[1 + 3 * i : 4 + 3 * i]
+        if isinstance(length, Exception):
+            length = 0
+        group: dict[str, Any] = {}
+        if not isinstance(groups, Exception):
+            group = next((g for g in groups if _s(g.get("name")) == GROUP), {})
+        pending = int(group.get("pending") or 0)
+        lag = group.get("lag")
+        lag = int(lag) if lag is not None else max(0, int(length) - pending)
+        oldest = 0.0
+        if first and not isinstance(first, Exception):
+            oldest = max(0.0, (now_ms - entry_ms(first[0][0])) / 1000)
+        out.append(LaneRow(model, lane, int(length), pending, lag, oldest))
+    return out
+
+
+def heartbeats(client: redis.Redis, models: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for model in models:
+        pipe.hgetall(ModelKeys(model).workers)
+    now, *hashes = pipe.execute()
+    now_ms = _ms(now)
+    return {
+        model: {_s(k): max(0.0, (now_ms - int(v)) / 1000) for k, v in h.items()}
+        for model, h in zip(models, hashes, strict=True)
+    }
+
+
+def live_workers(
+    client: redis.Redis, models: Sequence[str], fresh_ms: int = 10_000
+) -> dict[str, int]:
+    """Per model, how many consumers sent a heartbeat within ``fresh_ms``."""
+    beats = heartbeats(client, models)
+    return {m: sum(age <= fresh_ms / 1000 for age in ws.values()) for m, ws in beats.items()}
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """Unix ms at which a stream entry was added (the time part of its id)."""
+    return int(_s(entry_id).split("-", 1)[0])
+
+
+def _ms(redis_time: Sequence[int]) -> float:
+    sec, usec = redis_time
+    return sec * 1000 + usec / 1000
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

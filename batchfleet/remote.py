@@ -1,0 +1,109 @@
+"""Talking to running workers from outside (CLI, scripts, Flower): broadcasts and inspect.
+
+Torch-free: a bare Celery client app on the fleet's broker, never the worker's app, so
+``batchfleet pause`` starts in well under a second, and ``celery -A batchfleet.remote
+flower`` (what ``batchfleet flower`` runs) does not load torch. The control commands
+themselves (``bf_pause`` …) are defined in :mod:`batchfleet.worker.control`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from celery import Celery
+
+SERIALIZERS: dict[str, Any] = {
+    "accept_content": ["json", "msgpack"],
+    "task_serializer": "json",
+    "result_serializer": "json",
+    "event_serializer": "json",
+}
+"""What the workers' app accepts and sends (see ``batchfleet.worker.app.create_app``)."""
+
+
+@contextmanager
+def client_app(broker_url: str, name: str = "batchfleet-client") -> Iterator[Celery]:
+    """A Celery app on the fleet's broker for broadcasts, inspect and ``send_task``."""
+    app = Celery(name, broker=broker_url, set_as_current=False)
+    app.conf.update(SERIALIZERS)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def resolve_destinations(app: Celery, names: Sequence[str], timeout: float) -> list[str]:
+    """Celery hostnames for ``names``: a name with ``@`` is one already; a bare worker name
+    (``--name``, as ``batchfleet status`` shows it) matches every answering ``name@host``."""
+    if all("@" in n for n in names):
+        return list(names)
+    hosts = [h for reply in app.control.ping(timeout=timeout) or [] for h in reply]
+    out: list[str] = []
+    for name in names:
+        found = [name] if "@" in name else [h for h in hosts if h.split("@", 1)[0] == name]
+        out += [h for h in found or [name] if h not in out]
+    return out
+
+
+def send(
+    broker_url: str,
+    command: str,
+    arguments: dict[str, Any] | None = None,
+    *,
+    destination: Sequence[str] | None = None,
+    timeout: float = 2.0,
+) -> dict[str, Any]:
+    """Broadcast a control command to the workers (or those in ``destination``: hostnames
+    or bare worker names); returns hostname → reply."""
+    with client_app(broker_url, "batchfleet-control") as app:
+        hosts = resolve_destinations(app, destination, timeout) if destination else None
+        replies = app.control.broadcast(
+            command,
+            arguments=arguments or {},
+            destination=hosts,
+            limit=len(hosts) if hosts else None,
+            reply=True,
+            timeout=timeout,
+        )
+    return {host: reply for item in replies or [] for host, reply in item.items()}
+
+
+def inspect_stats(broker_url: str, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
+    """``celery inspect stats`` of every batchfleet worker answering within ``timeout``:
+    hostname → its ``batchfleet`` section (model → info)."""
+    with client_app(broker_url, "batchfleet-status") as app:
+        replies = app.control.inspect(timeout=timeout).stats() or {}
+    return {host: info["batchfleet"] for host, info in replies.items() if "batchfleet" in info}
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, Any]:
+    """``["max_batch_size=8", "lane_weights=4,2,1"]`` → values parsed as JSON where they can."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {item!r}")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = [float(x) for x in raw.split(",")] if "," in raw else raw
+        if key in ("lane_weights", "preferred_batch_sizes") and not isinstance(value, list):
+            value = [value]
+        out[key.strip()] = value
+    return out
+
+
+def __getattr__(name: str) -> Any:
+    # `celery -A batchfleet.remote flower` looks up `app`: the fleet's broker, from the
+    # environment (BATCHFLEET_CONFIG, REDIS_URL, BATCHFLEET_BROKER_URL) as workers read it.
+    if name == "app":
+        from .config import load_config
+
+        global app
+        app = Celery("batchfleet", broker=load_config().celery_broker_url(), set_as_current=False)
+        app.conf.update(SERIALIZERS)
+        return app
+    raise AttributeError(name)
