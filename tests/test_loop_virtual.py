@@ -324,3 +324,19 @@ def test_a_runner_that_raises_in_prepare_or_miscounts_outputs_fails_only_those_r
         res.error.code is ErrorCode.INFERENCE_FAILED
         and "2 outputs for 1 inputs" in res.error.message
     )
+
+
+def test_the_recent_rate_counts_expired_apart_from_errors() -> None:
+    from batchfleet.worker.control import RecentRate
+
+    rate = RecentRate()
+    r = rig(Words(poison="poison"), cost=lambda work: 0.2)
+    r.loop.observers.observers.append(rate)
+    teach(r, 0.2)
+    r.submit("keeps the device busy", at=T0)
+    r.submit("poison", at=T0 + 0.3)
+    r.submit("late", at=T0 + 0.01, deadline_ms=50)
+    r.submit("fine", at=T0 + 0.01)
+    r.run()
+    snap = rate.snapshot()
+    assert (snap["error_ratio"], snap["expired_ratio"]) == (0.25, 0.25)

@@ -38,28 +38,32 @@ class RecentRate:
 
     def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
         self.window_s = window_s
-        self._events: deque[tuple[float, int, int]] = deque()
+        self._events: deque[tuple[float, int, int, int]] = deque()
+        """(when, answered, errors, expired)"""
         self._lock = threading.Lock()
         self._since = time.monotonic()
 
     def notify(self, event: LoopEvent) -> None:
         if not isinstance(event, Answered):
             return
-        errors = sum(a.result.status != "ok" for a in event.replies)
+        errors = sum(a.result.status == "error" for a in event.replies)
+        expired = sum(a.result.status == "expired" for a in event.replies)
         with self._lock:
-            self._events.append((time.monotonic(), len(event.replies), errors))
+            self._events.append((time.monotonic(), len(event.replies), errors, expired))
 
     def snapshot(self) -> dict[str, float]:
         now = time.monotonic()
         with self._lock:
             while self._events and self._events[0][0] < now - self.window_s:
                 self._events.popleft()
-            total = sum(n for _, n, _ in self._events)
-            errors = sum(e for _, _, e in self._events)
+            total = sum(e[1] for e in self._events)
+            errors = sum(e[2] for e in self._events)
+            expired = sum(e[3] for e in self._events)
         span = max(1e-3, min(self.window_s, now - self._since))
         return {
             "requests_per_s": round(total / span, 2),
             "error_ratio": round(errors / total, 4) if total else 0.0,
+            "expired_ratio": round(expired / total, 4) if total else 0.0,
         }
 
 
@@ -108,7 +112,7 @@ def summary_line(info: dict[str, Any]) -> str:
     policy = info.get("policy", {})
     return (
         f"{info.get('state', '?')} | {info.get('requests_per_s', 0.0)} req/s, error ratio "
-        f"{info.get('error_ratio', 0.0)} | answered: {requests} | {info.get('batches', 0)} batches, "
+        f"{info.get('error_ratio', 0.0)}, expired ratio {info.get('expired_ratio', 0.0)} | answered: {requests} | {info.get('batches', 0)} batches, "
         f"mean {info.get('mean_batch_rows', 0.0)} rows, padding waste "
         f"{info.get('padding_waste', 0.0):.0%} | held {info.get('held', 0)}, lane depth {depth or '-'}, "
         f"pending {pending or '-'} | max batch {policy.get('max_batch_size')}, max wait "
