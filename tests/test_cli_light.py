@@ -72,6 +72,8 @@ def test_non_model_commands_leave_torch_and_transformers_unimported(
 def test_status_top_and_flower_modules_are_light(redis_url: str) -> None:
     code = (
         "import sys, batchfleet.status, batchfleet.trace, batchfleet.remote, batchfleet.dlq;"
+        # the webhooks worker and `celery -A batchfleet.worker.app control ...` load the app
+        "import batchfleet.webhooks.worker, batchfleet.worker.app;"
         "assert batchfleet.remote.app.conf.broker_url.startswith('redis://');"  # Flower's app
         f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )

@@ -25,7 +25,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..schemas.errors import BatchfleetError, ErrorCode
 from ..schemas.messages import Request
-from .device import is_out_of_memory, release_cached_memory
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +206,10 @@ class BatchRunner:
         acc: StepReport,
     ) -> list[StepEvent]:
         """Retry halves: by request while there are several, by rows on out-of-memory."""
+        # torch only on this error path: the worker app (and what imports it to send control
+        # commands or run webhooks) stays light
+        from .device import is_out_of_memory, release_cached_memory
+
         oom = is_out_of_memory(exc)
         if oom:
             acc.out_of_memory = True
