@@ -34,7 +34,7 @@ def test_non_model_commands_leave_torch_and_transformers_unimported(
     redis_url: str, tmp_path: Path
 ) -> None:
     fleet = tmp_path / "fleet.toml"
-    fleet.write_text(fleet_toml(redis_url, {"tiny": {"handler": "embedding", "path": "/nope"}}))
+    fleet.write_text(fleet_toml(redis_url, {"tiny": {"runner": "embedding", "path": "/nope"}}))
     url = ["--redis-url", redis_url]
     fast = ["--timeout", "0.2"]
     commands = [

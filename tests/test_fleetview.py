@@ -12,8 +12,8 @@ from batchfleet.schemas.codec import encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
 from batchfleet.schemas.messages import Request
 from batchfleet.webhooks.tasks import Delivery
-from batchfleet.worker.handlers.embedding import EmbeddingHandler
 from batchfleet.worker.loop import BatchLoop
+from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import ModelStreams
 
 from batchfleet import cli
@@ -39,7 +39,7 @@ def test_trace_follows_a_request_from_its_lane_to_its_result(
     assert waiting.entry_id and waiting.entered_at_ms
 
     # When a worker answers it
-    handler = EmbeddingHandler(tiny_embedder, device="cpu", max_tokens=32)
+    handler = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
     BatchLoop(
         MODEL, ModelConfig(path="/unused", max_tokens=32), handler, r,
         consumer="w-trace", worker=WorkerConfig(block_ms=50), burst=True,
