@@ -107,7 +107,9 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = None
-    """Consumer name in the groups; default ``<hostname>-<pid>``."""
+    """Consumer name in the groups; default: the Celery worker's hostname. A worker restarted
+    under the same name (a container restarted in place) first takes back what its previous
+    life held."""
     block_ms: int = Field(500, ge=1, le=10_000)
     """Longest XREADGROUP block; bounds how fast a stop is noticed."""
     shutdown_grace_s: float = Field(30.0, ge=0)

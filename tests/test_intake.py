@@ -43,7 +43,7 @@ def held_by(r: redis.Redis, consumer: str, req: Request, beat_age_ms: int | None
 
 def run_loop(r: redis.Redis, runner: Any, **worker: Any) -> BatchLoop:
     loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), runner, r, consumer="w1",
-                     worker=WorkerConfig(block_ms=50, **worker), burst=True)  # fmt: skip
+                     worker=WorkerConfig(**{"block_ms": 50, **worker}), burst=True)  # fmt: skip
     loop.run()
     return loop
 
@@ -55,7 +55,7 @@ def test_a_dead_workers_entries_are_taken_over_once_its_heartbeat_stops(
     held_by(r, "dead", Request(id="orphan", model=MODEL, inputs=["the dog"]), 10_000)
     time.sleep(0.3)  # the entry has been idle longer than the heartbeat timeout below
     # When a live worker runs, with the idle-time fallback far away (its default)
-    run_loop(r, runner, heartbeat_timeout_ms=200)
+    run_loop(r, runner, heartbeat_timeout_ms=200, block_ms=300)  # burst: 2 idle reads, 0.6 s
     # Then it took the entry over through the stale heartbeat and answered it
     res = decode_result(r.get(KEYS.result("orphan")))
     assert res.ok and res.timings.worker == "w1"
@@ -94,7 +94,7 @@ def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_resul
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe("chan")
     time.sleep(0.3)
-    loop = run_loop(r, runner, heartbeat_timeout_ms=200)
+    loop = run_loop(r, runner, heartbeat_timeout_ms=200, block_ms=300)
     # Then it is not computed again; the stored result is published again and stands
     assert loop.stats.batches == 0
     assert r.get(KEYS.result(req.id)) == b"the first result stands"
@@ -121,3 +121,94 @@ def test_a_second_entry_with_an_answered_id_gets_the_stored_result_on_its_channe
     assert msg is not None and msg["data"] == stored
     assert r.get(KEYS.result("twice")) == stored
     assert r.xlen(KEYS.lane(1)) == 0
+
+
+def test_handing_entries_back_does_not_count_a_delivery(r: redis.Redis) -> None:
+    # Given an entry handed back three times (three graceful restarts, say)
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), encode_request(Request(id="calm", model=MODEL, inputs=["x"])))
+    (entry,) = streams.read({0: 1}, None)
+    successor = ModelStreams(r, MODEL, 3, "w2")  # (one reclaimer: the reclaim lock is its)
+    for holder in (streams, successor, successor):
+        holder.release([entry], idle_ms=10)
+        time.sleep(0.02)
+        (entry,) = successor.reclaim(10, 10, suspects=True)
+    # Then it is still on its first delivery: not a suspect, never poisoned for it
+    assert entry.deliveries == 1
+
+
+def test_a_worker_restarted_under_its_name_answers_what_its_previous_life_held(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    # Given a worker "w1" that read a request and was killed; it comes back as "w1" at once
+    held_by(r, "w1", Request(id="mine", model=MODEL, inputs=["the dog"]), 0)
+    # When it runs (its fresh heartbeat makes the entry look held by a live worker)
+    run_loop(r, runner)
+    # Then it took its own pending entry again and answered it
+    assert decode_result(r.get(KEYS.result("mine"))).ok
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def test_a_redis_clock_read_never_touches_redis() -> None:
+    from batchfleet.worker.streams import RedisClock
+
+    class Counting:
+        calls = 0
+
+        def redis_time(self) -> float:
+            Counting.calls += 1
+            return 2_000_000_000.0
+
+    clock = RedisClock(Counting())  # type: ignore[arg-type]
+    for _ in range(100):
+        clock()
+    assert Counting.calls == 0
+    clock.sync()
+    assert Counting.calls == 1 and abs(clock() - 2_000_000_000.0) < 1.0
+    clock.sync()  # not due yet
+    assert Counting.calls == 1
+
+
+def test_finish_retried_after_a_lost_reply_is_its_own_write(r: redis.Redis) -> None:
+    from batchfleet.worker.streams import Finish
+
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    (entry,) = streams.read({0: 1}, None)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("c")
+    item = Finish(entry, "rid", b"payload", 60, "c")
+    assert streams.finish([item]) == [True]
+    assert streams.finish([item]) == [True], "the same payload again: our own write"
+    assert next_message(pubsub, 2)["data"] == b"payload"
+    assert next_message(pubsub, 1) is None, "published once"
+
+
+def test_results_wait_out_a_redis_that_refuses_writes(r: redis.Redis) -> None:
+    from batchfleet.worker.answers import Outgoing
+    from batchfleet.worker.observers import Observers
+    from batchfleet.worker.sink import RedisSink
+    from test_sink import outgoing
+
+    # Given a Redis out of memory (noeviction: writes refused with OOM)
+    streams = ModelStreams(r, MODEL, 3, "w")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    (entry,) = streams.read({0: 1}, None)
+    sink = RedisSink(streams, Observers(), lambda: None, dead_letter_maxlen=10)
+    sink.start()
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", "1")
+    try:
+        out: Outgoing = outgoing(entry, "oom-1")
+        sink.send([out])
+        time.sleep(0.3)
+        assert r.get(KEYS.result("oom-1")) is None and sink.backlog == 1
+    finally:
+        r.config_set("maxmemory", "0")
+    # Then once it can write again, the result is stored (not dropped)
+    sink.close(10)
+    assert decode_result(r.get(KEYS.result("oom-1"))).ok
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0

@@ -13,7 +13,7 @@ from batchfleet.batching.types import Batch, Waiting
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.worker.observers import BatchDone, Dispatched, Expired, StateChanged
-from batchfleet.worker.runner import Final, Partial, Prepared, Request, StepReport, Work
+from batchfleet.worker.runner import Final, Partial, Request, StepReport, Work
 from batchfleet.worker.scheduler import PREQUEUE_S
 from virtual_world import T0, Rig, Words, linear_cost, rig
 
@@ -300,7 +300,6 @@ def test_prepared_cost_features_reach_the_engine() -> None:
     assert seen == [(2, 3)]
     ((_, d),) = dispatches(r)
     assert d.batch.rows == 2 and d.batch.padded_tokens == 6
-    assert isinstance(Prepared(None, 1, 1), Prepared)
 
 
 def test_a_runner_that_raises_in_prepare_or_miscounts_outputs_fails_only_those_requests() -> None:
@@ -340,3 +339,30 @@ def test_the_recent_rate_counts_expired_apart_from_errors() -> None:
     r.run()
     snap = rate.snapshot()
     assert (snap["error_ratio"], snap["expired_ratio"]) == (0.25, 0.25)
+
+
+def test_stop_hands_back_held_and_queued_requests_at_once() -> None:
+    # Given 20 s steps of 2, one running and one queued behind it, and more held
+    fixed = {"max_batch_size": 2, "max_wait_ms": 10, "adaptive": False}
+    r = rig(batch=fixed, cost=lambda work: 20.0, burst=False)
+    ids = [r.submit(f"req {i}", at=T0) for i in range(6)]
+    released_at: list[float] = []
+    release = r.source.release
+    r.source.release = lambda entries: (released_at.append(r.world.now), release(entries))  # type: ignore[method-assign,func-returns-value]
+    r.world.at(T0 + 19.999, r.loop.stop)  # the second step is queued by now
+    r.run()
+    # Then the 4 not on the device went back when the stop came, not after 40 s
+    assert released_at[0] == pytest.approx(T0 + 19.999) and len(r.source.released) == 4
+    assert [i for i in ids if i in r.sink.results] == ids[:2]
+
+
+def test_a_runner_returning_something_else_than_a_list_fails_the_request() -> None:
+    class Odd(Words):
+        def step(self, work: Work) -> StepReport:
+            return StepReport([Final(key, None) for key, _ in work.admit])  # type: ignore[arg-type]
+
+    r = rig(Odd())
+    rid = r.submit("the dog")
+    r.run()
+    res = r.result(rid)
+    assert res.error.code is ErrorCode.INFERENCE_FAILED and "NoneType outputs" in res.error.message

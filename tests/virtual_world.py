@@ -20,6 +20,7 @@ from typing import Any
 
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
+from batchfleet.worker.executor import execute
 from batchfleet.worker.inbox import Arrived, Event, ReadIdle, StepDone, Wake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import LoopEvent
@@ -193,7 +194,8 @@ class Span:
 
 
 class VirtualDevice:
-    """Steps run in submission order; each takes ``cost(work)`` virtual seconds."""
+    """Steps run one at a time in submission order; each takes ``cost(work)`` virtual
+    seconds. The runner is called through the real executor's ``execute``."""
 
     def __init__(
         self, world: World, inbox: VirtualInbox, runner: Runner, cost: Callable[[Work], float]
@@ -202,24 +204,38 @@ class VirtualDevice:
         self.inbox = inbox
         self.runner = runner
         self.cost = cost
-        self.free_at = -1e18
         self.spans: list[Span] = []
+        self._queue: list[Work] = []
+        """Submitted, not started."""
+        self._busy = False
 
     def start(self) -> None:
         pass
 
     def submit(self, work: Work) -> None:
-        start = max(self.world.now, self.free_at)
+        self._queue.append(work)
+        if not self._busy:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        work = self._queue.pop(0)
+        self._busy = True
+        start = self.world.now
         end = start + self.cost(work)
-        self.free_at = end
-        rows = sum(p.rows for _, p in work.admit)
-        self.spans.append(Span(work.step_id, rows, start, end))
+        self.spans.append(Span(work.step_id, sum(p.rows for _, p in work.admit), start, end))
+        report = execute(self.runner, work, lambda: start).report
 
-        def run() -> None:
-            report = self.runner.step(work)
-            self.world.at(end, lambda: self.inbox.put(StepDone(work.step_id, report, start, end)))
+        def finish() -> None:
+            self._busy = False
+            self.inbox.put(StepDone(work.step_id, report, start, end))
+            if self._queue:
+                self._start_next()
 
-        self.world.at(start, run)
+        self.world.at(end, finish)
+
+    def drop_queued(self) -> list[Work]:
+        queued, self._queue = self._queue, []
+        return queued
 
     def close(self, timeout: float | None = None) -> None:
         pass

@@ -39,6 +39,17 @@ class Executor:
     def submit(self, work: Work) -> None:
         self._queue.put(work)
 
+    def drop_queued(self) -> list[Work]:
+        """Take back the steps submitted and not started (stopping: they go back to the fleet)."""
+        dropped: list[Work] = []
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                return dropped
+            if work is not None:
+                dropped.append(work)
+
     def close(self, timeout: float | None = None) -> None:
         """Finish what was submitted, then end the thread."""
         self._queue.put(None)

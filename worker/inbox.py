@@ -10,7 +10,7 @@ from typing import Protocol
 
 from ..batching.types import Policy
 from .runner import StepReport
-from .streams import Entry
+from .streams import Entry, Retiring
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +19,13 @@ class Arrived:
 
     entries: Sequence[Entry]
     read_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Redelivered entries whose request has a stored result: not to be computed again."""
+
+    items: Sequence[Retiring]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +53,7 @@ class SetPolicy:
     policy: Policy
 
 
-Event = Arrived | ReadIdle | StepDone | Wake | SetPolicy
+Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy
 
 
 class Inbox(Protocol):

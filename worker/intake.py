@@ -1,8 +1,8 @@
 """The intake: one model's reading side, on a thread of its own.
 
-It heartbeats, takes over the entries of workers that died, retires redelivered entries
-that already have a result, and reads as many new entries as the loop last asked for
-(:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
+It heartbeats, takes over the entries of workers that died (and, at start, its own from a
+previous life under the same name), and reads as many new entries as the loop last asked
+for (:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
 heartbeat never waits for a batch (a long batch is never taken for a dead worker), and the
 loop never sits in a Redis ``BLOCK`` that the end of a batch could not interrupt.
 """
@@ -18,8 +18,8 @@ import redis
 from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
-from .inbox import Arrived, Event, ReadIdle
-from .streams import Entry, Finish, ModelStreams
+from .inbox import Arrived, Event, ReadIdle, Retire
+from .streams import Entry, ModelStreams, Retiring
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Intake:
         clock: Callable[[], float],
         post: Callable[[Event], None],
         *,
-        result_ttl_s: int,
+        sync_clock: Callable[[], None] | None = None,
         name: str = "intake",
     ) -> None:
         self.streams = streams
@@ -46,7 +46,7 @@ class Intake:
         self.limits = limits
         self._clock = clock
         self._post = post
-        self._result_ttl_s = result_ttl_s
+        self._sync_clock = sync_clock
         self._cond = threading.Condition()
         self._counts: dict[int, int] = {}
         self._suspects = True
@@ -55,13 +55,28 @@ class Intake:
         self._last_reclaim = -1e18
         self._reclaiming = False
         self._posted = 0
+        self._connected_since = 0.0
+        self._judged = False
+        """Heartbeats were judged since the connection was last (re)made."""
+        self._own: list[tuple[int, str, int]] = []
+        """Entries pending on this consumer name when it started: a previous life's."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- the loop's side ----------------------------------------------------------------
 
     def start(self, max_depth: int | None) -> None:
         """Create the groups, register, and start reading (as granted)."""
+        if self._sync_clock is not None:
+            self._sync_clock()
         self.streams.ensure_groups(max_depth)
+        # A fresh loop holds nothing: whatever is pending under this name was left by an
+        # earlier process of the same name (a container restarted in place).
+        self._own = self.streams.own_pending()
+        if self._own:
+            logger.info(
+                "%d entries pending from a previous life: taking them again", len(self._own)
+            )
+        self._connected_since = self._clock()
         self._beat(force=True)
         self._thread.start()
 
@@ -107,7 +122,7 @@ class Intake:
                 if self._stop:
                     return
                 if not self._counts:
-                    self._cond.wait(max(0.0, self._next_beat() - self._clock()))
+                    self._cond.wait(max(0.0, self._last_beat + HEARTBEAT_EVERY_S - self._clock()))
                     if self._stop:
                         return
                 counts, suspects = dict(self._counts), self._suspects
@@ -117,6 +132,10 @@ class Intake:
                     self._read(counts, suspects)
                 backoff = 0.05
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Heartbeats written meanwhile were lost too: judge none until connected
+                # for a whole timeout again (or a Redis restart looks like every worker died).
+                self._connected_since = self._clock() + backoff
+                self._judged = False
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 with self._cond:
                     self._cond.wait(backoff)
@@ -126,19 +145,29 @@ class Intake:
                 with self._cond:
                     self._cond.wait(1.0)
 
-    def _next_beat(self) -> float:
-        return self._last_beat + HEARTBEAT_EVERY_S
-
     def _beat(self, force: bool = False) -> None:
         now = self._clock()
-        if force or now >= self._next_beat():
+        if force or now >= self._last_beat + HEARTBEAT_EVERY_S:
             self._last_beat = now
-            self.streams.heartbeat(int(now * 1000))
+            if self._sync_clock is not None:
+                self._sync_clock()
+            self.streams.heartbeat(int(self._clock() * 1000))
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
+        if self._own:
+            self._deliver(self._take_own(budget, suspects))
+            return
         now = self._clock()
-        if now - self._last_reclaim >= RECLAIM_EVERY_S or (self._reclaiming and suspects):
+        judge_now = (
+            not self._judged
+            and (now - self._connected_since) * 1000 >= self.worker.heartbeat_timeout_ms
+        )
+        if (
+            now - self._last_reclaim >= RECLAIM_EVERY_S
+            or (self._reclaiming and suspects)
+            or judge_now
+        ):
             self._last_reclaim = now
             found = self._reclaim(now, budget, suspects)
             self._reclaiming = bool(found)
@@ -153,36 +182,50 @@ class Intake:
         else:
             self._post(ReadIdle())
 
+    def _take_own(self, budget: int, suspects: bool) -> list[Entry]:
+        """The next of a previous life's entries: first deliveries in bulk, a suspect alone."""
+        first = [o for o in self._own if o[2] <= 1][:budget]
+        again = [o for o in self._own if o[2] > 1][: 1 if suspects and not first else 0]
+        chosen = first or again
+        self._own = [o for o in self._own if o not in chosen]
+        return self.streams.claim_own(chosen)
+
     def _reclaim(self, now: float, count: int, suspects: bool) -> list[Entry]:
         timeout = self.worker.heartbeat_timeout_ms
-        live = self.streams.live_consumers(int(now * 1000), timeout)
-        dead = [c for c in self.streams.holders() if c not in live]
+        dead: list[str] = []
+        if (now - self._connected_since) * 1000 >= timeout:
+            self._judged = True
+            live = self.streams.live_consumers(int(now * 1000), timeout)
+            dead = [c for c in self.streams.holders() if c not in live]
         found = self.streams.reclaim(
             self.worker.claim_idle_ms, count, suspects=suspects, dead=dead, dead_idle_ms=timeout
         )
         if found:
             logger.info("took over %d entries (dead workers: %s)", len(found), dead)
-        return self._retire_answered(found)
-
-    def _retire_answered(self, entries: list[Entry]) -> list[Entry]:
-        """Redelivered entries whose request has a result already are not computed again:
-        the stored result is published on their reply channel and they are acked."""
-        again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
-        known = [(e, env) for e, env in again if env.id is not None]
-        stored = self.streams.stored_results([env.id for _, env in known if env.id])
-        done = [
-            Finish(e, env.id, payload, self._result_ttl_s, env.reply)
-            for (e, env), payload in zip(known, stored, strict=True)
-            if payload is not None and env.id is not None
-        ]
-        if not done:
-            return entries
-        self.streams.finish(done)  # SET NX keeps the stored one; it is republished, acked
-        retired = {f.entry.key for f in done}
-        return [e for e in entries if e.key not in retired]
+        return found
 
     def _deliver(self, entries: list[Entry]) -> None:
-        with self._cond:
-            self._counts = {}  # consumed: the loop grants again once it has admitted them
-            self._posted += 1
-        self._post(Arrived(entries, self._clock()))
+        """Hand entries to the loop. Redelivered ones whose request has a result already go
+        as :class:`Retire` (the sink republishes the stored result and acks them)."""
+        if not entries:
+            return
+        retire: list[Retiring] = []
+        try:
+            retire = self._answered(entries)
+        finally:  # whatever happens, what was claimed reaches the loop
+            retired = {f.entry.key for f in retire}
+            fresh = [e for e in entries if e.key not in retired]
+            with self._cond:
+                self._counts = {}  # consumed: the loop grants again once it has admitted them
+                self._posted += 1
+            if retire:
+                self._post(Retire(retire))
+            self._post(Arrived(fresh, self._clock()))
+
+    def _answered(self, entries: list[Entry]) -> list[Retiring]:
+        again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
+        known = [Retiring(e, env.id, env.reply) for e, env in again if env.id is not None]
+        if not known:
+            return []
+        have = self.streams.have_results([k.request_id for k in known])
+        return [k for k, h in zip(known, have, strict=True) if h]

@@ -32,7 +32,7 @@ from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Format, Request
 from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
-from .inbox import Arrived, Event, ReadIdle, SetPolicy, StepDone, Wake
+from .inbox import Arrived, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
     Dispatched,
@@ -48,6 +48,10 @@ from .stats import LoopStats
 from .streams import Entry, ModelStreams
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_JOIN_S = 2.0
+"""At shutdown, how long to wait for the intake's read in flight to return (it never
+blocks longer than a heartbeat)."""
 
 
 class BatchLoop:
@@ -158,18 +162,24 @@ class BatchLoop:
         self._clock = parts.clock
         self._arrivals = 0
         self._idle_reads = 0
-        parts.sink.start()
-        parts.device.start()
-        parts.source.start(self.config.max_queue_depth)
-        logger.info("batch loop for %s started as %s", self.model, self.consumer)
+        self._handed_back = False
+        started: list[str] = []
         try:
+            parts.source.start(self.config.max_queue_depth)  # Redis first: may fail, no threads yet
+            started.append("source")
+            parts.sink.start()
+            parts.device.start()
+            started.append("threads")
+            logger.info("batch loop for %s started as %s", self.model, self.consumer)
             self._serve()
         finally:
-            self._shutdown()
+            self._shutdown(started)
 
     def _serve(self) -> None:
         inbox = self.parts.inbox
         while True:
+            if self._stopping and not self._handed_back:
+                self._hand_back()
             now = self._clock()
             decision = self.scheduler.decide(
                 now, behind=self.parts.sink.backlog > 1, dispatch=not self._stopping
@@ -188,6 +198,22 @@ class BatchLoop:
             while event is not None:
                 self._handle(event)
                 event = inbox.get_nowait()
+
+    def _hand_back(self) -> None:
+        """Stopping: stop reading, and hand every request not yet on the device back to the
+        fleet at once (held ones, and steps queued behind the running one)."""
+        self._handed_back = True
+        self.parts.source.stop()
+        queued = self.parts.device.drop_queued()
+        unstarted = [h.entry for h in self.scheduler.cancel([w.step_id for w in queued])]
+        unstarted += [h.entry for h in self.scheduler.release_all()]
+        self._release(unstarted)
+
+    def _release(self, entries: list[Entry]) -> None:
+        try:
+            self.parts.source.release(entries)
+        except redis.RedisError as exc:  # they stay pending and are reclaimed later
+            logger.warning("could not release %d requests: %s", len(entries), exc)
 
     def _done(self) -> bool:
         if self._stopping:
@@ -213,28 +239,44 @@ class BatchLoop:
             self._arrivals += 1
             self._idle_reads = 0
             self._admit(event.entries, event.read_at)
+        elif isinstance(event, Retire):
+            self.parts.sink.retire(event.items)
         elif isinstance(event, ReadIdle):
             self._idle_reads += 1
         elif isinstance(event, SetPolicy):
             self.engine.set_policy(event.policy)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, started: list[str]) -> None:
+        """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
+        answer it, hand everything else back, then let the sink store all it was given."""
         parts = self.parts
-        parts.source.stop()
-        parts.source.join(self.worker.block_ms / 1000 + 5)
+        grace = self.worker.shutdown_grace_s
+        if "source" in started:
+            parts.source.stop()
+            parts.source.join(min(grace, HEARTBEAT_JOIN_S))
+        if "threads" in started:
+            parts.device.close(grace)
         unstarted = [h.entry for h in self.scheduler.release_all()]
-        # Entries the intake posted that the loop never took in go back too.
         while (event := parts.inbox.get_nowait()) is not None:
-            if isinstance(event, Arrived):
+            if isinstance(event, StepDone):
+                try:
+                    self._finished(event)
+                except Exception:
+                    logger.exception("answering step %s at shutdown failed", event.step_id)
+            elif isinstance(event, Arrived):  # read, never taken in
                 unstarted += event.entries
-        try:
-            parts.source.release(unstarted)
-        except redis.RedisError as exc:  # they stay pending and are reclaimed later
-            logger.warning("could not release %d requests: %s", len(unstarted), exc)
-        parts.device.close(self.worker.shutdown_grace_s)
-        parts.sink.close(self.worker.shutdown_grace_s)
-        with contextlib.suppress(redis.RedisError):
-            parts.source.unregister()
+            elif isinstance(event, Retire):
+                parts.sink.retire(event.items)
+        # Steps the device never finished (it did not stop in time): their requests go back.
+        unstarted += [h.entry for step in self.scheduler.inflight for h in step.held]
+        self.scheduler.inflight.clear()
+        if "source" in started:
+            self._release(unstarted)
+        if "threads" in started:
+            parts.sink.close(grace)
+        if "source" in started:
+            with contextlib.suppress(redis.RedisError):
+                parts.source.unregister()
         self._stopped.set()
         logger.info("batch loop for %s stopped", self.model)
 
@@ -293,13 +335,16 @@ class BatchLoop:
         dead: bool = False,
     ) -> None:
         """An entry that will not be computed: answer it when its id can be read; dead-letter
-        it when it cannot (nobody to answer), or when ``dead`` (poison: operators look)."""
+        it when it cannot (nobody to answer), or when ``dead`` (poison: operators look). The
+        answer goes first: dead-lettering removes the entry, and it must not go unanswered."""
         self.stats.rejected(exc.code.value)
         answer = self.answers.rejected(entry, exc, now)
+        if answer is not None and dead:
+            self.parts.sink.send([answer])
+        elif answer is not None:
+            out.append(answer)
         if dead or answer is None:
             self.parts.sink.dead_letter(entry, exc.code.value, str(exc))
-        if answer is not None:
-            out.append(answer)
 
     # --- computing --------------------------------------------------------------------------
 
@@ -324,9 +369,12 @@ class BatchLoop:
             held = by_key.pop(ev.key, None)
             if held is None:
                 continue
-            if isinstance(ev, Final) and len(ev.outputs) != len(held.request.inputs):
+            if isinstance(ev, Final) and (
+                not isinstance(ev.outputs, list) or len(ev.outputs) != len(held.request.inputs)
+            ):
                 failed += 1
-                message = f"runner returned {len(ev.outputs)} outputs for {len(held.request.inputs)} inputs"
+                got = len(ev.outputs) if isinstance(ev.outputs, list) else type(ev.outputs).__name__
+                message = f"runner returned {got} outputs for {len(held.request.inputs)} inputs"
                 out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
             elif isinstance(ev, Final):
                 out.append(self.answers.computed(run, held, ev.outputs, now))

@@ -1,10 +1,11 @@
 """What the batch loop tells the world as work moves through it: one event object per hook.
 
 Metrics, Flower task events, stats and webhook deliveries plug in here as observers, so
-the loop itself stays one concept. ``Dispatched``, ``BatchDone``, ``Expired`` and
-``DeadLettered`` are sent from the model's loop thread; ``Answered`` from its sink's
-writer thread once the results are stored. An observer's state must therefore be safe to
-touch from two threads. Keep ``notify`` cheap and never block on the network (hand slow
+the loop itself stays one concept. ``Dispatched``, ``BatchDone`` and ``Expired`` are sent
+from the model's loop thread; ``Answered`` and ``DeadLettered`` from its sink's writer
+thread once written; ``StateChanged`` from whichever thread paused, resumed, drained or
+stopped the loop (Celery's remote control). An observer's state must therefore be
+thread-safe. Keep ``notify`` cheap and never block on the network (hand slow
 work to a queue or another thread). An observer that raises is logged and ignored:
 observers can never break inference.
 """

@@ -36,6 +36,7 @@ class Device(Protocol):
 
     def start(self) -> None: ...
     def submit(self, work: Work) -> None: ...
+    def drop_queued(self) -> list[Work]: ...
     def close(self, timeout: float | None = None) -> None: ...
 
 
@@ -62,13 +63,13 @@ def redis_parts(
     inbox = ThreadInbox()
     clock = RedisClock(streams)
     source = Intake(
-        streams, worker, config.limits, clock, inbox.put,
-        result_ttl_s=config.result_ttl_s, name=f"intake-{model}",
+        streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
+        name=f"intake-{model}",
     )  # fmt: skip
     device = Executor(runner, clock, inbox.put, name=f"device-{model}")
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),
         dead_letter_maxlen=worker.dead_letter_maxlen, partial_ttl_s=config.result_ttl_s,
-        name=f"sink-{model}",
+        release_idle_ms=worker.claim_idle_ms, name=f"sink-{model}",
     )  # fmt: skip
     return Parts(clock, inbox, source, device, sink)

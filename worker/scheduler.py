@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..batching.engine import Engine
@@ -79,8 +79,14 @@ class Scheduler:
         self.held.clear()
         return held
 
-    def __iter__(self) -> Iterator[Held]:
-        return iter(self.held.values())
+    def cancel(self, step_ids: list[str]) -> list[Held]:
+        """Take back dispatched steps that never started; their requests, to hand back."""
+        dropped = [s for s in self.inflight if s.step_id in step_ids]
+        for step in dropped:
+            self.inflight.remove(step)
+            if step.batch.reason == "retry":
+                self._running_suspect = False
+        return [h for step in dropped for h in step.held]
 
     # --- deciding ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import redis
 from ..schemas.codec import pack
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
-from .streams import Entry, ModelStreams
+from .streams import Entry, ModelStreams, Retiring
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ class ResultSink(Protocol):
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         """Move an entry to the dead-letter stream (it is acked there)."""
+        ...
+
+    def retire(self, items: Sequence[Retiring]) -> None:
+        """Ack redelivered entries whose result is stored, publishing it on their reply
+        channel (they are not computed again)."""
         ...
 
     def close(self, timeout: float | None = None) -> None:
@@ -72,7 +77,31 @@ class _Dead:
     reason: str
 
 
-_Job = _Finish | _Partial | _Dead
+@dataclass(frozen=True, slots=True)
+class _Retire:
+    items: Sequence[Retiring]
+
+
+_Job = _Finish | _Partial | _Dead | _Retire
+
+TRANSIENT = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.MasterDownError,
+)
+"""Errors of a Redis that cannot write for now (out of memory under noeviction, a replica
+during failover, loading...): retried like a lost connection, never dropping a result."""
+
+
+def _transient(exc: Exception) -> bool:
+    return isinstance(exc, TRANSIENT) or (
+        isinstance(exc, redis.ResponseError) and str(exc).startswith(("BUSY", "OOM", "LOADING"))
+    )
 
 
 class RedisSink:
@@ -86,6 +115,7 @@ class RedisSink:
         *,
         dead_letter_maxlen: int,
         partial_ttl_s: int = 3600,
+        release_idle_ms: int = 300_000,
         name: str = "sink",
     ) -> None:
         self.streams = streams
@@ -93,6 +123,7 @@ class RedisSink:
         self._wake = wake
         self._dead_maxlen = dead_letter_maxlen
         self._partial_ttl_s = partial_ttl_s
+        self._release_idle_ms = release_idle_ms
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._backlog = 0
         self._lock = threading.Lock()
@@ -118,6 +149,9 @@ class RedisSink:
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
 
+    def retire(self, items: Sequence[Retiring]) -> None:
+        self._queue.put(_Retire(items))
+
     def close(self, timeout: float | None = None) -> None:
         self._queue.put(None)
         if self._thread.is_alive():
@@ -136,19 +170,32 @@ class RedisSink:
             try:
                 self._do(job)
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except Exception as exc:
+                if not _transient(exc):
+                    self._failed(job, exc)
+                    return
                 if self._closing.is_set():
-                    logger.error("Redis unreachable at shutdown: %s not written (%s)", job, exc)
+                    logger.error("Redis unavailable at shutdown: %s not written (%s)", job, exc)
                     self._done(job)
                     return
                 # Kept until written, in order, so a Redis outage loses no result.
-                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
+                logger.warning("redis cannot write (%s); retrying in %.2fs", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-            except Exception:  # never stored nor acked: redelivered, dead-lettered if it recurs
-                logger.exception("writing %s failed", type(job).__name__)
-                self._done(job)
-                return
+
+    def _failed(self, job: _Job, exc: Exception) -> None:
+        """A write Redis refuses for good: hand the entries back (their delivery counted),
+        so another try, or max_deliveries, answers them rather than nobody."""
+        logger.exception("writing %s failed: %s", type(job).__name__, exc)
+        entries = [a.entry for a in job.answers] if isinstance(job, _Finish) else []
+        if isinstance(job, _Dead):
+            entries = [job.entry]
+        try:
+            if entries:
+                self.streams.release(entries, self._release_idle_ms, counted=True)
+        except Exception:
+            logger.exception("handing back %d entries failed", len(entries))
+        self._done(job)
 
     def _do(self, job: _Job) -> None:
         if isinstance(job, _Finish):
@@ -162,6 +209,8 @@ class RedisSink:
             self.observers.notify(Answered(self.streams.keys.model, replies))
         elif isinstance(job, _Partial):
             self.streams.append_partial(job.request_id, pack(job.chunk), self._partial_ttl_s)
+        elif isinstance(job, _Retire):
+            self.streams.retire(job.items)
         else:
             dead_id = self.streams.dead_letter(
                 job.entry, job.code, job.reason, self.streams.consumer, self._dead_maxlen
@@ -236,6 +285,13 @@ class MemorySink:
         self.dead.append((entry, code, reason))
         self.acked.append(entry)
         self.observers.notify(DeadLettered(self.model, entry.lane, code, reason))
+
+    def retire(self, items: Sequence[Retiring]) -> None:
+        for it in items:
+            if it.request_id in self.results:
+                if it.reply:
+                    self.published.setdefault(it.reply, []).append(self.results[it.request_id])
+                self.acked.append(it.entry)
 
     def close(self, timeout: float | None = None) -> None:
         with contextlib.suppress(Exception):

@@ -45,6 +45,15 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True)
+class Retiring:
+    """A redelivered entry whose request has a stored result already."""
+
+    entry: Entry
+    request_id: str
+    reply: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """A result to store for one entry."""
 
@@ -67,6 +76,7 @@ class ModelStreams:
         self._lane_of = {name.encode(): i for i, name in enumerate(self.streams)}
         self._finish = _script(client, "finish.lua")
         self._dead = _script(client, "dead_letter.lua")
+        self._retire = _script(client, "retire.lua")
 
     def ensure_groups(self, max_depth: int | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
@@ -205,25 +215,68 @@ class ModelStreams:
                     self.client.xack(stream, GROUP, entry_id)
         return out
 
-    def release(self, entries: Sequence[Entry], idle_ms: int) -> None:
+    def release(self, entries: Sequence[Entry], idle_ms: int, *, counted: bool = False) -> None:
         """Hand entries this worker read but will not compute back to the fleet: mark them
-        idle long enough for the next reclaim, without counting a delivery."""
-        by_lane: dict[int, list[Any]] = {}
+        idle long enough for the next reclaim. The next claim counts a delivery; unless
+        ``counted`` (they failed here), the count is first set back so it does not."""
+        by_key: dict[tuple[int, int], list[Any]] = {}
         for e in entries:
-            by_lane.setdefault(e.lane, []).append(e.id)
-        for lane, ids in by_lane.items():
+            retries = e.deliveries if counted else max(0, e.deliveries - 1)
+            by_key.setdefault((e.lane, retries), []).append(e.id)
+        for (lane, retries), ids in by_key.items():
             self.client.xclaim(
-                self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms, justid=True
-            )
+                self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms,
+                retrycount=retries, justid=True,
+            )  # fmt: skip
 
-    def stored_results(self, request_ids: Sequence[str]) -> list[bytes | None]:
-        """The stored result of each request, where there is one (redeliveries)."""
+    def own_pending(self, limit: int = 10_000) -> list[tuple[int, str, int]]:
+        """This consumer's pending entries: (lane, id, deliveries)."""
+        out: list[tuple[int, str, int]] = []
+        for lane, stream in enumerate(self.streams):
+            for p in self.client.xpending_range(
+                stream, GROUP, "-", "+", limit, consumername=self.consumer
+            ):
+                mid = p["message_id"]
+                out.append((lane, mid.decode() if isinstance(mid, bytes) else str(mid),
+                            int(p["times_delivered"])))  # fmt: skip
+        return out
+
+    def claim_own(self, items: Sequence[tuple[int, str, int]]) -> list[Entry]:
+        """Deliver again entries pending on this consumer (a delivery is counted)."""
+        out: list[Entry] = []
+        by_lane: dict[int, dict[str, int]] = {}
+        for lane, entry_id, deliveries in items:
+            by_lane.setdefault(lane, {})[entry_id] = deliveries
+        for lane, chosen in by_lane.items():
+            stream = self.streams[lane]
+            claimed: Any = self.client.xclaim(stream, GROUP, self.consumer, 0, list(chosen))
+            for entry_id, fields in claimed:
+                eid = entry_id.decode()
+                if fields:
+                    out.append(Entry(lane, eid, fields, chosen[eid] + 1))
+                else:  # deleted while pending
+                    self.client.xack(stream, GROUP, entry_id)
+        return out
+
+    def have_results(self, request_ids: Sequence[str]) -> list[bool]:
+        """Which of these requests have a stored result (redeliveries)."""
         if not request_ids:
             return []
         pipe = self.client.pipeline(transaction=False)
         for rid in request_ids:
-            pipe.get(self.keys.result(rid))
-        return list(pipe.execute())
+            pipe.exists(self.keys.result(rid))
+        return [bool(n) for n in pipe.execute()]
+
+    def retire(self, items: Sequence[Retiring]) -> list[bool]:
+        """Ack redelivered entries whose result is stored, publishing it on their reply
+        channel (one script call); True where retired."""
+        if not items:
+            return []
+        keys = [self.keys.result(it.request_id) for it in items] + self.streams
+        args: list[str | bytes | int] = [GROUP, len(items)]
+        for it in items:
+            args += [it.entry.id, it.entry.lane, it.reply or ""]
+        return [bool(x) for x in self._retire(keys=keys, args=args)]
 
     def append_partial(self, request_id: str, payload: bytes, ttl_s: int) -> None:
         """Append one partial output to the request's stream and keep it ``ttl_s``."""
@@ -265,29 +318,25 @@ class ModelStreams:
 class RedisClock:
     """Local monotonic time mapped onto the Redis server's clock (stream ids use it).
 
-    Synced on first use and every ``refresh_s``; while Redis cannot be reached it keeps
-    the last offset (the local clock before the first sync)."""
+    Reading it never touches Redis (any thread may, the device thread too); the intake
+    calls :meth:`sync` on its own thread, at start and every ``refresh_s``. Before the first
+    sync it is the local wall clock."""
 
     def __init__(self, streams: ModelStreams, refresh_s: float = 60.0) -> None:
         self._streams = streams
-        self._refresh_s = refresh_s
+        self.refresh_s = refresh_s
         self._offset = time.time() - time.monotonic()
         self._synced = -math.inf
 
-    def _sync(self) -> None:
+    def sync(self, force: bool = False) -> None:
+        """Measure the offset to the Redis clock again, if due (or ``force``)."""
         t0 = time.monotonic()
+        if not force and t0 - self._synced < self.refresh_s:
+            return
+        self._synced = t0  # one try per period, whatever the outcome
         server = self._streams.redis_time()
         t1 = time.monotonic()
         self._offset = server - (t0 + t1) / 2
-        self._synced = t1
 
     def __call__(self) -> float:
-        now = time.monotonic()
-        if now - self._synced > self._refresh_s:
-            self._synced = now  # one try per period, whatever the outcome
-            try:
-                self._sync()
-                now = time.monotonic()
-            except redis.RedisError:
-                pass
-        return now + self._offset
+        return time.monotonic() + self._offset

@@ -10,7 +10,8 @@
 --   stream entry id, lane number (0-based), encoded result, TTL in seconds,
 --   reply channel to PUBLISH to ('' for none)
 --
--- Returns an array of n integers: 1 where this call stored the result, 0 where one was
+-- Returns an array of n integers: 1 where the result is this payload (stored now, or by this
+-- same call retried after a lost reply: not published twice), 0 where another one was
 -- already stored (a redelivery, or a second entry with the same request id: the stored
 -- result stands and is published again on this entry's reply channel, so a client that
 -- only subscribes still gets its answer).
@@ -22,15 +23,16 @@ for i = 1, n do
   local stream = KEYS[n + 1 + tonumber(ARGV[a + 1])]
   local payload = ARGV[a + 2]
   local written = redis.call('SET', KEYS[i], payload, 'NX', 'EX', tonumber(ARGV[a + 3]))
-  if ARGV[a + 4] ~= '' then
-    if written then
-      redis.call('PUBLISH', ARGV[a + 4], payload)
-    else
-      local stored = redis.call('GET', KEYS[i])
-      if stored then
-        redis.call('PUBLISH', ARGV[a + 4], stored)
-      end
+  if not written then
+    local stored = redis.call('GET', KEYS[i])
+    if stored == payload then
+      -- our own write, retried after a lost reply: it was stored and published then
+      written = true
+    elseif stored and ARGV[a + 4] ~= '' then
+      redis.call('PUBLISH', ARGV[a + 4], stored)
     end
+  elseif ARGV[a + 4] ~= '' then
+    redis.call('PUBLISH', ARGV[a + 4], payload)
   end
   redis.call('XACK', stream, ARGV[1], id)
   redis.call('XDEL', stream, id)
