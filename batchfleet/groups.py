@@ -28,7 +28,8 @@ def init_groups(fleet: FleetConfig, models: list[str] | None = None) -> dict[str
         created: dict[str, list[str]] = {}
         for name in names:
             cfg = fleet.models[name]
-            streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")
+            # ModelStreams is annotated with redis.Redis; a cluster client works as well
+            streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")  # type: ignore[arg-type]
             streams.ensure_groups(cfg.max_queue_depth)
             created[name] = streams.streams
             logger.info("model %s: group ready on %s", name, ", ".join(streams.streams))

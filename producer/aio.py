@@ -48,7 +48,8 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
 
     The same options and behaviour as :class:`~batchfleet.producer.Producer`."""
 
-    connect = staticmethod(connect_async)
+    def _connect(self, url: str) -> AsyncClient:
+        return connect_async(url)
 
     def _job(self, request_id: str, model: str) -> AsyncJob:
         return AsyncJob(request_id, model, self)
@@ -162,4 +163,5 @@ class _Subscription:
         pubsub, self.pubsub = self.pubsub, None
         if pubsub is not None:
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
-                await pubsub.aclose()  # its connection may be gone already
+                # its connection may be gone already; redis-py leaves aclose untyped
+                await pubsub.aclose()  # type: ignore[no-untyped-call]

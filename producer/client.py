@@ -54,7 +54,8 @@ class Producer(ProducerShell[SyncClient, Job]):
     before :class:`Unavailable` is raised (docs/reliability.md).
     """
 
-    connect = staticmethod(connect)
+    def _connect(self, url: str) -> SyncClient:
+        return connect(url)
 
     def _job(self, request_id: str, model: str) -> Job:
         return Job(request_id, model, self)
@@ -167,7 +168,8 @@ class _Subscription:
 
     def open(self, channel: str) -> None:
         self.close()
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        # RedisCluster.pubsub is untyped in redis-py
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         self.pubsub.subscribe(channel)
 
     def listen(self, timeout: float) -> bytes | None:

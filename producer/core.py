@@ -270,17 +270,22 @@ class ProducerCore(Generic[J]):
         return self.lane_cache.put(model, raw)
 
     def _build(
-        self, model: str, inputs: str | Iterable[str], options: SubmitOptions
+        self,
+        model: str,
+        inputs: str | Iterable[str],
+        options: ManyOptions,
+        request_id: str | None = None,
+        result_ttl_s: int | None = None,
     ) -> tuple[Request, int]:
         """A validated request (its id fixed here, once) and its lane: checked before Redis."""
         request = build_request(
             model,
             inputs,
             limits=self.limits,
-            request_id=options.get("request_id"),
+            request_id=request_id,
             deadline_ms=options.get("deadline_ms"),
             reply=self.reply_channel,
-            result_ttl_s=options.get("result_ttl_s"),
+            result_ttl_s=result_ttl_s,
             metadata=options.get("metadata"),
             result_format=options.get("result_format"),
             webhook=options.get("webhook"),
@@ -291,7 +296,9 @@ class ProducerCore(Generic[J]):
     def submit(self, model: str, inputs: str | Iterable[str], options: SubmitOptions) -> Steps[J]:
         """One request. Its id is fixed before the first try, so a retry after an unknown
         outcome adds an entry with the same id, which gets the same single result."""
-        request, lane = self._build(model, inputs, options)
+        request, lane = self._build(
+            model, inputs, options, options.get("request_id"), options.get("result_ttl_s")
+        )
         budget = RetryBudget(self.retry_for_s)
         p = prepare(request, lane, (yield from self.lanes(model, budget)), self.wire_format)
         (reply,) = yield from self._retrying(RunScript([(p.keys, p.args)]), budget, [request.id])
@@ -307,7 +314,7 @@ class ProducerCore(Generic[J]):
         :class:`QueueFull` and :class:`Unavailable` carry ``accepted``: the jobs that did go
         in; ``Unavailable.unknown_ids`` names the requests that may or may not have.
         """
-        built = [self._build(model, inputs, SubmitOptions(**options)) for inputs in requests]
+        built = [self._build(model, inputs, options) for inputs in requests]
         budget = RetryBudget(self.retry_for_s)
         lanes = yield from self.lanes(model, budget)
         prepared = [prepare(request, lane, lanes, self.wire_format) for request, lane in built]

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from typing_extensions import Unpack
 
-from ..connection import default_url
+from ..connection import AsyncClient, SyncClient, default_url
 from ..schemas.messages import Format, Limits
 from .core import CoreOptions, ProducerCore
 from .submit import SUBMIT_LUA
 
-C = TypeVar("C")
+C = TypeVar("C", bound=SyncClient | AsyncClient)
 J = TypeVar("J")
 
 
@@ -21,15 +20,12 @@ class ProducerShell(Generic[C, J]):
     :class:`~batchfleet.producer.core.CoreOptions`: connection errors are retried with backoff
     for ``retry_for_s`` seconds before :class:`Unavailable` is raised (docs/reliability.md)."""
 
-    connect: ClassVar[Callable[[str], Any]]
-    """Makes the client from the URL when none is given."""
-
     def __init__(
         self, url: str | None = None, *, client: C | None = None, **options: Unpack[CoreOptions]
     ) -> None:
         self.url = url or default_url()
-        self.client: C = client if client is not None else type(self).connect(self.url)
-        self._submit = self.client.register_script(SUBMIT_LUA)  # type: ignore[attr-defined]
+        self.client: C = client if client is not None else self._connect(self.url)
+        self._submit = self.client.register_script(SUBMIT_LUA)
         self.core: ProducerCore[J] = ProducerCore(self.url, self._job, **options)
         self.client_id = self.core.client_id
         self.reply_channel = self.core.reply_channel
@@ -45,6 +41,10 @@ class ProducerShell(Generic[C, J]):
     @property
     def default_priority(self) -> int:
         return self.core.default_priority
+
+    def _connect(self, url: str) -> C:
+        """The client, made from the URL when none is given."""
+        raise NotImplementedError
 
     def _job(self, request_id: str, model: str) -> J:
         raise NotImplementedError

@@ -84,7 +84,7 @@ class Prepared:
         return [name, body]
 
 
-SUBMIT_LUA = importlib.resources.files(__package__).joinpath("lua", "submit.lua").read_text()
+SUBMIT_LUA = (importlib.resources.files(__package__) / "lua" / "submit.lua").read_text()
 
 
 def queue_full(exc: Exception) -> QueueFull | None:

@@ -46,7 +46,8 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
 
 def pack(obj: Any) -> bytes:
     """Encode with msgpack; floats as float32 (outputs do not need more)."""
-    return msgpack.packb(obj, use_bin_type=True, use_single_float=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, use_single_float=True)
+    return packed
 
 
 # --- requests -------------------------------------------------------------------------------
@@ -109,6 +110,7 @@ def _envelope(body: Any, fmt: Format) -> Envelope:
 
 def envelope_of(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> Envelope:
     """Best effort: the id and reply target of an entry that may be valid or not."""
+    fmt: Format
     try:
         if MSGPACK_FIELD in fields:
             raw, fmt = fields[MSGPACK_FIELD], "msgpack"

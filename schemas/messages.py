@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from .errors import ErrorCode
 from .keys import MODEL_NAME, REQUEST_ID
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 Format = Literal["msgpack", "json"]
 Status = Literal["ok", "error", "expired"]
 """The statuses workers of this version write. Readers must accept others (see
