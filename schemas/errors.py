@@ -76,8 +76,9 @@ class Unavailable(BatchfleetError):
         self.accepted: list[Any] = []
 
 
-class ConfigError(BatchfleetError):
-    """The fleet configuration is invalid."""
+class ConfigError(BatchfleetError, ValueError):
+    """The fleet configuration is invalid (a ``ValueError`` too, so pydantic validators
+    report it as a validation error)."""
 
 
 class ResultTimeout(BatchfleetError, TimeoutError):
