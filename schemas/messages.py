@@ -52,7 +52,7 @@ class _Answer(_Wire):
     @model_validator(mode="before")
     @classmethod
     def _ignore_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and (info.context or {}).get(FROM_WIRE):
+        if isinstance(data, dict) and cls._from_wire(info):
             return {k: v for k, v in data.items() if k in cls.model_fields}
         return data
 

@@ -13,6 +13,7 @@ from batchfleet.schemas.codec import (
     decode_result,
     encode_request,
     encode_result,
+    envelope_of,
 )
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import ModelKeys, check_model_name
@@ -217,6 +218,13 @@ def test_oversized_entry_without_a_readable_id_is_not_answerable(
         decode_entry(fields, "m", Limits(max_entry_bytes=1024))
     assert info.value.code is ErrorCode.TOO_LARGE
     assert not info.value.envelope.answerable
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_envelope_of_an_oversized_poison_entry_keeps_its_id(fmt: str) -> None:
+    """The poison path (worker: envelope_of, then answered ``poisoned``) reads it the same."""
+    env = envelope_of(_fields(BIG, fmt), Limits(max_entry_bytes=1024))
+    assert (env.id, env.reply, env.metadata) == ("big-1", "chan", {"trace": "t1"})
 
 
 def test_oversized_entry_envelope_skips_big_values_it_cannot_decode() -> None:
