@@ -17,8 +17,9 @@ from typing_extensions import Unpack
 
 from ..connection import AsyncClient, connect_async, run_script_calls_async
 from ..schemas.messages import Result
-from . import core
-from .core import JobRef, ManyOptions, Runner, SubmitOptions, raise_for_status
+from . import ops
+from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
+from .ops import Runner
 from .shell import ProducerShell
 
 T = TypeVar("T")
@@ -69,36 +70,36 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         """Await each of ``runner``'s operations; results it emits go to the caller."""
         async with contextlib.aclosing(_Subscription(self.client)) as subscription:
             for op in runner:
-                if isinstance(op, core.Emit):
+                if isinstance(op, ops.Emit):
                     yield op.result
                 else:
                     runner.reply = await self._do(op, subscription)
 
-    async def _do(self, op: core.Op, subscription: _Subscription) -> Any:
+    async def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
         """The reply to ``op``; a connection error is returned, for the core to handle."""
         try:
-            if isinstance(op, core.Get):
+            if isinstance(op, ops.Get):
                 return await self.client.get(op.key)
-            if isinstance(op, core.GetMany):
+            if isinstance(op, ops.GetMany):
                 pipe = self.client.pipeline(transaction=False)
                 for key in op.keys:
                     pipe.get(key)
                 return await pipe.execute()
-            if isinstance(op, core.RunScript):
+            if isinstance(op, ops.RunScript):
                 return await run_script_calls_async(self.client, self._submit, op.calls)
-            if isinstance(op, core.Sleep):
+            if isinstance(op, ops.Sleep):
                 return await asyncio.sleep(op.seconds)
-            if isinstance(op, core.Subscribe):
+            if isinstance(op, ops.Subscribe):
                 return await subscription.open(op.channel)
-            if isinstance(op, core.Unsubscribe):
+            if isinstance(op, ops.Unsubscribe):
                 return await subscription.aclose()
-            if isinstance(op, core.Listen):
+            if isinstance(op, ops.Listen):
                 return await subscription.listen(op.timeout)
-        except core.DOWN as exc:
+        except ops.DOWN as exc:
             return exc
         raise TypeError(f"cannot carry out {op!r}")
 
-    async def _call(self, steps: Generator[core.Op, Any, T]) -> T:
+    async def _call(self, steps: Generator[ops.Op, Any, T]) -> T:
         runner = Runner(steps)
         async for _ in self._drive(runner):
             raise RuntimeError("a core operation emitted results outside results()")

@@ -18,8 +18,9 @@ from typing_extensions import Unpack
 
 from ..connection import SyncClient, connect, run_script_calls
 from ..schemas.messages import Result
-from . import core
-from .core import JobRef, ManyOptions, Runner, SubmitOptions, raise_for_status
+from . import ops
+from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
+from .ops import Runner
 from .shell import ProducerShell
 
 __all__ = ["Job", "Producer", "raise_for_status"]
@@ -75,36 +76,36 @@ class Producer(ProducerShell[SyncClient, Job]):
         """Carry out ``runner``'s operations, yielding the results it emits."""
         with contextlib.closing(_Subscription(self.client)) as subscription:
             for op in runner:
-                if isinstance(op, core.Emit):
+                if isinstance(op, ops.Emit):
                     yield op.result
                 else:
                     runner.reply = self._do(op, subscription)
 
-    def _do(self, op: core.Op, subscription: _Subscription) -> Any:
+    def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
         """The reply to ``op``; a connection error is returned, for the core to handle."""
         try:
-            if isinstance(op, core.Get):
+            if isinstance(op, ops.Get):
                 return self.client.get(op.key)
-            if isinstance(op, core.GetMany):
+            if isinstance(op, ops.GetMany):
                 pipe = self.client.pipeline(transaction=False)
                 for key in op.keys:
                     pipe.get(key)
                 return pipe.execute()
-            if isinstance(op, core.RunScript):
+            if isinstance(op, ops.RunScript):
                 return run_script_calls(self.client, self._submit, op.calls)
-            if isinstance(op, core.Sleep):
+            if isinstance(op, ops.Sleep):
                 return time.sleep(op.seconds)
-            if isinstance(op, core.Subscribe):
+            if isinstance(op, ops.Subscribe):
                 return subscription.open(op.channel)
-            if isinstance(op, core.Unsubscribe):
+            if isinstance(op, ops.Unsubscribe):
                 return subscription.close()
-            if isinstance(op, core.Listen):
+            if isinstance(op, ops.Listen):
                 return subscription.listen(op.timeout)
-        except core.DOWN as exc:
+        except ops.DOWN as exc:
             return exc
         raise TypeError(f"cannot carry out {op!r}")
 
-    def _call(self, steps: Generator[core.Op, Any, T]) -> T:
+    def _call(self, steps: Generator[ops.Op, Any, T]) -> T:
         runner = Runner(steps)
         for _ in self._drive(runner):
             raise RuntimeError("a core operation emitted results outside results()")

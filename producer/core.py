@@ -1,8 +1,8 @@
 """The producer's logic, written once for both producers: a sans-I/O core.
 
 Each operation (submit, wait, results) is a generator that yields the Redis operations it
-needs (:class:`Get`, :class:`RunScript`, :class:`Listen`, ...) and receives their replies;
-a connection error is thrown back into it at the ``yield``. The retry and backoff policy,
+needs (producer/ops.py: :class:`Get`, :class:`RunScript`, :class:`Listen`, ...) and receives
+their replies; a connection error is thrown back into it at the ``yield``. The retry and backoff policy,
 request building, result decoding, resubscription and sweeps live here alone;
 :class:`~batchfleet.producer.Producer` and :class:`~batchfleet.producer.AsyncProducer` are
 thin shells that carry out the operations with a sync or an asyncio client.
@@ -13,17 +13,29 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
-import redis
 from typing_extensions import Unpack
 
 from ..schemas.codec import decode_reply, decode_result
 from ..schemas.errors import JobFailed, ResultTimeout, Unavailable
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Result
+from .ops import (
+    DOWN,
+    Emit,
+    Get,
+    GetMany,
+    Listen,
+    Op,
+    RunScript,
+    Sleep,
+    Steps,
+    Subscribe,
+    Unsubscribe,
+)
 from .submit import (
     LaneCache,
     WebhookArg,
@@ -35,6 +47,7 @@ from .submit import (
 )
 
 logger = logging.getLogger(__name__)
+J = TypeVar("J")
 
 PIPELINE_CHUNK = 1000
 SWEEP_S = 2.0
@@ -46,71 +59,6 @@ RETRY_FIRST_PAUSE_S = 0.05
 RETRY_MAX_PAUSE_S = 1.0
 RECONNECT_PAUSE_S = 0.2
 """Pause before polling or resubscribing again while Redis is unreachable."""
-
-DOWN = (redis.ConnectionError, redis.TimeoutError)
-"""What a restarting Redis raises (``BusyLoadingError`` while it loads is a ConnectionError)."""
-
-
-# --- the operations a core generator yields --------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Get:
-    """``GET key`` → bytes or None."""
-
-    key: str
-
-
-@dataclass(frozen=True, slots=True)
-class GetMany:
-    """``GET`` each key on one pipeline → a list of bytes or None."""
-
-    keys: list[str]
-
-
-@dataclass(frozen=True, slots=True)
-class RunScript:
-    """The submit script once per ``(keys, args)``, pipelined → replies, errors as objects."""
-
-    calls: list[tuple[list[str], list[bytes]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Subscribe:
-    """Open a fresh subscription to ``channel`` (closing any earlier one)."""
-
-    channel: str
-
-
-@dataclass(frozen=True, slots=True)
-class Listen:
-    """The next message's data on the subscription, or None after ``timeout`` seconds."""
-
-    timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class Unsubscribe:
-    """Close the subscription (its connection may be dead)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Emit:
-    """Not a Redis operation: hand this result to the caller of ``results()``."""
-
-    result: Result
-
-
-Op = Get | GetMany | RunScript | Sleep | Subscribe | Listen | Unsubscribe | Emit
-T = TypeVar("T")
-J = TypeVar("J")
-Steps = Generator[Op, Any, T]
-"""A core operation: yields :data:`Op`, receives each one's reply, returns a ``T``."""
 
 
 class CoreOptions(TypedDict, total=False):
@@ -160,31 +108,6 @@ class JobRef:
     @property
     def result_key(self) -> str:
         return ModelKeys(self.model).result(self.id)
-
-
-class Runner(Generic[T]):
-    """Feeds a core generator the replies to its operations: the part of a shell's loop that
-    is not I/O. Iterate it for the operations, set ``reply`` after each (a connection error
-    as the exception object: it is raised in the core at its ``yield``); then ``value`` is
-    the generator's return value."""
-
-    def __init__(self, steps: Generator[Op, Any, T]) -> None:
-        self.steps = steps
-        self.reply: Any = None
-        self.value: T | None = None
-
-    def __iter__(self) -> Iterator[Op]:
-        try:
-            while True:
-                reply, self.reply = self.reply, None
-                if isinstance(reply, DOWN):
-                    yield self.steps.throw(reply)
-                else:
-                    yield self.steps.send(reply)
-        except StopIteration as stop:
-            self.value = stop.value
-        finally:
-            self.steps.close()
 
 
 def raise_for_status(result: Result) -> Result:
