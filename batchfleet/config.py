@@ -33,6 +33,7 @@ from pydantic_settings import (
 
 from .batching.types import Policy
 from .connection import DEFAULT_REDIS_URL, URL_SCHEMES, is_cluster_url
+from .schemas.errors import ConfigError
 from .schemas.keys import check_model_name
 from .schemas.messages import Limits
 from .webhooks.config import WebhooksConfig
@@ -54,7 +55,7 @@ class BatchConfig(BaseModel):
     def policy(self, lanes: int) -> Policy:
         weights = self.lane_weights or [float(2 ** (lanes - 1 - i)) for i in range(lanes)]
         if len(weights) != lanes:
-            raise ValueError(f"lane_weights has {len(weights)} entries for {lanes} lanes")
+            raise ConfigError(f"lane_weights has {len(weights)} entries for {lanes} lanes")
         return Policy(
             max_batch_size=self.max_batch_size,
             max_wait_ms=self.max_wait_ms,
@@ -203,7 +204,7 @@ class FleetConfig(BaseSettings):
         if self.broker_url:
             return self.broker_url
         if is_cluster_url(self.redis_url):
-            raise ValueError(
+            raise ConfigError(
                 "redis_url is a Redis Cluster, which Celery cannot use as its broker: "
                 "set broker_url (or BATCHFLEET_BROKER_URL) to a plain redis:// URL"
             )

@@ -6,7 +6,6 @@ Everything it starts, it stops. With ``REDIS_URL`` set it uses that Redis instea
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import subprocess
@@ -21,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .batching.report import percentile
 from .connection import connect
 from .producer import Producer
 from .redis_server import LocalRedis
@@ -116,11 +116,6 @@ def _wait_ready(url: str, name: str, proc: subprocess.Popen[bytes], log: Path) -
     raise TimeoutError(f"the worker did not start within 180 s:\n{log.read_text()[-2000:]}")
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def run_demo(requests: int = 300, rate: float = 40.0, redis_url: str | None = None) -> int:
     console = Console()
     texts = sentences(requests)
@@ -181,12 +176,12 @@ def _summary(
         f"{len(batches)}, mean size {sum(batches.values()) / max(1, len(batches)):.1f}",
     )
     table.add_row("batch sizes", ", ".join(f"{k}x{v}" for k, v in sorted(sizes.items())))
-    table.add_row("latency p50 / p99", f"{_pct(total, 0.5):.0f} ms / {_pct(total, 0.99):.0f} ms")
+    table.add_row("latency p50 / p99", _p50_p99(total))
     for lane in sorted(set(lanes.values())):
         lt = [r.timings.total_ms for r in results if lanes[r.id] == lane]
         table.add_row(
             f"  lane {lane} p50 / p99",
-            f"{_pct(lt, 0.5):.0f} ms / {_pct(lt, 0.99):.0f} ms ({len(lt)})",
+            f"{_p50_p99(lt)} ({len(lt)})",
         )
     console.print(table)
     a, b, c = (
@@ -199,6 +194,11 @@ def _summary(
         f"cosine('{a}', '{b}') = {sum(x * y for x, y in zip(va, vb, strict=True)):.3f}\n"
         f"cosine('{a}', '{c}') = {sum(x * y for x, y in zip(va, vc, strict=True)):.3f}"
     )
+
+
+def _p50_p99(values: list[float]) -> str:
+    ordered = sorted(values)
+    return f"{percentile(ordered, 50):.0f} ms / {percentile(ordered, 99):.0f} ms"
 
 
 def _device(results: list[Result]) -> str:

@@ -112,7 +112,7 @@ def compose(
             rows = sum(ordered[i].size for i in chosen)
             max_tok = max(ordered[i].tokens for i in chosen)
             min_dl = min(
-                (ordered[i].deadline for i in chosen if ordered[i].deadline is not None),
+                (d for i in chosen if (d := ordered[i].deadline) is not None),
                 default=math.inf,
             )
     return Composition([ordered[i] for i in chosen], full, rows, max_tok, min_dl, regrouped)
@@ -240,7 +240,7 @@ def _regroup(
     members = sorted(keep + pool[i : j + 1])
     rows = sum(ordered[k].size for k in members)
     max_tok = max(ordered[k].tokens for k in members)
-    dls = [ordered[k].deadline for k in members if ordered[k].deadline is not None]
+    dls = [d for k in members if (d := ordered[k].deadline) is not None]
     if dls and start + estimate(rows, rows * max_tok) > min(dls):
         return None
     return members

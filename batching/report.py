@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -9,12 +10,14 @@ from dataclasses import dataclass, field
 from .types import Batch, Waiting
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0…100) of already sorted values; 0.0 if none."""
+def percentile(sorted_values: Sequence[float], q: float, empty: float = 0.0) -> float:
+    """Nearest-rank percentile (``q`` in 0…100) of already sorted values: the smallest value
+    with at least ``q``% of the values at or below it (rank ``ceil(q/100 · n)``); ``empty``
+    if there are none. The one rank rule of the package, the demo and the benchmarks."""
     if not sorted_values:
-        return 0.0
-    rank = max(0, min(len(sorted_values) - 1, int(q / 100.0 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[rank]
+        return empty
+    rank = math.ceil(q / 100.0 * len(sorted_values))
+    return sorted_values[max(0, min(len(sorted_values) - 1, rank - 1))]
 
 
 @dataclass(frozen=True, slots=True)

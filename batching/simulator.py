@@ -177,9 +177,9 @@ def simulate(
         if q is None:
             q = queue[item.lane] = deque()
         q.append(item)
-        wid = _listener(fleet)
-        if wid is not None:
-            poke(wid, item.arrived)
+        listener = _listener(fleet)
+        if listener is not None:
+            poke(listener, item.arrived)
 
     stuck = sum(len(q) for q in queue.values()) + sum(len(w.held) for w in fleet)
     return build_report(

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from batchfleet.batching.report import percentile
 
 from .systems import Run
 
 
 def pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN when empty."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
-    return s[k]
+    """Nearest-rank percentile (q in 0..100) of unsorted values; NaN when empty."""
+    return percentile(sorted(values), q, empty=float("nan"))
 
 
 @dataclass(frozen=True, slots=True)

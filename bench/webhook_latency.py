@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from batchfleet.batching.report import percentile
 from batchfleet.producer import Producer
 from webhook_receiver import Receiver
 
@@ -34,8 +35,8 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    """Nearest-rank percentile, ``q`` in 0..1."""
+    return percentile(sorted(values), q * 100)
 
 
 def main() -> int:

@@ -1,74 +1,59 @@
-"""The asyncio producer: the same API as :class:`Producer`, awaitable."""
+"""The asyncio producer: :class:`Producer`'s API, awaitable, with ``async for`` results.
+
+An asyncio client runs the core's operations here (producer/core.py holds the logic).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
-import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from typing_extensions import Unpack
 
-from ..connection import connect_async, default_url, run_script_calls_async
-from ..schemas.codec import decode_result
-from ..schemas.errors import ResultTimeout
-from ..schemas.keys import ModelKeys, default_reply_channel
-from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Result
-from .client import PIPELINE_CHUNK, raise_for_status
-from .submit import (
-    SUBMIT_LUA,
-    LaneCache,
-    Prepared,
-    WebhookArg,
-    accepted_ids,
-    build_request,
-    prepare,
-    queue_full,
-    unavailable,
-)
+from ..connection import AsyncClient, connect_async, run_script_calls_async
+from ..schemas.messages import Result
+from . import ops
+from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
+from .ops import Runner
+from .shell import ProducerShell
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class AsyncJob:
-    id: str
-    model: str
+class AsyncJob(JobRef):
+    """A submitted request: its id, and a way back to its result (awaitable)."""
+
     producer: AsyncProducer
 
-    @property
-    def result_key(self) -> str:
-        return ModelKeys(self.model).result(self.id)
-
     async def result(self, timeout: float | None = 30.0) -> Result:
+        """Wait for the final result (polling its key). Raises :class:`ResultTimeout`."""
         return await self.producer.wait(self, timeout)
 
     async def outputs(self, timeout: float | None = 30.0) -> list[Any]:
+        """The outputs of an ``ok`` result; raises :class:`JobFailed` for any other status."""
         return raise_for_status(await self.result(timeout)).outputs or []
 
+    async def peek(self) -> Result | None:
+        """The result if it is there now, else ``None``."""
+        return await self.producer.peek(self)
 
-class AsyncProducer:
-    """``async with AsyncProducer(url) as p: job = await p.submit("minilm", "text")``."""
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        client: aioredis.Redis | None = None,
-        limits: Limits = DEFAULT_LIMITS,
-        wire_format: Format = "msgpack",
-        default_priority: int = 1,
-    ) -> None:
-        self.url = url or default_url()
-        self.client = client or connect_async(self.url)
-        self._submit = self.client.register_script(SUBMIT_LUA)
-        self.limits = limits
-        self.wire_format: Format = wire_format
-        self.default_priority = default_priority
-        self.client_id = uuid.uuid4().hex
-        self.reply_channel = default_reply_channel(self.client_id)
-        self._lanes = LaneCache()
+class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
+    """``async with AsyncProducer(url) as p: job = await p.submit("minilm", "text")``.
+
+    The same options and behaviour as :class:`~batchfleet.producer.Producer`."""
+
+    def _connect(self, url: str) -> AsyncClient:
+        return connect_async(url)
+
+    def _job(self, request_id: str, model: str) -> AsyncJob:
+        return AsyncJob(request_id, model, self)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -79,157 +64,105 @@ class AsyncProducer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def lanes(self, model: str) -> int:
-        cached = self._lanes.get(model)
-        if cached is not None:
-            return cached
-        return self._lanes.put(model, await self.client.get(ModelKeys(model).lanes_key))
+    # --- the core's operations, on the event loop --------------------------------------------
 
-    async def _prepare(
-        self,
-        model: str,
-        inputs: str | Iterable[str],
-        priority: int | None,
-        deadline_ms: int | None,
-        metadata: Mapping[str, str] | None,
-        result_ttl_s: int | None,
-        request_id: str | None,
-        result_format: Format | None,
-        webhook: WebhookArg = None,
-    ) -> Prepared:
-        request = build_request(
-            model,
-            inputs,
-            limits=self.limits,
-            request_id=request_id,
-            deadline_ms=deadline_ms,
-            reply=self.reply_channel,
-            result_ttl_s=result_ttl_s,
-            metadata=metadata,
-            result_format=result_format,
-            webhook=webhook,
-        )
-        lane = self.default_priority if priority is None else priority
-        return prepare(request, lane, await self.lanes(model), self.wire_format)
+    async def _drive(self, runner: Runner[Any]) -> AsyncIterator[Result]:
+        """Await each of ``runner``'s operations; results it emits go to the caller."""
+        async with contextlib.aclosing(_Subscription(self.client)) as subscription:
+            for op in runner:
+                if isinstance(op, ops.Emit):
+                    yield op.result
+                else:
+                    runner.reply = await self._do(op, subscription)
+
+    async def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
+        """The reply to ``op``; a connection error is returned, for the core to handle."""
+        try:
+            if isinstance(op, ops.Get):
+                return await self.client.get(op.key)
+            if isinstance(op, ops.GetMany):
+                pipe = self.client.pipeline(transaction=False)
+                for key in op.keys:
+                    pipe.get(key)
+                return await pipe.execute()
+            if isinstance(op, ops.RunScript):
+                return await run_script_calls_async(self.client, self._submit, op.calls)
+            if isinstance(op, ops.Sleep):
+                return await asyncio.sleep(op.seconds)
+            if isinstance(op, ops.Subscribe):
+                return await subscription.open(op.channel)
+            if isinstance(op, ops.Unsubscribe):
+                return await subscription.aclose()
+            if isinstance(op, ops.Listen):
+                return await subscription.listen(op.timeout)
+        except ops.DOWN as exc:
+            return exc
+        raise TypeError(f"cannot carry out {op!r}")
+
+    async def _call(self, steps: Generator[ops.Op, Any, T]) -> T:
+        runner = Runner(steps)
+        async for _ in self._drive(runner):
+            raise RuntimeError("a core operation emitted results outside results()")
+        return runner.value  # type: ignore[return-value]
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    async def lanes(self, model: str) -> int:
+        return await self._call(self.core.lanes(model))
 
     async def submit(
-        self,
-        model: str,
-        inputs: str | Iterable[str],
-        *,
-        priority: int | None = None,
-        deadline_ms: int | None = None,
-        metadata: Mapping[str, str] | None = None,
-        result_ttl_s: int | None = None,
-        request_id: str | None = None,
-        result_format: Format | None = None,
-        webhook: WebhookArg = None,
+        self, model: str, inputs: str | Iterable[str], **options: Unpack[SubmitOptions]
     ) -> AsyncJob:
-        try:
-            p = await self._prepare(
-                model,
-                inputs,
-                priority,
-                deadline_ms,
-                metadata,
-                result_ttl_s,
-                request_id,
-                result_format,
-                webhook,
-            )
-            await self._submit(keys=p.keys, args=p.args)
-        except redis.ResponseError as exc:
-            raise (queue_full(exc) or exc) from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise unavailable(self.url, exc) from exc
-        return AsyncJob(p.request.id, model, self)
+        """:meth:`Producer.submit <batchfleet.producer.Producer.submit>`, awaitable."""
+        return await self._call(self.core.submit(model, inputs, options))
 
     async def submit_many(
         self,
         model: str,
         requests: Iterable[str | Sequence[str]],
-        *,
-        priority: int | None = None,
-        deadline_ms: int | None = None,
-        metadata: Mapping[str, str] | None = None,
-        result_format: Format | None = None,
-        webhook: WebhookArg = None,
+        **options: Unpack[ManyOptions],
     ) -> list[AsyncJob]:
-        jobs: list[AsyncJob] = []
-        try:
-            prepared = [
-                await self._prepare(
-                    model,
-                    inputs,
-                    priority,
-                    deadline_ms,
-                    metadata,
-                    None,
-                    None,
-                    result_format,
-                    webhook,
-                )
-                for inputs in requests
-            ]
-            for start in range(0, len(prepared), PIPELINE_CHUNK):
-                chunk = prepared[start : start + PIPELINE_CHUNK]
-                calls = [(p.keys, p.args) for p in chunk]
-                replies = await run_script_calls_async(self.client, self._submit, calls)
-                ids, full = accepted_ids(chunk, replies)
-                jobs += [AsyncJob(rid, model, self) for rid in ids]
-                if full is not None:
-                    full.accepted = jobs  # type: ignore[attr-defined]
-                    raise full
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise unavailable(self.url, exc) from exc
-        return jobs
+        """:meth:`Producer.submit_many <batchfleet.producer.Producer.submit_many>`, awaitable."""
+        return await self._call(self.core.submit_many(model, requests, options))
+
+    # --- results ------------------------------------------------------------------------------
 
     async def peek(self, job: AsyncJob) -> Result | None:
-        raw = await self.client.get(job.result_key)
-        return None if raw is None else decode_result(raw)
+        return await self._call(self.core.peek(job.model, job.id))
 
     async def wait(self, job: AsyncJob, timeout: float | None = 30.0) -> Result:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.001
-        while True:
-            result = await self.peek(job)
-            if result is not None:
-                return result
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ResultTimeout(f"no result for {job.id} within {timeout}s")
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, 0.025)
+        """Poll ``job``'s result key (through Redis outages) until ``timeout``."""
+        return await self._call(self.core.wait(job.model, job.id, timeout))
 
     async def results(
         self, jobs: Iterable[AsyncJob], timeout: float | None = 60.0
     ) -> AsyncIterator[Result]:
-        """Yield results as they are published (subscribe first, then fetch stored ones)."""
-        waiting = {j.id: j for j in jobs}
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.reply_channel)
-        try:
-            ids = list(waiting)
-            for start in range(0, len(ids), PIPELINE_CHUNK):
-                chunk = ids[start : start + PIPELINE_CHUNK]
-                pipe = self.client.pipeline(transaction=False)
-                for rid in chunk:
-                    pipe.get(waiting[rid].result_key)
-                for rid, raw in zip(chunk, await pipe.execute(), strict=True):
-                    if raw is not None:
-                        del waiting[rid]
-                        yield decode_result(raw)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while waiting:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ResultTimeout(f"{len(waiting)} results missing after {timeout}s")
-                msg = await pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=min(left or 1.0, 1.0)
-                )
-                if msg is None or msg.get("type") != "message":
-                    continue
-                result = decode_result(msg["data"])
-                if waiting.pop(result.id, None) is not None:
-                    yield result
-        finally:
-            await pubsub.aclose()
+        """:meth:`Producer.results <batchfleet.producer.Producer.results>`: ``async for``."""
+        steps = self.core.results({j.id: j.model for j in jobs}, timeout)
+        async for result in self._drive(Runner(steps)):
+            yield result
+
+
+class _Subscription:
+    """The pub/sub connection of one ``results()`` call, opened again after a disconnect."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.pubsub: PubSub | None = None
+
+    async def open(self, channel: str) -> None:
+        await self.aclose()
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        await self.pubsub.subscribe(channel)
+
+    async def listen(self, timeout: float) -> bytes | None:
+        assert self.pubsub is not None, "Listen before Subscribe"
+        msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
+        return msg["data"] if msg is not None and msg.get("type") == "message" else None
+
+    async def aclose(self) -> None:
+        pubsub, self.pubsub = self.pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
+                # its connection may be gone already; redis-py leaves aclose untyped
+                await pubsub.aclose()  # type: ignore[no-untyped-call]

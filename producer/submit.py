@@ -84,7 +84,7 @@ class Prepared:
         return [name, body]
 
 
-SUBMIT_LUA = importlib.resources.files(__package__).joinpath("lua", "submit.lua").read_text()
+SUBMIT_LUA = (importlib.resources.files(__package__) / "lua" / "submit.lua").read_text()
 
 
 def queue_full(exc: Exception) -> QueueFull | None:
@@ -99,7 +99,8 @@ def accepted_ids(
     chunk: Sequence[Prepared], replies: Sequence[object]
 ) -> tuple[list[str], QueueFull | None]:
     """Ids of the pipelined submits that went in, and the QueueFull that refused others."""
-    ids, full = [], None
+    ids: list[str] = []
+    full: QueueFull | None = None
     for p, reply in zip(chunk, replies, strict=True):
         if isinstance(reply, Exception):
             full = queue_full(reply)
@@ -110,9 +111,13 @@ def accepted_ids(
     return ids, full
 
 
-def unavailable(url: str, exc: Exception) -> Unavailable:
+def unavailable(url: str, exc: Exception, unknown_ids: Sequence[str] = ()) -> Unavailable:
+    """The error for an unreachable Redis (the URL without its credentials)."""
     safe = url.split("@")[-1]
-    return Unavailable(f"cannot reach Redis at {safe}: {exc}")
+    message = f"cannot reach Redis at {safe}: {exc}"
+    if unknown_ids:
+        message += f"; outcome unknown for {len(unknown_ids)} requests (resubmit them as they are)"
+    return Unavailable(message, unknown_ids=unknown_ids)
 
 
 def prepare(request: Request, lane: int, lanes: int, wire_format: Format) -> Prepared:

@@ -5,7 +5,9 @@ No pickle, no msgpack ext types: only maps, arrays, strings, numbers, booleans, 
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +16,7 @@ from pydantic import ValidationError
 
 from .errors import ErrorCode, RequestRejected
 from .keys import REQUEST_ID
-from .messages import DEFAULT_LIMITS, Format, Limits, Request, Result
+from .messages import DEFAULT_LIMITS, FROM_WIRE, Format, Limits, Request, Result
 
 MSGPACK_FIELD = b"msgpack"
 JSON_FIELD = b"json"
@@ -44,7 +46,8 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
 
 def pack(obj: Any) -> bytes:
     """Encode with msgpack; floats as float32 (outputs do not need more)."""
-    return msgpack.packb(obj, use_bin_type=True, use_single_float=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True, use_single_float=True)
+    return packed
 
 
 # --- requests -------------------------------------------------------------------------------
@@ -107,14 +110,130 @@ def _envelope(body: Any, fmt: Format) -> Envelope:
 
 def envelope_of(fields: dict[bytes, bytes], limits: Limits = DEFAULT_LIMITS) -> Envelope:
     """Best effort: the id and reply target of an entry that may be valid or not."""
+    fmt: Format
     try:
         if MSGPACK_FIELD in fields:
-            return _envelope(unpack(fields[MSGPACK_FIELD], limits), "msgpack")
-        if JSON_FIELD in fields:
-            return _envelope(json.loads(fields[JSON_FIELD]), "json")
+            raw, fmt = fields[MSGPACK_FIELD], "msgpack"
+        elif JSON_FIELD in fields:
+            raw, fmt = fields[JSON_FIELD], "json"
+        else:
+            return Envelope()
+        if len(raw) > limits.max_entry_bytes:
+            return oversized_envelope(raw, fmt)
+        return _envelope(unpack(raw, limits) if fmt == "msgpack" else json.loads(raw), fmt)
     except Exception:
-        pass
-    return Envelope()
+        return Envelope()
+
+
+# --- the envelope of an entry too large to decode -------------------------------------------
+
+ENVELOPE_KEYS = frozenset({"id", "reply", "format", "metadata"})
+MAX_TOP_LEVEL_KEYS = 64
+"""A request map has at most 10 keys; a body with more is not read for its envelope."""
+MAX_JSON_TOKENS = 100_000
+"""Bounded work: a JSON body is scanned for its envelope through at most this many tokens."""
+
+
+def oversized_envelope(raw: bytes, fmt: str) -> Envelope:
+    """The envelope of an entry over ``max_entry_bytes``, read with bounded work, so that it
+    is answered ``too_large`` rather than left unanswered (issue #15: "Every entry whose id
+    can be read gets a result"). Only the top-level keys are read: big values are skipped
+    without being decoded. Returns an envelope without id when the id cannot be read."""
+    try:
+        found = _msgpack_top_level(raw) if fmt == "msgpack" else _json_top_level(raw)
+    except Exception:
+        found = {}
+    return _envelope(found, "json" if fmt == "json" else "msgpack")
+
+
+def _msgpack_top_level(raw: bytes) -> dict[str, Any]:
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(raw),
+        raw=False,
+        strict_map_key=True,
+        ext_hook=_no_ext,
+        max_buffer_size=max(len(raw), 65_536),  # a skipped value must fit in the buffer
+        max_str_len=4096,  # limits bound what is decoded; skip() decodes nothing
+        max_bin_len=0,
+        max_array_len=64,
+        max_map_len=64,
+        max_ext_len=0,
+    )
+    found: dict[str, Any] = {}
+    count = unpacker.read_map_header()
+    if count > MAX_TOP_LEVEL_KEYS:
+        return found
+    try:
+        for _ in range(count):
+            key = unpacker.unpack()
+            if key in ENVELOPE_KEYS:
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:
+        pass  # keys read before the fault stand
+    return found
+
+
+_JSON_TOKEN = re.compile(
+    r'\s*(?:(?P<str>"[^"\\]*(?:\\.[^"\\]*)*")|(?P<open>[\[{])|(?P<close>[\]}])'
+    r'|(?P<sep>[,:])|(?P<scalar>[^\s\[\]{},:"]+))'
+)
+
+_JSON_SPACE = re.compile(r"\s*")
+
+
+class _JsonScan:
+    """Tokens of a JSON text, for walking its top level without decoding big values."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+        self.budget = MAX_JSON_TOKENS
+
+    def token(self) -> tuple[str, str]:
+        self.budget -= 1
+        match = _JSON_TOKEN.match(self.text, self.pos)
+        if self.budget < 0 or match is None or match.lastgroup is None:
+            raise ValueError("no envelope within the scan budget")
+        self.pos = match.end()
+        return match.lastgroup, match.group(match.lastgroup)
+
+    def skip_value(self) -> None:
+        depth = 0
+        while True:
+            kind, _ = self.token()
+            depth += {"open": 1, "close": -1}.get(kind, 0)
+            if depth <= 0 and kind != "sep":
+                return
+
+    def value(self) -> Any:
+        start = _JSON_SPACE.match(self.text, self.pos)
+        value, self.pos = json.JSONDecoder().raw_decode(self.text, start.end() if start else 0)
+        return value
+
+
+def _json_top_level(raw: bytes) -> dict[str, Any]:
+    scan = _JsonScan(raw.decode())
+    found: dict[str, Any] = {}
+    if scan.token() != ("open", "{"):
+        return found
+    try:
+        while True:
+            kind, text = scan.token()
+            if kind != "str":
+                return found
+            key = json.loads(text)
+            if scan.token() != ("sep", ":"):
+                return found
+            if key in ENVELOPE_KEYS:
+                found[key] = scan.value()
+            else:
+                scan.skip_value()
+            if scan.token() != ("sep", ","):
+                return found
+    except Exception:
+        return found  # keys read before the fault stand
 
 
 class EntryRejected(RequestRejected):
@@ -148,7 +267,7 @@ def decode_entry(
         raise EntryRejected(
             f"entry is {len(raw)} bytes > max_entry_bytes {limits.max_entry_bytes}",
             ErrorCode.TOO_LARGE,
-            Envelope(format=fmt),
+            oversized_envelope(raw, fmt),
         )
     try:
         body = unpack(raw, limits) if fmt == "msgpack" else json.loads(raw)
@@ -191,10 +310,39 @@ def encode_result(result: Result, fmt: Format = "msgpack") -> bytes:
     return pack(body)
 
 
-def decode_result(data: bytes | str) -> Result:
-    """Decode a stored or published result in either encoding (JSON starts with '{')."""
+def _loads(data: bytes | str) -> Any:
+    """A result body in either encoding (JSON starts with '{')."""
     if isinstance(data, str):
         data = data.encode()
     if data[:1] == b"{":
-        return Result.model_validate_json(data)
-    return Result.model_validate(msgpack.unpackb(data, raw=False, ext_hook=_no_ext))
+        return json.loads(data)
+    return msgpack.unpackb(data, raw=False, ext_hook=_no_ext)
+
+
+def decode_result(data: bytes | str) -> Result:
+    """Decode a stored or published result in either encoding, as a tolerant reader: unknown
+    fields are ignored and an unknown ``status`` or ``error.code`` is kept as its string
+    (docs/protocol.md, "What may change within v1")."""
+    return Result.model_validate(_loads(data), context={FROM_WIRE: True})
+
+
+def decode_reply(data: bytes | str) -> Result | None:
+    """A message from a reply channel: its result, or ``None`` for a message that is not a v1
+    result — a map whose ``kind`` (absent in results) is not ``"result"``, a body without a
+    string ``id`` and ``status``, or garbage. Readers skip those."""
+    try:
+        body = _loads(data)
+    except Exception:
+        return None
+    if not (
+        isinstance(body, dict)
+        and body.get("kind", "result") == "result"
+        and body.get("v", 1) == 1
+        and isinstance(body.get("id"), str)
+        and isinstance(body.get("status"), str)
+    ):
+        return None
+    try:
+        return Result.model_validate(body, context={FROM_WIRE: True})
+    except ValidationError:
+        return None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 
 class ErrorCode(str, Enum):
@@ -52,14 +54,31 @@ class QueueFull(BatchfleetError):
     """The lane holds its maximum number of requests: back off and retry, or shed load."""
 
     code = ErrorCode.QUEUE_FULL
+    accepted: list[Any]
+    """From ``submit_many``: the jobs that did go in before the lane filled up."""
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message, code)
+        self.accepted = []
 
 
 class Unavailable(BatchfleetError):
-    """Redis cannot be reached (after retries with backoff)."""
+    """Redis cannot be reached (after retries with backoff).
+
+    ``unknown_ids``: requests that may or may not have been added (the connection failed
+    mid-call). Submit them again with the same ids (``request_id=``): a duplicate entry gets
+    the same single result. ``accepted``: from ``submit_many``, the jobs that did go in.
+    """
+
+    def __init__(self, message: str, unknown_ids: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.unknown_ids = list(unknown_ids)
+        self.accepted: list[Any] = []
 
 
-class ConfigError(BatchfleetError):
-    """The fleet configuration is invalid."""
+class ConfigError(BatchfleetError, ValueError):
+    """The fleet configuration is invalid (a ``ValueError`` too, so pydantic validators
+    report it as a validation error)."""
 
 
 class ResultTimeout(BatchfleetError, TimeoutError):
@@ -67,9 +86,17 @@ class ResultTimeout(BatchfleetError, TimeoutError):
 
 
 class JobFailed(BatchfleetError):
-    """The result came back with status ``error`` or ``expired``."""
+    """The result came back with a status other than ``ok`` (``error``, ``expired``, or a
+    status this client does not know).
 
-    def __init__(self, message: str, code: ErrorCode | str, result: object) -> None:
+    ``code`` is the :class:`ErrorCode`, or ``INTERNAL`` for a code this client does not know;
+    ``error_code`` is the code as sent, ``status`` the status as sent.
+    """
+
+    def __init__(self, message: str, code: ErrorCode | str, result: Any) -> None:
         super().__init__(message)
-        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        known = code in ErrorCode._value2member_map_
+        self.code = ErrorCode(code) if known else ErrorCode.INTERNAL
+        self.error_code = str(code.value if isinstance(code, ErrorCode) else code)
+        self.status: str = str(getattr(result, "status", "error"))
         self.result = result

@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import msgpack
 import pytest
 import redis
-from batchfleet.producer import AsyncProducer, Producer
-from batchfleet.schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
+from batchfleet.producer import AsyncProducer, Producer, Result
+from batchfleet.schemas.codec import decode_entry
+from batchfleet.schemas.errors import (
+    ErrorCode,
+    JobFailed,
+    QueueFull,
+    RequestRejected,
+    Unavailable,
+)
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.worker.streams import ModelStreams
 
-from batchfleet.redis_server import free_port
+from batchfleet.redis_server import LocalRedis, free_port
 
 KEYS = ModelKeys("tiny")
 
@@ -31,7 +46,7 @@ def test_queue_full_past_the_lane_depth(r: redis.Redis, redis_url: str) -> None:
     # submit_many stops at the limit and says which went in
     with pytest.raises(QueueFull) as many:
         producer.submit_many("tiny", [f"t{i}" for i in range(10)], priority=2)
-    assert len(many.value.accepted) == 5  # type: ignore[attr-defined]
+    assert len(many.value.accepted) == 5
     assert r.xlen(KEYS.lane(2)) == 5
 
     # a raw client running the documented script sees QUEUEFULL
@@ -46,7 +61,7 @@ def test_queue_full_past_the_lane_depth(r: redis.Redis, redis_url: str) -> None:
 
 
 def test_unreachable_redis_raises_a_clear_error_quickly() -> None:
-    producer = Producer(f"redis://127.0.0.1:{free_port()}/0")
+    producer = Producer(f"redis://127.0.0.1:{free_port()}/0", retry_for_s=0.5)
     started = time.monotonic()
     with pytest.raises(Unavailable, match=r"cannot reach Redis at redis://127\.0\.0\.1"):
         producer.submit("tiny", "hello")
@@ -93,3 +108,292 @@ def test_async_submit_many_survives_a_flushed_script_cache(r: redis.Redis, redis
 
     assert asyncio.run(go()) == (2, 1)
     assert r.xlen(ModelKeys("am").lane(0)) == 3
+
+
+# --- both producers, one contract: each test runs against Producer and AsyncProducer --------
+
+
+class Shell:
+    """A producer under test, driven through blocking calls (the async one on its own loop
+    thread), so one test body covers both."""
+
+    def __init__(self, kind: str, url: str, **options: Any) -> None:
+        self.kind = kind
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if kind == "sync":
+            self.producer: Any = Producer(url, **options)
+            return
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.producer = self.call(_make_async(url, options))
+
+    def call(self, value: Any) -> Any:
+        if self.loop is None:
+            return value
+        return asyncio.run_coroutine_threadsafe(value, self.loop).result()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.producer.submit(*args, **kwargs))
+
+    def submit_many(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.producer.submit_many(*args, **kwargs))
+
+    def result(self, job: Any, timeout: float = 30.0) -> Result:
+        return self.call(job.result(timeout))  # type: ignore[no-any-return]
+
+    def outputs(self, job: Any, timeout: float = 30.0) -> list[Any]:
+        return self.call(job.outputs(timeout))  # type: ignore[no-any-return]
+
+    def results(self, jobs: list[Any], into: queue.Queue[Result], timeout: float = 30.0) -> None:
+        """Put each result from ``producer.results(jobs)`` into ``into`` as it comes."""
+        if self.loop is None:
+            for result in self.producer.results(jobs, timeout):
+                into.put(result)
+            return
+
+        async def consume() -> None:
+            async for result in self.producer.results(jobs, timeout):
+                into.put(result)
+
+        self.call(consume())
+
+    def close(self) -> None:
+        if self.loop is None:
+            self.producer.close()
+            return
+        self.call(self.producer.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+async def _make_async(url: str, options: dict[str, Any]) -> AsyncProducer:
+    return AsyncProducer(url, **options)
+
+
+@pytest.fixture(params=["sync", "async"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def shells() -> Iterator[Callable[..., Shell]]:
+    made: list[Shell] = []
+
+    def make(kind: str, url: str, **options: Any) -> Shell:
+        made.append(Shell(kind, url, **options))
+        return made[-1]
+
+    yield make
+    for shell in made:
+        shell.close()
+
+
+@pytest.fixture
+def restartable() -> Iterator[LocalRedis]:
+    """A redis-server of the test's own, to crash and start again on the same port."""
+    server = LocalRedis()
+    server.start()
+    yield server
+    server.stop()
+
+
+class OutageSeen(logging.Handler):
+    """Set once a producer has logged that Redis is unreachable (it is retrying)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "unreachable" in record.getMessage():
+            self.event.set()
+
+    def wait(self) -> None:
+        assert self.event.wait(30), "the producer never saw Redis go away"
+
+
+@pytest.fixture
+def outage() -> Iterator[OutageSeen]:
+    seen = OutageSeen()
+    log = logging.getLogger("batchfleet.producer")
+    log.addHandler(seen)
+    yield seen
+    log.removeHandler(seen)
+
+
+background = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="producer-test")
+
+
+def until(check: Callable[[], bool], what: str) -> None:
+    """Poll ``check`` (a state, not a duration) until true."""
+    end = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def subscribed(client: redis.Redis, channel: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return bool(client.pubsub_numsub(channel)[0][1])
+        except redis.ConnectionError:
+            return False
+
+    return check
+
+
+def later_result(rid: str, model: str = "tiny", status: str = "deferred") -> dict[str, Any]:
+    """A result as a later v1 worker might write it: a new status, new fields, a new code."""
+    return {"v": 1, "id": rid, "model": model, "status": status, "eta_ms": 1500,
+            "error": {"code": "overloaded", "message": "try later", "retry_after_ms": 5},
+            "timings": {"queued_ms": 1.0, "gpu_ms": 3.0}, "metadata": {}}  # fmt: skip
+
+
+def test_results_with_unknown_fields_and_statuses_are_read(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    shell = shells(kind, redis_url)
+    polled, stored, pushed = shell.submit_many("tiny", ["a", "b", "c"])
+
+    # job.result(): a stored result with an extra field, a new status and a new error code
+    r.set(KEYS.result(polled.id), msgpack.packb(later_result(polled.id)))
+    result = shell.result(polled)
+    assert (result.status, result.ok, result.error.code) == ("deferred", False, "overloaded")
+    with pytest.raises(JobFailed) as failed:
+        shell.outputs(polled)
+    assert failed.value.status == "deferred" and failed.value.error_code == "overloaded"
+
+    # producer.results(): one stored before it starts, one published; non-results skipped
+    r.set(KEYS.result(stored.id), json.dumps(later_result(stored.id, status="ok")))
+    got: queue.Queue[Result] = queue.Queue()
+    done = background.submit(shell.results, [stored, pushed], got)
+    assert got.get(timeout=30).id == stored.id  # the sweep after subscribing
+    channel = shell.producer.reply_channel
+    r.publish(channel, json.dumps({"kind": "progress", "id": pushed.id, "done": 0.5}))
+    r.publish(channel, msgpack.packb({"v": 2, "id": pushed.id, "status": "ok"}))
+    r.publish(channel, b"\xc1 not a message")
+    r.publish(channel, json.dumps(later_result(pushed.id, status="cancelled")))
+    done.result(timeout=30)
+    last = got.get_nowait()
+    assert (last.id, last.status, last.timings.queued_ms) == (pushed.id, "cancelled", 1.0)
+    assert got.empty()
+
+
+def test_wait_survives_a_redis_restart(
+    kind: str, restartable: LocalRedis, shells: Callable[..., Shell], outage: OutageSeen
+) -> None:
+    # Given a submitted request and a Redis that dies before its result is written
+    shell = shells(kind, restartable.url)
+    job = shell.submit("tiny", "hello", request_id="req-restart")
+    restartable.crash()
+    waiting = background.submit(shell.result, job, 60)
+    outage.wait()
+
+    # When Redis comes back and the result is written (the restart lost the stream: no AOF)
+    restartable.start()
+    client = redis.Redis.from_url(restartable.url)
+    client.set(KEYS.result(job.id), msgpack.packb(later_result(job.id, status="ok")))
+
+    # Then the same job.result() call returns it
+    assert waiting.result(timeout=60).id == "req-restart"
+    client.close()
+
+
+def test_results_resubscribe_and_sweep_after_a_redis_restart(
+    kind: str, restartable: LocalRedis, shells: Callable[..., Shell], outage: OutageSeen
+) -> None:
+    shell = shells(kind, restartable.url, sweep_s=0.2)
+    published, stored = shell.submit_many("tiny", ["a", "b"])
+    got: queue.Queue[Result] = queue.Queue()
+    done = background.submit(shell.results, [published, stored], got, 60)
+    client = redis.Redis.from_url(restartable.url)
+    until(subscribed(client, shell.producer.reply_channel), "never subscribed")
+
+    # When Redis restarts under the listener
+    restartable.crash()
+    outage.wait()
+    restartable.start()
+
+    # Then it subscribes again (a result published now arrives) ...
+    until(subscribed(client, shell.producer.reply_channel), "never subscribed again")
+    client.publish(
+        shell.producer.reply_channel, msgpack.packb(later_result(published.id, "tiny", "ok"))
+    )
+    assert got.get(timeout=30).id == published.id
+    # ... and reads results stored without a message (a publish nobody heard)
+    client.set(KEYS.result(stored.id), msgpack.packb(later_result(stored.id, "tiny", "ok")))
+    done.result(timeout=60)
+    assert got.get_nowait().id == stored.id
+    client.close()
+
+
+def test_results_sweep_stored_results_after_a_quiet_spell(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    shell = shells(kind, redis_url, sweep_s=0.2)
+    first, quiet = shell.submit_many("tiny", ["a", "b"])
+    got: queue.Queue[Result] = queue.Queue()
+    done = background.submit(shell.results, [first, quiet], got)
+    until(subscribed(r, shell.producer.reply_channel), "never subscribed")
+    r.publish(shell.producer.reply_channel, msgpack.packb(later_result(first.id, status="ok")))
+    assert got.get(timeout=30).id == first.id  # past the sweep that follows subscribing
+
+    # When a result is stored but its message is lost
+    r.set(KEYS.result(quiet.id), msgpack.packb(later_result(quiet.id, status="ok")))
+
+    # Then a later sweep finds it
+    done.result(timeout=30)
+    assert got.get_nowait().id == quiet.id
+
+
+def lane_ids(client: redis.Redis, lane: int = 1) -> list[str]:
+    entries = client.xrange(KEYS.lane(lane))
+    return [decode_entry(fields, "tiny")[0].id for _, fields in entries]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["submit", "submit_many"])
+def test_submit_retries_through_a_redis_restart(
+    kind: str,
+    many: bool,
+    restartable: LocalRedis,
+    shells: Callable[..., Shell],
+    outage: OutageSeen,
+) -> None:
+    # Given a Redis that is down when the request is submitted
+    shell = shells(kind, restartable.url, retry_for_s=60)
+    restartable.crash()
+    if many:
+        submitting = background.submit(shell.submit_many, "tiny", ["a", "b"])
+    else:
+        submitting = background.submit(shell.submit, "tiny", "hello", request_id="fixed-id")
+    outage.wait()
+
+    # When it comes back within the retry time
+    restartable.start()
+
+    # Then the submit returns, and each id is in the lane once (or twice: an unknown
+    # outcome retried; the same id gets one result)
+    jobs = submitting.result(timeout=60)
+    ids = [j.id for j in jobs] if many else [jobs.id]
+    assert ids == (ids if many else ["fixed-id"])
+    client = redis.Redis.from_url(restartable.url)
+    in_lane = lane_ids(client)
+    assert set(in_lane) == set(ids) and all(1 <= in_lane.count(i) <= 2 for i in ids)
+    client.close()
+
+
+def test_submit_gives_up_after_retry_for_s_naming_the_unknown_ids(
+    kind: str, restartable: LocalRedis, shells: Callable[..., Shell]
+) -> None:
+    shell = shells(kind, restartable.url, retry_for_s=0.3)
+    shell.submit("tiny", "lanes are cached now")
+    restartable.crash()
+    with pytest.raises(Unavailable) as one:
+        shell.submit("tiny", "hello", request_id="lost-1")
+    assert one.value.unknown_ids == ["lost-1"]
+    with pytest.raises(Unavailable) as many:
+        shell.submit_many("tiny", ["a", "b", "c"])
+    assert len(many.value.unknown_ids) == 3 and many.value.accepted == []
+    assert "outcome unknown for 3 requests" in str(many.value)

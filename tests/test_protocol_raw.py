@@ -82,3 +82,47 @@ def test_plain_redis_client(
 
     # acked entries are deleted: XLEN is the backlog
     assert sum(r.xlen(f"bf:{{docs}}:lane:{n}") for n in range(lanes)) == 0
+
+
+def read_reply(data: bytes) -> dict[str, object] | None:
+    """docs/protocol.md, "What may change within v1": a message on a reply channel is a result
+    when it is a map with string `id` and `status`, `v` 1 (or absent) and `kind` absent or
+    "result"; anything else is skipped. Unknown keys, statuses and codes are ignored."""
+    try:
+        body = json.loads(data) if data[:1] == b"{" else msgpack.unpackb(data)
+    except Exception:
+        return None
+    if not isinstance(body, dict) or body.get("kind", "result") != "result":
+        return None
+    if body.get("v", 1) != 1 or not all(isinstance(body.get(k), str) for k in ("id", "status")):
+        return None
+    return body
+
+
+def test_plain_client_reads_a_later_v1_worker(r: redis.Redis) -> None:
+    # Given a client waiting on its reply channel for request `rid`
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("svc-later")
+    rid = uuid.uuid4().hex
+
+    # When a later v1 worker publishes other message kinds, then a result with a new field,
+    # a new status and a new error code
+    future = {"v": 1, "id": rid, "model": "docs", "status": "deferred", "eta_ms": 900,
+              "error": {"code": "overloaded", "message": "later", "retry_after_ms": 5},
+              "timings": {"queued_ms": 0.5, "gpu_ms": 2.0}, "metadata": {}}  # fmt: skip
+    r.publish("svc-later", json.dumps({"kind": "progress", "id": rid, "done": 0.5}))
+    r.publish("svc-later", msgpack.packb({"v": 2, "id": rid, "status": "ok"}))
+    r.publish("svc-later", b"\x00garbage")
+    r.publish("svc-later", msgpack.packb(future))
+
+    # Then the client skips the first three and reads the result
+    end = time.monotonic() + 30
+    result = None
+    while result is None:
+        assert time.monotonic() < end
+        message = pubsub.get_message(timeout=0.5)
+        if message is not None:
+            result = read_reply(message["data"])
+    assert result["id"] == rid and result["status"] not in ("ok", "error", "expired")
+    assert result["error"] == {"code": "overloaded", "message": "later", "retry_after_ms": 5}
+    pubsub.close()

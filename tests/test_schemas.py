@@ -9,9 +9,11 @@ import pytest
 from batchfleet.schemas.codec import (
     EntryRejected,
     decode_entry,
+    decode_reply,
     decode_result,
     encode_request,
     encode_result,
+    envelope_of,
 )
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import ModelKeys, check_model_name
@@ -133,3 +135,142 @@ def test_keys_share_the_model_hash_tag() -> None:
 def test_bad_model_names(name: str) -> None:
     with pytest.raises(ValueError):
         check_model_name(name)
+
+
+# --- strict wire validation (issue #15) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"deadline_ms": "60000"},  # a numeric string for an int
+        {"deadline_ms": True},  # a bool for an int
+        {"deadline_ms": 60000.0},  # a float for an int
+        {"result_ttl_s": "60"},
+        {"v": True},
+        {"v": 1.0},
+        {"id": ["abc"]},  # a list for a string
+        {"id": 123},
+        {"inputs": "hi"},  # a string for a list
+        {"inputs": [["hi"]]},
+        {"reply": 5},
+        {"metadata": {"k": 1}},
+        {"metadata": [["k", "v"]]},
+        {"webhook": {"url": ["https://example.com/hook"]}},
+    ],
+)
+def test_wrong_types_are_invalid_requests_not_coerced(fmt: str, bad: dict[str, object]) -> None:
+    with pytest.raises(EntryRejected) as info:
+        decode_entry(_fields({**GOOD, **bad}, fmt), "m")
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
+    body = {**GOOD, "v": 1, "deadline_ms": 60000, "reply": "c", "result_ttl_s": 60,
+            "format": "json", "metadata": {"k": "v"},
+            "webhook": {"url": "https://example.com/h", "secret_id": "s1", "format": "msgpack"}}  # fmt: skip
+    request, got = decode_entry(_fields(body, fmt), "m")
+    assert request.deadline_ms == 60000 and request.webhook is not None and got == "json"
+
+
+# --- oversized entries still get an answer when their id can be read (issue #15) ------------
+
+
+BIG = {"id": "big-1", "model": "m", "inputs": ["x" * 5000, "y"], "deadline_ms": 5,
+       "reply": "chan", "format": "json", "metadata": {"trace": "t1"},
+       "webhook": {"url": "https://example.com/h"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+@pytest.mark.parametrize("order", ["id first", "id last"])
+def test_oversized_entry_with_a_readable_id_is_answerable(fmt: str, order: str) -> None:
+    body = BIG if order == "id first" else {**{k: v for k, v in BIG.items() if k != "id"},
+                                            "id": "big-1"}  # fmt: skip
+    with pytest.raises(EntryRejected) as info:
+        decode_entry(_fields(body, fmt), "m", Limits(max_entry_bytes=1024))
+    assert info.value.code is ErrorCode.TOO_LARGE
+    env = info.value.envelope
+    assert (env.id, env.reply, env.format, env.metadata) == (
+        "big-1",
+        "chan",
+        "json",
+        {"trace": "t1"},
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        _fields({k: v for k, v in BIG.items() if k != "id"}),
+        _fields({k: v for k, v in BIG.items() if k != "id"}, "json"),
+        {b"msgpack": b"\x00" * 2000},  # not a map
+        {b"json": b"[" * 2000},
+        {b"json": b'{"inputs": "' + b"x" * 2000},  # unterminated before the id
+        {b"msgpack": msgpack.packb({"inputs": ["x" * 3000], "id": "bad id"})},
+    ],
+)
+def test_oversized_entry_without_a_readable_id_is_not_answerable(
+    fields: dict[bytes, bytes],
+) -> None:
+    with pytest.raises(EntryRejected) as info:
+        decode_entry(fields, "m", Limits(max_entry_bytes=1024))
+    assert info.value.code is ErrorCode.TOO_LARGE
+    assert not info.value.envelope.answerable
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_envelope_of_an_oversized_poison_entry_keeps_its_id(fmt: str) -> None:
+    """The poison path (worker: envelope_of, then answered ``poisoned``) reads it the same."""
+    env = envelope_of(_fields(BIG, fmt), Limits(max_entry_bytes=1024))
+    assert (env.id, env.reply, env.metadata) == ("big-1", "chan", {"trace": "t1"})
+
+
+def test_oversized_entry_envelope_skips_big_values_it_cannot_decode() -> None:
+    """Limits bound what is decoded: a 2 MB string or a 100,000-item array is skipped."""
+    body = {"inputs": ["x" * 10] * 100_000, "blob": "z" * 2_000_000, "id": "r-9"}
+    with pytest.raises(EntryRejected) as info:
+        decode_entry(_fields(body), "m")
+    assert info.value.envelope.id == "r-9"
+
+
+# --- tolerant reading of results (issue #12) ------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_results_from_a_later_v1_worker_are_read(fmt: str) -> None:
+    body = {"v": 1, "id": "r1", "model": "m", "status": "deferred", "queue_position": 3,
+            "error": {"code": "overloaded", "message": "later", "retry_after_ms": 5},
+            "timings": {"queued_ms": 1.0, "gpu_ms": 2.0}}  # fmt: skip
+    raw = json.dumps(body).encode() if fmt == "json" else msgpack.packb(body)
+    for result in (decode_result(raw), decode_reply(raw)):
+        assert result is not None
+        assert result.status == "deferred" and not result.ok
+        assert result.error is not None and result.error.code == "overloaded"
+        assert result.timings.queued_ms == 1.0
+
+
+def test_results_built_in_python_are_still_checked() -> None:
+    with pytest.raises(ValueError):
+        Result(id="r1", model="m", status="deferred")
+    with pytest.raises(ValueError):
+        Result(id="r1", model="m", status="ok", surprise=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        ErrorInfo(code="overloaded", message="x")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        json.dumps({"kind": "progress", "id": "r1", "done": 3}).encode(),
+        msgpack.packb({"kind": "progress", "id": "r1", "status": "ok"}),
+        msgpack.packb({"v": 2, "id": "r1", "model": "m", "status": "ok"}),
+        json.dumps({"hello": "world"}).encode(),
+        b"\xc1",
+        b"{not json",
+        msgpack.packb([1, 2]),
+    ],
+)
+def test_reply_channel_messages_that_are_not_results_are_skipped(message: bytes) -> None:
+    assert decode_reply(message) is None

@@ -1,0 +1,343 @@
+"""The producer's logic, written once for both producers: a sans-I/O core.
+
+Each operation (submit, wait, results) is a generator that yields the Redis operations it
+needs (producer/ops.py: :class:`Get`, :class:`RunScript`, :class:`Listen`, ...) and receives
+their replies; a connection error is thrown back into it at the ``yield``. The retry and backoff policy,
+request building, result decoding, resubscription and sweeps live here alone;
+:class:`~batchfleet.producer.Producer` and :class:`~batchfleet.producer.AsyncProducer` are
+thin shells that carry out the operations with a sync or an asyncio client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypedDict, TypeVar
+
+from typing_extensions import Unpack
+
+from ..schemas.codec import decode_reply, decode_result
+from ..schemas.errors import JobFailed, ResultTimeout, Unavailable
+from ..schemas.keys import ModelKeys, default_reply_channel
+from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Result
+from .ops import (
+    DOWN,
+    Emit,
+    Get,
+    GetMany,
+    Listen,
+    Op,
+    RunScript,
+    Sleep,
+    Steps,
+    Subscribe,
+    Unsubscribe,
+)
+from .submit import (
+    LaneCache,
+    WebhookArg,
+    accepted_ids,
+    build_request,
+    prepare,
+    queue_full,
+    unavailable,
+)
+
+logger = logging.getLogger(__name__)
+J = TypeVar("J")
+
+PIPELINE_CHUNK = 1000
+SWEEP_S = 2.0
+"""A reply-channel listener re-reads stored results after this long without a message."""
+DEFAULT_RETRY_FOR_S = 10.0
+"""How long ``submit`` retries connection errors before raising ``Unavailable`` (issue #15: a
+2-second Redis restart must not reach callers)."""
+RETRY_FIRST_PAUSE_S = 0.05
+RETRY_MAX_PAUSE_S = 1.0
+RECONNECT_PAUSE_S = 0.2
+"""Pause before polling or resubscribing again while Redis is unreachable."""
+
+
+class CoreOptions(TypedDict, total=False):
+    """Keyword options of both producers' constructors."""
+
+    limits: Limits
+    """Bounds checked before a request is sent (the workers' defaults)."""
+    wire_format: Format
+    """Encoding of requests: ``msgpack`` (default) or ``json``."""
+    default_priority: int
+    """The lane of a request submitted without ``priority`` (default 1)."""
+    retry_for_s: float
+    """How long connection errors are retried with backoff (default 10 s)."""
+    sweep_s: float
+    """A reply-channel listener re-reads stored results after this long without a message."""
+
+
+class ManyOptions(TypedDict, total=False):
+    """Keyword options of ``submit_many`` (and of ``submit``)."""
+
+    priority: int | None
+    """The lane, 0 = highest; default: the producer's ``default_priority``."""
+    deadline_ms: int | None
+    metadata: Mapping[str, str] | None
+    result_format: Format | None
+    webhook: WebhookArg
+    """``"https://..."`` or ``{"url": ..., "secret_id": ..., "format": ...}``: also POST the
+    result there, signed; it stays pollable either way."""
+
+
+class SubmitOptions(ManyOptions, total=False):
+    """Keyword options of ``submit``."""
+
+    result_ttl_s: int | None
+    request_id: str | None
+    """Your id for the request (default: a new UUID); resubmit with the same id after
+    :class:`Unavailable` names it among ``unknown_ids``."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """A submitted request: its id and model."""
+
+    id: str
+    model: str
+
+    @property
+    def result_key(self) -> str:
+        return ModelKeys(self.model).result(self.id)
+
+
+def raise_for_status(result: Result) -> Result:
+    """``result`` if it is ``ok``; else :class:`JobFailed` (any other status, known or not)."""
+    if not result.ok:
+        err = result.error
+        raise JobFailed(
+            f"request {result.id} {result.status}: {err.message if err else ''}",
+            err.code if err else "internal",
+            result,
+        )
+    return result
+
+
+class RetryBudget:
+    """Retries of connection errors with exponential backoff, for ``retry_for_s`` counted
+    from the first failure."""
+
+    def __init__(self, retry_for_s: float) -> None:
+        self.retry_for_s = retry_for_s
+        self.deadline: float | None = None
+        self.pause = RETRY_FIRST_PAUSE_S
+
+    def next_pause(self) -> float | None:
+        """Seconds to wait before the next try, or None once the budget is spent."""
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.retry_for_s
+        left = self.deadline - now
+        if left <= 0:
+            return None
+        pause = min(self.pause, left)
+        self.pause = min(self.pause * 2, RETRY_MAX_PAUSE_S)
+        return pause
+
+
+class ProducerCore(Generic[J]):
+    """Everything a producer does, as :data:`Steps`; ``make_job(id, model)`` builds the
+    shell's job objects."""
+
+    def __init__(
+        self, url: str, make_job: Callable[[str, str], J], **options: Unpack[CoreOptions]
+    ) -> None:
+        self.url = url
+        self.make_job = make_job
+        self.limits = options.get("limits", DEFAULT_LIMITS)
+        self.wire_format: Format = options.get("wire_format", "msgpack")
+        self.default_priority = options.get("default_priority", 1)
+        self.retry_for_s = options.get("retry_for_s", DEFAULT_RETRY_FOR_S)
+        self.sweep_s = options.get("sweep_s", SWEEP_S)
+        self.client_id = uuid.uuid4().hex
+        self.reply_channel = default_reply_channel(self.client_id)
+        self.lane_cache = LaneCache()
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    def _retrying(self, op: Op, budget: RetryBudget, unknown: Sequence[str] = ()) -> Steps[Any]:
+        """``op``, tried again on connection errors until ``budget`` is spent; then
+        :class:`Unavailable` naming ``unknown``, the requests ``op`` may have added."""
+        while True:
+            try:
+                return (yield op)
+            except DOWN as exc:
+                pause = budget.next_pause()
+                if pause is None:
+                    raise unavailable(self.url, exc, unknown) from exc
+                logger.warning(
+                    "Redis unreachable (%s); retrying in %.2fs (requests %s)",
+                    exc,
+                    pause,
+                    ", ".join(unknown[:5]) or "-",
+                )
+                yield Sleep(pause)
+
+    def lanes(self, model: str, budget: RetryBudget | None = None) -> Steps[int]:
+        """The model's lane count (``bf:{model}:lanes``, cached briefly)."""
+        cached = self.lane_cache.get(model)
+        if cached is not None:
+            return cached
+        raw = yield from self._retrying(
+            Get(ModelKeys(model).lanes_key), budget or RetryBudget(self.retry_for_s)
+        )
+        return self.lane_cache.put(model, raw)
+
+    def _build(
+        self,
+        model: str,
+        inputs: str | Iterable[str],
+        options: ManyOptions,
+        request_id: str | None = None,
+        result_ttl_s: int | None = None,
+    ) -> tuple[Request, int]:
+        """A validated request (its id fixed here, once) and its lane: checked before Redis."""
+        request = build_request(
+            model,
+            inputs,
+            limits=self.limits,
+            request_id=request_id,
+            deadline_ms=options.get("deadline_ms"),
+            reply=self.reply_channel,
+            result_ttl_s=result_ttl_s,
+            metadata=options.get("metadata"),
+            result_format=options.get("result_format"),
+            webhook=options.get("webhook"),
+        )
+        priority = options.get("priority")
+        return request, self.default_priority if priority is None else priority
+
+    def submit(self, model: str, inputs: str | Iterable[str], options: SubmitOptions) -> Steps[J]:
+        """One request. Its id is fixed before the first try, so a retry after an unknown
+        outcome adds an entry with the same id, which gets the same single result."""
+        request, lane = self._build(
+            model, inputs, options, options.get("request_id"), options.get("result_ttl_s")
+        )
+        budget = RetryBudget(self.retry_for_s)
+        p = prepare(request, lane, (yield from self.lanes(model, budget)), self.wire_format)
+        (reply,) = yield from self._retrying(RunScript([(p.keys, p.args)]), budget, [request.id])
+        if isinstance(reply, Exception):
+            raise (queue_full(reply) or reply) from None
+        return self.make_job(request.id, model)
+
+    def submit_many(
+        self, model: str, requests: Iterable[str | Sequence[str]], options: ManyOptions
+    ) -> Steps[list[J]]:
+        """Many requests, pipelined in chunks; each chunk retried like :meth:`submit`.
+
+        :class:`QueueFull` and :class:`Unavailable` carry ``accepted``: the jobs that did go
+        in; ``Unavailable.unknown_ids`` names the requests that may or may not have.
+        """
+        built = [self._build(model, inputs, options) for inputs in requests]
+        budget = RetryBudget(self.retry_for_s)
+        lanes = yield from self.lanes(model, budget)
+        prepared = [prepare(request, lane, lanes, self.wire_format) for request, lane in built]
+        jobs: list[J] = []
+        for start in range(0, len(prepared), PIPELINE_CHUNK):
+            chunk = prepared[start : start + PIPELINE_CHUNK]
+            if start:
+                budget = RetryBudget(self.retry_for_s)  # each chunk may ride out an outage
+            try:
+                replies = yield from self._retrying(
+                    RunScript([(p.keys, p.args) for p in chunk]),
+                    budget,
+                    [p.request.id for p in chunk],
+                )
+            except Unavailable as exc:
+                exc.accepted = jobs
+                raise
+            ids, full = accepted_ids(chunk, replies)
+            jobs += [self.make_job(rid, model) for rid in ids]
+            if full is not None:
+                full.accepted = jobs
+                raise full
+        return jobs
+
+    # --- results ------------------------------------------------------------------------------
+
+    def peek(self, model: str, request_id: str) -> Steps[Result | None]:
+        raw = yield Get(ModelKeys(model).result(request_id))
+        return None if raw is None else decode_result(raw)
+
+    def wait(self, model: str, request_id: str, timeout: float | None) -> Steps[Result]:
+        """Poll the result key, backing off from 1 ms to 25 ms; through a Redis outage it keeps
+        trying until ``timeout``, then raises :class:`Unavailable` if Redis is still away."""
+        key = ModelKeys(model).result(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        down: Exception | None = None
+        while True:
+            try:
+                raw = yield Get(key)
+                down = None
+            except DOWN as exc:
+                if down is None:
+                    logger.warning("Redis unreachable waiting for %s (%s); retrying", key, exc)
+                raw, down = None, exc
+            if raw is not None:
+                return decode_result(raw)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if down is not None:
+                    raise unavailable(self.url, down)
+                raise ResultTimeout(f"no result for {request_id} within {timeout}s")
+            step = pause if down is None else RECONNECT_PAUSE_S
+            yield Sleep(step if left is None else min(step, left))
+            pause = min(pause * 1.5, 0.025)
+
+    def results(self, jobs: Mapping[str, str], timeout: float | None) -> Generator[Op, Any, None]:
+        """Yield :class:`Emit` for each result of ``jobs`` (request id → model) as it arrives
+        on the reply channel.
+
+        Subscribes first, then reads the stored results, so none is missed. Pub/sub is
+        fire-and-forget, so after a reconnect (it resubscribes) or ``sweep_s`` without a
+        message it reads the stored results again. Messages that are not results are skipped.
+        Raises :class:`ResultTimeout` if some are still missing after ``timeout``.
+        """
+        waiting = {rid: ModelKeys(model).result(rid) for rid, model in jobs.items()}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        subscribed = False
+        swept = time.monotonic()
+        while waiting:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ResultTimeout(f"{len(waiting)} results missing after {timeout}s")
+            try:
+                if not subscribed:
+                    yield Subscribe(self.reply_channel)
+                    subscribed = True
+                    yield from self._sweep(waiting)
+                    swept = time.monotonic()
+                    continue
+                data = yield Listen(0.5 if left is None else min(0.5, left))
+                result = None if data is None else decode_reply(data)
+                if result is not None and waiting.pop(result.id, None) is not None:
+                    yield Emit(result)
+                elif data is None and time.monotonic() - swept >= self.sweep_s:
+                    yield from self._sweep(waiting)
+                    swept = time.monotonic()
+            except DOWN as exc:
+                logger.warning("Redis unreachable listening on %s (%s)", self.reply_channel, exc)
+                subscribed = False
+                yield Unsubscribe()
+                yield Sleep(RECONNECT_PAUSE_S if left is None else min(RECONNECT_PAUSE_S, left))
+
+    def _sweep(self, waiting: dict[str, str]) -> Generator[Op, Any, None]:
+        """Emit the stored results among ``waiting`` (request id → result key)."""
+        ids = list(waiting)
+        for start in range(0, len(ids), PIPELINE_CHUNK):
+            chunk = ids[start : start + PIPELINE_CHUNK]
+            raws = yield GetMany([waiting[rid] for rid in chunk])
+            for rid, raw in zip(chunk, raws, strict=True):
+                if raw is not None:
+                    del waiting[rid]
+                    yield Emit(decode_result(raw))
