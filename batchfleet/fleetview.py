@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
+from .connection import SyncClient
 from .schemas.keys import GROUP, LANES_KEY_PATTERN, ModelKeys, model_of_lanes_key
 
 DEFAULT_LANES = 3
@@ -30,7 +29,7 @@ class LaneRow:
     oldest_s: float
 
 
-def discover_models(client: redis.Redis) -> list[str]:
+def discover_models(client: SyncClient) -> list[str]:
     """Every model some worker (or ``init-groups``) has announced on this Redis."""
     found = set()
     for key in client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
@@ -40,7 +39,7 @@ def discover_models(client: redis.Redis) -> list[str]:
     return sorted(found)
 
 
-def lane_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, int]:
+def lane_counts(client: SyncClient, models: Sequence[str]) -> dict[str, int]:
     """Per model, its lane count from its lanes key (``DEFAULT_LANES`` when absent)."""
     pipe = client.pipeline(transaction=False)
     for model in models:
@@ -48,7 +47,7 @@ def lane_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, int]:
     return {m: int(v or DEFAULT_LANES) for m, v in zip(models, pipe.execute(), strict=True)}
 
 
-def dead_letter_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, int]:
+def dead_letter_counts(client: SyncClient, models: Sequence[str]) -> dict[str, int]:
     """Per model, the length of its dead-letter stream."""
     pipe = client.pipeline(transaction=False)
     for model in models:
@@ -56,7 +55,7 @@ def dead_letter_counts(client: redis.Redis, models: Sequence[str]) -> dict[str, 
     return {m: int(n) for m, n in zip(models, pipe.execute(), strict=True)}
 
 
-def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
+def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
     """Length, pending, lag and oldest age of every lane, in one pipelined round trip.
 
     Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
@@ -91,7 +90,7 @@ def read_lanes(client: redis.Redis, models: dict[str, int]) -> list[LaneRow]:
     return out
 
 
-def heartbeats(client: redis.Redis, models: Sequence[str]) -> dict[str, dict[str, float]]:
+def heartbeats(client: SyncClient, models: Sequence[str]) -> dict[str, dict[str, float]]:
     """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
@@ -106,7 +105,7 @@ def heartbeats(client: redis.Redis, models: Sequence[str]) -> dict[str, dict[str
 
 
 def live_workers(
-    client: redis.Redis, models: Sequence[str], fresh_ms: int = 10_000
+    client: SyncClient, models: Sequence[str], fresh_ms: int = 10_000
 ) -> dict[str, int]:
     """Per model, how many consumers sent a heartbeat within ``fresh_ms``."""
     beats = heartbeats(client, models)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
 import redis
 
@@ -74,7 +74,8 @@ def find_server(kind: str | None = None) -> ServerBinaries:
     wanted = kind or os.environ.get(SERVER_ENV) or None
     if wanted is not None and wanted not in KINDS:
         raise ValueError(f"{SERVER_ENV}={wanted!r}: expected one of {', '.join(KINDS)}")
-    for candidate in [cast(ServerKind, wanted)] if wanted else KINDS:
+    candidates = tuple(k for k in KINDS if k == wanted) or KINDS
+    for candidate in candidates:
         found = _locate(candidate)
         if found is not None:
             return found

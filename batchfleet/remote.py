@@ -102,8 +102,8 @@ def __getattr__(name: str) -> Any:
     if name == "app":
         from .config import load_config
 
-        global app
-        app = Celery("batchfleet", broker=load_config().celery_broker_url(), set_as_current=False)
-        app.conf.update(SERIALIZERS)
-        return app
+        built = Celery("batchfleet", broker=load_config().celery_broker_url(), set_as_current=False)
+        built.conf.update(SERIALIZERS)
+        globals()["app"] = built
+        return built
     raise AttributeError(name)

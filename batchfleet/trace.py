@@ -121,7 +121,7 @@ def _lanes(client: redis.Redis, keys: ModelKeys, out: Trace, max_scan: int) -> N
 def _find_in_stream(client: redis.Redis, stream: str, request_id: str, limit: int) -> str | None:
     start, seen = "-", 0
     while seen < limit:
-        chunk = client.xrange(stream, start, "+", count=min(CHUNK, limit - seen))
+        chunk: Any = client.xrange(stream, start, "+", count=min(CHUNK, limit - seen))
         for entry_id, fields in chunk:
             if envelope_of(fields).id == request_id:
                 return _s(entry_id)
@@ -151,7 +151,8 @@ def _dead_letter(client: redis.Redis, model: str, out: Trace, max_scan: int) -> 
 
 def _webhook(client: redis.Redis, model: str, out: Trace) -> None:
     keys = WebhookKeys()
-    for member, due_ms in client.zrange(keys.scheduled, 0, -1, withscores=True):
+    scheduled: Any = client.zrange(keys.scheduled, 0, -1, withscores=True)
+    for member, due_ms in scheduled:
         item = json.loads(member)
         kwargs = item.get("kwargs", {})
         if (kwargs.get("model"), kwargs.get("request_id")) == (model, out.request_id):
@@ -161,7 +162,8 @@ def _webhook(client: redis.Redis, model: str, out: Trace) -> None:
                 "retries": item.get("retries"),
                 "due_ms": int(due_ms),
             }
-    for entry_id, fields in client.xrange(keys.failed):
+    failed: Any = client.xrange(keys.failed)
+    for entry_id, fields in failed:
         delivery = json.loads(fields.get(b"delivery", b"{}"))
         if (delivery.get("model"), delivery.get("request_id")) == (model, out.request_id):
             status = fields.get(b"status", b"")

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CELERY_QUEUE = "batchfleet"
 
 
-class BatchLoopStep(bootsteps.StartStopStep):
+class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Loads each served model once (in the worker process: never forked after CUDA init)
     and runs its batch loop on a thread until the worker stops."""
 
@@ -160,11 +160,11 @@ def create_app(
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
     )
-    app.batchfleet_config = fleet  # type: ignore[attr-defined]
-    app.batchfleet_models = models  # type: ignore[attr-defined]
-    app.batchfleet_burst = burst  # type: ignore[attr-defined]
+    app.batchfleet_config = fleet
+    app.batchfleet_models = models
+    app.batchfleet_burst = burst
     # Factories (worker, fleet, model) -> LoopObserver: metrics, Flower events, webhooks.
-    app.batchfleet_observers = [  # type: ignore[attr-defined]
+    app.batchfleet_observers = [
         control.recent_rate,
         prometheus_metrics,
         flower_events,

@@ -167,7 +167,8 @@ class PrometheusObserver:
             res = a.result
             counts[lane, res.status] += 1
             if res.error is not None:
-                self.m.errors.labels(model, res.error.code.value).inc()
+                code = res.error.code
+                self.m.errors.labels(model, getattr(code, "value", code)).inc()
             t = res.timings
             latency, queue_wait, batch_wait = self._lane(model, lane)
             latency.observe(t.total_ms / 1000)
@@ -190,7 +191,7 @@ class PrometheusObserver:
         return found
 
 
-class StreamCollector(Collector):
+class StreamCollector(Collector):  # type: ignore[misc]
     """Queue gauges per model and lane, read from Redis at each scrape (one round trip)."""
 
     def __init__(self, client: SyncClient, models: dict[str, int]) -> None:

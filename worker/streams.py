@@ -20,7 +20,7 @@ FINISH_CHUNK = 256
 
 
 def _script(client: SyncClient, name: str) -> Script:
-    source = importlib.resources.files(__package__).joinpath("lua", name).read_text()
+    source = importlib.resources.files(__package__).joinpath("lua").joinpath(name).read_text()
     return client.register_script(source)
 
 

@@ -24,4 +24,5 @@ class EmbeddingRunner(TransformersRunner):
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
         if self.options.get("normalize", True):
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().tolist()
+        out: list[Any] = pooled.cpu().tolist()
+        return out
