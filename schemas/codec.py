@@ -319,6 +319,15 @@ def _loads(data: bytes | str) -> Any:
     return msgpack.unpackb(data, raw=False, ext_hook=_no_ext)
 
 
+def result_map(data: bytes | str) -> dict[str, Any]:
+    """A stored result as the plain map it is, every field kept (also those this version
+    does not know): for passing a result on unchanged, e.g. in a webhook body."""
+    body = _loads(data)
+    if not isinstance(body, dict):
+        raise ValueError(f"a result is a map, got {type(body).__name__}")
+    return body
+
+
 def decode_result(data: bytes | str) -> Result:
     """Decode a stored or published result in either encoding, as a tolerant reader: unknown
     fields are ignored and an unknown ``status`` or ``error.code`` is kept as its string

@@ -15,7 +15,7 @@ from batchfleet.webhooks.tasks import (
     parse_retry_after,
     webhook_id,
 )
-from batchfleet.worker.observers import Answered
+from batchfleet.worker.observers import Reply
 from pydantic import ValidationError
 
 NOW = 1_700_000_000.0
@@ -57,13 +57,13 @@ def test_busy_waits_double_up_to_the_attempt_timeout() -> None:
         assert 0.5 * nominal <= busy_wait_s(busy, cfg, rng) <= nominal
 
 
-def _answered(stored: bool, webhook: dict[str, str] | None, rid: str = "r1") -> Answered:
+def _answered(stored: bool, webhook: dict[str, str] | None, rid: str = "r1") -> Reply:
     body = {"id": rid, "model": "tiny", "inputs": ["x"]}
     if webhook:
         body["webhook"] = webhook  # type: ignore[assignment]
     request = Request.model_validate(body)
     result = Result(id=rid, model="tiny", status="ok", outputs=[[0.1]], finished_at_ms=5)
-    return Answered(0, request, result, stored)
+    return Reply(0, request, result, stored)
 
 
 def test_only_newly_stored_results_with_a_webhook_are_owed_a_delivery() -> None:
@@ -95,3 +95,15 @@ def test_bad_webhooks_are_invalid_requests(webhook: dict[str, str]) -> None:
 def test_secrets_must_be_whsec_base64_of_enough_bytes(secret: str) -> None:
     with pytest.raises(ValidationError):
         WebhooksConfig(secret=secret)  # type: ignore[arg-type]
+
+
+def test_a_webhook_body_carries_the_result_as_stored_unknown_fields_too() -> None:
+    import json
+
+    from batchfleet.schemas.codec import pack
+    from batchfleet.webhooks.tasks import encode_body
+
+    stored = pack({"v": 1, "id": "r1", "model": "tiny", "status": "ok", "outputs": [[1.0]],
+                   "finished_at_ms": 1_700_000_000_000, "from_a_newer_worker": {"x": 1}})  # fmt: skip
+    body = json.loads(encode_body(stored, "json"))
+    assert body["data"]["from_a_newer_worker"] == {"x": 1} and body["data"]["id"] == "r1"

@@ -28,7 +28,7 @@ from celery import Celery, Task
 from pydantic import BaseModel, ConfigDict
 
 from ..connection import connect
-from ..schemas.codec import decode_result, pack
+from ..schemas.codec import decode_result, pack, result_map
 from ..schemas.keys import WEBHOOK_QUEUE, ModelKeys, WebhookKeys
 from ..schemas.messages import Format
 from . import deadletter, endpoints, ssrf, status
@@ -137,13 +137,14 @@ def busy_wait_s(busy: int, cfg: WebhooksConfig, rng: random.Random) -> float:
 
 
 def encode_body(raw_result: bytes, fmt: Format) -> bytes:
-    """The POST body: a Standard Webhooks payload ``{type, timestamp, data: <result>}``."""
-    result = decode_result(raw_result)
+    """The POST body: a Standard Webhooks payload ``{type, timestamp, data: <result>}``; the
+    result goes as stored, so fields a newer worker added reach the receiver too."""
+    result = decode_result(raw_result)  # checks it is a result
     stamp = datetime.fromtimestamp(result.finished_at_ms / 1000, tz=timezone.utc)
     payload = {
         "type": EVENT_TYPE,
         "timestamp": stamp.isoformat().replace("+00:00", "Z"),
-        "data": result.model_dump(mode="json", exclude_none=True),
+        "data": result_map(raw_result),
     }
     if fmt == "msgpack":
         return pack(payload)
