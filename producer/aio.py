@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from ..connection import AsyncClient, connect_async, run_script_calls_async
 from ..schemas.messages import Result
+from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
 from .ops import Runner
@@ -42,6 +43,10 @@ class AsyncJob(JobRef):
     async def peek(self) -> Result | None:
         """The result if it is there now, else ``None``."""
         return await self.producer.peek(self)
+
+    async def webhook_status(self) -> WebhookStatus | None:
+        """Where its webhook delivery stands (see :meth:`Job.webhook_status`)."""
+        return parse_status(await self.producer.client.get(self.webhook_key))
 
 
 class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):

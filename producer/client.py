@@ -18,6 +18,7 @@ from typing_extensions import Unpack
 
 from ..connection import SyncClient, connect, run_script_calls
 from ..schemas.messages import Result
+from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
 from .ops import Runner
@@ -45,6 +46,11 @@ class Job(JobRef):
     def peek(self) -> Result | None:
         """The result if it is there now, else ``None``."""
         return self.producer.peek(self)
+
+    def webhook_status(self) -> WebhookStatus | None:
+        """Where its webhook delivery stands (``delivered``, ``scheduled``, ``refused``...);
+        ``None`` until an attempt has finished, or when it has no webhook."""
+        return parse_status(self.producer.client.get(self.webhook_key))
 
 
 class Producer(ProducerShell[SyncClient, Job]):

@@ -109,6 +109,11 @@ class JobRef:
     def result_key(self) -> str:
         return ModelKeys(self.model).result(self.id)
 
+    @property
+    def webhook_key(self) -> str:
+        """Where webhooks workers record its webhook delivery (docs/protocol.md#webhooks)."""
+        return ModelKeys(self.model).webhook_status(self.id)
+
 
 def raise_for_status(result: Result) -> Result:
     """``result`` if it is ``ok``; else :class:`JobFailed` (any other status, known or not)."""

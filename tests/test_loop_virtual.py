@@ -366,3 +366,17 @@ def test_a_runner_returning_something_else_than_a_list_fails_the_request() -> No
     r.run()
     res = r.result(rid)
     assert res.error.code is ErrorCode.INFERENCE_FAILED and "NoneType outputs" in res.error.message
+
+
+def test_an_entry_over_max_entry_bytes_with_a_readable_id_is_answered_too_large() -> None:
+    import msgpack
+
+    r = rig(limits={"max_entry_bytes": 1024})
+    big = {"id": "big-1", "model": "tiny", "reply": "chan", "inputs": ["word " * 400]}
+    r.source.add_raw({b"msgpack": msgpack.packb(big)})
+    r.source.add_raw({b"msgpack": b"\x81" + b"\xc1" * 2000})  # over the limit, no id to read
+    r.run()
+    res = r.result("big-1")
+    assert res.status == "error" and res.error.code is ErrorCode.TOO_LARGE
+    assert r.sink.published["chan"] == [r.sink.results["big-1"]], "its waiting client is told"
+    assert [code for _, code, _ in r.sink.dead] == ["too_large"], "only the unreadable one"

@@ -397,3 +397,19 @@ def test_submit_gives_up_after_retry_for_s_naming_the_unknown_ids(
         shell.submit_many("tiny", ["a", "b", "c"])
     assert len(many.value.unknown_ids) == 3 and many.value.accepted == []
     assert "outcome unknown for 3 requests" in str(many.value)
+
+
+def test_a_job_shows_where_its_webhook_delivery_stands(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    from batchfleet.webhooks import status
+
+    shell = shells(kind, redis_url)
+    job = shell.submit("tiny", "a", webhook="https://example.com/hook")
+    assert shell.call(job.webhook_status()) is None  # no attempt finished yet
+    # When a webhooks worker records a refused delivery (the URL failed the SSRF policy)
+    refused = status.WebhookStatus(state="refused", webhook_id="msg_1", url="https://example.com/hook",
+                                   attempts=1, reason="refused: private address", updated_ms=1)  # fmt: skip
+    status.write(r, "tiny", job.id, refused, ttl_s=60)
+    # Then the submitter sees it
+    assert shell.call(job.webhook_status()) == refused

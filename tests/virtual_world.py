@@ -338,6 +338,7 @@ def rig(
     burst: bool = True,
     hold: bool = False,
     lanes: int = 3,
+    limits: dict[str, Any] | None = None,
 ) -> Rig:
     """A loop on virtual parts (burst mode: ``run`` returns once all is answered)."""
     world = World()
@@ -353,7 +354,7 @@ def rig(
         sink_box.append(sink)
         return Parts(world.clock, inbox, source, device, sink)
 
-    cfg = ModelConfig(lanes=lanes, batch=batch or {})
+    cfg = ModelConfig(lanes=lanes, batch=batch or {}, limits=limits or {})
     loop = BatchLoop(MODEL, cfg, runner, consumer="v1", worker=WorkerConfig(**(worker or {})),
                      burst=burst, observers=[recorder], parts=parts)  # fmt: skip
     return Rig(world, loop, source, device, sink_box[0], recorder)

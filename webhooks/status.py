@@ -50,5 +50,13 @@ def write(
 
 def webhook_status(client: redis.Redis, model: str, request_id: str) -> WebhookStatus | None:
     """The delivery status of ``request_id``'s webhook, or None (see the module docstring)."""
-    raw = client.get(ModelKeys(model).webhook_status(request_id))
-    return None if raw is None else WebhookStatus.model_validate_json(raw)
+    return parse_status(client.get(ModelKeys(model).webhook_status(request_id)))
+
+
+def parse_status(raw: object) -> WebhookStatus | None:
+    """The value of a webhook-status key as read (None when there is none)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, (bytes, str)):
+        raise TypeError(f"a webhook status is a JSON string, got {type(raw).__name__}")
+    return WebhookStatus.model_validate_json(raw)
