@@ -52,7 +52,6 @@ class Composition:
     rows: int
     max_tokens: int
     min_deadline: float
-    regrouped: bool = False
 
 
 def compose(
@@ -95,7 +94,6 @@ def compose(
         rows, max_tok, min_dl = n_rows, n_tok, dl
     if token_cap is not None and (rows + 1) * max_tok > token_cap:
         full = True
-    regrouped = False
     if row_cost is not None and chosen and len(ordered) > 1:
         enough = (
             row_cap
@@ -106,7 +104,6 @@ def compose(
             ordered, chosen, row_cap, token_cap, start, estimate, row_cost, fixed, enough
         )
         if better is not None:
-            regrouped = True
             full = full or len(better) < len(ordered)
             chosen = better
             rows = sum(ordered[i].size for i in chosen)
@@ -115,7 +112,7 @@ def compose(
                 (d for i in chosen if (d := ordered[i].deadline) is not None),
                 default=math.inf,
             )
-    return Composition([ordered[i] for i in chosen], full, rows, max_tok, min_dl, regrouped)
+    return Composition([ordered[i] for i in chosen], full, rows, max_tok, min_dl)
 
 
 def pool_of(ordered: Sequence[Waiting], fixed: int, row_cap: int, enough: int) -> list[int]:
