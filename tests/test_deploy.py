@@ -20,7 +20,7 @@ import redis
 import yaml
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
-from batchfleet.worker.streams import Finish, ModelStreams
+from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
 
 from batchfleet.config import load_config
 from batchfleet.connection import connect
@@ -297,7 +297,8 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     # what the intake, the sink and the webhooks workers do besides
     streams.heartbeat(1)
     assert "w1" in streams.live_consumers(2, 10) and streams.holders() == {}
-    streams.append_partial("gen-1", b"\x80", 60)
+    streams.append_tokens([TokenWrite("gen-1", {b"seq": b"1"}, 60, "bf:reply:x", b"\x80")])
+    assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 0, 0], [0, 0, 0])
     scheduled = WebhookKeys().scheduled
     worker.zadd(scheduled, {"d1": 1})

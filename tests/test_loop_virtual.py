@@ -234,13 +234,14 @@ def test_partial_outputs_go_to_the_sink_before_the_final_result() -> None:
     class Streaming(Words):
         def step(self, work: Work) -> StepReport:
             report = super().step(work)
-            parts: list[Any] = [Partial(key, {"progress": 0.5}) for key, _ in work.admit]
+            parts: list[Any] = [Partial(key, {"text": "half", "tokens": 1}) for key, _ in work.admit]
             return StepReport(parts + report.events, report.out_of_memory, report.calls)
 
     r = rig(Streaming())
     rid = r.submit("the dog")
     r.run()
-    assert r.sink.partials[rid] == [{"progress": 0.5}]
+    (sent,) = r.sink.streamed[rid]
+    assert sent.seq == 1 and sent.delta is not None and sent.delta.text == "half"
     assert r.result(rid).ok
 
 

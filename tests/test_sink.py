@@ -4,6 +4,7 @@ published again; partial outputs and dead letters land; observers hear what was 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,10 +15,10 @@ import pytest
 import redis
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.keys import GROUP, ModelKeys
-from batchfleet.schemas.messages import Request, Result, Timings
+from batchfleet.schemas.messages import Delta, Request, Result, Timings
 from batchfleet.worker.answers import Outgoing
 from batchfleet.worker.observers import Answered, DeadLettered, LoopEvent, Observers
-from batchfleet.worker.sink import MemorySink, RedisSink
+from batchfleet.worker.sink import MemorySink, RedisSink, Streamed
 from batchfleet.worker.streams import Entry, ModelStreams
 
 MODEL = "tiny"
@@ -83,7 +84,7 @@ def harness(request: pytest.FixtureRequest, r: redis.Redis) -> Iterator[Harness]
         return got.get(channel, [])
 
     def partials(rid: str) -> list[Any]:
-        return [msgpack.unpackb(f[b"msgpack"]) for _, f in r.xrange(KEYS.partial(rid))]
+        return [dict(f) for _, f in r.xrange(KEYS.tokens(rid))]
 
     sink.start()
     yield Harness(
@@ -123,11 +124,23 @@ def test_an_output_the_wire_cannot_carry_becomes_an_error_result(harness: Harnes
     assert res.status == "error" and "cannot be encoded" in res.error.message
 
 
-def test_partials_and_dead_letters(harness: Harness) -> None:
-    harness.sink.partial("gen-1", {"delta": "Hel"})
-    harness.sink.partial("gen-1", {"delta": "lo"})
+def test_token_streams_and_dead_letters(harness: Harness) -> None:
+    def delta(seq: int, text: str) -> Delta:
+        return Delta(id="gen-1", model="m", seq=seq, input=0, text=text, tokens=1)
+
+    harness.sink.stream([Streamed("gen-1", 1, delta(1, "Hél"), 60, "chan", "json"),
+                         Streamed("gen-1", 2, delta(2, "lo"), 60, "chan", "msgpack")])  # fmt: skip
+    harness.sink.stream([Streamed("gen-1", 3, None, 60, "chan", "json")])
     harness.sink.dead_letter(harness.entries[3], "malformed", "not msgpack")
     harness.sink.close(5)
-    assert harness.partials("gen-1") == [{"delta": "Hel"}, {"delta": "lo"}]
+    assert harness.partials("gen-1") == [
+        {b"seq": b"1", b"input": b"0", b"text": "Hél".encode(), b"tokens": b"1"},
+        {b"seq": b"2", b"input": b"0", b"text": b"lo", b"tokens": b"1"},
+        {b"seq": b"3", b"end": b"1"},
+    ]
+    published = harness.published("chan")
+    assert json.loads(published[0]) == delta(1, "Hél").model_dump(mode="json")
+    assert msgpack.unpackb(published[1]) == delta(2, "lo").model_dump(mode="json")
+    assert len(published) == 2  # the end is not published: the result is
     assert harness.dead_codes() == ["malformed"]
     assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]

@@ -196,3 +196,43 @@ def make_classifier(path: Path) -> Path:
     BertForSequenceClassification(cfg).save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return path
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""SmolLM2's (ChatML) chat template, shortened."""
+
+
+def make_causal_lm(path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    """A tiny random Llama with a byte-level BPE tokenizer (trained here on WORDS) and a
+    chat template, saved like a hub model (config, weights, tokenizer, generation config)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["héllo wörld ünïcode ✓ 日本"] * 5, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
+    cfg = LlamaConfig(
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
+    return path

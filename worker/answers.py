@@ -14,7 +14,7 @@ from ..batching.types import Waiting
 from ..config import ModelConfig
 from ..schemas.codec import EntryRejected, encode_result
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings
+from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings, Usage
 from .observers import Reply
 from .runner import Prepared
 from .streams import Entry, Finish
@@ -93,6 +93,35 @@ class Answerer:
         result = self.result(req.id, "ok", req.metadata, timings, now, outputs=outputs,
                              truncated=truncated)  # fmt: skip
         return self._answer(held, result)
+
+    def generated(
+        self, run: BatchRun, held: Held, outputs: list[Any], first_token_at: float | None,
+        now: float,
+    ) -> Outgoing:  # fmt: skip
+        """An ``ok`` result of a generation (``outputs``: Generation maps), with its usage
+        and time to first token. ``run`` spans its first step's start to its last's end."""
+        timings = self._batch_timings(run, held, now)
+        if first_token_at is not None:
+            enq = held.entry.enqueued_ms / 1000
+            ttft = round(max(0.0, first_token_at - enq) * 1000, 3)
+            timings = timings.model_copy(update={"first_token_ms": ttft})
+        usage = Usage.model_construct(
+            prompt_tokens=sum(int(o.get("prompt_tokens", 0)) for o in outputs),
+            completion_tokens=sum(int(o.get("completion_tokens", 0)) for o in outputs),
+        )
+        req = held.request
+        result = self.result(req.id, "ok", req.metadata, timings, now, outputs=outputs,
+                             usage=usage)  # fmt: skip
+        return self._answer(held, result)
+
+    def cancelled(self, held: Held, now: float) -> Outgoing:
+        """A generation request cancelled before it started: ``ok``, nothing generated."""
+        outputs = [
+            {"text": "", "finish_reason": "cancelled", "prompt_tokens": 0, "completion_tokens": 0}
+            for _ in range(held.request.input_count)
+        ]
+        run = BatchRun("", 0, now, now)
+        return self.generated(run, held, outputs, None, now)
 
     def failed(
         self, run: BatchRun, held: Held, code: ErrorCode, message: str, now: float

@@ -53,7 +53,14 @@ class SetPolicy:
     policy: Policy
 
 
-Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Clients asked to cancel these requests (by id)."""
+
+    request_ids: tuple[str, ...]
+
+
+Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy | Cancel
 
 
 class Inbox(Protocol):

@@ -20,19 +20,22 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 
 from ..batching.engine import Engine
+from ..batching.generation import GenerationPolicy
 from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig
 from ..connection import SyncClient
 from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import Format, Request
+from ..schemas.messages import Delta, Format, Request
 from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
-from .inbox import Arrived, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
+from .gen_scheduler import GenScheduler
+from .inbox import Arrived, Cancel, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
     Dispatched,
@@ -42,8 +45,9 @@ from .observers import (
     StateChanged,
 )
 from .parts import Parts, redis_parts
-from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner
+from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner, is_continuous
 from .scheduler import Scheduler, Step
+from .sink import Streamed
 from .stats import LoopStats
 from .streams import Entry, ModelStreams
 
@@ -77,7 +81,12 @@ class BatchLoop:
         self.consumer = consumer
         self.burst = burst
         self.engine = Engine(config.batch.policy(config.lanes))
-        self.scheduler = Scheduler(self.engine)
+        self.continuous = is_continuous(runner)
+        self.scheduler: Scheduler | GenScheduler = (
+            _gen_scheduler(runner, self.engine, config.lanes)
+            if self.continuous
+            else Scheduler(self.engine)
+        )
         self.stats = LoopStats(model=model, lanes=config.lanes)
         self.observers = Observers([self.stats, *observers])
         self.answers = Answerer(model, config, consumer)
@@ -163,12 +172,15 @@ class BatchLoop:
         self._arrivals = 0
         self._idle_reads = 0
         self._handed_back = False
+        self._give_up_at = float("inf")
         started: list[str] = []
         try:
             parts.source.start(self.config.max_queue_depth)  # Redis first: may fail, no threads yet
             started.append("source")
             parts.sink.start()
             parts.device.start()
+            if parts.cancels is not None:
+                parts.cancels.start()
             started.append("threads")
             logger.info("batch loop for %s started as %s", self.model, self.consumer)
             self._serve()
@@ -190,6 +202,9 @@ class BatchLoop:
                 self._dispatch(decision.step, now)
             if not self.scheduler.busy and self._done():
                 return
+            if self._stopping and self.continuous and now >= self._give_up_at:
+                return  # generations still running past the grace go back to the fleet
+            self._watch_cancels()
             self._grant()
             timeout = (
                 None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
@@ -203,6 +218,7 @@ class BatchLoop:
         """Stopping: stop reading, and hand every request not yet on the device back to the
         fleet at once (held ones, and steps queued behind the running one)."""
         self._handed_back = True
+        self._give_up_at = self._clock() + self.worker.shutdown_grace_s
         self.parts.source.stop()
         queued = self.parts.device.drop_queued()
         unstarted = [h.entry for h in self.scheduler.cancel([w.step_id for w in queued])]
@@ -245,6 +261,8 @@ class BatchLoop:
             self._idle_reads += 1
         elif isinstance(event, SetPolicy):
             self.engine.set_policy(event.policy)
+        elif isinstance(event, Cancel):
+            self._cancel(event.request_ids)
 
     def _shutdown(self, started: list[str]) -> None:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
@@ -255,6 +273,8 @@ class BatchLoop:
             parts.source.stop()
             parts.source.join(min(grace, HEARTBEAT_JOIN_S))
         if "threads" in started:
+            if parts.cancels is not None:
+                parts.cancels.stop()
             parts.device.close(grace)
         unstarted = [h.entry for h in self.scheduler.release_all()]
         while (event := parts.inbox.get_nowait()) is not None:
@@ -270,6 +290,8 @@ class BatchLoop:
         # Steps the device never finished (it did not stop in time): their requests go back.
         unstarted += [h.entry for step in self.scheduler.inflight for h in step.held]
         self.scheduler.inflight.clear()
+        if isinstance(self.scheduler, GenScheduler):  # generations cut short: start again elsewhere
+            unstarted += [h.entry for h in self.scheduler.release_running()]
         if "source" in started:
             self._release(unstarted)
         if "threads" in started:
@@ -359,11 +381,16 @@ class BatchLoop:
         self.observers.notify(Dispatched(self.model, batch, step.step_id, ids, now))
 
     def _finished(self, done: StepDone) -> None:
+        if isinstance(self.scheduler, GenScheduler):
+            self._generated(self.scheduler, done)
+            return
         step = self.scheduler.finished(done.step_id, done.report, done.started_at, done.finished_at)
         now = self._clock()
         run = BatchRun(step.step_id, step.batch.rows, done.started_at, done.finished_at)
         by_key = {h.waiting.key: h for h in step.held}
         out: list[Outgoing] = []
+        streamed: list[Streamed] = []
+        seqs: dict[str, int] = {}
         failed = 0
         for ev in done.report.events:
             held = by_key.pop(ev.key, None)
@@ -383,7 +410,8 @@ class BatchLoop:
                 out.append(self.answers.failed(run, held, ev.code, ev.message, now))
             elif isinstance(ev, Partial):
                 by_key[ev.key] = held  # not finished by this step
-                self.parts.sink.partial(held.request.id, ev.chunk)
+                seqs[ev.key] = seqs.get(ev.key, 0) + 1
+                streamed.append(self._delta(held, seqs[ev.key], ev.chunk))
         for held in by_key.values():  # a one-shot runner must finish every request it admits
             failed += 1
             message = f"runner {self.runner.name} returned no output for it"
@@ -392,7 +420,85 @@ class BatchLoop:
             BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
         )  # fmt: skip
+        self.parts.sink.stream(streamed)
         self.parts.sink.send(out)
+
+    def _generated(self, scheduler: GenScheduler, done: StepDone) -> None:
+        """A generating runner's step: stream its deltas, answer the requests that ended."""
+        step, named = scheduler.finished(
+            done.step_id, done.report, done.started_at, done.finished_at
+        )
+        now = self._clock()
+        out: list[Outgoing] = []
+        streamed: list[Streamed] = []
+        ends: list[Streamed] = []
+        failed = 0
+        for ev in done.report.events:
+            r = named.get(ev.key)
+            if r is None:
+                continue
+            held = r.held
+            if isinstance(ev, Partial | Final) and r.first_token_at is None:
+                r.first_token_at = done.finished_at
+            run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
+            if isinstance(ev, Partial):
+                r.seq += 1
+                streamed.append(self._delta(held, r.seq, ev.chunk))
+            elif isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
+                failed += 1
+                message = f"runner returned {len(ev.outputs)} outputs for {held.request.input_count} inputs"
+                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
+            elif isinstance(ev, Final):
+                out.append(self.answers.generated(run, held, ev.outputs, r.first_token_at, now))
+                if held.request.stream:
+                    ends.append(self._delta(held, r.seq + 1, None))
+            elif isinstance(ev, Failed):
+                failed += 1
+                out.append(self.answers.failed(run, held, ev.code, ev.message, now))
+        self.observers.notify(
+            BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
+                      done.finished_at - done.started_at, done.report.out_of_memory, failed)
+        )  # fmt: skip
+        self.parts.sink.stream(streamed)
+        self.parts.sink.send(out)
+        self.parts.sink.stream(ends)
+
+    def _delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
+        """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
+        the token stream's end (``chunk`` None)."""
+        req = held.request
+        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
+        delta = None
+        if isinstance(chunk, dict):
+            delta = Delta.model_construct(
+                v=1, kind="delta", id=req.id, model=self.model, seq=seq,
+                input=chunk.get("input", 0), text=chunk.get("text", ""),
+                tokens=chunk.get("tokens", 0),
+            )  # fmt: skip
+        return Streamed(req.id, seq, delta, ttl, req.reply, held.fmt)
+
+    def _cancel(self, request_ids: Sequence[str]) -> None:
+        """Clients cancelled these: a waiting request is answered now, a running one ends
+        with the next step."""
+        if not isinstance(self.scheduler, GenScheduler):
+            return
+        wanted = set(request_ids)
+        now = self._clock()
+        out: list[Outgoing] = []
+        ends: list[Streamed] = []
+        for held in self.scheduler.watched():
+            if held.request.id in wanted:
+                waiting = self.scheduler.stop(held.waiting.key, "cancelled")
+                if waiting is not None:
+                    out.append(self.answers.cancelled(waiting, now))
+                    if waiting.request.stream:
+                        ends.append(self._delta(waiting, 1, None))
+        self.parts.sink.send(out)
+        self.parts.sink.stream(ends)
+
+    def _watch_cancels(self) -> None:
+        if self.parts.cancels is not None and isinstance(self.scheduler, GenScheduler):
+            self.parts.cancels.watch([h.request.id for h in self.scheduler.watched()])
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
         self.parts.sink.send([self.answers.expired(h, now) for h in expired])
@@ -400,6 +506,19 @@ class BatchLoop:
             Expired(self.model, tuple(h.request.id for h in expired),
                     tuple(h.entry.lane for h in expired), now)
         )  # fmt: skip
+
+
+def _gen_scheduler(runner: Runner, engine: Engine, lanes: int) -> GenScheduler:
+    """The scheduler of a generating runner, with the budgets it states."""
+    policy = engine.policy
+    budgets = runner.generation_policy(  # type: ignore[attr-defined]
+        lanes, policy.lane_weights, policy.max_starvation_ms
+    )
+
+    def max_new_tokens(held: Held) -> int:
+        return max(getattr(held.prepared.payload, "max_new_tokens", (1,)) or (1,))
+
+    return GenScheduler(GenerationPolicy(budgets), max_new_tokens)
 
 
 def _redis_parts(loop: BatchLoop) -> Parts:

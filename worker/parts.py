@@ -6,16 +6,17 @@ Production wires the Redis intake and sink, a device thread and the Redis server
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..config import ModelConfig, WorkerConfig
+from .cancels import CancelWatch
 from .executor import Executor
 from .inbox import Inbox, ThreadInbox, Wake
 from .intake import Intake
 from .observers import Observers
-from .runner import Runner, Work
+from .runner import Runner, Work, is_continuous
 from .sink import RedisSink, ResultSink
 from .streams import Entry, ModelStreams, RedisClock
 
@@ -29,6 +30,14 @@ class Source(Protocol):
     def join(self, timeout: float | None = None) -> None: ...
     def release(self, entries: Sequence[Entry]) -> None: ...
     def unregister(self) -> None: ...
+
+
+class Watch(Protocol):
+    """What the loop needs from its cancel watcher (generating models only)."""
+
+    def start(self) -> None: ...
+    def watch(self, request_ids: Collection[str]) -> None: ...
+    def stop(self) -> None: ...
 
 
 class Device(Protocol):
@@ -49,6 +58,8 @@ class Parts:
     source: Source
     device: Device
     sink: ResultSink
+    cancels: Watch | None = None
+    """Polls client cancellations (generating runners only)."""
 
 
 def redis_parts(
@@ -69,7 +80,10 @@ def redis_parts(
     device = Executor(runner, clock, inbox.put, name=f"device-{model}")
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),
-        dead_letter_maxlen=worker.dead_letter_maxlen, partial_ttl_s=config.result_ttl_s,
+        dead_letter_maxlen=worker.dead_letter_maxlen,
         release_idle_ms=worker.claim_idle_ms, name=f"sink-{model}",
     )  # fmt: skip
-    return Parts(clock, inbox, source, device, sink)
+    cancels = (
+        CancelWatch(streams, inbox.put, name=f"cancels-{model}") if is_continuous(runner) else None
+    )
+    return Parts(clock, inbox, source, device, sink, cancels)

@@ -51,10 +51,17 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """One device step: the requests it admits, by the scheduler's key."""
+    """One device step: the requests it admits, by the scheduler's key, and (continuous
+    runners) the running requests it ends or frees first."""
 
     step_id: str
     admit: tuple[tuple[str, Prepared], ...]
+    stop: tuple[tuple[str, str], ...] = ()
+    """Running requests to end now, with the reason (``cancelled``, ``deadline``): the runner
+    answers each with a :class:`Final` holding what it produced so far."""
+    preempt: tuple[str, ...] = ()
+    """Running requests to free (their memory) and keep aside: they are admitted again
+    later, and the runner resumes them (by recomputation). Reported :class:`Preempted`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +89,29 @@ class Failed:
     code: ErrorCode = ErrorCode.INFERENCE_FAILED
 
 
-StepEvent = Final | Partial | Failed
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A running request the runner freed, as asked; ``prompts`` are the tokens it will
+    prefill per sequence when admitted again, ``max_new_tokens`` what each may still make."""
+
+    key: str
+    prompts: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a running request of a continuous runner stands after a step (the admission
+    policy plans memory with it)."""
+
+    contexts: tuple[int, ...]
+    """Tokens in the KV cache per unfinished sequence."""
+    prefill_left: tuple[int, ...]
+    """Prompt tokens not yet prefilled per unfinished sequence."""
+    max_new_tokens_left: int
+
+
+StepEvent = Final | Partial | Failed | Preempted
 
 
 @dataclass(slots=True)
@@ -95,6 +124,10 @@ class StepReport:
     calls: int = 1
     """Model calls it took: 1 when clean; more when a batch was bisected or split, and
     then its time says nothing about the batch's cost."""
+    progress: dict[str, Progress] = field(default_factory=dict)
+    """Continuous runners: each still-running request's state after the step."""
+    tokens: int = 0
+    """Continuous runners: tokens the step computed (prefill chunks + decodes)."""
 
 
 @runtime_checkable
@@ -116,6 +149,13 @@ class Runner(Protocol):
     def info(self) -> dict[str, Any]:
         """A few facts for ``inspect stats`` (device, dtype, max tokens...)."""
         ...
+
+
+def is_continuous(runner: object) -> bool:
+    """Does the runner keep requests across steps (a generator), rather than finish each
+    in the step that admits it? Such a runner sets ``continuous = True`` and a
+    ``generation_policy()`` for the scheduler."""
+    return bool(getattr(runner, "continuous", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +195,11 @@ class BatchRunner:
         return {"runner": self.name, "device": self.device}
 
     def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
+        refused = {i: self._refuse(r) for i, r in enumerate(requests) if r.generation_fields()}
+        if refused:
+            rest = [r for i, r in enumerate(requests) if i not in refused]
+            done = iter(self.prepare_many(rest))
+            return [refused[i] if i in refused else next(done) for i in range(len(requests))]
         texts = [t for req in requests for t in req.inputs]
         try:  # one call for all: fast tokenizers batch (and parallelise) it
             encoded = self.encode(texts)
@@ -169,6 +214,10 @@ class BatchRunner:
             pos += len(req.inputs)
             out.append(_prepared(rows))
         return out
+
+    def _refuse(self, request: Request) -> PrepareError:
+        fields = ", ".join(request.generation_fields())
+        return PrepareError(f"a {self.name} model does not generate text: {fields} not supported")
 
     def _prepare_one(self, request: Request) -> Prepared | PrepareError:
         try:

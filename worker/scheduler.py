@@ -38,9 +38,12 @@ class Step:
     started_at: float | None
     """When the device began it: the dispatch time when the device was idle, else the end
     of the step before (known once that one finishes)."""
+    stop: tuple[tuple[str, str], ...] = ()
+    preempt: tuple[str, ...] = ()
 
     def work(self) -> Work:
-        return Work(self.step_id, tuple((h.waiting.key, h.prepared) for h in self.held))
+        admit = tuple((h.waiting.key, h.prepared) for h in self.held)
+        return Work(self.step_id, admit, self.stop, self.preempt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,14 +17,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 
-from ..schemas.codec import pack
+from ..schemas.codec import delta_fields, encode_delta, end_fields
+from ..schemas.messages import Delta, Format
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
-from .streams import Entry, ModelStreams, Retiring
+from .streams import Entry, ModelStreams, Retiring, TokenWrite
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class ResultSink(Protocol):
         """Store, publish and ack these results (asynchronously, in order)."""
         ...
 
-    def partial(self, request_id: str, chunk: Any) -> None:
-        """Append a partial output to the request's stream (streaming runners)."""
+    def stream(self, items: Sequence[Streamed]) -> None:
+        """Append deltas (or ends) to requests' token streams and publish the deltas on
+        their reply channels (generating runners), in order with results."""
         ...
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
@@ -65,9 +67,29 @@ class _Finish:
 
 
 @dataclass(frozen=True, slots=True)
-class _Partial:
+class Streamed:
+    """A delta of a generating request, or (``delta`` None) the end of its token stream."""
+
     request_id: str
-    chunk: Any
+    seq: int
+    delta: Delta | None
+    ttl_s: int
+    reply: str | None
+    fmt: Format
+
+    def write(self) -> TokenWrite:
+        """The entry and message, encoded (on the sink's thread)."""
+        if self.delta is None:
+            return TokenWrite(self.request_id, end_fields(self.seq), self.ttl_s)
+        message = encode_delta(self.delta, self.fmt) if self.reply else None
+        return TokenWrite(
+            self.request_id, delta_fields(self.delta), self.ttl_s, self.reply, message
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokens:
+    items: Sequence[Streamed]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +104,7 @@ class _Retire:
     items: Sequence[Retiring]
 
 
-_Job = _Finish | _Partial | _Dead | _Retire
+_Job = _Finish | _Tokens | _Dead | _Retire
 
 TRANSIENT = (
     redis.ConnectionError,
@@ -114,7 +136,6 @@ class RedisSink:
         wake: Callable[[], None],
         *,
         dead_letter_maxlen: int,
-        partial_ttl_s: int = 3600,
         release_idle_ms: int = 300_000,
         name: str = "sink",
     ) -> None:
@@ -122,7 +143,6 @@ class RedisSink:
         self.observers = observers
         self._wake = wake
         self._dead_maxlen = dead_letter_maxlen
-        self._partial_ttl_s = partial_ttl_s
         self._release_idle_ms = release_idle_ms
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._backlog = 0
@@ -143,8 +163,9 @@ class RedisSink:
                 self._backlog += 1
             self._queue.put(_Finish(answers))
 
-    def partial(self, request_id: str, chunk: Any) -> None:
-        self._queue.put(_Partial(request_id, chunk))
+    def stream(self, items: Sequence[Streamed]) -> None:
+        if items:
+            self._queue.put(_Tokens(items))
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
@@ -207,8 +228,8 @@ class RedisSink:
                 for (_, reply), s in zip(encoded, stored, strict=True)
             ]
             self.observers.notify(Answered(self.streams.keys.model, replies))
-        elif isinstance(job, _Partial):
-            self.streams.append_partial(job.request_id, pack(job.chunk), self._partial_ttl_s)
+        elif isinstance(job, _Tokens):
+            self.streams.append_tokens([it.write() for it in job.items])
         elif isinstance(job, _Retire):
             self.streams.retire(job.items)
         else:
@@ -240,7 +261,7 @@ class MemorySink:
     hold: bool = False
     results: dict[str, bytes] = field(default_factory=dict)
     published: dict[str, list[bytes]] = field(default_factory=dict)
-    partials: dict[str, list[Any]] = field(default_factory=dict)
+    streamed: dict[str, list[Streamed]] = field(default_factory=dict)
     dead: list[tuple[Entry, str, str]] = field(default_factory=list)
     acked: list[Entry] = field(default_factory=list)
     sent: list[list[Outgoing]] = field(default_factory=list)
@@ -278,8 +299,9 @@ class MemorySink:
             self.observers.notify(Answered(self.model, replies))
             self.wake()
 
-    def partial(self, request_id: str, chunk: Any) -> None:
-        self.partials.setdefault(request_id, []).append(chunk)
+    def stream(self, items: Sequence[Streamed]) -> None:
+        for it in items:
+            self.streamed.setdefault(it.request_id, []).append(it)
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self.dead.append((entry, code, reason))

@@ -54,6 +54,17 @@ class Retiring:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenWrite:
+    """One token-stream entry of a request, and the message to publish with it."""
+
+    request_id: str
+    fields: dict[bytes, bytes]
+    ttl_s: int
+    reply: str | None = None
+    message: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """A result to store for one entry."""
 
@@ -278,13 +289,24 @@ class ModelStreams:
             args += [it.entry.id, it.entry.lane, it.reply or ""]
         return [bool(x) for x in self._retire(keys=keys, args=args)]
 
-    def append_partial(self, request_id: str, payload: bytes, ttl_s: int) -> None:
-        """Append one partial output to the request's stream and keep it ``ttl_s``."""
-        key = self.keys.partial(request_id)
+    def append_tokens(self, items: Sequence[TokenWrite]) -> None:
+        """Append entries to requests' token streams (keeping each ``ttl_s``) and publish
+        the delta messages, in one round trip."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(key, {b"msgpack": payload}, maxlen=100_000, approximate=True)
-        pipe.expire(key, ttl_s)
+        for it in items:
+            key = self.keys.tokens(it.request_id)
+            pipe.xadd(key, it.fields, maxlen=100_000, approximate=True)
+            pipe.expire(key, it.ttl_s)
+            if it.reply and it.message is not None:
+                pipe.publish(it.reply, it.message)
         pipe.execute()
+
+    def cancelled(self, request_ids: Sequence[str]) -> list[str]:
+        """Which of these requests a client asked to cancel."""
+        if not request_ids:
+            return []
+        found = self.client.mget([self.keys.cancel(r) for r in request_ids])
+        return [r for r, v in zip(request_ids, found, strict=True) if v is not None]
 
     def finish(self, items: Sequence[Finish]) -> list[bool]:
         """Store, publish and ack many results in one round trip (one script call per

@@ -8,6 +8,7 @@ from typing import Any
 BUILTIN = {
     "embedding": "batchfleet.worker.runners.embedding:EmbeddingRunner",
     "text-classification": "batchfleet.worker.runners.classification:ClassificationRunner",
+    "text-generation": "batchfleet.worker.runners.generation:TextGenerationRunner",
 }
 
 __all__ = ["BUILTIN", "resolve"]

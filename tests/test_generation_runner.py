@@ -1,0 +1,264 @@
+"""The text-generation runner, stepped directly (no Redis, no loop): continuous batching
+gives exactly the tokens of one-at-a-time ``generate``; sampling is per request and
+seeded; stop strings, cancellation, preemption and streaming behave as documented."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.schemas.errors import ErrorCode  # noqa: E402
+from batchfleet.schemas.messages import Request  # noqa: E402
+from batchfleet.worker.runner import (  # noqa: E402
+    Final,
+    Partial,
+    Preempted,
+    Prepared,
+    PrepareError,
+    Work,
+)
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+
+from tiny_models import make_causal_lm  # noqa: E402
+
+PROMPTS = ["the man was", "a b c", "there were many years of time and", "it", "what is this"]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture()
+def runner(lm_dir: Path) -> TextGenerationRunner:
+    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
+    return TextGenerationRunner(lm_dir, options=opts)
+
+
+def req(rid: str, **kw: Any) -> Request:
+    kw.setdefault("inputs", ["the man was"])
+    return Request(id=rid, model="lm", **kw)
+
+
+def prepare(runner: TextGenerationRunner, *reqs: Request) -> list[Prepared]:
+    out = runner.prepare_many(list(reqs))
+    assert all(isinstance(p, Prepared) for p in out), out
+    return out  # type: ignore[return-value]
+
+
+class Driver:
+    """Steps a runner; collects Finals and Partials by key."""
+
+    def __init__(self, runner: TextGenerationRunner) -> None:
+        self.runner = runner
+        self.finals: dict[str, Final] = {}
+        self.partials: dict[str, list[dict[str, Any]]] = {}
+        self.preempted: dict[str, Preempted] = {}
+        self.n = 0
+
+    def step(
+        self,
+        admit: Iterable[tuple[str, Prepared]] = (),
+        stop: Iterable[tuple[str, str]] = (),
+        preempt: Iterable[str] = (),
+    ) -> None:
+        self.n += 1
+        report = self.runner.step(Work(f"s{self.n}", tuple(admit), tuple(stop), tuple(preempt)))
+        for ev in report.events:
+            if isinstance(ev, Final):
+                assert ev.key not in self.finals, "a request ended twice"
+                self.finals[ev.key] = ev
+            elif isinstance(ev, Partial):
+                self.partials.setdefault(ev.key, []).append(ev.chunk)
+            elif isinstance(ev, Preempted):
+                self.preempted[ev.key] = ev
+            else:
+                raise AssertionError(ev)
+
+    def run(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.runner._reqs or all(r.parked for r in self.runner._reqs.values()):
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def greedy(runner: TextGenerationRunner, text: str, n: int) -> str:
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids
+    out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,
+                                pad_token_id=runner.eos[0])  # fmt: skip
+    return str(runner.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def test_continuous_batching_gives_the_tokens_of_one_at_a_time_generate(
+    runner: TextGenerationRunner,
+) -> None:
+    preps = prepare(runner, *(req(f"r{i}", inputs=[p], max_new_tokens=6 + 3 * i)
+                              for i, p in enumerate(PROMPTS)))  # fmt: skip
+    d = Driver(runner)
+    d.step([("r0", preps[0]), ("r1", preps[1])])
+    d.step([("r2", preps[2])])  # joins while the first two decode
+    d.step()
+    d.step([("r3", preps[3]), ("r4", preps[4])])
+    d.run()
+    for i, p in enumerate(PROMPTS):
+        out = d.finals[f"r{i}"].outputs[0]
+        assert out["text"] == greedy(runner, p, 6 + 3 * i)
+        assert out["completion_tokens"] == 6 + 3 * i
+        assert out["finish_reason"] == "length"
+        assert out["prompt_tokens"] == len(runner.tokenizer(p).input_ids)
+    assert not runner._reqs and not runner._by_seq
+
+
+def test_a_request_with_several_inputs_answers_each(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("r", inputs=PROMPTS[:3], max_new_tokens=5))
+    d = Driver(runner)
+    d.step([("r", p)])
+    d.run()
+    texts = [o["text"] for o in d.finals["r"].outputs]
+    assert texts == [greedy(runner, t, 5) for t in PROMPTS[:3]]
+
+
+def test_chat_messages_use_the_chat_template(runner: TextGenerationRunner) -> None:
+    msgs = [{"role": "user", "content": "what is this"}]
+    (p,) = prepare(runner, req("c", inputs=[], messages=msgs, max_new_tokens=4))
+    rendered = runner.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                    tokenize=False)  # fmt: skip
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert list(p.payload.prompts[0]) == runner.tokenizer(rendered).input_ids
+
+
+def test_streamed_deltas_add_up_to_the_final_text(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("s", inputs=PROMPTS[:2], max_new_tokens=9, stream=True))
+    d = Driver(runner)
+    d.step([("s", p)])
+    d.run()
+    for i, out in enumerate(d.finals["s"].outputs):
+        chunks = [c for c in d.partials["s"] if c["input"] == i]
+        assert "".join(c["text"] for c in chunks) == out["text"]
+        assert sum(c["tokens"] for c in chunks) == out["completion_tokens"]
+
+
+def test_no_deltas_without_stream(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("q", max_new_tokens=4))
+    d = Driver(runner)
+    d.step([("q", p)])
+    d.run()
+    assert "q" not in d.partials and "q" in d.finals
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(
+    runner: TextGenerationRunner,
+) -> None:
+    def sample(seed: int, mates: int) -> str:
+        preps = prepare(runner, req("x", max_new_tokens=12, temperature=1.5, seed=seed),
+                        *(req(f"m{i}", inputs=[PROMPTS[i]], max_new_tokens=7, temperature=1.0)
+                          for i in range(mates)))  # fmt: skip
+        d = Driver(runner)
+        d.step([(f"m{i}", preps[1 + i]) for i in range(mates)])
+        d.step([("x", preps[0])])
+        d.run()
+        return str(d.finals["x"].outputs[0]["text"])
+
+    a = sample(7, 0)
+    assert sample(7, 3) == a
+    assert sample(7, 1) == a
+    assert sample(8, 0) != a or sample(9, 0) != a
+    assert a != greedy(runner, "the man was", 12)
+
+
+def test_top_k_one_is_greedy(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("k", max_new_tokens=8, temperature=2.0, top_k=1, seed=3))
+    d = Driver(runner)
+    d.step([("k", p)])
+    d.run()
+    assert d.finals["k"].outputs[0]["text"] == greedy(runner, "the man was", 8)
+
+
+def test_a_stop_string_ends_the_text_before_it(runner: TextGenerationRunner) -> None:
+    full = greedy(runner, "a b c", 12)
+    stop = full[5:7]
+    assert stop.strip(), full
+    (p,) = prepare(runner, req("st", inputs=["a b c"], max_new_tokens=12, stop=[stop], stream=True))
+    d = Driver(runner)
+    d.step([("st", p)])
+    d.run()
+    out = d.finals["st"].outputs[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == full[: full.index(stop)]
+    assert "".join(c["text"] for c in d.partials.get("st", [])) == out["text"]
+
+
+def test_stop_ends_a_running_request_with_its_text_so_far(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("c", max_new_tokens=40))
+    d = Driver(runner)
+    d.step([("c", p)])
+    for _ in range(4):
+        d.step()
+    d.step(stop=[("c", "cancelled")])
+    out = d.finals["c"].outputs[0]
+    assert out["finish_reason"] == "cancelled"
+    assert 0 < out["completion_tokens"] < 40
+    assert greedy(runner, "the man was", 40).startswith(out["text"])
+    assert not runner._reqs and not runner._by_seq
+
+
+def test_preempted_request_resumes_to_the_same_text(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("pre", inputs=PROMPTS[:2], max_new_tokens=14, stream=True))
+    d = Driver(runner)
+    d.step([("pre", p)])
+    for _ in range(4):
+        d.step()
+    d.step(preempt=["pre"])
+    ev = d.preempted["pre"]
+    assert ev.max_new_tokens == 14 - 5
+    assert ev.prompts[0] == len(runner.tokenizer(PROMPTS[0]).input_ids) + 5
+    assert runner.engine.state("pre#0") is None
+    d.step()  # it holds no memory and makes no progress meanwhile
+    d.step([("pre", p)])
+    d.run()
+    outs = d.finals["pre"].outputs
+    assert [o["text"] for o in outs] == [greedy(runner, t, 14) for t in PROMPTS[:2]]
+    assert [o["completion_tokens"] for o in outs] == [14, 14]
+    assert "".join(c["text"] for c in d.partials["pre"] if c["input"] == 0) == outs[0]["text"]
+
+
+def test_progress_reports_context_and_prefill(runner: TextGenerationRunner) -> None:
+    long_prompt = " ".join(["the man was there"] * 40)
+    (p,) = prepare(runner, req("long", inputs=[long_prompt], max_new_tokens=3))
+    n = p.payload.prompts[0].__len__()
+    assert n > 64  # longer than a step's budget: prefilled in chunks
+    report = runner.step(Work("s1", (("long", p),)))
+    prog = report.progress["long"]
+    assert prog.prefill_left[0] == n - 64 and prog.contexts[0] == 64
+    assert not report.events
+
+
+def test_bad_requests_are_refused_in_prepare(runner: TextGenerationRunner) -> None:
+    too_long = " ".join(["word"] * 3000)
+    (out,) = runner.prepare_many([req("a", inputs=[too_long])])
+    assert isinstance(out, PrepareError) and out.code == ErrorCode.TOO_LARGE
+    # max_new_tokens past the limits never reaches a runner: the request is invalid
+    with pytest.raises(ValueError, match="too_large: max_new_tokens 5000 > 4096"):
+        req("b", max_new_tokens=5000)
+    # within the limits but past the context: generation stops at the context ("length")
+    (p,) = prepare(runner, req("c", max_new_tokens=4000))
+    assert p.payload.max_new_tokens[0] == runner.context - len(p.payload.prompts[0])
+
+
+def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
+    from batchfleet.worker.runners.embedding import EmbeddingRunner
+
+    from tiny_models import make_embedding_model
+
+    enc = EmbeddingRunner(make_embedding_model(tmp_path / "e"))
+    out = enc.prepare_many([req("a"), req("b", max_new_tokens=3), req("c", inputs=[],
+                            messages=[{"role": "user", "content": "x"}])])  # fmt: skip
+    assert isinstance(out[0], Prepared)
+    assert isinstance(out[1], PrepareError) and "max_new_tokens" in str(out[1])
+    assert isinstance(out[2], PrepareError) and "messages" in str(out[2])

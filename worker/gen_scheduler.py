@@ -1,0 +1,207 @@
+"""The scheduler of a generating model: requests that live across many device steps.
+
+Like :class:`~.scheduler.Scheduler` it is pure state owned by the loop thread, and
+answers the same calls; what differs is that an admitted request keeps running, step
+after step, until its runner reports it finished. Before each step it asks the admission
+policy (``batching/generation.py``) which waiting requests join, which running ones are
+preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
+expire; cancellations asked for by clients are passed on with the next step. One step is
+on the device at a time: the next is planned from what the last one reported.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..batching.generation import GenerationPolicy, GenRunning, GenWaiting
+from ..batching.types import Batch
+from .answers import Held
+from .runner import Failed, Final, Preempted, Progress, StepReport
+from .scheduler import Decision, Step
+
+
+@dataclass(slots=True)
+class Running:
+    """A request on the device, and what the loop tracks of it."""
+
+    held: Held
+    started_at: float
+    progress: Progress
+    seq: int = 0
+    """Deltas sent so far (the last one's ``seq``)."""
+    first_token_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A preempted request's state when it waits again."""
+
+    prompts: tuple[int, ...]
+    max_new_tokens: int
+    first_token_at: float | None
+    seq: int
+    started_at: float
+
+
+class GenScheduler:
+    """Request state of one generating model; the loop thread alone calls it."""
+
+    continuous = True
+
+    def __init__(
+        self,
+        policy: GenerationPolicy,
+        max_new_tokens: Callable[[Held], int],
+        new_id: Callable[[], str] | None = None,
+    ) -> None:
+        self.policy = policy
+        self._max_new = max_new_tokens
+        self.held: dict[str, Held] = {}
+        """Waiting: new, or preempted (see ``_resume``)."""
+        self.running: dict[str, Running] = {}
+        self.inflight: deque[Step] = deque()
+        self._resume: dict[str, Resume] = {}
+        self._stops: dict[str, str] = {}
+        self._new_id = new_id or (lambda: uuid.uuid4().hex[:12])
+
+    # --- state ------------------------------------------------------------------------------
+
+    def admit(self, held: Held) -> None:
+        self.held[held.waiting.key] = held
+
+    @property
+    def busy(self) -> bool:
+        """A step is on the device, or requests are running (more steps to come)."""
+        return bool(self.inflight or self.running)
+
+    @property
+    def holds_suspect(self) -> bool:
+        return False  # a generation runs its redelivered requests like any other
+
+    def release_all(self) -> list[Held]:
+        """Forget every waiting request (they go back to the fleet)."""
+        held = list(self.held.values())
+        self.held.clear()
+        self._resume.clear()
+        return held
+
+    def release_running(self) -> list[Held]:
+        """Forget the running requests too (the device is gone: shutdown)."""
+        held = [r.held for r in self.running.values()]
+        self.running.clear()
+        self._stops.clear()
+        return held
+
+    def cancel(self, step_ids: list[str]) -> list[Held]:
+        """Steps are never queued behind one another here: nothing to take back."""
+        return []
+
+    def stop(self, key: str, reason: str) -> Held | None:
+        """End a request: a waiting one is returned (answer it now); a running one ends
+        with the next step (its runner answers it with what it produced)."""
+        if key in self.running:
+            self._stops.setdefault(key, reason)
+            return None
+        self._resume.pop(key, None)
+        return self.held.pop(key, None)
+
+    def read_budget(self) -> int:
+        """Read enough to keep the admission policy choosing (about two batches' worth)."""
+        room = 2 * self.policy.policy.max_running - len(self.held) - len(self.running)
+        return max(0, room)
+
+    def watched(self) -> list[Held]:
+        """Requests a client may cancel now: waiting and running."""
+        return [*self.held.values(), *(r.held for r in self.running.values())]
+
+    # --- deciding ---------------------------------------------------------------------------
+
+    def decide(self, now: float, *, behind: bool = False, dispatch: bool = True) -> Decision:
+        """The next step, when none is on the device. ``dispatch`` False (stopping): admit
+        nothing, but keep stepping the running requests to their end."""
+        if self.inflight:
+            return Decision(None, [], None)
+        waiting = [self._waiting(h) for h in self.held.values()]
+        running = [self._running(k, r) for k, r in self.running.items() if k not in self._stops]
+        plan = self.policy.plan(waiting if dispatch else [], running, now)
+        expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
+        for k in plan.expire:
+            self._resume.pop(k, None)
+        stops = dict(self._stops)
+        for k in plan.stop:
+            stops.setdefault(k, "deadline")
+        self._stops.clear()
+        admitted = [h for k in (plan.admit if dispatch else ()) if (h := self.held.pop(k, None))]
+        for h in admitted:
+            key = h.waiting.key
+            res = self._resume.pop(key, None)
+            if res is None:
+                zero = tuple(0 for _ in range(h.prepared.rows))
+                self.running[key] = Running(h, now, Progress(zero, zero, self._max_new(h)))
+            else:
+                self.running[key] = Running(
+                    h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
+                                                res.max_new_tokens),
+                    seq=res.seq, first_token_at=res.first_token_at,
+                )  # fmt: skip
+        if not (admitted or stops or plan.preempt or self.running):
+            return Decision(None, expired, plan.wake_at)
+        batch = Batch(tuple(h.waiting for h in admitted), "step")
+        step = Step(self._new_id(), batch, admitted, now, tuple(stops.items()),
+                    tuple(k for k in plan.preempt if k in self.running))  # fmt: skip
+        self.inflight.append(step)
+        return Decision(step, expired, plan.wake_at)
+
+    def _waiting(self, h: Held) -> GenWaiting:
+        key = h.waiting.key
+        res = self._resume.get(key)
+        prompts = res.prompts if res else _prompts(h)
+        left = res.max_new_tokens if res else self._max_new(h)
+        return GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
+
+    def _running(self, key: str, r: Running) -> GenRunning:
+        w = r.held.waiting
+        p = r.progress
+        return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, p.contexts,
+                          p.prefill_left, p.max_new_tokens_left)  # fmt: skip
+
+    # --- learning ---------------------------------------------------------------------------
+
+    def finished(
+        self, step_id: str, report: StepReport, started_at: float, finished_at: float
+    ) -> tuple[Step, dict[str, Running]]:
+        """Take back a finished step: who ended, who was preempted, where the rest stand.
+        Returns the step and the running state of every request its events name (those
+        that ended are no longer running)."""
+        step = self.inflight.popleft()
+        if step.step_id != step_id:
+            raise RuntimeError(f"step {step_id} finished, but {step.step_id} was first")
+        step.started_at = started_at
+        named = {ev.key: r for ev in report.events if (r := self.running.get(ev.key)) is not None}
+        for ev in report.events:
+            r = self.running.get(ev.key)
+            if r is None:
+                continue
+            if isinstance(ev, Final | Failed):
+                del self.running[ev.key]
+                self._stops.pop(ev.key, None)
+            elif isinstance(ev, Preempted):
+                del self.running[ev.key]
+                self.held[ev.key] = r.held
+                self._resume[ev.key] = Resume(ev.prompts, ev.max_new_tokens, r.first_token_at,
+                                              r.seq, r.started_at)  # fmt: skip
+        for key, progress in report.progress.items():
+            if (r := self.running.get(key)) is not None:
+                r.progress = progress
+        return step, named
+
+
+def _prompts(h: Held) -> tuple[int, ...]:
+    payload = h.prepared.payload
+    prompts = getattr(payload, "prompts", None)
+    if prompts is None:
+        return tuple(h.prepared.tokens for _ in range(h.prepared.rows))
+    return tuple(len(p) for p in prompts)

@@ -1,0 +1,365 @@
+"""``text-generation``: causal LMs with continuous batching and token streaming.
+
+The loop thread prepares requests (chat template, tokenization, bounds); the device thread
+steps :class:`~..generation.engine.PagedEngine`: each step admits what the scheduler
+decided, ends or frees what it asked, runs one engine step, and reports per request the
+text produced (:class:`Partial`, streaming requests only), the end (:class:`Final`, one
+:class:`~batchfleet.schemas.messages.Generation` map per input) and where each running
+request stands (:class:`Progress`, for the KV-cache budget).
+
+Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
+``kv_cache_tokens`` (KV cache size, default 16384), ``page_size`` (KV block, default 32),
+``step_tokens`` (per-step token budget, default 512), ``max_running`` (sequences per
+step, default 64), ``max_new_tokens`` (default for requests that set none, 256; the
+bound is the model's ``limits.max_new_tokens``, checked when the request is read).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ...schemas.errors import ErrorCode
+from ...schemas.messages import Request
+from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
+from ..generation.detok import TextStream
+from ..generation.engine import PagedEngine
+from ..generation.sampling import Sampling
+from ..runner import (
+    Failed,
+    Final,
+    Partial,
+    Preempted,
+    Prepared,
+    PrepareError,
+    Progress,
+    StepEvent,
+    StepReport,
+    Work,
+)
+
+if TYPE_CHECKING:
+    from ...batching.generation import GenPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GenSpec:
+    """A prepared generation request: prompts as token ids, and how to generate."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: tuple[int, ...]
+    """Per input: the request's max_new_tokens, cut to what the context leaves."""
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+
+
+@dataclass(slots=True)
+class _Seq:
+    name: str
+    prompt: tuple[int, ...]
+    max_new: int
+    text: TextStream
+    base: int = 0
+    """Tokens generated before the engine last (re)started it (preemption)."""
+    finish: str | None = None
+
+
+@dataclass(slots=True)
+class _Req:
+    key: str
+    spec: GenSpec
+    seqs: list[_Seq]
+    parked: bool = False
+    sent: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish is not None for s in self.seqs)
+
+
+class TextGenerationRunner:
+    """A causal LM served with continuous batching (see the module docstring)."""
+
+    name = "text-generation"
+    continuous = True
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_tokens: int = 512,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if path is None:
+            raise ValueError("the text-generation runner needs `path`: a model directory")
+        opts = dict(options or {})
+        self.torch_device = pick_device(device)
+        self.device = str(self.torch_device)
+        self.dtype = pick_dtype(dtype, self.torch_device)
+        gguf = opts.get("gguf_file")
+        extra = {"gguf_file": gguf} if gguf else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, **extra)
+        self.model = model.to(self.torch_device).eval()
+        cfg = self.model.config.get_text_config()
+        self.page_size = int(opts.get("page_size", 32))
+        self.kv_cache_tokens = int(opts.get("kv_cache_tokens", 16384))
+        self.step_tokens = int(opts.get("step_tokens", 512))
+        self.max_running = int(opts.get("max_running", 64))
+        self.default_new_tokens = int(opts.get("max_new_tokens", 256))
+        positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
+        self.context = min(positions, self.kv_cache_tokens)
+        """The longest sequence (prompt + generated) it serves."""
+        self.max_prompt_tokens = (
+            min(max_tokens, self.context - 1) if max_tokens else self.context - 1
+        )
+        eos = self.model.generation_config.eos_token_id
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
+            self.eos.append(int(self.tokenizer.eos_token_id))
+        pad = self.tokenizer.pad_token_id
+        blocks = -(-self.kv_cache_tokens // self.page_size)
+        self.engine = PagedEngine(
+            self.model,
+            eos_token_ids=self.eos,
+            pad_token_id=int(pad if pad is not None else (self.eos[0] if self.eos else 0)),
+            # One spare block per sequence beyond the scheduler's budget: the engine takes
+            # a sequence's next block a little ahead of its use.
+            kv_blocks=blocks + self.max_running,
+            page_size=self.page_size,
+            step_tokens=self.step_tokens,
+            max_running=self.max_running,
+        )
+        self._reqs: dict[str, _Req] = {}
+        self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
+
+    # --- the loop's side ---------------------------------------------------------------
+
+    def generation_policy(self, lanes: int, lane_weights: tuple[float, ...],
+                          max_starvation_ms: float) -> GenPolicy:  # fmt: skip
+        """The scheduler's budgets for this model."""
+        from ...batching.generation import GenPolicy
+        return GenPolicy(
+            kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
+            step_tokens=self.step_tokens, max_running=self.max_running, lanes=lanes,
+            lane_weights=lane_weights, max_starvation_ms=max_starvation_ms,
+        )  # fmt: skip
+
+    def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
+        return [self._prepare(r) for r in requests]
+
+    def _prepare(self, req: Request) -> Prepared | PrepareError:
+        try:
+            prompts = self._prompts(req)
+        except PrepareError as exc:
+            return exc
+        except Exception as exc:
+            return PrepareError(f"cannot tokenize: {type(exc).__name__}: {exc}")
+        for i, p in enumerate(prompts):
+            if not p:
+                return PrepareError(f"input {i} has no tokens", ErrorCode.EMPTY_INPUT)
+            if len(p) > self.max_prompt_tokens:
+                return PrepareError(
+                    f"input {i} has {len(p)} prompt tokens > {self.max_prompt_tokens} "
+                    f"(context {self.context})",
+                    ErrorCode.TOO_LARGE,
+                )
+        wanted = req.max_new_tokens or self.default_new_tokens  # bounded by the limits
+        spec = GenSpec(
+            prompts=tuple(tuple(p) for p in prompts),
+            max_new_tokens=tuple(min(wanted, self.context - len(p)) for p in prompts),
+            sampling=Sampling(
+                req.temperature or 0.0,
+                req.top_p if req.top_p is not None else 1.0,
+                req.top_k or 0,
+                req.seed,
+            ),
+            stop=tuple(req.stop or ()),
+            stream=bool(req.stream),
+        )
+        return Prepared(spec, rows=len(prompts), tokens=max(len(p) for p in prompts))
+
+    def _prompts(self, req: Request) -> list[list[int]]:
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise PrepareError("this model has no chat template: send `inputs` (prompts)")
+            chat = [{"role": m.role, "content": m.content} for m in req.messages]
+            ids = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [list(ids)]
+        return [list(self.tokenizer(t)["input_ids"]) for t in req.inputs]
+
+    # --- the device's side -------------------------------------------------------------
+
+    def step(self, work: Work) -> StepReport:
+        report = StepReport()
+        events: list[StepEvent] = []
+        for key, reason in work.stop:
+            r = self._reqs.get(key)
+            if r is not None:
+                self._end(r, reason)
+                events += self._finish(r)
+        for key in work.preempt:
+            r = self._reqs.get(key)
+            if r is not None and not r.parked:
+                events.append(self._park(r))
+        for key, prep in work.admit:
+            self._admit(key, prep)
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            return self._failed_step(exc, events, report)
+        touched: dict[str, _Req] = {}
+        for out in outputs:
+            found = self._by_seq.get(out.sequence)
+            if found is None:
+                continue  # ended or parked meanwhile
+            r, seq = found
+            seq.text.extend(out.tokens[len(seq.text.tokens) - seq.base :])
+            if seq.text.stopped_at is not None:
+                seq.finish = "stop"
+                self.engine.cancel([seq.name])
+            elif out.finished:
+                last = seq.text.tokens[-1] if seq.text.tokens else None
+                seq.finish = "stop" if last in self.eos else "length"
+            if seq.finish is not None:
+                self._by_seq.pop(seq.name, None)
+            touched[r.key] = r
+        for r in touched.values():
+            if r.done:
+                events += self._finish(r)
+            elif r.spec.stream:
+                events += self._deltas(r)
+        for key, r in self._reqs.items():
+            if not r.parked:
+                report.progress[key] = self._progress(r)
+        report.events = events
+        return report
+
+    def _admit(self, key: str, prep: Prepared) -> None:
+        r = self._reqs.get(key)
+        if r is None:
+            spec: GenSpec = prep.payload
+            seqs = [_Seq(f"{key}#{i}", p, m, TextStream(self._decode, spec.stop))
+                    for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))]  # fmt: skip
+            r = _Req(key, spec, seqs, sent=[0] * len(seqs))
+            self._reqs[key] = r
+        r.parked = False
+        for seq in r.seqs:
+            if seq.finish is not None:
+                continue
+            done = len(seq.text.tokens)
+            seq.base = done
+            self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
+                            r.spec.sampling)  # fmt: skip
+            self._by_seq[seq.name] = (r, seq)
+
+    def _park(self, r: _Req) -> Preempted:
+        live = [s for s in r.seqs if s.finish is None]
+        self._cancel(live)
+        r.parked = True
+        prompts = tuple(len(s.prompt) + len(s.text.tokens) for s in live)
+        left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
+        return Preempted(r.key, prompts, left)
+
+    def _cancel(self, seqs: list[_Seq]) -> None:
+        for s in seqs:
+            self._by_seq.pop(s.name, None)
+            self.engine.sampler.forget(s.name)
+        self.engine.cancel(s.name for s in seqs)
+
+    def _end(self, r: _Req, reason: str) -> None:
+        live = [s for s in r.seqs if s.finish is None]
+        self._cancel(live)
+        for s in live:
+            s.finish = reason
+
+    def _finish(self, r: _Req) -> list[StepEvent]:
+        """A request's last events: its unsent text (streaming), then its Final."""
+        tail = self._deltas(r, final=True) if r.spec.stream else []
+        return [*tail, self._final(r)]
+
+    def _final(self, r: _Req) -> Final:
+        self._reqs.pop(r.key, None)
+        self._cancel([s for s in r.seqs if s.name in self._by_seq])
+        for s in r.seqs:
+            self.engine.sampler.forget(s.name)
+        outputs = [
+            {"text": s.text.final_text, "finish_reason": s.finish or "stop",
+             "prompt_tokens": len(s.prompt), "completion_tokens": len(s.text.tokens)}
+            for s in r.seqs
+        ]  # fmt: skip
+        return Final(r.key, outputs)
+
+    def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
+        """Text produced and not yet sent, one Partial per input (all of it when ``final``)."""
+        out: list[StepEvent] = []
+        for i, s in enumerate(r.seqs):
+            text = s.text.delta(final)
+            if text:
+                n = len(s.text.tokens) - r.sent[i]
+                r.sent[i] = len(s.text.tokens)
+                out.append(Partial(r.key, {"input": i, "text": text, "tokens": n}))
+        return out
+
+    def _progress(self, r: _Req) -> Progress:
+        contexts: list[int] = []
+        prefill: list[int] = []
+        for s in r.seqs:
+            if s.finish is not None:
+                continue
+            st = self.engine.state(s.name)
+            if st is None:  # queued this step, not yet in the engine
+                contexts.append(0)
+                prefill.append(len(s.prompt) + len(s.text.tokens))
+            else:
+                contexts.append(st.context)
+                prefill.append(st.prefill_left)
+        left = max((s.max_new - len(s.text.tokens) for s in r.seqs if s.finish is None), default=0)
+        return Progress(tuple(contexts), tuple(prefill), left)
+
+    def _failed_step(
+        self, exc: Exception, events: list[StepEvent], report: StepReport
+    ) -> StepReport:
+        """A step failed: every running request fails (a generation cannot be bisected
+        mid-way); memory exhaustion is reported so the worker lowers its budgets."""
+        oom = is_out_of_memory(exc)
+        logger.exception("generation step failed (%s running)", len(self._reqs))
+        code = ErrorCode.INFERENCE_FAILED
+        message = f"generation step failed: {type(exc).__name__}: {exc}"
+        for r in list(self._reqs.values()):
+            events.append(Failed(r.key, message, code))
+        self._reqs.clear()
+        self._by_seq.clear()
+        self.engine.reset()
+        if oom:
+            release_cached_memory(self.torch_device)
+            report.out_of_memory = True
+        report.events = events
+        return report
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "runner": self.name, "device": self.device,
+            "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
+            "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
+            "step_tokens": self.step_tokens, "max_running": self.max_running,
+            "running": len(self._reqs),
+        }  # fmt: skip
