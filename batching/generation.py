@@ -1,0 +1,405 @@
+"""Continuous batching for text generation: who joins, who leaves, before each device step.
+
+Pure like the rest of ``batching/``: the loop hands :meth:`GenerationPolicy.plan` what is
+waiting, what is running and the time; the answer is a :class:`GenPlan`. The only state
+kept between calls is the lanes' promotion credit (:class:`~.lanes.LaneScheduler`).
+
+Memory is counted as the KV cache counts it, in whole blocks of ``page_size`` tokens per
+sequence. A running sequence *reserves* ``blocks(context + prefill_left + 1)``: all of its
+prompt and the next token (so a request admitted with its whole prompt's blocks is never
+preempted half-prefilled by its own prefill); that is at least what the next step writes,
+whatever chunk it prefills. Admission reserves the same for the new request's sequences,
+so after a plan the next step's KV need (:func:`step_blocks`) never exceeds the cache.
+The step's token budget is shared by :func:`schedule_step`: one token per decoding
+sequence, the rest in prefill chunks, higher lanes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .lanes import LaneScheduler, group_by_lane
+from .types import Policy, Waiting
+
+PREFILL_STEPS = 4
+"""Admission stops while the prompt tokens that would prefill before a candidate (its own,
+and the unprefilled tokens of running and admitted requests of its lane and higher ones)
+exceed this many steps' token budgets: admitted requests then start within about that
+many steps instead of holding KV memory while they queue for prefill. A request alone
+over it still goes when nothing of its lane or higher lanes is prefilling."""
+
+STARVATION_SLACK = 0.1
+"""A lower-lane request is promoted this fraction of ``max_starvation_ms`` before its
+bound, so it is admitted by its bound when steps are shorter than that."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenWaiting:
+    """A request not running: new, or preempted and waiting to resume by recomputation."""
+
+    key: str
+    lane: int
+    """Priority lane, 0 = highest."""
+    arrived_at: float
+    """Seconds on the loop's clock: when it was enqueued (kept across preemptions)."""
+    deadline: float | None
+    """Absolute seconds; ``None`` = none."""
+    prompts: tuple[int, ...]
+    """Tokens to prefill per sequence (one per input); a resumed request's prompt plus
+    what it generated before preemption."""
+    max_new_tokens: int
+    """Tokens each sequence may still generate."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenRunning:
+    """A request whose sequences are in the KV cache."""
+
+    key: str
+    lane: int
+    arrived_at: float
+    deadline: float | None
+    started_at: float
+    """When it was (last) admitted."""
+    contexts: tuple[int, ...]
+    """Tokens in the KV cache per unfinished sequence (prefilled so far + generated)."""
+    prefill_left: tuple[int, ...]
+    """Prompt tokens of each such sequence not yet prefilled (0 = decoding)."""
+    max_new_tokens_left: int
+    """The most tokens any of its sequences may still generate."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenPolicy:
+    """Knobs of continuous batching for one model (validated here; the worker's config
+    validates the same)."""
+
+    kv_cache_tokens: int
+    """The KV cache in tokens (= blocks x page_size)."""
+    page_size: int
+    """KV memory is given in blocks of this many tokens, per sequence."""
+    step_tokens: int
+    """Per-step token budget: prefill chunks + one per decoding sequence. Must exceed
+    ``max_running`` so prefill always progresses."""
+    max_running: int
+    """Most sequences in the running batch."""
+    lanes: int = 3
+    lane_weights: tuple[float, ...] = (4.0, 2.0, 1.0)
+    """Shares of admissions when lanes compete, as in :class:`~.types.Policy`."""
+    max_starvation_ms: float = 2000.0
+    """The longest a lower-lane request waits while higher lanes take the cache."""
+    watermark: float = 0.01
+    """Fraction of the KV blocks admission leaves free (vLLM's watermark): running
+    sequences grow into it before anything has to be preempted."""
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+            raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
+        if self.max_running < 1 or self.step_tokens <= self.max_running:
+            raise ValueError("need max_running >= 1 and step_tokens > max_running")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark is a fraction in [0, 1)")
+        if self.max_starvation_ms < 0:
+            raise ValueError("max_starvation_ms must be >= 0")
+
+    @property
+    def total_blocks(self) -> int:
+        return self.kv_cache_tokens // self.page_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.total_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class GenPlan:
+    """What to do before the next step. A key is in at most one of the four lists.
+
+    ``admit``: waiting keys to start now, in order (their prefill is chunked by
+    :func:`schedule_step`). ``preempt``: running keys to free now; they go back to waiting
+    and resume by recomputation (prompt + what they generated). ``stop``: running keys to
+    end now with what they generated: ``finish_reason = "deadline"`` when their deadline
+    has passed, ``"length"`` when one alone outgrew the KV cache. ``expire``: waiting keys
+    that end without running: their deadline passed (answered ``expired``; the policy
+    cannot tell a preempted request from a new one, so the worker answers a preempted key
+    that had produced tokens with ``finish_reason = "deadline"`` and its text, like a
+    stop), or they can never fit the KV cache or ``max_running`` even alone (answered as
+    an invalid request). ``wake_at``: plan again by then if nothing else happens.
+    """
+
+    admit: tuple[str, ...] = ()
+    preempt: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
+    expire: tuple[str, ...] = ()
+    wake_at: float | None = None
+
+
+def blocks_for(tokens: int, page_size: int) -> int:
+    """KV blocks one sequence of ``tokens`` tokens holds (whole blocks)."""
+    return -(-max(tokens, 0) // page_size)
+
+
+def reserved_blocks(r: GenRunning, page_size: int) -> int:
+    """Blocks a running request needs through the next step: each sequence's whole
+    prompt plus one token (at least what the step writes, whatever the chunk)."""
+    return sum(
+        blocks_for(c + p + 1, page_size) for c, p in zip(r.contexts, r.prefill_left, strict=True)
+    )
+
+
+def admission_blocks(w: GenWaiting, page_size: int) -> int:
+    """Blocks a waiting request needs to start: whole prompts plus one decode token."""
+    return sum(blocks_for(p + 1, page_size) for p in w.prompts)
+
+
+def schedule_step(running: Sequence[GenRunning], step_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Tokens each sequence feeds the next step (key → per sequence, in order).
+
+    Every decoding sequence takes one token; what is left of ``step_tokens`` goes to
+    prefill chunks of the prefilling sequences in lane order, then by ``started_at``
+    (then key), each taking what it still needs or what is left. The worker calls this
+    on the running batch after applying a plan (an admitted request is running with
+    ``contexts`` of 0 and ``prefill_left`` = its prompts).
+    """
+    decodes = sum(1 for r in running for p in r.prefill_left if p == 0)
+    left = max(step_tokens - decodes, 0)
+    out: dict[str, tuple[int, ...]] = {}
+    for r in sorted(running, key=lambda r: (r.lane, r.started_at, r.key)):
+        chunks: list[int] = []
+        for p in r.prefill_left:
+            if p == 0:
+                chunks.append(1)
+            else:
+                take = min(p, left)
+                left -= take
+                chunks.append(take)
+        out[r.key] = tuple(chunks)
+    return out
+
+
+def step_blocks(
+    running: Sequence[GenRunning], chunks: dict[str, tuple[int, ...]], page_size: int
+) -> int:
+    """KV blocks the step needs: each sequence's context plus what it adds."""
+    return sum(
+        blocks_for(c + a, page_size)
+        for r in running
+        for c, a in zip(r.contexts, chunks.get(r.key, ()), strict=True)
+    )
+
+
+class GenerationPolicy:
+    """Admission, preemption, deadlines for continuous batching; state: DRR credit only."""
+
+    def __init__(self, policy: GenPolicy) -> None:
+        self._policy = policy
+        self._lanes = LaneScheduler()
+
+    @property
+    def policy(self) -> GenPolicy:
+        return self._policy
+
+    def set_policy(self, policy: GenPolicy) -> None:
+        """Change the knobs live; the lanes' credit is kept."""
+        self._policy = policy
+
+    def blocks(self, tokens: int) -> int:
+        """KV blocks for a sequence of ``tokens`` tokens."""
+        return blocks_for(tokens, self._policy.page_size)
+
+    def plan(
+        self, waiting: Sequence[GenWaiting], running: Sequence[GenRunning], now: float
+    ) -> GenPlan:
+        """Decide the next step's changes (see the module docstring and docs/batching.md).
+
+        1. Deadlines: running past theirs are stopped, waiting past theirs expire
+           (``deadline <= now``).
+        2. Memory short: while the running requests' reserved blocks exceed the cache,
+           or their sequences ``max_running``, preempt the lowest lane, latest started;
+           such a plan admits nothing.
+        3. Admission in lane order (:class:`~.lanes.LaneScheduler`: strict priority,
+           oldest first, starving lower lanes promoted and metered by lane weight) while
+           slots, blocks (less the watermark) and the prefill backlog allow; the first
+           candidate that does not fit ends admission, except that a lane-0 one may
+           preempt lower-lane running requests if it then fits.
+        """
+        pol = self._policy
+        page = pol.page_size
+        total = pol.total_blocks
+        bound = pol.max_starvation_ms / 1000.0
+        slack = bound * STARVATION_SLACK
+
+        stop: list[str] = []
+        live: list[GenRunning] = []
+        for r in running:
+            if r.deadline is not None and r.deadline <= now:
+                stop.append(r.key)
+            elif reserved_blocks(r, page) > total:
+                stop.append(r.key)  # alone it outgrew the cache: resuming cannot help
+            else:
+                live.append(r)
+        expire: list[str] = []
+        candidates: list[GenWaiting] = []
+        for w in waiting:
+            if (w.deadline is not None and w.deadline <= now) or not self._can_ever_fit(w):
+                expire.append(w.key)
+            else:
+                candidates.append(w)
+
+        # 2. Memory (or slots, after a set_policy) short: free the lowest lane, latest started.
+        used = sum(reserved_blocks(r, page) for r in live)
+        seqs = sum(len(r.contexts) for r in live)
+        preempt: list[str] = []
+        for r in _victims(live):
+            if used <= total and seqs <= pol.max_running:
+                break
+            preempt.append(r.key)
+            used -= reserved_blocks(r, page)
+            seqs -= len(r.contexts)
+        kept = [r for r in live if r.key not in set(preempt)]
+
+        # As vLLM: no admission in a plan that had to preempt for growth (the victims
+        # would come back behind what took their memory).
+        admit = [] if preempt else self._admit(candidates, kept, used, seqs, now, slack, preempt)
+
+        wake = _wake_at(candidates, live, admit, set(preempt), now, bound - slack)
+        return GenPlan(tuple(admit), tuple(preempt), tuple(stop), tuple(expire), wake)
+
+    def _can_ever_fit(self, w: GenWaiting) -> bool:
+        pol = self._policy
+        return (
+            len(w.prompts) <= pol.max_running
+            and admission_blocks(w, pol.page_size) <= pol.total_blocks - pol.watermark_blocks
+        )
+
+    def _admit(
+        self,
+        candidates: list[GenWaiting],
+        live: list[GenRunning],
+        used: int,
+        seqs: int,
+        now: float,
+        slack: float,
+        preempt: list[str],
+    ) -> list[str]:
+        """Admit in lane order while it fits; ``preempt`` grows with lane 0's victims."""
+        pol = self._policy
+        page = pol.page_size
+        room = pol.total_blocks - pol.watermark_blocks
+        if not candidates:
+            return []
+        by_key = {w.key: w for w in candidates}
+        by_lane = group_by_lane([_as_waiting(w) for w in candidates])
+        lane_policy = _lane_policy(pol)
+        promoted, rest = self._lanes.order(by_lane, now, slack, pol.max_running, lane_policy)
+        promoted_keys = {w.key for w in promoted}
+
+        # Unprefilled prompt tokens per lane, running and admitted: the prefill backlog.
+        backlog: dict[int, int] = {}
+        for r in live:
+            backlog[r.lane] = backlog.get(r.lane, 0) + sum(r.prefill_left)
+        prefill_cap = PREFILL_STEPS * pol.step_tokens
+        victims = [r for r in _victims(live) if r.lane > 0]
+
+        admit: list[str] = []
+        promoted_rows: dict[int, int] = {}
+        for item in (*promoted, *rest):
+            w = by_key[item.key]
+            need = admission_blocks(w, page)
+            n = len(w.prompts)
+            ahead = sum(v for lane, v in backlog.items() if lane <= w.lane)
+            tokens = sum(w.prompts)
+            if ahead and ahead + tokens > prefill_cap:
+                break
+            if used + need > room or seqs + n > pol.max_running:
+                if w.lane != 0:
+                    break
+                freed = self._lane0_victims(
+                    victims, used + need - room, seqs + n - pol.max_running, now
+                )
+                if freed is None:
+                    break
+                for r in freed:
+                    victims.remove(r)
+                    preempt.append(r.key)
+                    used -= reserved_blocks(r, page)
+                    seqs -= len(r.contexts)
+                    backlog[r.lane] -= sum(r.prefill_left)
+            admit.append(w.key)
+            used += need
+            seqs += n
+            backlog[w.lane] = backlog.get(w.lane, 0) + tokens
+            if w.key in promoted_keys:
+                promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + n
+        if admit:
+            rows = sum(len(by_key[k].prompts) for k in admit)
+            self._lanes.commit(by_lane, promoted_rows, pol.max_running, lane_policy, rows)
+        return admit
+
+    def _lane0_victims(
+        self, victims: list[GenRunning], blocks: int, slots: int, now: float
+    ) -> list[GenRunning] | None:
+        """The fewest lower-lane running requests (lowest lane, latest started first) whose
+        freeing covers ``blocks`` and ``slots``; None if all of them would not. Requests
+        admitted by starvation promotion (started past their promotion instant) are
+        spared, so lane 0 cannot undo the bound it yields to."""
+        pol = self._policy
+        promote_after = pol.max_starvation_ms / 1000.0 * (1.0 - STARVATION_SLACK)
+        taken: list[GenRunning] = []
+        for r in victims:
+            if blocks <= 0 and slots <= 0:
+                break
+            if r.started_at >= r.arrived_at + promote_after:
+                continue
+            taken.append(r)
+            blocks -= reserved_blocks(r, pol.page_size)
+            slots -= len(r.contexts)
+        if blocks > 0 or slots > 0:
+            return None
+        return taken
+
+
+def _victims(running: Iterable[GenRunning]) -> list[GenRunning]:
+    """Preemption order: lowest lane (highest number) first, then the latest started
+    (vLLM's rule; ties by key, so the order is deterministic)."""
+    return sorted(running, key=lambda r: (r.lane, r.started_at, r.key), reverse=True)
+
+
+def _as_waiting(w: GenWaiting) -> Waiting:
+    return Waiting(w.key, w.lane, w.arrived_at, sum(w.prompts), len(w.prompts), w.deadline)
+
+
+def _lane_policy(pol: GenPolicy) -> Policy:
+    return Policy(
+        max_batch_size=pol.max_running,
+        lane_weights=pol.lane_weights,
+        max_starvation_ms=pol.max_starvation_ms,
+        lanes=pol.lanes,
+    )
+
+
+def _wake_at(
+    candidates: Iterable[GenWaiting],
+    live: Iterable[GenRunning],
+    admit: list[str],
+    preempted: set[str],
+    now: float,
+    promote_after: float,
+) -> float | None:
+    """Earliest future deadline of anything not ended, or promotion instant of anything
+    that waits after this plan (a preempted request waits too)."""
+    admitted = set(admit)
+    times: list[float] = []
+    for w in candidates:
+        if w.deadline is not None:
+            times.append(w.deadline)
+        if w.key not in admitted:
+            times.append(w.arrived_at + promote_after)
+    for r in live:
+        if r.deadline is not None:
+            times.append(r.deadline)
+        if r.key in preempted:
+            times.append(r.arrived_at + promote_after)
+    future = [t for t in times if t > now]
+    return min(future) if future else None

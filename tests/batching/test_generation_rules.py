@@ -1,0 +1,378 @@
+"""Table-driven tests of the generation policy's rules (one plan call per case, virtual time).
+
+Most cases use page 1 (a block is a token) and no watermark, so the sums are easy to read:
+a decoding sequence of context ``c`` reserves ``c + 1``; a waiting prompt ``p`` needs ``p + 1``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+from batchfleet.batching.generation import (
+    PREFILL_STEPS,
+    GenerationPolicy,
+    GenPolicy,
+    GenRunning,
+    GenWaiting,
+    blocks_for,
+    schedule_step,
+    step_blocks,
+)
+from gen_helpers import gr, gw, tokens_policy
+
+
+@dataclass
+class Case:
+    name: str
+    policy: GenPolicy
+    waiting: list[GenWaiting]
+    running: list[GenRunning]
+    now: float
+    admit: list[str]
+    """Expected admissions, in order."""
+    preempt: list[str] | None = None
+    """Expected preemptions, in order (default none)."""
+    stop: list[str] | None = None
+    expire: list[str] | None = None
+    wake_at: float | None = None
+    """Checked when given."""
+
+
+CASES = [
+    Case(
+        "lane order, oldest first within a lane",
+        tokens_policy(),
+        [gw("l2", 0.0, lane=2), gw("l1", 0.1, lane=1), gw("b", 0.3), gw("a", 0.2)],
+        [],
+        0.5,
+        admit=["a", "b", "l1", "l2"],
+    ),
+    Case(
+        "max_running counts sequences",
+        tokens_policy(max_running=3),
+        [gw("a", 0.1, prompts=(5, 5)), gw("b", 0.2, prompts=(5, 5)), gw("c", 0.3)],
+        [],
+        0.5,
+        admit=["a"],
+    ),
+    Case(
+        "max_running counts running sequences too",
+        tokens_policy(max_running=3),
+        [gw("a", 0.1), gw("b", 0.2)],
+        [gr("r", contexts=(5, 5))],
+        0.5,
+        admit=["a"],
+    ),
+    Case(
+        "KV: whole prompt + one token per sequence; the first that does not fit ends admission",
+        tokens_policy(kv=100),
+        [gw("a", 0.1, prompts=(39,)), gw("b", 0.2, prompts=(40,)), gw("c", 0.3, prompts=(5,))],
+        [gr("r", contexts=(19,))],  # reserves 20
+        0.5,
+        admit=["a"],  # 20 + 40 = 60; b needs 41 → 101 > 100; c may not jump it
+    ),
+    Case(
+        "KV: a prefilling request reserves its whole prompt",
+        tokens_policy(kv=100),
+        [gw("a", 0.1, prompts=(30,))],
+        [gr("r", contexts=(10,), prefill=(60,))],  # reserves 10 + 60 + 1 = 71
+        0.5,
+        admit=[],
+    ),
+    Case(
+        "page rounding: 15 tokens + 1 is one block of 16, 16 + 1 is two",
+        tokens_policy(kv=48, page=16),
+        [gw("a", 0.1, prompts=(15,)), gw("b", 0.2, prompts=(16,)), gw("c", 0.3, prompts=(1,))],
+        [],
+        0.5,
+        admit=["a", "b"],  # 1 + 2 = 3 blocks = the cache; c needs 1 more
+    ),
+    Case(
+        "page rounding: a cache of 40 tokens in pages of 16 has 2 blocks",
+        tokens_policy(kv=40, page=16),
+        [gw("a", 0.1, prompts=(20,)), gw("b", 0.2, prompts=(1,))],
+        [],
+        0.5,
+        admit=["a"],
+    ),
+    Case(
+        "watermark: admission leaves 5 of 100 blocks free",
+        tokens_policy(kv=100, watermark=0.05),
+        [gw("a", 0.1, prompts=(44,)), gw("b", 0.2, prompts=(1,))],
+        [gr("r", contexts=(49,))],  # 50
+        0.5,
+        admit=["a"],  # 50 + 45 = 95 ok; b → 97 > 95
+    ),
+    Case(
+        "watermark: running sequences may grow into it (no preemption below the cache)",
+        tokens_policy(kv=100, watermark=0.05),
+        [],
+        [gr("r", contexts=(97,)), gr("s", 1.0, lane=2, contexts=(1,))],  # 98 + 2 = 100
+        0.5,
+        admit=[],
+    ),
+    Case(
+        "never fits even alone (over the cache less the watermark): expired at once",
+        tokens_policy(kv=100, watermark=0.05),
+        [gw("huge", 0.1, prompts=(95,)), gw("ok", 0.2, prompts=(94,))],
+        [],
+        0.5,
+        admit=["ok"],
+        expire=["huge"],
+    ),
+    Case(
+        "never fits max_running even alone: expired at once",
+        tokens_policy(max_running=2),
+        [gw("wide", 0.1, prompts=(1, 1, 1)), gw("ok", 0.2)],
+        [],
+        0.5,
+        admit=["ok"],
+        expire=["wide"],
+    ),
+    Case(
+        "memory short: the lowest lane goes first, even if started earlier",
+        tokens_policy(kv=100),
+        [],
+        [
+            gr("l0", 3.0, contexts=(29,)),
+            gr("l1", 2.0, lane=1, contexts=(29,)),
+            gr("l2", 1.0, lane=2, contexts=(29,)),
+            gr("l0b", 0.0, contexts=(19,)),
+        ],
+        5.0,
+        admit=[],
+        preempt=["l2"],
+    ),
+    Case(
+        "memory short: within a lane, the latest started goes first, as many as needed",
+        tokens_policy(kv=100),
+        [],
+        [
+            gr("old", 1.0, lane=1, contexts=(39,)),
+            gr("mid", 2.0, lane=1, contexts=(39,)),
+            gr("new", 3.0, lane=1, contexts=(39,)),
+            gr("top", 0.0, contexts=(39,)),
+        ],
+        5.0,
+        admit=[],
+        preempt=["new", "mid"],  # 160 → 120 → 80
+    ),
+    Case(
+        "memory short with only lane 0 running: its latest started goes",
+        tokens_policy(kv=100),
+        [],
+        [gr("a", 1.0, contexts=(59,)), gr("b", 2.0, contexts=(49,))],
+        5.0,
+        admit=[],
+        preempt=["b"],
+    ),
+    Case(
+        "memory short: nothing is admitted in a plan that preempts for growth (vLLM)",
+        tokens_policy(kv=100),
+        [gw("w", 4.0, prompts=(5,))],
+        [gr("a", 1.0, contexts=(59,)), gr("b", 2.0, lane=1, contexts=(49,))],
+        5.0,
+        admit=[],  # b freed 50 and 60 + 6 would fit, but b would come back behind w
+        preempt=["b"],
+    ),
+    Case(
+        "lane 0 waiting, memory short: preempts the lowest lane, latest started, just enough",
+        tokens_policy(kv=100),
+        [gw("w", 4.0, prompts=(29,))],  # needs 30
+        [
+            gr("r0", 0.0, contexts=(29,)),
+            gr("r1", 1.0, lane=1, contexts=(19,)),
+            gr("r2a", 2.0, lane=2, contexts=(9,)),
+            gr("r2b", 3.0, lane=2, contexts=(19,)),
+        ],  # 30 + 20 + 10 + 20 = 80: 20 short
+        5.0,
+        admit=["w"],
+        preempt=["r2b"],
+    ),
+    Case(
+        "lane 0 waiting: lower lanes preempted only if it then fits",
+        tokens_policy(kv=100),
+        [gw("w", 4.0, prompts=(49,))],  # needs 50
+        [gr("r0", 0.0, contexts=(59,)), gr("r2", 1.0, lane=2, contexts=(19,))],
+        5.0,
+        admit=[],  # freeing r2 leaves 60 + 50 > 100
+    ),
+    Case(
+        "lane 0 waiting for a slot preempts a lower lane",
+        tokens_policy(max_running=2),
+        [gw("w", 4.0)],
+        [gr("a", 1.0, lane=2), gr("b", 2.0, lane=1)],
+        5.0,
+        admit=["w"],
+        preempt=["a"],
+    ),
+    Case(
+        "a lower lane never preempts: lane 1 waits for lane 2's memory",
+        tokens_policy(kv=100),
+        [gw("w", 4.0, lane=1, prompts=(29,))],
+        [gr("r0", 0.0, contexts=(49,)), gr("r2", 1.0, lane=2, contexts=(29,))],
+        5.0,
+        admit=[],
+    ),
+    Case(
+        "lane 0 is never preempted for a lower lane",
+        tokens_policy(kv=100),
+        [gw("w", 0.0, lane=1, prompts=(9,))],
+        [gr("a", 1.0, contexts=(49,)), gr("b", 2.0, contexts=(44,))],
+        3.0,
+        admit=[],
+    ),
+    Case(
+        "a request admitted by starvation promotion is not preempted by lane 0",
+        tokens_policy(kv=100, starvation_ms=1000),
+        [gw("w", 4.0, prompts=(49,))],
+        [gr("r0", 0.0, contexts=(49,)), gr("starved", 3.0, lane=2, arrived=1.0, contexts=(9,))],
+        5.0,
+        admit=[],
+    ),
+    Case(
+        "starvation: a lower lane at its bound (less the slack) is promoted ahead of lane 0",
+        tokens_policy(max_running=3, starvation_ms=100),
+        [gw("old", 0.0, lane=2)] + [gw(f"x{i}", 0.05 + i / 1000) for i in range(4)],
+        [],
+        0.091,
+        admit=["old", "x0", "x1"],
+    ),
+    Case(
+        "before its promotion instant it waits behind lane 0; wake at that instant",
+        tokens_policy(max_running=2, starvation_ms=100),
+        [gw("old", 0.0, lane=2), gw("x", 0.05), gw("y", 0.06), gw("z", 0.07)],
+        [],
+        0.08,
+        admit=["x", "y"],
+        wake_at=0.09,
+    ),
+    Case(
+        "deadlines: waiting past theirs expire, running past theirs stop",
+        tokens_policy(),
+        [gw("late", 0.0, deadline=1.0), gw("ok", 0.1, deadline=2.0)],
+        [gr("over", 0.0, deadline=0.9), gr("fine", 0.0, deadline=3.0)],
+        1.0,
+        admit=["ok"],
+        stop=["over"],
+        expire=["late"],
+        wake_at=2.0,
+    ),
+    Case(
+        "a running request that alone outgrew the cache stops",
+        tokens_policy(kv=100),
+        [],
+        [gr("big", 0.0, contexts=(100,))],
+        1.0,
+        admit=[],
+        stop=["big"],
+    ),
+    Case(
+        "prefill backlog: admission waits while 4 steps' budgets of prompts queue ahead",
+        tokens_policy(kv=10_000, step=100),
+        [gw("a", 0.1, prompts=(100,)), gw("b", 0.2, prompts=(10,))],
+        [gr("r", 0.0, contexts=(0,), prefill=(350,))],
+        0.5,
+        admit=[],  # 350 + 100 > 400, and b may not jump a
+    ),
+    Case(
+        "prefill backlog: only higher and same lanes' prefill counts for a request",
+        tokens_policy(kv=10_000, step=100),
+        [gw("a", 0.1, prompts=(100,))],
+        [gr("r", 0.0, lane=2, contexts=(0,), prefill=(350,))],
+        0.5,
+        admit=["a"],
+    ),
+    Case(
+        "prefill backlog: a prompt over 4 steps' budgets goes alone when nothing prefills",
+        tokens_policy(kv=10_000, step=100),
+        [gw("long", 0.1, prompts=(900,)), gw("next", 0.2, prompts=(10,))],
+        [gr("r", 0.0, contexts=(50,))],
+        0.5,
+        admit=["long"],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_rule(case: Case) -> None:
+    waiting = list(case.waiting)
+    running = list(case.running)
+    random.Random(0).shuffle(waiting)  # input order must not matter
+    random.Random(1).shuffle(running)
+    plan = GenerationPolicy(case.policy).plan(waiting, running, case.now)
+    assert list(plan.admit) == case.admit
+    assert list(plan.preempt) == (case.preempt or [])
+    assert sorted(plan.stop) == sorted(case.stop or [])
+    assert sorted(plan.expire) == sorted(case.expire or [])
+    if case.wake_at is not None:
+        assert plan.wake_at == pytest.approx(case.wake_at)
+
+
+def test_blocks_round_up_per_sequence() -> None:
+    policy = GenerationPolicy(tokens_policy(kv=160, page=16))
+    assert [policy.blocks(t) for t in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
+    assert blocks_for(5, 4) == 2
+
+
+def test_schedule_step_decodes_first_then_prefill_by_lane() -> None:
+    running = [
+        gr("low", 0.0, lane=2, contexts=(0,), prefill=(300,)),
+        gr("dec", 0.0, lane=1, contexts=(40, 41)),
+        gr("top", 1.0, contexts=(0, 20), prefill=(50, 30)),
+    ]
+    chunks = schedule_step(running, 100)
+    assert chunks == {"dec": (1, 1), "top": (50, 30), "low": (18,)}
+    assert sum(sum(c) for c in chunks.values()) == 100
+    assert step_blocks(running, chunks, 16) == 2 + 3 + 3 + 4 + 4
+
+
+def test_wake_at_is_none_with_nothing_ahead() -> None:
+    plan = GenerationPolicy(tokens_policy()).plan([], [gr("a")], 1.0)
+    assert plan == type(plan)()
+
+
+def test_starvation_credit_is_metered_by_lane_weight() -> None:
+    # Lane 0 floods (always 20 waiting), lane 2 floods too and is always starving:
+    # over many plans lane 2 gets about its weighted share w2/Σw of admissions, not more.
+    policy = GenerationPolicy(tokens_policy(max_running=4, starvation_ms=100))
+    admitted = {0: 0, 2: 0}
+    t = 10.0
+    for step in range(200):
+        waiting = [gw(f"a{step}-{i}", t - 0.001 * i) for i in range(20)]
+        waiting += [gw(f"c{step}-{i}", 0.0, lane=2) for i in range(20)]
+        plan = policy.plan(waiting, [], t)
+        for key in plan.admit:
+            admitted[0 if key.startswith("a") else 2] += 1
+        t += 0.01
+    assert admitted[0] + admitted[2] == 800
+    share = admitted[2] / 800
+    assert 0.15 <= share <= 0.35  # w2/Σw over lanes 0 and 2 = 1/5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"page_size": 0},
+        {"kv_cache_tokens": 8, "page_size": 16},
+        {"step_tokens": 16, "max_running": 16},
+        {"watermark": 1.0},
+        {"max_starvation_ms": -1.0},
+    ],
+)
+def test_policy_validation(kwargs: dict[str, float]) -> None:
+    base: dict[str, float] = {
+        "kv_cache_tokens": 1024,
+        "page_size": 16,
+        "step_tokens": 256,
+        "max_running": 8,
+    }
+    with pytest.raises(ValueError):
+        GenPolicy(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_prefill_steps_is_four() -> None:
+    # The cases above are written for 4 steps of budget; change them with the constant.
+    assert PREFILL_STEPS == 4
