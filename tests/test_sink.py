@@ -62,7 +62,7 @@ def harness(request: pytest.FixtureRequest, r: redis.Redis) -> Iterator[Harness]
         entries = [Entry(0, f"1-{i}", {b"msgpack": b"x"}) for i in range(4)]
         yield Harness(
             mem, heard, entries, mem.results.get, lambda ch: mem.published.get(ch, []),
-            lambda rid: mem.partials.get(rid, []), lambda: [c for _, c, _ in mem.dead],
+            lambda rid: mem.tokens.get(rid, []), lambda: [c for _, c, _ in mem.dead],
             lambda: len(entries) - len({e.key for e in mem.acked}),
         )  # fmt: skip
         return

@@ -262,6 +262,8 @@ class MemorySink:
     results: dict[str, bytes] = field(default_factory=dict)
     published: dict[str, list[bytes]] = field(default_factory=dict)
     streamed: dict[str, list[Streamed]] = field(default_factory=dict)
+    tokens: dict[str, list[dict[bytes, bytes]]] = field(default_factory=dict)
+    """Token-stream entries, as Redis would hold them."""
     dead: list[tuple[Entry, str, str]] = field(default_factory=list)
     acked: list[Entry] = field(default_factory=list)
     sent: list[list[Outgoing]] = field(default_factory=list)
@@ -302,6 +304,10 @@ class MemorySink:
     def stream(self, items: Sequence[Streamed]) -> None:
         for it in items:
             self.streamed.setdefault(it.request_id, []).append(it)
+            w = it.write()
+            self.tokens.setdefault(it.request_id, []).append(w.fields)
+            if w.reply and w.message is not None:
+                self.published.setdefault(w.reply, []).append(w.message)
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self.dead.append((entry, code, reason))
