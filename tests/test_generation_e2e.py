@@ -1,0 +1,127 @@
+"""Text generation through a real worker process: token streams, reply-channel deltas,
+cancellation by key, deadlines mid-generation. The client side is bare redis-py."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from conftest import WorkerProcess, fleet_toml, next_message
+from tiny_models import make_causal_lm
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tinylm"
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture
+def worker(
+    redis_url: str, r: redis.Redis, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
+) -> Iterator[WorkerProcess]:
+    opts = {"kv_cache_tokens": 4096, "page_size": 16, "step_tokens": 64, "max_running": 16}
+    text = fleet_toml(redis_url, {MODEL: {"runner": "text-generation", "path": str(lm_dir),
+                                          "options": opts}})  # fmt: skip
+    w = start_worker(text, "gen-1")
+    w.wait_ready(r, MODEL)
+    yield w
+
+
+def submit(r: redis.Redis, **fields: Any) -> str:
+    rid = fields.setdefault("id", uuid.uuid4().hex)
+    body = {"v": 1, "model": MODEL, **fields}
+    r.xadd(f"bf:{{{MODEL}}}:lane:0", {"msgpack": msgpack.packb(body)})
+    return str(rid)
+
+
+def result(r: redis.Redis, rid: str, timeout: float = 60.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        raw = r.get(f"bf:{{{MODEL}}}:result:{rid}")
+        if raw is not None:
+            out: dict[str, Any] = msgpack.unpackb(raw)
+            return out
+        time.sleep(0.05)
+    raise TimeoutError(rid)
+
+
+def token_stream(r: redis.Redis, rid: str, timeout: float = 60.0) -> list[dict[bytes, bytes]]:
+    """Read a token stream from its start to its end entry."""
+    key, last, got = f"bf:{{{MODEL}}}:tokens:{rid}", "0-0", []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for _, entries in r.xread({key: last}, block=1000) or []:
+            for eid, fields in entries:
+                last = eid
+                got.append(fields)
+                if fields.get(b"end") == b"1":
+                    return got
+    raise TimeoutError(rid)
+
+
+def test_streamed_generation_by_token_stream_and_reply_channel(
+    r: redis.Redis, worker: WorkerProcess
+) -> None:
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("gen-replies")
+    rid = submit(r, messages=[{"role": "user", "content": "what is this"}], max_new_tokens=12,
+                 stream=True, reply="gen-replies")  # fmt: skip
+    entries = token_stream(r, rid)
+    res = result(r, rid)
+    assert res["status"] == "ok"
+    (out,) = res["outputs"]
+    assert out["completion_tokens"] == 12 and out["finish_reason"] == "length"
+    assert res["usage"] == {"prompt_tokens": out["prompt_tokens"], "completion_tokens": 12}
+    assert 0 < res["timings"]["first_token_ms"] <= res["timings"]["total_ms"]
+    deltas, end = entries[:-1], entries[-1]
+    assert [int(e[b"seq"]) for e in entries] == list(range(1, len(entries) + 1))
+    assert end[b"end"] == b"1"
+    assert "".join(e[b"text"].decode() for e in deltas) == out["text"]
+    assert sum(int(e[b"tokens"]) for e in deltas) == 12
+    # the reply channel: the same deltas as messages, then the result
+    messages = []
+    while (msg := next_message(pubsub, 5.0)) is not None:
+        messages.append(msgpack.unpackb(msg["data"]))
+        if "status" in messages[-1]:
+            break
+    pubsub.close()
+    assert [m["text"] for m in messages[:-1]] == [e[b"text"].decode() for e in deltas]
+    assert all(m["kind"] == "delta" and m["id"] == rid for m in messages[:-1])
+    assert messages[-1]["id"] == rid and messages[-1]["status"] == "ok"
+    assert r.ttl(f"bf:{{{MODEL}}}:tokens:{rid}") > 0
+
+
+def test_cancel_by_key_and_deadline_mid_generation(r: redis.Redis, worker: WorkerProcess) -> None:
+    long = submit(r, inputs=["the man was"], max_new_tokens=900)
+    late = submit(r, inputs=["a b c"], max_new_tokens=900, deadline_ms=1500)
+    plain = submit(r, inputs=["it"], max_new_tokens=5)
+    assert result(r, plain)["outputs"][0]["completion_tokens"] == 5
+    r.set(f"bf:{{{MODEL}}}:cancel:{long}", "1", ex=60)
+    res = result(r, long)
+    (out,) = res["outputs"]
+    assert res["status"] == "ok" and out["finish_reason"] == "cancelled"
+    assert 0 < out["completion_tokens"] < 900
+    res = result(r, late)
+    assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "deadline"
+    assert 0 < res["outputs"][0]["completion_tokens"] < 900
+
+
+def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: WorkerProcess) -> None:
+    both = submit(r, inputs=["x"], messages=[{"role": "user", "content": "y"}])
+    huge = submit(r, inputs=["x"], max_new_tokens=10**6)
+    long_prompt = submit(r, inputs=[" ".join(["word"] * 3000)])
+    assert result(r, both)["error"]["code"] == "invalid_request"
+    assert result(r, huge)["error"]["code"] == "too_large"
+    assert result(r, long_prompt)["error"]["code"] == "too_large"
+    ok = submit(r, inputs=["it"], max_new_tokens=3)
+    assert result(r, ok)["status"] == "ok"
