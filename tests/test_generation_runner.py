@@ -23,7 +23,6 @@ from batchfleet.worker.runner import (  # noqa: E402
     Work,
 )
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
-
 from tiny_models import make_causal_lm  # noqa: E402
 
 PROMPTS = ["the man was", "a b c", "there were many years of time and", "it", "what is this"]
@@ -253,7 +252,6 @@ def test_bad_requests_are_refused_in_prepare(runner: TextGenerationRunner) -> No
 
 def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
     from batchfleet.worker.runners.embedding import EmbeddingRunner
-
     from tiny_models import make_embedding_model
 
     enc = EmbeddingRunner(make_embedding_model(tmp_path / "e"))

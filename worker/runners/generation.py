@@ -149,6 +149,7 @@ class TextGenerationRunner:
                           max_starvation_ms: float) -> GenPolicy:  # fmt: skip
         """The scheduler's budgets for this model."""
         from ...batching.generation import GenPolicy
+
         return GenPolicy(
             kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
             step_tokens=self.step_tokens, max_running=self.max_running, lanes=lanes,
