@@ -51,14 +51,8 @@ class GenScheduler:
 
     continuous = True
 
-    def __init__(
-        self,
-        policy: GenerationPolicy,
-        max_new_tokens: Callable[[Held], int],
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
+    def __init__(self, policy: GenerationPolicy, new_id: Callable[[], str] | None = None) -> None:
         self.policy = policy
-        self._max_new = max_new_tokens
         self.held: dict[str, Held] = {}
         """Waiting: new, or preempted (see ``_resume``)."""
         self.running: dict[str, Running] = {}
@@ -140,7 +134,9 @@ class GenScheduler:
             res = self._resume.pop(key, None)
             if res is None:
                 zero = tuple(0 for _ in range(h.prepared.rows))
-                self.running[key] = Running(h, now, Progress(zero, zero, self._max_new(h)))
+                self.running[key] = Running(
+                    h, now, Progress(zero, _prompts(h), h.prepared.max_new_tokens)
+                )
             else:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
@@ -159,7 +155,7 @@ class GenScheduler:
         key = h.waiting.key
         res = self._resume.get(key)
         prompts = res.prompts if res else _prompts(h)
-        left = res.max_new_tokens if res else self._max_new(h)
+        left = res.max_new_tokens if res else h.prepared.max_new_tokens
         return GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
 
     def _running(self, key: str, r: Running) -> GenRunning:
@@ -200,8 +196,5 @@ class GenScheduler:
 
 
 def _prompts(h: Held) -> tuple[int, ...]:
-    payload = h.prepared.payload
-    prompts = getattr(payload, "prompts", None)
-    if prompts is None:
-        return tuple(h.prepared.tokens for _ in range(h.prepared.rows))
-    return tuple(len(p) for p in prompts)
+    p = h.prepared
+    return p.prompts or tuple(p.tokens for _ in range(p.rows))

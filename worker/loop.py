@@ -514,11 +514,7 @@ def _gen_scheduler(runner: Runner, engine: Engine, lanes: int) -> GenScheduler:
     budgets = runner.generation_policy(  # type: ignore[attr-defined]
         lanes, policy.lane_weights, policy.max_starvation_ms
     )
-
-    def max_new_tokens(held: Held) -> int:
-        return max(getattr(held.prepared.payload, "max_new_tokens", (1,)) or (1,))
-
-    return GenScheduler(GenerationPolicy(budgets), max_new_tokens)
+    return GenScheduler(GenerationPolicy(budgets))
 
 
 def _redis_parts(loop: BatchLoop) -> Parts:

@@ -188,7 +188,9 @@ class TextGenerationRunner:
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
         )
-        return Prepared(spec, rows=len(prompts), tokens=max(len(p) for p in prompts))
+        lengths = tuple(len(p) for p in prompts)
+        return Prepared(spec, rows=len(prompts), tokens=max(lengths), prompts=lengths,
+                        max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
     def _prompts(self, req: Request) -> list[list[int]]:
         if req.messages is not None:
