@@ -79,7 +79,7 @@ class Tokens:
             return StepReport(events)
         events = []
         for key, reason in work.stop:
-            run = self.running.pop(key)
+            run = self.running.pop(key, None) or self.parked.pop(key)
             events.append(self._final(key, run, reason))
         for key in work.preempt:
             run = self.running.pop(key)
@@ -210,6 +210,21 @@ def test_lane0_preempts_a_lower_lane_and_it_resumes_without_loss() -> None:
     assert [it.seq for it in r.sink.streamed["low"]] == list(range(1, 22))
 
 
+def test_a_preempted_request_cancelled_while_waiting_keeps_its_text() -> None:
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=20, at=T0 + 0.052)
+    r.world.at(T0 + 0.1, lambda: r.loop.parts.inbox.put(Cancel(("low",))))
+    r.run()
+    assert any(w.preempt for w in runner.steps)
+    low = outputs(r, "low")
+    assert low["finish_reason"] == "cancelled" and 4 <= low["completion_tokens"] <= 7
+    sent = r.sink.streamed["low"]
+    assert [it.seq for it in sent] == list(range(1, len(sent) + 1)) and sent[-1].delta is None
+    assert outputs(r, "high")["completion_tokens"] == 20
+
+
 def test_a_failed_step_fails_what_ran_and_the_loop_goes_on() -> None:
     runner = Tokens(fail_at_step=3)
     r, _ = gen_rig(runner)
@@ -256,3 +271,13 @@ def test_encoder_models_answer_generation_requests_invalid(field_: str) -> None:
     res = r.result("g")
     assert res.status == "error" and res.error is not None
     assert res.error.code == "invalid_request" and field_ in res.error.message
+
+
+def test_a_request_that_outgrows_the_whole_cache_ends_with_length() -> None:
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "big", "w " * 40, max_new_tokens=100)
+    r.run()
+    out = outputs(r, "big")
+    assert out["finish_reason"] == "length"
+    assert 40 + out["completion_tokens"] <= 64

@@ -260,3 +260,35 @@ def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
     assert isinstance(out[0], Prepared)
     assert isinstance(out[1], PrepareError) and "max_new_tokens" in str(out[1])
     assert isinstance(out[2], PrepareError) and "messages" in str(out[2])
+
+
+def test_a_sampled_request_preempted_and_resumed_draws_the_same_tokens(
+    runner: TextGenerationRunner,
+) -> None:
+    def run(preempt_at: int | None) -> str:
+        (p,) = prepare(runner, req("smp", max_new_tokens=10, temperature=1.3, seed=11))
+        d = Driver(runner)
+        d.step([("smp", p)])
+        for i in range(3):
+            d.step(preempt=["smp"] if i == preempt_at else ())
+        if preempt_at is not None:
+            d.step([("smp", p)])
+        d.run()
+        return str(d.finals["smp"].outputs[0]["text"])
+
+    assert run(1) == run(None)
+
+
+def test_a_preempted_request_stopped_while_parked_keeps_its_text(
+    runner: TextGenerationRunner,
+) -> None:
+    (p,) = prepare(runner, req("pk", max_new_tokens=20))
+    d = Driver(runner)
+    d.step([("pk", p)])
+    d.step()
+    d.step(preempt=["pk"])
+    d.step(stop=[("pk", "deadline")])
+    out = d.finals["pk"].outputs[0]
+    assert out["finish_reason"] == "deadline" and out["completion_tokens"] == 2
+    assert greedy(runner, "the man was", 20).startswith(out["text"])
+    assert not runner._reqs

@@ -94,13 +94,27 @@ class GenScheduler:
         return []
 
     def stop(self, key: str, reason: str) -> Held | None:
-        """End a request: a waiting one is returned (answer it now); a running one ends
-        with the next step (its runner answers it with what it produced)."""
+        """End a request: a waiting one is returned (answer it now); a running one, or a
+        preempted one (its runner keeps its text), ends with the next step and its runner
+        answers it with what it produced."""
+        if key in self._resume:
+            self._unpark(key)
         if key in self.running:
             self._stops.setdefault(key, reason)
             return None
-        self._resume.pop(key, None)
         return self.held.pop(key, None)
+
+    def _unpark(self, key: str) -> None:
+        """A preempted request back among the running, to be ended by its runner."""
+        res = self._resume.pop(key)
+        held = self.held.pop(key)
+        self.running[key] = Running(
+            held,
+            res.started_at,
+            Progress((), (), 0),
+            seq=res.seq,
+            first_token_at=res.first_token_at,
+        )
 
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
@@ -121,12 +135,17 @@ class GenScheduler:
         waiting = [self._waiting(h) for h in self.held.values()]
         running = [self._running(k, r) for k, r in self.running.items() if k not in self._stops]
         plan = self.policy.plan(waiting if dispatch else [], running, now)
+        for k in plan.expire:  # a preempted one generated already: it stops, with its text
+            if k in self._resume:
+                self._unpark(k)
+                self._stops.setdefault(k, "deadline")
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
-        for k in plan.expire:
-            self._resume.pop(k, None)
         stops = dict(self._stops)
-        for k in plan.stop:
-            stops.setdefault(k, "deadline")
+        for k in plan.stop:  # past its deadline, or grown past the whole cache
+            deadline = self.running[k].held.waiting.deadline
+            stops.setdefault(
+                k, "deadline" if deadline is not None and deadline <= now else "length"
+            )
         self._stops.clear()
         admitted = [h for k in (plan.admit if dispatch else ()) if (h := self.held.pop(k, None))]
         for h in admitted:

@@ -279,10 +279,9 @@ class TextGenerationRunner:
         return Preempted(r.key, prompts, left)
 
     def _cancel(self, seqs: list[_Seq]) -> None:
-        for s in seqs:
-            self._by_seq.pop(s.name, None)
-            self.engine.sampler.forget(s.name)
-        self.engine.cancel(s.name for s in seqs)
+        """Take sequences out of the engine (those it still has), freeing their blocks."""
+        live = [s for s in seqs if self._by_seq.pop(s.name, None) is not None]
+        self.engine.cancel(s.name for s in live)
 
     def _end(self, r: _Req, reason: str) -> None:
         live = [s for s in r.seqs if s.finish is None]
@@ -297,7 +296,7 @@ class TextGenerationRunner:
 
     def _final(self, r: _Req) -> Final:
         self._reqs.pop(r.key, None)
-        self._cancel([s for s in r.seqs if s.name in self._by_seq])
+        self._cancel(r.seqs)
         for s in r.seqs:
             self.engine.sampler.forget(s.name)
         outputs = [
