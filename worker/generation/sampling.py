@@ -35,7 +35,7 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-class SeededSampler(ContinuousBatchingLogitsProcessor):
+class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
     """Samples each sequence with its own generator (see the module docstring)."""
 
     supported_kwargs: dict[str, type] = {}  # rows are known by request id
