@@ -281,3 +281,29 @@ def test_a_request_that_outgrows_the_whole_cache_ends_with_length() -> None:
     out = outputs(r, "big")
     assert out["finish_reason"] == "length"
     assert 40 + out["completion_tokens"] <= 64
+
+
+def test_generation_metrics_and_stats() -> None:
+    from batchfleet.worker.metrics import Metrics, PrometheusObserver
+    from prometheus_client import CollectorRegistry
+
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=5, at=T0 + 0.052)
+    r.run()
+    registry = CollectorRegistry()
+    obs = PrometheusObserver(Metrics(registry))
+    for _, ev in r.recorder.events:
+        obs.notify(ev)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    assert value("batchfleet_generated_tokens_total") == 25
+    assert value("batchfleet_preemptions_total") == 1
+    assert value("batchfleet_time_to_first_token_seconds_count", lane="0") == 1
+    assert value("batchfleet_generation_running_sequences") == 0  # all done at the end
+    assert value("batchfleet_kv_cache_usage_ratio") == 0
+    stats = r.loop.stats.snapshot()["generation"]
+    assert stats["completion_tokens"] == 25 and stats["preemptions"] == 1

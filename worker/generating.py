@@ -17,9 +17,9 @@ from ..schemas.messages import Delta
 from .answers import Answerer, BatchRun, Held, Outgoing
 from .gen_scheduler import GenScheduler
 from .inbox import StepDone
-from .observers import BatchDone, Observers
+from .observers import BatchDone, Generated, Observers
 from .parts import Parts
-from .runner import Failed, Final, Partial
+from .runner import Failed, Final, Partial, Preempted
 from .sink import Streamed
 
 
@@ -84,10 +84,24 @@ class Generating:
             BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
         )  # fmt: skip
+        self.observers.notify(self._state(done))
         sink = self.parts.sink
         sink.stream(streamed)
         sink.send(out)
         sink.stream(ends)
+
+    def _state(self, done: StepDone) -> Generated:
+        assert self.scheduler is not None
+        running = self.scheduler.running.values()
+        budget = self.scheduler.policy.policy
+        return Generated(
+            self.model,
+            running=sum(len(r.progress.contexts) for r in running),
+            waiting=len(self.scheduler.held),
+            kv_tokens=sum(sum(r.progress.contexts) for r in running),
+            kv_capacity=budget.kv_cache_tokens,
+            preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
+        )
 
     def delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
         """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
