@@ -37,12 +37,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    from batchfleet.worker.generation.engine import PagedEngine
+    from batchfleet.worker.generation.sampling import Sampling
     from tiny_models import make_causal_lm
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    from batchfleet.worker.generation.engine import PagedEngine
-    from batchfleet.worker.generation.sampling import Sampling
 
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:

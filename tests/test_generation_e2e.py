@@ -125,3 +125,14 @@ def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: Worke
     assert result(r, long_prompt)["error"]["code"] == "too_large"
     ok = submit(r, inputs=["it"], max_new_tokens=3)
     assert result(r, ok)["status"] == "ok"
+
+
+def test_status_shows_generation_state(
+    redis_url: str, r: redis.Redis, worker: WorkerProcess
+) -> None:
+    from batchfleet.status import gather
+
+    rid = submit(r, inputs=["it"], max_new_tokens=4)
+    assert result(r, rid)["status"] == "ok"
+    rows = [w for w in gather(redis_url, [MODEL]).worker_rows() if w["model"] == MODEL]
+    assert rows and rows[0]["running"] == 0 and rows[0]["kv_cache_usage"] == 0
