@@ -292,3 +292,50 @@ def test_a_preempted_request_stopped_while_parked_keeps_its_text(
     assert out["finish_reason"] == "deadline" and out["completion_tokens"] == 2
     assert greedy(runner, "the man was", 20).startswith(out["text"])
     assert not runner._reqs
+
+
+def test_out_of_memory_preempts_and_shrinks_the_step_budget_then_resumes(
+    runner: TextGenerationRunner,
+) -> None:
+    preps = prepare(runner, req("o1", max_new_tokens=8), req("o2", inputs=["a b c"],
+                                                           max_new_tokens=8))  # fmt: skip
+    d = Driver(runner)
+    d.step([("o1", preps[0]), ("o2", preps[1])])
+    d.step()
+    real = runner.engine.step
+
+    def oom() -> Any:
+        runner.engine.step = real  # once
+        raise MemoryError("out of memory (fake)")
+
+    runner.engine.step = oom  # type: ignore[method-assign]
+    before = runner.step_tokens
+    report = runner.step(Work("boom", ()))
+    assert report.out_of_memory and runner.step_tokens == before // 2
+    assert sorted(e.key for e in report.events if isinstance(e, Preempted)) == ["o1", "o2"]
+    assert runner.engine.processor.max_batch_tokens == before // 2
+    d.step([("o1", preps[0]), ("o2", preps[1])])  # the scheduler admits them again
+    d.run()
+    assert d.finals["o1"].outputs[0]["text"] == greedy(runner, "the man was", 8)
+    assert d.finals["o2"].outputs[0]["text"] == greedy(runner, "a b c", 8)
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(
+    runner: TextGenerationRunner,
+) -> None:
+    (p,) = prepare(runner, req("f", max_new_tokens=8))
+    d = Driver(runner)
+    d.step([("f", p)])
+
+    def broken() -> Any:
+        runner.engine.step = real
+        raise RuntimeError("a bug")
+
+    real = runner.engine.step
+    runner.engine.step = broken  # type: ignore[method-assign]
+    report = runner.step(Work("bad", ()))
+    assert [type(e).__name__ for e in report.events] == ["Failed"] and not report.out_of_memory
+    (q,) = prepare(runner, req("g", max_new_tokens=5))
+    d.step([("g", q)])
+    d.run()
+    assert d.finals["g"].outputs[0]["text"] == greedy(runner, "the man was", 5)

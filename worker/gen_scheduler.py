@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..batching.generation import GenerationPolicy, GenRunning, GenWaiting
 from ..batching.types import Batch
@@ -211,6 +211,11 @@ class GenScheduler:
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:
                 r.progress = progress
+        if report.out_of_memory:  # the runner halved its step budget (see its docstring)
+            pol = self.policy.policy
+            self.policy.set_policy(
+                replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
+            )
         return step, named
 
 
