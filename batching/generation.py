@@ -292,7 +292,7 @@ class GenerationPolicy:
         by_key = {w.key: w for w in candidates}
         by_lane = group_by_lane([_as_waiting(w) for w in candidates])
         lane_policy = _lane_policy(pol)
-        promoted, rest = self._lanes.order(by_lane, now, slack, pol.max_running, lane_policy)
+        promoted, rest = self._lanes.order(by_lane, now, slack, 1, lane_policy)
         promoted_keys = {w.key for w in promoted}
 
         # Unprefilled prompt tokens per lane, running and admitted: the prefill backlog.
@@ -300,7 +300,12 @@ class GenerationPolicy:
         for r in live:
             backlog[r.lane] = backlog.get(r.lane, 0) + sum(r.prefill_left)
         prefill_cap = PREFILL_STEPS * pol.step_tokens
-        victims = [r for r in _victims(live) if r.lane > 0]
+        # Lane 0 may preempt lower lanes, but not what starvation promotion admitted
+        # (started past its promotion instant): it would undo the bound it yields to.
+        promote_after = pol.max_starvation_ms / 1000.0 - slack
+        victims = [
+            r for r in _victims(live) if r.lane > 0 and r.started_at < r.arrived_at + promote_after
+        ]
 
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
@@ -315,8 +320,8 @@ class GenerationPolicy:
             if used + need > room or seqs + n > pol.max_running:
                 if w.lane != 0:
                     break
-                freed = self._lane0_victims(
-                    victims, used + need - room, seqs + n - pol.max_running, now
+                freed = _lane0_victims(
+                    victims, used + need - room, seqs + n - pol.max_running, page
                 )
                 if freed is None:
                     break
@@ -334,30 +339,25 @@ class GenerationPolicy:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + n
         if admit:
             rows = sum(len(by_key[k].prompts) for k in admit)
-            self._lanes.commit(by_lane, promoted_rows, pol.max_running, lane_policy, rows)
+            self._lanes.commit(by_lane, promoted_rows, rows, lane_policy, rows)
         return admit
 
-    def _lane0_victims(
-        self, victims: list[GenRunning], blocks: int, slots: int, now: float
-    ) -> list[GenRunning] | None:
-        """The fewest lower-lane running requests (lowest lane, latest started first) whose
-        freeing covers ``blocks`` and ``slots``; None if all of them would not. Requests
-        admitted by starvation promotion (started past their promotion instant) are
-        spared, so lane 0 cannot undo the bound it yields to."""
-        pol = self._policy
-        promote_after = pol.max_starvation_ms / 1000.0 * (1.0 - STARVATION_SLACK)
-        taken: list[GenRunning] = []
-        for r in victims:
-            if blocks <= 0 and slots <= 0:
-                break
-            if r.started_at >= r.arrived_at + promote_after:
-                continue
-            taken.append(r)
-            blocks -= reserved_blocks(r, pol.page_size)
-            slots -= len(r.contexts)
-        if blocks > 0 or slots > 0:
-            return None
-        return taken
+
+def _lane0_victims(
+    victims: list[GenRunning], blocks: int, slots: int, page: int
+) -> list[GenRunning] | None:
+    """The fewest lower-lane running requests, in preemption order, whose freeing covers
+    ``blocks`` and ``slots``; None if all of them together would not."""
+    taken: list[GenRunning] = []
+    for r in victims:
+        if blocks <= 0 and slots <= 0:
+            break
+        taken.append(r)
+        blocks -= reserved_blocks(r, page)
+        slots -= len(r.contexts)
+    if blocks > 0 or slots > 0:
+        return None
+    return taken
 
 
 def _victims(running: Iterable[GenRunning]) -> list[GenRunning]:
