@@ -16,10 +16,11 @@ sequence, the rest in prefill chunks, higher lanes first.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .lanes import LaneScheduler, group_by_lane
+from .lanes import LaneScheduler, group_by_lane, lane_weight
 from .types import Policy, Waiting
 
 PREFILL_STEPS = 4
@@ -29,7 +30,11 @@ exceed this many steps' token budgets: admitted requests then start within about
 many steps instead of holding KV memory while they queue for prefill. A request alone
 over it still goes when nothing of its lane or higher lanes is prefilling."""
 
-STARVATION_SLACK = 0.1
+LANE0_BURST = 1.5
+"""Lane 0 saves at most this many rows of credit to go ahead of starving lower lanes: a
+longer run of lane-0 admissions ahead of them would push them past their bound."""
+
+STARVATION_SLACK = 0.25
 """A lower-lane request is promoted this fraction of ``max_starvation_ms`` before its
 bound, so it is admitted by its bound when steps are shorter than that."""
 
@@ -195,6 +200,9 @@ class GenerationPolicy:
     def __init__(self, policy: GenPolicy) -> None:
         self._policy = policy
         self._lanes = LaneScheduler()
+        self._lane0_credit = LANE0_BURST
+        """Lane 0's weighted share of admitted rows, spent when it goes ahead of starving
+        lower lanes (see :meth:`_admit`), up to :data:`LANE0_BURST` rows."""
 
     @property
     def policy(self) -> GenPolicy:
@@ -294,6 +302,10 @@ class GenerationPolicy:
         lane_policy = _lane_policy(pol)
         promoted, rest = self._lanes.order(by_lane, now, slack, 1, lane_policy)
         promoted_keys = {w.key for w in promoted}
+        # Promoted requests go first, but lane 0 may go ahead of them while it has credit.
+        promoted_q = deque(promoted)
+        top_q = deque(w for w in rest if w.lane == 0)
+        low_q = deque(w for w in rest if w.lane != 0)
 
         # Unprefilled prompt tokens per lane, running and admitted: the prefill backlog.
         backlog: dict[int, int] = {}
@@ -301,7 +313,7 @@ class GenerationPolicy:
             backlog[r.lane] = backlog.get(r.lane, 0) + sum(r.prefill_left)
         prefill_cap = PREFILL_STEPS * pol.step_tokens
         # Lane 0 may preempt lower lanes, but not what starvation promotion admitted
-        # (started past its promotion instant): it would undo the bound it yields to.
+        # (started past its promotion instant): that would undo the bound it yields to.
         promote_after = pol.max_starvation_ms / 1000.0 - slack
         victims = [
             r for r in _victims(live) if r.lane > 0 and r.started_at < r.arrived_at + promote_after
@@ -309,7 +321,16 @@ class GenerationPolicy:
 
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
-        for item in (*promoted, *rest):
+        charged = 0
+        while top_q or promoted_q or low_q:
+            jumped = False
+            if top_q and (not promoted_q or self._lane0_credit - charged >= 1.0 - 1e-9):
+                jumped = bool(promoted_q)
+                item = top_q.popleft()
+            elif promoted_q:
+                item = promoted_q.popleft()
+            else:
+                item = low_q.popleft()
             w = by_key[item.key]
             need = admission_blocks(w, page)
             n = len(w.prompts)
@@ -337,9 +358,15 @@ class GenerationPolicy:
             backlog[w.lane] = backlog.get(w.lane, 0) + tokens
             if w.key in promoted_keys:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + n
+            if jumped:
+                charged += n
         if admit:
             rows = sum(len(by_key[k].prompts) for k in admit)
             self._lanes.commit(by_lane, promoted_rows, rows, lane_policy, rows)
+            lanes = set(by_lane) | {0}
+            share = lane_weight(lane_policy, 0) / sum(lane_weight(lane_policy, x) for x in lanes)
+            credit = self._lane0_credit - charged + rows * share
+            self._lane0_credit = min(credit, LANE0_BURST)
         return admit
 
 
