@@ -271,13 +271,14 @@ def simulate_generation(
             live.start(now)
             running[key] = live
         if not running:
-            nxt = [
-                t for t in (plan.wake_at, pending[0].arrived if pending else None) if t is not None
-            ]
-            if not nxt or min(nxt) <= now:
+            if not waiting:
+                continue  # the next arrival, if any, at the top of the loop
+            if plan.wake_at is None and not pending:
                 violations.append(f"stuck at {now:.6f} with {len(waiting)} waiting")
                 break
-            now = min(nxt)
+            now = min(
+                t for t in (plan.wake_at, pending[0].arrived if pending else None) if t is not None
+            )
             continue
         batch = [r.as_running() for r in running.values()]
         chunks = schedule_step(batch, policy.step_tokens)
