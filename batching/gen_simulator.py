@@ -367,3 +367,23 @@ def _lane_reports(lives: dict[str, _Live], outcome: dict[str, str]) -> tuple[Gen
             )
         )
     return tuple(out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m batchfleet.batching.gen_simulator``: the tables of docs/batching.md."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--rates", default="0.5,40,60,100", help="requests/s, comma-separated")
+    parser.add_argument("-n", type=int, default=1500, help="requests per run")
+    parser.add_argument("--kv", type=int, default=16384, help="KV cache tokens")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    policy = GenPolicy(kv_cache_tokens=args.kv, page_size=16, step_tokens=512, max_running=32)
+    for rate in (float(r) for r in args.rates.split(",")):
+        report = simulate_generation(gen_poisson(args.n, rate, seed=args.seed), policy)
+        print(f"rate {rate:g}/s, lanes 20/30/50%, {policy}\n{report.table()}\n")
+
+
+if __name__ == "__main__":
+    main()

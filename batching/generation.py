@@ -2,7 +2,8 @@
 
 Pure like the rest of ``batching/``: the loop hands :meth:`GenerationPolicy.plan` what is
 waiting, what is running and the time; the answer is a :class:`GenPlan`. The only state
-kept between calls is the lanes' promotion credit (:class:`~.lanes.LaneScheduler`).
+kept between calls is credit: the lower lanes' for promotion (:class:`~.lanes.LaneScheduler`)
+and lane 0's for going ahead of them.
 
 Memory is counted as the KV cache counts it, in whole blocks of ``page_size`` tokens per
 sequence. A running sequence *reserves* ``blocks(context + prefill_left + 1)``: all of its
@@ -322,9 +323,11 @@ class GenerationPolicy:
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
         charged = 0
+        may_jump = True
         while top_q or promoted_q or low_q:
             jumped = False
-            if top_q and (not promoted_q or self._lane0_credit - charged >= 1.0 - 1e-9):
+            has_credit = self._lane0_credit - charged >= 1.0 - 1e-9
+            if top_q and (not promoted_q or (may_jump and has_credit)):
                 jumped = bool(promoted_q)
                 item = top_q.popleft()
             elif promoted_q:
@@ -336,16 +339,21 @@ class GenerationPolicy:
             n = len(w.prompts)
             ahead = sum(v for lane, v in backlog.items() if lane <= w.lane)
             tokens = sum(w.prompts)
-            if ahead and ahead + tokens > prefill_cap:
+            fits = not (ahead and ahead + tokens > prefill_cap)
+            freed: list[GenRunning] | None = []
+            if fits and (used + need > room or seqs + n > pol.max_running):
+                freed = None
+                if w.lane == 0:
+                    freed = _lane0_victims(
+                        victims, used + need - room, seqs + n - pol.max_running, page
+                    )
+            if not fits or freed is None:
+                if jumped:  # the starving requests it went ahead of may fit: back in line
+                    top_q.appendleft(item)
+                    may_jump = False
+                    continue
                 break
-            if used + need > room or seqs + n > pol.max_running:
-                if w.lane != 0:
-                    break
-                freed = _lane0_victims(
-                    victims, used + need - room, seqs + n - pol.max_running, page
-                )
-                if freed is None:
-                    break
+            if freed:
                 for r in freed:
                     victims.remove(r)
                     preempt.append(r.key)
