@@ -118,9 +118,10 @@ def test_plan_keeps_budgets_keys_and_rules(
     if any(lanes_of[k] == 0 for k in plan.preempt):
         assert all(r.lane == 0 for r in kept)
         assert all(lanes_of[k] == 0 for k in plan.admit)
-    # A preemption that admits is lane 0's, of lower lanes.
+    # A preemption in a plan that admits is lane 0's, of lower lanes (what room is left
+    # after lane 0 fits may go to the next in line).
     if plan.preempt and plan.admit:
-        assert all(lanes_of[k] == 0 for k in plan.admit)
+        assert any(lanes_of[k] == 0 for k in plan.admit)
         assert all(lanes_of[k] > 0 for k in plan.preempt)
     assert plan.wake_at is None or plan.wake_at > now
 
