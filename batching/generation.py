@@ -422,19 +422,19 @@ def _wake_at(
     now: float,
     promote_after: float,
 ) -> float | None:
-    """Earliest future deadline of anything not ended, or promotion instant of anything
-    that waits after this plan (a preempted request waits too)."""
+    """Earliest future deadline of anything not ended, or promotion instant of a lower-lane
+    request that waits after this plan (a preempted request waits too)."""
     admitted = set(admit)
     times: list[float] = []
     for w in candidates:
         if w.deadline is not None:
             times.append(w.deadline)
-        if w.key not in admitted:
+        if w.key not in admitted and w.lane > 0:
             times.append(w.arrived_at + promote_after)
     for r in live:
         if r.deadline is not None:
             times.append(r.deadline)
-        if r.key in preempted:
+        if r.key in preempted and r.lane > 0:
             times.append(r.arrived_at + promote_after)
     future = [t for t in times if t > now]
     return min(future) if future else None

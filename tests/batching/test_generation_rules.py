@@ -330,6 +330,14 @@ def test_schedule_step_decodes_first_then_prefill_by_lane() -> None:
     assert step_blocks(running, chunks, 16) == 2 + 3 + 3 + 4 + 4
 
 
+def test_set_policy_keeps_state_and_applies_new_caps() -> None:
+    policy = GenerationPolicy(tokens_policy(max_running=4))
+    running = [gr("a", 1.0, lane=1), gr("b", 2.0, lane=2), gr("c", 3.0)]
+    assert policy.plan([], running, 5.0).preempt == ()
+    policy.set_policy(tokens_policy(max_running=2))
+    assert policy.plan([], running, 5.0).preempt == ("b",)
+
+
 def test_wake_at_is_none_with_nothing_ahead() -> None:
     plan = GenerationPolicy(tokens_policy()).plan([], [gr("a")], 1.0)
     assert plan == type(plan)()
