@@ -2,7 +2,8 @@
 
 Pure like the rest of ``batching/``: the loop hands :meth:`GenerationPolicy.plan` what is
 waiting, what is running and the time; the answer is a :class:`GenPlan`. The only state
-kept between calls is the lanes' promotion credit (:class:`~.lanes.LaneScheduler`).
+kept between calls is credit: the lower lanes' for promotion (:class:`~.lanes.LaneScheduler`)
+and lane 0's for going ahead of them.
 
 Memory is counted as the KV cache counts it, in whole blocks of ``page_size`` tokens per
 sequence. A running sequence *reserves* ``blocks(context + prefill_left + 1)``: all of its
@@ -16,10 +17,11 @@ sequence, the rest in prefill chunks, higher lanes first.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .lanes import LaneScheduler, group_by_lane
+from .lanes import LaneScheduler, group_by_lane, lane_weight
 from .types import Policy, Waiting
 
 PREFILL_STEPS = 4
@@ -29,7 +31,11 @@ exceed this many steps' token budgets: admitted requests then start within about
 many steps instead of holding KV memory while they queue for prefill. A request alone
 over it still goes when nothing of its lane or higher lanes is prefilling."""
 
-STARVATION_SLACK = 0.1
+LANE0_BURST = 1.5
+"""Lane 0 saves at most this many rows of credit to go ahead of starving lower lanes: a
+longer run of lane-0 admissions ahead of them would push them past their bound."""
+
+STARVATION_SLACK = 0.25
 """A lower-lane request is promoted this fraction of ``max_starvation_ms`` before its
 bound, so it is admitted by its bound when steps are shorter than that."""
 
@@ -195,6 +201,9 @@ class GenerationPolicy:
     def __init__(self, policy: GenPolicy) -> None:
         self._policy = policy
         self._lanes = LaneScheduler()
+        self._lane0_credit = LANE0_BURST
+        """Lane 0's weighted share of admitted rows, spent when it goes ahead of starving
+        lower lanes (see :meth:`_admit`), up to :data:`LANE0_BURST` rows."""
 
     @property
     def policy(self) -> GenPolicy:
@@ -292,34 +301,59 @@ class GenerationPolicy:
         by_key = {w.key: w for w in candidates}
         by_lane = group_by_lane([_as_waiting(w) for w in candidates])
         lane_policy = _lane_policy(pol)
-        promoted, rest = self._lanes.order(by_lane, now, slack, pol.max_running, lane_policy)
+        promoted, rest = self._lanes.order(by_lane, now, slack, 1, lane_policy)
         promoted_keys = {w.key for w in promoted}
+        # Promoted requests go first, but lane 0 may go ahead of them while it has credit.
+        promoted_q = deque(promoted)
+        top_q = deque(w for w in rest if w.lane == 0)
+        low_q = deque(w for w in rest if w.lane != 0)
 
         # Unprefilled prompt tokens per lane, running and admitted: the prefill backlog.
         backlog: dict[int, int] = {}
         for r in live:
             backlog[r.lane] = backlog.get(r.lane, 0) + sum(r.prefill_left)
         prefill_cap = PREFILL_STEPS * pol.step_tokens
-        victims = [r for r in _victims(live) if r.lane > 0]
+        # Lane 0 may preempt lower lanes, but not what starvation promotion admitted
+        # (started past its promotion instant): that would undo the bound it yields to.
+        promote_after = pol.max_starvation_ms / 1000.0 - slack
+        victims = [
+            r for r in _victims(live) if r.lane > 0 and r.started_at < r.arrived_at + promote_after
+        ]
 
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
-        for item in (*promoted, *rest):
+        charged = 0
+        may_jump = True
+        while top_q or promoted_q or low_q:
+            jumped = False
+            has_credit = self._lane0_credit - charged >= 1.0 - 1e-9
+            if top_q and (not promoted_q or (may_jump and has_credit)):
+                jumped = bool(promoted_q)
+                item = top_q.popleft()
+            elif promoted_q:
+                item = promoted_q.popleft()
+            else:
+                item = low_q.popleft()
             w = by_key[item.key]
             need = admission_blocks(w, page)
             n = len(w.prompts)
             ahead = sum(v for lane, v in backlog.items() if lane <= w.lane)
             tokens = sum(w.prompts)
-            if ahead and ahead + tokens > prefill_cap:
+            fits = not (ahead and ahead + tokens > prefill_cap)
+            freed: list[GenRunning] | None = []
+            if fits and (used + need > room or seqs + n > pol.max_running):
+                freed = None
+                if w.lane == 0:
+                    freed = _lane0_victims(
+                        victims, used + need - room, seqs + n - pol.max_running, page
+                    )
+            if not fits or freed is None:
+                if jumped:  # the starving requests it went ahead of may fit: back in line
+                    top_q.appendleft(item)
+                    may_jump = False
+                    continue
                 break
-            if used + need > room or seqs + n > pol.max_running:
-                if w.lane != 0:
-                    break
-                freed = self._lane0_victims(
-                    victims, used + need - room, seqs + n - pol.max_running, now
-                )
-                if freed is None:
-                    break
+            if freed:
                 for r in freed:
                     victims.remove(r)
                     preempt.append(r.key)
@@ -332,32 +366,33 @@ class GenerationPolicy:
             backlog[w.lane] = backlog.get(w.lane, 0) + tokens
             if w.key in promoted_keys:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + n
+            if jumped:
+                charged += n
         if admit:
             rows = sum(len(by_key[k].prompts) for k in admit)
-            self._lanes.commit(by_lane, promoted_rows, pol.max_running, lane_policy, rows)
+            self._lanes.commit(by_lane, promoted_rows, rows, lane_policy, rows)
+            lanes = set(by_lane) | {0}
+            share = lane_weight(lane_policy, 0) / sum(lane_weight(lane_policy, x) for x in lanes)
+            credit = self._lane0_credit - charged + rows * share
+            self._lane0_credit = min(credit, LANE0_BURST)
         return admit
 
-    def _lane0_victims(
-        self, victims: list[GenRunning], blocks: int, slots: int, now: float
-    ) -> list[GenRunning] | None:
-        """The fewest lower-lane running requests (lowest lane, latest started first) whose
-        freeing covers ``blocks`` and ``slots``; None if all of them would not. Requests
-        admitted by starvation promotion (started past their promotion instant) are
-        spared, so lane 0 cannot undo the bound it yields to."""
-        pol = self._policy
-        promote_after = pol.max_starvation_ms / 1000.0 * (1.0 - STARVATION_SLACK)
-        taken: list[GenRunning] = []
-        for r in victims:
-            if blocks <= 0 and slots <= 0:
-                break
-            if r.started_at >= r.arrived_at + promote_after:
-                continue
-            taken.append(r)
-            blocks -= reserved_blocks(r, pol.page_size)
-            slots -= len(r.contexts)
-        if blocks > 0 or slots > 0:
-            return None
-        return taken
+
+def _lane0_victims(
+    victims: list[GenRunning], blocks: int, slots: int, page: int
+) -> list[GenRunning] | None:
+    """The fewest lower-lane running requests, in preemption order, whose freeing covers
+    ``blocks`` and ``slots``; None if all of them together would not."""
+    taken: list[GenRunning] = []
+    for r in victims:
+        if blocks <= 0 and slots <= 0:
+            break
+        taken.append(r)
+        blocks -= reserved_blocks(r, page)
+        slots -= len(r.contexts)
+    if blocks > 0 or slots > 0:
+        return None
+    return taken
 
 
 def _victims(running: Iterable[GenRunning]) -> list[GenRunning]:
@@ -387,19 +422,19 @@ def _wake_at(
     now: float,
     promote_after: float,
 ) -> float | None:
-    """Earliest future deadline of anything not ended, or promotion instant of anything
-    that waits after this plan (a preempted request waits too)."""
+    """Earliest future deadline of anything not ended, or promotion instant of a lower-lane
+    request that waits after this plan (a preempted request waits too)."""
     admitted = set(admit)
     times: list[float] = []
     for w in candidates:
         if w.deadline is not None:
             times.append(w.deadline)
-        if w.key not in admitted:
+        if w.key not in admitted and w.lane > 0:
             times.append(w.arrived_at + promote_after)
     for r in live:
         if r.deadline is not None:
             times.append(r.deadline)
-        if r.key in preempted:
+        if r.key in preempted and r.lane > 0:
             times.append(r.arrived_at + promote_after)
     future = [t for t in times if t > now]
     return min(future) if future else None

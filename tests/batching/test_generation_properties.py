@@ -1,0 +1,196 @@
+"""Hypothesis properties of the generation policy over random states, and of its simulator."""
+
+from __future__ import annotations
+
+import pytest
+from batchfleet.batching.gen_simulator import StepCost, gen_poisson, simulate_generation
+from batchfleet.batching.generation import (
+    GenerationPolicy,
+    GenPolicy,
+    GenRunning,
+    GenWaiting,
+    reserved_blocks,
+    schedule_step,
+    step_blocks,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> GenPolicy:
+    page = draw(st.sampled_from([1, 4, 16, 32]))
+    blocks = draw(st.integers(4, 200))
+    max_running = draw(st.integers(1, 16))
+    return GenPolicy(
+        kv_cache_tokens=blocks * page + draw(st.integers(0, page - 1)),
+        page_size=page,
+        step_tokens=max_running + draw(st.integers(1, 512)),
+        max_running=max_running,
+        watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
+        max_starvation_ms=draw(st.sampled_from([50.0, 500.0, 2000.0])),
+    )
+
+
+lanes = st.integers(0, 2)
+times = st.floats(0.0, 10.0)
+deadlines = st.one_of(st.none(), st.floats(0.0, 12.0))
+
+
+@st.composite
+def waitings(draw: st.DrawFn) -> list[GenWaiting]:
+    n = draw(st.integers(0, 10))
+    return [
+        GenWaiting(
+            f"w{i}",
+            draw(lanes),
+            draw(times),
+            draw(deadlines),
+            tuple(draw(st.lists(st.integers(1, 400), min_size=1, max_size=3))),
+            draw(st.integers(1, 256)),
+        )
+        for i in range(n)
+    ]
+
+
+@st.composite
+def runnings(draw: st.DrawFn) -> list[GenRunning]:
+    n = draw(st.integers(0, 10))
+    out = []
+    for i in range(n):
+        k = draw(st.integers(1, 3))
+        arrived = draw(times)
+        out.append(
+            GenRunning(
+                f"r{i}",
+                draw(lanes),
+                arrived,
+                draw(deadlines),
+                arrived + draw(st.floats(0.0, 3.0)),
+                tuple(draw(st.lists(st.integers(0, 300), min_size=k, max_size=k))),
+                tuple(draw(st.lists(st.sampled_from([0, 0, 5, 100]), min_size=k, max_size=k))),
+                draw(st.integers(0, 256)),
+            )
+        )
+    return out
+
+
+def _as_running(w: GenWaiting, now: float) -> GenRunning:
+    zeros = (0,) * len(w.prompts)
+    return GenRunning(w.key, w.lane, w.arrived_at, w.deadline, now, zeros, w.prompts, 1)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies(), waiting=waitings(), running=runnings(), now=st.floats(0.0, 13.0))
+def test_plan_keeps_budgets_keys_and_rules(
+    policy: GenPolicy, waiting: list[GenWaiting], running: list[GenRunning], now: float
+) -> None:
+    plan = GenerationPolicy(policy).plan(waiting, running, now)
+    keys = [*plan.admit, *plan.preempt, *plan.stop, *plan.expire]
+    # Disjoint, and only known keys, each from the right side.
+    assert len(keys) == len(set(keys))
+    w_keys = {w.key for w in waiting}
+    r_keys = {r.key for r in running}
+    assert set(plan.admit) | set(plan.expire) <= w_keys
+    assert set(plan.preempt) | set(plan.stop) <= r_keys
+    # Deadlines.
+    for w in waiting:
+        if w.deadline is not None and w.deadline <= now:
+            assert w.key in plan.expire
+    for r in running:
+        if r.deadline is not None and r.deadline <= now:
+            assert r.key in plan.stop
+    # Budgets of the next step after applying the plan.
+    gone = set(plan.preempt) | set(plan.stop)
+    kept = [r for r in running if r.key not in gone]
+    by_key = {w.key: w for w in waiting}
+    batch = kept + [_as_running(by_key[k], now) for k in plan.admit]
+    chunks = schedule_step(batch, policy.step_tokens)
+    assert sum(sum(c) for c in chunks.values()) <= policy.step_tokens
+    assert step_blocks(batch, chunks, policy.page_size) <= policy.total_blocks
+    assert sum(reserved_blocks(r, policy.page_size) for r in batch) <= policy.total_blocks
+    assert sum(len(r.contexts) for r in batch) <= policy.max_running
+    if plan.admit:  # admission leaves the watermark free
+        room = policy.total_blocks - policy.watermark_blocks
+        assert sum(reserved_blocks(r, policy.page_size) for r in batch) <= room
+    # Lane 0 is never preempted while a lower lane keeps running or is admitted.
+    lanes_of = {r.key: r.lane for r in running} | {w.key: w.lane for w in waiting}
+    if any(lanes_of[k] == 0 for k in plan.preempt):
+        assert all(r.lane == 0 for r in kept)
+        assert all(lanes_of[k] == 0 for k in plan.admit)
+    # A preemption in a plan that admits is lane 0's, of lower lanes (what room is left
+    # after lane 0 fits may go to the next in line).
+    if plan.preempt and plan.admit:
+        assert any(lanes_of[k] == 0 for k in plan.admit)
+        assert all(lanes_of[k] > 0 for k in plan.preempt)
+    assert plan.wake_at is None or plan.wake_at > now
+
+
+POLICY = GenPolicy(kv_cache_tokens=16384, page_size=16, step_tokens=512, max_running=32)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rate=st.sampled_from([2.0, 20.0, 60.0, 150.0]),
+    kv=st.sampled_from([2048, 4096, 16384]),
+    deadlines=st.booleans(),
+    inputs=st.sampled_from([(1, 1), (1, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_simulator_every_request_ends_once_within_budgets(
+    rate: float, kv: int, deadlines: bool, inputs: tuple[int, int], seed: int
+) -> None:
+    trace = gen_poisson(
+        150,
+        rate,
+        inputs=inputs,
+        deadline_s=(0.05, 3.0) if deadlines else None,
+        seed=seed,
+    )
+    policy = GenPolicy(kv_cache_tokens=kv, page_size=16, step_tokens=512, max_running=32)
+    report = simulate_generation(trace, policy)
+    assert report.violations == ()
+    assert report.finished + report.stopped + report.expired == len(trace)
+    assert report.max_step_tokens <= policy.step_tokens
+    assert report.max_step_blocks <= policy.total_blocks
+    assert report.max_running <= policy.max_running
+    if not deadlines:
+        assert report.finished == len(trace)
+
+
+@pytest.mark.parametrize("lane0_rate", [70.0, 100.0])
+def test_simulator_a_lane_within_its_share_waits_at_most_its_bound(lane0_rate: float) -> None:
+    # Lane 0 floods past the device (about 45 requests/s here); lane 2 asks about 5% of
+    # the device, under its 1/5 share: it still gets in within max_starvation_ms.
+    flood = gen_poisson(int(lane0_rate * 10), lane0_rate, lanes=(1.0,), seed=1)
+    light = gen_poisson(40, 4.0, lanes=(0.0, 0.0, 1.0), prefix="z", seed=2)
+    report = simulate_generation(sorted(flood + light, key=lambda r: r.arrived), POLICY)
+    assert report.violations == ()
+    assert report.lane(2).wait_max <= POLICY.max_starvation_ms / 1000.0
+    assert report.lane(0).wait_max > POLICY.max_starvation_ms / 1000.0  # it was saturated
+
+
+def test_simulator_lane0_ttft_at_saturation_within_3x_unloaded() -> None:
+    # Saturation: 60 requests/s over lanes 20/30/50% against about 45/s of capacity.
+    unloaded = simulate_generation(gen_poisson(300, 0.5, seed=1), POLICY)
+    loaded = simulate_generation(gen_poisson(1200, 60.0, seed=1), POLICY)
+    assert loaded.violations == ()
+    assert loaded.lane(2).wait_max > 2 * POLICY.max_starvation_ms / 1000.0  # overloaded
+    assert loaded.lane(0).ttft_p99 <= 3 * unloaded.lane(0).ttft_p99
+
+
+def test_simulator_reproducible_and_costed() -> None:
+    trace = gen_poisson(200, 30.0, seed=5)
+    first = simulate_generation(trace, POLICY, StepCost(a=0.01))
+    assert first == simulate_generation(trace, POLICY, StepCost(a=0.01))
+    assert first.duration > simulate_generation(trace, POLICY, StepCost(a=0.001)).duration
+
+
+def test_simulator_preempts_when_memory_is_short() -> None:
+    report = simulate_generation(
+        gen_poisson(400, 60.0, seed=3),
+        GenPolicy(kv_cache_tokens=2048, page_size=16, step_tokens=512, max_running=32),
+    )
+    assert report.violations == ()
+    assert report.preemptions > 0
+    assert report.finished == 400
