@@ -65,16 +65,16 @@ def worker(url: str, workdir: Path, console: Console) -> Iterator[DemoWorker | N
 def wait_loaded(console: Console, url: str, proc: DemoWorker, timeout: float = 300.0) -> None:
     """Wait for the worker, showing how long it has been loading (it dequantises the GGUF
     weights: about 25 s on two cores)."""
+    console.print("Loading SmolLM2-135M-Instruct (about 25 s on 2 cores)...")
     started = time.monotonic()
-    with console.status("") as status:
+    with console.status("loading") as status:
         while not proc.ready(url):
             waited = time.monotonic() - started
             if waited > timeout:
                 raise TimeoutError(f"SmolLM2 did not load within {timeout:.0f} s (see {proc.log})")
-            status.update(
-                f"Loading SmolLM2-135M-Instruct (about 25 s on 2 cores)... {waited:.0f} s"
-            )
+            status.update(f"loading SmolLM2: {waited:.0f} s")
             time.sleep(0.25)
+    console.print(f"SmolLM2 loaded in {time.monotonic() - started:.0f} s")
 
 
 def stream_answers(
@@ -100,7 +100,7 @@ def stream_answers(
 def run(console: Console, url: str, proc: DemoWorker) -> bool:
     """Wait for SmolLM2, stream its answers, print the numbers; True if all were ``ok``."""
     wait_loaded(console, url, proc)
-    console.print("SmolLM2 is ready: streaming its answers (all asked at once)")
+    console.print("Streaming its answers (all asked at once: they are generated together)")
     started = time.monotonic()
     with Producer(url) as producer:
         results = stream_answers(console, producer)
