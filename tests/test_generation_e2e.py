@@ -1,112 +1,138 @@
-"""Text generation end to end: the producers against a real `text-generation` worker process
-(a tiny random Llama), streaming, cancelling, and a worker killed mid-generation."""
+"""Text generation through a real worker process: token streams, reply-channel deltas,
+cancellation by key, deadlines mid-generation. The client side is bare redis-py."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import redis
-from batchfleet.producer import AsyncProducer, Producer
-from batchfleet.producer.tokens import Restarted
-from batchfleet.schemas.messages import Delta
-from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
+from conftest import WorkerProcess, fleet_toml, next_message
+from tiny_models import make_causal_lm
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(180)
 
-CHAT = [{"role": "user", "content": "the man was"}]
+MODEL = "tinylm"
 
 
-def gen_fleet(redis_url: str, lm: Path, **worker: object) -> str:
-    spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
-    return fleet_toml(redis_url, {"gen": spec}, worker)
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("lm"))
 
 
-def test_stream_gives_the_result_text_and_cancel_stops_it(
-    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+@pytest.fixture
+def worker(
+    redis_url: str, r: redis.Redis, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
+) -> Iterator[WorkerProcess]:
+    opts = {"kv_cache_tokens": 4096, "page_size": 16, "step_tokens": 64, "max_running": 16}
+    text = fleet_toml(redis_url, {MODEL: {"runner": "text-generation", "path": str(lm_dir),
+                                          "options": opts}})  # fmt: skip
+    w = start_worker(text, "gen-1")
+    w.wait_ready(r, MODEL)
+    yield w
+
+
+def submit(r: redis.Redis, **fields: Any) -> str:
+    rid = fields.setdefault("id", uuid.uuid4().hex)
+    body = {"v": 1, "model": MODEL, **fields}
+    r.xadd(f"bf:{{{MODEL}}}:lane:0", {"msgpack": msgpack.packb(body)})
+    return str(rid)
+
+
+def result(r: redis.Redis, rid: str, timeout: float = 60.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        raw = r.get(f"bf:{{{MODEL}}}:result:{rid}")
+        if raw is not None:
+            out: dict[str, Any] = msgpack.unpackb(raw)
+            return out
+        time.sleep(0.05)
+    raise TimeoutError(rid)
+
+
+def token_stream(r: redis.Redis, rid: str, timeout: float = 60.0) -> list[dict[bytes, bytes]]:
+    """Read a token stream from its start to its end entry."""
+    key, last, got = f"bf:{{{MODEL}}}:tokens:{rid}", "0-0", []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for _, entries in r.xread({key: last}, block=1000) or []:
+            for eid, fields in entries:
+                last = eid
+                got.append(fields)
+                if fields.get(b"end") == b"1":
+                    return got
+    raise TimeoutError(rid)
+
+
+def test_streamed_generation_by_token_stream_and_reply_channel(
+    r: redis.Redis, worker: WorkerProcess
 ) -> None:
-    start_worker(gen_fleet(redis_url, tiny_lm), "gen-1").wait_ready(r, "gen")
-    with Producer(redis_url) as producer:
-        # a chat, streamed: the pieces are the result's text
-        job = producer.submit("gen", messages=CHAT, max_new_tokens=16, stream=True)
-        streamed = "".join(job.stream(timeout=60))
-        (generation,) = job.result().generations()
-        assert streamed == generation.text == job.text() and generation.completion_tokens > 0
-        assert generation.finish_reason in ("stop", "length")
-
-        # two inputs: deltas() tells them apart
-        two = producer.submit("gen", ["a b c", "there were many"], max_new_tokens=8, stream=True)
-        texts = ["", ""]
-        for delta in two.deltas(timeout=60):
-            assert isinstance(delta, Delta)
-            texts[delta.input] += delta.text
-        assert texts == [g.text for g in two.result().generations()]
-
-        # cancelled once it has started: the text so far, finish_reason cancelled
-        long = producer.submit("gen", "a b c", max_new_tokens=900, stream=True)
-        pieces = long.stream(timeout=60)
-        first = next(pieces)
-        producer.cancel(long)
-        rest = "".join(pieces)
-        (cancelled,) = long.result().generations()
-        assert cancelled.finish_reason == "cancelled" and cancelled.text == first + rest
-        assert 0 < cancelled.completion_tokens < 900
-
-        # cancelled before it is submitted: stopped within a poll of the cancel keys
-        producer.cancel("early", model="gen")
-        early = producer.submit("gen", "it", request_id="early", max_new_tokens=900, stream=True)
-        streamed = "".join(early.stream(timeout=60))
-        (stopped,) = early.result().generations()
-        assert (stopped.text, stopped.finish_reason) == (streamed, "cancelled")
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("gen-replies")
+    rid = submit(r, messages=[{"role": "user", "content": "what is this"}], max_new_tokens=12,
+                 stream=True, reply="gen-replies")  # fmt: skip
+    entries = token_stream(r, rid)
+    res = result(r, rid)
+    assert res["status"] == "ok"
+    (out,) = res["outputs"]
+    assert out["completion_tokens"] == 12 and out["finish_reason"] == "length"
+    assert res["usage"] == {"prompt_tokens": out["prompt_tokens"], "completion_tokens": 12}
+    assert 0 < res["timings"]["first_token_ms"] <= res["timings"]["total_ms"]
+    deltas, end = entries[:-1], entries[-1]
+    assert [int(e[b"seq"]) for e in entries] == list(range(1, len(entries) + 1))
+    assert end[b"end"] == b"1"
+    assert "".join(e[b"text"].decode() for e in deltas) == out["text"]
+    assert sum(int(e[b"tokens"]) for e in deltas) == 12
+    # the reply channel: the same deltas as messages, then the result
+    messages = []
+    while (msg := next_message(pubsub, 5.0)) is not None:
+        messages.append(msgpack.unpackb(msg["data"]))
+        if "status" in messages[-1]:
+            break
+    pubsub.close()
+    assert [m["text"] for m in messages[:-1]] == [e[b"text"].decode() for e in deltas]
+    assert all(m["kind"] == "delta" and m["id"] == rid for m in messages[:-1])
+    assert messages[-1]["id"] == rid and messages[-1]["status"] == "ok"
+    assert r.ttl(f"bf:{{{MODEL}}}:tokens:{rid}") > 0
 
 
-def test_async_stream_and_cancel(
-    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+def test_cancel_by_key_and_deadline_mid_generation(r: redis.Redis, worker: WorkerProcess) -> None:
+    long = submit(r, inputs=["the man was"], max_new_tokens=900)
+    late = submit(r, inputs=["a b c"], max_new_tokens=900, deadline_ms=1500)
+    plain = submit(r, inputs=["it"], max_new_tokens=5)
+    assert result(r, plain)["outputs"][0]["completion_tokens"] == 5
+    r.set(f"bf:{{{MODEL}}}:cancel:{long}", "1", ex=60)
+    res = result(r, long)
+    (out,) = res["outputs"]
+    assert res["status"] == "ok" and out["finish_reason"] == "cancelled"
+    assert 0 < out["completion_tokens"] < 900
+    res = result(r, late)
+    assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "deadline"
+    assert 0 < res["outputs"][0]["completion_tokens"] < 900
+
+
+def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: WorkerProcess) -> None:
+    both = submit(r, inputs=["x"], messages=[{"role": "user", "content": "y"}])
+    huge = submit(r, inputs=["x"], max_new_tokens=10**6)
+    long_prompt = submit(r, inputs=[" ".join(["word"] * 3000)])
+    assert result(r, both)["error"]["code"] == "invalid_request"
+    assert result(r, huge)["error"]["code"] == "too_large"
+    assert result(r, long_prompt)["error"]["code"] == "too_large"
+    ok = submit(r, inputs=["it"], max_new_tokens=3)
+    assert result(r, ok)["status"] == "ok"
+
+
+def test_status_shows_generation_state(
+    redis_url: str, r: redis.Redis, worker: WorkerProcess
 ) -> None:
-    start_worker(gen_fleet(redis_url, tiny_lm), "gen-async").wait_ready(r, "gen")
+    from batchfleet.status import gather
 
-    async def go() -> None:
-        async with AsyncProducer(redis_url) as producer:
-            job = await producer.submit("gen", messages=CHAT, max_new_tokens=12, stream=True)
-            streamed = "".join([piece async for piece in job.stream(timeout=60)])
-            assert streamed == await job.text()
-
-            long = await producer.submit("gen", "a b c", max_new_tokens=900, stream=True)
-            pieces = long.stream(timeout=60)
-            first = await anext(pieces)
-            await long.cancel()
-            rest = "".join([piece async for piece in pieces])
-            (cancelled,) = (await long.result()).generations()
-            assert cancelled.finish_reason == "cancelled" and cancelled.text == first + rest
-
-    asyncio.run(go())
-
-
-def test_a_worker_killed_mid_generation_is_followed_to_one_result(
-    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
-) -> None:
-    # Given a worker generating a long streamed answer (greedy) that is killed part-way
-    fleet = gen_fleet(redis_url, tiny_lm, heartbeat_timeout_ms=1000)
-    doomed = start_worker(fleet, "gen-doomed")
-    doomed.wait_ready(r, "gen")
-    with Producer(redis_url) as producer:
-        job = producer.submit("gen", "there were many", max_new_tokens=600, stream=True)
-        deltas = job.deltas(timeout=120)
-        seen = [next(deltas) for _ in range(3)]
-        doomed.kill()
-
-        # When another worker takes the request over and generates it again
-        start_worker(fleet, "gen-heir").wait_ready(r, "gen")
-        rest = list(deltas)
-
-        # Then the reader saw one restart, then the whole text again from seq 1
-        marks = [i for i, d in enumerate(rest) if isinstance(d, Restarted)]
-        assert len(marks) == 1, marks
-        again = [d for d in rest[marks[0] + 1 :] if isinstance(d, Delta)]
-        assert again[0].seq == 1
-        (generation,) = job.result().generations()
-        assert "".join(d.text for d in again) == generation.text
-        assert all(isinstance(d, Delta) for d in seen)
-        assert generation.text.startswith("".join(d.text for d in seen if isinstance(d, Delta)))
+    rid = submit(r, inputs=["it"], max_new_tokens=4)
+    assert result(r, rid)["status"] == "ok"
+    rows = [w for w in gather(redis_url, [MODEL]).worker_rows() if w["model"] == MODEL]
+    assert rows and rows[0]["running"] == 0 and rows[0]["kv_cache_usage"] == 0

@@ -23,7 +23,6 @@ from batchfleet.worker.runner import (  # noqa: E402
     Work,
 )
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
-
 from tiny_models import make_causal_lm  # noqa: E402
 
 PROMPTS = ["the man was", "a b c", "there were many years of time and", "it", "what is this"]
@@ -253,7 +252,6 @@ def test_bad_requests_are_refused_in_prepare(runner: TextGenerationRunner) -> No
 
 def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
     from batchfleet.worker.runners.embedding import EmbeddingRunner
-
     from tiny_models import make_embedding_model
 
     enc = EmbeddingRunner(make_embedding_model(tmp_path / "e"))
@@ -262,3 +260,82 @@ def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
     assert isinstance(out[0], Prepared)
     assert isinstance(out[1], PrepareError) and "max_new_tokens" in str(out[1])
     assert isinstance(out[2], PrepareError) and "messages" in str(out[2])
+
+
+def test_a_sampled_request_preempted_and_resumed_draws_the_same_tokens(
+    runner: TextGenerationRunner,
+) -> None:
+    def run(preempt_at: int | None) -> str:
+        (p,) = prepare(runner, req("smp", max_new_tokens=10, temperature=1.3, seed=11))
+        d = Driver(runner)
+        d.step([("smp", p)])
+        for i in range(3):
+            d.step(preempt=["smp"] if i == preempt_at else ())
+        if preempt_at is not None:
+            d.step([("smp", p)])
+        d.run()
+        return str(d.finals["smp"].outputs[0]["text"])
+
+    assert run(1) == run(None)
+
+
+def test_a_preempted_request_stopped_while_parked_keeps_its_text(
+    runner: TextGenerationRunner,
+) -> None:
+    (p,) = prepare(runner, req("pk", max_new_tokens=20))
+    d = Driver(runner)
+    d.step([("pk", p)])
+    d.step()
+    d.step(preempt=["pk"])
+    d.step(stop=[("pk", "deadline")])
+    out = d.finals["pk"].outputs[0]
+    assert out["finish_reason"] == "deadline" and out["completion_tokens"] == 2
+    assert greedy(runner, "the man was", 20).startswith(out["text"])
+    assert not runner._reqs
+
+
+def test_out_of_memory_preempts_and_shrinks_the_step_budget_then_resumes(
+    runner: TextGenerationRunner,
+) -> None:
+    preps = prepare(runner, req("o1", max_new_tokens=8), req("o2", inputs=["a b c"],
+                                                           max_new_tokens=8))  # fmt: skip
+    d = Driver(runner)
+    d.step([("o1", preps[0]), ("o2", preps[1])])
+    d.step()
+    real = runner.engine.step
+
+    def oom() -> Any:
+        runner.engine.step = real  # once
+        raise MemoryError("out of memory (fake)")
+
+    runner.engine.step = oom  # type: ignore[method-assign]
+    before = runner.step_tokens
+    report = runner.step(Work("boom", ()))
+    assert report.out_of_memory and runner.step_tokens == before // 2
+    assert sorted(e.key for e in report.events if isinstance(e, Preempted)) == ["o1", "o2"]
+    assert runner.engine.processor.max_batch_tokens == before // 2
+    d.step([("o1", preps[0]), ("o2", preps[1])])  # the scheduler admits them again
+    d.run()
+    assert d.finals["o1"].outputs[0]["text"] == greedy(runner, "the man was", 8)
+    assert d.finals["o2"].outputs[0]["text"] == greedy(runner, "a b c", 8)
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(
+    runner: TextGenerationRunner,
+) -> None:
+    (p,) = prepare(runner, req("f", max_new_tokens=8))
+    d = Driver(runner)
+    d.step([("f", p)])
+
+    def broken() -> Any:
+        runner.engine.step = real
+        raise RuntimeError("a bug")
+
+    real = runner.engine.step
+    runner.engine.step = broken  # type: ignore[method-assign]
+    report = runner.step(Work("bad", ()))
+    assert [type(e).__name__ for e in report.events] == ["Failed"] and not report.out_of_memory
+    (q,) = prepare(runner, req("g", max_new_tokens=5))
+    d.step([("g", q)])
+    d.run()
+    assert d.finals["g"].outputs[0]["text"] == greedy(runner, "the man was", 5)

@@ -212,3 +212,26 @@ def test_results_wait_out_a_redis_that_refuses_writes(r: redis.Redis) -> None:
     sink.close(10)
     assert decode_result(r.get(KEYS.result("oom-1"))).ok
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def test_a_server_that_lost_its_data_gets_its_groups_back(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    import threading
+
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), runner, r, consumer="w1",
+                     worker=WorkerConfig(block_ms=50))  # fmt: skip
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        while not r.hexists(KEYS.workers, "w1"):
+            time.sleep(0.02)
+        r.flushall()  # like a restart without persistence: streams and groups are gone
+        r.xadd(KEYS.lane(0), encode_request(Request(id="after", model=MODEL, inputs=["x"])))
+        end = time.monotonic() + 30
+        while r.get(KEYS.result("after")) is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert decode_result(r.get(KEYS.result("after"))).ok
+    finally:
+        loop.stop()
+        thread.join(10)

@@ -234,7 +234,9 @@ def test_partial_outputs_go_to_the_sink_before_the_final_result() -> None:
     class Streaming(Words):
         def step(self, work: Work) -> StepReport:
             report = super().step(work)
-            parts: list[Any] = [Partial(key, {"text": "half", "tokens": 1}) for key, _ in work.admit]
+            parts: list[Any] = [
+                Partial(key, {"text": "half", "tokens": 1}) for key, _ in work.admit
+            ]
             return StepReport(parts + report.events, report.out_of_memory, report.calls)
 
     r = rig(Streaming())

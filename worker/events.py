@@ -195,6 +195,8 @@ class FlowerEvents:
             self._state(event)
 
     def _dispatched(self, ev: Dispatched) -> None:
+        if ev.batch.reason == "step" and not ev.batch.items:
+            return  # a generator's decode step that admits nothing: a task per request joining
         mono = time.monotonic()
         if mono < self._next or not self.sender.enabled():
             self.sampled_out += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..batching.generation import GenerationPolicy, GenRunning, GenWaiting
 from ..batching.types import Batch
@@ -51,14 +51,8 @@ class GenScheduler:
 
     continuous = True
 
-    def __init__(
-        self,
-        policy: GenerationPolicy,
-        max_new_tokens: Callable[[Held], int],
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
+    def __init__(self, policy: GenerationPolicy, new_id: Callable[[], str] | None = None) -> None:
         self.policy = policy
-        self._max_new = max_new_tokens
         self.held: dict[str, Held] = {}
         """Waiting: new, or preempted (see ``_resume``)."""
         self.running: dict[str, Running] = {}
@@ -100,13 +94,27 @@ class GenScheduler:
         return []
 
     def stop(self, key: str, reason: str) -> Held | None:
-        """End a request: a waiting one is returned (answer it now); a running one ends
-        with the next step (its runner answers it with what it produced)."""
+        """End a request: a waiting one is returned (answer it now); a running one, or a
+        preempted one (its runner keeps its text), ends with the next step and its runner
+        answers it with what it produced."""
+        if key in self._resume:
+            self._unpark(key)
         if key in self.running:
             self._stops.setdefault(key, reason)
             return None
-        self._resume.pop(key, None)
         return self.held.pop(key, None)
+
+    def _unpark(self, key: str) -> None:
+        """A preempted request back among the running, to be ended by its runner."""
+        res = self._resume.pop(key)
+        held = self.held.pop(key)
+        self.running[key] = Running(
+            held,
+            res.started_at,
+            Progress((), (), 0),
+            seq=res.seq,
+            first_token_at=res.first_token_at,
+        )
 
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
@@ -127,12 +135,17 @@ class GenScheduler:
         waiting = [self._waiting(h) for h in self.held.values()]
         running = [self._running(k, r) for k, r in self.running.items() if k not in self._stops]
         plan = self.policy.plan(waiting if dispatch else [], running, now)
+        for k in plan.expire:  # a preempted one generated already: it stops, with its text
+            if k in self._resume:
+                self._unpark(k)
+                self._stops.setdefault(k, "deadline")
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
-        for k in plan.expire:
-            self._resume.pop(k, None)
         stops = dict(self._stops)
-        for k in plan.stop:
-            stops.setdefault(k, "deadline")
+        for k in plan.stop:  # past its deadline, or grown past the whole cache
+            deadline = self.running[k].held.waiting.deadline
+            stops.setdefault(
+                k, "deadline" if deadline is not None and deadline <= now else "length"
+            )
         self._stops.clear()
         admitted = [h for k in (plan.admit if dispatch else ()) if (h := self.held.pop(k, None))]
         for h in admitted:
@@ -140,7 +153,9 @@ class GenScheduler:
             res = self._resume.pop(key, None)
             if res is None:
                 zero = tuple(0 for _ in range(h.prepared.rows))
-                self.running[key] = Running(h, now, Progress(zero, zero, self._max_new(h)))
+                self.running[key] = Running(
+                    h, now, Progress(zero, _prompts(h), h.prepared.max_new_tokens)
+                )
             else:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
@@ -159,7 +174,7 @@ class GenScheduler:
         key = h.waiting.key
         res = self._resume.get(key)
         prompts = res.prompts if res else _prompts(h)
-        left = res.max_new_tokens if res else self._max_new(h)
+        left = res.max_new_tokens if res else h.prepared.max_new_tokens
         return GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
 
     def _running(self, key: str, r: Running) -> GenRunning:
@@ -196,12 +211,14 @@ class GenScheduler:
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:
                 r.progress = progress
+        if report.out_of_memory:  # the runner halved its step budget (see its docstring)
+            pol = self.policy.policy
+            self.policy.set_policy(
+                replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
+            )
         return step, named
 
 
 def _prompts(h: Held) -> tuple[int, ...]:
-    payload = h.prepared.payload
-    prompts = getattr(payload, "prompts", None)
-    if prompts is None:
-        return tuple(h.prepared.tokens for _ in range(h.prepared.rows))
-    return tuple(len(p) for p in prompts)
+    p = h.prepared
+    return p.prompts or tuple(p.tokens for _ in range(p.rows))

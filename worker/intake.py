@@ -9,6 +9,7 @@ loop never sits in a Redis ``BLOCK`` that the end of a batch could not interrupt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,7 @@ class Intake:
         self._connected_since = 0.0
         self._judged = False
         """Heartbeats were judged since the connection was last (re)made."""
+        self._max_depth: int | None = None
         self._own: list[tuple[int, str, int]] = []
         """Entries pending on this consumer name when it started: a previous life's."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -68,6 +70,7 @@ class Intake:
         """Create the groups, register, and start reading (as granted)."""
         if self._sync_clock is not None:
             self._sync_clock()
+        self._max_depth = max_depth
         self.streams.ensure_groups(max_depth)
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
@@ -140,6 +143,16 @@ class Intake:
                 with self._cond:
                     self._cond.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except redis.ResponseError as exc:
+                if not str(exc).startswith("NOGROUP"):
+                    logger.exception("intake of %s failed; retrying", self.streams.keys.model)
+                else:  # the server lost its data (a restart without persistence): start over
+                    logger.warning("consumer group gone (%s): creating it again", exc)
+                    with contextlib.suppress(redis.RedisError):
+                        self.streams.ensure_groups(self._max_depth)
+                        continue
+                with self._cond:
+                    self._cond.wait(1.0)
             except Exception:
                 logger.exception("intake of %s failed; retrying", self.streams.keys.model)
                 with self._cond:

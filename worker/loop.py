@@ -20,7 +20,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import redis
 
@@ -32,9 +31,10 @@ from ..config import ModelConfig, WorkerConfig
 from ..connection import SyncClient
 from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import Delta, Format, Request
+from ..schemas.messages import Format, Request
 from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
 from .gen_scheduler import GenScheduler
+from .generating import Generating
 from .inbox import Arrived, Cancel, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
@@ -82,11 +82,8 @@ class BatchLoop:
         self.burst = burst
         self.engine = Engine(config.batch.policy(config.lanes))
         self.continuous = is_continuous(runner)
-        self.scheduler: Scheduler | GenScheduler = (
-            _gen_scheduler(runner, self.engine, config.lanes)
-            if self.continuous
-            else Scheduler(self.engine)
-        )
+        gen = _gen_scheduler(runner, self.engine, config.lanes) if self.continuous else None
+        self.scheduler: Scheduler | GenScheduler = gen or Scheduler(self.engine)
         self.stats = LoopStats(model=model, lanes=config.lanes)
         self.observers = Observers([self.stats, *observers])
         self.answers = Answerer(model, config, consumer)
@@ -102,6 +99,11 @@ class BatchLoop:
         self._stopping = False
         self._stopped = threading.Event()
         self.parts = parts(self)
+        self.generating = Generating(model, config, gen, self.answers, self.observers,
+                                     self.parts, self._now)  # fmt: skip
+
+    def _now(self) -> float:
+        return self.parts.clock()
 
     # --- control (any thread) ---------------------------------------------------------------
 
@@ -204,7 +206,7 @@ class BatchLoop:
                 return
             if self._stopping and self.continuous and now >= self._give_up_at:
                 return  # generations still running past the grace go back to the fleet
-            self._watch_cancels()
+            self.generating.watch()
             self._grant()
             timeout = (
                 None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
@@ -262,7 +264,7 @@ class BatchLoop:
         elif isinstance(event, SetPolicy):
             self.engine.set_policy(event.policy)
         elif isinstance(event, Cancel):
-            self._cancel(event.request_ids)
+            self.generating.cancel(event.request_ids)
 
     def _shutdown(self, started: list[str]) -> None:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
@@ -381,8 +383,8 @@ class BatchLoop:
         self.observers.notify(Dispatched(self.model, batch, step.step_id, ids, now))
 
     def _finished(self, done: StepDone) -> None:
-        if isinstance(self.scheduler, GenScheduler):
-            self._generated(self.scheduler, done)
+        if not isinstance(self.scheduler, Scheduler):
+            self.generating.finished(done)
             return
         step = self.scheduler.finished(done.step_id, done.report, done.started_at, done.finished_at)
         now = self._clock()
@@ -411,7 +413,7 @@ class BatchLoop:
             elif isinstance(ev, Partial):
                 by_key[ev.key] = held  # not finished by this step
                 seqs[ev.key] = seqs.get(ev.key, 0) + 1
-                streamed.append(self._delta(held, seqs[ev.key], ev.chunk))
+                streamed.append(self.generating.delta(held, seqs[ev.key], ev.chunk))
         for held in by_key.values():  # a one-shot runner must finish every request it admits
             failed += 1
             message = f"runner {self.runner.name} returned no output for it"
@@ -422,83 +424,6 @@ class BatchLoop:
         )  # fmt: skip
         self.parts.sink.stream(streamed)
         self.parts.sink.send(out)
-
-    def _generated(self, scheduler: GenScheduler, done: StepDone) -> None:
-        """A generating runner's step: stream its deltas, answer the requests that ended."""
-        step, named = scheduler.finished(
-            done.step_id, done.report, done.started_at, done.finished_at
-        )
-        now = self._clock()
-        out: list[Outgoing] = []
-        streamed: list[Streamed] = []
-        ends: list[Streamed] = []
-        failed = 0
-        for ev in done.report.events:
-            r = named.get(ev.key)
-            if r is None:
-                continue
-            held = r.held
-            if isinstance(ev, Partial | Final) and r.first_token_at is None:
-                r.first_token_at = done.finished_at
-            run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
-            if isinstance(ev, Partial):
-                r.seq += 1
-                streamed.append(self._delta(held, r.seq, ev.chunk))
-            elif isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
-                failed += 1
-                message = f"runner returned {len(ev.outputs)} outputs for {held.request.input_count} inputs"
-                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
-            elif isinstance(ev, Final):
-                out.append(self.answers.generated(run, held, ev.outputs, r.first_token_at, now))
-                if held.request.stream:
-                    ends.append(self._delta(held, r.seq + 1, None))
-            elif isinstance(ev, Failed):
-                failed += 1
-                out.append(self.answers.failed(run, held, ev.code, ev.message, now))
-        self.observers.notify(
-            BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
-                      done.finished_at - done.started_at, done.report.out_of_memory, failed)
-        )  # fmt: skip
-        self.parts.sink.stream(streamed)
-        self.parts.sink.send(out)
-        self.parts.sink.stream(ends)
-
-    def _delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
-        """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
-        the token stream's end (``chunk`` None)."""
-        req = held.request
-        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
-        delta = None
-        if isinstance(chunk, dict):
-            delta = Delta.model_construct(
-                v=1, kind="delta", id=req.id, model=self.model, seq=seq,
-                input=chunk.get("input", 0), text=chunk.get("text", ""),
-                tokens=chunk.get("tokens", 0),
-            )  # fmt: skip
-        return Streamed(req.id, seq, delta, ttl, req.reply, held.fmt)
-
-    def _cancel(self, request_ids: Sequence[str]) -> None:
-        """Clients cancelled these: a waiting request is answered now, a running one ends
-        with the next step."""
-        if not isinstance(self.scheduler, GenScheduler):
-            return
-        wanted = set(request_ids)
-        now = self._clock()
-        out: list[Outgoing] = []
-        ends: list[Streamed] = []
-        for held in self.scheduler.watched():
-            if held.request.id in wanted:
-                waiting = self.scheduler.stop(held.waiting.key, "cancelled")
-                if waiting is not None:
-                    out.append(self.answers.cancelled(waiting, now))
-                    if waiting.request.stream:
-                        ends.append(self._delta(waiting, 1, None))
-        self.parts.sink.send(out)
-        self.parts.sink.stream(ends)
-
-    def _watch_cancels(self) -> None:
-        if self.parts.cancels is not None and isinstance(self.scheduler, GenScheduler):
-            self.parts.cancels.watch([h.request.id for h in self.scheduler.watched()])
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
         self.parts.sink.send([self.answers.expired(h, now) for h in expired])
@@ -514,11 +439,7 @@ def _gen_scheduler(runner: Runner, engine: Engine, lanes: int) -> GenScheduler:
     budgets = runner.generation_policy(  # type: ignore[attr-defined]
         lanes, policy.lane_weights, policy.max_starvation_ms
     )
-
-    def max_new_tokens(held: Held) -> int:
-        return max(getattr(held.prepared.payload, "max_new_tokens", (1,)) or (1,))
-
-    return GenScheduler(GenerationPolicy(budgets), max_new_tokens)
+    return GenScheduler(GenerationPolicy(budgets))
 
 
 def _redis_parts(loop: BatchLoop) -> Parts:

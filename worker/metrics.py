@@ -21,6 +21,7 @@ import redis
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -39,6 +40,7 @@ from .observers import (
     BatchDone,
     DeadLettered,
     Dispatched,
+    Generated,
     LoopEvent,
     LoopObserver,
     NullObserver,
@@ -122,6 +124,38 @@ class Metrics:
         self.oom = counter(
             "batchfleet_out_of_memory", "Micro-batches that ran out of device memory.", ["model"]
         )
+        # text generation
+        self.first_token = hist(
+            "batchfleet_time_to_first_token_seconds",
+            "Generation: enqueue to its first token.",
+            ["model", "lane"],
+            LATENCY_BUCKETS,
+        )
+        self.generated_tokens = counter(
+            "batchfleet_generated_tokens", "Generation: completion tokens of answered requests.",
+            ["model"],
+        )  # fmt: skip
+        self.prompt_tokens = counter(
+            "batchfleet_prompt_tokens", "Generation: prompt tokens of answered requests.", ["model"]
+        )
+        self.preemptions = counter(
+            "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
+            ["model"],
+        )  # fmt: skip
+        self.running = Gauge(
+            "batchfleet_generation_running_sequences", "Generation: sequences in the KV cache.",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.waiting = Gauge(
+            "batchfleet_generation_waiting_requests",
+            "Generation: requests read and not running (new or preempted).",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.kv_usage = Gauge(
+            "batchfleet_kv_cache_usage_ratio",
+            "Generation: share of the KV cache the running sequences hold.",
+            ["model"], registry=registry,
+        )  # fmt: skip
 
     def init_model(self, model: str, lanes: int) -> None:
         """Create a model's counter series at 0, so that they exist before their first event:
@@ -134,6 +168,9 @@ class Metrics:
             self.dead_letters.labels(model, code.value)
         self.oom.labels(model)
         self.rows.labels(model)
+        self.preemptions.labels(model)
+        self.generated_tokens.labels(model)
+        self.prompt_tokens.labels(model)
 
 
 class PrometheusObserver:
@@ -153,6 +190,12 @@ class PrometheusObserver:
             self._answered(event.model, event.replies)
         elif isinstance(event, DeadLettered):
             self.m.dead_letters.labels(event.model, event.code).inc()
+        elif isinstance(event, Generated):
+            self.m.running.labels(event.model).set(event.running)
+            self.m.waiting.labels(event.model).set(event.waiting)
+            self.m.kv_usage.labels(event.model).set(event.kv_tokens / max(1, event.kv_capacity))
+            if event.preempted:
+                self.m.preemptions.labels(event.model).inc(event.preempted)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()
@@ -175,6 +218,11 @@ class PrometheusObserver:
             if res.status == "ok":
                 queue_wait.observe(t.queued_ms / 1000)
                 batch_wait.observe(t.batch_wait_ms / 1000)
+            if t.first_token_ms is not None:
+                self.m.first_token.labels(model, lane).observe(t.first_token_ms / 1000)
+            if res.usage is not None:
+                self.m.generated_tokens.labels(model).inc(res.usage.completion_tokens)
+                self.m.prompt_tokens.labels(model).inc(res.usage.prompt_tokens)
         for (lane, status), n in counts.items():
             self.m.results.labels(model, lane, status).inc(n)
 

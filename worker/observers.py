@@ -94,7 +94,23 @@ class StateChanged:
     state: str
 
 
-LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """A generating model's state after a step."""
+
+    model: str
+    running: int
+    """Sequences in the KV cache."""
+    waiting: int
+    """Requests read and not running (new or preempted)."""
+    kv_tokens: int
+    """Tokens the running sequences hold in the KV cache."""
+    kv_capacity: int
+    preempted: int
+    """Requests preempted by this step."""
+
+
+LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged | Generated
 
 
 class LoopObserver(Protocol):

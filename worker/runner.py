@@ -47,6 +47,10 @@ class Prepared:
     """Its longest row's token count (a batch is padded to its longest row)."""
     truncated: tuple[bool, ...] | None = None
     """Per input: was it cut to the model's limit? (reported in the result)"""
+    prompts: tuple[int, ...] = ()
+    """Generating runners: prompt tokens per sequence (what the KV cache will hold)."""
+    max_new_tokens: int = 0
+    """Generating runners: the most tokens a sequence of it may generate."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .observers import Answered, BatchDone, DeadLettered, LoopEvent
+from .observers import Answered, BatchDone, DeadLettered, Generated, LoopEvent
 
 RECENT = 2048
 
@@ -30,6 +30,10 @@ class LoopStats:
     dead_letters: int = 0
     recent_batch_rows: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_total_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    generation: Generated | None = None
+    """A generating model's state after its last step."""
+    completion_tokens: int = 0
+    preemptions: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def received(self, lanes: Iterable[int]) -> None:
@@ -48,6 +52,8 @@ class LoopStats:
                 for a in event.replies:
                     self.requests[a.result.status] += 1
                     self.recent_total_ms.append(a.result.timings.total_ms)
+                    if a.result.usage is not None:
+                        self.completion_tokens += a.result.usage.completion_tokens
         elif isinstance(event, BatchDone):
             batch = event.batch
             with self._lock:
@@ -61,6 +67,10 @@ class LoopStats:
         elif isinstance(event, DeadLettered):
             with self._lock:
                 self.dead_letters += 1
+        elif isinstance(event, Generated):
+            with self._lock:
+                self.generation = event
+                self.preemptions += event.preempted
 
     def snapshot(self) -> dict[str, Any]:
         """Plain JSON-able numbers (Celery sends them through the broker)."""
@@ -79,4 +89,16 @@ class LoopStats:
                 "dispatch_reasons": dict(self.reasons),
                 "oom_events": self.oom_events,
                 "dead_letters": self.dead_letters,
+                **self._generation(),
             }
+
+    def _generation(self) -> dict[str, Any]:
+        g = self.generation
+        if g is None:
+            return {}
+        usage = round(g.kv_tokens / g.kv_capacity, 4) if g.kv_capacity else 0.0
+        return {"generation": {
+            "running_sequences": g.running, "waiting_requests": g.waiting,
+            "kv_cache_usage": usage, "completion_tokens": self.completion_tokens,
+            "preemptions": self.preemptions,
+        }}  # fmt: skip

@@ -295,7 +295,8 @@ class ModelStreams:
         pipe = self.client.pipeline(transaction=False)
         for it in items:
             key = self.keys.tokens(it.request_id)
-            pipe.xadd(key, it.fields, maxlen=100_000, approximate=True)
+            fields: dict[Any, Any] = dict(it.fields)  # redis-py's invariant dict type
+            pipe.xadd(key, fields, maxlen=100_000, approximate=True)
             pipe.expire(key, it.ttl_s)
             if it.reply and it.message is not None:
                 pipe.publish(it.reply, it.message)

@@ -1,10 +1,14 @@
 """Incremental detokenization with stop strings.
 
 Text is released as tokens arrive, never a broken character (a token ending inside a
-UTF-8 sequence is held back, as TGI and vLLM do), and never the start of a stop string
-that may still complete: the last ``longest stop - 1`` characters wait until the next
-token decides. The final text is the whole generation decoded once, cut before the first
-stop string.
+UTF-8 sequence is held back), and never the start of a stop string that may still
+complete: the last ``longest stop - 1`` characters wait until the next token decides.
+
+Each step decodes only a short window of the newest tokens, as TGI and vLLM do: the text
+of ``tokens[prefix:read]`` (already released) against that of ``tokens[prefix:]``; the
+difference is the new text. Decoding from a few tokens back rather than from the new
+token alone keeps what depends on context (a leading space, a character spread over
+tokens) right; decoding everything each step would cost O(n) per token.
 """
 
 from __future__ import annotations
@@ -28,22 +32,25 @@ class TextStream:
     """Characters already released as deltas."""
     stopped_at: int | None = None
     """Where a stop string begins in ``text``, once one was produced."""
+    _prefix: int = 0
+    _read: int = 0
 
     def extend(self, new: Sequence[int]) -> None:
         """Take newly generated tokens."""
         if not new or self.stopped_at is not None:
             return
         self.tokens.extend(new)
-        text = self.decode(self.tokens)
-        if text.endswith("\ufffd"):  # a character still incomplete
-            return
-        self.text = text
+        before = self.decode(self.tokens[self._prefix : self._read])
+        after = self.decode(self.tokens[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # nothing complete yet: decide with the next token
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.tokens)
         if self.stop:
-            hold = max(len(s) for s in self.stop)
-            window = self.text[max(0, self.sent - hold) :]
-            base = max(0, self.sent - hold)
-            found = [window.find(s) for s in self.stop]
-            hits = [base + i for i in found if i >= 0]
+            # a stop string may begin in what was there before (it ends in the new text)
+            from_ = max(0, start - max(len(s) for s in self.stop) + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, from_)) >= 0]
             if hits:
                 self.stopped_at = min(hits)
 

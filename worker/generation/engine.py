@@ -135,8 +135,13 @@ class PagedEngine:
             context=len(st.initial_tokens) - left + st.generated_len(), prefill_left=left
         )
 
+    def set_step_tokens(self, tokens: int) -> None:
+        """Change the per-step token budget (prefill chunks + decodes)."""
+        self.processor.max_batch_tokens = tokens
+
     def reset(self) -> None:
-        """Drop every sequence (after a failed step)."""
+        """Drop every sequence (after a failed step), keeping the samplers' state."""
         self.processor.reset()
-        while not self._outputs.empty():
-            self._outputs.get_nowait()
+        for q in (self.manager.input_queue, self.manager.cancel_queue, self._outputs):
+            while not q.empty():
+                q.get_nowait()

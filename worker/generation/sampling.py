@@ -35,7 +35,7 @@ class Sampling:
         return self.temperature <= 0.0
 
 
-class SeededSampler(ContinuousBatchingLogitsProcessor):
+class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
     """Samples each sequence with its own generator (see the module docstring)."""
 
     supported_kwargs: dict[str, type] = {}  # rows are known by request id
@@ -46,8 +46,9 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):
         self._rows: list[str] = []
 
     def add(self, sequence: str, sampling: Sampling) -> None:
-        """Register a sequence before it is scheduled (greedy ones need nothing)."""
-        if sampling.greedy:
+        """Register a sequence before it is scheduled (greedy ones need nothing). A
+        sequence resumed after preemption keeps its generator, so its draws go on."""
+        if sampling.greedy or sequence in self._sampling:
             return
         seed = (
             sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -56,13 +57,9 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):
         gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
         self._sampling[sequence] = (sampling, gen)
 
-    def forget(self, sequence: str) -> tuple[Sampling, torch.Generator] | None:
-        return self._sampling.pop(sequence, None)
-
-    def keep(self, sequence: str, entry: tuple[Sampling, torch.Generator] | None) -> None:
-        """Put back a forgotten sequence's state (it resumes with the same generator)."""
-        if entry is not None:
-            self._sampling[sequence] = entry
+    def forget(self, sequence: str) -> None:
+        """The sequence ended."""
+        self._sampling.pop(sequence, None)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)

@@ -149,6 +149,7 @@ class TextGenerationRunner:
                           max_starvation_ms: float) -> GenPolicy:  # fmt: skip
         """The scheduler's budgets for this model."""
         from ...batching.generation import GenPolicy
+
         return GenPolicy(
             kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
             step_tokens=self.step_tokens, max_running=self.max_running, lanes=lanes,
@@ -187,7 +188,9 @@ class TextGenerationRunner:
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
         )
-        return Prepared(spec, rows=len(prompts), tokens=max(len(p) for p in prompts))
+        lengths = tuple(len(p) for p in prompts)
+        return Prepared(spec, rows=len(prompts), tokens=max(lengths), prompts=lengths,
+                        max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
     def _prompts(self, req: Request) -> list[list[int]]:
         if req.messages is not None:
@@ -268,6 +271,7 @@ class TextGenerationRunner:
             self._by_seq[seq.name] = (r, seq)
 
     def _park(self, r: _Req) -> Preempted:
+        """Free a request's sequences and keep its tokens; it resumes when admitted again."""
         live = [s for s in r.seqs if s.finish is None]
         self._cancel(live)
         r.parked = True
@@ -276,10 +280,9 @@ class TextGenerationRunner:
         return Preempted(r.key, prompts, left)
 
     def _cancel(self, seqs: list[_Seq]) -> None:
-        for s in seqs:
-            self._by_seq.pop(s.name, None)
-            self.engine.sampler.forget(s.name)
-        self.engine.cancel(s.name for s in seqs)
+        """Take sequences out of the engine (those it still has), freeing their blocks."""
+        live = [s for s in seqs if self._by_seq.pop(s.name, None) is not None]
+        self.engine.cancel(s.name for s in live)
 
     def _end(self, r: _Req, reason: str) -> None:
         live = [s for s in r.seqs if s.finish is None]
@@ -294,7 +297,7 @@ class TextGenerationRunner:
 
     def _final(self, r: _Req) -> Final:
         self._reqs.pop(r.key, None)
-        self._cancel([s for s in r.seqs if s.name in self._by_seq])
+        self._cancel(r.seqs)
         for s in r.seqs:
             self.engine.sampler.forget(s.name)
         outputs = [
@@ -334,20 +337,35 @@ class TextGenerationRunner:
     def _failed_step(
         self, exc: Exception, events: list[StepEvent], report: StepReport
     ) -> StepReport:
-        """A step failed: every running request fails (a generation cannot be bisected
-        mid-way); memory exhaustion is reported so the worker lowers its budgets."""
+        """A step failed. Out of memory (and the step budget can still shrink): every
+        running request is preempted — its text kept, resumed by recomputation — and the
+        per-step token budget halves (activations are what grows with it; the KV cache is
+        allocated up front). Anything else: every running request fails (a generation
+        cannot be bisected mid-way) and the engine starts clean."""
         oom = is_out_of_memory(exc)
-        logger.exception("generation step failed (%s running)", len(self._reqs))
-        code = ErrorCode.INFERENCE_FAILED
-        message = f"generation step failed: {type(exc).__name__}: {exc}"
-        for r in list(self._reqs.values()):
-            events.append(Failed(r.key, message, code))
-        self._reqs.clear()
-        self._by_seq.clear()
+        running = [r for r in self._reqs.values() if not r.parked]
         self.engine.reset()
+        for r in running:  # the engine holds nothing now: nothing to cancel in it
+            for seq in r.seqs:
+                self._by_seq.pop(seq.name, None)
         if oom:
             release_cached_memory(self.torch_device)
             report.out_of_memory = True
+        if oom and self.step_tokens > self.page_size:
+            self.step_tokens = max(self.page_size, self.step_tokens // 2)
+            self.engine.set_step_tokens(self.step_tokens)
+            logger.warning("out of memory in a generation step: %d requests preempted, step "
+                           "budget now %d tokens", len(running), self.step_tokens)  # fmt: skip
+            events += [self._park(r) for r in running]
+            report.events = events
+            return report
+        logger.error("generation step failed (%d running): %s", len(running), exc, exc_info=exc)
+        message = f"generation step failed: {type(exc).__name__}: {exc}"
+        for r in running:
+            events.append(Failed(r.key, message, ErrorCode.INFERENCE_FAILED))
+            self._reqs.pop(r.key, None)
+            for seq in r.seqs:
+                self.engine.sampler.forget(seq.name)
         report.events = events
         return report
 

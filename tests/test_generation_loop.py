@@ -1,0 +1,309 @@
+"""The loop with a generating (continuous) runner, in virtual time: requests join and
+leave between steps, deltas are numbered, deadlines expire or stop, clients cancel,
+the admission policy preempts for lane 0, a failing step fails only what ran, and a
+stop lets running generations end. A scripted runner stands in for the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from batchfleet.batching.generation import GenPolicy
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.inbox import Cancel
+from batchfleet.worker.observers import BatchDone
+from batchfleet.worker.runner import (
+    Failed,
+    Final,
+    Partial,
+    Preempted,
+    Prepared,
+    PrepareError,
+    Progress,
+    StepEvent,
+    StepReport,
+    Work,
+)
+from virtual_world import MODEL, T0, Rig, rig
+
+STEP_S = 0.010
+
+
+@dataclass
+class _Run:
+    prompts: list[int]
+    max_new: int
+    made: int = 0
+    stream: bool = False
+
+
+@dataclass
+class Tokens:
+    """A scripted generator: a prompt's tokens are its words; each step every running
+    sequence makes one token ``t<k>``, up to ``max_new_tokens`` (then ``length``)."""
+
+    kv_cache_tokens: int = 4096
+    page_size: int = 16
+    step_tokens: int = 256
+    max_running: int = 16
+    fail_at_step: int | None = None
+    name: str = "tokens"
+    device: str = "cpu"
+    continuous: bool = True
+    steps: list[Work] = field(default_factory=list)
+    running: dict[str, _Run] = field(default_factory=dict)
+    parked: dict[str, _Run] = field(default_factory=dict)
+
+    def generation_policy(self, lanes: int, weights: tuple[float, ...], starve: float) -> GenPolicy:
+        return GenPolicy(kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
+                         step_tokens=self.step_tokens, max_running=self.max_running,
+                         lanes=lanes, lane_weights=weights, max_starvation_ms=starve)  # fmt: skip
+
+    def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
+        out: list[Prepared | PrepareError] = []
+        for r in requests:
+            prompts = [len(t.split()) for t in r.inputs] or [3]
+            spec = _Run(prompts, r.max_new_tokens or 5, stream=bool(r.stream))
+            out.append(Prepared(spec, rows=len(prompts), tokens=max(prompts),
+                                prompts=tuple(prompts), max_new_tokens=spec.max_new))  # fmt: skip
+        return out
+
+    def step(self, work: Work) -> StepReport:
+        self.steps.append(work)
+        if self.fail_at_step is not None and len(self.steps) == self.fail_at_step:
+            events: list[StepEvent] = [Failed(k, "boom") for k in self.running]
+            events += [Failed(k, "boom") for k, _ in work.admit if k not in self.running]
+            self.running.clear()
+            return StepReport(events)
+        events = []
+        for key, reason in work.stop:
+            run = self.running.pop(key, None) or self.parked.pop(key)
+            events.append(self._final(key, run, reason))
+        for key in work.preempt:
+            run = self.running.pop(key)
+            self.parked[key] = run
+            events.append(Preempted(key, tuple(p + run.made for p in run.prompts),
+                                    run.max_new - run.made))  # fmt: skip
+        for key, prep in work.admit:
+            self.running[key] = self.parked.pop(key, None) or _Run(**vars(prep.payload))
+        progress: dict[str, Progress] = {}
+        for key, run in list(self.running.items()):
+            run.made += 1
+            if run.stream:
+                for i in range(len(run.prompts)):
+                    events.append(Partial(key, {"input": i, "text": f" t{run.made}", "tokens": 1}))
+            if run.made >= run.max_new:
+                del self.running[key]
+                events.append(self._final(key, run, "length"))
+            else:
+                ctx = tuple(p + run.made for p in run.prompts)
+                progress[key] = Progress(ctx, tuple(0 for _ in ctx), run.max_new - run.made)
+        return StepReport(events, progress=progress)
+
+    def _final(self, key: str, run: _Run, reason: str) -> Final:
+        text = "".join(f" t{k}" for k in range(1, run.made + 1))
+        return Final(key, [{"text": text, "finish_reason": reason, "prompt_tokens": p,
+                            "completion_tokens": run.made} for p in run.prompts])  # fmt: skip
+
+    def info(self) -> dict[str, Any]:
+        return {"runner": self.name}
+
+
+def gen_rig(runner: Tokens | None = None, **kw: Any) -> tuple[Rig, Tokens]:
+    runner = runner or Tokens()
+    r = rig(runner, cost=lambda work: STEP_S, **kw)  # type: ignore[arg-type]
+    return r, runner
+
+
+def submit(r: Rig, rid: str, text: str = "a b c", *, at: float | None = None, lane: int = 1,
+           **fields: Any) -> str:  # fmt: skip
+    req = Request(id=rid, model=MODEL, inputs=[text], **fields)
+    r.source.add(req, lane=lane, at=at)
+    return rid
+
+
+def outputs(r: Rig, rid: str) -> dict[str, Any]:
+    res = r.result(rid)
+    assert res.status == "ok", res
+    assert res.outputs is not None
+    out: dict[str, Any] = res.outputs[0]
+    return out
+
+
+def test_requests_join_between_steps_and_leave_when_done() -> None:
+    r, runner = gen_rig()
+    submit(r, "a", max_new_tokens=6)
+    submit(r, "b", max_new_tokens=2, at=T0 + 0.025)  # joins the running batch
+    submit(r, "c", max_new_tokens=3, at=T0 + 0.200)  # arrives when all is done
+    r.run()
+    assert outputs(r, "a")["completion_tokens"] == 6
+    assert outputs(r, "b")["completion_tokens"] == 2 and outputs(r, "c")["text"] == " t1 t2 t3"
+    admitted = [[k for k, _ in w.admit] for w in runner.steps]
+    assert [len(a) for a in admitted].count(1) == 3  # each joined alone, at the next step
+    assert admitted[0] and not admitted[1]  # b arrives during the third step at the earliest
+    b_step = next(i for i, a in enumerate(admitted) if a and i > 0)
+    assert 1 < b_step < 6  # while a still runs: no waiting for a's end
+    res = r.result("b")
+    assert res.usage is not None and res.usage.completion_tokens == 2
+    assert res.timings.first_token_ms is not None and res.timings.first_token_ms > 0
+    # step events reach observers (metrics) like batches do
+    assert len(r.recorder.of(BatchDone)) == len(runner.steps)
+
+
+def test_deltas_are_numbered_and_end_after_the_result() -> None:
+    r, _ = gen_rig()
+    submit(r, "s", max_new_tokens=4, stream=True)
+    submit(r, "q", max_new_tokens=4)
+    r.run()
+    sent = r.sink.streamed["s"]
+    assert [it.seq for it in sent] == [1, 2, 3, 4, 5]
+    assert [it.delta.text for it in sent[:4] if it.delta] == [" t1", " t2", " t3", " t4"]
+    assert sent[-1].delta is None  # the end entry, after the result
+    assert "q" not in r.sink.streamed
+    assert outputs(r, "s")["text"] == "".join(it.delta.text for it in sent if it.delta)
+
+
+def test_deadline_before_start_expires_and_mid_generation_stops() -> None:
+    runner = Tokens(max_running=1)
+    r, _ = gen_rig(runner)
+    submit(r, "long", max_new_tokens=50, deadline_ms=200)
+    submit(r, "behind", max_new_tokens=5, deadline_ms=100)  # never gets the one slot in time
+    r.run()
+    out = outputs(r, "long")
+    assert out["finish_reason"] == "deadline"
+    assert 15 <= out["completion_tokens"] < 50  # it ran until its deadline, about 20 steps
+    assert r.result("behind").status == "expired"
+
+
+def test_cancel_answers_a_waiting_request_now_and_stops_a_running_one() -> None:
+    runner = Tokens(max_running=1)
+    r, _ = gen_rig(runner)
+    submit(r, "run", max_new_tokens=100, stream=True)
+    submit(r, "wait", max_new_tokens=5)
+    r.world.at(T0 + 0.055, lambda: r.loop.parts.inbox.put(Cancel(("wait", "run"))))
+    r.run()
+    w = outputs(r, "wait")
+    assert w["finish_reason"] == "cancelled" and w["text"] == ""
+    out = outputs(r, "run")
+    assert out["finish_reason"] == "cancelled"
+    assert 4 <= out["completion_tokens"] <= 7
+    assert r.sink.streamed["run"][-1].delta is None  # its token stream ended
+
+
+def test_lane0_preempts_a_lower_lane_and_it_resumes_without_loss() -> None:
+    # room for about one request: a lane-2 one runs, then a lane-0 one arrives
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=5, at=T0 + 0.052)
+    r.run()
+    preempts = [w for w in runner.steps if w.preempt]
+    assert [len(w.preempt) for w in preempts] == [1]
+    assert preempts[0].preempt[0].startswith("2/")  # the lane-2 request's entry
+    low, high = outputs(r, "low"), outputs(r, "high")
+    assert low["completion_tokens"] == 20 and high["completion_tokens"] == 5
+    assert low["text"] == "".join(f" t{k}" for k in range(1, 21))
+    # high ended before low did; low's deltas carry on numbering after the preemption
+    assert r.sink.results and list(r.sink.results).index("high") < list(r.sink.results).index("low")
+    assert [it.seq for it in r.sink.streamed["low"]] == list(range(1, 22))
+
+
+def test_a_preempted_request_cancelled_while_waiting_keeps_its_text() -> None:
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=20, at=T0 + 0.052)
+    r.world.at(T0 + 0.1, lambda: r.loop.parts.inbox.put(Cancel(("low",))))
+    r.run()
+    assert any(w.preempt for w in runner.steps)
+    low = outputs(r, "low")
+    assert low["finish_reason"] == "cancelled" and 4 <= low["completion_tokens"] <= 7
+    sent = r.sink.streamed["low"]
+    assert [it.seq for it in sent] == list(range(1, len(sent) + 1)) and sent[-1].delta is None
+    assert outputs(r, "high")["completion_tokens"] == 20
+
+
+def test_a_failed_step_fails_what_ran_and_the_loop_goes_on() -> None:
+    runner = Tokens(fail_at_step=3)
+    r, _ = gen_rig(runner)
+    submit(r, "x", max_new_tokens=10)
+    submit(r, "y", max_new_tokens=10)
+    submit(r, "z", max_new_tokens=2, at=T0 + 0.5)
+    r.run()
+    assert r.result("x").status == "error" and r.result("y").status == "error"
+    assert outputs(r, "z")["completion_tokens"] == 2
+
+
+def test_stopping_lets_running_generations_end_and_hands_back_waiting_ones() -> None:
+    runner = Tokens(max_running=1)
+    r, _ = gen_rig(runner, burst=False)
+    submit(r, "run", max_new_tokens=8)
+    submit(r, "wait", max_new_tokens=8)
+    r.world.at(T0 + 0.03, r.loop.stop)
+    r.run()
+    assert outputs(r, "run")["completion_tokens"] == 8
+    assert "wait" not in r.sink.results
+    (released,) = r.source.released
+    assert b"wait" in next(iter(released.fields.values()))  # the waiting one went back
+
+
+def test_generations_past_the_shutdown_grace_go_back_to_the_fleet() -> None:
+    r, _ = gen_rig(burst=False, worker={"shutdown_grace_s": 0.05})
+    submit(r, "endless", max_new_tokens=1000)
+    r.world.at(T0 + 0.03, r.loop.stop)
+    r.run()
+    assert "endless" not in r.sink.results
+    assert len(r.source.released) == 1
+
+
+@pytest.mark.parametrize("field_", ["messages", "max_new_tokens"])
+def test_encoder_models_answer_generation_requests_invalid(field_: str) -> None:
+    r = rig()
+    extra: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "hi"}], "inputs": []}
+        if field_ == "messages" else {"max_new_tokens": 3}
+    )  # fmt: skip
+    req = Request(id="g", model=MODEL, **{"inputs": ["a b"], **extra})
+    r.source.add(req)
+    r.run()
+    res = r.result("g")
+    assert res.status == "error" and res.error is not None
+    assert res.error.code == "invalid_request" and field_ in res.error.message
+
+
+def test_a_request_that_outgrows_the_whole_cache_ends_with_length() -> None:
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "big", "w " * 40, max_new_tokens=100)
+    r.run()
+    out = outputs(r, "big")
+    assert out["finish_reason"] == "length"
+    assert 40 + out["completion_tokens"] <= 64
+
+
+def test_generation_metrics_and_stats() -> None:
+    from batchfleet.worker.metrics import Metrics, PrometheusObserver
+    from prometheus_client import CollectorRegistry
+
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=5, at=T0 + 0.052)
+    r.run()
+    registry = CollectorRegistry()
+    obs = PrometheusObserver(Metrics(registry))
+    for _, ev in r.recorder.events:
+        obs.notify(ev)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    assert value("batchfleet_generated_tokens_total") == 25
+    assert value("batchfleet_preemptions_total") == 1
+    assert value("batchfleet_time_to_first_token_seconds_count", lane="0") == 1
+    assert value("batchfleet_generation_running_sequences") == 0  # all done at the end
+    assert value("batchfleet_kv_cache_usage_ratio") == 0
+    stats = r.loop.stats.snapshot()["generation"]
+    assert stats["completion_tokens"] == 25 and stats["preemptions"] == 1

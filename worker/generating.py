@@ -1,0 +1,142 @@
+"""What the loop does for a generating runner's requests: answer each step, stream the
+deltas, carry out cancellations, keep the cancel watcher's list current.
+
+Kept apart from ``loop.py``, which owns the loop thread and everything common to both
+kinds of runner; this is called from that thread only, and holds no state of its own —
+the request state is the :class:`~.gen_scheduler.GenScheduler`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import ModelConfig
+from ..schemas.errors import ErrorCode
+from ..schemas.messages import Delta
+from .answers import Answerer, BatchRun, Held, Outgoing
+from .gen_scheduler import GenScheduler
+from .inbox import StepDone
+from .observers import BatchDone, Generated, Observers
+from .parts import Parts
+from .runner import Failed, Final, Partial, Preempted
+from .sink import Streamed
+
+
+class Generating:
+    """The generation side of one model's loop (``scheduler`` None: not a generator)."""
+
+    def __init__(
+        self,
+        model: str,
+        config: ModelConfig,
+        scheduler: GenScheduler | None,
+        answers: Answerer,
+        observers: Observers,
+        parts: Parts,
+        clock: Callable[[], float],
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.scheduler = scheduler
+        self.answers = answers
+        self.observers = observers
+        self.parts = parts
+        self._clock = clock
+
+    def finished(self, done: StepDone) -> None:
+        """A step ended: stream its deltas, answer the requests that ended."""
+        assert self.scheduler is not None
+        step, named = self.scheduler.finished(
+            done.step_id, done.report, done.started_at, done.finished_at
+        )
+        now = self._clock()
+        out: list[Outgoing] = []
+        streamed: list[Streamed] = []
+        ends: list[Streamed] = []
+        failed = 0
+        for ev in done.report.events:
+            r = named.get(ev.key)
+            if r is None:
+                continue
+            held = r.held
+            if isinstance(ev, Partial | Final) and r.first_token_at is None:
+                r.first_token_at = done.finished_at
+            run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
+            if isinstance(ev, Partial):
+                r.seq += 1
+                streamed.append(self.delta(held, r.seq, ev.chunk))
+            elif isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
+                failed += 1
+                message = (
+                    f"runner returned {len(ev.outputs)} outputs for "
+                    f"{held.request.input_count} inputs"
+                )
+                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
+            elif isinstance(ev, Final):
+                out.append(self.answers.generated(run, held, ev.outputs, r.first_token_at, now))
+                if held.request.stream:
+                    ends.append(self.delta(held, r.seq + 1, None))
+            elif isinstance(ev, Failed):
+                failed += 1
+                out.append(self.answers.failed(run, held, ev.code, ev.message, now))
+        self.observers.notify(
+            BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
+                      done.finished_at - done.started_at, done.report.out_of_memory, failed)
+        )  # fmt: skip
+        self.observers.notify(self._state(done))
+        sink = self.parts.sink
+        sink.stream(streamed)
+        sink.send(out)
+        sink.stream(ends)
+
+    def _state(self, done: StepDone) -> Generated:
+        assert self.scheduler is not None
+        running = self.scheduler.running.values()
+        budget = self.scheduler.policy.policy
+        return Generated(
+            self.model,
+            running=sum(len(r.progress.contexts) for r in running),
+            waiting=len(self.scheduler.held),
+            kv_tokens=sum(sum(r.progress.contexts) for r in running),
+            kv_capacity=budget.kv_cache_tokens,
+            preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
+        )
+
+    def delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
+        """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
+        the token stream's end (``chunk`` None)."""
+        req = held.request
+        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
+        delta = None
+        if isinstance(chunk, dict):
+            delta = Delta.model_construct(
+                v=1, kind="delta", id=req.id, model=self.model, seq=seq,
+                input=chunk.get("input", 0), text=chunk.get("text", ""),
+                tokens=chunk.get("tokens", 0),
+            )  # fmt: skip
+        return Streamed(req.id, seq, delta, ttl, req.reply, held.fmt)
+
+    def cancel(self, request_ids: Sequence[str]) -> None:
+        """Clients cancelled these: a waiting request is answered now; a running (or
+        preempted) one ends with the next step, answered by its runner with its text."""
+        if self.scheduler is None:
+            return
+        wanted = set(request_ids)
+        now = self._clock()
+        out: list[Outgoing] = []
+        ends: list[Streamed] = []
+        for held in self.scheduler.watched():
+            if held.request.id in wanted:
+                waiting = self.scheduler.stop(held.waiting.key, "cancelled")
+                if waiting is not None:
+                    out.append(self.answers.cancelled(waiting, now))
+                    if waiting.request.stream:
+                        ends.append(self.delta(waiting, 1, None))
+        self.parts.sink.send(out)
+        self.parts.sink.stream(ends)
+
+    def watch(self) -> None:
+        """Tell the cancel watcher which requests may be cancelled now."""
+        if self.parts.cancels is not None and self.scheduler is not None:
+            self.parts.cancels.watch([h.request.id for h in self.scheduler.watched()])
