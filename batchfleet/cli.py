@@ -38,7 +38,9 @@ def _worker(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(requests=args.requests, rate=args.rate, redis_url=args.redis_url)
+    return run_demo(
+        requests=args.requests, rate=args.rate, redis_url=args.redis_url, llm=not args.no_llm
+    )
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -301,9 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=_worker)
 
-    d = sub.add_parser("demo", help="local Redis + a MiniLM worker + a producer, with a summary")
+    d = sub.add_parser(
+        "demo",
+        help="local Redis + a MiniLM worker + a producer, with a summary; then SmolLM2 "
+        "streams answers",
+    )
     d.add_argument("--requests", type=int, default=300)
     d.add_argument("--rate", type=float, default=40.0, help="submissions per second")
+    d.add_argument("--no-llm", action="store_true", help="skip the text-generation part (SmolLM2)")
     d.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
     d.set_defaults(func=_demo)
 

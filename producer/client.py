@@ -17,12 +17,14 @@ from redis.client import PubSub
 from typing_extensions import Unpack
 
 from ..connection import SyncClient, connect, run_script_calls
-from ..schemas.messages import Result
+from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
-from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
+from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_for_status
 from .ops import Runner
-from .shell import ProducerShell
+from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
+from .submit import Chat
+from .tokens import DeltaFollower, Follower, Restarted, TextFollower
 
 __all__ = ["Job", "Producer", "raise_for_status"]
 
@@ -52,6 +54,32 @@ class Job(JobRef):
         ``None`` until an attempt has finished, or when it has no webhook."""
         return parse_status(self.producer.client.get(self.webhook_key))
 
+    # --- generation -----------------------------------------------------------------------
+
+    def text(self, timeout: float | None = 30.0) -> str:
+        """The generated text of a one-input request (waits for the result); raises
+        :class:`JobFailed` for a status other than ``ok``."""
+        (text,) = generation_texts(self.result(timeout))
+        return text
+
+    def stream(self, timeout: float | None = STREAM_TIMEOUT_S) -> Iterator[str]:
+        """The generated text as it is produced, piece by piece, until the request ends
+        (submitted with ``stream=True``, one input). Then ``result()`` has its
+        ``finish_reason`` and usage. Raises :class:`NotStreamed`, :class:`ResultTimeout`
+        after ``timeout`` s, :class:`StreamRestarted` (see docs/protocol.md)."""
+        self.check_streaming(one_input=True)
+        return self.producer.follow(self, TextFollower(self.id), timeout)
+
+    def deltas(self, timeout: float | None = STREAM_TIMEOUT_S) -> Iterator[Delta | Restarted]:
+        """Every :class:`Delta` of every input as it is produced, and a :class:`Restarted`
+        marker where another worker starts the request again (the deltas before it are void)."""
+        self.check_streaming(one_input=False)
+        return self.producer.follow(self, DeltaFollower(), timeout)
+
+    def cancel(self, ttl_s: int = CANCEL_TTL_S) -> None:
+        """Stop generating: :meth:`Producer.cancel`."""
+        self.producer.cancel(self, ttl_s=ttl_s)
+
 
 class Producer(ProducerShell[SyncClient, Job]):
     """Submits requests to a model's lane streams and fetches their results.
@@ -64,8 +92,8 @@ class Producer(ProducerShell[SyncClient, Job]):
     def _connect(self, url: str) -> SyncClient:
         return connect(url)
 
-    def _job(self, request_id: str, model: str) -> Job:
-        return Job(request_id, model, self)
+    def _job(self, request: Request) -> Job:
+        return Job.of(request, producer=self)  # type: ignore[no-any-return]
 
     def close(self) -> None:
         self.client.close()
@@ -83,7 +111,7 @@ class Producer(ProducerShell[SyncClient, Job]):
         with contextlib.closing(_Subscription(self.client)) as subscription:
             for op in runner:
                 if isinstance(op, ops.Emit):
-                    yield op.result
+                    yield op.item
                 else:
                     runner.reply = self._do(op, subscription)
 
@@ -99,6 +127,11 @@ class Producer(ProducerShell[SyncClient, Job]):
                 return pipe.execute()
             if isinstance(op, ops.RunScript):
                 return run_script_calls(self.client, self._submit, op.calls)
+            if isinstance(op, ops.XRead):
+                reply = self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
+                return ops.stream_entries(reply)
+            if isinstance(op, ops.SetEx):
+                return self.client.set(op.key, op.value, ex=op.ttl_s)
             if isinstance(op, ops.Sleep):
                 return time.sleep(op.seconds)
             if isinstance(op, ops.Subscribe):
@@ -123,12 +156,18 @@ class Producer(ProducerShell[SyncClient, Job]):
         return self._call(self.core.lanes(model))
 
     def submit(
-        self, model: str, inputs: str | Iterable[str], **options: Unpack[SubmitOptions]
+        self,
+        model: str,
+        inputs: str | Iterable[str] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> Job:
-        """Queue one request (one or more input texts) on lane ``priority`` (0 = highest).
+        """Queue one request (one or more input texts, or ``messages=`` for a generation
+        model) on lane ``priority`` (0 = highest).
 
         Options: ``priority``, ``deadline_ms``, ``metadata``, ``result_ttl_s``, ``request_id``,
-        ``result_format``, ``webhook`` (see :class:`SubmitOptions`). Raises
+        ``result_format``, ``webhook``; for generation ``messages``, ``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream`` (see
+        :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""
         return self._call(self.core.submit(model, inputs, options))
@@ -136,10 +175,10 @@ class Producer(ProducerShell[SyncClient, Job]):
     def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str]],
+        requests: Iterable[str | Sequence[str] | Chat],
         **options: Unpack[ManyOptions],
     ) -> list[Job]:
-        """Queue many requests (each a text or a list of texts), pipelined in chunks.
+        """Queue many requests (each a text, a list of texts or a chat), pipelined in chunks.
 
         Raises :class:`QueueFull` (with ``accepted``: the jobs that did go in) when a lane
         fills up part-way, :class:`Unavailable` (with ``accepted`` and ``unknown_ids``) when
@@ -164,6 +203,20 @@ class Producer(ProducerShell[SyncClient, Job]):
         :class:`ResultTimeout` if some are still missing after ``timeout``.
         """
         yield from self._drive(Runner(self.core.results({j.id: j.model for j in jobs}, timeout)))
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def follow(self, job: JobRef, follower: Follower, timeout: float | None) -> Iterator[Any]:
+        """What ``follower`` makes of ``job``'s token stream (``job.stream()``, ``job.deltas()``)."""
+        yield from self._drive(Runner(self.core.tokens(job.model, job.id, timeout, follower)))
+
+    def cancel(
+        self, job: JobRef | str, *, model: str | None = None, ttl_s: int = CANCEL_TTL_S
+    ) -> None:
+        """Cancel a generation request (a job, or an id with ``model``): workers stop it within
+        a step; its result is ``ok`` with the text so far and ``finish_reason`` ``cancelled``.
+        The cancel key lives ``ttl_s`` (keep it above the time the request may still wait)."""
+        self._call(self.core.cancel(*self._target(job, model), ttl_s))
 
 
 class _Subscription:

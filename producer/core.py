@@ -14,13 +14,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar
 
 from typing_extensions import Unpack
 
 from ..schemas.codec import decode_reply, decode_result
-from ..schemas.errors import JobFailed, ResultTimeout, Unavailable
+from ..schemas.errors import JobFailed, NotStreamed, ResultTimeout, Unavailable
 from ..schemas.keys import ModelKeys, default_reply_channel
 from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Result
 from .ops import (
@@ -31,20 +31,24 @@ from .ops import (
     Listen,
     Op,
     RunScript,
+    SetEx,
     Sleep,
     Steps,
     Subscribe,
     Unsubscribe,
 )
 from .submit import (
+    Chat,
     LaneCache,
     WebhookArg,
-    accepted_ids,
     build_request,
+    is_chat,
     prepare,
     queue_full,
+    split_accepted,
     unavailable,
 )
+from .tokens import Follower, read_tokens
 
 logger = logging.getLogger(__name__)
 J = TypeVar("J")
@@ -76,7 +80,29 @@ class CoreOptions(TypedDict, total=False):
     """A reply-channel listener re-reads stored results after this long without a message."""
 
 
-class ManyOptions(TypedDict, total=False):
+class GenerationOptions(TypedDict, total=False):
+    """Options of a request to a ``text-generation`` model (an encoder model answers
+    ``invalid_request`` if any is set). None: the model's default."""
+
+    max_new_tokens: int | None
+    """Tokens to generate at most, per input (bounded by the model)."""
+    temperature: float | None
+    """0 (the default) decodes greedily; above 0 it samples."""
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    """Sampling seed: the same request and seed give the same text."""
+    stop: str | Sequence[str] | None
+    """Generation ends before the first of these strings (``finish_reason`` ``stop``)."""
+    stream: bool | None
+    """Have the worker stream the text as it is produced: needed for ``job.stream()`` and
+    ``job.deltas()``."""
+
+
+GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)
+
+
+class ManyOptions(GenerationOptions, total=False):
     """Keyword options of ``submit_many`` (and of ``submit``)."""
 
     priority: int | None
@@ -92,6 +118,9 @@ class ManyOptions(TypedDict, total=False):
 class SubmitOptions(ManyOptions, total=False):
     """Keyword options of ``submit``."""
 
+    messages: Chat | None
+    """A chat for a generation model, instead of ``inputs``: one output."""
+
     result_ttl_s: int | None
     request_id: str | None
     """Your id for the request (default: a new UUID); resubmit with the same id after
@@ -100,10 +129,24 @@ class SubmitOptions(ManyOptions, total=False):
 
 @dataclass(frozen=True, slots=True)
 class JobRef:
-    """A submitted request: its id and model."""
+    """A submitted request: its id and model; for a generation request, whether its tokens
+    are streamed and how many inputs (outputs) it has."""
 
     id: str
     model: str
+    streaming: bool = field(default=False, kw_only=True)
+    """Submitted with ``stream=True``: ``stream()`` and ``deltas()`` read its token stream."""
+    input_count: int = field(default=1, kw_only=True)
+
+    @classmethod
+    def of(cls, request: Request, **more: Any) -> Any:
+        return cls(
+            request.id,
+            request.model,
+            streaming=bool(request.stream),
+            input_count=request.input_count,
+            **more,
+        )
 
     @property
     def result_key(self) -> str:
@@ -113,6 +156,24 @@ class JobRef:
     def webhook_key(self) -> str:
         """Where webhooks workers record its webhook delivery (docs/protocol.md#webhooks)."""
         return ModelKeys(self.model).webhook_status(self.id)
+
+    def check_streaming(self, one_input: bool) -> None:
+        """Raise unless its token stream can be read (by ``stream()`` if ``one_input``)."""
+        if not self.streaming:
+            raise NotStreamed(
+                f"request {self.id} was submitted without stream=True: no token stream is "
+                "written for it (job.result() has its text)"
+            )
+        if one_input and self.input_count != 1:
+            raise ValueError(
+                f"request {self.id} has {self.input_count} inputs: job.stream() reads one; "
+                "use job.deltas()"
+            )
+
+
+def generation_texts(result: Result) -> list[str]:
+    """The generated texts of an ``ok`` result (:class:`JobFailed` for another status)."""
+    return [g.text for g in raise_for_status(result).generations()]
 
 
 def raise_for_status(result: Result) -> Result:
@@ -150,11 +211,11 @@ class RetryBudget:
 
 
 class ProducerCore(Generic[J]):
-    """Everything a producer does, as :data:`Steps`; ``make_job(id, model)`` builds the
+    """Everything a producer does, as :data:`Steps`; ``make_job(request)`` builds the
     shell's job objects."""
 
     def __init__(
-        self, url: str, make_job: Callable[[str, str], J], **options: Unpack[CoreOptions]
+        self, url: str, make_job: Callable[[Request], J], **options: Unpack[CoreOptions]
     ) -> None:
         self.url = url
         self.make_job = make_job
@@ -200,15 +261,18 @@ class ProducerCore(Generic[J]):
     def _build(
         self,
         model: str,
-        inputs: str | Iterable[str],
+        inputs: str | Iterable[str] | None,
         options: ManyOptions,
         request_id: str | None = None,
         result_ttl_s: int | None = None,
+        messages: Chat | None = None,
     ) -> tuple[Request, int]:
         """A validated request (its id fixed here, once) and its lane: checked before Redis."""
         request = build_request(
             model,
             inputs,
+            messages=messages,
+            generation={k: options.get(k) for k in GENERATION_OPTIONS},
             limits=self.limits,
             request_id=request_id,
             deadline_ms=options.get("deadline_ms"),
@@ -221,28 +285,37 @@ class ProducerCore(Generic[J]):
         priority = options.get("priority")
         return request, self.default_priority if priority is None else priority
 
-    def submit(self, model: str, inputs: str | Iterable[str], options: SubmitOptions) -> Steps[J]:
+    def submit(
+        self, model: str, inputs: str | Iterable[str] | None, options: SubmitOptions
+    ) -> Steps[J]:
         """One request. Its id is fixed before the first try, so a retry after an unknown
         outcome adds an entry with the same id, which gets the same single result."""
         request, lane = self._build(
-            model, inputs, options, options.get("request_id"), options.get("result_ttl_s")
-        )
+            model, inputs, options, options.get("request_id"), options.get("result_ttl_s"),
+            options.get("messages"),
+        )  # fmt: skip
         budget = RetryBudget(self.retry_for_s)
         p = prepare(request, lane, (yield from self.lanes(model, budget)), self.wire_format)
         (reply,) = yield from self._retrying(RunScript([(p.keys, p.args)]), budget, [request.id])
         if isinstance(reply, Exception):
             raise (queue_full(reply) or reply) from None
-        return self.make_job(request.id, model)
+        return self.make_job(request)
 
     def submit_many(
-        self, model: str, requests: Iterable[str | Sequence[str]], options: ManyOptions
+        self, model: str, requests: Iterable[str | Sequence[str] | Chat], options: ManyOptions
     ) -> Steps[list[J]]:
-        """Many requests, pipelined in chunks; each chunk retried like :meth:`submit`.
+        """Many requests, pipelined in chunks; each chunk retried like :meth:`submit`. Each
+        is a text, a list of texts, or a chat (a list of messages).
 
         :class:`QueueFull` and :class:`Unavailable` carry ``accepted``: the jobs that did go
         in; ``Unavailable.unknown_ids`` names the requests that may or may not have.
         """
-        built = [self._build(model, inputs, options) for inputs in requests]
+        built = [
+            self._build(model, None, options, messages=item)  # type: ignore[arg-type]
+            if is_chat(item)
+            else self._build(model, item, options)  # type: ignore[arg-type]
+            for item in requests
+        ]
         budget = RetryBudget(self.retry_for_s)
         lanes = yield from self.lanes(model, budget)
         prepared = [prepare(request, lane, lanes, self.wire_format) for request, lane in built]
@@ -260,8 +333,8 @@ class ProducerCore(Generic[J]):
             except Unavailable as exc:
                 exc.accepted = jobs
                 raise
-            ids, full = accepted_ids(chunk, replies)
-            jobs += [self.make_job(rid, model) for rid in ids]
+            went_in, full = split_accepted(chunk, replies)
+            jobs += [self.make_job(p.request) for p in went_in]
             if full is not None:
                 full.accepted = jobs
                 raise full
@@ -346,3 +419,18 @@ class ProducerCore(Generic[J]):
                 if raw is not None:
                     del waiting[rid]
                     yield Emit(decode_result(raw))
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def tokens(
+        self, model: str, request_id: str, timeout: float | None, follower: Follower
+    ) -> Steps[None]:
+        """Follow the request's token stream (producer/tokens.py), emitting what ``follower``
+        makes of its deltas."""
+        return (yield from read_tokens(self.url, model, request_id, timeout, follower))
+
+    def cancel(self, model: str, request_id: str, ttl_s: int) -> Steps[None]:
+        """Ask the workers to stop the request: set its cancel key (with ``ttl_s``), retried
+        like a submit. Its result is then ``ok`` with ``finish_reason`` ``cancelled``."""
+        key = ModelKeys(model).cancel(request_id)
+        yield from self._retrying(SetEx(key, b"1", ttl_s), RetryBudget(self.retry_for_s))

@@ -12,8 +12,6 @@ from typing import Any, Generic, TypeVar
 
 import redis
 
-from ..schemas.messages import Result
-
 DOWN = (redis.ConnectionError, redis.TimeoutError)
 """What a restarting Redis raises (``BusyLoadingError`` while it loads is a ConnectionError)."""
 
@@ -43,6 +41,26 @@ class RunScript:
 
 
 @dataclass(frozen=True, slots=True)
+class SetEx:
+    """``SET key value EX ttl_s`` → True."""
+
+    key: str
+    value: bytes
+    ttl_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class XRead:
+    """``XREAD COUNT count [BLOCK ms] STREAMS key after`` → a list of ``(entry id, fields)``
+    (empty when none came); ``block_s`` None does not block."""
+
+    key: str
+    after: str
+    block_s: float | None
+    count: int = 512
+
+
+@dataclass(frozen=True, slots=True)
 class Sleep:
     seconds: float
 
@@ -68,15 +86,33 @@ class Unsubscribe:
 
 @dataclass(frozen=True, slots=True)
 class Emit:
-    """Not a Redis operation: hand this result to the caller of ``results()``."""
+    """Not a Redis operation: hand ``item`` to the caller (a result of ``results()``, a
+    delta or text of a token stream)."""
 
-    result: Result
+    item: Any
 
 
-Op = Get | GetMany | RunScript | Sleep | Subscribe | Listen | Unsubscribe | Emit
+Op = Get | GetMany | RunScript | SetEx | XRead | Sleep | Subscribe | Listen | Unsubscribe | Emit
 T = TypeVar("T")
 Steps = Generator[Op, Any, T]
 """A core operation: yields :data:`Op`, receives each one's reply, returns a ``T``."""
+
+
+def block_ms(op: XRead) -> int | None:
+    """``op``'s ``BLOCK`` argument (never 0: that blocks for ever)."""
+    return None if op.block_s is None else max(1, int(op.block_s * 1000))
+
+
+def stream_entries(reply: Any) -> list[tuple[Any, Any]]:
+    """The entries of an ``XREAD`` reply for one stream (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    out: list[tuple[Any, Any]] = []
+    for entries in reply.values() if isinstance(reply, dict) else [e for _, e in reply]:
+        if entries and isinstance(entries[0], list):  # RESP3, as redis-py wraps it
+            entries = entries[0]
+        out += [(eid, fields) for eid, fields in entries if fields is not None]
+    return out
 
 
 class Runner(Generic[T]):

@@ -7,12 +7,17 @@ from typing import Generic, TypeVar
 from typing_extensions import Unpack
 
 from ..connection import AsyncClient, SyncClient, default_url
-from ..schemas.messages import Format, Limits
-from .core import CoreOptions, ProducerCore
+from ..schemas.messages import Format, Limits, Request
+from .core import CoreOptions, JobRef, ProducerCore
 from .submit import SUBMIT_LUA
 
 C = TypeVar("C", bound=SyncClient | AsyncClient)
 J = TypeVar("J")
+
+STREAM_TIMEOUT_S = 120.0
+"""Default of ``job.stream(timeout=)`` and ``job.deltas(timeout=)``: the whole generation."""
+CANCEL_TTL_S = 3600
+"""Default life of a cancel key: it must outlast the request's wait in the queue."""
 
 
 class ProducerShell(Generic[C, J]):
@@ -46,5 +51,14 @@ class ProducerShell(Generic[C, J]):
         """The client, made from the URL when none is given."""
         raise NotImplementedError
 
-    def _job(self, request_id: str, model: str) -> J:
+    def _job(self, request: Request) -> J:
         raise NotImplementedError
+
+    @staticmethod
+    def _target(job: JobRef | str, model: str | None) -> tuple[str, str]:
+        """``(model, request id)`` of a job, or of an id and ``model``."""
+        if isinstance(job, JobRef):
+            return job.model, job.id
+        if model is None:
+            raise ValueError("cancel(request_id) needs model=")
+        return model, job

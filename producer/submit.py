@@ -14,10 +14,12 @@ from pydantic import ValidationError
 from ..schemas.codec import encode_request
 from ..schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
 from ..schemas.keys import ModelKeys, check_model_name
-from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Webhook
+from ..schemas.messages import DEFAULT_LIMITS, ChatMessage, Format, Limits, Request, Webhook
 
 WebhookArg = str | Webhook | Mapping[str, Any] | None
 """A webhook URL, or a :class:`Webhook` / map with ``url``, ``secret_id``, ``format``."""
+Chat = Sequence[ChatMessage | Mapping[str, str]]
+"""Chat messages: ``[{"role": "user", "content": "..."}, ...]`` or :class:`ChatMessage` objects."""
 
 DEFAULT_LANES = 3
 LANES_CACHE_S = 30.0
@@ -27,10 +29,22 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def is_chat(item: object) -> bool:
+    """Whether a ``submit_many`` item is a chat (messages) rather than input texts."""
+    return (
+        not isinstance(item, str)
+        and isinstance(item, Sequence)
+        and bool(item)
+        and isinstance(item[0], ChatMessage | Mapping)
+    )
+
+
 def build_request(
     model: str,
-    inputs: str | Iterable[str],
+    inputs: str | Iterable[str] | None,
     *,
+    messages: Chat | None = None,
+    generation: Mapping[str, Any] | None = None,
     limits: Limits = DEFAULT_LIMITS,
     request_id: str | None = None,
     deadline_ms: int | None = None,
@@ -40,13 +54,16 @@ def build_request(
     result_format: Format | None = None,
     webhook: WebhookArg = None,
 ) -> Request:
-    """Validate a request on the producer side, with the same rules the worker applies."""
+    """Validate a request on the producer side, with the same rules the worker applies.
+    ``generation``: the generation fields (``max_new_tokens``, ``stream``...), None left out."""
     check_model_name(model)
-    texts = [inputs] if isinstance(inputs, str) else list(inputs)
+    texts = [] if inputs is None else [inputs] if isinstance(inputs, str) else list(inputs)
     body: dict[str, Any] = {
         "id": request_id or new_request_id(),
         "model": model,
         "inputs": texts,
+        "messages": None if messages is None else [_message(m) for m in messages],
+        **_generation_fields(generation or {}),
         "deadline_ms": deadline_ms,
         "reply": reply,
         "result_ttl_s": result_ttl_s,
@@ -64,6 +81,18 @@ def build_request(
         if "empty_input" in msg:
             code = ErrorCode.EMPTY_INPUT
         raise RequestRejected(msg, code) from None
+
+
+def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation fields that are set; ``stop`` as a list (a lone string is one)."""
+    out = {k: v for k, v in generation.items() if v is not None}
+    if "stop" in out:
+        out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
+    return out
+
+
+def _message(m: ChatMessage | Mapping[str, str]) -> Any:
+    return m.model_dump() if isinstance(m, ChatMessage) else dict(m)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +124,11 @@ def queue_full(exc: Exception) -> QueueFull | None:
     )
 
 
-def accepted_ids(
+def split_accepted(
     chunk: Sequence[Prepared], replies: Sequence[object]
-) -> tuple[list[str], QueueFull | None]:
-    """Ids of the pipelined submits that went in, and the QueueFull that refused others."""
-    ids: list[str] = []
+) -> tuple[list[Prepared], QueueFull | None]:
+    """The pipelined submits that went in, and the QueueFull that refused others."""
+    went_in: list[Prepared] = []
     full: QueueFull | None = None
     for p, reply in zip(chunk, replies, strict=True):
         if isinstance(reply, Exception):
@@ -107,8 +136,8 @@ def accepted_ids(
             if full is None:
                 raise reply
         else:
-            ids.append(p.request.id)
-    return ids, full
+            went_in.append(p)
+    return went_in, full
 
 
 def unavailable(url: str, exc: Exception, unknown_ids: Sequence[str] = ()) -> Unavailable:

@@ -100,3 +100,18 @@ class JobFailed(BatchfleetError):
         self.error_code = str(code.value if isinstance(code, ErrorCode) else code)
         self.status: str = str(getattr(result, "status", "error"))
         self.result = result
+
+
+class NotStreamed(BatchfleetError, ValueError):
+    """``job.stream()`` or ``job.deltas()`` on a request submitted without ``stream=True``:
+    no worker writes its token stream (``job.result()`` has its text)."""
+
+
+class StreamRestarted(BatchfleetError):
+    """A generating request was started again by another worker (its worker died) and the new
+    text differs from what ``job.stream()`` already yielded: that text is void. The request
+    still gets one final result: ``job.result()`` has the text to keep."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id

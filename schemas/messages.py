@@ -329,3 +329,13 @@ class Result(_Answer):
     def ok(self) -> bool:
         """True for status ``ok`` only (never for a status this client does not know)."""
         return self.status == OK
+
+    def generations(self) -> list[Generation]:
+        """A generation model's outputs as :class:`Generation` maps (text, ``finish_reason``,
+        token counts), one per input; empty when the result has no outputs."""
+        return [
+            g
+            if isinstance(g, Generation)
+            else Generation.model_validate(g, context={FROM_WIRE: True})
+            for g in self.outputs or []
+        ]

@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from batchfleet.schemas.keys import ModelKeys
-from tiny_models import make_classifier, make_embedding_model
+from tiny_models import make_causal_lm, make_classifier, make_embedding_model
 
 from batchfleet.redis_server import LocalRedis
 
@@ -76,6 +76,16 @@ def tiny_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a chat template, for the ``text-generation`` runner."""
+    return make_causal_lm(tmp_path_factory.mktemp("tiny-lm"))
+
+
+TINY_LM_OPTIONS = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
+"""Small cache and step budgets: the tiny model's whole cache in a few MB."""
 
 
 def next_message(pubsub: redis.client.PubSub, timeout: float = 5.0) -> Any:

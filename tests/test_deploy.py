@@ -285,11 +285,28 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
         sub.subscribe(producer.reply_channel)  # its own reply channel: allowed
         assert sub.get_message(timeout=2)["type"] == "subscribe"
         sub.close()
+        # generation: the producer reads token streams and sets cancel keys
+        gen = producer.submit("minilm", "hi", stream=True)
+        keys = ModelKeys("minilm")
+        streams.append_tokens([
+            TokenWrite(gen.id, {b"seq": b"1", b"input": b"0", b"text": b"Hi", b"tokens": b"1"},
+                       60, producer.reply_channel, b"\x80"),
+            TokenWrite(gen.id, {b"seq": b"2", b"end": b"1"}, 60),
+        ])  # fmt: skip
+        assert list(gen.stream(timeout=30)) == ["Hi"]
+        producer.cancel(gen)
+        assert streams.cancelled([gen.id, "other"]) == [gen.id]
         for forbidden in (
-            lambda: pc.xreadgroup(GROUP, "x", {ModelKeys("minilm").lane(0): ">"}),
-            lambda: pc.set(ModelKeys("minilm").result("forged"), b"x"),
+            lambda: pc.xreadgroup(GROUP, "x", {keys.lane(0): ">"}),
+            lambda: pc.set(keys.result("forged"), b"x"),
             lambda: pc.flushall(),
             lambda: pc.xadd("other:key", {"a": "b"}),
+            lambda: pc.xread({keys.lane(0): "0-0"}),  # others' requests
+            lambda: pc.xadd(keys.tokens(gen.id), {"seq": "9"}),  # forged tokens
+            lambda: pc.set(keys.lane(0), b"x"),  # SET only on cancel keys
+            lambda: pc.set(keys.max_depth, b"1"),
+            lambda: pc.get(keys.cancel(gen.id)),
+            lambda: pc.delete(keys.cancel(gen.id)),
         ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 forbidden()
@@ -299,7 +316,7 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     assert "w1" in streams.live_consumers(2, 10) and streams.holders() == {}
     streams.append_tokens([TokenWrite("gen-1", {b"seq": b"1"}, 60, "bf:reply:x", b"\x80")])
     assert streams.cancelled(["gen-1"]) == []
-    assert streams.depths() == ([0, 0, 0], [0, 0, 0])
+    assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits
     scheduled = WebhookKeys().scheduled
     worker.zadd(scheduled, {"d1": 1})
     assert worker.zrangebyscore(scheduled, 0, 2) == [b"d1"] and worker.pexpire(scheduled, 1000)

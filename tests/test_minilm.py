@@ -58,8 +58,9 @@ def test_minilm_worker_matches_sentence_transformers(
 
 def test_demo_command_runs_end_to_end() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "BATCHFLEET_REDIS_URL")}
+    demo = ["demo", "--requests", "40", "--rate", "100", "--no-llm"]  # LLM: test_smollm2.py
     proc = subprocess.run(
-        [sys.executable, "-m", "batchfleet", "demo", "--requests", "40", "--rate", "100"],
+        [sys.executable, "-m", "batchfleet", *demo],
         capture_output=True,
         text=True,
         timeout=240,

@@ -413,3 +413,193 @@ def test_a_job_shows_where_its_webhook_delivery_stands(
     status.write(r, "tiny", job.id, refused, ttl_s=60)
     # Then the submitter sees it
     assert shell.call(job.webhook_status()) == refused
+
+
+# --- generation: requests, token streams, cancel (a fake worker writes the streams) ---------
+
+
+def collect(shell: Shell, items: Any, into: queue.Queue[Any] | None = None) -> list[Any]:
+    """Everything ``items`` (a job's ``stream()`` or ``deltas()``, sync or async) yields, also
+    put into ``into`` as it comes."""
+    got: list[Any] = []
+
+    def take(item: Any) -> None:
+        got.append(item)
+        if into is not None:
+            into.put(item)
+
+    if shell.loop is None:
+        for item in items:
+            take(item)
+        return got
+
+    async def consume() -> None:
+        async for item in items:
+            take(item)
+
+    shell.call(consume())
+    return got
+
+
+def write_deltas(client: redis.Redis, rid: str, *deltas: tuple[int, str], end: int = 0) -> None:
+    """Token-stream entries as the worker appends them (``(seq, text)`` of input 0), and the
+    end entry ``end`` if set."""
+    from batchfleet.schemas.codec import delta_fields, end_fields
+    from batchfleet.schemas.messages import Delta
+    from batchfleet.worker.streams import TokenWrite
+
+    writes = [
+        TokenWrite(rid, delta_fields(Delta(id=rid, seq=seq, text=text, tokens=1)), 60)
+        for seq, text in deltas
+    ]
+    if end:
+        writes.append(TokenWrite(rid, end_fields(end), 60))
+    ModelStreams(client, "tiny", 3, "fake-worker").append_tokens(writes)
+
+
+def store_generation(client: redis.Redis, rid: str, *texts: str) -> None:
+    outputs = [{"text": t, "finish_reason": "stop", "prompt_tokens": 3,
+                "completion_tokens": 2} for t in texts]  # fmt: skip
+    body = {"v": 1, "id": rid, "model": "tiny", "status": "ok", "outputs": outputs,
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2}}  # fmt: skip
+    client.set(KEYS.result(rid), msgpack.packb(body))
+
+
+def test_generation_requests_carry_their_fields(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    shell = shells(kind, redis_url)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    job = shell.submit("tiny", messages=chat, max_new_tokens=20, temperature=0.7, top_p=0.9,
+                       top_k=40, seed=7, stop="\n", stream=True)  # fmt: skip
+    prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5)
+    (request, many, chat_many) = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
+    assert request.messages is not None and request.messages[0].content == chat[0]["content"]
+    assert (request.inputs, request.max_new_tokens, request.temperature, request.top_p,
+            request.top_k, request.seed, request.stop, request.stream) == (
+            [], 20, 0.7, 0.9, 40, 7, ["\n"], True)  # fmt: skip
+    assert (job.streaming, job.input_count) == (True, 1)
+    assert (many.inputs, many.max_new_tokens, many.stream) == (["a", "b"], 5, None)
+    assert chat_many.messages is not None and (prompts.input_count, talk.input_count) == (2, 1)
+    with pytest.raises(RequestRejected):
+        shell.submit("tiny", "both", messages=chat)
+    with pytest.raises(RequestRejected):
+        shell.submit("tiny", "x", max_new_tokens=0)
+
+
+def test_stream_yields_the_text_until_the_end_entry(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    # Given a streaming request and a reader that starts before any token
+    shell = shells(kind, redis_url)
+    job = shell.submit("tiny", "capital of France?", stream=True)
+    texts: queue.Queue[Any] = queue.Queue()
+    reading = background.submit(collect, shell, job.stream(), texts)
+
+    # When the worker streams three deltas, stores the result, then ends the stream
+    write_deltas(r, job.id, (1, "The capital"), (2, " is"))
+    assert texts.get(timeout=30) == "The capital"  # read as it comes
+    write_deltas(r, job.id, (3, " Paris."))
+    store_generation(r, job.id, "The capital is Paris.")
+    write_deltas(r, job.id, end=4)
+
+    # Then the pieces add up to the result's text, and a late reader reads it all again
+    assert "".join(reading.result(timeout=30)) == shell.call(job.text()) == "The capital is Paris."
+    deltas = collect(shell, job.deltas())
+    assert [(d.seq, d.input, d.text, d.tokens) for d in deltas] == [
+        (1, 0, "The capital", 1), (2, 0, " is", 1), (3, 0, " Paris.", 1)]  # fmt: skip
+    assert shell.result(job).generations()[0].finish_reason == "stop"
+
+
+def test_stream_ends_at_a_stored_result_without_end_entry(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    # Given a worker that died between storing the result and appending the end entry
+    shell = shells(kind, redis_url)
+    job = shell.submit("tiny", "hi", stream=True)
+    write_deltas(r, job.id, (1, "Hello"), (2, "!"))
+    store_generation(r, job.id, "Hello!")
+    # Then the reader stops all the same
+    assert collect(shell, job.stream()) == ["Hello", "!"]
+
+
+def test_a_restarted_generation_is_followed_or_refused(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    from batchfleet.producer.tokens import Restarted
+    from batchfleet.schemas.errors import StreamRestarted
+
+    shell = shells(kind, redis_url)
+    same, other = shell.submit_many("tiny", ["a", "b"], stream=True)
+    # Given a worker that died after two deltas, and another that generates again from seq 1
+    write_deltas(r, same.id, (1, "The "), (2, "cap"), (1, "The "), (2, "cap"), (3, "ital"), end=4)
+    # Then stream() does not repeat the text it gave, and deltas() marks the restart
+    assert collect(shell, same.stream()) == ["The ", "cap", "ital"]
+    marks = [type(d).__name__ if isinstance(d, Restarted) else d.seq
+             for d in collect(shell, same.deltas())]  # fmt: skip
+    assert marks == [1, 2, "Restarted", 1, 2, 3]
+
+    # When the text generated again differs from what was streamed
+    write_deltas(r, other.id, (1, "Yes"), (1, "No"), (2, " way"), end=3)
+    got: queue.Queue[Any] = queue.Queue()
+    with pytest.raises(StreamRestarted) as info:
+        collect(shell, other.stream(), got)
+    assert info.value.request_id == other.id and got.get_nowait() == "Yes" and got.empty()
+
+
+def test_stream_needs_stream_true_and_one_input_and_honours_its_timeout(
+    kind: str, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    from batchfleet.schemas.errors import NotStreamed, ResultTimeout
+
+    shell = shells(kind, redis_url)
+    plain, two = shell.submit("tiny", "x"), shell.submit("tiny", ["a", "b"], stream=True)
+    with pytest.raises(NotStreamed, match="stream=True"):
+        plain.stream()
+    with pytest.raises(NotStreamed):
+        plain.deltas()
+    with pytest.raises(ValueError, match=r"job\.deltas"):
+        two.stream()
+    with pytest.raises(ResultTimeout):
+        collect(shell, two.deltas(timeout=0.3))  # nothing is generating it
+
+
+def test_cancel_sets_the_documented_key_with_a_ttl(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    shell = shells(kind, redis_url)
+    job, other = shell.submit_many("tiny", ["a", "b"], stream=True)
+    shell.call(shell.producer.cancel(job))
+    shell.call(other.cancel(ttl_s=60))
+    shell.call(shell.producer.cancel("by-id", model="tiny", ttl_s=90))
+    assert r.get(KEYS.cancel(job.id)) == b"1" and 3500 < r.ttl(KEYS.cancel(job.id)) <= 3600
+    assert 0 < r.ttl(KEYS.cancel(other.id)) <= 60 and 60 < r.ttl(KEYS.cancel("by-id")) <= 90
+    # what a worker polls
+    assert ModelStreams(r, "tiny", 3, "w").cancelled([job.id, "x", "by-id"]) == [job.id, "by-id"]
+    with pytest.raises(ValueError, match="model="):
+        shell.call(shell.producer.cancel("by-id"))
+
+
+def test_stream_survives_a_redis_restart(
+    kind: str, restartable: LocalRedis, shells: Callable[..., Shell], outage: OutageSeen
+) -> None:
+    # Given a reader that has read the first delta
+    shell = shells(kind, restartable.url)
+    job = shell.submit("tiny", "hello", stream=True)
+    client = redis.Redis.from_url(restartable.url)
+    texts: queue.Queue[Any] = queue.Queue()
+    reading = background.submit(collect, shell, job.stream(timeout=60), texts)
+    write_deltas(client, job.id, (1, "one"))
+    assert texts.get(timeout=30) == "one"
+
+    # When Redis restarts (losing the stream: no AOF) and the worker goes on writing
+    restartable.crash()
+    outage.wait()
+    restartable.start()
+    write_deltas(client, job.id, (2, " two"))
+    store_generation(client, job.id, "one two")
+    write_deltas(client, job.id, end=3)
+
+    # Then the same stream() call yields the rest
+    assert reading.result(timeout=60) == ["one", " two"]
+    client.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from conftest import WorkerProcess, fleet_toml
+from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,4 +125,79 @@ def test_plain_client_reads_a_later_v1_worker(r: redis.Redis) -> None:
             result = read_reply(message["data"])
     assert result["id"] == rid and result["status"] not in ("ok", "error", "expired")
     assert result["error"] == {"code": "overloaded", "message": "later", "retry_after_ms": 5}
+    pubsub.close()
+
+
+def read_tokens(r: redis.Redis, key: str, timeout: float = 60.0) -> list[dict[bytes, bytes]]:
+    """docs/protocol.md, "Text generation": XREAD the token stream from 0-0, BLOCKing from
+    the last id seen, until the `end` entry."""
+    last, out = "0-0", []
+    end = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < end, f"{key} did not end"
+        for _, entries in r.xread({key: last}, block=1000) or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                if b"end" in fields:
+                    return [*out, fields]
+                out.append(fields)
+
+
+def test_plain_client_generates_streams_and_cancels(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    fleet = fleet_toml(
+        redis_url, {"gen": {"runner": "text-generation", "path": str(tiny_lm),
+                            "options": TINY_LM_OPTIONS}}
+    )  # fmt: skip
+    start_worker(fleet, "raw-gen").wait_ready(r, "gen")
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("svc-gen")
+
+    # a streamed chat request, in JSON
+    rid = uuid.uuid4().hex
+    body = {"id": rid, "model": "gen", "messages": [{"role": "user", "content": "the man was"}],
+            "max_new_tokens": 12, "stream": True, "reply": "svc-gen"}  # fmt: skip
+    r.xadd("bf:{gen}:lane:1", {"json": json.dumps(body)})
+    entries = read_tokens(r, f"bf:{{gen}}:tokens:{rid}")
+    *deltas, last = entries
+    assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
+    assert last == {b"seq": str(len(entries)).encode(), b"end": b"1"}
+    result = json.loads(poll(r, f"bf:{{gen}}:result:{rid}"))
+    (out,) = result["outputs"]
+    assert result["status"] == "ok" and out["finish_reason"] in ("stop", "length")
+    assert out["text"] == "".join(f[b"text"].decode() for f in deltas)
+    assert out["completion_tokens"] == sum(int(f[b"tokens"]) for f in deltas) <= 12
+    assert result["usage"]["completion_tokens"] == out["completion_tokens"]
+    assert result["usage"]["prompt_tokens"] == out["prompt_tokens"] > 0
+    assert result["timings"]["first_token_ms"] > 0
+    assert 0 < r.ttl(f"bf:{{gen}}:tokens:{rid}") <= 3600
+
+    # the reply channel carried the same deltas (kind "delta"), then the result
+    published: list[dict[str, object]] = []
+    end = time.monotonic() + 30
+    while not published or published[-1].get("kind") == "delta":
+        assert time.monotonic() < end, f"no result on the reply channel after {published}"
+        if (message := pubsub.get_message(timeout=0.5)) is not None:
+            published.append(json.loads(message["data"]))
+    *messages, final = published
+    assert [m["seq"] for m in messages] == [int(f[b"seq"]) for f in deltas]
+    assert "".join(str(m["text"]) for m in messages) == out["text"]
+    assert all(m["v"] == 1 and m["id"] == rid and m["model"] == "gen" for m in messages)
+    assert read_reply(message["data"]) == final == result  # an old client reads only this
+
+    # cancelling a long generation once it has started, in msgpack
+    rid2 = uuid.uuid4().hex
+    body2 = {"id": rid2, "model": "gen", "inputs": ["a b c"], "max_new_tokens": 900,
+             "stream": True}  # fmt: skip
+    r.xadd("bf:{gen}:lane:0", {"msgpack": msgpack.packb(body2)})
+    first = r.xread({f"bf:{{gen}}:tokens:{rid2}": "0-0"}, count=1, block=30_000)
+    assert first, "no token within 30 s"
+    r.set(f"bf:{{gen}}:cancel:{rid2}", "1", ex=3600)
+    entries2 = read_tokens(r, f"bf:{{gen}}:tokens:{rid2}")
+    cancelled = msgpack.unpackb(poll(r, f"bf:{{gen}}:result:{rid2}"))
+    (out2,) = cancelled["outputs"]
+    assert cancelled["status"] == "ok" and out2["finish_reason"] == "cancelled"
+    assert out2["text"] == "".join(f[b"text"].decode() for f in entries2[:-1])
+    assert 0 < out2["completion_tokens"] < 900
     pubsub.close()

