@@ -7,6 +7,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .errors import ErrorCode
+from .inputs import Input, InputLimits, check_inputs
 from .keys import MODEL_NAME, REQUEST_ID
 
 SCHEMA_VERSION: Final = 1
@@ -35,6 +36,8 @@ class Limits(BaseModel):
     max_metadata_items: int = Field(16, ge=0, le=256)
     max_metadata_chars: int = Field(256, ge=1, le=65_536)
     max_result_ttl_s: int = Field(7 * 24 * 3600, ge=1)
+    inputs: InputLimits = Field(default_factory=InputLimits)
+    """Images and rankings (schemas/inputs.py)."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -88,7 +91,8 @@ class Request(_Strict):
     v: Literal[1] = SCHEMA_VERSION
     id: str = Field(pattern=REQUEST_ID.pattern)
     model: str = Field(pattern=MODEL_NAME.pattern)
-    inputs: list[str] = Field(min_length=1)
+    inputs: list[Input] = Field(min_length=1)
+    """Texts, or other kinds of input (schemas/inputs.py): text pairs, rankings, images."""
     deadline_ms: int | None = Field(None, ge=1, le=7 * 24 * 3600 * 1000)
     """Result due this many ms after the entry was added (its stream id's time)."""
     reply: str | None = Field(None, min_length=1, max_length=256)
@@ -116,14 +120,7 @@ class Request(_Strict):
             raise ValueError(
                 f"too_large: {len(self.inputs)} inputs > max_inputs {limits.max_inputs}"
             )
-        for i, text in enumerate(self.inputs):
-            if not text.strip():
-                raise ValueError(f"empty_input: inputs[{i}] is empty")
-            if len(text) > limits.max_text_chars:
-                raise ValueError(
-                    f"too_large: inputs[{i}] has {len(text)} chars > max_text_chars "
-                    f"{limits.max_text_chars}"
-                )
+        check_inputs(self.inputs, self.model, limits.max_text_chars, limits.inputs)
         if len(self.metadata) > limits.max_metadata_items:
             raise ValueError(f"too_large: metadata has more than {limits.max_metadata_items} items")
         for k, val in self.metadata.items():

@@ -8,6 +8,11 @@ from typing import Any
 BUILTIN = {
     "embedding": "batchfleet.worker.runners.embedding:EmbeddingRunner",
     "text-classification": "batchfleet.worker.runners.classification:ClassificationRunner",
+    "image-classification": (
+        "batchfleet.worker.runners.image_classification:ImageClassificationRunner"
+    ),
+    "image-text-embedding": "batchfleet.worker.runners.image_text:ImageTextEmbeddingRunner",
+    "rerank": "batchfleet.worker.runners.rerank:RerankRunner",
 }
 
 __all__ = ["BUILTIN", "resolve"]

@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedModel
 
+from ...schemas.inputs import AnyInput, Ranking, TextPair
 from ..device import pick_device, pick_dtype, to_device
 from ..host_buffers import HostBuffers
 from ..runner import BatchRunner, Encoded
@@ -22,6 +23,8 @@ class TransformersRunner(BatchRunner):
     """
 
     name = "transformers"
+    pad_width: int | None = None
+    """Pad every batch to this width (models trained on fixed-length text, e.g. SigLIP)."""
 
     def __init__(
         self,
@@ -63,10 +66,14 @@ class TransformersRunner(BatchRunner):
     def _outputs(self, model_out: Any, mask: torch.Tensor) -> list[Any]:
         raise NotImplementedError
 
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+    def encode(self, inputs: Sequence[AnyInput]) -> list[Encoded]:
+        """Texts, and text pairs (a ranking as one pair per document) encoded together."""
+        texts: list[Any] = list(inputs)
+        if not all(type(t) is str for t in texts):
+            texts = [p for item in inputs for p in _sequences(item)]
         return [
             Encoded(ids=tuple(e.ids), type_ids=tuple(e.type_ids), truncated=bool(e.overflowing))
-            for e in self._tok.encode_batch(list(texts))
+            for e in self._tok.encode_batch(texts)
         ]
 
     def collate(self, rows: Sequence[Encoded]) -> dict[str, torch.Tensor]:
@@ -75,7 +82,7 @@ class TransformersRunner(BatchRunner):
 
         The buffers are refilled by the next batch: safe because a batch's outputs are
         read back to the host (which waits for the copy) before the next one is collated."""
-        width = max(r.tokens for r in rows)
+        width = self.pad_width or max(r.tokens for r in rows)
         views = self._buffers.take(len(rows), width)
         ids, mask = views["input_ids"], views["attention_mask"]
         ids.fill_(self.pad_id)
@@ -106,3 +113,14 @@ class TransformersRunner(BatchRunner):
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_tokens": self.max_tokens,
         }
+
+
+def _sequences(item: AnyInput) -> list[str | tuple[str, str]]:
+    """What the tokenizer encodes for one input: a text, a pair, or a pair per document."""
+    if isinstance(item, TextPair):
+        return [(item.text, item.text_pair)]
+    if isinstance(item, Ranking):
+        return [(item.query, doc) for doc in item.documents]
+    if isinstance(item, str):
+        return [item]
+    raise TypeError(f"not a text input: {type(item).__name__}")
