@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
 from .ops import Runner
 from .shell import ProducerShell
+from .submit import InputsArg
 
 T = TypeVar("T")
 
@@ -116,7 +117,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         return await self._call(self.core.lanes(model))
 
     async def submit(
-        self, model: str, inputs: str | Iterable[str], **options: Unpack[SubmitOptions]
+        self, model: str, inputs: InputsArg = None, **options: Unpack[SubmitOptions]
     ) -> AsyncJob:
         """:meth:`Producer.submit <batchfleet.producer.Producer.submit>`, awaitable."""
         return await self._call(self.core.submit(model, inputs, options))
@@ -124,7 +125,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     async def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str]],
+        requests: Iterable[InputsArg],
         **options: Unpack[ManyOptions],
     ) -> list[AsyncJob]:
         """:meth:`Producer.submit_many <batchfleet.producer.Producer.submit_many>`, awaitable."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, raise_for_status
 from .ops import Runner
 from .shell import ProducerShell
+from .submit import InputsArg
 
 __all__ = ["Job", "Producer", "raise_for_status"]
 
@@ -122,10 +123,12 @@ class Producer(ProducerShell[SyncClient, Job]):
     def lanes(self, model: str) -> int:
         return self._call(self.core.lanes(model))
 
-    def submit(
-        self, model: str, inputs: str | Iterable[str], **options: Unpack[SubmitOptions]
-    ) -> Job:
+    def submit(self, model: str, inputs: InputsArg = None, **options: Unpack[SubmitOptions]) -> Job:
         """Queue one request (one or more input texts) on lane ``priority`` (0 = highest).
+
+        Other inputs: ``images=[bytes, ...]``, ``pairs=[(query, doc), ...]``, or ``query=``
+        with ``documents=[...]`` (and ``top_n``) for a ranking; ``inputs`` may also mix kinds
+        (bytes, ``(text, text_pair)`` tuples, input maps: docs/protocol.md, "Inputs").
 
         Options: ``priority``, ``deadline_ms``, ``metadata``, ``result_ttl_s``, ``request_id``,
         ``result_format``, ``webhook`` (see :class:`SubmitOptions`). Raises
@@ -136,7 +139,7 @@ class Producer(ProducerShell[SyncClient, Job]):
     def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str]],
+        requests: Iterable[InputsArg],
         **options: Unpack[ManyOptions],
     ) -> list[Job]:
         """Queue many requests (each a text or a list of texts), pipelined in chunks.

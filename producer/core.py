@@ -37,10 +37,12 @@ from .ops import (
     Unsubscribe,
 )
 from .submit import (
+    InputsArg,
     LaneCache,
     WebhookArg,
     accepted_ids,
     build_request,
+    gather_inputs,
     prepare,
     queue_full,
     unavailable,
@@ -89,7 +91,21 @@ class ManyOptions(TypedDict, total=False):
     result there, signed; it stays pollable either way."""
 
 
-class SubmitOptions(ManyOptions, total=False):
+class InputOptions(TypedDict, total=False):
+    """Inputs other than texts, as keywords of ``submit`` (added after ``inputs``)."""
+
+    images: Iterable[bytes] | None
+    """Encoded images (PNG, JPEG, WebP...), one input each."""
+    pairs: Iterable[tuple[str, str]] | None
+    """``(text, text_pair)`` tuples: a reranker's (query, document), NLI's two texts."""
+    query: str | None
+    """With ``documents``: one ranking input, answered with the documents best first."""
+    documents: Iterable[str] | None
+    top_n: int | None
+    """Of a ranking: how many of the best documents to return (default all)."""
+
+
+class SubmitOptions(ManyOptions, InputOptions, total=False):
     """Keyword options of ``submit``."""
 
     result_ttl_s: int | None
@@ -200,7 +216,7 @@ class ProducerCore(Generic[J]):
     def _build(
         self,
         model: str,
-        inputs: str | Iterable[str],
+        inputs: InputsArg,
         options: ManyOptions,
         request_id: str | None = None,
         result_ttl_s: int | None = None,
@@ -221,11 +237,19 @@ class ProducerCore(Generic[J]):
         priority = options.get("priority")
         return request, self.default_priority if priority is None else priority
 
-    def submit(self, model: str, inputs: str | Iterable[str], options: SubmitOptions) -> Steps[J]:
+    def submit(self, model: str, inputs: InputsArg, options: SubmitOptions) -> Steps[J]:
         """One request. Its id is fixed before the first try, so a retry after an unknown
         outcome adds an entry with the same id, which gets the same single result."""
+        given = gather_inputs(
+            inputs,
+            images=options.get("images"),
+            pairs=options.get("pairs"),
+            query=options.get("query"),
+            documents=options.get("documents"),
+            top_n=options.get("top_n"),
+        )
         request, lane = self._build(
-            model, inputs, options, options.get("request_id"), options.get("result_ttl_s")
+            model, given, options, options.get("request_id"), options.get("result_ttl_s")
         )
         budget = RetryBudget(self.retry_for_s)
         p = prepare(request, lane, (yield from self.lanes(model, budget)), self.wire_format)
@@ -235,7 +259,7 @@ class ProducerCore(Generic[J]):
         return self.make_job(request.id, model)
 
     def submit_many(
-        self, model: str, requests: Iterable[str | Sequence[str]], options: ManyOptions
+        self, model: str, requests: Iterable[InputsArg], options: ManyOptions
     ) -> Steps[list[J]]:
         """Many requests, pipelined in chunks; each chunk retried like :meth:`submit`.
 

@@ -43,8 +43,7 @@ def decode_image(item: AnyInput, limits: InputLimits, where: str = "input") -> I
         )
     try:
         img.load()  # the first frame of an animation
-        img = ImageOps.exif_transpose(img)
-        return img.convert("RGB")
+        return ImageOps.exif_transpose(img).convert("RGB")
     except Exception as exc:
         raise InvalidInput(
             f"{where}: corrupt or truncated {img.format} image: {type(exc).__name__}: {exc}"

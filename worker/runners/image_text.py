@@ -1,4 +1,4 @@
-"""Image–text embeddings (CLIP, SigLIP, SigLIP 2): texts and images into one space.
+"""Image-text embeddings (CLIP, SigLIP, SigLIP 2): texts and images into one space.
 
 Each input is a text or an image; its output is the model's text or image features
 (``get_text_features`` / ``get_image_features``), L2-normalised, so a text and an image
