@@ -137,14 +137,6 @@ class Recorded:
         self.batches: list[list[int]] = []
         self.rows: list[list[Any]] = []
 
-    @property
-    def input_limits(self) -> Any:
-        return self.runner.input_limits
-
-    @input_limits.setter
-    def input_limits(self, limits: Any) -> None:
-        self.runner.input_limits = limits
-
     def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
         prepared: list[Prepared | PrepareError] = self.runner.prepare_many(requests)
         return prepared

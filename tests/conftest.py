@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batchfleet.schemas.keys import ModelKeys
 from tiny_models import make_classifier, make_embedding_model
-from tiny_vision import make_clip, make_cross_encoder, make_nli, make_siglip2_classifier, make_vit
+from tiny_vision import make_clip, make_cross_encoder, make_siglip2_classifier, make_vit
 
 from batchfleet.redis_server import LocalRedis
 
@@ -79,29 +79,20 @@ def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_classifier(tmp_path_factory.mktemp("tiny-classifier"))
 
 
-@pytest.fixture(scope="session")
-def tiny_vit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_vit(tmp_path_factory.mktemp("tiny-vit"))
+def _tiny(make: Callable[[Path], Path], name: str) -> Any:
+    """A session fixture: the tiny model ``make`` writes, in a temporary directory."""
+
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return make(tmp_path_factory.mktemp(name))
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_siglip2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_siglip2_classifier(tmp_path_factory.mktemp("tiny-siglip2"))
-
-
-@pytest.fixture(scope="session")
-def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_clip(tmp_path_factory.mktemp("tiny-clip"))
-
-
-@pytest.fixture(scope="session")
-def tiny_reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_cross_encoder(tmp_path_factory.mktemp("tiny-reranker"))
-
-
-@pytest.fixture(scope="session")
-def tiny_nli(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_nli(tmp_path_factory.mktemp("tiny-nli"))
+tiny_vit = _tiny(make_vit, "tiny-vit")
+tiny_siglip2 = _tiny(make_siglip2_classifier, "tiny-siglip2")
+tiny_clip = _tiny(make_clip, "tiny-clip")
+tiny_reranker = _tiny(make_cross_encoder, "tiny-reranker")
 
 
 def next_message(pubsub: redis.client.PubSub, timeout: float = 5.0) -> Any:

@@ -34,26 +34,22 @@ def _scores(out: dict[str, Any]) -> list[float]:
     return list(out["scores"].values())
 
 
-@pytest.fixture(scope="module")
-def vit(tiny_vit: Path) -> ImageClassificationRunner:
-    return ImageClassificationRunner(tiny_vit, device="cpu", dtype="float32")
+def _built(cls: type, model: str, **kw: Any) -> Any:
+    """A module fixture: ``cls`` on the tiny model of session fixture ``model``, on the CPU."""
+
+    @pytest.fixture(scope="module")
+    def fixture(request: pytest.FixtureRequest) -> Any:
+        return cls(request.getfixturevalue(model), device="cpu", dtype="float32", **kw)
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def siglip2(tiny_siglip2: Path) -> ImageClassificationRunner:
-    return ImageClassificationRunner(
-        tiny_siglip2, device="cpu", dtype="float32", options={"keep_native_resolution": True}
-    )
-
-
-@pytest.fixture(scope="module")
-def clip(tiny_clip: Path) -> ImageTextEmbeddingRunner:
-    return ImageTextEmbeddingRunner(tiny_clip, device="cpu", dtype="float32", max_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def reranker(tiny_reranker: Path) -> RerankRunner:
-    return RerankRunner(tiny_reranker, device="cpu", dtype="float32", max_tokens=64)
+vit = _built(ImageClassificationRunner, "tiny_vit")
+siglip2 = _built(
+    ImageClassificationRunner, "tiny_siglip2", options={"keep_native_resolution": True}
+)
+clip = _built(ImageTextEmbeddingRunner, "tiny_clip", max_tokens=64)
+reranker = _built(RerankRunner, "tiny_reranker", max_tokens=64)
 
 
 def _request(*inputs: Any, rid: str = "r") -> Request:
@@ -164,8 +160,8 @@ def test_ranking_is_sorted_and_agrees_with_pairs(reranker: RerankRunner) -> None
         assert abs(r["score"] - scores[r["index"]]) <= 1e-5
 
 
-def test_text_classification_takes_pairs(tiny_nli: Path) -> None:
-    runner = ClassificationRunner(tiny_nli, device="cpu", dtype="float32", max_tokens=64)
+def test_text_classification_takes_pairs(tiny_classifier: Path) -> None:
+    runner = ClassificationRunner(tiny_classifier, device="cpu", dtype="float32", max_tokens=64)
     prep = _prepare(runner, {"text": "a man sleeps", "text_pair": "a man is awake"}, "hi")
     assert isinstance(prep, Prepared) and prep.rows == 2
     (event,) = runner.step(Work("s", (("k", prep),))).events

@@ -8,7 +8,7 @@ import io
 import random
 from pathlib import Path
 
-from tiny_models import LABELS, _config, _tokenizer, vocab
+from tiny_models import _config, _tokenizer, vocab
 
 IMAGE_LABELS = {0: "cat", 1: "dog", 2: "bird", 3: "fish"}
 
@@ -92,18 +92,6 @@ def make_cross_encoder(path: Path) -> Path:
 
     torch.manual_seed(5)
     BertForSequenceClassification(_config(num_labels=1)).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
-
-
-def make_nli(path: Path) -> Path:
-    """A 3-label pair classifier (NLI-style), for text-classification over text pairs."""
-    import torch
-    from transformers import BertForSequenceClassification
-
-    torch.manual_seed(6)
-    cfg = _config(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
-    BertForSequenceClassification(cfg).save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return path
 

@@ -9,14 +9,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageClassification
 
-from ...schemas.inputs import AnyInput, InputLimits
-from ..device import pick_device, pick_dtype
-from ..runner import BatchRunner
+from ...schemas.inputs import AnyInput
 from .classification import label_scores
-from .vision import ImagePrep, PixelRow
+from .transformers_base import ModelDirRunner
+from .vision import ImagePrep, PixelRow, TakesImages
 
 
-class ImageClassificationRunner(BatchRunner):
+class ImageClassificationRunner(TakesImages, ModelDirRunner):
     """``AutoModelForImageClassification`` with its ``AutoImageProcessor``. Images are decoded
     and preprocessed on the CPU side (``prepare_many``), one request at a time so a bad
     image fails only its own request. Options: ``keep_native_resolution`` (vision.py)."""
@@ -25,34 +24,13 @@ class ImageClassificationRunner(BatchRunner):
     accepts = frozenset({"image"})
     bulk_encode = False
 
-    def __init__(
-        self,
-        path: str | Path | None,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        max_tokens: int = 512,
-        options: dict[str, Any] | None = None,
-    ) -> None:
-        if path is None:
-            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
-        self.options = dict(options or {})
-        self.torch_device = pick_device(device)
-        self.device = str(self.torch_device)
-        self.dtype = pick_dtype(dtype, self.torch_device)
+    def __init__(self, path: str | Path | None, **kwargs: Any) -> None:
+        kwargs.pop("max_tokens", None)  # no texts
+        super().__init__(path, **kwargs)
         self.model = AutoModelForImageClassification.from_pretrained(str(path), dtype=self.dtype)
         self.model.to(self.torch_device).eval()
-        self.images = ImagePrep(
-            path, self.model.config, self.torch_device, self.dtype, self.options
-        )
-
-    @property
-    def input_limits(self) -> InputLimits:
-        return self.images.limits
-
-    @input_limits.setter
-    def input_limits(self, limits: InputLimits) -> None:
-        self.images.limits = limits
+        self.images = ImagePrep(str(path), self.model.config, self.torch_device, self.dtype,
+                                self.options)  # fmt: skip
 
     def encode(self, inputs: Sequence[AnyInput]) -> list[PixelRow]:
         return [self.images.prepare(item, f"inputs[{i}]") for i, item in enumerate(inputs)]

@@ -14,17 +14,17 @@ from typing import Any
 import torch
 from transformers import AutoModel, PreTrainedModel
 
-from ...schemas.inputs import AnyInput, InputLimits
+from ...schemas.inputs import AnyInput
 from ..runner import Encoded
 from .transformers_base import TransformersRunner
-from .vision import ImagePrep, PixelRow
+from .vision import ImagePrep, PixelRow, TakesImages
 
 FIXED_LENGTH_TEXT = frozenset({"siglip", "siglip2"})
 """Models trained on texts padded to the tokenizer's max length (their text tower pools
 the last position): their texts are always padded to it, as their processor does."""
 
 
-class ImageTextEmbeddingRunner(TransformersRunner):
+class ImageTextEmbeddingRunner(TakesImages, TransformersRunner):
     """Options: ``normalize`` (default true), ``keep_native_resolution`` (vision.py)."""
 
     name = "image-text-embedding"
@@ -44,14 +44,6 @@ class ImageTextEmbeddingRunner(TransformersRunner):
         if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
             raise TypeError(f"{path}: {type(model).__name__} is not an image-text model")
         return model
-
-    @property
-    def input_limits(self) -> InputLimits:
-        return self.images.limits
-
-    @input_limits.setter
-    def input_limits(self, limits: InputLimits) -> None:
-        self.images.limits = limits
 
     def encode(self, inputs: Sequence[AnyInput]) -> list[Any]:
         texts = [t for t in inputs if isinstance(t, str)]

@@ -16,7 +16,26 @@ from ..host_buffers import HostBuffers
 from ..runner import BatchRunner, Encoded
 
 
-class TransformersRunner(BatchRunner):
+class ModelDirRunner(BatchRunner):
+    """Base of runners over a model directory: its device, dtype and options."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if path is None:
+            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
+        self.options = dict(options or {})
+        self.torch_device = pick_device(device)
+        self.device = str(self.torch_device)
+        self.dtype = pick_dtype(dtype, self.torch_device)
+
+
+class TransformersRunner(ModelDirRunner):
     """Base for runners over a Hugging Face model directory (offline; fast tokenizer).
 
     Subclasses set ``name``, implement ``_load_model`` and ``_outputs``.
@@ -35,12 +54,7 @@ class TransformersRunner(BatchRunner):
         max_tokens: int = 512,
         options: dict[str, Any] | None = None,
     ) -> None:
-        if path is None:
-            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
-        self.options = dict(options or {})
-        self.torch_device = pick_device(device)
-        self.device = str(self.torch_device)
-        self.dtype = pick_dtype(dtype, self.torch_device)
+        super().__init__(path, device=device, dtype=dtype, options=options)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:

@@ -123,3 +123,18 @@ class ImagePrep:
             "pixel_attention_mask": to_device(mask, self.device),
             "spatial_shapes": to_device(grids, self.device),
         }
+
+
+class TakesImages:
+    """Mixin of the runners that decode images: the model's input limits reach their
+    :class:`ImagePrep` (the worker sets ``input_limits`` from the fleet file)."""
+
+    images: ImagePrep
+
+    @property
+    def input_limits(self) -> InputLimits:
+        return self.images.limits
+
+    @input_limits.setter
+    def input_limits(self, limits: InputLimits) -> None:
+        self.images.limits = limits
