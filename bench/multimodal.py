@@ -23,7 +23,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,12 +136,18 @@ class Recorded:
         self.name, self.device = runner.name, runner.device
         self.batches: list[list[int]] = []
         self.rows: list[list[Any]] = []
+        self.first_step: float | None = None
+        """perf_counter() when the first step began (the end of the worker's start-up)."""
+        self.startup_s = 0.0
+        """perf_counter() when the first step began (the end of the worker's start-up)."""
 
     def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
         prepared: list[Prepared | PrepareError] = self.runner.prepare_many(requests)
         return prepared
 
     def step(self, work: Work) -> StepReport:
+        if self.first_step is None:
+            self.first_step = time.perf_counter()
         self.batches.append([p.tokens for _, p in work.admit for _ in range(p.rows)])
         self.rows.append([row for _, p in work.admit for row in p.payload])
         report: StepReport = self.runner.step(work)
@@ -161,7 +167,8 @@ def waste(batches: Sequence[Sequence[int]]) -> float:
 def through_worker(
     url: str, model: str, runner: Any, requests: Sequence[dict[str, Any]], batch: int
 ) -> tuple[float, Recorded]:
-    """Seconds for one worker loop to answer every pre-queued request (all must be ok)."""
+    """Seconds for one worker loop to answer every pre-queued request (all must be ok),
+    from its first step (its start-up, creating groups and the first read, excluded)."""
     client = redis.Redis.from_url(url)
     client.flushall()
     recorded = Recorded(runner)
@@ -172,11 +179,18 @@ def through_worker(
                      worker=WorkerConfig(block_ms=20), burst=True)  # fmt: skip
     start = time.perf_counter()
     loop.run()
-    took = time.perf_counter() - start
+    end = time.perf_counter()
+    recorded.startup_s = (recorded.first_step or start) - start
+    took = end - (recorded.first_step or start)
     bad = [r for r in (producer.peek(j) for j in jobs) if r is None or not r.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} requests not ok: {bad[:1]}")
     return took, recorded
+
+
+def best(measure: Callable[[], tuple[float, Recorded]], runs: int = 2) -> tuple[float, Recorded]:
+    """The fastest of ``runs`` worker runs (the offline side is timed the same way)."""
+    return min((measure() for _ in range(runs)), key=lambda m: m[0])
 
 
 def offline(runner: Any, requests: Sequence[Request], batch_rows: int) -> float:
@@ -223,17 +237,18 @@ def run(quick: bool, tmp: Path, url: str) -> list[Line]:
     from batchfleet.worker.runners.rerank import RerankRunner
 
     lines: list[Line] = []
-    n_img = 48 if quick else 480
+    n_img = 32 if quick else 480
     pics = images(n_img)
 
     # 1. ViT at saturation vs offline batched
     vit = ImageClassificationRunner(make_vit(tmp / "vit"), device="cpu", dtype="float32")
     offline(vit, _requests("vit", pics[:BATCH]), BATCH)  # warm up
     off = min(offline(vit, _requests("vit", pics), BATCH) for _ in range(2))
-    took, rec = through_worker(url, "vit", vit, [{"images": [p]} for p in pics], BATCH)
-    lines.append(Line(f"ViT, {n_img} mixed-size images (img/s; worker batches: "
-                      f"{len(rec.batches)}, offline: batches of {BATCH})", f"{n_img / took:.1f}",
-                      f"{n_img / off:.1f}", f"{off / took:.1%}"))  # fmt: skip
+    took, rec = best(lambda: through_worker(url, "vit", vit, [{"images": [p]} for p in pics],
+                                            BATCH))  # fmt: skip
+    lines.append(Line(f"ViT, {n_img} mixed-size images, img/s ({len(rec.batches)} worker "
+                      f"batches; offline in batches of {BATCH})", f"{n_img / took:.1f}",
+                      f"{n_img / off:.1f}", _ratio(off, took, rec.startup_s)))  # fmt: skip
 
     # 2. Native resolution: the engine's grouping vs arrival order
     sig = ImageClassificationRunner(make_siglip2(tmp / "siglip2"), device="cpu", dtype="float32",
@@ -263,7 +278,7 @@ def run(quick: bool, tmp: Path, url: str) -> list[Line]:
 
     # 3. Reranker: 1 query x 100 documents per request
     rng = random.Random(3)
-    n_rank = 6 if quick else 40
+    n_rank = 4 if quick else 40
     rankings = [{"query": sentence(rng, 3, 8), "documents": [sentence(rng, 8, 40) for _ in range(100)]}
                 for _ in range(n_rank)]  # fmt: skip
     rr = RerankRunner(
@@ -271,11 +286,16 @@ def run(quick: bool, tmp: Path, url: str) -> list[Line]:
     )
     offline(rr, _requests("rr", rankings[:1]), 100)  # warm up
     off = min(offline(rr, _requests("rr", rankings), 100) for _ in range(2))
-    took, _ = through_worker(url, "rr", rr, [{"query": r["query"], "documents": r["documents"]}
-                                             for r in rankings], 128)  # fmt: skip
-    lines.append(Line(f"Reranker, {n_rank} requests of 1 query x 100 docs (req/s)",
-                      f"{n_rank / took:.2f}", f"{n_rank / off:.2f}", f"{off / took:.1%}"))  # fmt: skip
+    took, rec = best(lambda: through_worker(url, "rr", rr, [dict(r) for r in rankings], 128))
+    lines.append(Line(f"Reranker, {n_rank} requests of 1 query x 100 docs, req/s",
+                      f"{n_rank / took:.2f}", f"{n_rank / off:.2f}",
+                      _ratio(off, took, rec.startup_s)))  # fmt: skip
     return lines
+
+
+def _ratio(offline_s: float, worker_s: float, startup_s: float) -> str:
+    """Worker throughput over offline: from the first batch, and with the start-up."""
+    return f"{offline_s / worker_s:.1%} ({offline_s / (worker_s + startup_s):.1%} with start-up)"
 
 
 def table(lines: Sequence[Line]) -> str:
