@@ -21,7 +21,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batchfleet.schemas.keys import ModelKeys
 from tiny_models import make_classifier, make_embedding_model
-from tiny_vision import make_clip, make_cross_encoder, make_siglip2_classifier, make_vit
+from tiny_vision import (
+    make_clip,
+    make_cross_encoder,
+    make_siglip,
+    make_siglip2_classifier,
+    make_vit,
+)
 
 from batchfleet.redis_server import LocalRedis
 
@@ -92,6 +98,7 @@ def _tiny(make: Callable[[Path], Path], name: str) -> Any:
 tiny_vit = _tiny(make_vit, "tiny-vit")
 tiny_siglip2 = _tiny(make_siglip2_classifier, "tiny-siglip2")
 tiny_clip = _tiny(make_clip, "tiny-clip")
+tiny_siglip = _tiny(make_siglip, "tiny-siglip")
 tiny_reranker = _tiny(make_cross_encoder, "tiny-reranker")
 
 

@@ -139,6 +139,30 @@ def test_clip_matches_get_image_features_and_get_text_features(
     assert _max_diff(ours, want) <= 1e-4
 
 
+def test_siglip_pads_texts_to_its_max_length_and_matches_its_features(tiny_siglip: Path) -> None:
+    from transformers import SiglipModel
+
+    runner = ImageTextEmbeddingRunner(tiny_siglip, device="cpu", dtype="float32", max_tokens=64)
+    assert runner.pad_width == runner.max_tokens == 16
+    rows = runner.encode([*TEXTS, *image_files(3, seed=5)])
+    ours = runner.run(rows)
+    for row, out in zip(rows, ours, strict=True):  # batch invariance: fixed-length texts
+        assert _max_diff(out, runner.run([row])[0]) <= 1e-4
+    model = SiglipModel.from_pretrained(tiny_siglip).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_siglip)
+    processor = AutoImageProcessor.from_pretrained(tiny_siglip)
+    with torch.no_grad():
+        enc = tokenizer(TEXTS, padding="max_length", max_length=16, return_tensors="pt")
+        txt = model.get_text_features(
+            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
+        ).pooler_output
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in image_files(3, seed=5)]
+        pixels = processor(images=pil, return_tensors="pt")["pixel_values"]
+        img = model.get_image_features(pixel_values=pixels).pooler_output
+    want = torch.nn.functional.normalize(torch.cat([txt, img]), dim=-1)
+    assert _max_diff(ours, want) <= 1e-4
+
+
 # --- rerank: pairs and rankings ----------------------------------------------------------------
 
 

@@ -57,6 +57,26 @@ def make_siglip2_classifier(path: Path, max_num_patches: int = 64) -> Path:
     return path
 
 
+def _towers(size: int, text_length: int) -> dict[str, dict[str, int]]:
+    """Tiny text and vision tower configs of a two-tower model; texts end with [SEP] (3)."""
+    text = {
+        "vocab_size": len(vocab()), "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": text_length,
+        "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": size, "patch_size": 8,
+    }  # fmt: skip
+    return {"text_config": text, "vision_config": vision}
+
+
+def _save_tokenizer(path: Path, max_length: int) -> None:
+    tok = _tokenizer()
+    tok.model_max_length = max_length
+    tok.save_pretrained(path)
+
+
 def make_clip(path: Path, size: int = 32) -> Path:
     """A CLIP model (image and text towers into one space) with a WordPiece tokenizer whose
     [SEP] ends a text (the text tower pools at the first end-of-text token)."""
@@ -64,24 +84,24 @@ def make_clip(path: Path, size: int = 32) -> Path:
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     torch.manual_seed(4)
-    text = {
-        "vocab_size": len(vocab()), "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64,
-        "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3,
-    }  # fmt: skip
-    vision = {
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "image_size": size, "patch_size": 8,
-    }  # fmt: skip
-    CLIPModel(
-        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
-    ).save_pretrained(path)
+    CLIPModel(CLIPConfig(**_towers(size, 64), projection_dim=16)).save_pretrained(path)
     CLIPImageProcessor(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
     ).save_pretrained(path)
-    tok = _tokenizer()
-    tok.model_max_length = 64
-    tok.save_pretrained(path)
+    _save_tokenizer(path, 64)
+    return path
+
+
+def make_siglip(path: Path, size: int = 32) -> Path:
+    """A SigLIP model: texts always padded to the tokenizer's max length (16 here), the
+    text tower pools the last position."""
+    import torch
+    from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel
+
+    torch.manual_seed(7)
+    SiglipModel(SiglipConfig(**_towers(size, 16))).save_pretrained(path)
+    SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(path)
+    _save_tokenizer(path, 16)
     return path
 
 

@@ -60,9 +60,9 @@ class ImageTextEmbeddingRunner(TakesImages, TransformersRunner):
         with torch.inference_mode():
             if texts:
                 batch = self.collate([rows[i] for i in texts])
-                feats = self.model.get_text_features(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                )
+                # as the model's processor calls it: SigLIP's tokenizer gives no mask
+                mask = {"attention_mask": batch["attention_mask"]} if self._uses_mask else {}
+                feats = self.model.get_text_features(input_ids=batch["input_ids"], **mask)
                 self._place(out, texts, feats)
             if images:
                 batch = self.images.collate([rows[i] for i in images])

@@ -69,6 +69,7 @@ class TransformersRunner(ModelDirRunner):
         self._tok.enable_truncation(self.max_tokens)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._uses_type_ids = "token_type_ids" in tokenizer.model_input_names
+        self._uses_mask = "attention_mask" in tokenizer.model_input_names
         names = ["input_ids", "attention_mask"] + (
             ["token_type_ids"] if self._uses_type_ids else []
         )
