@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,7 +22,7 @@ from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_for_status
 from .ops import Runner
 from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
-from .submit import Chat
+from .submit import Chat, InputsArg
 from .tokens import DeltaFollower, Follower, Restarted, TextFollower
 
 T = TypeVar("T")
@@ -144,10 +144,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
         return await self._call(self.core.lanes(model))
 
     async def submit(
-        self,
-        model: str,
-        inputs: str | Iterable[str] | None = None,
-        **options: Unpack[SubmitOptions],
+        self, model: str, inputs: InputsArg = None, **options: Unpack[SubmitOptions]
     ) -> AsyncJob:
         """:meth:`Producer.submit <batchfleet.producer.Producer.submit>`, awaitable."""
         return await self._call(self.core.submit(model, inputs, options))
@@ -155,7 +152,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     async def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str] | Chat],
+        requests: Iterable[InputsArg | Chat],
         **options: Unpack[ManyOptions],
     ) -> list[AsyncJob]:
         """:meth:`Producer.submit_many <batchfleet.producer.Producer.submit_many>`, awaitable."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ from . import ops
 from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_for_status
 from .ops import Runner
 from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
-from .submit import Chat
+from .submit import Chat, InputsArg
 from .tokens import DeltaFollower, Follower, Restarted, TextFollower
 
 __all__ = ["Job", "Producer", "raise_for_status"]
@@ -155,14 +155,13 @@ class Producer(ProducerShell[SyncClient, Job]):
     def lanes(self, model: str) -> int:
         return self._call(self.core.lanes(model))
 
-    def submit(
-        self,
-        model: str,
-        inputs: str | Iterable[str] | None = None,
-        **options: Unpack[SubmitOptions],
-    ) -> Job:
-        """Queue one request (one or more input texts, or ``messages=`` for a generation
-        model) on lane ``priority`` (0 = highest).
+    def submit(self, model: str, inputs: InputsArg = None, **options: Unpack[SubmitOptions]) -> Job:
+        """Queue one request (one or more inputs: texts, images, pairs...; or ``messages=``
+        for a generation model) on lane ``priority`` (0 = highest).
+
+        Other inputs: ``images=[bytes, ...]``, ``pairs=[(query, doc), ...]``, or ``query=``
+        with ``documents=[...]`` (and ``top_n``) for a ranking; ``inputs`` may also mix kinds
+        (bytes, ``(text, text_pair)`` tuples, input maps: docs/protocol.md, "Inputs").
 
         Options: ``priority``, ``deadline_ms``, ``metadata``, ``result_ttl_s``, ``request_id``,
         ``result_format``, ``webhook``; for generation ``messages``, ``max_new_tokens``,
@@ -175,7 +174,7 @@ class Producer(ProducerShell[SyncClient, Job]):
     def submit_many(
         self,
         model: str,
-        requests: Iterable[str | Sequence[str] | Chat],
+        requests: Iterable[InputsArg | Chat],
         **options: Unpack[ManyOptions],
     ) -> list[Job]:
         """Queue many requests (each a text, a list of texts or a chat), pipelined in chunks.

@@ -39,9 +39,11 @@ from .ops import (
 )
 from .submit import (
     Chat,
+    InputsArg,
     LaneCache,
     WebhookArg,
     build_request,
+    gather_inputs,
     is_chat,
     prepare,
     queue_full,
@@ -115,7 +117,21 @@ class ManyOptions(GenerationOptions, total=False):
     result there, signed; it stays pollable either way."""
 
 
-class SubmitOptions(ManyOptions, total=False):
+class InputOptions(TypedDict, total=False):
+    """Inputs other than texts, as keywords of ``submit`` (added after ``inputs``)."""
+
+    images: Iterable[bytes] | None
+    """Encoded images (PNG, JPEG, WebP...), one input each."""
+    pairs: Iterable[tuple[str, str]] | None
+    """``(text, text_pair)`` tuples: a reranker's (query, document), NLI's two texts."""
+    query: str | None
+    """With ``documents``: one ranking input, answered with the documents best first."""
+    documents: Iterable[str] | None
+    top_n: int | None
+    """Of a ranking: how many of the best documents to return (default all)."""
+
+
+class SubmitOptions(ManyOptions, InputOptions, total=False):
     """Keyword options of ``submit``."""
 
     messages: Chat | None
@@ -261,7 +277,7 @@ class ProducerCore(Generic[J]):
     def _build(
         self,
         model: str,
-        inputs: str | Iterable[str] | None,
+        inputs: InputsArg,
         options: ManyOptions,
         request_id: str | None = None,
         result_ttl_s: int | None = None,
@@ -285,13 +301,19 @@ class ProducerCore(Generic[J]):
         priority = options.get("priority")
         return request, self.default_priority if priority is None else priority
 
-    def submit(
-        self, model: str, inputs: str | Iterable[str] | None, options: SubmitOptions
-    ) -> Steps[J]:
+    def submit(self, model: str, inputs: InputsArg, options: SubmitOptions) -> Steps[J]:
         """One request. Its id is fixed before the first try, so a retry after an unknown
         outcome adds an entry with the same id, which gets the same single result."""
+        given = gather_inputs(
+            inputs,
+            images=options.get("images"),
+            pairs=options.get("pairs"),
+            query=options.get("query"),
+            documents=options.get("documents"),
+            top_n=options.get("top_n"),
+        )
         request, lane = self._build(
-            model, inputs, options, options.get("request_id"), options.get("result_ttl_s"),
+            model, given, options, options.get("request_id"), options.get("result_ttl_s"),
             options.get("messages"),
         )  # fmt: skip
         budget = RetryBudget(self.retry_for_s)
@@ -302,7 +324,7 @@ class ProducerCore(Generic[J]):
         return self.make_job(request)
 
     def submit_many(
-        self, model: str, requests: Iterable[str | Sequence[str] | Chat], options: ManyOptions
+        self, model: str, requests: Iterable[InputsArg | Chat], options: ManyOptions
     ) -> Steps[list[J]]:
         """Many requests, pipelined in chunks; each chunk retried like :meth:`submit`. Each
         is a text, a list of texts, or a chat (a list of messages).
@@ -313,7 +335,7 @@ class ProducerCore(Generic[J]):
         built = [
             self._build(model, None, options, messages=item)  # type: ignore[arg-type]
             if is_chat(item)
-            else self._build(model, item, options)  # type: ignore[arg-type]
+            else self._build(model, item, options)
             for item in requests
         ]
         budget = RetryBudget(self.retry_for_s)

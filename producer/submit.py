@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..schemas.codec import encode_request
 from ..schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
@@ -23,6 +23,13 @@ Chat = Sequence[ChatMessage | Mapping[str, str]]
 
 DEFAULT_LANES = 3
 LANES_CACHE_S = 30.0
+
+
+InputArg = str | bytes | tuple[str, str] | Mapping[str, Any] | BaseModel
+"""One input: a text, image bytes, a ``(text, text_pair)`` tuple, or an input map / model
+(schemas/inputs.py)."""
+InputsArg = str | bytes | Iterable[InputArg] | None
+"""A request's inputs: one text or image, or a list of inputs."""
 
 
 def new_request_id() -> str:
@@ -39,9 +46,47 @@ def is_chat(item: object) -> bool:
     )
 
 
+def gather_inputs(
+    inputs: InputsArg = None,
+    *,
+    images: Iterable[bytes] | None = None,
+    pairs: Iterable[tuple[str, str]] | None = None,
+    query: str | None = None,
+    documents: Iterable[str] | None = None,
+    top_n: int | None = None,
+) -> list[Any]:
+    """One list of wire inputs from ``submit``'s ways of giving them: ``inputs`` (texts, or
+    any kind), ``images=[bytes, ...]``, ``pairs=[(query, doc), ...]``, and ``query`` with
+    ``documents`` (one ranking input, ``top_n`` best)."""
+    out: list[Any] = []
+    if inputs is not None:
+        items = [inputs] if isinstance(inputs, str | bytes) else list(inputs)
+        out += [_wire_input(i) for i in items]
+    out += [_wire_input(bytes(b)) for b in images or ()]
+    out += [_wire_input(tuple(p)) for p in pairs or ()]
+    if (query is None) != (documents is None):
+        raise RequestRejected("give query and documents together", ErrorCode.INVALID_REQUEST)
+    if query is not None and documents is not None:
+        ranking: dict[str, Any] = {"query": query, "documents": list(documents)}
+        if top_n is not None:
+            ranking["top_n"] = top_n
+        out.append(ranking)
+    return out
+
+
+def _wire_input(item: Any) -> Any:
+    if isinstance(item, bytearray | memoryview):
+        return bytes(item)
+    if isinstance(item, tuple) and len(item) == 2 and all(isinstance(t, str) for t in item):
+        return {"text": item[0], "text_pair": item[1]}
+    if isinstance(item, BaseModel):
+        return item.model_dump(exclude_none=True)
+    return item
+
+
 def build_request(
     model: str,
-    inputs: str | Iterable[str] | None,
+    inputs: InputsArg,
     *,
     messages: Chat | None = None,
     generation: Mapping[str, Any] | None = None,
@@ -57,7 +102,7 @@ def build_request(
     """Validate a request on the producer side, with the same rules the worker applies.
     ``generation``: the generation fields (``max_new_tokens``, ``stream``...), None left out."""
     check_model_name(model)
-    texts = [] if inputs is None else [inputs] if isinstance(inputs, str) else list(inputs)
+    texts = gather_inputs(inputs)
     body: dict[str, Any] = {
         "id": request_id or new_request_id(),
         "model": model,

@@ -1,6 +1,7 @@
 """Encoding of requests and results: msgpack (default) or JSON, with hard size limits.
 
-No pickle, no msgpack ext types: only maps, arrays, strings, numbers, booleans, nil.
+No pickle, no msgpack ext types: only maps, arrays, strings, numbers, booleans, nil, and
+``bin`` for image inputs (schemas/inputs.py), bounded by the entry size.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
         strict_map_key=True,
         ext_hook=_no_ext,
         max_str_len=max(limits.max_text_chars * 4, 4096),
-        max_bin_len=0,
-        max_array_len=max(limits.max_inputs, 4096),
+        max_bin_len=limits.max_entry_bytes,
+        max_array_len=max(limits.max_inputs, limits.inputs.max_documents, 4096),
         max_map_len=max(limits.max_metadata_items, 64),
         max_ext_len=0,
     )
@@ -55,10 +56,11 @@ def pack(obj: Any) -> bytes:
 
 def encode_request(request: Request, fmt: Format = "msgpack") -> dict[bytes, bytes]:
     """The field map to XADD for ``request``."""
-    body = request.model_dump(mode="json", exclude_none=True, exclude_defaults=False)
-    if fmt == "json":
+    if fmt == "json":  # image bytes become {"image_b64": ...}
+        body = request.model_dump(mode="json", exclude_none=True, exclude_defaults=False)
         return {JSON_FIELD: json.dumps(body, separators=(",", ":")).encode()}
-    return {MSGPACK_FIELD: msgpack.packb(body, use_bin_type=True)}
+    body = request.model_dump(mode="python", exclude_none=True, exclude_defaults=False)
+    return {MSGPACK_FIELD: msgpack.packb(body, use_bin_type=True)}  # image bytes as bin
 
 
 @dataclass(slots=True)

@@ -20,6 +20,9 @@ class ErrorCode(str, Enum):
     """The entry, an input text, or the number of inputs is over its limit."""
     EMPTY_INPUT = "empty_input"
     """An input text is empty."""
+    INVALID_INPUT = "invalid_input"
+    """An input this model cannot take: a corrupt, truncated, too big or disallowed image, a
+    missing image key, or a kind of input the model does not take (an image for a text model)."""
     INFERENCE_FAILED = "inference_failed"
     """The model raised while computing this request."""
     POISONED = "poisoned"

@@ -57,6 +57,16 @@ class ModelKeys:
         """Set by a client (any value, with a TTL) to cancel request ``request_id``."""
         return f"{self.tag}:cancel:{request_id}"
 
+    def input(self, name: str) -> str:
+        """A blob a client wrote for a request to reference (an image too big to inline); the
+        client sets it, with a TTL, before submitting; workers only read it."""
+        return f"{self.tag}:input:{name}"
+
+    def input_name(self, key: str) -> str | None:
+        """The name of one of this model's input keys (as :meth:`input` builds it), else None."""
+        name = key.removeprefix(f"{self.tag}:input:")
+        return name if name != key and REQUEST_ID.match(name) else None
+
     @property
     def dead(self) -> str:
         """Dead-letter stream: entries that could not be answered, with the reason."""

@@ -7,6 +7,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .errors import ErrorCode
+from .inputs import Input, InputLimits, check_inputs
 from .keys import MODEL_NAME, REQUEST_ID
 
 SCHEMA_VERSION: Final = 1
@@ -41,6 +42,8 @@ class Limits(BaseModel):
     """The most tokens a generation request may ask for (a model's config may lower it)."""
     max_stop: int = Field(8, ge=0, le=64)
     """Stop strings in one generation request (each at most 256 chars)."""
+    inputs: InputLimits = Field(default_factory=InputLimits)
+    """Images and rankings (schemas/inputs.py)."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -108,9 +111,10 @@ class Request(_Strict):
     v: Literal[1] = SCHEMA_VERSION
     id: str = Field(pattern=REQUEST_ID.pattern)
     model: str = Field(pattern=MODEL_NAME.pattern)
-    inputs: list[str] = Field(default_factory=list)
-    """The texts (for a generation model: raw prompts, one output each). A request carries
-    ``inputs`` or ``messages``, not both."""
+    inputs: list[Input] = Field(default_factory=list)
+    """Texts, or other kinds of input (schemas/inputs.py): text pairs, rankings, images;
+    for a generation model, raw prompts (one output each). A request carries ``inputs`` or
+    ``messages``, not both."""
     messages: list[ChatMessage] | None = None
     """Generation models only: one chat (one output), rendered with the chat template."""
     deadline_ms: int | None = Field(None, ge=1, le=7 * 24 * 3600 * 1000)
@@ -167,14 +171,7 @@ class Request(_Strict):
             raise ValueError(
                 f"too_large: {len(self.inputs)} inputs > max_inputs {limits.max_inputs}"
             )
-        for i, text in enumerate(self.inputs):
-            if not text.strip():
-                raise ValueError(f"empty_input: inputs[{i}] is empty")
-            if len(text) > limits.max_text_chars:
-                raise ValueError(
-                    f"too_large: inputs[{i}] has {len(text)} chars > max_text_chars "
-                    f"{limits.max_text_chars}"
-                )
+        check_inputs(self.inputs, self.model, limits.max_text_chars, limits.inputs)
         if len(self.metadata) > limits.max_metadata_items:
             raise ValueError(f"too_large: metadata has more than {limits.max_metadata_items} items")
         for k, val in self.metadata.items():

@@ -21,6 +21,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batchfleet.schemas.keys import ModelKeys
 from tiny_models import make_causal_lm, make_classifier, make_embedding_model
+from tiny_vision import (
+    make_clip,
+    make_cross_encoder,
+    make_siglip,
+    make_siglip2_classifier,
+    make_vit,
+)
 
 from batchfleet.redis_server import LocalRedis
 
@@ -86,6 +93,23 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 TINY_LM_OPTIONS = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
 """Small cache and step budgets: the tiny model's whole cache in a few MB."""
+
+
+def _tiny(make: Callable[[Path], Path], name: str) -> Any:
+    """A session fixture: the tiny model ``make`` writes, in a temporary directory."""
+
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return make(tmp_path_factory.mktemp(name))
+
+    return fixture
+
+
+tiny_vit = _tiny(make_vit, "tiny-vit")
+tiny_siglip2 = _tiny(make_siglip2_classifier, "tiny-siglip2")
+tiny_clip = _tiny(make_clip, "tiny-clip")
+tiny_siglip = _tiny(make_siglip, "tiny-siglip")
+tiny_reranker = _tiny(make_cross_encoder, "tiny-reranker")
 
 
 def next_message(pubsub: redis.client.PubSub, timeout: float = 5.0) -> Any:

@@ -3,6 +3,7 @@ worker loop (real redis-server) every entry gets a result or a dead-letter entry
 
 from __future__ import annotations
 
+import base64
 import json
 import string
 from pathlib import Path
@@ -18,6 +19,7 @@ from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_vision import image_file
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -34,8 +36,22 @@ values = st.recursive(
     max_leaves=20,
 )  # fmt: skip
 ids = st.text(alphabet=string.ascii_letters + string.digits + "-_:.", min_size=1, max_size=20)
+PNG = image_file(6, 4)
+one_input = st.one_of(
+    st.text(min_size=1, max_size=40),
+    st.binary(max_size=64),  # image bytes (msgpack bin), mostly not images
+    st.sampled_from([PNG, PNG[:20], image_file(3, 3, "JPEG"), image_file(3, 3, "GIF")]),
+    st.builds(lambda b: {"image_b64": base64.b64encode(b).decode()}, st.binary(max_size=48)),
+    st.builds(lambda n: {"image_key": f"bf:{{{MODEL}}}:input:{n}"}, ids),
+    st.builds(lambda a, b: {"text": a, "text_pair": b}, st.text(max_size=20), st.text(max_size=20)),
+    st.builds(
+        lambda q, d: {"query": q, "documents": d},
+        st.text(max_size=20),
+        st.lists(st.text(max_size=10), max_size=4),
+    ),
+)
 valid = st.fixed_dictionaries(
-    {"id": ids, "model": st.just(MODEL), "inputs": st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=4)},
+    {"id": ids, "model": st.just(MODEL), "inputs": st.lists(one_input, min_size=1, max_size=4)},
     optional={
         "deadline_ms": st.integers(-5, 10**9), "reply": st.text(max_size=20), "v": st.integers(0, 3),
         "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
@@ -56,7 +72,11 @@ def mutated(draw: st.DrawFn) -> dict[bytes, bytes]:
         body[key] = draw(values)
     fmt = draw(st.sampled_from(["msgpack", "json"]))
     try:
-        raw = msgpack.packb(body) if fmt == "msgpack" else json.dumps(body).encode()
+        raw = (
+            msgpack.packb(body, use_bin_type=True)
+            if fmt == "msgpack"
+            else json.dumps(body).encode()
+        )
     except (TypeError, ValueError, OverflowError):
         raw = msgpack.packb({"id": "x", "model": MODEL, "inputs": 5})
     flips = draw(st.lists(st.integers(0, max(0, len(raw) - 1)), max_size=3))

@@ -201,3 +201,49 @@ def test_plain_client_generates_streams_and_cancels(
     assert out2["text"] == "".join(f[b"text"].decode() for f in entries2[:-1])
     assert 0 < out2["completion_tokens"] < 900
     pubsub.close()
+
+
+def test_plain_redis_client_sends_images(
+    redis_url: str, r: redis.Redis, tiny_vit: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    fleet = fleet_toml(redis_url, {"pics": {"path": str(tiny_vit),
+                                            "runner": "image-classification"}})  # fmt: skip
+    start_worker(fleet, "raw-images").wait_ready(r, "pics")
+
+    def png(width: int, height: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (width, height), (200, 30, 90)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    # msgpack: the image as bin
+    rid = uuid.uuid4().hex
+    body = {"id": rid, "model": "pics", "inputs": [png(40, 30), png(7, 90)]}
+    r.xadd("bf:{pics}:lane:1", {"msgpack": msgpack.packb(body, use_bin_type=True)})
+    result = msgpack.unpackb(poll(r, f"bf:{{pics}}:result:{rid}"))
+    assert result["status"] == "ok", result.get("error")
+    assert [set(o) for o in result["outputs"]] == [{"label", "score", "scores"}] * 2
+
+    # JSON: the image as {"image_b64": ...}; a corrupt one is invalid_input, alone
+    rid2, rid3 = uuid.uuid4().hex, uuid.uuid4().hex
+    b64 = base64.b64encode(png(64, 64)).decode()
+    r.xadd("bf:{pics}:lane:1", {"json": json.dumps(
+        {"id": rid2, "model": "pics", "inputs": [{"image_b64": b64}]})})  # fmt: skip
+    r.xadd("bf:{pics}:lane:1", {"json": json.dumps(
+        {"id": rid3, "model": "pics", "inputs": [{"image_b64": b64[:40]}]})})  # fmt: skip
+    result2 = json.loads(poll(r, f"bf:{{pics}}:result:{rid2}"))
+    assert result2["status"] == "ok" and result2["outputs"][0]["label"]
+    result3 = json.loads(poll(r, f"bf:{{pics}}:result:{rid3}"))
+    assert result3["status"] == "error" and result3["error"]["code"] == "invalid_input"
+
+    # By reference: the bytes in bf:{pics}:input:<name>, written first with a TTL
+    rid4 = uuid.uuid4().hex
+    r.set("bf:{pics}:input:" + rid4, png(300, 120), ex=600)
+    r.xadd("bf:{pics}:lane:1", {"json": json.dumps(
+        {"id": rid4, "model": "pics", "inputs": [{"image_key": "bf:{pics}:input:" + rid4}]})})  # fmt: skip
+    result4 = json.loads(poll(r, f"bf:{{pics}}:result:{rid4}"))
+    assert result4["status"] == "ok", result4.get("error")

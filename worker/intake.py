@@ -19,6 +19,7 @@ import redis
 from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
+from .blobs import fetch_referenced
 from .inbox import Arrived, Event, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
 
@@ -224,6 +225,7 @@ class Intake:
             return
         retire: list[Retiring] = []
         try:
+            entries = fetch_referenced(entries, self.streams, self.limits)
             retire = self._answered(entries)
         finally:  # whatever happens, what was claimed reaches the loop
             retired = {f.entry.key for f in retire}

@@ -33,6 +33,7 @@ from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Format, Request
 from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
+from .blobs import with_fetched
 from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .inbox import Arrived, Cancel, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
@@ -77,6 +78,8 @@ class BatchLoop:
         self.model = model
         self.config = config
         self.runner = runner
+        if hasattr(runner, "input_limits"):  # runners that decode images take the model's
+            runner.input_limits = config.limits.inputs
         self.worker = worker or WorkerConfig()
         self.consumer = consumer
         self.burst = burst
@@ -324,7 +327,7 @@ class BatchLoop:
                     entry, EntryRejected(reason, ErrorCode.POISONED, env), now, out, dead=True
                 )
                 continue
-            fresh.append((entry, request, fmt))
+            fresh.append((entry, with_fetched(request, entry.blobs), fmt))
         prepared = self._prepare([req for _, req, _ in fresh]) if fresh else []
         admit = self.scheduler.admit
         lanes: list[int] = []

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..schemas.errors import BatchfleetError, ErrorCode
+from ..schemas.inputs import AnyInput, Kind, Ranking, kind_of
 from ..schemas.messages import Request
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,12 @@ class PrepareError(BatchfleetError):
     code = ErrorCode.INVALID_REQUEST
 
 
+class InvalidInput(PrepareError):
+    """An input the model cannot take (a corrupt image, a kind it does not take)."""
+
+    code = ErrorCode.INVALID_INPUT
+
+
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A request made ready on the CPU side, with the cost features batching plans by."""
@@ -44,7 +51,8 @@ class Prepared:
     rows: int
     """Rows it adds to a batch."""
     tokens: int
-    """Its longest row's token count (a batch is padded to its longest row)."""
+    """Its longest row's token count, or an image's patch count (a batch is padded to its
+    longest row)."""
     truncated: tuple[bool, ...] | None = None
     """Per input: was it cut to the model's limit? (reported in the result)"""
     prompts: tuple[int, ...] = ()
@@ -178,8 +186,11 @@ class Encoded:
 class BatchRunner:
     """Base of one-shot runners: every admitted request finishes in its step.
 
-    Subclasses implement ``encode(texts)`` (tokenize, no padding) and ``run(rows)`` (one
-    batch, one output per row, msgpack/JSON-able). ``run`` raising
+    Subclasses implement ``encode(inputs)`` (tokenize, no padding; decode images...) and
+    ``run(rows)`` (one batch, one output per row, msgpack/JSON-able). ``accepts`` names the
+    kinds of input it takes (schemas/inputs.py); any other is ``invalid_input``. A ranking
+    input makes one row per document; ``assemble`` turns a request's row outputs into its
+    outputs (one per input). ``run`` raising
     ``torch.cuda.OutOfMemoryError`` or ``MemoryError`` makes the batch split and the engine
     lower its caps; any other exception is pinned on the request that causes it by
     bisection, so its batch-mates still succeed.
@@ -188,54 +199,109 @@ class BatchRunner:
     name = "batch"
     device = "cpu"
     torch_device: Any = None
+    accepts: frozenset[Kind] = frozenset({"text"})
+    bulk_encode = True
+    """Encode every request's inputs in one call (tokenizers batch); False: one request at
+    a time (images: a bad one fails only its request, without a second try)."""
 
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+    def encode(self, inputs: Sequence[Any]) -> list[Any]:
+        """Rows (each with ``tokens`` and ``truncated``) for inputs of the accepted kinds:
+        texts only, for a runner that accepts only texts."""
         raise NotImplementedError
 
-    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+    def run(self, rows: Sequence[Any]) -> list[Any]:
         raise NotImplementedError
+
+    def assemble(self, payload: Sequence[Any], outputs: list[Any]) -> list[Any]:
+        """A request's outputs, one per input, from its rows' outputs (default: the same)."""
+        return outputs
+
+    def payload(self, request: Request, rows: list[Any]) -> Sequence[Any]:
+        """What a request carries to :meth:`assemble` (default: its rows)."""
+        return rows
 
     def info(self) -> dict[str, Any]:
         return {"runner": self.name, "device": self.device}
 
     def prepare_many(self, requests: Sequence[Request]) -> list[Prepared | PrepareError]:
-        refused = {i: self._refuse(r) for i, r in enumerate(requests) if r.generation_fields()}
-        if refused:
-            rest = [r for i, r in enumerate(requests) if i not in refused]
-            done = iter(self.prepare_many(rest))
-            return [refused[i] if i in refused else next(done) for i in range(len(requests))]
-        texts = [t for req in requests for t in req.inputs]
-        try:  # one call for all: fast tokenizers batch (and parallelise) it
-            encoded = self.encode(texts)
-            if len(encoded) != len(texts):
-                raise RuntimeError(f"encode returned {len(encoded)} rows for {len(texts)} texts")
-        except Exception:
-            return [self._prepare_one(req) for req in requests]
+        refused = [
+            self._refuse(req) if req.generation_fields() else self._refused(req.inputs)
+            for req in requests
+        ]
+        takes = [req for req, bad in zip(requests, refused, strict=True) if bad is None]
+        inputs = [t for req in takes for t in req.inputs]
+        encoded: list[Any] | None = None
+        if self.bulk_encode and takes:
+            try:  # one call for all: fast tokenizers batch (and parallelise) it
+                encoded = self.encode(inputs)
+                if len(encoded) != _row_count(inputs):
+                    raise RuntimeError(f"encode returned {len(encoded)} rows")
+            except Exception:
+                encoded = None
         out: list[Prepared | PrepareError] = []
         pos = 0
-        for req in requests:
-            rows = encoded[pos : pos + len(req.inputs)]
-            pos += len(req.inputs)
-            out.append(_prepared(rows))
+        for req, bad in zip(requests, refused, strict=True):
+            if bad is not None:
+                out.append(bad)
+            elif encoded is None:
+                out.append(self._prepare_one(req))
+            else:
+                n = _row_count(req.inputs)
+                out.append(self._prepared(req, encoded[pos : pos + n]))
+                pos += n
         return out
 
     def _refuse(self, request: Request) -> PrepareError:
         fields = ", ".join(request.generation_fields())
         return PrepareError(f"a {self.name} model does not generate text: {fields} not supported")
 
+    def _refused(self, inputs: Sequence[AnyInput]) -> PrepareError | None:
+        for i, item in enumerate(inputs):
+            if type(item) is str and "text" in self.accepts:
+                continue
+            kind = kind_of(item)
+            if kind not in self.accepts:
+                takes = ", ".join(sorted(self.accepts))
+                return InvalidInput(
+                    f"inputs[{i}] is a {kind}: the {self.name} runner takes {takes}"
+                )
+        return None
+
     def _prepare_one(self, request: Request) -> Prepared | PrepareError:
         try:
-            return _prepared(self.encode(request.inputs))
+            rows = self.encode(request.inputs)
+        except PrepareError as exc:
+            return exc
         except Exception as exc:
-            return PrepareError(f"cannot tokenize: {type(exc).__name__}: {exc}")
+            what = "prepare" if "image" in self.accepts else "tokenize"
+            return PrepareError(f"cannot {what}: {type(exc).__name__}: {exc}")
+        return self._prepared(request, rows)
+
+    def _prepared(self, request: Request, rows: list[Any]) -> Prepared:
+        payload = self.payload(request, rows)
+        if len(rows) == 1:  # the common case, on the hot path
+            row = rows[0]
+            return Prepared(payload, 1, row.tokens, (row.truncated,))
+        return Prepared(
+            payload=payload,
+            rows=len(rows),
+            tokens=max((r.tokens for r in rows), default=0),
+            truncated=_truncated(request.inputs, rows),
+        )
 
     def step(self, work: Work) -> StepReport:
         report = StepReport(calls=0)
         groups = [(key, prep.payload) for key, prep in work.admit]
-        report.events = self._run(groups, report)
+        payloads = dict(groups)
+        report.events = [
+            Final(ev.key, self.assemble(payloads[ev.key], ev.outputs))
+            if isinstance(ev, Final)
+            else ev
+            for ev in self._run(groups, report)
+        ]
         return report
 
-    def _run(self, groups: list[tuple[str, Sequence[Encoded]]], acc: StepReport) -> list[StepEvent]:
+    def _run(self, groups: list[tuple[str, Sequence[Any]]], acc: StepReport) -> list[StepEvent]:
         rows = [row for _, g in groups for row in g]
         acc.calls += 1
         try:
@@ -253,8 +319,8 @@ class BatchRunner:
 
     def _split(
         self,
-        groups: list[tuple[str, Sequence[Encoded]]],
-        rows: list[Encoded],
+        groups: list[tuple[str, Sequence[Any]]],
+        rows: list[Any],
         exc: Exception,
         acc: StepReport,
     ) -> list[StepEvent]:
@@ -287,13 +353,17 @@ class BatchRunner:
         return [Failed(key, message)]
 
 
-def _prepared(rows: Sequence[Encoded]) -> Prepared:
-    if len(rows) == 1:  # the common case, on the hot path
-        row = rows[0]
-        return Prepared(rows, 1, len(row.ids), (row.truncated,))
-    return Prepared(
-        payload=list(rows),
-        rows=len(rows),
-        tokens=max((r.tokens for r in rows), default=0),
-        truncated=tuple(r.truncated for r in rows),
-    )
+def _row_count(inputs: Sequence[AnyInput]) -> int:
+    """Rows inputs take: one each, a ranking one per document."""
+    return sum(len(i.documents) if isinstance(i, Ranking) else 1 for i in inputs)
+
+
+def _truncated(inputs: Sequence[AnyInput], rows: Sequence[Any]) -> tuple[bool, ...]:
+    """Per input: was any of its rows cut to the model's limit?"""
+    out: list[bool] = []
+    pos = 0
+    for item in inputs:
+        n = len(item.documents) if isinstance(item, Ranking) else 1
+        out.append(any(r.truncated for r in rows[pos : pos + n]))
+        pos += n
+    return tuple(out)

@@ -32,6 +32,8 @@ class Entry:
     id: str
     fields: dict[bytes, bytes]
     deliveries: int = 1
+    blobs: Mapping[str, bytes | None] | None = None
+    """The input keys its request references, as read by the intake (worker/blobs.py)."""
 
     @property
     def key(self) -> str:
@@ -147,6 +149,15 @@ class ModelStreams:
                 if fields:  # None: deleted while pending
                     out.append(Entry(lane, entry_id.decode(), fields))
         return out
+
+    def read_inputs(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
+        """Input blobs clients wrote (``bf:{model}:input:<name>``), one round trip; at most
+        ``max_bytes + 1`` bytes of each (so an oversized one is seen, not read whole);
+        None for a key that is missing (or empty)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(key, 0, max_bytes)
+        return [bytes(v) if v else None for v in pipe.execute()]
 
     def live_consumers(self, now_ms: int, timeout_ms: int) -> set[str]:
         """Consumers whose last heartbeat is within ``timeout_ms`` of ``now_ms``."""

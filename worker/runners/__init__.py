@@ -9,6 +9,11 @@ BUILTIN = {
     "embedding": "batchfleet.worker.runners.embedding:EmbeddingRunner",
     "text-classification": "batchfleet.worker.runners.classification:ClassificationRunner",
     "text-generation": "batchfleet.worker.runners.generation:TextGenerationRunner",
+    "image-classification": (
+        "batchfleet.worker.runners.image_classification:ImageClassificationRunner"
+    ),
+    "image-text-embedding": "batchfleet.worker.runners.image_text:ImageTextEmbeddingRunner",
+    "rerank": "batchfleet.worker.runners.rerank:RerankRunner",
 }
 
 __all__ = ["BUILTIN", "resolve"]

@@ -10,18 +10,40 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedModel
 
+from ...schemas.inputs import AnyInput, Ranking, TextPair
 from ..device import pick_device, pick_dtype, to_device
 from ..host_buffers import HostBuffers
 from ..runner import BatchRunner, Encoded
 
 
-class TransformersRunner(BatchRunner):
+class ModelDirRunner(BatchRunner):
+    """Base of runners over a model directory: its device, dtype and options."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if path is None:
+            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
+        self.options = dict(options or {})
+        self.torch_device = pick_device(device)
+        self.device = str(self.torch_device)
+        self.dtype = pick_dtype(dtype, self.torch_device)
+
+
+class TransformersRunner(ModelDirRunner):
     """Base for runners over a Hugging Face model directory (offline; fast tokenizer).
 
     Subclasses set ``name``, implement ``_load_model`` and ``_outputs``.
     """
 
     name = "transformers"
+    pad_width: int | None = None
+    """Pad every batch to this width (models trained on fixed-length text, e.g. SigLIP)."""
 
     def __init__(
         self,
@@ -32,12 +54,7 @@ class TransformersRunner(BatchRunner):
         max_tokens: int = 512,
         options: dict[str, Any] | None = None,
     ) -> None:
-        if path is None:
-            raise ValueError(f"the {self.name} runner needs `path`: a model directory")
-        self.options = dict(options or {})
-        self.torch_device = pick_device(device)
-        self.device = str(self.torch_device)
-        self.dtype = pick_dtype(dtype, self.torch_device)
+        super().__init__(path, device=device, dtype=dtype, options=options)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
@@ -52,6 +69,7 @@ class TransformersRunner(BatchRunner):
         self._tok.enable_truncation(self.max_tokens)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._uses_type_ids = "token_type_ids" in tokenizer.model_input_names
+        self._uses_mask = "attention_mask" in tokenizer.model_input_names
         names = ["input_ids", "attention_mask"] + (
             ["token_type_ids"] if self._uses_type_ids else []
         )
@@ -63,10 +81,14 @@ class TransformersRunner(BatchRunner):
     def _outputs(self, model_out: Any, mask: torch.Tensor) -> list[Any]:
         raise NotImplementedError
 
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+    def encode(self, inputs: Sequence[AnyInput]) -> list[Encoded]:
+        """Texts, and text pairs (a ranking as one pair per document) encoded together."""
+        texts: list[Any] = list(inputs)
+        if not all(type(t) is str for t in texts):
+            texts = [p for item in inputs for p in _sequences(item)]
         return [
             Encoded(ids=tuple(e.ids), type_ids=tuple(e.type_ids), truncated=bool(e.overflowing))
-            for e in self._tok.encode_batch(list(texts))
+            for e in self._tok.encode_batch(texts)
         ]
 
     def collate(self, rows: Sequence[Encoded]) -> dict[str, torch.Tensor]:
@@ -75,7 +97,7 @@ class TransformersRunner(BatchRunner):
 
         The buffers are refilled by the next batch: safe because a batch's outputs are
         read back to the host (which waits for the copy) before the next one is collated."""
-        width = max(r.tokens for r in rows)
+        width = self.pad_width or max(r.tokens for r in rows)
         views = self._buffers.take(len(rows), width)
         ids, mask = views["input_ids"], views["attention_mask"]
         ids.fill_(self.pad_id)
@@ -106,3 +128,14 @@ class TransformersRunner(BatchRunner):
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_tokens": self.max_tokens,
         }
+
+
+def _sequences(item: AnyInput) -> list[str | tuple[str, str]]:
+    """What the tokenizer encodes for one input: a text, a pair, or a pair per document."""
+    if isinstance(item, TextPair):
+        return [(item.text, item.text_pair)]
+    if isinstance(item, Ranking):
+        return [(item.query, doc) for doc in item.documents]
+    if isinstance(item, str):
+        return [item]
+    raise TypeError(f"not a text input: {type(item).__name__}")
