@@ -136,3 +136,15 @@ def test_status_shows_generation_state(
     assert result(r, rid)["status"] == "ok"
     rows = [w for w in gather(redis_url, [MODEL]).worker_rows() if w["model"] == MODEL]
     assert rows and rows[0]["running"] == 0 and rows[0]["kv_cache_usage"] == 0
+
+
+def test_a_request_cancelled_before_it_is_read_never_starts(
+    r: redis.Redis, worker: WorkerProcess
+) -> None:
+    rid = uuid.uuid4().hex
+    r.set(f"bf:{{{MODEL}}}:cancel:{rid}", "1", ex=60)
+    submit(r, id=rid, inputs=["the man was"], max_new_tokens=50, stream=True)
+    res = result(r, rid)
+    assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "cancelled"
+    assert res["outputs"][0]["completion_tokens"] == 0
+    assert token_stream(r, rid) == [{b"seq": b"1", b"end": b"1"}]

@@ -169,12 +169,14 @@ def test_deadline_before_start_expires_and_mid_generation_stops() -> None:
     runner = Tokens(max_running=1)
     r, _ = gen_rig(runner)
     submit(r, "long", max_new_tokens=50, deadline_ms=200)
-    submit(r, "behind", max_new_tokens=5, deadline_ms=100)  # never gets the one slot in time
+    submit(r, "behind", max_new_tokens=5, deadline_ms=100, stream=True)  # no slot in time
     r.run()
     out = outputs(r, "long")
     assert out["finish_reason"] == "deadline"
     assert 15 <= out["completion_tokens"] < 50  # it ran until its deadline, about 20 steps
     assert r.result("behind").status == "expired"
+    (end,) = r.sink.streamed["behind"]  # its token stream ends, though nothing streamed
+    assert end.delta is None and end.seq == 1
 
 
 def test_cancel_answers_a_waiting_request_now_and_stops_a_running_one() -> None:

@@ -68,6 +68,8 @@ class Generating:
                 streamed.append(self.delta(held, r.seq, ev.chunk))
             elif isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
                 failed += 1
+                if held.request.stream:
+                    ends.append(self.delta(held, r.seq + 1, None))
                 message = (
                     f"runner returned {len(ev.outputs)} outputs for "
                     f"{held.request.input_count} inputs"
@@ -80,6 +82,8 @@ class Generating:
             elif isinstance(ev, Failed):
                 failed += 1
                 out.append(self.answers.failed(run, held, ev.code, ev.message, now))
+                if held.request.stream:
+                    ends.append(self.delta(held, r.seq + 1, None))
         self.observers.notify(
             BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
@@ -135,6 +139,10 @@ class Generating:
                         ends.append(self.delta(waiting, 1, None))
         self.parts.sink.send(out)
         self.parts.sink.stream(ends)
+
+    def expired(self, expired: Sequence[Held]) -> None:
+        """Requests answered ``expired`` (never started): their token streams end too."""
+        self.parts.sink.stream([self.delta(h, 1, None) for h in expired if h.request.stream])
 
     def watch(self) -> None:
         """Tell the cancel watcher which requests may be cancelled now."""

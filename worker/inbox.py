@@ -19,6 +19,8 @@ class Arrived:
 
     entries: Sequence[Entry]
     read_at: float
+    cancelled: tuple[str, ...] = ()
+    """Ids among them whose clients cancelled them before they were read (generation)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class Intake:
         post: Callable[[Event], None],
         *,
         sync_clock: Callable[[], None] | None = None,
+        check_cancels: bool = False,
         name: str = "intake",
     ) -> None:
         self.streams = streams
@@ -49,6 +50,8 @@ class Intake:
         self._clock = clock
         self._post = post
         self._sync_clock = sync_clock
+        self._check_cancels = check_cancels
+        """A generating model: requests cancelled before they were read are told at once."""
         self._cond = threading.Condition()
         self._counts: dict[int, int] = {}
         self._suspects = True
@@ -224,9 +227,12 @@ class Intake:
         if not entries:
             return
         retire: list[Retiring] = []
+        cancelled: list[str] = []
         try:
             entries = fetch_referenced(entries, self.streams, self.limits)
             retire = self._answered(entries)
+            if self._check_cancels:
+                cancelled = self._cancelled_before(entries)
         finally:  # whatever happens, what was claimed reaches the loop
             retired = {f.entry.key for f in retire}
             fresh = [e for e in entries if e.key not in retired]
@@ -235,7 +241,13 @@ class Intake:
                 self._posted += 1
             if retire:
                 self._post(Retire(retire))
-            self._post(Arrived(fresh, self._clock()))
+            # cancelled ones ride along: the loop ends them before any step starts them
+            self._post(Arrived(fresh, self._clock(), tuple(cancelled)))
+
+    def _cancelled_before(self, entries: list[Entry]) -> list[str]:
+        """Requests of a generating model cancelled before they were read."""
+        ids = [i for e in entries if (i := envelope_of(e.fields, self.limits).id) is not None]
+        return self.streams.cancelled(ids)
 
     def _answered(self, entries: list[Entry]) -> list[Retiring]:
         again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]

@@ -260,6 +260,8 @@ class BatchLoop:
             self._arrivals += 1
             self._idle_reads = 0
             self._admit(event.entries, event.read_at)
+            if event.cancelled:
+                self.generating.cancel(event.cancelled)
         elif isinstance(event, Retire):
             self.parts.sink.retire(event.items)
         elif isinstance(event, ReadIdle):
@@ -430,6 +432,8 @@ class BatchLoop:
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
         self.parts.sink.send([self.answers.expired(h, now) for h in expired])
+        if self.continuous:
+            self.generating.expired(expired)
         self.observers.notify(
             Expired(self.model, tuple(h.request.id for h in expired),
                     tuple(h.entry.lane for h in expired), now)

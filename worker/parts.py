@@ -75,7 +75,7 @@ def redis_parts(
     clock = RedisClock(streams)
     source = Intake(
         streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
-        name=f"intake-{model}",
+        check_cancels=is_continuous(runner), name=f"intake-{model}",
     )  # fmt: skip
     device = Executor(runner, clock, inbox.put, name=f"device-{model}")
     sink = RedisSink(

@@ -203,6 +203,9 @@ class TextGenerationRunner:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [list(ids)]
+        if any(not isinstance(t, str) for t in req.inputs):
+            raise PrepareError("a text-generation model takes texts (prompts) or messages",
+                               ErrorCode.INVALID_INPUT)  # fmt: skip
         return [list(self.tokenizer(t)["input_ids"]) for t in req.inputs]
 
     # --- the device's side -------------------------------------------------------------
