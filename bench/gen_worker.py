@@ -6,9 +6,11 @@ the ordinary ``batchfleet worker`` (same process, same code path otherwise):
 
 - ``PagedEngine.step``: the instant it returns is when the step's tokens exist
   (``produced``);
-- ``TextGenerationRunner.step``: when it returns (``reported``; detokenized, events built),
-  one line per step that has deltas: ``produced reported key key ...``, a key once per
-  ``Partial`` event, in order, so the n-th time a key appears is the delta with ``seq`` n.
+- ``TextGenerationRunner.step``: when it is called (``began``) and returns (``reported``;
+  detokenized, events built), one line per step: ``began produced reported preempted key key ...``
+  (``preempted``: how many requests the step preempted),
+  a key once per ``Partial`` event, in order, so the n-th time a key appears is the delta
+  with ``seq`` n.
 
 Times are ``time.perf_counter()``: CLOCK_MONOTONIC on Linux, one clock for every process on
 the host, so the harness compares them with its subscriber's receive times directly.
@@ -27,7 +29,7 @@ from typing import Any
 
 def install(path: Path) -> None:
     from batchfleet.worker.generation.engine import PagedEngine
-    from batchfleet.worker.runner import Partial
+    from batchfleet.worker.runner import Partial, Preempted
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     produced = [0.0]
@@ -41,11 +43,12 @@ def install(path: Path) -> None:
         return out
 
     def stamped_runner_step(self: TextGenerationRunner, work: Any) -> Any:
+        began = time.perf_counter()
         report = runner_step(self, work)
         reported = time.perf_counter()
-        keys = [ev.key for ev in report.events if isinstance(ev, Partial)]
-        if keys:
-            lines.append(f"{produced[0]:.6f} {reported:.6f} {' '.join(keys)}\n")
+        keys = " ".join(ev.key for ev in report.events if isinstance(ev, Partial))
+        preempted = sum(1 for ev in report.events if isinstance(ev, Preempted))
+        lines.append(f"{began:.6f} {produced[0]:.6f} {reported:.6f} {preempted} {keys}\n")
         return report
 
     PagedEngine.step = stamped_engine_step  # type: ignore[method-assign]

@@ -225,6 +225,8 @@ def engine_alone(
     ]  # fmt: skip
     prepared = runner.prepare_many(requests)
     by_key: dict[str, int] = {}
+    step_ms: list[float] = []
+    out.extra["step ms"] = step_ms
     clock = time.perf_counter
     t0 = clock()
     i = 0
@@ -253,6 +255,7 @@ def engine_alone(
         ended = clock() - t0
         sched.finished(step.step_id, report, began, ended)
         out.steps += 1
+        step_ms.append((ended - began) * 1e3)
         for ev in report.events:
             k = by_key[ev.key]
             if isinstance(ev, Partial | Final) and out.first[k] is None:
@@ -515,20 +518,29 @@ class Fleet:
                 worker_ttft.append(float(res["timings"].get("first_token_ms") or math.nan))
             else:
                 out.finish[k] = f"{res.get('status')}: {res.get('error')}"
-        out.extra = {"worker ttft ms": worker_ttft, "delta latency": self._delta_latency(received)}
+        tokens_ms, step_ms, steps, out.preemptions = self._stamps(received, t0)
+        out.steps = len(steps)
+        out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
+                     "step ms": steps}  # fmt: skip
         return out
 
-    def _delta_latency(
-        self, received: list[tuple[str, int, float]]
-    ) -> tuple[list[float], list[float]]:
-        """Per delta: ms from the step's tokens existing (engine step returned) and from the
-        runner's step returning, to the subscriber's receive; matched by (key, seq)."""
+    def _stamps(
+        self, received: list[tuple[str, int, float]], t0: float
+    ) -> tuple[list[float], list[float], list[float], int]:
+        """Per delta: ms from the step's tokens existing (engine step returned), and from the
+        runner's step returning, to the subscriber's receive, matched by (key, seq); and
+        the worker's step times (ms) and preemptions since ``t0``."""
         stamps: dict[tuple[str, int], tuple[float, float]] = {}
         counts: dict[str, int] = {}
+        steps: list[float] = []
+        preempted = 0
+        time.sleep(0.2)  # the worker writes its stamps every 50 ms
         with contextlib.suppress(FileNotFoundError):
-            time.sleep(0.2)  # the worker writes its stamps every 50 ms
             for line in self.stamps.read_text().splitlines():
-                produced, reported, *keys = line.split()
+                began, produced, reported, n, *keys = line.split()
+                if float(began) >= t0:
+                    steps.append((float(reported) - float(began)) * 1e3)
+                    preempted += int(n)
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
                     stamps[(key, counts[key])] = (float(produced), float(reported))
@@ -539,7 +551,7 @@ class Fleet:
             if s is not None:
                 from_tokens.append((t - s[0]) * 1e3)
                 from_step.append((t - s[1]) * 1e3)
-        return from_tokens, from_step
+        return from_tokens, from_step, steps, preempted
 
 
 # --- profile ------------------------------------------------------------------------------
@@ -634,8 +646,8 @@ def targets(results: list[ModelResult]) -> list[str]:
 def throughput_table(r: ModelResult) -> list[str]:
     out = [
         "| system | offered req/s | requests done | output tokens | span s | tokens/s | "
-        "finish: length / stop / other | preemptions | steps |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "finish: length / stop / other | preemptions | steps | step p50 / p90 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for o in r.outcomes.values():
         n = len(o.jobs)
@@ -645,8 +657,10 @@ def throughput_table(r: ModelResult) -> list[str]:
         other = sum(1 for f in o.finish if f and f not in ("length", "stop"))
         fin = f"{length} / {stop} / {other}" if any(o.finish) else "-"
         steps = str(o.steps) if o.steps else "-"
+        sms = o.extra.get("step ms") or []
+        step_cell = f"{_f(_p(sms, 50), 1)} / {_f(_p(sms, 90), 1)}" if sms else "-"
         out.append(f"| {o.system} | {_f(o.rate, 2)} | {done}/{n} | {o.total_tokens:,} | {_f(o.span, 2)} "
-                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} |")  # fmt: skip
+                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} |")  # fmt: skip
     return out
 
 
@@ -775,7 +789,7 @@ class Plan:
 
 
 FULL = Plan(requests=96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=8)
-QUICK = Plan(requests=24, unloaded=6, calibration=8, single=4, profile=6, smol_requests=3)
+QUICK = Plan(requests=16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
