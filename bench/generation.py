@@ -557,6 +557,51 @@ class Fleet:
 # --- profile ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    rows: int
+    engine_ms: float
+    """The engine's decode step with ``rows`` sequences running (ms)."""
+    generate_ms: float
+    """HF ``generate``'s decode step with a batch of ``rows`` (ms)."""
+
+
+def step_cost(
+    runner: Any, jobs: Sequence[Job], sizes: Sequence[int], new: int = 16
+) -> list[StepCost]:
+    """Decode step time against batch size, at one prompt length: the engine (all
+    ``rows`` prefilled, then ``new`` steps timed) and ``generate`` (``new + 1`` tokens
+    minus 1 token, over ``new``). Prompts: the first job's, repeated."""
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.runner import Work
+
+    prompt = jobs[0].text
+    out = []
+    for rows in (s for s in sizes if s <= runner.max_running):
+        reqs = [Request(id=f"c{k}", model="bench", inputs=[prompt], max_new_tokens=4 * new + 8,
+                        stream=True) for k in range(rows)]  # fmt: skip
+        keys = [f"cost/{rows}/{k}" for k in range(rows)]
+        admit = tuple(zip(keys, runner.prepare_many(reqs), strict=True))
+        report = runner.step(Work(f"cost-{rows}-0", admit))
+        n = 1
+        while any(any(p.prefill_left) for p in report.progress.values()):  # prefilling
+            report = runner.step(Work(f"cost-{rows}-{n}", ()))
+            n += 1
+        t0 = time.perf_counter()
+        for k in range(new):
+            runner.step(Work(f"cost-{rows}-t{k}", ()))
+        engine = (time.perf_counter() - t0) / new
+        runner.step(Work(f"cost-{rows}-end", (), tuple((k, "cancelled") for k in keys)))
+        ids = [list(jobs[0].prompt)] * rows
+        t0 = time.perf_counter()
+        _generate(runner.model, ids, 1, _pad(runner))
+        t1 = time.perf_counter()
+        _generate(runner.model, ids, new + 1, _pad(runner))
+        t2 = time.perf_counter()
+        out.append(StepCost(rows, engine * 1e3, ((t2 - t1) - (t1 - t0)) / new * 1e3))
+    return out
+
+
 def profile_engine(runner: Any, jobs: Sequence[Job], top: int = 12) -> tuple[str, dict[str, float]]:
     """cProfile of the engine alone on ``jobs`` (all at once): the top functions by own
     time, and the share of the run in attention, its KV copies, and linear layers."""
@@ -599,6 +644,8 @@ class ModelResult:
     model: GenModel
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     profile: tuple[str, dict[str, float]] | None = None
+    costs: list[StepCost] = field(default_factory=list)
+    cost_prompt: int = 0
     notes: list[str] = field(default_factory=list)
     load_s: float = 0.0
 
@@ -756,6 +803,12 @@ def write_report(
             lines += ["", f"One at a time: {single.extra['sample']}."]
         lines += ["", "### Time to first token (ms)", "", *ttft_table(r)]
         lines += ["", "### Token produced → delta visible to a subscriber", "", *delta_table(r)]
+        if r.costs:
+            lines += ["", f"### Decode step cost against batch size (prompt {r.cost_prompt} tokens)", "",
+                      "| sequences | engine step ms | engine ms / token | generate step ms | "
+                      "generate ms / token |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+            lines += [f"| {c.rows} | {c.engine_ms:.1f} | {c.engine_ms / c.rows:.2f} | "
+                      f"{c.generate_ms:.1f} | {c.generate_ms / c.rows:.2f} |" for c in r.costs]  # fmt: skip
         if r.profile is not None:
             text, shares = r.profile
             lines += ["", "### Profile: the engine alone (cProfile, own time)", ""]
@@ -786,10 +839,13 @@ class Plan:
     single: int
     profile: int
     smol_requests: int
+    cost_sizes: tuple[int, ...]
 
 
-FULL = Plan(requests=96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=8)
-QUICK = Plan(requests=16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3)
+FULL = Plan(96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=8,
+            cost_sizes=(1, 4, 8, 16, 32, 64))  # fmt: skip
+QUICK = Plan(16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3,
+             cost_sizes=(1, 8))  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -865,6 +921,9 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         if not args.no_profile:
             say(f"{model.name}: profile")
             result.profile = profile_engine(runner, jobs[: plan.profile])
+            long = sorted(jobs, key=lambda j: len(j.prompt))[len(jobs) // 2 :]
+            result.costs = step_cost(runner, long, plan.cost_sizes)
+            result.cost_prompt = len(long[0].prompt)
     del runner
     fleet = Fleet(model, url, workdir, args.threads)
     say(f"{model.name}: starting the worker")
@@ -894,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     plan = QUICK if args.quick else FULL
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before torch is imported
     models = args.models or (["tiny"] if args.quick else ["tiny", "smollm2"])
     started = time.monotonic()
     name = args.name or "generation-" + dt.datetime.now(dt.timezone.utc).strftime(

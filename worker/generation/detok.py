@@ -5,6 +5,11 @@ UTF-8 sequence is held back, as TGI and vLLM do), and never the start of a stop 
 that may still complete: the last ``longest stop - 1`` characters wait until the next
 token decides. The final text is the whole generation decoded once, cut before the first
 stop string.
+
+Decoders replace an incomplete sequence at the end by one U+FFFD, and each invalid byte
+by one too; so only a *last* U+FFFD may still become a character. Earlier ones are bytes
+that no later token can complete, and are released like any text (holding every text
+that ends with U+FFFD stalled a stream for good when a model kept emitting such bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ class TextStream:
     stop: tuple[str, ...] = ()
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    """Decoded so far (complete characters only)."""
+    """Decoded so far, less a last U+FFFD that may be a character still incomplete."""
+    whole: str = ""
+    """Decoded so far, all of it."""
     sent: int = 0
     """Characters already released as deltas."""
     stopped_at: int | None = None
@@ -35,9 +42,8 @@ class TextStream:
             return
         self.tokens.extend(new)
         text = self.decode(self.tokens)
-        if text.endswith("\ufffd"):  # a character still incomplete
-            return
-        self.text = text
+        self.whole = text
+        self.text = text[:-1] if text.endswith("\ufffd") else text  # maybe still incomplete
         if self.stop:
             hold = max(len(s) for s in self.stop)
             window = self.text[max(0, self.sent - hold) :]
@@ -49,15 +55,16 @@ class TextStream:
 
     @property
     def final_text(self) -> str:
-        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+        return self.whole if self.stopped_at is None else self.text[: self.stopped_at]
 
     def delta(self, final: bool = False) -> str:
         """Text not released yet that can be released now (all of it when ``final``)."""
-        end = len(self.final_text)
+        text = self.final_text if final or self.stopped_at is not None else self.text
+        end = len(text)
         if not final and self.stopped_at is None and self.stop:
             end -= max(len(s) for s in self.stop) - 1
         if end <= self.sent:
             return ""
-        out = self.final_text[self.sent : end]
+        out = text[self.sent : end]
         self.sent = end
         return out
