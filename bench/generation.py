@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import datetime as dt
 import importlib.util
 import io
@@ -465,8 +466,12 @@ class Fleet:
                     else:
                         self.results[body["id"]] = (t, body)
 
-    def run(self, jobs: Sequence[Job], rate: float, name: str, drain_s: float) -> Outcome:
-        """Submit ``jobs`` open loop at their arrival times (``rate``), wait for every result."""
+    def run(self, jobs: Sequence[Job], rate: float, name: str, drain_s: float,
+            lane: int | None = None) -> Outcome:  # fmt: skip
+        """Submit ``jobs`` open loop at their arrival times (``rate``), wait for every result
+        (``lane``: submit all on this lane instead of their own)."""
+        if lane is not None:
+            jobs = [dataclasses.replace(j, lane=lane) for j in jobs]
         at = arrivals(jobs, rate)
         out = Outcome.empty(name, rate, jobs, at)
         tag = f"{name.replace(' ', '-')}-{time.monotonic_ns()}"
@@ -567,7 +572,7 @@ class StepCost:
 
 
 def step_cost(
-    runner: Any, jobs: Sequence[Job], sizes: Sequence[int], new: int = 16
+    runner: Any, jobs: Sequence[Job], sizes: Sequence[int], new: int = 32
 ) -> list[StepCost]:
     """Decode step time against batch size, at one prompt length: the engine (all
     ``rows`` prefilled, then ``new`` steps timed) and ``generate`` (``new + 1`` tokens
@@ -754,8 +759,11 @@ METHOD = """\
   (`finish` column); every system counts the tokens a request actually gets (HF `generate`
   rows are cut at their own `max_new_tokens` and at EOS), so the counts agree. The random
   Llama almost never emits EOS; SmolLM2 continuing word salad rarely does.
-- **Saturation rate**: 2x the engine's capacity, measured first by the engine alone on a
-  burst of the first requests (requests/s); **unloaded**: 0.15x that capacity.
+- **Saturation rate**: 4x (`--saturation`) the engine's capacity, measured first by the
+  engine alone on a burst of the first requests (requests/s), so a backlog builds;
+  **unloaded**: 0.15x that capacity, every request on lane 0 (with no load the lanes do
+  not compete; this gives lane 0 all the samples). SmolLM2: a fixed rate far above its
+  capacity (`--smol-rate`), no unloaded run.
 - **tokens/s** = output tokens / (first arrival or submit → last result), for the fleet and
   the engine alone on the same saturated trace; for static batching the same span in the
   simulator's virtual time (idle until arrivals, then each batch's measured `generate`);
@@ -859,6 +867,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--smol-requests", type=int, default=None, help="saturated trace length (SmolLM2)"
     )
+    p.add_argument("--saturation", type=float, default=4.0,
+                   help="saturated rate = this x the capacity measured on a burst")  # fmt: skip
     p.add_argument("--smol-rate", type=float, default=2.0, help="SmolLM2's offered req/s")
     p.add_argument("--unloaded", type=int, default=None, help="unloaded trace length")
     p.add_argument("--max-new", type=int, default=256, help="upper end of max_new_tokens")
@@ -903,7 +913,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         say(f"{model.name}: calibrating on a burst of {min(n, plan.calibration)}")
         burst = engine_alone(runner, jobs[: min(n, plan.calibration)], 0.0, "calibration")
         capacity = burst.completed / burst.span
-        saturated, unloaded = 2.0 * capacity, 0.15 * capacity
+        saturated, unloaded = args.saturation * capacity, 0.15 * capacity
         result.notes.append(f"capacity from a burst of {burst.completed}: {capacity:.2f} req/s "
                             f"({burst.tokens_per_s:.0f} tokens/s); saturated rate "
                             f"{saturated:.2f}/s, unloaded {unloaded:.2f}/s")  # fmt: skip
@@ -933,8 +943,9 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         if which == "tiny":
             m = args.unloaded or plan.unloaded
             say(f"{model.name}: fleet unloaded, {m} requests at {unloaded:.2f}/s")
-            result.outcomes["fleet unloaded"] = fleet.run(jobs[:m], unloaded, "fleet unloaded",
-                                                          args.drain_s)  # fmt: skip
+            result.outcomes["fleet unloaded"] = fleet.run(
+                jobs[:m], unloaded, "fleet unloaded", args.drain_s, lane=0
+            )
         say(f"{model.name}: fleet, {n} requests at {saturated:.2f}/s")
         result.outcomes["fleet saturated"] = fleet.run(jobs, saturated, "fleet saturated",
                                                        args.drain_s)  # fmt: skip
