@@ -439,13 +439,15 @@ class Fleet:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """SIGTERM (the worker finishes or hands back what runs), SIGKILL after 30 s."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         self._stop.set()
         if self._reader is not None:
             self._reader.join(5)
