@@ -29,6 +29,7 @@ import contextlib
 import cProfile
 import dataclasses
 import datetime as dt
+import importlib
 import importlib.util
 import io
 import logging
@@ -123,9 +124,9 @@ def tiny_llama(workdir: Path, layers: int = 4, hidden: int = 256) -> Path:
     """The tests' random Llama (``tests/tiny_models.py``: BPE tokenizer, chat template,
     saved with ``save_pretrained``), at the benchmark's size."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_causal_lm
-
-    return make_causal_lm(workdir / "tiny-llama", layers=layers, hidden=hidden)  # type: ignore[no-any-return]
+    tiny_models: Any = importlib.import_module("tiny_models")
+    path: Path = tiny_models.make_causal_lm(workdir / "tiny-llama", layers=layers, hidden=hidden)
+    return path
 
 
 def smollm2_dir() -> Path:
