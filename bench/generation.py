@@ -31,7 +31,6 @@ import dataclasses
 import datetime as dt
 import importlib
 import importlib.util
-import io
 import logging
 import math
 import os
@@ -376,11 +375,20 @@ def one_at_a_time(runner: Any, jobs: Sequence[Job], sample: int) -> Outcome:
         busy += time.perf_counter() - t0
         out.tokens[k] = _useful(generated, j.max_new, eos)
     out.busy_s = busy
-    out.extra = {"sample": f"{len(chosen)} of {len(jobs)} jobs (every {step}th)"}
+    out.extra = {"sample": f"{len(chosen)} of {len(jobs)} jobs (one in {step})"}
     return out
 
 
 # --- the fleet ------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _toml(value: Any) -> str:
@@ -480,6 +488,10 @@ class Fleet:
         tag = f"{name.replace(' ', '-')}-{time.monotonic_ns()}"
         ids = [f"{tag}-{j.index}" for j in jobs]
         keys: list[str] = [""] * len(jobs)
+        assert self.process is not None
+        pids = {"worker": self.process.pid, "redis-server": int(self.client.info("server")["process_id"]),
+                "harness": os.getpid()}  # fmt: skip
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         clock = time.perf_counter
         t0 = clock() + 0.02
         i = 0
@@ -507,6 +519,7 @@ class Fleet:
         end = clock() + drain_s
         while clock() < end and any(r not in self.results for r in ids):
             time.sleep(0.05)
+        cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
         worker_ttft: list[float] = []
         received: list[tuple[str, int, float]] = []
         for k, rid in enumerate(ids):
@@ -529,7 +542,7 @@ class Fleet:
         tokens_ms, step_ms, steps, out.preemptions = self._stamps(received, t0)
         out.steps = len(steps)
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
-                     "step ms": steps}  # fmt: skip
+                     "step ms": steps, "cpu s": cpu}  # fmt: skip
         return out
 
     def _stamps(
@@ -617,23 +630,25 @@ def profile_engine(runner: Any, jobs: Sequence[Job], top: int = 12) -> tuple[str
     prof.enable()
     engine_alone(runner, jobs, 0.0, "profile")
     prof.disable()
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof)
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     total = sum(v[2] for v in raw.values())
 
-    def own(pred: Callable[[str, str], bool]) -> float:
-        return sum(v[2] for (f, _, fn), v in raw.items() if pred(f, fn)) / total if total else 0.0
+    def own(pred: Callable[[str], bool]) -> float:
+        return sum(v[2] for (_, _, fn), v in raw.items() if pred(fn)) / total if total else 0.0
 
     shares = {
-        "scaled_dot_product_attention": own(lambda f, fn: "scaled_dot_product_attention" in fn),
-        "repeat_kv / reshape (KV copies)": own(lambda f, fn: "reshape" in fn or "repeat_kv" in fn),
-        "linear layers": own(lambda f, fn: fn.endswith("_nn.linear>") or fn == "linear"),
+        "scaled_dot_product_attention": own(lambda fn: "scaled_dot_product_attention" in fn),
+        "reshape / repeat_kv (KV copies)": own(lambda fn: "reshape" in fn or "repeat_kv" in fn),
+        "index_select (KV gather)": own(lambda fn: "index_select" in fn),
+        "linear layers": own(lambda fn: fn.endswith("_nn.linear>")),
     }
-    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    start = next((k for k, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
-    return "\n".join(lines[start : start + top + 1]), shares
+    rows = sorted(raw.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"{'own s':>8} {'share':>6} {'calls':>8}  function"]
+    for (path, line, fn), (_, calls, tottime, _, _) in rows:
+        where = f"{Path(path).name}:{line}({fn})" if path != "~" else fn
+        lines.append(f"{tottime:8.3f} {tottime / total:6.1%} {calls:8d}  {where}")
+    return "\n".join(lines), shares
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -809,6 +824,11 @@ def write_report(
             lines += ["", f"Static batching: {ex['batches']} batches, {ex['mean rows']:.1f} rows "
                       f"mean (max {ex['max batch']}), {ex['row-steps wasted']:.0%} of row-steps "
                       f"generate tokens nobody asked for (rows done, batch still running)."]  # fmt: skip
+        for o in r.outcomes.values():
+            if "cpu s" in o.extra:
+                cpu = ", ".join(f"{k} {v:.1f} s" for k, v in o.extra["cpu s"].items())
+                lines += ["", f"CPU time during {o.system} (first submit → last result, "
+                          f"{o.span:.1f} s on 2 cores): {cpu}."]  # fmt: skip
         single = r.outcomes.get("one at a time")
         if single is not None:
             lines += ["", f"One at a time: {single.extra['sample']}."]
