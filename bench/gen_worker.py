@@ -15,7 +15,8 @@ the ordinary ``batchfleet worker`` (same process, same code path otherwise):
 Times are ``time.perf_counter()``: CLOCK_MONOTONIC on Linux, one clock for every process on
 the host, so the harness compares them with its subscriber's receive times directly.
 Lines are kept in memory and written by a daemon thread every 50 ms, off the device
-thread's path.
+thread's path. That thread also keeps ``STAMPS.threads`` current: one ``native_id name``
+line per Python thread, so the harness can name the threads of ``/proc/<pid>/task``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def install(path: Path) -> None:
     PagedEngine.step = stamped_engine_step  # type: ignore[method-assign]
     TextGenerationRunner.step = stamped_runner_step  # type: ignore[method-assign]
 
+    names = path.with_name(path.name + ".threads")
+
     def flush() -> None:
         with path.open("a") as f:
             while True:
@@ -63,6 +66,8 @@ def install(path: Path) -> None:
                     f.writelines(lines[:n])
                     del lines[:n]
                     f.flush()
+                known = "".join(f"{t.native_id} {t.name}\n" for t in threading.enumerate())
+                names.write_text(known)
 
     threading.Thread(target=flush, name="bench-stamps", daemon=True).start()
 

@@ -382,13 +382,24 @@ def one_at_a_time(runner: Any, jobs: Sequence[Job], sample: int) -> Outcome:
 # --- the fleet ------------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux ``/proc``; NaN elsewhere)."""
+def cpu_seconds(pid: int, task: int | None = None) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux
+    ``/proc``; NaN elsewhere)."""
+    stat = Path(f"/proc/{pid}/stat") if task is None else Path(f"/proc/{pid}/task/{task}/stat")
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return math.nan
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds per thread (native id) of a process (Linux ``/proc``)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out[int(task.name)] = cpu_seconds(pid, int(task.name))
+    return out
 
 
 def _toml(value: Any) -> str:
@@ -492,6 +503,7 @@ class Fleet:
         pids = {"worker": self.process.pid, "redis-server": int(self.client.info("server")["process_id"]),
                 "harness": os.getpid()}  # fmt: skip
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        threads0 = thread_cpu(self.process.pid)
         clock = time.perf_counter
         t0 = clock() + 0.02
         i = 0
@@ -520,6 +532,7 @@ class Fleet:
         while clock() < end and any(r not in self.results for r in ids):
             time.sleep(0.05)
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+        threads = self._thread_cpu(threads0)
         worker_ttft: list[float] = []
         received: list[tuple[str, int, float]] = []
         for k, rid in enumerate(ids):
@@ -542,8 +555,23 @@ class Fleet:
         tokens_ms, step_ms, steps, out.preemptions = self._stamps(received, t0)
         out.steps = len(steps)
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
-                     "step ms": steps, "cpu s": cpu}  # fmt: skip
+                     "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads}  # fmt: skip
         return out
+
+    def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
+        """The worker's CPU seconds per thread since ``before``, by Python thread name
+        (threads Python does not know, e.g. torch's, as ``native``), the busiest first."""
+        assert self.process is not None
+        names: dict[int, str] = {}
+        with contextlib.suppress(OSError):
+            for line in Path(str(self.stamps) + ".threads").read_text().splitlines():
+                native, _, name = line.partition(" ")
+                names[int(native)] = name
+        out: dict[str, float] = {}
+        for tid, cpu in thread_cpu(self.process.pid).items():
+            name = names.get(tid, "native")
+            out[name] = out.get(name, 0.0) + cpu - before.get(tid, 0.0)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def _stamps(
         self, received: list[tuple[str, int, float]], t0: float
@@ -829,6 +857,11 @@ def write_report(
                 cpu = ", ".join(f"{k} {v:.1f} s" for k, v in o.extra["cpu s"].items())
                 lines += ["", f"CPU time during {o.system} (first submit → last result, "
                           f"{o.span:.1f} s on 2 cores): {cpu}."]  # fmt: skip
+                busy = [(k, v) for k, v in o.extra["worker threads cpu s"].items() if v >= 0.05]
+                if busy:
+                    lines[-1] += (
+                        " Worker threads: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy) + "."
+                    )
         single = r.outcomes.get("one at a time")
         if single is not None:
             lines += ["", f"One at a time: {single.extra['sample']}."]
