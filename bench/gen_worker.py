@@ -7,8 +7,9 @@ the ordinary ``batchfleet worker`` (same process, same code path otherwise):
 - ``PagedEngine.step``: the instant it returns is when the step's tokens exist
   (``produced``);
 - ``TextGenerationRunner.step``: when it is called (``began``) and returns (``reported``;
-  detokenized, events built), one line per step: ``began produced reported preempted key key ...``
-  (``preempted``: how many requests the step preempted),
+  detokenized, events built), one line per step: ``began produced reported preempted running kv key key ...``
+  (``preempted``: requests the step preempted; ``running``, ``kv``: sequences running
+  and tokens in their KV cache after it),
   a key once per ``Partial`` event, in order, so the n-th time a key appears is the delta
   with ``seq`` n.
 
@@ -49,7 +50,11 @@ def install(path: Path) -> None:
         reported = time.perf_counter()
         keys = " ".join(ev.key for ev in report.events if isinstance(ev, Partial))
         preempted = sum(1 for ev in report.events if isinstance(ev, Preempted))
-        lines.append(f"{began:.6f} {produced[0]:.6f} {reported:.6f} {preempted} {keys}\n")
+        running = sum(len(p.contexts) for p in report.progress.values())
+        kv = sum(sum(p.contexts) for p in report.progress.values())
+        lines.append(
+            f"{began:.6f} {produced[0]:.6f} {reported:.6f} {preempted} {running} {kv} {keys}\n"
+        )
         return report
 
     PagedEngine.step = stamped_engine_step  # type: ignore[method-assign]

@@ -227,7 +227,9 @@ def engine_alone(
     prepared = runner.prepare_many(requests)
     by_key: dict[str, int] = {}
     step_ms: list[float] = []
+    batch: list[tuple[int, int]] = []
     out.extra["step ms"] = step_ms
+    out.extra["batch"] = batch
     clock = time.perf_counter
     t0 = clock()
     i = 0
@@ -257,6 +259,8 @@ def engine_alone(
         sched.finished(step.step_id, report, began, ended)
         out.steps += 1
         step_ms.append((ended - began) * 1e3)
+        batch.append((sum(len(p.contexts) for p in report.progress.values()),
+                      sum(sum(p.contexts) for p in report.progress.values())))  # fmt: skip
         for ev in report.events:
             k = by_key[ev.key]
             if isinstance(ev, Partial | Final) and out.first[k] is None:
@@ -552,10 +556,11 @@ class Fleet:
                 worker_ttft.append(float(res["timings"].get("first_token_ms") or math.nan))
             else:
                 out.finish[k] = f"{res.get('status')}: {res.get('error')}"
-        tokens_ms, step_ms, steps, out.preemptions = self._stamps(received, t0)
+        tokens_ms, step_ms, steps, out.preemptions, batch = self._stamps(received, t0)
         out.steps = len(steps)
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
-                     "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads}  # fmt: skip
+                     "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
+                     "batch": batch}  # fmt: skip
         return out
 
     def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
@@ -575,21 +580,23 @@ class Fleet:
 
     def _stamps(
         self, received: list[tuple[str, int, float]], t0: float
-    ) -> tuple[list[float], list[float], list[float], int]:
+    ) -> tuple[list[float], list[float], list[float], int, list[tuple[int, int]]]:
         """Per delta: ms from the step's tokens existing (engine step returned), and from the
         runner's step returning, to the subscriber's receive, matched by (key, seq); and
         the worker's step times (ms) and preemptions since ``t0``."""
         stamps: dict[tuple[str, int], tuple[float, float]] = {}
         counts: dict[str, int] = {}
         steps: list[float] = []
+        batch: list[tuple[int, int]] = []
         preempted = 0
         time.sleep(0.2)  # the worker writes its stamps every 50 ms
         with contextlib.suppress(FileNotFoundError):
             for line in self.stamps.read_text().splitlines():
-                began, produced, reported, n, *keys = line.split()
+                began, produced, reported, n, running, kv, *keys = line.split()
                 if float(began) >= t0:
                     steps.append((float(reported) - float(began)) * 1e3)
                     preempted += int(n)
+                    batch.append((int(running), int(kv)))
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
                     stamps[(key, counts[key])] = (float(produced), float(reported))
@@ -600,7 +607,7 @@ class Fleet:
             if s is not None:
                 from_tokens.append((t - s[0]) * 1e3)
                 from_step.append((t - s[1]) * 1e3)
-        return from_tokens, from_step, steps, preempted
+        return from_tokens, from_step, steps, preempted, batch
 
 
 # --- profile ------------------------------------------------------------------------------
@@ -744,8 +751,9 @@ def targets(results: list[ModelResult]) -> list[str]:
 def throughput_table(r: ModelResult) -> list[str]:
     out = [
         "| system | offered req/s | requests done | output tokens | span s | tokens/s | "
-        "finish: length / stop / other | preemptions | steps | step p50 / p90 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "finish: length / stop / other | preemptions | steps | step p50 / p90 ms | "
+        "device busy | running seqs / KV tokens, mean per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for o in r.outcomes.values():
         n = len(o.jobs)
@@ -757,8 +765,12 @@ def throughput_table(r: ModelResult) -> list[str]:
         steps = str(o.steps) if o.steps else "-"
         sms = o.extra.get("step ms") or []
         step_cell = f"{_f(_p(sms, 50), 1)} / {_f(_p(sms, 90), 1)}" if sms else "-"
+        busy = f"{sum(sms) / 1e3 / o.span:.0%}" if sms and o.busy_s is None else "-"
+        bat = o.extra.get("batch") or []
+        bat_cell = (f"{sum(b[0] for b in bat) / len(bat):.1f} / {sum(b[1] for b in bat) / len(bat):,.0f}"
+                    if bat else "-")  # fmt: skip
         out.append(f"| {o.system} | {_f(o.rate, 2)} | {done}/{n} | {o.total_tokens:,} | {_f(o.span, 2)} "
-                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} |")  # fmt: skip
+                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} | {busy} | {bat_cell} |")  # fmt: skip
     return out
 
 
