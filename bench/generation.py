@@ -397,6 +397,25 @@ def cpu_seconds(pid: int, task: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_stat() -> tuple[int, int]:
+    """(steal, total) jiffies of the machine so far (Linux ``/proc/stat``; zeros elsewhere):
+    steal is time the hypervisor gave this VM's CPUs to someone else."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def measured(fn: Callable[[], Outcome]) -> Outcome:
+    """Run ``fn``, noting the machine's CPU steal share meanwhile in ``extra["steal"]``."""
+    s0, t0 = cpu_stat()
+    out = fn()
+    s1, t1 = cpu_stat()
+    out.extra["steal"] = (s1 - s0) / (t1 - t0) if t1 > t0 else math.nan
+    return out
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
     """CPU seconds per thread (native id) of a process (Linux ``/proc``)."""
     out = {}
@@ -752,8 +771,8 @@ def throughput_table(r: ModelResult) -> list[str]:
     out = [
         "| system | offered req/s | requests done | output tokens | span s | tokens/s | "
         "finish: length / stop / other | preemptions | steps | step p50 / p90 ms | "
-        "device busy | running seqs / KV tokens, mean per step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "device busy | running seqs / KV tokens, mean per step | CPU steal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for o in r.outcomes.values():
         n = len(o.jobs)
@@ -766,11 +785,12 @@ def throughput_table(r: ModelResult) -> list[str]:
         sms = o.extra.get("step ms") or []
         step_cell = f"{_f(_p(sms, 50), 1)} / {_f(_p(sms, 90), 1)}" if sms else "-"
         busy = f"{sum(sms) / 1e3 / o.span:.0%}" if sms and o.busy_s is None else "-"
+        steal = f"{o.extra['steal']:.0%}" if "steal" in o.extra else "-"
         bat = o.extra.get("batch") or []
         bat_cell = (f"{sum(b[0] for b in bat) / len(bat):.1f} / {sum(b[1] for b in bat) / len(bat):,.0f}"
                     if bat else "-")  # fmt: skip
         out.append(f"| {o.system} | {_f(o.rate, 2)} | {done}/{n} | {o.total_tokens:,} | {_f(o.span, 2)} "
-                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} | {busy} | {bat_cell} |")  # fmt: skip
+                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} | {busy} | {bat_cell} | {steal} |")  # fmt: skip
     return out
 
 
@@ -990,19 +1010,23 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         result.notes.append(f"offered {saturated:g} req/s: far above its capacity (no calibration: "
                             "each SmolLM2 pass takes minutes on 2 cores)")  # fmt: skip
     say(f"{model.name}: engine alone, {n} requests at {saturated:.2f}/s")
-    result.outcomes["engine alone"] = engine_alone(runner, jobs, saturated)
+    result.outcomes["engine alone"] = measured(lambda: engine_alone(runner, jobs, saturated))
     if which == "tiny":
         say(f"{model.name}: static batching")
-        result.outcomes["static batching"] = static_batching(runner, jobs, saturated)
+        result.outcomes["static batching"] = measured(
+            lambda: static_batching(runner, jobs, saturated)
+        )
         say(f"{model.name}: one at a time")
-        result.outcomes["one at a time"] = one_at_a_time(runner, jobs, plan.single)
+        result.outcomes["one at a time"] = measured(
+            lambda: one_at_a_time(runner, jobs, plan.single)
+        )
         if not args.no_profile:
             say(f"{model.name}: profile")
             result.profile = profile_engine(runner, jobs[: plan.profile])
             long = sorted(jobs, key=lambda j: len(j.prompt))[len(jobs) // 2 :]
             result.costs = step_cost(runner, long, plan.cost_sizes)
             result.cost_prompt = len(long[0].prompt)
-    del runner
+    runner = None  # free it before the worker loads its own
     fleet = Fleet(model, url, workdir, args.threads)
     say(f"{model.name}: starting the worker")
     fleet.start()
@@ -1011,12 +1035,13 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         if which == "tiny":
             m = args.unloaded or plan.unloaded
             say(f"{model.name}: fleet unloaded, {m} requests at {unloaded:.2f}/s")
-            result.outcomes["fleet unloaded"] = fleet.run(
-                jobs[:m], unloaded, "fleet unloaded", args.drain_s, lane=0
+            result.outcomes["fleet unloaded"] = measured(
+                lambda: fleet.run(jobs[:m], unloaded, "fleet unloaded", args.drain_s, lane=0)
             )
         say(f"{model.name}: fleet, {n} requests at {saturated:.2f}/s")
-        result.outcomes["fleet saturated"] = fleet.run(jobs, saturated, "fleet saturated",
-                                                       args.drain_s)  # fmt: skip
+        result.outcomes["fleet saturated"] = measured(
+            lambda: fleet.run(jobs, saturated, "fleet saturated", args.drain_s)
+        )
     finally:
         fleet.stop()
     for o in result.outcomes.values():
