@@ -758,12 +758,15 @@ def targets(results: list[ModelResult]) -> list[str]:
         out.append(f"| {name} | token produced → delta at subscriber p50 ≤ {TARGETS['delta_ms']} ms "
                    f"(saturated) | **{_f(p50, 2)} ms** (n={len(tokens_ms)}) | "
                    f"{_met(p50 <= TARGETS['delta_ms'] if tokens_ms else None)} |")  # fmt: skip
-        alone = o.get("engine alone")
-        if alone is not None:
-            share = fleet.tokens_per_s / alone.tokens_per_s
-            out.append(f"| {name} | fleet ≥ {TARGETS['fleet_share']:.0%} of engine alone (tokens/s) | "
-                       f"{_f(fleet.tokens_per_s)} / {_f(alone.tokens_per_s)} = **{share:.0%}** | "
-                       f"{_met(share >= TARGETS['fleet_share'])} |")  # fmt: skip
+        alone = [a.tokens_per_s for k in ("engine alone", "engine alone, again")
+                 if (a := o.get(k)) is not None]  # fmt: skip
+        if alone:
+            mean = sum(alone) / len(alone)
+            share = fleet.tokens_per_s / mean
+            runs = " and ".join(_f(a) for a in alone)
+            out.append(f"| {name} | fleet ≥ {TARGETS['fleet_share']:.0%} of engine alone (tokens/s; "
+                       f"mean of {runs}) | {_f(fleet.tokens_per_s)} / {_f(mean)} = **{share:.0%}** "
+                       f"| {_met(share >= TARGETS['fleet_share'])} |")  # fmt: skip
     return out
 
 
@@ -860,6 +863,18 @@ METHOD = """\
   Redis, and the harness's socket read. The subscriber shares the 2 cores with the worker.
 - **Threads**: the worker runs with `OMP_NUM_THREADS` = `--threads`; every in-process run
   calls `torch.set_num_threads` with the same number.
+- **Engine alone** runs before the static and one-at-a-time baselines and, for the Llama,
+  again after the fleet runs (a fresh runner); the fleet is compared with their mean, so a
+  drift of the machine's speed over the run shows as the gap between the two passes.
+- **Per run**: `steps` and step times (fleet: timed in the worker by the stamps wrapper),
+  `device busy` = step time / span, running sequences and KV tokens per step (the runner's
+  progress report), `CPU steal` = the VM's steal share of CPU time meanwhile
+  (`/proc/stat`), and for fleet runs the CPU seconds of the worker (per thread, by Python
+  thread name), redis-server and the harness.
+- **Decode step cost**: the runner stepped directly with N copies of one prompt, timed
+  over 32 decode steps once all are prefilled, against `generate` on a batch of N
+  (time for 33 new tokens minus 1, over 32). **Profile**: cProfile of the engine alone
+  on a burst of the first requests, own time per function.
 """
 
 
@@ -1044,6 +1059,13 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         )
     finally:
         fleet.stop()
+    if which == "tiny":  # the engine alone again, to bracket the fleet runs in time
+        say(f"{model.name}: engine alone again")
+        runner = load_runner(model)
+        engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
+        result.outcomes["engine alone, again"] = measured(
+            lambda: engine_alone(runner, jobs, saturated, "engine alone, again")
+        )
     for o in result.outcomes.values():
         missing = sum(1 for d in o.done if d is None) if o.busy_s is None else 0
         if missing:
