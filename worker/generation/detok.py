@@ -1,14 +1,20 @@
 """Incremental detokenization with stop strings.
 
-Text is released as tokens arrive, never a broken character (a token ending inside a
-UTF-8 sequence is held back), and never the start of a stop string that may still
-complete: the last ``longest stop - 1`` characters wait until the next token decides.
+Text is released as tokens arrive, never a broken character, and never the start of a
+stop string that may still complete: the last ``longest stop - 1`` characters wait until
+the next token decides.
 
 Each step decodes only a short window of the newest tokens, as TGI and vLLM do: the text
-of ``tokens[prefix:read]`` (already released) against that of ``tokens[prefix:]``; the
+of ``tokens[prefix:read]`` (already committed) against that of ``tokens[prefix:]``; the
 difference is the new text. Decoding from a few tokens back rather than from the new
 token alone keeps what depends on context (a leading space, a character spread over
 tokens) right; decoding everything each step would cost O(n) per token.
+
+Decoders replace an incomplete sequence at the end by one U+FFFD, and each invalid byte
+by one too; so only a *last* U+FFFD may still become a character and is held back.
+Earlier ones are bytes no later token can complete, and are released like any text
+(holding every text that ends with U+FFFD stalled a stream for good when a model kept
+emitting such bytes). The final text is everything decoded, a last U+FFFD included.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 Decode = Callable[[Sequence[int]], str]
+HELD = "\ufffd"
 
 
 @dataclass(slots=True)
@@ -27,11 +34,15 @@ class TextStream:
     stop: tuple[str, ...] = ()
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    """Decoded so far (complete characters only)."""
+    """Decoded so far, without a last character that may still be incomplete."""
     sent: int = 0
     """Characters already released as deltas."""
     stopped_at: int | None = None
     """Where a stop string begins in ``text``, once one was produced."""
+    _base: str = ""
+    """The text of ``tokens[:read]`` (complete)."""
+    _tail: str = ""
+    """The text of ``tokens[read:]``, a last U+FFFD included."""
     _prefix: int = 0
     _read: int = 0
 
@@ -42,12 +53,17 @@ class TextStream:
         self.tokens.extend(new)
         before = self.decode(self.tokens[self._prefix : self._read])
         after = self.decode(self.tokens[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # nothing complete yet: decide with the next token
+        tail = after[len(before) :]
         start = len(self.text)
-        self.text += after[len(before) :]
-        self._prefix, self._read = self._read, len(self.tokens)
-        if self.stop:
+        if tail.endswith(HELD):
+            self._tail = tail
+            self.text = self._base + tail[:-1]
+        else:  # complete: commit it and move the window on
+            self._base += tail
+            self._tail = ""
+            self.text = self._base
+            self._prefix, self._read = self._read, len(self.tokens)
+        if self.stop and len(self.text) > start:
             # a stop string may begin in what was there before (it ends in the new text)
             from_ = max(0, start - max(len(s) for s in self.stop) + 1)
             hits = [i for s in self.stop if (i := self.text.find(s, from_)) >= 0]
@@ -56,15 +72,18 @@ class TextStream:
 
     @property
     def final_text(self) -> str:
-        return self.text if self.stopped_at is None else self.text[: self.stopped_at]
+        if self.stopped_at is not None:
+            return self.text[: self.stopped_at]
+        return self._base + self._tail
 
     def delta(self, final: bool = False) -> str:
         """Text not released yet that can be released now (all of it when ``final``)."""
-        end = len(self.final_text)
+        text = self.final_text if final or self.stopped_at is not None else self.text
+        end = len(text)
         if not final and self.stopped_at is None and self.stop:
             end -= max(len(s) for s in self.stop) - 1
         if end <= self.sent:
             return ""
-        out = self.final_text[self.sent : end]
+        out = text[self.sent : end]
         self.sent = end
         return out

