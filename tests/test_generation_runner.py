@@ -339,3 +339,13 @@ def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(
     d.step([("g", q)])
     d.run()
     assert d.finals["g"].outputs[0]["text"] == greedy(runner, "the man was", 5)
+
+
+def test_malloc_keeps_freed_memory_on_glibc() -> None:
+    import platform
+
+    from batchfleet.worker.device import keep_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert keep_freed_memory()

@@ -30,6 +30,7 @@ from .health import Health, HealthServer
 from .loop import BatchLoop
 from .metrics import prometheus_metrics
 from .observers import LoopObserver
+from .runner import is_continuous
 from .runners import resolve
 
 ObserverFactory = Callable[[Any, FleetConfig, str], LoopObserver]
@@ -83,6 +84,10 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.info(
                 "model %s loaded in %.1fs: %s", name, time.monotonic() - started, runner.info()
             )
+            if is_continuous(runner):
+                from .device import keep_freed_memory
+
+                logger.info("malloc keeps freed memory (generation): %s", keep_freed_memory())
             observers = [make(worker, fleet, name) for make in app.batchfleet_observers]
             loop = BatchLoop(
                 name,
