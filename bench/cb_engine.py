@@ -1,14 +1,16 @@
-"""Why the text-generation runner steps transformers' continuous-batching engine itself.
+"""Which continuous-batching engine the text-generation runner uses, and why.
 
 Same prompts, same sized cache, greedy, in one process on the CPU:
 
 - ``manager``: transformers' ``ContinuousBatchingManager`` as shipped (its own thread and
   FIFO admission): ``generate_batch``;
-- ``stepped``: :class:`batchfleet.worker.generation.engine.PagedEngine`, the same engine
-  stepped from our thread (what the worker runs; the scheduler decides admissions);
+- ``paged``: :class:`batchfleet.worker.generation.paged.PagedEngine`, the same engine
+  stepped from our thread (``options.engine = "paged"``);
+- ``padded``: :class:`batchfleet.worker.generation.padded.PaddedEngine`, our step loop
+  over one left-padded batch (the default);
 - ``generate``: ``model.generate`` one request at a time.
 
-It checks the three give the same tokens and prints output tokens/s of each.
+It checks they give the same tokens and prints output tokens/s of each.
 
     python bench/cb_engine.py [--prompts 32] [--new 64] [--layers 4] [--hidden 256]
 """
@@ -37,7 +39,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from batchfleet.worker.generation.engine import PagedEngine
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.paged import PagedEngine
     from batchfleet.worker.generation.sampling import Sampling
     from tiny_models import make_causal_lm
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -77,7 +80,19 @@ def main() -> None:
     while len([k for k, v in got.items() if len(v) == args.new]) < args.prompts:
         for o in engine.step():
             got[o.sequence] = o.tokens
-    rates["stepped (batchfleet's runner)"] = n_out / (time.perf_counter() - t)
+    rates["paged, stepped by batchfleet"] = n_out / (time.perf_counter() - t)
+
+    # batchfleet's own padded step loop (the runner's default engine)
+    padded = PaddedEngine(model, eos_token_ids=[], step_tokens=cb["max_batch_tokens"],
+                          max_running=args.prompts)  # fmt: skip
+    own: dict[str, list[int]] = {}
+    t = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        padded.add(f"req_{i}", prompt, args.new, Sampling())
+    while len([k for k, v in own.items() if len(v) == args.new]) < args.prompts:
+        for o in padded.step():
+            own[o.sequence] = o.tokens
+    rates["padded (batchfleet's default)"] = n_out / (time.perf_counter() - t)
 
     # one at a time
     t = time.perf_counter()
@@ -88,11 +103,13 @@ def main() -> None:
 
     same = all(got[f"req_{i}"] == manager_tokens[f"req_{i}"] for i in range(args.prompts))
     same_single = all(got[f"req_{i}"] == s for i, s in enumerate(single))
+    same_padded = all(own[f"req_{i}"] == s for i, s in enumerate(single))
     print(f"{args.prompts} prompts of 8-200 tokens, {args.new} new tokens each, "
           f"{args.layers} layers x {args.hidden}, {args.threads} thread(s)")  # fmt: skip
     for name, rate in rates.items():
         print(f"  {name:32s} {rate:8.1f} output tokens/s")
-    print(f"  same tokens: stepped == manager: {same}; stepped == generate: {same_single}")
+    print(f"  same tokens: paged == manager: {same}; paged == generate: {same_single}; "
+          f"padded == generate: {same_padded}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ when its tokens are produced, for the generation benchmark (``bench/generation.p
 A delta carries no production time, so this process wraps two methods before starting
 the ordinary ``batchfleet worker`` (same process, same code path otherwise):
 
-- ``PagedEngine.step``: the instant it returns is when the step's tokens exist
-  (``produced``);
+- the engine's ``step`` (``PaddedEngine`` or ``PagedEngine``): the instant it returns is
+  when the step's tokens exist (``produced``);
 - ``TextGenerationRunner.step``: when it is called (``began``) and returns (``reported``;
   detokenized, events built), one line per step: ``began produced reported preempted running kv key key ...``
   (``preempted``: requests the step preempted; ``running``, ``kv``: sequences running
@@ -30,19 +30,22 @@ from typing import Any
 
 
 def install(path: Path) -> None:
-    from batchfleet.worker.generation.engine import PagedEngine
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.paged import PagedEngine
     from batchfleet.worker.runner import Partial, Preempted
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     produced = [0.0]
     lines: list[str] = []
-    engine_step = PagedEngine.step
     runner_step = TextGenerationRunner.step
 
-    def stamped_engine_step(self: PagedEngine) -> Any:
-        out = engine_step(self)
-        produced[0] = time.perf_counter()
-        return out
+    def stamped(engine_step: Any) -> Any:
+        def stamped_engine_step(self: Any) -> Any:
+            out = engine_step(self)
+            produced[0] = time.perf_counter()
+            return out
+
+        return stamped_engine_step
 
     def stamped_runner_step(self: TextGenerationRunner, work: Any) -> Any:
         began = time.perf_counter()
@@ -57,7 +60,8 @@ def install(path: Path) -> None:
         )
         return report
 
-    PagedEngine.step = stamped_engine_step  # type: ignore[method-assign]
+    PaddedEngine.step = stamped(PaddedEngine.step)  # type: ignore[method-assign]
+    PagedEngine.step = stamped(PagedEngine.step)  # type: ignore[method-assign]
     TextGenerationRunner.step = stamped_runner_step  # type: ignore[method-assign]
 
     names = path.with_name(path.name + ".threads")

@@ -872,7 +872,7 @@ METHOD = """\
   clock; the worker's own `timings.first_token_ms` (enqueue → first token, Redis clock) is
   shown beside it. Engine alone: end of the step that produced the first token - arrival.
 - **Token produced → delta visible**: the worker runs through `bench/gen_worker.py`, which
-  wraps `PagedEngine.step` (its return is when the step's tokens exist) and
+  wraps the engine's `step` (its return is when the step's tokens exist) and
   `TextGenerationRunner.step` (its return: detokenized, events built) and logs one line per
   step with the keys of its deltas. The harness matches each received delta by (stream
   entry key, `seq`) and subtracts; both sides read `time.perf_counter()` (CLOCK_MONOTONIC,
@@ -1000,9 +1000,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=256, help="upper end of max_new_tokens")
     p.add_argument("--max-prompt", type=int, default=512, help="upper end of prompt tokens")
     p.add_argument("--threads", type=int, default=1, help="torch threads, worker and in process")
-    p.add_argument("--max-running", type=int, default=16)
-    p.add_argument("--step-tokens", type=int, default=256)
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--step-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--drain-s", type=float, default=300.0)
     p.add_argument("--no-profile", action="store_true")

@@ -33,9 +33,10 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_causal_lm(tmp_path_factory.mktemp("lm"))
 
 
-@pytest.fixture()
-def runner(lm_dir: Path) -> TextGenerationRunner:
-    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
+@pytest.fixture(params=["padded", "paged"])
+def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner:
+    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "engine": request.param}  # fmt: skip
     return TextGenerationRunner(lm_dir, options=opts)
 
 
@@ -313,7 +314,7 @@ def test_out_of_memory_preempts_and_shrinks_the_step_budget_then_resumes(
     report = runner.step(Work("boom", ()))
     assert report.out_of_memory and runner.step_tokens == before // 2
     assert sorted(e.key for e in report.events if isinstance(e, Preempted)) == ["o1", "o2"]
-    assert runner.engine.processor.max_batch_tokens == before // 2
+    assert runner.engine.step_tokens == before // 2
     d.step([("o1", preps[0]), ("o2", preps[1])])  # the scheduler admits them again
     d.run()
     assert d.finals["o1"].outputs[0]["text"] == greedy(runner, "the man was", 8)

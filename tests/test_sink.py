@@ -144,3 +144,12 @@ def test_token_streams_and_dead_letters(harness: Harness) -> None:
     assert len(published) == 2  # the end is not published: the result is
     assert harness.dead_codes() == ["malformed"]
     assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]
+
+
+def test_a_token_stream_ttl_is_set_with_its_first_entry_every_64th_and_its_end() -> None:
+    def write(seq: int, end: bool = False) -> bool:
+        d = None if end else Delta(id="g", model="m", seq=seq, input=0, text="x", tokens=1)
+        return Streamed("g", seq, d, 60, "chan", "json").write().expire
+
+    assert [s for s in range(1, 200) if write(s)] == [1, 65, 129, 193]
+    assert write(7, end=True)

@@ -74,6 +74,9 @@ class Work:
     preempt: tuple[str, ...] = ()
     """Running requests to free (their memory) and keep aside: they are admitted again
     later, and the runner resumes them (by recomputation). Reported :class:`Preempted`."""
+    lanes: tuple[int, ...] = ()
+    """The lane of each of ``admit`` (empty: all lane 0); a generator prefills lower lanes
+    first, so a lane-0 prompt does not queue behind lower lanes' admitted prompts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,8 @@ class Step:
 
     def work(self) -> Work:
         admit = tuple((h.waiting.key, h.prepared) for h in self.held)
-        return Work(self.step_id, admit, self.stop, self.preempt)
+        lanes = tuple(h.waiting.lane for h in self.held)
+        return Work(self.step_id, admit, self.stop, self.preempt, lanes)
 
 
 @dataclass(frozen=True, slots=True)

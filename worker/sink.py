@@ -66,6 +66,11 @@ class _Finish:
     answers: Sequence[Outgoing]
 
 
+EXPIRE_EVERY = 64
+"""A token stream's TTL is (re)set with its 1st, 65th, ... entry and its end entry: one
+EXPIRE per delta would be a third of the commands a generating worker sends."""
+
+
 @dataclass(frozen=True, slots=True)
 class Streamed:
     """A delta of a generating request, or (``delta`` None) the end of its token stream."""
@@ -82,8 +87,9 @@ class Streamed:
         if self.delta is None:
             return TokenWrite(self.request_id, end_fields(self.seq), self.ttl_s)
         message = encode_delta(self.delta, self.fmt) if self.reply else None
+        expire = self.seq % EXPIRE_EVERY == 1  # the end entry sets the final TTL
         return TokenWrite(
-            self.request_id, delta_fields(self.delta), self.ttl_s, self.reply, message
+            self.request_id, delta_fields(self.delta), self.ttl_s, self.reply, message, expire
         )
 
 

@@ -64,6 +64,8 @@ class TokenWrite:
     ttl_s: int
     reply: str | None = None
     message: bytes | None = None
+    expire: bool = True
+    """Set the stream's TTL with this entry (its first, every so often, and its end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +310,8 @@ class ModelStreams:
             key = self.keys.tokens(it.request_id)
             fields: dict[Any, Any] = dict(it.fields)  # redis-py's invariant dict type
             pipe.xadd(key, fields, maxlen=100_000, approximate=True)
-            pipe.expire(key, it.ttl_s)
+            if it.expire:
+                pipe.expire(key, it.ttl_s)
             if it.reply and it.message is not None:
                 pipe.publish(it.reply, it.message)
         pipe.execute()

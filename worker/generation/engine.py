@@ -1,35 +1,21 @@
-"""transformers' continuous batching, driven one step at a time from our device thread.
+"""What the text-generation runner needs of an engine, and the two it can use.
 
-transformers (>= 5) ships a continuous-batching engine: a paged KV cache, chunked prefill
-under a per-step token budget, sequences joining and leaving between steps. Its manager
-runs it on a background thread with its own FIFO admission. We use the engine, not the
-thread: the worker's scheduler decides which requests join (lanes, deadlines, the KV
-budget, preemption — ``batching/generation.py``), and this class adds exactly those and
-runs exactly one step per call, so nothing runs that the scheduler did not decide. The
-cache is sized by the fleet file (``kv_cache_tokens``); left to its defaults it sizes
-itself to the machine's memory.
+- :class:`~.padded.PaddedEngine` (``engine = "padded"``, the default): our step loop over
+  one left-padded batch and transformers' cache classes.
+- :class:`~.paged.PagedEngine` (``engine = "paged"``): transformers' own paged
+  continuous batching, stepped by us; it also serves sliding-window and hybrid models.
 
-It calls the engine's step methods (``prepare_next_batch``, ``_generation_step``,
-``update_batch``), which are the body of the manager's own loop; ``tests/test_generation.py``
-pins their behaviour (greedy tokens equal ``generate``'s).
+Either way the worker's scheduler decides which sequences join and leave; the engine
+runs exactly one step per call.
 """
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-import torch
-from transformers import GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingLogitsProcessorList,
-)
-from transformers.generation.logits_process import LogitsProcessorList
-
-from .sampling import Sampling, SeededSampler
+from .sampling import Sampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,101 +33,14 @@ class SeqState:
     prefill_left: int
 
 
-class PagedEngine:
-    """One model's continuous-batching engine, stepped by the caller."""
+class Engine(Protocol):
+    """One model's continuous batching, stepped by the caller."""
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        kv_blocks: int,
-        page_size: int,
-        step_tokens: int,
-        max_running: int,
-    ) -> None:
-        self.sampler = SeededSampler()
-        generation = GenerationConfig(
-            do_sample=False, eos_token_id=eos_token_ids or -1, pad_token_id=pad_token_id,
-            max_new_tokens=16,
-        )  # fmt: skip
-        cb = ContinuousBatchingConfig(
-            num_blocks=kv_blocks,
-            page_size=page_size,
-            max_batch_tokens=step_tokens,
-            max_requests_per_batch=max_running,
-            allow_block_sharing=False,  # the scheduler counts each sequence's own blocks
-            use_cuda_graph=False,
-            scheduler_type="fifo",
-        )
-        self.manager = model.init_continuous_batching(
-            generation_config=generation, continuous_batching_config=cb
-        )
-        processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList())
-        processors.logits_processor = LogitsProcessorList([self.sampler])
-        processors.tensors_required = 1
-        processors.supported_keys = dict(self.sampler.supported_kwargs)
-        processors.do_processing = True
-        self.manager.logit_processor = processors
-        self.processor = self.manager._create_batch_processor()
-        self.manager.batch_processor = self.processor
-        self._outputs: queue.Queue[Any] = self.manager.output_router.output_queue
-
-    @property
-    def kv_blocks(self) -> int:
-        return int(self.processor.cache.num_blocks)
-
-    def add(
-        self, sequence: str, tokens: list[int], max_new_tokens: int, sampling: Sampling
-    ) -> None:
-        """Queue a sequence; it joins at the next step."""
-        self.sampler.add(sequence, sampling)
-        self.manager.add_request(
-            tokens, request_id=sequence, max_new_tokens=max_new_tokens, streaming=True
-        )
-
-    def cancel(self, sequences: Iterable[str]) -> None:
-        """Free these sequences (their KV blocks) before the next step."""
-        for s in sequences:
-            self.manager.cancel_request(s)
-
-    def step(self) -> list[Output]:
-        """Run one step (admissions, cancellations, prefill chunks, one decode per running
-        sequence); the outputs it produced."""
-        with torch.inference_mode():
-            if self.processor.prepare_next_batch():
-                self.manager._generation_step()
-                self.processor.update_batch()
-        out: list[Output] = []
-        while True:
-            try:
-                o = self._outputs.get_nowait()
-            except queue.Empty:
-                break
-            if o.error:
-                raise RuntimeError(f"generation of {o.request_id} failed: {o.error}")
-            out.append(Output(o.request_id, list(o.generated_tokens), o.is_finished()))
-        return out
-
-    def state(self, sequence: str) -> SeqState | None:
-        """Where a queued or running sequence stands (None: the engine no longer has it)."""
-        sched = self.processor.scheduler
-        st = sched.active_requests.get(sequence) or sched.waiting_requests.get(sequence)
-        if st is None:
-            return None
-        left = len(st.remaining_prefill_tokens)
-        return SeqState(
-            context=len(st.initial_tokens) - left + st.generated_len(), prefill_left=left
-        )
-
-    def set_step_tokens(self, tokens: int) -> None:
-        """Change the per-step token budget (prefill chunks + decodes)."""
-        self.processor.max_batch_tokens = tokens
-
-    def reset(self) -> None:
-        """Drop every sequence (after a failed step), keeping the samplers' state."""
-        self.processor.reset()
-        for q in (self.manager.input_queue, self.manager.cancel_queue, self._outputs):
-            while not q.empty():
-                q.get_nowait()
+    def add(self, sequence: str, tokens: list[int], max_new_tokens: int,
+            sampling: Sampling, priority: int = 0) -> None: ...  # fmt: skip
+    def cancel(self, sequences: Iterable[str]) -> None: ...
+    def forget(self, sequence: str) -> None: ...
+    def step(self) -> list[Output]: ...
+    def state(self, sequence: str) -> SeqState | None: ...
+    def set_step_tokens(self, tokens: int) -> None: ...
+    def reset(self) -> None: ...

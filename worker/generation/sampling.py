@@ -61,6 +61,11 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         """The sequence ended."""
         self._sampling.pop(sequence, None)
 
+    def draw(self, sequence: str, logits: torch.Tensor) -> int | None:
+        """A sampling sequence's next token from its ``logits`` row (None: greedy)."""
+        entry = self._sampling.get(sequence)
+        return None if entry is None else sample(logits, *entry)
+
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)
 

@@ -1,7 +1,7 @@
 """``text-generation``: causal LMs with continuous batching and token streaming.
 
 The loop thread prepares requests (chat template, tokenization, bounds); the device thread
-steps :class:`~..generation.engine.PagedEngine`: each step admits what the scheduler
+steps its engine (:mod:`..generation.engine`): each step admits what the scheduler
 decided, ends or frees what it asked, runs one engine step, and reports per request the
 text produced (:class:`Partial`, streaming requests only), the end (:class:`Final`, one
 :class:`~batchfleet.schemas.messages.Generation` map per input) and where each running
@@ -10,7 +10,8 @@ request stands (:class:`Progress`, for the KV-cache budget).
 Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
 ``kv_cache_tokens`` (KV cache size, default 16384), ``page_size`` (KV block, default 32),
 ``step_tokens`` (per-step token budget, default 512), ``max_running`` (sequences per
-step, default 64), ``max_new_tokens`` (default for requests that set none, 256; the
+step, default 64), ``engine`` (``padded``, the default, or ``paged``:
+transformers' paged engine, for sliding-window and hybrid models), ``max_new_tokens`` (default for requests that set none, 256; the
 bound is the model's ``limits.max_new_tokens``, checked when the request is read).
 """
 
@@ -28,7 +29,7 @@ from ...schemas.errors import ErrorCode
 from ...schemas.messages import Request
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation.detok import TextStream
-from ..generation.engine import PagedEngine
+from ..generation.engine import Engine
 from ..generation.sampling import Sampling
 from ..runner import (
     Failed,
@@ -128,18 +129,30 @@ class TextGenerationRunner:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
             self.eos.append(int(self.tokenizer.eos_token_id))
         pad = self.tokenizer.pad_token_id
-        blocks = -(-self.kv_cache_tokens // self.page_size)
-        self.engine = PagedEngine(
-            self.model,
-            eos_token_ids=self.eos,
-            pad_token_id=int(pad if pad is not None else (self.eos[0] if self.eos else 0)),
-            # One spare block per sequence beyond the scheduler's budget: the engine takes
-            # a sequence's next block a little ahead of its use.
-            kv_blocks=blocks + self.max_running,
-            page_size=self.page_size,
-            step_tokens=self.step_tokens,
-            max_running=self.max_running,
-        )
+        self.engine_kind = str(opts.get("engine", "padded"))
+        self.engine: Engine
+        if self.engine_kind == "padded":
+            from ..generation.padded import PaddedEngine
+
+            self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
+                                       step_tokens=self.step_tokens, max_running=self.max_running)  # fmt: skip
+        elif self.engine_kind == "paged":
+            from ..generation.paged import PagedEngine
+
+            blocks = -(-self.kv_cache_tokens // self.page_size)
+            self.engine = PagedEngine(
+                self.model,
+                eos_token_ids=self.eos,
+                pad_token_id=int(pad if pad is not None else (self.eos[0] if self.eos else 0)),
+                # One spare block per sequence beyond the scheduler's budget: the engine
+                # takes a sequence's next block a little ahead of its use.
+                kv_blocks=blocks + self.max_running,
+                page_size=self.page_size,
+                step_tokens=self.step_tokens,
+                max_running=self.max_running,
+            )
+        else:
+            raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
         self._reqs: dict[str, _Req] = {}
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
 
@@ -222,8 +235,9 @@ class TextGenerationRunner:
             r = self._reqs.get(key)
             if r is not None and not r.parked:
                 events.append(self._park(r))
-        for key, prep in work.admit:
-            self._admit(key, prep)
+        lanes = work.lanes or (0,) * len(work.admit)
+        for (key, prep), lane in zip(work.admit, lanes, strict=True):
+            self._admit(key, prep, lane)
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -255,7 +269,7 @@ class TextGenerationRunner:
         report.events = events
         return report
 
-    def _admit(self, key: str, prep: Prepared) -> None:
+    def _admit(self, key: str, prep: Prepared, lane: int) -> None:
         r = self._reqs.get(key)
         if r is None:
             spec: GenSpec = prep.payload
@@ -270,7 +284,7 @@ class TextGenerationRunner:
             done = len(seq.text.tokens)
             seq.base = done
             self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
-                            r.spec.sampling)  # fmt: skip
+                            r.spec.sampling, priority=lane)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
     def _park(self, r: _Req) -> Preempted:
@@ -302,7 +316,7 @@ class TextGenerationRunner:
         self._reqs.pop(r.key, None)
         self._cancel(r.seqs)
         for s in r.seqs:
-            self.engine.sampler.forget(s.name)
+            self.engine.forget(s.name)
         outputs = [
             {"text": s.text.final_text, "finish_reason": s.finish or "stop",
              "prompt_tokens": len(s.prompt), "completion_tokens": len(s.text.tokens)}
@@ -368,7 +382,7 @@ class TextGenerationRunner:
             events.append(Failed(r.key, message, ErrorCode.INFERENCE_FAILED))
             self._reqs.pop(r.key, None)
             for seq in r.seqs:
-                self.engine.sampler.forget(seq.name)
+                self.engine.forget(seq.name)
         report.events = events
         return report
 
@@ -378,7 +392,7 @@ class TextGenerationRunner:
 
     def info(self) -> dict[str, Any]:
         return {
-            "runner": self.name, "device": self.device,
+            "runner": self.name, "engine": self.engine_kind, "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
             "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
             "step_tokens": self.step_tokens, "max_running": self.max_running,

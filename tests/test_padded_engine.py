@@ -1,0 +1,205 @@
+"""The padded continuous-batching engine, stepped directly: greedy tokens equal
+one-at-a-time ``generate`` for Llama and GPT-2 with sequences joining and leaving at
+different steps; chunked prefill keeps running rows decoding; cancelled rows leave at
+the next step; the batch narrows when its longest row leaves."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.worker.generation.engine import SeqState  # noqa: E402
+from batchfleet.worker.generation.padded import PaddedEngine, SlabLayer  # noqa: E402
+from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = make_causal_lm(tmp_path_factory.mktemp("llama"))
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                        bos_token_id=EOS, eos_token_id=EOS)  # fmt: skip
+    path = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def generate(model: Any, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=EOS)  # fmt: skip
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def run(
+    engine: PaddedEngine, arrivals: dict[int, list[tuple[str, list[int], int]]]
+) -> dict[str, list[int]]:
+    """Step until every sequence finished, adding ``arrivals[step]`` before each step."""
+    done: dict[str, list[int]] = {}
+    total = sum(len(v) for v in arrivals.values())
+    step = 0
+    while len(done) < total:
+        for name, prompt, n in arrivals.get(step, []):
+            engine.add(name, prompt, n, Sampling())
+        for o in engine.step():
+            if o.finished:
+                done[o.sequence] = o.tokens
+        step += 1
+        assert step < 2000
+    return done
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_greedy_tokens_equal_one_at_a_time_generate(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    model = request.getfixturevalue(which)
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    seqs = [(f"s{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))],
+             rng.randint(1, 30)) for i in range(14)]  # fmt: skip
+    arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
+    for i, s in enumerate(seqs):
+        arrivals.setdefault(rng.choice([0, 0, 1, 3, 5, 9, 20]) + i // 5, []).append(s)
+    engine = PaddedEngine(model, eos_token_ids=[EOS], step_tokens=48, max_running=6)
+    got = run(engine, arrivals)
+    for name, prompt, n in seqs:
+        assert got[name] == generate(model, prompt, n), name
+    assert engine.running == 0 and not engine._rows
+
+
+def test_a_long_prompt_prefills_in_chunks_while_running_rows_decode(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=8)
+    for k in range(4):
+        engine.add(f"r{k}", [5 + k, 6, 7], 200, Sampling())
+    engine.step()
+    assert engine.running == 4
+    engine.add("long", list(range(3, 83)), 5, Sampling())  # 80 tokens, 16 per step
+    for k in range(5):
+        out = {o.sequence: o for o in engine.step()}
+        assert {f"r{j}" for j in range(4)} <= set(out)  # one token each, every step
+        state = engine.state("long")
+        assert state is not None
+        assert state.prefill_left == 80 - 16 * (k + 1)
+    assert "long" in out and len(out["long"].tokens) == 1  # its first token
+    assert engine.running == 5
+
+
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_batch_narrows(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
+    engine.add("long", list(range(3, 103)), 100, Sampling())
+    engine.add("short", [5, 6], 100, Sampling())
+    engine.add("third", [7, 8, 9], 100, Sampling())
+    engine.step()
+    engine.step()
+    assert engine.width == 102  # the longest row's cache and its new token; others pad
+    engine.cancel(["long"])
+    assert engine.state("long") is None
+    out = engine.step()
+    assert [o.sequence for o in out] == ["third", "short"]  # the last row filled the hole
+    assert engine.running == 2 and engine.moves == 1
+    assert engine.width == 3 + 2 + 1  # "third": its prompt, two tokens fed back, the next
+    engine.cancel(["short", "third"])
+    assert engine.step() == [] and engine.running == 0
+
+
+def test_a_waiting_sequence_can_be_cancelled_and_a_finished_one_leaves(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
+    engine.add("a", [5, 6, 7], 2, Sampling())
+    engine.add("b", [5, 6, 7], 50, Sampling())
+    engine.cancel(["b"])
+    first = engine.step()
+    assert [o.sequence for o in first] == ["a"] and not first[0].finished
+    (second,) = engine.step()
+    assert second.finished and len(second.tokens) == 2
+    assert engine.running == 0 and engine.state("a") is None
+
+
+def test_a_slab_layer_grows_without_losing_what_it_holds() -> None:
+    layer = SlabLayer()
+    chunks = [torch.randn(2, 3, n, 4) for n in (50, 20, 1, 100)]
+    for c in chunks:
+        keys, values = layer.update(c, -c)
+    whole = torch.cat(chunks, dim=2)
+    assert torch.equal(keys, whole) and torch.equal(values, -whole)
+    assert layer.get_seq_length() == 171
+
+
+def test_resume_with_the_generated_tokens_continues_the_same_text(llama: Any) -> None:
+    prompt = [9, 8, 7, 6]
+    want = generate(llama, prompt, 12)
+    engine = PaddedEngine(llama, eos_token_ids=[EOS], step_tokens=64, max_running=4)
+    engine.add("r", prompt, 12, Sampling())
+    tokens: list[int] = []
+    for _ in range(5):
+        (o,) = engine.step()
+        tokens = o.tokens
+    engine.cancel(["r"])  # preempted: recomputed from prompt + what it generated
+    engine.step()
+    engine.add("r", prompt + tokens, 12 - len(tokens), Sampling())
+    more: list[int] = []
+    while True:
+        (o,) = engine.step()
+        more = o.tokens
+        if o.finished:
+            break
+    assert tokens + more == want
+
+
+def test_seeded_sampling_draws_from_each_requests_own_generator(llama: Any) -> None:
+    def tokens(mates: int) -> list[int]:
+        engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
+        engine.add("s", [5, 6, 7], 10, Sampling(temperature=1.0, seed=3))
+        for k in range(mates):
+            engine.add(f"m{k}", [9, 9, k + 3], 10, Sampling(temperature=0.7, seed=k))
+        last: list[int] = []
+        while True:
+            out = {o.sequence: o for o in engine.step()}
+            last = out["s"].tokens
+            if out["s"].finished:
+                return last
+
+    assert tokens(0) == tokens(3)
+
+
+def test_state_counts_context_and_prefill(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=10, max_running=4)
+    engine.add("r", list(range(3, 28)), 20, Sampling())  # 25 tokens, 10 per step
+    assert engine.state("r") == SeqState(context=0, prefill_left=25)
+    engine.step()
+    st = engine.state("r")
+    assert st is not None and (st.context, st.prefill_left) == (10, 15)
+    engine.step()
+    engine.step()
+    st = engine.state("r")
+    assert st is not None and (st.context, st.prefill_left) == (25, 0)
+    engine.step()
+    st = engine.state("r")
+    assert st is not None and st.context == 26
+
+
+def test_a_lower_lane_prefills_first_whatever_was_added_before(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=40, max_running=8)
+    for k in range(3):
+        engine.add(f"bulk{k}", list(range(3, 43)), 50, Sampling(), priority=2)
+    engine.step()  # bulk0 prefilled (40 tokens, the whole budget)
+    engine.add("urgent", list(range(3, 33)), 50, Sampling(), priority=0)
+    out = {o.sequence for o in engine.step()}
+    assert "urgent" in out and "bulk1" not in out  # first token before bulk1's
+    st = engine.state("bulk1")
+    assert st is not None and st.prefill_left > 0
