@@ -152,6 +152,19 @@ def test_requests_join_between_steps_and_leave_when_done() -> None:
     assert len(r.recorder.of(BatchDone)) == len(runner.steps)
 
 
+def test_the_intake_is_told_which_requests_wait_or_run_until_they_end() -> None:
+    r, _ = gen_rig(Tokens(max_running=1))
+    long = r.source.add(Request(id="long", model=MODEL, inputs=["a b"], max_new_tokens=30))
+    short = r.source.add(Request(id="short", model=MODEL, inputs=["a"], max_new_tokens=2))
+    seen: dict[float, set[str]] = {}
+    for t in (0.1, 0.305):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, {e.key for e in r.source.held}))
+    r.run()
+    # running (30 steps of 10 ms) and waiting, then only the one that still runs
+    assert seen == {0.1: {long.key, short.key}, 0.305: {short.key}}
+    assert r.source.held == ()
+
+
 def test_deltas_are_numbered_and_end_after_the_result() -> None:
     r, _ = gen_rig()
     submit(r, "s", max_new_tokens=4, stream=True)

@@ -1,8 +1,10 @@
 """The intake against a real Redis: heartbeat-based takeover of a dead worker's entries,
-a live worker's long batch left alone, and redelivered entries of answered requests."""
+a live worker's long batch left alone (also past ``claim_idle_ms``: its entries are
+refreshed), and redelivered entries of answered requests."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,9 @@ from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
-from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.streams import Entry, ModelStreams
 from conftest import next_message
+from fault_handlers import FaultyEmbedder
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -82,6 +85,57 @@ def test_the_idle_fallback_takes_entries_of_a_worker_that_beats_but_is_stuck(
     time.sleep(0.3)
     run_loop(r, runner, heartbeat_timeout_ms=60_000, claim_idle_ms=200)
     assert decode_result(r.get(KEYS.result("stuck-1"))).ok
+
+
+def test_refreshing_resets_the_idle_time_of_own_pending_entries_and_counts_no_delivery(
+    r: redis.Redis,
+) -> None:
+    # Given three entries read by w1: one still pending on it, one acked, one taken by w2
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups()
+    for i in range(3):
+        r.xadd(KEYS.lane(0), encode_request(Request(id=f"e{i}", model=MODEL, inputs=["x"])))
+    mine, acked, taken = streams.read({0: 10}, None)
+    r.xack(KEYS.lane(0), GROUP, acked.id)
+    r.xclaim(KEYS.lane(0), GROUP, "w2", 0, [taken.id], justid=True)
+    time.sleep(0.5)
+    # When w1 refreshes all three
+    assert streams.refresh([mine, acked, taken]) == 1
+    # Then its own is fresh again and still delivered once; the others are left alone
+    pending = {
+        p["message_id"].decode(): p for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)
+    }
+    assert set(pending) == {mine.id, taken.id}
+    assert pending[mine.id]["consumer"] == b"w1" and pending[mine.id]["times_delivered"] == 1
+    assert pending[mine.id]["time_since_delivered"] < 250
+    assert pending[taken.id]["consumer"] == b"w2" and pending[taken.id]["times_delivered"] == 1
+    assert pending[taken.id]["time_since_delivered"] >= 500
+
+
+def test_a_live_workers_request_held_past_claim_idle_ms_is_not_taken(
+    r: redis.Redis, tiny_embedder: Path
+) -> None:
+    # Given a worker computing one request for 2 s, with the idle fallback at 400 ms
+    r.xadd(KEYS.lane(0), encode_request(Request(id="long", model=MODEL, inputs=["the dog"])))
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 2000})
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), slow, r, consumer="w1", burst=True,
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=400))  # fmt: skip
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    # When another worker looks for entries to take over all the while
+    other = ModelStreams(r, MODEL, 3, "w2")
+    taken: list[Entry] = []
+    deliveries: set[int] = set()
+    while thread.is_alive():
+        taken += other.reclaim(400, 10, suspects=True, lock_ms=100)
+        deliveries |= {
+            p["times_delivered"] for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)
+        }
+        time.sleep(0.1)
+    thread.join()
+    # Then it never found it idle: delivered once, answered by its worker
+    assert taken == [] and deliveries <= {1}
+    assert decode_result(r.get(KEYS.result("long"))).timings.worker == "w1"
 
 
 def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_result(

@@ -15,7 +15,7 @@ from batchfleet.schemas.errors import ErrorCode
 from batchfleet.worker.observers import BatchDone, Dispatched, Expired, StateChanged
 from batchfleet.worker.runner import Final, Partial, Request, StepReport, Work
 from batchfleet.worker.scheduler import PREQUEUE_S
-from virtual_world import T0, Rig, Words, linear_cost, rig
+from virtual_world import MODEL, T0, Rig, Words, linear_cost, rig
 
 
 def teach(r: Rig, seconds: float, sizes: Sequence[int] = (1, 2, 4)) -> None:
@@ -212,6 +212,21 @@ def test_stop_finishes_the_running_step_and_hands_back_what_is_held() -> None:
     done = [i for i in ids if i in r.sink.results]
     assert len(done) == 2 and all(r.result(i).ok for i in done)
     assert len(r.source.released) == 4, "the unstarted go back to the fleet"
+
+
+def test_the_intake_is_told_which_entries_are_held_until_they_are_answered() -> None:
+    # Given three requests and steps of one request taking 1 s each
+    r = rig(batch={"max_batch_size": 1}, cost=lambda work: 1.0)
+    keys = [
+        r.source.add(Request(id=f"h{i}", model=MODEL, inputs=["the dog"])).key for i in range(3)
+    ]
+    seen: dict[float, set[str]] = {}
+    for t in (0.5, 1.5, 2.5):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, {e.key for e in r.source.held}))
+    r.run()
+    # Then each is in the intake's snapshot (to refresh) while waiting or on the device only
+    assert seen == {0.5: set(keys), 1.5: set(keys[1:]), 2.5: set(keys[2:])}
+    assert r.source.held == ()
 
 
 def test_no_new_batch_leaves_while_results_pile_up_in_the_sink() -> None:

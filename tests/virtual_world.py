@@ -105,6 +105,8 @@ class ScriptedSource:
         self.suspects = True
         self.grants: list[tuple[float, dict[int, int]]] = []
         self.released: list[Entry] = []
+        self.held: tuple[Entry, ...] = ()
+        """The loop's latest snapshot of the entries it holds (the intake refreshes them)."""
         self.started = False
         self._posted = 0
         self._blocking = False
@@ -148,6 +150,9 @@ class ScriptedSource:
             self.grants.append((self.world.now, counts))
         self.counts, self.suspects = counts, suspects
         self._pump()
+
+    def hold(self, entries: tuple[Entry, ...]) -> None:
+        self.held = entries
 
     def _pump(self) -> None:
         if not self.counts:

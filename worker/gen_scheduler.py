@@ -21,6 +21,7 @@ from ..batching.types import Batch
 from .answers import Held
 from .runner import Failed, Final, Preempted, Progress, StepReport
 from .scheduler import Decision, Step
+from .streams import Entry
 
 
 @dataclass(slots=True)
@@ -120,6 +121,10 @@ class GenScheduler:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
         room = 2 * self.policy.policy.max_running - len(self.held) - len(self.running)
         return max(0, room)
+
+    def holding(self) -> tuple[Entry, ...]:
+        """The stream entries of every request held: waiting (preempted too) or running."""
+        return tuple(h.entry for h in self.watched())
 
     def watched(self) -> list[Held]:
         """Requests a client may cancel now: waiting and running."""

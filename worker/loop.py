@@ -205,6 +205,8 @@ class BatchLoop:
                 self._expire(decision.expired, now)
             if decision.step is not None:
                 self._dispatch(decision.step, now)
+            # what is held now, so the intake keeps it from others' idle fallback
+            self.parts.source.hold(self.scheduler.holding())
             if not self.scheduler.busy and self._done():
                 return
             if self._stopping and self.continuous and now >= self._give_up_at:

@@ -19,6 +19,7 @@ from ..batching.engine import Engine
 from ..batching.types import Batch, Plan
 from .answers import Held
 from .runner import StepReport, Work
+from .streams import Entry
 
 PREQUEUE_S = 0.003
 """Plan and queue the next step when the running one is due to end within this long, so
@@ -75,6 +76,11 @@ class Scheduler:
     def busy(self) -> bool:
         """Steps dispatched and not finished."""
         return bool(self.inflight)
+
+    def holding(self) -> tuple[Entry, ...]:
+        """The stream entries of every request held: waiting, queued or on the device."""
+        held = [*self.held.values(), *(h for step in self.inflight for h in step.held)]
+        return tuple(h.entry for h in held)
 
     def release_all(self) -> list[Held]:
         """Forget every held request (they go back to the fleet)."""
