@@ -122,7 +122,8 @@ class WorkerConfig(BaseModel):
     claim_idle_ms: int = Field(300_000, ge=100)
     """Fallback: an entry pending this long on any consumer, even one still beating, is
     taken over. A live worker resets the idle time of the entries it holds every quarter
-    of this (at most 60 s), so a long batch or generation is not taken from it."""
+    of this (at most 60 s), so a long wait or generation is not taken from it, unless one
+    device step runs longer than this (a hung device): keep it above your longest batch."""
     max_deliveries: int = Field(3, ge=1, le=100)
     """An entry delivered more often than this without an answer is poison: dead-lettered."""
 

@@ -1,9 +1,11 @@
 """The intake against a real Redis: heartbeat-based takeover of a dead worker's entries,
-a live worker's long batch left alone (also past ``claim_idle_ms``: its entries are
-refreshed), and redelivered entries of answered requests."""
+a live worker's long batch left alone (also requests held past ``claim_idle_ms``: their
+entries are refreshed, unless a device step hangs that long), and redelivered entries of
+answered requests."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ import pytest
 import redis
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys
-from batchfleet.schemas.messages import Request
+from batchfleet.schemas.messages import Limits, Request
+from batchfleet.worker.holding import Holding
+from batchfleet.worker.intake import Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import Entry, ModelStreams
@@ -112,30 +116,84 @@ def test_refreshing_resets_the_idle_time_of_own_pending_entries_and_counts_no_de
     assert pending[taken.id]["time_since_delivered"] >= 500
 
 
-def test_a_live_workers_request_held_past_claim_idle_ms_is_not_taken(
-    r: redis.Redis, tiny_embedder: Path
-) -> None:
-    # Given a worker computing one request for 2 s, with the idle fallback at 400 ms
-    r.xadd(KEYS.lane(0), encode_request(Request(id="long", model=MODEL, inputs=["the dog"])))
-    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 2000})
-    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), slow, r, consumer="w1", burst=True,
-                     worker=WorkerConfig(block_ms=50, claim_idle_ms=400))  # fmt: skip
+def watch_reclaims(r: redis.Redis, loop: BatchLoop) -> tuple[list[Entry], set[int]]:
+    """Run ``loop`` while another worker (w2) looks for idle entries to take over every
+    100 ms: what it took, and the delivery counts seen."""
     thread = threading.Thread(target=loop.run)
     thread.start()
-    # When another worker looks for entries to take over all the while
     other = ModelStreams(r, MODEL, 3, "w2")
     taken: list[Entry] = []
     deliveries: set[int] = set()
     while thread.is_alive():
-        taken += other.reclaim(400, 10, suspects=True, lock_ms=100)
+        taken += other.reclaim(loop.worker.claim_idle_ms, 10, suspects=True, lock_ms=100)
         deliveries |= {
-            p["times_delivered"] for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)
+            p["times_delivered"] for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 99)
         }
         time.sleep(0.1)
     thread.join()
-    # Then it never found it idle: delivered once, answered by its worker
+    return taken, deliveries
+
+
+def test_a_live_workers_requests_held_past_claim_idle_ms_are_not_taken(
+    r: redis.Redis, tiny_embedder: Path
+) -> None:
+    # Given a worker computing 10 requests one at a time, 150 ms each, with the idle
+    # fallback at 500 ms: the last waits about 1.35 s
+    for i in range(10):
+        r.xadd(KEYS.lane(0), encode_request(Request(id=f"q{i}", model=MODEL, inputs=["the dog"])))
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 150})
+    cfg = ModelConfig(max_tokens=32, batch={"max_batch_size": 1})
+    loop = BatchLoop(MODEL, cfg, slow, r, consumer="w1", burst=True,
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=500))  # fmt: skip
+    # When another worker looks for entries to take over all the while
+    taken, deliveries = watch_reclaims(r, loop)
+    # Then it never found one idle: each delivered once, answered by its worker
     assert taken == [] and deliveries <= {1}
-    assert decode_result(r.get(KEYS.result("long"))).timings.worker == "w1"
+    assert {decode_result(r.get(KEYS.result(f"q{i}"))).timings.worker for i in range(10)} == {"w1"}
+
+
+def test_a_device_step_hung_past_claim_idle_ms_lets_the_idle_fallback_take_its_requests(
+    r: redis.Redis, tiny_embedder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker whose device takes 2 s over one request, with the idle fallback at 400 ms
+    hung = r.xadd(KEYS.lane(0), encode_request(Request(id="hung", model=MODEL, inputs=["a b"])))
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 2000})
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), slow, r, consumer="w1", burst=True,
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=400))  # fmt: skip
+    # When another worker looks for entries to take over all the while
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.intake"):
+        taken, _ = watch_reclaims(r, loop)
+    # Then its refresh stopped: the request was taken (as before live workers refreshed)
+    assert taken and {e.id for e in taken} == {hung.decode()}
+    warned = [m for m in caplog.messages if "no longer refreshing" in m]
+    assert len(warned) == 1, caplog.messages
+
+
+def test_the_refresh_is_withheld_while_a_step_hangs_and_the_warning_comes_once(
+    r: redis.Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake (not started; a clock in our hands) whose loop holds one entry
+    now = [100.0]
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    refreshed: list[tuple[float, tuple[Entry, ...]]] = []
+    monkeypatch.setattr(streams, "refresh", lambda entries: refreshed.append((now[0], entries)))
+    intake = Intake(streams, WorkerConfig(claim_idle_ms=1000), Limits(), lambda: now[0], print)
+    entry = Entry(0, "1-0", {})
+
+    def refresh_at(t: float, busy_since: float | None) -> None:
+        now[0] = t
+        intake.hold(Holding((entry,), busy_since))
+        intake._refresh()
+
+    # When a step starts at 100 s and hangs; later a step starts at 103 s and hangs again
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.intake"):
+        for t in (100.0, 100.5, 101.1, 101.5, 102.0):
+            refresh_at(t, 100.0)
+        for t in (103.0, 103.5, 104.5):
+            refresh_at(t, 103.0)
+    # Then refreshes stop past 1 s into each, with one warning each time
+    assert [t for t, _ in refreshed] == [100.0, 100.5, 103.0, 103.5]
+    assert len([m for m in caplog.messages if "no longer refreshing" in m]) == 2
 
 
 def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_result(

@@ -61,11 +61,14 @@ class GenScheduler:
         self._resume: dict[str, Resume] = {}
         self._stops: dict[str, str] = {}
         self._new_id = new_id or (lambda: uuid.uuid4().hex[:12])
+        self.version = 0
+        """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
 
     # --- state ------------------------------------------------------------------------------
 
     def admit(self, held: Held) -> None:
         self.held[held.waiting.key] = held
+        self.version += 1
 
     @property
     def busy(self) -> bool:
@@ -81,6 +84,7 @@ class GenScheduler:
         held = list(self.held.values())
         self.held.clear()
         self._resume.clear()
+        self.version += 1
         return held
 
     def release_running(self) -> list[Held]:
@@ -88,6 +92,7 @@ class GenScheduler:
         held = [r.held for r in self.running.values()]
         self.running.clear()
         self._stops.clear()
+        self.version += 1
         return held
 
     def cancel(self, step_ids: list[str]) -> list[Held]:
@@ -103,6 +108,7 @@ class GenScheduler:
         if key in self.running:
             self._stops.setdefault(key, reason)
             return None
+        self.version += 1
         return self.held.pop(key, None)
 
     def _unpark(self, key: str) -> None:
@@ -126,6 +132,11 @@ class GenScheduler:
         """The stream entries of every request held: waiting (preempted too) or running."""
         return tuple(h.entry for h in self.watched())
 
+    @property
+    def busy_since(self) -> float | None:
+        """When the step on the device began (None: none is)."""
+        return self.inflight[0].started_at if self.inflight else None
+
     def watched(self) -> list[Held]:
         """Requests a client may cancel now: waiting and running."""
         return [*self.held.values(), *(r.held for r in self.running.values())]
@@ -145,6 +156,8 @@ class GenScheduler:
                 self._unpark(k)
                 self._stops.setdefault(k, "deadline")
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
+        if expired:
+            self.version += 1
         stops = dict(self._stops)
         for k in plan.stop:  # past its deadline, or grown past the whole cache
             deadline = self.running[k].held.waiting.deadline
@@ -208,6 +221,7 @@ class GenScheduler:
             if isinstance(ev, Final | Failed):
                 del self.running[ev.key]
                 self._stops.pop(ev.key, None)
+                self.version += 1
             elif isinstance(ev, Preempted):
                 del self.running[ev.key]
                 self.held[ev.key] = r.held

@@ -1,9 +1,10 @@
 """The intake: one model's reading side, on a thread of its own.
 
-It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`),
-takes over the entries of workers that died (and, at start, its own from a previous life
-under the same name), and reads as many new entries as the loop last asked for
-(:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
+It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`;
+not once a device step has hung past ``claim_idle_ms``), takes over the entries of workers
+that died (and, at start, its own from a previous life under the same name), and reads as
+many new entries as the loop last asked for (:meth:`Intake.grant`), posting them to the
+loop's inbox. Being its own thread, its
 heartbeat and refreshes never wait for a batch (a long batch or generation is taken neither
 for a dead worker's nor by another worker's idle fallback), and the loop never sits in a
 Redis ``BLOCK`` that the end of a batch could not interrupt.
@@ -22,6 +23,7 @@ from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from .blobs import fetch_referenced
+from .holding import Holding, entries_to_refresh
 from .inbox import Arrived, Event, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
 
@@ -62,8 +64,10 @@ class Intake:
         self._stop = False
         self._last_beat = -1e18
         self._last_reclaim = -1e18
-        self._held: tuple[Entry, ...] = ()
-        """The loop's latest snapshot of the entries it holds (refreshed while held)."""
+        self._holding = Holding()
+        """The loop's latest snapshot of what it holds (its entries refreshed while held)."""
+        self._withheld = False
+        """The last refresh was withheld: the device step in flight looks hung."""
         self._last_refresh = -1e18
         self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
         self._refreshing = threading.Lock()
@@ -112,12 +116,12 @@ class Intake:
             self._suspects = suspects
             self._cond.notify()
 
-    def hold(self, entries: tuple[Entry, ...]) -> None:
-        """The entries the loop holds now (waiting, queued, running), replacing the last
-        snapshot: their idle time is reset every ``claim_idle_ms / 4`` while held."""
-        was = self._held  # written by the loop thread only (here and in release)
-        self._held = entries  # one reference swapped: the thread reads whole snapshots
-        if entries and not was:  # the thread may sleep until its next heartbeat: wake it
+    def hold(self, holding: Holding) -> None:
+        """What the loop holds now, replacing the last snapshot: its entries' idle time is
+        reset every ``claim_idle_ms / 4`` while held, unless its device step hangs."""
+        was = self._holding  # written by the loop thread only (here and in release)
+        self._holding = holding  # one reference swapped: the thread reads whole snapshots
+        if holding.entries and not was.entries:  # the thread may sleep until its next beat
             with self._cond:
                 self._cond.notify()
 
@@ -135,7 +139,9 @@ class Intake:
         if entries:
             gone = {e.key for e in entries}
             with self._refreshing:
-                self._held = tuple(e for e in self._held if e.key not in gone)
+                h = self._holding
+                kept = tuple(e for e in h.entries if e.key not in gone)
+                self._holding = Holding(kept, h.busy_since)
                 self.streams.release(entries, self.worker.claim_idle_ms)
             logger.info("released %d unstarted requests to the fleet", len(entries))
 
@@ -200,7 +206,7 @@ class Intake:
         )
 
     def _refresh_due(self) -> float:
-        return self._last_refresh + self._refresh_every if self._held else float("inf")
+        return self._last_refresh + self._refresh_every if self._holding.entries else float("inf")
 
     def _refresh(self) -> None:
         """Reset the idle time of the entries the loop holds, if due, so the idle fallback
@@ -210,9 +216,18 @@ class Intake:
             return
         self._last_refresh = now
         with self._refreshing:
-            held = self._held
-            if held:
-                self.streams.refresh(held)
+            holding = self._holding
+            entries = entries_to_refresh(holding, now, self.worker.claim_idle_ms)
+            if entries:
+                self.streams.refresh(entries)
+        withheld = bool(holding.entries) and not entries
+        if withheld and not self._withheld and holding.busy_since is not None:
+            logger.warning(
+                "device step of %s running for %.1f s (> claim_idle_ms): no longer refreshing "
+                "its %d held requests; the idle fallback hands them to other workers",
+                self.streams.keys.model, now - holding.busy_since, len(holding.entries),
+            )  # fmt: skip
+        self._withheld = withheld
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
@@ -237,7 +252,7 @@ class Intake:
                 return
         # Never block past the next heartbeat (a silent worker is taken for dead) or refresh.
         block_ms = min(self.worker.block_ms, int(HEARTBEAT_EVERY_S * 1000))
-        if self._held:
+        if self._holding.entries:
             block_ms = min(block_ms, max(1, int((self._refresh_due() - self._clock()) * 1000)))
         entries = self.streams.read(counts, block_ms)
         if entries:
