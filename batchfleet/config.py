@@ -120,8 +120,10 @@ class WorkerConfig(BaseModel):
     """A worker whose heartbeat (every second, from a thread no batch blocks) is older than
     this is dead: its pending entries are taken over once idle this long."""
     claim_idle_ms: int = Field(300_000, ge=100)
-    """Fallback: an entry pending this long on any consumer, even one still beating (a
-    worker stuck without dying), is taken over. Keep it above your longest batch."""
+    """Fallback: an entry pending this long on any consumer, even one still beating, is
+    taken over. A live worker resets the idle time of the entries it holds every quarter
+    of this (at most 60 s), so a long wait or generation is not taken from it, unless one
+    device step runs longer than this (a hung device): keep it above your longest batch."""
     max_deliveries: int = Field(3, ge=1, le=100)
     """An entry delivered more often than this without an answer is poison: dead-lettered."""
 

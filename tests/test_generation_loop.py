@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from batchfleet.batching.generation import GenPolicy
 from batchfleet.schemas.messages import Request
+from batchfleet.worker.holding import entries_to_refresh
 from batchfleet.worker.inbox import Cancel
 from batchfleet.worker.observers import BatchDone
 from batchfleet.worker.runner import (
@@ -150,6 +151,37 @@ def test_requests_join_between_steps_and_leave_when_done() -> None:
     assert res.timings.first_token_ms is not None and res.timings.first_token_ms > 0
     # step events reach observers (metrics) like batches do
     assert len(r.recorder.of(BatchDone)) == len(runner.steps)
+
+
+def test_the_intake_is_told_which_requests_wait_or_run_until_they_end() -> None:
+    r, _ = gen_rig(Tokens(max_running=1))
+    long = r.source.add(Request(id="long", model=MODEL, inputs=["a b"], max_new_tokens=30))
+    short = r.source.add(Request(id="short", model=MODEL, inputs=["a"], max_new_tokens=20))
+    seen: dict[float, set[str]] = {}
+    for t in (0.15, 0.45):  # the intake's view lags up to HAND_OVER_EVERY_S (0.1 s)
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, {e.key for e in r.source.held}))
+    r.run()
+    # running (30 steps of 10 ms) and waiting, then only the one that still runs (20 more)
+    assert seen == {0.15: {long.key, short.key}, 0.45: {short.key}}
+    assert r.source.held == ()
+
+
+def test_a_generation_longer_than_claim_idle_ms_is_refreshed_throughout() -> None:
+    # Given a generation of 300 steps of 10 ms, the idle fallback at 400 ms
+    r, _ = gen_rig(Tokens(max_running=1), worker={"claim_idle_ms": 400})
+    long = r.source.add(Request(id="long", model=MODEL, inputs=["a b"], max_new_tokens=300))
+    refreshed: list[bool] = []
+    for i in range(1, 60):  # every 50 ms, up to 2.95 s
+
+        def look() -> None:
+            entries = entries_to_refresh(r.source.holding, r.world.now, 400)
+            refreshed.append(long in entries)
+
+        r.world.at(T0 + i * 0.05, look)
+    r.run()
+    # Then the intake never takes its device for hung: each step is short
+    assert refreshed == [True] * 59
+    assert outputs(r, "long")
 
 
 def test_deltas_are_numbered_and_end_after_the_result() -> None:

@@ -1,9 +1,11 @@
 """Text generation end to end: the producers against a real `text-generation` worker process
-(a tiny random Llama), streaming, cancelling, and a worker killed mid-generation."""
+(a tiny random Llama), streaming, cancelling, a worker killed mid-generation, and a
+generation longer than ``claim_idle_ms`` left with its live worker."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,9 +90,7 @@ def test_a_worker_killed_mid_generation_is_followed_to_one_result(
     redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
     # Given a worker generating a long streamed answer (greedy) that is killed part-way
-    # (the idle-time fallback far away: a generation longer than claim_idle_ms would be
-    # taken from its live worker too — a known limit, see docs/reliability.md)
-    fleet = gen_fleet(redis_url, tiny_lm, heartbeat_timeout_ms=1000, claim_idle_ms=600_000)
+    fleet = gen_fleet(redis_url, tiny_lm, heartbeat_timeout_ms=1000)
     doomed = start_worker(fleet, "gen-doomed")
     doomed.wait_ready(r, "gen")
     with Producer(redis_url) as producer:
@@ -112,3 +112,25 @@ def test_a_worker_killed_mid_generation_is_followed_to_one_result(
         assert "".join(d.text for d in again) == generation.text
         assert all(isinstance(d, Delta) for d in seen)
         assert generation.text.startswith("".join(d.text for d in seen if isinstance(d, Delta)))
+
+
+def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    # Given two workers, the idle-time fallback at 500 ms
+    fleet = gen_fleet(redis_url, tiny_lm, claim_idle_ms=500)
+    names = ("gen-a", "gen-b")
+    for name in names:
+        start_worker(fleet, name).wait_ready(r, "gen")
+    with Producer(redis_url) as producer:
+        # When one of them generates a long answer, for several times claim_idle_ms
+        started = time.monotonic()
+        job = producer.submit("gen", "there were many", max_new_tokens=1000, stream=True)
+        deltas = list(job.deltas(timeout=120))
+        took = time.monotonic() - started
+        # Then it was generated once, by the worker that read it: never taken, no restart
+        restarts = [d for d in deltas if isinstance(d, Restarted)]
+        assert restarts == [], "taken from its live worker and generated again"
+        result = job.result()
+        assert result.ok and result.timings.worker in names
+        assert took > 4 * 0.5, f"the generation ({took:.1f} s) must outlast the idle fallback"

@@ -1,8 +1,12 @@
 """The intake against a real Redis: heartbeat-based takeover of a dead worker's entries,
-a live worker's long batch left alone, and redelivered entries of answered requests."""
+a live worker's long batch left alone (also requests held past ``claim_idle_ms``: their
+entries are refreshed, unless a device step hangs that long), and redelivered entries of
+answered requests."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +15,14 @@ import pytest
 import redis
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys
-from batchfleet.schemas.messages import Request
+from batchfleet.schemas.messages import Limits, Request
+from batchfleet.worker.holding import Holding
+from batchfleet.worker.intake import Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
-from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.streams import Entry, ModelStreams
 from conftest import next_message
+from fault_handlers import FaultyEmbedder
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -82,6 +89,111 @@ def test_the_idle_fallback_takes_entries_of_a_worker_that_beats_but_is_stuck(
     time.sleep(0.3)
     run_loop(r, runner, heartbeat_timeout_ms=60_000, claim_idle_ms=200)
     assert decode_result(r.get(KEYS.result("stuck-1"))).ok
+
+
+def test_refreshing_resets_the_idle_time_of_own_pending_entries_and_counts_no_delivery(
+    r: redis.Redis,
+) -> None:
+    # Given three entries read by w1: one still pending on it, one acked, one taken by w2
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups()
+    for i in range(3):
+        r.xadd(KEYS.lane(0), encode_request(Request(id=f"e{i}", model=MODEL, inputs=["x"])))
+    mine, acked, taken = streams.read({0: 10}, None)
+    r.xack(KEYS.lane(0), GROUP, acked.id)
+    r.xclaim(KEYS.lane(0), GROUP, "w2", 0, [taken.id], justid=True)
+    time.sleep(0.5)
+    # When w1 refreshes all three
+    assert streams.refresh([mine, acked, taken]) == 1
+    # Then its own is fresh again and still delivered once; the others are left alone
+    pending = {
+        p["message_id"].decode(): p for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)
+    }
+    assert set(pending) == {mine.id, taken.id}
+    assert pending[mine.id]["consumer"] == b"w1" and pending[mine.id]["times_delivered"] == 1
+    assert pending[mine.id]["time_since_delivered"] < 250
+    assert pending[taken.id]["consumer"] == b"w2" and pending[taken.id]["times_delivered"] == 1
+    assert pending[taken.id]["time_since_delivered"] >= 500
+
+
+def watch_reclaims(r: redis.Redis, loop: BatchLoop) -> tuple[list[Entry], set[int]]:
+    """Run ``loop`` while another worker (w2) looks for idle entries to take over every
+    100 ms: what it took, and the delivery counts seen."""
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    other = ModelStreams(r, MODEL, 3, "w2")
+    taken: list[Entry] = []
+    deliveries: set[int] = set()
+    while thread.is_alive():
+        taken += other.reclaim(loop.worker.claim_idle_ms, 10, suspects=True, lock_ms=100)
+        deliveries |= {
+            p["times_delivered"] for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 99)
+        }
+        time.sleep(0.1)
+    thread.join()
+    return taken, deliveries
+
+
+def test_a_live_workers_requests_held_past_claim_idle_ms_are_not_taken(
+    r: redis.Redis, tiny_embedder: Path
+) -> None:
+    # Given a worker computing 10 requests one at a time, 150 ms each, with the idle
+    # fallback at 500 ms: the last waits about 1.35 s
+    for i in range(10):
+        r.xadd(KEYS.lane(0), encode_request(Request(id=f"q{i}", model=MODEL, inputs=["the dog"])))
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 150})
+    cfg = ModelConfig(max_tokens=32, batch={"max_batch_size": 1})
+    loop = BatchLoop(MODEL, cfg, slow, r, consumer="w1", burst=True,
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=500))  # fmt: skip
+    # When another worker looks for entries to take over all the while
+    taken, deliveries = watch_reclaims(r, loop)
+    # Then it never found one idle: each delivered once, answered by its worker
+    assert taken == [] and deliveries <= {1}
+    assert {decode_result(r.get(KEYS.result(f"q{i}"))).timings.worker for i in range(10)} == {"w1"}
+
+
+def test_a_device_step_hung_past_claim_idle_ms_lets_the_idle_fallback_take_its_requests(
+    r: redis.Redis, tiny_embedder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker whose device takes 2 s over one request, with the idle fallback at 400 ms
+    hung = r.xadd(KEYS.lane(0), encode_request(Request(id="hung", model=MODEL, inputs=["a b"])))
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 2000})
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), slow, r, consumer="w1", burst=True,
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=400))  # fmt: skip
+    # When another worker looks for entries to take over all the while
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.intake"):
+        taken, _ = watch_reclaims(r, loop)
+    # Then its refresh stopped: the request was taken (as before live workers refreshed)
+    assert taken and {e.id for e in taken} == {hung.decode()}
+    warned = [m for m in caplog.messages if "no longer refreshing" in m]
+    assert len(warned) == 1, caplog.messages
+
+
+def test_the_refresh_is_withheld_while_a_step_hangs_and_the_warning_comes_once(
+    r: redis.Redis, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake (not started; a clock in our hands) whose loop holds one entry
+    now = [100.0]
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    refreshed: list[tuple[float, tuple[Entry, ...]]] = []
+    monkeypatch.setattr(streams, "refresh", lambda entries: refreshed.append((now[0], entries)))
+    intake = Intake(streams, WorkerConfig(claim_idle_ms=1000), Limits(), lambda: now[0], print)
+    entry = Entry(0, "1-0", {})
+
+    def refresh_at(t: float, busy_since: float | None) -> None:
+        now[0] = t
+        intake.hold(Holding((entry,), busy_since))
+        intake._refresh()
+
+    # When a step starts at 100 s and hangs; later a step starts at 103 s and hangs again
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.intake"):
+        for t in (100.0, 100.5, 101.1, 101.5, 102.0):
+            refresh_at(t, 100.0)
+        for t in (103.0, 103.5, 104.5):
+            refresh_at(t, 103.0)
+    # Then refreshes stop past 1 s into each, with one warning each time
+    assert [t for t, _ in refreshed] == [100.0, 100.5, 103.0, 103.5]
+    assert len([m for m in caplog.messages if "no longer refreshing" in m]) == 2
 
 
 def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_result(

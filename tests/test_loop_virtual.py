@@ -12,10 +12,11 @@ import pytest
 from batchfleet.batching.types import Batch, Waiting
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.errors import ErrorCode
+from batchfleet.worker.holding import HAND_OVER_EVERY_S, entries_to_refresh
 from batchfleet.worker.observers import BatchDone, Dispatched, Expired, StateChanged
 from batchfleet.worker.runner import Final, Partial, Request, StepReport, Work
 from batchfleet.worker.scheduler import PREQUEUE_S
-from virtual_world import T0, Rig, Words, linear_cost, rig
+from virtual_world import MODEL, T0, Rig, Words, linear_cost, rig
 
 
 def teach(r: Rig, seconds: float, sizes: Sequence[int] = (1, 2, 4)) -> None:
@@ -212,6 +213,67 @@ def test_stop_finishes_the_running_step_and_hands_back_what_is_held() -> None:
     done = [i for i in ids if i in r.sink.results]
     assert len(done) == 2 and all(r.result(i).ok for i in done)
     assert len(r.source.released) == 4, "the unstarted go back to the fleet"
+
+
+def test_the_intake_is_told_which_entries_are_held_until_they_are_answered() -> None:
+    # Given three requests and steps of one request taking 1 s each
+    r = rig(batch={"max_batch_size": 1}, cost=lambda work: 1.0)
+    keys = [
+        r.source.add(Request(id=f"h{i}", model=MODEL, inputs=["the dog"])).key for i in range(3)
+    ]
+    seen: dict[float, set[str]] = {}
+    for t in (0.5, 1.5, 2.5):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, {e.key for e in r.source.held}))
+    r.run()
+    # Then each is in the intake's snapshot (to refresh) while waiting or on the device only
+    assert seen == {0.5: set(keys), 1.5: set(keys[1:]), 2.5: set(keys[2:])}
+    assert r.source.held == ()
+
+
+def test_a_device_step_running_past_claim_idle_ms_stops_the_refresh_of_what_is_held() -> None:
+    # Given a step that hangs (10 s) with the idle fallback at 1 s, and a request behind it
+    r = rig(batch={"max_batch_size": 1}, cost=lambda work: 10.0, worker={"claim_idle_ms": 1000})
+    first = r.source.add(Request(id="first", model=MODEL, inputs=["the dog"]))
+    then = r.source.add(Request(id="then", model=MODEL, inputs=["the dog"]), at=T0 + 0.3)
+    refreshed: dict[float, set[str]] = {}
+
+    def look(t: float) -> None:
+        entries = entries_to_refresh(r.source.holding, r.world.now, 1000)
+        refreshed[t] = {e.key for e in entries}
+
+    for t in (0.5, 0.99, 1.01, 5.0, 10.5):
+        r.world.at(T0 + t, lambda t=t: look(t))
+    r.run()
+    # Then both are refreshed until the step has run 1 s, none after (the idle fallback
+    # hands them to other workers); the next step refreshes what is left again
+    both = {first.key, then.key}
+    assert refreshed == {0.5: both, 0.99: both, 1.01: set(), 5.0: set(), 10.5: {then.key}}
+
+
+def test_a_change_of_what_is_held_reaches_the_intake_within_the_interval_without_events() -> None:
+    # Given a long step, and a request arriving while it runs (then nothing for 0.5 s)
+    r = rig(batch={"max_batch_size": 1}, cost=lambda work: 5.0)
+    first = r.source.add(Request(id="first", model=MODEL, inputs=["the dog"]))
+    then = r.source.add(Request(id="then", model=MODEL, inputs=["the dog"]), at=T0 + 0.02)
+    seen: dict[float, set[str]] = {}
+    for t in (0.05, 0.15):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, {e.key for e in r.source.held}))
+    r.run()
+    # Then the intake learns of it within HAND_OVER_EVERY_S: the loop wakes up to tell it
+    assert seen == {0.05: {first.key}, 0.15: {first.key, then.key}}
+
+
+def test_what_is_held_is_handed_over_at_most_every_interval_under_load() -> None:
+    # Given 600 requests arriving 1 ms apart, and short steps
+    r = rig(batch={"max_batch_size": 8}, cost=linear_cost(0.004, 0.0005))
+    for i in range(600):
+        r.submit("the dog", at=T0 + i * 0.001)
+    r.run()
+    # Then the loop made many passes, but handed what it holds over ~10 times a second
+    took = r.world.now - T0
+    assert len(r.recorder.of(Dispatched)) > 70
+    assert len(r.source.handovers) <= took / HAND_OVER_EVERY_S + 3
+    assert len(r.results()) == 600 and r.source.held == ()
 
 
 def test_no_new_batch_leaves_while_results_pile_up_in_the_sink() -> None:

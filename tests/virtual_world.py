@@ -21,6 +21,7 @@ from typing import Any
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
 from batchfleet.worker.executor import execute
+from batchfleet.worker.holding import Holding
 from batchfleet.worker.inbox import Arrived, Event, ReadIdle, StepDone, Wake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import LoopEvent
@@ -105,6 +106,10 @@ class ScriptedSource:
         self.suspects = True
         self.grants: list[tuple[float, dict[int, int]]] = []
         self.released: list[Entry] = []
+        self.holding = Holding()
+        """The loop's latest snapshot of what it holds (the intake refreshes its entries)."""
+        self.handovers: list[float] = []
+        """When the loop handed a snapshot over."""
         self.started = False
         self._posted = 0
         self._blocking = False
@@ -148,6 +153,14 @@ class ScriptedSource:
             self.grants.append((self.world.now, counts))
         self.counts, self.suspects = counts, suspects
         self._pump()
+
+    def hold(self, holding: Holding) -> None:
+        self.holding = holding
+        self.handovers.append(self.world.now)
+
+    @property
+    def held(self) -> tuple[Entry, ...]:
+        return self.holding.entries
 
     def _pump(self) -> None:
         if not self.counts:

@@ -21,6 +21,7 @@ from ..batching.types import Batch
 from .answers import Held
 from .runner import Failed, Final, Preempted, Progress, StepReport
 from .scheduler import Decision, Step
+from .streams import Entry
 
 
 @dataclass(slots=True)
@@ -60,11 +61,14 @@ class GenScheduler:
         self._resume: dict[str, Resume] = {}
         self._stops: dict[str, str] = {}
         self._new_id = new_id or (lambda: uuid.uuid4().hex[:12])
+        self.version = 0
+        """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
 
     # --- state ------------------------------------------------------------------------------
 
     def admit(self, held: Held) -> None:
         self.held[held.waiting.key] = held
+        self.version += 1
 
     @property
     def busy(self) -> bool:
@@ -80,6 +84,7 @@ class GenScheduler:
         held = list(self.held.values())
         self.held.clear()
         self._resume.clear()
+        self.version += 1
         return held
 
     def release_running(self) -> list[Held]:
@@ -87,6 +92,7 @@ class GenScheduler:
         held = [r.held for r in self.running.values()]
         self.running.clear()
         self._stops.clear()
+        self.version += 1
         return held
 
     def cancel(self, step_ids: list[str]) -> list[Held]:
@@ -102,6 +108,7 @@ class GenScheduler:
         if key in self.running:
             self._stops.setdefault(key, reason)
             return None
+        self.version += 1
         return self.held.pop(key, None)
 
     def _unpark(self, key: str) -> None:
@@ -120,6 +127,15 @@ class GenScheduler:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
         room = 2 * self.policy.policy.max_running - len(self.held) - len(self.running)
         return max(0, room)
+
+    def holding(self) -> tuple[Entry, ...]:
+        """The stream entries of every request held: waiting (preempted too) or running."""
+        return tuple(h.entry for h in self.watched())
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the step on the device began (None: none is)."""
+        return self.inflight[0].started_at if self.inflight else None
 
     def watched(self) -> list[Held]:
         """Requests a client may cancel now: waiting and running."""
@@ -140,6 +156,8 @@ class GenScheduler:
                 self._unpark(k)
                 self._stops.setdefault(k, "deadline")
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
+        if expired:
+            self.version += 1
         stops = dict(self._stops)
         for k in plan.stop:  # past its deadline, or grown past the whole cache
             deadline = self.running[k].held.waiting.deadline
@@ -203,6 +221,7 @@ class GenScheduler:
             if isinstance(ev, Final | Failed):
                 del self.running[ev.key]
                 self._stops.pop(ev.key, None)
+                self.version += 1
             elif isinstance(ev, Preempted):
                 del self.running[ev.key]
                 self.held[ev.key] = r.held

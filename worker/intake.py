@@ -1,10 +1,13 @@
 """The intake: one model's reading side, on a thread of its own.
 
-It heartbeats, takes over the entries of workers that died (and, at start, its own from a
-previous life under the same name), and reads as many new entries as the loop last asked
-for (:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
-heartbeat never waits for a batch (a long batch is never taken for a dead worker), and the
-loop never sits in a Redis ``BLOCK`` that the end of a batch could not interrupt.
+It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`;
+not once a device step has hung past ``claim_idle_ms``), takes over the entries of workers
+that died (and, at start, its own from a previous life under the same name), and reads as
+many new entries as the loop last asked for (:meth:`Intake.grant`), posting them to the
+loop's inbox. Being its own thread, its
+heartbeat and refreshes never wait for a batch (a long batch or generation is taken neither
+for a dead worker's nor by another worker's idle fallback), and the loop never sits in a
+Redis ``BLOCK`` that the end of a batch could not interrupt.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from .blobs import fetch_referenced
+from .holding import Holding, entries_to_refresh
 from .inbox import Arrived, Event, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
 
@@ -27,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
 RECLAIM_EVERY_S = 1.0
+REFRESH_MAX_S = 60.0
+"""The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
 
 
 class Intake:
@@ -58,6 +64,14 @@ class Intake:
         self._stop = False
         self._last_beat = -1e18
         self._last_reclaim = -1e18
+        self._holding = Holding()
+        """The loop's latest snapshot of what it holds (its entries refreshed while held)."""
+        self._withheld = False
+        """The last refresh was withheld: the device step in flight looks hung."""
+        self._last_refresh = -1e18
+        self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
+        self._refreshing = threading.Lock()
+        """Held across a refresh and a release: a released entry is never refreshed after."""
         self._reclaiming = False
         self._posted = 0
         self._connected_since = 0.0
@@ -102,6 +116,15 @@ class Intake:
             self._suspects = suspects
             self._cond.notify()
 
+    def hold(self, holding: Holding) -> None:
+        """What the loop holds now, replacing the last snapshot: its entries' idle time is
+        reset every ``claim_idle_ms / 4`` while held, unless its device step hangs."""
+        was = self._holding  # written by the loop thread only (here and in release)
+        self._holding = holding  # one reference swapped: the thread reads whole snapshots
+        if holding.entries and not was.entries:  # the thread may sleep until its next beat
+            with self._cond:
+                self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stop = True
@@ -114,7 +137,12 @@ class Intake:
     def release(self, entries: Sequence[Entry]) -> None:
         """Hand entries read but never started back to the fleet (after :meth:`join`)."""
         if entries:
-            self.streams.release(entries, self.worker.claim_idle_ms)
+            gone = {e.key for e in entries}
+            with self._refreshing:
+                h = self._holding
+                kept = tuple(e for e in h.entries if e.key not in gone)
+                self._holding = Holding(kept, h.busy_since)
+                self.streams.release(entries, self.worker.claim_idle_ms)
             logger.info("released %d unstarted requests to the fleet", len(entries))
 
     def unregister(self) -> None:
@@ -129,12 +157,13 @@ class Intake:
                 if self._stop:
                     return
                 if not self._counts:
-                    self._cond.wait(max(0.0, self._last_beat + HEARTBEAT_EVERY_S - self._clock()))
+                    self._cond.wait(self._until_due())
                     if self._stop:
                         return
                 counts, suspects = dict(self._counts), self._suspects
             try:
                 self._beat()
+                self._refresh()
                 if counts:
                     self._read(counts, suspects)
                 backoff = 0.05
@@ -170,6 +199,36 @@ class Intake:
                 self._sync_clock()
             self.streams.heartbeat(int(self._clock() * 1000))
 
+    def _until_due(self) -> float:
+        """Seconds until the next heartbeat or refresh is due."""
+        return max(
+            0.0, min(self._last_beat + HEARTBEAT_EVERY_S, self._refresh_due()) - self._clock()
+        )
+
+    def _refresh_due(self) -> float:
+        return self._last_refresh + self._refresh_every if self._holding.entries else float("inf")
+
+    def _refresh(self) -> None:
+        """Reset the idle time of the entries the loop holds, if due, so the idle fallback
+        never takes a request from this live worker (its delivery count stays)."""
+        now = self._clock()
+        if now < self._refresh_due():
+            return
+        self._last_refresh = now
+        with self._refreshing:
+            holding = self._holding
+            entries = entries_to_refresh(holding, now, self.worker.claim_idle_ms)
+            if entries:
+                self.streams.refresh(entries)
+        withheld = bool(holding.entries) and not entries
+        if withheld and not self._withheld and holding.busy_since is not None:
+            logger.warning(
+                "device step of %s running for %.1f s (> claim_idle_ms): no longer refreshing "
+                "its %d held requests; the idle fallback hands them to other workers",
+                self.streams.keys.model, now - holding.busy_since, len(holding.entries),
+            )  # fmt: skip
+        self._withheld = withheld
+
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
         if self._own:
@@ -191,8 +250,10 @@ class Intake:
             if found:
                 self._deliver(found)
                 return
-        # Never block past the next heartbeat: a silent worker is taken for dead.
+        # Never block past the next heartbeat (a silent worker is taken for dead) or refresh.
         block_ms = min(self.worker.block_ms, int(HEARTBEAT_EVERY_S * 1000))
+        if self._holding.entries:
+            block_ms = min(block_ms, max(1, int((self._refresh_due() - self._clock()) * 1000)))
         entries = self.streams.read(counts, block_ms)
         if entries:
             self._deliver(entries)

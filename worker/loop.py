@@ -36,6 +36,7 @@ from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
 from .blobs import with_fetched
 from .gen_scheduler import GenScheduler
 from .generating import Generating
+from .holding import HAND_OVER_EVERY_S, HoldingFeed
 from .inbox import Arrived, Cancel, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
@@ -178,6 +179,8 @@ class BatchLoop:
         self._idle_reads = 0
         self._handed_back = False
         self._give_up_at = float("inf")
+        every = min(HAND_OVER_EVERY_S, self.worker.claim_idle_ms / 4000)
+        self._feed = HoldingFeed(parts.source.hold, every)
         started: list[str] = []
         try:
             parts.source.start(self.config.max_queue_depth)  # Redis first: may fail, no threads yet
@@ -205,15 +208,18 @@ class BatchLoop:
                 self._expire(decision.expired, now)
             if decision.step is not None:
                 self._dispatch(decision.step, now)
+            # what is held now, so the intake keeps it from others' idle fallback
+            hold_at = self._feed.update(self.scheduler, now)
             if not self.scheduler.busy and self._done():
                 return
             if self._stopping and self.continuous and now >= self._give_up_at:
                 return  # generations still running past the grace go back to the fleet
             self.generating.watch()
             self._grant()
-            timeout = (
-                None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
-            )
+            wake_at = decision.wake_at
+            if hold_at is not None:  # a handover deferred: make it even if nothing comes
+                wake_at = hold_at if wake_at is None else min(wake_at, hold_at)
+            timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
             event = inbox.get(timeout)
             while event is not None:
                 self._handle(event)

@@ -19,6 +19,7 @@ from ..batching.engine import Engine
 from ..batching.types import Batch, Plan
 from .answers import Held
 from .runner import StepReport, Work
+from .streams import Entry
 
 PREQUEUE_S = 0.003
 """Plan and queue the next step when the running one is due to end within this long, so
@@ -66,21 +67,35 @@ class Scheduler:
         self.inflight: deque[Step] = deque()
         self._new_id = new_id or (lambda: uuid.uuid4().hex[:12])
         self._running_suspect = False
+        self.version = 0
+        """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
 
     # --- state ------------------------------------------------------------------------------
 
     def admit(self, held: Held) -> None:
         self.held[held.waiting.key] = held
+        self.version += 1
 
     @property
     def busy(self) -> bool:
         """Steps dispatched and not finished."""
         return bool(self.inflight)
 
+    def holding(self) -> tuple[Entry, ...]:
+        """The stream entries of every request held: waiting, queued or on the device."""
+        held = [*self.held.values(), *(h for step in self.inflight for h in step.held)]
+        return tuple(h.entry for h in held)
+
+    @property
+    def busy_since(self) -> float | None:
+        """When the step on the device began (None: the device is idle)."""
+        return self.inflight[0].started_at if self.inflight else None
+
     def release_all(self) -> list[Held]:
         """Forget every held request (they go back to the fleet)."""
         held = list(self.held.values())
         self.held.clear()
+        self.version += 1
         return held
 
     def cancel(self, step_ids: list[str]) -> list[Held]:
@@ -90,6 +105,7 @@ class Scheduler:
             self.inflight.remove(step)
             if step.batch.reason == "retry":
                 self._running_suspect = False
+        self.version += 1
         return [h for step in dropped for h in step.held]
 
     # --- deciding ---------------------------------------------------------------------------
@@ -116,6 +132,8 @@ class Scheduler:
         else:
             plan = self.engine.plan(waiting, now, expected)
         expired = [h for w in plan.expired if (h := self.held.pop(w.key, None)) is not None]
+        if expired:
+            self.version += 1
         step = self._dispatch(plan.batch, now) if plan.batch is not None else None
         wake_at = plan.wake_at
         if len(self.inflight) == 1 and self.held:
@@ -157,6 +175,7 @@ class Scheduler:
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"step {step_id} finished, but {step.step_id} was first")
+        self.version += 1
         step.started_at = started_at
         if self.inflight:  # the device went straight on to the next one
             self.inflight[0].started_at = finished_at

@@ -17,6 +17,8 @@ from ..schemas.keys import GROUP, ModelKeys
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
+REFRESH_CHUNK = 512
+"""Entries refreshed per script call (a bounded script run)."""
 
 
 def _script(client: SyncClient, name: str) -> Script:
@@ -92,6 +94,7 @@ class ModelStreams:
         self._finish = _script(client, "finish.lua")
         self._dead = _script(client, "dead_letter.lua")
         self._retire = _script(client, "retire.lua")
+        self._refresh = _script(client, "refresh.lua")
 
     def ensure_groups(self, max_depth: int | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
@@ -196,7 +199,8 @@ class ModelStreams:
 
         Entries of the ``dead`` consumers (their heartbeat stopped) are taken once idle for
         ``dead_idle_ms``; any consumer's entries once idle for ``min_idle_ms`` (the fallback
-        for a worker that still beats but is stuck, and for entries handed back at shutdown).
+        for entries handed back at shutdown, or left by a loop that no longer holds them: a
+        live worker refreshes those it holds, see :meth:`refresh`).
         Entries on their first redelivery are taken up to ``count``. Entries that were
         already redelivered (their last two holders died: one of them may be the cause)
         are taken one at a time, and only when ``suspects`` is true, so a suspect runs
@@ -252,6 +256,18 @@ class ModelStreams:
                 self.streams[lane], GROUP, self.consumer, 0, ids, idle=idle_ms,
                 retrycount=retries, justid=True,
             )  # fmt: skip
+
+    def refresh(self, entries: Sequence[Entry]) -> int:
+        """Reset the idle time of these entries where still pending on this consumer, so the
+        idle fallback leaves a live worker's long requests alone; no delivery is counted.
+        Returns how many were refreshed."""
+        done = 0
+        for start in range(0, len(entries), REFRESH_CHUNK):
+            args: list[str | int] = [GROUP, self.consumer]
+            for e in entries[start : start + REFRESH_CHUNK]:
+                args += [e.lane, e.id]
+            done += int(self._refresh(keys=self.streams, args=args))
+        return done
 
     def own_pending(self, limit: int = 10_000) -> list[tuple[int, str, int]]:
         """This consumer's pending entries: (lane, id, deliveries)."""
