@@ -9,7 +9,8 @@ lanes 0/1/2 in a 20/50/30 mix. Measured:
   stamps when tokens are produced) on its own redis-server; requests are raw msgpack XADDs
   (``stream = true``, a reply channel), deltas and results are timestamped on arrival by a
   hiredis pub/sub reader (``bench.systems.Subscriber``), open loop;
-- **engine alone**: the same runner (``TextGenerationRunner``) and scheduler
+- **engine alone**: the same runner (``TextGenerationRunner``, its default ``padded``
+  engine; ``--engine paged`` for transformers' paged one) and scheduler
   (``GenScheduler`` + ``GenerationPolicy``, as the worker builds them) stepped in this
   process on the same trace, no Redis, no loop, no sink;
 - **static batching**: the same trace through today's batching engine
@@ -862,7 +863,8 @@ METHOD = """\
   engine alone on a burst of the first requests (requests/s), so a backlog builds;
   **unloaded**: 0.15x that capacity, every request on lane 0 (with no load the lanes do
   not compete; this gives lane 0 all the samples). SmolLM2: a fixed rate far above its
-  capacity (`--smol-rate`), no unloaded run.
+  capacity (`--smol-rate`), no unloaded run; static batching and one at a time (5 of its
+  40 requests) run too unless `--no-smol-baselines`.
 - **tokens/s** = output tokens / (first arrival or submit → last result), for the fleet and
   the engine alone on the same saturated trace; for static batching the same span in the
   simulator's virtual time (idle until arrivals, then each batch's measured `generate`);
@@ -973,12 +975,13 @@ class Plan:
     single: int
     profile: int
     smol_requests: int
+    smol_single: int
     cost_sizes: tuple[int, ...]
 
 
-FULL = Plan(96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=8,
-            cost_sizes=(1, 4, 8, 16, 32, 64))  # fmt: skip
-QUICK = Plan(16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3,
+FULL = Plan(96, unloaded=12, calibration=24, single=12, profile=16, smol_requests=40,
+            smol_single=5, cost_sizes=(1, 4, 8, 16, 32, 64))  # fmt: skip
+QUICK = Plan(16, unloaded=3, calibration=6, single=3, profile=4, smol_requests=3, smol_single=1,
              cost_sizes=(1, 8))  # fmt: skip
 
 
@@ -1005,7 +1008,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--drain-s", type=float, default=300.0)
+    p.add_argument("--engine", choices=["padded", "paged"], default="padded")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--no-smol-baselines", action="store_true",
+                   help="SmolLM2: skip static batching and one at a time (minutes each)")  # fmt: skip
     p.add_argument("--no-malloc-run", action="store_true",
                    help="skip the extra fleet run with glibc malloc tuned")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -1019,7 +1025,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
 
     torch.set_num_threads(args.threads)
     options: dict[str, Any] = {
-        "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
+        "engine": args.engine, "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
         "step_tokens": args.step_tokens, "max_running": args.max_running,
     }  # fmt: skip
     if which == "tiny":
@@ -1051,21 +1057,23 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
                             "each SmolLM2 pass takes minutes on 2 cores)")  # fmt: skip
     say(f"{model.name}: engine alone, {n} requests at {saturated:.2f}/s")
     result.outcomes["engine alone"] = measured(lambda: engine_alone(runner, jobs, saturated))
-    if which == "tiny":
+    if which == "tiny" or not args.no_smol_baselines:
         say(f"{model.name}: static batching")
         result.outcomes["static batching"] = measured(
             lambda: static_batching(runner, jobs, saturated)
         )
         say(f"{model.name}: one at a time")
         result.outcomes["one at a time"] = measured(
-            lambda: one_at_a_time(runner, jobs, plan.single)
+            lambda: one_at_a_time(
+                runner, jobs, plan.single if which == "tiny" else plan.smol_single
+            )
         )
-        if not args.no_profile:
-            say(f"{model.name}: profile")
-            result.profile = profile_engine(runner, jobs[: plan.profile])
-            long = sorted(jobs, key=lambda j: len(j.prompt))[len(jobs) // 2 :]
-            result.costs = step_cost(runner, long, plan.cost_sizes)
-            result.cost_prompt = len(long[0].prompt)
+    if which == "tiny" and not args.no_profile:
+        say(f"{model.name}: profile")
+        result.profile = profile_engine(runner, jobs[: plan.profile])
+        long = sorted(jobs, key=lambda j: len(j.prompt))[len(jobs) // 2 :]
+        result.costs = step_cost(runner, long, plan.cost_sizes)
+        result.cost_prompt = len(long[0].prompt)
     runner = None  # free it before the worker loads its own
     fleet = Fleet(model, url, workdir, args.threads)
     say(f"{model.name}: starting the worker")
