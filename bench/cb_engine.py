@@ -23,10 +23,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def drive(engine: Any, prompts: list[list[int]], new: int) -> tuple[dict[str, list[int]], float]:
+    """Every prompt added at once, stepped until each has ``new`` tokens; the tokens by
+    sequence and the seconds it took."""
+    from batchfleet.worker.generation.sampling import Sampling
+
+    got: dict[str, list[int]] = {}
+    t = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add(f"req_{i}", prompt, new, Sampling())
+    while len([k for k, v in got.items() if len(v) == new]) < len(prompts):
+        for o in engine.step():
+            got[o.sequence] = o.tokens
+    return got, time.perf_counter() - t
 
 
 def main() -> None:
@@ -41,7 +57,6 @@ def main() -> None:
 
     from batchfleet.worker.generation.padded import PaddedEngine
     from batchfleet.worker.generation.paged import PagedEngine
-    from batchfleet.worker.generation.sampling import Sampling
     from tiny_models import make_causal_lm
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -73,26 +88,14 @@ def main() -> None:
     engine = PagedEngine(model, eos_token_ids=[], pad_token_id=0, kv_blocks=cb["num_blocks"],
                          page_size=cb["page_size"], step_tokens=cb["max_batch_tokens"],
                          max_running=args.prompts)  # fmt: skip
-    got: dict[str, list[int]] = {}
-    t = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add(f"req_{i}", prompt, args.new, Sampling())
-    while len([k for k, v in got.items() if len(v) == args.new]) < args.prompts:
-        for o in engine.step():
-            got[o.sequence] = o.tokens
-    rates["paged, stepped by batchfleet"] = n_out / (time.perf_counter() - t)
+    got, seconds = drive(engine, prompts, args.new)
+    rates["paged, stepped by batchfleet"] = n_out / seconds
 
     # batchfleet's own padded step loop (the runner's default engine)
     padded = PaddedEngine(model, eos_token_ids=[], step_tokens=cb["max_batch_tokens"],
                           max_running=args.prompts)  # fmt: skip
-    own: dict[str, list[int]] = {}
-    t = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        padded.add(f"req_{i}", prompt, args.new, Sampling())
-    while len([k for k, v in own.items() if len(v) == args.new]) < args.prompts:
-        for o in padded.step():
-            own[o.sequence] = o.tokens
-    rates["padded (batchfleet's default)"] = n_out / (time.perf_counter() - t)
+    own, seconds = drive(padded, prompts, args.new)
+    rates["padded (batchfleet's default)"] = n_out / seconds
 
     # one at a time
     t = time.perf_counter()
