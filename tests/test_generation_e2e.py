@@ -22,7 +22,9 @@ MODEL = "tinylm"
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_causal_lm(tmp_path_factory.mktemp("lm"))
+    # A 4096-token context: a 4000-token generation outlasts a 1.5 s deadline even on a
+    # machine several times faster than CI (900 tokens took under 1.5 s here).
+    return make_causal_lm(tmp_path_factory.mktemp("lm"), context=4096)
 
 
 @pytest.fixture
@@ -102,18 +104,18 @@ def test_streamed_generation_by_token_stream_and_reply_channel(
 
 
 def test_cancel_by_key_and_deadline_mid_generation(r: redis.Redis, worker: WorkerProcess) -> None:
-    long = submit(r, inputs=["the man was"], max_new_tokens=900)
-    late = submit(r, inputs=["a b c"], max_new_tokens=900, deadline_ms=1500)
+    long = submit(r, inputs=["the man was"], max_new_tokens=4000)
+    late = submit(r, inputs=["a b c"], max_new_tokens=4000, deadline_ms=1500)
     plain = submit(r, inputs=["it"], max_new_tokens=5)
     assert result(r, plain)["outputs"][0]["completion_tokens"] == 5
     r.set(f"bf:{{{MODEL}}}:cancel:{long}", "1", ex=60)
     res = result(r, long)
     (out,) = res["outputs"]
     assert res["status"] == "ok" and out["finish_reason"] == "cancelled"
-    assert 0 < out["completion_tokens"] < 900
+    assert 0 < out["completion_tokens"] < 4000
     res = result(r, late)
     assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "deadline"
-    assert 0 < res["outputs"][0]["completion_tokens"] < 900
+    assert 0 < res["outputs"][0]["completion_tokens"] < 4000
 
 
 def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: WorkerProcess) -> None:

@@ -117,8 +117,8 @@ def test_a_worker_killed_mid_generation_is_followed_to_one_result(
 def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
     redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
-    # Given two workers, the idle-time fallback at 500 ms
-    fleet = gen_fleet(redis_url, tiny_lm, claim_idle_ms=500)
+    # Given two workers, the idle-time fallback at 400 ms
+    fleet = gen_fleet(redis_url, tiny_lm, claim_idle_ms=400)
     names = ("gen-a", "gen-b")
     for name in names:
         start_worker(fleet, name).wait_ready(r, "gen")
@@ -133,4 +133,4 @@ def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
         assert restarts == [], "taken from its live worker and generated again"
         result = job.result()
         assert result.ok and result.timings.worker in names
-        assert took > 4 * 0.5, f"the generation ({took:.1f} s) must outlast the idle fallback"
+        assert took > 4 * 0.4, f"the generation ({took:.1f} s) must outlast the idle fallback"

@@ -205,9 +205,12 @@ CHAT_TEMPLATE = (
 """SmolLM2's (ChatML) chat template, shortened."""
 
 
-def make_causal_lm(path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+def make_causal_lm(
+    path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 1024
+) -> Path:
     """A tiny random Llama with a byte-level BPE tokenizer (trained here on WORDS) and a
-    chat template, saved like a hub model (config, weights, tokenizer, generation config)."""
+    chat template, saved like a hub model (config, weights, tokenizer, generation config);
+    ``context``: its max_position_embeddings."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -236,7 +239,7 @@ def make_causal_lm(path: Path, *, layers: int = 2, hidden: int = 64, seed: int =
     cfg = LlamaConfig(
         vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+        max_position_embeddings=context, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
         tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(seed)
