@@ -28,5 +28,6 @@ def test_quick_generation_run_writes_a_report(tmp_path: Path) -> None:
     report = (tmp_path / "smoke.md").read_text()
     assert "## Targets" in report
     for system in ("engine alone", "static batching", "one at a time", "fleet unloaded",
-                   "fleet saturated", "engine alone, again"):  # fmt: skip
+                   "fleet saturated", "fleet, lane-0 probes over saturation",
+                   "engine alone, again"):  # fmt: skip
         assert f"| {system} |" in report

@@ -64,9 +64,10 @@ def run(
     return done
 
 
+@pytest.mark.parametrize("row_attention", [True, False], ids=["row-attention", "sdpa"])
 @pytest.mark.parametrize("which", ["llama", "gpt2"])
 def test_greedy_tokens_equal_one_at_a_time_generate(
-    which: str, request: pytest.FixtureRequest
+    which: str, row_attention: bool, request: pytest.FixtureRequest
 ) -> None:
     model = request.getfixturevalue(which)
     rng = random.Random(7)
@@ -76,7 +77,9 @@ def test_greedy_tokens_equal_one_at_a_time_generate(
     arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
     for i, s in enumerate(seqs):
         arrivals.setdefault(rng.choice([0, 0, 1, 3, 5, 9, 20]) + i // 5, []).append(s)
-    engine = PaddedEngine(model, eos_token_ids=[EOS], step_tokens=48, max_running=6)
+    engine = PaddedEngine(model, eos_token_ids=[EOS], step_tokens=48, max_running=6,
+                          row_attention=row_attention)  # fmt: skip
+    assert engine.row_attention is row_attention  # a float32 model on the CPU
     got = run(engine, arrivals)
     for name, prompt, n in seqs:
         assert got[name] == generate(model, prompt, n), name
@@ -96,7 +99,8 @@ def test_a_long_prompt_prefills_in_chunks_while_running_rows_decode(llama: Any) 
         state = engine.state("long")
         assert state is not None
         assert state.prefill_left == 80 - 16 * (k + 1)
-    assert "long" in out and len(out["long"].tokens) == 1  # its first token
+    # its first token (from the prefill), and the next from the step's decode
+    assert "long" in out and len(out["long"].tokens) == 2
     assert engine.running == 5
 
 
@@ -105,8 +109,7 @@ def test_a_cancelled_row_leaves_at_the_next_step_and_the_batch_narrows(llama: An
     engine.add("long", list(range(3, 103)), 100, Sampling())
     engine.add("short", [5, 6], 100, Sampling())
     engine.add("third", [7, 8, 9], 100, Sampling())
-    engine.step()
-    engine.step()
+    engine.step()  # prefill, first tokens, and one decode: two tokens each
     assert engine.width == 102  # the longest row's cache and its new token; others pad
     engine.cancel(["long"])
     assert engine.state("long") is None
@@ -120,13 +123,14 @@ def test_a_cancelled_row_leaves_at_the_next_step_and_the_batch_narrows(llama: An
 
 def test_a_waiting_sequence_can_be_cancelled_and_a_finished_one_leaves(llama: Any) -> None:
     engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
-    engine.add("a", [5, 6, 7], 2, Sampling())
+    engine.add("a", [5, 6, 7], 3, Sampling())
     engine.add("b", [5, 6, 7], 50, Sampling())
     engine.cancel(["b"])
-    first = engine.step()
+    first = engine.step()  # a's first token, then its first decode
     assert [o.sequence for o in first] == ["a"] and not first[0].finished
+    assert len(first[0].tokens) == 2
     (second,) = engine.step()
-    assert second.finished and len(second.tokens) == 2
+    assert second.finished and len(second.tokens) == 3
     assert engine.running == 0 and engine.state("a") is None
 
 
@@ -185,12 +189,12 @@ def test_state_counts_context_and_prefill(llama: Any) -> None:
     st = engine.state("r")
     assert st is not None and (st.context, st.prefill_left) == (10, 15)
     engine.step()
+    engine.step()  # the last 5 prompt tokens, the first token, and its decode
+    st = engine.state("r")
+    assert st is not None and (st.context, st.prefill_left) == (26, 0)
     engine.step()
     st = engine.state("r")
-    assert st is not None and (st.context, st.prefill_left) == (25, 0)
-    engine.step()
-    st = engine.state("r")
-    assert st is not None and st.context == 26
+    assert st is not None and st.context == 27
 
 
 def test_a_lower_lane_prefills_first_whatever_was_added_before(llama: Any) -> None:

@@ -8,16 +8,18 @@ import msgpack
 import pytest
 from batchfleet.schemas.codec import (
     EntryRejected,
+    decode_delta,
     decode_entry,
     decode_reply,
     decode_result,
+    encode_delta,
     encode_request,
     encode_result,
     envelope_of,
 )
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import ModelKeys, check_model_name
-from batchfleet.schemas.messages import ErrorInfo, Limits, Request, Result, Timings
+from batchfleet.schemas.messages import Delta, ErrorInfo, Limits, Request, Result, Timings
 
 
 def _req(**kw: object) -> Request:
@@ -274,3 +276,12 @@ def test_results_built_in_python_are_still_checked() -> None:
 )
 def test_reply_channel_messages_that_are_not_results_are_skipped(message: bytes) -> None:
     assert decode_reply(message) is None
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_a_delta_message_is_its_model_dump_and_decodes_back(fmt: str) -> None:
+    delta = Delta(id="r1", model="smollm", seq=3, input=1, text=" caf\u00e9", tokens=2)
+    raw = encode_delta(delta, fmt)  # type: ignore[arg-type]
+    body = json.loads(raw) if fmt == "json" else msgpack.unpackb(raw)
+    assert body == delta.model_dump(mode="json")
+    assert decode_delta(body) == delta

@@ -11,7 +11,6 @@ on the device at a time: the next is planned from what the last one reported.
 
 from __future__ import annotations
 
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,7 +19,7 @@ from ..batching.generation import GenerationPolicy, GenRunning, GenWaiting
 from ..batching.types import Batch
 from .answers import Held
 from .runner import Failed, Final, Preempted, Progress, StepReport
-from .scheduler import Decision, Step
+from .scheduler import Decision, Step, step_ids
 from .streams import Entry
 
 
@@ -60,7 +59,7 @@ class GenScheduler:
         self.inflight: deque[Step] = deque()
         self._resume: dict[str, Resume] = {}
         self._stops: dict[str, str] = {}
-        self._new_id = new_id or (lambda: uuid.uuid4().hex[:12])
+        self._new_id = new_id or step_ids()
         self.version = 0
         """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
 

@@ -44,29 +44,39 @@ class Generating:
         self.parts = parts
         self._clock = clock
 
-    def finished(self, done: StepDone) -> None:
-        """A step ended: stream its deltas, answer the requests that ended."""
+    def finished(self, done: StepDone, next_step: Callable[[], object] | None = None) -> None:
+        """A step ended: stream its deltas, answer the requests that ended. ``next_step``
+        (dispatching the next step) runs once the deltas are with the sink and before the
+        answers are built, so the device waits only for the scheduler's update."""
         assert self.scheduler is not None
         step, named = self.scheduler.finished(
             done.step_id, done.report, done.started_at, done.finished_at
         )
+        streamed: list[Streamed] = []
+        for ev in done.report.events:
+            r = named.get(ev.key)
+            if r is None or not isinstance(ev, Partial | Final):
+                continue
+            if r.first_token_at is None:
+                r.first_token_at = done.finished_at
+            if isinstance(ev, Partial):
+                r.seq += 1
+                streamed.append(self.delta(r.held, r.seq, ev.chunk))
+        sink = self.parts.sink
+        sink.stream(streamed)
+        if next_step is not None:
+            next_step()
         now = self._clock()
         out: list[Outgoing] = []
-        streamed: list[Streamed] = []
         ends: list[Streamed] = []
         failed = 0
         for ev in done.report.events:
             r = named.get(ev.key)
-            if r is None:
+            if r is None or isinstance(ev, Partial):
                 continue
             held = r.held
-            if isinstance(ev, Partial | Final) and r.first_token_at is None:
-                r.first_token_at = done.finished_at
             run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
-            if isinstance(ev, Partial):
-                r.seq += 1
-                streamed.append(self.delta(held, r.seq, ev.chunk))
-            elif isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
+            if isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
                 failed += 1
                 if held.request.stream:
                     ends.append(self.delta(held, r.seq + 1, None))
@@ -89,8 +99,6 @@ class Generating:
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
         )  # fmt: skip
         self.observers.notify(self._state(done))
-        sink = self.parts.sink
-        sink.stream(streamed)
         sink.send(out)
         sink.stream(ends)
 

@@ -48,7 +48,7 @@ from .observers import (
 )
 from .parts import Parts, redis_parts
 from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner, is_continuous
-from .scheduler import Scheduler, Step
+from .scheduler import Decision, Scheduler, Step
 from .sink import Streamed
 from .stats import LoopStats
 from .streams import Entry, ModelStreams
@@ -201,13 +201,7 @@ class BatchLoop:
             if self._stopping and not self._handed_back:
                 self._hand_back()
             now = self._clock()
-            decision = self.scheduler.decide(
-                now, behind=self.parts.sink.backlog > 1, dispatch=not self._stopping
-            )
-            if decision.expired:
-                self._expire(decision.expired, now)
-            if decision.step is not None:
-                self._dispatch(decision.step, now)
+            decision = self._next_step(now)
             # what is held now, so the intake keeps it from others' idle fallback
             hold_at = self._feed.update(self.scheduler, now)
             if not self.scheduler.busy and self._done():
@@ -395,7 +389,7 @@ class BatchLoop:
 
     def _finished(self, done: StepDone) -> None:
         if not isinstance(self.scheduler, Scheduler):
-            self.generating.finished(done)
+            self.generating.finished(done, self._next_step)
             return
         step = self.scheduler.finished(done.step_id, done.report, done.started_at, done.finished_at)
         now = self._clock()
@@ -435,6 +429,20 @@ class BatchLoop:
         )  # fmt: skip
         self.parts.sink.stream(streamed)
         self.parts.sink.send(out)
+
+    def _next_step(self, now: float | None = None) -> Decision:
+        """Decide and carry it out: answer what expired, dispatch the next step. Also called
+        by a generating model's step end, with the step's state taken in and its answers
+        not yet built (its device waits for this, not for them)."""
+        now = self._clock() if now is None else now
+        decision = self.scheduler.decide(
+            now, behind=self.parts.sink.backlog > 1, dispatch=not self._stopping
+        )
+        if decision.expired:
+            self._expire(decision.expired, now)
+        if decision.step is not None:
+            self._dispatch(decision.step, now)
+        return decision
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
         self.parts.sink.send([self.answers.expired(h, now) for h in expired])

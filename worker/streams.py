@@ -57,6 +57,12 @@ class Retiring:
     reply: str | None
 
 
+TOKENS_MAXLEN = 100_000
+"""A token stream's approximate MAXLEN (far above any request's tokens: a bound, not a cut)."""
+TOKENS_CHUNK = 256
+"""Token-stream entries per ``tokens.lua`` call."""
+
+
 @dataclass(frozen=True, slots=True)
 class TokenWrite:
     """One token-stream entry of a request, and the message to publish with it."""
@@ -95,6 +101,7 @@ class ModelStreams:
         self._dead = _script(client, "dead_letter.lua")
         self._retire = _script(client, "retire.lua")
         self._refresh = _script(client, "refresh.lua")
+        self._tokens = _script(client, "tokens.lua")
 
     def ensure_groups(self, max_depth: int | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
@@ -320,17 +327,18 @@ class ModelStreams:
 
     def append_tokens(self, items: Sequence[TokenWrite]) -> None:
         """Append entries to requests' token streams (keeping each ``ttl_s``) and publish
-        the delta messages, in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for it in items:
-            key = self.keys.tokens(it.request_id)
-            fields: dict[Any, Any] = dict(it.fields)  # redis-py's invariant dict type
-            pipe.xadd(key, fields, maxlen=100_000, approximate=True)
-            if it.expire:
-                pipe.expire(key, it.ttl_s)
-            if it.reply and it.message is not None:
-                pipe.publish(it.reply, it.message)
-        pipe.execute()
+        the delta messages: one ``tokens.lua`` call per ``TOKENS_CHUNK`` items, called
+        directly (a pipeline holding a script first asks SCRIPT EXISTS)."""
+        for start in range(0, len(items), TOKENS_CHUNK):
+            chunk = items[start : start + TOKENS_CHUNK]
+            args: list[str | bytes | int] = [TOKENS_MAXLEN]
+            for it in chunk:
+                message = it.message if it.reply else None
+                reply = it.reply if it.reply and message is not None else ""
+                args += [len(it.fields), it.ttl_s if it.expire else 0, reply, message or b""]
+                for k, v in it.fields.items():
+                    args += [k, v]
+            self._tokens(keys=[self.keys.tokens(it.request_id) for it in chunk], args=args)
 
     def cancelled(self, request_ids: Sequence[str]) -> list[str]:
         """Which of these requests a client asked to cancel."""

@@ -5,12 +5,18 @@ layer) is a preallocated ``rows x width`` buffer in which row ``i`` holds sequen
 ``i``'s keys and values from column 0, and each row writes its next token at its own
 column; a padding mask hides the columns past each row's length. A step
 
-1. drops cancelled and finished rows: the last row moves into the hole (one row copied),
-2. decodes one token for every running row in one forward pass over the first
-   ``longest + 1`` columns (padded attention, as HF ``generate`` runs a static batch),
-3. prefills waiting sequences, each in its own growing cache (:class:`SlabLayer`), in
+1. drops cancelled rows: the last row moves into the hole (one row copied),
+2. prefills waiting sequences, each in its own growing cache (:class:`SlabLayer`), in
    chunks that fit what the per-step token budget leaves after the decodes; a finished
-   prefill samples the sequence's first token and copies its cache into a new row.
+   prefill samples the sequence's first token and copies its cache into a new row,
+3. decodes one token for every row, the new ones too, in one forward pass. On CPU the
+   attention reads each row's own length (:mod:`.decode_attention`); elsewhere it runs
+   over the first ``longest + 1`` columns under a padding mask (as HF ``generate`` runs
+   a static batch),
+4. drops the rows that finished.
+
+The decode comes last so that a step's tokens leave the device as soon as they exist,
+not after the step's prefill.
 
 Nothing copies the whole batch when sequences join or leave; the buffer grows by
 doubling (rows up to ``max_running``, columns to the longest context) and is kept.
@@ -29,9 +35,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import decode_attention
 from .engine import Output, SeqState
 from .sampling import Sampling, SeededSampler
 
@@ -92,9 +100,13 @@ class _Step:
     rows: int = 0
     width: int = 0
     """The longest row's length before this token: the mask's past length."""
-    index: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     """Per row, the column (= position) its new token goes to."""
+    flat: torch.Tensor | None = None
+    """Per row and key-value head, where its new token goes in a buffer seen as
+    ``(rows * heads * capacity) x head_dim``."""
+    capacity: int = 0
+    """The buffers' columns when ``flat`` was computed."""
 
 
 class SlotLayer(DynamicLayer):  # type: ignore[misc]
@@ -140,10 +152,19 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.step
         assert self._k is not None and self._v is not None and key_states.shape[2] == 1
-        self._k[st.index, :, st.positions] = key_states[:, :, 0]
-        self._v[st.index, :, st.positions] = value_states[:, :, 0]
-        self.keys = self._k[: st.rows, :, : st.width + 1]
-        self.values = self._v[: st.rows, :, : st.width + 1]
+        rows, heads, capacity, dim = st.rows, self._k.shape[1], self._k.shape[2], self._k.shape[3]
+        if st.flat is None or st.capacity != capacity:  # once per step (all layers alike)
+            assert st.positions is not None
+            head = torch.arange(heads, device=st.positions.device)
+            row = torch.arange(rows, device=st.positions.device)
+            st.flat = ((row[:, None] * heads + head[None, :]) * capacity
+                       + st.positions[:, None]).reshape(-1)  # fmt: skip
+            st.capacity = capacity
+        # one row copy per (row, head): index_copy_ on a flat view, not advanced indexing
+        self._k.view(-1, dim).index_copy_(0, st.flat, key_states.reshape(-1, dim))
+        self._v.view(-1, dim).index_copy_(0, st.flat, value_states.reshape(-1, dim))
+        self.keys = self._k[:rows, :, : st.width + 1]
+        self.values = self._v[:rows, :, : st.width + 1]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -184,6 +205,7 @@ class PaddedEngine:
         eos_token_ids: list[int],
         step_tokens: int,
         max_running: int,
+        row_attention: bool | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -195,6 +217,8 @@ class PaddedEngine:
         """Added and not yet running; those with a cache are prefilling."""
         self._rows: list[_Seq] = []
         """The running batch: row ``i`` of the KV buffers is ``_rows[i]``'s."""
+        self._running: dict[str, _Seq] = {}
+        """The same sequences by name."""
         self._step = _Step()
         self._layers: list[SlotLayer] = []
         self._cache: Cache | None = None
@@ -202,6 +226,12 @@ class PaddedEngine:
         self._added = 0
         self.moves = 0
         """Rows moved into holes so far (one row's cache copied each)."""
+        self.row_attention = decode_attention.usable(model) and row_attention is not False
+        """Decode attention reads each row's own length (:mod:`.decode_attention`: float32
+        on CPU, where numba compiles; None: where usable); otherwise sdpa over the padded
+        batch."""
+        if self.row_attention:
+            model.set_attn_implementation(decode_attention.ATTENTION)
 
     def add(
         self,
@@ -222,7 +252,7 @@ class PaddedEngine:
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
         for s in sequences:
-            if self._waiting.pop(s, None) is None and any(r.name == s for r in self._rows):
+            if self._waiting.pop(s, None) is None and s in self._running:
                 self._cancelled.add(s)
 
     def forget(self, sequence: str) -> None:
@@ -233,7 +263,7 @@ class PaddedEngine:
         """Where a queued or running sequence stands (None: the engine no longer has it)."""
         seq = self._waiting.get(sequence)
         if seq is None:
-            seq = next((r for r in self._rows if r.name == sequence), None)
+            seq = self._running.get(sequence)
             if seq is None or seq.name in self._cancelled:
                 return None
         return SeqState(context=seq.context, prefill_left=len(seq.tokens) - seq.done)
@@ -247,6 +277,7 @@ class PaddedEngine:
         samplers' state."""
         self._waiting.clear()
         self._rows = []
+        self._running = {}
         self._layers = []
         self._cache = None
         self._cancelled.clear()
@@ -261,18 +292,18 @@ class PaddedEngine:
         return max((r.context for r in self._rows), default=-1) + 1
 
     def step(self) -> list[Output]:
-        """Run one step (module docstring); the outputs it produced."""
+        """Run one step (module docstring); the outputs it produced, one per sequence."""
         with torch.inference_mode():
             if self._cancelled:
                 self._leave(lambda r: r.name in self._cancelled)
                 self._cancelled.clear()
-            out = self._decode()
-            self._leave(lambda r: r.finished)
-            joined, more = self._prefill(budget=self.step_tokens - len(self._rows))
-            out += more
+            joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
             for seq in joined:
                 self._join(seq)
-        return out
+            out = {o.sequence: o for o in first}
+            out.update((o.sequence, o) for o in self._decode())
+            self._leave(lambda r: r.finished)
+        return list(out.values())
 
     # --- the batch ---------------------------------------------------------------------
 
@@ -281,6 +312,7 @@ class PaddedEngine:
         for i in range(len(self._rows) - 1, -1, -1):
             if not gone(self._rows[i]):
                 continue
+            del self._running[self._rows[i].name]
             last = len(self._rows) - 1
             if i != last:
                 n = self._rows[last].context
@@ -310,6 +342,7 @@ class PaddedEngine:
             layer.place(row, src.keys[:, :, : seq.context], src.values[:, :, : seq.context])
         seq.cache = None
         self._rows.append(seq)
+        self._running[seq.name] = seq
 
     def _capacity(self) -> tuple[int, int]:
         k = self._layers[0]._k if self._layers else None
@@ -329,13 +362,17 @@ class PaddedEngine:
                 layer.reserve(layer._k[:1], rows, grow_to)
         positions = torch.tensor(lengths, device=self.device)
         st = self._step
-        st.rows, st.width, st.positions = rows, width, positions
-        st.index = torch.arange(rows, device=self.device)
-        mask = torch.arange(width + 1, device=self.device)[None, :] <= positions[:, None]
+        st.rows, st.width, st.positions, st.flat = rows, width, positions, None
+        mask = None  # the kernel reads each row's length; transformers builds no mask
+        if not self.row_attention:
+            mask = torch.arange(width + 1, device=self.device)[None, :] <= positions[:, None]
         ids = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
+        extra: dict[str, Any] = {}
+        if self.row_attention:
+            extra[decode_attention.LENGTHS] = np.asarray(lengths, dtype=np.int64) + 1
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
-            cache=self._cache, use_cache=True, logits_to_keep=1,
+            cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
         ).logits[:, -1]  # fmt: skip
         tokens = self._pick(logits, self._rows)
         out = []
@@ -369,6 +406,7 @@ class PaddedEngine:
                 break  # the budget is spent mid-prompt; it goes on next step
             del self._waiting[seq.name]
             room -= 1
+            budget -= 1  # it joins, and decodes in this step's decode
             (t,) = self._pick(logits, [seq])
             seq.generated.append(t)
             seq.finished = t in self.eos or seq.max_new <= 1

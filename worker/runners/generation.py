@@ -18,7 +18,7 @@ bound is the model's ``limits.max_new_tokens``, checked when the request is read
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,6 +110,15 @@ class TextGenerationRunner:
         gguf = opts.get("gguf_file")
         extra = {"gguf_file": gguf} if gguf else {}
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._backend_decode: Callable[..., str] | None = (
+            backend.decode
+            if backend is not None
+            and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+            else None
+        )
+        """The fast tokenizer's own decode: what ``tokenizer.decode`` returns without its
+        cleanup (off here), at a quarter of the cost; a step decodes two windows per token."""
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, **extra)
         self.model = model.to(self.torch_device).eval()
         cfg = self.model.config.get_text_config()
@@ -387,6 +396,9 @@ class TextGenerationRunner:
         return report
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            fast: str = self._backend_decode(ids, skip_special_tokens=True)
+            return fast
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 

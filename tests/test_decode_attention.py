@@ -1,0 +1,140 @@
+"""The CPU decode attention kernel: each row attends over its own length and gives what
+sdpa gives over the padded batch with a mask, for grouped-query attention and for a
+column slice of a wider cache buffer; the padded engine uses it in its decode steps and
+leaves prefill, other dtypes and generate's steps to sdpa."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.worker.generation import decode_attention  # noqa: E402
+from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
+from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+
+class _Module(torch.nn.Module):  # what an attention layer offers the function
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _reference(q: Any, k: Any, v: Any, lengths: list[int], scale: float) -> Any:
+    """sdpa over the padded batch, every key past a row's length masked."""
+    heads = q.shape[1]
+    kv = k.shape[1]
+    width = max(lengths)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    keys = k[:, :, :width].repeat_interleave(heads // kv, dim=1)
+    values = v[:, :, :width].repeat_interleave(heads // kv, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 1)])
+@pytest.mark.parametrize("sliced", [True, False], ids=["buffer-slice", "contiguous"])
+def test_each_row_attends_over_its_own_length_like_masked_sdpa(
+    heads: int, kv_heads: int, sliced: bool
+) -> None:
+    torch.manual_seed(heads * 10 + kv_heads)
+    rows, dim = 7, 32
+    lengths = [1, 5, 64, 17, 33, 2, 40]
+    width = max(lengths)
+    capacity = 96 if sliced else width
+    k_buf = torch.randn(rows, kv_heads, capacity, dim)
+    v_buf = torch.randn(rows, kv_heads, capacity, dim)
+    k_buf[:, :, width:] = float("nan")  # never read
+    v_buf[:, :, width:] = float("nan")
+    k, v = k_buf[:, :, :width], v_buf[:, :, :width]
+    q = torch.randn(rows, heads, 1, dim)
+    scale = 0.3
+    got, _ = decode_attention.attention(
+        _Module(heads // kv_heads), q, k, v, None, scaling=scale,
+        **{decode_attention.LENGTHS: torch.tensor(lengths).numpy()},
+    )  # fmt: skip
+    want = _reference(q, k_buf, v_buf, lengths, scale)
+    assert got.shape == (rows, 1, heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_lengths_or_for_a_query_block_it_is_sdpa() -> None:
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    calls: list[int] = []
+    real = decode_attention._kernel
+    decode_attention._kernel = lambda *a: calls.append(1)
+    try:
+        for kwargs in ({}, {decode_attention.LENGTHS: torch.tensor([3, 3]).numpy()}):
+            got, _ = decode_attention.attention(_Module(2), q, k, v, None, **kwargs)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+            ).transpose(1, 2)
+            torch.testing.assert_close(got, want)
+    finally:
+        decode_attention._kernel = real
+    assert calls == []
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return make_causal_lm(tmp_path_factory.mktemp("llama"))
+
+
+def test_the_engine_runs_its_decodes_through_the_kernel_and_generate_is_untouched(
+    llama_dir: Any,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4)
+    assert engine.row_attention
+    assert model.config._attn_implementation == decode_attention.ATTENTION
+    calls: list[int] = []
+    real = decode_attention._kernel
+
+    def counting(*args: Any) -> None:
+        calls.append(args[0].shape[0])
+        real(*args)
+
+    decode_attention._kernel = counting
+    try:
+        engine.add("a", [5, 6, 7], 4, Sampling())
+        engine.add("b", list(range(3, 40)), 4, Sampling())
+        engine.step()  # two prefills (sdpa), then one decode over both rows, every layer
+        assert calls == [2] * model.config.num_hidden_layers
+        calls.clear()
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+        assert calls == []
+    finally:
+        decode_attention._kernel = real
+
+
+def test_a_bfloat16_model_keeps_sdpa(llama_dir: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).eval()
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4)
+    assert not engine.row_attention
+    assert model.config._attn_implementation == "sdpa"
+    engine.add("a", [5, 6, 7], 3, Sampling())
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert outs[-1].finished and len(outs[-1].tokens) == 3
+
+
+def test_a_sliding_window_model_keeps_sdpa() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           sliding_window=8)  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    assert not decode_attention.usable(model)
+    config.sliding_window = None
+    assert decode_attention.usable(model)

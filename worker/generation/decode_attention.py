@@ -1,0 +1,185 @@
+"""Decode attention for the padded engine on CPU: each row attends over its own length.
+
+A decode step asks one query per row to attend over that row's keys. ``torch``'s CPU
+attention (``scaled_dot_product_attention``) takes the batch padded to its longest row
+and a mask; on the benchmark's mixed lengths it reads about twice the keys and values a
+row has, at about a quarter of the memory bandwidth (``python -m bench.generation``,
+decode step cost table). This kernel, compiled by numba, reads only each row's
+``length`` keys and values, once per key-value head for all the query heads sharing it
+(grouped-query attention), with a numerically stable softmax.
+
+It is used as a transformers attention function (``ATTENTION``, registered at import)
+that falls back to ``sdpa`` for everything but a float32 CPU decode step the padded
+engine marked with :data:`LENGTHS` (the engine's prefill, CUDA, other dtypes, softcapping,
+sliding windows and attention sinks all take ``sdpa``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = "batchfleet_padded"
+"""The attention implementation name the padded engine gives its model."""
+LENGTHS = "batchfleet_lengths"
+"""The forward keyword carrying each row's key count (a ``numpy`` int64 array)."""
+
+_UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
+
+
+def _compile() -> Any:
+    import numba
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
+    def attend(q: Any, k: Any, v: Any, lengths: Any, scale: float, out: Any) -> None:
+        """``out[r, h, g] = softmax(q[r, h, g] . k[r, h, :n] * scale) @ v[r, h, :n]`` with
+        ``n = lengths[r]``; q, out: ``rows x kv_heads x group x dim``; k, v: ``rows x
+        kv_heads x width x dim``."""
+        rows, heads, group, dim = q.shape
+        s = np.empty((group, k.shape[2]), np.float32)
+        acc = np.empty((group, dim), np.float32)
+        top = np.empty(group, np.float32)
+        total = np.empty(group, np.float32)
+        for r in range(rows):
+            n = lengths[r]
+            for h in range(heads):
+                for g in range(group):
+                    top[g] = -np.inf
+                for j in range(n):
+                    for g in range(group):
+                        x = np.float32(0.0)
+                        for d in range(dim):
+                            x += q[r, h, g, d] * k[r, h, j, d]
+                        x *= scale
+                        s[g, j] = x
+                        if x > top[g]:
+                            top[g] = x
+                for g in range(group):
+                    t = np.float32(0.0)
+                    for j in range(n):
+                        e = np.exp(s[g, j] - top[g])
+                        s[g, j] = e
+                        t += e
+                    total[g] = t
+                    for d in range(dim):
+                        acc[g, d] = 0.0
+                for j in range(n):
+                    for g in range(group):
+                        p = s[g, j]
+                        for d in range(dim):
+                            acc[g, d] += p * v[r, h, j, d]
+                for g in range(group):
+                    inv = np.float32(1.0) / total[g]
+                    for d in range(dim):
+                        out[r, h, g, d] = acc[g, d] * inv
+
+    return attend
+
+
+_kernel: Any = None
+_lock = threading.Lock()
+
+
+def kernel() -> Any:
+    """The compiled kernel (compiled, or loaded from numba's cache, on first use); None
+    where numba is not installed or cannot compile here."""
+    global _kernel
+    with _lock:
+        if _kernel is None:
+            try:
+                attend = _compile()
+                q = np.zeros((1, 1, 1, 4), np.float32)
+                kv = np.zeros((1, 1, 2, 4), np.float32)
+                attend(q, kv, kv, np.ones(1, np.int64), np.float32(1.0), q.copy())
+                _kernel = attend
+            except Exception as exc:  # ImportError, or a numba that cannot build here
+                logger.warning("CPU decode attention unavailable, using sdpa: %s", exc)
+                _kernel = False
+        return _kernel or None
+
+
+def usable(model: Any) -> bool:
+    """Whether the padded engine can give ``model`` this attention: a float32 model on the
+    CPU using ``sdpa`` (or already this), every layer full attention without softcapping
+    (the decode then passes no padding mask), and the kernel compiles here."""
+    try:
+        param = next(model.parameters())
+    except (StopIteration, AttributeError):
+        return False
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    plain = not any(
+        getattr(config, name, None) for name in ("sliding_window", "attn_logit_softcapping")
+    ) and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ())
+    return (
+        param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and impl in ("sdpa", ATTENTION)
+        and plain
+        and kernel() is not None
+    )
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: the kernel for a marked decode step, else sdpa."""
+    lengths = kwargs.pop(LENGTHS, None)
+    attend = (_kernel or kernel()) if lengths is not None else None
+    if (
+        attend is None
+        or query.shape[2] != 1
+        or query.dtype != torch.float32
+        or key.dtype != torch.float32
+        or query.device.type != "cpu"
+        or dropout
+        or any(kwargs.get(name) is not None for name in _UNSUPPORTED)
+    ):
+        if lengths is not None and attention_mask is None and query.shape[2] == 1:
+            # the engine built no padding mask for this decode: sdpa would attend padding
+            raise RuntimeError("a decode step marked for per-row attention cannot use it here")
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
+    out = torch.empty_like(q)
+    scale = np.float32(dim**-0.5 if scaling is None else scaling)
+    attend(q.numpy(), _whole(key), _whole(value), lengths, scale, out.numpy())
+    return out.view(rows, heads, 1, dim).transpose(1, 2), None
+
+
+def _whole(t: torch.Tensor) -> Any:
+    """``t`` as a C-contiguous array: a column slice of a ``rows x heads x capacity x dim``
+    buffer (the padded engine's cache) becomes that buffer's first ``rows`` rows, so the
+    kernel indexes with constant strides (3-4x faster than a strided view); anything else
+    is copied."""
+    rows, heads, _, dim = t.shape
+    s = t.stride()
+    if s[3] == 1 and s[2] == dim and s[1] % dim == 0 and s[0] == heads * s[1]:
+        capacity = s[1] // dim
+        end = t.storage_offset() + rows * s[0]
+        if end * t.element_size() <= t.untyped_storage().nbytes():
+            return t.as_strided((rows, heads, capacity, dim), s).numpy()
+    return t.contiguous().numpy()
+
+
+AttentionInterface.register(ATTENTION, attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
