@@ -138,3 +138,11 @@ def test_a_sliding_window_model_keeps_sdpa() -> None:
     assert not decode_attention.usable(model)
     config.sliding_window = None
     assert decode_attention.usable(model)
+
+
+def test_a_row_length_past_the_keys_is_refused_not_read() -> None:
+    q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention.attention(
+            _Module(1), q, k, v, None, **{decode_attention.LENGTHS: torch.tensor([3, 6]).numpy()}
+        )

@@ -162,7 +162,10 @@ def attention(
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
     out = torch.empty_like(q)
     scale = np.float32(dim**-0.5 if scaling is None else scaling)
-    attend(q.numpy(), _whole(key), _whole(value), lengths, scale, out.numpy())
+    keys, values = _whole(key), _whole(value)
+    if len(lengths) != rows or int(lengths.max()) > keys.shape[2]:  # unchecked reads below
+        raise ValueError(f"row lengths {lengths} do not fit keys of shape {tuple(key.shape)}")
+    attend(q.numpy(), keys, values, lengths, scale, out.numpy())
     return out.view(rows, heads, 1, dim).transpose(1, 2), None
 
 
