@@ -341,3 +341,17 @@ def test_generation_metrics_and_stats() -> None:
     assert value("batchfleet_kv_cache_usage_ratio") == 0
     stats = r.loop.stats.snapshot()["generation"]
     assert stats["completion_tokens"] == 25 and stats["preemptions"] == 1
+
+
+def test_a_lane0_request_is_read_while_lower_lanes_fill_the_hold() -> None:
+    # two slots, and the worker holds at most twice that: lane-2 requests fill it all
+    runner = Tokens(max_running=2)
+    r, _ = gen_rig(runner)
+    for k in range(8):
+        submit(r, f"low{k}", "w w", lane=2, max_new_tokens=40)
+    submit(r, "high", "w w", lane=0, max_new_tokens=3, at=T0 + 0.05)
+    r.run()
+    order = list(r.sink.results)
+    # it was read at once and preempted a lane-2 one: it ends before any of them
+    assert order[0] == "high"
+    assert all(outputs(r, f"low{k}")["completion_tokens"] == 40 for k in range(8))

@@ -127,6 +127,15 @@ class GenScheduler:
         room = 2 * self.policy.policy.max_running - len(self.held) - len(self.running)
         return max(0, room)
 
+    def lane0_reads(self) -> int:
+        """Lane-0 requests to read even when ``read_budget`` is spent: up to an eighth of
+        ``max_running`` (at least one) waiting here. Without it a hold full of lower lanes'
+        requests stops all reading, and a lane-0 request waits in Redis until one of those
+        ends, where the admission policy could have preempted for it at once."""
+        reserve = max(1, self.policy.policy.max_running // 8)
+        waiting = sum(1 for h in self.held.values() if h.waiting.lane == 0)
+        return max(0, reserve - waiting)
+
     def holding(self) -> tuple[Entry, ...]:
         """The stream entries of every request held: waiting (preempted too) or running."""
         return tuple(h.entry for h in self.watched())

@@ -251,6 +251,7 @@ class BatchLoop:
             budget = self.scheduler.read_budget()
             if budget > 0:
                 counts = split_budget(budget, range(self.config.lanes), self.engine.policy)
+            counts[0] = max(counts.get(0, 0), self.scheduler.lane0_reads())
         self.parts.source.grant(counts, not self.scheduler.holds_suspect, self._arrivals)
 
     def _handle(self, event: Event) -> None:

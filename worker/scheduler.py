@@ -200,3 +200,8 @@ class Scheduler:
     def read_budget(self) -> int:
         """How many more requests to read now."""
         return self.engine.read_budget(len(self.held))
+
+    def lane0_reads(self) -> int:
+        """Lane-0 requests to read beyond ``read_budget`` (none: a batch window's reads
+        already follow the lanes' weights)."""
+        return 0
