@@ -36,10 +36,10 @@ LENGTHS = "batchfleet_lengths"
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
 
 
-def _compile() -> Any:
+def _compile(cache: bool) -> Any:
     import numba
 
-    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
     def attend(q: Any, k: Any, v: Any, lengths: Any, scale: float, out: Any) -> None:
         """``out[r, h, g] = softmax(q[r, h, g] . k[r, h, :n] * scale) @ v[r, h, :n]`` with
         ``n = lengths[r]``; q, out: ``rows x kv_heads x group x dim``; k, v: ``rows x
@@ -95,15 +95,20 @@ def kernel() -> Any:
     global _kernel
     with _lock:
         if _kernel is None:
-            try:
-                attend = _compile()
-                q = np.zeros((1, 1, 1, 4), np.float32)
-                kv = np.zeros((1, 1, 2, 4), np.float32)
-                attend(q, kv, kv, np.ones(1, np.int64), np.float32(1.0), q.copy())
-                _kernel = attend
-            except Exception as exc:  # ImportError, or a numba that cannot build here
-                logger.warning("CPU decode attention unavailable, using sdpa: %s", exc)
-                _kernel = False
+            _kernel = False
+            # cached beside the module, or in numba's user-wide cache; else compiled anew
+            for cache in (True, False):
+                try:
+                    attend = _compile(cache)
+                    q = np.zeros((1, 1, 1, 4), np.float32)
+                    kv = np.zeros((1, 1, 2, 4), np.float32)
+                    attend(q, kv, kv, np.ones(1, np.int64), np.float32(1.0), q.copy())
+                    _kernel = attend
+                    break
+                except Exception as exc:  # ImportError, no cache location, no compiler
+                    logger.warning("CPU decode attention (numba, cache=%s) failed: %s", cache, exc)
+            if _kernel is False:
+                logger.warning("CPU decode attention unavailable: the padded engine uses sdpa")
         return _kernel or None
 
 
