@@ -17,7 +17,7 @@ from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits, Request
 from batchfleet.worker.holding import Holding
-from batchfleet.worker.intake import Intake
+from batchfleet.worker.intake import LANE0_ONLY_BLOCK_MS, Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import Entry, ModelStreams
@@ -347,3 +347,22 @@ def test_a_server_that_lost_its_data_gets_its_groups_back(
     finally:
         loop.stop()
         thread.join(10)
+
+
+def test_a_grant_of_lane_0_alone_blocks_briefly(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake (not started) of a 3-lane model, its reads recorded, nothing queued
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups(None)
+    blocks: list[int | None] = []
+    monkeypatch.setattr(streams, "read", lambda counts, block_ms: blocks.append(block_ms) or [])
+    intake = Intake(streams, WorkerConfig(block_ms=1000), Limits(), time.monotonic, print)
+    intake._judged = True  # no takeover pass first
+    intake._last_reclaim = time.monotonic()
+    # When the loop grants every lane, then lane 0 alone (its reserve, the hold full)
+    intake._read({0: 2, 1: 3, 2: 1}, True)
+    intake._read({0: 2}, True)
+    # Then the second read blocks no longer than LANE0_ONLY_BLOCK_MS, so a grant for the
+    # other lanes made meanwhile is served soon
+    assert blocks == [1000, LANE0_ONLY_BLOCK_MS]

@@ -30,6 +30,9 @@ from .streams import Entry, ModelStreams, Retiring
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
+LANE0_ONLY_BLOCK_MS = 50
+"""The longest blocking read under a grant of lane 0 alone (a generating worker's lane-0
+reserve while lower lanes fill its hold)."""
 RECLAIM_EVERY_S = 1.0
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
@@ -252,6 +255,10 @@ class Intake:
                 return
         # Never block past the next heartbeat (a silent worker is taken for dead) or refresh.
         block_ms = min(self.worker.block_ms, int(HEARTBEAT_EVERY_S * 1000))
+        if set(counts) == {0} and self.streams.lanes > 1:
+            # only lane 0's reserve is granted (the hold is full): block briefly, so a grant
+            # for the other lanes made meanwhile does not wait out a long read of lane 0
+            block_ms = min(block_ms, LANE0_ONLY_BLOCK_MS)
         if self._holding.entries:
             block_ms = min(block_ms, max(1, int((self._refresh_due() - self._clock()) * 1000)))
         entries = self.streams.read(counts, block_ms)
