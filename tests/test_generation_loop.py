@@ -259,6 +259,27 @@ def test_a_preempted_request_cancelled_while_waiting_keeps_its_text() -> None:
     assert outputs(r, "high")["completion_tokens"] == 20
 
 
+def test_a_request_cancelled_while_its_preemption_runs_ends_cancelled_with_its_text() -> None:
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=20, at=T0 + 0.052)
+    step = runner.step
+
+    def cancel_mid_preemption(work: Work) -> StepReport:
+        if work.preempt:  # the client cancels while the step that preempts it runs
+            r.world.at(r.world.now + STEP_S / 2, lambda: r.loop.parts.inbox.put(Cancel(("low",))))
+        return step(work)
+
+    runner.step = cancel_mid_preemption  # type: ignore[method-assign]
+    r.run()
+    low = outputs(r, "low")  # not generated again from its prompt once parked
+    assert low["finish_reason"] == "cancelled" and low["completion_tokens"] < 20
+    sent = r.sink.streamed["low"]
+    assert [it.seq for it in sent] == list(range(1, len(sent) + 1)) and sent[-1].delta is None
+    assert outputs(r, "high")["completion_tokens"] == 20
+
+
 def test_a_failed_step_fails_what_ran_and_the_loop_goes_on() -> None:
     runner = Tokens(fail_at_step=3)
     r, _ = gen_rig(runner)

@@ -20,13 +20,14 @@ from typing import Any
 
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
+from batchfleet.worker.deltas import DeltaWriter
 from batchfleet.worker.executor import execute
 from batchfleet.worker.holding import Holding
 from batchfleet.worker.inbox import Arrived, Event, ReadIdle, StepDone, Wake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import LoopEvent
 from batchfleet.worker.parts import Parts
-from batchfleet.worker.runner import BatchRunner, Encoded, Runner, Work
+from batchfleet.worker.runner import BatchRunner, Encoded, Runner, Work, is_continuous
 from batchfleet.worker.sink import MemorySink
 from batchfleet.worker.streams import Entry
 
@@ -218,6 +219,8 @@ class VirtualDevice:
         self.runner = runner
         self.cost = cost
         self.spans: list[Span] = []
+        self.post: Callable[[StepDone], None] = inbox.put
+        """Where a finished step goes (a generating model's: through its DeltaWriter)."""
         self._queue: list[Work] = []
         """Submitted, not started."""
         self._busy = False
@@ -240,7 +243,7 @@ class VirtualDevice:
 
         def finish() -> None:
             self._busy = False
-            self.inbox.put(StepDone(work.step_id, report, start, end))
+            self.post(StepDone(work.step_id, report, start, end))
             if self._queue:
                 self._start_next()
 
@@ -365,7 +368,11 @@ def rig(
     def parts(loop: BatchLoop) -> Parts:
         sink = MemorySink(MODEL, loop.observers, lambda: inbox.put(Wake()), hold=hold)
         sink_box.append(sink)
-        return Parts(world.clock, inbox, source, device, sink)
+        if not is_continuous(runner):
+            return Parts(world.clock, inbox, source, device, sink)
+        deltas = DeltaWriter(sink.stream_now, inbox.put)
+        device.post = deltas.post
+        return Parts(world.clock, inbox, source, device, sink, deltas=deltas)
 
     cfg = ModelConfig(lanes=lanes, batch=batch or {}, limits=limits or {})
     loop = BatchLoop(MODEL, cfg, runner, consumer="v1", worker=WorkerConfig(**(worker or {})),

@@ -235,6 +235,8 @@ class GenScheduler:
                 self.held[ev.key] = r.held
                 self._resume[ev.key] = Resume(ev.prompts, ev.max_new_tokens, r.first_token_at,
                                               r.seq, r.started_at)  # fmt: skip
+                if ev.key in self._stops:  # cancelled while being preempted: end it parked
+                    self._unpark(ev.key)
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:
                 r.progress = progress

@@ -1,5 +1,5 @@
-"""What the loop does for a generating runner's requests: answer each step, stream the
-deltas, carry out cancellations, keep the cancel watcher's list current.
+"""What the loop does for a generating runner's requests: answer each step, end the
+token streams, carry out cancellations, keep the cancel watcher's list current.
 
 Kept apart from ``loop.py``, which owns the loop thread and everything common to both
 kinds of runner; this is called from that thread only, and holds no state of its own —
@@ -13,13 +13,14 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import Delta
 from .answers import Answerer, BatchRun, Held, Outgoing
+from .deltas import StreamTo
 from .gen_scheduler import GenScheduler
 from .inbox import StepDone
 from .observers import BatchDone, Generated, Observers
 from .parts import Parts
 from .runner import Failed, Final, Partial, Preempted
+from .scheduler import Step
 from .sink import Streamed
 
 
@@ -45,14 +46,14 @@ class Generating:
         self._clock = clock
 
     def finished(self, done: StepDone, next_step: Callable[[], object] | None = None) -> None:
-        """A step ended: stream its deltas, answer the requests that ended. ``next_step``
-        (dispatching the next step) runs once the deltas are with the sink and before the
-        answers are built, so the device waits only for the scheduler's update."""
+        """A step ended (its deltas were streamed from the device thread, see
+        ``deltas.py``): answer the requests that ended. ``next_step`` (dispatching the next
+        step) runs before the answers are built, so the device waits only for the
+        scheduler's update."""
         assert self.scheduler is not None
         step, named = self.scheduler.finished(
             done.step_id, done.report, done.started_at, done.finished_at
         )
-        streamed: list[Streamed] = []
         for ev in done.report.events:
             r = named.get(ev.key)
             if r is None or not isinstance(ev, Partial | Final):
@@ -60,10 +61,8 @@ class Generating:
             if r.first_token_at is None:
                 r.first_token_at = done.finished_at
             if isinstance(ev, Partial):
-                r.seq += 1
-                streamed.append(self.delta(r.held, r.seq, ev.chunk))
+                r.seq += 1  # as the device thread numbered it
         sink = self.parts.sink
-        sink.stream(streamed)
         if next_step is not None:
             next_step()
         now = self._clock()
@@ -115,19 +114,25 @@ class Generating:
             preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
         )
 
+    def stream_to(self, held: Held, seq: int = 0) -> StreamTo:
+        """Where a request's deltas go; ``seq``: the last one sent."""
+        req = held.request
+        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
+        return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq)
+
     def delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
         """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
         the token stream's end (``chunk`` None)."""
-        req = held.request
-        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
-        delta = None
-        if isinstance(chunk, dict):
-            delta = Delta.model_construct(
-                v=1, kind="delta", id=req.id, model=self.model, seq=seq,
-                input=chunk.get("input", 0), text=chunk.get("text", ""),
-                tokens=chunk.get("tokens", 0),
-            )  # fmt: skip
-        return Streamed(req.id, seq, delta, ttl, req.reply, held.fmt)
+        return self.stream_to(held).delta(seq, chunk)
+
+    def dispatching(self, step: Step) -> None:
+        """A step is about to be submitted: tell the device thread where the deltas of the
+        streaming requests it admits go."""
+        assert self.scheduler is not None and self.parts.deltas is not None
+        running = self.scheduler.running
+        self.parts.deltas.expect(
+            [self.stream_to(h, running[h.waiting.key].seq) for h in step.held if h.request.stream]
+        )
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         """Clients cancelled these: a waiting request is answered now; a running (or

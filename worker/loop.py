@@ -103,6 +103,8 @@ class BatchLoop:
         self._stopping = False
         self._stopped = threading.Event()
         self.parts = parts(self)
+        if self.continuous and self.parts.deltas is None:
+            raise ValueError("a generating runner's parts need a DeltaWriter (Parts.deltas)")
         self.generating = Generating(model, config, gen, self.answers, self.observers,
                                      self.parts, self._now)  # fmt: skip
 
@@ -384,6 +386,8 @@ class BatchLoop:
             "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
             step.step_id, self.model, len(step.held), batch.rows, batch.padded_tokens, batch.reason,
         )  # fmt: skip
+        if self.continuous:
+            self.generating.dispatching(step)
         self.parts.device.submit(step.work())
         ids = tuple(h.request.id for h in step.held)
         self.observers.notify(Dispatched(self.model, batch, step.step_id, ids, now))

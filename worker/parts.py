@@ -12,6 +12,7 @@ from typing import Protocol
 
 from ..config import ModelConfig, WorkerConfig
 from .cancels import CancelWatch
+from .deltas import DeltaWriter
 from .executor import Executor
 from .holding import Holding
 from .inbox import Inbox, ThreadInbox, Wake
@@ -62,6 +63,9 @@ class Parts:
     sink: ResultSink
     cancels: Watch | None = None
     """Polls client cancellations (generating runners only)."""
+    deltas: DeltaWriter | None = None
+    """Streams deltas from the device thread (generating runners only; the device posts
+    its steps through it)."""
 
 
 def redis_parts(
@@ -79,13 +83,15 @@ def redis_parts(
         streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
         check_cancels=is_continuous(runner), name=f"intake-{model}",
     )  # fmt: skip
-    device = Executor(runner, clock, inbox.put, name=f"device-{model}")
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),
         dead_letter_maxlen=worker.dead_letter_maxlen,
         release_idle_ms=worker.claim_idle_ms, name=f"sink-{model}",
     )  # fmt: skip
-    cancels = (
-        CancelWatch(streams, inbox.put, name=f"cancels-{model}") if is_continuous(runner) else None
-    )
-    return Parts(clock, inbox, source, device, sink, cancels)
+    if not is_continuous(runner):
+        device = Executor(runner, clock, inbox.put, name=f"device-{model}")
+        return Parts(clock, inbox, source, device, sink)
+    deltas = DeltaWriter(sink.stream_now, inbox.put)  # a step's deltas leave before its end
+    device = Executor(runner, clock, deltas.post, name=f"device-{model}")
+    cancels = CancelWatch(streams, inbox.put, name=f"cancels-{model}")
+    return Parts(clock, inbox, source, device, sink, cancels, deltas)

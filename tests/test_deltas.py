@@ -1,0 +1,64 @@
+"""A generating model's deltas leave from the device thread (``worker/deltas.py``): each
+request numbered on from where it was, before the step reaches the loop, and only for
+the requests the loop said stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchfleet.worker.deltas import DeltaWriter, StreamTo
+from batchfleet.worker.inbox import StepDone
+from batchfleet.worker.runner import Final, Partial, Preempted, StepEvent, StepReport
+from batchfleet.worker.sink import Streamed
+
+
+def chunk(text: str) -> dict[str, Any]:
+    return {"input": 0, "text": text, "tokens": 1}
+
+
+def to(key: str, seq: int = 0) -> StreamTo:
+    return StreamTo(key, f"id-{key}", "m", 60, "chan", "msgpack", seq)
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+
+    def stream(self, items: Sequence[Streamed]) -> None:
+        self.log += [("delta", (it.request_id, it.seq, it.delta and it.delta.text)) for it in items]
+
+    def then(self, done: StepDone) -> None:
+        self.log.append(("step", done.step_id))
+
+
+def step(step_id: str, *events: StepEvent) -> StepDone:
+    return StepDone(step_id, StepReport(events=list(events)), 0.0, 1.0)
+
+
+def test_deltas_are_numbered_per_request_and_leave_before_the_step() -> None:
+    rec = Recorded()
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a"), to("b")])
+    w.post(step("s1", Partial("a", chunk("x")), Partial("b", chunk("y")), Partial("a", chunk("z"))))
+    w.post(step("s2", Partial("b", chunk("w")), Final("b", [])))
+    assert rec.log == [
+        ("delta", ("id-a", 1, "x")), ("delta", ("id-b", 1, "y")), ("delta", ("id-a", 2, "z")),
+        ("step", "s1"),
+        ("delta", ("id-b", 2, "w")),
+        ("step", "s2"),
+    ]  # fmt: skip
+
+
+def test_a_request_not_expected_or_ended_streams_nothing_and_a_resumed_one_numbers_on() -> None:
+    rec = Recorded()
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a")])
+    w.post(step("s1", Partial("a", chunk("x")), Partial("quiet", chunk("q"))))
+    w.post(step("s2", Preempted("a", (5,), 3)))
+    w.post(step("s3", Partial("a", chunk("late"))))  # parked: not streamed
+    w.expect([to("a", seq=1)])  # resumed, the loop's count with it
+    w.post(step("s4", Partial("a", chunk("y"))))
+    deltas = [x for kind, x in rec.log if kind == "delta"]
+    assert deltas == [("id-a", 1, "x"), ("id-a", 2, "y")]
+    assert [x for kind, x in rec.log if kind == "step"] == ["s1", "s2", "s3", "s4"]
