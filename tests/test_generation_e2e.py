@@ -150,3 +150,33 @@ def test_a_request_cancelled_before_it_is_read_never_starts(
     assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "cancelled"
     assert res["outputs"][0]["completion_tokens"] == 0
     assert token_stream(r, rid) == [{b"seq": b"1", b"end": b"1"}]
+
+
+def test_budgets_change_live_by_remote_control(
+    redis_url: str, r: redis.Redis, worker: WorkerProcess
+) -> None:
+    import socket
+
+    from celery import Celery
+
+    from batchfleet import cli
+
+    dest = ["-d", f"gen-1@{socket.gethostname()}"]
+    assert cli.main(["policy", MODEL, "max_running=4", "step_tokens=32",
+                     "--redis-url", redis_url, *dest]) == 0  # fmt: skip
+    # above the fleet file's, or not a knob of a generating model: refused, nothing changes
+    assert cli.main(["policy", MODEL, "max_running=17", "--redis-url", redis_url, *dest]) == 1
+    assert cli.main(["policy", MODEL, "max_wait_ms=2", "--redis-url", redis_url, *dest]) == 1
+    rids = [submit(r, inputs=["it"], max_new_tokens=6) for _ in range(6)]
+    assert all(result(r, rid)["status"] == "ok" for rid in rids)
+    app = Celery("t", broker=redis_url, set_as_current=False)
+    try:
+        state = app.control.inspect(timeout=5, destination=[dest[1]])._request("bf_state") or {}
+    finally:
+        app.close()
+    policy = state[dest[1]][MODEL]["policy"]
+    assert (policy["max_running"], policy["step_tokens"], policy["kv_cache_tokens"]) == (
+        4,
+        32,
+        4096,
+    )

@@ -280,6 +280,36 @@ def test_a_request_cancelled_while_its_preemption_runs_ends_cancelled_with_its_t
     assert outputs(r, "high")["completion_tokens"] == 20
 
 
+def test_budgets_changed_live_shrink_the_running_batch_and_reach_the_runner() -> None:
+    from dataclasses import replace
+
+    from batchfleet.worker.inbox import SetPolicy
+
+    r, runner = gen_rig(Tokens(max_running=8))
+    for i in range(6):
+        submit(r, f"g{i}", max_new_tokens=30)
+    budgets = r.loop.budgets
+    assert budgets is not None and r.loop.configured_budgets == budgets
+    smaller = replace(budgets, max_running=2, step_tokens=128)
+    r.world.at(T0 + 0.2, lambda: r.loop.parts.inbox.put(SetPolicy(smaller)))
+    running: list[int] = []
+    step = runner.step
+
+    def counted(work: Work) -> StepReport:
+        report = step(work)
+        running.append(len(runner.running))
+        return report
+
+    runner.step = counted  # type: ignore[method-assign]
+    r.run()
+    changed = [w.step_tokens for w in runner.steps if w.step_tokens is not None]
+    assert changed == [128]  # once, with the first step after the change
+    at = next(i for i, w in enumerate(runner.steps) if w.step_tokens is not None)
+    assert max(running[:at]) == 6 and max(running[at:]) <= 2  # the excess was preempted
+    assert all(outputs(r, f"g{i}")["completion_tokens"] == 30 for i in range(6))
+    assert r.loop.budgets == smaller
+
+
 def test_a_failed_step_fails_what_ran_and_the_loop_goes_on() -> None:
     runner = Tokens(fail_at_step=3)
     r, _ = gen_rig(runner)

@@ -358,3 +358,11 @@ def test_malloc_keeps_freed_memory_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_memory()
+
+
+def test_a_step_budget_changed_live_reaches_the_engine(runner: TextGenerationRunner) -> None:
+    (p,) = prepare(runner, req("b", max_new_tokens=3))
+    runner.step(Work("s1", (("b", p),), step_tokens=32))
+    assert runner.step_tokens == 32 and runner.engine.step_tokens == 32  # type: ignore[attr-defined]
+    runner.step(Work("s2", ()))  # None: as it was
+    assert runner.step_tokens == 32

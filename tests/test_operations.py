@@ -326,3 +326,20 @@ def test_policy_settings_parse(items: list[str], expected: dict[str, Any]) -> No
 def test_policy_settings_need_key_and_value() -> None:
     with pytest.raises(ValueError, match="key=value"):
         parse_settings(["max_batch_size"])
+
+
+def test_generation_budgets_change_live_within_the_fleet_files() -> None:
+    from batchfleet.batching.generation import GenPolicy
+    from batchfleet.worker.control import generation_budgets
+
+    configured = GenPolicy(kv_cache_tokens=4096, page_size=16, step_tokens=512, max_running=64)
+    lower = generation_budgets(configured, configured, {"max_running": 8, "step_tokens": 128,
+                                                        "lane_weights": [8, 2, 1]})  # fmt: skip
+    assert (lower.max_running, lower.step_tokens, lower.lane_weights) == (8, 128, (8.0, 2.0, 1.0))
+    back = generation_budgets(lower, configured, {"max_running": 64, "max_starvation_ms": 500})
+    assert (back.max_running, back.step_tokens, back.max_starvation_ms) == (64, 128, 500.0)
+    for bad in ({"max_running": 65}, {"step_tokens": 0}, {"max_running": "8"},
+                {"kv_cache_tokens": 1024}, {"max_batch_size": 8}, {"lane_weights": [1, 2]},
+                {"lane_weights": [1, 0, 1]}, {"step_tokens": 32, "max_running": 64}):  # fmt: skip
+        with pytest.raises(ValueError):
+            generation_budgets(configured, configured, bad)

@@ -153,28 +153,3 @@ def test_a_token_stream_ttl_is_set_with_its_first_entry_every_64th_and_its_end()
 
     assert [s for s in range(1, 200) if write(s)] == [1, 65, 129, 193]
     assert write(7, end=True)
-
-
-def test_deltas_are_written_at_once_unless_a_token_write_waits_for_the_writer(
-    r: redis.Redis,
-) -> None:
-    streams = ModelStreams(r, MODEL, 3, "w")
-    sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
-
-    def delta(rid: str, seq: int) -> Streamed:
-        d = Delta(id=rid, model="m", seq=seq, input=0, text=f"t{seq}", tokens=1)
-        return Streamed(rid, seq, d, 60, None, "msgpack")
-
-    def seqs(rid: str) -> list[bytes]:
-        return [f[b"seq"] for _, f in r.xrange(KEYS.tokens(rid))]
-
-    sink.stream_now([delta("now", 1), delta("now", 2)])  # writer thread not even started
-    assert seqs("now") == [b"1", b"2"]
-    sink.stream([delta("queued", 1)])  # waits for the writer thread...
-    sink.stream_now([delta("queued", 2)])  # ...so this one waits behind it, in order
-    assert seqs("queued") == []
-    sink.start()
-    sink.close(5)
-    assert seqs("queued") == [b"1", b"2"]
-    sink.stream_now([delta("now", 3)])  # nothing waits any more: at once again
-    assert seqs("now") == [b"1", b"2", b"3"]

@@ -15,12 +15,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
 from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
+from ..batching.generation import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
 from .observers import Answered, LoopEvent, LoopObserver
@@ -91,6 +93,16 @@ def loop_info(loop: BatchLoop) -> dict[str, Any]:
             "adaptive": policy.adaptive,
         },
     }
+    budgets = loop.budgets  # a generating model: these are what its steps follow
+    if budgets is not None:
+        info["policy"] = {
+            "max_running": budgets.max_running,
+            "step_tokens": budgets.step_tokens,
+            "kv_cache_tokens": budgets.kv_cache_tokens,
+            "page_size": budgets.page_size,
+            "lane_weights": list(budgets.lane_weights),
+            "max_starvation_ms": budgets.max_starvation_ms,
+        }
     rate = next((o for o in loop.observers.observers if isinstance(o, RecentRate)), None)
     if rate is not None:
         info.update(rate.snapshot())
@@ -115,8 +127,19 @@ def summary_line(info: dict[str, Any]) -> str:
         f"{info.get('error_ratio', 0.0)}, expired ratio {info.get('expired_ratio', 0.0)} | answered: {requests} | {info.get('batches', 0)} batches, "
         f"mean {info.get('mean_batch_rows', 0.0)} rows, padding waste "
         f"{info.get('padding_waste', 0.0):.0%} | held {info.get('held', 0)}, lane depth {depth or '-'}, "
-        f"pending {pending or '-'} | max batch {policy.get('max_batch_size')}, max wait "
-        f"{policy.get('max_wait_ms')} ms, adaptive {policy.get('adaptive')}"
+        f"pending {pending or '-'} | {_policy_line(policy)}"
+    )
+
+
+def _policy_line(policy: dict[str, Any]) -> str:
+    if "max_running" in policy:  # a generating model
+        return (
+            f"max running {policy.get('max_running')}, step tokens {policy.get('step_tokens')}, "
+            f"KV cache {policy.get('kv_cache_tokens')} tokens"
+        )
+    return (
+        f"max batch {policy.get('max_batch_size')}, max wait {policy.get('max_wait_ms')} ms, "
+        f"adaptive {policy.get('adaptive')}"
     )
 
 
@@ -171,10 +194,53 @@ def _exit_when_stopped(loops: list[BatchLoop]) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+GENERATION_KNOBS = ("max_running", "step_tokens", "lane_weights", "max_starvation_ms")
+"""What ``bf_policy`` changes live for a generating model. The KV cache (``kv_cache_tokens``,
+``page_size``) is allocated once; ``max_running`` and ``step_tokens`` go no higher than
+the fleet file's values (the engine and its memory were sized for those)."""
+
+
+def generation_budgets(
+    current: GenPolicy, configured: GenPolicy, changes: dict[str, Any]
+) -> GenPolicy:
+    """A generating model's budgets with ``changes`` applied; ValueError if one is not a
+    live knob or out of bounds."""
+    unknown = sorted(set(changes) - set(GENERATION_KNOBS))
+    if unknown:
+        raise ValueError(
+            f"{', '.join(unknown)}: not a live setting of a generating model "
+            f"(those are {', '.join(GENERATION_KNOBS)})"
+        )
+    update: dict[str, Any] = {}
+    for key in ("max_running", "step_tokens"):
+        if key in changes:
+            value = changes[key]
+            ceiling = getattr(configured, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= ceiling:
+                raise ValueError(f"{key} must be an integer from 1 to {ceiling} (the fleet file's)")
+            update[key] = value
+    if "lane_weights" in changes:
+        weights = changes["lane_weights"]
+        if (
+            not isinstance(weights, list)
+            or len(weights) != current.lanes
+            or not all(isinstance(w, int | float) and w > 0 for w in weights)
+        ):
+            raise ValueError(f"lane_weights needs {current.lanes} positive numbers")
+        update["lane_weights"] = tuple(float(w) for w in weights)
+    if "max_starvation_ms" in changes:
+        ms = changes["max_starvation_ms"]
+        if not isinstance(ms, int | float) or isinstance(ms, bool):
+            raise ValueError("max_starvation_ms must be a number")
+        update["max_starvation_ms"] = float(ms)
+    return replace(current, **update)  # GenPolicy checks the rest (step_tokens > max_running)
+
+
 @control_command(args=[("model", str)], variadic="settings", signature="model key=value ...")
 def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str, Any]:
     """Change batch policy knobs live (max_batch_size, max_wait_ms, max_batch_tokens,
-    lane_weights, preferred_batch_sizes, max_starvation_ms, adaptive)."""
+    lane_weights, preferred_batch_sizes, max_starvation_ms, adaptive); for a generating
+    model, its budgets (:data:`GENERATION_KNOBS`)."""
     try:
         changes = parse_settings([s for s in settings if s != model])
     except ValueError as exc:
@@ -183,6 +249,14 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
     if not loops:
         return {"ok": f"no loop for {model!r} here", "models": []}
     for lp in loops:
+        if lp.budgets is not None and lp.configured_budgets is not None:
+            try:
+                budgets = generation_budgets(lp.budgets, lp.configured_budgets, changes)
+            except ValueError as exc:
+                return {"error": f"{lp.model}: {exc}"}
+            lp.set_policy(budgets)
+            logger.info("control: budgets of %s changed: %s", lp.model, changes)
+            continue
         try:
             batch = BatchConfig.model_validate({**lp.config.batch.model_dump(), **changes})
             policy = batch.policy(lp.config.lanes)

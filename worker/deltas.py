@@ -1,11 +1,11 @@
 """A generating model's deltas leave from its device thread, as soon as its step ends.
 
 The step's tokens are streamed the moment its runner reports them: this numbers each
-request's deltas and has the sink write them (on this thread, see
-:meth:`~.sink.ResultSink.stream_now`), then passes the step on to the loop. Routed
-through the loop, a delta waited for the loop thread to wake and take the step in, and
-then for the sink's writer thread (measured, saturated: 1.5 + 1.1 of its 3.7 ms from
-token to subscriber).
+request's deltas and hands them to the sink, then passes the step on to the loop. Routed
+through the loop, a delta waited for the loop thread to wake and take the step in
+(measured, saturated: 1.5 of its 3.7 ms from token to subscriber). Writing them on this
+thread instead of the sink's writer thread was measured too, and gained nothing: the
+device thread then waited for Redis.
 
 The loop tells it, before it submits a step, where the requests that step admits stream
 to (:meth:`DeltaWriter.expect`); the rest is its own: which requests stream, and their
@@ -97,5 +97,5 @@ class DeltaWriter:
             elif isinstance(ev, Final | Failed | Preempted):  # a resumed one is expected again
                 del to[ev.key], self._seq[ev.key]
         if out:
-            self._stream(out)
+            self._stream(out)  # before the step's end reaches the loop, which ends streams
         self._then(done)

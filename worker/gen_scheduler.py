@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..batching.generation import GenerationPolicy, GenRunning, GenWaiting
+from ..batching.generation import GenerationPolicy, GenPolicy, GenRunning, GenWaiting
 from ..batching.types import Batch
 from .answers import Held
 from .runner import Failed, Final, Preempted, Progress, StepReport
@@ -59,6 +59,8 @@ class GenScheduler:
         self.inflight: deque[Step] = deque()
         self._resume: dict[str, Resume] = {}
         self._stops: dict[str, str] = {}
+        self._step_tokens: int | None = None
+        """A step budget changed live, for the runner with the next step."""
         self._new_id = new_id or step_ids()
         self.version = 0
         """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
@@ -121,6 +123,14 @@ class GenScheduler:
             seq=res.seq,
             first_token_at=res.first_token_at,
         )
+
+    def set_budgets(self, policy: GenPolicy) -> None:
+        """Budgets changed live (``bf_policy``): the admission policy plans with them from
+        the next step, which also takes a changed step budget to the runner. Fewer
+        ``max_running`` than run now: the policy preempts the excess (lowest lane first)."""
+        if policy.step_tokens != self.policy.policy.step_tokens:
+            self._step_tokens = policy.step_tokens
+        self.policy.set_policy(policy)
 
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
@@ -192,7 +202,8 @@ class GenScheduler:
             return Decision(None, expired, plan.wake_at)
         batch = Batch(tuple(h.waiting for h in admitted), "step")
         step = Step(self._new_id(), batch, admitted, now, tuple(stops.items()),
-                    tuple(k for k in plan.preempt if k in self.running))  # fmt: skip
+                    tuple(k for k in plan.preempt if k in self.running), self._step_tokens)  # fmt: skip
+        self._step_tokens = None
         self.inflight.append(step)
         return Decision(step, expired, plan.wake_at)
 

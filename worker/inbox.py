@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..batching.generation import GenPolicy
 from ..batching.types import Policy
 from .runner import StepReport
 from .streams import Entry, Retiring
@@ -52,7 +53,9 @@ class Wake:
 
 @dataclass(frozen=True, slots=True)
 class SetPolicy:
-    policy: Policy
+    """A live policy change: a batch policy, or a generating model's budgets."""
+
+    policy: Policy | GenPolicy
 
 
 @dataclass(frozen=True, slots=True)

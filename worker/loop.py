@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from ..batching.engine import Engine
-from ..batching.generation import GenerationPolicy
+from ..batching.generation import GenerationPolicy, GenPolicy
 from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig
@@ -88,6 +88,9 @@ class BatchLoop:
         self.continuous = is_continuous(runner)
         gen = _gen_scheduler(runner, self.engine, config.lanes) if self.continuous else None
         self.scheduler: Scheduler | GenScheduler = gen or Scheduler(self.engine)
+        self.configured_budgets = gen.policy.policy if gen else None
+        """A generating model's budgets as its fleet file set them: live changes
+        (``bf_policy``) may lower them, or raise them back up to these."""
         self.stats = LoopStats(model=model, lanes=config.lanes)
         self.observers = Observers([self.stats, *observers])
         self.answers = Answerer(model, config, consumer)
@@ -132,9 +135,15 @@ class BatchLoop:
         self._draining = True
         self._state("draining")
 
-    def set_policy(self, policy: Policy) -> None:
-        """Change the batch policy live; the engine keeps what it learnt."""
+    def set_policy(self, policy: Policy | GenPolicy) -> None:
+        """Change the batch policy live (the engine keeps what it learnt), or a generating
+        model's budgets (see ``GenScheduler.set_budgets``)."""
         self.parts.inbox.put(SetPolicy(policy))
+
+    @property
+    def budgets(self) -> GenPolicy | None:
+        """A generating model's budgets now (None: not a generator)."""
+        return self.scheduler.policy.policy if isinstance(self.scheduler, GenScheduler) else None
 
     def _state(self, state: str) -> None:
         self.observers.notify(StateChanged(self.model, state))
@@ -270,7 +279,11 @@ class BatchLoop:
         elif isinstance(event, ReadIdle):
             self._idle_reads += 1
         elif isinstance(event, SetPolicy):
-            self.engine.set_policy(event.policy)
+            if isinstance(event.policy, GenPolicy):
+                if isinstance(self.scheduler, GenScheduler):
+                    self.scheduler.set_budgets(event.policy)
+            else:
+                self.engine.set_policy(event.policy)
         elif isinstance(event, Cancel):
             self.generating.cancel(event.request_ids)
 

@@ -77,6 +77,9 @@ class Work:
     lanes: tuple[int, ...] = ()
     """The lane of each of ``admit`` (empty: all lane 0); a generator prefills lower lanes
     first, so a lane-0 prompt does not queue behind lower lanes' admitted prompts."""
+    step_tokens: int | None = None
+    """Continuous runners: the per-step token budget from this step on (an operator
+    changed it live); None: as it was."""
 
 
 @dataclass(frozen=True, slots=True)

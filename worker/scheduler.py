@@ -51,11 +51,12 @@ class Step:
     of the step before (known once that one finishes)."""
     stop: tuple[tuple[str, str], ...] = ()
     preempt: tuple[str, ...] = ()
+    step_tokens: int | None = None
 
     def work(self) -> Work:
         admit = tuple((h.waiting.key, h.prepared) for h in self.held)
         lanes = tuple(h.waiting.lane for h in self.held)
-        return Work(self.step_id, admit, self.stop, self.preempt, lanes)
+        return Work(self.step_id, admit, self.stop, self.preempt, lanes, self.step_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,12 +47,6 @@ class ResultSink(Protocol):
         their reply channels (generating runners), in order with results."""
         ...
 
-    def stream_now(self, items: Sequence[Streamed]) -> None:
-        """Deltas, written on the calling thread at once when no token write is waiting
-        for the writer thread (else, or if the write fails, queued like :meth:`stream`):
-        a delta then does not wait for the writer thread to get the GIL."""
-        ...
-
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         """Move an entry to the dead-letter stream (it is acked there)."""
         ...
@@ -158,8 +152,6 @@ class RedisSink:
         self._release_idle_ms = release_idle_ms
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._backlog = 0
-        self._tokens_queued = 0
-        """Token writes handed to the writer thread and not done (see ``stream_now``)."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -179,22 +171,7 @@ class RedisSink:
 
     def stream(self, items: Sequence[Streamed]) -> None:
         if items:
-            with self._lock:
-                self._tokens_queued += 1
             self._queue.put(_Tokens(items))
-
-    def stream_now(self, items: Sequence[Streamed]) -> None:
-        if not items:
-            return
-        with self._lock:
-            direct = self._tokens_queued == 0  # nothing of theirs to overtake
-        if direct:
-            try:
-                self.streams.append_tokens([it.write() for it in items])
-                return
-            except Exception as exc:  # the writer thread retries it, in order
-                logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
-        self.stream(items)
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
@@ -215,14 +192,6 @@ class RedisSink:
             self._write(job)
 
     def _write(self, job: _Job) -> None:
-        try:
-            self._write_once(job)
-        finally:
-            if isinstance(job, _Tokens):
-                with self._lock:
-                    self._tokens_queued -= 1
-
-    def _write_once(self, job: _Job) -> None:
         backoff = 0.05
         while True:
             try:
@@ -337,9 +306,6 @@ class MemorySink:
                 replies.append(reply if new else replace(reply, stored=False))
             self.observers.notify(Answered(self.model, replies))
             self.wake()
-
-    def stream_now(self, items: Sequence[Streamed]) -> None:
-        self.stream(items)
 
     def stream(self, items: Sequence[Streamed]) -> None:
         for it in items:

@@ -235,6 +235,9 @@ class TextGenerationRunner:
     def step(self, work: Work) -> StepReport:
         report = StepReport()
         events: list[StepEvent] = []
+        if work.step_tokens is not None and work.step_tokens != self.step_tokens:
+            self.step_tokens = work.step_tokens  # an operator's live change (bf_policy)
+            self.engine.set_step_tokens(work.step_tokens)
         for key, reason in work.stop:
             r = self._reqs.get(key)
             if r is not None:
