@@ -13,10 +13,13 @@ from typing import Any
 
 import redis
 
+from .connection import SyncClient
 from .schemas.codec import envelope_of
 from .schemas.keys import ModelKeys
 
-REPLAY_LUA = importlib.resources.files(__package__).joinpath("lua", "replay.lua").read_text()
+REPLAY_LUA = (
+    importlib.resources.files(__package__).joinpath("lua").joinpath("replay.lua").read_text()
+)
 
 ORIG = b"orig_"
 
@@ -65,18 +68,20 @@ def _parse(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
     )
 
 
-def list_dead(client: redis.Redis, model: str, count: int = 100) -> list[DeadLetter]:
+def list_dead(client: SyncClient, model: str, count: int = 100) -> list[DeadLetter]:
     """The oldest ``count`` dead letters of ``model``."""
-    return [_parse(i, f) for i, f in client.xrange(ModelKeys(model).dead, count=count)]
+    found: Any = client.xrange(ModelKeys(model).dead, count=count)
+    return [_parse(i, f) for i, f in found]
 
 
-def _select(client: redis.Redis, model: str, ids: Sequence[str] | None) -> list[DeadLetter]:
+def _select(client: SyncClient, model: str, ids: Sequence[str] | None) -> list[DeadLetter]:
     key = ModelKeys(model).dead
     if ids is None:
-        return [_parse(i, f) for i, f in client.xrange(key)]
+        every: Any = client.xrange(key)
+        return [_parse(i, f) for i, f in every]
     out = []
     for entry_id in ids:
-        found = client.xrange(key, entry_id, entry_id)
+        found: Any = client.xrange(key, entry_id, entry_id)
         if not found:
             raise KeyError(f"no dead letter {entry_id} for model {model!r}")
         out.append(_parse(*found[0]))
@@ -94,7 +99,7 @@ class ReplayReport:
 
 
 def replay(
-    client: redis.Redis, model: str, ids: Sequence[str] | None = None, *, force: bool = False
+    client: SyncClient, model: str, ids: Sequence[str] | None = None, *, force: bool = False
 ) -> ReplayReport:
     """Put dead letters back on the lane they came from, as new entries, while the lane is
     below its maximum depth; the others stay dead letters (``report.refused`` says why).
@@ -134,7 +139,7 @@ def replay(
     return report
 
 
-def purge(client: redis.Redis, model: str, ids: Sequence[str] | None = None) -> int:
+def purge(client: SyncClient, model: str, ids: Sequence[str] | None = None) -> int:
     """Delete dead letters (all when ``ids`` is None); returns how many."""
     key = ModelKeys(model).dead
     if ids is None:

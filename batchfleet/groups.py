@@ -28,9 +28,7 @@ def init_groups(fleet: FleetConfig, models: list[str] | None = None) -> dict[str
         created: dict[str, list[str]] = {}
         for name in names:
             cfg = fleet.models[name]
-            # ModelStreams takes redis.Redis here, a SyncClient after the worker rewrite (a
-            # cluster client works as well): drop this ignore once that is merged
-            streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")  # type: ignore[arg-type, unused-ignore]
+            streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")
             streams.ensure_groups(cfg.max_queue_depth)
             created[name] = streams.streams
             logger.info("model %s: group ready on %s", name, ", ".join(streams.streams))

@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import redis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from .connection import connect
+from .connection import SyncClient, connect
 from .fleetview import (
     LaneRow,
     dead_letter_counts,
@@ -103,7 +102,7 @@ class FleetStatus:
         }
 
 
-def collect(client: redis.Redis, models: Sequence[str] | None = None) -> list[ModelStatus]:
+def collect(client: SyncClient, models: Sequence[str] | None = None) -> list[ModelStatus]:
     """Depths, lag and oldest age per lane; live consumers; dead letters; per model."""
     names = list(models) if models else discover_models(client)
     if not names:

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from .connection import SyncClient
 from .dlq import DeadLetter, list_dead
 from .fleetview import DEFAULT_LANES, entry_ms
 from .schemas.codec import decode_result, envelope_of
@@ -61,7 +62,7 @@ class Trace:
         return asdict(self)
 
 
-def trace(client: redis.Redis, model: str, request_id: str, *, max_scan: int = MAX_SCAN) -> Trace:
+def trace(client: SyncClient, model: str, request_id: str, *, max_scan: int = MAX_SCAN) -> Trace:
     """What Redis still knows about ``request_id`` of ``model``."""
     keys = ModelKeys(model)
     out = Trace(model, request_id)
@@ -78,7 +79,7 @@ def trace(client: redis.Redis, model: str, request_id: str, *, max_scan: int = M
     return out
 
 
-def _result(client: redis.Redis, keys: ModelKeys, out: Trace) -> None:
+def _result(client: SyncClient, keys: ModelKeys, out: Trace) -> None:
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.result(out.request_id))
     pipe.pttl(keys.result(out.request_id))
@@ -97,7 +98,7 @@ def _result(client: redis.Redis, keys: ModelKeys, out: Trace) -> None:
     out.result_ttl_ms = int(ttl) if ttl and ttl > 0 else None
 
 
-def _lanes(client: redis.Redis, keys: ModelKeys, out: Trace, max_scan: int) -> None:
+def _lanes(client: SyncClient, keys: ModelKeys, out: Trace, max_scan: int) -> None:
     lanes = int(client.get(keys.lanes_key) or DEFAULT_LANES)
     for lane in range(lanes):
         entry_id = _find_in_stream(client, keys.lane(lane), out.request_id, max_scan)
@@ -118,7 +119,7 @@ def _lanes(client: redis.Redis, keys: ModelKeys, out: Trace, max_scan: int) -> N
         return
 
 
-def _find_in_stream(client: redis.Redis, stream: str, request_id: str, limit: int) -> str | None:
+def _find_in_stream(client: SyncClient, stream: str, request_id: str, limit: int) -> str | None:
     start, seen = "-", 0
     while seen < limit:
         chunk: Any = client.xrange(stream, start, "+", count=min(CHUNK, limit - seen))
@@ -132,7 +133,7 @@ def _find_in_stream(client: redis.Redis, stream: str, request_id: str, limit: in
     return None
 
 
-def _dead_letter(client: redis.Redis, model: str, out: Trace, max_scan: int) -> None:
+def _dead_letter(client: SyncClient, model: str, out: Trace, max_scan: int) -> None:
     found: DeadLetter | None = None
     for dead in list_dead(client, model, max_scan):
         if dead.request_id == out.request_id:
@@ -149,7 +150,7 @@ def _dead_letter(client: redis.Redis, model: str, out: Trace, max_scan: int) -> 
             out.entered_at_ms = entry_ms(found.source_id)
 
 
-def _webhook(client: redis.Redis, model: str, out: Trace) -> None:
+def _webhook(client: SyncClient, model: str, out: Trace) -> None:
     keys = WebhookKeys()
     scheduled: Any = client.zrange(keys.scheduled, 0, -1, withscores=True)
     for member, due_ms in scheduled:

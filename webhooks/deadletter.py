@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import redis
-
+from ..connection import SyncClient
 from ..schemas.keys import WEBHOOK_QUEUE, WebhookKeys
 from . import endpoints
 
@@ -56,7 +55,7 @@ class FailedDelivery:
 
 
 def record(
-    client: redis.Redis,
+    client: SyncClient,
     cfg: WebhooksConfig,
     delivery: Delivery,
     body: bytes,
@@ -74,7 +73,7 @@ def record(
         "body": body,
     }
     pipe = client.pipeline(transaction=True)
-    pipe.xadd(KEYS.failed, fields, maxlen=cfg.failed_maxlen, approximate=True)
+    pipe.xadd(KEYS.failed, fields, maxlen=cfg.failed_maxlen, approximate=True)  # type: ignore[arg-type]
     if delivery.redelivery_of is not None:
         pipe.xdel(KEYS.failed, delivery.redelivery_of)
     new_id = pipe.execute()[0]
@@ -94,23 +93,24 @@ def _parse(entry_id: bytes | str, fields: dict[bytes, bytes]) -> FailedDelivery:
     )
 
 
-def get(client: redis.Redis, record_id: str) -> FailedDelivery | None:
-    found = client.xrange(KEYS.failed, record_id, record_id)
+def get(client: SyncClient, record_id: str) -> FailedDelivery | None:
+    found: Any = client.xrange(KEYS.failed, record_id, record_id)
     return _parse(*found[0]) if found else None
 
 
-def remove(client: redis.Redis, record_id: str) -> None:
+def remove(client: SyncClient, record_id: str) -> None:
     client.xdel(KEYS.failed, record_id)
 
 
-def list_failed(client: redis.Redis, *, count: int = 100) -> Iterator[FailedDelivery]:
+def list_failed(client: SyncClient, *, count: int = 100) -> Iterator[FailedDelivery]:
     """Records, oldest first, at most ``count``."""
-    for entry_id, fields in client.xrange(KEYS.failed, count=count):
+    found: Any = client.xrange(KEYS.failed, count=count)
+    for entry_id, fields in found:
         yield _parse(entry_id, fields)
 
 
 def redeliver(
-    client: redis.Redis, app: Celery, record_ids: list[str] | None = None, *, count: int = 100
+    client: SyncClient, app: Celery, record_ids: list[str] | None = None, *, count: int = 100
 ) -> list[str]:
     """Queue a fresh delivery (attempts start again) for each record, or for the oldest
     ``count`` when no ids are given. Re-enables their URLs, including one disabled because

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import redis
-
+from ..connection import SyncClient
 from ..schemas.keys import WebhookKeys
 
 KEYS = WebhookKeys()
@@ -30,7 +29,9 @@ LEASE_MARGIN_S = 5.0
 SLOW_TTL_S = 600
 """An endpoint stays slow this long after its last timeout unless it answers in time first."""
 
-_ACQUIRE = importlib.resources.files(__package__).joinpath("lua", "acquire_slot.lua").read_text()
+_ACQUIRE = (
+    importlib.resources.files(__package__).joinpath("lua").joinpath("acquire_slot.lua").read_text()
+)
 
 
 def endpoint_of(url: str) -> str:
@@ -51,7 +52,7 @@ class Slots:
     module docstring)."""
 
     def __init__(
-        self, client: redis.Redis, cap: int, slow_cap: int, lease_s: float, slow_lane: int
+        self, client: SyncClient, cap: int, slow_cap: int, lease_s: float, slow_lane: int
     ) -> None:
         self.client = client
         self.cap = cap
@@ -111,16 +112,16 @@ class DisabledEndpoint:
                 "reason": self.reason}  # fmt: skip
 
 
-def is_disabled(client: redis.Redis, url: str) -> bool:
+def is_disabled(client: SyncClient, url: str) -> bool:
     return bool(client.hexists(KEYS.disabled, url))
 
 
-def disable(client: redis.Redis, url: str, at_ms: int, webhook_id: str, reason: str) -> None:
+def disable(client: SyncClient, url: str, at_ms: int, webhook_id: str, reason: str) -> None:
     record = {"at_ms": at_ms, "webhook_id": webhook_id, "reason": reason}
     client.hset(KEYS.disabled, url, json.dumps(record))
 
 
-def list_disabled(client: redis.Redis) -> list[DisabledEndpoint]:
+def list_disabled(client: SyncClient) -> list[DisabledEndpoint]:
     """Every disabled URL, oldest first."""
     found = []
     for url, raw in client.hgetall(KEYS.disabled).items():
@@ -136,7 +137,7 @@ def list_disabled(client: redis.Redis) -> list[DisabledEndpoint]:
     return sorted(found, key=lambda e: (e.at_ms, e.url))
 
 
-def enable(client: redis.Redis, urls: list[str] | None = None) -> list[str]:
+def enable(client: SyncClient, urls: list[str] | None = None) -> list[str]:
     """Re-enable these URLs (all disabled ones when None); returns those that were disabled.
     Deliveries that gave up meanwhile are not retried: ``redeliver`` them."""
     targets = [e.url for e in list_disabled(client)] if urls is None else urls

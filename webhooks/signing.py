@@ -41,7 +41,8 @@ def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
     except UnicodeDecodeError:
         digest = hmac_data(_key(secret), f"{msg_id}.{timestamp}.".encode() + body)
         return "v1," + base64.b64encode(digest).decode()
-    return webhook.sign(msg_id, datetime.fromtimestamp(timestamp, tz=timezone.utc), text)
+    signature: str = webhook.sign(msg_id, datetime.fromtimestamp(timestamp, tz=timezone.utc), text)
+    return signature
 
 
 def headers(secret: str, msg_id: str, body: bytes, *, now: float | None = None) -> dict[str, str]:

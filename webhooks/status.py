@@ -13,6 +13,7 @@ from typing import Literal
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from ..connection import SyncClient
 from ..schemas.keys import ModelKeys
 
 State = Literal["scheduled", "delivered", "failed", "refused", "disabled"]
@@ -43,7 +44,7 @@ class WebhookStatus(BaseModel):
 
 
 def write(
-    client: redis.Redis, model: str, request_id: str, status: WebhookStatus, ttl_s: int
+    client: SyncClient, model: str, request_id: str, status: WebhookStatus, ttl_s: int
 ) -> None:
     client.set(ModelKeys(model).webhook_status(request_id), status.model_dump_json(), ex=ttl_s)
 

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-import redis
 from celery import Celery, Task
 from pydantic import BaseModel, ConfigDict
 
-from ..connection import connect
+from ..connection import SyncClient, connect
 from ..schemas.codec import decode_result, pack, result_map
 from ..schemas.keys import WEBHOOK_QUEUE, ModelKeys, WebhookKeys
 from ..schemas.messages import Format
@@ -124,7 +123,7 @@ def backoff_s(
     delay *= rng.uniform(0.75, 1.25)
     if retry_after_s is not None:
         delay = max(delay, retry_after_s)
-    return min(delay, cfg.backoff_max_s)
+    return float(min(delay, cfg.backoff_max_s))
 
 
 BUSY_BASE_S = 0.5
@@ -133,7 +132,8 @@ BUSY_BASE_S = 0.5
 def busy_wait_s(busy: int, cfg: WebhooksConfig, rng: random.Random) -> float:
     """Wait before looking for a free slot again: 0.5 s doubling per miss up to the attempt
     timeout (by then every slot's holder has finished), with jitter to spread the herd."""
-    return min(cfg.attempt_timeout_s, BUSY_BASE_S * 2 ** min(busy, 16)) * rng.uniform(0.5, 1.0)
+    wait = min(cfg.attempt_timeout_s, BUSY_BASE_S * 2 ** min(busy, 16))
+    return float(wait) * rng.uniform(0.5, 1.0)
 
 
 def encode_body(raw_result: bytes, fmt: Format) -> bytes:
@@ -163,7 +163,7 @@ class Deliverer:
     def __init__(
         self,
         cfg: WebhooksConfig,
-        client: redis.Redis,
+        client: SyncClient,
         result_ttls: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -195,7 +195,7 @@ class Deliverer:
         raw = self.client.get(ModelKeys(d.model).result(d.request_id))
         if raw is None:
             raise DeliveryFailed(f"result of {d.request_id} expired before it was delivered")
-        return encode_body(raw, d.format)
+        return encode_body(raw if isinstance(raw, bytes) else raw.encode(), d.format)
 
     def attempt(self, d: Delivery, body: bytes) -> Outcome:
         """One POST. Never raises for the endpoint's behaviour: returns what to do next."""
@@ -319,7 +319,7 @@ def deliverer_for(app: Celery) -> Deliverer:
     with _lock:
         found = _deliverers.get(id(app))
         if found is None:
-            fleet = app.batchfleet_config  # type: ignore[attr-defined]
+            fleet = app.batchfleet_config
             ttls = {name: m.result_ttl_s for name, m in fleet.models.items()}
             found = Deliverer(fleet.webhooks, connect(fleet.redis_url), ttls)
             _deliverers[id(app)] = found
@@ -336,7 +336,7 @@ def deliver(task: Task, **kwargs: Any) -> dict[str, Any]:
 
 def register(app: Celery) -> Task:
     """Define the delivery task on ``app`` (the batch workers send it, webhook workers run it)."""
-    return app.task(  # type: ignore[no-any-return]
+    return app.task(
         name=TASK_NAME,
         bind=True,
         shared=False,

@@ -14,11 +14,10 @@ import threading
 import time
 from typing import Any
 
-import redis
 from celery import Celery, bootsteps
 
 from ..config import FleetConfig
-from ..connection import connect
+from ..connection import SyncClient, connect
 from ..schemas.keys import WEBHOOK_QUEUE, WebhookKeys
 from .tasks import SCHEDULED, TASK_NAME
 
@@ -30,7 +29,9 @@ CLAIM_LEASE_MS = 30_000
 """A claimed entry is due again after this unless its worker queued and removed it."""
 CLAIM_LIMIT = 100
 
-_CLAIM = importlib.resources.files(__package__).joinpath("lua", "claim_due.lua").read_text()
+_CLAIM = (
+    importlib.resources.files(__package__).joinpath("lua").joinpath("claim_due.lua").read_text()
+)
 
 
 class Scheduler:
@@ -41,7 +42,7 @@ class Scheduler:
     releases it when the lease ends). With many workers each entry is claimed by one.
     """
 
-    def __init__(self, client: redis.Redis, app: Celery) -> None:
+    def __init__(self, client: SyncClient, app: Celery) -> None:
         self.client = client
         self.app = app
         self.key = WebhookKeys().scheduled
@@ -67,7 +68,7 @@ class Scheduler:
         return min(POLL_S, max(0.01, (next_due_ms - now_ms) / 1000))
 
 
-class SchedulerStep(bootsteps.StartStopStep):
+class SchedulerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Runs the :class:`Scheduler` on a thread while the worker runs."""
 
     requires = {"celery.worker.components:Pool"}
