@@ -7,7 +7,8 @@ the ordinary ``batchfleet worker`` (same process, same code path otherwise):
 - the engine's ``step`` (``PaddedEngine`` or ``PagedEngine``): the instant it returns is
   when the step's tokens exist (``produced``);
 - ``TextGenerationRunner.step``: when it is called (``began``) and returns (``reported``;
-  detokenized, events built), one line per step: ``began produced reported preempted running kv key key ...``
+  detokenized, events built); ``DeltaWriter.post`` writes, once the deltas are out, one
+  line per step: ``began produced reported preempted running kv key key ...``
   (``preempted``: requests the step preempted; ``running``, ``kv``: sequences running
   and tokens in their KV cache after it),
   a key once per ``Partial`` event, in order, so the n-th time a key appears is the delta
@@ -30,6 +31,7 @@ from typing import Any
 
 
 def install(path: Path) -> None:
+    from batchfleet.worker.deltas import DeltaWriter
     from batchfleet.worker.generation.padded import PaddedEngine
     from batchfleet.worker.generation.paged import PagedEngine
     from batchfleet.worker.runner import Partial, Preempted
@@ -37,7 +39,9 @@ def install(path: Path) -> None:
 
     produced = [0.0]
     lines: list[str] = []
+    stamps: dict[int, tuple[float, float, float]] = {}
     runner_step = TextGenerationRunner.step
+    post = DeltaWriter.post
 
     def stamped(engine_step: Any) -> Any:
         def stamped_engine_step(self: Any) -> Any:
@@ -51,18 +55,24 @@ def install(path: Path) -> None:
         began = time.perf_counter()
         report = runner_step(self, work)
         reported = time.perf_counter()
+        stamps[id(report)] = (began, produced[0], reported)
+        return report
+
+    def stamped_post(self: DeltaWriter, done: Any) -> None:
+        """After the deltas are out and the report settled (its progress filled in)."""
+        post(self, done)
+        report = done.report
+        began, made, reported = stamps.pop(id(report), (0.0, 0.0, 0.0))
         keys = " ".join(ev.key for ev in report.events if isinstance(ev, Partial))
         preempted = sum(1 for ev in report.events if isinstance(ev, Preempted))
         running = sum(len(p.contexts) for p in report.progress.values())
         kv = sum(sum(p.contexts) for p in report.progress.values())
-        lines.append(
-            f"{began:.6f} {produced[0]:.6f} {reported:.6f} {preempted} {running} {kv} {keys}\n"
-        )
-        return report
+        lines.append(f"{began:.6f} {made:.6f} {reported:.6f} {preempted} {running} {kv} {keys}\n")
 
     PaddedEngine.step = stamped(PaddedEngine.step)  # type: ignore[method-assign]
     PagedEngine.step = stamped(PagedEngine.step)  # type: ignore[method-assign]
     TextGenerationRunner.step = stamped_runner_step  # type: ignore[method-assign]
+    DeltaWriter.post = stamped_post  # type: ignore[method-assign]
 
     names = path.with_name(path.name + ".threads")
 

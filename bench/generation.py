@@ -727,9 +727,11 @@ def step_cost(
         keys = [f"cost/{rows}/{k}" for k in range(rows)]
         admit = tuple(zip(keys, runner.prepare_many(reqs), strict=True))
         report = runner.step(Work(f"cost-{rows}-0", admit))
+        report.settle()
         n = 1
         while any(any(p.prefill_left) for p in report.progress.values()):  # prefilling
             report = runner.step(Work(f"cost-{rows}-{n}", ()))
+            report.settle()
             n += 1
         t0 = time.perf_counter()
         for k in range(new):

@@ -289,9 +289,8 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
         gen = producer.submit("minilm", "hi", stream=True)
         keys = ModelKeys("minilm")
         streams.append_tokens([
-            TokenWrite(gen.id, {b"seq": b"1", b"input": b"0", b"text": b"Hi", b"tokens": b"1"},
-                       60, producer.reply_channel, b"\x80"),
-            TokenWrite(gen.id, {b"seq": b"2", b"end": b"1"}, 60),
+            TokenWrite(gen.id, 1, 60, "Hi", tokens=1, reply=producer.reply_channel),
+            TokenWrite(gen.id, 2, 60),
         ])  # fmt: skip
         assert list(gen.stream(timeout=30)) == ["Hi"]
         producer.cancel(gen)
@@ -314,7 +313,7 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     # what the intake, the sink and the webhooks workers do besides
     streams.heartbeat(1)
     assert "w1" in streams.live_consumers(2, 10) and streams.holders() == {}
-    streams.append_tokens([TokenWrite("gen-1", {b"seq": b"1"}, 60, "bf:reply:x", b"\x80")])
+    streams.append_tokens([TokenWrite("gen-1", 1, 60, "x", tokens=1, reply="bf:reply:x")])
     assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits
     scheduled = WebhookKeys().scheduled

@@ -241,6 +241,8 @@ def test_progress_reports_context_and_prefill(runner: TextGenerationRunner) -> N
     n = p.payload.prompts[0].__len__()
     assert n > 64  # longer than a step's budget: prefilled in chunks
     report = runner.step(Work("s1", (("long", p),)))
+    assert report.progress == {}  # filled in after the step's deltas are streamed
+    report.settle()
     prog = report.progress["long"]
     assert prog.prefill_left[0] == n - 64 and prog.contexts[0] == 64
     assert not report.events

@@ -444,16 +444,11 @@ def collect(shell: Shell, items: Any, into: queue.Queue[Any] | None = None) -> l
 def write_deltas(client: redis.Redis, rid: str, *deltas: tuple[int, str], end: int = 0) -> None:
     """Token-stream entries as the worker appends them (``(seq, text)`` of input 0), and the
     end entry ``end`` if set."""
-    from batchfleet.schemas.codec import delta_fields, end_fields
-    from batchfleet.schemas.messages import Delta
     from batchfleet.worker.streams import TokenWrite
 
-    writes = [
-        TokenWrite(rid, delta_fields(Delta(id=rid, seq=seq, text=text, tokens=1)), 60)
-        for seq, text in deltas
-    ]
+    writes = [TokenWrite(rid, seq, 60, text, tokens=1) for seq, text in deltas]
     if end:
-        writes.append(TokenWrite(rid, end_fields(end), 60))
+        writes.append(TokenWrite(rid, end, 60))
     ModelStreams(client, "tiny", 3, "fake-worker").append_tokens(writes)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from batchfleet.schemas.codec import decode_result
+from batchfleet.schemas.codec import decode_result, encode_delta
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Delta, Request, Result, Timings
 from batchfleet.worker.answers import Outgoing
@@ -128,8 +128,8 @@ def test_token_streams_and_dead_letters(harness: Harness) -> None:
     def delta(seq: int, text: str) -> Delta:
         return Delta(id="gen-1", model="m", seq=seq, input=0, text=text, tokens=1)
 
-    harness.sink.stream([Streamed("gen-1", 1, delta(1, "Hél"), 60, "chan", "json"),
-                         Streamed("gen-1", 2, delta(2, "lo"), 60, "chan", "msgpack")])  # fmt: skip
+    harness.sink.stream([Streamed.of(delta(1, "Hél"), 60, "chan", "json"),
+                         Streamed.of(delta(2, "lo"), 60, "chan", "msgpack")])  # fmt: skip
     harness.sink.stream([Streamed("gen-1", 3, None, 60, "chan", "json")])
     harness.sink.dead_letter(harness.entries[3], "malformed", "not msgpack")
     harness.sink.close(5)
@@ -146,10 +146,55 @@ def test_token_streams_and_dead_letters(harness: Harness) -> None:
     assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]
 
 
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
+    harness: Harness, fmt: str
+) -> None:
+    # Given texts a JSON or msgpack encoder could get wrong (escapes, control characters,
+    # non-ASCII, every msgpack string length class) and a multi-input request
+    texts = ['say "hi" \\ back/slash\n\ttab\x01', "Zürich ☃ 😀", "x" * 31, "y" * 32,
+             "é" * 200, "z" * 70_000]  # fmt: skip
+    deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1)
+              for i, t in enumerate(texts)]  # fmt: skip
+    # When the sink writes them (tokens.lua encodes the messages)
+    harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]
+    harness.sink.close(5)
+    # Then each message decodes to the protocol's Delta, as the Python encoder writes it
+    published = harness.published("chan")
+    decode = json.loads if fmt == "json" else msgpack.unpackb
+    assert [decode(m) for m in published] == [d.model_dump(mode="json") for d in deltas]
+    assert [decode(encode_delta(d, fmt)) for d in deltas] == [decode(m) for m in published]  # type: ignore[arg-type]
+    # and the token stream holds the same text, byte for byte
+    assert [e[b"text"].decode() for e in harness.partials("gen-2")] == texts
+
+
 def test_a_token_stream_ttl_is_set_with_its_first_entry_every_64th_and_its_end() -> None:
     def write(seq: int, end: bool = False) -> bool:
-        d = None if end else Delta(id="g", model="m", seq=seq, input=0, text="x", tokens=1)
-        return Streamed("g", seq, d, 60, "chan", "json").write().expire
+        return Streamed("g", seq, None if end else "x", 60, "chan", "json").write().ttl_s > 0
 
     assert [s for s in range(1, 200) if write(s)] == [1, 65, 129, 193]
     assert write(7, end=True)
+
+
+def test_deltas_are_written_at_once_unless_a_token_write_waits_for_the_writer(
+    r: redis.Redis,
+) -> None:
+    streams = ModelStreams(r, MODEL, 3, "w")
+    sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
+
+    def delta(rid: str, seq: int) -> Streamed:
+        return Streamed(rid, seq, f"t{seq}", 60, None, "msgpack", tokens=1, model="m")
+
+    def seqs(rid: str) -> list[bytes]:
+        return [f[b"seq"] for _, f in r.xrange(KEYS.tokens(rid))]
+
+    sink.stream_now([delta("now", 1), delta("now", 2)])  # writer thread not even started
+    assert seqs("now") == [b"1", b"2"]
+    sink.stream([delta("queued", 1)])  # waits for the writer thread...
+    sink.stream_now([delta("queued", 2)])  # ...so this one waits behind it, in order
+    assert seqs("queued") == []
+    sink.start()
+    sink.close(5)
+    assert seqs("queued") == [b"1", b"2"]
+    sink.stream_now([delta("now", 3)])  # nothing waits any more: at once again
+    assert seqs("now") == [b"1", b"2", b"3"]

@@ -370,7 +370,7 @@ def rig(
         sink_box.append(sink)
         if not is_continuous(runner):
             return Parts(world.clock, inbox, source, device, sink)
-        deltas = DeltaWriter(sink.stream, inbox.put)
+        deltas = DeltaWriter(sink.stream_now, inbox.put)
         device.post = deltas.post
         return Parts(world.clock, inbox, source, device, sink, deltas=deltas)
 

@@ -248,6 +248,7 @@ class GenScheduler:
                                               r.seq, r.started_at)  # fmt: skip
                 if ev.key in self._stops:  # cancelled while being preempted: end it parked
                     self._unpark(ev.key)
+        report.settle()  # done already where a DeltaWriter posted it (the device thread)
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:
                 r.progress = progress

@@ -19,7 +19,7 @@ docs/runners.md), or implement :class:`Runner` directly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -146,6 +146,15 @@ class StepReport:
     """Continuous runners: each still-running request's state after the step."""
     tokens: int = 0
     """Continuous runners: tokens the step computed (prefill chunks + decodes)."""
+    deferred: Callable[[], None] | None = None
+    """Continuous runners: what the runner left to do after the step's deltas are streamed
+    (filling ``progress``); :meth:`settle` does it, before the runner steps again."""
+
+    def settle(self) -> None:
+        """Finish the report (``deferred``), once; on the device thread, before the next step."""
+        if self.deferred is not None:
+            fill, self.deferred = self.deferred, None
+            fill()
 
 
 @runtime_checkable

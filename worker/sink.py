@@ -47,6 +47,11 @@ class ResultSink(Protocol):
         their reply channels (generating runners), in order with results."""
         ...
 
+    def stream_now(self, items: Sequence[Streamed]) -> None:
+        """Deltas, written on the calling thread at once when no token write waits for
+        the writer thread (else, or if the write fails, queued like :meth:`stream`)."""
+        ...
+
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         """Move an entry to the dead-letter stream (it is acked there)."""
         ...
@@ -73,24 +78,39 @@ EXPIRE per delta would be a third of the commands a generating worker sends."""
 
 @dataclass(frozen=True, slots=True)
 class Streamed:
-    """A delta of a generating request, or (``delta`` None) the end of its token stream."""
+    """A delta of a generating request (``text`` set), or the end of its token stream.
+    Plain fields, no :class:`Delta`: a generating worker makes one per token and row."""
 
     request_id: str
     seq: int
-    delta: Delta | None
+    text: str | None
     ttl_s: int
     reply: str | None
     fmt: Format
+    input: int = 0
+    tokens: int = 0
+    model: str = ""
+
+    @classmethod
+    def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
+        return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
+                   delta.tokens, delta.model)  # fmt: skip
+
+    @property
+    def delta(self) -> Delta | None:
+        """The delta message (None: the stream's end)."""
+        if self.text is None:
+            return None
+        return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
+                     text=self.text, tokens=self.tokens)  # fmt: skip
 
     def write(self) -> TokenWrite:
-        """The entry and message, encoded (on the sink's thread)."""
-        if self.delta is None:
-            return TokenWrite(self.request_id, end_fields(self.seq), self.ttl_s)
-        message = encode_delta(self.delta, self.fmt) if self.reply else None
-        expire = self.seq % EXPIRE_EVERY == 1  # the end entry sets the final TTL
-        return TokenWrite(
-            self.request_id, delta_fields(self.delta), self.ttl_s, self.reply, message, expire
-        )
+        """The token-stream entry (and message) to write."""
+        if self.text is None:  # the end entry sets the final TTL
+            return TokenWrite(self.request_id, self.seq, self.ttl_s)
+        ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
+        return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
+                          self.reply, self.fmt == "json", self.model)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +172,8 @@ class RedisSink:
         self._release_idle_ms = release_idle_ms
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._backlog = 0
+        self._tokens_queued = 0
+        """Token writes handed to the writer thread and not done (see ``stream_now``)."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -171,7 +193,22 @@ class RedisSink:
 
     def stream(self, items: Sequence[Streamed]) -> None:
         if items:
+            with self._lock:
+                self._tokens_queued += 1
             self._queue.put(_Tokens(items))
+
+    def stream_now(self, items: Sequence[Streamed]) -> None:
+        if not items:
+            return
+        with self._lock:
+            direct = self._tokens_queued == 0  # nothing of theirs to overtake
+        if direct:
+            try:
+                self.streams.append_tokens([it.write() for it in items])
+                return
+            except Exception as exc:  # the writer thread retries it, in order
+                logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
+        self.stream(items)
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
@@ -192,6 +229,14 @@ class RedisSink:
             self._write(job)
 
     def _write(self, job: _Job) -> None:
+        try:
+            self._write_once(job)
+        finally:
+            if isinstance(job, _Tokens):
+                with self._lock:
+                    self._tokens_queued -= 1
+
+    def _write_once(self, job: _Job) -> None:
         backoff = 0.05
         while True:
             try:
@@ -307,13 +352,19 @@ class MemorySink:
             self.observers.notify(Answered(self.model, replies))
             self.wake()
 
+    def stream_now(self, items: Sequence[Streamed]) -> None:
+        self.stream(items)
+
     def stream(self, items: Sequence[Streamed]) -> None:
-        for it in items:
+        for it in items:  # as tokens.lua writes them
             self.streamed.setdefault(it.request_id, []).append(it)
-            w = it.write()
-            self.tokens.setdefault(it.request_id, []).append(w.fields)
-            if w.reply and w.message is not None:
-                self.published.setdefault(w.reply, []).append(w.message)
+            delta = it.delta
+            if delta is None:
+                self.tokens.setdefault(it.request_id, []).append(end_fields(it.seq))
+                continue
+            self.tokens.setdefault(it.request_id, []).append(delta_fields(delta))
+            if it.reply:
+                self.published.setdefault(it.reply, []).append(encode_delta(delta, it.fmt))
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self.dead.append((entry, code, reason))

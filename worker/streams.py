@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis
 from redis.commands.core import Script
 
@@ -65,15 +66,27 @@ TOKENS_CHUNK = 256
 
 @dataclass(frozen=True, slots=True)
 class TokenWrite:
-    """One token-stream entry of a request, and the message to publish with it."""
+    """One entry of a request's token stream: a delta (``text`` set), published on
+    ``reply`` too, or (``text`` None) the stream's end."""
 
     request_id: str
-    fields: dict[bytes, bytes]
+    seq: int
     ttl_s: int
+    """The stream's TTL, set with this entry (0: left as it is)."""
+    text: str | None = None
+    input: int = 0
+    tokens: int = 0
     reply: str | None = None
-    message: bytes | None = None
-    expire: bool = True
-    """Set the stream's TTL with this entry (its first, every so often, and its end)."""
+    json: bool = False
+    """The delta's message in JSON (else msgpack)."""
+    model: str = ""
+
+    def item(self) -> list[Any]:
+        """The entry as ``tokens.lua`` takes it."""
+        if self.text is None:
+            return [self.seq, self.ttl_s]
+        return [self.seq, self.ttl_s, self.input, self.text, self.tokens, self.reply or "",
+                int(self.json), self.request_id, self.model]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,19 +339,15 @@ class ModelStreams:
         return [bool(x) for x in self._retire(keys=keys, args=args)]
 
     def append_tokens(self, items: Sequence[TokenWrite]) -> None:
-        """Append entries to requests' token streams (keeping each ``ttl_s``) and publish
-        the delta messages: one ``tokens.lua`` call per ``TOKENS_CHUNK`` items, called
-        directly (a pipeline holding a script first asks SCRIPT EXISTS)."""
+        """Append entries to requests' token streams and publish the deltas' messages
+        (encoded by the script): one ``tokens.lua`` call per ``TOKENS_CHUNK`` items, the
+        items packed in one argument, called directly (a pipeline holding a script first
+        asks SCRIPT EXISTS)."""
         for start in range(0, len(items), TOKENS_CHUNK):
             chunk = items[start : start + TOKENS_CHUNK]
-            args: list[str | bytes | int] = [TOKENS_MAXLEN]
-            for it in chunk:
-                message = it.message if it.reply else None
-                reply = it.reply if it.reply and message is not None else ""
-                args += [len(it.fields), it.ttl_s if it.expire else 0, reply, message or b""]
-                for k, v in it.fields.items():
-                    args += [k, v]
-            self._tokens(keys=[self.keys.tokens(it.request_id) for it in chunk], args=args)
+            packed = msgpack.packb([it.item() for it in chunk])
+            self._tokens(keys=[self.keys.tokens(it.request_id) for it in chunk],
+                         args=[TOKENS_MAXLEN, packed])  # fmt: skip
 
     def cancelled(self, request_ids: Sequence[str]) -> list[str]:
         """Which of these requests a client asked to cancel."""

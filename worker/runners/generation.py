@@ -163,6 +163,8 @@ class TextGenerationRunner:
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
         self._reqs: dict[str, _Req] = {}
+        self._unsettled: StepReport | None = None
+        """The last step's report, until its progress is filled in."""
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
 
     # --- the loop's side ---------------------------------------------------------------
@@ -233,6 +235,9 @@ class TextGenerationRunner:
     # --- the device's side -------------------------------------------------------------
 
     def step(self, work: Work) -> StepReport:
+        if self._unsettled is not None:  # settled here if its caller did not
+            self._unsettled.settle()
+            self._unsettled = None
         report = StepReport()
         events: list[StepEvent] = []
         if work.step_tokens is not None and work.step_tokens != self.step_tokens:
@@ -275,11 +280,16 @@ class TextGenerationRunner:
                 events += self._finish(r)
             elif r.spec.stream:
                 events += self._deltas(r)
+        report.events = events
+        # after the deltas: the device thread streams them first, then settles this
+        report.deferred = lambda: self._fill_progress(report)
+        self._unsettled = report
+        return report
+
+    def _fill_progress(self, report: StepReport) -> None:
         for key, r in self._reqs.items():
             if not r.parked:
                 report.progress[key] = self._progress(r)
-        report.events = events
-        return report
 
     def _admit(self, key: str, prep: Prepared, lane: int) -> None:
         r = self._reqs.get(key)
