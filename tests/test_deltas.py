@@ -62,3 +62,15 @@ def test_a_request_not_expected_or_ended_streams_nothing_and_a_resumed_one_numbe
     deltas = [x for kind, x in rec.log if kind == "delta"]
     assert deltas == [("id-a", 1, "x"), ("id-a", 2, "y")]
     assert [x for kind, x in rec.log if kind == "step"] == ["s1", "s2", "s3", "s4"]
+
+
+def test_the_runner_finishes_its_report_after_the_deltas_and_before_the_loop_has_it() -> None:
+    rec = Recorded()
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a")])
+    done = step("s1", Partial("a", chunk("x")))
+    done.report.deferred = lambda: rec.log.append(("settled", "s1"))
+    w.post(done)
+    assert rec.log == [("delta", ("id-a", 1, "x")), ("settled", "s1"), ("step", "s1")]
+    done.report.settle()  # once only
+    assert rec.log.count(("settled", "s1")) == 1
