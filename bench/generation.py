@@ -802,6 +802,10 @@ def _met(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**not met**")
 
 
+STEAL_WARN = 0.05
+"""CPU steal share of a run above which the report flags it (a noisy neighbour's share)."""
+
+
 def targets(results: list[ModelResult]) -> list[str]:
     out = ["| model | target | measured | met |", "| --- | --- | --- | --- |"]
     for r in results:
@@ -853,6 +857,12 @@ def targets(results: list[ModelResult]) -> list[str]:
                 out.append(f"| {name} | (not the target: the worker with glibc malloc tuned, see "
                            f"below) ≥ {TARGETS['fleet_share']:.0%} of engine alone | "
                            f"{_f(tuned.tokens_per_s)} / {_f(mean)} = {share:.0%} | - |")  # fmt: skip
+    stolen = [f"{r.model.name} {name} ({o.extra['steal']:.0%})" for r in results
+              for name, o in r.outcomes.items() if o.extra.get("steal", 0.0) >= STEAL_WARN]  # fmt: skip
+    if stolen:
+        out += ["", f"**CPU steal of {STEAL_WARN:.0%} or more** during: {', '.join(stolen)}. The "
+                "hypervisor gave this VM's CPUs to others meanwhile, so the rows using these runs "
+                "are not a fair read: run again."]  # fmt: skip
     return out
 
 

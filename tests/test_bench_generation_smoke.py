@@ -31,3 +31,23 @@ def test_quick_generation_run_writes_a_report(tmp_path: Path) -> None:
                    "fleet saturated", "fleet, lane-0 probes over saturation",
                    "engine alone, again"):  # fmt: skip
         assert f"| {system} |" in report
+
+
+def test_runs_that_lost_cpu_to_steal_are_flagged_under_the_targets(tmp_path: Path) -> None:
+    from bench.generation import GenModel, Job, ModelResult, Outcome, targets
+
+    jobs = [Job(0, 0.0, 0, "hi", (1, 2), 4)]
+
+    def run(system: str, tokens: int, steal: float) -> Outcome:
+        o = Outcome.empty(system, 1.0, jobs, [0.0])
+        o.start[0], o.done[0], o.tokens[0], o.extra["steal"] = 0.0, 2.0, tokens, steal
+        return o
+
+    result = ModelResult(GenModel("m", tmp_path, {}))
+    result.outcomes = {"engine alone": run("engine alone", 100, 0.01),
+                       "fleet saturated": run("fleet saturated", 90, 0.12)}  # fmt: skip
+    lines = targets([result])
+    assert any("fleet ≥ 90% of engine alone" in line and "**90%**" in line for line in lines)
+    assert "CPU steal of 5% or more** during: m fleet saturated (12%)" in lines[-1]
+    result.outcomes["fleet saturated"].extra["steal"] = 0.02
+    assert not any("CPU steal" in line for line in targets([result]))
