@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from batchfleet.worker.generation.detok import TextStream
+from batchfleet.worker.generation.detok import SETTLE, TextStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import make_causal_lm
@@ -105,3 +105,43 @@ def test_stop_strings_still_cut_the_text() -> None:
         got += s.delta()
     got += s.delta(final=True)
     assert got == s.final_text == "abc "
+
+
+def test_a_run_of_broken_bytes_keeps_the_decoded_window_short() -> None:
+    # Given a model stuck on a lone UTF-8 lead byte (each one is broken by the next, and
+    # the last is always incomplete, so the text always ends with a held U+FFFD)
+    windows: list[int] = []
+
+    def counting(tokens: Sequence[int]) -> str:
+        windows.append(len(tokens))
+        return decode(tokens)
+
+    s = TextStream(counting)
+    s.extend(list(b"ok "))
+    got = s.delta()
+    for _ in range(300):
+        s.extend([0xE6])
+        got += s.delta()
+
+    # Then each token decodes a few tokens, not the whole run, and the text is unchanged
+    assert max(windows[-50:]) <= 3 * SETTLE
+    assert got == "ok " + "\ufffd" * 299
+    assert got + s.delta(final=True) == s.final_text == decode([*b"ok ", *[0xE6] * 300])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.lists(
+        st.lists(st.sampled_from([0x41, 0x20, 0xE6, 0x97, 0xA5, 0xC3, 0xA9, 0xF0, 0x9F, 0xC0]),
+                 min_size=1, max_size=3),
+        min_size=1, max_size=60,
+    )
+)  # fmt: skip
+def test_any_bytes_in_any_chunks_release_the_whole_decode(data: list[list[int]]) -> None:
+    s = TextStream(decode)
+    got = ""
+    for chunk in data:
+        s.extend(chunk)
+        got += s.delta()
+    whole = decode([b for chunk in data for b in chunk])
+    assert got + s.delta(final=True) == s.final_text == whole

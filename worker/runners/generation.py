@@ -83,7 +83,10 @@ class _Req:
 
     @property
     def done(self) -> bool:
-        return all(s.finish is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, per row and step
+            return seqs[0].finish is not None
+        return all(s.finish is not None for s in seqs)
 
 
 class TextGenerationRunner:
@@ -259,21 +262,23 @@ class TextGenerationRunner:
             outputs = self.engine.step()
         except Exception as exc:
             return self._failed_step(exc, events, report)
+        # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
+        by_seq = self._by_seq
         for out in outputs:
-            found = self._by_seq.get(out.sequence)
+            found = by_seq.get(out.sequence)
             if found is None:
                 continue  # ended or parked meanwhile
             r, seq = found
-            seq.text.extend(out.tokens[len(seq.text.tokens) - seq.base :])
-            if seq.text.stopped_at is not None:
+            text = seq.text
+            text.extend(out.tokens[len(text.tokens) - seq.base :])
+            if text.stopped_at is not None:
                 seq.finish = "stop"
                 self.engine.cancel([seq.name])
             elif out.finished:
-                last = seq.text.tokens[-1] if seq.text.tokens else None
-                seq.finish = "stop" if last in self.eos else "length"
+                seq.finish = "stop" if text.tokens and text.tokens[-1] in self.eos else "length"
             if seq.finish is not None:
-                self._by_seq.pop(seq.name, None)
+                by_seq.pop(seq.name, None)
             touched[r.key] = r
         for r in touched.values():
             if r.done:
@@ -349,12 +354,13 @@ class TextGenerationRunner:
     def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
         """Text produced and not yet sent, one Partial per input (all of it when ``final``)."""
         out: list[StepEvent] = []
+        sent = r.sent
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
             if text:
-                n = len(s.text.tokens) - r.sent[i]
-                r.sent[i] = len(s.text.tokens)
-                out.append(Partial(r.key, {"input": i, "text": text, "tokens": n}))
+                n = len(s.text.tokens)
+                out.append(Partial(r.key, {"input": i, "text": text, "tokens": n - sent[i]}))
+                sent[i] = n
         return out
 
     def _progress(self, r: _Req) -> Progress:
