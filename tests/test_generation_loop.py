@@ -184,6 +184,26 @@ def test_a_generation_longer_than_claim_idle_ms_is_refreshed_throughout() -> Non
     assert outputs(r, "long")
 
 
+def test_a_step_hung_past_claim_idle_ms_is_reported_until_it_ends() -> None:
+    # Given a generation of 10 ms steps whose fifth step hangs for 1 s (about 0.04-1.04 s),
+    # the idle fallback at 400 ms
+    steps = iter(range(10_000))
+    r = rig(Tokens(max_running=1), cost=lambda work: 1.0 if next(steps) == 4 else STEP_S,
+            worker={"claim_idle_ms": 400})  # fmt: skip
+    submit(r, "long", max_new_tokens=60)  # ends at about 1.6 s
+    seen: dict[float, float | None] = {}
+    for t in (0.03, 0.3, 0.6, 1.0, 1.3):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, r.loop.hung_for()))
+    r.run()
+    # Then the worker reports its device hung (for /livez) only once the step has run past
+    # claim_idle_ms, with how long it has run, and no longer once it ended
+    assert seen[0.03] is None and seen[0.3] is None
+    assert seen[0.6] is not None and 0.5 <= seen[0.6] <= 0.6
+    assert seen[1.0] is not None and 0.9 <= seen[1.0] <= 1.0
+    assert seen[1.3] is None
+    assert outputs(r, "long")["completion_tokens"] == 60
+
+
 def test_deltas_are_numbered_and_end_after_the_result() -> None:
     r, _ = gen_rig()
     submit(r, "s", max_new_tokens=4, stream=True)

@@ -59,25 +59,54 @@ def test_health_phases_without_a_server() -> None:
     assert health.live()[0] is True
 
 
-def test_unready_while_loading_and_draining(
+def test_a_hung_device_fails_liveness_and_readiness_until_its_step_ends() -> None:
+    hung: dict[str, float | None] = {"a": None, "b": None}
+    health = Health()
+    health.serving([], {m: (lambda m=m: hung[m]) for m in hung})
+    assert health.live() == (True, {"phase": "serving", "dead_loops": [], "hung_devices": {}})
+    assert health.ready()[0] is True
+    hung["b"] = 312.345
+    ok, body = health.live()
+    assert not ok and body["hung_devices"] == {"b": 312.3}
+    assert health.ready() == (False, {"phase": "serving", "detail": "devices hung: {'b': 312.3}"})
+    health.draining()  # a hung device blocks the drain too: still not live
+    assert health.live()[0] is False
+    hung["b"] = None
+    assert health.live()[0] is True
+
+
+@pytest.fixture
+def gated_worker(
     redis_url: str,
-    r: redis.Redis,
     tiny_embedder: Path,
     tmp_path: Path,
     start_worker: Callable[..., WorkerProcess],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Given a worker whose model load and batches wait for the test's go-ahead
+) -> Callable[[int], tuple[Path, int, WorkerProcess]]:
+    """Starts a worker serving ``tiny`` by :class:`GatedEmbedding` with its health on a free
+    port and the given ``claim_idle_ms``: (its gate folder, the port, the worker)."""
     gate = tmp_path / "gate"
     gate.mkdir()
-    port = free_port()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent),
                                                       os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    text = fleet_toml(redis_url, {"tiny": {"runner": "gated_handler:GatedEmbedding",
-                                           "path": str(tiny_embedder), "max_tokens": 32,
-                                           "options": {"gate": str(gate)}}})  # fmt: skip
-    text += f'\n[health]\nport = {port}\nhost = "127.0.0.1"\n'
-    w = start_worker(text, "healthy")
+
+    def start(claim_idle_ms: int) -> tuple[Path, int, WorkerProcess]:
+        port = free_port()
+        text = fleet_toml(redis_url, {"tiny": {"runner": "gated_handler:GatedEmbedding",
+                                               "path": str(tiny_embedder), "max_tokens": 32,
+                                               "options": {"gate": str(gate)}}},
+                          worker={"claim_idle_ms": claim_idle_ms})  # fmt: skip
+        text += f'\n[health]\nport = {port}\nhost = "127.0.0.1"\n'
+        return gate, port, start_worker(text, "gated")
+
+    return start
+
+
+def test_unready_while_loading_and_draining(
+    redis_url: str, r: redis.Redis, gated_worker: Callable[[int], tuple[Path, int, WorkerProcess]]
+) -> None:
+    # Given a worker whose model load and batches wait for the test's go-ahead
+    gate, port, w = gated_worker(600_000)  # claim_idle_ms: its device never counts as hung
 
     # While the model loads: live, not ready
     wait_for(lambda: probe(port, "/readyz")[0] != 0, "health endpoint up")
@@ -104,3 +133,31 @@ def test_unready_while_loading_and_draining(
         assert job.result(timeout=30).ok, "the running batch was published"
     assert w.process.wait(30) == 0
     assert probe(port, "/readyz")[0] == 0, "endpoint closed on exit"
+
+
+def test_a_hung_device_fails_liveness_until_its_batch_ends(
+    redis_url: str, r: redis.Redis, gated_worker: Callable[[int], tuple[Path, int, WorkerProcess]]
+) -> None:
+    # Given a worker whose batch waits for the test's go-ahead, the idle fallback at 1 s
+    gate, port, w = gated_worker(1000)
+    (gate / "load").touch()
+    w.wait_ready(r, "tiny")
+    wait_for(lambda: probe(port, "/livez")[0] == 200, "live")
+
+    with Producer(redis_url) as producer:
+        job = producer.submit("tiny", "the dog", priority=0)
+        wait_for(lambda: (gate / "running").exists(), "batch running")
+
+        # When its batch runs past claim_idle_ms: not live (the orchestrator restarts it),
+        # not ready, the model named
+        wait_for(lambda: probe(port, "/livez")[0] == 503, "not live while the device hangs")
+        status, body = probe(port, "/livez")
+        assert status == 503 and list(body["hung_devices"]) == ["tiny"]  # type: ignore[call-overload]
+        assert "devices hung" in str(probe(port, "/readyz")[1]["detail"])
+
+        # Then once the batch ends: the request is answered, and the worker live again
+        (gate / "run").touch()
+        assert job.result(timeout=30).ok
+        wait_for(lambda: probe(port, "/livez") == (200, {"ok": True, "phase": "serving",
+                                                          "dead_loops": [], "hung_devices": {}}),
+                 "live again")  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchfleet.worker.answers import Held
-from batchfleet.worker.holding import Holding, HoldingFeed, entries_to_refresh
+from batchfleet.worker.holding import Holding, HoldingFeed, entries_to_refresh, hung_for
 from batchfleet.worker.streams import Entry
 
 A, B = Entry(0, "1-0", {}), Entry(1, "1-1", {})
@@ -18,6 +18,12 @@ def test_held_entries_are_refreshed_unless_the_device_step_runs_past_claim_idle_
     assert entries_to_refresh(Holding((A, B), 99.0), 100.0, 1000) == (A, B), "a 1 s step"
     assert entries_to_refresh(Holding((A, B), 98.9), 100.0, 1000) == (), "hung: 1.1 s"
     assert entries_to_refresh(Holding(), 100.0, 1000) == ()
+
+
+def test_a_device_step_hangs_once_it_has_run_past_claim_idle_ms() -> None:
+    assert hung_for(Holding((A,), None), 100.0, 1000) is None, "device idle"
+    assert hung_for(Holding((A,), 99.0), 100.0, 1000) is None, "a 1 s step"
+    assert hung_for(Holding((A,), 98.5), 100.0, 1000) == 1.5
 
 
 @dataclass

@@ -22,7 +22,7 @@ from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
 from batchfleet.worker.deltas import DeltaWriter
 from batchfleet.worker.executor import execute
-from batchfleet.worker.holding import Holding
+from batchfleet.worker.holding import Holding, hung_for
 from batchfleet.worker.inbox import Arrived, Event, ReadIdle, StepDone, Wake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import LoopEvent
@@ -109,6 +109,8 @@ class ScriptedSource:
         self.released: list[Entry] = []
         self.holding = Holding()
         """The loop's latest snapshot of what it holds (the intake refreshes its entries)."""
+        self.claim_idle_ms = 300_000
+        """Set by the rig from the worker's config."""
         self.handovers: list[float] = []
         """When the loop handed a snapshot over."""
         self.started = False
@@ -158,6 +160,9 @@ class ScriptedSource:
     def hold(self, holding: Holding) -> None:
         self.holding = holding
         self.handovers.append(self.world.now)
+
+    def hung_for(self) -> float | None:
+        return hung_for(self.holding, self.world.now, self.claim_idle_ms)
 
     @property
     def held(self) -> tuple[Entry, ...]:
@@ -366,6 +371,7 @@ def rig(
     sink_box: list[MemorySink] = []
 
     def parts(loop: BatchLoop) -> Parts:
+        source.claim_idle_ms = loop.worker.claim_idle_ms
         sink = MemorySink(MODEL, loop.observers, lambda: inbox.put(Wake()), hold=hold)
         sink_box.append(sink)
         if not is_continuous(runner):

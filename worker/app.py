@@ -106,7 +106,7 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             self.threads.append(thread)
             thread.start()
-        self.health.serving(self.threads)
+        self.health.serving(self.threads, {loop.model: loop.hung_for for loop in self.loops})
 
     def _serve(self, loop: BatchLoop, burst: bool) -> None:
         """Run a loop; restart it after an unexpected error (its held entries stay pending and

@@ -1,8 +1,10 @@
 """The worker's readiness and liveness over HTTP, for Kubernetes probes and load balancers.
 
 ``GET /readyz`` answers 200 once every model is loaded and its batch loop runs, and 503
-while models load and from the moment the worker starts draining (SIGTERM). ``GET /livez``
-answers 200 while the process serves and no batch loop thread has died, else 503. The body
+while models load, from the moment the worker starts draining (SIGTERM), and while a
+device hangs. ``GET /livez`` answers 200 while the process serves, unless a batch loop
+thread has died or a model's device step has run longer than ``claim_idle_ms`` (a hung
+device: its requests already go to other workers; a restart frees the device). The body
 is a small JSON object with the reason. A stdlib ``http.server`` on a daemon thread: no
 dependency, and it keeps answering while the model loads on the main thread.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -31,15 +33,22 @@ class Health:
         self._phase = self.STARTING
         self._detail = "loading models"
         self._threads: Sequence[threading.Thread] = ()
+        self._hung: Mapping[str, Callable[[], float | None]] = {}
 
     def loading(self, model: str) -> None:
         with self._lock:
             self._detail = f"loading model {model}"
 
-    def serving(self, threads: Sequence[threading.Thread]) -> None:
-        """Every loop is started: ready from now on."""
+    def serving(
+        self,
+        threads: Sequence[threading.Thread],
+        hung: Mapping[str, Callable[[], float | None]] | None = None,
+    ) -> None:
+        """Every loop is started: ready from now on. ``hung``: per model, how long its
+        device step has hung (None: it has not; ``BatchLoop.hung_for``)."""
         with self._lock:
             self._phase, self._detail, self._threads = self.SERVING, "", tuple(threads)
+            self._hung = dict(hung or {})
 
     def draining(self) -> None:
         """Shutdown began: unready, so no new work is routed here; still live."""
@@ -49,16 +58,31 @@ class Health:
     def ready(self) -> tuple[bool, dict[str, Any]]:
         with self._lock:
             dead = [t.name for t in self._threads if not t.is_alive()]
-            ok = self._phase == self.SERVING and not dead
-            detail = self._detail or (f"loop threads died: {dead}" if dead else "ok")
+            hung = self._hung_devices()
+            ok = self._phase == self.SERVING and not dead and not hung
+            detail = self._detail or (
+                f"loop threads died: {dead}" if dead
+                else f"devices hung: {hung}" if hung
+                else "ok"
+            )  # fmt: skip
             return ok, {"phase": self._phase, "detail": detail}
 
     def live(self) -> tuple[bool, dict[str, Any]]:
         with self._lock:
             dead = [t.name for t in self._threads if not t.is_alive()]
+            hung = self._hung_devices()
             # A loop thread ends only on shutdown; one gone while serving is a wedged worker.
-            ok = not (self._phase == self.SERVING and dead)
-            return ok, {"phase": self._phase, "dead_loops": dead}
+            ok = not (self._phase == self.SERVING and dead) and not hung
+            return ok, {"phase": self._phase, "dead_loops": dead, "hung_devices": hung}
+
+    def _hung_devices(self) -> dict[str, float]:
+        """Models whose device step hangs, with the seconds it has run."""
+        out: dict[str, float] = {}
+        for model, hung_for in self._hung.items():
+            ran = hung_for()
+            if ran is not None:
+                out[model] = round(ran, 1)
+        return out
 
 
 def _handler_for(health: Health) -> type[BaseHTTPRequestHandler]:

@@ -28,11 +28,19 @@ class Holding:
     busy_since: float | None = None
 
 
+def hung_for(holding: Holding, now: float, claim_idle_ms: int) -> float | None:
+    """How long the device step in flight has run, once longer than ``claim_idle_ms`` (a
+    hung device); None while it has not, or the device is idle."""
+    if holding.busy_since is None:
+        return None
+    ran = now - holding.busy_since
+    return ran if ran * 1000 > claim_idle_ms else None
+
+
 def entries_to_refresh(holding: Holding, now: float, claim_idle_ms: int) -> tuple[Entry, ...]:
-    """The entries whose idle time to reset now: all held, unless the device step in flight
-    has run longer than ``claim_idle_ms`` (a hung device): then none, and the idle fallback
-    hands them to other workers."""
-    if holding.busy_since is not None and (now - holding.busy_since) * 1000 > claim_idle_ms:
+    """The entries whose idle time to reset now: all held, unless the device is hung
+    (:func:`hung_for`): then none, and the idle fallback hands them to other workers."""
+    if hung_for(holding, now, claim_idle_ms) is not None:
         return ()
     return holding.entries
 

@@ -23,7 +23,7 @@ from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from .blobs import fetch_referenced
-from .holding import Holding, entries_to_refresh
+from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
 
@@ -231,6 +231,11 @@ class Intake:
                 self.streams.keys.model, now - holding.busy_since, len(holding.entries),
             )  # fmt: skip
         self._withheld = withheld
+
+    def hung_for(self) -> float | None:
+        """Seconds the device step in flight has run, once past ``claim_idle_ms`` (a hung
+        device, whose entries are no longer refreshed); else None. Any thread may ask."""
+        return hung_for(self._holding, self._clock(), self.worker.claim_idle_ms)
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())

@@ -172,6 +172,11 @@ class BatchLoop:
         """Requests read and not yet dispatched (the running batch not included)."""
         return len(self.scheduler.held)
 
+    def hung_for(self) -> float | None:
+        """Seconds its device step has run past ``claim_idle_ms`` (a hung device: the
+        worker's ``/livez`` fails, so the orchestrator restarts it), else None. Any thread."""
+        return self.parts.source.hung_for()
+
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
 
