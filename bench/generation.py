@@ -974,9 +974,11 @@ METHOD = """\
 - **Warm-up**: the engine alone runs after a calibration burst of the first requests; the
   fleet worker gets the same burst before its runs (SmolLM2: two requests), so neither
   side's measured run pays for growing its KV buffers and first-touching memory.
-- **Engine alone** runs before the static and one-at-a-time baselines and, for the Llama,
-  again after the fleet runs (a fresh runner); the fleet is compared with their mean, so a
-  drift of the machine's speed over the run shows as the gap between the two passes.
+- **Engine alone** runs before the static and one-at-a-time baselines and again after the
+  fleet runs (a fresh runner); the fleet is compared with their mean, so a drift of the
+  machine's speed over the run shows as the gap between the two passes (SmolLM2's one pass
+  once came out 20% faster than every other, and its fleet share read 75% against 92%
+  in a re-run).
 - **Per run**: `steps` and step times (fleet: timed in the worker by the stamps wrapper),
   `device busy` = step time / span, running sequences and KV tokens per step (the runner's
   progress report), `CPU steal` = the VM's steal share of CPU time meanwhile
@@ -1210,13 +1212,13 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
             )
         finally:
             tuned.stop()
-    if which == "tiny":  # the engine alone again, to bracket the fleet runs in time
-        say(f"{model.name}: engine alone again")
-        runner = load_runner(model)
-        engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
-        result.outcomes["engine alone, again"] = measured(
-            lambda: engine_alone(runner, jobs, saturated, "engine alone, again")
-        )
+    # the engine alone again (a fresh runner), to bracket the fleet runs in time
+    say(f"{model.name}: engine alone again")
+    runner = load_runner(model)
+    engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
+    result.outcomes["engine alone, again"] = measured(
+        lambda: engine_alone(runner, jobs, saturated, "engine alone, again")
+    )
     for o in result.outcomes.values():
         missing = sum(1 for d in o.done if d is None) if o.busy_s is None else 0
         if missing:
