@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ from batchfleet.schemas.errors import ErrorCode, RequestRejected
 from batchfleet.schemas.inputs import ImageB64, ImageRef, InputLimits, Ranking, TextPair
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Request, Result
+from batchfleet.worker.intake import BLOB_READ_TRIES
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.image_classification import ImageClassificationRunner
 from batchfleet.worker.runners.image_text import ImageTextEmbeddingRunner
 from batchfleet.worker.runners.rerank import RerankRunner
+from batchfleet.worker.streams import ModelStreams
 from tiny_vision import IMAGE_LABELS, decompression_bomb, image_file, image_files
 
 from batchfleet.config import ModelConfig, WorkerConfig
@@ -189,6 +192,49 @@ def test_images_by_reference(
         assert (
             error is not None and error.code is ErrorCode.INVALID_INPUT and words in error.message
         )
+
+
+@pytest.mark.parametrize("failures", [1, BLOB_READ_TRIES])
+def test_a_failed_read_of_a_referenced_image_is_retried_not_answered_missing(
+    r: redis.Redis,
+    redis_url: str,
+    vit: ImageClassificationRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failures: int,
+) -> None:
+    # Given a referenced image whose first reads fail (a connection reset): once, which the
+    # intake retries, or as often as it tries, so it hands the request back to the fleet
+    keys = ModelKeys("vit")
+    img = image_file(64, 48, "PNG")
+    r.set(keys.input("cat-2"), img, ex=300)
+    read_inputs = ModelStreams.read_inputs
+    left = [failures]
+
+    def flaky(self: ModelStreams, names: list[str], max_bytes: int) -> list[bytes | None]:
+        if left[0]:
+            left[0] -= 1
+            raise redis.ConnectionError("Connection reset by peer (injected)")
+        return read_inputs(self, names, max_bytes)
+
+    monkeypatch.setattr(ModelStreams, "read_inputs", flaky)
+    producer = Producer(redis_url)
+    job = producer.submit("vit", inputs=[{"image_key": keys.input("cat-2")}])
+    inline = producer.submit("vit", images=[img])
+
+    # When a worker serves them (bursts, until both are answered)
+    with caplog.at_level(logging.WARNING, logger="batchfleet.worker.intake"):
+        for _ in range(5):
+            loop = _serve(r, "vit", vit)
+            if r.exists(keys.result(job.id)):
+                break
+
+    # Then the image is read on a later try and classified: never answered as missing
+    assert left == [0]
+    assert job.outputs(timeout=5) == inline.result(timeout=5).outputs
+    handed_back = "handed back" in caplog.text
+    assert handed_back is (failures == BLOB_READ_TRIES)
+    assert loop.stats.snapshot()["requests"].get("error", 0) == 0
 
 
 def test_clip_and_reranker_with_both_producers(

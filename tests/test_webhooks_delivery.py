@@ -332,3 +332,40 @@ def test_a_retry_survives_the_webhooks_worker_killed_during_its_backoff(
     assert len(rx.received) == 2 and status.attempts == 2
     assert got[0].headers["webhook-id"] == got[1].headers["webhook-id"]
     assert r.zcard(scheduled) == 0 and r.llen("webhooks") == 0 and r.hlen("unacked") == 0
+
+
+def test_a_delivery_runs_again_when_its_webhooks_worker_is_killed_mid_attempt(
+    fleet: Callable[..., Path],
+    workers: Callable[..., tuple[object, WebhooksWorker]],
+    redis_url: str,
+    r: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    # Given a receiver that holds the first request open, and deliveries redelivered 6 s
+    # after they start (the broker's visibility timeout; an hour in kombu by default)
+    config = fleet(attempt_timeout_s=4.0, read_timeout_s=4.0, redeliver_after_s=6.0)
+    with Receiver([Answer(hang_s=120)]) as rx, Producer(redis_url) as producer:
+        _, hooks = workers(config)
+        job = producer.submit("tiny", "kill me mid-attempt", webhook=rx.url)
+        assert job.result(timeout=20).ok
+        rx.wait_for(1, timeout=20)
+        assert r.hlen("unacked") == 1  # the attempt's task, not acknowledged yet
+
+        # When its webhooks worker is SIGKILLed during the attempt and another one runs
+        hooks.kill()
+        again = WebhooksWorker(config, tmp_path / "webhooks-2.log", name="wh2")
+        try:
+            again.wait_ready()
+            # Then the delivery runs again there, and is delivered once
+            got = rx.wait_for(2, timeout=60)
+            status = _status(r, job.id, "delivered")
+            end = time.monotonic() + 20
+            while r.hlen("unacked") and time.monotonic() < end:
+                time.sleep(0.05)
+        finally:
+            again.stop()
+
+    assert len(rx.received) == 2 and status.state == "delivered"
+    assert got[0].headers["webhook-id"] == got[1].headers["webhook-id"]
+    assert r.hlen("unacked") == 0 and r.llen("webhooks") == 0
+    assert list(deadletter.list_failed(r)) == []

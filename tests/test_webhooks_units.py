@@ -107,3 +107,23 @@ def test_a_webhook_body_carries_the_result_as_stored_unknown_fields_too() -> Non
                    "finished_at_ms": 1_700_000_000_000, "from_a_newer_worker": {"x": 1}})  # fmt: skip
     body = json.loads(encode_body(stored, "json"))
     assert body["data"]["from_a_newer_worker"] == {"x": 1} and body["data"]["id"] == "r1"
+
+
+def test_a_killed_attempt_is_redelivered_after_redeliver_after_s_not_an_hour() -> None:
+    from batchfleet.worker.app import create_app
+
+    from batchfleet.config import FleetConfig
+
+    assert WebhooksConfig().redelivery_s() == 60.0  # 2 x the 15 s attempt timeout + 30
+    assert WebhooksConfig(attempt_timeout_s=100).redelivery_s() == 230.0
+    assert WebhooksConfig(redeliver_after_s=40).broker_transport_options() == {
+        "visibility_timeout": 40,
+        "unacked_restore_interval": 6,
+        "unacked_restore_throttle": 1,
+    }
+    with pytest.raises(ValidationError, match="redeliver_after_s must exceed"):
+        WebhooksConfig(attempt_timeout_s=30, redeliver_after_s=30)
+    # every batchfleet Celery app (model workers send deliveries, webhooks workers run them)
+    fleet = FleetConfig.model_validate({"redis_url": "redis://127.0.0.1:1/0"})
+    app = create_app(fleet)
+    assert app.conf.broker_transport_options["visibility_timeout"] == 60.0

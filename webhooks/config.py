@@ -58,6 +58,11 @@ class WebhooksConfig(BaseModel):
     attempt_timeout_s: float = Field(15.0, gt=0, le=600)
     """Longest time one attempt may take in all: connect, send, and the whole response. An
     endpoint that drips its answer a byte at a time is cut off here (and retried)."""
+    redeliver_after_s: float | None = Field(None, gt=0, le=3600)
+    """A delivery whose webhooks worker died mid-attempt (SIGKILL, OOM, lost node) runs again
+    on another webhooks worker this long after it started: the Redis broker's visibility
+    timeout (kombu's default is an hour). It must outlast one attempt, or a slow attempt
+    would also run twice; default ``2 * attempt_timeout_s + 30`` (60 s at the defaults)."""
     max_response_bytes: int = Field(64 * 1024, ge=0, le=16 * 1024 * 1024)
     """More of a response body than this is not read."""
 
@@ -106,7 +111,25 @@ class WebhooksConfig(BaseModel):
     def _backoff(self) -> WebhooksConfig:
         if self.backoff_base_s > self.backoff_max_s:
             raise ValueError("backoff_base_s must not exceed backoff_max_s")
+        if self.redeliver_after_s is not None and self.redeliver_after_s <= self.attempt_timeout_s:
+            raise ValueError("redeliver_after_s must exceed attempt_timeout_s")
         return self
+
+    def redelivery_s(self) -> float:
+        """The broker's visibility timeout for delivery tasks (see ``redeliver_after_s``)."""
+        if self.redeliver_after_s is not None:
+            return self.redeliver_after_s
+        return 2 * self.attempt_timeout_s + 30.0
+
+    def broker_transport_options(self) -> dict[str, float | int]:
+        """kombu's Redis transport options: redeliver after :meth:`redelivery_s`, swept for
+        at least every sixth of it (kombu sweeps every 100 s by default)."""
+        after = self.redelivery_s()
+        return {
+            "visibility_timeout": after,
+            "unacked_restore_interval": max(1, int(after / 6)),
+            "unacked_restore_throttle": 1,
+        }
 
     def secret_for(self, secret_id: str | None) -> str | None:
         """The ``whsec_`` secret a delivery is signed with, or None if none is configured."""

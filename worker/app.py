@@ -164,6 +164,8 @@ def create_app(
         broker_connection_retry_on_startup=True,
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
+        # a webhooks worker killed mid-attempt: its delivery runs again within a minute or so
+        broker_transport_options=fleet.webhooks.broker_transport_options(),
     )
     app.batchfleet_config = fleet
     app.batchfleet_models = models

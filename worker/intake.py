@@ -22,7 +22,7 @@ import redis
 from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
-from .blobs import fetch_referenced
+from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
@@ -36,6 +36,9 @@ reserve while lower lanes fill its hold)."""
 RECLAIM_EVERY_S = 1.0
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
+BLOB_READ_TRIES = 3
+"""Tries of a read of the inputs entries reference (50 ms, then 200 ms apart); if all fail,
+those entries are handed back to the fleet, never answered as if the input were missing."""
 
 
 class Intake:
@@ -302,7 +305,7 @@ class Intake:
         retire: list[Retiring] = []
         cancelled: list[str] = []
         try:
-            entries = fetch_referenced(entries, self.streams, self.limits)
+            entries = self._with_blobs(entries)
             retire = self._answered(entries)
             if self._check_cancels:
                 cancelled = self._cancelled_before(entries)
@@ -316,6 +319,29 @@ class Intake:
                 self._post(Retire(retire))
             # cancelled ones ride along: the loop ends them before any step starts them
             self._post(Arrived(fresh, self._clock(), tuple(cancelled)))
+
+    def _with_blobs(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` carrying the inputs they reference. If reading those keeps failing
+        (Redis unreachable or timing out), the referencing entries are handed back: the next
+        reclaim reads them again, and no delivery is counted for it."""
+        for attempt in range(BLOB_READ_TRIES):
+            try:
+                return fetch_referenced(entries, self.streams, self.limits)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                error = exc
+                if attempt + 1 < BLOB_READ_TRIES:
+                    with self._cond:
+                        self._cond.wait(0.05 * 4**attempt)
+        keys, limits = self.streams.keys, self.limits
+        unread = [e for e in entries if referenced_keys(e, keys, limits)]
+        logger.warning(
+            "reading the inputs %d requests reference failed %d times (%s): handed back",
+            len(unread), BLOB_READ_TRIES, error,
+        )  # fmt: skip
+        with contextlib.suppress(redis.RedisError):  # else they wait out claim_idle_ms
+            self.streams.release(unread, self.worker.claim_idle_ms)
+        gone = {e.key for e in unread}
+        return [e for e in entries if e.key not in gone]
 
     def _cancelled_before(self, entries: list[Entry]) -> list[str]:
         """Requests of a generating model cancelled before they were read."""
