@@ -40,9 +40,32 @@ def _reference(q: Any, k: Any, v: Any, lengths: list[int], scale: float) -> Any:
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 1)])
 @pytest.mark.parametrize("sliced", [True, False], ids=["buffer-slice", "contiguous"])
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 def test_each_row_attends_over_its_own_length_like_masked_sdpa(
-    heads: int, kv_heads: int, sliced: bool
+    heads: int, kv_heads: int, sliced: bool, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # (with torch's thread count above 1, the row-heads are split over that many threads)
+    decode_attention.kernel()
+    parallel, calls = decode_attention._parallel, []
+    assert parallel is not None, "numba has a threading layer here"
+
+    def counted(*args: Any) -> None:
+        calls.append(args[-1])
+        parallel(*args)
+
+    monkeypatch.setattr(decode_attention, "_parallel", counted)
+    monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _attends_like_masked_sdpa(heads, kv_heads, sliced)
+    finally:
+        torch.set_num_threads(previous)
+    most = decode_attention._numba.config.NUMBA_NUM_THREADS  # the cores, by default
+    assert calls == ([] if threads == 1 else [min(threads, most)])
+
+
+def _attends_like_masked_sdpa(heads: int, kv_heads: int, sliced: bool) -> None:
     torch.manual_seed(heads * 10 + kv_heads)
     rows, dim = 7, 32
     lengths = [1, 5, 64, 17, 33, 2, 40]

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker.generation import decode_attention  # noqa: E402
 from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine, SlabLayer  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
@@ -64,12 +65,30 @@ def run(
     return done
 
 
-@pytest.mark.parametrize("row_attention", [True, False], ids=["row-attention", "sdpa"])
+@pytest.mark.parametrize(
+    "row_attention,threads",
+    [(True, 1), (True, 2), (False, 1)],
+    ids=["row-attention", "row-attention-2-threads", "sdpa"],
+)
 @pytest.mark.parametrize("which", ["llama", "gpt2"])
 def test_greedy_tokens_equal_one_at_a_time_generate(
-    which: str, row_attention: bool, request: pytest.FixtureRequest
+    which: str,
+    row_attention: bool,
+    threads: int,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = request.getfixturevalue(which)
+    if threads > 1:  # every decode's attention split over 2 threads (however short)
+        monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _greedy_tokens_equal_generate(request.getfixturevalue(which), row_attention)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _greedy_tokens_equal_generate(model: Any, row_attention: bool) -> None:
     rng = random.Random(7)
     vocab = model.config.vocab_size
     seqs = [(f"s{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))],

@@ -6,7 +6,9 @@ and a mask; on the benchmark's mixed lengths it reads about twice the keys and v
 row has, at about a quarter of the memory bandwidth (``python -m bench.generation``,
 decode step cost table). This kernel, compiled by numba, reads only each row's
 ``length`` keys and values, once per key-value head for all the query heads sharing it
-(grouped-query attention), with a numerically stable softmax.
+(grouped-query attention), with a numerically stable softmax. With more than one torch
+thread, a step's row-heads are dealt to that many numba threads (the OpenMP pool torch's
+linear layers use), so attention scales with the cores as they do.
 
 It is used as a transformers attention function (``ATTENTION``, registered at import)
 that falls back to ``sdpa`` for everything but a float32 CPU decode step the padded
@@ -36,8 +38,46 @@ LENGTHS = "batchfleet_lengths"
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
 
 
-def _compile(cache: bool) -> Any:
+def _compile(cache: bool) -> tuple[Any, Any]:
+    """The serial kernel and the parallel one (row-heads dealt round-robin to ``parts``
+    numba threads, each with its own scratch), sharing one compiled body."""
     import numba
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
+    def one(q: Any, k: Any, v: Any, n: int, r: int, h: int, scale: float, out: Any,
+            s: Any, acc: Any, top: Any, total: Any) -> None:  # fmt: skip
+        """Row ``r``, key-value head ``h``, over its first ``n`` keys (scratch: s, acc,
+        top, total)."""
+        group, dim = q.shape[2], q.shape[3]
+        for g in range(group):
+            top[g] = -np.inf
+        for j in range(n):
+            for g in range(group):
+                x = np.float32(0.0)
+                for d in range(dim):
+                    x += q[r, h, g, d] * k[r, h, j, d]
+                x *= scale
+                s[g, j] = x
+                if x > top[g]:
+                    top[g] = x
+        for g in range(group):
+            t = np.float32(0.0)
+            for j in range(n):
+                e = np.exp(s[g, j] - top[g])
+                s[g, j] = e
+                t += e
+            total[g] = t
+            for d in range(dim):
+                acc[g, d] = 0.0
+        for j in range(n):
+            for g in range(group):
+                p = s[g, j]
+                for d in range(dim):
+                    acc[g, d] += p * v[r, h, j, d]
+        for g in range(group):
+            inv = np.float32(1.0) / total[g]
+            for d in range(dim):
+                out[r, h, g, d] = acc[g, d] * inv
 
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
     def attend(q: Any, k: Any, v: Any, lengths: Any, scale: float, out: Any) -> None:
@@ -50,66 +90,83 @@ def _compile(cache: bool) -> Any:
         top = np.empty(group, np.float32)
         total = np.empty(group, np.float32)
         for r in range(rows):
-            n = lengths[r]
             for h in range(heads):
-                for g in range(group):
-                    top[g] = -np.inf
-                for j in range(n):
-                    for g in range(group):
-                        x = np.float32(0.0)
-                        for d in range(dim):
-                            x += q[r, h, g, d] * k[r, h, j, d]
-                        x *= scale
-                        s[g, j] = x
-                        if x > top[g]:
-                            top[g] = x
-                for g in range(group):
-                    t = np.float32(0.0)
-                    for j in range(n):
-                        e = np.exp(s[g, j] - top[g])
-                        s[g, j] = e
-                        t += e
-                    total[g] = t
-                    for d in range(dim):
-                        acc[g, d] = 0.0
-                for j in range(n):
-                    for g in range(group):
-                        p = s[g, j]
-                        for d in range(dim):
-                            acc[g, d] += p * v[r, h, j, d]
-                for g in range(group):
-                    inv = np.float32(1.0) / total[g]
-                    for d in range(dim):
-                        out[r, h, g, d] = acc[g, d] * inv
+                one(q, k, v, lengths[r], r, h, scale, out, s, acc, top, total)
 
-    return attend
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache, parallel=True)
+    def attend_parallel(
+        q: Any, k: Any, v: Any, lengths: Any, scale: float, out: Any, parts: int
+    ) -> None:
+        """:func:`attend` on ``parts`` threads: part ``t`` takes row-heads ``t``, ``t +
+        parts``, ... (round-robin, so long and short rows spread evenly)."""
+        rows, heads, group, dim = q.shape
+        for t in numba.prange(parts):
+            s = np.empty((group, k.shape[2]), np.float32)
+            acc = np.empty((group, dim), np.float32)
+            top = np.empty(group, np.float32)
+            total = np.empty(group, np.float32)
+            for i in range(t, rows * heads, parts):
+                r = i // heads
+                one(q, k, v, lengths[r], r, i - r * heads, scale, out, s, acc, top, total)
 
+    return attend, attend_parallel
+
+
+PARALLEL_MIN_KEYS = 2048
+"""Key-value-head reads (keys over all rows, times key-value heads) from which a step's
+attention is split over torch's thread count; below it a thread team costs more than it
+saves."""
 
 _kernel: Any = None
+_parallel: Any = None
+_numba: Any = None
 _lock = threading.Lock()
 
 
 def kernel() -> Any:
-    """The compiled kernel (compiled, or loaded from numba's cache, on first use); None
-    where numba is not installed or cannot compile here."""
-    global _kernel
+    """The compiled serial kernel (compiled, or loaded from numba's cache, on first use,
+    with the parallel one beside it); None where numba is not installed or cannot compile
+    here."""
+    global _kernel, _parallel, _numba
     with _lock:
         if _kernel is None:
             _kernel = False
             # cached beside the module, or in numba's user-wide cache; else compiled anew
             for cache in (True, False):
                 try:
-                    attend = _compile(cache)
-                    q = np.zeros((1, 1, 1, 4), np.float32)
-                    kv = np.zeros((1, 1, 2, 4), np.float32)
-                    attend(q, kv, kv, np.ones(1, np.int64), np.float32(1.0), q.copy())
+                    attend, parallel = _compile(cache)
+                    q = np.zeros((2, 1, 1, 4), np.float32)
+                    kv = np.zeros((2, 1, 2, 4), np.float32)
+                    lengths = np.ones(2, np.int64)
+                    attend(q, kv, kv, lengths, np.float32(1.0), q.copy())
                     _kernel = attend
-                    break
                 except Exception as exc:  # ImportError, no cache location, no compiler
                     logger.warning("CPU decode attention (numba, cache=%s) failed: %s", cache, exc)
+                    continue
+                try:
+                    import numba
+
+                    parallel(q, kv, kv, lengths, np.float32(1.0), q.copy(), 2)
+                    _parallel, _numba = parallel, numba
+                except Exception as exc:  # no threading layer: one thread
+                    logger.warning("CPU decode attention runs on one thread: %s", exc)
+                break
             if _kernel is False:
                 logger.warning("CPU decode attention unavailable: the padded engine uses sdpa")
         return _kernel or None
+
+
+def _parts(work: int) -> int:
+    """How many threads a step's attention of ``work`` row-heads runs on: torch's thread
+    count (what its linear layers use), at most one per row-head and numba's maximum; 1
+    where the parallel kernel is unavailable."""
+    threads = torch.get_num_threads()
+    if threads < 2 or work < 2 or _parallel is None:
+        return 1
+    parts = min(threads, work, _numba.config.NUMBA_NUM_THREADS)
+    if _numba.get_num_threads() != parts:  # per calling thread
+        _numba.set_num_threads(parts)
+    return int(parts)
 
 
 def usable(model: Any) -> bool:
@@ -170,7 +227,12 @@ def attention(
     keys, values = _whole(key), _whole(value)
     if len(lengths) != rows or int(lengths.max()) > keys.shape[2]:  # unchecked reads below
         raise ValueError(f"row lengths {lengths} do not fit keys of shape {tuple(key.shape)}")
-    attend(q.numpy(), keys, values, lengths, scale, out.numpy())
+    work = rows * kv_heads
+    parts = _parts(work) if int(lengths.sum()) * kv_heads >= PARALLEL_MIN_KEYS else 1
+    if parts > 1:
+        _parallel(q.numpy(), keys, values, lengths, scale, out.numpy(), parts)
+    else:
+        attend(q.numpy(), keys, values, lengths, scale, out.numpy())
     return out.view(rows, heads, 1, dim).transpose(1, 2), None
 
 
