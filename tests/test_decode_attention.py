@@ -169,3 +169,24 @@ def test_a_row_length_past_the_keys_is_refused_not_read() -> None:
         decode_attention.attention(
             _Module(1), q, k, v, None, **{decode_attention.LENGTHS: torch.tensor([3, 6]).numpy()}
         )
+
+
+def test_starting_the_kernels_leaves_torchs_thread_count_alone() -> None:
+    # numba's first parallel call starts its OpenMP threads and sets the caller's OpenMP
+    # thread count to numba's maximum; torch reads it unless set_num_threads was called, so
+    # a process told OMP_NUM_THREADS=1 went on with 2 threads in the thread that loaded a
+    # model. A fresh process: the kernels start once per process.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from batchfleet.worker.generation import decode_attention as da\n"
+        "assert da.kernel() is not None and da._parallel is not None\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    assert out.stdout.split() == ["1"]

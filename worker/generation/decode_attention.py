@@ -143,6 +143,9 @@ def kernel() -> Any:
                 except Exception as exc:  # ImportError, no cache location, no compiler
                     logger.warning("CPU decode attention (numba, cache=%s) failed: %s", cache, exc)
                     continue
+                # numba's first parallel call starts its OpenMP threads and leaves the calling
+                # thread's OpenMP thread count (torch's too) at numba's maximum: put it back
+                threads = torch.get_num_threads()
                 try:
                     import numba
 
@@ -150,6 +153,8 @@ def kernel() -> Any:
                     _parallel, _numba = parallel, numba
                 except Exception as exc:  # no threading layer: one thread
                     logger.warning("CPU decode attention runs on one thread: %s", exc)
+                finally:
+                    torch.set_num_threads(threads)
                 break
             if _kernel is False:
                 logger.warning("CPU decode attention unavailable: the padded engine uses sdpa")
