@@ -155,9 +155,11 @@ def test_a_live_workers_requests_held_past_claim_idle_ms_are_not_taken(
 def test_a_device_step_hung_past_claim_idle_ms_lets_the_idle_fallback_take_its_requests(
     r: redis.Redis, tiny_embedder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given a worker whose device takes 2 s over one request, with the idle fallback at 400 ms
+    # Given a worker whose device takes 4 s over one request, with the idle fallback at 400 ms
+    # (the worker's own reclaims hold the model's reclaim lock for 2 s at a time: the other
+    # worker gets its turn well before the step ends, even on a loaded machine)
     hung = r.xadd(KEYS.lane(0), encode_request(Request(id="hung", model=MODEL, inputs=["a b"])))
-    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 2000})
+    slow = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"batch_ms": 4000})
     loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), slow, r, consumer="w1", burst=True,
                      worker=WorkerConfig(block_ms=50, claim_idle_ms=400))  # fmt: skip
     # When another worker looks for entries to take over all the while
