@@ -1,6 +1,7 @@
 """The padded continuous-batching engine, stepped directly: greedy tokens equal
-one-at-a-time ``generate`` for Llama and GPT-2 with sequences joining and leaving at
-different steps; chunked prefill keeps running rows decoding; cancelled rows leave at
+one-at-a-time ``generate`` for Llama, Qwen2 (biased projections) and GPT-2 with sequences
+joining and leaving at different steps, through the lean decode forward and through
+transformers' own; chunked prefill keeps running rows decoding; cancelled rows leave at
 the next step; the batch narrows when its longest row leaves."""
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from transformers import AutoModelForCausalLM
 
     path = make_causal_lm(tmp_path_factory.mktemp("llama"))
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Llama-family model whose q, k and v projections carry a bias."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, use_sliding_window=False,
+                         bos_token_id=EOS, eos_token_id=EOS, tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # random biases, not the zeros a fresh model starts with
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
@@ -66,29 +87,32 @@ def run(
 
 
 @pytest.mark.parametrize(
-    "row_attention,threads",
-    [(True, 1), (True, 2), (False, 1)],
-    ids=["row-attention", "row-attention-2-threads", "sdpa"],
+    "row_attention,lean,threads",
+    [(True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)],
+    ids=["row-attention", "row-attention-2-threads", "row-attention-transformers", "sdpa"],
 )
-@pytest.mark.parametrize("which", ["llama", "gpt2"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "gpt2"])
 def test_greedy_tokens_equal_one_at_a_time_generate(
     which: str,
     row_attention: bool,
+    lean: bool,
     threads: int,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # lean: the decode runs the lean forward (Llama-family models; GPT-2 never does)
     if threads > 1:  # every decode's attention split over 2 threads (however short)
         monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _greedy_tokens_equal_generate(request.getfixturevalue(which), row_attention)
+        model = request.getfixturevalue(which)
+        _greedy_tokens_equal_generate(model, row_attention, lean and which != "gpt2")
     finally:
         torch.set_num_threads(previous)
 
 
-def _greedy_tokens_equal_generate(model: Any, row_attention: bool) -> None:
+def _greedy_tokens_equal_generate(model: Any, row_attention: bool, lean: bool) -> None:
     rng = random.Random(7)
     vocab = model.config.vocab_size
     seqs = [(f"s{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))],
@@ -97,8 +121,9 @@ def _greedy_tokens_equal_generate(model: Any, row_attention: bool) -> None:
     for i, s in enumerate(seqs):
         arrivals.setdefault(rng.choice([0, 0, 1, 3, 5, 9, 20]) + i // 5, []).append(s)
     engine = PaddedEngine(model, eos_token_ids=[EOS], step_tokens=48, max_running=6,
-                          row_attention=row_attention)  # fmt: skip
+                          row_attention=row_attention, lean=lean)  # fmt: skip
     assert engine.row_attention is row_attention  # a float32 model on the CPU
+    assert (engine.lean is not None) is lean
     got = run(engine, arrivals)
     for name, prompt, n in seqs:
         assert got[name] == generate(model, prompt, n), name

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import decode_attention
 from .engine import Output, SeqState
+from .lean_decode import LeanDecoder
 from .sampling import Sampling, SeededSampler
 
 
@@ -206,6 +207,7 @@ class PaddedEngine:
         step_tokens: int,
         max_running: int,
         row_attention: bool | None = None,
+        lean: bool | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -232,6 +234,10 @@ class PaddedEngine:
         batch."""
         if self.row_attention:
             model.set_attn_implementation(decode_attention.ATTENTION)
+        self.lean = LeanDecoder.build(model) if self.row_attention and lean is not False else None
+        """The decode's forward without transformers' module stack (:mod:`.lean_decode`),
+        where the decode runs the per-row kernel and the model's layers are a known
+        shape (None: where possible); otherwise the model's own forward."""
 
     def add(
         self,
@@ -370,10 +376,14 @@ class PaddedEngine:
         extra: dict[str, Any] = {}
         if self.row_attention:
             extra[decode_attention.LENGTHS] = np.asarray(lengths, dtype=np.int64) + 1
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
-            cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
-        ).logits[:, -1]  # fmt: skip
+        if self.lean is not None:
+            logits = self.lean.logits(ids, positions, extra[decode_attention.LENGTHS],
+                                      self._layers)  # fmt: skip
+        else:
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
+                cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
+            ).logits[:, -1]  # fmt: skip
         tokens = self._pick(logits, self._rows)
         out = []
         for r, t in zip(self._rows, tokens, strict=True):

@@ -11,8 +11,11 @@ Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
 ``kv_cache_tokens`` (KV cache size, default 16384), ``page_size`` (KV block, default 32),
 ``step_tokens`` (per-step token budget, default 512), ``max_running`` (sequences per
 step, default 64), ``engine`` (``padded``, the default, or ``paged``:
-transformers' paged engine, for sliding-window and hybrid models), ``max_new_tokens`` (default for requests that set none, 256; the
-bound is the model's ``limits.max_new_tokens``, checked when the request is read).
+transformers' paged engine, for sliding-window and hybrid models), ``lean_decode``
+(default true: the padded engine's CPU decode runs Llama-family models without
+transformers' module stack, :mod:`..generation.lean_decode`; false: their own forward),
+``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
+``limits.max_new_tokens``, checked when the request is read).
 """
 
 from __future__ import annotations
@@ -89,6 +92,13 @@ class _Req:
         return all(s.finish is not None for s in seqs)
 
 
+def _flag(value: Any, name: str) -> bool:
+    """A boolean option (TOML gives a bool; anything else is refused, not guessed)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"options.{name}: {value!r} is not true or false")
+    return value
+
+
 class TextGenerationRunner:
     """A causal LM served with continuous batching (see the module docstring)."""
 
@@ -147,7 +157,8 @@ class TextGenerationRunner:
             from ..generation.padded import PaddedEngine
 
             self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
-                                       step_tokens=self.step_tokens, max_running=self.max_running)  # fmt: skip
+                                       step_tokens=self.step_tokens, max_running=self.max_running,
+                                       lean=_flag(opts.get("lean_decode", True), "lean_decode"))  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -427,5 +438,6 @@ class TextGenerationRunner:
             "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
             "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
             "step_tokens": self.step_tokens, "max_running": self.max_running,
+            "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",
             "running": len(self._reqs),
         }  # fmt: skip

@@ -1,0 +1,91 @@
+"""The lean decode forward (``worker/generation/lean_decode.py``): built for Llama-family
+layers and refused for anything else; its logits are exactly transformers' for a padded
+batch of rows of different lengths; the runner's ``lean_decode`` option turns it off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.worker.generation import decode_attention  # noqa: E402
+from batchfleet.worker.generation.lean_decode import LeanDecoder  # noqa: E402
+from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
+from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("llama"), layers=3)
+
+
+def _llama(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_its_logits_are_transformers_logits_for_rows_of_different_lengths(
+    llama_dir: Path,
+) -> None:
+    import numpy as np
+
+    model = _llama(llama_dir)
+    lean = LeanDecoder.build(model)
+    assert lean is not None
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=512, max_running=8, lean=False)
+    for k in range(5):
+        engine.add(f"r{k}", [(7 * k + j) % 300 + 3 for j in range(5 + 23 * k)], 50, Sampling())
+    for _ in range(3):
+        engine.step()
+    rows = engine._rows
+    lengths = [r.context for r in rows]
+    assert len(set(lengths)) == 5  # a padded batch: every row its own length
+    ids = torch.tensor([[r.generated[-1]] for r in rows])
+    positions = torch.tensor(lengths)
+    st = engine._step
+    st.rows, st.width, st.positions, st.flat = len(rows), max(lengths), positions, None
+    keys = np.asarray(lengths, dtype=np.int64) + 1
+    with torch.inference_mode():
+        # both write the same new keys and values at the same columns
+        got = lean.logits(ids, positions, keys, engine._layers)
+        want = model(input_ids=ids, position_ids=positions[:, None], cache=engine._cache,
+                     use_cache=True, logits_to_keep=1,
+                     **{decode_attention.LENGTHS: keys}).logits[:, -1]  # fmt: skip
+    assert got.shape == (5, model.config.vocab_size)
+    assert torch.equal(got, want)
+
+
+def test_it_is_refused_for_layers_it_does_not_know(llama_dir: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert LeanDecoder.build(_llama(llama_dir)) is not None
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1,
+                                      n_head=2))  # fmt: skip
+    assert LeanDecoder.build(gpt2) is None
+
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA or quantized projection
+        pass
+
+    adapted = _llama(llama_dir)
+    old = adapted.model.layers[1].self_attn.v_proj
+    adapted.model.layers[1].self_attn.v_proj = Adapted(old.in_features, old.out_features,
+                                                       bias=False)  # fmt: skip
+    assert LeanDecoder.build(adapted) is None
+
+    renamed = _llama(llama_dir)
+    renamed.config.model_type = "gemma"  # a family whose layers differ (norm offsets)
+    assert LeanDecoder.build(renamed) is None
+
+
+def test_the_runner_uses_it_unless_told_not_to(llama_dir: Path) -> None:
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+
+    on = TextGenerationRunner(llama_dir, device="cpu")
+    off = TextGenerationRunner(llama_dir, device="cpu", options={"lean_decode": False})
+    assert on.info()["decode"] == "lean" and on.engine.lean is not None  # type: ignore[attr-defined]
+    assert off.info()["decode"] == "transformers" and off.engine.lean is None  # type: ignore[attr-defined]
