@@ -214,5 +214,5 @@ class _Subscription:
         pubsub, self.pubsub = self.pubsub, None
         if pubsub is not None:
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
-                # its connection may be gone already; redis-py leaves aclose untyped
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                # its connection may be gone already; older redis-py leaves aclose untyped
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

@@ -227,8 +227,8 @@ class _Subscription:
 
     def open(self, channel: str) -> None:
         self.close()
-        # RedisCluster.pubsub is untyped in redis-py
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        # RedisCluster.pubsub is untyped in older redis-py (typed in 8.2)
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
         self.pubsub.subscribe(channel)
 
     def listen(self, timeout: float) -> bytes | None:

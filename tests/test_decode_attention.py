@@ -130,7 +130,9 @@ def test_the_engine_runs_its_decodes_through_the_kernel_and_generate_is_untouche
     try:
         engine.add("a", [5, 6, 7], 4, Sampling())
         engine.add("b", list(range(3, 40)), 4, Sampling())
-        engine.step()  # two prefills (sdpa), then one decode over both rows, every layer
+        engine.step()  # two prefills (sdpa); the lean fused step joins them after it
+        assert engine.lean is not None and calls == []
+        engine.step()  # one decode over both rows, every layer
         assert calls == [2] * model.config.num_hidden_layers
         calls.clear()
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)

@@ -1,6 +1,7 @@
-"""The lean decode forward (``worker/generation/lean_decode.py``): built for Llama-family
+"""The lean step forward (``worker/generation/lean_decode.py``): built for Llama-family
 layers and refused for anything else; its logits are exactly transformers' for a padded
-batch of rows of different lengths; the runner's ``lean_decode`` option turns it off."""
+batch of rows of different lengths; decodes and prefill chunks in one forward each get
+transformers' logits and cache; the runner's ``lean_decode`` option turns it off."""
 
 from __future__ import annotations
 
@@ -29,19 +30,26 @@ def _llama(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
+def _running(llama_dir: Path, n: int, lean: bool) -> tuple[Any, LeanDecoder, PaddedEngine]:
+    """The model, its lean forward, and an engine running ``n`` rows of different
+    lengths, three steps in (``lean``: the engine's own steps fused)."""
+    model = _llama(llama_dir)
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=512, max_running=8, lean=lean)
+    for k in range(n):
+        engine.add(f"r{k}", [(7 * k + j) % 300 + 3 for j in range(5 + 23 * k)], 50, Sampling())
+    for _ in range(3):
+        engine.step()
+    return model, decoder, engine
+
+
 def test_its_logits_are_transformers_logits_for_rows_of_different_lengths(
     llama_dir: Path,
 ) -> None:
     import numpy as np
 
-    model = _llama(llama_dir)
-    lean = LeanDecoder.build(model)
-    assert lean is not None
-    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=512, max_running=8, lean=False)
-    for k in range(5):
-        engine.add(f"r{k}", [(7 * k + j) % 300 + 3 for j in range(5 + 23 * k)], 50, Sampling())
-    for _ in range(3):
-        engine.step()
+    model, lean, engine = _running(llama_dir, 5, lean=False)
     rows = engine._rows
     lengths = [r.context for r in rows]
     assert len(set(lengths)) == 5  # a padded batch: every row its own length
@@ -58,6 +66,53 @@ def test_its_logits_are_transformers_logits_for_rows_of_different_lengths(
                      **{decode_attention.LENGTHS: keys}).logits[:, -1]  # fmt: skip
     assert got.shape == (5, model.config.vocab_size)
     assert torch.equal(got, want)
+
+
+def test_one_forward_of_decodes_and_prefill_chunks_gives_each_its_own_logits_and_cache(
+    llama_dir: Path,
+) -> None:
+    """Decode rows, a fresh chunk and a chunk continuing its prompt, in one forward: each
+    decode row's logits are what the decode alone gives; each chunk's last-token logits
+    and the keys and values it appends are what transformers' prefill gives."""
+    import numpy as np
+    from batchfleet.worker.generation.lean_decode import Chunk
+    from batchfleet.worker.generation.padded import _cache
+    from transformers import DynamicCache
+
+    model, lean, engine = _running(llama_dir, 3, lean=True)
+    rows = engine._rows
+    lengths = [r.context for r in rows]
+    ids = torch.tensor([r.generated[-1] for r in rows])
+    positions = torch.tensor(lengths)
+    keys = np.asarray(lengths, dtype=np.int64) + 1
+    fresh = [(11 * j) % 300 + 3 for j in range(37)]
+    prompt = [(13 * j) % 300 + 3 for j in range(60)]
+    with torch.inference_mode():
+        # transformers: the second prompt's first 25 tokens, then its last 35; the first's
+        head = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prompt[:25]]), cache=head, use_cache=True)
+        past = _cache(reserve=60)
+        none = torch.zeros(0, dtype=torch.long)  # no decode rows
+        lean.forward(none, none, np.zeros(0, np.int64), [], [Chunk(prompt[:25], 0, past)])
+        for mine, theirs in zip(past.layers, head.layers, strict=True):
+            assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+        want_fresh = model(input_ids=torch.tensor([fresh]), logits_to_keep=1).logits[0, -1]
+        want_rest = model(input_ids=torch.tensor([prompt[25:]]), cache=head, use_cache=True,
+                          position_ids=torch.arange(25, 60)[None], logits_to_keep=1)  # fmt: skip
+        st = engine._step
+        st.rows, st.width, st.positions, st.flat = len(rows), max(lengths), positions, None
+        want_rows = lean.logits(ids[:, None], positions, keys, engine._layers)
+        st.flat = None  # the same columns written again, by the fused forward
+        got = lean.forward(ids, positions, keys, engine._layers,
+                           [Chunk(fresh, 0, _cache()), Chunk(prompt[25:], 25, past)])  # fmt: skip
+    assert got.shape == (len(rows) + 2, model.config.vocab_size)
+    assert torch.allclose(got[: len(rows)], want_rows, atol=1e-5)
+    assert torch.allclose(got[len(rows)], want_fresh, atol=1e-5)
+    assert torch.allclose(got[len(rows) + 1], want_rest.logits[0, -1], atol=1e-5)
+    for mine, theirs in zip(past.layers, head.layers, strict=True):
+        assert mine.get_seq_length() == 60
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+        assert torch.allclose(mine.values, theirs.values, atol=1e-5)
 
 
 def test_it_is_refused_for_layers_it_does_not_know(llama_dir: Path) -> None:

@@ -130,8 +130,19 @@ def _greedy_tokens_equal_generate(model: Any, row_attention: bool, lean: bool) -
     assert engine.running == 0 and not engine._rows
 
 
-def test_a_long_prompt_prefills_in_chunks_while_running_rows_decode(llama: Any) -> None:
-    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=8)
+@pytest.fixture(params=[True, False], ids=["fused", "separate"])
+def fused(request: pytest.FixtureRequest) -> bool:
+    """Whether the engine runs the lean fused step (one forward for the step's decodes
+    and prefill chunks; a sequence joins after it) or transformers' forwards (prefill,
+    then a decode that the sequences which just joined take part in)."""
+    return bool(request.param)
+
+
+def test_a_long_prompt_prefills_in_chunks_while_running_rows_decode(
+    llama: Any, fused: bool
+) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=8, lean=fused)
+    assert (engine.lean is not None) is fused
     for k in range(4):
         engine.add(f"r{k}", [5 + k, 6, 7], 200, Sampling())
     engine.step()
@@ -143,36 +154,44 @@ def test_a_long_prompt_prefills_in_chunks_while_running_rows_decode(llama: Any) 
         state = engine.state("long")
         assert state is not None
         assert state.prefill_left == 80 - 16 * (k + 1)
-    # its first token (from the prefill), and the next from the step's decode
-    assert "long" in out and len(out["long"].tokens) == 2
+    # its first token (from the prefill); separate: and the next from the step's decode
+    assert "long" in out and len(out["long"].tokens) == (1 if fused else 2)
     assert engine.running == 5
 
 
-def test_a_cancelled_row_leaves_at_the_next_step_and_the_batch_narrows(llama: Any) -> None:
-    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
+def test_a_cancelled_row_leaves_at_the_next_step_and_the_batch_narrows(
+    llama: Any, fused: bool
+) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8, lean=fused)
+    joined = 0 if fused else 1  # tokens decoded in the step a sequence joins
     engine.add("long", list(range(3, 103)), 100, Sampling())
     engine.add("short", [5, 6], 100, Sampling())
     engine.add("third", [7, 8, 9], 100, Sampling())
-    engine.step()  # prefill, first tokens, and one decode: two tokens each
-    assert engine.width == 102  # the longest row's cache and its new token; others pad
+    engine.step()  # prefill, first tokens (separate: and one decode)
+    assert engine.width == 101 + joined  # the longest row's cache and its new token
     engine.cancel(["long"])
     assert engine.state("long") is None
     out = engine.step()
     assert [o.sequence for o in out] == ["third", "short"]  # the last row filled the hole
     assert engine.running == 2 and engine.moves == 1
-    assert engine.width == 3 + 2 + 1  # "third": its prompt, two tokens fed back, the next
+    assert engine.width == 3 + 1 + joined + 1  # "third": prompt, tokens fed back, the next
     engine.cancel(["short", "third"])
     assert engine.step() == [] and engine.running == 0
 
 
-def test_a_waiting_sequence_can_be_cancelled_and_a_finished_one_leaves(llama: Any) -> None:
-    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8)
+def test_a_waiting_sequence_can_be_cancelled_and_a_finished_one_leaves(
+    llama: Any, fused: bool
+) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=8, lean=fused)
     engine.add("a", [5, 6, 7], 3, Sampling())
     engine.add("b", [5, 6, 7], 50, Sampling())
     engine.cancel(["b"])
-    first = engine.step()  # a's first token, then its first decode
+    first = engine.step()  # a's first token (separate: then its first decode)
     assert [o.sequence for o in first] == ["a"] and not first[0].finished
-    assert len(first[0].tokens) == 2
+    assert len(first[0].tokens) == (1 if fused else 2)
+    if fused:
+        (o,) = engine.step()
+        assert len(o.tokens) == 2 and not o.finished
     (second,) = engine.step()
     assert second.finished and len(second.tokens) == 3
     assert engine.running == 0 and engine.state("a") is None
@@ -225,20 +244,21 @@ def test_seeded_sampling_draws_from_each_requests_own_generator(llama: Any) -> N
     assert tokens(0) == tokens(3)
 
 
-def test_state_counts_context_and_prefill(llama: Any) -> None:
-    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=10, max_running=4)
+def test_state_counts_context_and_prefill(llama: Any, fused: bool) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=10, max_running=4, lean=fused)
+    joined = 0 if fused else 1
     engine.add("r", list(range(3, 28)), 20, Sampling())  # 25 tokens, 10 per step
     assert engine.state("r") == SeqState(context=0, prefill_left=25)
     engine.step()
     st = engine.state("r")
     assert st is not None and (st.context, st.prefill_left) == (10, 15)
     engine.step()
-    engine.step()  # the last 5 prompt tokens, the first token, and its decode
+    engine.step()  # the last 5 prompt tokens, the first token (separate: and its decode)
     st = engine.state("r")
-    assert st is not None and (st.context, st.prefill_left) == (26, 0)
+    assert st is not None and (st.context, st.prefill_left) == (25 + joined, 0)
     engine.step()
     st = engine.state("r")
-    assert st is not None and st.context == 27
+    assert st is not None and st.context == 26 + joined
 
 
 def test_a_lower_lane_prefills_first_whatever_was_added_before(llama: Any) -> None:

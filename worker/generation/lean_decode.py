@@ -1,25 +1,26 @@
-"""A decode forward for Llama-family models without transformers' module stack.
+"""A step forward for Llama-family models without transformers' module stack.
 
-A padded-engine decode step of a small model spends much of its time in Python: each
-layer's forward goes through a dozen module calls, wrappers, keyword plumbing and the
-cache interface, whatever the batch. On the benchmark's 4-layer model that is about a
-fifth of a 36-row decode step and a third of a 4-row one (``python -m
-bench.generation``). For the architectures whose decoder layer this module knows
-(pre-norm, rotary positions, grouped-query attention, gated MLP: ``llama``, ``mistral``,
-``qwen2``), :class:`LeanDecoder` runs a decode step's operations directly, on the
-model's own modules and weights:
+A padded-engine step of a small model spends much of its time outside the matrix
+products: each layer's forward goes through a dozen module calls, wrappers, keyword
+plumbing and the cache interface, and the decode rows' products (a few dozen rows) run
+at about half the speed of a prefill's. For the architectures whose decoder layer this
+module knows (pre-norm, rotary positions, grouped-query attention, gated MLP: ``llama``,
+``mistral``, ``qwen2``), :class:`LeanDecoder` runs a step's operations directly, on the
+model's own modules and weights, over the step's decode rows and prefill chunks at once:
 
 - the model's own embedding, norms (``RMSNorm``), rotary embedding and
   ``apply_rotary_pos_emb``, activation and LM head, so every number is computed as
   transformers computes it;
 - q, k and v in one matrix product, and gate and up in another (the weights
-  concatenated once, at build), which gives the same values as three or two products;
-- keys and values written by the engine's :class:`~.padded.SlotLayer`, attention by
-  :func:`.decode_attention.attention` (each row over its own length).
+  concatenated once, at build), each over all the step's tokens;
+- the decode rows' keys and values written by the engine's :class:`~.padded.SlotLayer`
+  and attended by :func:`.decode_attention.attention` (each row over its own length);
+  each prefill chunk's appended to its sequence's own cache and attended causally by
+  transformers' ``sdpa`` function, as its prefill forward does;
+- logits only for the decode rows and each chunk's last token.
 
 It is used only where the engine's decode runs the per-row kernel (a float32 model on
-the CPU) and the model's layers match; anything else keeps transformers' forward.
-The prefill always does.
+the CPU) and the model's layers match; anything else keeps transformers' forwards.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import decode_attention
 
@@ -57,7 +59,7 @@ class _Layer:
 
 
 class LeanDecoder:
-    """One decode step's logits for a Llama-family model (module docstring)."""
+    """One step's forward for a Llama-family model (module docstring)."""
 
     def __init__(self, model: Any, layers: list[_Layer], rotate: Any) -> None:
         inner = model.model
@@ -112,30 +114,97 @@ class LeanDecoder:
         at position ``positions[i]`` and attends over ``lengths[i]`` keys (its cache and
         the new one); ``caches``: the engine's layers, which store the new keys and
         values (their step already set)."""
+        return self.forward(ids.view(-1), positions, lengths, caches, ())
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: np.ndarray,
+        caches: Sequence[Any],
+        chunks: Sequence[Chunk],
+    ) -> torch.Tensor:
+        """One step's forward over the decode rows and prefill chunks together (the
+        linear layers run once over all their tokens): decode row ``i`` feeds ``ids[i]``
+        at ``positions[i]`` and attends over ``lengths[i]`` keys of ``caches`` (the
+        engine's layers, their step already set); each chunk feeds its tokens after its
+        cache's and appends to it. The logits of every decode row, then of each chunk's
+        last token."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        x = self.embed(ids)  # rows x 1 x hidden, as transformers' forward has it
-        cos, sin = self.rotary(x, positions[:, None])
+        if chunks:
+            device = self.head.weight.device
+            ids = torch.cat([ids, *(torch.tensor(c.tokens, device=device) for c in chunks)])
+            positions = torch.cat([positions, *(
+                torch.arange(c.past, c.past + len(c.tokens), device=device) for c in chunks
+            )])  # fmt: skip
+        total = ids.shape[0]
+        x = self.embed(ids)[None]  # 1 x tokens x hidden
+        cos, sin = self.rotary(x, positions[None])
         kw: dict[str, Any] = {decode_attention.LENGTHS: lengths}
-        for layer, cache in zip(self.layers, caches, strict=True):
+        masks = [_causal(c, self.head.weight.device) for c in chunks]
+        for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[..., :q_end].view(rows, 1, heads, dim).transpose(1, 2)
-            k = qkv[..., q_end:k_end].view(rows, 1, kv_heads, dim).transpose(1, 2)
-            v = qkv[..., k_end:].view(rows, 1, kv_heads, dim).transpose(1, 2)
+            q = qkv[..., :q_end].view(1, total, heads, dim).transpose(1, 2)
+            k = qkv[..., q_end:k_end].view(1, total, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., k_end:].view(1, total, kv_heads, dim).transpose(1, 2)
             q, k = self.rotate(q, k, cos, sin)
-            keys, values = cache.update(k, v)
-            out, _ = decode_attention.attention(
-                layer.attn, q, keys, values, None, scaling=layer.scaling, **kw
-            )
-            x = x + F.linear(out.reshape(rows, 1, q_end), layer.o, layer.o_bias)
+            parts = []
+            if rows:
+                keys, values = caches[i].update(_rows(k, 0, rows), _rows(v, 0, rows))
+                out, _ = decode_attention.attention(
+                    layer.attn, _rows(q, 0, rows), keys, values, None, scaling=layer.scaling, **kw
+                )
+                parts.append(out.reshape(rows, q_end))
+            at = rows
+            for c, mask in zip(chunks, masks, strict=True):
+                n = len(c.tokens)
+                keys, values = c.cache.update(k[:, :, at : at + n], v[:, :, at : at + n], i)
+                out, _ = sdpa_attention_forward(
+                    layer.attn, q[:, :, at : at + n], keys, values, mask, scaling=layer.scaling
+                )
+                parts.append(out.reshape(n, q_end))
+                at += n
+            attended = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + F.linear(attended[None], layer.o, layer.o_bias)
             h = layer.post_norm(x)
             gu = F.linear(h, layer.gate_up, layer.gate_up_bias)
             mid = layer.act(gu[..., : self.intermediate]) * gu[..., self.intermediate :]
             x = x + F.linear(mid, layer.down, layer.down_bias)
+        if chunks:
+            ends = np.cumsum([rows] + [len(c.tokens) for c in chunks])[1:] - 1
+            x = x[:, torch.from_numpy(np.concatenate([np.arange(rows), ends]))]
         logits: torch.Tensor = self.head(self.norm(x))
-        return logits[:, -1]
+        return logits[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a prompt to prefill within a step: ``tokens`` after the ``past`` tokens
+    already in ``cache`` (the sequence's own, which takes their keys and values)."""
+
+    tokens: Sequence[int]
+    past: int
+    cache: Any
+
+
+def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens ``start:end`` of a ``1 x heads x tokens x dim`` tensor as decode rows:
+    ``rows x heads x 1 x dim``."""
+    return t[0, :, start:end].transpose(0, 1)[:, :, None]
+
+
+def _causal(chunk: Chunk, device: torch.device) -> torch.Tensor | None:
+    """The chunk's attention mask over its cache and itself (None: plain causal, from
+    the start, which sdpa runs without a mask as transformers' prefill does)."""
+    n = len(chunk.tokens)
+    if chunk.past == 0 or n == 1:
+        return None
+    cols = torch.arange(chunk.past + n, device=device)
+    rows = torch.arange(chunk.past, chunk.past + n, device=device)
+    return (cols[None, :] <= rows[:, None])[None, None]
 
 
 def _layer(layer: Any) -> _Layer:

@@ -18,6 +18,11 @@ column; a padding mask hides the columns past each row's length. A step
 The decode comes last so that a step's tokens leave the device as soon as they exist,
 not after the step's prefill.
 
+Where the model has a lean forward (:mod:`.lean_decode`: Llama-family, float32 on CPU),
+steps 2 and 3 are one forward over the decode rows and the prefill chunks together, so
+each linear layer runs once over all the step's tokens; a sequence whose prefill ends
+joins after that forward, with its first token, and decodes from the next step.
+
 Nothing copies the whole batch when sequences join or leave; the buffer grows by
 doubling (rows up to ``max_running``, columns to the longest context) and is kept.
 
@@ -31,6 +36,7 @@ layers need the paged engine (``options.engine = "paged"``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,19 +47,22 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import decode_attention
 from .engine import Output, SeqState
-from .lean_decode import LeanDecoder
+from .lean_decode import Chunk, LeanDecoder
 from .sampling import Sampling, SeededSampler
 
 
 class SlabLayer(DynamicLayer):  # type: ignore[misc]
     """A cache layer writing into a preallocated buffer that grows by doubling, so a
-    decode step appends in place instead of copying the whole cache (``DynamicLayer``)."""
+    decode step appends in place instead of copying the whole cache (``DynamicLayer``);
+    ``reserve``: columns to allocate at once (a prompt's length: no doubling while it
+    prefills). Only the columns written are ever read, so the buffer is not zeroed."""
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                 length: int = 0) -> None:  # fmt: skip
+                 length: int = 0, reserve: int = 0) -> None:  # fmt: skip
         super().__init__()
         self._k = keys
         self._v = values
+        self.reserve = reserve
         if keys is not None and values is not None:
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
             self.device = keys.device
@@ -75,10 +84,10 @@ class SlabLayer(DynamicLayer):  # type: ignore[misc]
         return self.keys, self.values
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
-        cap = max(need, 2 * (self._k.shape[-2] if self._k is not None else 0), 64)
+        cap = max(need, 2 * (self._k.shape[-2] if self._k is not None else 0), self.reserve, 64)
         n = self.get_seq_length()
-        new_k = k.new_zeros((k.shape[0], k.shape[1], cap, k.shape[3]))
-        new_v = v.new_zeros((v.shape[0], v.shape[1], cap, v.shape[3]))
+        new_k = k.new_empty((k.shape[0], k.shape[1], cap, k.shape[3]))
+        new_v = v.new_empty((v.shape[0], v.shape[1], cap, v.shape[3]))
         if n:
             new_k[:, :, :n].copy_(self.keys)
             new_v[:, :, :n].copy_(self.values)
@@ -88,9 +97,11 @@ class SlabLayer(DynamicLayer):  # type: ignore[misc]
         return 0 if self.keys is None or not self.is_initialized else int(self.keys.shape[-2])
 
 
-def _cache(layers: list[Any] | None = None) -> Cache:
+def _cache(layers: list[Any] | None = None, reserve: int = 0) -> Cache:
+    """A cache of ``layers``, or one whose :class:`SlabLayer` layers are made as the
+    forward reaches them, each reserving ``reserve`` columns."""
     if layers is None:
-        return Cache(layer_class_to_replicate=SlabLayer)
+        return Cache(layer_class_to_replicate=functools.partial(SlabLayer, reserve=reserve))
     return Cache(layers=layers)
 
 
@@ -303,6 +314,8 @@ class PaddedEngine:
             if self._cancelled:
                 self._leave(lambda r: r.name in self._cancelled)
                 self._cancelled.clear()
+            if self.lean is not None:
+                return self._fused_step()
             joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
             for seq in joined:
                 self._join(seq)
@@ -354,10 +367,41 @@ class PaddedEngine:
         k = self._layers[0]._k if self._layers else None
         return (0, 0) if k is None else (int(k.shape[0]), int(k.shape[2]))
 
-    def _decode(self) -> list[Output]:
-        if not self._rows:
+    def _fused_step(self) -> list[Output]:
+        """One forward for the running rows' decodes and the waiting sequences' prefill
+        chunks (:meth:`.LeanDecoder.forward`); the sequences whose prefill ends join the
+        batch after it, with their first token, and decode from the next step."""
+        assert self.lean is not None
+        chunks = [(seq, Chunk(tokens, seq.done, seq.cache))
+                  for seq, tokens in self._plan(self.step_tokens - len(self._rows), 0)]  # fmt: skip
+        rows = len(self._rows)
+        if rows:
+            positions, lengths = self._prepare_decode()
+            ids = torch.tensor([r.generated[-1] for r in self._rows], device=self.device)
+        else:
+            positions = torch.zeros(0, dtype=torch.long, device=self.device)
+            ids, lengths = positions, np.zeros(0, dtype=np.int64)
+        if not rows and not chunks:
             return []
-        assert self._cache is not None
+        logits = self.lean.forward(ids, positions, lengths, self._layers,
+                                   [c for _, c in chunks])  # fmt: skip
+        out = self._decoded(logits[:rows]) if rows else []
+        ended = []
+        for k, (seq, chunk) in enumerate(chunks):
+            seq.done += len(chunk.tokens)
+            if seq.done == len(seq.tokens):
+                ended.append((seq, k))
+        tokens = self._pick(logits[[rows + k for _, k in ended]], [s for s, _ in ended])
+        for (seq, _), t in zip(ended, tokens, strict=True):
+            out.append(self._first(seq, t))
+            if not seq.finished:
+                self._join(seq)
+        self._leave(lambda r: r.finished)
+        return out
+
+    def _prepare_decode(self) -> tuple[torch.Tensor, np.ndarray]:
+        """Room for every row's next token and the step's write positions set; each
+        row's position and key count (with its new token)."""
         rows = len(self._rows)
         lengths = [r.context for r in self._rows]
         width = max(lengths)
@@ -369,21 +413,10 @@ class PaddedEngine:
         positions = torch.tensor(lengths, device=self.device)
         st = self._step
         st.rows, st.width, st.positions, st.flat = rows, width, positions, None
-        mask = None  # the kernel reads each row's length; transformers builds no mask
-        if not self.row_attention:
-            mask = torch.arange(width + 1, device=self.device)[None, :] <= positions[:, None]
-        ids = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
-        extra: dict[str, Any] = {}
-        if self.row_attention:
-            extra[decode_attention.LENGTHS] = np.asarray(lengths, dtype=np.int64) + 1
-        if self.lean is not None:
-            logits = self.lean.logits(ids, positions, extra[decode_attention.LENGTHS],
-                                      self._layers)  # fmt: skip
-        else:
-            logits = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
-                cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
-            ).logits[:, -1]  # fmt: skip
+        return positions, np.asarray(lengths, dtype=np.int64) + 1
+
+    def _decoded(self, logits: torch.Tensor) -> list[Output]:
+        """Each row's next token from its logits."""
         tokens = self._pick(logits, self._rows)
         out = []
         for r, t in zip(self._rows, tokens, strict=True):
@@ -392,18 +425,63 @@ class PaddedEngine:
             out.append(Output(r.name, list(r.generated), r.finished))
         return out
 
-    def _prefill(self, budget: int) -> tuple[list[_Seq], list[Output]]:
-        """Prefill chunks within ``budget`` tokens, in prefill order (lane, then arrival);
-        the sequences whose prefill ended (they join the batch) and their first tokens."""
-        joined: list[_Seq] = []
-        out: list[Output] = []
+    def _decode(self) -> list[Output]:
+        if not self._rows:
+            return []
+        assert self._cache is not None
+        positions, lengths = self._prepare_decode()
+        mask = None  # the kernel reads each row's length; transformers builds no mask
+        if not self.row_attention:
+            width = self._step.width
+            mask = torch.arange(width + 1, device=self.device)[None, :] <= positions[:, None]
+        ids = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
+        extra: dict[str, Any] = {}
+        if self.row_attention:
+            extra[decode_attention.LENGTHS] = lengths
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
+            cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
+        ).logits[:, -1]  # fmt: skip
+        return self._decoded(logits)
+
+    def _plan(self, budget: int, join_cost: int) -> list[tuple[_Seq, list[int]]]:
+        """The prefill chunks that fit ``budget`` tokens (a sequence whose prefill ends
+        costs ``join_cost`` more) and the free rows, in prefill order (lane, then
+        arrival): each waiting sequence's next tokens, the last one cut where the budget
+        ends."""
+        plan: list[tuple[_Seq, list[int]]] = []
         room = self.max_running - len(self._rows)
         for seq in sorted(self._waiting.values(), key=lambda s: s.order):
             if budget <= 0 or room <= 0:
                 break
             if seq.cache is None:
-                seq.cache = _cache()
-            chunk = seq.tokens[seq.done : seq.done + budget]
+                seq.cache = _cache(reserve=len(seq.tokens))
+            tokens = seq.tokens[seq.done : seq.done + budget]
+            plan.append((seq, tokens))
+            budget -= len(tokens)
+            if seq.done + len(tokens) < len(seq.tokens):
+                break  # the budget is spent mid-prompt; it goes on next step
+            room -= 1
+            budget -= join_cost
+        return plan
+
+    def _first(self, seq: _Seq, token: int) -> Output:
+        """A sequence whose prefill ended takes its first token and leaves the waiting
+        ones (its cache goes too if that token ends it)."""
+        del self._waiting[seq.name]
+        seq.generated.append(token)
+        seq.finished = token in self.eos or seq.max_new <= 1
+        if seq.finished:
+            seq.cache = None
+        return Output(seq.name, [token], seq.finished)
+
+    def _prefill(self, budget: int) -> tuple[list[_Seq], list[Output]]:
+        """Prefill chunks within ``budget`` tokens, one forward each (:meth:`_plan`: a
+        sequence that joins also decodes in this step's decode); the sequences whose
+        prefill ended (they join the batch) and their first tokens."""
+        joined: list[_Seq] = []
+        out: list[Output] = []
+        for seq, chunk in self._plan(budget, 1):
             ids = torch.tensor([chunk], device=self.device)
             positions = torch.arange(seq.done, seq.done + len(chunk), device=self.device)
             logits = self.model(
@@ -411,19 +489,11 @@ class PaddedEngine:
                 logits_to_keep=1,
             ).logits[:, -1]  # fmt: skip
             seq.done += len(chunk)
-            budget -= len(chunk)
             if seq.done < len(seq.tokens):
-                break  # the budget is spent mid-prompt; it goes on next step
-            del self._waiting[seq.name]
-            room -= 1
-            budget -= 1  # it joins, and decodes in this step's decode
+                break  # the last chunk of the plan
             (t,) = self._pick(logits, [seq])
-            seq.generated.append(t)
-            seq.finished = t in self.eos or seq.max_new <= 1
-            out.append(Output(seq.name, [t], seq.finished))
-            if seq.finished:
-                seq.cache = None
-            else:
+            out.append(self._first(seq, t))
+            if not seq.finished:
                 joined.append(seq)
         return joined, out
 
