@@ -271,3 +271,18 @@ def test_a_lower_lane_prefills_first_whatever_was_added_before(llama: Any) -> No
     assert "urgent" in out and "bulk1" not in out  # first token before bulk1's
     st = engine.state("bulk1")
     assert st is not None and st.prefill_left > 0
+
+
+def test_a_step_that_ends_a_lane_0_prompt_takes_no_lower_lane_prefill(
+    llama: Any, fused: bool
+) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=64, max_running=8, lean=fused)
+    engine.add("bulk", list(range(3, 43)), 5, Sampling(), priority=1)
+    engine.add("u1", list(range(3, 23)), 5, Sampling(), priority=0)
+    engine.add("u2", list(range(5, 15)), 5, Sampling(), priority=0)
+    out = {o.sequence for o in engine.step()}
+    assert out == {"u1", "u2"}  # both lane-0 prompts end: the budget had room for bulk too
+    st = engine.state("bulk")
+    assert st is not None and st.prefill_left == 40  # it starts next step
+    out = {o.sequence for o in engine.step()}
+    assert "bulk" in out and engine.running == 3

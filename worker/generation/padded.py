@@ -7,7 +7,8 @@ column; a padding mask hides the columns past each row's length. A step
 
 1. drops cancelled rows: the last row moves into the hole (one row copied),
 2. prefills waiting sequences, each in its own growing cache (:class:`SlabLayer`), in
-   chunks that fit what the per-step token budget leaves after the decodes; a finished
+   chunks that fit what the per-step token budget leaves after the decodes, lane 0 first
+   (where a lane-0 prompt ends, no lower lane's chunk follows in that step); a finished
    prefill samples the sequence's first token and copies its cache into a new row,
 3. decodes one token for every row, the new ones too, in one forward pass. On CPU the
    attention reads each row's own length (:mod:`.decode_attention`); elsewhere it runs
@@ -448,11 +449,13 @@ class PaddedEngine:
         """The prefill chunks that fit ``budget`` tokens (a sequence whose prefill ends
         costs ``join_cost`` more) and the free rows, in prefill order (lane, then
         arrival): each waiting sequence's next tokens, the last one cut where the budget
-        ends."""
+        ends. Where a lane-0 prompt ends, no lower lane's chunk follows: that step, and
+        so its first token, is not held up by prefill work that can wait a step."""
         plan: list[tuple[_Seq, list[int]]] = []
         room = self.max_running - len(self._rows)
+        urgent = False
         for seq in sorted(self._waiting.values(), key=lambda s: s.order):
-            if budget <= 0 or room <= 0:
+            if budget <= 0 or room <= 0 or (urgent and seq.order[0] > 0):
                 break
             if seq.cache is None:
                 seq.cache = _cache(reserve=len(seq.tokens))
@@ -463,6 +466,7 @@ class PaddedEngine:
                 break  # the budget is spent mid-prompt; it goes on next step
             room -= 1
             budget -= join_cost
+            urgent = urgent or seq.order[0] <= 0
         return plan
 
     def _first(self, seq: _Seq, token: int) -> Output:
