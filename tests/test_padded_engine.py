@@ -87,32 +87,38 @@ def run(
 
 
 @pytest.mark.parametrize(
-    "row_attention,lean,threads",
-    [(True, True, 1), (True, True, 2), (True, False, 1), (False, False, 1)],
-    ids=["row-attention", "row-attention-2-threads", "row-attention-transformers", "sdpa"],
-)
+    "row_attention,lean,threads,max_context",
+    [(True, True, 1, None), (True, True, 2, None), (True, False, 1, None),
+     (False, False, 1, None), (True, True, 1, 128), (False, False, 1, 128)],
+    ids=["row-attention", "row-attention-2-threads", "row-attention-transformers", "sdpa",
+         "row-attention-reserved", "sdpa-reserved"],
+)  # fmt: skip
 @pytest.mark.parametrize("which", ["llama", "qwen2", "gpt2"])
 def test_greedy_tokens_equal_one_at_a_time_generate(
     which: str,
     row_attention: bool,
     lean: bool,
     threads: int,
+    max_context: int | None,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # lean: the decode runs the lean forward (Llama-family models; GPT-2 never does)
+    # lean: the decode runs the lean forward (Llama-family models; GPT-2 never does);
+    # max_context: the KV buffers reserved once (sdpa reads their unwritten columns)
     if threads > 1:  # every decode's attention split over 2 threads (however short)
         monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = request.getfixturevalue(which)
-        _greedy_tokens_equal_generate(model, row_attention, lean and which != "gpt2")
+        _greedy_tokens_equal_generate(model, row_attention, lean and which != "gpt2", max_context)
     finally:
         torch.set_num_threads(previous)
 
 
-def _greedy_tokens_equal_generate(model: Any, row_attention: bool, lean: bool) -> None:
+def _greedy_tokens_equal_generate(
+    model: Any, row_attention: bool, lean: bool, max_context: int | None = None
+) -> None:
     rng = random.Random(7)
     vocab = model.config.vocab_size
     seqs = [(f"s{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))],
@@ -121,13 +127,31 @@ def _greedy_tokens_equal_generate(model: Any, row_attention: bool, lean: bool) -
     for i, s in enumerate(seqs):
         arrivals.setdefault(rng.choice([0, 0, 1, 3, 5, 9, 20]) + i // 5, []).append(s)
     engine = PaddedEngine(model, eos_token_ids=[EOS], step_tokens=48, max_running=6,
-                          row_attention=row_attention, lean=lean)  # fmt: skip
+                          row_attention=row_attention, lean=lean, max_context=max_context)  # fmt: skip
     assert engine.row_attention is row_attention  # a float32 model on the CPU
     assert (engine.lean is not None) is lean
     got = run(engine, arrivals)
     for name, prompt, n in seqs:
         assert got[name] == generate(model, prompt, n), name
     assert engine.running == 0 and not engine._rows
+    if max_context is not None:  # reserved at its largest at the first join, never grown
+        assert engine._capacity() == (6, max_context)
+
+
+def test_with_its_longest_context_the_kv_buffer_is_reserved_once(llama: Any) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=256, max_running=4,
+                          max_context=300)  # fmt: skip
+    engine.add("a", [5, 6, 7], 10, Sampling())
+    engine.step()
+    layer = engine._layers[0]
+    assert layer._k is not None and engine._capacity() == (4, 300)
+    where = layer._k.data_ptr()
+    assert not layer._k[1:].any()  # zero where no row wrote
+    for k in range(3):  # more rows and a longer context: no growth, no copy
+        engine.add(f"b{k}", list(range(3, 203)), 10, Sampling())
+    for _ in range(3):
+        engine.step()
+    assert engine.running == 4 and layer._k.data_ptr() == where
 
 
 @pytest.fixture(params=[True, False], ids=["fused", "separate"])

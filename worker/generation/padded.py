@@ -24,8 +24,10 @@ steps 2 and 3 are one forward over the decode rows and the prefill chunks togeth
 each linear layer runs once over all the step's tokens; a sequence whose prefill ends
 joins after that forward, with its first token, and decodes from the next step.
 
-Nothing copies the whole batch when sequences join or leave; the buffer grows by
-doubling (rows up to ``max_running``, columns to the longest context) and is kept.
+Nothing copies the whole batch when sequences join or leave. On CPU, given the longest
+context, the buffer is reserved once at ``max_running`` rows of it and takes memory only
+where rows write (:mod:`.reserve`); otherwise it grows by doubling (rows up to
+``max_running``, columns to the longest context). It is kept.
 
 Why not transformers' paged engine (:mod:`.paged`): on CPU it runs attention with a
 dense mask over every running sequence's cached tokens, so its cost per token stops
@@ -46,7 +48,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import decode_attention
+from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder
 from .sampling import Sampling, SeededSampler
@@ -141,7 +143,7 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
             return
         old_rows, old_width = (k.shape[0], k.shape[2]) if k is not None else (0, 0)
         shape = (max(rows, old_rows), like.shape[1], max(width, old_width), like.shape[3])
-        new_k, new_v = like.new_zeros(shape), like.new_zeros(shape)
+        new_k, new_v = reserve.zeros(shape, like), reserve.zeros(shape, like)
         if self._k is not None and self._v is not None:
             new_k[:old_rows, :, :old_width] = self._k
             new_v[:old_rows, :, :old_width] = self._v
@@ -220,12 +222,17 @@ class PaddedEngine:
         max_running: int,
         row_attention: bool | None = None,
         lean: bool | None = None,
+        max_context: int | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.eos = frozenset(eos_token_ids)
         self.step_tokens = step_tokens
         self.max_running = max_running
+        self.max_context = max_context if self.device.type == "cpu" else None
+        """The longest sequence (prompt and generated) it runs, where known and on CPU: the KV
+        buffers are then reserved once, ``max_running x max_context``, and take memory only
+        where rows write (:mod:`.reserve`); otherwise they grow by doubling."""
         self.sampler = SeededSampler()
         self._waiting: dict[str, _Seq] = {}
         """Added and not yet running; those with a cache are prefilling."""
@@ -351,12 +358,17 @@ class PaddedEngine:
             self._cache = _cache(self._layers)
         row = len(self._rows)
         cap_rows, cap_width = self._capacity()
-        rows = (
-            row + 1 if row < cap_rows else max(min(self.max_running, max(8, 2 * cap_rows)), row + 1)
-        )
         width = seq.context + 1
-        if width > cap_width:
-            width = max(2 * cap_width, 256, width)
+        if self.max_context is not None:
+            rows, width = max(self.max_running, row + 1), max(self.max_context, width)
+        else:
+            rows = (
+                row + 1
+                if row < cap_rows
+                else max(min(self.max_running, max(8, 2 * cap_rows)), row + 1)
+            )
+            if width > cap_width:
+                width = max(2 * cap_width, 256, width)
         for layer, src in zip(self._layers, source, strict=True):
             layer.reserve(src.keys, rows, width)
             layer.place(row, src.keys[:, :, : seq.context], src.values[:, :, : seq.context])

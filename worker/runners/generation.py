@@ -158,7 +158,8 @@ class TextGenerationRunner:
 
             self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
                                        step_tokens=self.step_tokens, max_running=self.max_running,
-                                       lean=_flag(opts.get("lean_decode", True), "lean_decode"))  # fmt: skip
+                                       lean=_flag(opts.get("lean_decode", True), "lean_decode"),
+                                       max_context=self.context)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
