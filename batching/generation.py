@@ -231,7 +231,9 @@ class GenerationPolicy:
            oldest first, starving lower lanes promoted and metered by lane weight) while
            slots, blocks (less the watermark) and the prefill backlog allow; the first
            candidate that does not fit ends admission, except that a lane-0 one may
-           preempt lower-lane running requests if it then fits.
+           preempt lower-lane running requests if it then fits, and a lane-0 one behind
+           a promoted request that does not fit may go by preempting at least all it
+           takes.
         """
         pol = self._policy
         page = pol.page_size
@@ -341,6 +343,7 @@ class GenerationPolicy:
             tokens = sum(w.prompts)
             fits = not (ahead and ahead + tokens > prefill_cap)
             freed: list[GenRunning] | None = []
+            made_room = False
             if fits and (used + need > room or seqs + n > pol.max_running):
                 freed = None
                 if w.lane == 0:
@@ -352,7 +355,19 @@ class GenerationPolicy:
                     top_q.appendleft(item)
                     may_jump = False
                     continue
-                break
+                if item.key in promoted_keys and top_q:
+                    # A promoted request that does not fit blocks the line; lane 0 behind it
+                    # (no credit) may still go by freeing at least all it takes from lower
+                    # lanes: the promoted request then waits for no less than before.
+                    made = _lane0_room(by_key[top_q[0].key], victims, used, seqs, backlog, pol)
+                    if made is not None:
+                        promoted_q.appendleft(item)
+                        item, freed = top_q.popleft(), made
+                        w = by_key[item.key]
+                        need, n, tokens = admission_blocks(w, page), len(w.prompts), sum(w.prompts)
+                        made_room = True
+                if not made_room:
+                    break
             if freed:
                 for r in freed:
                     victims.remove(r)
@@ -376,6 +391,28 @@ class GenerationPolicy:
             credit = self._lane0_credit - charged + rows * share
             self._lane0_credit = min(credit, LANE0_BURST)
         return admit
+
+
+def _lane0_room(
+    w: GenWaiting,
+    victims: list[GenRunning],
+    used: int,
+    seqs: int,
+    backlog: dict[int, int],
+    pol: GenPolicy,
+) -> list[GenRunning] | None:
+    """Lower-lane requests whose freeing covers all that lane-0 request ``w`` takes and
+    lets it fit (so the resources anyone else waits for do not shrink); None if it cannot
+    go that way (too few victims, or lane 0's own prefill backlog is full)."""
+    page = pol.page_size
+    need, n, tokens = admission_blocks(w, page), len(w.prompts), sum(w.prompts)
+    ahead = backlog.get(0, 0)
+    if ahead and ahead + tokens > PREFILL_STEPS * pol.step_tokens:
+        return None
+    room = pol.total_blocks - pol.watermark_blocks
+    return _lane0_victims(
+        victims, max(need, used + need - room), max(n, seqs + n - pol.max_running), page
+    )
 
 
 def _lane0_victims(

@@ -149,6 +149,38 @@ def probe_trace(
     return [j for _, j in timed], [t for t, _ in timed], note
 
 
+TIMINGS = ("queued_ms", "batch_wait_ms", "first_token_ms")
+"""The result's ``timings`` fields a fleet run keeps per request (Redis clock, ms)."""
+
+
+def slowest_probes(o: Outcome, n: int = 3) -> str:
+    """The ``n`` slowest probes' TTFT split by the worker's own timings: enqueue → read
+    (``queued_ms``), read → admitted (``batch_wait_ms``), admitted → the end of the step
+    of its first text (``first_token_ms``; a token that is only part of a character waits
+    for the next), and that → its delta received (the rest of the harness's TTFT)."""
+    timings = o.extra.get("timings") or []
+    rows = []
+    for k, j in enumerate(o.jobs):
+        s, f = o.start[k], o.first[k]
+        if not PROBE <= j.index < BACKGROUND or s is None or f is None or k >= len(timings):
+            continue
+        t = timings[k]
+        if t is None:
+            continue
+        ttft = (f - s) * 1e3
+        prefill = t["first_token_ms"] - t["queued_ms"] - t["batch_wait_ms"]
+        rows.append((ttft, t["queued_ms"], t["batch_wait_ms"], prefill,
+                     ttft - t["first_token_ms"], len(j.prompt)))  # fmt: skip
+    if not rows:
+        return "no probe timings"
+    parts = [
+        f"{ttft:.0f} ms = read {q:.0f} + admission wait {w:.0f} + admitted → first text "
+        f"{p:.0f} (prompt {n} tokens) + delivery {d:.0f}"
+        for ttft, q, w, p, d, n in sorted(rows, reverse=True)[:n]
+    ]
+    return "slowest probes' TTFT (worker's timings): " + "; ".join(parts)
+
+
 def saturation_check(o: Outcome) -> str:
     """How loaded the fleet was when each probe arrived: the background requests submitted
     and not yet answered then (fewest over the probes)."""
@@ -626,6 +658,7 @@ class Fleet:
         )
         threads = self._thread_cpu(threads0)
         worker_ttft: list[float] = []
+        timings: list[dict[str, float] | None] = [None] * len(jobs)
         received: list[tuple[str, int, float]] = []
         for k, rid in enumerate(ids):
             got = self.results.pop(rid, None)
@@ -642,13 +675,14 @@ class Fleet:
                 out.tokens[k] = sum(o["completion_tokens"] for o in outputs)
                 out.finish[k] = outputs[0]["finish_reason"]
                 worker_ttft.append(float(res["timings"].get("first_token_ms") or math.nan))
+                timings[k] = {f: float(res["timings"].get(f) or math.nan) for f in TIMINGS}
             else:
                 out.finish[k] = f"{res.get('status')}: {res.get('error')}"
         tokens_ms, step_ms, steps, out.preemptions, batch = self._stamps(received, t0)
         out.steps = len(steps)
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
                      "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
-                     "batch": batch}  # fmt: skip
+                     "batch": batch, "timings": timings}  # fmt: skip
         return out
 
     def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
@@ -951,7 +985,11 @@ METHOD = """\
   at once, then Poisson at 1.5x capacity), and compares the probes' TTFT p99 with the
   unloaded run's (the same requests). The report's notes give how many background
   requests were in the fleet at each probe's arrival (above `max_running`: a backlog
-  waits). The mixed trace's lane-0 TTFT is still shown.
+  waits), and the three slowest probes' TTFT split by the worker's own timings (read,
+  admission wait, admitted → the step of its first text, delivery). TTFT is to the first
+  *text*: a first token that is only part of a character (the random model emits such
+  bytes) waits for the next step, which costs more at saturation, where steps are longer.
+  The mixed trace's lane-0 TTFT is still shown.
 - **tokens/s** = output tokens / (first arrival or submit → last result), for the fleet and
   the engine alone on the same saturated trace; for static batching the same span in the
   simulator's virtual time (idle until arrivals, then each batch's measured `generate`);
@@ -1196,6 +1234,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
             )
             result.outcomes[PROBE_RUN] = probed
             result.notes.append(note + "; " + saturation_check(probed))
+            result.notes.append(slowest_probes(probed))
     finally:
         fleet.stop()
     if which == "tiny" and not args.no_malloc_run:

@@ -245,7 +245,8 @@ class Timings(_Answer):
     batch_id: str = ""
     worker: str = ""
     first_token_ms: float | None = None
-    """Generation: enqueue → its first token was produced."""
+    """Generation: enqueue → the step that produced its first text (its first delta's;
+    a token that is only part of a character waits for the next)."""
 
 
 class Usage(_Answer):

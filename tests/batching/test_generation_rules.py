@@ -357,6 +357,49 @@ def test_lane0_goes_ahead_of_starving_lanes_only_on_credit() -> None:
     assert 8 <= low <= 12  # its share, 1/5
 
 
+def full_of_lower_lanes(now: float, victim: str) -> list[GenRunning]:
+    """Two slots: a lane-2 request admitted before its promotion instant (lane 0 may
+    preempt it) and a lane-1 one starvation promotion admitted (it may not)."""
+    return [
+        gr(victim, now - 0.01, lane=2, arrived=now - 0.01),
+        gr("promoted", 0.5, lane=1, arrived=0.0),
+    ]
+
+
+def test_lane0_without_credit_goes_behind_a_stuck_promoted_request_by_freeing_its_room() -> None:
+    # Slots full; a starving lane-2 request heads the line and cannot fit (only lane 0
+    # preempts). Lane 0 keeps arriving: past its credit it still goes, each time by
+    # preempting what it takes, and the starving request keeps waiting for a slot that
+    # frees by itself (the lane-0 request took none that could have been its).
+    policy = GenerationPolicy(tokens_policy(max_running=2, starvation_ms=100))
+    for step in range(6):
+        now = 1.0 + step
+        waiting = [gw("old", 0.0, lane=2), gw(f"top{step}", now - 0.001)]
+        plan = policy.plan(waiting, full_of_lower_lanes(now, f"v{step}"), now)
+        assert plan.admit == (f"top{step}",)
+        assert plan.preempt == (f"v{step}",)
+
+
+def test_lane0_without_credit_waits_when_freeing_would_not_cover_what_it_takes() -> None:
+    policy = GenerationPolicy(tokens_policy(kv=100, max_running=4, starvation_ms=100))
+    for step in range(6):
+        now = 1.0 + step
+        waiting = [
+            gw("old", 0.0, lane=2, prompts=(49,)),
+            gw(f"top{step}", now - 0.001, prompts=(19,)),
+        ]
+        # 70 + 11 reserved: "old" needs 50 (does not fit); freeing the victim gives 11 < 20
+        running = [gr("promoted", 0.5, lane=1, arrived=0.0, contexts=(69,)),
+                   gr(f"v{step}", now - 0.01, lane=2, arrived=now - 0.01, contexts=(10,))]  # fmt: skip
+        plan = policy.plan(waiting, running, now)
+        if not plan.admit:
+            break
+        assert plan.admit == (f"top{step}",)  # on credit (it preempts just enough)
+    else:
+        raise AssertionError("lane 0 went ahead past its credit without freeing its room")
+    assert plan.preempt == ()
+
+
 def test_starvation_credit_is_metered_by_lane_weight() -> None:
     # Lane 0 floods (always 20 waiting), lane 2 floods too and is always starving:
     # over many plans lane 2 gets about its weighted share w2/Σw of admissions, not more.
