@@ -206,8 +206,11 @@ def _regroup(
     alone = score(fixed_rows, fixed_tok, ideal_fixed)
     best: tuple[float, int, int, int] = (alone, -(fixed_rows * fixed_tok - fixed_real), 0, -1)
     # A window ending below the longest must-go is padded to it anyway: of those, the one
-    # ending at the last such row scores best (longer rows, same cost), so start there.
-    first = max(0, bisect.bisect_right(toks, fixed_tok) - 1)
+    # ending at the last such length scores best (longer rows, same cost), so start there:
+    # at the first row of that length, so that of windows scoring alike (rows of one length)
+    # the first found, and kept, is the one of the oldest and highest-lane requests.
+    last = max(0, bisect.bisect_right(toks, fixed_tok) - 1)
+    first = bisect.bisect_left(toks, toks[last])
     for j in range(first, len(pool)):
         longest = max(fixed_tok, toks[j])
         prev = -1.0

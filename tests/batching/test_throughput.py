@@ -165,6 +165,15 @@ CASES = [
         + [req(f"a{i:02}", 0.9 + i / 1000, tokens=t) for i, t in enumerate([12, 70] * 12)],
         must=("c0", "a00"),
     ),
+    Case(
+        "one length: the promoted requests go with the anchor, not the backlog's youngest"
+        " (of windows alike, the oldest: a lower-lane clump still makes its bound)",
+        Policy(max_batch_size=4, max_starvation_ms=100),
+        [req(f"c{i}", i / 1000, lane=2, tokens=16) for i in range(4)]
+        + [req(f"a{i:02}", 0.95 + i / 1000, tokens=16) for i in range(20)],
+        rows=4,
+        must=("c0", "c1", "c2", "a00"),
+    ),
 ]
 
 
