@@ -149,6 +149,8 @@ def blocks_for(tokens: int, page_size: int) -> int:
 def reserved_blocks(r: GenRunning, page_size: int) -> int:
     """Blocks a running request needs through the next step: each sequence's whole
     prompt plus one token (at least what the step writes, whatever the chunk)."""
+    if len(r.contexts) == 1:  # the common case, planned for every running request each step
+        return -(-(r.contexts[0] + r.prefill_left[0] + 1) // page_size)
     return sum(
         blocks_for(c + p + 1, page_size) for c, p in zip(r.contexts, r.prefill_left, strict=True)
     )
@@ -156,6 +158,8 @@ def reserved_blocks(r: GenRunning, page_size: int) -> int:
 
 def admission_blocks(w: GenWaiting, page_size: int) -> int:
     """Blocks a waiting request needs to start: whole prompts plus one decode token."""
+    if len(w.prompts) == 1:
+        return -(-(w.prompts[0] + 1) // page_size)
     return sum(blocks_for(p + 1, page_size) for p in w.prompts)
 
 
@@ -243,13 +247,17 @@ class GenerationPolicy:
 
         stop: list[str] = []
         live: list[GenRunning] = []
+        used = seqs = 0
         for r in running:
+            blocks = reserved_blocks(r, page)
             if r.deadline is not None and r.deadline <= now:
                 stop.append(r.key)
-            elif reserved_blocks(r, page) > total:
+            elif blocks > total:
                 stop.append(r.key)  # alone it outgrew the cache: resuming cannot help
             else:
                 live.append(r)
+                used += blocks
+                seqs += len(r.contexts)
         expire: list[str] = []
         candidates: list[GenWaiting] = []
         for w in waiting:
@@ -259,16 +267,16 @@ class GenerationPolicy:
                 candidates.append(w)
 
         # 2. Memory (or slots, after a set_policy) short: free the lowest lane, latest started.
-        used = sum(reserved_blocks(r, page) for r in live)
-        seqs = sum(len(r.contexts) for r in live)
         preempt: list[str] = []
-        for r in _victims(live):
-            if used <= total and seqs <= pol.max_running:
-                break
-            preempt.append(r.key)
-            used -= reserved_blocks(r, page)
-            seqs -= len(r.contexts)
-        kept = [r for r in live if r.key not in set(preempt)]
+        if used > total or seqs > pol.max_running:
+            for r in _victims(live):
+                if used <= total and seqs <= pol.max_running:
+                    break
+                preempt.append(r.key)
+                used -= reserved_blocks(r, page)
+                seqs -= len(r.contexts)
+        gone = set(preempt)
+        kept = [r for r in live if r.key not in gone] if gone else live
 
         # As vLLM: no admission in a plan that had to preempt for growth (the victims
         # would come back behind what took their memory).

@@ -2,16 +2,17 @@
 
 A client cancels request ``<id>`` by setting ``bf:{model}:cancel:<id>`` (any value, with a
 TTL; docs/protocol.md). This thread polls those keys for the requests the loop holds or
-runs — one ``MGET`` every :data:`POLL_S` while there are any — and posts a
-:class:`~.inbox.Cancel` for each newly found one. The loop ends it with the next step (a
-running request) or at once (a waiting one).
+runs — one ``MGET`` every :data:`POLL_S` while there are any (:class:`CancelPoll`) — and
+posts a :class:`~.inbox.Cancel` for each newly found one. The loop ends it with the next
+step (a running request) or at once (a waiting one).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import redis
 
@@ -22,6 +23,53 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """How often the cancel keys are read (a step of a small model takes about as long)."""
+
+
+class CancelPoll:
+    """The cancel keys of a set of requests, read with one ``MGET`` on a connection of its
+    own, packed once per set.
+
+    Polled every :data:`POLL_S` while a model generates, through the client an ``MGET`` of
+    a hundred keys cost about 190 microseconds of Python (each argument encoded, the
+    pool, reply callbacks: a ``PING`` alone costs 80), more than Redis takes to answer it,
+    and the watched set changes far less often than it is read. The command packed for the
+    current set is sent as bytes and its reply read directly: about 40 microseconds. A
+    cluster client (no single connection pool) reads through the client."""
+
+    def __init__(self, streams: ModelStreams) -> None:
+        self.streams = streams
+        self._pool: redis.ConnectionPool | None = getattr(streams.client, "connection_pool", None)
+        self._conn: Any = None  # a redis.Connection (its methods are untyped)
+        self._ids: tuple[str, ...] = ()
+        self._packed: Any = None
+
+    def cancelled(self, request_ids: Sequence[str]) -> list[str]:
+        """Which of these requests a client asked to cancel."""
+        if not request_ids:
+            return []
+        if self._pool is None:
+            return self.streams.cancelled(request_ids)
+        ids = tuple(request_ids)
+        if self._conn is None:
+            self._conn = self._pool.get_connection()
+        conn = self._conn
+        if ids != self._ids or self._packed is None:
+            keys = self.streams.keys
+            self._packed = conn.pack_command("MGET", *(keys.cancel(r) for r in ids))
+            self._ids = ids
+        try:
+            conn.send_packed_command(self._packed, check_health=False)
+            found = conn.read_response()
+        except BaseException:
+            conn.disconnect()  # never read a half-read reply as the next poll's
+            raise
+        return [r for r, v in zip(ids, found, strict=True) if v is not None]
+
+    def close(self) -> None:
+        """Give the connection back to the pool."""
+        if self._conn is not None and self._pool is not None:
+            self._pool.release(self._conn)
+            self._conn = None
 
 
 class CancelWatch:
@@ -36,6 +84,7 @@ class CancelWatch:
         name: str = "cancels",
     ) -> None:
         self.streams = streams
+        self._poll = CancelPoll(streams)
         self._post = post
         self._every = every_s
         self._ids: frozenset[str] = frozenset()
@@ -67,13 +116,14 @@ class CancelWatch:
         while True:
             with self._cond:
                 if self._stop:
+                    self._poll.close()
                     return
                 if not self._ids:
                     self._cond.wait()
                     continue
                 ids = [i for i in self._ids if i not in self._posted]
             try:
-                found = self.streams.cancelled(ids)
+                found = self._poll.cancelled(ids)
             except redis.RedisError as exc:
                 logger.warning("reading cancel keys failed: %s", exc)
                 found = []
