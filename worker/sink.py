@@ -26,6 +26,7 @@ from ..schemas.messages import Delta, Format
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
 from .streams import Entry, ModelStreams, Retiring, TokenWrite
+from .token_writes import Sent, TokenWrites
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,12 @@ class ResultSink(Protocol):
         their reply channels (generating runners), in order with results."""
         ...
 
-    def stream_now(self, items: Sequence[Streamed]) -> None:
-        """Deltas, written on the calling thread at once when no token write waits for
-        the writer thread (else, or if the write fails, queued like :meth:`stream`)."""
+    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
+        """Deltas, sent on the calling thread at once when no token write waits for the
+        writer thread (else, or if sending fails, queued like :meth:`stream`). The caller
+        calls what this returns (reading Redis's answer; on a failure, the deltas are
+        queued) before it streams again: writes handed over meanwhile wait for it, so
+        nothing sent later overtakes them."""
         ...
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
@@ -132,6 +136,11 @@ class _Retire:
 
 _Job = _Finish | _Tokens | _Dead | _Retire
 
+
+def _nothing() -> None:
+    """``stream_now``'s answer when nothing waits for Redis."""
+
+
 TRANSIENT = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -174,6 +183,14 @@ class RedisSink:
         self._backlog = 0
         self._tokens_queued = 0
         """Token writes handed to the writer thread and not done (see ``stream_now``)."""
+        self._direct = TokenWrites(streams)
+        """``stream_now``'s writes (the device thread's; one thread at a time)."""
+        self._answered = threading.Event()
+        """Clear while a ``stream_now`` write waits for Redis's answer: the writer thread
+        holds its jobs until then."""
+        self._answered.set()
+        self._unanswered: list[Sequence[Streamed]] = []
+        """Deltas sent at once whose write failed: the writer thread writes them first."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -197,18 +214,34 @@ class RedisSink:
                 self._tokens_queued += 1
             self._queue.put(_Tokens(items))
 
-    def stream_now(self, items: Sequence[Streamed]) -> None:
+    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
         if not items:
-            return
+            return _nothing
         with self._lock:
             direct = self._tokens_queued == 0  # nothing of theirs to overtake
         if direct:
+            self._answered.clear()
             try:
-                self.streams.append_tokens([it.write() for it in items])
-                return
+                sent = self._direct.send([it.write() for it in items])
             except Exception as exc:  # the writer thread retries it, in order
                 logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
+                self._answered.set()
+            else:
+                return lambda: self._answer(sent, items)
         self.stream(items)
+        return _nothing
+
+    def _answer(self, sent: Sent, items: Sequence[Streamed]) -> None:
+        try:
+            self._direct.receive(sent)
+        except Exception as exc:  # written again by the writer thread, before any later job
+            logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
+            with self._lock:
+                self._tokens_queued += 1
+                self._unanswered.append(items)
+            self._queue.put(_Tokens(()))  # wakes the writer thread
+        finally:
+            self._answered.set()
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
@@ -223,9 +256,18 @@ class RedisSink:
         self._closing.set()  # a writer still retrying against a dead Redis gives up
         if self._thread.is_alive():
             self._thread.join(1.0)
+        self._direct.close()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            while not self._answered.wait(1.0) and not self._closing.is_set():
+                pass  # a write sent at once first (its deltas come before this job's)
+            with self._lock:
+                again, self._unanswered = self._unanswered, []
+            for items in again:
+                self._write(_Tokens(items))
+            if isinstance(job, _Tokens) and not job.items:
+                continue  # the wake-up of a failed write (written above)
             self._write(job)
 
     def _write(self, job: _Job) -> None:
@@ -352,8 +394,9 @@ class MemorySink:
             self.observers.notify(Answered(self.model, replies))
             self.wake()
 
-    def stream_now(self, items: Sequence[Streamed]) -> None:
+    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
         self.stream(items)
+        return _nothing
 
     def stream(self, items: Sequence[Streamed]) -> None:
         for it in items:  # as tokens.lua writes them

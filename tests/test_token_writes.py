@@ -1,0 +1,113 @@
+"""The device thread's delta writes: ``tokens.lua`` calls packed by hand and sent on a
+connection of their own write what the client's call writes (real redis-server)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import redis
+from batchfleet.worker.streams import TOKENS_CHUNK, ModelStreams, TokenWrite
+from batchfleet.worker.token_writes import TokenWrites
+
+
+@pytest.fixture
+def writes(redis_url: str) -> Iterator[TokenWrites]:
+    w = TokenWrites(ModelStreams(redis.Redis.from_url(redis_url), "m-1", 3, "c1"))
+    yield w
+    w.close()
+
+
+def _items(rid: str, texts: list[str], reply: str | None, json_: bool) -> list[TokenWrite]:
+    out = [TokenWrite(rid, i + 1, 60 if i == 0 else 0, t, i % 2, i + 1, reply, json_, "m-1")
+           for i, t in enumerate(texts)]  # fmt: skip
+    return [*out, TokenWrite(rid, len(texts) + 1, 120)]  # and the stream's end
+
+
+def _stream(r: redis.Redis, streams: ModelStreams, rid: str) -> list[dict[bytes, bytes]]:
+    return [fields for _, fields in r.xrange(streams.keys.tokens(rid))]
+
+
+@pytest.mark.parametrize("json_", [False, True])
+def test_writes_the_entries_and_messages_the_clients_call_writes(
+    writes: TokenWrites, r: redis.Redis, json_: bool
+) -> None:
+    streams = writes.streams
+    texts = ['say "hi"\n', "Zürich ☃ 😀", "x" * 32, "é" * 200, ""]
+    sub = r.pubsub()
+    sub.subscribe("chan-a", "chan-b")
+    for _ in range(2):
+        sub.get_message(timeout=1)
+    # Given the same deltas (unusual ids and texts) written both ways
+    streams.append_tokens(_items("id {a}:1", texts, "chan-a", json_))
+    writes.append(_items("id {b}:ü", texts, "chan-b", json_))
+    # Then the token streams hold the same entries...
+    assert _stream(r, streams, "id {b}:ü") == _stream(r, streams, "id {a}:1")
+    assert len(_stream(r, streams, "id {b}:ü")) == len(texts) + 1
+    # ...with the same TTL set...
+    assert 115 <= r.ttl(streams.keys.tokens("id {b}:ü")) <= 120
+    # ...and the same messages went out, in order, but for their id
+    got: dict[str, list[dict[str, object]]] = {"chan-a": [], "chan-b": []}
+    while (m := sub.get_message(timeout=1)) is not None:
+        if m["type"] == "message":
+            body = json.loads(m["data"]) if json_ else msgpack.unpackb(m["data"])
+            got[m["channel"].decode()].append({**body, "id": "-"})
+    assert got["chan-b"] == got["chan-a"] and len(got["chan-b"]) == len(texts)
+    sub.close()
+
+
+def test_a_write_over_the_chunk_size_is_written_whole_in_order(
+    writes: TokenWrites, r: redis.Redis
+) -> None:
+    items = [TokenWrite(f"r{i % 3}", i // 3 + 1, 0, f"t{i}") for i in range(TOKENS_CHUNK * 2 + 5)]
+    writes.append(items)
+    for rid in ("r0", "r1", "r2"):
+        seqs = [int(f[b"seq"]) for f in _stream(r, writes.streams, rid)]
+        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 2 * TOKENS_CHUNK // 3
+
+
+def test_a_flushed_script_is_loaded_again_and_the_write_made_once(
+    writes: TokenWrites, r: redis.Redis
+) -> None:
+    writes.append([TokenWrite("a", 1, 0, "x")])
+    r.script_flush()  # as a restarted Redis would have it
+    writes.append([TokenWrite("a", 2, 0, "y")])
+    assert [f[b"seq"] for f in _stream(r, writes.streams, "a")] == [b"1", b"2"]
+
+
+def test_a_killed_connection_fails_one_write_at_most_and_never_misreads(
+    writes: TokenWrites, r: redis.Redis
+) -> None:
+    writes.append([TokenWrite("a", 1, 0, "x")])
+    r.client_kill_filter(_type="normal", skipme=True)  # every client but this one
+    with contextlib.suppress(redis.ConnectionError):
+        writes.append([TokenWrite("a", 2, 0, "y")])
+    writes.append([TokenWrite("a", 3, 0, "z")])
+    writes.append([TokenWrite("a", 4, 0, "w")])
+    seqs = [f[b"seq"] for f in _stream(r, writes.streams, "a")]
+    assert seqs in ([b"1", b"3", b"4"], [b"1", b"2", b"3", b"4"])
+
+
+def test_an_error_reply_is_raised_and_the_connection_stays_usable(
+    writes: TokenWrites, r: redis.Redis
+) -> None:
+    key = writes.streams.keys.tokens("a")
+    r.set(key, "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        writes.append([TokenWrite("a", 1, 0, "x")])
+    r.delete(key)
+    writes.append([TokenWrite("a", 1, 0, "x")])
+    assert [f[b"seq"] for f in _stream(r, writes.streams, "a")] == [b"1"]
+
+
+def test_close_gives_the_connection_back(writes: TokenWrites) -> None:
+    pool = writes.streams.client.connection_pool
+    writes.append([TokenWrite("a", 1, 0, "x")])
+    assert len(pool._in_use_connections) == 1
+    writes.close()
+    assert not pool._in_use_connections
+    writes.append([TokenWrite("a", 2, 0, "y")])  # a later write takes one again
+    assert len(pool._in_use_connections) == 1
