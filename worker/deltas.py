@@ -103,7 +103,9 @@ class DeltaWriter:
         # sent before the step's end reaches the loop, which ends streams (the sink holds
         # what the loop hands it until Redis has answered this)
         answered = self._stream(out) if out else None
-        done.report.settle()  # the runner's work left for after the deltas
-        self._then(done)
-        if answered is not None:  # read while the loop dispatches the next step
-            answered()
+        try:
+            done.report.settle()  # the runner's work left for after the deltas
+            self._then(done)
+        finally:
+            if answered is not None:  # read while the loop dispatches the next step
+                answered()  # (always: the sink's writer waits for it)
