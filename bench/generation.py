@@ -229,10 +229,31 @@ def smollm2_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def load_runner(model: GenModel) -> Any:
+def smol_shape(workdir: Path, source: Path | None) -> Path:
+    """SmolLM2-135M's architecture and tokenizer with random weights (seeded), saved with
+    ``save_pretrained``: the same FLOPs and kernels as SmolLM2, for a machine the 98 MB
+    GGUF cannot travel to (a lent GPU). ``source``: a folder holding its ``config.json``
+    and tokenizer files; default: read from the GGUF."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    out = workdir / "smol-shape"
+    if source is None:
+        config = AutoConfig.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    else:
+        config = AutoConfig.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_runner(model: GenModel, device: str = "cpu") -> Any:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
-    return TextGenerationRunner(model.path, device="cpu", max_tokens=1024, options=model.options)
+    return TextGenerationRunner(model.path, device=device, max_tokens=1024, options=model.options)
 
 
 # --- per-request outcome --------------------------------------------------------------------
@@ -381,6 +402,7 @@ def _generate(model: Any, prompts: Sequence[Sequence[int]], max_new: int, pad: i
     for r, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[r, width - len(p) :] = torch.tensor(p)
         mask[r, width - len(p) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                              do_sample=False, pad_token_id=pad)  # fmt: skip
@@ -530,7 +552,7 @@ class Fleet:
     """One ``batchfleet worker`` process serving ``model`` (with production stamps)."""
 
     def __init__(self, model: GenModel, url: str, workdir: Path, threads: int,
-                 env: dict[str, str] | None = None, tag: str = "") -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, tag: str = "", device: str = "cpu") -> None:  # fmt: skip
         self.model = model
         self.env = dict(env or {})
         self.url = url
@@ -544,7 +566,7 @@ class Fleet:
             f'redis_url = "{url}"\n[worker]\nblock_ms = 100\n'
             '[metrics]\nport = 0\naddress = "127.0.0.1"\n'
             f'[models.{model.name}]\nrunner = "text-generation"\npath = "{model.path}"\n'
-            f'device = "cpu"\nmax_tokens = 1024\n[models.{model.name}.options]\n{opts}\n'
+            f'device = "{device}"\nmax_tokens = 1024\n[models.{model.name}.options]\n{opts}\n'
         )
         self.threads = threads
         self.process: subprocess.Popen[bytes] | None = None
@@ -1121,8 +1143,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bench.generation", description=__doc__.splitlines()[0]
     )
     p.add_argument("--quick", action="store_true", help="few requests (smoke run, 1-2 min)")
-    p.add_argument("--models", nargs="+", choices=["tiny", "smollm2"], default=None,
-                   help="default: both (--quick: tiny)")  # fmt: skip
+    p.add_argument("--models", nargs="+", choices=["tiny", "smollm2", "smol-shape"],
+                   default=None, help="default: tiny and smollm2 (--quick: tiny); smol-shape: "
+                   "SmolLM2's architecture and tokenizer, random weights")  # fmt: skip
+    p.add_argument(
+        "--smol-shape-from",
+        type=Path,
+        default=None,
+        help="smol-shape's config.json and tokenizer (default: from the GGUF)",
+    )
+    p.add_argument("--device", default="cpu", help="the runner's device: cpu, cuda, auto")
     p.add_argument("--requests", type=int, default=None, help="saturated trace length (tiny)")
     p.add_argument(
         "--smol-requests", type=int, default=None, help="saturated trace length (SmolLM2)"
@@ -1159,8 +1189,12 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         "engine": args.engine, "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
         "step_tokens": args.step_tokens, "max_running": args.max_running,
     }  # fmt: skip
+    calibrated = which != "smollm2"  # offered rates from a burst (not SmolLM2's CPU minutes)
     if which == "tiny":
         model = GenModel("tiny-llama", tiny_llama(workdir), options)
+        n = args.requests or plan.requests
+    elif which == "smol-shape":
+        model = GenModel("smol-shape", smol_shape(workdir, args.smol_shape_from), options)
         n = args.requests or plan.requests
     else:
         model = GenModel("smollm2", smollm2_dir(), {"gguf_file": SMOLLM2_GGUF, **options})
@@ -1168,13 +1202,13 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
     result = ModelResult(model)
     say(f"{model.name}: loading")
     t0 = time.perf_counter()
-    runner = load_runner(model)
+    runner = load_runner(model, args.device)
     result.load_s = time.perf_counter() - t0
     tok = runner.tokenizer
     jobs = workload(lambda s: list(tok(s)["input_ids"]), lambda ids: str(tok.decode(ids)), n,
                     args.seed, (8, args.max_prompt), (8, args.max_new))  # fmt: skip
     engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
-    if which == "tiny":
+    if calibrated:
         say(f"{model.name}: calibrating on a burst of {min(n, plan.calibration)}")
         burst = engine_alone(runner, jobs[: min(n, plan.calibration)], 0.0, "calibration")
         capacity = burst.completed / burst.span
@@ -1188,16 +1222,14 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
                             "each SmolLM2 pass takes minutes on 2 cores)")  # fmt: skip
     say(f"{model.name}: engine alone, {n} requests at {saturated:.2f}/s")
     result.outcomes["engine alone"] = measured(lambda: engine_alone(runner, jobs, saturated))
-    if which == "tiny" or not args.no_smol_baselines:
+    if calibrated or not args.no_smol_baselines:
         say(f"{model.name}: static batching")
         result.outcomes["static batching"] = measured(
             lambda: static_batching(runner, jobs, saturated)
         )
         say(f"{model.name}: one at a time")
         result.outcomes["one at a time"] = measured(
-            lambda: one_at_a_time(
-                runner, jobs, plan.single if which == "tiny" else plan.smol_single
-            )
+            lambda: one_at_a_time(runner, jobs, plan.single if calibrated else plan.smol_single)
         )
     if which == "tiny" and not args.no_profile:
         say(f"{model.name}: profile")
@@ -1206,15 +1238,15 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         result.costs = step_cost(runner, long, plan.cost_sizes)
         result.cost_prompt = len(long[0].prompt)
     runner = None  # free it before the worker loads its own
-    fleet = Fleet(model, url, workdir, args.threads)
+    fleet = Fleet(model, url, workdir, args.threads, device=args.device)
     say(f"{model.name}: starting the worker")
     fleet.start()
     try:
         # warmed as the engine alone was (its calibration burst): the first steps of a fresh
         # worker grow its KV buffers and touch new memory, 20% of a cold run's CPU in the kernel
-        warm = jobs[: min(n, plan.calibration)] if which == "tiny" else jobs[:2]
+        warm = jobs[: min(n, plan.calibration)] if calibrated else jobs[:2]
         fleet.run(warm, 50.0, "warm-up", args.drain_s)
-        if which == "tiny":
+        if calibrated:
             m = args.unloaded or plan.unloaded
             say(f"{model.name}: fleet unloaded, {m} requests at {unloaded:.2f}/s")
             result.outcomes["fleet unloaded"] = measured(
@@ -1224,7 +1256,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         result.outcomes["fleet saturated"] = measured(
             lambda: fleet.run(jobs, saturated, "fleet saturated", args.drain_s)
         )
-        if which == "tiny":
+        if calibrated:
             m = args.unloaded or plan.unloaded
             probe_jobs, at, note = probe_trace(jobs, m, capacity, args.max_running)
             say(f"{model.name}: fleet, the unloaded run's {m} lane-0 requests over lanes 1-2 "
@@ -1240,7 +1272,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
     if which == "tiny" and not args.no_malloc_run:
         # The same worker with glibc told to keep freed memory (no trim, no mmap for large
         # blocks): without it the device thread spends much of each step in the kernel.
-        tuned = Fleet(model, url, workdir, args.threads, MALLOC_TUNED, "-malloc")
+        tuned = Fleet(model, url, workdir, args.threads, MALLOC_TUNED, "-malloc", args.device)
         say(f"{model.name}: starting the worker ({' '.join(MALLOC_TUNED)})")
         tuned.start()
         try:
@@ -1253,7 +1285,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
             tuned.stop()
     # the engine alone again (a fresh runner), to bracket the fleet runs in time
     say(f"{model.name}: engine alone again")
-    runner = load_runner(model)
+    runner = load_runner(model, args.device)
     engine_alone(runner, jobs[: min(n, 2)], 0.0, "warm-up")
     result.outcomes["engine alone, again"] = measured(
         lambda: engine_alone(runner, jobs, saturated, "engine alone, again")
@@ -1286,6 +1318,12 @@ def main(argv: list[str] | None = None) -> int:
         facts = machine_facts(url)
         for which in models:
             results.append(run_model(which, args, plan, url, Path(tmp), say))
+    if args.device != "cpu":
+        import torch
+
+        facts["device"] = f"{args.device}: " + (
+            torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        )
     facts["torch threads"] = (
         f"{args.threads} (worker OMP_NUM_THREADS; in process torch.set_num_threads)"
     )

@@ -17,6 +17,7 @@ from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
+from devices import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_vision import image_file
@@ -108,7 +109,7 @@ def check_decoder(fields: dict[bytes, bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def handler(tiny_embedder: Path) -> EmbeddingRunner:
-    return EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
+    return EmbeddingRunner(tiny_embedder, device=DEVICE, max_tokens=32)
 
 
 def test_10000_fuzzed_entries_through_the_decoder_and_the_worker_loop(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
@@ -37,7 +38,7 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner:
     opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "engine": request.param}  # fmt: skip
-    return TextGenerationRunner(lm_dir, options=opts)
+    return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=opts)
 
 
 def req(rid: str, **kw: Any) -> Request:
@@ -89,7 +90,7 @@ class Driver:
 
 
 def greedy(runner: TextGenerationRunner, text: str, n: int) -> str:
-    ids = runner.tokenizer(text, return_tensors="pt").input_ids
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
     out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,
                                 pad_token_id=runner.eos[0])  # fmt: skip
     return str(runner.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
@@ -371,3 +372,32 @@ def test_a_step_budget_changed_live_reaches_the_engine(runner: TextGenerationRun
     assert runner.step_tokens == 32 and runner.engine.step_tokens == 32  # type: ignore[attr-defined]
     runner.step(Work("s2", ()))  # None: as it was
     assert runner.step_tokens == 32
+
+
+def test_out_of_memory_releases_memory_after_the_failed_step_is_gone(
+    runner: TextGenerationRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weakref
+
+    from batchfleet.worker.runners import generation
+
+    class Activations:
+        pass
+
+    held: list[weakref.ref[Activations]] = []
+    alive_at_release: list[bool] = []
+
+    def oom() -> Any:
+        activations = Activations()  # the failed step's tensors, alive in its frame
+        held.append(weakref.ref(activations))
+        raise MemoryError("out of memory (fake)")
+
+    monkeypatch.setattr(generation, "release_cached_memory",
+                        lambda device: alive_at_release.append(held[0]() is not None))  # fmt: skip
+    (prep,) = prepare(runner, req("m1", max_new_tokens=4))
+    Driver(runner).step([("m1", prep)])
+    runner.engine.step = oom  # type: ignore[method-assign]
+    report = runner.step(Work("boom", ()))
+    # Then the cached memory is given back once the failed step's frame (and what it
+    # held) is freed, not from inside the except clause
+    assert report.out_of_memory and alive_at_release == [False]

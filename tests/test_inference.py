@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,3 +100,34 @@ def test_prepare_many_isolates_an_input_the_tokenizer_rejects() -> None:
     good, bad = h.prepare_many(reqs)
     assert isinstance(good, Prepared) and good.rows == 1
     assert isinstance(bad, Exception) and "cannot tokenize" in str(bad)
+
+
+class Activations:
+    """Stands for a failed call's tensors: alive while its frame is."""
+
+
+class Hoarder(Picky):
+    """Runs out of memory above ``max_rows`` with an activation alive in its frame, and
+    records, at each call, whether the last failed call's activation is still alive."""
+
+    def __init__(self, max_rows: int) -> None:
+        super().__init__(max_rows=max_rows)
+        self.last: weakref.ref[Activations] | None = None
+        self.alive_at_call: list[bool] = []
+
+    def run(self, rows: Sequence[Encoded]) -> list[Any]:
+        self.alive_at_call.append(self.last is not None and self.last() is not None)
+        activations = Activations()
+        self.last = weakref.ref(activations)
+        return super().run(rows)
+
+
+def test_a_split_retries_after_the_failed_call_has_freed_its_memory() -> None:
+    # Given a batch that runs out of memory, its activations held in the failed frame
+    h = Hoarder(max_rows=1)
+    report = h.step(_work([_row(1), _row(2), _row(3), _row(4)]))
+    # Then every retry runs with the failed call's memory freed (not from inside the
+    # except clause, whose traceback keeps the failed call's frames alive)
+    assert _outputs(report) == [[1, 2, 3, 4]] and report.out_of_memory
+    assert h.calls == [4, 2, 1, 1, 2, 1, 1]
+    assert not any(h.alive_at_call)

@@ -23,6 +23,7 @@ from batchfleet.worker.runner import Encoded
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
 from conftest import next_message
+from devices import DEVICE
 
 from batchfleet.config import ModelConfig, WorkerConfig
 
@@ -32,7 +33,7 @@ KEYS = ModelKeys(MODEL)
 
 @pytest.fixture(scope="module")
 def handler(tiny_embedder: Path) -> EmbeddingRunner:
-    return EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
+    return EmbeddingRunner(tiny_embedder, device=DEVICE, max_tokens=32)
 
 
 def run_loop(r: redis.Redis, handler: Any, consumer: str = "w1", **worker: Any) -> BatchLoop:
@@ -199,7 +200,7 @@ class Poisoned(EmbeddingRunner):
 
 
 def test_a_failing_request_does_not_sink_its_batch(tiny_embedder: Path, r: redis.Redis) -> None:
-    handler = Poisoned(tiny_embedder, device="cpu", max_tokens=32)
+    handler = Poisoned(tiny_embedder, device=DEVICE, max_tokens=32)
     handler._poison = handler.encode(["poison"])[0].ids  # type: ignore[attr-defined]
     producer = Producer(client=r)
     jobs = producer.submit_many(MODEL, ["the dog", "poison", "the fox", "what a day"], priority=0)
@@ -222,7 +223,7 @@ class Unencodable(EmbeddingRunner):
 def test_an_output_the_wire_cannot_carry_is_an_error_result(
     tiny_embedder: Path, r: redis.Redis
 ) -> None:
-    handler = Unencodable(tiny_embedder, device="cpu", max_tokens=32)
+    handler = Unencodable(tiny_embedder, device=DEVICE, max_tokens=32)
     handler._odd = handler.encode(["odd one"])[0].ids  # type: ignore[attr-defined]
     producer = Producer(client=r)
     jobs = producer.submit_many(MODEL, ["the dog", "odd one", "the fox"], priority=0)
@@ -243,7 +244,7 @@ def test_out_of_memory_splits_and_lowers_the_caps(tiny_embedder: Path, r: redis.
     from fault_handlers import FaultyEmbedder
 
     # Given a model that runs out of memory above 4 rows, and 96 requests queued at once
-    handler = FaultyEmbedder(tiny_embedder, device="cpu", max_tokens=32, options={"oom_above": 4})
+    handler = FaultyEmbedder(tiny_embedder, device=DEVICE, max_tokens=32, options={"oom_above": 4})
     producer = Producer(client=r)
     jobs = producer.submit_many(MODEL, [f"the dog {i}" for i in range(96)], priority=0)
     loop = run_loop(r, handler)

@@ -26,6 +26,7 @@ from batchfleet.worker.runners.image_classification import ImageClassificationRu
 from batchfleet.worker.runners.image_text import ImageTextEmbeddingRunner
 from batchfleet.worker.runners.rerank import RerankRunner
 from batchfleet.worker.streams import ModelStreams
+from devices import DEVICE
 from tiny_vision import IMAGE_LABELS, decompression_bomb, image_file, image_files
 
 from batchfleet.config import ModelConfig, WorkerConfig
@@ -133,7 +134,7 @@ def test_producer_refuses_bad_inputs_before_redis(r: redis.Redis) -> None:
 
 @pytest.fixture(scope="module")
 def vit(tiny_vit: Path) -> ImageClassificationRunner:
-    return ImageClassificationRunner(tiny_vit, device="cpu", dtype="float32")
+    return ImageClassificationRunner(tiny_vit, device=DEVICE, dtype="float32")
 
 
 def test_images_and_bad_images_through_a_worker(
@@ -240,8 +241,8 @@ def test_a_failed_read_of_a_referenced_image_is_retried_not_answered_missing(
 def test_clip_and_reranker_with_both_producers(
     r: redis.Redis, redis_url: str, tiny_clip: Path, tiny_reranker: Path
 ) -> None:
-    clip = ImageTextEmbeddingRunner(tiny_clip, device="cpu", dtype="float32", max_tokens=64)
-    reranker = RerankRunner(tiny_reranker, device="cpu", dtype="float32", max_tokens=64)
+    clip = ImageTextEmbeddingRunner(tiny_clip, device=DEVICE, dtype="float32", max_tokens=64)
+    reranker = RerankRunner(tiny_reranker, device=DEVICE, dtype="float32", max_tokens=64)
     img = image_file(40, 30, "WEBP")
     docs = ["a cat", "the dog is on the back of a man", "x", "what a day"]
 

@@ -63,7 +63,8 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def generate(model: Any, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n,
+                         do_sample=False,
                          pad_token_id=0, eos_token_id=EOS)  # fmt: skip
     return [int(t) for t in out[0, len(prompt) :]]
 

@@ -9,6 +9,7 @@ import torch
 from batchfleet.worker.runners import resolve
 from batchfleet.worker.runners.classification import ClassificationRunner
 from batchfleet.worker.runners.embedding import EmbeddingRunner
+from devices import DEVICE
 from tiny_models import LABELS
 
 TEXTS = [
@@ -26,12 +27,12 @@ def _max_diff(a: object, b: object) -> float:
 
 @pytest.fixture(scope="module")
 def embedder(tiny_embedder: Path) -> EmbeddingRunner:
-    return EmbeddingRunner(tiny_embedder, device="cpu", dtype="float32", max_tokens=48)
+    return EmbeddingRunner(tiny_embedder, device=DEVICE, dtype="float32", max_tokens=48)
 
 
 @pytest.fixture(scope="module")
 def classifier(tiny_classifier: Path) -> ClassificationRunner:
-    return ClassificationRunner(tiny_classifier, device="cpu", dtype="float32", max_tokens=48)
+    return ClassificationRunner(tiny_classifier, device=DEVICE, dtype="float32", max_tokens=48)
 
 
 def test_embedding_batch_invariance(embedder: EmbeddingRunner) -> None:
@@ -76,7 +77,7 @@ def test_padding_is_to_the_longest_row_not_max_tokens(embedder: EmbeddingRunner)
 
 
 def test_max_tokens_is_capped_by_the_model(tiny_embedder: Path) -> None:
-    h = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=10_000)
+    h = EmbeddingRunner(tiny_embedder, device=DEVICE, max_tokens=10_000)
     assert h.max_tokens == 128  # max_position_embeddings of the tiny model
 
 
@@ -100,9 +101,12 @@ def test_collation_reuses_its_host_buffers(embedder: EmbeddingRunner) -> None:
     big = embedder.collate(embedder.encode(TEXTS))
     ptr = big["input_ids"].data_ptr()
     small_rows = embedder.encode(["hi", "what a day"])
+    allocations = embedder._buffers.allocations
     small = embedder.collate(small_rows)
-    # Then the small batch is a view of the same memory, padded and masked afresh
-    assert small["input_ids"].data_ptr() == ptr
+    # Then the small batch is a view of the same memory (on CUDA, its device copy is
+    # made from that pinned memory), padded and masked afresh
+    assert embedder._buffers.allocations == allocations
+    assert small["input_ids"].data_ptr() == ptr or small["input_ids"].is_cuda
     assert small["input_ids"].is_contiguous()
     width = max(r.tokens for r in small_rows)
     assert small["attention_mask"].sum(dim=1).tolist() == [r.tokens for r in small_rows]
@@ -139,3 +143,18 @@ def test_prepare_many_reports_costs_and_truncation(embedder: EmbeddingRunner) ->
 def test_a_runner_needing_weights_says_so_without_a_path() -> None:
     with pytest.raises(ValueError, match="needs `path`"):
         EmbeddingRunner(None, device="cpu")
+
+
+def test_cudnn_attention_is_off_for_cuda_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from batchfleet.worker.device import CUDNN_ATTENTION_ENV, configure_cuda
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        # cuDNN plans attention per input shape: a worker's shapes change every step
+        monkeypatch.delenv(CUDNN_ATTENTION_ENV, raising=False)
+        assert configure_cuda() and not torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv(CUDNN_ATTENTION_ENV, "1")
+        assert not configure_cuda() and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -19,6 +19,7 @@ from batchfleet.worker.runners.classification import ClassificationRunner
 from batchfleet.worker.runners.image_classification import ImageClassificationRunner
 from batchfleet.worker.runners.image_text import ImageTextEmbeddingRunner
 from batchfleet.worker.runners.rerank import RerankRunner
+from devices import DEVICE
 from PIL import Image
 from tiny_vision import IMAGE_LABELS, SIZES, decompression_bomb, image_file, image_files
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
@@ -39,7 +40,7 @@ def _built(cls: type, model: str, **kw: Any) -> Any:
 
     @pytest.fixture(scope="module")
     def fixture(request: pytest.FixtureRequest) -> Any:
-        return cls(request.getfixturevalue(model), device="cpu", dtype="float32", **kw)
+        return cls(request.getfixturevalue(model), device=DEVICE, dtype="float32", **kw)
 
     return fixture
 
@@ -142,7 +143,7 @@ def test_clip_matches_get_image_features_and_get_text_features(
 def test_siglip_pads_texts_to_its_max_length_and_matches_its_features(tiny_siglip: Path) -> None:
     from transformers import SiglipModel
 
-    runner = ImageTextEmbeddingRunner(tiny_siglip, device="cpu", dtype="float32", max_tokens=64)
+    runner = ImageTextEmbeddingRunner(tiny_siglip, device=DEVICE, dtype="float32", max_tokens=64)
     assert runner.pad_width == runner.max_tokens == 16
     rows = runner.encode([*TEXTS, *image_files(3, seed=5)])
     ours = runner.run(rows)
@@ -185,7 +186,7 @@ def test_ranking_is_sorted_and_agrees_with_pairs(reranker: RerankRunner) -> None
 
 
 def test_text_classification_takes_pairs(tiny_classifier: Path) -> None:
-    runner = ClassificationRunner(tiny_classifier, device="cpu", dtype="float32", max_tokens=64)
+    runner = ClassificationRunner(tiny_classifier, device=DEVICE, dtype="float32", max_tokens=64)
     prep = _prepare(runner, {"text": "a man sleeps", "text_pair": "a man is awake"}, "hi")
     assert isinstance(prep, Prepared) and prep.rows == 2
     (event,) = runner.step(Work("s", (("k", prep),))).events
@@ -241,7 +242,7 @@ def test_wrong_kinds_are_invalid_input(
 ) -> None:  # fmt: skip
     from batchfleet.worker.runners.embedding import EmbeddingRunner
 
-    text_model = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
+    text_model = EmbeddingRunner(tiny_embedder, device=DEVICE, max_tokens=32)
     cases = [
         (vit, "a text where an image is due"),
         (text_model, image_file(8, 8)),  # bytes where a text is due
@@ -254,7 +255,7 @@ def test_wrong_kinds_are_invalid_input(
 
 
 def test_model_limits_apply(tiny_vit: Path) -> None:
-    runner = ImageClassificationRunner(tiny_vit, device="cpu", dtype="float32")
+    runner = ImageClassificationRunner(tiny_vit, device=DEVICE, dtype="float32")
     runner.input_limits = InputLimits(max_image_pixels=50 * 50, image_formats=("PNG",))
     assert isinstance(_prepare(runner, image_file(50, 50, "PNG")), Prepared)
     for item in (image_file(51, 50, "PNG"), image_file(20, 20, "JPEG")):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -11,14 +14,38 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+CUDNN_ATTENTION_ENV = "BATCHFLEET_CUDNN_ATTENTION"
+"""Set to ``1`` to leave cuDNN's attention kernels on (:func:`configure_cuda`)."""
+
+
 def pick_device(wanted: str) -> torch.device:
-    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; anything else as given."""
+    """``auto`` → ``cuda`` when a GPU is visible, else ``cpu``; anything else as given.
+    A CUDA device is configured for the worker's changing shapes (:func:`configure_cuda`)."""
     if wanted == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(wanted)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {wanted!r} asked for, but CUDA is not available")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(wanted)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {wanted!r} asked for, but CUDA is not available")
+    if device.type == "cuda":
+        configure_cuda()
     return device
+
+
+def configure_cuda() -> bool:
+    """Turn cuDNN's attention off in this process (unless ``BATCHFLEET_CUDNN_ATTENTION=1``);
+    True when it is off.
+
+    cuDNN builds an execution plan for every new input shape, and a worker's shapes change
+    all the time: each generation step's key length grows by one, each encoder batch pads
+    to its own width. Measured on an H200 (torch 2.11, bf16, ``bench/gpu_probe.py``): a
+    decode step of the benchmark's 4-layer Llama at 32 rows took 83.6 ms with it (79 ms of
+    it in the 4 attention calls' host time; 0.4 ms of kernels) and 3.8 ms without; HF
+    ``generate`` at one row 62.8 ms against 3.6 ms. torch then uses its flash or
+    memory-efficient kernels, which need no plan. Process-wide, as torch's switch is."""
+    off = os.environ.get(CUDNN_ATTENTION_ENV, "") != "1"
+    torch.backends.cuda.enable_cudnn_sdp(not off)
+    return off
 
 
 def pick_dtype(wanted: str, device: torch.device) -> torch.dtype:
@@ -48,8 +75,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """After an OOM, give cached blocks back so the split retry can allocate."""
+    """After an OOM (its exception and traceback dropped), free what the failed call left
+    (a collection, for tensors in reference cycles) and give cached blocks back, so the
+    retry can allocate."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -319,12 +319,19 @@ class BatchRunner:
     def _run(self, groups: list[tuple[str, Sequence[Any]]], acc: StepReport) -> list[StepEvent]:
         rows = [row for _, g in groups for row in g]
         acc.calls += 1
+        failure: _Failure | None
         try:
             flat = self.run(rows)
             if len(flat) != len(rows):
                 raise RuntimeError(f"runner returned {len(flat)} outputs for {len(rows)} rows")
         except Exception as exc:
-            return self._split(groups, rows, exc, acc)
+            failure = _Failure.of(exc)
+        else:
+            failure = None
+        if failure is not None:
+            # retried out here: inside the except clause the failed call's tensors (its
+            # frames, held by the traceback) would still take the device's memory
+            return self._split(groups, rows, failure, acc)
         out: list[StepEvent] = []
         i = 0
         for key, g in groups:
@@ -336,23 +343,21 @@ class BatchRunner:
         self,
         groups: list[tuple[str, Sequence[Any]]],
         rows: list[Any],
-        exc: Exception,
+        failure: _Failure,
         acc: StepReport,
     ) -> list[StepEvent]:
         """Retry halves: by request while there are several, by rows on out-of-memory."""
-        # torch only on this error path: the worker app (and what imports it to send control
-        # commands or run webhooks) stays light
-        from .device import is_out_of_memory, release_cached_memory
-
-        oom = is_out_of_memory(exc)
+        oom = failure.out_of_memory
         if oom:
             acc.out_of_memory = True
             if self.torch_device is not None:
+                from .device import release_cached_memory  # torch only on this error path
+
                 release_cached_memory(self.torch_device)
         if len(groups) > 1:
             mid = len(groups) // 2
             return self._run(groups[:mid], acc) + self._run(groups[mid:], acc)
-        (key, _), message = groups[0], f"{type(exc).__name__}: {exc}"
+        (key, _), message = groups[0], failure.message
         if oom and len(rows) > 1:
             mid = len(rows) // 2
             halves = [
@@ -366,6 +371,22 @@ class BatchRunner:
             return [Final(key, halves[0].outputs + halves[1].outputs)]
         logger.warning("request %s failed in inference: %s", key, message)
         return [Failed(key, message)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """What a failed batch call leaves for its retries: no exception, no traceback."""
+
+    message: str
+    out_of_memory: bool
+
+    @classmethod
+    def of(cls, exc: Exception) -> _Failure:
+        # torch only on this error path: the worker app (and what imports it to send
+        # control commands or run webhooks) stays light
+        from .device import is_out_of_memory
+
+        return cls(f"{type(exc).__name__}: {exc}", is_out_of_memory(exc))
 
 
 def _row_count(inputs: Sequence[AnyInput]) -> int:

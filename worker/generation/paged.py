@@ -45,6 +45,7 @@ class PagedEngine:
         page_size: int,
         step_tokens: int,
         max_running: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.sampler = SeededSampler()
         generation = GenerationConfig(
@@ -57,7 +58,8 @@ class PagedEngine:
             max_batch_tokens=step_tokens,
             max_requests_per_batch=max_running,
             allow_block_sharing=False,  # the scheduler counts each sequence's own blocks
-            use_cuda_graph=False,
+            use_cuda_graph=cuda_graphs,  # replayed steps (CUDA only)
+            use_async_batching=False,  # one step per call, its outputs read before the next
             scheduler_type="fifo",
         )
         self.manager = model.init_continuous_batching(

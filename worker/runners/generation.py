@@ -11,7 +11,8 @@ Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
 ``kv_cache_tokens`` (KV cache size, default 16384), ``page_size`` (KV block, default 32),
 ``step_tokens`` (per-step token budget, default 512), ``max_running`` (sequences per
 step, default 64), ``engine`` (``padded``, the default, or ``paged``:
-transformers' paged engine, for sliding-window and hybrid models), ``lean_decode``
+transformers' paged engine, for sliding-window and hybrid models; ``cuda_graphs``,
+default false: its steps replayed as CUDA graphs), ``lean_decode``
 (default true: the padded engine's CPU decode runs Llama-family models without
 transformers' module stack, :mod:`..generation.lean_decode`; false: their own forward),
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
@@ -174,6 +175,7 @@ class TextGenerationRunner:
                 page_size=self.page_size,
                 step_tokens=self.step_tokens,
                 max_running=self.max_running,
+                cuda_graphs=_flag(opts.get("cuda_graphs", False), "cuda_graphs"),
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
@@ -270,10 +272,15 @@ class TextGenerationRunner:
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
             self._admit(key, prep, lane)
+        failure = ""
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            return self._failed_step(exc, events, report)
+            if not is_out_of_memory(exc):
+                return self._failed_step(exc, events, report)
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure:  # handled out here, once the failed step's tensors are freed with it
+            return self._out_of_memory(failure, events, report)
         # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
         by_seq = self._by_seq
@@ -391,33 +398,50 @@ class TextGenerationRunner:
         left = max((s.max_new - len(s.text.tokens) for s in r.seqs if s.finish is None), default=0)
         return Progress(tuple(contexts), tuple(prefill), left)
 
+    def _out_of_memory(
+        self, failure: str, events: list[StepEvent], report: StepReport
+    ) -> StepReport:
+        """A step ran out of memory: while the step budget can still shrink, every running
+        request is preempted (its text kept, resumed by recomputation) and the per-step
+        token budget halves (activations are what grows with it; the KV cache is allocated
+        up front); after that, as any failed step."""
+        running = self._stop_engine()
+        release_cached_memory(self.torch_device)
+        report.out_of_memory = True
+        if self.step_tokens <= self.page_size:
+            logger.error("generation step out of memory at the smallest step budget (%d "
+                         "running): %s", len(running), failure)  # fmt: skip
+            return self._fail(running, f"generation step failed: {failure}", events, report)
+        self.step_tokens = max(self.page_size, self.step_tokens // 2)
+        self.engine.set_step_tokens(self.step_tokens)
+        logger.warning("out of memory in a generation step: %d requests preempted, step "
+                       "budget now %d tokens", len(running), self.step_tokens)  # fmt: skip
+        events += [self._park(r) for r in running]
+        report.events = events
+        return report
+
     def _failed_step(
         self, exc: Exception, events: list[StepEvent], report: StepReport
     ) -> StepReport:
-        """A step failed. Out of memory (and the step budget can still shrink): every
-        running request is preempted — its text kept, resumed by recomputation — and the
-        per-step token budget halves (activations are what grows with it; the KV cache is
-        allocated up front). Anything else: every running request fails (a generation
-        cannot be bisected mid-way) and the engine starts clean."""
-        oom = is_out_of_memory(exc)
+        """A step failed (not for memory): every running request fails (a generation cannot
+        be bisected mid-way) and the engine starts clean."""
+        running = self._stop_engine()
+        logger.error("generation step failed (%d running): %s", len(running), exc, exc_info=exc)
+        message = f"generation step failed: {type(exc).__name__}: {exc}"
+        return self._fail(running, message, events, report)
+
+    def _stop_engine(self) -> list[_Req]:
+        """Empty the engine after a failed step; the requests that were running."""
         running = [r for r in self._reqs.values() if not r.parked]
         self.engine.reset()
         for r in running:  # the engine holds nothing now: nothing to cancel in it
             for seq in r.seqs:
                 self._by_seq.pop(seq.name, None)
-        if oom:
-            release_cached_memory(self.torch_device)
-            report.out_of_memory = True
-        if oom and self.step_tokens > self.page_size:
-            self.step_tokens = max(self.page_size, self.step_tokens // 2)
-            self.engine.set_step_tokens(self.step_tokens)
-            logger.warning("out of memory in a generation step: %d requests preempted, step "
-                           "budget now %d tokens", len(running), self.step_tokens)  # fmt: skip
-            events += [self._park(r) for r in running]
-            report.events = events
-            return report
-        logger.error("generation step failed (%d running): %s", len(running), exc, exc_info=exc)
-        message = f"generation step failed: {type(exc).__name__}: {exc}"
+        return running
+
+    def _fail(
+        self, running: list[_Req], message: str, events: list[StepEvent], report: StepReport
+    ) -> StepReport:
         for r in running:
             events.append(Failed(r.key, message, ErrorCode.INFERENCE_FAILED))
             self._reqs.pop(r.key, None)
