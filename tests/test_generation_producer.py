@@ -125,7 +125,7 @@ def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
     with Producer(redis_url) as producer:
         # When one of them generates a long answer, for several times claim_idle_ms
         started = time.monotonic()
-        job = producer.submit("gen", "there were many", max_new_tokens=1000, stream=True)
+        job = producer.submit("gen", "there were many", max_new_tokens=4000, stream=True)
         deltas = list(job.deltas(timeout=120))
         took = time.monotonic() - started
         # Then it was generated once, by the worker that read it: never taken, no restart
