@@ -241,9 +241,17 @@ def _flower(args: argparse.Namespace) -> int:
         env["REDIS_URL"] = args.redis_url
     # `python -m celery` of this interpreter: a venv's `celery` need not be on PATH
     argv = [sys.executable, "-m", "celery", "-A", "batchfleet.remote", "flower",
-            f"--port={args.port}", f"--address={args.address}", *args.flower_args]  # fmt: skip
+            f"--port={args.port}", f"--address={args.address}", *_flower_options(args.flower_args)]  # fmt: skip
     os.execve(sys.executable, argv, env)
     return 1  # not reached
+
+
+def _flower_options(given: list[str]) -> list[str]:
+    """Flower's own options: ``--enable_events=False`` unless given. Workers send task
+    events from the start, and Flower's default broadcasts ``enable_events`` every 5 s,
+    which would undo an operator's ``celery control disable_events``."""
+    names = {arg.split("=", 1)[0].lstrip("-").replace("-", "_") for arg in given}
+    return given if "enable_events" in names else ["--enable_events=False", *given]
 
 
 def _control(args: argparse.Namespace) -> int:

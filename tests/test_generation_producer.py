@@ -1,5 +1,5 @@
 """Text generation end to end: the producers against a real `text-generation` worker process
-(a tiny random Llama), streaming, cancelling, a worker killed mid-generation, and a
+(tiny random Llamas), streaming, cancelling, a worker killed mid-generation, and a
 generation longer than ``claim_idle_ms`` left with its live worker."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from batchfleet.producer import AsyncProducer, Producer
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.messages import Delta
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
+from tiny_models import make_causal_lm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -115,22 +116,35 @@ def test_a_worker_killed_mid_generation_is_followed_to_one_result(
 
 
 def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
-    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+    redis_url: str,
+    r: redis.Redis,
+    tmp_path_factory: pytest.TempPathFactory,
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    # Given two workers, the idle-time fallback at 400 ms
-    fleet = gen_fleet(redis_url, tiny_lm, claim_idle_ms=400)
+    # Given two workers of a model whose answer can run to 4000 tokens (seconds of steps),
+    # the idle-time fallback at 400 ms
+    lm = make_causal_lm(tmp_path_factory.mktemp("long-lm"), layers=4, hidden=128, context=4096)
+    options = TINY_LM_OPTIONS | {"kv_cache_tokens": 4096}
+    spec = {"runner": "text-generation", "path": str(lm), "options": options}
+    fleet = fleet_toml(redis_url, {"gen": spec}, {"claim_idle_ms": 400})
     names = ("gen-a", "gen-b")
     for name in names:
         start_worker(fleet, name).wait_ready(r, "gen")
     with Producer(redis_url) as producer:
-        # When one of them generates a long answer, for several times claim_idle_ms
+        # When one of them generates for several times claim_idle_ms (the test decides how
+        # long: it cancels the answer after 2 s of it, so a fast machine cannot end it sooner)
         started = time.monotonic()
         job = producer.submit("gen", "there were many", max_new_tokens=4000, stream=True)
-        deltas = list(job.deltas(timeout=120))
-        took = time.monotonic() - started
+        deltas, cancelled = [], False
+        for delta in job.deltas(timeout=120):
+            deltas.append(delta)
+            if not cancelled and time.monotonic() - started > 5 * 0.4:
+                job.cancel()
+                cancelled = True
         # Then it was generated once, by the worker that read it: never taken, no restart
         restarts = [d for d in deltas if isinstance(d, Restarted)]
         assert restarts == [], "taken from its live worker and generated again"
         result = job.result()
         assert result.ok and result.timings.worker in names
-        assert took > 4 * 0.4, f"the generation ({took:.1f} s) must outlast the idle fallback"
+        (generation,) = result.generations()
+        assert generation.finish_reason == "cancelled", "the answer ended before 2 s: too short"

@@ -111,6 +111,15 @@ def flower(redis_url: str, tmp_path: Path) -> Iterator[str]:
         proc.wait(10)
 
 
+def test_batchfleet_flower_leaves_the_workers_event_switch_to_the_operator() -> None:
+    # Flower's default re-enables task events every 5 s, undoing `disable_events`
+    assert cli._flower_options([]) == ["--enable_events=False"]
+    auth = ["--basic_auth=a:b"]
+    assert cli._flower_options(auth) == ["--enable_events=False", *auth]
+    for asked in (["--enable_events=True"], ["--enable-events"], ["--enable_events", "true"]):
+        assert cli._flower_options(asked) == asked
+
+
 def test_flower_shows_the_worker_and_each_micro_batch_as_a_task(
     flower: str,
     redis_url: str,
