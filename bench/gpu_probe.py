@@ -5,7 +5,8 @@ benchmark's random 4-layer Llama, and SmolLM2's shape with random weights):
 
 - the device's launch cost: a small kernel enqueued back to back, and one waited for;
 - HF ``generate``, one request and a padded batch: milliseconds per step;
-- each engine (``padded``, ``paged``) through the runner with ``rows`` sequences running:
+- each engine (``padded``, with its lean step forward and with transformers' forwards;
+  ``paged``) through the runner with ``rows`` sequences running:
   milliseconds per decode step, then one step profiled (``torch.profiler``): operators
   and kernels launched, the busiest operators by host time, and device-kernel time
   against the step's wall time.
@@ -73,6 +74,14 @@ def _generate_ms(model: Any, rows: int, prompt: int, new: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / new
 
 
+VIEWS = frozenset(f"aten::{name}" for name in (
+    "view", "reshape", "_reshape_alias", "transpose", "t", "permute", "slice", "select",
+    "unsqueeze", "squeeze", "expand", "as_strided", "narrow", "split", "chunk", "alias",
+    "detach", "unbind", "view_as", "lift_fresh", "_unsafe_view",
+))  # fmt: skip
+"""Operators that only make a view (no kernel on a GPU): host time, but no launch."""
+
+
 def engine_steps(runner: Any, rows: int, steps: int, top: int) -> tuple[float, list[str]]:
     """Milliseconds per decode step with ``rows`` running, and one step's profile."""
     from batchfleet.worker.generation.sampling import Sampling
@@ -116,7 +125,8 @@ def engine_steps(runner: Any, rows: int, steps: int, top: int) -> tuple[float, l
             host[e.name] += e.cpu_time_total
     eng.reset()
     lines = [
-        f"  - profiled step: {wall:.1f} ms wall; {sum(top_ops.values())} top-level operators; "
+        f"  - profiled step: {wall:.1f} ms wall; {sum(top_ops.values())} top-level operators "
+        f"({sum(n for k, n in top_ops.items() if k not in VIEWS)} not views); "
         f"{kernels} device kernels, {kernel_us / 1e3:.2f} ms of kernel time",
         "  - busiest operators (host ms incl. children / count): "
         + ", ".join(f"{k} {host[k] / 1e3:.2f}/{top_ops[k]}" for k, _ in host.most_common(top)),
@@ -124,21 +134,23 @@ def engine_steps(runner: Any, rows: int, steps: int, top: int) -> tuple[float, l
     return statistics.median(times), lines
 
 
-def probe(which: str, device: str, rows: int, workdir: Path, shape_from: Path | None) -> list[str]:
+def probe(which: str, device: str, dtype: str, rows: int, workdir: Path,
+          shape_from: Path | None) -> list[str]:  # fmt: skip
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     path = tiny_llama(workdir) if which == "tiny" else smol_shape(workdir, shape_from)
     out = [f"### {which}", ""]
     runners = {}
-    variants = [("padded", {}), ("paged", {})]
+    variants = [("padded", {}), ("padded, transformers' forwards", {"engine": "padded",
+                "lean_decode": False}), ("paged", {})]  # fmt: skip
     if device != "cpu":
         variants.append(("paged, CUDA graphs", {"engine": "paged", "cuda_graphs": True}))
     for kind, extra in variants:
         options = {"engine": kind, "kv_cache_tokens": 32768, "page_size": 32,
                    "step_tokens": 4096, "max_running": 64, **extra}  # fmt: skip
         try:
-            runners[kind] = TextGenerationRunner(path, device=device, max_tokens=1024,
-                                                 options=options)  # fmt: skip
+            runners[kind] = TextGenerationRunner(path, device=device, dtype=dtype,
+                                                 max_tokens=1024, options=options)  # fmt: skip
         except Exception as exc:
             out.append(f"- engine `{kind}`: not built: {type(exc).__name__}: {str(exc)[:300]}")
     model = runners["padded"].model
@@ -166,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", nargs="+", default=["tiny", "smol-shape"])
+    p.add_argument("--dtype", default="auto", help="the runner's dtype (auto: bf16 on CUDA)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--smol-shape-from", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
@@ -178,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for which in args.models:
-            part = probe(which, args.device, args.rows, Path(tmp), args.smol_shape_from)
+            part = probe(which, args.device, args.dtype, args.rows, Path(tmp),
+                         args.smol_shape_from)  # fmt: skip
             print("\n".join(part), flush=True)
             lines += part
     if args.out is not None:

@@ -1,7 +1,9 @@
 """The lean step forward (``worker/generation/lean_decode.py``): built for Llama-family
 layers and refused for anything else; its logits are exactly transformers' for a padded
-batch of rows of different lengths; decodes and prefill chunks in one forward each get
-transformers' logits and cache; the runner's ``lean_decode`` option turns it off."""
+batch of rows of different lengths, through the per-row kernel and through sdpa under a
+padding mask (any device or dtype: a bfloat16 model here); decodes and prefill chunks in
+one forward each get transformers' logits and cache; the runner's ``lean_decode`` option
+turns it off."""
 
 from __future__ import annotations
 
@@ -30,10 +32,14 @@ def _llama(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-def _running(llama_dir: Path, n: int, lean: bool) -> tuple[Any, LeanDecoder, PaddedEngine]:
+def _running(
+    llama_dir: Path, n: int, lean: bool, dtype: Any = None
+) -> tuple[Any, LeanDecoder, PaddedEngine]:
     """The model, its lean forward, and an engine running ``n`` rows of different
     lengths, three steps in (``lean``: the engine's own steps fused)."""
     model = _llama(llama_dir)
+    if dtype is not None:
+        model = model.to(dtype)
     decoder = LeanDecoder.build(model)
     assert decoder is not None
     engine = PaddedEngine(model, eos_token_ids=[], step_tokens=512, max_running=8, lean=lean)
@@ -66,6 +72,49 @@ def test_its_logits_are_transformers_logits_for_rows_of_different_lengths(
                      **{decode_attention.LENGTHS: keys}).logits[:, -1]  # fmt: skip
     assert got.shape == (5, model.config.vocab_size)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_through_sdpa_its_logits_are_transformers_padded_batch_logits(
+    llama_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+    from batchfleet.worker.generation.lean_decode import padding_mask
+
+    # Given rows of different lengths whose decode attends with sdpa over the padded batch
+    # (where the per-row kernel does not run: a GPU, or a 16-bit model)
+    monkeypatch.setattr(decode_attention, "usable", lambda model: False)
+    model, lean, engine = _running(llama_dir, 5, lean=False, dtype=getattr(torch, dtype))
+    assert not engine.row_attention
+    rows = engine._rows
+    lengths = [r.context for r in rows]
+    assert len(set(lengths)) == 5
+    ids = torch.tensor([[r.generated[-1]] for r in rows])
+    positions = torch.tensor(lengths)
+    st = engine._step
+    st.rows, st.width, st.positions, st.flat = len(rows), max(lengths), positions, None
+    keys = np.asarray(lengths, dtype=np.int64) + 1
+    mask = padding_mask(positions, max(lengths))
+    with torch.inference_mode():
+        # When the lean forward and transformers' forward (the engine's own mask) run it
+        got = lean.logits(ids, positions, keys, engine._layers, mask)
+        want = model(input_ids=ids, attention_mask=mask[:, 0, 0], position_ids=positions[:, None],
+                     cache=engine._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
+    # Then the logits are transformers' (bfloat16: to its rounding, q/k/v in one product)
+    assert got.shape == (5, model.config.vocab_size) and got.dtype == getattr(torch, dtype)
+    if dtype == "float32":
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_16_bit_model_on_the_cpu_steps_through_the_lean_forward(llama_dir: Path) -> None:
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+
+    runner = TextGenerationRunner(llama_dir, device="cpu", dtype="bfloat16")
+    engine = runner.engine
+    assert runner.info()["decode"] == "lean" and not engine.row_attention  # type: ignore[attr-defined]
 
 
 def test_one_forward_of_decodes_and_prefill_chunks_gives_each_its_own_logits_and_cache(

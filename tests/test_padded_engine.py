@@ -1,7 +1,8 @@
 """The padded continuous-batching engine, stepped directly: greedy tokens equal
 one-at-a-time ``generate`` for Llama, Qwen2 (biased projections) and GPT-2 with sequences
-joining and leaving at different steps, through the lean decode forward and through
-transformers' own; chunked prefill keeps running rows decoding; cancelled rows leave at
+joining and leaving at different steps, through the lean step forward and through
+transformers' own, each with the per-row attention kernel and with sdpa over the padded
+batch (as on a GPU); chunked prefill keeps running rows decoding; cancelled rows leave at
 the next step; the batch narrows when its longest row leaves."""
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def run(
 @pytest.mark.parametrize(
     "row_attention,lean,threads,max_context",
     [(True, True, 1, None), (True, True, 2, None), (True, False, 1, None),
-     (False, False, 1, None), (True, True, 1, 128), (False, False, 1, 128)],
+     (False, True, 1, None), (False, False, 1, None), (True, True, 1, 128),
+     (False, True, 1, 128), (False, False, 1, 128)],
     ids=["row-attention", "row-attention-2-threads", "row-attention-transformers", "sdpa",
-         "row-attention-reserved", "sdpa-reserved"],
+         "sdpa-transformers", "row-attention-reserved", "sdpa-reserved",
+         "sdpa-transformers-reserved"],
 )  # fmt: skip
 @pytest.mark.parametrize("which", ["llama", "qwen2", "gpt2"])
 def test_greedy_tokens_equal_one_at_a_time_generate(

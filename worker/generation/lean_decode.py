@@ -3,10 +3,13 @@
 A padded-engine step of a small model spends much of its time outside the matrix
 products: each layer's forward goes through a dozen module calls, wrappers, keyword
 plumbing and the cache interface, and the decode rows' products (a few dozen rows) run
-at about half the speed of a prefill's. For the architectures whose decoder layer this
-module knows (pre-norm, rotary positions, grouped-query attention, gated MLP: ``llama``,
-``mistral``, ``qwen2``), :class:`LeanDecoder` runs a step's operations directly, on the
-model's own modules and weights, over the step's decode rows and prefill chunks at once:
+at about half the speed of a prefill's. On a GPU the same host work is what a step waits
+for: each operator costs host time to launch, and a small model's kernels take a tenth of
+its step there (``bench/results/gpu-2026-12-04.md``). For the architectures whose decoder
+layer this module knows (pre-norm, rotary positions, grouped-query attention, gated MLP:
+``llama``, ``mistral``, ``qwen2``), :class:`LeanDecoder` runs a step's operations
+directly, on the model's own modules and weights, over the step's decode rows and
+prefill chunks at once:
 
 - the model's own embedding, norms (``RMSNorm``), rotary embedding and
   ``apply_rotary_pos_emb``, activation and LM head, so every number is computed as
@@ -14,13 +17,15 @@ model's own modules and weights, over the step's decode rows and prefill chunks 
 - q, k and v in one matrix product, and gate and up in another (the weights
   concatenated once, at build), each over all the step's tokens;
 - the decode rows' keys and values written by the engine's :class:`~.padded.SlotLayer`
-  and attended by :func:`.decode_attention.attention` (each row over its own length);
-  each prefill chunk's appended to its sequence's own cache and attended causally by
+  and attended either by :func:`.decode_attention.attention` (each row over its own
+  length: a float32 model on the CPU) or, on any other device or dtype, by transformers'
+  ``sdpa`` function over the padded batch under a padding mask (as the engine's
+  transformers forward and HF ``generate`` attend);
+- each prefill chunk's appended to its sequence's own cache and attended causally by
   transformers' ``sdpa`` function, as its prefill forward does;
 - logits only for the decode rows and each chunk's last token.
 
-It is used only where the engine's decode runs the per-row kernel (a float32 model on
-the CPU) and the model's layers match; anything else keeps transformers' forwards.
+Models whose layers do not match keep transformers' forwards.
 """
 
 from __future__ import annotations
@@ -109,12 +114,13 @@ class LeanDecoder:
         positions: torch.Tensor,
         lengths: np.ndarray,
         caches: Sequence[Any],
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rows x vocab`` logits of one decode step: row ``i`` feeds token ``ids[i, 0]``
         at position ``positions[i]`` and attends over ``lengths[i]`` keys (its cache and
         the new one); ``caches``: the engine's layers, which store the new keys and
-        values (their step already set)."""
-        return self.forward(ids.view(-1), positions, lengths, caches, ())
+        values (their step already set); ``padding``: see :meth:`forward`."""
+        return self.forward(ids.view(-1), positions, lengths, caches, (), padding)
 
     def forward(
         self,
@@ -123,13 +129,16 @@ class LeanDecoder:
         lengths: np.ndarray,
         caches: Sequence[Any],
         chunks: Sequence[Chunk],
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step's forward over the decode rows and prefill chunks together (the
         linear layers run once over all their tokens): decode row ``i`` feeds ``ids[i]``
         at ``positions[i]`` and attends over ``lengths[i]`` keys of ``caches`` (the
         engine's layers, their step already set); each chunk feeds its tokens after its
-        cache's and appends to it. The logits of every decode row, then of each chunk's
-        last token."""
+        cache's and appends to it. ``padding`` None: the decode rows attend through the
+        per-row kernel; else through sdpa over the padded batch, ``padding`` being its
+        ``rows x 1 x 1 x columns`` mask (:func:`padding_mask`). The logits of every
+        decode row, then of each chunk's last token."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
@@ -154,9 +163,16 @@ class LeanDecoder:
             parts = []
             if rows:
                 keys, values = caches[i].update(_rows(k, 0, rows), _rows(v, 0, rows))
-                out, _ = decode_attention.attention(
-                    layer.attn, _rows(q, 0, rows), keys, values, None, scaling=layer.scaling, **kw
-                )
+                if padding is None:
+                    out, _ = decode_attention.attention(
+                        layer.attn, _rows(q, 0, rows), keys, values, None,
+                        scaling=layer.scaling, **kw,
+                    )  # fmt: skip
+                else:
+                    out, _ = sdpa_attention_forward(
+                        layer.attn, _rows(q, 0, rows), keys, values, padding,
+                        scaling=layer.scaling,
+                    )  # fmt: skip
                 parts.append(out.reshape(rows, q_end))
             at = rows
             for c, mask in zip(chunks, masks, strict=True):
@@ -175,7 +191,8 @@ class LeanDecoder:
             x = x + F.linear(mid, layer.down, layer.down_bias)
         if chunks:
             ends = np.cumsum([rows] + [len(c.tokens) for c in chunks])[1:] - 1
-            x = x[:, torch.from_numpy(np.concatenate([np.arange(rows), ends]))]
+            keep = torch.from_numpy(np.concatenate([np.arange(rows), ends]))
+            x = x[:, keep.to(x.device)]
         logits: torch.Tensor = self.head(self.norm(x))
         return logits[0]
 
@@ -188,6 +205,13 @@ class Chunk:
     tokens: Sequence[int]
     past: int
     cache: Any
+
+
+def padding_mask(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """The decode rows' mask over ``width + 1`` columns of the padded batch: row ``i``
+    sees its columns up to ``positions[i]`` (its new token's), ``rows x 1 x 1 x cols``."""
+    cols = torch.arange(width + 1, device=positions.device)
+    return (cols[None, :] <= positions[:, None])[:, None, None, :]
 
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -19,8 +19,8 @@ column; a padding mask hides the columns past each row's length. A step
 The decode comes last so that a step's tokens leave the device as soon as they exist,
 not after the step's prefill.
 
-Where the model has a lean forward (:mod:`.lean_decode`: Llama-family, float32 on CPU),
-steps 2 and 3 are one forward over the decode rows and the prefill chunks together, so
+Where the model has a lean forward (:mod:`.lean_decode`: Llama-family models, on any
+device and dtype), steps 2 and 3 are one forward over the decode rows and the prefill chunks together, so
 each linear layer runs once over all the step's tokens; a sequence whose prefill ends
 joins after that forward, with its first token, and decodes from the next step.
 
@@ -50,7 +50,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import decode_attention, reserve
 from .engine import Output, SeqState
-from .lean_decode import Chunk, LeanDecoder
+from .lean_decode import Chunk, LeanDecoder, padding_mask
 from .sampling import Sampling, SeededSampler
 
 
@@ -253,10 +253,10 @@ class PaddedEngine:
         batch."""
         if self.row_attention:
             model.set_attn_implementation(decode_attention.ATTENTION)
-        self.lean = LeanDecoder.build(model) if self.row_attention and lean is not False else None
-        """The decode's forward without transformers' module stack (:mod:`.lean_decode`),
-        where the decode runs the per-row kernel and the model's layers are a known
-        shape (None: where possible); otherwise the model's own forward."""
+        self.lean = LeanDecoder.build(model) if lean is not False else None
+        """The step's forward without transformers' module stack (:mod:`.lean_decode`),
+        where the model's layers are a known shape (None: where possible); otherwise the
+        model's own forwards. Its decode rows attend as ``row_attention`` says."""
 
     def add(
         self,
@@ -388,16 +388,19 @@ class PaddedEngine:
         chunks = [(seq, Chunk(tokens, seq.done, seq.cache))
                   for seq, tokens in self._plan(self.step_tokens - len(self._rows), 0)]  # fmt: skip
         rows = len(self._rows)
+        padding = None
         if rows:
             positions, lengths = self._prepare_decode()
             ids = torch.tensor([r.generated[-1] for r in self._rows], device=self.device)
+            if not self.row_attention:
+                padding = padding_mask(positions, self._step.width)
         else:
             positions = torch.zeros(0, dtype=torch.long, device=self.device)
             ids, lengths = positions, np.zeros(0, dtype=np.int64)
         if not rows and not chunks:
             return []
         logits = self.lean.forward(ids, positions, lengths, self._layers,
-                                   [c for _, c in chunks])  # fmt: skip
+                                   [c for _, c in chunks], padding)  # fmt: skip
         out = self._decoded(logits[:rows]) if rows else []
         ended = []
         for k, (seq, chunk) in enumerate(chunks):

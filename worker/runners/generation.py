@@ -13,8 +13,8 @@ Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
 step, default 64), ``engine`` (``padded``, the default, or ``paged``:
 transformers' paged engine, for sliding-window and hybrid models; ``cuda_graphs``,
 default false: its steps replayed as CUDA graphs), ``lean_decode``
-(default true: the padded engine's CPU decode runs Llama-family models without
-transformers' module stack, :mod:`..generation.lean_decode`; false: their own forward),
+(default true: the padded engine's steps run Llama-family models without
+transformers' module stack, :mod:`..generation.lean_decode`; false: their own forwards),
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
 ``limits.max_new_tokens``, checked when the request is read).
 """
