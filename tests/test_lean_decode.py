@@ -186,6 +186,25 @@ def test_it_is_refused_for_layers_it_does_not_know(llama_dir: Path) -> None:
     assert LeanDecoder.build(renamed) is None
 
 
+def test_q_and_k_rotate_in_one_pass_only_where_that_is_the_familys_formula(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    model = _llama(llama_dir)
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None and decoder.rotate_half is not None
+    # a family whose apply_rotary_pos_emb is another formula: its own function, q and k apart
+    module = sys.modules[type(model).__module__]
+
+    def other(q: Any, k: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+        return q * cos - q * sin, k * cos - k * sin
+
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", other)
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None and decoder.rotate_half is None and decoder.rotate is other
+
+
 def test_the_runner_uses_it_unless_told_not_to(llama_dir: Path) -> None:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 

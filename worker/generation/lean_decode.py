@@ -13,7 +13,9 @@ prefill chunks at once:
 
 - the model's own embedding, norms (``RMSNorm``), rotary embedding and
   ``apply_rotary_pos_emb``, activation and LM head, so every number is computed as
-  transformers computes it;
+  transformers computes it (q and k rotated in one pass, with the module's
+  ``rotate_half``, where that gives ``apply_rotary_pos_emb``'s numbers exactly, checked
+  when the decoder is built);
 - q, k and v in one matrix product, and gate and up in another (the weights
   concatenated once, at build), each over all the step's tokens;
 - the decode rows' keys and values written by the engine's :class:`~.padded.SlotLayer`
@@ -66,7 +68,9 @@ class _Layer:
 class LeanDecoder:
     """One step's forward for a Llama-family model (module docstring)."""
 
-    def __init__(self, model: Any, layers: list[_Layer], rotate: Any) -> None:
+    def __init__(
+        self, model: Any, layers: list[_Layer], rotate: Any, rotate_half: Any = None
+    ) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -74,6 +78,9 @@ class LeanDecoder:
         self.head = model.lm_head
         self.layers = layers
         self.rotate = rotate
+        self.rotate_half = rotate_half
+        """Set where ``x * cos + rotate_half(x) * sin`` is ``rotate``'s formula: q and k
+        are then rotated together, as one tensor (half the operators)."""
         attn = layers[0].attn
         self.heads = int(model.config.num_attention_heads)
         self.kv_heads = int(model.config.num_key_value_heads)
@@ -95,7 +102,8 @@ class LeanDecoder:
             or not isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
         ):
             return None
-        rotate = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None)
+        module = sys.modules.get(type(model).__module__)
+        rotate = getattr(module, "apply_rotary_pos_emb", None)
         if rotate is None:
             return None
         layers = []
@@ -106,7 +114,7 @@ class LeanDecoder:
             return None
         if not layers:
             return None
-        return cls(model, layers, rotate)
+        return cls(model, layers, rotate, _one_pass(rotate, getattr(module, "rotate_half", None)))
 
     def logits(
         self,
@@ -151,15 +159,23 @@ class LeanDecoder:
         total = ids.shape[0]
         x = self.embed(ids)[None]  # 1 x tokens x hidden
         cos, sin = self.rotary(x, positions[None])
+        one_pass = self.rotate_half is not None
+        if one_pass:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb does
         kw: dict[str, Any] = {decode_attention.LENGTHS: lengths}
         masks = [_causal(c, self.head.weight.device) for c in chunks]
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[..., :q_end].view(1, total, heads, dim).transpose(1, 2)
-            k = qkv[..., q_end:k_end].view(1, total, kv_heads, dim).transpose(1, 2)
             v = qkv[..., k_end:].view(1, total, kv_heads, dim).transpose(1, 2)
-            q, k = self.rotate(q, k, cos, sin)
+            if one_pass:
+                qk = qkv[..., :k_end].view(1, total, heads + kv_heads, dim).transpose(1, 2)
+                qk = qk * cos + self.rotate_half(qk) * sin
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = qkv[..., :q_end].view(1, total, heads, dim).transpose(1, 2)
+                k = qkv[..., q_end:k_end].view(1, total, kv_heads, dim).transpose(1, 2)
+                q, k = self.rotate(q, k, cos, sin)
             parts = []
             if rows:
                 keys, values = caches[i].update(_rows(k, 0, rows), _rows(v, 0, rows))
@@ -229,6 +245,23 @@ def _causal(chunk: Chunk, device: torch.device) -> torch.Tensor | None:
     cols = torch.arange(chunk.past + n, device=device)
     rows = torch.arange(chunk.past, chunk.past + n, device=device)
     return (cols[None, :] <= rows[:, None])[None, None]
+
+
+def _one_pass(rotate: Any, rotate_half: Any) -> Any:
+    """``rotate_half`` where ``x * cos + rotate_half(x) * sin`` gives exactly what
+    ``rotate`` (the family's ``apply_rotary_pos_emb``) gives for q and k; else None."""
+    if rotate_half is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen)
+    cos, sin = torch.randn(1, 5, 8, generator=gen), torch.randn(1, 5, 8, generator=gen)
+    try:
+        want_q, want_k = rotate(q, k, cos, sin)
+        both = torch.cat([q, k], dim=1)
+        got = both * cos.unsqueeze(1) + rotate_half(both) * sin.unsqueeze(1)
+    except Exception:
+        return None
+    return rotate_half if torch.equal(got, torch.cat([want_q, want_k], dim=1)) else None
 
 
 def _layer(layer: Any) -> _Layer:
