@@ -2,8 +2,8 @@
 layers and refused for anything else; its logits are exactly transformers' for a padded
 batch of rows of different lengths, through the per-row kernel and through sdpa under a
 padding mask (any device or dtype: a bfloat16 model here); decodes and prefill chunks in
-one forward each get transformers' logits and cache; the runner's ``lean_decode`` option
-turns it off."""
+one forward each get transformers' logits and cache; one whose first step fails gives way
+to transformers' forwards; the runner's ``lean_decode`` option turns it off."""
 
 from __future__ import annotations
 
@@ -203,6 +203,62 @@ def test_q_and_k_rotate_in_one_pass_only_where_that_is_the_familys_formula(
     monkeypatch.setattr(module, "apply_rotary_pos_emb", other)
     decoder = LeanDecoder.build(model)
     assert decoder is not None and decoder.rotate_half is None and decoder.rotate is other
+
+
+def _tokens(engine: PaddedEngine, prompt: list[int], n: int) -> list[int]:
+    engine.add("a", prompt, n, Sampling())
+    out: list[int] = []
+    while not out or engine.running != 0:
+        for o in engine.step():
+            out = o.tokens
+    return out
+
+
+def test_a_lean_forward_failing_on_its_first_step_gives_way_to_transformers_forwards(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet.worker.generation.lean_decode import LeanDecoder
+
+    prompt = [(5 * j) % 300 + 3 for j in range(20)]
+    want = _tokens(PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=512,
+                                max_running=4, lean=False), prompt, 6)  # fmt: skip
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel for this device")
+
+    # Given a lean forward that cannot run here (a device or dtype it was never checked on)
+    engine = PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=512, max_running=4)
+    assert engine.lean is not None
+    monkeypatch.setattr(LeanDecoder, "forward", broken)
+    engine.add("a", prompt, 6, Sampling())
+    # When its first step fails, that step fails (the runner fails its requests, resets)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        engine.step()
+    engine.reset()
+    # Then the engine goes on with transformers' forwards, and gets their tokens
+    assert engine.lean is None
+    assert _tokens(engine, prompt, 6) == want
+
+    # but once it has run a step, a later failure is that step's alone: it stays lean
+    monkeypatch.undo()
+    kept = PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=512, max_running=4)
+    kept.add("a", prompt, 6, Sampling())
+    kept.step()
+    monkeypatch.setattr(LeanDecoder, "forward", broken)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kept.step()
+    assert kept.lean is not None
+
+    # and so does one whose first step ran out of memory (the runner retries smaller)
+    def short(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(LeanDecoder, "forward", short)
+    fresh = PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=512, max_running=4)
+    fresh.add("a", prompt, 6, Sampling())
+    with pytest.raises(torch.OutOfMemoryError):
+        fresh.step()
+    assert fresh.lean is not None
 
 
 def test_the_runner_uses_it_unless_told_not_to(llama_dir: Path) -> None:

@@ -40,6 +40,7 @@ layers need the paged engine (``options.engine = "paged"``).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,10 +49,13 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..device import is_out_of_memory
 from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
 from .sampling import Sampling, SeededSampler
+
+logger = logging.getLogger(__name__)
 
 
 class SlabLayer(DynamicLayer):  # type: ignore[misc]
@@ -256,7 +260,10 @@ class PaddedEngine:
         self.lean = LeanDecoder.build(model) if lean is not False else None
         """The step's forward without transformers' module stack (:mod:`.lean_decode`),
         where the model's layers are a known shape (None: where possible); otherwise the
-        model's own forwards. Its decode rows attend as ``row_attention`` says."""
+        model's own forwards. Its decode rows attend as ``row_attention`` says. If its
+        first step fails (not for memory), it is dropped for good: that step fails as any
+        failed step does, and the next ones run transformers' forwards."""
+        self._lean_ran = False
 
     def add(
         self,
@@ -323,7 +330,7 @@ class PaddedEngine:
                 self._leave(lambda r: r.name in self._cancelled)
                 self._cancelled.clear()
             if self.lean is not None:
-                return self._fused_step()
+                return self._lean_step()
             joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
             for seq in joined:
                 self._join(seq)
@@ -380,6 +387,20 @@ class PaddedEngine:
         k = self._layers[0]._k if self._layers else None
         return (0, 0) if k is None else (int(k.shape[0]), int(k.shape[2]))
 
+    def _lean_step(self) -> list[Output]:
+        """:meth:`_fused_step`, dropping the lean forward where its first step fails."""
+        try:
+            out = self._fused_step()
+        except Exception as exc:
+            if not self._lean_ran and not is_out_of_memory(exc):
+                logger.warning(
+                    "the lean step forward failed on its first step (%s: %s); this engine "
+                    "uses transformers' forwards from now on", type(exc).__name__, exc,
+                )  # fmt: skip
+                self.lean = None
+            raise
+        return out
+
     def _fused_step(self) -> list[Output]:
         """One forward for the running rows' decodes and the waiting sequences' prefill
         chunks (:meth:`.LeanDecoder.forward`); the sequences whose prefill ends join the
@@ -401,6 +422,7 @@ class PaddedEngine:
             return []
         logits = self.lean.forward(ids, positions, lengths, self._layers,
                                    [c for _, c in chunks], padding)  # fmt: skip
+        self._lean_ran = True
         out = self._decoded(logits[:rows]) if rows else []
         ended = []
         for k, (seq, chunk) in enumerate(chunks):
