@@ -116,6 +116,23 @@ def test_continuous_batching_gives_the_tokens_of_one_at_a_time_generate(
     assert not runner._reqs and not runner._by_seq
 
 
+def test_the_padded_engine_holds_the_kv_budget_and_shows_what_it_holds(
+    runner: TextGenerationRunner,
+) -> None:
+    (p,) = prepare(runner, req("r", max_new_tokens=4))
+    d = Driver(runner)
+    d.step([("r", p)])
+    d.run()
+    info = runner.info()
+    if runner.engine_kind == "paged" or runner.torch_device.type != "cpu":
+        # paged: sized from the budget at start; a GPU's buffers grow, nothing to release
+        assert "kv_resident_tokens" not in info
+        return
+    assert runner.engine.resident_tokens == 2048  # type: ignore[attr-defined]
+    prompt = len(runner.tokenizer("the man was").input_ids)
+    assert info["kv_resident_tokens"] == prompt + 3 and info["kv_released_bytes"] == 0
+
+
 def test_a_request_with_several_inputs_answers_each(runner: TextGenerationRunner) -> None:
     (p,) = prepare(runner, req("r", inputs=PROMPTS[:3], max_new_tokens=5))
     d = Driver(runner)

@@ -1,5 +1,5 @@
 """Reserved KV memory (``worker/generation/reserve.py``): zeroed, writable, kept alive by
-its views, and taken from the OS only where written."""
+its views, taken from the OS only where written, and handed back by row and columns."""
 
 from __future__ import annotations
 
@@ -43,3 +43,30 @@ def test_only_written_pages_take_memory() -> None:
     t[:2, :, :16] = 1.0  # 2 x 4 (row, head) runs of 16 x 64 floats: a page each
     grown = _resident_kib() - before
     assert grown < 16 * 1024, f"{grown} KiB resident for 32 KiB written"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+def test_released_columns_read_zero_and_leave_memory() -> None:
+    t = reserve.zeros((8, 4, 4096, 64), torch.ones(1))  # a (row, head) run: 1 MiB, 256 pages
+    assert reserve.mapped(t) and reserve.resident_bytes(t) == 0
+    t[:4] = 1.0
+    assert reserve.resident_bytes(t) == 16 << 20
+    before = _resident_kib()
+    # row 1 from column 1000: 64 columns a page, so the page holding 1000-1007 stays
+    freed = reserve.release(t, 1, 1000, 4096)
+    assert freed == 4 * (4096 - 1008) * 256
+    assert reserve.release(t, 2, 0, 4096) == 4 << 20  # a whole row: one range
+    # (before reading them: a read maps the shared zero page, which mincore counts)
+    assert reserve.resident_bytes(t) == (16 << 20) - freed - (4 << 20)
+    gone = before - _resident_kib()
+    assert gone > (freed + (4 << 20)) // 1024 * 0.9, f"{gone} KiB left the process"
+    assert bool((t[1, :, :1008] == 1.0).all()) and not t[1, :, 1008:].any()
+    assert not t[2].any() and bool((t[0] == 1.0).all()) and bool((t[3] == 1.0).all())
+    t[2, :, :10] = 3.0  # writable again, from zero
+    assert float(t[2].sum()) == 3.0 * 4 * 10 * 64
+
+
+def test_release_leaves_other_tensors_alone() -> None:
+    t = torch.ones(2, 2, 4096, 64)
+    assert not reserve.mapped(t) and reserve.release(t, 0, 0, 4096) == 0
+    assert bool((t == 1.0).all()) and reserve.resident_bytes(t) == t.numel() * 4

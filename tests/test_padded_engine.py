@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.worker.generation import decode_attention  # noqa: E402
+from batchfleet.worker.generation import decode_attention, reserve  # noqa: E402
 from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine, SlabLayer  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
@@ -156,6 +156,58 @@ def test_with_its_longest_context_the_kv_buffer_is_reserved_once(llama: Any) -> 
     for _ in range(3):
         engine.step()
     assert engine.running == 4 and layer._k.data_ptr() == where
+
+
+def _kv_resident(engine: PaddedEngine) -> int:
+    return sum(reserve.resident_bytes(t) for layer in engine._layers for t in (layer._k, layer._v))
+
+
+def _admitted_by_budget(
+    engine: PaddedEngine, seqs: list[tuple[str, list[int], int]], budget: int
+) -> tuple[dict[str, list[int]], int]:
+    """Step ``seqs`` through, each added (in order) once the running ones' prompt and
+    tokens plus its own fit ``budget`` tokens, as the policy admits; the tokens and the
+    largest KV memory held after a step."""
+    pending, live, got, peak = list(seqs), {}, {}, 0
+    while pending or live:
+        while pending and len(live) < engine.max_running:
+            name, prompt, n = pending[0]
+            if sum(live.values()) + len(prompt) + n > budget:
+                break
+            engine.add(name, prompt, n, Sampling())
+            live[name] = len(prompt) + n
+            pending.pop(0)
+        for o in engine.step():
+            if o.finished:
+                got[o.sequence] = o.tokens
+                del live[o.sequence]
+        peak = max(peak, _kv_resident(engine) if engine._layers else 0)
+    return got, peak
+
+
+def test_reserved_rows_hand_back_what_they_hold_past_the_kv_budget(llama: Any) -> None:
+    """Every row, once, held a long sequence: without a bound the rows keep all those
+    pages (about 4 x 330 tokens), with one they hold at most the budget's (to a page per
+    row and head), and the tokens stay generate's."""
+    rng = random.Random(3)
+    seqs = [(f"s{i}", [rng.randrange(3, 300) for _ in range(rng.choice([8, 40, 300]))],
+             rng.randint(1, 30)) for i in range(24)]  # fmt: skip
+    budget, rows = 500, 4
+    cfg = llama.config
+    heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    per_token = cfg.num_hidden_layers * 2 * heads * dim * 4  # keys and values, float32
+    slack = cfg.num_hidden_layers * 2 * rows * heads * reserve.PAGE
+    unbounded = PaddedEngine(llama, eos_token_ids=[], step_tokens=512, max_running=rows,
+                             max_context=1024)  # fmt: skip
+    _, peak_unbounded = _admitted_by_budget(unbounded, seqs, budget)
+    assert peak_unbounded > budget * per_token + slack  # the case: rows keep old pages
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=512, max_running=rows,
+                          max_context=1024, resident_tokens=budget)  # fmt: skip
+    got, peak = _admitted_by_budget(engine, seqs, budget)
+    assert peak <= budget * per_token + slack, (peak, budget * per_token + slack)
+    assert engine.released_bytes > 0 and engine.resident <= budget
+    for name, prompt, n in seqs:
+        assert got[name] == generate(llama, prompt, n), name
 
 
 @pytest.fixture(params=[True, False], ids=["fused", "separate"])

@@ -27,7 +27,12 @@ joins after that forward, with its first token, and decodes from the next step.
 Nothing copies the whole batch when sequences join or leave. On CPU, given the longest
 context, the buffer is reserved once at ``max_running`` rows of it and takes memory only
 where rows write (:mod:`.reserve`); otherwise it grows by doubling (rows up to
-``max_running``, columns to the longest context). It is kept.
+``max_running``, columns to the longest context). It is kept. A reserved buffer's rows
+keep the pages their longest occupants wrote, so over time they would hold far more than
+the KV budget (every row once held a long sequence); given the budget
+(``resident_tokens``), when the columns written add up to more, pages no sequence needs
+go back to the OS (the free rows', the last first, then past what running sequences can
+reach) until a quarter of the budget is free again.
 
 Why not transformers' paged engine (:mod:`.paged`): on CPU it runs attention with a
 dense mask over every running sequence's cached tokens, so its cost per token stops
@@ -160,6 +165,20 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
         self._k[row, :, :n] = keys[0]
         self._v[row, :, :n] = values[0]
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the buffers are :mod:`.reserve` mappings (their pages can be released)."""
+        return self._k is not None and reserve.mapped(self._k)
+
+    def release(self, row: int, start: int) -> int:
+        """Hand back the pages of row ``row``'s columns from ``start`` on (they read zero
+        afterwards); the bytes released."""
+        assert self._k is not None and self._v is not None
+        width = int(self._k.shape[2])
+        return reserve.release(self._k, row, start, width) + reserve.release(
+            self._v, row, start, width
+        )
+
     def move(self, src: int, dst: int, n: int) -> None:
         """Row ``dst`` takes row ``src``'s first ``n`` columns."""
         assert self._k is not None and self._v is not None
@@ -227,6 +246,7 @@ class PaddedEngine:
         row_attention: bool | None = None,
         lean: bool | None = None,
         max_context: int | None = None,
+        resident_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -237,6 +257,14 @@ class PaddedEngine:
         """The longest sequence (prompt and generated) it runs, where known and on CPU: the KV
         buffers are then reserved once, ``max_running x max_context``, and take memory only
         where rows write (:mod:`.reserve`); otherwise they grow by doubling."""
+        self.resident_tokens = resident_tokens if self.max_context is not None else None
+        """The KV budget in tokens, for reserved buffers (None: no bound): what their rows
+        may hold written before the pages no sequence needs are released (module
+        docstring)."""
+        self._written = np.zeros(0, dtype=np.int64)
+        """Per buffer row, the columns written and not released since (reserved buffers)."""
+        self.released_bytes = 0
+        """KV memory handed back to the OS so far."""
         self.sampler = SeededSampler()
         self._waiting: dict[str, _Seq] = {}
         """Added and not yet running; those with a cache are prefilling."""
@@ -313,10 +341,16 @@ class PaddedEngine:
         self._layers = []
         self._cache = None
         self._cancelled.clear()
+        self._written = np.zeros(0, dtype=np.int64)
 
     @property
     def running(self) -> int:
         return len(self._rows) - len(self._cancelled)
+
+    @property
+    def resident(self) -> int:
+        """Tokens the KV buffers' rows hold written (reserved buffers; otherwise 0)."""
+        return int(self._written.sum())
 
     @property
     def width(self) -> int:
@@ -330,14 +364,17 @@ class PaddedEngine:
                 self._leave(lambda r: r.name in self._cancelled)
                 self._cancelled.clear()
             if self.lean is not None:
-                return self._lean_step()
-            joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
-            for seq in joined:
-                self._join(seq)
-            out = {o.sequence: o for o in first}
-            out.update((o.sequence, o) for o in self._decode())
-            self._leave(lambda r: r.finished)
-        return list(out.values())
+                outputs = self._lean_step()
+            else:
+                joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
+                for seq in joined:
+                    self._join(seq)
+                out = {o.sequence: o for o in first}
+                out.update((o.sequence, o) for o in self._decode())
+                self._leave(lambda r: r.finished)
+                outputs = list(out.values())
+            self._trim()
+        return outputs
 
     # --- the batch ---------------------------------------------------------------------
 
@@ -352,6 +389,8 @@ class PaddedEngine:
                 n = self._rows[last].context
                 for layer in self._layers:
                     layer.move(last, i, n)
+                if i < len(self._written):
+                    self._written[i] = max(self._written[i], n)
                 self._rows[i] = self._rows[last]
                 self.moves += 1
             self._rows.pop()
@@ -379,9 +418,42 @@ class PaddedEngine:
         for layer, src in zip(self._layers, source, strict=True):
             layer.reserve(src.keys, rows, width)
             layer.place(row, src.keys[:, :, : seq.context], src.values[:, :, : seq.context])
+        if self._layers[0].mapped:
+            if len(self._written) < self._capacity()[0]:
+                self._written = np.pad(self._written, (0, self._capacity()[0] - len(self._written)))
+            self._written[row] = max(self._written[row], seq.context)
         seq.cache = None
         self._rows.append(seq)
         self._running[seq.name] = seq
+
+    def _trim(self) -> None:
+        """Where the rows hold more written columns than ``resident_tokens``, release
+        pages (module docstring) until a quarter of the budget is free: first the free
+        rows', the last first (the batch reaches them last), then those past a running
+        sequence's prompt and ``max_new``, most first; then, if still over the budget,
+        those past a sequence's context, which it may yet write."""
+        limit, written = self.resident_tokens, self._written
+        if limit is None or not len(written) or int(written.sum()) <= limit:
+            return
+        context = np.zeros_like(written)
+        reach = np.zeros_like(written)
+        n = len(self._rows)
+        context[:n] = [r.context for r in self._rows]
+        reach[:n] = [r.done + r.max_new for r in self._rows]
+        total = int(written.sum())
+        for keep, goal in ((np.maximum(context, np.minimum(reach, written)), limit - limit // 4),
+                           (context, limit)):  # fmt: skip
+            excess = written - keep
+            order = sorted(range(len(written)), key=lambda r: (r < n, -r if r >= n else -excess[r]))
+            for row in order:
+                if total <= goal:
+                    break
+                if excess[row] <= 0:
+                    continue
+                for layer in self._layers:
+                    self.released_bytes += layer.release(row, int(keep[row]))
+                total -= int(excess[row])
+                written[row] = keep[row]
 
     def _capacity(self) -> tuple[int, int]:
         k = self._layers[0]._k if self._layers else None
@@ -448,6 +520,9 @@ class PaddedEngine:
             for layer in self._layers:
                 assert layer._k is not None
                 layer.reserve(layer._k[:1], rows, grow_to)
+        if len(self._written):
+            w = self._written[:rows]
+            np.maximum(w, np.asarray(lengths) + 1, out=w)  # the columns after this write
         positions = torch.tensor(lengths, device=self.device)
         st = self._step
         st.rows, st.width, st.positions, st.flat = rows, width, positions, None

@@ -160,7 +160,8 @@ class TextGenerationRunner:
             self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
                                        step_tokens=self.step_tokens, max_running=self.max_running,
                                        lean=_flag(opts.get("lean_decode", True), "lean_decode"),
-                                       max_context=self.context)  # fmt: skip
+                                       max_context=self.context,
+                                       resident_tokens=self.kv_cache_tokens)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -465,4 +466,14 @@ class TextGenerationRunner:
             "step_tokens": self.step_tokens, "max_running": self.max_running,
             "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",
             "running": len(self._reqs),
+            **self._resident(),
         }  # fmt: skip
+
+    def _resident(self) -> dict[str, int]:
+        """The padded engine's KV rows on CPU: tokens they hold written, bytes released."""
+        from ..generation.padded import PaddedEngine
+
+        e = self.engine
+        if not isinstance(e, PaddedEngine) or e.resident_tokens is None:
+            return {}
+        return {"kv_resident_tokens": e.resident, "kv_released_bytes": e.released_bytes}
