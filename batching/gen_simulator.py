@@ -161,6 +161,7 @@ class _Live:
     started_at: float = 0.0
     first_admit: float | None = None
     first_token: float | None = None
+    preempted: int = 0
 
     def as_waiting(self) -> GenWaiting:
         r = self.req
@@ -192,6 +193,7 @@ class _Live:
             tuple(p + g for p, g in zip(self.prefilled, self.run_generated, strict=True)),
             tuple(f - p for f, p in zip(self.fill, self.prefilled, strict=True)),
             max(r.max_new_tokens - self.generated[i] for i in self.alive),
+            self.preempted,
         )
 
     def advance(self, chunks: tuple[int, ...], now: float) -> None:
@@ -266,6 +268,7 @@ def simulate_generation(
         for key in plan.preempt:
             preemptions += 1
             waiting[key] = running.pop(key)
+            waiting[key].preempted += 1
         for key in plan.admit:
             live = waiting.pop(key)
             live.start(now)

@@ -74,6 +74,8 @@ class GenRunning:
     """Prompt tokens of each such sequence not yet prefilled (0 = decoding)."""
     max_new_tokens_left: int
     """The most tokens any of its sequences may still generate."""
+    preempted: int = 0
+    """Times it was preempted before (and resumed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +237,9 @@ class GenerationPolicy:
            oldest first, starving lower lanes promoted and metered by lane weight) while
            slots, blocks (less the watermark) and the prefill backlog allow; the first
            candidate that does not fit ends admission, except that a lane-0 one may
-           preempt lower-lane running requests if it then fits, and a lane-0 one behind
+           preempt lower-lane running requests if it then fits (what promotion admitted
+           only on credit, once a promoted request waits past its bound, and only what
+           was never preempted), and a lane-0 one behind
            a promoted request that does not fit may go by preempting at least all it
            takes.
         """
@@ -325,10 +329,21 @@ class GenerationPolicy:
         prefill_cap = PREFILL_STEPS * pol.step_tokens
         # Lane 0 may preempt lower lanes, but not what starvation promotion admitted
         # (started past its promotion instant): that would undo the bound it yields to.
+        # Once a promoted request waits past its bound anyway (the lower lanes' own load
+        # is past what the device serves), lane 0 may, on credit, preempt those that
+        # were never preempted: no bound is left to keep, and lane 0 keeps its share.
         promote_after = pol.max_starvation_ms / 1000.0 - slack
-        victims = [
-            r for r in _victims(live) if r.lane > 0 and r.started_at < r.arrived_at + promote_after
-        ]
+        bound = pol.max_starvation_ms / 1000.0
+        lost = any(w.arrived <= now - bound for w in promoted)
+        victims: list[GenRunning] = []
+        promoted_victims: list[GenRunning] = []
+        for r in _victims(live):
+            if r.lane == 0:
+                continue
+            if r.started_at < r.arrived_at + promote_after:
+                victims.append(r)
+            elif lost and r.preempted == 0:
+                promoted_victims.append(r)
 
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
@@ -351,13 +366,15 @@ class GenerationPolicy:
             tokens = sum(w.prompts)
             fits = not (ahead and ahead + tokens > prefill_cap)
             freed: list[GenRunning] | None = []
-            made_room = False
+            made_room = on_credit = False
             if fits and (used + need > room or seqs + n > pol.max_running):
                 freed = None
                 if w.lane == 0:
-                    freed = _lane0_victims(
-                        victims, used + need - room, seqs + n - pol.max_running, page
-                    )
+                    short = (used + need - room, seqs + n - pol.max_running)
+                    freed = _lane0_victims(victims, *short, page)
+                    if freed is None and has_credit and promoted_victims:
+                        freed = _lane0_victims(victims + promoted_victims, *short, page)
+                        on_credit = freed is not None
             if not fits or freed is None:
                 if jumped:  # the starving requests it went ahead of may fit: back in line
                     top_q.appendleft(item)
@@ -378,7 +395,7 @@ class GenerationPolicy:
                     break
             if freed:
                 for r in freed:
-                    victims.remove(r)
+                    (victims if r in victims else promoted_victims).remove(r)
                     preempt.append(r.key)
                     used -= reserved_blocks(r, page)
                     seqs -= len(r.contexts)
@@ -389,7 +406,7 @@ class GenerationPolicy:
             backlog[w.lane] = backlog.get(w.lane, 0) + tokens
             if w.key in promoted_keys:
                 promoted_rows[w.lane] = promoted_rows.get(w.lane, 0) + n
-            if jumped:
+            if jumped or on_credit:
                 charged += n
         if admit:
             rows = sum(len(by_key[k].prompts) for k in admit)

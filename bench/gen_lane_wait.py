@@ -42,17 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     waiting: dict[str, GenWaiting] = {}
     running: dict[str, tuple[GenWaiting, float, int, int]] = {}  # request, started, context, left
     first: dict[str, tuple[int, float]] = {}
+    preempted: dict[str, int] = {}
     now, i = 0.0, 0
     while i < len(arrivals) or waiting or running:
         while i < len(arrivals) and arrivals[i].arrived_at <= now:
             waiting[arrivals[i].key] = arrivals[i]
             i += 1
-        live = [GenRunning(k, w.lane, w.arrived_at, None, s, (c,), (0,), left)
+        live = [GenRunning(k, w.lane, w.arrived_at, None, s, (c,), (0,), left, preempted.get(k, 0))
                 for k, (w, s, c, left) in running.items()]  # fmt: skip
         plan = policy.plan(list(waiting.values()), live, now)
         for k in plan.preempt:  # resumed later by recomputation
             w, _, c, left = running.pop(k)
             waiting[k] = GenWaiting(k, w.lane, w.arrived_at, None, (c,), left)
+            preempted[k] = preempted.get(k, 0) + 1
         for k in plan.admit:
             w = waiting.pop(k)
             first.setdefault(k, (w.lane, now - w.arrived_at))

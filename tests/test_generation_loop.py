@@ -264,6 +264,27 @@ def test_lane0_preempts_a_lower_lane_and_it_resumes_without_loss() -> None:
     assert [it.seq for it in r.sink.streamed["low"]] == list(range(1, 22))
 
 
+def test_the_policy_sees_how_often_a_running_request_was_preempted() -> None:
+    # (lane 0 may preempt a request that starvation promotion admitted once, not twice)
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    r, _ = gen_rig(runner)
+    policy = r.loop.scheduler.policy  # type: ignore[union-attr]
+    seen: list[tuple[int, ...]] = []
+    plan = policy.plan
+
+    def spy(waiting: Any, running: Any, now: float) -> Any:
+        seen.append(tuple(g.preempted for g in running if g.lane == 2))
+        return plan(waiting, running, now)
+
+    policy.plan = spy
+    submit(r, "low", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=5, at=T0 + 0.052)
+    r.run()
+    assert any(w.preempt for w in runner.steps)
+    assert (0,) in seen and (1,) in seen
+    assert seen.index((1,)) > max(i for i, s in enumerate(seen) if s == (0,))
+
+
 def test_a_preempted_request_cancelled_while_waiting_keeps_its_text() -> None:
     runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
     r, _ = gen_rig(runner)

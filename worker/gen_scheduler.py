@@ -33,6 +33,8 @@ class Running:
     seq: int = 0
     """Deltas sent so far (the last one's ``seq``)."""
     first_token_at: float | None = None
+    preempted: int = 0
+    """Times it was preempted before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,8 @@ class Resume:
     first_token_at: float | None
     seq: int
     started_at: float
+    preempted: int = 1
+    """Times it was preempted, this one included."""
 
 
 class GenScheduler:
@@ -196,7 +200,7 @@ class GenScheduler:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
                                                 res.max_new_tokens),
-                    seq=res.seq, first_token_at=res.first_token_at,
+                    seq=res.seq, first_token_at=res.first_token_at, preempted=res.preempted,
                 )  # fmt: skip
         if not (admitted or stops or plan.preempt or self.running):
             return Decision(None, expired, plan.wake_at)
@@ -218,7 +222,7 @@ class GenScheduler:
         w = r.held.waiting
         p = r.progress
         return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, p.contexts,
-                          p.prefill_left, p.max_new_tokens_left)  # fmt: skip
+                          p.prefill_left, p.max_new_tokens_left, r.preempted)  # fmt: skip
 
     # --- learning ---------------------------------------------------------------------------
 
@@ -245,7 +249,7 @@ class GenScheduler:
                 del self.running[ev.key]
                 self.held[ev.key] = r.held
                 self._resume[ev.key] = Resume(ev.prompts, ev.max_new_tokens, r.first_token_at,
-                                              r.seq, r.started_at)  # fmt: skip
+                                              r.seq, r.started_at, r.preempted + 1)  # fmt: skip
                 if ev.key in self._stops:  # cancelled while being preempted: end it parked
                     self._unpark(ev.key)
         report.settle()  # done already where a DeltaWriter posted it (the device thread)

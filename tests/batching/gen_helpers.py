@@ -27,6 +27,7 @@ def gr(
     arrived: float | None = None,
     deadline: float | None = None,
     max_new_left: int = 16,
+    preempted: int = 0,
 ) -> GenRunning:
     return GenRunning(
         key,
@@ -37,6 +38,7 @@ def gr(
         contexts,
         prefill if prefill is not None else (0,) * len(contexts),
         max_new_left,
+        preempted,
     )
 
 

@@ -70,6 +70,7 @@ def runnings(draw: st.DrawFn) -> list[GenRunning]:
                 tuple(draw(st.lists(st.integers(0, 300), min_size=k, max_size=k))),
                 tuple(draw(st.lists(st.sampled_from([0, 0, 5, 100]), min_size=k, max_size=k))),
                 draw(st.integers(0, 256)),
+                draw(st.sampled_from([0, 0, 1])),
             )
         )
     return out

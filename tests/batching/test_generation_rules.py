@@ -233,6 +233,35 @@ CASES = [
         admit=[],
     ),
     Case(
+        "once a promoted request waits past its bound, lane 0 on credit preempts one that"
+        " starvation promotion admitted",
+        tokens_policy(kv=100, starvation_ms=1000),
+        [gw("w", 4.0, prompts=(49,)), gw("late", 0.0, lane=2, prompts=(9,))],
+        [gr("r0", 0.0, contexts=(49,)), gr("starved", 3.0, lane=2, arrived=1.0, contexts=(9,))],
+        5.0,
+        admit=["w"],
+        preempt=["starved"],
+    ),
+    Case(
+        "but never one that was preempted before: lane 0 steps back, the promoted one goes",
+        tokens_policy(kv=100, starvation_ms=1000),
+        [gw("w", 4.0, prompts=(49,)), gw("late", 0.0, lane=2, prompts=(9,))],
+        [
+            gr("r0", 0.0, contexts=(49,)),
+            gr("starved", 3.0, lane=2, arrived=1.0, contexts=(9,), preempted=1),
+        ],
+        5.0,
+        admit=["late"],
+    ),
+    Case(
+        "nor while promoted requests wait within their bound",
+        tokens_policy(kv=100, starvation_ms=1000),
+        [gw("w", 4.0, prompts=(49,)), gw("late", 4.1, lane=2, prompts=(9,))],
+        [gr("r0", 0.0, contexts=(49,)), gr("starved", 3.0, lane=2, arrived=1.0, contexts=(9,))],
+        5.0,
+        admit=["late"],
+    ),
+    Case(
         "starvation: a lower lane past its promotion instant (bound less 25%) goes ahead of"
         " lane 0, after the one row lane 0's saved credit lets it go first",
         tokens_policy(max_running=3, starvation_ms=100),
@@ -398,6 +427,26 @@ def test_lane0_without_credit_waits_when_freeing_would_not_cover_what_it_takes()
     else:
         raise AssertionError("lane 0 went ahead past its credit without freeing its room")
     assert plan.preempt == ()
+
+
+def test_lane0_preempts_promoted_requests_only_on_credit() -> None:
+    # Lower lanes past their bound: a lane-2 request waits that never fits, and each plan
+    # a fresh promoted lane-1 request runs. Lane 0 arrives each time and needs its room:
+    # it preempts the promoted request while its credit lasts (1.5 rows, earning 4/5 of
+    # a row per row it admits), then waits for room to free by itself.
+    policy = GenerationPolicy(tokens_policy(kv=100, max_running=4, starvation_ms=100))
+    took = []
+    for step in range(8):
+        now = 1.0 + step
+        waiting = [gw(f"top{step}", now - 0.001, prompts=(49,)),
+                   gw("huge", 0.0, lane=2, prompts=(89,))]  # fmt: skip
+        running = [gr("r0", 0.0, contexts=(49,)),
+                   gr(f"p{step}", 0.5, lane=1, arrived=0.0, contexts=(9,))]  # fmt: skip
+        plan = policy.plan(waiting, running, now)
+        if plan.admit:
+            assert plan.admit == (f"top{step}",) and plan.preempt == (f"p{step}",)
+        took.append(bool(plan.admit))
+    assert took == [True, True, True] + [False] * 5
 
 
 def test_starvation_credit_is_metered_by_lane_weight() -> None:
