@@ -219,6 +219,15 @@ class GenerationPolicy:
         """Change the knobs live; the lanes' credit is kept."""
         self._policy = policy
 
+    def credit(self) -> tuple[dict[int, float], float]:
+        """The credit a plan spends (see :meth:`restore`)."""
+        return dict(self._lanes._deficit), self._lane0_credit
+
+    def restore(self, credit: tuple[dict[int, float], float]) -> None:
+        """Credit as :meth:`credit` returned it: a plan withdrawn before it ran (planned
+        again with a newer view) spends nothing."""
+        self._lanes._deficit, self._lane0_credit = dict(credit[0]), credit[1]
+
     def blocks(self, tokens: int) -> int:
         """KV blocks for a sequence of ``tokens`` tokens."""
         return blocks_for(tokens, self._policy.page_size)

@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -700,11 +701,11 @@ class Fleet:
                 timings[k] = {f: float(res["timings"].get(f) or math.nan) for f in TIMINGS}
             else:
                 out.finish[k] = f"{res.get('status')}: {res.get('error')}"
-        tokens_ms, step_ms, steps, out.preemptions, batch = self._stamps(received, t0)
+        tokens_ms, step_ms, steps, out.preemptions, batch, parts = self._stamps(received, t0)
         out.steps = len(steps)
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
                      "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
-                     "batch": batch, "timings": timings}  # fmt: skip
+                     "batch": batch, "timings": timings, "step parts": parts}  # fmt: skip
         return out
 
     def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
@@ -724,15 +725,16 @@ class Fleet:
 
     def _stamps(
         self, received: list[tuple[str, int, float]], t0: float
-    ) -> tuple[list[float], list[float], list[float], int, list[tuple[int, int]]]:
+    ) -> tuple[list[float], list[float], list[float], int, list[tuple[int, int]], StepParts]:
         """Per delta: ms from the step's tokens existing (engine step returned), and from the
         runner's step returning, to the subscriber's receive, matched by (key, seq); and
-        the worker's step times (ms) and preemptions since ``t0``."""
+        the worker's step times (ms), preemptions and device-thread time since ``t0``."""
         stamps: dict[tuple[str, int], tuple[float, float]] = {}
         counts: dict[str, int] = {}
         steps: list[float] = []
         batch: list[tuple[int, int]] = []
         preempted = 0
+        spans: list[tuple[float, float, float]] = []
         time.sleep(0.2)  # the worker writes its stamps every 50 ms
         with contextlib.suppress(FileNotFoundError):
             for line in self.stamps.read_text().splitlines():
@@ -741,6 +743,7 @@ class Fleet:
                     steps.append((float(reported) - float(began)) * 1e3)
                     preempted += int(n)
                     batch.append((int(running), int(kv)))
+                    spans.append((float(began), float(produced), float(reported)))
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
                     stamps[(key, counts[key])] = (float(produced), float(reported))
@@ -751,7 +754,36 @@ class Fleet:
             if s is not None:
                 from_tokens.append((t - s[0]) * 1e3)
                 from_step.append((t - s[1]) * 1e3)
-        return from_tokens, from_step, steps, preempted, batch
+        return from_tokens, from_step, steps, preempted, batch, StepParts.of(spans)
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """Where a fleet worker's device thread spent a run, from its step stamps (ms): the
+    engine's steps, the runner's own part after them (detokenize, build events), and the
+    idle gaps between one step's return and the next one's start (the hand-off through
+    the batch loop)."""
+
+    engine_ms: list[float]
+    runner_ms: list[float]
+    gap_ms: list[float]
+
+    @classmethod
+    def of(cls, spans: Sequence[tuple[float, float, float]]) -> StepParts:
+        gaps = [(b[0] - a[2]) * 1e3 for a, b in pairwise(spans)]
+        return cls([(p - b) * 1e3 for b, p, _ in spans], [(r - p) * 1e3 for _, p, r in spans],
+                   [g for g in gaps if g < 50.0])  # fmt: skip
+        # a longer gap is the device waiting for work (nothing admitted), not a hand-off
+
+    def line(self, system: str) -> str:
+        total = sum(self.engine_ms) + sum(self.runner_ms) + sum(self.gap_ms)
+        if not total or not self.gap_ms:
+            return ""
+        return (f"Device thread during {system}: engine steps {sum(self.engine_ms) / total:.0%}, "
+                f"the runner's part after them {sum(self.runner_ms) / total:.0%} (p50 "
+                f"{_p(self.runner_ms, 50):.2f} ms), hand-off gaps under 50 ms "
+                f"{sum(self.gap_ms) / total:.0%} (p50 / p90 {_p(self.gap_ms, 50):.2f} / "
+                f"{_p(self.gap_ms, 90):.2f} ms, {len(self.gap_ms)} gaps).")  # fmt: skip
 
 
 # --- profile ------------------------------------------------------------------------------
@@ -1087,6 +1119,9 @@ def write_report(
                     lines[-1] += (
                         " Worker threads: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy) + "."
                     )
+            parts = o.extra.get("step parts")
+            if parts is not None and parts.line(o.system):
+                lines += ["", parts.line(o.system)]
         single = r.outcomes.get("one at a time")
         if single is not None:
             lines += ["", f"One at a time: {single.extra['sample']}."]

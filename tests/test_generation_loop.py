@@ -5,8 +5,10 @@ stop lets running generations end. A scripted runner stands in for the model."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from batchfleet.batching.generation import GenPolicy
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.holding import entries_to_refresh
 from batchfleet.worker.inbox import Cancel
-from batchfleet.worker.observers import BatchDone
+from batchfleet.worker.observers import BatchDone, Dispatched
 from batchfleet.worker.runner import (
     Failed,
     Final,
@@ -30,6 +32,16 @@ from batchfleet.worker.runner import (
 from virtual_world import MODEL, T0, Rig, rig
 
 STEP_S = 0.010
+AHEAD = [False]
+"""Whether the scripted runner asks the loop to plan each step while one runs (each test
+runs both ways, see ``ahead``)."""
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["in-turn", "ahead"])
+def ahead(request: pytest.FixtureRequest) -> Iterator[bool]:
+    AHEAD[0] = request.param
+    yield request.param
+    AHEAD[0] = False
 
 
 @dataclass
@@ -50,10 +62,16 @@ class Tokens:
     step_tokens: int = 256
     max_running: int = 16
     fail_at_step: int | None = None
+    oom_at_step: int | None = None
+    """This step runs out of memory: every running request is parked (as the real runner
+    does), reported preempted."""
     name: str = "tokens"
     device: str = "cpu"
     continuous: bool = True
+    schedule_ahead: bool = field(default_factory=lambda: AHEAD[0])
     steps: list[Work] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    """Stops and preemptions of requests already ended or freed (planned ahead only)."""
     running: dict[str, _Run] = field(default_factory=dict)
     parked: dict[str, _Run] = field(default_factory=dict)
 
@@ -80,15 +98,30 @@ class Tokens:
             return StepReport(events)
         events = []
         for key, reason in work.stop:
-            run = self.running.pop(key, None) or self.parked.pop(key)
+            run = self.running.pop(key, None) or self.parked.pop(key, None)
+            if run is None and self.schedule_ahead:  # it ended in the step before
+                self.ignored.append(key)
+                continue
+            assert run is not None, key
             events.append(self._final(key, run, reason))
         for key in work.preempt:
-            run = self.running.pop(key)
+            run = self.running.pop(key, None)
+            if run is None and (self.schedule_ahead and key not in self.parked):
+                self.ignored.append(key)
+                continue
+            assert run is not None, key
             self.parked[key] = run
             events.append(Preempted(key, tuple(p + run.made for p in run.prompts),
                                     run.max_new - run.made))  # fmt: skip
         for key, prep in work.admit:
             self.running[key] = self.parked.pop(key, None) or _Run(**vars(prep.payload))
+        if self.oom_at_step is not None and len(self.steps) == self.oom_at_step:
+            for key, run in self.running.items():
+                self.parked[key] = run
+                events.append(Preempted(key, tuple(p + run.made for p in run.prompts),
+                                        run.max_new - run.made))  # fmt: skip
+            self.running.clear()
+            return StepReport(events, out_of_memory=True)
         progress: dict[str, Progress] = {}
         for key, run in list(self.running.items()):
             run.made += 1
@@ -447,3 +480,108 @@ def test_a_lane0_request_is_read_while_lower_lanes_fill_the_hold() -> None:
     # it was read at once and preempted a lane-2 one: it ends before any of them
     assert order[0] == "high"
     assert all(outputs(r, f"low{k}")["completion_tokens"] == 40 for k in range(8))
+
+
+def test_planned_ahead_the_next_step_waits_on_the_device_before_one_ends(ahead: bool) -> None:
+    r, _ = gen_rig()
+    for k in range(4):
+        submit(r, f"r{k}", max_new_tokens=8, at=T0 + 0.013 * k)
+    submitted: dict[str, float] = {}
+    submit_ = r.device.submit
+
+    def stamped(work: Work) -> None:
+        submitted[work.step_id] = r.world.now
+        submit_(work)
+
+    r.device.submit = stamped  # type: ignore[method-assign]
+    r.run()
+    spans = r.device.spans
+    queued = [submitted[b.step_id] < a.end for a, b in pairwise(spans) if b.start == a.end]
+    assert len(queued) >= 8  # back-to-back steps
+    assert all(queued) if ahead else not any(queued)
+    assert all(outputs(r, f"r{k}")["completion_tokens"] == 8 for k in range(4))
+    # observers hear of each step as it starts, once
+    started = [(t, e.batch_id) for t, e in r.recorder.of(Dispatched)]
+    assert started == [(sp.start, sp.step_id) for sp in spans]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_request_ends_once_with_all_its_tokens_whatever_the_plan(seed: int) -> None:
+    # lanes competing for a small cache (preemption), cancellations and deadlines, both ways
+    rng = random.Random(seed)
+    runner = Tokens(kv_cache_tokens=256, page_size=16, max_running=6, step_tokens=64)
+    r, _ = gen_rig(runner)
+    wanted: dict[str, int] = {}
+    for k in range(30):
+        rid = f"q{k}"
+        wanted[rid] = rng.randint(1, 25)
+        extra: dict[str, Any] = {"stream": rng.random() < 0.5}
+        if rng.random() < 0.15:
+            extra["deadline_ms"] = rng.randint(20, 400)
+        submit(r, rid, "w " * rng.randint(1, 40), lane=rng.choice((0, 1, 2)),
+               max_new_tokens=wanted[rid], at=T0 + rng.uniform(0, 0.5), **extra)  # fmt: skip
+        if rng.random() < 0.15:
+            when = T0 + rng.uniform(0, 0.8)
+            r.world.at(when, lambda rid=rid: r.loop.parts.inbox.put(Cancel((rid,))))
+    r.run()
+    results = r.results()
+    assert set(results) == set(wanted)  # every one answered (the sink stores each once)
+    for rid, want in wanted.items():
+        res = results[rid]
+        if res.status != "ok":
+            assert res.status == "expired", res
+            continue
+        assert res.outputs is not None
+        out = res.outputs[0]
+        made = out["completion_tokens"]
+        assert out["text"] == "".join(f" t{k}" for k in range(1, made + 1))  # none lost
+        if out["finish_reason"] == "length":
+            assert made == want
+        else:
+            assert out["finish_reason"] in ("cancelled", "deadline") and made <= want
+        if rid in r.sink.streamed:
+            seqs = [it.seq for it in r.sink.streamed[rid]]
+            assert seqs == list(range(1, len(seqs) + 1)) and r.sink.streamed[rid][-1].delta is None
+    assert not runner.running and not runner.parked
+
+
+def test_a_request_its_runner_parks_while_a_stop_for_it_is_queued_ends_once(ahead: bool) -> None:
+    # step 4 runs out of memory (the runner parks what runs); the client cancelled during
+    # step 3, so planned ahead, step 5 (queued before step 4's report) carries the stop
+    runner = Tokens(oom_at_step=4)
+    r, _ = gen_rig(runner)
+    submit(r, "a", max_new_tokens=30, stream=True)
+    r.world.at(T0 + 0.025, lambda: r.loop.parts.inbox.put(Cancel(("a",))))
+    r.run()
+    out = outputs(r, "a")
+    assert out["finish_reason"] == "cancelled"
+    assert out["text"] == "".join(f" t{k}" for k in range(1, out["completion_tokens"] + 1))
+    assert out["completion_tokens"] <= 3
+    assert not runner.running and not runner.parked
+    assert len([k for w in runner.steps for k, _ in w.admit]) == 1  # never started again
+
+
+def _lane0_and_cancel(ahead: bool) -> tuple[Rig, Tokens]:
+    runner = Tokens(schedule_ahead=ahead)
+    r, _ = gen_rig(runner)
+    submit(r, "low", max_new_tokens=20, lane=2)
+    submit(r, "gone", max_new_tokens=20, lane=0, stream=True)
+    submit(r, "high", max_new_tokens=3, lane=0, at=T0 + 0.045)  # mid-step
+    r.world.at(T0 + 0.075, lambda: r.loop.parts.inbox.put(Cancel(("gone",))))
+    r.run()
+    return r, runner
+
+
+def test_a_lane0_request_or_a_cancel_replans_the_queued_step() -> None:
+    # planned ahead, a lane-0 arrival or a cancel withdraws the queued step (not started)
+    # and plans it again: both reach the device with the next step, as in turn
+    (turn, by_turn), (ahead, by_ahead) = _lane0_and_cancel(False), _lane0_and_cancel(True)
+    for rid in ("low", "gone", "high"):
+        assert outputs(ahead, rid) == outputs(turn, rid)
+    assert outputs(ahead, "gone")["finish_reason"] == "cancelled"
+
+    assert [len(w.admit) for w in by_ahead.steps] == [len(w.admit) for w in by_turn.steps]
+    assert [w.stop for w in by_ahead.steps] == [w.stop for w in by_turn.steps]
+    assert len(by_ahead.steps) == len(by_turn.steps)  # no step ran twice nor was lost
+    started = [e.batch_id for _, e in ahead.recorder.of(Dispatched)]
+    assert started == [sp.step_id for sp in ahead.device.spans]  # withdrawn ones unheard of

@@ -5,6 +5,7 @@ published again; partial outputs and dead letters land; observers hear what was 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -188,15 +189,18 @@ def test_deltas_are_written_at_once_unless_a_token_write_waits_for_the_writer(
     def seqs(rid: str) -> list[bytes]:
         return [f[b"seq"] for _, f in r.xrange(KEYS.tokens(rid))]
 
-    sink.stream_now([delta("now", 1), delta("now", 2)])()  # writer thread not even started
+    sink.stream_now([delta("now", 1), delta("now", 2)])  # writer thread not even started
+    sink.settle()
     assert seqs("now") == [b"1", b"2"]
     sink.stream([delta("queued", 1)])  # waits for the writer thread...
-    sink.stream_now([delta("queued", 2)])()  # ...so this one waits behind it, in order
+    sink.stream_now([delta("queued", 2)])  # ...so this one waits behind it, in order
+    sink.settle()
     assert seqs("queued") == []
     sink.start()
     sink.close(5)
     assert seqs("queued") == [b"1", b"2"]
-    sink.stream_now([delta("now", 3)])()  # nothing waits any more: at once again
+    sink.stream_now([delta("now", 3)])  # nothing waits any more: at once again
+    sink.settle()
     assert seqs("now") == [b"1", b"2", b"3"]
 
 
@@ -206,11 +210,12 @@ def test_what_is_handed_over_waits_for_the_answer_to_deltas_sent_at_once(
     # Given deltas sent at once whose answer is lost (the connection dropped after sending)
     streams = ModelStreams(r, MODEL, 3, "w")
     sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
-    sink.start()
     sent: list[object] = []
+    readers: list[str] = []
     monkeypatch.setattr(sink._direct, "send", lambda items: sent.append(items) or "sent")
 
     def lost(_: object) -> None:
+        readers.append(threading.current_thread().name)
         raise redis.ConnectionError("lost")
 
     monkeypatch.setattr(sink._direct, "receive", lost)
@@ -218,17 +223,36 @@ def test_what_is_handed_over_waits_for_the_answer_to_deltas_sent_at_once(
     def delta(seq: int, text: str | None = "t") -> Streamed:
         return Streamed("g", seq, text, 60, None, "msgpack", tokens=1, model="m")
 
-    answered = sink.stream_now([delta(1), delta(2)])
-    assert len(sent) == 1
-    # When the loop hands over the stream's end before the device thread reads the answer
+    sink.stream_now([delta(1), delta(2)])
+    assert len(sent) == 1 and not readers  # the device thread does not wait for Redis
+    # When the loop hands over the stream's end before anyone read the answer
     sink.stream([delta(3, None)])
-    deadline = time.monotonic() + 0.5  # time for the writer thread to (wrongly) write it
-    while time.monotonic() < deadline and not r.xlen(KEYS.tokens("g")):
-        time.sleep(0.01)
-    assert not r.xlen(KEYS.tokens("g"))  # held, never early, however slow the machine
-    answered()
-    # Then the deltas are written again by the writer thread, before the end
-    sink.stream_now([delta(4)])()  # and later deltas queue behind them
+    sink.start()
     sink.close(5)
+    # Then the writer thread read it, and wrote the deltas again, before the end
+    assert readers == ["sink"]
     assert len(sent) == 1
-    assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2", b"3", b"4"]
+    assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2", b"3"]
+
+
+def test_deltas_sent_at_once_read_the_last_answer_before_they_send(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streams = ModelStreams(r, MODEL, 3, "w")
+    sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
+    calls: list[str] = []
+    send, receive = sink._direct.send, sink._direct.receive
+    monkeypatch.setattr(sink._direct, "send", lambda items: calls.append("send") or send(items))
+    monkeypatch.setattr(sink._direct, "receive", lambda s: calls.append("receive") or receive(s))
+
+    def delta(seq: int) -> Streamed:
+        return Streamed("g", seq, "t", 60, None, "msgpack", tokens=1, model="m")
+
+    for seq in (1, 2, 3):
+        sink.stream_now([delta(seq)])
+    assert calls == ["send", "receive", "send", "receive", "send"]  # the last one unread
+    sink.start()
+    sink.close(5)  # reads it, and gives the connection back clean
+    assert calls[-1] == "receive"
+    assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2", b"3"]
+    assert r.ping()

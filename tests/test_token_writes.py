@@ -111,3 +111,13 @@ def test_close_gives_the_connection_back(writes: TokenWrites) -> None:
     assert not pool._in_use_connections
     writes.append([TokenWrite("a", 2, 0, "y")])  # a later write takes one again
     assert len(pool._in_use_connections) == 1
+
+
+def test_close_never_gives_back_a_connection_with_an_answer_unread(writes: TokenWrites) -> None:
+    # redis-py drops a pooled connection with data to read when it is taken, but an answer
+    # still on its way then would be read by the pool's next user as its own
+    writes.send([TokenWrite("a", 1, 0, "x")])  # its answer never read
+    conn = writes._conn
+    writes.close()
+    assert conn._sock is None  # dropped, not given back connected
+    assert writes.streams.client.xlen(writes.streams.keys.tokens("a")) == 1

@@ -7,12 +7,13 @@ on to the loop. Routed through the loop, a delta waited for the loop thread to w
 take the step in (saturated: 1.5 of its 3.7 ms from token to subscriber); handed to the
 writer thread, it waited for that thread to get the GIL and for Redis, beside the next
 step (saturated, fresh workers alternating, ``tokens.lua`` encoding the messages: 2.6
-against 3.6 ms p50 when written here, at the same tokens/s). It sends the write, hands
-the step to the loop, and only then reads Redis's answer, while the loop dispatches the
-next step (the device idled for the script's run otherwise: about 0.6 ms a step); the
-sink holds what the loop hands it for that step until the answer is read, so a stream's
-end or result never overtakes its deltas, and deltas whose write failed are written again
-first.
+against 3.6 ms p50 when written here, at the same tokens/s). It sends the write and hands
+the step to the loop without waiting for Redis's answer: the device thread goes on to the
+next step, and the answer is read by the next step's write or by the sink's writer thread
+before it writes anything the loop handed it, whichever comes first, so a stream's end or
+result never overtakes its deltas, and deltas whose write failed are written again first.
+Reading it here, before the next step, the device idled about 0.5 ms a step (saturated,
+tiny model: the call's run in Redis, which shares the cores with the loop thread).
 
 The loop tells it, before it submits a step, where the requests that step admits stream
 to (:meth:`DeltaWriter.expect`); the rest is its own: which requests stream, and their
@@ -57,12 +58,12 @@ class StreamTo:
 
 class DeltaWriter:
     """Streams each finished step's deltas, then posts the step (``then``) to the loop,
-    then reads Redis's answer (``stream`` returns the call that does).
+    without waiting for Redis's answer (see the module's docstring).
     ``post`` runs on the device thread; ``expect`` on the loop thread."""
 
     def __init__(
         self,
-        stream: Callable[[Sequence[Streamed]], Callable[[], None]],
+        stream: Callable[[Sequence[Streamed]], None],
         then: Callable[[StepDone], None],
     ) -> None:
         self._stream = stream
@@ -100,12 +101,9 @@ class DeltaWriter:
                 out.append(t.delta(seq, ev.chunk))
             elif isinstance(ev, Final | Failed | Preempted):  # a resumed one is expected again
                 del to[ev.key], self._seq[ev.key]
-        # sent before the step's end reaches the loop, which ends streams (the sink holds
-        # what the loop hands it until Redis has answered this)
-        answered = self._stream(out) if out else None
-        try:
-            done.report.settle()  # the runner's work left for after the deltas
-            self._then(done)
-        finally:
-            if answered is not None:  # read while the loop dispatches the next step
-                answered()  # (always: the sink's writer waits for it)
+        # sent before the step's end reaches the loop, which ends streams (the sink reads
+        # Redis's answer to this before it writes anything the loop hands it)
+        if out:
+            self._stream(out)
+        done.report.settle()  # the runner's work left for after the deltas
+        self._then(done)

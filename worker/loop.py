@@ -105,6 +105,9 @@ class BatchLoop:
         self._draining = False
         self._stopping = False
         self._stopped = threading.Event()
+        self._unannounced: dict[str, Step] = {}
+        """Steps queued behind the running one (planned ahead): observers hear of each when
+        it starts; one withdrawn before it starts (planned again) never was."""
         self.parts = parts(self)
         if self.continuous and self.parts.deltas is None:
             raise ValueError("a generating runner's parts need a DeltaWriter (Parts.deltas)")
@@ -279,6 +282,8 @@ class BatchLoop:
             self._admit(event.entries, event.read_at)
             if event.cancelled:
                 self.generating.cancel(event.cancelled)
+            if event.cancelled or any(e.lane == 0 for e in event.entries):
+                self._replan()
         elif isinstance(event, Retire):
             self.parts.sink.retire(event.items)
         elif isinstance(event, ReadIdle):
@@ -291,6 +296,7 @@ class BatchLoop:
                 self.engine.set_policy(event.policy)
         elif isinstance(event, Cancel):
             self.generating.cancel(event.request_ids)
+            self._replan()
 
     def _shutdown(self, started: list[str]) -> None:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
@@ -407,12 +413,47 @@ class BatchLoop:
         if self.continuous:
             self.generating.dispatching(step)
         self.parts.device.submit(step.work())
+        if isinstance(self.scheduler, GenScheduler) and self.scheduler.queued == step.step_id:
+            self._unannounced[step.step_id] = step
+        else:
+            self._announce(step, now)
+
+    def _announce(self, step: Step, now: float) -> None:
         ids = tuple(h.request.id for h in step.held)
-        self.observers.notify(Dispatched(self.model, batch, step.step_id, ids, now))
+        self.observers.notify(Dispatched(self.model, step.batch, step.step_id, ids, now))
+
+    def _replan(self) -> None:
+        """A lane-0 request came, or a client cancelled, while a step waits queued behind
+        the running one (planned ahead): plan it again with them, unless the device has
+        taken it meanwhile (then they go with the step after)."""
+        if not isinstance(self.scheduler, GenScheduler):
+            return
+        queued = self.scheduler.queued
+        if queued is None:
+            return
+        dropped = self.parts.device.drop_queued()
+        if not dropped:
+            return
+        if [w.step_id for w in dropped] != [queued]:
+            raise RuntimeError(f"took back {[w.step_id for w in dropped]}, queued {queued}")
+        self.scheduler.withdraw(queued)
+        self._unannounced.pop(queued, None)
+        self._next_step()
+
+    def _started_next(self) -> Decision:
+        """A generating model's step ended and the one queued behind it started: observers
+        hear of that one now; then plan the next."""
+        assert isinstance(self.scheduler, GenScheduler)
+        now = self._clock()
+        if self.scheduler.inflight:
+            step = self._unannounced.pop(self.scheduler.inflight[0].step_id, None)
+            if step is not None:
+                self._announce(step, now)
+        return self._next_step(now)
 
     def _finished(self, done: StepDone) -> None:
         if not isinstance(self.scheduler, Scheduler):
-            self.generating.finished(done, self._next_step)
+            self.generating.finished(done, self._started_next)
             return
         step = self.scheduler.finished(done.step_id, done.report, done.started_at, done.finished_at)
         now = self._clock()
@@ -458,6 +499,12 @@ class BatchLoop:
         by a generating model's step end, with the step's state taken in and its answers
         not yet built (its device waits for this, not for them)."""
         now = self._clock() if now is None else now
+        decision = self._decide(now)
+        if decision.step is not None and getattr(self.scheduler, "ahead", False):
+            self._decide(now)  # and the one after it, queued behind it (gen_scheduler.py)
+        return decision
+
+    def _decide(self, now: float) -> Decision:
         decision = self.scheduler.decide(
             now, behind=self.parts.sink.backlog > 1, dispatch=not self._stopping
         )
@@ -483,7 +530,8 @@ def _gen_scheduler(runner: Runner, engine: Engine, lanes: int) -> GenScheduler:
     budgets = runner.generation_policy(  # type: ignore[attr-defined]
         lanes, policy.lane_weights, policy.max_starvation_ms
     )
-    return GenScheduler(GenerationPolicy(budgets))
+    ahead = bool(getattr(runner, "schedule_ahead", False))
+    return GenScheduler(GenerationPolicy(budgets), ahead=ahead)
 
 
 def _redis_parts(loop: BatchLoop) -> Parts:

@@ -48,12 +48,13 @@ class ResultSink(Protocol):
         their reply channels (generating runners), in order with results."""
         ...
 
-    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
+    def stream_now(self, items: Sequence[Streamed]) -> None:
         """Deltas, sent on the calling thread at once when no token write waits for the
-        writer thread (else, or if sending fails, queued like :meth:`stream`). The caller
-        calls what this returns (reading Redis's answer; on a failure, the deltas are
-        queued) before it streams again: writes handed over meanwhile wait for it, so
-        nothing sent later overtakes them."""
+        writer thread (else, or if sending fails, queued like :meth:`stream`). Redis's
+        answer is not waited for: it is read by whichever needs it first, the next
+        ``stream_now`` (before it sends) or the writer thread (before its next write, so
+        nothing handed over later overtakes these deltas); on a failure the deltas are
+        queued again, ahead of any later write."""
         ...
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
@@ -137,10 +138,6 @@ class _Retire:
 _Job = _Finish | _Tokens | _Dead | _Retire
 
 
-def _nothing() -> None:
-    """``stream_now``'s answer when nothing waits for Redis."""
-
-
 TRANSIENT = (
     redis.ConnectionError,
     redis.TimeoutError,
@@ -184,11 +181,12 @@ class RedisSink:
         self._tokens_queued = 0
         """Token writes handed to the writer thread and not done (see ``stream_now``)."""
         self._direct = TokenWrites(streams)
-        """``stream_now``'s writes (the device thread's; one thread at a time)."""
-        self._answered = threading.Event()
-        """Clear while a ``stream_now`` write waits for Redis's answer: the writer thread
-        holds its jobs until then."""
-        self._answered.set()
+        """``stream_now``'s writes (the device thread's)."""
+        self._direct_lock = threading.Lock()
+        """Held to send at once or to read the answer: one thread at a time, every answer
+        read before the next send (see :meth:`settle`)."""
+        self._unread: tuple[Sent, Sequence[Streamed]] | None = None
+        """Deltas sent at once whose answer is not read yet."""
         self._unanswered: list[Sequence[Streamed]] = []
         """Deltas sent at once whose write failed: the writer thread writes them first."""
         self._lock = threading.Lock()
@@ -214,24 +212,32 @@ class RedisSink:
                 self._tokens_queued += 1
             self._queue.put(_Tokens(items))
 
-    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
+    def stream_now(self, items: Sequence[Streamed]) -> None:
         if not items:
-            return _nothing
-        with self._lock:
-            direct = self._tokens_queued == 0  # nothing of theirs to overtake
-        if direct:
-            self._answered.clear()
-            try:
-                sent = self._direct.send([it.write() for it in items])
-            except Exception as exc:  # the writer thread retries it, in order
-                logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
-                self._answered.set()
-            else:
-                return lambda: self._answer(sent, items)
+            return
+        with self._direct_lock:
+            self._settle()  # the last call's answer first (it may queue its deltas again)
+            with self._lock:
+                direct = self._tokens_queued == 0  # nothing of theirs to overtake
+            if direct:
+                try:
+                    self._unread = (self._direct.send([it.write() for it in items]), items)
+                    return
+                except Exception as exc:  # the writer thread retries it, in order
+                    logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
         self.stream(items)
-        return _nothing
 
-    def _answer(self, sent: Sent, items: Sequence[Streamed]) -> None:
+    def settle(self) -> None:
+        """Read Redis's answer to the deltas last sent at once, if nobody has: the device
+        thread does not wait for it, so it steps on while Redis runs the call."""
+        with self._direct_lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        unread, self._unread = self._unread, None
+        if unread is None:
+            return
+        sent, items = unread
         try:
             self._direct.receive(sent)
         except Exception as exc:  # written again by the writer thread, before any later job
@@ -240,8 +246,6 @@ class RedisSink:
                 self._tokens_queued += 1
                 self._unanswered.append(items)
             self._queue.put(_Tokens(()))  # wakes the writer thread
-        finally:
-            self._answered.set()
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self._queue.put(_Dead(entry, code, reason))
@@ -256,12 +260,13 @@ class RedisSink:
         self._closing.set()  # a writer still retrying against a dead Redis gives up
         if self._thread.is_alive():
             self._thread.join(1.0)
+        if not self._thread.is_alive():  # an answer left unread is never left to the pool
+            self.settle()
         self._direct.close()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            while not self._answered.wait(1.0) and not self._closing.is_set():
-                pass  # a write sent at once first (its deltas come before this job's)
+            self.settle()  # deltas sent at once come before this job: their answer first
             with self._lock:
                 again, self._unanswered = self._unanswered, []
             for items in again:
@@ -394,9 +399,8 @@ class MemorySink:
             self.observers.notify(Answered(self.model, replies))
             self.wake()
 
-    def stream_now(self, items: Sequence[Streamed]) -> Callable[[], None]:
+    def stream_now(self, items: Sequence[Streamed]) -> None:
         self.stream(items)
-        return _nothing
 
     def stream(self, items: Sequence[Streamed]) -> None:
         for it in items:  # as tokens.lua writes them

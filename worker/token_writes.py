@@ -32,13 +32,16 @@ class Sent:
 class TokenWrites:
     """``tokens.lua`` calls packed by :class:`~.streams.ModelStreams` and sent on one
     connection of the pool, held until :meth:`close`. Sending and reading the answers
-    are apart, so the device thread hands its step to the loop meanwhile (``deltas.py``);
-    one thread writes at a time."""
+    are apart, so the device thread steps on meanwhile (``deltas.py``); one thread at a
+    time sends or reads (the sink's lock), every answer read before the next send."""
 
     def __init__(self, streams: ModelStreams) -> None:
         self.streams = streams
         self._pool: redis.ConnectionPool | None = getattr(streams.client, "connection_pool", None)
         self._conn: Any = None  # a redis.Connection (its methods are untyped)
+        self._unread = 0
+        """Calls sent whose answers are not read: the connection is dropped, not given
+        back to the pool, if any are left at :meth:`close`."""
         self._lock = threading.Lock()
         """Held by a send or receive; :meth:`close` (another thread) never takes back a
         connection in use."""
@@ -65,7 +68,9 @@ class TokenWrites:
                 self._conn.send_packed_command(commands, check_health=False)
             except BaseException:
                 self._conn.disconnect()  # reconnects with the next call
+                self._unread = 0
                 raise
+            self._unread += len(commands)
         return Sent(tuple(commands))
 
     def receive(self, sent: Sent) -> None:
@@ -80,6 +85,7 @@ class TokenWrites:
             error: redis.exceptions.ResponseError | None = None
             try:
                 for command in sent.commands:  # every reply read, so none is left unread
+                    self._unread -= 1
                     try:
                         conn.read_response()
                     except redis.exceptions.NoScriptError:
@@ -95,6 +101,7 @@ class TokenWrites:
                 raise
             except BaseException:
                 conn.disconnect()
+                self._unread = 0
                 raise
             if error is not None:
                 raise error
@@ -106,6 +113,9 @@ class TokenWrites:
             return
         try:
             if self._conn is not None and self._pool is not None:
+                if self._unread:  # a reply left in it would answer the pool's next user
+                    self._conn.disconnect()
+                    self._unread = 0
                 self._pool.release(self._conn)
                 self._conn = None
         finally:

@@ -16,7 +16,9 @@ default false: its steps replayed as CUDA graphs), ``lean_decode``
 (default true: the padded engine's steps run Llama-family models without
 transformers' module stack, :mod:`..generation.lean_decode`; false: their own forwards),
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
-``limits.max_new_tokens``, checked when the request is read).
+``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
+true: the loop plans and queues each step while the one before runs, so the device does
+not wait for it between steps; a cancellation then takes one step more).
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class TextGenerationRunner:
         self.step_tokens = int(opts.get("step_tokens", 512))
         self.max_running = int(opts.get("max_running", 64))
         self.default_new_tokens = int(opts.get("max_new_tokens", 256))
+        self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
+        """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""

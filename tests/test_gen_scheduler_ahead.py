@@ -1,0 +1,80 @@
+"""The generating scheduler planning ahead (``worker/gen_scheduler.py``), by its calls:
+a step withdrawn before it ran (to be planned again) leaves no trace, its admissions
+wait again (a resumed one with its state) and the policy's credit is given back."""
+
+from __future__ import annotations
+
+from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+from batchfleet.batching.types import Waiting
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.answers import Held
+from batchfleet.worker.gen_scheduler import GenScheduler
+from batchfleet.worker.runner import Final, Partial, Preempted, Prepared, Progress, StepReport
+from batchfleet.worker.streams import Entry
+
+
+def held(key: str, lane: int, arrived: float, prompt: int = 8, new: int = 10) -> Held:
+    prep = Prepared(None, rows=1, tokens=prompt, prompts=(prompt,), max_new_tokens=new)
+    req = Request(id=key, model="m", inputs=["x"], max_new_tokens=new)
+    return Held(Entry(lane, key, {}), req, "msgpack", prep, Waiting(key, lane, arrived, prompt),
+                arrived)  # fmt: skip
+
+
+def scheduler() -> GenScheduler:
+    policy = GenPolicy(kv_cache_tokens=4096, page_size=16, step_tokens=256, max_running=8,
+                       lanes=3, max_starvation_ms=1000.0)  # fmt: skip
+    return GenScheduler(GenerationPolicy(policy), ahead=True)
+
+
+def report(*events: object, progress: dict[str, Progress] | None = None) -> StepReport:
+    return StepReport(events=list(events), progress=progress or {})  # type: ignore[arg-type]
+
+
+def test_a_withdrawn_step_gives_back_its_admissions_and_credit() -> None:
+    s = scheduler()
+    s.admit(held("run", 1, 0.0))
+    first = s.decide(10.0).step
+    assert first is not None and [h.waiting.key for h in first.held] == ["run"]
+    # while it runs, lower lanes wait long past their bound (promoted: credit is spent)
+    for k in range(3):
+        s.admit(held(f"low{k}", 2, 0.5 + k))
+    s.admit(held("mid", 1, 9.0))
+    before = s.policy.credit()
+    queued = s.decide(10.0).step
+    assert queued is not None and s.queued == queued.step_id
+    planned = [h.waiting.key for h in queued.held]
+    spent = s.policy.credit()
+    assert planned and spent != before
+    s.withdraw(queued.step_id)
+    assert s.queued is None and s.policy.credit() == before
+    assert set(s.held) == {"low0", "low1", "low2", "mid"} and set(s.running) == {"run"}
+    again = s.decide(10.0).step  # the same view plans the same step, at the same cost
+    assert again is not None and [h.waiting.key for h in again.held] == planned
+    assert s.policy.credit() == spent
+
+
+def test_a_withdrawn_resumption_waits_again_as_preempted() -> None:
+    s = scheduler()
+    s.admit(held("a", 2, 0.0))
+    s.admit(held("b", 1, 0.0))
+    first = s.decide(1.0).step
+    assert first is not None
+    s.decide(1.0)  # the next one queued behind it
+    s.running["a"].seq = 3  # deltas the loop counted
+    s.finished(first.step_id, report(Partial("a", {}), Preempted("a", (9,), 9)), 1.0, 1.01)
+    resume = s._resume["a"]
+    assert s.held["a"] and resume.seq == 3
+    running = s.inflight[0]
+    queued = s.decide(1.02).step  # resumes "a"
+    assert queued is not None and [h.waiting.key for h in queued.held] == ["a"]
+    assert "a" not in s._resume
+    s.withdraw(queued.step_id)
+    assert s._resume["a"] == resume and "a" in s.held and "a" not in s.running
+    again = s.decide(1.02).step
+    assert again is not None and [h.waiting.key for h in again.held] == ["a"]
+    assert s.running["a"].seq == 3 and s.running["a"].preempted == resume.preempted
+    # once the step resuming it ran, it is never parked back by a withdrawal
+    s.finished(running.step_id, report(progress={"b": Progress((9,), (0,), 8)}), 1.02, 1.03)
+    s.finished(again.step_id, report(Final("b", [{}]),
+                                     progress={"a": Progress((10,), (0,), 8)}), 1.03, 1.04)  # fmt: skip
+    assert s.running["a"].resumed is None
