@@ -3,6 +3,7 @@ cancellation by key, deadlines mid-generation. The client side is bare redis-py.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -161,7 +162,7 @@ def test_budgets_change_live_by_remote_control(
 
     from batchfleet import cli
 
-    dest = ["-d", f"gen-1@{socket.gethostname()}"]
+    dest = ["-d", f"gen-1@{socket.gethostname()}", "--timeout", "10"]  # a loaded CI machine
     assert cli.main(["policy", MODEL, "max_running=4", "step_tokens=32",
                      "--redis-url", redis_url, *dest]) == 0  # fmt: skip
     # above the fleet file's, or not a knob of a generating model: refused, nothing changes
@@ -180,3 +181,21 @@ def test_budgets_change_live_by_remote_control(
         32,
         4096,
     )
+
+
+def test_lane0_streams_arriving_at_any_moment_all_end(
+    r: redis.Redis, worker: WorkerProcess
+) -> None:
+    # lane-0 arrivals replan the step queued behind the running one (planned ahead): at
+    # random moments, some while the device thread has not yet taken its next step
+    rng = random.Random(7)
+    rids: list[str] = []
+    for _ in range(40):
+        rids.append(submit(r, messages=[{"role": "user", "content": "what is this " * rng.randint(1, 20)}],
+                           max_new_tokens=rng.randint(1, 30), stream=True))  # fmt: skip
+        time.sleep(rng.uniform(0, 0.03))
+    for rid in rids:
+        assert result(r, rid)["status"] == "ok"
+        stream = token_stream(r, rid, timeout=5)
+        assert stream[-1] == {b"seq": str(len(stream)).encode(), b"end": b"1"}
+    assert b"crashed" not in worker.log.read_bytes()

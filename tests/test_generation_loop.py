@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
 import pytest
 from batchfleet.batching.generation import GenPolicy
 from batchfleet.schemas.messages import Request
+from batchfleet.worker.gen_scheduler import GenScheduler
 from batchfleet.worker.holding import entries_to_refresh
 from batchfleet.worker.inbox import Cancel
 from batchfleet.worker.observers import BatchDone, Dispatched
@@ -29,6 +30,7 @@ from batchfleet.worker.runner import (
     StepReport,
     Work,
 )
+from batchfleet.worker.sink import MemorySink
 from virtual_world import MODEL, T0, Rig, rig
 
 STEP_S = 0.010
@@ -585,3 +587,36 @@ def test_a_lane0_request_or_a_cancel_replans_the_queued_step() -> None:
     assert len(by_ahead.steps) == len(by_turn.steps)  # no step ran twice nor was lost
     started = [e.batch_id for _, e in ahead.recorder.of(Dispatched)]
     assert started == [sp.step_id for sp in ahead.device.spans]  # withdrawn ones unheard of
+
+
+def test_a_replan_leaves_the_step_before_the_queued_one_to_run_when_not_yet_started() -> None:
+    # the device thread takes the next step a little after posting the last one: the loop
+    # may already have queued the one after; a lane-0 arrival then finds both waiting
+    runner = Tokens(schedule_ahead=True)
+    r, _ = gen_rig(runner)
+    r.device.lag = 0.004
+    submit(r, "a", max_new_tokens=12, lane=1)
+    for k in range(12):  # one in each lag window at least (steps of 10 ms + 4 ms)
+        submit(r, f"h{k}", max_new_tokens=2, lane=0, at=T0 + 0.011 + 0.0117 * k)
+    r.run()
+    assert outputs(r, "a")["completion_tokens"] == 12
+    assert all(outputs(r, f"h{k}")["completion_tokens"] == 2 for k in range(12))
+    ran = [sp.step_id for sp in r.device.spans]
+    assert len(ran) == len(set(ran)) == len(runner.steps)  # none lost, none run twice
+
+
+def test_a_generating_loop_restarted_after_a_crash_serves_again() -> None:
+    # (worker/app.py restarts a crashed loop through reset(): it must come back generating)
+    r, _ = gen_rig(Tokens(max_running=4))
+    r.loop.scheduler.set_budgets(replace(r.loop.scheduler.policy.policy, max_running=2))  # type: ignore[union-attr]
+    r.loop.reset()
+    assert isinstance(r.loop.scheduler, GenScheduler)
+    assert r.loop.generating.scheduler is r.loop.scheduler
+    assert r.loop.scheduler.policy.policy.max_running == 2  # a live change is kept
+    for k in range(3):
+        submit(r, f"q{k}", max_new_tokens=4, stream=True)
+    r.run()
+    sink = r.loop.parts.sink
+    assert isinstance(sink, MemorySink)
+    for k in range(3):
+        assert [it.seq for it in sink.streamed[f"q{k}"]] == [1, 2, 3, 4, 5]

@@ -226,6 +226,9 @@ class VirtualDevice:
         self.spans: list[Span] = []
         self.post: Callable[[StepDone], None] = inbox.put
         """Where a finished step goes (a generating model's: through its DeltaWriter)."""
+        self.lag = 0.0
+        """Virtual seconds between a step's end and the next one's start (a device thread
+        still posting the last step when the loop has taken it in)."""
         self._queue: list[Work] = []
         """Submitted, not started."""
         self._busy = False
@@ -247,8 +250,14 @@ class VirtualDevice:
         report = execute(self.runner, work, lambda: start).report
 
         def finish() -> None:
-            self._busy = False
             self.post(StepDone(work.step_id, report, start, end))
+            if self.lag:
+                self.world.at(self.world.now + self.lag, idle)
+            else:
+                idle()
+
+        def idle() -> None:
+            self._busy = False
             if self._queue:
                 self._start_next()
 

@@ -185,9 +185,17 @@ class BatchLoop:
 
     def reset(self) -> None:
         """After a crash: forget what was held (it stays pending in Redis and is reclaimed)."""
-        self.scheduler = Scheduler(self.engine)
+        gen = (
+            _gen_scheduler(self.runner, self.engine, self.config.lanes) if self.continuous else None
+        )
+        if gen is not None and isinstance(self.scheduler, GenScheduler):
+            gen.set_budgets(self.scheduler.policy.policy)  # live changes are kept
+        self.scheduler = gen or Scheduler(self.engine)
+        self._unannounced.clear()
         self._stopped.clear()
         self.parts = self._make_parts(self)
+        self.generating = Generating(self.model, self.config, gen, self.answers, self.observers,
+                                     self.parts, self._now)  # fmt: skip
 
     # --- the loop (its own thread) ----------------------------------------------------------
 
@@ -434,7 +442,10 @@ class BatchLoop:
         dropped = self.parts.device.drop_queued()
         if not dropped:
             return
-        if [w.step_id for w in dropped] != [queued]:
+        *first, last = dropped
+        for work in first:  # the step before it, ended but not yet taken by the device thread
+            self.parts.device.submit(work)
+        if last.step_id != queued:
             raise RuntimeError(f"took back {[w.step_id for w in dropped]}, queued {queued}")
         self.scheduler.withdraw(queued)
         self._unannounced.pop(queued, None)
