@@ -72,6 +72,7 @@ class Tokens:
     continuous: bool = True
     schedule_ahead: bool = field(default_factory=lambda: AHEAD[0])
     steps: list[Work] = field(default_factory=list)
+    forgotten: int = 0
     ignored: list[str] = field(default_factory=list)
     """Stops and preemptions of requests already ended or freed (planned ahead only)."""
     running: dict[str, _Run] = field(default_factory=dict)
@@ -145,6 +146,11 @@ class Tokens:
 
     def info(self) -> dict[str, Any]:
         return {"runner": self.name}
+
+    def forget_all(self) -> None:
+        self.forgotten += 1
+        self.running.clear()
+        self.parked.clear()
 
 
 def gen_rig(runner: Tokens | None = None, **kw: Any) -> tuple[Rig, Tokens]:
@@ -607,12 +613,15 @@ def test_a_replan_leaves_the_step_before_the_queued_one_to_run_when_not_yet_star
 
 def test_a_generating_loop_restarted_after_a_crash_serves_again() -> None:
     # (worker/app.py restarts a crashed loop through reset(): it must come back generating)
-    r, _ = gen_rig(Tokens(max_running=4))
+    runner = Tokens(max_running=4)
+    r, _ = gen_rig(runner)
+    runner.running["old"] = _Run([3], 50, 3)  # running when the loop crashed
     r.loop.scheduler.set_budgets(replace(r.loop.scheduler.policy.policy, max_running=2))  # type: ignore[union-attr]
     r.loop.reset()
     assert isinstance(r.loop.scheduler, GenScheduler)
     assert r.loop.generating.scheduler is r.loop.scheduler
     assert r.loop.scheduler.policy.policy.max_running == 2  # a live change is kept
+    assert runner.forgotten == 1 and not runner.running  # the runner starts over too
     for k in range(3):
         submit(r, f"q{k}", max_new_tokens=4, stream=True)
     r.run()

@@ -418,3 +418,19 @@ def test_out_of_memory_releases_memory_after_the_failed_step_is_gone(
     # Then the cached memory is given back once the failed step's frame (and what it
     # held) is freed, not from inside the except clause
     assert report.out_of_memory and alive_at_release == [False]
+
+
+def test_forget_all_starts_over_a_request_read_again(runner: TextGenerationRunner) -> None:
+    # a crashed loop restarts and reads its requests again, under the same keys
+    d = Driver(runner)
+    (p,) = prepare(runner, req("a", max_new_tokens=12))
+    d.step([("a", p)])
+    d.step()
+    runner.forget_all()
+    assert not runner._reqs and not runner._by_seq
+    (p,) = prepare(runner, req("a", max_new_tokens=12))
+    d.step([("a", p)])
+    d.run()
+    out = d.finals["a"].outputs[0]
+    assert out["completion_tokens"] == 12 and out["text"] == greedy(runner, "the man was", 12)
+    assert runner.engine.step() == []  # nothing of its first life is left in the engine

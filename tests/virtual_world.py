@@ -267,6 +267,10 @@ class VirtualDevice:
         queued, self._queue = self._queue, []
         return queued
 
+    @property
+    def alive(self) -> bool:
+        return self._busy
+
     def close(self, timeout: float | None = None) -> None:
         pass
 

@@ -50,6 +50,11 @@ class Executor:
             if work is not None:
                 dropped.append(work)
 
+    @property
+    def alive(self) -> bool:
+        """The device thread runs (started, and not ended by :meth:`close`)."""
+        return self._thread.is_alive()
+
     def close(self, timeout: float | None = None) -> None:
         """Finish what was submitted, then end the thread."""
         self._queue.put(None)

@@ -193,6 +193,9 @@ class BatchLoop:
         self.scheduler = gen or Scheduler(self.engine)
         self._unannounced.clear()
         self._stopped.clear()
+        forget = getattr(self.runner, "forget_all", None)
+        if forget is not None and not self.parts.device.alive:  # (a stuck one keeps it)
+            forget()  # what it held is read again: a generator starts it over
         self.parts = self._make_parts(self)
         self.generating = Generating(self.model, self.config, gen, self.answers, self.observers,
                                      self.parts, self._now)  # fmt: skip

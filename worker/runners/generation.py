@@ -315,6 +315,14 @@ class TextGenerationRunner:
         self._unsettled = report
         return report
 
+    def forget_all(self) -> None:
+        """Drop every request and empty the engine: the loop crashed and starts over, and
+        reads its requests again (as a new worker would). Call with the device thread gone."""
+        self.engine.reset()
+        self._reqs.clear()
+        self._by_seq.clear()
+        self._unsettled = None
+
     def _fill_progress(self, report: StepReport) -> None:
         for key, r in self._reqs.items():
             if not r.parked:
