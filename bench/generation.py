@@ -1075,7 +1075,10 @@ METHOD = """\
   `device busy` = step time / span, running sequences and KV tokens per step (the runner's
   progress report), `CPU steal` = the VM's steal share of CPU time meanwhile
   (`/proc/stat`), and for fleet runs the CPU seconds of the worker (per thread, by Python
-  thread name), redis-server and the harness.
+  thread name), redis-server and the harness, and where the worker's device thread spent
+  the run (its step stamps): engine steps, the runner's own part after them (text,
+  events), and the gaps under 50 ms between one step's return and the next one's start
+  (the hand-off through the batch loop; longer gaps are the device waiting for work).
 - **Fleet, malloc tuned** (Llama; not a target, `--no-malloc-run` skips it): the same
   saturated trace through a second worker started with `MALLOC_TRIM_THRESHOLD_` and
   `MALLOC_MMAP_THRESHOLD_` at 4 GiB, so glibc keeps freed tensor memory instead of giving
