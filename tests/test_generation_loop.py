@@ -573,18 +573,20 @@ def _lane0_and_cancel(ahead: bool) -> tuple[Rig, Tokens]:
     runner = Tokens(schedule_ahead=ahead)
     r, _ = gen_rig(runner)
     submit(r, "low", max_new_tokens=20, lane=2)
-    submit(r, "gone", max_new_tokens=20, lane=0, stream=True)
+    submit(r, "gone", max_new_tokens=20, lane=1, stream=True)
     submit(r, "high", max_new_tokens=3, lane=0, at=T0 + 0.045)  # mid-step
+    submit(r, "mid", max_new_tokens=4, lane=1, at=T0 + 0.103)  # mid-step, a slot free
     r.world.at(T0 + 0.075, lambda: r.loop.parts.inbox.put(Cancel(("gone",))))
     r.run()
     return r, runner
 
 
-def test_a_lane0_request_or_a_cancel_replans_the_queued_step() -> None:
-    # planned ahead, a lane-0 arrival or a cancel withdraws the queued step (not started)
-    # and plans it again: both reach the device with the next step, as in turn
+def test_an_arrival_that_may_join_or_a_cancel_replans_the_queued_step() -> None:
+    # planned ahead, an arrival that may join (lane 0, or any while a slot is free) or a
+    # cancel withdraws the queued step (not started) and plans it again: each reaches the
+    # device with the next step, as in turn
     (turn, by_turn), (ahead, by_ahead) = _lane0_and_cancel(False), _lane0_and_cancel(True)
-    for rid in ("low", "gone", "high"):
+    for rid in ("low", "gone", "high", "mid"):
         assert outputs(ahead, rid) == outputs(turn, rid)
     assert outputs(ahead, "gone")["finish_reason"] == "cancelled"
 

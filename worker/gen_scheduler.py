@@ -15,8 +15,9 @@ queued while one runs, from the state one step old, projected: a decoding sequen
 context grows by a token a step, and one whose last token that is leaves. Requests that
 an in-flight step ends or frees are left out of planning until its report is in, so a
 stop or a preemption is never asked twice; a request its runner ends anyway (a step out
-of memory parked it) is still answered once. A cancellation then reaches the device one
-step later.
+of memory parked it) is still answered once. The loop takes the queued step back
+(:meth:`withdraw`) and plans it again when a request comes that may join it or a client
+cancels, unless the device has started it.
 """
 
 from __future__ import annotations
@@ -280,6 +281,11 @@ class GenScheduler:
             self.policy.restore(self._credit[1])
         self._credit = None
         self.version += 1
+
+    @property
+    def room(self) -> bool:
+        """The running batch has a free slot (a new arrival could join the next step)."""
+        return len(self.running) < self.policy.policy.max_running
 
     @property
     def queued(self) -> str | None:

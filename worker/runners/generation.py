@@ -18,7 +18,7 @@ transformers' module stack, :mod:`..generation.lean_decode`; false: their own fo
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
-not wait for it between steps; a cancellation then takes one step more).
+not wait for it between steps; see ``worker/gen_scheduler.py``).
 """
 
 from __future__ import annotations
