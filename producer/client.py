@@ -165,7 +165,9 @@ class Producer(ProducerShell[SyncClient, Job]):
 
         Options: ``priority``, ``deadline_ms``, ``metadata``, ``result_ttl_s``, ``request_id``,
         ``result_format``, ``webhook``; for generation ``messages``, ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream`` (see
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``min_new_tokens`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

@@ -99,6 +99,14 @@ class GenerationOptions(TypedDict, total=False):
     stream: bool | None
     """Have the worker stream the text as it is produced: needed for ``job.stream()`` and
     ``job.deltas()``."""
+    repetition_penalty: float | None
+    """Above 1, tokens already in the prompt or output are less likely (HF, vLLM)."""
+    presence_penalty: float | None
+    """-2 to 2: taken off the logit of every token the output holds (OpenAI)."""
+    frequency_penalty: float | None
+    """-2 to 2: taken off a token's logit per time the output holds it (OpenAI)."""
+    min_new_tokens: int | None
+    """No end-of-sequence before this many tokens."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -92,7 +92,8 @@ class Webhook(_Strict):
 
 
 GENERATION_FIELDS: Final = (
-    "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream"
+    "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -143,6 +144,16 @@ class Request(_Strict):
     stream: bool | None = None
     """Stream tokens as they are produced: to the request's token stream and, as ``delta``
     messages, on its reply channel."""
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    """HF's and vLLM's: a token already in the prompt or output has its logit divided by
+    this (multiplied when negative); 1 (the default) is none."""
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from the logit of every token the output already holds."""
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from a token's logit once per time the output holds it."""
+    min_new_tokens: int | None = Field(None, ge=0)
+    """End-of-sequence is not generated before this many tokens (a stop string still ends
+    the text); at most ``max_new_tokens``."""
 
     @property
     def input_count(self) -> int:
@@ -198,6 +209,15 @@ class Request(_Strict):
             raise ValueError(
                 f"too_large: max_new_tokens {self.max_new_tokens} > {limits.max_new_tokens}"
             )
+        if self.min_new_tokens is not None:
+            if self.min_new_tokens > limits.max_new_tokens:
+                raise ValueError(
+                    f"too_large: min_new_tokens {self.min_new_tokens} > {limits.max_new_tokens}"
+                )
+            if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+                raise ValueError(
+                    f"min_new_tokens {self.min_new_tokens} > max_new_tokens {self.max_new_tokens}"
+                )
         if self.stop is not None:
             if len(self.stop) > limits.max_stop:
                 raise ValueError(f"too_large: more than {limits.max_stop} stop strings")

@@ -130,6 +130,24 @@ def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: Worke
     assert result(r, ok)["status"] == "ok"
 
 
+def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(lm_dir, dtype="float32").eval()
+    ids = tok("the man was", return_tensors="pt").input_ids
+
+    def generate(**rules: float) -> str:
+        out = model.generate(ids, max_new_tokens=10, do_sample=False,
+                             pad_token_id=tok.pad_token_id, **rules)  # fmt: skip
+        return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+    rid = submit(r, inputs=["the man was"], max_new_tokens=10, repetition_penalty=3.0)
+    assert result(r, rid)["outputs"][0]["text"] == generate(repetition_penalty=3.0) != generate()
+    bad = submit(r, inputs=["x"], max_new_tokens=3, min_new_tokens=4)
+    assert result(r, bad)["error"]["code"] == "invalid_request"
+
+
 def test_status_shows_generation_state(
     redis_url: str, r: redis.Redis, worker: WorkerProcess
 ) -> None:

@@ -287,10 +287,12 @@ def test_encoder_runners_refuse_generation_fields(tmp_path: Path) -> None:
 
     enc = EmbeddingRunner(make_embedding_model(tmp_path / "e"))
     out = enc.prepare_many([req("a"), req("b", max_new_tokens=3), req("c", inputs=[],
-                            messages=[{"role": "user", "content": "x"}])])  # fmt: skip
+                            messages=[{"role": "user", "content": "x"}]),
+                            req("d", repetition_penalty=1.2)])  # fmt: skip
     assert isinstance(out[0], Prepared)
     assert isinstance(out[1], PrepareError) and "max_new_tokens" in str(out[1])
     assert isinstance(out[2], PrepareError) and "messages" in str(out[2])
+    assert isinstance(out[3], PrepareError) and "repetition_penalty" in str(out[3])
 
 
 def test_a_sampled_request_preempted_and_resumed_draws_the_same_tokens(

@@ -92,6 +92,17 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "id": "bad id with spaces"}), ErrorCode.INVALID_REQUEST, False),
         (_fields({**GOOD, "v": 2}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "inputs": [1]}, "json"), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "repetition_penalty": 0.0}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "repetition_penalty": 11.0}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "presence_penalty": -2.5}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "frequency_penalty": 2.5}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "min_new_tokens": -1}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "min_new_tokens": 5000}), ErrorCode.TOO_LARGE, True),
+        (
+            _fields({**GOOD, "min_new_tokens": 9, "max_new_tokens": 8}),
+            ErrorCode.INVALID_REQUEST,
+            True,
+        ),
     ],
 )
 def test_bad_entries_are_rejected_with_a_stable_code(
@@ -175,6 +186,11 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
             "webhook": {"url": "https://example.com/h", "secret_id": "s1", "format": "msgpack"}}  # fmt: skip
     request, got = decode_entry(_fields(body, fmt), "m")
     assert request.deadline_ms == 60000 and request.webhook is not None and got == "json"
+    rules = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
+             "min_new_tokens": 4, "max_new_tokens": 4}  # fmt: skip
+    request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
+    assert {k: getattr(request, k) for k in rules} == rules
+    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:4]]
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------

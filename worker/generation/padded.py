@@ -265,7 +265,7 @@ class PaddedEngine:
         """Per buffer row, the columns written and not released since (reserved buffers)."""
         self.released_bytes = 0
         """KV memory handed back to the OS so far."""
-        self.sampler = SeededSampler()
+        self.sampler = SeededSampler(self.eos)
         self._waiting: dict[str, _Seq] = {}
         """Added and not yet running; those with a cache are prefilling."""
         self._rows: list[_Seq] = []
@@ -303,7 +303,7 @@ class PaddedEngine:
     ) -> None:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
         (the request's lane) first, then in the order added."""
-        self.sampler.add(sequence, sampling)
+        self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
@@ -318,6 +318,11 @@ class PaddedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+
+    def forget_all(self) -> None:
+        """Drop every sequence and what the sampler keeps of them (the runner starts over)."""
+        self.reset()
+        self.sampler.clear()
 
     def state(self, sequence: str) -> SeqState | None:
         """Where a queued or running sequence stands (None: the engine no longer has it)."""

@@ -47,7 +47,7 @@ class PagedEngine:
         max_running: int,
         cuda_graphs: bool = False,
     ) -> None:
-        self.sampler = SeededSampler()
+        self.sampler = SeededSampler(eos_token_ids)
         generation = GenerationConfig(
             do_sample=False, eos_token_id=eos_token_ids or -1, pad_token_id=pad_token_id,
             max_new_tokens=16,
@@ -88,7 +88,7 @@ class PagedEngine:
         priority: int = 0,
     ) -> None:
         """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused)."""
-        self.sampler.add(sequence, sampling)
+        self.sampler.add(sequence, sampling, tokens)
         self.manager.add_request(
             tokens, request_id=sequence, max_new_tokens=max_new_tokens, streaming=True
         )
@@ -101,6 +101,11 @@ class PagedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+
+    def forget_all(self) -> None:
+        """Drop every sequence and what the sampler keeps of them (the runner starts over)."""
+        self.reset()
+        self.sampler.clear()
 
     def step(self) -> list[Output]:
         """Run one step (admissions, cancellations, prefill chunks, one decode per running

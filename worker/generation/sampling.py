@@ -1,18 +1,36 @@
-"""Per-request sampling with per-request seeds, inside transformers' continuous batching.
+"""Per-request sampling with per-request seeds, and the logits rules a request may set.
 
 transformers' continuous batching samples with one global generator, so a request's text
 would depend on its batch-mates. We run it greedy (``do_sample=False``) and put this
-processor in its logits-processor list: for each row of a sampling request it applies
-temperature, top-k and top-p, draws a token with that request's own generator, and leaves
-only that token's logit finite — the engine's argmax then picks it. Greedy rows (no
-temperature, or 0) pass through untouched. The same request with the same seed therefore
-gives the same tokens whatever else runs beside it.
+processor in its logits-processor list: for each row of a sequence registered here it
+applies the request's rules, then picks a token (argmax, or a draw with that request's
+own generator after temperature, top-k and top-p), and leaves only that token's logit
+finite — the engine's argmax then picks it. Plain greedy rows (no rule, no temperature)
+pass through untouched and cost nothing. The same request with the same seed therefore
+gives the same tokens whatever else runs beside it. The padded engine calls
+:meth:`SeededSampler.draw` per row instead.
+
+The rules, applied in this order before temperature (as HF ``generate`` and vLLM do):
+
+- ``repetition_penalty`` (HF's and vLLM's): the logit of every token already in the prompt
+  or the output is divided by it when positive, multiplied when negative;
+- ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's): a token that the
+  output holds ``n`` times loses ``presence + frequency * n`` from its logit (the prompt
+  does not count);
+- ``min_new_tokens`` (HF's): the end-of-sequence tokens are masked until the sequence has
+  generated that many tokens (a stop string still ends it).
+
+What a sequence generated is kept here with its generator; when it resumes after a
+preemption the engine adds it again with its prompt and output, which this takes as the
+truth (so a draw a failed step dropped is not counted).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,48 +41,134 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """A request's sampling parameters (``temperature`` 0: greedy)."""
+    """A request's sampling parameters (``temperature`` 0: greedy) and logits rules."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_new_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def shaped(self) -> bool:
+        """Its logits change before the pick (a penalty, or ``min_new_tokens``)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_new_tokens > 0
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Greedy over the model's own logits: the engine's argmax, nothing to do here."""
+        return self.greedy and not self.shaped
+
+
+@dataclass(slots=True)
+class _Track:
+    """One registered sequence: its rules, generator and (for rules) what it has seen."""
+
+    sampling: Sampling
+    gen: torch.Generator | None
+    """None: greedy."""
+    prompt: int
+    """Prompt length, from its first add."""
+    seen: set[int] = field(default_factory=set)
+    """Prompt and output token ids (``repetition_penalty``)."""
+    counts: Counter[int] = field(default_factory=Counter)
+    """Output token counts (presence and frequency penalties)."""
+    generated: int = 0
+
+    def restart(self, tokens: list[int]) -> None:
+        """Its prompt and output as the engine was given them (first add or a resume)."""
+        self.seen = set(tokens)
+        self.counts = Counter(tokens[self.prompt :])
+        self.generated = max(0, len(tokens) - self.prompt)
+
+    def took(self, token: int) -> None:
+        self.seen.add(token)
+        self.counts[token] += 1
+        self.generated += 1
+
 
 class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
-    """Samples each sequence with its own generator (see the module docstring)."""
+    """Picks each registered sequence's token by its own rules and generator (see the
+    module docstring)."""
 
     supported_kwargs: dict[str, type] = {}  # rows are known by request id
     ignored_kwargs: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
-        self._sampling: dict[str, tuple[Sampling, torch.Generator]] = {}
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self._tracks: dict[str, _Track] = {}
         self._rows: list[str] = []
+        self._eos = sorted(set(eos_token_ids))
 
-    def add(self, sequence: str, sampling: Sampling) -> None:
-        """Register a sequence before it is scheduled (greedy ones need nothing). A
-        sequence resumed after preemption keeps its generator, so its draws go on."""
-        if sampling.greedy or sequence in self._sampling:
+    def add(self, sequence: str, sampling: Sampling, tokens: list[int] | None = None) -> None:
+        """Register a sequence before it is scheduled, with what it prefills (``tokens``:
+        its prompt, then on a resume its prompt and output); plain greedy ones need nothing.
+        A sequence resumed after preemption keeps its generator, so its draws go on."""
+        if sampling.plain:
             return
-        seed = (
-            sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
-        )
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-        self._sampling[sequence] = (sampling, gen)
+        track = self._tracks.get(sequence)
+        if track is None:
+            gen = None
+            if not sampling.greedy:
+                seed = sampling.seed
+                if seed is None:
+                    seed = int.from_bytes(os.urandom(8), "little")
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+            track = _Track(sampling, gen, prompt=len(tokens or ()))
+            self._tracks[sequence] = track
+        if sampling.shaped:
+            track.restart(list(tokens or ()))
 
     def forget(self, sequence: str) -> None:
         """The sequence ended."""
-        self._sampling.pop(sequence, None)
+        self._tracks.pop(sequence, None)
+
+    def clear(self) -> None:
+        """Forget every sequence (the runner starts over)."""
+        self._tracks.clear()
 
     def draw(self, sequence: str, logits: torch.Tensor) -> int | None:
-        """A sampling sequence's next token from its ``logits`` row (None: greedy)."""
-        entry = self._sampling.get(sequence)
-        return None if entry is None else sample(logits, *entry)
+        """A registered sequence's next token from its ``logits`` row (None: plain greedy,
+        the caller's argmax)."""
+        track = self._tracks.get(sequence)
+        if track is None:
+            return None
+        s = track.sampling
+        if s.shaped:
+            logits = self._shape(track, logits)
+        token = int(logits.argmax()) if track.gen is None else sample(logits, s, track.gen)
+        if s.shaped:
+            track.took(token)
+        return token
+
+    def _shape(self, track: _Track, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` (float32) with the track's rules applied."""
+        s = track.sampling
+        x = logits.float().clone()
+        dev = x.device
+        if s.repetition_penalty != 1.0 and track.seen:
+            ids = torch.tensor(list(track.seen), dtype=torch.long, device=dev)
+            v = x[ids]
+            x[ids] = torch.where(v < 0, v * s.repetition_penalty, v / s.repetition_penalty)
+        if (s.presence_penalty or s.frequency_penalty) and track.counts:
+            ids = torch.tensor(list(track.counts), dtype=torch.long, device=dev)
+            n = torch.tensor(list(track.counts.values()), dtype=x.dtype, device=dev)
+            x[ids] -= s.frequency_penalty * n + s.presence_penalty
+        if track.generated < s.min_new_tokens and self._eos:
+            x[torch.tensor(self._eos, dtype=torch.long, device=dev)] = float("-inf")
+        return x
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)
@@ -75,14 +179,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         return torch.zeros(len(self._rows), dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        if not self._sampling:
+        if not self._tracks:
             return scores
         for row, sequence in enumerate(self._rows[: scores.shape[0]]):
-            entry = self._sampling.get(sequence)
-            if entry is None:
+            token = self.draw(sequence, scores[row])
+            if token is None:
                 continue
-            sampling, gen = entry
-            token = sample(scores[row], sampling, gen)
             scores[row].fill_(float("-inf"))
             scores[row, token] = 0.0
         return scores

@@ -222,6 +222,9 @@ class TextGenerationRunner:
                     ErrorCode.TOO_LARGE,
                 )
         wanted = req.max_new_tokens or self.default_new_tokens  # bounded by the limits
+        at_least = req.min_new_tokens or 0
+        if at_least > wanted:
+            return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
         spec = GenSpec(
             prompts=tuple(tuple(p) for p in prompts),
             max_new_tokens=tuple(min(wanted, self.context - len(p)) for p in prompts),
@@ -230,6 +233,10 @@ class TextGenerationRunner:
                 req.top_p if req.top_p is not None else 1.0,
                 req.top_k or 0,
                 req.seed,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                min_new_tokens=at_least,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
@@ -317,8 +324,9 @@ class TextGenerationRunner:
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
-        reads its requests again (as a new worker would). Call with the device thread gone."""
-        self.engine.reset()
+        reads its requests again (as a new worker would), sampled ones with fresh generators.
+        Call with the device thread gone."""
+        self.engine.forget_all()
         self._reqs.clear()
         self._by_seq.clear()
         self._unsettled = None

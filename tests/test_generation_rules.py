@@ -1,0 +1,196 @@
+"""A generation request's logits rules (repetition, presence and frequency penalties,
+min_new_tokens) through the runner on both engines: greedy output equals HF ``generate``
+with the same rules (or, for OpenAI's penalties, which ``generate`` lacks, a plain loop
+over full forwards), batched beside plain requests, across a preemption and a restart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from devices import DEVICE
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.schemas.errors import ErrorCode  # noqa: E402
+from batchfleet.worker.generation.sampling import Sampling, SeededSampler  # noqa: E402
+from batchfleet.worker.runner import PrepareError  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from test_generation_runner import PROMPTS, Driver, greedy, prepare, req  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+OPTIONS = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture(params=["padded", "paged"])
+def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner:
+    return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32",
+                                options={**OPTIONS, "engine": request.param})  # fmt: skip
+
+
+def generate(runner: TextGenerationRunner, text: str, n: int, **rules: float) -> str:
+    """HF ``generate``'s greedy text with its own logits processors for ``rules``."""
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
+    out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,
+                                pad_token_id=runner.eos[0], **rules)  # fmt: skip
+    return str(runner.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def penalised(runner: TextGenerationRunner, text: str, n: int, presence: float,
+              frequency: float) -> str:  # fmt: skip
+    """Greedy with OpenAI's penalties, one full forward per token (the reference)."""
+    ids = runner.tokenizer(text).input_ids
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            x = torch.tensor([ids + out], device=runner.torch_device)
+            logits = runner.model(x).logits[0, -1].float().cpu()
+            for t in set(out):
+                logits[t] -= presence + frequency * out.count(t)
+            out.append(int(logits.argmax()))
+            if out[-1] in runner.eos:
+                break
+    return str(runner.tokenizer.decode(out, skip_special_tokens=True))
+
+
+def test_repetition_penalty_gives_generate_s_tokens_beside_plain_requests(
+    runner: TextGenerationRunner,
+) -> None:
+    wanted = [generate(runner, p, 16, repetition_penalty=3.0) for p in PROMPTS[:3]]
+    assert wanted != [greedy(runner, p, 16) for p in PROMPTS[:3]]  # the rule changes them
+    preps = prepare(runner, *(req(f"r{i}", inputs=[p], max_new_tokens=16, repetition_penalty=3.0)
+                              for i, p in enumerate(PROMPTS[:3])),
+                    req("plain", inputs=[PROMPTS[3]], max_new_tokens=16))  # fmt: skip
+    d = Driver(runner)
+    d.step([("r0", preps[0]), ("plain", preps[3])])
+    d.step([("r1", preps[1])])  # joins while the others decode
+    d.step()
+    d.step([("r2", preps[2])])
+    d.run()
+    assert [d.finals[f"r{i}"].outputs[0]["text"] for i in range(3)] == wanted
+    assert d.finals["plain"].outputs[0]["text"] == greedy(runner, PROMPTS[3], 16)
+
+
+def test_presence_and_frequency_penalties_follow_the_reference(
+    runner: TextGenerationRunner,
+) -> None:
+    cases = [(0.0, 0.2), (0.6, 0.0), (0.1, 0.1)]  # (presence, frequency)
+    wanted = [penalised(runner, PROMPTS[0], 16, p, f) for p, f in cases]
+    assert len({*wanted, greedy(runner, PROMPTS[0], 16)}) == 4  # each rule changes the text
+    preps = prepare(runner, *(req(f"c{i}", max_new_tokens=16, presence_penalty=p,
+                                  frequency_penalty=f) for i, (p, f) in enumerate(cases)))  # fmt: skip
+    d = Driver(runner)
+    d.step([(f"c{i}", p) for i, p in enumerate(preps)])
+    d.run()
+    assert [d.finals[f"c{i}"].outputs[0]["text"] for i in range(3)] == wanted
+
+
+@pytest.fixture(scope="module")
+def eos_early(lm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The model with its first greedy token for PROMPTS[0] made an end-of-sequence token,
+    so plain greedy stops there; and that token."""
+    probe = TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=OPTIONS)
+    ids = probe.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    first = int(probe.model(ids).logits[0, -1].argmax())
+    path = tmp_path_factory.mktemp("eos") / "lm"
+    shutil.copytree(lm_dir, path)
+    cfg = json.loads((path / "generation_config.json").read_text())
+    cfg["eos_token_id"] = [first, cfg["eos_token_id"]]
+    (path / "generation_config.json").write_text(json.dumps(cfg))
+    return path, first
+
+
+@pytest.mark.parametrize("engine", ["padded", "paged"])
+def test_min_new_tokens_holds_back_the_end_of_sequence(
+    eos_early: tuple[Path, int], engine: str
+) -> None:
+    path, eos = eos_early
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**OPTIONS, "engine": engine})  # fmt: skip
+    assert eos in runner.eos
+    preps = prepare(runner, req("plain", max_new_tokens=12),
+                    req("held", max_new_tokens=12, min_new_tokens=7))  # fmt: skip
+    d = Driver(runner)
+    d.step([("plain", preps[0]), ("held", preps[1])])
+    d.run()
+    plain, held = d.finals["plain"].outputs[0], d.finals["held"].outputs[0]
+    assert (plain["finish_reason"], plain["completion_tokens"]) == ("stop", 1)
+    assert held["completion_tokens"] >= 7
+    assert held["text"] == generate(runner, PROMPTS[0], 12, min_new_tokens=7)
+
+
+def test_a_sampled_request_with_penalties_is_seeded_across_batch_mates_and_preemption(
+    runner: TextGenerationRunner,
+) -> None:
+    rules = {"temperature": 1.2, "seed": 5, "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+
+    def run(preempt_at: int | None, mates: int) -> str:
+        preps = prepare(runner, req("s", max_new_tokens=14, **rules),
+                        *(req(f"m{i}", inputs=[PROMPTS[i]], max_new_tokens=9,
+                              repetition_penalty=1.2) for i in range(mates)))  # fmt: skip
+        d = Driver(runner)
+        d.step([(f"m{i}", preps[1 + i]) for i in range(mates)])
+        d.step([("s", preps[0])])
+        for i in range(4):
+            d.step(preempt=["s"] if i == preempt_at else ())
+        if preempt_at is not None:
+            d.step([("s", preps[0])])
+        d.run()
+        return str(d.finals["s"].outputs[0]["text"])
+
+    alone = run(None, 0)
+    assert run(None, 3) == alone
+    assert run(2, 2) == alone
+
+
+def test_a_sampled_request_read_again_after_a_restart_draws_its_first_life_s_text(
+    runner: TextGenerationRunner,
+) -> None:
+    def fresh() -> tuple[Driver, object]:
+        (p,) = prepare(runner, req("a", max_new_tokens=12, temperature=1.4, seed=9,
+                                   presence_penalty=0.8))  # fmt: skip
+        return Driver(runner), p
+
+    d, p = fresh()
+    d.step([("a", p)])  # type: ignore[list-item]
+    d.run()
+    whole = d.finals["a"].outputs[0]["text"]
+    d, p = fresh()
+    d.step([("a", p)])  # type: ignore[list-item]
+    d.step()
+    d.step()
+    runner.forget_all()  # the loop crashed; it reads "a" again under the same key
+    d, p = fresh()
+    d.step([("a", p)])  # type: ignore[list-item]
+    d.run()
+    assert d.finals["a"].outputs[0]["text"] == whole
+
+
+def test_min_new_tokens_over_the_request_s_maximum_is_refused(
+    runner: TextGenerationRunner,
+) -> None:
+    # over an explicit max_new_tokens: the request is invalid before any runner
+    with pytest.raises(ValueError, match="min_new_tokens 9 > max_new_tokens 8"):
+        req("a", max_new_tokens=8, min_new_tokens=9)
+    # over the model's default max_new_tokens (256): refused when prepared
+    (out,) = runner.prepare_many([req("b", min_new_tokens=300)])
+    assert isinstance(out, PrepareError) and out.code == ErrorCode.INVALID_REQUEST
+    assert "min_new_tokens 300 > max_new_tokens 256" in str(out)
+
+
+def test_the_sampler_leaves_plain_greedy_sequences_alone() -> None:
+    sampler = SeededSampler([2])
+    sampler.add("plain", Sampling(), [5, 6])
+    logits = torch.tensor([0.0, 1.0, 3.0, -1.0])
+    assert sampler.draw("plain", logits) is None  # the engine's own argmax
+    sampler.add("held", Sampling(min_new_tokens=1, repetition_penalty=2.0), [1, 3])
+    # eos (2) masked for the first token; 1 (seen, positive) halved, 3 (seen, negative) doubled
+    assert sampler.draw("held", logits) == 1 and sampler.draw("held", logits) == 2
+    assert logits.tolist() == [0.0, 1.0, 3.0, -1.0]  # the caller's row is not changed
