@@ -107,6 +107,8 @@ class GenerationOptions(TypedDict, total=False):
     """-2 to 2: taken off a token's logit per time the output holds it (OpenAI)."""
     min_new_tokens: int | None
     """No end-of-sequence before this many tokens."""
+    logprobs: int | None
+    """0-20: each output carries its tokens' log-probabilities and this many alternatives'."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

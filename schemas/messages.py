@@ -91,9 +91,12 @@ class Webhook(_Strict):
     """Body encoding; default ``json``."""
 
 
+MAX_TOP_LOGPROBS: Final = 20
+"""The most alternatives a generated token's log-probabilities list (``logprobs``)."""
+
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -154,6 +157,9 @@ class Request(_Strict):
     min_new_tokens: int | None = Field(None, ge=0)
     """End-of-sequence is not generated before this many tokens (a stop string still ends
     the text); at most ``max_new_tokens``."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each output carries, per generated token, its log-probability under the model and
+    the ``logprobs`` likeliest tokens' (0: the chosen token's only); see :class:`Generation`."""
 
     @property
     def input_count(self) -> int:
@@ -276,6 +282,23 @@ class Usage(_Answer):
     completion_tokens: int = 0
 
 
+class TopLogprob(_Answer):
+    """A token and its log-probability at one position."""
+
+    token: int
+    """The token id."""
+    text: str
+    """The token alone, decoded (a piece of a character reads as U+FFFD)."""
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token, its log-probability, and the likeliest tokens at its position."""
+
+    top: list[TopLogprob] = Field(default_factory=list)
+    """The request's ``logprobs`` likeliest tokens, likeliest first."""
+
+
 class Generation(_Answer):
     """A generation model's output for one input (an element of ``Result.outputs``)."""
 
@@ -286,6 +309,10 @@ class Generation(_Answer):
     readers accept others."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    """With the request's ``logprobs``: one per generated token (``completion_tokens`` of
+    them, a stop string's and the end-of-sequence token's included), from the model's own
+    distribution (before the request's rules, temperature, top-k and top-p)."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")

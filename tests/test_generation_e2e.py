@@ -146,6 +146,11 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
     assert result(r, rid)["outputs"][0]["text"] == generate(repetition_penalty=3.0) != generate()
     bad = submit(r, inputs=["x"], max_new_tokens=3, min_new_tokens=4)
     assert result(r, bad)["error"]["code"] == "invalid_request"
+    lp = submit(r, inputs=["the man was"], max_new_tokens=4, logprobs=2)
+    (out,) = result(r, lp)["outputs"]
+    kept = out["logprobs"]
+    assert "".join(e["text"] for e in kept) == out["text"] == generate()[: len(out["text"])]
+    assert len(kept) == 4 and all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in kept)
 
 
 def test_status_shows_generation_state(

@@ -1,13 +1,15 @@
 """A generation request's logits rules (repetition, presence and frequency penalties,
-min_new_tokens) through the runner on both engines: greedy output equals HF ``generate``
-with the same rules (or, for OpenAI's penalties, which ``generate`` lacks, a plain loop
-over full forwards), batched beside plain requests, across a preemption and a restart."""
+min_new_tokens) and log-probabilities through the runner on both engines: greedy output
+equals HF ``generate`` with the same rules (or, for OpenAI's penalties, which ``generate``
+lacks, a plain loop over full forwards), batched beside plain requests, across a
+preemption and a restart; log-probabilities equal those of the model's own logits."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from devices import DEVICE
@@ -194,3 +196,65 @@ def test_the_sampler_leaves_plain_greedy_sequences_alone() -> None:
     # eos (2) masked for the first token; 1 (seen, positive) halved, 3 (seen, negative) doubled
     assert sampler.draw("held", logits) == 1 and sampler.draw("held", logits) == 2
     assert logits.tolist() == [0.0, 1.0, 3.0, -1.0]  # the caller's row is not changed
+
+
+def reference_logprobs(runner: TextGenerationRunner, text: str, tokens: list[int]) -> torch.Tensor:
+    """The model's log-probabilities at each generated position (one full forward)."""
+    prompt = runner.tokenizer(text).input_ids
+    with torch.inference_mode():
+        x = torch.tensor([prompt + tokens], device=runner.torch_device)
+        logits = runner.model(x).logits[0, len(prompt) - 1 : -1].float().cpu()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_logprobs_are_the_model_s_own_beside_plain_requests(runner: TextGenerationRunner) -> None:
+    preps = prepare(runner, req("lp", max_new_tokens=10, logprobs=3),
+                    req("plain", inputs=[PROMPTS[2]], max_new_tokens=10),
+                    req("zero", inputs=[PROMPTS[1]], max_new_tokens=6, logprobs=0))  # fmt: skip
+    d = Driver(runner)
+    d.step([("plain", preps[1]), ("lp", preps[0])])
+    d.step([("zero", preps[2])])
+    d.run()
+    out = d.finals["lp"].outputs[0]
+    assert out["text"] == greedy(runner, PROMPTS[0], 10)
+    assert "logprobs" not in d.finals["plain"].outputs[0]
+    kept = out["logprobs"]
+    tokens = [e["token"] for e in kept]
+    assert len(kept) == out["completion_tokens"] == 10
+    assert runner.tokenizer.decode(tokens) == out["text"]
+    ref = reference_logprobs(runner, PROMPTS[0], tokens)
+    for k, e in enumerate(kept):
+        assert e["logprob"] == pytest.approx(float(ref[k, e["token"]]), abs=1e-4)
+        assert [t["token"] for t in e["top"]] == ref[k].topk(3).indices.tolist()
+        assert [t["logprob"] for t in e["top"]] == pytest.approx(ref[k].topk(3).values.tolist(),
+                                                                 abs=1e-4)  # fmt: skip
+        assert e["top"][0]["token"] == e["token"]  # greedy: the likeliest
+        assert e["text"] == runner.tokenizer.decode([e["token"]])
+    zero = d.finals["zero"].outputs[0]["logprobs"]
+    assert len(zero) == 6 and all(e["top"] == [] for e in zero)
+
+
+def test_logprobs_come_before_the_rules_and_survive_a_preemption(
+    runner: TextGenerationRunner,
+) -> None:
+    rules = {"temperature": 1.1, "seed": 3, "repetition_penalty": 2.0, "logprobs": 2}
+
+    def run(preempt_at: int | None) -> dict[str, Any]:
+        (p,) = prepare(runner, req("s", max_new_tokens=12, **rules))
+        d = Driver(runner)
+        d.step([("s", p)])
+        for i in range(4):
+            d.step(preempt=["s"] if i == preempt_at else ())
+        if preempt_at is not None:
+            d.step([("s", p)])
+        d.run()
+        return d.finals["s"].outputs[0]
+
+    whole, resumed = run(None), run(1)
+    assert resumed["text"] == whole["text"]
+    tokens = [e["token"] for e in whole["logprobs"]]
+    assert [e["token"] for e in resumed["logprobs"]] == tokens and len(tokens) == 12
+    ref = reference_logprobs(runner, PROMPTS[0], tokens)
+    for k, (a, b) in enumerate(zip(whole["logprobs"], resumed["logprobs"], strict=True)):
+        assert a["logprob"] == pytest.approx(float(ref[k, tokens[k]]), abs=1e-4)
+        assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)

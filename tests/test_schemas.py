@@ -98,6 +98,8 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "frequency_penalty": 2.5}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "min_new_tokens": -1}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "min_new_tokens": 5000}), ErrorCode.TOO_LARGE, True),
+        (_fields({**GOOD, "logprobs": 21}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "logprobs": -1}), ErrorCode.INVALID_REQUEST, True),
         (
             _fields({**GOOD, "min_new_tokens": 9, "max_new_tokens": 8}),
             ErrorCode.INVALID_REQUEST,
@@ -187,10 +189,10 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
     request, got = decode_entry(_fields(body, fmt), "m")
     assert request.deadline_ms == 60000 and request.webhook is not None and got == "json"
     rules = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
-             "min_new_tokens": 4, "max_new_tokens": 4}  # fmt: skip
+             "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4}  # fmt: skip
     request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
     assert {k: getattr(request, k) for k in rules} == rules
-    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:4]]
+    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5]]
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------
@@ -267,6 +269,22 @@ def test_results_from_a_later_v1_worker_are_read(fmt: str) -> None:
         assert result.status == "deferred" and not result.ok
         assert result.error is not None and result.error.code == "overloaded"
         assert result.timings.queued_ms == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_a_generation_s_logprobs_are_read_and_unknown_fields_in_them_ignored(fmt: str) -> None:
+    top = [{"token": 7, "text": "a", "logprob": -0.1, "rank": 1}, {"token": 9, "text": "b",
+                                                                   "logprob": -2.5}]  # fmt: skip
+    out = {"text": "a", "finish_reason": "length", "completion_tokens": 1,
+           "logprobs": [{"token": 7, "text": "a", "logprob": -0.1, "top": top, "bytes": [97]}]}  # fmt: skip
+    body = {"v": 1, "id": "r1", "model": "m", "status": "ok", "outputs": [out, {**out}]}
+    raw = json.dumps(body).encode() if fmt == "json" else msgpack.packb(body)
+    result = decode_result(raw)
+    (gen, _) = result.generations()
+    assert gen.logprobs is not None and gen.logprobs[0].logprob == -0.1
+    assert [(t.token, t.logprob) for t in gen.logprobs[0].top] == [(7, -0.1), (9, -2.5)]
+    del out["logprobs"]
+    assert decode_result(msgpack.packb(body)).generations()[0].logprobs is None  # older workers
 
 
 def test_results_built_in_python_are_still_checked() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .sampling import Sampling
+from .sampling import Logprob, Sampling
 
 
 @dataclass(slots=True)  # not frozen: one per row and step (4x cheaper to build)
@@ -45,3 +45,4 @@ class Engine(Protocol):
     def set_step_tokens(self, tokens: int) -> None: ...
     def reset(self) -> None: ...
     def forget_all(self) -> None: ...
+    def logprobs(self, sequence: str) -> list[Logprob]: ...

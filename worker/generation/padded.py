@@ -58,7 +58,7 @@ from ..device import is_out_of_memory
 from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
-from .sampling import Sampling, SeededSampler
+from .sampling import Logprob, Sampling, SeededSampler
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +318,10 @@ class PaddedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+
+    def logprobs(self, sequence: str) -> list[Logprob]:
+        """What a sequence kept of its tokens' log-probabilities (its request asked)."""
+        return self.sampler.logprobs(sequence)
 
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""

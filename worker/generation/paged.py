@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .engine import Output, SeqState
-from .sampling import Sampling, SeededSampler
+from .sampling import Logprob, Sampling, SeededSampler
 
 
 class PagedEngine:
@@ -101,6 +101,10 @@ class PagedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+
+    def logprobs(self, sequence: str) -> list[Logprob]:
+        """What a sequence kept of its tokens' log-probabilities (its request asked)."""
+        return self.sampler.logprobs(sequence)
 
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""

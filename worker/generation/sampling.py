@@ -20,6 +20,10 @@ The rules, applied in this order before temperature (as HF ``generate`` and vLLM
 - ``min_new_tokens`` (HF's): the end-of-sequence tokens are masked until the sequence has
   generated that many tokens (a stop string still ends it).
 
+A request that asks for ``logprobs`` gets, per token, the chosen token's log-probability
+and the likeliest tokens' under the model's own logits (before the rules and temperature:
+vLLM's default), kept here until its end.
+
 What a sequence generated is kept here with its generator; when it resumes after a
 preemption the engine adds it again with its prompt and output, which this takes as the
 truth (so a draw a failed step dropped is not counted).
@@ -51,6 +55,8 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_new_tokens: int = 0
+    logprobs: int | None = None
+    """Keep each token's log-probability and this many alternatives' (None: none)."""
 
     @property
     def greedy(self) -> bool:
@@ -68,8 +74,12 @@ class Sampling:
 
     @property
     def plain(self) -> bool:
-        """Greedy over the model's own logits: the engine's argmax, nothing to do here."""
-        return self.greedy and not self.shaped
+        """Greedy over the model's own logits, nothing kept: the engine's argmax alone."""
+        return self.greedy and not self.shaped and self.logprobs is None
+
+
+Logprob = tuple[int, float, list[int], list[float]]
+"""A generated token, its log-probability, and the likeliest tokens' ids and theirs."""
 
 
 @dataclass(slots=True)
@@ -86,12 +96,15 @@ class _Track:
     counts: Counter[int] = field(default_factory=Counter)
     """Output token counts (presence and frequency penalties)."""
     generated: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)
+    """Per generated token (``Sampling.logprobs``)."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
         self.seen = set(tokens)
         self.counts = Counter(tokens[self.prompt :])
         self.generated = max(0, len(tokens) - self.prompt)
+        del self.logprobs[self.generated :]  # drawn in a step that failed: not generated
 
     def took(self, token: int) -> None:
         self.seen.add(token)
@@ -128,12 +141,17 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
             track = _Track(sampling, gen, prompt=len(tokens or ()))
             self._tracks[sequence] = track
-        if sampling.shaped:
+        if sampling.shaped or sampling.logprobs is not None:
             track.restart(list(tokens or ()))
 
     def forget(self, sequence: str) -> None:
         """The sequence ended."""
         self._tracks.pop(sequence, None)
+
+    def logprobs(self, sequence: str) -> list[Logprob]:
+        """What a sequence kept of its tokens' log-probabilities (empty: nothing asked)."""
+        track = self._tracks.get(sequence)
+        return [] if track is None else track.logprobs
 
     def clear(self) -> None:
         """Forget every sequence (the runner starts over)."""
@@ -146,9 +164,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         if track is None:
             return None
         s = track.sampling
+        raw = logits
         if s.shaped:
             logits = self._shape(track, logits)
         token = int(logits.argmax()) if track.gen is None else sample(logits, s, track.gen)
+        if s.logprobs is not None:
+            track.logprobs.append(_logprob(raw, token, s.logprobs))
         if s.shaped:
             track.took(token)
         return token
@@ -188,6 +209,15 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
             scores[row].fill_(float("-inf"))
             scores[row, token] = 0.0
         return scores
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> Logprob:
+    """``token``'s log-probability under ``logits`` and the ``top`` likeliest tokens'."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.shape[0]))
+        return token, float(lp[token]), ids.tolist(), values.tolist()
+    return token, float(lp[token]), [], []
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:

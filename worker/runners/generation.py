@@ -36,7 +36,7 @@ from ...schemas.messages import Request
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation.detok import TextStream
 from ..generation.engine import Engine
-from ..generation.sampling import Sampling
+from ..generation.sampling import Logprob, Sampling
 from ..runner import (
     Failed,
     Final,
@@ -237,6 +237,7 @@ class TextGenerationRunner:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 min_new_tokens=at_least,
+                logprobs=req.logprobs,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
@@ -382,14 +383,29 @@ class TextGenerationRunner:
     def _final(self, r: _Req) -> Final:
         self._reqs.pop(r.key, None)
         self._cancel(r.seqs)
-        for s in r.seqs:
-            self.engine.forget(s.name)
-        outputs = [
+        outputs: list[dict[str, Any]] = [
             {"text": s.text.final_text, "finish_reason": s.finish or "stop",
              "prompt_tokens": len(s.prompt), "completion_tokens": len(s.text.tokens)}
             for s in r.seqs
         ]  # fmt: skip
+        if r.spec.sampling.logprobs is not None:
+            for s, out in zip(r.seqs, outputs, strict=True):
+                out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
+        for s in r.seqs:
+            self.engine.forget(s.name)
         return Final(r.key, outputs)
+
+    def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
+        """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
+        ids = sorted({t for token, _, top, _ in kept for t in (token, *top)})
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids],
+                                                          skip_special_tokens=False), strict=True))  # fmt: skip
+        return [
+            {"token": token, "text": texts[token], "logprob": lp,
+             "top": [{"token": t, "text": texts[t], "logprob": v}
+                     for t, v in zip(top, values, strict=True)]}
+            for token, lp, top, values in kept
+        ]  # fmt: skip
 
     def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
         """Text produced and not yet sent, one Partial per input (all of it when ``final``)."""
