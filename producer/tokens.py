@@ -11,6 +11,7 @@ request (``job.stream()``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -125,8 +126,9 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             input=int(flat.get("input", 0)),
             text=_str(flat.get("text", b"")),
             tokens=int(flat.get("tokens", 0)),
+            logprobs=json.loads(flat["logprobs"]) if "logprobs" in flat else None,
         )
-    except (KeyError, ValueError):
+    except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
 
 

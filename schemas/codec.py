@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,16 @@ from pydantic import ValidationError
 
 from .errors import ErrorCode, RequestRejected
 from .keys import REQUEST_ID
-from .messages import DEFAULT_LIMITS, FROM_WIRE, Delta, Format, Limits, Request, Result
+from .messages import (
+    DEFAULT_LIMITS,
+    FROM_WIRE,
+    Delta,
+    Format,
+    Limits,
+    Request,
+    Result,
+    TokenLogprob,
+)
 
 MSGPACK_FIELD = b"msgpack"
 JSON_FIELD = b"json"
@@ -319,19 +329,31 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         "v": delta.v, "kind": delta.kind, "id": delta.id, "model": delta.model,
         "seq": delta.seq, "input": delta.input, "text": delta.text, "tokens": delta.tokens,
     }  # fmt: skip
+    if delta.logprobs is not None:
+        body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
 
 
 def delta_fields(delta: Delta) -> dict[bytes, bytes]:
-    """A delta as a token-stream entry (flat fields, readable from any language)."""
-    return {
+    """A delta as a token-stream entry (flat fields, readable from any language;
+    ``logprobs``, where the request asked, as JSON text)."""
+    fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
         b"text": delta.text.encode(),
         b"tokens": str(delta.tokens).encode(),
     }
+    if delta.logprobs is not None:
+        fields[b"logprobs"] = logprobs_json(delta.logprobs).encode()
+    return fields
+
+
+def logprobs_json(logprobs: Sequence[TokenLogprob] | Sequence[dict[str, Any]]) -> str:
+    """A delta's ``logprobs`` as its token-stream field holds them (compact JSON)."""
+    plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 
 def end_fields(seq: int) -> dict[bytes, bytes]:

@@ -312,7 +312,8 @@ class Generation(_Answer):
     logprobs: list[TokenLogprob] | None = None
     """With the request's ``logprobs``: one per generated token (``completion_tokens`` of
     them, a stop string's and the end-of-sequence token's included), from the model's own
-    distribution (before the request's rules, temperature, top-k and top-p)."""
+    distribution (before the request's rules, temperature, top-k and top-p); streamed in
+    the deltas too."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")
@@ -334,6 +335,9 @@ class Delta(_Answer):
     text: str
     tokens: int
     """Tokens this delta holds."""
+    logprobs: list[TokenLogprob] | None = None
+    """With the request's ``logprobs``: one per token this delta holds (see
+    :attr:`Generation.logprobs`); absent otherwise."""
 
 
 class Result(_Answer):

@@ -3,6 +3,7 @@ cancellation by key, deadlines mid-generation. The client side is bare redis-py.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
@@ -146,11 +147,25 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
     assert result(r, rid)["outputs"][0]["text"] == generate(repetition_penalty=3.0) != generate()
     bad = submit(r, inputs=["x"], max_new_tokens=3, min_new_tokens=4)
     assert result(r, bad)["error"]["code"] == "invalid_request"
-    lp = submit(r, inputs=["the man was"], max_new_tokens=4, logprobs=2)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("lp-replies")
+    lp = submit(r, inputs=["the man was"], max_new_tokens=4, logprobs=2, stream=True,
+                reply="lp-replies")  # fmt: skip
+    entries = token_stream(r, lp)
     (out,) = result(r, lp)["outputs"]
     kept = out["logprobs"]
     assert "".join(e["text"] for e in kept) == out["text"] == generate()[: len(out["text"])]
     assert len(kept) == 4 and all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in kept)
+    # the deltas carry them too: on the token stream (JSON text) and in the messages
+    streamed = [e for f in entries[:-1] for e in json.loads(f[b"logprobs"])]
+    assert streamed == kept
+    messages = []
+    while (msg := next_message(pubsub, 5.0)) is not None:
+        messages.append(msgpack.unpackb(msg["data"]))
+        if "status" in messages[-1]:
+            break
+    pubsub.close()
+    assert [e for m in messages[:-1] for e in m["logprobs"]] == kept
 
 
 def test_status_shows_generation_state(

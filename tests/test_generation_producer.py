@@ -13,7 +13,7 @@ import pytest
 import redis
 from batchfleet.producer import AsyncProducer, Producer
 from batchfleet.producer.tokens import Restarted
-from batchfleet.schemas.messages import Delta
+from batchfleet.schemas.messages import Delta, TokenLogprob
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
 from tiny_models import make_causal_lm
 
@@ -39,13 +39,20 @@ def test_stream_gives_the_result_text_and_cancel_stops_it(
         assert streamed == generation.text == job.text() and generation.completion_tokens > 0
         assert generation.finish_reason in ("stop", "length")
 
-        # two inputs: deltas() tells them apart
-        two = producer.submit("gen", ["a b c", "there were many"], max_new_tokens=8, stream=True)
+        # two inputs: deltas() tells them apart; each carries its tokens' log-probabilities
+        two = producer.submit("gen", ["a b c", "there were many"], max_new_tokens=8, stream=True,
+                              logprobs=2)  # fmt: skip
         texts = ["", ""]
+        lps: list[list[TokenLogprob]] = [[], []]
         for delta in two.deltas(timeout=60):
-            assert isinstance(delta, Delta)
+            assert isinstance(delta, Delta) and delta.logprobs is not None
+            assert len(delta.logprobs) == delta.tokens
             texts[delta.input] += delta.text
-        assert texts == [g.text for g in two.result().generations()]
+            lps[delta.input] += delta.logprobs
+        outs = two.result().generations()
+        assert texts == [g.text for g in outs]
+        assert all(o.logprobs is not None and o.logprobs[: len(lp)] == lp
+                   for o, lp in zip(outs, lps, strict=True))  # fmt: skip
 
         # cancelled once it has started: the text so far, finish_reason cancelled
         long = producer.submit("gen", "a b c", max_new_tokens=900, stream=True)

@@ -258,3 +258,18 @@ def test_logprobs_come_before_the_rules_and_survive_a_preemption(
     for k, (a, b) in enumerate(zip(whole["logprobs"], resumed["logprobs"], strict=True)):
         assert a["logprob"] == pytest.approx(float(ref[k, tokens[k]]), abs=1e-4)
         assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs(runner: TextGenerationRunner) -> None:
+    preps = prepare(runner, req("st", inputs=PROMPTS[:2], max_new_tokens=9, stream=True,
+                                logprobs=1),
+                    req("plain", max_new_tokens=9, stream=True))  # fmt: skip
+    d = Driver(runner)
+    d.step([("st", preps[0]), ("plain", preps[1])])
+    d.run()
+    for i, out in enumerate(d.finals["st"].outputs):
+        chunks = [c for c in d.partials["st"] if c["input"] == i]
+        assert all(len(c["logprobs"]) == c["tokens"] for c in chunks)
+        streamed = [e for c in chunks for e in c["logprobs"]]
+        assert streamed == out["logprobs"][: len(streamed)] and len(streamed) >= 8
+    assert all("logprobs" not in c for c in d.partials["plain"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgpack
 import pytest
@@ -12,6 +13,7 @@ from batchfleet.schemas.codec import (
     decode_entry,
     decode_reply,
     decode_result,
+    delta_fields,
     encode_delta,
     encode_request,
     encode_result,
@@ -312,10 +314,24 @@ def test_reply_channel_messages_that_are_not_results_are_skipped(message: bytes)
     assert decode_reply(message) is None
 
 
+LOGPROBS = [
+    {"token": 5, "text": " caf", "logprob": -0.25, "top": [{"token": 5, "text": " caf", "logprob": -0.25}]},
+    {"token": 9, "text": "\u00e9", "logprob": 0.0, "top": []},
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
-def test_a_delta_message_is_its_model_dump_and_decodes_back(fmt: str) -> None:
-    delta = Delta(id="r1", model="smollm", seq=3, input=1, text=" caf\u00e9", tokens=2)
+@pytest.mark.parametrize("logprobs", [None, LOGPROBS])
+def test_a_delta_message_is_its_model_dump_and_decodes_back(
+    fmt: str, logprobs: list[dict[str, Any]] | None
+) -> None:
+    delta = Delta(id="r1", model="smollm", seq=3, input=1, text=" caf\u00e9", tokens=2,
+                  logprobs=logprobs)  # fmt: skip
     raw = encode_delta(delta, fmt)  # type: ignore[arg-type]
     body = json.loads(raw) if fmt == "json" else msgpack.unpackb(raw)
-    assert body == delta.model_dump(mode="json")
+    assert body == delta.model_dump(mode="json", exclude_none=True)  # no logprobs: no key
     assert decode_delta(body) == delta
+    fields = delta_fields(delta)
+    assert (b"logprobs" in fields) == (logprobs is not None)
+    if logprobs is not None:
+        assert json.loads(fields[b"logprobs"]) == logprobs

@@ -14,7 +14,8 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from batchfleet.schemas.codec import decode_result, encode_delta
+from batchfleet.producer.tokens import parse_entry
+from batchfleet.schemas.codec import decode_delta, decode_result, encode_delta
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Delta, Request, Result, Timings
 from batchfleet.worker.answers import Outgoing
@@ -140,8 +141,10 @@ def test_token_streams_and_dead_letters(harness: Harness) -> None:
         {b"seq": b"3", b"end": b"1"},
     ]
     published = harness.published("chan")
-    assert json.loads(published[0]) == delta(1, "Hél").model_dump(mode="json")
-    assert msgpack.unpackb(published[1]) == delta(2, "lo").model_dump(mode="json")
+    assert json.loads(published[0]) == delta(1, "Hél").model_dump(mode="json", exclude_none=True)
+    assert msgpack.unpackb(published[1]) == delta(2, "lo").model_dump(
+        mode="json", exclude_none=True
+    )
     assert len(published) == 2  # the end is not published: the result is
     assert harness.dead_codes() == ["malformed"]
     assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]
@@ -155,7 +158,8 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     # non-ASCII, every msgpack string length class) and a multi-input request
     texts = ['say "hi" \\ back/slash\n\ttab\x01', "Zürich ☃ 😀", "x" * 31, "y" * 32,
              "é" * 200, "z" * 70_000]  # fmt: skip
-    deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1)
+    deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1,
+                    logprobs=_logprobs(t, i) if i % 3 else None)
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]
@@ -163,10 +167,27 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     # Then each message decodes to the protocol's Delta, as the Python encoder writes it
     published = harness.published("chan")
     decode = json.loads if fmt == "json" else msgpack.unpackb
-    assert [decode(m) for m in published] == [d.model_dump(mode="json") for d in deltas]
+    assert [decode(m) for m in published] == [
+        d.model_dump(mode="json", exclude_none=True) for d in deltas
+    ]
     assert [decode(encode_delta(d, fmt)) for d in deltas] == [decode(m) for m in published]  # type: ignore[arg-type]
-    # and the token stream holds the same text, byte for byte
-    assert [e[b"text"].decode() for e in harness.partials("gen-2")] == texts
+    assert [decode_delta(decode(m)) for m in published] == deltas
+    # and the token stream holds the same text, byte for byte, and reads back as the deltas
+    entries = harness.partials("gen-2")
+    assert [e[b"text"].decode() for e in entries] == texts
+    assert [parse_entry(KEYS, "gen-2", e) for e in entries] == [
+        d.model_copy(update={"model": KEYS.model}) for d in deltas
+    ]
+
+
+def _logprobs(text: str, i: int) -> list[dict[str, Any]]:
+    """A delta's log-probabilities: escapes and non-ASCII in token texts, an empty list of
+    alternatives, a probability of 1 (logprob 0.0, integral), a tiny one; float32 values,
+    as the worker's are (both encoders then pack them as float32)."""
+    top = [{"token": 3, "text": text[:5], "logprob": -0.5}, {"token": 70000, "text": "\"\n",
+            "logprob": -(2.0**-30)}]  # fmt: skip
+    return [{"token": 3, "text": text[:5], "logprob": 0.0, "top": top[: i % 3]},
+            {"token": 12345 + i, "text": "😀", "logprob": -123.456787109375, "top": []}]  # fmt: skip
 
 
 def test_a_token_stream_ttl_is_set_with_its_first_entry_every_64th_and_its_end() -> None:

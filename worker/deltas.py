@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..schemas.codec import logprobs_json
 from ..schemas.messages import Format
 from .inbox import StepDone
 from .runner import Failed, Final, Partial, Preempted
@@ -52,8 +53,10 @@ class StreamTo:
         the token stream's end (``chunk`` None)."""
         if not isinstance(chunk, dict):
             return Streamed(self.request_id, seq, None, self.ttl_s, self.reply, self.fmt)
+        lps = chunk.get("logprobs")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
-                        self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model)  # fmt: skip
+                        self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
+                        None if lps is None else logprobs_json(lps))  # fmt: skip
 
 
 class DeltaWriter:

@@ -11,6 +11,7 @@ wake the loop, which holds new batches while results pile up (``backlog``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import redis
 
-from ..schemas.codec import delta_fields, encode_delta, end_fields
+from ..schemas.codec import delta_fields, encode_delta, end_fields, logprobs_json
 from ..schemas.messages import Delta, Format
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
@@ -95,19 +96,23 @@ class Streamed:
     input: int = 0
     tokens: int = 0
     model: str = ""
+    logprobs: str | None = None
+    """The delta's ``logprobs`` as JSON text (its request asked for them)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
+        lps = None if delta.logprobs is None else logprobs_json(delta.logprobs)
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
-                   delta.tokens, delta.model)  # fmt: skip
+                   delta.tokens, delta.model, lps)  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
         """The delta message (None: the stream's end)."""
         if self.text is None:
             return None
+        lps = None if self.logprobs is None else json.loads(self.logprobs)
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
-                     text=self.text, tokens=self.tokens)  # fmt: skip
+                     text=self.text, tokens=self.tokens, logprobs=lps)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -115,7 +120,7 @@ class Streamed:
             return TokenWrite(self.request_id, self.seq, self.ttl_s)
         ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
-                          self.reply, self.fmt == "json", self.model)  # fmt: skip
+                          self.reply, self.fmt == "json", self.model, self.logprobs)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

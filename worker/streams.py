@@ -81,13 +81,18 @@ class TokenWrite:
     json: bool = False
     """The delta's message in JSON (else msgpack)."""
     model: str = ""
+    logprobs: str | None = None
+    """The delta's ``logprobs`` as JSON text (None: its request did not ask)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
         if self.text is None:
             return [self.seq, self.ttl_s]
-        return [self.seq, self.ttl_s, self.input, self.text, self.tokens, self.reply or "",
+        item = [self.seq, self.ttl_s, self.input, self.text, self.tokens, self.reply or "",
                 int(self.json), self.request_id, self.model]  # fmt: skip
+        if self.logprobs is not None:
+            item.append(self.logprobs)
+        return item
 
 
 @dataclass(frozen=True, slots=True)

@@ -415,7 +415,10 @@ class TextGenerationRunner:
             text = s.text.delta(final)
             if text:
                 n = len(s.text.tokens)
-                out.append(Partial(r.key, {"input": i, "text": text, "tokens": n - sent[i]}))
+                chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
+                if r.spec.sampling.logprobs is not None:
+                    chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
+                out.append(Partial(r.key, chunk))
                 sent[i] = n
         return out
 
