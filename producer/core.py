@@ -109,6 +109,8 @@ class GenerationOptions(TypedDict, total=False):
     """No end-of-sequence before this many tokens."""
     logprobs: int | None
     """0-20: each output carries its tokens' log-probabilities and this many alternatives'."""
+    stop_token_ids: Sequence[int] | None
+    """Generation ends once one of these tokens is generated (it stays in the output)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -133,6 +133,8 @@ def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in generation.items() if v is not None}
     if "stop" in out:
         out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
+    if "stop_token_ids" in out:
+        out["stop_token_ids"] = list(out["stop_token_ids"])
     return out
 
 

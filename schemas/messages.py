@@ -91,12 +91,15 @@ class Webhook(_Strict):
     """Body encoding; default ``json``."""
 
 
+MAX_STOP_TOKEN_IDS: Final = 64
+"""The most token ids a request's ``stop_token_ids`` lists."""
 MAX_TOP_LOGPROBS: Final = 20
 """The most alternatives a generated token's log-probabilities list (``logprobs``)."""
 
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
+    "stop_token_ids",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -157,6 +160,9 @@ class Request(_Strict):
     min_new_tokens: int | None = Field(None, ge=0)
     """End-of-sequence is not generated before this many tokens (a stop string still ends
     the text); at most ``max_new_tokens``."""
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    """vLLM's: generation ends (``finish_reason`` ``stop``) once one of these tokens is
+    generated; the token stays in the output (its text too, unless it is a special token)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each output carries, per generated token, its log-probability under the model and
     the ``logprobs`` likeliest tokens' (0: the chosen token's only); see :class:`Generation`."""
@@ -224,6 +230,8 @@ class Request(_Strict):
                 raise ValueError(
                     f"min_new_tokens {self.min_new_tokens} > max_new_tokens {self.max_new_tokens}"
                 )
+        if self.stop_token_ids is not None and any(not 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids are token ids: 0 to 2**31 - 1")
         if self.stop is not None:
             if len(self.stop) > limits.max_stop:
                 raise ValueError(f"too_large: more than {limits.max_stop} stop strings")

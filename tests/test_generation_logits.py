@@ -273,3 +273,23 @@ def test_streamed_deltas_carry_their_tokens_logprobs(runner: TextGenerationRunne
         streamed = [e for c in chunks for e in c["logprobs"]]
         assert streamed == out["logprobs"][: len(streamed)] and len(streamed) >= 8
     assert all("logprobs" not in c for c in d.partials["plain"])
+
+
+def test_stop_token_ids_end_the_text_after_the_token(runner: TextGenerationRunner) -> None:
+    ids = runner.tokenizer(PROMPTS[0], return_tensors="pt").input_ids.to(runner.torch_device)
+    made = runner.model.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=3.0,
+                                 pad_token_id=runner.eos[0])[0, ids.shape[1] :].tolist()  # fmt: skip
+    at = next(k for k in range(3, 16) if made[k] not in made[:k])  # its first time
+    preps = prepare(runner, req("st", max_new_tokens=16, repetition_penalty=3.0, stream=True,
+                                stop_token_ids=[made[at], 399]),
+                    req("plain", max_new_tokens=16, repetition_penalty=3.0))  # fmt: skip
+    d = Driver(runner)
+    d.step([("st", preps[0]), ("plain", preps[1])])
+    d.run()
+    out = d.finals["st"].outputs[0]
+    assert (out["finish_reason"], out["completion_tokens"]) == ("stop", at + 1)
+    assert out["text"] == runner.tokenizer.decode(made[: at + 1], skip_special_tokens=True)
+    assert "".join(c["text"] for c in d.partials["st"]) == out["text"]
+    assert d.finals["plain"].outputs[0]["completion_tokens"] == 16  # its batch-mate goes on
+    (bad,) = runner.prepare_many([req("b", stop_token_ids=[runner.vocab_size])])
+    assert isinstance(bad, PrepareError) and "not tokens of this model" in str(bad)

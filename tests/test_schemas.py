@@ -101,6 +101,9 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "min_new_tokens": -1}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "min_new_tokens": 5000}), ErrorCode.TOO_LARGE, True),
         (_fields({**GOOD, "logprobs": 21}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "stop_token_ids": [-1]}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "stop_token_ids": [2**31]}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "stop_token_ids": list(range(65))}), ErrorCode.TOO_LARGE, True),
         (_fields({**GOOD, "logprobs": -1}), ErrorCode.INVALID_REQUEST, True),
         (
             _fields({**GOOD, "min_new_tokens": 9, "max_new_tokens": 8}),

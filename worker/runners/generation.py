@@ -66,6 +66,8 @@ class GenSpec:
     sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
+    stop_ids: frozenset[int] = frozenset()
+    """Token ids that end a sequence (the request's ``stop_token_ids``)."""
 
 
 @dataclass(slots=True)
@@ -151,6 +153,7 @@ class TextGenerationRunner:
         self.max_prompt_tokens = (
             min(max_tokens, self.context - 1) if max_tokens else self.context - 1
         )
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))
         eos = self.model.generation_config.eos_token_id
         self.eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
@@ -225,6 +228,10 @@ class TextGenerationRunner:
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
+        unknown = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
+        if unknown:
+            return PrepareError(f"stop_token_ids {unknown} are not tokens of this model "
+                                f"(vocabulary {self.vocab_size})")  # fmt: skip
         spec = GenSpec(
             prompts=tuple(tuple(p) for p in prompts),
             max_new_tokens=tuple(min(wanted, self.context - len(p)) for p in prompts),
@@ -241,6 +248,7 @@ class TextGenerationRunner:
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
+            stop_ids=frozenset(req.stop_token_ids or ()),
         )
         lengths = tuple(len(p) for p in prompts)
         return Prepared(spec, rows=len(prompts), tokens=max(lengths), prompts=lengths,
@@ -303,8 +311,16 @@ class TextGenerationRunner:
                 continue  # ended or parked meanwhile
             r, seq = found
             text = seq.text
-            text.extend(out.tokens[len(text.tokens) - seq.base :])
-            if text.stopped_at is not None:
+            new = out.tokens[len(text.tokens) - seq.base :]
+            stop_ids = r.spec.stop_ids
+            ended = False
+            if stop_ids:
+                for k, t in enumerate(new):
+                    if t in stop_ids:  # kept, and nothing after it
+                        new, ended = new[: k + 1], True
+                        break
+            text.extend(new)
+            if text.stopped_at is not None or ended:
                 seq.finish = "stop"
                 self.engine.cancel([seq.name])
             elif out.finished:
