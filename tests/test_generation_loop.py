@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 from batchfleet.batching.generation import GenPolicy
+from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler
-from batchfleet.worker.holding import entries_to_refresh
+from batchfleet.worker.holding import Holding, entries_to_refresh
 from batchfleet.worker.inbox import Cancel
 from batchfleet.worker.observers import BatchDone, Dispatched
 from batchfleet.worker.runner import (
@@ -631,3 +632,62 @@ def test_a_generating_loop_restarted_after_a_crash_serves_again() -> None:
     assert isinstance(sink, MemorySink)
     for k in range(3):
         assert [it.seq for it in sink.streamed[f"q{k}"]] == [1, 2, 3, 4, 5]
+
+
+class _Crash(Exception):
+    pass
+
+
+def _stuck_rig() -> tuple[Rig, Tokens]:
+    # steps of 10 ms, the third stuck in the device for 5 s; the loop crashes at 0.1 s
+    steps = iter(range(10_000))
+    runner = Tokens(max_running=4)
+    r = rig(runner, cost=lambda work: 5.0 if next(steps) == 2 else STEP_S,
+            worker={"claim_idle_ms": 400})  # fmt: skip
+    submit(r, "long", max_new_tokens=60)
+
+    def crash() -> None:
+        raise _Crash("the loop thread fails")
+
+    r.world.at(T0 + 0.1, crash)
+    with pytest.raises(_Crash):
+        r.run()
+    r.source.holding = Holding()  # the intake had not been told the step started
+    return r, runner
+
+
+def test_a_crashed_loop_waits_for_a_step_stuck_in_its_device_before_starting_again() -> None:
+    # (worker/app.py: settle, then reset; a new device thread must not run the same model
+    # beside the stuck one, nor the runner be emptied under it)
+    r, runner = _stuck_rig()
+    assert r.device.alive
+    seen: dict[float, float | None] = {}
+    for t in (0.3, 1.0, 3.0):
+        r.world.at(T0 + t, lambda t=t: seen.__setitem__(t, r.loop.hung_for()))
+    assert r.loop.settle(poll_s=1.0)
+    assert not r.device.alive and r.world.now >= T0 + 5.02
+    assert r.loop.hung_for() is None  # the step ended
+    # the worker reported the device hung (for /livez) while it waited, with since when
+    assert seen[0.3] is None
+    assert seen[1.0] is not None and 0.97 <= seen[1.0] <= 0.99
+    assert seen[3.0] is not None and 2.97 <= seen[3.0] <= 2.99
+    assert runner.forgotten == 0 and runner.running  # not emptied under the stuck step
+    while r.loop.parts.inbox.get_nowait() is not None:  # (a real reset has a new inbox
+        pass  # and a new intake)
+    r.source.restart()
+    r.loop.reset()
+    assert runner.forgotten == 1 and not runner.running
+    assert r.loop.hung_for() is None
+    submit(r, "next", max_new_tokens=4)
+    r.run()
+    sink = r.loop.parts.sink
+    assert isinstance(sink, MemorySink)
+    res = decode_result(sink.results["next"])
+    assert res.status == "ok" and res.usage is not None and res.usage.completion_tokens == 4
+
+
+def test_a_crashed_loop_stopped_while_its_device_is_stuck_is_not_started_again() -> None:
+    r, runner = _stuck_rig()
+    r.world.at(T0 + 2.0, r.loop.stop)
+    assert not r.loop.settle(poll_s=1.0)
+    assert r.device.alive and r.world.now < T0 + 5.0 and runner.forgotten == 0

@@ -197,6 +197,12 @@ class ScriptedSource:
     def join(self, timeout: float | None = None) -> None:
         pass
 
+    def restart(self) -> None:
+        """Start over as the new intake of a loop restarted after a crash (what was read
+        stays read: a real one reclaims it later)."""
+        self.holding = Holding()
+        self.counts, self._posted, self._blocking = {}, 0, False
+
     def release(self, entries: Sequence[Entry]) -> None:
         self.released += entries
 
@@ -273,6 +279,19 @@ class VirtualDevice:
 
     def close(self, timeout: float | None = None) -> None:
         pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Run the world until the device is idle, at most ``timeout`` virtual seconds."""
+        world = self.world
+        limit = None if timeout is None else world.now + timeout
+        while self._busy:
+            nxt = world.next_time()
+            if nxt is None or (limit is not None and nxt > limit):
+                if limit is not None:
+                    world.now = max(world.now, limit)
+                return not self._busy
+            world.run_next()
+        return True
 
 
 def linear_cost(base: float = 0.020, per_row: float = 0.001) -> Callable[[Work], float]:

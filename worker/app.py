@@ -118,6 +118,8 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:
                 logger.exception("batch loop of %s crashed; restarting in 1s", loop.model)
                 time.sleep(1.0)
+                if not loop.settle():  # stopped while its device thread was stuck in a step
+                    break
                 loop.reset()
         if burst and all(lp.wait_stopped(0) for lp in self.loops):
             logger.info("burst mode: all streams drained, stopping the worker")

@@ -61,6 +61,11 @@ class Executor:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` for the thread to end (after :meth:`close`); True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         while (work := self._queue.get()) is not None:
             self._post(execute(self.runner, work, self._clock))

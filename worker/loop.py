@@ -105,6 +105,8 @@ class BatchLoop:
         self._draining = False
         self._stopping = False
         self._stopped = threading.Event()
+        self._stuck_since: float | None = None
+        """The loop ended with its device thread still in a step (begun then): see :meth:`settle`."""
         self._unannounced: dict[str, Step] = {}
         """Steps queued behind the running one (planned ahead): observers hear of each when
         it starts; one withdrawn before it starts (planned again) never was."""
@@ -177,8 +179,31 @@ class BatchLoop:
 
     def hung_for(self) -> float | None:
         """Seconds its device step has run past ``claim_idle_ms`` (a hung device: the
-        worker's ``/livez`` fails, so the orchestrator restarts it), else None. Any thread."""
-        return self.parts.source.hung_for()
+        worker's ``/livez`` fails, so the orchestrator restarts it), else None. Any thread.
+        Also while a crashed loop waits for its device thread (:meth:`settle`)."""
+        hung = self.parts.source.hung_for()
+        since = self._stuck_since
+        if hung is None and since is not None and self.parts.device.alive:
+            ran = self._now() - since
+            if ran * 1000 > self.worker.claim_idle_ms:
+                return ran
+        return hung
+
+    def settle(self, poll_s: float = 1.0) -> bool:
+        """After a crash, before :meth:`reset`: wait until the device thread has left the step
+        it was running (a step stuck in the device must not run beside a new device thread on
+        the same model, nor write its deltas after the restarted requests' ``reset``); the
+        worker reports the device hung meanwhile (:meth:`hung_for`). False: the loop was
+        stopped while waiting (then do not reset it)."""
+        device = self.parts.device
+        if device.alive:
+            logger.warning("batch loop of %s: waiting for its device thread to end its step "
+                           "before starting again", self.model)  # fmt: skip
+        while device.alive:
+            if self._stopping:
+                return False
+            device.wait(poll_s)
+        return True
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
@@ -193,8 +218,9 @@ class BatchLoop:
         self.scheduler = gen or Scheduler(self.engine)
         self._unannounced.clear()
         self._stopped.clear()
+        self._stuck_since = None
         forget = getattr(self.runner, "forget_all", None)
-        if forget is not None and not self.parts.device.alive:  # (a stuck one keeps it)
+        if forget is not None and not self.parts.device.alive:  # (see settle)
             forget()  # what it held is read again: a generator starts it over
         self.parts = self._make_parts(self)
         self.generating = Generating(self.model, self.config, gen, self.answers, self.observers,
@@ -321,6 +347,8 @@ class BatchLoop:
             if parts.cancels is not None:
                 parts.cancels.stop()
             parts.device.close(grace)
+            if parts.device.alive:  # a step stuck in the device: see settle()
+                self._stuck_since = self.scheduler.busy_since or parts.clock()
         unstarted = [h.entry for h in self.scheduler.release_all()]
         while (event := parts.inbox.get_nowait()) is not None:
             if isinstance(event, StepDone):
