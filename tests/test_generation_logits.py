@@ -271,8 +271,36 @@ def test_streamed_deltas_carry_their_tokens_logprobs(runner: TextGenerationRunne
         chunks = [c for c in d.partials["st"] if c["input"] == i]
         assert all(len(c["logprobs"]) == c["tokens"] for c in chunks)
         streamed = [e for c in chunks for e in c["logprobs"]]
-        assert streamed == out["logprobs"][: len(streamed)] and len(streamed) >= 8
+        assert streamed == out["logprobs"] and len(streamed) == out["completion_tokens"] == 9
+        assert "".join(c["text"] for c in chunks) == out["text"]
     assert all("logprobs" not in c for c in d.partials["plain"])
+
+
+@pytest.mark.parametrize("engine", ["padded", "paged"])
+def test_the_last_delta_carries_tokens_that_add_no_text(
+    eos_early: tuple[Path, int], engine: str
+) -> None:
+    # the model's first greedy token ends the sequence (made an end-of-sequence token); as a
+    # stop string it adds no text, yet it is a token with its log-probability
+    path, eos = eos_early
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**OPTIONS, "engine": engine})  # fmt: skip
+    first = runner.tokenizer.decode([eos])
+    preps = prepare(runner, req("e", max_new_tokens=12, stream=True, logprobs=2, stop=[first]),
+                    req("m", max_new_tokens=12, min_new_tokens=5, stream=True, logprobs=0))  # fmt: skip
+    d = Driver(runner)
+    d.step([("e", preps[0]), ("m", preps[1])])
+    d.run()
+    out = d.finals["e"].outputs[0]
+    assert (out["text"], out["completion_tokens"], out["finish_reason"]) == ("", 1, "stop")
+    assert d.partials["e"] == [{"input": 0, "text": "", "tokens": 1, "logprobs": out["logprobs"]}]
+    assert out["logprobs"][0]["token"] == eos
+    # a longer text: the deltas add up to the result too
+    mid = d.finals["m"].outputs[0]
+    assert mid["completion_tokens"] >= 5
+    assert sum(c["tokens"] for c in d.partials["m"]) == mid["completion_tokens"]
+    assert [e for c in d.partials["m"] for e in c["logprobs"]] == mid["logprobs"]
+    assert "".join(c["text"] for c in d.partials["m"]) == mid["text"]
 
 
 def test_stop_token_ids_end_the_text_after_the_token(runner: TextGenerationRunner) -> None:

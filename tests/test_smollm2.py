@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 from batchfleet.producer import Producer
+from batchfleet.schemas.messages import Delta
 from conftest import WorkerProcess
 from rich.console import Console
 
@@ -47,10 +48,14 @@ def test_smollm2_answers_a_chat_streaming(smollm_url: str) -> None:
         )  # fmt: skip
         streamed = "".join(job.stream(timeout=180))
         result = job.result()
+        deltas = [d for d in job.deltas(timeout=10) if isinstance(d, Delta)]  # read again
     (answer,) = result.generations()
     assert "Paris" in streamed and streamed == answer.text
     assert answer.finish_reason == "stop" and result.usage is not None
     assert result.usage.completion_tokens == answer.completion_tokens > 0
+    # its end-of-sequence token (<|im_end|>, special: no text) is streamed too
+    assert sum(d.tokens for d in deltas) == answer.completion_tokens
+    assert deltas[-1].text == "" and deltas[-1].tokens == 1
 
 
 def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:

@@ -424,13 +424,15 @@ class TextGenerationRunner:
         ]  # fmt: skip
 
     def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
-        """Text produced and not yet sent, one Partial per input (all of it when ``final``)."""
+        """Text produced and not yet sent, one Partial per input (all of it when ``final``:
+        then also tokens that add no text, such as the end-of-sequence token, so the deltas'
+        tokens and log-probabilities add up to the result's)."""
         out: list[StepEvent] = []
         sent = r.sent
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
-            if text:
-                n = len(s.text.tokens)
+            n = len(s.text.tokens)
+            if text or (final and n > sent[i]):
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
