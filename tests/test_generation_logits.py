@@ -109,14 +109,22 @@ def eos_early(lm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     return path, first
 
 
-@pytest.mark.parametrize("engine", ["padded", "paged"])
-def test_min_new_tokens_holds_back_the_end_of_sequence(
-    eos_early: tuple[Path, int], engine: str
-) -> None:
+@pytest.fixture(params=["padded", "paged"])
+def eos_runner(
+    eos_early: tuple[Path, int], request: pytest.FixtureRequest
+) -> tuple[TextGenerationRunner, int]:
+    """A runner (each engine) of :func:`eos_early`'s model, and its early end token."""
     path, eos = eos_early
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
-                                  options={**OPTIONS, "engine": engine})  # fmt: skip
+                                  options={**OPTIONS, "engine": request.param})  # fmt: skip
     assert eos in runner.eos
+    return runner, eos
+
+
+def test_min_new_tokens_holds_back_the_end_of_sequence(
+    eos_runner: tuple[TextGenerationRunner, int],
+) -> None:
+    runner, _ = eos_runner
     preps = prepare(runner, req("plain", max_new_tokens=12),
                     req("held", max_new_tokens=12, min_new_tokens=7))  # fmt: skip
     d = Driver(runner)
@@ -276,15 +284,12 @@ def test_streamed_deltas_carry_their_tokens_logprobs(runner: TextGenerationRunne
     assert all("logprobs" not in c for c in d.partials["plain"])
 
 
-@pytest.mark.parametrize("engine", ["padded", "paged"])
 def test_the_last_delta_carries_tokens_that_add_no_text(
-    eos_early: tuple[Path, int], engine: str
+    eos_runner: tuple[TextGenerationRunner, int],
 ) -> None:
     # the model's first greedy token ends the sequence (made an end-of-sequence token); as a
     # stop string it adds no text, yet it is a token with its log-probability
-    path, eos = eos_early
-    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
-                                  options={**OPTIONS, "engine": engine})  # fmt: skip
+    runner, eos = eos_runner
     first = runner.tokenizer.decode([eos])
     preps = prepare(runner, req("e", max_new_tokens=12, stream=True, logprobs=2, stop=[first]),
                     req("m", max_new_tokens=12, min_new_tokens=5, stream=True, logprobs=0))  # fmt: skip
