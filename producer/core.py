@@ -111,6 +111,8 @@ class GenerationOptions(TypedDict, total=False):
     """0-20: each output carries its tokens' log-probabilities and this many alternatives'."""
     stop_token_ids: Sequence[int] | None
     """Generation ends once one of these tokens is generated (it stays in the output)."""
+    n: int | None
+    """1-16 completions per input: the outputs hold ``n`` per input, input by input."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)
@@ -165,6 +167,8 @@ class JobRef:
     streaming: bool = field(default=False, kw_only=True)
     """Submitted with ``stream=True``: ``stream()`` and ``deltas()`` read its token stream."""
     input_count: int = field(default=1, kw_only=True)
+    output_count: int = field(default=1, kw_only=True)
+    """Its outputs: one per input, or ``n`` per input."""
 
     @classmethod
     def of(cls, request: Request, **more: Any) -> Any:
@@ -173,6 +177,7 @@ class JobRef:
             request.model,
             streaming=bool(request.stream),
             input_count=request.input_count,
+            output_count=request.output_count,
             **more,
         )
 
@@ -192,10 +197,10 @@ class JobRef:
                 f"request {self.id} was submitted without stream=True: no token stream is "
                 "written for it (job.result() has its text)"
             )
-        if one_input and self.input_count != 1:
+        if one_input and self.output_count != 1:
             raise ValueError(
-                f"request {self.id} has {self.input_count} inputs: job.stream() reads one; "
-                "use job.deltas()"
+                f"request {self.id} has {self.output_count} outputs ({self.input_count} inputs):"
+                " job.stream() reads one; use job.deltas()"
             )
 
 

@@ -95,11 +95,13 @@ MAX_STOP_TOKEN_IDS: Final = 64
 """The most token ids a request's ``stop_token_ids`` lists."""
 MAX_TOP_LOGPROBS: Final = 20
 """The most alternatives a generated token's log-probabilities list (``logprobs``)."""
+MAX_COMPLETIONS: Final = 16
+"""The most completions a generation request asks per input (``n``)."""
 
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
-    "stop_token_ids",
+    "stop_token_ids", "n",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -166,11 +168,20 @@ class Request(_Strict):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each output carries, per generated token, its log-probability under the model and
     the ``logprobs`` likeliest tokens' (0: the chosen token's only); see :class:`Generation`."""
+    n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
+    """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
+    per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
+    With a ``seed``, completion ``j`` draws from ``seed + j``."""
 
     @property
     def input_count(self) -> int:
-        """How many outputs it gets: one per input, or one for a chat."""
+        """Its inputs: the prompts, or one for a chat."""
         return 1 if self.messages is not None else len(self.inputs)
+
+    @property
+    def output_count(self) -> int:
+        """How many outputs it gets: one per input, or ``n`` per input."""
+        return self.input_count * (self.n or 1)
 
     def generation_fields(self) -> list[str]:
         """The generation-only fields this request sets."""
@@ -193,6 +204,11 @@ class Request(_Strict):
         if len(self.inputs) > limits.max_inputs:
             raise ValueError(
                 f"too_large: {len(self.inputs)} inputs > max_inputs {limits.max_inputs}"
+            )
+        if self.n is not None and self.output_count > limits.max_inputs:
+            raise ValueError(
+                f"too_large: {self.input_count} inputs x n {self.n} = {self.output_count} "
+                f"outputs > max_inputs {limits.max_inputs}"
             )
         check_inputs(self.inputs, self.model, limits.max_text_chars, limits.inputs)
         if len(self.metadata) > limits.max_metadata_items:
@@ -284,7 +300,8 @@ class Timings(_Answer):
 
 
 class Usage(_Answer):
-    """Tokens a generation request used, over all its inputs."""
+    """Tokens a generation request used, over all its inputs (a prompt counts once
+    whatever its ``n``; every completion's tokens count)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -339,7 +356,8 @@ class Delta(_Answer):
     """1, 2, ... per request (over all its inputs): a reader that saw ``seq`` n has all
     deltas up to n."""
     input: int = 0
-    """Which input (0-based) the text belongs to."""
+    """Which output (0-based) the text belongs to: its input's index (with the request's
+    ``n``, input ``i``'s completion ``j`` is ``i * n + j``)."""
     text: str
     tokens: int
     """Tokens this delta holds."""
@@ -364,7 +382,7 @@ class Result(_Answer):
     from a later v1 worker, a status this client does not know."""
     outputs: list[Any] | None = None
     """One output per input (``ok`` only): an embedding list, a classification map, or a
-    :class:`Generation` map."""
+    :class:`Generation` map (``n`` per input with a generation request's ``n``)."""
     truncated: list[bool] | None = None
     """Per input: was it cut to the model's max tokens?"""
     usage: Usage | None = None

@@ -168,6 +168,26 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
     assert [e for m in messages[:-1] for e in m["logprobs"]] == kept
 
 
+def test_n_completions_per_input_through_a_worker(
+    r: redis.Redis, worker: WorkerProcess, lm_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    prompts = ["the man was", "a b c"]
+    rid = submit(r, inputs=prompts, n=3, max_new_tokens=5, temperature=1.3, seed=4)
+    res = result(r, rid)
+    assert res["status"] == "ok" and len(res["outputs"]) == 6
+    assert all(o["completion_tokens"] == 5 for o in res["outputs"])
+    # each prompt counts once in the usage, every completion's tokens do
+    prompt_tokens = sum(len(tok(p).input_ids) for p in prompts)
+    assert res["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 30}
+    again = submit(r, inputs=prompts[1:], max_new_tokens=5, temperature=1.3, seed=6)
+    assert result(r, again)["outputs"][0]["text"] == res["outputs"][5]["text"]  # seed + 2
+    big = submit(r, inputs=["x"] * 22, n=3, max_new_tokens=2)  # 66 outputs > max_inputs
+    assert result(r, big)["error"]["code"] == "too_large"
+
+
 def test_status_shows_generation_state(
     redis_url: str, r: redis.Redis, worker: WorkerProcess
 ) -> None:

@@ -277,11 +277,12 @@ def test_cancel_answers_a_waiting_request_now_and_stops_a_running_one() -> None:
     runner = Tokens(max_running=1)
     r, _ = gen_rig(runner)
     submit(r, "run", max_new_tokens=100, stream=True)
-    submit(r, "wait", max_new_tokens=5)
+    submit(r, "wait", max_new_tokens=5, n=2)
     r.world.at(T0 + 0.055, lambda: r.loop.parts.inbox.put(Cancel(("wait", "run"))))
     r.run()
     w = outputs(r, "wait")
     assert w["finish_reason"] == "cancelled" and w["text"] == ""
+    assert len(r.result("wait").outputs or ()) == 2  # one per completion (n)
     out = outputs(r, "run")
     assert out["finish_reason"] == "cancelled"
     assert 4 <= out["completion_tokens"] <= 7

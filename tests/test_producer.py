@@ -468,7 +468,7 @@ def test_generation_requests_carry_their_fields(
     job = shell.submit("tiny", messages=chat, max_new_tokens=20, temperature=0.7, top_p=0.9,
                        top_k=40, seed=7, stop="\n", stream=True, repetition_penalty=1.1,
                        presence_penalty=0.5, frequency_penalty=-0.5, min_new_tokens=3,
-                       logprobs=4, stop_token_ids=(7, 9))  # fmt: skip
+                       logprobs=4, stop_token_ids=(7, 9), n=2)  # fmt: skip
     prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5)
     (request, many, chat_many) = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
     assert request.messages is not None and request.messages[0].content == chat[0]["content"]
@@ -476,9 +476,9 @@ def test_generation_requests_carry_their_fields(
             request.top_k, request.seed, request.stop, request.stream) == (
             [], 20, 0.7, 0.9, 40, 7, ["\n"], True)  # fmt: skip
     assert (request.repetition_penalty, request.presence_penalty, request.frequency_penalty,
-            request.min_new_tokens, request.logprobs, request.stop_token_ids) == (
-            1.1, 0.5, -0.5, 3, 4, [7, 9])  # fmt: skip
-    assert (job.streaming, job.input_count) == (True, 1)
+            request.min_new_tokens, request.logprobs, request.stop_token_ids, request.n) == (
+            1.1, 0.5, -0.5, 3, 4, [7, 9], 2)  # fmt: skip
+    assert (job.streaming, job.input_count, job.output_count) == (True, 1, 2)
     assert (many.inputs, many.max_new_tokens, many.stream) == (["a", "b"], 5, None)
     assert chat_many.messages is not None and (prompts.input_count, talk.input_count) == (2, 1)
     with pytest.raises(RequestRejected):
@@ -554,12 +554,15 @@ def test_stream_needs_stream_true_and_one_input_and_honours_its_timeout(
 
     shell = shells(kind, redis_url)
     plain, two = shell.submit("tiny", "x"), shell.submit("tiny", ["a", "b"], stream=True)
+    twice = shell.submit("tiny", "x", stream=True, n=2)
     with pytest.raises(NotStreamed, match="stream=True"):
         plain.stream()
     with pytest.raises(NotStreamed):
         plain.deltas()
     with pytest.raises(ValueError, match=r"job\.deltas"):
         two.stream()
+    with pytest.raises(ValueError, match=r"2 outputs \(1 inputs\)"):
+        twice.stream()
     with pytest.raises(ResultTimeout):
         collect(shell, two.deltas(timeout=0.3))  # nothing is generating it
 

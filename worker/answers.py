@@ -105,8 +105,9 @@ class Answerer:
             enq = held.entry.enqueued_ms / 1000
             ttft = round(max(0.0, first_token_at - enq) * 1000, 3)
             timings = timings.model_copy(update={"first_token_ms": ttft})
+        n = held.request.n or 1  # each prompt counts once, whatever its completions
         usage = Usage.model_construct(
-            prompt_tokens=sum(int(o.get("prompt_tokens", 0)) for o in outputs),
+            prompt_tokens=sum(int(o.get("prompt_tokens", 0)) for o in outputs[::n]),
             completion_tokens=sum(int(o.get("completion_tokens", 0)) for o in outputs),
         )
         req = held.request
@@ -118,7 +119,7 @@ class Answerer:
         """A generation request cancelled before it started: ``ok``, nothing generated."""
         outputs = [
             {"text": "", "finish_reason": "cancelled", "prompt_tokens": 0, "completion_tokens": 0}
-            for _ in range(held.request.input_count)
+            for _ in range(held.request.output_count)
         ]
         run = BatchRun("", 0, now, now)
         return self.generated(run, held, outputs, None, now)

@@ -75,13 +75,13 @@ class Generating:
                 continue
             held = r.held
             run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
-            if isinstance(ev, Final) and len(ev.outputs) != held.request.input_count:
+            if isinstance(ev, Final) and len(ev.outputs) != held.request.output_count:
                 failed += 1
                 if held.request.stream:
                     ends.append(self.delta(held, r.seq + 1, None))
                 message = (
                     f"runner returned {len(ev.outputs)} outputs for "
-                    f"{held.request.input_count} inputs"
+                    f"{held.request.output_count} expected"
                 )
                 out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
             elif isinstance(ev, Final):

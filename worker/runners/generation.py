@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,15 @@ class GenSpec:
     stream: bool
     stop_ids: frozenset[int] = frozenset()
     """Token ids that end a sequence (the request's ``stop_token_ids``)."""
+    n: int = 1
+    """Completions per prompt: sequence ``i * n + j`` is prompt ``i``'s ``j``-th."""
+
+    def sampling_of(self, j: int) -> Sampling:
+        """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
+        seed = self.sampling.seed
+        if j == 0 or seed is None:
+            return self.sampling
+        return replace(self.sampling, seed=(seed + j) % 2**63)
 
 
 @dataclass(slots=True)
@@ -76,6 +85,7 @@ class _Seq:
     prompt: tuple[int, ...]
     max_new: int
     text: TextStream
+    sampling: Sampling
     base: int = 0
     """Tokens generated before the engine last (re)started it (preemption)."""
     finish: str | None = None
@@ -249,9 +259,10 @@ class TextGenerationRunner:
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
             stop_ids=frozenset(req.stop_token_ids or ()),
+            n=req.n or 1,
         )
-        lengths = tuple(len(p) for p in prompts)
-        return Prepared(spec, rows=len(prompts), tokens=max(lengths), prompts=lengths,
+        lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
+        return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
     def _prompts(self, req: Request) -> list[list[int]]:
@@ -357,8 +368,11 @@ class TextGenerationRunner:
         r = self._reqs.get(key)
         if r is None:
             spec: GenSpec = prep.payload
-            seqs = [_Seq(f"{key}#{i}", p, m, TextStream(self._decode, spec.stop))
-                    for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))]  # fmt: skip
+            n = spec.n
+            seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(self._decode, spec.stop),
+                         spec.sampling_of(j))
+                    for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
+                    for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs))
             self._reqs[key] = r
         r.parked = False
@@ -368,7 +382,7 @@ class TextGenerationRunner:
             done = len(seq.text.tokens)
             seq.base = done
             self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
-                            r.spec.sampling, priority=lane)  # fmt: skip
+                            seq.sampling, priority=lane)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
     def _park(self, r: _Req) -> Preempted:
