@@ -41,6 +41,10 @@ def test_n_completions_per_input_each_drawn_from_its_own_seed(
     d.run()
     outs = texts(d, "n")
     assert len(outs) == 6
+    if runner.engine_kind == "padded":  # each prompt ran once, its other completions took it
+        lengths = p.prompts[0] + p.prompts[3]
+        info = runner.info()
+        assert (info["prefill_tokens"], info["prefill_shared_tokens"]) == (lengths, 2 * lengths)
     # input i's completion j is output i * 3 + j, and is what seed + j gives alone
     for i in range(2):
         for j in range(3):

@@ -344,7 +344,7 @@ def test_state_counts_context_and_prefill(llama: Any, fused: bool) -> None:
 def test_a_lower_lane_prefills_first_whatever_was_added_before(llama: Any) -> None:
     engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=40, max_running=8)
     for k in range(3):
-        engine.add(f"bulk{k}", list(range(3, 43)), 50, Sampling(), priority=2)
+        engine.add(f"bulk{k}", list(range(3 + k, 43 + k)), 50, Sampling(), priority=2)
     engine.step()  # bulk0 prefilled (40 tokens, the whole budget)
     engine.add("urgent", list(range(3, 33)), 50, Sampling(), priority=0)
     out = {o.sequence for o in engine.step()}
@@ -366,3 +366,51 @@ def test_a_step_that_ends_a_lane_0_prompt_takes_no_lower_lane_prefill(
     assert st is not None and st.prefill_left == 40  # it starts next step
     out = {o.sequence for o in engine.step()}
     assert "bulk" in out and engine.running == 3
+
+
+def test_sequences_with_the_same_prompt_prefill_once(llama: Any, fused: bool) -> None:
+    # a request's n completions (sampled, each its own seed) and a greedy duplicate: the
+    # prompt runs once (in chunks, while another row decodes), each twin draws its own text
+    prompt = list(range(3, 43))  # 40 tokens: 3 steps at 16 a step
+    seeds = (4, 5, 6)
+
+    def alone(sampling: Sampling) -> list[int]:
+        engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=8, lean=fused)
+        engine.add("x", prompt, 6, sampling)
+        return _until_done(engine)["x"]
+
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=8, lean=fused)
+    engine.add("other", [7, 8, 9], 30, Sampling())
+    engine.step()
+    for j, seed in enumerate(seeds):
+        engine.add(f"c{j}", prompt, 6, Sampling(temperature=1.2, seed=seed))
+    engine.add("g", prompt, 6, Sampling())
+    engine.add("longer", [*prompt, 11], 6, Sampling())  # not a twin
+    got = _until_done(engine)
+    assert engine.prefilled == 3 + 2 * len(prompt) + 1 and engine.shared == 3 * len(prompt)
+    for j, seed in enumerate(seeds):
+        assert got[f"c{j}"] == alone(Sampling(temperature=1.2, seed=seed))
+    assert len({tuple(got[f"c{j}"]) for j in range(3)}) > 1
+    assert got["g"] == generate(llama, prompt, 6)
+    assert got["longer"] == generate(llama, [*prompt, 11], 6)
+
+
+def test_twins_without_a_free_row_prefill_on_their_own(llama: Any, fused: bool) -> None:
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=64, max_running=2, lean=fused)
+    prompt = [5, 6, 7, 8]
+    for k in range(3):
+        engine.add(f"t{k}", prompt, 4, Sampling())
+    got = _until_done(engine)
+    assert got == {f"t{k}": generate(llama, prompt, 4) for k in range(3)}
+    assert engine.shared == len(prompt) and engine.prefilled == 2 * len(prompt)
+
+
+def _until_done(engine: PaddedEngine) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    for _ in range(500):
+        for o in engine.step():
+            if o.finished:
+                done[o.sequence] = o.tokens
+        if not engine.running and not engine._waiting:
+            return done
+    raise AssertionError("did not finish")

@@ -9,7 +9,10 @@ column; a padding mask hides the columns past each row's length. A step
 2. prefills waiting sequences, each in its own growing cache (:class:`SlabLayer`), in
    chunks that fit what the per-step token budget leaves after the decodes, lane 0 first
    (where a lane-0 prompt ends, no lower lane's chunk follows in that step); a finished
-   prefill samples the sequence's first token and copies its cache into a new row,
+   prefill samples the sequence's first token and copies its cache into a new row.
+   Sequences with the same tokens (a request's ``n`` completions) prefill once: the
+   others wait for it, then each copies its cache and draws its own first token from
+   its last logits,
 3. decodes one token for every row, the new ones too, in one forward pass. On CPU the
    attention reads each row's own length (:mod:`.decode_attention`); elsewhere it runs
    over the first ``longest + 1`` columns under a padding mask (as HF ``generate`` runs
@@ -226,6 +229,8 @@ class _Seq:
     """Prefill order: (priority, arrival)."""
     generated: list[int] = field(default_factory=list)
     finished: bool = False
+    key: int = 0
+    """A hash of ``tokens``: sequences with the same tokens share one prefill."""
 
     @property
     def context(self) -> int:
@@ -279,6 +284,10 @@ class PaddedEngine:
         self._added = 0
         self.moves = 0
         """Rows moved into holes so far (one row's cache copied each)."""
+        self.prefilled = 0
+        """Prompt tokens run through the model so far."""
+        self.shared = 0
+        """Prompt tokens a sequence took from a twin's prefill so far (:meth:`_share`)."""
         self.row_attention = decode_attention.usable(model) and row_attention is not False
         """Decode attention reads each row's own length (:mod:`.decode_attention`: float32
         on CPU, where numba compiles; None: where usable); otherwise sdpa over the padded
@@ -307,7 +316,7 @@ class PaddedEngine:
         self._cancelled.discard(sequence)
         self._added += 1
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
-                                       order=(priority, self._added))  # fmt: skip
+                                       order=(priority, self._added), key=hash(tuple(tokens)))  # fmt: skip
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -511,10 +520,13 @@ class PaddedEngine:
             if seq.done == len(seq.tokens):
                 ended.append((seq, k))
         tokens = self._pick(logits[[rows + k for _, k in ended]], [s for s, _ in ended])
-        for (seq, _), t in zip(ended, tokens, strict=True):
+        for (seq, k), t in zip(ended, tokens, strict=True):
+            cache = seq.cache
             out.append(self._first(seq, t))
             if not seq.finished:
                 self._join(seq)
+            twins = self._twins(seq, self.max_running - len(self._rows))
+            out += self._share(cache, twins, logits[rows + k], self._join)
         self._leave(lambda r: r.finished)
         return out
 
@@ -575,13 +587,19 @@ class PaddedEngine:
         plan: list[tuple[_Seq, list[int]]] = []
         room = self.max_running - len(self._rows)
         urgent = False
+        begun: dict[int, _Seq] = {}
         for seq in sorted(self._waiting.values(), key=lambda s: s.order):
             if budget <= 0 or room <= 0 or (urgent and seq.order[0] > 0):
                 break
             if seq.cache is None:
+                twin = begun.get(seq.key)
+                if twin is not None and twin.tokens == seq.tokens:
+                    continue  # takes the twin's prefill when it ends (_share)
                 seq.cache = _cache(reserve=len(seq.tokens))
+            begun.setdefault(seq.key, seq)
             tokens = seq.tokens[seq.done : seq.done + budget]
             plan.append((seq, tokens))
+            self.prefilled += len(tokens)
             budget -= len(tokens)
             if seq.done + len(tokens) < len(seq.tokens):
                 break  # the budget is spent mid-prompt; it goes on next step
@@ -616,11 +634,43 @@ class PaddedEngine:
             seq.done += len(chunk)
             if seq.done < len(seq.tokens):
                 break  # the last chunk of the plan
+            cache = seq.cache
             (t,) = self._pick(logits, [seq])
             out.append(self._first(seq, t))
             if not seq.finished:
                 joined.append(seq)
+            twins = self._twins(seq, self.max_running - len(self._rows) - len(joined))
+            out += self._share(cache, twins, logits[0], joined.append)
         return joined, out
+
+    def _twins(self, seq: _Seq, room: int) -> list[_Seq]:
+        """Up to ``room`` waiting sequences not yet begun with ``seq``'s tokens (a request's
+        ``n`` completions, or the same prompt sent twice): :meth:`_plan` left them for
+        ``seq``'s prefill, which they take when it ends (:meth:`_share`)."""
+        out: list[_Seq] = []
+        for w in self._waiting.values():
+            if len(out) >= room:
+                break
+            if w.key == seq.key and w is not seq and w.cache is None and w.tokens == seq.tokens:
+                out.append(w)
+        return out
+
+    def _share(
+        self, cache: Cache | None, twins: list[_Seq], logits: torch.Tensor, join: Any
+    ) -> list[Output]:
+        """``twins`` take a twin's ended prefill: its ``cache`` (each row gets its own copy)
+        and a first token drawn from its last ``logits`` by each twin's own sampler."""
+        if not twins:
+            return []
+        out = []
+        tokens = self._pick(logits[None].expand(len(twins), -1).clone(), twins)
+        for twin, t in zip(twins, tokens, strict=True):
+            twin.cache, twin.done = cache, len(twin.tokens)
+            self.shared += twin.done
+            out.append(self._first(twin, t))
+            if not twin.finished:
+                join(twin)
+        return out
 
     def _pick(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
         """Each row's next token: the request's own sampler, else greedy."""

@@ -541,10 +541,15 @@ class TextGenerationRunner:
         }  # fmt: skip
 
     def _resident(self) -> dict[str, int]:
-        """The padded engine's KV rows on CPU: tokens they hold written, bytes released."""
+        """The padded engine's prompt tokens run and taken from a twin's prefill (a
+        request's ``n`` completions); on CPU, tokens its KV rows hold written, bytes
+        released."""
         from ..generation.padded import PaddedEngine
 
         e = self.engine
-        if not isinstance(e, PaddedEngine) or e.resident_tokens is None:
+        if not isinstance(e, PaddedEngine):
             return {}
-        return {"kv_resident_tokens": e.resident, "kv_released_bytes": e.released_bytes}
+        out = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
+        if e.resident_tokens is not None:
+            out.update(kv_resident_tokens=e.resident, kv_released_bytes=e.released_bytes)
+        return out
