@@ -111,6 +111,8 @@ class GenerationOptions(TypedDict, total=False):
     """0-20: each output carries its tokens' log-probabilities and this many alternatives'."""
     stop_token_ids: Sequence[int] | None
     """Generation ends once one of these tokens is generated (it stays in the output)."""
+    logit_bias: Mapping[int, float] | None
+    """Token id -> -100 … 100, added to its logit before sampling (OpenAI's)."""
     n: int | None
     """1-16 completions per input: the outputs hold ``n`` per input, input by input."""
 

@@ -135,6 +135,8 @@ def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
         out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
     if "stop_token_ids" in out:
         out["stop_token_ids"] = list(out["stop_token_ids"])
+    if "logit_bias" in out:  # token ids as the wire's string keys
+        out["logit_bias"] = {str(k): float(b) for k, b in out["logit_bias"].items()}
     return out
 
 

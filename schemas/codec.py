@@ -21,6 +21,7 @@ from .keys import REQUEST_ID
 from .messages import (
     DEFAULT_LIMITS,
     FROM_WIRE,
+    MAX_LOGIT_BIAS,
     Delta,
     Format,
     Limits,
@@ -50,7 +51,7 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
         max_str_len=max(limits.max_text_chars * 4, 4096),
         max_bin_len=limits.max_entry_bytes,
         max_array_len=max(limits.max_inputs, limits.inputs.max_documents, 4096),
-        max_map_len=max(limits.max_metadata_items, 64),
+        max_map_len=max(limits.max_metadata_items, 64, 4 * MAX_LOGIT_BIAS),
         max_ext_len=0,
     )
 

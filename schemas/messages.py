@@ -95,13 +95,15 @@ MAX_STOP_TOKEN_IDS: Final = 64
 """The most token ids a request's ``stop_token_ids`` lists."""
 MAX_TOP_LOGPROBS: Final = 20
 """The most alternatives a generated token's log-probabilities list (``logprobs``)."""
+MAX_LOGIT_BIAS: Final = 300
+"""The most tokens a request's ``logit_bias`` lists (OpenAI's bound)."""
 MAX_COMPLETIONS: Final = 16
 """The most completions a generation request asks per input (``n``)."""
 
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
-    "stop_token_ids", "n",
+    "stop_token_ids", "n", "logit_bias",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -168,6 +170,9 @@ class Request(_Strict):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each output carries, per generated token, its log-probability under the model and
     the ``logprobs`` likeliest tokens' (0: the chosen token's only); see :class:`Generation`."""
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
+    are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
@@ -186,6 +191,14 @@ class Request(_Strict):
     def generation_fields(self) -> list[str]:
         """The generation-only fields this request sets."""
         return [f for f in GENERATION_FIELDS if getattr(self, f) is not None]
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_keys(cls, v: Any) -> Any:
+        # map keys on the wire are strings (JSON's, and msgpack's here): 50256 -> "50256"
+        if isinstance(v, dict):
+            return {str(k) if type(k) is int else k: b for k, b in v.items()}
+        return v
 
     @field_validator("v", mode="before")
     @classmethod
@@ -248,6 +261,11 @@ class Request(_Strict):
                 )
         if self.stop_token_ids is not None and any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids are token ids: 0 to 2**31 - 1")
+        if self.logit_bias is not None:
+            if any(not (k.isascii() and k.isdigit() and int(k) < 2**31) for k in self.logit_bias):
+                raise ValueError("logit_bias keys are token ids: decimal strings, 0 to 2**31 - 1")
+            if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values are -100 to 100")
         if self.stop is not None:
             if len(self.stop) > limits.max_stop:
                 raise ValueError(f"too_large: more than {limits.max_stop} stop strings")

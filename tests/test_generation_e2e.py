@@ -138,13 +138,18 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
     model = AutoModelForCausalLM.from_pretrained(lm_dir, dtype="float32").eval()
     ids = tok("the man was", return_tensors="pt").input_ids
 
-    def generate(**rules: float) -> str:
+    def generate(**rules: Any) -> str:
         out = model.generate(ids, max_new_tokens=10, do_sample=False,
                              pad_token_id=tok.pad_token_id, **rules)  # fmt: skip
         return str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
     rid = submit(r, inputs=["the man was"], max_new_tokens=10, repetition_penalty=3.0)
     assert result(r, rid)["outputs"][0]["text"] == generate(repetition_penalty=3.0) != generate()
+    first = int(model.generate(ids, max_new_tokens=1, do_sample=False,
+                               pad_token_id=tok.pad_token_id)[0, -1])  # fmt: skip
+    banned = submit(r, inputs=["the man was"], max_new_tokens=10, logit_bias={str(first): -100})
+    want = generate(sequence_bias={(first,): -100.0})
+    assert result(r, banned)["outputs"][0]["text"] == want != generate()
     bad = submit(r, inputs=["x"], max_new_tokens=3, min_new_tokens=4)
     assert result(r, bad)["error"]["code"] == "invalid_request"
     pubsub = r.pubsub(ignore_subscribe_messages=True)

@@ -326,3 +326,36 @@ def test_stop_token_ids_end_the_text_after_the_token(runner: TextGenerationRunne
     assert d.finals["plain"].outputs[0]["completion_tokens"] == 16  # its batch-mate goes on
     (bad,) = runner.prepare_many([req("b", stop_token_ids=[runner.vocab_size])])
     assert isinstance(bad, PrepareError) and "not tokens of this model" in str(bad)
+
+
+def test_logit_bias_gives_generate_s_tokens_with_its_sequence_bias(
+    runner: TextGenerationRunner,
+) -> None:
+    ids = runner.tokenizer(PROMPTS[0], return_tensors="pt").input_ids.to(runner.torch_device)
+
+    def generate_biased(bias: dict[int, float]) -> list[int]:
+        seq_bias = {(t,): b for t, b in bias.items()} or None
+        out = runner.model.generate(ids, max_new_tokens=10, do_sample=False,
+                                    pad_token_id=runner.eos[0], sequence_bias=seq_bias)  # fmt: skip
+        return [int(t) for t in out[0, ids.shape[1] :]]
+
+    plain = generate_biased({})
+    bias = {plain[0]: -100.0, plain[0] + 1: 3.0}  # ban the first token, favour another
+    want = generate_biased(bias)
+    assert want != plain and plain[0] not in want
+    forced = 17
+    preps = prepare(runner, req("b", max_new_tokens=10, logit_bias=bias, logprobs=0),
+                    req("plain", max_new_tokens=10),
+                    req("f", max_new_tokens=5, temperature=1.3, seed=2, logprobs=0,
+                        logit_bias={forced: 100.0}))  # fmt: skip
+    d = Driver(runner)
+    d.step([("b", preps[0]), ("plain", preps[1]), ("f", preps[2])])
+    d.run()
+    assert [e["token"] for e in d.finals["b"].outputs[0]["logprobs"]] == want
+    assert d.finals["plain"].outputs[0]["text"] == runner.tokenizer.decode(
+        plain, skip_special_tokens=True
+    )
+    # sampled: a token given +100 is all but certain, every time
+    assert [e["token"] for e in d.finals["f"].outputs[0]["logprobs"]] == [forced] * 5
+    (bad,) = runner.prepare_many([req("x", logit_bias={runner.vocab_size: 1.0})])
+    assert isinstance(bad, PrepareError) and "logit_bias" in str(bad)

@@ -105,6 +105,15 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "stop_token_ids": [2**31]}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "stop_token_ids": list(range(65))}), ErrorCode.TOO_LARGE, True),
         (_fields({**GOOD, "logprobs": -1}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "logit_bias": {"5": 101.0}}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "logit_bias": {"-5": 1.0}}, "json"), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "logit_bias": {"x": 1.0}}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "logit_bias": {"1": "2"}}), ErrorCode.INVALID_REQUEST, True),
+        (
+            _fields({**GOOD, "logit_bias": {str(t): 1.0 for t in range(301)}}),
+            ErrorCode.TOO_LARGE,
+            True,
+        ),
         (
             _fields({**GOOD, "min_new_tokens": 9, "max_new_tokens": 8}),
             ErrorCode.INVALID_REQUEST,
@@ -194,10 +203,11 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
     request, got = decode_entry(_fields(body, fmt), "m")
     assert request.deadline_ms == 60000 and request.webhook is not None and got == "json"
     rules = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
-             "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4}  # fmt: skip
+             "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4,
+             "logit_bias": {str(t): (t - 150) / 2 for t in range(0, 300, 3)}, "n": 3}  # fmt: skip
     request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
     assert {k: getattr(request, k) for k in rules} == rules
-    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5]]
+    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5], "n", "logit_bias"]
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------

@@ -17,6 +17,8 @@ The rules, applied in this order before temperature (as HF ``generate`` and vLLM
 - ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's): a token that the
   output holds ``n`` times loses ``presence + frequency * n`` from its logit (the prompt
   does not count);
+- ``logit_bias`` (OpenAI's and vLLM's): added to the given tokens' logits (-100 bans a
+  token, 100 all but forces it);
 - ``min_new_tokens`` (HF's): the end-of-sequence tokens are masked until the sequence has
   generated that many tokens (a stop string still ends it).
 
@@ -55,6 +57,8 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits."""
     logprobs: int | None = None
     """Keep each token's log-probability and this many alternatives' (None: none)."""
 
@@ -64,12 +68,13 @@ class Sampling:
 
     @property
     def shaped(self) -> bool:
-        """Its logits change before the pick (a penalty, or ``min_new_tokens``)."""
+        """Its logits change before the pick (a penalty, a bias, or ``min_new_tokens``)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.min_new_tokens > 0
+            or bool(self.logit_bias)
         )
 
     @property
@@ -98,6 +103,8 @@ class _Track:
     generated: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
     """Per generated token (``Sampling.logprobs``)."""
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``Sampling.logit_bias`` as tensors (ids, biases), made at its first draw."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
@@ -187,6 +194,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
             ids = torch.tensor(list(track.counts), dtype=torch.long, device=dev)
             n = torch.tensor(list(track.counts.values()), dtype=x.dtype, device=dev)
             x[ids] -= s.frequency_penalty * n + s.presence_penalty
+        if s.logit_bias:
+            if track.bias is None:  # once per sequence
+                ids = torch.tensor([t for t, _ in s.logit_bias], dtype=torch.long, device=dev)
+                by = torch.tensor([b for _, b in s.logit_bias], dtype=x.dtype, device=dev)
+                track.bias = (ids, by)
+            x[track.bias[0]] += track.bias[1]
         if track.generated < s.min_new_tokens and self._eos:
             x[torch.tensor(self._eos, dtype=torch.long, device=dev)] = float("-inf")
         return x

@@ -238,10 +238,12 @@ class TextGenerationRunner:
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
-        unknown = [t for t in req.stop_token_ids or () if t >= self.vocab_size]
-        if unknown:
-            return PrepareError(f"stop_token_ids {unknown} are not tokens of this model "
-                                f"(vocabulary {self.vocab_size})")  # fmt: skip
+        bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
+        for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias)):
+            unknown = sorted(t for t in ids if t >= self.vocab_size)
+            if unknown:
+                return PrepareError(f"{name} {unknown[:8]} are not tokens of this model "
+                                    f"(vocabulary {self.vocab_size})")  # fmt: skip
         spec = GenSpec(
             prompts=tuple(tuple(p) for p in prompts),
             max_new_tokens=tuple(min(wanted, self.context - len(p)) for p in prompts),
@@ -254,6 +256,7 @@ class TextGenerationRunner:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 min_new_tokens=at_least,
+                logit_bias=tuple(sorted(bias.items())),
                 logprobs=req.logprobs,
             ),
             stop=tuple(req.stop or ()),
