@@ -17,9 +17,10 @@ from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler
 from batchfleet.worker.holding import Holding, entries_to_refresh
-from batchfleet.worker.inbox import Cancel
+from batchfleet.worker.inbox import Cancel, Lost
 from batchfleet.worker.observers import BatchDone, Dispatched
 from batchfleet.worker.runner import (
+    LOST,
     Failed,
     Final,
     Partial,
@@ -692,3 +693,28 @@ def test_a_crashed_loop_stopped_while_its_device_is_stuck_is_not_started_again()
     r.world.at(T0 + 2.0, r.loop.stop)
     assert not r.loop.settle(poll_s=1.0)
     assert r.device.alive and r.world.now < T0 + 5.0 and runner.forgotten == 0
+
+
+def test_requests_taken_over_by_another_worker_end_unanswered(ahead: bool) -> None:
+    # Given a and b generating, w waiting for a slot, when the intake finds a and w pending
+    # on another consumer (the idle fallback gave them away while this worker stalled)
+    runner = Tokens(max_running=2, schedule_ahead=ahead)
+    r, _ = gen_rig(runner)
+    a = r.source.add(Request(id="a", model=MODEL, inputs=["x"], max_new_tokens=60, stream=True))
+    b = r.source.add(Request(id="b", model=MODEL, inputs=["x"], max_new_tokens=20, stream=True))
+    w = r.source.add(Request(id="w", model=MODEL, inputs=["x"], max_new_tokens=5, stream=True))
+    held: list[tuple[str, ...]] = []
+    r.world.at(T0 + 0.055, lambda: r.loop.parts.inbox.put(Lost((a, w))))
+    r.world.at(T0 + 0.2, lambda: held.append(tuple(e.key for e in r.source.holding.entries)))
+    r.run()
+    # Then a stops within a step or two, streams nothing more and gets no result, nor its
+    # token stream an end; w never starts; b is answered as usual
+    assert "a" not in r.sink.results and "w" not in r.sink.results
+    assert [k for wk in runner.steps for k, why in wk.stop] == [a.key]
+    assert [why for wk in runner.steps for _, why in wk.stop] == [LOST]
+    assert all(k != w.key for wk in runner.steps for k, _ in wk.admit)
+    streamed = r.sink.streamed["a"]
+    assert all(it.delta is not None for it in streamed) and len(streamed) <= 8
+    assert "w" not in r.sink.streamed
+    assert outputs(r, "b")["completion_tokens"] == 20
+    assert held[0] == (b.key,)  # the intake refreshes a and w no more

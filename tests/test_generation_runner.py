@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
 from batchfleet.worker.runner import (  # noqa: E402
+    LOST,
     Final,
     Partial,
     Preempted,
@@ -436,3 +437,23 @@ def test_forget_all_starts_over_a_request_read_again(runner: TextGenerationRunne
     out = d.finals["a"].outputs[0]
     assert out["completion_tokens"] == 12 and out["text"] == greedy(runner, "the man was", 12)
     assert runner.engine.step() == []  # nothing of its first life is left in the engine
+
+
+def test_a_request_lost_to_another_worker_ends_without_streaming_its_rest(
+    runner: TextGenerationRunner,
+) -> None:
+    # a stop string holds the text's last characters back: ending it flushes them, unless
+    # another worker took the request over (nobody reads this worker's stream any more)
+    def end(reason: str) -> tuple[int, int]:
+        (p,) = prepare(runner, req("l", max_new_tokens=30, stream=True, stop=["zzzzzz"]))
+        d = Driver(runner)
+        for k in range(4):
+            d.step([("l", p)] if k == 0 else ())
+        sent = len(d.partials["l"])
+        d.step(stop=[("l", reason)])
+        assert "l" in d.finals and not runner._reqs
+        return sent, len(d.partials["l"])
+
+    sent, after = end("cancelled")
+    assert after == sent + 1
+    assert end(LOST) == (sent, sent)

@@ -17,6 +17,7 @@ from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits, Request
 from batchfleet.worker.holding import Holding
+from batchfleet.worker.inbox import Lost
 from batchfleet.worker.intake import LANE0_ONLY_BLOCK_MS, Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
@@ -91,21 +92,29 @@ def test_the_idle_fallback_takes_entries_of_a_worker_that_beats_but_is_stuck(
     assert decode_result(r.get(KEYS.result("stuck-1"))).ok
 
 
+def read_by_w1(r: redis.Redis, n: int) -> tuple[ModelStreams, list[Entry]]:
+    """``n`` entries added to lane 0 and read by consumer w1; the last one since claimed by
+    w2 (as the idle fallback does)."""
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups()
+    for i in range(n):
+        r.xadd(KEYS.lane(0), encode_request(Request(id=f"e{i}", model=MODEL, inputs=["x"])))
+    entries = streams.read({0: 10}, None)
+    r.xclaim(KEYS.lane(0), GROUP, "w2", 0, [entries[-1].id], justid=True)
+    return streams, entries
+
+
 def test_refreshing_resets_the_idle_time_of_own_pending_entries_and_counts_no_delivery(
     r: redis.Redis,
 ) -> None:
     # Given three entries read by w1: one still pending on it, one acked, one taken by w2
-    streams = ModelStreams(r, MODEL, 3, "w1")
-    streams.ensure_groups()
-    for i in range(3):
-        r.xadd(KEYS.lane(0), encode_request(Request(id=f"e{i}", model=MODEL, inputs=["x"])))
-    mine, acked, taken = streams.read({0: 10}, None)
+    streams, (mine, acked, taken) = read_by_w1(r, 3)
     r.xack(KEYS.lane(0), GROUP, acked.id)
-    r.xclaim(KEYS.lane(0), GROUP, "w2", 0, [taken.id], justid=True)
     time.sleep(0.5)
     # When w1 refreshes all three
-    assert streams.refresh([mine, acked, taken]) == 1
-    # Then its own is fresh again and still delivered once; the others are left alone
+    assert streams.refresh([mine, acked, taken]) == (1, [taken])
+    # Then its own is fresh again and still delivered once; the others are left alone (the
+    # one taken over reported, so w1 drops it)
     pending = {
         p["message_id"].decode(): p for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)
     }
@@ -180,7 +189,9 @@ def test_the_refresh_is_withheld_while_a_step_hangs_and_the_warning_comes_once(
     now = [100.0]
     streams = ModelStreams(r, MODEL, 3, "w1")
     refreshed: list[tuple[float, tuple[Entry, ...]]] = []
-    monkeypatch.setattr(streams, "refresh", lambda entries: refreshed.append((now[0], entries)))
+    monkeypatch.setattr(
+        streams, "refresh", lambda entries: (refreshed.append((now[0], entries)), (0, []))[1]
+    )
     intake = Intake(streams, WorkerConfig(claim_idle_ms=1000), Limits(), lambda: now[0], print)
     entry = Entry(0, "1-0", {})
 
@@ -198,6 +209,24 @@ def test_the_refresh_is_withheld_while_a_step_hangs_and_the_warning_comes_once(
     # Then refreshes stop past 1 s into each, with one warning each time
     assert [t for t, _ in refreshed] == [100.0, 100.5, 103.0, 103.5]
     assert len([m for m in caplog.messages if "no longer refreshing" in m]) == 2
+
+
+def test_the_intake_tells_its_loop_of_held_requests_taken_over_by_another_worker(
+    r: redis.Redis,
+) -> None:
+    # Given an intake whose loop holds two entries, one since claimed by w2 (this worker
+    # stalled past claim_idle_ms; the idle fallback gave it away)
+    streams, (mine, taken) = read_by_w1(r, 2)
+    posted: list[Any] = []
+    intake = Intake(streams, WorkerConfig(), Limits(), time.monotonic, posted.append)
+    intake.hold(Holding((mine, taken)))
+    # When it refreshes them
+    intake._refresh()
+    # Then the loop is told of the one taken over, and only its own stays pending on it
+    assert posted == [Lost((taken,))]
+    owners = {p["message_id"].decode(): p["consumer"]
+              for p in r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 9)}  # fmt: skip
+    assert owners == {mine.id: b"w1", taken.id: b"w2"}
 
 
 def test_a_redelivered_entry_of_an_answered_request_republishes_the_stored_result(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from ..batching.generation import GenerationPolicy, GenPolicy, GenRunning, GenWaiting
 from ..batching.types import Batch
 from .answers import Held
-from .runner import Failed, Final, Preempted, Progress, StepReport
+from .runner import LOST, Failed, Final, Preempted, Progress, StepReport
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
 
@@ -48,6 +48,8 @@ class Running:
     """Times it was preempted before."""
     resumed: Resume | None = None
     """Its state when it waited preempted, until the step resuming it runs."""
+    lost: bool = False
+    """Another worker took it over: it ends with the next step, unanswered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +156,19 @@ class GenScheduler:
         self.version += 1
         return self.held.pop(key, None)
 
+    def lose(self, key: str) -> Held | None:
+        """Another worker took this request over: a waiting one is dropped (returned); a
+        running or preempted one ends with the next step, and is not answered."""
+        if key in self._resume:
+            self._unpark(key)
+        r = self.running.get(key)
+        self.version += 1
+        if r is not None:
+            r.lost = True
+            self._stops[key] = LOST
+            return None
+        return self.held.pop(key, None)
+
     def _unpark(self, key: str) -> None:
         """A preempted request back among the running, to be ended by its runner."""
         res = self._resume.pop(key)
@@ -189,8 +204,10 @@ class GenScheduler:
         return max(0, reserve - waiting)
 
     def holding(self) -> tuple[Entry, ...]:
-        """The stream entries of every request held: waiting (preempted too) or running."""
-        return tuple(h.entry for h in self.watched())
+        """The stream entries of every request held: waiting (preempted too) or running
+        (not those lost to another worker, ending)."""
+        return (*(h.entry for h in self.held.values()),
+                *(r.held.entry for r in self.running.values() if not r.lost))  # fmt: skip
 
     @property
     def busy_since(self) -> float | None:

@@ -71,8 +71,8 @@ class Generating:
         failed = 0
         for ev in done.report.events:
             r = named.get(ev.key)
-            if r is None or isinstance(ev, Partial):
-                continue
+            if r is None or isinstance(ev, Partial) or r.lost:
+                continue  # (lost: another worker took it over and answers it)
             held = r.held
             run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
             if isinstance(ev, Final) and len(ev.outputs) != held.request.output_count:
@@ -152,6 +152,17 @@ class Generating:
                         ends.append(self.delta(waiting, 1, None))
         self.parts.sink.send(out)
         self.parts.sink.stream(ends)
+
+    def lose(self, keys: set[str]) -> int:
+        """These requests were taken over by other workers: drop the waiting ones, end the
+        running ones with the next step, unanswered (the other worker answers them). How
+        many this loop held."""
+        if self.scheduler is None:
+            return 0
+        held = [h.waiting.key for h in self.scheduler.watched() if h.waiting.key in keys]
+        for key in held:
+            self.scheduler.lose(key)
+        return len(held)
 
     def expired(self, expired: Sequence[Held]) -> None:
         """Requests answered ``expired`` (never started): their token streams end too."""

@@ -65,7 +65,16 @@ class Cancel:
     request_ids: tuple[str, ...]
 
 
-Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy | Cancel
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Held entries now pending on another consumer: the idle fallback gave them to another
+    worker (this one was unreachable or stalled past ``claim_idle_ms``); not this loop's to
+    answer any more."""
+
+    entries: Sequence[Entry]
+
+
+Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy | Cancel | Lost
 
 
 class Inbox(Protocol):

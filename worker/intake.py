@@ -24,7 +24,7 @@ from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
-from .inbox import Arrived, Event, ReadIdle, Retire
+from .inbox import Arrived, Event, Lost, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Retiring
 
 logger = logging.getLogger(__name__)
@@ -224,8 +224,16 @@ class Intake:
         with self._refreshing:
             holding = self._holding
             entries = entries_to_refresh(holding, now, self.worker.claim_idle_ms)
+            lost: list[Entry] = []
             if entries:
-                self.streams.refresh(entries)
+                _, lost = self.streams.refresh(entries)
+        if lost:
+            logger.warning(
+                "%d requests of %s were taken over by other workers (this one was "
+                "unreachable or stalled past claim_idle_ms): dropping them",
+                len(lost), self.streams.keys.model,
+            )  # fmt: skip
+            self._post(Lost(tuple(lost)))
         withheld = bool(holding.entries) and not entries
         if withheld and not self._withheld and holding.busy_since is not None:
             logger.warning(

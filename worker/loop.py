@@ -37,7 +37,7 @@ from .blobs import with_fetched
 from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .holding import HAND_OVER_EVERY_S, HoldingFeed
-from .inbox import Arrived, Cancel, Event, ReadIdle, Retire, SetPolicy, StepDone, Wake
+from .inbox import Arrived, Cancel, Event, Lost, ReadIdle, Retire, SetPolicy, StepDone, Wake
 from .observers import (
     BatchDone,
     Dispatched,
@@ -334,6 +334,8 @@ class BatchLoop:
         elif isinstance(event, Cancel):
             self.generating.cancel(event.request_ids)
             self._replan()
+        elif isinstance(event, Lost) and self.generating.lose({e.key for e in event.entries}):
+            self._replan()  # (an encoder's lost requests are answered once, first come)
 
     def _shutdown(self, started: list[str]) -> None:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,

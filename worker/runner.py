@@ -69,8 +69,9 @@ class Work:
     step_id: str
     admit: tuple[tuple[str, Prepared], ...]
     stop: tuple[tuple[str, str], ...] = ()
-    """Running requests to end now, with the reason (``cancelled``, ``deadline``): the runner
-    answers each with a :class:`Final` holding what it produced so far."""
+    """Running requests to end now, with the reason (``cancelled``, ``deadline``, or
+    :data:`LOST`): the runner answers each with a :class:`Final` holding what it produced so
+    far (for :data:`LOST`, which nobody reads, without streaming it)."""
     preempt: tuple[str, ...] = ()
     """Running requests to free (their memory) and keep aside: they are admitted again
     later, and the runner resumes them (by recomputation). Reported :class:`Preempted`."""
@@ -80,6 +81,10 @@ class Work:
     step_tokens: int | None = None
     """Continuous runners: the per-step token budget from this step on (an operator
     changed it live); None: as it was."""
+
+
+LOST = "lost"
+"""The stop reason of a request another worker took over: not answered, nothing streamed."""
 
 
 @dataclass(frozen=True, slots=True)

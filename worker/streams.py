@@ -283,17 +283,22 @@ class ModelStreams:
                 retrycount=retries, justid=True,
             )  # fmt: skip
 
-    def refresh(self, entries: Sequence[Entry]) -> int:
+    def refresh(self, entries: Sequence[Entry]) -> tuple[int, list[Entry]]:
         """Reset the idle time of these entries where still pending on this consumer, so the
         idle fallback leaves a live worker's long requests alone; no delivery is counted.
-        Returns how many were refreshed."""
+        Returns how many were refreshed, and those now pending on another consumer (taken
+        over: no longer this worker's to answer)."""
         done = 0
+        lost: list[Entry] = []
         for start in range(0, len(entries), REFRESH_CHUNK):
+            chunk = entries[start : start + REFRESH_CHUNK]
             args: list[str | int] = [GROUP, self.consumer]
-            for e in entries[start : start + REFRESH_CHUNK]:
+            for e in chunk:
                 args += [e.lane, e.id]
-            done += int(self._refresh(keys=self.streams, args=args))
-        return done
+            reply = self._refresh(keys=self.streams, args=args)
+            done += int(reply[0])
+            lost += [chunk[int(k)] for k in reply[1:]]
+        return done, lost
 
     def own_pending(self, limit: int = 10_000) -> list[tuple[int, str, int]]:
         """This consumer's pending entries: (lane, id, deliveries)."""

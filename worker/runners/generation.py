@@ -38,6 +38,7 @@ from ..generation.detok import TextStream
 from ..generation.engine import Engine
 from ..generation.sampling import Logprob, Sampling
 from ..runner import (
+    LOST,
     Failed,
     Final,
     Partial,
@@ -299,7 +300,7 @@ class TextGenerationRunner:
             r = self._reqs.get(key)
             if r is not None:
                 self._end(r, reason)
-                events += self._finish(r)
+                events += self._finish(r, stream=reason != LOST)
         for key in work.preempt:
             r = self._reqs.get(key)
             if r is not None and not r.parked:
@@ -408,9 +409,9 @@ class TextGenerationRunner:
         for s in live:
             s.finish = reason
 
-    def _finish(self, r: _Req) -> list[StepEvent]:
+    def _finish(self, r: _Req, stream: bool = True) -> list[StepEvent]:
         """A request's last events: its unsent text (streaming), then its Final."""
-        tail = self._deltas(r, final=True) if r.spec.stream else []
+        tail = self._deltas(r, final=True) if stream and r.spec.stream else []
         return [*tail, self._final(r)]
 
     def _final(self, r: _Req) -> Final:
