@@ -167,7 +167,7 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``result_format``, ``webhook``; for generation ``messages``, ``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``min_new_tokens``, ``logprobs``, ``stop_token_ids``, ``logit_bias``, ``n`` (see
+        ``min_new_tokens``, ``logprobs``, ``stop_token_ids``, ``logit_bias``, ``n``, ``ignore_eos`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

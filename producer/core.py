@@ -115,6 +115,8 @@ class GenerationOptions(TypedDict, total=False):
     """Token id -> -100 … 100, added to its logit before sampling (OpenAI's)."""
     n: int | None
     """1-16 completions per input: the outputs hold ``n`` per input, input by input."""
+    ignore_eos: bool | None
+    """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

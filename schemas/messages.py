@@ -103,7 +103,7 @@ MAX_COMPLETIONS: Final = 16
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
-    "stop_token_ids", "n", "logit_bias",
+    "stop_token_ids", "n", "logit_bias", "ignore_eos",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -173,6 +173,9 @@ class Request(_Strict):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
+    ignore_eos: bool | None = None
+    """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
+    fixed-length outputs); the tokens stay in the output."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).

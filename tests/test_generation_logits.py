@@ -359,3 +359,29 @@ def test_logit_bias_gives_generate_s_tokens_with_its_sequence_bias(
     assert [e["token"] for e in d.finals["f"].outputs[0]["logprobs"]] == [forced] * 5
     (bad,) = runner.prepare_many([req("x", logit_bias={runner.vocab_size: 1.0})])
     assert isinstance(bad, PrepareError) and "logit_bias" in str(bad)
+
+
+def test_ignore_eos_generates_past_the_end_of_sequence(
+    eos_runner: tuple[TextGenerationRunner, int],
+) -> None:
+    # the model's first greedy token ends the sequence; ignored, generation goes on to
+    # max_new_tokens with the tokens a plain greedy loop makes (the end token among them)
+    runner, eos = eos_runner
+    ids = runner.tokenizer(PROMPTS[0]).input_ids
+    made: list[int] = []
+    with torch.inference_mode():
+        for _ in range(9):
+            x = torch.tensor([ids + made], device=runner.torch_device)
+            made.append(int(runner.model(x).logits[0, -1].argmax()))
+    assert made[0] == eos
+    preps = prepare(runner, req("i", max_new_tokens=9, ignore_eos=True, logprobs=0, stream=True),
+                    req("plain", max_new_tokens=9))  # fmt: skip
+    d = Driver(runner)
+    d.step([("i", preps[0]), ("plain", preps[1])])
+    d.run()
+    out = d.finals["i"].outputs[0]
+    assert (out["finish_reason"], out["completion_tokens"]) == ("length", 9)
+    assert [e["token"] for e in out["logprobs"]] == made
+    assert out["text"] == runner.tokenizer.decode(made, skip_special_tokens=True)
+    plain = d.finals["plain"].outputs[0]
+    assert (plain["finish_reason"], plain["completion_tokens"]) == ("stop", 1)

@@ -108,6 +108,7 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "logit_bias": {"5": 101.0}}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"-5": 1.0}}, "json"), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"x": 1.0}}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "ignore_eos": 1}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"1": "2"}}), ErrorCode.INVALID_REQUEST, True),
         (
             _fields({**GOOD, "logit_bias": {str(t): 1.0 for t in range(301)}}),
@@ -204,10 +205,12 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
     assert request.deadline_ms == 60000 and request.webhook is not None and got == "json"
     rules = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
              "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4,
-             "logit_bias": {str(t): (t - 150) / 2 for t in range(0, 300, 3)}, "n": 3}  # fmt: skip
+             "logit_bias": {str(t): (t - 150) / 2 for t in range(0, 300, 3)}, "n": 3,
+             "ignore_eos": True}  # fmt: skip
     request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
     assert {k: getattr(request, k) for k in rules} == rules
-    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5], "n", "logit_bias"]
+    assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5], "n", "logit_bias",
+                                           "ignore_eos"]  # fmt: skip
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------

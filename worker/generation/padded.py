@@ -231,6 +231,8 @@ class _Seq:
     finished: bool = False
     key: int = 0
     """A hash of ``tokens``: sequences with the same tokens share one prefill."""
+    eos: frozenset[int] = frozenset()
+    """The tokens that end it (none: its request ignores end-of-sequence)."""
 
     @property
     def context(self) -> int:
@@ -316,7 +318,8 @@ class PaddedEngine:
         self._cancelled.discard(sequence)
         self._added += 1
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
-                                       order=(priority, self._added), key=hash(tuple(tokens)))  # fmt: skip
+                                       order=(priority, self._added), key=hash(tuple(tokens)),
+                                       eos=frozenset() if sampling.ignore_eos else self.eos)  # fmt: skip
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -555,7 +558,7 @@ class PaddedEngine:
         out = []
         for r, t in zip(self._rows, tokens, strict=True):
             r.generated.append(t)
-            r.finished = t in self.eos or len(r.generated) >= r.max_new
+            r.finished = t in r.eos or len(r.generated) >= r.max_new
             out.append(Output(r.name, list(r.generated), r.finished))
         return out
 
@@ -613,7 +616,7 @@ class PaddedEngine:
         ones (its cache goes too if that token ends it)."""
         del self._waiting[seq.name]
         seq.generated.append(token)
-        seq.finished = token in self.eos or seq.max_new <= 1
+        seq.finished = token in seq.eos or seq.max_new <= 1
         if seq.finished:
             seq.cache = None
         return Output(seq.name, [token], seq.finished)

@@ -90,7 +90,11 @@ class PagedEngine:
         """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused)."""
         self.sampler.add(sequence, sampling, tokens)
         self.manager.add_request(
-            tokens, request_id=sequence, max_new_tokens=max_new_tokens, streaming=True
+            tokens,
+            request_id=sequence,
+            max_new_tokens=max_new_tokens,
+            streaming=True,
+            eos_token_id=-1 if sampling.ignore_eos else None,  # -1: no token ends it
         )
 
     def cancel(self, sequences: Iterable[str]) -> None:

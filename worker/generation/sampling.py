@@ -59,6 +59,8 @@ class Sampling:
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits."""
+    ignore_eos: bool = False
+    """An end-of-sequence token does not end the sequence (the engines read this)."""
     logprobs: int | None = None
     """Keep each token's log-probability and this many alternatives' (None: none)."""
 

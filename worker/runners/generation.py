@@ -258,6 +258,7 @@ class TextGenerationRunner:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 min_new_tokens=at_least,
                 logit_bias=tuple(sorted(bias.items())),
+                ignore_eos=bool(req.ignore_eos),
                 logprobs=req.logprobs,
             ),
             stop=tuple(req.stop or ()),
@@ -339,7 +340,8 @@ class TextGenerationRunner:
                 seq.finish = "stop"
                 self.engine.cancel([seq.name])
             elif out.finished:
-                seq.finish = "stop" if text.tokens and text.tokens[-1] in self.eos else "length"
+                eos = bool(text.tokens) and text.tokens[-1] in self.eos
+                seq.finish = "stop" if eos and not seq.sampling.ignore_eos else "length"
             if seq.finish is not None:
                 by_seq.pop(seq.name, None)
             touched[r.key] = r
