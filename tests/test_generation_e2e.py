@@ -213,7 +213,7 @@ def test_a_request_cancelled_before_it_is_read_never_starts(
     res = result(r, rid)
     assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "cancelled"
     assert res["outputs"][0]["completion_tokens"] == 0
-    assert token_stream(r, rid) == [{b"seq": b"1", b"end": b"1"}]
+    assert token_stream(r, rid) == [{b"life": b"1", b"seq": b"1", b"end": b"1"}]
 
 
 def test_budgets_change_live_by_remote_control(
@@ -260,5 +260,5 @@ def test_lane0_streams_arriving_at_any_moment_all_end(
     for rid in rids:
         assert result(r, rid)["status"] == "ok"
         stream = token_stream(r, rid, timeout=5)
-        assert stream[-1] == {b"seq": str(len(stream)).encode(), b"end": b"1"}
+        assert stream[-1] == {b"life": b"1", b"seq": str(len(stream)).encode(), b"end": b"1"}
     assert b"crashed" not in worker.log.read_bytes()

@@ -1,10 +1,12 @@
 """Text generation end to end: the producers against a real `text-generation` worker process
-(tiny random Llamas), streaming, cancelling, a worker killed mid-generation, and a
+(tiny random Llamas), streaming, cancelling, a worker killed or stalled mid-generation, and a
 generation longer than ``claim_idle_ms`` left with its live worker."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,32 +96,54 @@ def test_async_stream_and_cancel(
     asyncio.run(go())
 
 
-def test_a_worker_killed_mid_generation_is_followed_to_one_result(
-    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_a_worker_lost_mid_generation_is_followed_to_one_result(
+    fault: str,
+    redis_url: str,
+    r: redis.Redis,
+    tiny_lm: Path,
+    start_worker: Callable[..., WorkerProcess],
 ) -> None:
-    # Given a worker generating a long streamed answer (greedy) that is killed part-way
+    # Given a worker generating a long streamed answer (greedy) that is killed part-way, or
+    # stalls (SIGSTOP: a long GC or VM pause) past the heartbeat timeout
     fleet = gen_fleet(redis_url, tiny_lm, heartbeat_timeout_ms=1000)
-    doomed = start_worker(fleet, "gen-doomed")
-    doomed.wait_ready(r, "gen")
+    first = start_worker(fleet, f"gen-{fault}")
+    first.wait_ready(r, "gen")
+    pid = first.process.pid
     with Producer(redis_url) as producer:
-        job = producer.submit("gen", "there were many", max_new_tokens=600, stream=True)
+        job = producer.submit("gen", "there were many", max_new_tokens=2000, stream=True)
         deltas = job.deltas(timeout=120)
         seen = [next(deltas) for _ in range(3)]
-        doomed.kill()
+        os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        try:
+            # When another worker takes the request over and generates it again (and the
+            # stalled one resumes once the heir has streamed)
+            start_worker(fleet, "gen-heir").wait_ready(r, "gen")
+            rest: list[Delta | Restarted] = []
+            for d in deltas:
+                rest.append(d)
+                if isinstance(d, Restarted) and fault == "stalled":
+                    time.sleep(0.3)
+                    os.kill(pid, signal.SIGCONT)
+        finally:
+            if fault == "stalled":
+                os.kill(pid, signal.SIGCONT)
+        result = job.result()
 
-        # When another worker takes the request over and generates it again
-        start_worker(fleet, "gen-heir").wait_ready(r, "gen")
-        rest = list(deltas)
-
-        # Then the reader saw one restart, then the whole text again from seq 1
-        marks = [i for i, d in enumerate(rest) if isinstance(d, Restarted)]
-        assert len(marks) == 1, marks
-        again = [d for d in rest[marks[0] + 1 :] if isinstance(d, Delta)]
-        assert again[0].seq == 1
-        (generation,) = job.result().generations()
-        assert "".join(d.text for d in again) == generation.text
-        assert all(isinstance(d, Delta) for d in seen)
-        assert generation.text.startswith("".join(d.text for d in seen if isinstance(d, Delta)))
+    # Then the reader saw one restart, then the heir's whole text from seq 1 and nothing
+    # else (a stalled worker's later deltas are refused by the token stream), and the
+    # heir's result; a stalled worker dropped the request
+    marks = [i for i, d in enumerate(rest) if isinstance(d, Restarted)]
+    assert len(marks) == 1, marks
+    again = [d for d in rest[marks[0] + 1 :] if isinstance(d, Delta)]
+    assert [d.seq for d in again] == list(range(1, len(again) + 1))
+    (generation,) = result.generations()
+    assert "".join(d.text for d in again) == generation.text
+    assert all(isinstance(d, Delta) for d in seen)
+    assert generation.text.startswith("".join(d.text for d in seen if isinstance(d, Delta)))
+    assert result.timings.worker == "gen-heir"
+    if fault == "stalled":
+        assert "taken over by other workers" in first.log.read_text()
 
 
 def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(

@@ -399,3 +399,24 @@ def test_a_grant_of_lane_0_alone_blocks_briefly(
     # Then the second read blocks no longer than LANE0_ONLY_BLOCK_MS, so a grant for the
     # other lanes made meanwhile is served soon
     assert blocks == [1000, LANE0_ONLY_BLOCK_MS]
+
+
+def test_after_a_silence_past_the_heartbeat_timeout_the_intake_refreshes_at_once(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake (a clock in our hands) holding one entry, refreshed every 60 s
+    now = [100.0]
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    refreshed: list[float] = []
+    monkeypatch.setattr(streams, "heartbeat", lambda ms: None)
+    monkeypatch.setattr(streams, "refresh", lambda entries: (refreshed.append(now[0]), (0, []))[1])
+    worker = WorkerConfig(claim_idle_ms=300_000, heartbeat_timeout_ms=6000)
+    intake = Intake(streams, worker, Limits(), lambda: now[0], print)
+    intake.hold(Holding((Entry(0, "1-0", {}),)))
+    # When it beats every second, then goes silent for 10 s (the process stalled)
+    for t in (100.0, 101.0, 102.0, 112.0, 113.0):
+        now[0] = t
+        intake._beat()
+        intake._refresh()
+    # Then it refreshed when it started, and again as soon as it woke, not 60 s later
+    assert refreshed == [100.0, 112.0]

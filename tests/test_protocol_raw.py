@@ -162,7 +162,8 @@ def test_plain_client_generates_streams_and_cancels(
     entries = read_tokens(r, f"bf:{{gen}}:tokens:{rid}")
     *deltas, last = entries
     assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
-    assert last == {b"seq": str(len(entries)).encode(), b"end": b"1"}
+    assert last == {b"life": b"1", b"seq": str(len(entries)).encode(), b"end": b"1"}
+    assert all(f[b"life"] == b"1" for f in entries)  # its first attempt
     result = json.loads(poll(r, f"bf:{{gen}}:result:{rid}"))
     (out,) = result["outputs"]
     assert result["status"] == "ok" and out["finish_reason"] in ("stop", "length")

@@ -121,3 +121,42 @@ def test_close_never_gives_back_a_connection_with_an_answer_unread(writes: Token
     writes.close()
     assert conn._sock is None  # dropped, not given back connected
     assert writes.streams.client.xlen(writes.streams.keys.tokens("a")) == 1
+
+
+def test_an_earlier_attempt_writes_nothing_once_a_later_one_has_written(
+    writes: TokenWrites, r: redis.Redis
+) -> None:
+    # Given a request's first attempt (life 1) streaming, then taken over by another worker
+    # (life 2) that starts again at seq 1, while the first goes on a little (it stalled)
+    streams = writes.streams
+    sub = r.pubsub()
+    sub.subscribe("chan")
+    sub.get_message(timeout=1)
+
+    def write(life: int, seq: int, text: str | None) -> None:
+        writes.append([TokenWrite("q", seq, 0, text, reply="chan", life=life)])
+
+    write(1, 1, "a")
+    write(1, 2, "b")
+    write(2, 1, "A")  # the new owner's first delta
+    write(1, 3, "c")  # the stalled first attempt resumes: refused...
+    write(1, 4, None)  # ...its end too
+    write(2, 2, "B")
+    write(2, 3, None)
+    # Then the stream holds the first attempt up to the takeover, then only the second's,
+    # each entry with its life first; the refused deltas were not published either
+    entries = _stream(r, streams, "q")
+    assert [(e[b"life"], e[b"seq"], e.get(b"text", b"END")) for e in entries] == [
+        (b"1", b"1", b"a"), (b"1", b"2", b"b"), (b"2", b"1", b"A"), (b"2", b"2", b"B"),
+        (b"2", b"3", b"END"),
+    ]  # fmt: skip
+    assert all(next(iter(e)) == b"life" for e in entries)
+    texts = []
+    while (m := sub.get_message(timeout=0.5)) is not None:
+        if m["type"] == "message":
+            texts.append(msgpack.unpackb(m["data"])["text"])
+    assert texts == ["a", "b", "A", "B"]
+    sub.close()
+    # An unfenced writer (life 0) is never refused, and writes no life
+    writes.append([TokenWrite("q", 4, 0, "z")])
+    assert b"life" not in _stream(r, streams, "q")[-1]

@@ -47,16 +47,20 @@ class StreamTo:
     reply: str | None
     fmt: Format
     seq: int = 0
+    life: int = 0
+    """Which attempt at the request this is (its entry's delivery count): the token stream
+    refuses an earlier attempt's entries once a later one has written (``tokens.lua``)."""
 
     def delta(self, seq: int, chunk: Any) -> Streamed:
         """Delta number ``seq`` (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
         the token stream's end (``chunk`` None)."""
         if not isinstance(chunk, dict):
-            return Streamed(self.request_id, seq, None, self.ttl_s, self.reply, self.fmt)
+            return Streamed(self.request_id, seq, None, self.ttl_s, self.reply, self.fmt,
+                            life=self.life)  # fmt: skip
         lps = chunk.get("logprobs")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
-                        None if lps is None else logprobs_json(lps))  # fmt: skip
+                        None if lps is None else logprobs_json(lps), self.life)  # fmt: skip
 
 
 class DeltaWriter:

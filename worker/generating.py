@@ -118,7 +118,8 @@ class Generating:
         """Where a request's deltas go; ``seq``: the last one sent."""
         req = held.request
         ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
-        return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq)
+        return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq,
+                        held.entry.deliveries)  # fmt: skip
 
     def delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
         """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or

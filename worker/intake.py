@@ -74,6 +74,8 @@ class Intake:
         """The loop's latest snapshot of what it holds (its entries refreshed while held)."""
         self._withheld = False
         """The last refresh was withheld: the device step in flight looks hung."""
+        self._beat_ok = -1e18
+        """When a heartbeat last reached Redis."""
         self._last_refresh = -1e18
         self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
         self._refreshing = threading.Lock()
@@ -204,6 +206,11 @@ class Intake:
             if self._sync_clock is not None:
                 self._sync_clock()
             self.streams.heartbeat(int(self._clock() * 1000))
+            if (now - self._beat_ok) * 1000 > self.worker.heartbeat_timeout_ms:
+                # silent long enough to be judged dead (the process stalled, or Redis was
+                # unreachable): other workers may hold our entries now; find out at once
+                self._last_refresh = -1e18
+            self._beat_ok = now
 
     def _until_due(self) -> float:
         """Seconds until the next heartbeat or refresh is due."""

@@ -98,6 +98,8 @@ class Streamed:
     model: str = ""
     logprobs: str | None = None
     """The delta's ``logprobs`` as JSON text (its request asked for them)."""
+    life: int = 0
+    """The writer's attempt at the request (see :class:`~.deltas.StreamTo`; 0: unfenced)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
@@ -117,10 +119,11 @@ class Streamed:
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
         if self.text is None:  # the end entry sets the final TTL
-            return TokenWrite(self.request_id, self.seq, self.ttl_s)
+            return TokenWrite(self.request_id, self.seq, self.ttl_s, life=self.life)
         ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
-                          self.reply, self.fmt == "json", self.model, self.logprobs)  # fmt: skip
+                          self.reply, self.fmt == "json", self.model, self.logprobs,
+                          self.life)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

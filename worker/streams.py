@@ -83,13 +83,15 @@ class TokenWrite:
     model: str = ""
     logprobs: str | None = None
     """The delta's ``logprobs`` as JSON text (None: its request did not ask)."""
+    life: int = 0
+    """The writer's attempt at the request (its entry's delivery count; 0: unfenced)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
         if self.text is None:
-            return [self.seq, self.ttl_s]
-        item = [self.seq, self.ttl_s, self.input, self.text, self.tokens, self.reply or "",
-                int(self.json), self.request_id, self.model]  # fmt: skip
+            return [self.seq, self.ttl_s, self.life]
+        item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
+                self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
         if self.logprobs is not None:
             item.append(self.logprobs)
         return item

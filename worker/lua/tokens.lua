@@ -7,49 +7,71 @@
 -- KEYS[1..N]  the items' token streams (bf:{model}:tokens:<id>)
 -- ARGV[1]     each stream's approximate MAXLEN
 -- ARGV[2]     a msgpack array of N items, in KEYS order, each an array:
---               {seq, ttl}                                                the stream's end
---               {seq, ttl, input, text, tokens, reply, json, id, model}   a delta
---               {seq, ttl, input, text, tokens, reply, json, id, model, logprobs}
---             ttl: seconds to set (0: leave the TTL); reply: the channel to publish the
---             delta's message on ('' : none); json: 1 (JSON message) or 0 (msgpack);
---             logprobs: the delta's log-probabilities as JSON text (its request asked)
+--               {seq, ttl, life}                                                 the end
+--               {seq, ttl, life, input, text, tokens, reply, json, id, model}    a delta
+--               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs}
+--             ttl: seconds to set (0: leave the TTL); life: the writer's attempt at the
+--             request (its entry's delivery count; 0: unfenced); reply: the channel to
+--             publish the delta's message on ('' : none); json: 1 (JSON message) or 0
+--             (msgpack); logprobs: the delta's log-probabilities as JSON text
 --
--- Entries: seq, input, text, tokens[, logprobs] (a delta) or seq, end = 1. Messages: the
--- Delta of docs/protocol.md (v, kind, id, model, seq, input, text, tokens[, logprobs]).
--- Returns N.
+-- Entries: [life,] seq, input, text, tokens[, logprobs] (a delta) or [life,] seq, end = 1.
+-- Messages: the Delta of docs/protocol.md (v, kind, id, model, seq, input, text, tokens[,
+-- logprobs]). An item whose life is below that of the stream's last entry is dropped,
+-- message too: a worker that lost the request to another (it stalled, or was cut off,
+-- past the fleet's timeouts) writes nothing after the new owner's first entry.
+-- Returns the number of items written.
 local maxlen = ARGV[1]
 local items = cmsgpack.unpack(ARGV[2])
+local written = 0
 for i = 1, #KEYS do
   local it = items[i]
-  local seq, ttl = it[1], it[2]
-  if #it == 2 then
-    redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'seq', seq, 'end', '1')
-  elseif #it == 9 then
-    redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*',
-      'seq', seq, 'input', it[3], 'text', it[4], 'tokens', it[5])
-  else
-    redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*',
-      'seq', seq, 'input', it[3], 'text', it[4], 'tokens', it[5], 'logprobs', it[10])
-  end
-  if ttl > 0 then
-    redis.call('EXPIRE', KEYS[i], ttl)
-  end
-  if #it > 2 and it[6] ~= '' then
-    local body = {v = 1, kind = 'delta', id = it[8], model = it[9], seq = seq,
-                  input = it[3], text = it[4], tokens = it[5]}
-    local message
-    if it[7] == 1 then
-      message = cjson.encode(body)
-      if #it > 9 then  -- spliced in as given: cjson would write an empty list as {}
-        message = string.sub(message, 1, -2) .. ',"logprobs":' .. it[10] .. '}'
-      end
-    else
-      if #it > 9 then
-        body.logprobs = cjson.decode(it[10])
-      end
-      message = cmsgpack.pack(body)
+  local seq, ttl, life = it[1], it[2], it[3]
+  local stale = false
+  if life > 0 then
+    local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
+    if #last > 0 then
+      local f = last[1][2]
+      stale = f[1] == 'life' and tonumber(f[2]) > life
     end
-    redis.call('PUBLISH', it[6], message)
+  end
+  if not stale then
+    written = written + 1
+    local args = {'XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*'}
+    if life > 0 then
+      args[7], args[8] = 'life', life
+    end
+    local n = #args
+    if #it == 3 then
+      args[n + 1], args[n + 2], args[n + 3], args[n + 4] = 'seq', seq, 'end', '1'
+    else
+      args[n + 1], args[n + 2], args[n + 3], args[n + 4] = 'seq', seq, 'input', it[4]
+      args[n + 5], args[n + 6], args[n + 7], args[n + 8] = 'text', it[5], 'tokens', it[6]
+      if #it > 10 then
+        args[n + 9], args[n + 10] = 'logprobs', it[11]
+      end
+    end
+    redis.call(unpack(args))
+    if ttl > 0 then
+      redis.call('EXPIRE', KEYS[i], ttl)
+    end
+    if #it > 3 and it[7] ~= '' then
+      local body = {v = 1, kind = 'delta', id = it[9], model = it[10], seq = seq,
+                    input = it[4], text = it[5], tokens = it[6]}
+      local message
+      if it[8] == 1 then
+        message = cjson.encode(body)
+        if #it > 10 then  -- spliced in as given: cjson would write an empty list as {}
+          message = string.sub(message, 1, -2) .. ',"logprobs":' .. it[11] .. '}'
+        end
+      else
+        if #it > 10 then
+          body.logprobs = cjson.decode(it[11])
+        end
+        message = cmsgpack.pack(body)
+      end
+      redis.call('PUBLISH', it[7], message)
+    end
   end
 end
-return #KEYS
+return written
