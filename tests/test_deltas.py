@@ -76,3 +76,19 @@ def test_the_runner_finishes_its_report_after_the_deltas_and_before_the_loop_has
     ]  # fmt: skip
     done.report.settle()  # once only
     assert rec.log.count(("settled", "s1")) == 1
+
+
+def test_deltas_are_written_checked_while_the_worker_may_have_been_taken_for_dead() -> None:
+    # (tokens.lua checks a negative life against the stream's last entry: only then)
+    lives: list[int] = []
+    suspect = [False]
+    w = DeltaWriter(lambda items: lives.extend(it.life for it in items), lambda done: None,
+                    suspect=lambda: suspect[0])  # fmt: skip
+    w.expect([StreamTo("a", "id-a", "m", 60, None, "msgpack", 0, life=2)])
+    w.post(step("s1", Partial("a", chunk("x"))))
+    suspect[0] = True
+    w.post(step("s2", Partial("a", chunk("y"))))
+    suspect[0] = False
+    w.post(step("s3", Partial("a", chunk("z"))))
+    assert lives == [2, -2, 2]
+    assert StreamTo("a", "id-a", "m", 60, None, "msgpack", 3, life=2).delta(4, None).life == -2

@@ -414,9 +414,15 @@ def test_after_a_silence_past_the_heartbeat_timeout_the_intake_refreshes_at_once
     intake = Intake(streams, worker, Limits(), lambda: now[0], print)
     intake.hold(Holding((Entry(0, "1-0", {}),)))
     # When it beats every second, then goes silent for 10 s (the process stalled)
-    for t in (100.0, 101.0, 102.0, 112.0, 113.0):
+    suspect: dict[float, bool] = {}
+    for t in (100.0, 101.0, 102.0, 111.9, *(112.0 + k for k in range(11)), 122.5):
         now[0] = t
-        intake._beat()
-        intake._refresh()
-    # Then it refreshed when it started, and again as soon as it woke, not 60 s later
+        if t != 111.9:  # (asleep at 111.9)
+            intake._beat()
+            intake._refresh()
+        suspect[t] = intake.suspect()
+    # Then it refreshed when it started, and again as soon as it woke, not 60 s later; its
+    # token writes are checked in the grace after its first beat, through the silence, and
+    # for SUSPECT_GRACE_S after it
     assert refreshed == [100.0, 112.0]
+    assert [t for t, s in suspect.items() if not s] == [122.0, 122.5]

@@ -133,8 +133,8 @@ def test_an_earlier_attempt_writes_nothing_once_a_later_one_has_written(
     sub.subscribe("chan")
     sub.get_message(timeout=1)
 
-    def write(life: int, seq: int, text: str | None) -> None:
-        writes.append([TokenWrite("q", seq, 0, text, reply="chan", life=life)])
+    def write(life: int, seq: int, text: str | None) -> None:  # checked: negative life
+        writes.append([TokenWrite("q", seq, 0, text, reply="chan", life=-life)])
 
     write(1, 1, "a")
     write(1, 2, "b")
@@ -157,6 +157,8 @@ def test_an_earlier_attempt_writes_nothing_once_a_later_one_has_written(
             texts.append(msgpack.unpackb(m["data"])["text"])
     assert texts == ["a", "b", "A", "B"]
     sub.close()
-    # An unfenced writer (life 0) is never refused, and writes no life
-    writes.append([TokenWrite("q", 4, 0, "z")])
+    # An unchecked write (positive life) is not refused; one without a life writes none
+    writes.append([TokenWrite("q", 5, 0, "y", life=1)])
+    assert _stream(r, streams, "q")[-1][b"life"] == b"1"
+    writes.append([TokenWrite("q", 6, 0, "z")])
     assert b"life" not in _stream(r, streams, "q")[-1]

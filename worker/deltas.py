@@ -49,14 +49,17 @@ class StreamTo:
     seq: int = 0
     life: int = 0
     """Which attempt at the request this is (its entry's delivery count): the token stream
-    refuses an earlier attempt's entries once a later one has written (``tokens.lua``)."""
+    refuses an earlier attempt's entries once a later one has written (``tokens.lua``, for
+    the entries it is asked to check: a stream's end always, deltas when the worker may
+    have been taken for dead, see :class:`DeltaWriter`)."""
 
     def delta(self, seq: int, chunk: Any) -> Streamed:
         """Delta number ``seq`` (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
         the token stream's end (``chunk`` None)."""
-        if not isinstance(chunk, dict):
-            return Streamed(self.request_id, seq, None, self.ttl_s, self.reply, self.fmt,
-                            life=self.life)  # fmt: skip
+        if not isinstance(chunk, dict):  # an end is always checked: a negative life
+            return Streamed(
+                self.request_id, seq, None, self.ttl_s, self.reply, self.fmt, life=-self.life
+            )
         lps = chunk.get("logprobs")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
@@ -72,9 +75,14 @@ class DeltaWriter:
         self,
         stream: Callable[[Sequence[Streamed]], None],
         then: Callable[[StepDone], None],
+        suspect: Callable[[], bool] = lambda: False,
     ) -> None:
         self._stream = stream
         self._then = then
+        self._suspect = suspect
+        """Whether this worker may have been taken for dead lately (the intake's
+        :meth:`~.intake.Intake.suspect`): its deltas are then written checked against a
+        later attempt's (``tokens.lua``); otherwise unchecked, at no cost."""
         self._expected: queue.SimpleQueue[Sequence[StreamTo]] = queue.SimpleQueue()
         self._to: dict[str, StreamTo] = {}
         """Device thread: the streaming requests on the device..."""
@@ -111,6 +119,9 @@ class DeltaWriter:
         # sent before the step's end reaches the loop, which ends streams (the sink reads
         # Redis's answer to this before it writes anything the loop hands it)
         if out:
+            if self._suspect():
+                for it in out:
+                    it.life = -it.life
             self._stream(out)
         done.report.settle()  # the runner's work left for after the deltas
         self._then(done)

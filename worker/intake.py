@@ -30,6 +30,8 @@ from .streams import Entry, ModelStreams, Retiring
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
+SUSPECT_GRACE_S = 10.0
+"""After a heartbeat silence, token writes stay checked this long (:meth:`Intake.suspect`)."""
 LANE0_ONLY_BLOCK_MS = 50
 """The longest blocking read under a grant of lane 0 alone (a generating worker's lane-0
 reserve while lower lanes fill its hold)."""
@@ -76,6 +78,8 @@ class Intake:
         """The last refresh was withheld: the device step in flight looks hung."""
         self._beat_ok = -1e18
         """When a heartbeat last reached Redis."""
+        self._silence_s = min(worker.heartbeat_timeout_ms / 1000, 1.5 * HEARTBEAT_EVERY_S)
+        self._suspect_until = -1e18
         self._last_refresh = -1e18
         self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
         self._refreshing = threading.Lock()
@@ -206,11 +210,20 @@ class Intake:
             if self._sync_clock is not None:
                 self._sync_clock()
             self.streams.heartbeat(int(self._clock() * 1000))
-            if (now - self._beat_ok) * 1000 > self.worker.heartbeat_timeout_ms:
+            if now - self._beat_ok > self._silence_s:
                 # silent long enough to be judged dead (the process stalled, or Redis was
                 # unreachable): other workers may hold our entries now; find out at once
                 self._last_refresh = -1e18
+                self._suspect_until = now + SUSPECT_GRACE_S
             self._beat_ok = now
+
+    def suspect(self) -> bool:
+        """Whether other workers may have taken this one for dead lately: no heartbeat has
+        reached Redis for ``heartbeat_timeout_ms`` (or 1.5 s, if shorter) now, or there
+        was such a silence in the last ``SUSPECT_GRACE_S`` (until the loop has dropped
+        what it lost). Its token writes are then checked (``tokens.lua``). Any thread."""
+        now = self._clock()
+        return now - self._beat_ok > self._silence_s or now < self._suspect_until
 
     def _until_due(self) -> float:
         """Seconds until the next heartbeat or refresh is due."""

@@ -95,7 +95,8 @@ def redis_parts(
     if not is_continuous(runner):
         device = Executor(runner, clock, inbox.put, name=f"device-{model}")
         return Parts(clock, inbox, source, device, sink)
-    deltas = DeltaWriter(sink.stream_now, inbox.put)  # a step's deltas leave before its end
+    # a step's deltas leave before its end
+    deltas = DeltaWriter(sink.stream_now, inbox.put, suspect=source.suspect)
     device = Executor(runner, clock, deltas.post, name=f"device-{model}")
     cancels = CancelWatch(streams, inbox.put, name=f"cancels-{model}")
     return Parts(clock, inbox, source, device, sink, cancels, deltas)

@@ -99,7 +99,8 @@ class Streamed:
     logprobs: str | None = None
     """The delta's ``logprobs`` as JSON text (its request asked for them)."""
     life: int = 0
-    """The writer's attempt at the request (see :class:`~.deltas.StreamTo`; 0: unfenced)."""
+    """The writer's attempt at the request (see :class:`~.deltas.StreamTo`; 0: none),
+    negative where ``tokens.lua`` checks it against the stream's last entry."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:

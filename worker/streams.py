@@ -84,7 +84,8 @@ class TokenWrite:
     logprobs: str | None = None
     """The delta's ``logprobs`` as JSON text (None: its request did not ask)."""
     life: int = 0
-    """The writer's attempt at the request (its entry's delivery count; 0: unfenced)."""
+    """The writer's attempt at the request (its entry's delivery count; 0: none), negative
+    where ``tokens.lua`` is to check it against the stream's last entry's."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""

@@ -11,15 +11,18 @@
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model}    a delta
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs}
 --             ttl: seconds to set (0: leave the TTL); life: the writer's attempt at the
---             request (its entry's delivery count; 0: unfenced); reply: the channel to
+--             request (its entry's delivery count; 0: none), negative to be checked
+--             (below); reply: the channel to
 --             publish the delta's message on ('' : none); json: 1 (JSON message) or 0
 --             (msgpack); logprobs: the delta's log-probabilities as JSON text
 --
 -- Entries: [life,] seq, input, text, tokens[, logprobs] (a delta) or [life,] seq, end = 1.
 -- Messages: the Delta of docs/protocol.md (v, kind, id, model, seq, input, text, tokens[,
--- logprobs]). An item whose life is below that of the stream's last entry is dropped,
--- message too: a worker that lost the request to another (it stalled, or was cut off,
--- past the fleet's timeouts) writes nothing after the new owner's first entry.
+-- logprobs]). A checked item whose life is below that of the stream's last entry is
+-- dropped, message too: a worker that lost the request to another (it stalled, or was cut
+-- off, past the fleet's timeouts) writes nothing after the new owner's first entry. The
+-- worker asks for the check where it may have been taken for dead (and for every end):
+-- it costs an XREVRANGE.
 -- Returns the number of items written.
 local maxlen = ARGV[1]
 local items = cmsgpack.unpack(ARGV[2])
@@ -28,7 +31,8 @@ for i = 1, #KEYS do
   local it = items[i]
   local seq, ttl, life = it[1], it[2], it[3]
   local stale = false
-  if life > 0 then
+  if life < 0 then
+    life = -life
     local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
     if #last > 0 then
       local f = last[1][2]
