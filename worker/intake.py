@@ -109,7 +109,7 @@ class Intake:
             logger.info(
                 "%d entries pending from a previous life: taking them again", len(self._own)
             )
-        self._connected_since = self._clock()
+        self._connected_since = self._beat_ok = self._clock()  # (a fresh start: no silence)
         self._beat(force=True)
         self._thread.start()
 
