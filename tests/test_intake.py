@@ -401,17 +401,25 @@ def test_a_grant_of_lane_0_alone_blocks_briefly(
     assert blocks == [1000, LANE0_ONLY_BLOCK_MS]
 
 
-def test_after_a_silence_past_the_heartbeat_timeout_the_intake_refreshes_at_once(
-    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Given an intake (a clock in our hands) holding one entry, refreshed every 60 s
+def clocked_intake(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch, worker: WorkerConfig
+) -> tuple[Intake, list[float], list[float]]:
+    """An intake not started, its clock (``now[0]``) in the test's hands, whose heartbeats
+    go nowhere and whose refreshes are recorded (when)."""
     now = [100.0]
     streams = ModelStreams(r, MODEL, 3, "w1")
     refreshed: list[float] = []
     monkeypatch.setattr(streams, "heartbeat", lambda ms: None)
     monkeypatch.setattr(streams, "refresh", lambda entries: (refreshed.append(now[0]), (0, []))[1])
+    return Intake(streams, worker, Limits(), lambda: now[0], print), now, refreshed
+
+
+def test_after_a_silence_past_the_heartbeat_timeout_the_intake_refreshes_at_once(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake (a clock in our hands) holding one entry, refreshed every 60 s
     worker = WorkerConfig(claim_idle_ms=300_000, heartbeat_timeout_ms=6000)
-    intake = Intake(streams, worker, Limits(), lambda: now[0], print)
+    intake, now, refreshed = clocked_intake(r, monkeypatch, worker)
     intake.hold(Holding((Entry(0, "1-0", {}),)))
     # When it beats every second, then goes silent for 10 s (the process stalled)
     suspect: dict[float, bool] = {}
@@ -426,3 +434,26 @@ def test_after_a_silence_past_the_heartbeat_timeout_the_intake_refreshes_at_once
     # for SUSPECT_GRACE_S after it
     assert refreshed == [100.0, 112.0]
     assert [t for t, s in suspect.items() if not s] == [122.0, 122.5]
+
+
+def test_when_a_hung_step_ends_the_intake_refreshes_at_once_and_checks_token_writes(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an intake beating every second, refreshing every 10 s, whose loop's device step
+    # starts at 100 s and hangs past claim_idle_ms (40 s) until 155 s
+    intake, now, refreshed = clocked_intake(r, monkeypatch, WorkerConfig(claim_idle_ms=40_000))
+    intake._beat_ok = 99.0  # (started and beating)
+    entry = Entry(0, "1-0", {})
+    intake.hold(Holding((entry,), 100.0))
+    suspect: dict[float, bool] = {}
+    for k in range(71):
+        now[0] = 100.0 + k
+        if now[0] == 155.0:  # the step ends; the next one starts at once
+            intake.hold(Holding((entry,), 155.0))
+        intake._beat()
+        intake._refresh()
+        suspect[now[0]] = intake.suspect()
+    # Then refreshes stop once it hangs (150 s), and come again the moment it ends (not at
+    # the next 10 s mark); token writes are checked while it hangs and SUSPECT_GRACE_S after
+    assert refreshed == [100.0, 110.0, 120.0, 130.0, 140.0, 155.0, 165.0]
+    assert [t for t, s in suspect.items() if s] == [150.0 + k for k in range(15)]

@@ -78,7 +78,8 @@ class Intake:
         """The last refresh was withheld: the device step in flight looks hung."""
         self._beat_ok = -1e18
         """When a heartbeat last reached Redis."""
-        self._silence_s = min(worker.heartbeat_timeout_ms / 1000, 1.5 * HEARTBEAT_EVERY_S)
+        self._silence_s = 0.8 * worker.heartbeat_timeout_ms / 1000
+        """A heartbeat silence this long may have made others take this worker for dead."""
         self._suspect_until = -1e18
         self._last_refresh = -1e18
         self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
@@ -133,7 +134,14 @@ class Intake:
         reset every ``claim_idle_ms / 4`` while held, unless its device step hangs."""
         was = self._holding  # written by the loop thread only (here and in release)
         self._holding = holding  # one reference swapped: the thread reads whole snapshots
-        if holding.entries and not was.entries:  # the thread may sleep until its next beat
+        if self._withheld and holding.busy_since != was.busy_since:
+            # the hung step ended: what the idle fallback gave away meanwhile is found out
+            # at once, and the token writes stay checked until the loop dropped it
+            self._suspect_until = self._clock() + SUSPECT_GRACE_S
+            self._last_refresh = -1e18
+            with self._cond:
+                self._cond.notify()
+        elif holding.entries and not was.entries:  # the thread may sleep until its next beat
             with self._cond:
                 self._cond.notify()
 
@@ -218,12 +226,15 @@ class Intake:
             self._beat_ok = now
 
     def suspect(self) -> bool:
-        """Whether other workers may have taken this one for dead lately: no heartbeat has
-        reached Redis for ``heartbeat_timeout_ms`` (or 1.5 s, if shorter) now, or there
-        was such a silence in the last ``SUSPECT_GRACE_S`` (until the loop has dropped
-        what it lost). Its token writes are then checked (``tokens.lua``). Any thread."""
+        """Whether other workers may have taken requests of this one lately: no heartbeat
+        has reached Redis for most of ``heartbeat_timeout_ms`` now, its device step hangs
+        (refreshes withheld), or either happened in the last ``SUSPECT_GRACE_S`` (until the
+        loop has dropped what it lost). Its token writes are then checked (``tokens.lua``).
+        Any thread."""
         now = self._clock()
-        return now - self._beat_ok > self._silence_s or now < self._suspect_until
+        return (
+            now - self._beat_ok > self._silence_s or self._withheld or now < self._suspect_until
+        )
 
     def _until_due(self) -> float:
         """Seconds until the next heartbeat or refresh is due."""
