@@ -272,6 +272,12 @@ def test_deadline_before_start_expires_and_mid_generation_stops() -> None:
     assert r.result("behind").status == "expired"
     (end,) = r.sink.streamed["behind"]  # its token stream ends, though nothing streamed
     assert end.delta is None and end.seq == 1
+    # Every answer is stored as this attempt's (finish.lua's fence), a streaming one's
+    # with its stream's end, written in the same call
+    sent = {a.result.id: a for batch in r.sink.sent for a in batch}
+    assert sent["long"].fenced and sent["long"].end is None
+    assert sent["behind"].fenced and sent["behind"].end is not None
+    assert sent["behind"].end.seq == 1 and sent["behind"].end.life == -1
 
 
 def test_cancel_answers_a_waiting_request_now_and_stops_a_running_one() -> None:

@@ -331,6 +331,76 @@ def test_finish_retried_after_a_lost_reply_is_its_own_write(r: redis.Redis) -> N
     assert next_message(pubsub, 1) is None, "published once"
 
 
+def test_a_generation_attempt_taken_over_stores_nothing_and_its_heir_answers(
+    r: redis.Redis,
+) -> None:
+    from batchfleet.worker.streams import DUPLICATE, STORED, SUPERSEDED, Finish, TokenWrite
+
+    # Given a generation request read by w1, then taken over by w2 (the idle fallback)
+    # while w1 stalled; w1 resumes and finishes its attempt (life 1) first
+    first = ModelStreams(r, MODEL, 3, "w1")
+    first.ensure_groups()
+    heir = ModelStreams(r, MODEL, 3, "w2")
+    r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    (entry,) = first.read({0: 1}, None)
+    r.xclaim(KEYS.lane(0), GROUP, "w2", 0, [entry.id])
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("c")
+    tokens = KEYS.tokens("rid")
+
+    def attempt(payload: bytes, life: int, seq: int) -> Finish:
+        end = TokenWrite("rid", seq, 60, life=-life)  # as the loop builds it: checked
+        return Finish(entry, "rid", payload, 60, "c", fenced=True, end=end)
+
+    # Then w1 writes nothing: no result, no stream end, no message, and the entry stays
+    # pending on w2
+    assert first.finish([attempt(b"first", 1, 4)]) == [SUPERSEDED]
+    assert r.get(KEYS.result("rid")) is None and r.xlen(tokens) == 0
+    (pending,) = r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 10)
+    assert pending["consumer"] == b"w2"
+    assert next_message(pubsub, 0.5) is None
+    # And the heir stores its result with its stream's end, in one step, and acks
+    assert heir.finish([attempt(b"second", 2, 2)]) == [STORED]
+    assert r.get(KEYS.result("rid")) == b"second"
+    ((_, end),) = r.xrange(tokens)
+    assert end == {b"life": b"2", b"seq": b"2", b"end": b"1"} and 0 < r.ttl(tokens) <= 60
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+    assert next_message(pubsub, 2)["data"] == b"second"
+    # Once the heir has answered, w1 is still behind it (the stream's last entry is the
+    # heir's); an attempt that did not stream finds the heir's result, which stands
+    assert first.finish([attempt(b"first", 1, 4)]) == [SUPERSEDED]
+    plain = Finish(entry, "rid", b"first", 60, "c", fenced=True)
+    assert first.finish([plain]) == [DUPLICATE]
+    assert r.get(KEYS.result("rid")) == b"second" and r.xlen(tokens) == 1
+    assert next_message(pubsub, 2)["data"] == b"second", "published again for w1's entry"
+    assert heir.finish([attempt(b"second", 2, 2)]) == [STORED], "a retry: its own write"
+    assert r.xlen(tokens) == 1, "a retried call appends no second end"
+
+
+def test_a_generation_attempt_behind_a_later_one_in_its_token_stream_stores_nothing(
+    r: redis.Redis,
+) -> None:
+    from batchfleet.worker.streams import STORED, SUPERSEDED, Finish, TokenWrite
+
+    # Given an entry pending on this worker (life 1), whose token stream a later attempt
+    # (life 2) has written to meanwhile
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups()
+    r.xadd(KEYS.lane(0), {"msgpack": b"x"})
+    r.xadd(KEYS.lane(0), {"msgpack": b"y"})
+    one, two = streams.read({0: 2}, None)
+    r.xadd(KEYS.tokens("a"), {"life": 2, "seq": 1, "input": 0, "text": "A", "tokens": 1})
+    end = TokenWrite("a", 3, 60, life=-1)
+    # Then its streamed attempt stores nothing
+    assert streams.finish([Finish(one, "a", b"1", 60, None, True, end)]) == [SUPERSEDED]
+    assert r.get(KEYS.result("a")) is None and r.xlen(KEYS.tokens("a")) == 1
+    # While an attempt that does not stream is checked by its entry alone, and an encoder's
+    # result (not fenced) by nothing: first result stands
+    assert streams.finish([Finish(two, "b", b"2", 60, None, True)]) == [STORED]
+    assert not r.exists(KEYS.tokens("b"))
+    assert streams.finish([Finish(one, "c", b"3", 60, None)]) == [STORED]
+
+
 def test_results_wait_out_a_redis_that_refuses_writes(r: redis.Redis) -> None:
     from batchfleet.worker.answers import Outgoing
     from batchfleet.worker.observers import Observers

@@ -17,7 +17,7 @@ from ..schemas.errors import ErrorCode
 from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings, Usage
 from .observers import Reply
 from .runner import Prepared
-from .streams import Entry, Finish
+from .streams import Entry, Finish, TokenWrite
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ class Outgoing:
     fmt: Format
     ttl_s: int
     reply_to: str | None
+    fenced: bool = False
+    """A generation's attempt (see :class:`~.streams.Finish`)."""
+    end: TokenWrite | None = None
+    """Its token stream's end, written with the result."""
 
     def encode(self) -> tuple[Finish, Reply]:
         """The bytes to store, and what observers hear once they are stored."""
@@ -63,7 +67,8 @@ class Outgoing:
             result = result.model_copy(update={"status": "error", "outputs": None,
                                                "truncated": None, "error": error})  # fmt: skip
             payload = encode_result(result, self.fmt)
-        finish = Finish(self.entry, result.id, payload, self.ttl_s, self.reply_to)
+        finish = Finish(self.entry, result.id, payload, self.ttl_s, self.reply_to, self.fenced,
+                        self.end)  # fmt: skip
         return finish, Reply(self.entry.lane, self.request, result, True)
 
 

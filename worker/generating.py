@@ -9,6 +9,7 @@ the request state is the :class:`~.gen_scheduler.GenScheduler`'s.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..config import ModelConfig
@@ -67,7 +68,6 @@ class Generating:
             next_step()
         now = self._clock()
         out: list[Outgoing] = []
-        ends: list[Streamed] = []
         failed = 0
         for ev in done.report.events:
             r = named.get(ev.key)
@@ -77,29 +77,25 @@ class Generating:
             run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
             if isinstance(ev, Final) and len(ev.outputs) != held.request.output_count:
                 failed += 1
-                if held.request.stream:
-                    ends.append(self.delta(held, r.seq + 1, None))
                 message = (
                     f"runner returned {len(ev.outputs)} outputs for "
                     f"{held.request.output_count} expected"
                 )
-                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
+                answer = self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now)
             elif isinstance(ev, Final):
-                out.append(self.answers.generated(run, held, ev.outputs, r.first_token_at, now))
-                if held.request.stream:
-                    ends.append(self.delta(held, r.seq + 1, None))
+                answer = self.answers.generated(run, held, ev.outputs, r.first_token_at, now)
             elif isinstance(ev, Failed):
                 failed += 1
-                out.append(self.answers.failed(run, held, ev.code, ev.message, now))
-                if held.request.stream:
-                    ends.append(self.delta(held, r.seq + 1, None))
+                answer = self.answers.failed(run, held, ev.code, ev.message, now)
+            else:
+                continue
+            out.append(self.attempt(answer, held, r.seq + 1))
         self.observers.notify(
             BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
         )  # fmt: skip
         self.observers.notify(self._state(done))
         sink.send(out)
-        sink.stream(ends)
 
     def _state(self, done: StepDone) -> Generated:
         assert self.scheduler is not None
@@ -120,6 +116,12 @@ class Generating:
         ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
         return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq,
                         held.entry.deliveries)  # fmt: skip
+
+    def attempt(self, answer: Outgoing, held: Held, seq: int) -> Outgoing:
+        """``answer``, stored as this attempt's at the request (see ``finish.lua``) with
+        its token stream's end (number ``seq``) if it streams."""
+        end = self.delta(held, seq, None).write() if held.request.stream else None
+        return replace(answer, fenced=True, end=end)
 
     def delta(self, held: Held, seq: int, chunk: Any) -> Streamed:
         """A delta message (``chunk``: the runner's ``{"input", "text", "tokens"}``), or
@@ -143,16 +145,12 @@ class Generating:
         wanted = set(request_ids)
         now = self._clock()
         out: list[Outgoing] = []
-        ends: list[Streamed] = []
         for held in self.scheduler.watched():
             if held.request.id in wanted:
                 waiting = self.scheduler.stop(held.waiting.key, "cancelled")
                 if waiting is not None:
-                    out.append(self.answers.cancelled(waiting, now))
-                    if waiting.request.stream:
-                        ends.append(self.delta(waiting, 1, None))
+                    out.append(self.attempt(self.answers.cancelled(waiting, now), waiting, 1))
         self.parts.sink.send(out)
-        self.parts.sink.stream(ends)
 
     def lose(self, keys: set[str]) -> int:
         """These requests were taken over by other workers: drop the waiting ones, end the
@@ -164,10 +162,6 @@ class Generating:
         for key in held:
             self.scheduler.lose(key)
         return len(held)
-
-    def expired(self, expired: Sequence[Held]) -> None:
-        """Requests answered ``expired`` (never started): their token streams end too."""
-        self.parts.sink.stream([self.delta(h, 1, None) for h in expired if h.request.stream])
 
     def watch(self) -> None:
         """Tell the cancel watcher which requests may be cancelled now."""

@@ -232,9 +232,7 @@ class Intake:
         loop has dropped what it lost). Its token writes are then checked (``tokens.lua``).
         Any thread."""
         now = self._clock()
-        return (
-            now - self._beat_ok > self._silence_s or self._withheld or now < self._suspect_until
-        )
+        return now - self._beat_ok > self._silence_s or self._withheld or now < self._suspect_until
 
     def _until_due(self) -> float:
         """Seconds until the next heartbeat or refresh is due."""

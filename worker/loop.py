@@ -572,9 +572,12 @@ class BatchLoop:
         return decision
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
-        self.parts.sink.send([self.answers.expired(h, now) for h in expired])
-        if self.continuous:
-            self.generating.expired(expired)
+        answers = [self.answers.expired(h, now) for h in expired]
+        if self.continuous:  # stored as this attempt's, with the token stream's end
+            answers = [
+                self.generating.attempt(a, h, 1) for a, h in zip(answers, expired, strict=True)
+            ]
+        self.parts.sink.send(answers)
         self.observers.notify(
             Expired(self.model, tuple(h.request.id for h in expired),
                     tuple(h.entry.lane for h in expired), now)

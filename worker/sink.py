@@ -26,7 +26,7 @@ from ..schemas.codec import delta_fields, encode_delta, end_fields, logprobs_jso
 from ..schemas.messages import Delta, Format
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
-from .streams import Entry, ModelStreams, Retiring, TokenWrite
+from .streams import STORED, SUPERSEDED, Entry, ModelStreams, Retiring, TokenWrite
 from .token_writes import Sent, TokenWrites
 
 logger = logging.getLogger(__name__)
@@ -330,10 +330,13 @@ class RedisSink:
             encoded = [a.encode() for a in job.answers]
             stored = self.streams.finish([f for f, _ in encoded])
             self._done(job)
-            replies = [
-                reply if s else replace(reply, stored=False)
-                for (_, reply), s in zip(encoded, stored, strict=True)
-            ]
+            replies = []
+            for (_, reply), s in zip(encoded, stored, strict=True):
+                if s == SUPERSEDED:
+                    logger.info("request %s: not answered, another worker has taken it over",
+                                reply.result.id)  # fmt: skip
+                else:
+                    replies.append(reply if s == STORED else replace(reply, stored=False))
             self.observers.notify(Answered(self.streams.keys.model, replies))
         elif isinstance(job, _Tokens):
             self.streams.append_tokens([it.write() for it in job.items])
@@ -400,6 +403,10 @@ class MemorySink:
                 new = f.request_id not in self.results
                 if new:
                     self.results[f.request_id] = f.payload
+                    if f.end is not None:  # appended with the result, as finish.lua does
+                        end = f.end
+                        self.stream([Streamed(f.request_id, end.seq, None, end.ttl_s, None,
+                                              a.fmt, life=end.life)])  # fmt: skip
                 stored = self.results[f.request_id]
                 if f.reply:  # first result, or the stored one again for a duplicate entry
                     self.published.setdefault(f.reply, []).append(stored)

@@ -107,6 +107,15 @@ class Finish:
     payload: bytes
     ttl_s: int
     reply: str | None
+    fenced: bool = False
+    """A generation's attempt: stored only if not superseded (see ``finish.lua``)."""
+    end: TokenWrite | None = None
+    """The token stream's end, appended with the result (a streamed generation)."""
+
+
+STORED, DUPLICATE, SUPERSEDED = 1, 0, 2
+"""What :meth:`ModelStreams.finish` did with a result: stored it, found another one stored
+(which stands), or stored nothing (a later attempt at the request owns it now)."""
 
 
 class ModelStreams:
@@ -394,19 +403,23 @@ class ModelStreams:
         found = self.client.mget([self.keys.cancel(r) for r in request_ids])
         return [r for r, v in zip(request_ids, found, strict=True) if v is not None]
 
-    def finish(self, items: Sequence[Finish]) -> list[bool]:
+    def finish(self, items: Sequence[Finish]) -> list[int]:
         """Store, publish and ack many results in one round trip (one script call per
-        ``FINISH_CHUNK`` results); True where newly stored."""
-        out: list[bool] = []
+        ``FINISH_CHUNK`` results); for each, ``STORED``, ``DUPLICATE`` or ``SUPERSEDED``."""
+        out: list[int] = []
         for start in range(0, len(items), FINISH_CHUNK):
             chunk = items[start : start + FINISH_CHUNK]
             keys = [self.keys.result(it.request_id) for it in chunk] + self.streams
-            args: list[str | bytes | int] = [GROUP, len(chunk)]
+            keys += [self.keys.tokens(it.request_id) for it in chunk]
+            args: list[str | bytes | int] = [GROUP, len(chunk), self.consumer, TOKENS_MAXLEN]
             for it in chunk:
-                args += [it.entry.id, it.entry.lane, it.payload, it.ttl_s, it.reply or ""]
+                end = it.end
+                args += [it.entry.id, it.entry.lane, it.payload, it.ttl_s, it.reply or "",
+                         int(it.fenced), "" if end is None else end.seq,
+                         0 if end is None else abs(end.life)]  # fmt: skip
             # Called directly, not on a pipeline: a pipeline holding a script first asks
             # SCRIPT EXISTS, a second round trip each time.
-            out += [bool(x) for x in self._finish(keys=keys, args=args)]
+            out += [int(x) for x in self._finish(keys=keys, args=args)]
         return out
 
     def dead_letter(self, entry: Entry, code: str, reason: str, worker: str, maxlen: int) -> str:
