@@ -165,9 +165,10 @@ class Producer(ProducerShell[SyncClient, Job]):
 
         Options: ``priority``, ``deadline_ms``, ``metadata``, ``result_ttl_s``, ``request_id``,
         ``result_format``, ``webhook``; for generation ``messages``, ``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stream``,
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``stream``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``min_new_tokens``, ``logprobs``, ``stop_token_ids``, ``logit_bias``, ``n``, ``ignore_eos`` (see
+        ``min_new_tokens``, ``logprobs``, ``stop_token_ids``, ``logit_bias``, ``n``, ``ignore_eos``,
+        ``include_stop_str_in_output``, ``truncate_prompt_tokens`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

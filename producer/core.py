@@ -92,6 +92,8 @@ class GenerationOptions(TypedDict, total=False):
     """0 (the default) decodes greedily; above 0 it samples."""
     top_p: float | None
     top_k: int | None
+    min_p: float | None
+    """Sample only tokens at least this fraction as likely as the likeliest (vLLM's)."""
     seed: int | None
     """Sampling seed: the same request and seed give the same text."""
     stop: str | Sequence[str] | None
@@ -116,6 +118,10 @@ class GenerationOptions(TypedDict, total=False):
     n: int | None
     """1-16 completions per input: the outputs hold ``n`` per input, input by input."""
     ignore_eos: bool | None
+    include_stop_str_in_output: bool | None
+    """A text ended by a stop string keeps it (vLLM's)."""
+    truncate_prompt_tokens: int | None
+    """Keep only each prompt's last this many tokens (vLLM's)."""
     """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
 
 

@@ -103,7 +103,8 @@ MAX_COMPLETIONS: Final = 16
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
-    "stop_token_ids", "n", "logit_bias", "ignore_eos",
+    "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
+    "include_stop_str_in_output", "truncate_prompt_tokens",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -146,6 +147,9 @@ class Request(_Strict):
     """0 (the default) is greedy decoding; above 0, sampling."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=1_000_000)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """vLLM's and HF's: sample only tokens at least ``min_p`` times as likely as the
+    likeliest (after temperature; 0: no limit)."""
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     """Sampling seed: the same request with the same seed gives the same text."""
     stop: list[str] | None = None
@@ -174,6 +178,11 @@ class Request(_Strict):
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    """vLLM's: a text ended by a stop string keeps it (default: cut before it)."""
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """vLLM's: keep only each prompt's last this many tokens (a chat's too, after its
+    template): a longer prompt is cut rather than refused."""
     """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
     fixed-length outputs); the tokens stay in the output."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)

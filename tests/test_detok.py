@@ -58,6 +58,23 @@ def test_a_stop_string_is_never_released(tok, text: str, stop: str) -> None:  # 
     assert stop not in released
 
 
+def test_a_kept_stop_string_ends_the_text(tok) -> None:  # type: ignore[no-untyped-def]
+    ids = tok("one two three four")["input_ids"]
+    text = tok.decode(ids)
+    # token by token, "two" completes first and ends the text, kept
+    stream = TextStream(lambda t: tok.decode(list(t)), ("thr", "two thr", "two"), keep_stop=True)
+    released = ""
+    for i in ids:
+        stream.extend([i])
+        released += stream.delta()
+    released += stream.delta(final=True)
+    assert released == stream.final_text == text[: text.index("two") + 3]
+    # all at once, "two thr" and "two" begin at the same place: the first given is kept
+    stream = TextStream(lambda t: tok.decode(list(t)), ("thr", "two thr", "two"), keep_stop=True)
+    stream.extend(ids)
+    assert stream.delta(final=True) == stream.final_text == text[: text.index("two thr") + 7]
+
+
 def decode(tokens: Sequence[int]) -> str:
     """One byte a token, decoded as byte-level tokenizers do (U+FFFD replaces bad bytes)."""
     return bytes(tokens).decode("utf-8", errors="replace")

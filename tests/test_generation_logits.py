@@ -361,6 +361,48 @@ def test_logit_bias_gives_generate_s_tokens_with_its_sequence_bias(
     assert isinstance(bad, PrepareError) and "logit_bias" in str(bad)
 
 
+def test_min_p_draws_only_tokens_near_the_likeliest() -> None:
+    from batchfleet.worker.generation.sampling import sample
+
+    # probabilities 0.5, 0.3 (0.6 of the likeliest), 0.2 (0.4 of it), at temperature 1
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+
+    def draws(min_p: float) -> set[int]:
+        gen = torch.Generator().manual_seed(1)
+        return {sample(logits, Sampling(1.0, min_p=min_p), gen) for _ in range(300)}
+
+    assert draws(0.0) == {0, 1, 2}
+    assert draws(0.5) == {0, 1}  # 0.2 < 0.5 * 0.5
+    assert draws(0.7) == {0}
+    assert draws(1.0) == {0}  # the likeliest always stays
+
+
+def test_min_p_through_the_runner_keeps_every_token_near_the_likeliest(
+    runner: TextGenerationRunner,
+) -> None:
+    # Given sampled requests (a random model's logits are flat: most tokens are drawn),
+    # one with min_p 0.5 and one without, beside a plain greedy one
+    preps = prepare(runner, req("m", max_new_tokens=24, temperature=1.0, seed=3, min_p=0.5,
+                                logprobs=1, ignore_eos=True),
+                    req("any", max_new_tokens=24, temperature=1.0, seed=3, logprobs=1,
+                        ignore_eos=True),
+                    req("plain", max_new_tokens=8))  # fmt: skip
+    d = Driver(runner)
+    d.step([("m", preps[0]), ("any", preps[1]), ("plain", preps[2])])
+    d.run()
+
+    def ratios(rid: str) -> list[float]:
+        """Each drawn token's probability over the likeliest's, after temperature."""
+        lps = d.finals[rid].outputs[0]["logprobs"]
+        return [float(torch.tensor(e["logprob"] - e["top"][0]["logprob"]).exp()) for e in lps]
+
+    # Then every token of the min_p request is at least half as likely as the likeliest,
+    # while the other draws some that are not
+    assert len(ratios("m")) == 24 and min(ratios("m")) >= 0.5 - 1e-4
+    assert min(ratios("any")) < 0.5
+    assert d.finals["plain"].outputs[0]["text"] == greedy(runner, PROMPTS[0], 8)
+
+
 def test_ignore_eos_generates_past_the_end_of_sequence(
     eos_runner: tuple[TextGenerationRunner, int],
 ) -> None:

@@ -213,6 +213,42 @@ def test_a_stop_string_ends_the_text_before_it(runner: TextGenerationRunner) -> 
     assert "".join(c["text"] for c in d.partials.get("st", [])) == out["text"]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(runner: TextGenerationRunner) -> None:
+    full = greedy(runner, "a b c", 12)
+    stop = full[5:7]
+    (p, cut) = prepare(runner, req("in", inputs=["a b c"], max_new_tokens=12, stop=[stop],
+                                   stream=True, include_stop_str_in_output=True),
+                       req("cut", inputs=["a b c"], max_new_tokens=12, stop=[stop]))  # fmt: skip
+    d = Driver(runner)
+    d.step([("in", p), ("cut", cut)])
+    d.run()
+    out = d.finals["in"].outputs[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == full[: full.index(stop) + len(stop)]  # cut after it
+    assert "".join(c["text"] for c in d.partials["in"]) == out["text"]
+    assert d.finals["cut"].outputs[0]["text"] == full[: full.index(stop)]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(
+    runner: TextGenerationRunner,
+) -> None:
+    long = "there were many years of time and " * 200  # over the context
+    ids = runner.tokenizer(long).input_ids
+    assert len(ids) > runner.max_prompt_tokens
+    (refused,) = runner.prepare_many([req("x", inputs=[long])])
+    assert isinstance(refused, PrepareError) and refused.code == ErrorCode.TOO_LARGE
+    (p,) = prepare(runner, req("t", inputs=[long], max_new_tokens=6, truncate_prompt_tokens=10))
+    d = Driver(runner)
+    d.step([("t", p)])
+    d.run()
+    out = d.finals["t"].outputs[0]
+    assert out["prompt_tokens"] == 10
+    tail = torch.tensor([ids[-10:]], device=runner.torch_device)
+    want = runner.model.generate(tail, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=runner.eos[0])[0, 10:]  # fmt: skip
+    assert out["text"] == runner.tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_stop_ends_a_running_request_with_its_text_so_far(runner: TextGenerationRunner) -> None:
     (p,) = prepare(runner, req("c", max_new_tokens=40))
     d = Driver(runner)

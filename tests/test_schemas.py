@@ -109,6 +109,10 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "logit_bias": {"-5": 1.0}}, "json"), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"x": 1.0}}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "ignore_eos": 1}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "min_p": 1.5}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "min_p": -0.1}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "truncate_prompt_tokens": 0}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "include_stop_str_in_output": "yes"}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"1": "2"}}), ErrorCode.INVALID_REQUEST, True),
         (
             _fields({**GOOD, "logit_bias": {str(t): 1.0 for t in range(301)}}),
@@ -206,11 +210,13 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
     rules = {"repetition_penalty": 1.2, "presence_penalty": -0.5, "frequency_penalty": 2.0,
              "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4,
              "logit_bias": {str(t): (t - 150) / 2 for t in range(0, 300, 3)}, "n": 3,
-             "ignore_eos": True}  # fmt: skip
+             "ignore_eos": True, "min_p": 0.05, "include_stop_str_in_output": True,
+             "truncate_prompt_tokens": 100}  # fmt: skip
     request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
     assert {k: getattr(request, k) for k in rules} == rules
     assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5], "n", "logit_bias",
-                                           "ignore_eos"]  # fmt: skip
+                                           "ignore_eos", "min_p", "include_stop_str_in_output",
+                                           "truncate_prompt_tokens"]  # fmt: skip
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------

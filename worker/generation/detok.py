@@ -40,6 +40,9 @@ class TextStream:
 
     decode: Decode
     stop: tuple[str, ...] = ()
+    keep_stop: bool = False
+    """The final text keeps the stop string that ended it (vLLM's
+    ``include_stop_str_in_output``)."""
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     """Decoded so far, without a last character that may still be incomplete."""
@@ -47,6 +50,8 @@ class TextStream:
     """Characters already released as deltas."""
     stopped_at: int | None = None
     """Where a stop string begins in ``text``, once one was produced."""
+    stop_end: int = 0
+    """Where that stop string ends in ``text``."""
     _base: str = ""
     """The text of ``tokens[:read]`` (complete)."""
     _tail: str = ""
@@ -76,9 +81,10 @@ class TextStream:
         if self.stop and len(self.text) > start:
             # a stop string may begin in what was there before (it ends in the new text)
             from_ = max(0, start - max(len(s) for s in self.stop) + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, from_)) >= 0]
-            if hits:
-                self.stopped_at = min(hits)
+            hits = [(i, k) for k, s in enumerate(self.stop) if (i := self.text.find(s, from_)) >= 0]
+            if hits:  # the first to begin (the first given, of those beginning there)
+                at, k = min(hits)
+                self.stopped_at, self.stop_end = at, at + len(self.stop[k])
 
     def _settle(self, before: str, after: str) -> None:
         """Move a held window on to ``SETTLE`` tokens back, if the text there is settled:
@@ -98,7 +104,7 @@ class TextStream:
     @property
     def final_text(self) -> str:
         if self.stopped_at is not None:
-            return self.text[: self.stopped_at]
+            return self.text[: self.stop_end if self.keep_stop else self.stopped_at]
         return self._base + self._tail
 
     def delta(self, final: bool = False) -> str:

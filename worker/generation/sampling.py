@@ -59,6 +59,8 @@ class Sampling:
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to those tokens' logits."""
+    min_p: float = 0.0
+    """Draw only tokens at least this fraction as likely as the likeliest (0: any)."""
     ignore_eos: bool = False
     """An end-of-sequence token does not end the sequence (the engines read this)."""
     logprobs: int | None = None
@@ -236,7 +238,8 @@ def _logprob(logits: torch.Tensor, token: int, top: int) -> Logprob:
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
-    """One token from ``logits`` (1-D) by temperature, top-k and top-p, drawn with ``gen``."""
+    """One token from ``logits`` (1-D) by temperature, top-k, top-p and min-p (HF's order),
+    drawn with ``gen``."""
     x = logits.float().cpu() / max(sampling.temperature, 1e-5)
     if 0 < sampling.top_k < x.shape[0]:
         kth = torch.topk(x, sampling.top_k).values[-1]
@@ -248,4 +251,6 @@ def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> in
         drop = cum - sorted_p > sampling.top_p  # keep the smallest prefix reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    if sampling.min_p > 0.0:  # the likeliest token always stays
+        probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=gen).item())

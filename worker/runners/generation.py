@@ -71,6 +71,8 @@ class GenSpec:
     """Token ids that end a sequence (the request's ``stop_token_ids``)."""
     n: int = 1
     """Completions per prompt: sequence ``i * n + j`` is prompt ``i``'s ``j``-th."""
+    keep_stop: bool = False
+    """A stop string that ends a text stays in it (``include_stop_str_in_output``)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -226,6 +228,8 @@ class TextGenerationRunner:
             return exc
         except Exception as exc:
             return PrepareError(f"cannot tokenize: {type(exc).__name__}: {exc}")
+        if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last ones
+            prompts = [p[-req.truncate_prompt_tokens :] for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
                 return PrepareError(f"input {i} has no tokens", ErrorCode.EMPTY_INPUT)
@@ -259,12 +263,14 @@ class TextGenerationRunner:
                 min_new_tokens=at_least,
                 logit_bias=tuple(sorted(bias.items())),
                 ignore_eos=bool(req.ignore_eos),
+                min_p=req.min_p or 0.0,
                 logprobs=req.logprobs,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
             stop_ids=frozenset(req.stop_token_ids or ()),
             n=req.n or 1,
+            keep_stop=bool(req.include_stop_str_in_output),
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -375,7 +381,7 @@ class TextGenerationRunner:
         if r is None:
             spec: GenSpec = prep.payload
             n = spec.n
-            seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(self._decode, spec.stop),
+            seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(self._decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j))
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
