@@ -251,6 +251,22 @@ def smol_shape(workdir: Path, source: Path | None) -> Path:
     return out
 
 
+def engine_bench_runner(which: str, options: dict[str, Any], workdir: Path) -> tuple[GenModel, Any]:
+    """The tiny Llama (saved in ``workdir``) or SmolLM2 with these runner options, for a
+    benchmark of the engine alone: one torch thread, freed memory kept (as a generating
+    worker runs)."""
+    import torch
+    from batchfleet.worker.device import keep_freed_memory
+
+    torch.set_num_threads(1)
+    keep_freed_memory()
+    if which == "tiny":
+        model = GenModel("tiny-llama", tiny_llama(workdir), options)
+    else:
+        model = GenModel("smollm2", smollm2_dir(), {"gguf_file": SMOLLM2_GGUF, **options})
+    return model, load_runner(model)
+
+
 def load_runner(model: GenModel, device: str = "cpu") -> Any:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 

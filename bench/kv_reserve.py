@@ -69,19 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=["grown", "reserved"])
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from batchfleet.worker.device import keep_freed_memory
-
-    torch.set_num_threads(1)
-    keep_freed_memory()  # as a generating worker does
     options = {"engine": "padded", "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
                "step_tokens": 512, "max_running": 64}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model == "tiny":
-            model = g.GenModel("tiny-llama", g.tiny_llama(Path(tmp)), options)
-        else:
-            model = g.GenModel("smollm2", g.smollm2_dir(), {"gguf_file": g.SMOLLM2_GGUF, **options})
-        runner = g.load_runner(model)
+        model, runner = g.engine_bench_runner(args.model, options, Path(tmp))
         tok = runner.tokenizer
         jobs = g.workload(lambda s: list(tok(s)["input_ids"]), lambda ids: str(tok.decode(ids)),
                           args.requests, args.seed)  # fmt: skip

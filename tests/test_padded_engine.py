@@ -287,17 +287,24 @@ def test_a_slab_layer_grows_without_losing_what_it_holds() -> None:
     assert layer.get_seq_length() == 171
 
 
+def preempted(engine: PaddedEngine, prompt: list[int], n: int, steps: int) -> list[int]:
+    """Sequence ``r`` (``n`` new tokens) alone, preempted after ``steps`` steps: what it
+    generated (it resumes from its prompt and those)."""
+    engine.add("r", prompt, n, Sampling())
+    tokens: list[int] = []
+    for _ in range(steps):
+        (o,) = engine.step()
+        tokens = o.tokens
+    engine.cancel(["r"])
+    engine.step()
+    return tokens
+
+
 def test_resume_with_the_generated_tokens_continues_the_same_text(llama: Any) -> None:
     prompt = [9, 8, 7, 6]
     want = generate(llama, prompt, 12)
     engine = PaddedEngine(llama, eos_token_ids=[EOS], step_tokens=64, max_running=4)
-    engine.add("r", prompt, 12, Sampling())
-    tokens: list[int] = []
-    for _ in range(5):
-        (o,) = engine.step()
-        tokens = o.tokens
-    engine.cancel(["r"])  # preempted: recomputed from prompt + what it generated
-    engine.step()
+    tokens = preempted(engine, prompt, 12, 5)  # recomputed from prompt + what it generated
     engine.add("r", prompt + tokens, 12 - len(tokens), Sampling())
     more: list[int] = []
     while True:

@@ -12,7 +12,9 @@ column; a padding mask hides the columns past each row's length. A step
    prefill samples the sequence's first token and copies its cache into a new row.
    Sequences with the same tokens (a request's ``n`` completions) prefill once: the
    others wait for it, then each copies its cache and draws its own first token from
-   its last logits,
+   its last logits. With a prefix cache (:mod:`.prefix_cache`), a prompt starts from the
+   keys and values of the longest prefix it shares with recent prompts, block by block,
+   and prefills only the rest; every finished prefill leaves its blocks there,
 3. decodes one token for every row, the new ones too, in one forward pass. On CPU the
    attention reads each row's own length (:mod:`.decode_attention`); elsewhere it runs
    over the first ``longest + 1`` columns under a padding mask (as HF ``generate`` runs
@@ -61,6 +63,7 @@ from ..device import is_out_of_memory
 from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
+from .prefix_cache import PrefixCache
 from .sampling import Logprob, Sampling, SeededSampler
 
 logger = logging.getLogger(__name__)
@@ -254,8 +257,11 @@ class PaddedEngine:
         lean: bool | None = None,
         max_context: int | None = None,
         resident_tokens: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        self.prefix = prefix_cache
+        """Recent prompts' leading blocks (None: no prefix caching)."""
         self.device = next(model.parameters()).device
         self.eos = frozenset(eos_token_ids)
         self.step_tokens = step_tokens
@@ -363,6 +369,8 @@ class PaddedEngine:
         self._cache = None
         self._cancelled.clear()
         self._written = np.zeros(0, dtype=np.int64)
+        if self.prefix is not None:  # after a failure (out of memory?), hold nothing
+            self.prefix.clear()
 
     @property
     def running(self) -> int:
@@ -524,6 +532,7 @@ class PaddedEngine:
                 ended.append((seq, k))
         tokens = self._pick(logits[[rows + k for _, k in ended]], [s for s, _ in ended])
         for (seq, k), t in zip(ended, tokens, strict=True):
+            self._keep(seq)
             cache = seq.cache
             out.append(self._first(seq, t))
             if not seq.finished:
@@ -599,6 +608,7 @@ class PaddedEngine:
                 if twin is not None and twin.tokens == seq.tokens:
                     continue  # takes the twin's prefill when it ends (_share)
                 seq.cache = _cache(reserve=len(seq.tokens))
+                self._reuse(seq)
             begun.setdefault(seq.key, seq)
             tokens = seq.tokens[seq.done : seq.done + budget]
             plan.append((seq, tokens))
@@ -610,6 +620,25 @@ class PaddedEngine:
             budget -= join_cost
             urgent = urgent or seq.order[0] <= 0
         return plan
+
+    def _reuse(self, seq: _Seq) -> None:
+        """A sequence about to prefill takes the longest prefix of its tokens that the
+        prefix cache holds into its cache; its prefill goes on after it."""
+        if self.prefix is None:
+            return
+        n, kv = self.prefix.lookup(seq.tokens)
+        if kv is None:
+            return
+        assert seq.cache is not None
+        keys, values = kv
+        for i in range(keys.shape[0]):
+            seq.cache.update(keys[i], values[i], i)
+        seq.done = n
+
+    def _keep(self, seq: _Seq) -> None:
+        """A sequence's prefill ended: the prefix cache keeps its blocks."""
+        if self.prefix is not None and seq.cache is not None:
+            self.prefix.store(seq.tokens, [(la.keys, la.values) for la in seq.cache.layers])
 
     def _first(self, seq: _Seq, token: int) -> Output:
         """A sequence whose prefill ended takes its first token and leaves the waiting
@@ -637,6 +666,7 @@ class PaddedEngine:
             seq.done += len(chunk)
             if seq.done < len(seq.tokens):
                 break  # the last chunk of the plan
+            self._keep(seq)
             cache = seq.cache
             (t,) = self._pick(logits, [seq])
             out.append(self._first(seq, t))

@@ -15,6 +15,10 @@ transformers' paged engine, for sliding-window and hybrid models; ``cuda_graphs`
 default false: its steps replayed as CUDA graphs), ``lean_decode``
 (default true: the padded engine's steps run Llama-family models without
 transformers' module stack, :mod:`..generation.lean_decode`; false: their own forwards),
+``prefix_cache_tokens`` (padded engine, default ``kv_cache_tokens / 8``, 0: off; the
+keys and values of recent prompts' leading blocks of ``page_size`` tokens kept, up to
+this many tokens, so a prompt that begins like one of them prefills only the rest:
+:mod:`..generation.prefix_cache`; memory beyond ``kv_cache_tokens``),
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
@@ -173,15 +177,29 @@ class TextGenerationRunner:
             self.eos.append(int(self.tokenizer.eos_token_id))
         pad = self.tokenizer.pad_token_id
         self.engine_kind = str(opts.get("engine", "padded"))
+        padded = opts.get("engine", "padded") == "padded"
+        self.prefix_cache_tokens = int(
+            opts.get("prefix_cache_tokens", self.kv_cache_tokens // 8 if padded else 0)
+        )
+        if self.prefix_cache_tokens < 0 or (
+            self.prefix_cache_tokens and self.engine_kind != "padded"
+        ):
+            raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
+                             "and only with engine 'padded')")  # fmt: skip
         self.engine: Engine
         if self.engine_kind == "padded":
             from ..generation.padded import PaddedEngine
+            from ..generation.prefix_cache import PrefixCache
 
+            prefix = None
+            if self.prefix_cache_tokens:
+                prefix = PrefixCache(self.prefix_cache_tokens, self.page_size)
             self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
                                        step_tokens=self.step_tokens, max_running=self.max_running,
                                        lean=_flag(opts.get("lean_decode", True), "lean_decode"),
                                        max_context=self.context,
-                                       resident_tokens=self.kv_cache_tokens)  # fmt: skip
+                                       resident_tokens=self.kv_cache_tokens,
+                                       prefix_cache=prefix)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -554,14 +572,17 @@ class TextGenerationRunner:
 
     def _resident(self) -> dict[str, int]:
         """The padded engine's prompt tokens run and taken from a twin's prefill (a
-        request's ``n`` completions); on CPU, tokens its KV rows hold written, bytes
-        released."""
+        request's ``n`` completions); with a prefix cache, the tokens it holds and those
+        prompts found there; on CPU, tokens its KV rows hold written, bytes released."""
         from ..generation.padded import PaddedEngine
 
         e = self.engine
         if not isinstance(e, PaddedEngine):
             return {}
         out = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
+        if e.prefix is not None:
+            out.update(prefix_cache_tokens=e.prefix.tokens,
+                       prefix_cache_hit_tokens=e.prefix.hit_tokens)  # fmt: skip
         if e.resident_tokens is not None:
             out.update(kv_resident_tokens=e.resident, kv_released_bytes=e.released_bytes)
         return out
