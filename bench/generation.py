@@ -217,7 +217,9 @@ def tiny_llama(workdir: Path, layers: int = 4, hidden: int = 256) -> Path:
     saved with ``save_pretrained``), at the benchmark's size."""
     sys.path.insert(0, str(ROOT / "tests"))
     tiny_models: Any = importlib.import_module("tiny_models")
-    path: Path = tiny_models.make_causal_lm(workdir / "tiny-llama", layers=layers, hidden=hidden)
+    path: Path = tiny_models.make_causal_lm(
+        workdir / "tiny-llama", layers=layers, hidden=hidden, sharp=1.0
+    )  # the benchmark's model as before
     return path
 
 

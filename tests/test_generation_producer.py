@@ -165,7 +165,8 @@ def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
         # When one of them generates for several times claim_idle_ms (the test decides how
         # long: it cancels the answer after 2 s of it, so a fast machine cannot end it sooner)
         started = time.monotonic()
-        job = producer.submit("gen", "there were many", max_new_tokens=4000, stream=True)
+        job = producer.submit("gen", "there were many", max_new_tokens=4000, stream=True,
+                              ignore_eos=True)  # fmt: skip
         deltas, cancelled = [], False
         for delta in job.deltas(timeout=120):
             deltas.append(delta)

@@ -25,16 +25,13 @@ from tiny_models import make_causal_lm  # noqa: E402
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A tiny random Llama whose attention is sharp (its query and key projections
-    scaled up): a random model's attention is near uniform, so wrong keys would not show."""
+    """The tests' tiny Llama, whose attention is sharp (``make_causal_lm``): wrong keys
+    show."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(make_causal_lm(tmp_path_factory.mktemp("lm")))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(12.0)
-            layer.self_attn.k_proj.weight.mul_(12.0)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(
+        make_causal_lm(tmp_path_factory.mktemp("lm"))
+    ).eval()
 
 
 def kv_of(tokens: list[int], layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:

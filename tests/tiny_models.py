@@ -206,11 +206,14 @@ CHAT_TEMPLATE = (
 
 
 def make_causal_lm(
-    path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 1024
-) -> Path:
+    path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 1024,
+    sharp: float = 12.0,
+) -> Path:  # fmt: skip
     """A tiny random Llama with a byte-level BPE tokenizer (trained here on WORDS) and a
     chat template, saved like a hub model (config, weights, tokenizer, generation config);
-    ``context``: its max_position_embeddings."""
+    ``context``: its max_position_embeddings. ``sharp``: its query and key projections
+    scaled by this, so that its attention is peaked: a random model's is near uniform, and
+    then keys read from the wrong place (a cache bug) change nothing a test can see."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -243,6 +246,11 @@ def make_causal_lm(
         tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(sharp)
+            layer.self_attn.k_proj.weight.mul_(sharp)
+    model.save_pretrained(path)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
     return path
