@@ -1,5 +1,6 @@
 """The padded continuous-batching engine, stepped directly: greedy tokens equal
-one-at-a-time ``generate`` for Llama, Qwen2 (biased projections) and GPT-2 with sequences
+one-at-a-time ``generate`` for Llama, Qwen2 (biased projections) and GPT-2 (each with
+sharp attention: its query and key projections scaled up, so a misplaced key shows) with sequences
 joining and leaving at different steps, through the lean step forward and through
 transformers' own, each with the per-row attention kernel and with sdpa over the padded
 batch (as on a GPU); chunked prefill keeps running rows decoding; cancelled rows leave at
@@ -46,6 +47,8 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Any:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):  # sharp attention
+                proj.weight.mul_(12.0)
     path = tmp_path_factory.mktemp("qwen2")
     model.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path).eval()
@@ -59,7 +62,11 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
     config = GPT2Config(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4,
                         bos_token_id=EOS, eos_token_id=EOS)  # fmt: skip
     path = tmp_path_factory.mktemp("gpt2")
-    GPT2LMHeadModel(config).save_pretrained(path)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():  # sharp attention: the query and key thirds of c_attn scaled up
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, : 2 * config.n_embd].mul_(12.0)
+    model.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
