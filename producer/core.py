@@ -122,6 +122,8 @@ class GenerationOptions(TypedDict, total=False):
     """A text ended by a stop string keeps it (vLLM's)."""
     truncate_prompt_tokens: int | None
     """Keep only each prompt's last this many tokens (vLLM's)."""
+    prompt_logprobs: int | None
+    """Each prompt token's log-probability and this many likeliest tokens' (vLLM's)."""
     """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
 
 

@@ -104,7 +104,7 @@ GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
-    "include_stop_str_in_output", "truncate_prompt_tokens",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -174,6 +174,9 @@ class Request(_Strict):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each output carries, per generated token, its log-probability under the model and
     the ``logprobs`` likeliest tokens' (0: the chosen token's only); see :class:`Generation`."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """vLLM's: each prompt token's log-probability (after the first) and this many
+    likeliest tokens at its position, in the first output of each input (padded engine)."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
@@ -369,6 +372,10 @@ class Generation(_Answer):
     them, a stop string's and the end-of-sequence token's included), from the model's own
     distribution (before the request's rules, temperature, top-k and top-p); streamed in
     the deltas too."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With the request's ``prompt_logprobs``, in the first output of each input: one per
+    prompt token (``prompt_tokens`` of them), the first null (nothing precedes it), each
+    other the token's log-probability given the tokens before it (vLLM's)."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")

@@ -427,3 +427,34 @@ def test_ignore_eos_generates_past_the_end_of_sequence(
     assert out["text"] == runner.tokenizer.decode(made, skip_special_tokens=True)
     plain = d.finals["plain"].outputs[0]
     assert (plain["finish_reason"], plain["completion_tokens"]) == ("stop", 1)
+
+
+def test_prompt_logprobs_score_each_prompt_in_its_first_output(
+    runner: TextGenerationRunner,
+) -> None:
+    want = req("p", inputs=["the man was", "a b c"], max_new_tokens=2, n=2, prompt_logprobs=2,
+               temperature=0.8, seed=1)  # fmt: skip
+    if runner.engine_kind == "paged":  # the padded engine's alone: refused, clearly
+        (refused,) = runner.prepare_many([want])
+        assert isinstance(refused, PrepareError) and "prompt_logprobs" in str(refused)
+        return
+    preps = prepare(runner, want, req("plain", max_new_tokens=4))
+    d = Driver(runner)
+    d.step([("p", preps[0]), ("plain", preps[1])])
+    d.run()
+    outs = d.finals["p"].outputs
+    for i, text in enumerate(["the man was", "a b c"]):
+        ids = runner.tokenizer(text).input_ids
+        first, second = outs[2 * i], outs[2 * i + 1]
+        assert "prompt_logprobs" not in second  # only the input's first completion
+        scored = first["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == first["prompt_tokens"] == len(ids)
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=runner.torch_device)
+            lp = torch.log_softmax(runner.model(x).logits[0].float().cpu(), dim=-1)
+        assert [e["token"] for e in scored[1:]] == ids[1:]
+        assert [e["logprob"] for e in scored[1:]] == pytest.approx(
+            [float(lp[k, t]) for k, t in enumerate(ids[1:])], abs=1e-4
+        )
+        assert all(len(e["top"]) == 2 and e["text"] for e in scored[1:])
+    assert d.finals["plain"].outputs[0]["text"] == greedy(runner, PROMPTS[0], 4)

@@ -428,3 +428,39 @@ def _until_done(engine: PaddedEngine) -> dict[str, list[int]]:
         if not engine.running and not engine._waiting:
             return done
     raise AssertionError("did not finish")
+
+
+def test_prompt_logprobs_are_the_model_s_own_through_chunks(llama: Any, fused: bool) -> None:
+    from batchfleet.worker.generation.prefix_cache import PrefixCache
+
+    # Given a 57-token prompt scored in chunks beside a decoding row, its twin (same
+    # tokens, not scored), and a prefix cache that already holds the prompt's blocks
+    prompt = list(range(3, 60))
+    cache = PrefixCache(capacity=256, block=16)
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=4, lean=fused,
+                          prefix_cache=cache)  # fmt: skip
+    engine.add("warm", prompt, 1, Sampling())
+    _until_done(engine)
+    engine.add("other", [7, 8, 9], 30, Sampling())
+    engine.step()
+    ran = engine.prefilled
+    engine.add("s", prompt, 4, Sampling(), score=3)
+    engine.add("twin", prompt, 4, Sampling())
+    got = _until_done(engine)
+    # Then each prompt token after the first has its log-probability under the model
+    # (one full forward) and the 3 likeliest tokens at its position; the scored prompt
+    # ran in full, the twin took its cached blocks; both give generate's tokens
+    with torch.inference_mode():
+        lp = torch.log_softmax(llama(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    kept = engine.prompt_logprobs("s")
+    assert [t for t, *_ in kept] == prompt[1:]
+    want = [float(lp[i, t]) for i, t in enumerate(prompt[1:])]
+    assert [v for _, v, _, _ in kept] == pytest.approx(want, abs=1e-4)
+    for i, (_, _, ids, values) in enumerate(kept):
+        assert values == pytest.approx(lp[i].topk(3).values.tolist(), abs=1e-4)
+        assert values == pytest.approx(lp[i, ids].tolist(), abs=1e-4)
+    assert got["s"] == got["twin"] == generate(llama, prompt, 4)
+    assert engine.prefilled - ran == len(prompt) + len(prompt) - 48
+    assert engine.prompt_logprobs("twin") == []
+    engine.forget("s")
+    assert engine.prompt_logprobs("s") == []

@@ -470,7 +470,8 @@ def test_generation_requests_carry_their_fields(
                        presence_penalty=0.5, frequency_penalty=-0.5, min_new_tokens=3,
                        logprobs=4, stop_token_ids=(7, 9), n=2,
                        logit_bias={50: -100, 7: 2.5}, ignore_eos=True, min_p=0.1,
-                       include_stop_str_in_output=True, truncate_prompt_tokens=50)  # fmt: skip
+                       include_stop_str_in_output=True, truncate_prompt_tokens=50,
+                       prompt_logprobs=3)  # fmt: skip
     prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5)
     (request, many, chat_many) = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
     assert request.messages is not None and request.messages[0].content == chat[0]["content"]
@@ -482,7 +483,7 @@ def test_generation_requests_carry_their_fields(
             1.1, 0.5, -0.5, 3, 4, [7, 9], 2)  # fmt: skip
     assert request.logit_bias == {"50": -100.0, "7": 2.5} and request.ignore_eos is True
     assert request.min_p == 0.1 and request.include_stop_str_in_output is True
-    assert request.truncate_prompt_tokens == 50
+    assert request.truncate_prompt_tokens == 50 and request.prompt_logprobs == 3
     assert (job.streaming, job.input_count, job.output_count) == (True, 1, 2)
     assert (many.inputs, many.max_new_tokens, many.stream) == (["a", "b"], 5, None)
     assert chat_many.messages is not None and (prompts.input_count, talk.input_count) == (2, 1)

@@ -112,6 +112,7 @@ GOOD = {"id": "abc", "model": "m", "inputs": ["hi"]}
         (_fields({**GOOD, "min_p": 1.5}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "min_p": -0.1}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "truncate_prompt_tokens": 0}), ErrorCode.INVALID_REQUEST, True),
+        (_fields({**GOOD, "prompt_logprobs": 21}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "include_stop_str_in_output": "yes"}), ErrorCode.INVALID_REQUEST, True),
         (_fields({**GOOD, "logit_bias": {"1": "2"}}), ErrorCode.INVALID_REQUEST, True),
         (
@@ -211,12 +212,12 @@ def test_strict_validation_keeps_every_valid_field(fmt: str) -> None:
              "min_new_tokens": 4, "logprobs": 20, "max_new_tokens": 4,
              "logit_bias": {str(t): (t - 150) / 2 for t in range(0, 300, 3)}, "n": 3,
              "ignore_eos": True, "min_p": 0.05, "include_stop_str_in_output": True,
-             "truncate_prompt_tokens": 100}  # fmt: skip
+             "truncate_prompt_tokens": 100, "prompt_logprobs": 5}  # fmt: skip
     request, _ = decode_entry(_fields({**GOOD, **rules}, fmt), "m")
     assert {k: getattr(request, k) for k in rules} == rules
     assert request.generation_fields() == ["max_new_tokens", *list(rules)[:5], "n", "logit_bias",
                                            "ignore_eos", "min_p", "include_stop_str_in_output",
-                                           "truncate_prompt_tokens"]  # fmt: skip
+                                           "truncate_prompt_tokens", "prompt_logprobs"]  # fmt: skip
 
 
 # --- oversized entries still get an answer when their id can be read (issue #15) ------------
@@ -309,6 +310,11 @@ def test_a_generation_s_logprobs_are_read_and_unknown_fields_in_them_ignored(fmt
     assert [(t.token, t.logprob) for t in gen.logprobs[0].top] == [(7, -0.1), (9, -2.5)]
     del out["logprobs"]
     assert decode_result(msgpack.packb(body)).generations()[0].logprobs is None  # older workers
+    out["prompt_logprobs"] = [None, {"token": 9, "text": "b", "logprob": -1.5, "top": top}]
+    raw = json.dumps(body).encode() if fmt == "json" else msgpack.packb(body)
+    (gen, _) = decode_result(raw).generations()
+    assert gen.prompt_logprobs is not None and gen.prompt_logprobs[0] is None
+    assert gen.prompt_logprobs[1] is not None and gen.prompt_logprobs[1].logprob == -1.5
 
 
 def test_results_built_in_python_are_still_checked() -> None:

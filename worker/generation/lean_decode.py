@@ -138,6 +138,7 @@ class LeanDecoder:
         caches: Sequence[Any],
         chunks: Sequence[Chunk],
         padding: torch.Tensor | None = None,
+        every: Sequence[bool] = (),
     ) -> torch.Tensor:
         """One step's forward over the decode rows and prefill chunks together (the
         linear layers run once over all their tokens): decode row ``i`` feeds ``ids[i]``
@@ -146,7 +147,8 @@ class LeanDecoder:
         cache's and appends to it. ``padding`` None: the decode rows attend through the
         per-row kernel; else through sdpa over the padded batch, ``padding`` being its
         ``rows x 1 x 1 x columns`` mask (:func:`padding_mask`). The logits of every
-        decode row, then of each chunk's last token."""
+        decode row, then of each chunk's last token, or of all its tokens where
+        ``every`` says so (a chunk whose prompt log-probabilities are kept)."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
@@ -207,7 +209,14 @@ class LeanDecoder:
             x = x + F.linear(mid, layer.down, layer.down_bias)
         if chunks:
             ends = np.cumsum([rows] + [len(c.tokens) for c in chunks])[1:] - 1
-            keep = torch.from_numpy(np.concatenate([np.arange(rows), ends]))
+            if any(every):
+                keep_rows = [np.arange(rows)]
+                for c, end, whole in zip(chunks, ends, every, strict=True):
+                    keep_rows.append(np.arange(end - len(c.tokens) + 1, end + 1) if whole
+                                     else np.array([end]))  # fmt: skip
+                keep = torch.from_numpy(np.concatenate(keep_rows))
+            else:
+                keep = torch.from_numpy(np.concatenate([np.arange(rows), ends]))
             x = x[:, keep.to(x.device)]
         logits: torch.Tensor = self.head(self.norm(x))
         return logits[0]

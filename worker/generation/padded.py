@@ -64,7 +64,7 @@ from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
 from .prefix_cache import PrefixCache
-from .sampling import Logprob, Sampling, SeededSampler
+from .sampling import Logprob, Sampling, SeededSampler, logprob_rows
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,10 @@ class _Seq:
     """A hash of ``tokens``: sequences with the same tokens share one prefill."""
     eos: frozenset[int] = frozenset()
     """The tokens that end it (none: its request ignores end-of-sequence)."""
+    score: int | None = None
+    """Keep its prompt tokens' log-probabilities, with this many likeliest tokens each
+    (None: not asked): its prefill keeps every position's logits, and takes nothing
+    from the prefix cache (a cached prefix has no logits)."""
 
     @property
     def context(self) -> int:
@@ -309,6 +313,8 @@ class PaddedEngine:
         first step fails (not for memory), it is dropped for good: that step fails as any
         failed step does, and the next ones run transformers' forwards."""
         self._lean_ran = False
+        self._prompt_lps: dict[str, list[Logprob]] = {}
+        """Per sequence that asked, its prompt tokens' log-probabilities so far."""
 
     def add(
         self,
@@ -317,15 +323,22 @@ class PaddedEngine:
         max_new_tokens: int,
         sampling: Sampling,
         priority: int = 0,
+        score: int | None = None,
     ) -> None:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
-        (the request's lane) first, then in the order added."""
+        (the request's lane) first, then in the order added. ``score``: keep the
+        log-probabilities of its tokens after the first (:meth:`prompt_logprobs`), with
+        that many likeliest tokens each (prefilled again from its start if it was)."""
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
+        key = hash(tuple(tokens)) if score is None else hash((tuple(tokens), score))
+        if score is not None:
+            self._prompt_lps[sequence] = []
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
-                                       order=(priority, self._added), key=hash(tuple(tokens)),
-                                       eos=frozenset() if sampling.ignore_eos else self.eos)  # fmt: skip
+                                       order=(priority, self._added), key=key,
+                                       eos=frozenset() if sampling.ignore_eos else self.eos,
+                                       score=score)  # fmt: skip
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -336,15 +349,22 @@ class PaddedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+        self._prompt_lps.pop(sequence, None)
 
     def logprobs(self, sequence: str) -> list[Logprob]:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
         return self.sampler.logprobs(sequence)
 
+    def prompt_logprobs(self, sequence: str) -> list[Logprob]:
+        """The log-probabilities of a sequence's tokens after its first, as far as its
+        prefill has gone (it was added with ``score``; else empty)."""
+        return self._prompt_lps.get(sequence, [])
+
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""
         self.reset()
         self.sampler.clear()
+        self._prompt_lps.clear()
 
     def state(self, sequence: str) -> SeqState | None:
         """Where a queued or running sequence stands (None: the engine no longer has it)."""
@@ -521,16 +541,25 @@ class PaddedEngine:
             ids, lengths = positions, np.zeros(0, dtype=np.int64)
         if not rows and not chunks:
             return []
+        every = [seq.score is not None for seq, _ in chunks]
         logits = self.lean.forward(ids, positions, lengths, self._layers,
-                                   [c for _, c in chunks], padding)  # fmt: skip
+                                   [c for _, c in chunks], padding, every)  # fmt: skip
         self._lean_ran = True
         out = self._decoded(logits[:rows]) if rows else []
         ended = []
+        last: list[int] = []
+        """Per chunk, its last position's row of ``logits``."""
+        at = rows
         for k, (seq, chunk) in enumerate(chunks):
+            n = len(chunk.tokens) if every[k] else 1
+            if every[k]:
+                self._score(seq, logits[at : at + n])
+            at += n
+            last.append(at - 1)
             seq.done += len(chunk.tokens)
             if seq.done == len(seq.tokens):
                 ended.append((seq, k))
-        tokens = self._pick(logits[[rows + k for _, k in ended]], [s for s, _ in ended])
+        tokens = self._pick(logits[[last[k] for _, k in ended]], [s for s, _ in ended])
         for (seq, k), t in zip(ended, tokens, strict=True):
             self._keep(seq)
             cache = seq.cache
@@ -538,7 +567,7 @@ class PaddedEngine:
             if not seq.finished:
                 self._join(seq)
             twins = self._twins(seq, self.max_running - len(self._rows))
-            out += self._share(cache, twins, logits[rows + k], self._join)
+            out += self._share(cache, twins, logits[last[k]], self._join)
         self._leave(lambda r: r.finished)
         return out
 
@@ -608,7 +637,8 @@ class PaddedEngine:
                 if twin is not None and twin.tokens == seq.tokens:
                     continue  # takes the twin's prefill when it ends (_share)
                 seq.cache = _cache(reserve=len(seq.tokens))
-                self._reuse(seq)
+                if seq.score is None:
+                    self._reuse(seq)
             begun.setdefault(seq.key, seq)
             tokens = seq.tokens[seq.done : seq.done + budget]
             plan.append((seq, tokens))
@@ -635,6 +665,14 @@ class PaddedEngine:
             seq.cache.update(keys[i], values[i], i)
         seq.done = n
 
+    def _score(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """A scoring sequence's chunk ran from ``seq.done`` with these logits (one row a
+        position): keep the log-probability of each next token it predicts."""
+        assert seq.score is not None
+        targets = seq.tokens[seq.done + 1 : seq.done + 1 + logits.shape[0]]
+        if targets:
+            self._prompt_lps[seq.name] += logprob_rows(logits[: len(targets)], targets, seq.score)
+
     def _keep(self, seq: _Seq) -> None:
         """A sequence's prefill ended: the prefix cache keeps its blocks."""
         if self.prefix is not None and seq.cache is not None:
@@ -659,10 +697,13 @@ class PaddedEngine:
         for seq, chunk in self._plan(budget, 1):
             ids = torch.tensor([chunk], device=self.device)
             positions = torch.arange(seq.done, seq.done + len(chunk), device=self.device)
-            logits = self.model(
+            every = self.model(
                 input_ids=ids, position_ids=positions[None], cache=seq.cache, use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]  # fmt: skip
+                logits_to_keep=1 if seq.score is None else 0,
+            ).logits  # fmt: skip
+            if seq.score is not None:
+                self._score(seq, every[0])
+            logits = every[:, -1]
             seq.done += len(chunk)
             if seq.done < len(seq.tokens):
                 break  # the last chunk of the plan

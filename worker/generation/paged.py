@@ -86,8 +86,12 @@ class PagedEngine:
         max_new_tokens: int,
         sampling: Sampling,
         priority: int = 0,
+        score: int | None = None,
     ) -> None:
-        """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused)."""
+        """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused).
+        ``score`` (prompt log-probabilities) is the padded engine's alone: refused."""
+        if score is not None:
+            raise ValueError("prompt log-probabilities need the padded engine")
         self.sampler.add(sequence, sampling, tokens)
         self.manager.add_request(
             tokens,
@@ -109,6 +113,10 @@ class PagedEngine:
     def logprobs(self, sequence: str) -> list[Logprob]:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
         return self.sampler.logprobs(sequence)
+
+    def prompt_logprobs(self, sequence: str) -> list[Logprob]:
+        """None here (see :meth:`add`)."""
+        return []
 
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""

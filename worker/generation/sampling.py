@@ -237,6 +237,19 @@ def _logprob(logits: torch.Tensor, token: int, top: int) -> Logprob:
     return token, float(lp[token]), [], []
 
 
+def logprob_rows(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
+    """Per row of ``logits`` (positions), the log-probability of ``tokens[row]`` and the
+    ``top`` likeliest tokens' (a prompt's tokens, each under the logits before it)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(len(tokens), device=lp.device)
+    chosen = lp[rows, torch.tensor(tokens, device=lp.device)].tolist()
+    if not top:
+        return [(t, v, [], []) for t, v in zip(tokens, chosen, strict=True)]
+    values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    return [(t, v, i, w) for t, v, i, w in zip(tokens, chosen, ids.tolist(), values.tolist(),
+                                              strict=True)]  # fmt: skip
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
     """One token from ``logits`` (1-D) by temperature, top-k, top-p and min-p (HF's order),
     drawn with ``gen``."""

@@ -77,6 +77,9 @@ class GenSpec:
     """Completions per prompt: sequence ``i * n + j`` is prompt ``i``'s ``j``-th."""
     keep_stop: bool = False
     """A stop string that ends a text stays in it (``include_stop_str_in_output``)."""
+    prompt_logprobs: int | None = None
+    """Keep each prompt's tokens' log-probabilities with this many likeliest tokens (on
+    the first completion of each prompt; None: not asked)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -96,6 +99,8 @@ class _Seq:
     base: int = 0
     """Tokens generated before the engine last (re)started it (preemption)."""
     finish: str | None = None
+    score: int | None = None
+    """Its prompt's log-probabilities are kept, with this many likeliest tokens each."""
 
 
 @dataclass(slots=True)
@@ -261,6 +266,8 @@ class TextGenerationRunner:
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
+        if req.prompt_logprobs is not None and self.engine_kind != "padded":
+            return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias)):
             unknown = sorted(t for t in ids if t >= self.vocab_size)
@@ -289,6 +296,7 @@ class TextGenerationRunner:
             stop_ids=frozenset(req.stop_token_ids or ()),
             n=req.n or 1,
             keep_stop=bool(req.include_stop_str_in_output),
+            prompt_logprobs=req.prompt_logprobs,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -400,7 +408,7 @@ class TextGenerationRunner:
             spec: GenSpec = prep.payload
             n = spec.n
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(self._decode, spec.stop, spec.keep_stop),
-                         spec.sampling_of(j))
+                         spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs))
@@ -411,8 +419,10 @@ class TextGenerationRunner:
                 continue
             done = len(seq.text.tokens)
             seq.base = done
+            # a prompt scored already (its prefill ended: it generated) is not scored again
             self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
-                            seq.sampling, priority=lane)  # fmt: skip
+                            seq.sampling, priority=lane,
+                            score=seq.score if not done else None)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
     def _park(self, r: _Req) -> Preempted:
@@ -451,6 +461,12 @@ class TextGenerationRunner:
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
+        for s, out in zip(r.seqs, outputs, strict=True):
+            if s.score is not None:  # the first token has none (vLLM's null)
+                out["prompt_logprobs"] = [
+                    None,
+                    *self._logprobs(self.engine.prompt_logprobs(s.name)),
+                ]
         for s in r.seqs:
             self.engine.forget(s.name)
         return Final(r.key, outputs)
