@@ -132,6 +132,7 @@ def test_bad_generation_requests_get_error_results(r: redis.Redis, worker: Worke
 
 
 def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm_dir: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(lm_dir)
@@ -171,6 +172,20 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
             break
     pubsub.close()
     assert [e for m in messages[:-1] for e in m["logprobs"]] == kept
+    # a prompt's scores (vLLM's prompt_logprobs), and a prompt cut to its last 2 tokens
+    scored = submit(r, inputs=["the man was"], max_new_tokens=1, prompt_logprobs=1)
+    (out,) = result(r, scored)["outputs"]
+    with torch.inference_mode():
+        lps = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == ids.shape[1]
+    got = [e["logprob"] for e in out["prompt_logprobs"][1:]]
+    assert got == pytest.approx([float(lps[k, t]) for k, t in enumerate(ids[0, 1:])], abs=1e-4)
+    cut = submit(r, inputs=["the man was"], max_new_tokens=10, truncate_prompt_tokens=2)
+    (out,) = result(r, cut)["outputs"]
+    tail = model.generate(ids[:, -2:], max_new_tokens=10, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[0, 2:]  # fmt: skip
+    assert out["prompt_tokens"] == 2
+    assert out["text"] == tok.decode(tail, skip_special_tokens=True)
 
 
 def test_n_completions_per_input_through_a_worker(
