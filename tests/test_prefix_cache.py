@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
 from batchfleet.worker.generation.prefix_cache import PrefixCache, _Block  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
@@ -120,6 +121,30 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest(llama: Any, fused
             assert kept == pytest.approx(reference(llama, prompt, got[name]), abs=1e-4), name
     run = sum(len(p) for p in prompts.values()) - 4 * 64
     assert engine.prefilled == run and cache.hit_tokens == 4 * 64
+
+
+def test_a_waiting_prompt_reports_only_the_uncached_part_as_prefill(llama: Any) -> None:
+    # Given a prompt whose first 48 tokens are held, added behind a long prefill
+    prompt = list(range(5, 60))  # 55 tokens
+    cache = PrefixCache(capacity=256, block=16)
+    engine = PaddedEngine(llama, eos_token_ids=[], step_tokens=20, max_running=4,
+                          prefix_cache=cache)  # fmt: skip
+    engine.add("warm", prompt, 1, Sampling())
+    _until_done(engine)
+    engine.add("long", list(range(100, 160)), 4, Sampling())
+    engine.add("s", [*prompt[:48], 7, 8], 4, Sampling())
+    engine.add("scored", [*prompt[:48], 7, 8], 4, Sampling(), score=0)
+    # Then, before it begins, the scheduler sees 48 tokens in its cache and 2 to prefill
+    # (the scored one, which will not use the cache, all 50); once begun, what it holds
+    assert engine.state("s") == SeqState(context=48, prefill_left=2)
+    assert engine.state("scored") == SeqState(context=0, prefill_left=50)
+    assert cache.hit_tokens == 0  # a peek, not a lookup
+    engine.step()
+    engine.step()
+    engine.step()
+    st = engine.state("s")
+    assert st is not None and st.context >= 48
+    assert _until_done(engine)["s"] == generate(llama, [*prompt[:48], 7, 8], 4)
 
 
 def reference(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:

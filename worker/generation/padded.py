@@ -236,6 +236,10 @@ class _Seq:
     """A hash of ``tokens``: sequences with the same tokens share one prefill."""
     eos: frozenset[int] = frozenset()
     """The tokens that end it (none: its request ignores end-of-sequence)."""
+    cached: int = 0
+    """Tokens of ``tokens`` the prefix cache held when it was added: until it begins, they
+    are reported as in its cache and only the rest as its prefill (the scheduler's
+    prefill backlog), not all of it."""
     score: int | None = None
     """Keep its prompt tokens' log-probabilities, with this many likeliest tokens each
     (None: not asked): its prefill keeps every position's logits, and takes nothing
@@ -339,6 +343,8 @@ class PaddedEngine:
                                        order=(priority, self._added), key=key,
                                        eos=frozenset() if sampling.ignore_eos else self.eos,
                                        score=score)  # fmt: skip
+        if self.prefix is not None and score is None:
+            self._waiting[sequence].cached = self.prefix.peek(tokens)
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -373,6 +379,8 @@ class PaddedEngine:
             seq = self._running.get(sequence)
             if seq is None or seq.name in self._cancelled:
                 return None
+        if seq.cache is None and not seq.generated:  # not begun: the cache's part counts
+            return SeqState(context=seq.cached, prefill_left=len(seq.tokens) - seq.cached)
         return SeqState(context=seq.context, prefill_left=len(seq.tokens) - seq.done)
 
     def set_step_tokens(self, tokens: int) -> None:

@@ -70,9 +70,7 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, Stacked | None]:
-        """The longest held prefix of ``tokens`` (block by block) that leaves at least one
-        token to prefill: its length and its keys and values (None: nothing held)."""
+    def _found(self, tokens: Sequence[int]) -> list[tuple[int, _Block]]:
         b = self.block
         found: list[tuple[int, _Block]] = []
         for i, h in enumerate(self._hashes(tokens, (len(tokens) - 1) // b)):
@@ -80,6 +78,18 @@ class PrefixCache:
             if block is None or block.tokens != tuple(tokens[i * b : (i + 1) * b]):
                 break
             found.append((h, block))
+        return found
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How long a prefix of ``tokens`` :meth:`lookup` would find now (touching nothing:
+        an estimate of the prefill a waiting prompt will need)."""
+        return len(self._found(tokens)) * self.block
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, Stacked | None]:
+        """The longest held prefix of ``tokens`` (block by block) that leaves at least one
+        token to prefill: its length and its keys and values (None: nothing held)."""
+        b = self.block
+        found = self._found(tokens)
         for h, _ in reversed(found):
             self._blocks.move_to_end(h)
         self.hit_tokens += len(found) * b
