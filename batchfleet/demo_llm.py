@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -40,8 +41,18 @@ QUESTIONS = (
     "What is the capital of France? Answer in one sentence.",
     "Name three colours of the rainbow.",
     "Why is the sky blue? Answer briefly.",
+    "Give the capital of France and its country as JSON.",
 )
 MAX_NEW_TOKENS = 60
+OPTIONS: dict[str, dict[str, Any]] = {
+    QUESTIONS[3]: {"structured_outputs": {"json": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40},
+                       "country": {"type": "string", "maxLength": 40}},
+        "required": ["city", "country"], "additionalProperties": False,
+    }, "disable_any_whitespace": True}},
+}  # fmt: skip
+"""Request options of some questions: the last answers as JSON under a schema."""
 
 
 @contextlib.contextmanager
@@ -80,12 +91,18 @@ def wait_loaded(console: Console, url: str, proc: DemoWorker, timeout: float = 3
 def stream_answers(
     console: Console, producer: Producer, questions: Sequence[str] = QUESTIONS
 ) -> list[Result]:
-    """Submit every question (lane 0, greedy, streamed), print each answer as it streams, and
-    return the results."""
-    chats = [[{"role": "user", "content": q}] for q in questions]
+    """Submit every question (lane 0, greedy, streamed, with its :data:`OPTIONS`), print
+    each answer as it streams, and return the results."""
     jobs = [
-        producer.submit(MODEL, messages=c, max_new_tokens=MAX_NEW_TOKENS, stream=True, priority=0)
-        for c in chats
+        producer.submit(
+            MODEL,
+            messages=[{"role": "user", "content": q}],
+            max_new_tokens=MAX_NEW_TOKENS,
+            stream=True,
+            priority=0,
+            **OPTIONS.get(q, {}),
+        )
+        for q in questions
     ]
     results = []
     for question, job in zip(questions, jobs, strict=True):

@@ -269,6 +269,16 @@ def engine_bench_runner(which: str, options: dict[str, Any], workdir: Path) -> t
     return model, load_runner(model)
 
 
+def engine_bench_trace(which: str, options: dict[str, Any], workdir: Path, requests: int,
+                       seed: int) -> tuple[GenModel, Any, list[Job]]:  # fmt: skip
+    """:func:`engine_bench_runner` and the mixed trace of ``requests`` jobs for its tokenizer."""
+    model, runner = engine_bench_runner(which, options, workdir)
+    tok = runner.tokenizer
+    jobs = workload(lambda s: list(tok(s)["input_ids"]), lambda ids: str(tok.decode(ids)),
+                    requests, seed)  # fmt: skip
+    return model, runner, jobs
+
+
 def load_runner(model: GenModel, device: str = "cpu") -> Any:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
@@ -337,9 +347,11 @@ class Outcome:
 
 
 def engine_alone(
-    runner: Any, jobs: Sequence[Job], rate: float, name: str = "engine alone"
-) -> Outcome:
-    """The worker's runner and scheduler stepped here on the trace, arrivals in real time."""
+    runner: Any, jobs: Sequence[Job], rate: float, name: str = "engine alone",
+    options: dict[str, Any] | None = None,
+) -> Outcome:  # fmt: skip
+    """The worker's runner and scheduler stepped here on the trace, arrivals in real time
+    (``options``: request fields every request sets)."""
     from batchfleet.batching.engine import Engine
     from batchfleet.batching.types import Policy, Waiting
     from batchfleet.schemas.messages import Request
@@ -353,7 +365,7 @@ def engine_alone(
     sched = _gen_scheduler(runner, Engine(Policy()), len(LANE_MIX))
     requests = [
         Request(id=f"r{j.index}", model="bench", inputs=[j.text], max_new_tokens=j.max_new,
-                stream=True)
+                stream=True, **(options or {}))
         for j in jobs
     ]  # fmt: skip
     prepared = runner.prepare_many(requests)

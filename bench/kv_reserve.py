@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {"engine": "padded", "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
                "step_tokens": 512, "max_running": 64}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        model, runner = g.engine_bench_runner(args.model, options, Path(tmp))
-        tok = runner.tokenizer
-        jobs = g.workload(lambda s: list(tok(s)["input_ids"]), lambda ids: str(tok.decode(ids)),
-                          args.requests, args.seed)  # fmt: skip
+        model, runner, jobs = g.engine_bench_trace(args.model, options, Path(tmp),
+                                                   args.requests, args.seed)  # fmt: skip
         g.engine_alone(runner, jobs[:2], 0.0, "warm-up")
         print(f"{model.name}, {len(jobs)} requests at {args.rate}/s, longest context "
               f"{runner.engine.max_context}, max_running {runner.engine.max_running}")  # fmt: skip

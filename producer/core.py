@@ -22,7 +22,7 @@ from typing_extensions import Unpack
 from ..schemas.codec import decode_reply, decode_result
 from ..schemas.errors import JobFailed, NotStreamed, ResultTimeout, Unavailable
 from ..schemas.keys import ModelKeys, default_reply_channel
-from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Result
+from ..schemas.messages import DEFAULT_LIMITS, Format, Limits, Request, Result, StructuredOutputs
 from .ops import (
     DOWN,
     Emit,
@@ -124,6 +124,10 @@ class GenerationOptions(TypedDict, total=False):
     """Keep only each prompt's last this many tokens (vLLM's)."""
     prompt_logprobs: int | None
     """Each prompt token's log-probability and this many likeliest tokens' (vLLM's)."""
+    structured_outputs: StructuredOutputs | Mapping[str, Any] | None
+    """The text follows one constraint (vLLM's): ``{"json": schema}`` (a JSON Schema, or
+    a pydantic model class), ``{"json_object": True}``, ``{"regex": ...}``,
+    ``{"choice": [...]}`` or ``{"grammar": ...}`` (Lark or GBNF)."""
     """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
 
 

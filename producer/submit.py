@@ -14,7 +14,15 @@ from pydantic import BaseModel, ValidationError
 from ..schemas.codec import encode_request
 from ..schemas.errors import ErrorCode, QueueFull, RequestRejected, Unavailable
 from ..schemas.keys import ModelKeys, check_model_name
-from ..schemas.messages import DEFAULT_LIMITS, ChatMessage, Format, Limits, Request, Webhook
+from ..schemas.messages import (
+    DEFAULT_LIMITS,
+    ChatMessage,
+    Format,
+    Limits,
+    Request,
+    StructuredOutputs,
+    Webhook,
+)
 
 WebhookArg = str | Webhook | Mapping[str, Any] | None
 """A webhook URL, or a :class:`Webhook` / map with ``url``, ``secret_id``, ``format``."""
@@ -137,6 +145,20 @@ def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
         out["stop_token_ids"] = list(out["stop_token_ids"])
     if "logit_bias" in out:  # token ids as the wire's string keys
         out["logit_bias"] = {str(k): float(b) for k, b in out["logit_bias"].items()}
+    if "structured_outputs" in out:
+        out["structured_outputs"] = _structured(out["structured_outputs"])
+    return out
+
+
+def _structured(spec: StructuredOutputs | Mapping[str, Any]) -> Any:
+    """``structured_outputs`` as the wire's map; a pydantic model class given as ``json``
+    becomes its JSON Schema."""
+    if isinstance(spec, StructuredOutputs):
+        return spec.model_dump(exclude_none=True)
+    out = dict(spec)
+    schema = out.get("json")
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        out["json"] = schema.model_json_schema()
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -99,12 +100,18 @@ MAX_LOGIT_BIAS: Final = 300
 """The most tokens a request's ``logit_bias`` lists (OpenAI's bound)."""
 MAX_COMPLETIONS: Final = 16
 """The most completions a generation request asks per input (``n``)."""
+MAX_GRAMMAR_CHARS: Final = 65_536
+"""The longest ``structured_outputs`` constraint: a JSON schema (as JSON text), a regex or
+a grammar."""
+MAX_CHOICES: Final = 1_024
+"""The most strings a ``structured_outputs.choice`` lists."""
 
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
+    "structured_outputs",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -115,6 +122,69 @@ class ChatMessage(_Strict):
     role: str = Field(pattern=r"^[a-z_]{1,32}$")
     """``system``, ``user``, ``assistant`` (or another role the template knows)."""
     content: str
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: the generated text follows one constraint (exactly one
+    of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``)."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, validate_by_alias=True, validate_by_name=True,
+        serialize_by_alias=True,
+    )  # fmt: skip
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    """``json``: a JSON Schema (an object, or its JSON text); the text is JSON valid under it."""
+    json_object: bool | None = None
+    """True: the text is a JSON object (any)."""
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    """The text matches this regular expression (Rust ``regex`` syntax, whole text)."""
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    """The text is exactly one of these strings."""
+    grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    """The text derives from this context-free grammar: Lark syntax (llguidance's) or GBNF
+    (llama.cpp's)."""
+    disable_any_whitespace: bool | None = None
+    """JSON: no whitespace between tokens (compact JSON); default: any whitespace."""
+    disable_additional_properties: bool | None = None
+    """JSON: objects hold only the properties their schema lists (as if every object in it
+    said ``additionalProperties: false`` where it says nothing)."""
+    whitespace_pattern: str | None = Field(None, min_length=1, max_length=256)
+    """JSON: the regex whitespace between tokens matches (instead of any whitespace)."""
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it sets."""
+        return self.set_kinds()[0]
+
+    def set_kinds(self) -> list[str]:
+        """The constraint fields it sets (``json_object`` only when true)."""
+        kinds = []
+        if self.json_schema is not None:
+            kinds.append("json")
+        if self.json_object:
+            kinds.append("json_object")
+        kinds += [k for k in ("regex", "choice", "grammar") if getattr(self, k) is not None]
+        return kinds
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        kinds = self.set_kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs sets exactly one of json, json_object, regex, "
+                             f"choice, grammar (it sets {kinds or 'none'})")  # fmt: skip
+        if isinstance(self.json_schema, dict):
+            size = len(_json.dumps(self.json_schema, separators=(",", ":"), default=str))
+        else:
+            size = len(self.json_schema or "")
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"too_large: structured_outputs.json has {size} chars as JSON "
+                             f"> {MAX_GRAMMAR_CHARS}")  # fmt: skip
+        if self.choice is not None:
+            chars = sum(len(c) for c in self.choice)
+            if chars > MAX_GRAMMAR_CHARS or not all(self.choice):
+                raise ValueError(f"structured_outputs.choice: non-empty strings, at most "
+                                 f"{MAX_GRAMMAR_CHARS} chars in all")  # fmt: skip
+        return self
 
 
 class Request(_Strict):
@@ -188,6 +258,8 @@ class Request(_Strict):
     template): a longer prompt is cut rather than refused."""
     """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
     fixed-length outputs); the tokens stay in the output."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's: the text follows a JSON schema, a regex, a list of choices or a grammar."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).

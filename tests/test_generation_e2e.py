@@ -186,6 +186,18 @@ def test_logits_rules_reach_the_engine(r: redis.Redis, worker: WorkerProcess, lm
                           pad_token_id=tok.pad_token_id)[0, 2:]  # fmt: skip
     assert out["prompt_tokens"] == 2
     assert out["text"] == tok.decode(tail, skip_special_tokens=True)
+    # structured outputs: a JSON schema's text (streamed), and a regex llguidance refuses
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 999}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    shaped = submit(r, inputs=["the man was"], max_new_tokens=30, stream=True,
+                    structured_outputs={"json": schema, "disable_any_whitespace": True})  # fmt: skip
+    entries = token_stream(r, shaped)
+    (out,) = result(r, shaped)["outputs"]
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"n"}
+    assert "".join(e[b"text"].decode() for e in entries[:-1]) == out["text"]
+    refused = submit(r, inputs=["x"], structured_outputs={"regex": "(unclosed"})
+    error = result(r, refused)["error"]
+    assert error["code"] == "invalid_request" and "structured_outputs.regex" in error["message"]
 
 
 def test_n_completions_per_input_through_a_worker(

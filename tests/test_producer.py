@@ -25,7 +25,9 @@ from batchfleet.schemas.errors import (
     Unavailable,
 )
 from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.messages import StructuredOutputs
 from batchfleet.worker.streams import ModelStreams
+from pydantic import BaseModel
 
 from batchfleet.redis_server import LocalRedis, free_port
 
@@ -460,6 +462,11 @@ def store_generation(client: redis.Redis, rid: str, *texts: str) -> None:
     client.set(KEYS.result(rid), msgpack.packb(body))
 
 
+class Answer(BaseModel):
+    city: str
+    population: int
+
+
 def test_generation_requests_carry_their_fields(
     kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
 ) -> None:
@@ -471,8 +478,9 @@ def test_generation_requests_carry_their_fields(
                        logprobs=4, stop_token_ids=(7, 9), n=2,
                        logit_bias={50: -100, 7: 2.5}, ignore_eos=True, min_p=0.1,
                        include_stop_str_in_output=True, truncate_prompt_tokens=50,
-                       prompt_logprobs=3)  # fmt: skip
-    prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5)
+                       prompt_logprobs=3, structured_outputs={"json": Answer})  # fmt: skip
+    prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5,
+                                      structured_outputs=StructuredOutputs(regex="[ab]"))  # fmt: skip
     (request, many, chat_many) = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
     assert request.messages is not None and request.messages[0].content == chat[0]["content"]
     assert (request.inputs, request.max_new_tokens, request.temperature, request.top_p,
@@ -484,6 +492,9 @@ def test_generation_requests_carry_their_fields(
     assert request.logit_bias == {"50": -100.0, "7": 2.5} and request.ignore_eos is True
     assert request.min_p == 0.1 and request.include_stop_str_in_output is True
     assert request.truncate_prompt_tokens == 50 and request.prompt_logprobs == 3
+    assert request.structured_outputs is not None  # a pydantic class goes as its schema
+    assert request.structured_outputs.json_schema == Answer.model_json_schema()
+    assert many.structured_outputs == StructuredOutputs(regex="[ab]")
     assert (job.streaming, job.input_count, job.output_count) == (True, 1, 2)
     assert (many.inputs, many.max_new_tokens, many.stream) == (["a", "b"], 5, None)
     assert chat_many.messages is not None and (prompts.input_count, talk.input_count) == (2, 1)

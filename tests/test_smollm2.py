@@ -5,6 +5,7 @@ the whole module."""
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,9 +62,13 @@ def test_smollm2_answers_a_chat_streaming(smollm_url: str) -> None:
 def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:
     out = io.StringIO()
     console = Console(file=out, width=100)
+    asked = [demo_llm.QUESTIONS[0], demo_llm.QUESTIONS[3]]  # the second answers in JSON
     with Producer(smollm_url) as producer:
-        results = demo_llm.stream_answers(console, producer, demo_llm.QUESTIONS[:2])
+        results = demo_llm.stream_answers(console, producer, asked)
     printed = out.getvalue()
     assert all(r.ok for r in results) and "Paris" in printed
-    for question, result in zip(demo_llm.QUESTIONS, results, strict=False):
+    for question, result in zip(asked, results, strict=True):
         assert f"> {question}" in printed and result.generations()[0].text in printed
+    shaped = results[1].generations()[0]
+    assert shaped.finish_reason == "stop"
+    assert json.loads(shaped.text) == {"city": "Paris", "country": "FRANCE"}

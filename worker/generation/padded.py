@@ -756,9 +756,4 @@ class PaddedEngine:
 
     def _pick(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
         """Each row's next token: the request's own sampler, else greedy."""
-        greedy: list[int] = logits.argmax(dim=-1).tolist()
-        for i, s in enumerate(seqs):
-            drawn = self.sampler.draw(s.name, logits[i])
-            if drawn is not None:
-                greedy[i] = drawn
-        return greedy
+        return self.sampler.pick([s.name for s in seqs], logits)

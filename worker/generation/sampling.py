@@ -20,7 +20,9 @@ The rules, applied in this order before temperature (as HF ``generate`` and vLLM
 - ``logit_bias`` (OpenAI's and vLLM's): added to the given tokens' logits (-100 bans a
   token, 100 all but forces it);
 - ``min_new_tokens`` (HF's): the end-of-sequence tokens are masked until the sequence has
-  generated that many tokens (a stop string still ends it).
+  generated that many tokens (a stop string still ends it);
+- ``structured_outputs`` (vLLM's, :mod:`.grammar`): tokens the sequence's constraint does
+  not allow next are masked (it overrides ``min_new_tokens`` where the two leave nothing).
 
 A request that asks for ``logprobs`` gets, per token, the chosen token's log-probability
 and the likeliest tokens' under the model's own logits (before the rules and temperature:
@@ -33,16 +35,26 @@ truth (so a draw a failed step dropped is not counted).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
 )
+
+from .grammar import Masks
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from .grammar import Constraint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +77,16 @@ class Sampling:
     """An end-of-sequence token does not end the sequence (the engines read this)."""
     logprobs: int | None = None
     """Keep each token's log-probability and this many alternatives' (None: none)."""
+    constraint: Constraint | None = None
+    """The text follows it (``structured_outputs``; None: free)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     @property
-    def shaped(self) -> bool:
-        """Its logits change before the pick (a penalty, a bias, or ``min_new_tokens``)."""
+    def ruled(self) -> bool:
+        """A rule changes its logits (a penalty, a bias, or ``min_new_tokens``)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
@@ -80,6 +94,17 @@ class Sampling:
             or self.min_new_tokens > 0
             or bool(self.logit_bias)
         )
+
+    @property
+    def shaped(self) -> bool:
+        """Its logits change before the pick (a rule, or a constraint)."""
+        return self.ruled or self.constraint is not None
+
+    @property
+    def only_constrained(self) -> bool:
+        """Greedy, no rule, nothing kept: the argmax of its constraint's tokens."""
+        return (self.constraint is not None and self.greedy and not self.ruled
+                and self.logprobs is None)  # fmt: skip
 
     @property
     def plain(self) -> bool:
@@ -109,6 +134,8 @@ class _Track:
     """Per generated token (``Sampling.logprobs``)."""
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
     """``Sampling.logit_bias`` as tensors (ids, biases), made at its first draw."""
+    matcher: llguidance.LLMatcher | None = None
+    """Where its output stands in its constraint (``Sampling.constraint``)."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
@@ -116,6 +143,11 @@ class _Track:
         self.counts = Counter(tokens[self.prompt :])
         self.generated = max(0, len(tokens) - self.prompt)
         del self.logprobs[self.generated :]  # drawn in a step that failed: not generated
+        constraint = self.sampling.constraint
+        if constraint is not None:  # back to the start, then through what it generated
+            self.matcher = constraint.matcher()
+            if self.generated:
+                self.matcher.consume_tokens(tokens[self.prompt :])
 
     def took(self, token: int) -> None:
         self.seen.add(token)
@@ -134,6 +166,8 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         self._tracks: dict[str, _Track] = {}
         self._rows: list[str] = []
         self._eos = sorted(set(eos_token_ids))
+        self._masks: Masks | None = None
+        """The constrained rows' bitmasks (made at the first)."""
 
     def add(self, sequence: str, sampling: Sampling, tokens: list[int] | None = None) -> None:
         """Register a sequence before it is scheduled, with what it prefills (``tokens``:
@@ -168,25 +202,71 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         """Forget every sequence (the runner starts over)."""
         self._tracks.clear()
 
+    def pick(self, sequences: Sequence[str], logits: torch.Tensor) -> list[int]:
+        """Each row's next token: its sequence's own (registered), else the argmax. The
+        constrained rows' masks are made together, and the rows whose only rule is their
+        constraint (greedy, no log-probabilities) are masked and picked together."""
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        tracks = self._tracks
+        if not tracks:
+            return tokens
+        mine = [(i, t) for i, name in enumerate(sequences) if (t := tracks.get(name)) is not None]
+        if not mine:
+            return tokens
+        held = [(i, t) for i, t in mine if t.matcher is not None]
+        allowed = self._allowed([t for _, t in held], logits) if held else None
+        row_of = {i: k for k, (i, _) in enumerate(held)}
+        lean = [k for k, (_, t) in enumerate(held) if t.sampling.only_constrained]
+        if lean:
+            assert allowed is not None
+            rows = [held[k][0] for k in lean]
+            masked = logits[rows].float().masked_fill(~allowed[lean], float("-inf"))
+            for i, token in zip(rows, masked.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = token
+                self._consume(sequences[i], tracks[sequences[i]], token)
+        done = {held[k][0] for k in lean}
+        for i, track in mine:
+            if i not in done:
+                k = row_of.get(i)
+                tokens[i] = self._draw(sequences[i], track, logits[i],
+                                       None if k is None or allowed is None else allowed[k])  # fmt: skip
+        return tokens
+
     def draw(self, sequence: str, logits: torch.Tensor) -> int | None:
         """A registered sequence's next token from its ``logits`` row (None: plain greedy,
         the caller's argmax)."""
         track = self._tracks.get(sequence)
         if track is None:
             return None
+        allowed = None if track.matcher is None else self._allowed([track], logits[None])[0]
+        return self._draw(sequence, track, logits, allowed)
+
+    def _draw(self, sequence: str, track: _Track, logits: torch.Tensor,
+              allowed: torch.Tensor | None) -> int:  # fmt: skip
         s = track.sampling
         raw = logits
         if s.shaped:
-            logits = self._shape(track, logits)
+            logits = self._shape(track, logits, allowed)
         token = int(logits.argmax()) if track.gen is None else sample(logits, s, track.gen)
         if s.logprobs is not None:
             track.logprobs.append(_logprob(raw, token, s.logprobs))
-        if s.shaped:
+        if s.ruled:
             track.took(token)
+        self._consume(sequence, track, token)
         return token
 
-    def _shape(self, track: _Track, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of ``logits`` (float32) with the track's rules applied."""
+    @staticmethod
+    def _consume(sequence: str, track: _Track, token: int) -> None:
+        if track.matcher is not None and not track.matcher.consume_token(token):
+            logger.warning("sequence %s: its constraint refused token %d: %s", sequence, token,
+                           track.matcher.get_error())  # fmt: skip
+
+    def _shape(self, track: _Track, logits: torch.Tensor,
+               allowed: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """A copy of ``logits`` (float32) with the track's rules applied, then its
+        constraint's mask ``allowed``. Where the rules left none of what it allows
+        (``min_new_tokens`` against a complete text), the constraint wins: its tokens keep
+        their own logits."""
         s = track.sampling
         x = logits.float().clone()
         dev = x.device
@@ -206,7 +286,30 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
             x[track.bias[0]] += track.bias[1]
         if track.generated < s.min_new_tokens and self._eos:
             x[torch.tensor(self._eos, dtype=torch.long, device=dev)] = float("-inf")
+        if allowed is not None:
+            x.masked_fill_(~allowed, float("-inf"))
+            if not bool(torch.isfinite(x).any()):
+                x.copy_(logits.float().masked_fill(~allowed, float("-inf")))
         return x
+
+    def _allowed(self, tracks: list[_Track], logits: torch.Tensor) -> torch.Tensor:
+        """Per constrained track, the tokens its matcher allows next (bool, one row each,
+        as wide as ``logits``); a matcher that refused a token allows only the end."""
+        width = logits.shape[-1]
+        out = torch.zeros((len(tracks), width), dtype=torch.bool)
+        live = [k for k, t in enumerate(tracks) if not t.matcher.is_error()]  # type: ignore[union-attr]
+        if live:
+            constraint = tracks[live[0]].sampling.constraint
+            assert constraint is not None
+            vocab = constraint.vocab_size  # one tokenizer per sampler
+            if self._masks is None or self._masks.vocab_size != vocab:
+                self._masks = Masks(vocab)
+            bits = self._masks.allowed([tracks[k].matcher for k in live])  # type: ignore[misc]
+            cut = min(vocab, width)
+            out[live, :cut] = bits[:, :cut]
+        for k in set(range(len(tracks))) - set(live):
+            out[k, self._eos] = True
+        return out.to(logits.device)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)
@@ -217,14 +320,14 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         return torch.zeros(len(self._rows), dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        if not self._tracks:
+        rows = self._rows[: scores.shape[0]]
+        if not self._tracks or not any(r in self._tracks for r in rows):
             return scores
-        for row, sequence in enumerate(self._rows[: scores.shape[0]]):
-            token = self.draw(sequence, scores[row])
-            if token is None:
-                continue
-            scores[row].fill_(float("-inf"))
-            scores[row, token] = 0.0
+        tokens = self.pick(rows, scores)
+        for row, sequence in enumerate(rows):
+            if sequence in self._tracks:
+                scores[row].fill_(float("-inf"))
+                scores[row, tokens[row]] = 0.0
         return scores
 
 

@@ -40,6 +40,7 @@ from ...schemas.messages import Request
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation.detok import TextStream
 from ..generation.engine import Engine
+from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.sampling import Logprob, Sampling
 from ..runner import (
     LOST,
@@ -223,6 +224,8 @@ class TextGenerationRunner:
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
+        self._grammars = self._make_grammars()
+        """Compiles ``structured_outputs`` (a string: why this model cannot take them)."""
         self._reqs: dict[str, _Req] = {}
         self._unsettled: StepReport | None = None
         """The last step's report, until its progress is filled in."""
@@ -268,6 +271,12 @@ class TextGenerationRunner:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
         if req.prompt_logprobs is not None and self.engine_kind != "padded":
             return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
+        constraint = None
+        if req.structured_outputs is not None:
+            try:
+                constraint = self._constraint(req)
+            except PrepareError as exc:
+                return exc
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias)):
             unknown = sorted(t for t in ids if t >= self.vocab_size)
@@ -290,6 +299,7 @@ class TextGenerationRunner:
                 ignore_eos=bool(req.ignore_eos),
                 min_p=req.min_p or 0.0,
                 logprobs=req.logprobs,
+                constraint=constraint,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
@@ -301,6 +311,32 @@ class TextGenerationRunner:
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
+
+    def _constraint(self, req: Request) -> Constraint:
+        """The request's ``structured_outputs``, compiled for this tokenizer."""
+        assert req.structured_outputs is not None
+        if req.ignore_eos:
+            raise PrepareError("structured_outputs ends the text with an end-of-sequence "
+                               "token: it does not go with ignore_eos")  # fmt: skip
+        grammars = self._grammars
+        if isinstance(grammars, str):
+            raise PrepareError(grammars)
+        try:
+            return grammars.compile(req.structured_outputs)
+        except GrammarError as exc:
+            raise PrepareError(str(exc)) from exc
+
+    def _make_grammars(self) -> Grammars | str:
+        """The compiler for this tokenizer, or why there is none."""
+        if not self.eos:
+            return "structured_outputs: this model has no end-of-sequence token"
+        try:
+            return Grammars(self.tokenizer, self.vocab_size, self.eos)
+        except Exception as exc:  # a slow (Python) tokenizer, or a vocabulary it cannot read
+            logger.warning("structured outputs are off for this model: %s: %s",
+                           type(exc).__name__, exc)  # fmt: skip
+            return (f"structured_outputs: this model's tokenizer cannot be used for them "
+                    f"({type(exc).__name__}: {exc})")  # fmt: skip
 
     def _prompts(self, req: Request) -> list[list[int]]:
         if req.messages is not None:
@@ -583,6 +619,7 @@ class TextGenerationRunner:
             "step_tokens": self.step_tokens, "max_running": self.max_running,
             "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",
             "running": len(self._reqs),
+            "structured_outputs": not isinstance(self._grammars, str),
             **self._resident(),
         }  # fmt: skip
 

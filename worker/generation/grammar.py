@@ -1,0 +1,170 @@
+"""Structured outputs: a request's JSON schema, regex, choices or grammar, as a token mask.
+
+llguidance (the Rust library behind vLLM's ``guidance`` backend) compiles a constraint
+for one tokenizer and, per sequence, a matcher: at each step it says which tokens may come
+next (a bitmask over the vocabulary, about 0.1 ms for SmolLM2's 49,152 tokens) and
+consumes the token drawn. Once the constraint is complete and nothing may follow, only the
+end-of-sequence tokens are allowed, so the sequence ends with ``finish_reason`` ``stop``.
+
+:class:`Grammars` (one per runner) compiles requests' constraints, checking them against
+the tokenizer when the request is read (a bad schema or regex is refused then), and keeps
+the last few compiled so a schema sent again is not compiled again. A :class:`Constraint`
+makes a fresh matcher per sequence; the sampler (``sampling.py``) owns the matchers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from ...schemas.messages import StructuredOutputs
+
+_CACHED = 64
+"""Compiled constraints kept (least recently used goes)."""
+
+
+class GrammarError(ValueError):
+    """A constraint llguidance cannot compile (its message says where)."""
+
+
+class Constraint:
+    """One compiled constraint; :meth:`matcher` gives each sequence its own state."""
+
+    __slots__ = ("_proto", "kind", "vocab_size")
+
+    def __init__(self, proto: llguidance.LLMatcher, kind: str, vocab_size: int) -> None:
+        self._proto = proto
+        self.kind = kind
+        self.vocab_size = vocab_size
+        """The tokens its masks cover (the model's logits width)."""
+
+    def matcher(self) -> llguidance.LLMatcher:
+        """A matcher at the start of the text (a copy: compiled once)."""
+        return self._proto.deep_copy()
+
+
+class Grammars:
+    """Compiles requests' ``structured_outputs`` for one tokenizer (see the module
+    docstring). ``vocab_size``: the model's logits width (may exceed the tokenizer's)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self._compiled: OrderedDict[str, Constraint] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> Constraint:
+        """``spec`` compiled (or the copy compiled last time); :class:`GrammarError` if
+        llguidance refuses it."""
+        key = json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        grammar = self._grammar(spec)
+        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(
+                f"structured_outputs.{spec.kind}: {_first_lines(matcher.get_error())}"
+            )
+        constraint = Constraint(matcher, spec.kind, self.vocab_size)
+        self._compiled[key] = constraint
+        if len(self._compiled) > _CACHED:
+            self._compiled.popitem(last=False)
+        return constraint
+
+    def _grammar(self, spec: StructuredOutputs) -> str:
+        ll = self._ll.LLMatcher
+        kind = spec.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema: Any = {"type": "object"} if kind == "json_object" else spec.json_schema
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, dict | bool):
+                    raise GrammarError("structured_outputs.json: a JSON Schema is an object")
+                if spec.disable_additional_properties and isinstance(schema, dict):
+                    schema = _closed(schema)
+                options: dict[str, Any] = {}
+                if spec.disable_any_whitespace:
+                    options["whitespace_flexible"] = False
+                if spec.whitespace_pattern is not None:
+                    options["whitespace_pattern"] = spec.whitespace_pattern
+                return ll.grammar_from_json_schema(schema, overrides=options or None)  # type: ignore[arg-type]
+            if kind == "regex":
+                assert spec.regex is not None
+                return ll.grammar_from_regex(spec.regex)
+            if kind == "choice":
+                assert spec.choice is not None
+                return self._ll.grammar_from("choice", json.dumps(spec.choice))
+            assert spec.grammar is not None
+            return self._ll.grammar_from("grammar", spec.grammar)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError) as exc:  # bad JSON text, a GBNF it cannot convert
+            raise GrammarError(f"structured_outputs.{kind}: {_first_lines(str(exc))}") from exc
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with ``additionalProperties: false`` on every object schema in it that
+    lists ``properties`` and does not say (vLLM's ``disable_additional_properties``)."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+
+    closed: dict[str, Any] = walk(schema)
+    return closed
+
+
+def _first_lines(message: str, lines: int = 6) -> str:
+    return "\n".join(message.strip().splitlines()[:lines])
+
+
+class Masks:
+    """Bitmasks that matchers fill, read as which tokens each allows next; several
+    matchers' are filled at once on llguidance's threads (the GIL released)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._buffer = np.zeros((0, self._words), dtype=np.int32)
+        self._executor: llguidance.LLExecutor | None = None
+        self._ll = llguidance
+
+    def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """Per matcher, the tokens it allows next (bool, ``len(matchers)`` x ``vocab_size``)."""
+        n = len(matchers)
+        if self._buffer.shape[0] < n:
+            self._buffer = np.zeros((max(n, 2 * self._buffer.shape[0]), self._words), np.int32)
+        words = self._buffer[:n]
+        row = self._words * 4
+        if n == 1:
+            matchers[0].unsafe_compute_mask_ptr(words.ctypes.data, row)
+        else:
+            if self._executor is None:
+                self._executor = self._ll.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                                   words.ctypes.data, row, n)  # fmt: skip
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, : self.vocab_size].view(np.bool_))
