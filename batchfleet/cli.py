@@ -46,11 +46,30 @@ def _demo(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     from .producer import Producer
 
+    try:
+        options = json.loads(args.options) if args.options else {}
+    except json.JSONDecodeError as exc:
+        print(f"--options is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(options, dict):
+        print("--options is a JSON object of request fields", file=sys.stderr)
+        return 2
+    if args.max_new_tokens is not None:
+        options["max_new_tokens"] = args.max_new_tokens
+    if args.stream:
+        options["stream"] = True
+    inputs: list[str] | None = args.text
+    if args.chat:
+        options["messages"] = [{"role": "user", "content": " ".join(args.text)}]
+        inputs = None
     with Producer(args.redis_url) as producer:
-        job = producer.submit(
-            args.model, args.text, priority=args.priority, deadline_ms=args.deadline_ms
-        )
-        if not args.wait:
+        job = producer.submit(args.model, inputs, priority=args.priority,
+                              deadline_ms=args.deadline_ms, **options)  # fmt: skip
+        if args.stream:
+            for piece in job.stream(timeout=args.timeout):
+                print(piece, end="", flush=True)
+            print()
+        elif not args.wait:
             print(job.id)
             return 0
         result = job.result(timeout=args.timeout)
@@ -329,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--deadline-ms", type=int, default=None)
     s.add_argument("--wait", action="store_true")
     s.add_argument("--timeout", type=float, default=30.0)
+    s.add_argument("--chat", action="store_true",
+                   help="generation: the text is one user message (chat template)")  # fmt: skip
+    s.add_argument("--max-new-tokens", type=int, default=None, help="generation")
+    s.add_argument("--stream", action="store_true",
+                   help="generation: print the text as it streams, then the result")  # fmt: skip
+    s.add_argument("--options", default=None,
+                   help="other request fields as a JSON object, e.g. "
+                        "'{\"temperature\": 0.7, \"structured_outputs\": {\"regex\": \"[0-9]+\"}}'")  # fmt: skip
     s.add_argument("--redis-url", default=None)
     s.set_defaults(func=_submit)
 

@@ -128,6 +128,9 @@ class GenerationOptions(TypedDict, total=False):
     """The text follows one constraint (vLLM's): ``{"json": schema}`` (a JSON Schema, or
     a pydantic model class), ``{"json_object": True}``, ``{"regex": ...}``,
     ``{"choice": [...]}`` or ``{"grammar": ...}`` (Lark or GBNF)."""
+    response_format: Mapping[str, Any] | None
+    """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}``; not with ``structured_outputs``."""
     """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
 
 

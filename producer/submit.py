@@ -147,6 +147,8 @@ def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
         out["logit_bias"] = {str(k): float(b) for k, b in out["logit_bias"].items()}
     if "structured_outputs" in out:
         out["structured_outputs"] = _structured(out["structured_outputs"])
+    if "response_format" in out:
+        out["response_format"] = dict(out["response_format"])
     return out
 
 

@@ -111,7 +111,7 @@ GENERATION_FIELDS: Final = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
-    "structured_outputs",
+    "structured_outputs", "response_format",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -187,6 +187,51 @@ class StructuredOutputs(_Strict):
         return self
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, validate_by_alias=True, validate_by_name=True,
+        serialize_by_alias=True,
+    )  # fmt: skip
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    json_schema: dict[str, Any] = Field(alias="schema")
+    """``schema``: the JSON Schema the text is valid under."""
+    strict: bool | None = None
+    """Accepted (OpenAI's); the text always follows the schema."""
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format`` (``text``, ``json_object`` or ``json_schema``): the
+    same constraints as :class:`StructuredOutputs`' ``json_object`` and ``json``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: type json_schema comes with json_schema "
+                             "(and only it)")  # fmt: skip
+        if self.json_schema is not None:
+            size = len(
+                _json.dumps(self.json_schema.json_schema, separators=(",", ":"), default=str)
+            )
+            if size > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"too_large: response_format.json_schema.schema has {size} "
+                                 f"chars as JSON > {MAX_GRAMMAR_CHARS}")  # fmt: skip
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """The constraint it asks for (None: ``text``, none)."""
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.json_schema is not None:
+            return StructuredOutputs.model_validate({"json": self.json_schema.json_schema})
+        return None
+
+
 class Request(_Strict):
     """One inference request: the map stored in a lane stream entry."""
 
@@ -260,6 +305,9 @@ class Request(_Strict):
     fixed-length outputs); the tokens stay in the output."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's: the text follows a JSON schema, a regex, a list of choices or a grammar."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}`` (or ``text``); not with ``structured_outputs``."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
@@ -274,6 +322,13 @@ class Request(_Strict):
     def output_count(self) -> int:
         """How many outputs it gets: one per input, or ``n`` per input."""
         return self.input_count * (self.n or 1)
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        """What the text must follow: ``structured_outputs``, or ``response_format``'s."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        return None if self.response_format is None else self.response_format.structured()
 
     def generation_fields(self) -> list[str]:
         """The generation-only fields this request sets."""
@@ -353,6 +408,8 @@ class Request(_Strict):
                 raise ValueError("logit_bias keys are token ids: decimal strings, 0 to 2**31 - 1")
             if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values are -100 to 100")
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("a request sets structured_outputs or response_format, not both")
         if self.stop is not None:
             if len(self.stop) > limits.max_stop:
                 raise ValueError(f"too_large: more than {limits.max_stop} stop strings")

@@ -5,7 +5,11 @@ generation longer than ``claim_idle_ms`` left with its live worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +22,8 @@ from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.messages import Delta, TokenLogprob
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
 from tiny_models import make_causal_lm
+
+from batchfleet import cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,6 +71,18 @@ def test_stream_gives_the_result_text_and_cancel_stops_it(
         (cancelled,) = long.result().generations()
         assert cancelled.finish_reason == "cancelled" and cancelled.text == first + rest
         assert 0 < cancelled.completion_tokens < 900
+
+        # from the shell: a chat, streamed, with other fields as JSON (a regex here)
+        out = io.StringIO()
+        argv = ["submit", "gen", "the", "man", "--chat", "--stream", "--max-new-tokens", "12",
+                "--options", '{"structured_outputs": {"regex": "[0-9]{3}"}}',
+                "--redis-url", redis_url, "--timeout", "60"]  # fmt: skip
+        with contextlib.redirect_stdout(out):
+            assert cli.main(argv) == 0
+        streamed, _, printed = out.getvalue().partition("\n")
+        (shell,) = json.loads(printed)["outputs"]
+        assert re.fullmatch("[0-9]{3}", streamed) and shell["text"] == streamed
+        assert shell["finish_reason"] == "stop"
 
         # cancelled before it is submitted: stopped within a poll of the cancel keys
         producer.cancel("early", model="gen")

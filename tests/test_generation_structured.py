@@ -246,6 +246,38 @@ def test_json_object_whitespace_and_closed_properties(runner: TextGenerationRunn
     assert "\n" not in w["text"]
 
 
+def test_openai_s_response_format_asks_the_same(runner: TextGenerationRunner) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}  # fmt: skip
+    outs = run(
+        runner,
+        req("vllm", max_new_tokens=40, structured_outputs={"json": PERSON}),
+        req("openai", max_new_tokens=40, response_format=fmt),
+        req("object", max_new_tokens=20, response_format={"type": "json_object"}),
+        req("text", max_new_tokens=6, response_format={"type": "text"}),
+    )  # fmt: skip
+    assert outs["openai"][0]["text"] == outs["vllm"][0]["text"]
+    assert outs["object"][0]["text"].startswith("{")
+    assert outs["text"][0]["text"] == greedy(runner, PROMPTS[0], 6)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [{"type": "json_schema"}, {"type": "json_object", "json_schema": {"schema": {}}},
+     {"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}},
+     {"type": "json_schema", "json_schema": {"schema": {"d": "x" * 70_000}}}],
+)  # fmt: skip
+def test_response_format_is_checked(fmt: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="response_format"):
+        Request(id="r", model="m", inputs=["x"], response_format=fmt)
+
+
+def test_structured_outputs_and_response_format_do_not_go_together() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        Request(id="r", model="m", inputs=["x"], response_format={"type": "json_object"},
+                structured_outputs={"regex": "a"})  # fmt: skip
+
+
 def test_the_wire_form_keeps_vllm_s_names() -> None:
     r = Request(id="r", model="m", inputs=["x"],
                 structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})  # fmt: skip

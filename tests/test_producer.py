@@ -481,7 +481,10 @@ def test_generation_requests_carry_their_fields(
                        prompt_logprobs=3, structured_outputs={"json": Answer})  # fmt: skip
     prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5,
                                       structured_outputs=StructuredOutputs(regex="[ab]"))  # fmt: skip
-    (request, many, chat_many) = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
+    shell.submit("tiny", "x", response_format={"type": "json_object"})
+    (request, many, chat_many, formatted) = [
+        decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))
+    ]
     assert request.messages is not None and request.messages[0].content == chat[0]["content"]
     assert (request.inputs, request.max_new_tokens, request.temperature, request.top_p,
             request.top_k, request.seed, request.stop, request.stream) == (
@@ -495,6 +498,7 @@ def test_generation_requests_carry_their_fields(
     assert request.structured_outputs is not None  # a pydantic class goes as its schema
     assert request.structured_outputs.json_schema == Answer.model_json_schema()
     assert many.structured_outputs == StructuredOutputs(regex="[ab]")
+    assert formatted.constraint == StructuredOutputs(json_object=True)
     assert (job.streaming, job.input_count, job.output_count) == (True, 1, 2)
     assert (many.inputs, many.max_new_tokens, many.stream) == (["a", "b"], 5, None)
     assert chat_many.messages is not None and (prompts.input_count, talk.input_count) == (2, 1)

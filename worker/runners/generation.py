@@ -272,7 +272,7 @@ class TextGenerationRunner:
         if req.prompt_logprobs is not None and self.engine_kind != "padded":
             return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
         constraint = None
-        if req.structured_outputs is not None:
+        if req.constraint is not None:
             try:
                 constraint = self._constraint(req)
             except PrepareError as exc:
@@ -313,8 +313,10 @@ class TextGenerationRunner:
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
     def _constraint(self, req: Request) -> Constraint:
-        """The request's ``structured_outputs``, compiled for this tokenizer."""
-        assert req.structured_outputs is not None
+        """The request's ``structured_outputs`` (or ``response_format``), compiled for this
+        tokenizer."""
+        spec = req.constraint
+        assert spec is not None
         if req.ignore_eos:
             raise PrepareError("structured_outputs ends the text with an end-of-sequence "
                                "token: it does not go with ignore_eos")  # fmt: skip
@@ -322,7 +324,7 @@ class TextGenerationRunner:
         if isinstance(grammars, str):
             raise PrepareError(grammars)
         try:
-            return grammars.compile(req.structured_outputs)
+            return grammars.compile(spec)
         except GrammarError as exc:
             raise PrepareError(str(exc)) from exc
 
