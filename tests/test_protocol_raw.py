@@ -201,6 +201,25 @@ def test_plain_client_generates_streams_and_cancels(
     assert cancelled["status"] == "ok" and out2["finish_reason"] == "cancelled"
     assert out2["text"] == "".join(f[b"text"].decode() for f in entries2[:-1])
     assert 0 < out2["completion_tokens"] < 900
+
+    # structured outputs, in msgpack (a schema as a map) and JSON (OpenAI's response_format)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    rid3, rid4 = uuid.uuid4().hex, uuid.uuid4().hex
+    body3 = {"id": rid3, "model": "gen", "inputs": ["it"], "max_new_tokens": 30,
+             "structured_outputs": {"json": schema, "disable_any_whitespace": True}}  # fmt: skip
+    r.xadd("bf:{gen}:lane:1", {"msgpack": msgpack.packb(body3)})
+    body4 = {"id": rid4, "model": "gen", "inputs": ["it"], "max_new_tokens": 30,
+             "response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "flag", "schema": schema}}}  # fmt: skip
+    r.xadd("bf:{gen}:lane:1", {"json": json.dumps(body4)})
+    (out3,) = msgpack.unpackb(poll(r, f"bf:{{gen}}:result:{rid3}"))["outputs"]
+    assert out3["finish_reason"] == "stop" and json.loads(out3["text"]) in ({"ok": True},
+                                                                           {"ok": False})  # fmt: skip
+    (out4,) = json.loads(poll(r, f"bf:{{gen}}:result:{rid4}"))["outputs"]
+    assert out4["finish_reason"] in ("stop", "length")  # any whitespace allowed here
+    if out4["finish_reason"] == "stop":
+        assert set(json.loads(out4["text"])) == {"ok"}
     pubsub.close()
 
 
