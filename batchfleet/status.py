@@ -79,6 +79,7 @@ class FleetStatus:
                         "batches": info.get("batches"),
                         "mean_batch_rows": info.get("mean_batch_rows"),
                         "running": gen.get("running_sequences"),
+                        "tokens_per_s": info.get("tokens_per_s"),
                         "kv_cache_usage": gen.get("kv_cache_usage"),
                         "heartbeat_age_s": round(age, 3),
                     }
@@ -157,7 +158,7 @@ def render(status: FleetStatus) -> Group:
             )
     workers = Table(title="workers", title_justify="left")
     for col in ("worker", "model", "state", "req/s (1m)", "ok", "errors", "expired", "batches",
-                "mean rows", "running", "kv cache", "heartbeat"):  # fmt: skip
+                "mean rows", "running", "tok/s (1m)", "kv cache", "heartbeat"):  # fmt: skip
         workers.add_column(col, justify="left" if col in ("worker", "model", "state") else "right")
     for w in status.worker_rows():
         rate = w["requests_per_s"]
@@ -169,6 +170,7 @@ def render(status: FleetStatus) -> Group:
             *("-" if w[k] is None else str(w[k]) for k in ("ok", "errors", "expired", "batches")),
             "-" if w["mean_batch_rows"] is None else str(w["mean_batch_rows"]),
             "-" if w["running"] is None else str(w["running"]),
+            "-" if w["tokens_per_s"] is None else f"{w['tokens_per_s']:.1f}",
             "-" if w["kv_cache_usage"] is None else f"{w['kv_cache_usage']:.0%}",
             _age(w["heartbeat_age_s"]) + " ago",
         )

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchfleet.batching.types import Batch, Waiting
 from batchfleet.worker.events import MAX_IDS_SHOWN, EventSender, FlowerEvents, describe
-from batchfleet.worker.observers import BatchDone, Dispatched, Expired, StateChanged
+from batchfleet.worker.observers import BatchDone, Dispatched, Expired, Generated, StateChanged
 
 from batchfleet.config import EventsConfig
 
@@ -153,3 +153,31 @@ def test_pause_and_resume_show_in_flower() -> None:
     obs.notify(StateChanged("tiny", "running"))
     args = [f["args"] for t, f in sender.sent if t == "task-received"]
     assert args == ["('model tiny paused',)", "('model tiny running',)"]
+
+
+def test_a_generating_step_that_admits_is_a_task_ending_with_the_running_batch() -> None:
+    sender = FakeSender()
+    obs = FlowerEvents(sender, "tiny", EventsConfig(max_batches_per_s=1e6))  # type: ignore[arg-type]
+    items = (Waiting("0/1", 0, 0.0, tokens=30), Waiting("1/2", 1, 0.0, tokens=12, size=2))
+    step = Batch(items, "step")
+    dispatched(obs, step, "s1")
+    received = sender.sent[0][1]
+    assert (
+        received["args"]
+        == "('admit 2 requests', 3 sequences, lanes {0: 1, 1: 2}, 54 prompt tokens)"
+    )
+    assert "'sequences': 3" in received["kwargs"] and "'prompt_tokens': 54" in received["kwargs"]
+    done(obs, step, "s1", 0.03, False, 0)
+    assert len(sender.sent) == 2  # its result comes with the state after it
+    obs.notify(Generated("tiny", running=40, waiting=5, kv_tokens=2500, kv_capacity=10000,
+                         preempted=0, tokens=38))  # fmt: skip
+    kind, fields = sender.sent[2]
+    assert kind == "task-succeeded" and fields["uuid"] == "s1" and fields["runtime"] == 0.03
+    assert fields["result"] == (
+        "'2 requests admitted; then 40 sequences running, 5 requests waiting; "
+        "38 tokens this step; KV cache 25%'"
+    )
+    # decode steps that admit nothing are no tasks; their state changes report nothing
+    obs.notify(Dispatched("tiny", Batch((), "step"), "s2", (), 0.0))
+    obs.notify(Generated("tiny", 40, 5, 2540, 10000, 0, tokens=40))
+    assert len(sender.sent) == 3

@@ -225,10 +225,14 @@ def test_status_shows_generation_state(
 ) -> None:
     from batchfleet.status import gather
 
-    rid = submit(r, inputs=["it"], max_new_tokens=4)
-    assert result(r, rid)["status"] == "ok"
+    rid = submit(r, inputs=["it"], max_new_tokens=16, min_new_tokens=16)
+    res = result(r, rid)
+    assert res["status"] == "ok"
+    # not streamed: its first token came with its first step, not with its result
+    assert 0 < res["timings"]["first_token_ms"] < res["timings"]["total_ms"]
     rows = [w for w in gather(redis_url, [MODEL]).worker_rows() if w["model"] == MODEL]
     assert rows and rows[0]["running"] == 0 and rows[0]["kv_cache_usage"] == 0
+    assert rows[0]["tokens_per_s"] > 0  # tokens generated in the last minute
 
 
 def test_a_request_cancelled_before_it_is_read_never_starts(

@@ -6,7 +6,7 @@ stop lets running generations end. A scripted runner stands in for the model."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
@@ -79,6 +79,9 @@ class Tokens:
     """Stops and preemptions of requests already ended or freed (planned ahead only)."""
     running: dict[str, _Run] = field(default_factory=dict)
     parked: dict[str, _Run] = field(default_factory=dict)
+    tells: bool = False
+    """Report each step's tokens (``StepReport.produced``) as the real runner does; else
+    the loop takes the first delta or result as the first token."""
 
     def generation_policy(self, lanes: int, weights: tuple[float, ...], starve: float) -> GenPolicy:
         return GenPolicy(kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
@@ -128,8 +131,10 @@ class Tokens:
             self.running.clear()
             return StepReport(events, out_of_memory=True)
         progress: dict[str, Progress] = {}
+        produced: dict[str, int] = {}
         for key, run in list(self.running.items()):
             run.made += 1
+            produced[key] = len(run.prompts)
             if run.stream:
                 for i in range(len(run.prompts)):
                     events.append(Partial(key, {"input": i, "text": f" t{run.made}", "tokens": 1}))
@@ -139,7 +144,9 @@ class Tokens:
             else:
                 ctx = tuple(p + run.made for p in run.prompts)
                 progress[key] = Progress(ctx, tuple(0 for _ in ctx), run.max_new - run.made)
-        return StepReport(events, progress=progress)
+        if not self.tells:
+            return StepReport(events, progress=progress)
+        return StepReport(events, progress=progress, produced=produced)
 
     def _final(self, key: str, run: _Run, reason: str) -> Final:
         text = "".join(f" t{k}" for k in range(1, run.made + 1))
@@ -459,11 +466,13 @@ def test_a_request_that_outgrows_the_whole_cache_ends_with_length() -> None:
     assert 40 + out["completion_tokens"] <= 64
 
 
-def test_generation_metrics_and_stats() -> None:
+def preempting_run(tells: bool = False) -> tuple[Rig, Callable[..., float | None]]:
+    """A lane-2 request preempted for a lane-0 one; the run's loop events fed to a fresh
+    metrics registry, and a reader of its samples (``value(name, **labels)``)."""
     from batchfleet.worker.metrics import Metrics, PrometheusObserver
     from prometheus_client import CollectorRegistry
 
-    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4, tells=tells)
     r, _ = gen_rig(runner)
     submit(r, "low", "w " * 20, lane=2, max_new_tokens=20)
     submit(r, "high", "w " * 40, lane=0, max_new_tokens=5, at=T0 + 0.052)
@@ -476,6 +485,12 @@ def test_generation_metrics_and_stats() -> None:
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model": MODEL, **labels})
 
+    return r, value
+
+
+def test_generation_metrics_and_stats() -> None:
+    r, value = preempting_run()
+
     assert value("batchfleet_generated_tokens_total") == 25
     assert value("batchfleet_preemptions_total") == 1
     assert value("batchfleet_time_to_first_token_seconds_count", lane="0") == 1
@@ -483,6 +498,53 @@ def test_generation_metrics_and_stats() -> None:
     assert value("batchfleet_kv_cache_usage_ratio") == 0
     stats = r.loop.stats.snapshot()["generation"]
     assert stats["completion_tokens"] == 25 and stats["preemptions"] == 1
+
+
+def test_first_token_time_is_its_first_step_s_end_streaming_or_not() -> None:
+    r, _ = gen_rig(Tokens(tells=True))
+    submit(r, "quiet", max_new_tokens=10)  # steps 1-10
+    submit(r, "streamed", max_new_tokens=10, stream=True, at=T0 + 0.001)  # from step 2
+    submit(r, "short", max_new_tokens=1, at=T0 + 0.001)  # step 2
+    r.run()
+    step_ms = STEP_S * 1000
+    firsts = {rid: r.result(rid).timings.first_token_ms for rid in ("quiet", "streamed", "short")}
+    assert firsts == pytest.approx(
+        {"quiet": step_ms, "streamed": 2 * step_ms - 1, "short": 2 * step_ms - 1}
+    )
+    assert r.result("quiet").timings.total_ms == pytest.approx(10 * step_ms)
+    # its ten steps, and it waited for the first from its read (planned ahead too: the
+    # step that admitted it was queued behind the first one)
+    t = r.result("streamed").timings
+    assert (t.batch_wait_ms, t.inference_ms) == pytest.approx((step_ms - 1, 10 * step_ms))
+
+
+def test_inter_token_latency_and_step_tokens_metrics() -> None:
+    # the lane-2 request is preempted for the lane-0 one: its gap across that is long
+    r, value = preempting_run(tells=True)
+    assert value("batchfleet_step_generated_tokens_total") == 25
+    itl = "batchfleet_inter_token_latency_seconds"
+    # every token after a request's first closes one gap
+    assert value(f"{itl}_count", lane="0") == 4
+    assert value(f"{itl}_sum", lane="0") == pytest.approx(4 * STEP_S)
+    assert value(f"{itl}_count", lane="2") == 19
+    gaps = value(f"{itl}_sum", lane="2")
+    # one gap spans the preemption: the lane-0 request's five steps at least
+    assert gaps is not None and gaps >= 18 * STEP_S + 6 * STEP_S - 1e-9
+    assert value(f"{itl}_bucket", lane="2", le="0.05") == 18  # the step-to-step ones
+    assert r.loop.stats.snapshot()["generation"]["completion_tokens"] == 25
+
+
+def test_the_recent_rate_counts_generated_tokens() -> None:
+    from batchfleet.worker.control import RecentRate
+
+    r, _ = gen_rig(Tokens(tells=True))
+    rate = RecentRate(clock=lambda: r.world.now)
+    r.loop.observers.observers.append(rate)
+    for k in range(3):
+        submit(r, f"r{k}", max_new_tokens=10, at=T0 + 0.02 * k)
+    r.run()
+    span = r.world.now - T0
+    assert rate.snapshot()["tokens_per_s"] == pytest.approx(30 / span, abs=0.05)
 
 
 def test_a_lane0_request_is_read_while_lower_lanes_fill_the_hold() -> None:

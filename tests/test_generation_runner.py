@@ -171,6 +171,43 @@ def test_no_deltas_without_stream(runner: TextGenerationRunner) -> None:
     assert "q" not in d.partials and "q" in d.finals
 
 
+def test_each_step_reports_its_tokens_and_streams_a_delta_for_them(
+    runner: TextGenerationRunner,
+) -> None:
+    long = " ".join(["there were many years"] * 30)  # prefills over several steps
+    prep = dict(zip("qsl", prepare(runner, req("q", max_new_tokens=6),
+                                   req("s", inputs=PROMPTS[:2], max_new_tokens=6, stream=True),
+                                   req("l", inputs=[long], max_new_tokens=3, stream=True)),
+                    strict=True))  # fmt: skip
+    (cut,) = prepare(runner, req("cut", inputs=[long], max_new_tokens=3, stream=True))
+    produced: dict[str, list[int]] = {}
+    streamed: dict[str, list[int]] = {}
+    finals: dict[str, Final] = {}
+    admit = [*prep.items(), ("cut", cut)]
+    for n in range(60):
+        work = Work(f"s{n}", tuple(admit), (("cut", "cancelled"),) if n == 1 else ())
+        admit = []
+        report = runner.step(work)
+        assert report.produced is not None
+        for key, k in report.produced.items():
+            produced.setdefault(key, [0] * 60)[n] += k
+        for ev in report.events:
+            if isinstance(ev, Partial):
+                streamed.setdefault(ev.key, [0] * 60)[n] += ev.chunk["tokens"]
+            elif isinstance(ev, Final):
+                finals[ev.key] = ev
+        if len(finals) == 4:
+            break
+    for key in "qsl":
+        assert sum(produced[key]) == sum(o["completion_tokens"] for o in finals[key].outputs)
+    # a streamed request's tokens go out in the step that made them, text or not
+    assert streamed["s"] == produced["s"] and streamed["l"] == produced["l"]
+    assert "q" not in streamed
+    # stopped while prefilling: no token
+    assert finals["cut"].outputs[0]["completion_tokens"] == 0
+    assert "cut" not in produced and "cut" not in streamed
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates(
     runner: TextGenerationRunner,
 ) -> None:

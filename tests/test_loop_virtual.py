@@ -404,6 +404,7 @@ def test_the_recent_rate_counts_expired_apart_from_errors() -> None:
     r.run()
     snap = rate.snapshot()
     assert (snap["error_ratio"], snap["expired_ratio"]) == (0.25, 0.25)
+    assert "tokens_per_s" not in snap  # not a generating model
 
 
 def test_stop_hands_back_held_and_queued_requests_at_once() -> None:

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from ..batching.generation import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
-from .observers import Answered, LoopEvent, LoopObserver
+from .observers import Answered, Generated, LoopEvent, LoopObserver
 
 if TYPE_CHECKING:
     from .loop import BatchLoop
@@ -36,37 +36,73 @@ RATE_WINDOW_S = 60.0
 
 
 class RecentRate:
-    """Answered requests over the last minute, for ``inspect stats`` and ``batchfleet top``."""
+    """Answered requests (and generated tokens) over the last minute, for ``inspect stats``
+    and ``batchfleet top``."""
 
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+    def __init__(
+        self, window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window_s = window_s
+        self._clock = clock
         self._events: deque[tuple[float, int, int, int]] = deque()
         """(when, answered, errors, expired)"""
+        self._tokens: deque[tuple[float, int]] = deque()
+        """(when, tokens generated): one per second at most"""
+        self._generating = False
         self._lock = threading.Lock()
-        self._since = time.monotonic()
+        self._since = clock()
 
     def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Generated):
+            self._generated(event.tokens)
+            return
         if not isinstance(event, Answered):
             return
         errors = sum(a.result.status == "error" for a in event.replies)
         expired = sum(a.result.status == "expired" for a in event.replies)
+        now = self._clock()
         with self._lock:
-            self._events.append((time.monotonic(), len(event.replies), errors, expired))
+            self._events.append((now, len(event.replies), errors, expired))
+            self._prune(now)
+
+    def _generated(self, tokens: int) -> None:
+        """A step's tokens, added to this second's count (a step per few ms would otherwise
+        keep thousands of entries)."""
+        now = self._clock()
+        with self._lock:
+            self._generating = True
+            if self._tokens and now - self._tokens[-1][0] < 1.0:
+                at, n = self._tokens[-1]
+                self._tokens[-1] = (at, n + tokens)
+            elif tokens:
+                self._tokens.append((now, tokens))
+                self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+        while self._tokens and self._tokens[0][0] < horizon:
+            self._tokens.popleft()
 
     def snapshot(self) -> dict[str, float]:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
-            while self._events and self._events[0][0] < now - self.window_s:
-                self._events.popleft()
+            self._prune(now)
             total = sum(e[1] for e in self._events)
             errors = sum(e[2] for e in self._events)
             expired = sum(e[3] for e in self._events)
+            tokens = sum(n for _, n in self._tokens)
+            generating = self._generating
         span = max(1e-3, min(self.window_s, now - self._since))
-        return {
+        out = {
             "requests_per_s": round(total / span, 2),
             "error_ratio": round(errors / total, 4) if total else 0.0,
             "expired_ratio": round(expired / total, 4) if total else 0.0,
         }
+        if generating:
+            out["tokens_per_s"] = round(tokens / span, 1)
+        return out
 
 
 def recent_rate(worker: Any, fleet: FleetConfig, model: str) -> LoopObserver:
@@ -123,12 +159,19 @@ def summary_line(info: dict[str, Any]) -> str:
     pending = "/".join(str(v) for _, v in sorted(info.get("pending", {}).items()))
     policy = info.get("policy", {})
     return (
-        f"{info.get('state', '?')} | {info.get('requests_per_s', 0.0)} req/s, error ratio "
+        f"{info.get('state', '?')} | {info.get('requests_per_s', 0.0)} req/s{_tokens(info)}, "
+        "error ratio "
         f"{info.get('error_ratio', 0.0)}, expired ratio {info.get('expired_ratio', 0.0)} | answered: {requests} | {info.get('batches', 0)} batches, "
         f"mean {info.get('mean_batch_rows', 0.0)} rows, padding waste "
         f"{info.get('padding_waste', 0.0):.0%} | held {info.get('held', 0)}, lane depth {depth or '-'}, "
         f"pending {pending or '-'} | {_policy_line(policy)}"
     )
+
+
+def _tokens(info: dict[str, Any]) -> str:
+    """A generating model's tokens/s, for the summary line."""
+    rate = info.get("tokens_per_s")
+    return "" if rate is None else f", {rate} tokens/s"
 
 
 def _policy_line(policy: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from .observers import (
     BatchDone,
     Dispatched,
     Expired,
+    Generated,
     LoopEvent,
     LoopObserver,
     NullObserver,
@@ -46,14 +47,29 @@ def batch_task_name(model: str) -> str:
 
 
 def describe(batch: Batch) -> str:
-    """Flower shows ``args`` verbatim: a tuple-looking one-line summary of the batch."""
+    """Flower shows ``args`` verbatim: a tuple-looking one-line summary of the batch (for a
+    generating model, of the requests a step admits)."""
     lanes: dict[int, int] = {}
     for w in batch.items:
         lanes[w.lane] = lanes.get(w.lane, 0) + w.size
     by_lane = ", ".join(f"{lane}: {n}" for lane, n in sorted(lanes.items()))
+    if batch.reason == "step":
+        return (
+            f"('admit {len(batch.items)} requests', {batch.rows} sequences, lanes "
+            f"{{{by_lane}}}, {batch.real_tokens} prompt tokens)"
+        )
     return (
         f"('batch of {batch.rows} rows', {len(batch.items)} requests, lanes {{{by_lane}}}, "
         f"{batch.padded_tokens} padded tokens, reason {batch.reason!r})"
+    )
+
+
+def describe_state(admitted: int, g: Generated) -> str:
+    """A generating step's task result: what it admitted and the running batch after it."""
+    kv = g.kv_tokens / g.kv_capacity if g.kv_capacity else 0.0
+    return (
+        f"'{admitted} requests admitted; then {g.running} sequences running, {g.waiting} "
+        f"requests waiting; {g.tokens} tokens this step; KV cache {kv:.0%}'"
     )
 
 
@@ -172,7 +188,9 @@ class FlowerEvents:
     """Reports a model's micro-batches as tasks: received + started on dispatch, then
     succeeded (or failed when every request in it failed) with the run time. Requests
     answered ``expired`` in a planning round show as one failed task, so expiries and shed
-    load are visible in Flower too; so are pause, drain and resume."""
+    load are visible in Flower too; so are pause, drain and resume. A generating model's
+    task is a step that admits requests: its result is the running batch after it (from
+    the :class:`Generated` event that follows its :class:`BatchDone`)."""
 
     def __init__(self, sender: EventSender, model: str, config: EventsConfig) -> None:
         self.sender = sender
@@ -182,6 +200,8 @@ class FlowerEvents:
         self._next = 0.0
         self._next_expiry = 0.0
         self._reported: set[str] = set()
+        self._step: BatchDone | None = None
+        """A generating step's end, reported with the state after it (next event)."""
         self.sampled_out = 0
 
     def notify(self, event: LoopEvent) -> None:
@@ -193,6 +213,9 @@ class FlowerEvents:
             self._expired(event)
         elif isinstance(event, StateChanged):
             self._state(event)
+        elif isinstance(event, Generated) and self._step is not None:
+            done, self._step = self._step, None
+            self._succeeded(done, describe_state(len(done.batch.items), event))
 
     def _dispatched(self, ev: Dispatched) -> None:
         if ev.batch.reason == "step" and not ev.batch.items:
@@ -204,11 +227,17 @@ class FlowerEvents:
         self._next = mono + self.min_gap
         self._reported.add(ev.batch_id)
         batch = ev.batch
-        kwargs = (
-            f"{{'rows': {batch.rows}, 'requests': {len(batch.items)}, "
-            f"'padded_tokens': {batch.padded_tokens}, 'reason': {batch.reason!r}, "
-            f"'request_ids': {_ids(ev.request_ids)}}}"
-        )
+        if batch.reason == "step":
+            kwargs = (
+                f"{{'requests': {len(batch.items)}, 'sequences': {batch.rows}, "
+                f"'prompt_tokens': {batch.real_tokens}, 'request_ids': {_ids(ev.request_ids)}}}"
+            )
+        else:
+            kwargs = (
+                f"{{'rows': {batch.rows}, 'requests': {len(batch.items)}, "
+                f"'padded_tokens': {batch.padded_tokens}, 'reason': {batch.reason!r}, "
+                f"'request_ids': {_ids(ev.request_ids)}}}"
+            )
         self._received(ev.batch_id, describe(batch), kwargs)
 
     def _received(self, uuid: str, args: str, kwargs: str) -> None:
@@ -231,7 +260,12 @@ class FlowerEvents:
                  "traceback": "", "runtime": ev.seconds},
             )  # fmt: skip
             return
-        result = f"'{ev.batch.rows} rows, {ev.failed} failed requests'"
+        if ev.batch.reason == "step":
+            self._step = ev  # answered with the state the next event brings
+            return
+        self._succeeded(ev, f"'{ev.batch.rows} rows, {ev.failed} failed requests'")
+
+    def _succeeded(self, ev: BatchDone, result: str) -> None:
         self.sender.put(
             "task-succeeded", {"uuid": ev.batch_id, "result": result, "runtime": ev.seconds}
         )

@@ -44,6 +44,9 @@ class Running:
     seq: int = 0
     """Deltas sent so far (the last one's ``seq``)."""
     first_token_at: float | None = None
+    """When the step that produced its first text ended."""
+    last_token_at: float | None = None
+    """When the last step that gave it tokens ended (inter-token latency)."""
     preempted: int = 0
     """Times it was preempted before."""
     resumed: Resume | None = None
@@ -59,6 +62,7 @@ class Resume:
     prompts: tuple[int, ...]
     max_new_tokens: int
     first_token_at: float | None
+    last_token_at: float | None
     seq: int
     started_at: float
     preempted: int = 1
@@ -179,6 +183,7 @@ class GenScheduler:
             Progress((), (), 0),
             seq=res.seq,
             first_token_at=res.first_token_at,
+            last_token_at=res.last_token_at,
         )
 
     def set_budgets(self, policy: GenPolicy) -> None:
@@ -263,8 +268,8 @@ class GenScheduler:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
                                                 res.max_new_tokens),
-                    seq=res.seq, first_token_at=res.first_token_at, preempted=res.preempted,
-                    resumed=res,
+                    seq=res.seq, first_token_at=res.first_token_at,
+                    last_token_at=res.last_token_at, preempted=res.preempted, resumed=res,
                 )  # fmt: skip
         if not (admitted or stops or plan.preempt or (running if ahead else self.running)):
             return Decision(None, expired, plan.wake_at)  # (ahead: what runs ends in flight)
@@ -353,6 +358,10 @@ class GenScheduler:
             if isinstance(ev, Final | Failed) and ev.key in self._resume:  # planned before
                 self._unpark(ev.key)
         named = {ev.key: r for ev in report.events if (r := self.running.get(ev.key)) is not None}
+        for h in step.held:  # admitted by it: they started when it did (planned ahead: later)
+            r = self.running.get(h.waiting.key)
+            if r is not None and r.resumed is None:
+                r.started_at = started_at
         for ev in report.events:
             r = self.running.get(ev.key)
             if r is None:
@@ -366,7 +375,8 @@ class GenScheduler:
                 r.resumed = None
                 self.held[ev.key] = r.held
                 self._resume[ev.key] = Resume(ev.prompts, ev.max_new_tokens, r.first_token_at,
-                                              r.seq, r.started_at, r.preempted + 1)  # fmt: skip
+                                              r.last_token_at, r.seq, r.started_at,
+                                              r.preempted + 1)  # fmt: skip
                 if ev.key in self._stops:  # cancelled while being preempted: end it parked
                     self._unpark(ev.key)
         report.settle()  # done already where a DeltaWriter posted it (the device thread)

@@ -16,11 +16,11 @@ from ..config import ModelConfig
 from ..schemas.errors import ErrorCode
 from .answers import Answerer, BatchRun, Held, Outgoing
 from .deltas import StreamTo
-from .gen_scheduler import GenScheduler
+from .gen_scheduler import GenScheduler, Running
 from .inbox import StepDone
 from .observers import BatchDone, Generated, Observers
 from .parts import Parts
-from .runner import Failed, Final, Partial, Preempted
+from .runner import Failed, Final, Partial, Preempted, StepReport
 from .scheduler import Step
 from .sink import Streamed
 
@@ -52,17 +52,14 @@ class Generating:
         step) runs before the answers are built, so the device waits only for the
         scheduler's update."""
         assert self.scheduler is not None
+        report = done.report
         step, named = self.scheduler.finished(
-            done.step_id, done.report, done.started_at, done.finished_at
+            done.step_id, report, done.started_at, done.finished_at
         )
-        for ev in done.report.events:
-            r = named.get(ev.key)
-            if r is None or not isinstance(ev, Partial | Final):
-                continue
-            if r.first_token_at is None:
-                r.first_token_at = done.finished_at
-            if isinstance(ev, Partial):
+        for ev in report.events:
+            if isinstance(ev, Partial) and (r := named.get(ev.key)) is not None:
                 r.seq += 1  # as the device thread numbered it
+        gaps = self._timing(report, named, done.finished_at)
         sink = self.parts.sink
         if next_step is not None:
             next_step()
@@ -94,10 +91,34 @@ class Generating:
             BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
                       done.finished_at - done.started_at, done.report.out_of_memory, failed)
         )  # fmt: skip
-        self.observers.notify(self._state(done))
+        self.observers.notify(self._state(done, gaps))
         sink.send(out)
 
-    def _state(self, done: StepDone) -> Generated:
+    def _timing(
+        self, report: StepReport, named: dict[str, Running], at: float
+    ) -> tuple[tuple[int, float], ...]:
+        """Note when the step's requests got tokens (the step's end, ``at``): their first
+        token, and the inter-token gaps it closed: (lane, seconds) per request that had had
+        tokens before (across a preemption too)."""
+        assert self.scheduler is not None
+        running = self.scheduler.running
+        produced = report.produced
+        if produced is None:  # a runner that does not tell: its first delta, or its result
+            produced = {ev.key: 0 for ev in report.events if isinstance(ev, Partial | Final)}
+        gaps: list[tuple[int, float]] = []
+        for key, n in produced.items():
+            r = named.get(key) or running.get(key)
+            if r is None:
+                continue
+            if r.first_token_at is None:
+                r.first_token_at = at
+            elif n and r.last_token_at is not None:
+                gaps.append((r.held.waiting.lane, at - r.last_token_at))
+            if n:
+                r.last_token_at = at
+        return tuple(gaps)
+
+    def _state(self, done: StepDone, gaps: tuple[tuple[int, float], ...]) -> Generated:
         assert self.scheduler is not None
         running = self.scheduler.running.values()
         budget = self.scheduler.policy.policy
@@ -108,6 +129,8 @@ class Generating:
             kv_tokens=sum(sum(r.progress.contexts) for r in running),
             kv_capacity=budget.kv_cache_tokens,
             preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
+            tokens=sum((done.report.produced or {}).values()),
+            gaps=gaps,
         )
 
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:

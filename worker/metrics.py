@@ -53,6 +53,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = tuple(2**i for i in range(4, 18))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.5, 0.75, 1, 2.5, 5)  # fmt: skip
+"""Inter-token latency: a step's length on a loaded GPU (a few ms) up to a preemption's gap."""
 STATUSES = ("ok", "error", "expired")
 """The values of a result's ``status``."""
 
@@ -131,10 +134,23 @@ class Metrics:
             ["model", "lane"],
             LATENCY_BUCKETS,
         )
+        self.inter_token = hist(
+            "batchfleet_inter_token_latency_seconds",
+            "Generation: time between a request's tokens (step to step; a preemption's gap "
+            "counts once).",
+            ["model", "lane"],
+            ITL_BUCKETS,
+        )
         self.generated_tokens = counter(
             "batchfleet_generated_tokens", "Generation: completion tokens of answered requests.",
             ["model"],
         )  # fmt: skip
+        self.step_tokens = counter(
+            "batchfleet_step_generated_tokens",
+            "Generation: tokens generated, counted at each step (rate(): tokens/s as they are "
+            "produced).",
+            ["model"],
+        )
         self.prompt_tokens = counter(
             "batchfleet_prompt_tokens", "Generation: prompt tokens of answered requests.", ["model"]
         )
@@ -170,6 +186,7 @@ class Metrics:
         self.rows.labels(model)
         self.preemptions.labels(model)
         self.generated_tokens.labels(model)
+        self.step_tokens.labels(model)
         self.prompt_tokens.labels(model)
 
 
@@ -177,6 +194,7 @@ class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._itl: dict[tuple[str, int], Any] = {}
 
     def notify(self, event: LoopEvent) -> None:
         if isinstance(event, Dispatched):
@@ -196,6 +214,19 @@ class PrometheusObserver:
             self.m.kv_usage.labels(event.model).set(event.kv_tokens / max(1, event.kv_capacity))
             if event.preempted:
                 self.m.preemptions.labels(event.model).inc(event.preempted)
+            if event.tokens:
+                self.m.step_tokens.labels(event.model).inc(event.tokens)
+            self._gaps(event.model, event.gaps)
+
+    def _gaps(self, model: str, gaps: Sequence[tuple[int, float]]) -> None:
+        """Observe a step's inter-token gaps: most are the same (the step before ended
+        them all), so each distinct one is looked up once."""
+        for (lane, seconds), n in Tally(gaps).items():
+            child = self._itl.get((model, lane))
+            if child is None:
+                child = self._itl[model, lane] = self.m.inter_token.labels(model, str(lane))
+            for _ in range(n):
+                child.observe(seconds)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()

@@ -108,6 +108,11 @@ class Generated:
     kv_capacity: int
     preempted: int
     """Requests preempted by this step."""
+    tokens: int = 0
+    """Tokens the step generated."""
+    gaps: tuple[tuple[int, float], ...] = ()
+    """Inter-token latency: (lane, seconds since the request's previous tokens) for each
+    request the step gave tokens that had some before."""
 
 
 LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged | Generated

@@ -149,8 +149,10 @@ class StepReport:
     then its time says nothing about the batch's cost."""
     progress: dict[str, Progress] = field(default_factory=dict)
     """Continuous runners: each still-running request's state after the step."""
-    tokens: int = 0
-    """Continuous runners: tokens the step computed (prefill chunks + decodes)."""
+    produced: dict[str, int] | None = None
+    """Continuous runners: tokens each request generated in the step (streaming or not).
+    None: the runner does not tell; a request's first delta (or result) then marks its
+    first token, and no inter-token latency is measured."""
     deferred: Callable[[], None] | None = None
     """Continuous runners: what the runner left to do after the step's deltas are streamed
     (filling ``progress``); :meth:`settle` does it, before the runner steps again."""

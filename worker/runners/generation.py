@@ -362,7 +362,8 @@ class TextGenerationRunner:
         if self._unsettled is not None:  # settled here if its caller did not
             self._unsettled.settle()
             self._unsettled = None
-        report = StepReport()
+        produced: dict[str, int] = {}
+        report = StepReport(produced=produced)
         events: list[StepEvent] = []
         if work.step_tokens is not None and work.step_tokens != self.step_tokens:
             self.step_tokens = work.step_tokens  # an operator's live change (bf_policy)
@@ -406,6 +407,8 @@ class TextGenerationRunner:
                         new, ended = new[: k + 1], True
                         break
             text.extend(new)
+            if new:
+                produced[r.key] = produced.get(r.key, 0) + len(new)
             if text.stopped_at is not None or ended:
                 seq.finish = "stop"
                 self.engine.cancel([seq.name])
@@ -522,15 +525,17 @@ class TextGenerationRunner:
         ]  # fmt: skip
 
     def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
-        """Text produced and not yet sent, one Partial per input (all of it when ``final``:
-        then also tokens that add no text, such as the end-of-sequence token, so the deltas'
-        tokens and log-probabilities add up to the result's)."""
+        """One Partial per input with tokens not yet sent: their text that can be released
+        (all of it when ``final``). Its text may be empty (tokens that show none yet: part of
+        a character, the possible start of a stop string; or none at all, such as the
+        end-of-sequence token), so a stream's first delta is its first token and the deltas'
+        tokens and log-probabilities add up to the result's."""
         out: list[StepEvent] = []
         sent = r.sent
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
             n = len(s.text.tokens)
-            if text or (final and n > sent[i]):
+            if text or n > sent[i]:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
