@@ -118,6 +118,7 @@ class GenerationOptions(TypedDict, total=False):
     n: int | None
     """1-16 completions per input: the outputs hold ``n`` per input, input by input."""
     ignore_eos: bool | None
+    """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
     include_stop_str_in_output: bool | None
     """A text ended by a stop string keeps it (vLLM's)."""
     truncate_prompt_tokens: int | None
@@ -131,7 +132,13 @@ class GenerationOptions(TypedDict, total=False):
     response_format: Mapping[str, Any] | None
     """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}}}``; not with ``structured_outputs``."""
-    """Generate past end-of-sequence tokens, up to ``max_new_tokens`` (vLLM's)."""
+    tools: Sequence[Mapping[str, Any]] | None
+    """OpenAI's, with ``messages``: ``[{"type": "function", "function": {"name", "description",
+    "parameters"}}]`` (``parameters``: a JSON Schema, or a pydantic model class); each output's
+    ``tool_calls`` holds the calls it makes."""
+    tool_choice: str | Mapping[str, Any] | None
+    """``"auto"`` (the default with tools; the model's ``tool_call_parser`` reads the calls),
+    ``"required"``, ``{"type": "function", "function": {"name": ...}}`` or ``"none"``."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

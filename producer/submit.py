@@ -26,7 +26,7 @@ from ..schemas.messages import (
 
 WebhookArg = str | Webhook | Mapping[str, Any] | None
 """A webhook URL, or a :class:`Webhook` / map with ``url``, ``secret_id``, ``format``."""
-Chat = Sequence[ChatMessage | Mapping[str, str]]
+Chat = Sequence[ChatMessage | Mapping[str, Any]]
 """Chat messages: ``[{"role": "user", "content": "..."}, ...]`` or :class:`ChatMessage` objects."""
 
 DEFAULT_LANES = 3
@@ -149,6 +149,22 @@ def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
         out["structured_outputs"] = _structured(out["structured_outputs"])
     if "response_format" in out:
         out["response_format"] = dict(out["response_format"])
+    if "tools" in out:
+        out["tools"] = [_tool(t) for t in out["tools"]]
+    if isinstance(out.get("tool_choice"), Mapping):
+        out["tool_choice"] = dict(out["tool_choice"])
+    return out
+
+
+def _tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool as the wire's map; a pydantic model class given as a function's
+    ``parameters`` becomes its JSON Schema."""
+    out = dict(tool)
+    if isinstance(out.get("function"), Mapping):
+        fn = out["function"] = dict(out["function"])
+        params = fn.get("parameters")
+        if isinstance(params, type) and issubclass(params, BaseModel):
+            fn["parameters"] = params.model_json_schema()
     return out
 
 
@@ -164,8 +180,8 @@ def _structured(spec: StructuredOutputs | Mapping[str, Any]) -> Any:
     return out
 
 
-def _message(m: ChatMessage | Mapping[str, str]) -> Any:
-    return m.model_dump() if isinstance(m, ChatMessage) else dict(m)
+def _message(m: ChatMessage | Mapping[str, Any]) -> Any:
+    return m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else dict(m)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,6 @@ from .errors import ErrorCode, RequestRejected
 from .keys import REQUEST_ID
 from .messages import (
     DEFAULT_LIMITS,
-    FROM_WIRE,
     MAX_LOGIT_BIAS,
     Delta,
     Format,
@@ -29,6 +28,7 @@ from .messages import (
     Result,
     TokenLogprob,
 )
+from .wire import FROM_WIRE
 
 MSGPACK_FIELD = b"msgpack"
 JSON_FIELD = b"json"

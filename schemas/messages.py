@@ -10,6 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from .errors import ErrorCode
 from .inputs import Input, InputLimits, check_inputs
 from .keys import MODEL_NAME, REQUEST_ID
+from .tools import (
+    MAX_TOOLS,
+    PastToolCall,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolUse,
+    calls_schema,
+    check_tools,
+    tool_use,
+)
+from .wire import FROM_WIRE, _Answer, _Strict
 
 SCHEMA_VERSION: Final = 1
 Format = Literal["msgpack", "json"]
@@ -20,10 +32,6 @@ OK: Final = "ok"
 ERROR: Final = "error"
 EXPIRED: Final = "expired"
 KNOWN_STATUSES: Final = frozenset({OK, ERROR, EXPIRED})
-
-FROM_WIRE = "from_wire"
-"""Validation-context flag of :func:`batchfleet.schemas.codec.decode_result`: read a result as
-a tolerant reader (unknown fields ignored, unknown ``status`` and ``error.code`` kept)."""
 
 
 class Limits(BaseModel):
@@ -50,35 +58,7 @@ class Limits(BaseModel):
 DEFAULT_LIMITS = Limits()
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Answer(_Wire):
-    """A part of a result. Built in Python it is checked like any wire model; decoded with
-    the ``FROM_WIRE`` context it ignores fields it does not know, so that a worker of a later
-    v1 release can add optional fields without breaking deployed clients (issue #12)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _ignore_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and cls._from_wire(info):
-            return {k: v for k, v in data.items() if k in cls.model_fields}
-        return data
-
-    @staticmethod
-    def _from_wire(info: ValidationInfo) -> bool:
-        return bool((info.context or {}).get(FROM_WIRE))
-
-
 SECRET_ID = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
-class _Strict(_Wire):
-    """A request part: validated strictly, so a wrong type is ``invalid_request`` rather than
-    coerced (``"deadline_ms": "60000"``, ``true`` for an int, ``5.0`` for an int: issue #15)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Webhook(_Strict):
@@ -111,7 +91,7 @@ GENERATION_FIELDS: Final = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
-    "structured_outputs", "response_format",
+    "structured_outputs", "response_format", "tools", "tool_choice",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -120,8 +100,26 @@ class ChatMessage(_Strict):
     """One turn of a chat, rendered with the model's chat template."""
 
     role: str = Field(pattern=r"^[a-z_]{1,32}$")
-    """``system``, ``user``, ``assistant`` (or another role the template knows)."""
-    content: str
+    """``system``, ``user``, ``assistant``, ``tool`` (or another role the template knows)."""
+    content: str | None = None
+    """The text; null (or left out) only in an assistant turn that made ``tool_calls``."""
+    tool_calls: list[PastToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    """An assistant turn's calls of the request's tools (OpenAI's)."""
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)
+    """A ``tool`` turn: the call it answers."""
+    name: str | None = Field(None, min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message's content is null only when it makes tool_calls")
+        return self
+
+    @property
+    def chars(self) -> int:
+        """Its text's size: the content and the calls' arguments."""
+        calls = sum(len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.content or "") + calls
 
 
 class StructuredOutputs(_Strict):
@@ -296,18 +294,26 @@ class Request(_Strict):
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
     ignore_eos: bool | None = None
+    """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
+    fixed-length outputs); the tokens stay in the output."""
     include_stop_str_in_output: bool | None = None
     """vLLM's: a text ended by a stop string keeps it (default: cut before it)."""
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=1_000_000)
     """vLLM's: keep only each prompt's last this many tokens (a chat's too, after its
     template): a longer prompt is cut rather than refused."""
-    """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
-    fixed-length outputs); the tokens stay in the output."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's: the text follows a JSON schema, a regex, a list of choices or a grammar."""
     response_format: ResponseFormat | None = None
     """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}}}`` (or ``text``); not with ``structured_outputs``."""
+    tools: list[Tool] | None = None
+    """OpenAI's: functions the model may call (a chat only; the chat template renders
+    them). Each output's ``tool_calls`` holds the calls it made (schemas/tools.py)."""
+    tool_choice: ToolChoice | None = None
+    """OpenAI's: ``auto`` (the default with tools: calls read out of the free text by the
+    model's ``tool_call_parser``), ``required`` (the text is a JSON array of calls),
+    ``{"type": "function", "function": {"name": ...}}`` (the text is that function's
+    arguments) or ``none``."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
@@ -324,10 +330,28 @@ class Request(_Strict):
         return self.input_count * (self.n or 1)
 
     @property
+    def constraint_set(self) -> bool:
+        """It sets ``structured_outputs`` or ``response_format``."""
+        return self.structured_outputs is not None or self.response_format is not None
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """How its text holds tool calls (None: no calls are read)."""
+        return tool_use(self.tools, self.tool_choice)
+
+    @property
     def constraint(self) -> StructuredOutputs | None:
-        """What the text must follow: ``structured_outputs``, or ``response_format``'s."""
+        """What the text must follow: ``structured_outputs``, ``response_format``'s, or
+        the JSON of tool calls that ``tool_choice`` requires (compact)."""
         if self.structured_outputs is not None:
             return self.structured_outputs
+        use = self.tool_use
+        if use is not None and self.tools:
+            schema = calls_schema(self.tools, use)
+            if schema is not None:
+                return StructuredOutputs.model_validate(
+                    {"json": schema, "disable_any_whitespace": True}
+                )
         return None if self.response_format is None else self.response_format.structured()
 
     def generation_fields(self) -> list[str]:
@@ -383,7 +407,7 @@ class Request(_Strict):
                 raise ValueError("empty_input: messages is empty")
             if len(self.messages) > limits.max_messages:
                 raise ValueError(f"too_large: more than {limits.max_messages} messages")
-            chars = sum(len(m.content) for m in self.messages)
+            chars = sum(m.chars for m in self.messages)
             if chars > limits.max_text_chars:
                 raise ValueError(
                     f"too_large: messages have {chars} chars > max_text_chars {limits.max_text_chars}"
@@ -410,6 +434,12 @@ class Request(_Strict):
                 raise ValueError("logit_bias values are -100 to 100")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("a request sets structured_outputs or response_format, not both")
+        check_tools(self.tools, self.tool_choice, self.messages is not None)
+        use = self.tool_use
+        if use is not None and use.kind != "auto" and self.constraint_set:
+            what = "required" if use.kind == "required" else repr(use.name)
+            raise ValueError(f"tool_choice {what} constrains the text: not with "
+                             "structured_outputs or response_format")  # fmt: skip
         if self.stop is not None:
             if len(self.stop) > limits.max_stop:
                 raise ValueError(f"too_large: more than {limits.max_stop} stop strings")
@@ -505,6 +535,9 @@ class Generation(_Answer):
     """With the request's ``prompt_logprobs``, in the first output of each input: one per
     prompt token (``prompt_tokens`` of them), the first null (nothing precedes it), each
     other the token's log-probability given the tokens before it (vLLM's)."""
+    tool_calls: list[ToolCall] | None = None
+    """With the request's ``tools``: the calls its text makes (the text is kept as
+    generated); absent when it makes none."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")

@@ -482,9 +482,22 @@ def test_generation_requests_carry_their_fields(
     prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5,
                                       structured_outputs=StructuredOutputs(regex="[ab]"))  # fmt: skip
     shell.submit("tiny", "x", response_format={"type": "json_object"})
-    (request, many, chat_many, formatted) = [
+    called = [*chat, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}]},
+        {"role": "tool", "content": "Paris", "tool_call_id": "c1"}]  # fmt: skip
+    shell.submit("tiny", messages=called, tools=[{"type": "function", "function": {
+        "name": "look", "parameters": Answer}}], tool_choice={"type": "function",
+        "function": {"name": "look"}})  # fmt: skip
+    (request, many, chat_many, formatted, tooled) = [
         decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))
     ]
+    assert tooled.tools is not None and tooled.messages is not None
+    assert tooled.tools[0].function.parameters == Answer.model_json_schema()
+    assert tooled.messages[1].tool_calls is not None and tooled.messages[1].content is None
+    assert tooled.messages[2].tool_call_id == "c1"
+    assert tooled.constraint == StructuredOutputs.model_validate(
+        {"json": Answer.model_json_schema(), "disable_any_whitespace": True}
+    )
     assert request.messages is not None and request.messages[0].content == chat[0]["content"]
     assert (request.inputs, request.max_new_tokens, request.temperature, request.top_p,
             request.top_k, request.seed, request.stop, request.stream) == (

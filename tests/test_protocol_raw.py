@@ -220,6 +220,18 @@ def test_plain_client_generates_streams_and_cancels(
     assert out4["finish_reason"] in ("stop", "length")  # any whitespace allowed here
     if out4["finish_reason"] == "stop":
         assert set(json.loads(out4["text"])) == {"ok"}
+
+    # tool calling, in JSON: the named function's arguments come back as a tool call
+    rid5 = uuid.uuid4().hex
+    tools = [{"type": "function", "function": {"name": "flag", "parameters": schema}}]
+    body5 = {"id": rid5, "model": "gen", "messages": [{"role": "user", "content": "it"}],
+             "max_new_tokens": 30, "tools": tools,
+             "tool_choice": {"type": "function", "function": {"name": "flag"}}}  # fmt: skip
+    r.xadd("bf:{gen}:lane:1", {"json": json.dumps(body5)})
+    (out5,) = json.loads(poll(r, f"bf:{{gen}}:result:{rid5}"))["outputs"]
+    (call,) = out5["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "flag"
+    assert json.loads(call["function"]["arguments"]) in ({"ok": True}, {"ok": False})
     pubsub.close()
 
 

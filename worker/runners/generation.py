@@ -22,11 +22,14 @@ this many tokens, so a prompt that begins like one of them prefills only the res
 ``max_new_tokens`` (default for requests that set none, 256; the bound is the model's
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
-not wait for it between steps; see ``worker/gen_scheduler.py``).
+not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_parser``
+(``hermes``: how ``tool_choice`` ``auto`` reads tool calls out of the text,
+:mod:`..generation.tools`; unset: such requests are refused).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ...schemas.errors import ErrorCode
-from ...schemas.messages import Request
+from ...schemas.messages import ChatMessage, Request
+from ...schemas.tools import ToolUse
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation.detok import TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.sampling import Logprob, Sampling
+from ..generation.tools import PARSERS, read_calls
 from ..runner import (
     LOST,
     Failed,
@@ -81,6 +86,8 @@ class GenSpec:
     prompt_logprobs: int | None = None
     """Keep each prompt's tokens' log-probabilities with this many likeliest tokens (on
     the first completion of each prompt; None: not asked)."""
+    tools: ToolUse | None = None
+    """How its texts hold tool calls (None: none are read)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -118,6 +125,31 @@ class _Req:
         if len(seqs) == 1:  # the common case, per row and step
             return seqs[0].finish is not None
         return all(s.finish is not None for s in seqs)
+
+
+def _turn(m: ChatMessage) -> dict[str, Any]:
+    """A chat message as chat templates take it: an earlier call's arguments as an object
+    where they parse (HF's convention; the text otherwise)."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        turn["name"] = m.name
+    return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -170,6 +202,12 @@ class TextGenerationRunner:
         self.default_new_tokens = int(opts.get("max_new_tokens", 256))
         self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
+        self.tool_call_parser: str | None = opts.get("tool_call_parser")
+        """How ``tool_choice`` ``auto`` reads calls out of this model's text (None: it
+        does not; such requests are refused)."""
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"options.tool_call_parser: {self.tool_call_parser!r} is not one "
+                             f"of {', '.join(PARSERS)}")  # fmt: skip
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -271,6 +309,12 @@ class TextGenerationRunner:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
         if req.prompt_logprobs is not None and self.engine_kind != "padded":
             return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
+        use = req.tool_use
+        if use is not None and use.kind == "auto" and self.tool_call_parser is None:
+            return PrepareError("tool_choice auto (the default with tools) reads calls out of "
+                                "the text with the model's tool_call_parser option, which this "
+                                "model does not set: send tool_choice required, a named "
+                                "function, or none")  # fmt: skip
         constraint = None
         if req.constraint is not None:
             try:
@@ -307,6 +351,7 @@ class TextGenerationRunner:
             n=req.n or 1,
             keep_stop=bool(req.include_stop_str_in_output),
             prompt_logprobs=req.prompt_logprobs,
+            tools=use,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -344,9 +389,12 @@ class TextGenerationRunner:
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise PrepareError("this model has no chat template: send `inputs` (prompts)")
-            chat = [{"role": m.role, "content": m.content} for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = self.tokenizer.apply_chat_template(
-                chat, add_generation_prompt=True, tokenize=True
+                [_turn(m) for m in req.messages],
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
@@ -502,6 +550,11 @@ class TextGenerationRunner:
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
+        if r.spec.tools is not None:
+            for out in outputs:
+                calls = read_calls(r.spec.tools, out["text"], self.tool_call_parser)
+                if calls:
+                    out["tool_calls"] = calls
         for s, out in zip(r.seqs, outputs, strict=True):
             if s.score is not None:  # the first token has none (vLLM's null)
                 out["prompt_logprobs"] = [
@@ -627,6 +680,7 @@ class TextGenerationRunner:
             "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",
             "running": len(self._reqs),
             "structured_outputs": not isinstance(self._grammars, str),
+            "tool_call_parser": self.tool_call_parser,
             **self._resident(),
         }  # fmt: skip
 

@@ -1,0 +1,206 @@
+"""Tool calling (OpenAI's ``tools`` and ``tool_choice``) on a tiny random model: the chat
+template renders the tools and earlier calls; ``required`` and a named function constrain
+the text so its ``tool_calls`` parse and follow the schemas; ``auto`` reads Hermes-style
+calls with the model's ``tool_call_parser``, and is refused without one; requests that
+do not hold together are refused when read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from devices import DEVICE
+from pydantic import ValidationError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("llguidance")
+
+from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
+from batchfleet.schemas.messages import Generation, Request  # noqa: E402
+from batchfleet.schemas.tools import ToolUse  # noqa: E402
+from batchfleet.worker.generation.tools import read_calls  # noqa: E402
+from batchfleet.worker.runner import PrepareError  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_structured import run  # noqa: E402
+
+WEATHER = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1,
+                                                          "maximum": 7}},
+    "required": ["unit", "days"],
+    "additionalProperties": False,
+}  # fmt: skip
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast.",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]  # fmt: skip
+CHAT = [{"role": "user", "content": "what is the weather"}]
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}"
+    " {{ c['function']['arguments']['unit'] }}{% endfor %}{% if m.get('tool_call_id') %}"
+    " for {{ m['tool_call_id'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A chat template that renders the tools, earlier calls (arguments as an object) and
+the tool turns' call ids."""
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_lm: Path) -> TextGenerationRunner:
+    return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                options={**TINY_LM_OPTIONS, "tool_call_parser": "hermes"})  # fmt: skip
+
+
+def chat(rid: str, **kw: Any) -> Request:
+    kw.setdefault("messages", CHAT)
+    kw.setdefault("tools", TOOLS)
+    return Request(id=rid, model="lm", max_new_tokens=kw.pop("max_new_tokens", 60), **kw)
+
+
+def test_required_makes_calls_of_the_tools_that_follow_their_schemas(
+    runner: TextGenerationRunner,
+) -> None:
+    # a random model repeats its call until the length: "]" is pushed where it may come
+    close = {str(runner.tokenizer.convert_tokens_to_ids("]")): 100.0}
+    outs = run(runner, chat("req", tool_choice="required", logit_bias=close),
+               chat("free", tool_choice="none", max_new_tokens=8))  # fmt: skip
+    (out,) = outs["req"]
+    assert out["finish_reason"] == "stop", out
+    calls = out["tool_calls"]
+    assert calls and len({c["id"] for c in calls}) == len(calls)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        fn = call["function"]
+        jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+    # the text is kept as generated: vLLM's array of {name, parameters}
+    made = [{"name": c["name"], "parameters": c["parameters"]} for c in json.loads(out["text"])]
+    assert made == [{"name": c["function"]["name"],
+                     "parameters": json.loads(c["function"]["arguments"])} for c in calls]  # fmt: skip
+    assert "tool_calls" not in outs["free"][0]  # none: nothing read
+    Generation.model_validate(out)  # the result's shape
+
+
+def test_a_named_function_is_called_with_arguments_under_its_schema(
+    runner: TextGenerationRunner,
+) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    (out,) = run(runner, chat("named", tool_choice=named))["named"]
+    assert out["finish_reason"] == "stop"
+    (call,) = out["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == json.loads(out["text"])
+    jsonschema.validate(json.loads(out["text"]), TIME)
+
+
+def test_auto_reads_hermes_calls_out_of_the_text(runner: TextGenerationRunner) -> None:
+    # the text is forced to a Hermes call (a random model would not write one)
+    markup = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "f", "days": 2}}\n</tool_call>'
+    )
+    outs = run(runner, chat("auto", structured_outputs={"regex": _literal(markup)}, max_new_tokens=300),
+               chat("plain", max_new_tokens=10))  # fmt: skip
+    (out,) = outs["auto"]
+    assert out["text"] == markup
+    (call,) = out["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"unit":"f","days":2}'}
+    assert "tool_calls" not in outs["plain"][0]  # free text of a random model: no calls
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly ``text``."""
+    return "".join("\\" + ch if ch in r".^$*+?()[]{}|\/" else ch for ch in text).replace(
+        "\n", "\\n"
+    )
+
+
+def test_auto_needs_the_models_tool_call_parser(tiny_lm: Path) -> None:
+    plain = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=TINY_LM_OPTIONS)
+    out = plain.prepare_many([chat("a"), chat("r", tool_choice="required")])
+    assert isinstance(out[0], PrepareError) and "tool_call_parser" in str(out[0])
+    assert not isinstance(out[1], PrepareError)
+    assert plain.info()["tool_call_parser"] is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                             options={**TINY_LM_OPTIONS, "tool_call_parser": "pythonic"})  # fmt: skip
+
+
+def test_the_chat_template_renders_tools_and_earlier_calls(runner: TextGenerationRunner) -> None:
+    tok = runner.tokenizer
+    template, tok.chat_template = tok.chat_template, TOOLS_TEMPLATE
+    try:
+        turns = [
+            *CHAT,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"unit": "c", "days": 1}'}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+        ]  # fmt: skip
+        (prep,) = runner.prepare_many([chat("t", messages=turns, tool_choice="none")])
+    finally:
+        tok.chat_template = template
+    assert not isinstance(prep, PrepareError)
+    prompt = tok.decode(list(prep.payload.prompts[0]))
+    assert "tools: get_weather get_time" in prompt
+    assert "call get_weather c" in prompt  # the arguments as an object
+    assert "sunny for call_1" in prompt
+
+
+def test_read_calls() -> None:
+    required = ToolUse("required")
+    text = '[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{}},{"name":3}]'
+    calls = read_calls(required, text, None)
+    assert calls is not None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("a", '{"x":1}'), ("b", "{}")]  # fmt: skip
+    assert read_calls(required, '[{"name":"a","param', None) is None  # cut by length
+    (named,) = read_calls(ToolUse("named", "f"), '{"x": "é"}', None) or []
+    assert named["function"] == {"name": "f", "arguments": '{"x":"é"}'}
+    assert read_calls(ToolUse("named", "f"), "[1]", None) is None
+    hermes = ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
+              '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call><tool_call>{"name": "c"')  # fmt: skip
+    found = read_calls(ToolUse("auto"), hermes, "hermes") or []
+    assert [c["function"]["name"] for c in found] == ["a", "b"]
+    assert read_calls(ToolUse("auto"), hermes, None) is None  # no parser: nothing read
+    assert read_calls(ToolUse("auto"), "no calls here", "hermes") is None
+
+
+BAD = [
+    ({"inputs": ["x"], "tools": TOOLS}, "chat"),
+    ({"tool_choice": "required", "tools": None}, "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of"),
+    ({"tools": TOOLS + TOOLS[:1]}, "unique"),
+    ({"tools": []}, "1 to 128"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "pattern"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "constrains"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}},
+      "structured_outputs": {"regex": "a"}}, "constrains"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "null only"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "why"), BAD)
+def test_requests_that_do_not_hold_together_are_refused(fields: dict[str, Any], why: str) -> None:
+    body = {"id": "r", "model": "lm", "messages": CHAT, "tools": TOOLS, **fields}
+    if "inputs" in body:
+        del body["messages"]
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(ValidationError, match=why):
+        Request.model_validate(body)
+
+
+def test_tools_on_the_wire_and_to_an_encoder() -> None:
+    req = chat("w", tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for fmt in ("msgpack", "json"):
+        back, _ = decode_entry(encode_request(req, fmt), "lm")  # type: ignore[arg-type]
+        assert back == req and back.tool_use == ToolUse("named", "get_weather")
+    assert set(req.generation_fields()) >= {"tools", "tool_choice"}  # encoders refuse them
