@@ -10,9 +10,12 @@ Flower's own ``/metrics`` covers the task events (``flower_events_total`` …).
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import logging
 import sys
+import threading
 from collections import Counter as Tally
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,7 +30,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from .. import fleetview
@@ -134,13 +137,8 @@ class Metrics:
             ["model", "lane"],
             LATENCY_BUCKETS,
         )
-        self.inter_token = hist(
-            "batchfleet_inter_token_latency_seconds",
-            "Generation: time between a request's tokens (step to step; a preemption's gap "
-            "counts once).",
-            ["model", "lane"],
-            ITL_BUCKETS,
-        )
+        self.inter_token = TokenGaps()
+        registry.register(self.inter_token)
         self.generated_tokens = counter(
             "batchfleet_generated_tokens", "Generation: completion tokens of answered requests.",
             ["model"],
@@ -190,11 +188,52 @@ class Metrics:
         self.prompt_tokens.labels(model)
 
 
+class TokenGaps(Collector):  # type: ignore[misc]
+    """``batchfleet_inter_token_latency_seconds``: a histogram per model and lane, filled a
+    step at a time. A step closes one gap per running request, nearly all the same (the
+    step before ended them), so each distinct gap is counted once with its number,
+    rather than observed per token through ``Histogram`` (about 2 µs each, on the loop
+    thread, beside the device's Python)."""
+
+    NAME = "batchfleet_inter_token_latency_seconds"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
+        """(model, lane) -> (count per bucket, the last one +Inf; [sum])"""
+
+    def add(self, model: str, gaps: Sequence[tuple[int, float]]) -> None:
+        """A step's gaps: (lane, seconds) per request."""
+        with self._lock:
+            for (lane, seconds), n in Tally(gaps).items():
+                key = (model, str(lane))
+                found = self._series.get(key)
+                if found is None:
+                    found = self._series[key] = ([0] * (len(ITL_BUCKETS) + 1), [0.0])
+                counts, total = found
+                counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += n
+                total[0] += seconds * n
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            self.NAME,
+            "Generation: time between a request's tokens (step to step; a preemption's gap "
+            "counts once).",
+            labels=["model", "lane"],
+        )
+        with self._lock:
+            series = [(k, list(c), t[0]) for k, (c, t) in self._series.items()]
+        for labels, counts, total in series:
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [str(float(b)) for b in ITL_BUCKETS] + ["+Inf"]
+            family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
+        yield family
+
+
 class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._itl: dict[tuple[str, int], Any] = {}
 
     def notify(self, event: LoopEvent) -> None:
         if isinstance(event, Dispatched):
@@ -216,17 +255,8 @@ class PrometheusObserver:
                 self.m.preemptions.labels(event.model).inc(event.preempted)
             if event.tokens:
                 self.m.step_tokens.labels(event.model).inc(event.tokens)
-            self._gaps(event.model, event.gaps)
-
-    def _gaps(self, model: str, gaps: Sequence[tuple[int, float]]) -> None:
-        """Observe a step's inter-token gaps: most are the same (the step before ended
-        them all), so each distinct one is looked up once."""
-        for (lane, seconds), n in Tally(gaps).items():
-            child = self._itl.get((model, lane))
-            if child is None:
-                child = self._itl[model, lane] = self.m.inter_token.labels(model, str(lane))
-            for _ in range(n):
-                child.observe(seconds)
+            if event.gaps:
+                self.m.inter_token.add(event.model, event.gaps)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()
