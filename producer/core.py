@@ -139,6 +139,8 @@ class GenerationOptions(TypedDict, total=False):
     tool_choice: str | Mapping[str, Any] | None
     """``"auto"`` (the default with tools; the model's ``tool_call_parser`` reads the calls),
     ``"required"``, ``{"type": "function", "function": {"name": ...}}`` or ``"none"``."""
+    parallel_tool_calls: bool | None
+    """False: at most one tool call per output (OpenAI's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -91,7 +91,7 @@ GENERATION_FIELDS: Final = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
-    "structured_outputs", "response_format", "tools", "tool_choice",
+    "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -314,6 +314,9 @@ class Request(_Strict):
     model's ``tool_call_parser``), ``required`` (the text is a JSON array of calls),
     ``{"type": "function", "function": {"name": ...}}`` (the text is that function's
     arguments) or ``none``."""
+    parallel_tool_calls: bool | None = None
+    """OpenAI's: false, at most one call per output (``required``: an array of one;
+    ``auto``: the first call read); default true."""
     n: int | None = Field(None, ge=1, le=MAX_COMPLETIONS)
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
@@ -337,7 +340,7 @@ class Request(_Strict):
     @property
     def tool_use(self) -> ToolUse | None:
         """How its text holds tool calls (None: no calls are read)."""
-        return tool_use(self.tools, self.tool_choice)
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @property
     def constraint(self) -> StructuredOutputs | None:

@@ -96,15 +96,20 @@ class ToolUse:
     kind: Literal["auto", "required", "named"]
     name: str | None = None
     """The function to call (``named``)."""
+    parallel: bool = True
+    """Several calls may come (OpenAI's ``parallel_tool_calls``); False: one at most."""
 
 
-def tool_use(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolUse | None:
-    """What ``tools`` and ``tool_choice`` ask (None: no calls to read)."""
+def tool_use(
+    tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None = None
+) -> ToolUse | None:
+    """What ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask (None: no calls to
+    read)."""
     if not tools or choice == "none":
         return None
     if isinstance(choice, NamedToolChoice):
-        return ToolUse("named", choice.function.name)
-    return ToolUse("required" if choice == "required" else "auto")
+        return ToolUse("named", choice.function.name, False)
+    return ToolUse("required" if choice == "required" else "auto", None, parallel is not False)
 
 
 def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, chat: bool) -> None:
@@ -144,7 +149,8 @@ def calls_schema(tools: list[Tool], use: ToolUse) -> dict[str, Any] | None:
             }
             for t in tools
         ]
-        return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        one = {} if use.parallel else {"maxItems": 1}
+        return {"type": "array", "minItems": 1, **one, "items": {"type": "object", "anyOf": calls}}
     return None
 
 

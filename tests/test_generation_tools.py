@@ -90,6 +90,17 @@ def test_required_makes_calls_of_the_tools_that_follow_their_schemas(
     Generation.model_validate(out)  # the result's shape
 
 
+def test_parallel_tool_calls_false_makes_one_call(runner: TextGenerationRunner) -> None:
+    # without it the random model repeats its call until max_new_tokens (test above)
+    (out,) = run(runner, chat("one", tool_choice="required", parallel_tool_calls=False))["one"]
+    assert out["finish_reason"] == "stop"
+    (call,) = out["tool_calls"]
+    assert len(json.loads(out["text"])) == 1
+    fn = call["function"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+
+
 def test_a_named_function_is_called_with_arguments_under_its_schema(
     runner: TextGenerationRunner,
 ) -> None:
@@ -171,6 +182,8 @@ def test_read_calls() -> None:
     found = read_calls(ToolUse("auto"), hermes, "hermes") or []
     assert [c["function"]["name"] for c in found] == ["a", "b"]
     assert read_calls(ToolUse("auto"), hermes, None) is None  # no parser: nothing read
+    first = read_calls(ToolUse("auto", parallel=False), hermes, "hermes") or []
+    assert [c["function"]["name"] for c in first] == ["a"]
     assert read_calls(ToolUse("auto"), "no calls here", "hermes") is None
 
 
@@ -202,5 +215,5 @@ def test_tools_on_the_wire_and_to_an_encoder() -> None:
     req = chat("w", tool_choice={"type": "function", "function": {"name": "get_weather"}})
     for fmt in ("msgpack", "json"):
         back, _ = decode_entry(encode_request(req, fmt), "lm")  # type: ignore[arg-type]
-        assert back == req and back.tool_use == ToolUse("named", "get_weather")
+        assert back == req and back.tool_use == ToolUse("named", "get_weather", False)
     assert set(req.generation_fields()) >= {"tools", "tool_choice"}  # encoders refuse them

@@ -35,7 +35,8 @@ def read_calls(use: ToolUse, text: str, parser: str | None) -> list[dict[str, An
         calls = [(c.get("name"), c.get("parameters")) for c in found if isinstance(c, dict)]
         return _calls(calls) or None
     if parser == "hermes":
-        return _calls(_hermes(text)) or None
+        read = _calls(_hermes(text))
+        return (read if use.parallel else read[:1]) or None
     return None
 
 
