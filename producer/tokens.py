@@ -127,6 +127,7 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             text=_str(flat.get("text", b"")),
             tokens=int(flat.get("tokens", 0)),
             logprobs=json.loads(flat["logprobs"]) if "logprobs" in flat else None,
+            tool_calls=json.loads(flat["tool_calls"]) if "tool_calls" in flat else None,
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None

@@ -28,6 +28,7 @@ from .messages import (
     Result,
     TokenLogprob,
 )
+from .tools import ToolCall
 from .wire import FROM_WIRE
 
 MSGPACK_FIELD = b"msgpack"
@@ -332,6 +333,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
     }  # fmt: skip
     if delta.logprobs is not None:
         body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
+    if delta.tool_calls is not None:
+        body["tool_calls"] = [c.model_dump() for c in delta.tool_calls]
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
@@ -339,7 +342,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
 
 def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     """A delta as a token-stream entry (flat fields, readable from any language;
-    ``logprobs``, where the request asked, as JSON text)."""
+    ``logprobs``, where the request asked, and ``tool_calls``, where the delta completed
+    calls, as JSON text)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -348,12 +352,20 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     }
     if delta.logprobs is not None:
         fields[b"logprobs"] = logprobs_json(delta.logprobs).encode()
+    if delta.tool_calls is not None:
+        fields[b"tool_calls"] = tool_calls_json(delta.tool_calls).encode()
     return fields
 
 
 def logprobs_json(logprobs: Sequence[TokenLogprob] | Sequence[dict[str, Any]]) -> str:
     """A delta's ``logprobs`` as its token-stream field holds them (compact JSON)."""
     plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_calls_json(calls: Sequence[ToolCall] | Sequence[dict[str, Any]]) -> str:
+    """A delta's ``tool_calls`` as its token-stream field holds them (compact JSON)."""
+    plain = [c.model_dump() if isinstance(c, ToolCall) else c for c in calls]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 

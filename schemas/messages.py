@@ -541,6 +541,9 @@ class Generation(_Answer):
     tool_calls: list[ToolCall] | None = None
     """With the request's ``tools``: the calls its text makes (the text is kept as
     generated); absent when it makes none."""
+    content: str | None = None
+    """With ``tool_calls``: the text outside the calls, trimmed (OpenAI's message
+    ``content``; empty when the text is only calls)."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")
@@ -566,6 +569,10 @@ class Delta(_Answer):
     logprobs: list[TokenLogprob] | None = None
     """With the request's ``logprobs``: one per token this delta holds (see
     :attr:`Generation.logprobs`); absent otherwise."""
+    tool_calls: list[ToolCall] | None = None
+    """With the request's ``tools``: calls the output's text completed with this delta,
+    each streamed once, in order, with the id the result gives it (the result's
+    ``tool_calls`` begin with them); absent otherwise."""
 
 
 class Result(_Answer):

@@ -1,8 +1,9 @@
 """Tool calling (OpenAI's ``tools`` and ``tool_choice``) on a tiny random model: the chat
 template renders the tools and earlier calls; ``required`` and a named function constrain
 the text so its ``tool_calls`` parse and follow the schemas; ``auto`` reads Hermes-style
-calls with the model's ``tool_call_parser``, and is refused without one; requests that
-do not hold together are refused when read."""
+calls with the model's ``tool_call_parser``, and is refused without one; each parser's
+format is read whole and as it grows (streamed calls); requests that do not hold together
+are refused when read."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ pytest.importorskip("llguidance")
 from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.messages import Generation, Request  # noqa: E402
 from batchfleet.schemas.tools import ToolUse  # noqa: E402
-from batchfleet.worker.generation.tools import read_calls  # noqa: E402
+from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_runner import Driver, prepare  # noqa: E402
 from test_generation_structured import run  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
 
 WEATHER = {
     "type": "object",
@@ -124,7 +127,62 @@ def test_auto_reads_hermes_calls_out_of_the_text(runner: TextGenerationRunner) -
     assert out["text"] == markup
     (call,) = out["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"unit":"f","days":2}'}
+    assert out["content"] == ""
     assert "tool_calls" not in outs["plain"][0]  # free text of a random model: no calls
+    assert "content" not in outs["plain"][0]
+
+
+def test_streamed_calls_come_as_each_completes_with_the_results_ids(
+    runner: TextGenerationRunner,
+) -> None:
+    markup = ('Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+              '<tool_call>{"name": "get_weather", "arguments": {"unit": "c", "days": 3}}'
+              "</tool_call>")  # fmt: skip
+    (prep,) = prepare(runner, chat("s", structured_outputs={"regex": _literal(markup)},
+                                   max_new_tokens=300, stream=True))  # fmt: skip
+    d = Driver(runner)
+    d.step([("s", prep)])
+    d.run()
+    (out,) = d.finals["s"].outputs
+    assert out["text"] == markup and out["content"] == "Checking."
+    chunks = d.partials["s"]
+    assert "".join(c["text"] for c in chunks) == markup
+    streamed = [(k, call) for k, c in enumerate(chunks) for call in c.get("tool_calls", ())]
+    assert [call for _, call in streamed] == out["tool_calls"]  # the same ids, in order
+    assert [call["function"]["name"] for call in out["tool_calls"]] == ["get_time", "get_weather"]
+    # the first call is streamed with the delta that closes its block, long before the end
+    first = streamed[0][0]
+    assert "".join(c["text"] for c in chunks[: first + 1]).endswith("</tool_call>")
+    assert first < len(chunks) - 10
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> TextGenerationRunner:
+    """A tiny model whose tokenizer makes ``[TOOL_CALLS]`` a special token."""
+    path = make_causal_lm(tmp_path_factory.mktemp("tiny-mistral"), specials=("[TOOL_CALLS]",))
+    return TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
+
+
+def test_a_parsers_special_token_marker_is_kept_in_the_text(
+    mistral: TextGenerationRunner,
+) -> None:
+    tok = mistral.tokenizer
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    call = '[{"name": "get_time", "arguments": {"zone": "utc"}}]'
+    # the grammar writes the special token, then the array (a random model writes neither)
+    grammar = f"start: <[{marker}]> {json.dumps(call)}"
+    outs = run(mistral, chat("m", structured_outputs={"grammar": grammar}, max_new_tokens=80),
+               chat("none", structured_outputs={"grammar": grammar}, max_new_tokens=80,
+                    tool_choice="none"))  # fmt: skip
+    (out,) = outs["m"]
+    assert out["text"] == "[TOOL_CALLS]" + call  # kept; the end-of-sequence token is not
+    (made,) = out["tool_calls"]
+    assert made["function"] == {"name": "get_time", "arguments": '{"zone":"utc"}'}
+    assert outs["none"][0]["text"] == call  # no parser reads it: decoded as any text
+    assert "tool_calls" not in outs["none"][0]
+    # a parser whose markers this tokenizer does not make special decodes as usual
+    assert mistral._keeping(("<tool_call>",)) is None
 
 
 def _literal(text: str) -> str:
@@ -142,7 +200,7 @@ def test_auto_needs_the_models_tool_call_parser(tiny_lm: Path) -> None:
     assert plain.info()["tool_call_parser"] is None
     with pytest.raises(ValueError, match="tool_call_parser"):
         TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
-                             options={**TINY_LM_OPTIONS, "tool_call_parser": "pythonic"})  # fmt: skip
+                             options={**TINY_LM_OPTIONS, "tool_call_parser": "nope"})  # fmt: skip
 
 
 def test_the_chat_template_renders_tools_and_earlier_calls(runner: TextGenerationRunner) -> None:
@@ -185,6 +243,84 @@ def test_read_calls() -> None:
     first = read_calls(ToolUse("auto", parallel=False), hermes, "hermes") or []
     assert [c["function"]["name"] for c in first] == ["a"]
     assert read_calls(ToolUse("auto"), "no calls here", "hermes") is None
+
+
+FORMATS = {
+    "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
+               '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Let me look."),
+    "llama3_json": ('<|python_tag|>{"name": "a", "parameters": {"q": 1}}; '
+                    '{"name": "b", "parameters": {}}', ""),
+    "mistral": ('Sure. [TOOL_CALLS][{"name": "a", "arguments": {"q": 1}}, '
+                '{"name": "b", "arguments": "{}"}] ', "Sure."),
+    "mistral_v11": ('[TOOL_CALLS]a[ARGS]{"q": 1}[TOOL_CALLS]b[ARGS]{}', ""),
+    "pythonic": ("<|python_start|>[a(q=1), b()]<|python_end|>", ""),
+    "required": ('[{"name":"a","parameters":{"q":1}},{"name":"b","parameters":{}}]', ""),
+}  # fmt: skip
+"""A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
+    text, content = FORMATS[fmt]
+    parser = fmt.split("_v")[0]
+    use = ToolUse("required") if fmt == "required" else ToolUse("auto")
+    whole = CallReader(use, parser)
+    whole.read(text, final=True)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
+            ] == [("a", {"q": 1}), ("b", {})]  # fmt: skip
+    assert whole.content == content
+    # fed a character at a time: calls only ever added, each once, the first before the end
+    growing = CallReader(use, parser)
+    seen: list[dict[str, Any]] = []
+    first_at = None
+    for end in range(len(text) + 1):
+        growing.read(text[:end])
+        seen += growing.unsent()
+        assert growing.calls == seen
+        if seen and first_at is None:
+            first_at = end
+    growing.read(text, final=True)
+    seen += growing.unsent()
+    assert seen == growing.calls and len(seen) == 2
+    assert [c["function"] for c in seen] == [c["function"] for c in whole.calls]
+    assert first_at is not None and first_at < len(text.rstrip()) - 5
+    one = CallReader(ToolUse(use.kind, parallel=False), parser)
+    one.read(text, final=True)
+    assert [c["function"]["name"] for c in one.calls] == ["a"]
+
+
+def test_parsers_read_only_their_own_format() -> None:
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    auto = ToolUse("auto")
+    pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
+                " ns.f()]")  # fmt: skip
+    calls = read_calls(auto, pythonic, "pythonic") or []
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "SF", "days": -2, "opts": {"a": [1, True, None], "b": [2.5]}}),
+        ("ns.f", {})]  # fmt: skip
+    for text in [
+        '[f(x=__import__("os").getcwd())]',
+        "[f(1)]",
+        "f(x=1)",
+        "[f(**k)]",
+        "[f(x=1)] and then]",
+        "[f(x=b'1')]",
+        "[f(x=1e999)]",
+        "[" * 300 + "]" * 300,
+    ]:
+        assert read_calls(auto, text, "pythonic") is None, text
+    assert read_calls(auto, 'I think {"name": "a", "parameters": {}}', "llama3_json") is None
+    assert read_calls(auto, '{"name": "a", "parameters": 3}', "llama3_json") is None
+    assert read_calls(auto, '[{"name": "a", "arguments": {}}]', "mistral") is None  # no marker
+    assert read_calls(auto, '[TOOL_CALLS][{"name": "a", "arguments": {"x": [1', "mistral") is None
+    deep = '<tool_call>{"name": "a", "arguments": ' + "[" * 100_000 + "</tool_call>"
+    assert read_calls(auto, deep, "hermes") is None
+    # with the text cut: hermes takes a last block that parses, others what closed
+    cut = '<tool_call>{"name": "a", "arguments": {}}'
+    assert [c["function"]["name"] for c in read_calls(auto, cut, "hermes") or []] == ["a"]
+    reader = CallReader(auto, "hermes")
+    reader.read(cut)
+    assert reader.calls == []  # not while the text may still grow
 
 
 BAD = [

@@ -221,17 +221,29 @@ def test_plain_client_generates_streams_and_cancels(
     if out4["finish_reason"] == "stop":
         assert set(json.loads(out4["text"])) == {"ok"}
 
-    # tool calling, in JSON: the named function's arguments come back as a tool call
+    # tool calling, in JSON, streamed: the named function's arguments come back as a tool
+    # call, in the token stream (and on the reply channel) as it completes, and in the result
     rid5 = uuid.uuid4().hex
     tools = [{"type": "function", "function": {"name": "flag", "parameters": schema}}]
     body5 = {"id": rid5, "model": "gen", "messages": [{"role": "user", "content": "it"}],
-             "max_new_tokens": 30, "tools": tools,
+             "max_new_tokens": 30, "tools": tools, "stream": True, "reply": "svc-gen",
              "tool_choice": {"type": "function", "function": {"name": "flag"}}}  # fmt: skip
     r.xadd("bf:{gen}:lane:1", {"json": json.dumps(body5)})
     (out5,) = json.loads(poll(r, f"bf:{{gen}}:result:{rid5}"))["outputs"]
     (call,) = out5["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "flag"
     assert json.loads(call["function"]["arguments"]) in ({"ok": True}, {"ok": False})
+    assert out5["content"] == ""
+    entries5 = read_tokens(r, f"bf:{{gen}}:tokens:{rid5}")
+    streamed = [json.loads(f[b"tool_calls"]) for f in entries5 if b"tool_calls" in f]
+    assert streamed == [[call]]  # once, with the result's id
+    while (message := pubsub.get_message(timeout=5)) is not None:
+        sent = json.loads(message["data"])
+        if sent.get("id") == rid5 and "tool_calls" in sent:
+            assert sent["tool_calls"] == [call]
+            break
+    else:
+        raise AssertionError("no delta message with the tool call")
     pubsub.close()
 
 

@@ -159,7 +159,8 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     texts = ['say "hi" \\ back/slash\n\ttab\x01', "Zürich ☃ 😀", "x" * 31, "y" * 32,
              "é" * 200, "z" * 70_000]  # fmt: skip
     deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1,
-                    logprobs=_logprobs(t, i) if i % 3 else None)
+                    logprobs=_logprobs(t, i) if i % 3 else None,
+                    tool_calls=_calls(t, i) if i % 2 == 0 else None)
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]
@@ -178,6 +179,14 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     assert [parse_entry(KEYS, "gen-2", e) for e in entries] == [
         d.model_copy(update={"model": KEYS.model}) for d in deltas
     ]
+
+
+def _calls(text: str, i: int) -> list[dict[str, Any]]:
+    """Tool calls completed by a delta: arguments as JSON text, escapes and non-ASCII."""
+    args = json.dumps({"q": text[:40], "n": i, "none": None}, ensure_ascii=False)
+    return [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": args}},
+            {"id": "call_x", "type": "function", "function": {"name": "g.h", "arguments": "{}"}}
+            ][: 1 + i % 4 // 2]  # fmt: skip
 
 
 def _logprobs(text: str, i: int) -> list[dict[str, Any]]:

@@ -207,13 +207,14 @@ CHAT_TEMPLATE = (
 
 def make_causal_lm(
     path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 1024,
-    sharp: float = 12.0,
+    sharp: float = 12.0, specials: tuple[str, ...] = (),
 ) -> Path:  # fmt: skip
     """A tiny random Llama with a byte-level BPE tokenizer (trained here on WORDS) and a
     chat template, saved like a hub model (config, weights, tokenizer, generation config);
     ``context``: its max_position_embeddings. ``sharp``: its query and key projections
     scaled by this, so that its attention is peaked: a random model's is near uniform, and
-    then keys read from the wrong place (a cache bug) change nothing a test can see."""
+    then keys read from the wrong place (a cache bug) change nothing a test can see.
+    ``specials``: more special tokens (the vocabulary grows by them)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -223,7 +224,7 @@ def make_causal_lm(
         PreTrainedTokenizerFast,
     )
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schemas.codec import logprobs_json
+from ..schemas.codec import logprobs_json, tool_calls_json
 from ..schemas.messages import Format
 from .inbox import StepDone
 from .runner import Failed, Final, Partial, Preempted
@@ -61,9 +61,11 @@ class StreamTo:
                 self.request_id, seq, None, self.ttl_s, self.reply, self.fmt, life=-self.life
             )
         lps = chunk.get("logprobs")
+        calls = chunk.get("tool_calls")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
-                        None if lps is None else logprobs_json(lps), self.life)  # fmt: skip
+                        None if lps is None else logprobs_json(lps), self.life,
+                        None if calls is None else tool_calls_json(calls))  # fmt: skip
 
 
 class DeltaWriter:

@@ -22,7 +22,13 @@ from typing import Protocol
 
 import redis
 
-from ..schemas.codec import delta_fields, encode_delta, end_fields, logprobs_json
+from ..schemas.codec import (
+    delta_fields,
+    encode_delta,
+    end_fields,
+    logprobs_json,
+    tool_calls_json,
+)
 from ..schemas.messages import Delta, Format
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
@@ -101,12 +107,15 @@ class Streamed:
     life: int = 0
     """The writer's attempt at the request (see :class:`~.deltas.StreamTo`; 0: none),
     negative where ``tokens.lua`` checks it against the stream's last entry."""
+    tool_calls: str | None = None
+    """The tool calls the delta completed, as JSON text (None: none)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
         lps = None if delta.logprobs is None else logprobs_json(delta.logprobs)
+        calls = None if delta.tool_calls is None else tool_calls_json(delta.tool_calls)
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
-                   delta.tokens, delta.model, lps)  # fmt: skip
+                   delta.tokens, delta.model, lps, tool_calls=calls)  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -114,8 +123,9 @@ class Streamed:
         if self.text is None:
             return None
         lps = None if self.logprobs is None else json.loads(self.logprobs)
+        calls = None if self.tool_calls is None else json.loads(self.tool_calls)
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
-                     text=self.text, tokens=self.tokens, logprobs=lps)  # fmt: skip
+                     text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -124,7 +134,7 @@ class Streamed:
         ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
-                          self.life)  # fmt: skip
+                          self.life, self.tool_calls)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

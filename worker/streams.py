@@ -86,6 +86,8 @@ class TokenWrite:
     life: int = 0
     """The writer's attempt at the request (its entry's delivery count; 0: none), negative
     where ``tokens.lua`` is to check it against the stream's last entry's."""
+    tool_calls: str | None = None
+    """The tool calls the delta completed, as JSON text (None: none)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
@@ -93,8 +95,10 @@ class TokenWrite:
             return [self.seq, self.ttl_s, self.life]
         item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
                 self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
-        if self.logprobs is not None:
-            item.append(self.logprobs)
+        if self.logprobs is not None or self.tool_calls is not None:
+            item.append(self.logprobs or "")
+        if self.tool_calls is not None:
+            item.append(self.tool_calls)
         return item
 
 

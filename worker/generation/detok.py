@@ -107,6 +107,12 @@ class TextStream:
             return self.text[: self.stop_end if self.keep_stop else self.stopped_at]
         return self._base + self._tail
 
+    @property
+    def released(self) -> str:
+        """The text the deltas released so far."""
+        text = self.text if self.sent <= len(self.text) else self.final_text
+        return text[: self.sent]
+
     def delta(self, final: bool = False) -> str:
         """Text not released yet that can be released now (all of it when ``final``)."""
         text = self.final_text if final or self.stopped_at is not None else self.text

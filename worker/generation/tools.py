@@ -2,57 +2,321 @@
 
 With ``tool_choice`` ``required`` or a named function the text was constrained to JSON
 (vLLM's schemas), so it parses unless generation stopped early (``length``, a deadline).
-With ``auto`` the text is free and a parser for the model's own format finds the calls:
-``hermes`` reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the
-format of Hermes, Qwen 2.5 and 3, and other chat templates that render ``tools``.
+With ``auto`` the text is free, and a parser for the model's own format (its
+``tool_call_parser`` option; vLLM's names) finds the calls:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
+  Qwen 2.5 and 3, and other templates that render ``tools``);
+- ``llama3_json``: a text that is JSON objects ``{"name": ..., "parameters": {...}}``
+  separated by ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 to 3.3);
+- ``mistral``: after ``[TOOL_CALLS]``, a JSON array of ``{"name", "arguments"}`` or, in
+  newer tokenizers, ``name[ARGS]{...}``;
+- ``pythonic``: a text that is a Python list of calls, ``[f(a=1), g(b="x")]``, in an
+  optional ``<|python_start|>`` ... ``<|python_end|>`` (Llama 3.2 and 4), read with
+  :mod:`ast` (literals only: nothing is evaluated).
+
+:class:`CallReader` reads an output's text as it grows: a call counts once its text is
+complete (a closed block, a closed JSON object, a closed list), so the calls read from a
+prefix of the text are the first of those read from the whole, and each is streamed once,
+with the id the result gives it.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
 
-PARSERS: Final = ("hermes",)
+PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic")
 """The values of a model's ``tool_call_parser`` option."""
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+MARKERS: Final[dict[str, tuple[str, ...]]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "pythonic": ("<|python_start|>", "<|python_end|>"),
+}
+"""Each parser's markers. Where a tokenizer makes one a special token (which decoding
+skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
+``skip_special_tokens`` for the same reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    start: int
+    end: int
+    """Where its text lies (the first call's start and the last's end bound the calls'
+    part of the text, markers and brackets included)."""
+    name: str
+    args: dict[str, Any]
+
+
+Scan = Callable[[str, bool], list[_Found]]
+"""The calls complete in a text (``True``: the text is whole, so one cut at its end that
+still parses counts too)."""
+
+
+class CallReader:
+    """One output's tool calls, read as its text grows (see the module docstring)."""
+
+    __slots__ = ("_limit", "_scan", "calls", "content", "sent")
+
+    def __init__(self, use: ToolUse, parser: str | None) -> None:
+        self._scan = _scanner(use, parser)
+        self._limit = None if use.parallel else 1
+        self.calls: list[dict[str, Any]] = []
+        """Read so far, in order, as a result's ``tool_calls``."""
+        self.sent = 0
+        """How many of them were streamed."""
+        self.content: str | None = None
+        """After a final read that found calls: the text outside them (OpenAI's message
+        ``content``), trimmed."""
+
+    def read(self, text: str, final: bool = False) -> None:
+        """Take the output's text so far (``final``: all of it)."""
+        found = self._scan(text, final)
+        for f in found[len(self.calls) : self._limit]:
+            self.calls.append(_call(f.name, f.args))
+        if final and self.calls:
+            self.content = (
+                text[: found[0].start] + text[found[-1].end :] if found else text
+            ).strip()
+
+    def unsent(self) -> list[dict[str, Any]]:
+        """The calls read since this was last asked."""
+        out = self.calls[self.sent :]
+        self.sent = len(self.calls)
+        return out
 
 
 def read_calls(use: ToolUse, text: str, parser: str | None) -> list[dict[str, Any]] | None:
-    """The calls ``text`` makes, as a result's ``tool_calls`` (None: none, or it does
-    not parse)."""
+    """The calls a whole ``text`` makes, as a result's ``tool_calls`` (None: none)."""
+    reader = CallReader(use, parser)
+    reader.read(text, final=True)
+    return reader.calls or None
+
+
+def _scanner(use: ToolUse, parser: str | None) -> Scan:
     if use.kind == "named":
         assert use.name is not None
-        args = _json(text)
-        return None if not isinstance(args, dict) else [_call(use.name, args)]
+        return _named(use.name)
     if use.kind == "required":
-        found = _json(text)
-        if not isinstance(found, list):
-            return None
-        calls = [(c.get("name"), c.get("parameters")) for c in found if isinstance(c, dict)]
-        return _calls(calls) or None
-    if parser == "hermes":
-        read = _calls(_hermes(text))
-        return (read if use.parallel else read[:1]) or None
-    return None
+        return _required
+    return _SCANNERS.get(parser or "", _none)
 
 
-def _hermes(text: str) -> list[tuple[Any, Any]]:
-    out = []
-    for block in _HERMES.findall(text):
-        found = _json(block)
-        if isinstance(found, dict):
-            out.append((found.get("name"), found.get("arguments", found.get("parameters"))))
+def _none(text: str, final: bool) -> list[_Found]:
+    return []
+
+
+def _named(name: str) -> Scan:
+    def scan(text: str, final: bool) -> list[_Found]:
+        i = _skip(text, 0)
+        got = _decode(text, i)
+        if got is None or not isinstance(got[0], dict):
+            return []
+        return [_Found(0, got[1], name, got[0])]
+
+    return scan
+
+
+def _required(text: str, final: bool) -> list[_Found]:
+    i = _skip(text, 0)
+    if not text.startswith("[", i):
+        return []
+    return _from(0, _closed(text, _entries(text, i + 1, ",", "]")))
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def _hermes(text: str, final: bool) -> list[_Found]:
+    out: list[_Found | None] = []
+    after = 0
+    for m in _HERMES.finditer(text):
+        out.append(_entry(_json(m.group(1)), m.start(), m.end()))
+        after = m.end()
+    if final and (i := text.find("<tool_call>", after)) >= 0:  # cut by the end
+        out.append(_entry(_json(text[i + len("<tool_call>") :]), i, len(text)))
+    return [f for f in out if f is not None]
+
+
+def _llama3_json(text: str, final: bool) -> list[_Found]:
+    start = i = _skip(text, 0)
+    if text.startswith("<|python_tag|>", i):
+        i = _skip(text, i + len("<|python_tag|>"))
+    if not text.startswith("{", i):
+        return []
+    return _from(start, list(_entries(text, i, ";", None)))
+
+
+_MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
+
+
+def _mistral(text: str, final: bool) -> list[_Found]:
+    out: list[_Found] = []
+    marker = "[TOOL_CALLS]"
+    at = text.find(marker)
+    while at >= 0:
+        i = _skip(text, at + len(marker))
+        nxt = text.find(marker, i)
+        if text.startswith("[", i):  # a JSON array of calls
+            calls = _closed(text, _entries(text, i + 1, ",", "]"))
+        elif (m := _MISTRAL_NAME.match(text, i)) is not None:  # name[ARGS]{...}
+            got = _decode(text, _skip(text, m.end()))
+            calls = [] if got is None else [_Found(i, got[1], m.group(1), got[0])]
+            calls = [f for f in calls if isinstance(f.args, dict)]
+        else:
+            calls = []
+        out += _from(at, calls)
+        at = nxt
     return out
 
 
-def _calls(found: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
-    """Calls with a name and an object of arguments (others are left out)."""
-    return [_call(name, args) for name, args in found if isinstance(name, str) and name
-            and isinstance(args, dict)]  # fmt: skip
+def _pythonic(text: str, final: bool) -> list[_Found]:
+    start = i = _skip(text, 0)
+    if text.startswith("<|python_start|>", i):
+        i = _skip(text, i + len("<|python_start|>"))
+    j = text.rfind("]")
+    if not text.startswith("[", i) or j < i:
+        return []
+    try:
+        tree = ast.parse(text[i : j + 1], mode="eval")
+        if not isinstance(tree.body, ast.List):
+            return []
+        calls = [_python_call(node) for node in tree.body.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return []
+    end = _skip(text, j + 1)
+    end = end + len("<|python_end|>") if text.startswith("<|python_end|>", end) else j + 1
+    return [_Found(start, end, name, args) for name, args in calls]
+
+
+def _python_call(node: ast.expr) -> tuple[str, dict[str, Any]]:
+    if not isinstance(node, ast.Call) or node.args:
+        raise ValueError("not a call with keyword arguments")
+    parts: list[str] = []
+    func: ast.expr = node.func
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        raise ValueError("not a named function")
+    parts.append(func.id)
+    args: dict[str, Any] = {}
+    for kw in node.keywords:
+        if kw.arg is None:
+            raise ValueError("**arguments")
+        args[kw.arg] = _python_literal(kw.value)
+    return ".".join(reversed(parts)), args
+
+
+_NAMES: Final[dict[str, Any]] = {"true": True, "false": False, "null": None,
+                                 "True": True, "False": False, "None": None}  # fmt: skip
+
+
+def _python_literal(node: ast.expr) -> Any:
+    """A JSON value written as a Python (or JSON) literal."""
+    if isinstance(node, ast.Constant):
+        v = node.value
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("not a finite number")
+        if v is None or isinstance(v, str | int | float):
+            return v
+        raise ValueError("not a JSON value")
+    if isinstance(node, ast.Name) and node.id in _NAMES:
+        return _NAMES[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_python_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out: dict[str, Any] = {}
+        for key, item in zip(node.keys, node.values, strict=True):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                raise ValueError("a key that is not a string")
+            out[key.value] = _python_literal(item)
+        return out
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        number = _python_literal(node.operand)
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise ValueError("a sign on what is not a number")
+        return -number if isinstance(node.op, ast.USub) else number
+    raise ValueError("not a literal")
+
+
+_SCANNERS: Final[dict[str, Scan]] = {
+    "hermes": _hermes,
+    "llama3_json": _llama3_json,
+    "mistral": _mistral,
+    "pythonic": _pythonic,
+}
+assert tuple(_SCANNERS) == PARSERS == tuple(MARKERS)
+
+_DECODER = json.JSONDecoder()
+
+
+def _entries(text: str, i: int, sep: str, close: str | None) -> Iterator[_Found]:
+    """Calls written as complete JSON objects from ``i`` on, separated by ``sep``, up to
+    ``close`` or the first that is not complete (or not a call: left out, read on)."""
+    n = len(text)
+    while True:
+        i = _skip(text, i)
+        if i >= n or text[i] == close:
+            return
+        got = _decode(text, i)
+        if got is None:
+            return
+        value, end = got
+        if (found := _entry(value, i, end)) is not None:
+            yield found
+        i = _skip(text, end)
+        if i >= n or text[i] != sep:
+            return
+        i += 1
+
+
+def _closed(text: str, found: Iterator[_Found]) -> list[_Found]:
+    """``found`` (read from an array), the last one's end moved past the array's ``]``."""
+    out = list(found)
+    if out:
+        j = _skip(text, out[-1].end)
+        while text.startswith(",", j):  # entries that are not calls
+            j = _skip(text, j + 1)
+            got = _decode(text, j)
+            if got is None:
+                break
+            j = _skip(text, got[1])
+        if text.startswith("]", j):
+            last = out[-1]
+            out[-1] = _Found(last.start, j + 1, last.name, last.args)
+    return out
+
+
+def _from(start: int, found: list[_Found]) -> list[_Found]:
+    """``found``, the first one's text taken to begin at ``start`` (a marker, a bracket)."""
+    if found:
+        first = found[0]
+        found[0] = _Found(start, first.end, first.name, first.args)
+    return found
+
+
+def _entry(value: Any, start: int, end: int) -> _Found | None:
+    """A call ``{"name": ..., "arguments" (or "parameters"): {...}}``; None if ``value``
+    is not one (arguments may be JSON text of an object)."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    args = value.get("arguments", value.get("parameters"))
+    if isinstance(args, str):
+        args = _json(args)
+    if not (isinstance(name, str) and name and isinstance(args, dict)):
+        return None
+    return _Found(start, end, name, args)
 
 
 def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -61,8 +325,23 @@ def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}  # fmt: skip
 
 
+def _skip(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i].isspace():
+        i += 1
+    return i
+
+
+def _decode(text: str, i: int) -> tuple[Any, int] | None:
+    """The JSON value at ``i`` and where it ends (None: none complete there)."""
+    try:
+        return _DECODER.raw_decode(text, i)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

@@ -10,15 +10,18 @@
 --               {seq, ttl, life}                                                 the end
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model}    a delta
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs}
+--               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs,
+--                tool_calls}
 --             ttl: seconds to set (0: leave the TTL); life: the writer's attempt at the
 --             request (its entry's delivery count; 0: none), negative to be checked
 --             (below); reply: the channel to
 --             publish the delta's message on ('' : none); json: 1 (JSON message) or 0
---             (msgpack); logprobs: the delta's log-probabilities as JSON text
+--             (msgpack); logprobs: the delta's log-probabilities as JSON text ('': none);
+--             tool_calls: the tool calls it completed, as JSON text
 --
--- Entries: [life,] seq, input, text, tokens[, logprobs] (a delta) or [life,] seq, end = 1.
--- Messages: the Delta of docs/protocol.md (v, kind, id, model, seq, input, text, tokens[,
--- logprobs]). A checked item whose life is below that of the stream's last entry is
+-- Entries: [life,] seq, input, text, tokens[, logprobs][, tool_calls] (a delta) or [life,]
+-- seq, end = 1. Messages: the Delta of docs/protocol.md (v, kind, id, model, seq, input,
+-- text, tokens[, logprobs][, tool_calls]). A checked item whose life is below that of the stream's last entry is
 -- dropped, message too: a worker that lost the request to another (it stalled, or was cut
 -- off, past the fleet's timeouts) writes nothing after the new owner's first entry. The
 -- worker asks for the check where it may have been taken for dead (and for every end):
@@ -51,8 +54,13 @@ for i = 1, #KEYS do
     else
       args[n + 1], args[n + 2], args[n + 3], args[n + 4] = 'seq', seq, 'input', it[4]
       args[n + 5], args[n + 6], args[n + 7], args[n + 8] = 'text', it[5], 'tokens', it[6]
-      if #it > 10 then
-        args[n + 9], args[n + 10] = 'logprobs', it[11]
+      if #it > 10 and it[11] ~= '' then
+        n = #args
+        args[n + 1], args[n + 2] = 'logprobs', it[11]
+      end
+      if #it > 11 then
+        n = #args
+        args[n + 1], args[n + 2] = 'tool_calls', it[12]
       end
     end
     redis.call(unpack(args))
@@ -62,15 +70,24 @@ for i = 1, #KEYS do
     if #it > 3 and it[7] ~= '' then
       local body = {v = 1, kind = 'delta', id = it[9], model = it[10], seq = seq,
                     input = it[4], text = it[5], tokens = it[6]}
+      local lps = #it > 10 and it[11] ~= '' and it[11] or nil
+      local calls = it[12]
       local message
       if it[8] == 1 then
         message = cjson.encode(body)
-        if #it > 10 then  -- spliced in as given: cjson would write an empty list as {}
-          message = string.sub(message, 1, -2) .. ',"logprobs":' .. it[11] .. '}'
+        -- spliced in as given: cjson would write an empty list as {}
+        if lps then
+          message = string.sub(message, 1, -2) .. ',"logprobs":' .. lps .. '}'
+        end
+        if calls then
+          message = string.sub(message, 1, -2) .. ',"tool_calls":' .. calls .. '}'
         end
       else
-        if #it > 10 then
-          body.logprobs = cjson.decode(it[11])
+        if lps then
+          body.logprobs = cjson.decode(lps)
+        end
+        if calls then
+          body.tool_calls = cjson.decode(calls)
         end
         message = cmsgpack.pack(body)
       end

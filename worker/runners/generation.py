@@ -23,8 +23,9 @@ this many tokens, so a prompt that begins like one of them prefills only the res
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
 not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_parser``
-(``hermes``: how ``tool_choice`` ``auto`` reads tool calls out of the text,
-:mod:`..generation.tools`; unset: such requests are refused).
+(``hermes``, ``llama3_json``, ``mistral``, ``pythonic``: how ``tool_choice`` ``auto``
+reads tool calls out of the text, :mod:`..generation.tools`; unset: such requests are
+refused).
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ from ...schemas.errors import ErrorCode
 from ...schemas.messages import ChatMessage, Request
 from ...schemas.tools import ToolUse
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
-from ..generation.detok import TextStream
+from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.sampling import Logprob, Sampling
-from ..generation.tools import PARSERS, read_calls
+from ..generation.tools import MARKERS, PARSERS, CallReader
 from ..runner import (
     LOST,
     Failed,
@@ -109,6 +110,8 @@ class _Seq:
     finish: str | None = None
     score: int | None = None
     """Its prompt's log-probabilities are kept, with this many likeliest tokens each."""
+    calls: CallReader | None = None
+    """Its tool calls, read as its text comes (a request with ``tools``)."""
 
 
 @dataclass(slots=True)
@@ -262,6 +265,9 @@ class TextGenerationRunner:
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
+        self._tool_decode = self._keeping(MARKERS.get(self.tool_call_parser or "", ()))
+        """How the text of a request whose calls the parser reads is decoded, where its
+        markers are special tokens (None: as any text)."""
         self._grammars = self._make_grammars()
         """Compiles ``structured_outputs`` (a string: why this model cannot take them)."""
         self._reqs: dict[str, _Req] = {}
@@ -496,8 +502,13 @@ class TextGenerationRunner:
         if r is None:
             spec: GenSpec = prep.payload
             n = spec.n
-            seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(self._decode, spec.stop, spec.keep_stop),
-                         spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None)
+            use = spec.tools
+            decode: Decode = self._decode
+            if use is not None and use.kind == "auto" and self._tool_decode is not None:
+                decode = self._tool_decode
+            seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
+                         spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
+                         calls=None if use is None else CallReader(use, self.tool_call_parser))
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs))
@@ -550,11 +561,12 @@ class TextGenerationRunner:
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
-        if r.spec.tools is not None:
-            for out in outputs:
-                calls = read_calls(r.spec.tools, out["text"], self.tool_call_parser)
-                if calls:
-                    out["tool_calls"] = calls
+        for s, out in zip(r.seqs, outputs, strict=True):
+            if (reader := s.calls) is not None:
+                reader.read(out["text"], final=True)
+                if reader.calls:
+                    out["tool_calls"] = reader.calls
+                    out["content"] = reader.content
         for s, out in zip(r.seqs, outputs, strict=True):
             if s.score is not None:  # the first token has none (vLLM's null)
                 out["prompt_logprobs"] = [
@@ -588,10 +600,16 @@ class TextGenerationRunner:
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
             n = len(s.text.tokens)
-            if text or n > sent[i]:
+            calls = None
+            if (reader := s.calls) is not None and (text or final):
+                reader.read(s.text.released, final)
+                calls = reader.unsent()
+            if text or n > sent[i] or calls:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
+                if calls:
+                    chunk["tool_calls"] = calls
                 out.append(Partial(r.key, chunk))
                 sent[i] = n
         return out
@@ -663,6 +681,24 @@ class TextGenerationRunner:
                 self.engine.forget(seq.name)
         report.events = events
         return report
+
+    def _keeping(self, markers: Sequence[str]) -> Decode | None:
+        """A decode that keeps those of ``markers`` this tokenizer makes special tokens
+        (and skips the other special tokens); None where none of them is one."""
+        tok = self.tokenizer
+        special = set(tok.all_special_ids)
+        special |= {i for i, t in tok.added_tokens_decoder.items() if t.special}
+        keep = {i for i in special if tok.convert_ids_to_tokens(i) in markers}
+        if not keep:
+            return None
+        drop = frozenset(special - keep)
+        decode = self._backend_decode or tok.decode
+
+        def decode_keeping(ids: Sequence[int]) -> str:
+            text: str = decode([i for i in ids if i not in drop], skip_special_tokens=False)
+            return text
+
+        return decode_keeping
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._backend_decode is not None:
