@@ -88,6 +88,12 @@ class CallReader:
                 text[: found[0].start] + text[found[-1].end :] if found else text
             ).strip()
 
+    @staticmethod
+    def may_complete(new: str) -> bool:
+        """Whether text ``new`` (just released) may complete a call: a call's text ends
+        with one of ``>}]``, so text without them is not worth reading again."""
+        return ">" in new or "}" in new or "]" in new
+
     def unsent(self) -> list[dict[str, Any]]:
         """The calls read since this was last asked."""
         out = self.calls[self.sent :]

@@ -601,7 +601,7 @@ class TextGenerationRunner:
             text = s.text.delta(final)
             n = len(s.text.tokens)
             calls = None
-            if (reader := s.calls) is not None and (text or final):
+            if (reader := s.calls) is not None and (final or reader.may_complete(text)):
                 reader.read(s.text.released, final)
                 calls = reader.unsent()
             if text or n > sent[i] or calls:
