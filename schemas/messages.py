@@ -542,8 +542,12 @@ class Generation(_Answer):
     """With the request's ``tools``: the calls its text makes (the text is kept as
     generated); absent when it makes none."""
     content: str | None = None
-    """With ``tool_calls``: the text outside the calls, trimmed (OpenAI's message
-    ``content``; empty when the text is only calls)."""
+    """With ``tool_calls``, or from a model with a ``reasoning_parser``: the answer, the
+    text outside the reasoning and the calls, trimmed (OpenAI's message ``content``; empty
+    when the text is only those)."""
+    reasoning_content: str | None = None
+    """From a model with a ``reasoning_parser``: the text's reasoning (vLLM's), trimmed,
+    without its ``<think>`` tags; absent when it has none."""
 
 
 FINISH_REASONS: Final = ("stop", "length", "deadline", "cancelled")

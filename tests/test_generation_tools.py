@@ -22,6 +22,7 @@ pytest.importorskip("llguidance")
 from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.messages import Generation, Request  # noqa: E402
 from batchfleet.schemas.tools import ToolUse  # noqa: E402
+from batchfleet.worker.generation import tools  # noqa: E402
 from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
@@ -289,6 +290,26 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     one = CallReader(ToolUse(use.kind, parallel=False), parser)
     one.read(text, final=True)
     assert [c["function"]["name"] for c in one.calls] == ["a"]
+
+
+def test_hermes_reads_on_from_its_last_closed_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each read parses only the blocks closed since the last (a long text of many calls, or
+    # of opening tags, would otherwise cost every step more)
+    parsed: list[str] = []
+    real = tools._json
+    monkeypatch.setattr(tools, "_json", lambda text: parsed.append(text) or real(text))
+    block = '<tool_call>{"name": "f", "arguments": {"i": %d}}</tool_call> '
+    reader = CallReader(ToolUse("auto"), "hermes")
+    text = "".join(block % i for i in range(50))
+    reader.read(text)
+    assert len(parsed) == 50 and len(reader.calls) == 50
+    reader.read(text + "<tool_call>" * 1000)
+    assert len(parsed) == 50  # nothing closed since
+    text += block % 50 + '<tool_call>{"name": "g", "arguments": {}}'
+    reader.read(text)
+    assert len(parsed) == 51 and len(reader.calls) == 51
+    reader.read(text, final=True)  # the last block, cut by the end, read as the text ends
+    assert len(parsed) == 52 and [c["function"]["name"] for c in reader.calls[-2:]] == ["f", "g"]
 
 
 def test_parsers_read_only_their_own_format() -> None:

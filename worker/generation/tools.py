@@ -60,16 +60,23 @@ class _Found:
 Scan = Callable[[str, bool], list[_Found]]
 """The calls complete in a text (``True``: the text is whole, so one cut at its end that
 still parses counts too)."""
+Resume = Callable[[str, bool, int], tuple[list[_Found], int]]
+"""A scan from an offset where an earlier, shorter text was settled; it returns the calls
+from there and the new settled offset: the text before it reads the same however the
+text goes on (0: never settled, read from the start each time)."""
 
 
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_limit", "_scan", "calls", "content", "sent")
+    __slots__ = ("_at", "_limit", "_scan", "_settled", "calls", "content", "sent")
 
     def __init__(self, use: ToolUse, parser: str | None) -> None:
         self._scan = _scanner(use, parser)
         self._limit = None if use.parallel else 1
+        self._at = 0
+        self._settled: list[_Found] = []
+        """The calls before ``_at``, where the text read last was settled."""
         self.calls: list[dict[str, Any]] = []
         """Read so far, in order, as a result's ``tool_calls``."""
         self.sent = 0
@@ -79,8 +86,13 @@ class CallReader:
         ``content``), trimmed."""
 
     def read(self, text: str, final: bool = False) -> None:
-        """Take the output's text so far (``final``: all of it)."""
-        found = self._scan(text, final)
+        """Take the output's text so far (``final``: all of it); each text given is the
+        one before and more."""
+        new, settled = self._scan(text, final, self._at)
+        found = self._settled + new
+        if settled > self._at:
+            self._settled += [f for f in new if f.end <= settled]
+            self._at = settled
         for f in found[len(self.calls) : self._limit]:
             self.calls.append(_call(f.name, f.args))
         if final and self.calls:
@@ -108,13 +120,24 @@ def read_calls(use: ToolUse, text: str, parser: str | None) -> list[dict[str, An
     return reader.calls or None
 
 
-def _scanner(use: ToolUse, parser: str | None) -> Scan:
+def _scanner(use: ToolUse, parser: str | None) -> Resume:
     if use.kind == "named":
         assert use.name is not None
-        return _named(use.name)
+        return _whole(_named(use.name))
     if use.kind == "required":
-        return _required
-    return _SCANNERS.get(parser or "", _none)
+        return _whole(_required)
+    if parser == "hermes":
+        return _hermes
+    return _whole(_SCANNERS.get(parser or "", _none))
+
+
+def _whole(scan: Scan) -> Resume:
+    """A scan that reads the whole text each time."""
+
+    def resume(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
+        return scan(text, final), 0
+
+    return resume
 
 
 def _none(text: str, final: bool) -> list[_Found]:
@@ -139,18 +162,22 @@ def _required(text: str, final: bool) -> list[_Found]:
     return _from(0, _closed(text, _entries(text, i + 1, ",", "]")))
 
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def _hermes(text: str, final: bool) -> list[_Found]:
+def _hermes(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
+    """Blocks from ``start``, each from an opening tag to the next closing one; settled
+    after the last closed block (the blocks are read apart)."""
     out: list[_Found | None] = []
-    after = 0
-    for m in _HERMES.finditer(text):
-        out.append(_entry(_json(m.group(1)), m.start(), m.end()))
-        after = m.end()
-    if final and (i := text.find("<tool_call>", after)) >= 0:  # cut by the end
-        out.append(_entry(_json(text[i + len("<tool_call>") :]), i, len(text)))
-    return [f for f in out if f is not None]
+    opening, closing = "<tool_call>", "</tool_call>"
+    i = text.find(opening, start)
+    while i >= 0:
+        j = text.find(closing, i + len(opening))
+        if j < 0:
+            if final:  # cut by the end
+                out.append(_entry(_json(text[i + len(opening) :]), i, len(text)))
+            break
+        start = j + len(closing)
+        out.append(_entry(_json(text[i + len(opening) : j]), i, start))
+        i = text.find(opening, start)
+    return [f for f in out if f is not None], start
 
 
 def _llama3_json(text: str, final: bool) -> list[_Found]:
@@ -256,7 +283,7 @@ def _python_literal(node: ast.expr) -> Any:
 
 
 _SCANNERS: Final[dict[str, Scan]] = {
-    "hermes": _hermes,
+    "hermes": lambda text, final: _hermes(text, final, 0)[0],
     "llama3_json": _llama3_json,
     "mistral": _mistral,
     "pythonic": _pythonic,

@@ -46,6 +46,7 @@ from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_m
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
+from ..generation.reasoning import REASONING_MARKERS, REASONING_PARSERS, answer_start, split
 from ..generation.sampling import Logprob, Sampling
 from ..generation.tools import MARKERS, PARSERS, CallReader
 from ..runner import (
@@ -89,6 +90,9 @@ class GenSpec:
     the first completion of each prompt; None: not asked)."""
     tools: ToolUse | None = None
     """How its texts hold tool calls (None: none are read)."""
+    reasoning: bool = False
+    """Its texts are split into reasoning and answer (a chat to a model with a
+    ``reasoning_parser``, unconstrained)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -112,6 +116,8 @@ class _Seq:
     """Its prompt's log-probabilities are kept, with this many likeliest tokens each."""
     calls: CallReader | None = None
     """Its tool calls, read as its text comes (a request with ``tools``)."""
+    answer_at: int | None = 0
+    """Where its answer begins in its text (after its reasoning; None: not known yet)."""
 
 
 @dataclass(slots=True)
@@ -211,6 +217,11 @@ class TextGenerationRunner:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"options.tool_call_parser: {self.tool_call_parser!r} is not one "
                              f"of {', '.join(PARSERS)}")  # fmt: skip
+        self.reasoning_parser: str | None = opts.get("reasoning_parser")
+        """How a chat's text is split into reasoning and answer (None: it is not)."""
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"options.reasoning_parser: {self.reasoning_parser!r} is not one "
+                             f"of {', '.join(REASONING_PARSERS)}")  # fmt: skip
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -265,9 +276,9 @@ class TextGenerationRunner:
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
-        self._tool_decode = self._keeping(MARKERS.get(self.tool_call_parser or "", ()))
-        """How the text of a request whose calls the parser reads is decoded, where its
-        markers are special tokens (None: as any text)."""
+        self._decodes: dict[tuple[str, ...], Decode] = {}
+        """How the texts that parsers read are decoded, by the markers they look for
+        (kept where this tokenizer makes them special tokens)."""
         self._grammars = self._make_grammars()
         """Compiles ``structured_outputs`` (a string: why this model cannot take them)."""
         self._reqs: dict[str, _Req] = {}
@@ -358,6 +369,9 @@ class TextGenerationRunner:
             keep_stop=bool(req.include_stop_str_in_output),
             prompt_logprobs=req.prompt_logprobs,
             tools=use,
+            reasoning=self.reasoning_parser is not None
+            and req.messages is not None
+            and constraint is None,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -503,12 +517,14 @@ class TextGenerationRunner:
             spec: GenSpec = prep.payload
             n = spec.n
             use = spec.tools
-            decode: Decode = self._decode
-            if use is not None and use.kind == "auto" and self._tool_decode is not None:
-                decode = self._tool_decode
+            markers = (
+                MARKERS.get(self.tool_call_parser or "", ()) if use and use.kind == "auto" else ()
+            )
+            decode = self._marked(markers + (REASONING_MARKERS if spec.reasoning else ()))
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
-                         calls=None if use is None else CallReader(use, self.tool_call_parser))
+                         calls=None if use is None else CallReader(use, self.tool_call_parser),
+                         answer_at=None if spec.reasoning else 0)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs))
@@ -562,8 +578,15 @@ class TextGenerationRunner:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
         for s, out in zip(r.seqs, outputs, strict=True):
+            answer = out["text"]
+            if r.spec.reasoning:
+                assert self.reasoning_parser is not None
+                reasoning, answer = split(self.reasoning_parser, answer)
+                if reasoning is not None:
+                    out["reasoning_content"] = reasoning
+                out["content"] = answer.strip()
             if (reader := s.calls) is not None:
-                reader.read(out["text"], final=True)
+                reader.read(answer, final=True)
                 if reader.calls:
                     out["tool_calls"] = reader.calls
                     out["content"] = reader.content
@@ -602,8 +625,13 @@ class TextGenerationRunner:
             n = len(s.text.tokens)
             calls = None
             if (reader := s.calls) is not None and (final or reader.may_complete(text)):
-                reader.read(s.text.released, final)
-                calls = reader.unsent()
+                released = s.text.released
+                if s.answer_at is None:  # the answer follows the reasoning
+                    assert self.reasoning_parser is not None
+                    s.answer_at = answer_start(self.reasoning_parser, released, final)
+                if s.answer_at is not None:
+                    reader.read(released[s.answer_at :], final)
+                    calls = reader.unsent()
             if text or n > sent[i] or calls:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
@@ -682,6 +710,14 @@ class TextGenerationRunner:
         report.events = events
         return report
 
+    def _marked(self, markers: tuple[str, ...]) -> Decode:
+        """The decode for texts that parsers read for ``markers`` (see :meth:`_keeping`)."""
+        if not markers:
+            return self._decode
+        if markers not in self._decodes:
+            self._decodes[markers] = self._keeping(markers) or self._decode
+        return self._decodes[markers]
+
     def _keeping(self, markers: Sequence[str]) -> Decode | None:
         """A decode that keeps those of ``markers`` this tokenizer makes special tokens
         (and skips the other special tokens); None where none of them is one."""
@@ -717,6 +753,7 @@ class TextGenerationRunner:
             "running": len(self._reqs),
             "structured_outputs": not isinstance(self._grammars, str),
             "tool_call_parser": self.tool_call_parser,
+            "reasoning_parser": self.reasoning_parser,
             **self._resident(),
         }  # fmt: skip
 

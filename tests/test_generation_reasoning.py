@@ -1,0 +1,110 @@
+"""Reasoning models (the ``reasoning_parser`` option, vLLM's): a chat's text is split into
+``reasoning_content`` and its answer (``content``); tool calls are read in the answer
+only, and streamed once the reasoning is over. The split is read off texts given to the
+runner's own admission and delta code (a random model writes no reasoning)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from devices import DEVICE
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.worker.generation.reasoning import answer_start, split  # noqa: E402
+from batchfleet.worker.runner import Final, Partial  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_tools import chat  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "reasoning", "answer"),
+    [
+        ("deepseek_r1", "<think>\nhm</think>\n\nParis.", "hm", "\n\nParis."),
+        ("deepseek_r1", "hm, so</think>Paris.", "hm, so", "Paris."),  # opened in the prompt
+        ("deepseek_r1", "<think>still thinking", "still thinking", ""),  # cut while thinking
+        ("qwen3", "<think>hm</think>Paris.", "hm", "Paris."),
+        ("qwen3", "hm</think>Paris.", "hm", "Paris."),  # a thinking model's template
+        ("qwen3", "Paris.", None, "Paris."),  # thinking off
+        ("qwen3", "<think>cut", None, "<think>cut"),  # no end: all answer (vLLM's)
+        ("qwen3", "Paris.</think>", "Paris.", ""),
+    ],
+)
+def test_split(parser: str, text: str, reasoning: str | None, answer: str) -> None:
+    assert split(parser, text) == (reasoning, answer)
+    # while the text grows, where the answer begins is unknown until </think>, then fixed
+    starts = [answer_start(parser, text[:n], final=False) for n in range(len(text) + 1)]
+    end = text.find("</think>")
+    assert all(s is None for s in starts[: end + len("</think>") if end >= 0 else None])
+    if end >= 0:
+        assert set(starts[end + len("</think>") :]) == {end + len("</think>")}
+
+
+@pytest.fixture(scope="module")
+def reasoner(tmp_path_factory: pytest.TempPathFactory) -> TextGenerationRunner:
+    """A tiny model whose tokenizer makes ``<think>`` and ``</think>`` special tokens."""
+    path = make_causal_lm(tmp_path_factory.mktemp("tiny-r1"), specials=("<think>", "</think>"))
+    options = {**TINY_LM_OPTIONS, "reasoning_parser": "deepseek_r1", "tool_call_parser": "hermes"}
+    return TextGenerationRunner(path, device=DEVICE, dtype="float32", options=options)
+
+
+def generate(runner: TextGenerationRunner, key: str, pieces: list[str], **kw: Any) -> tuple[
+    list[dict[str, Any]], dict[str, Any]
+]:  # fmt: skip
+    """Admit a chat request as a step would, give its sequence the tokens of ``pieces``
+    one piece a step, and end it: its deltas and its output."""
+    (prep,) = runner.prepare_many([chat(key, **kw)])
+    runner._admit(key, prep, 1)
+    r = runner._reqs[key]
+    (seq,) = r.seqs
+    chunks: list[dict[str, Any]] = []
+    for piece in pieces:
+        seq.text.extend(runner.tokenizer(piece)["input_ids"])
+        chunks += [ev.chunk for ev in runner._deltas(r) if isinstance(ev, Partial)]
+    *tail, final = runner._finish(r)
+    chunks += [ev.chunk for ev in tail if isinstance(ev, Partial)]
+    assert isinstance(final, Final)
+    return chunks, final.outputs[0]
+
+
+def test_calls_are_read_in_the_answer_only_and_streamed_once_it_begins(
+    reasoner: TextGenerationRunner,
+) -> None:
+    thought = '<tool_call>{"name": "get_time", "arguments": {"zone": "cet"}}</tool_call>'
+    call = '<tool_call>{"name": "get_weather", "arguments": {"unit": "c", "days": 1}}</tool_call>'
+    pieces = ["<think>I could call ", thought, " but no.", "</think>", "\n\nSure. ", call, " ok"]
+    chunks, out = generate(reasoner, "r", pieces, stream=True)
+    text = "".join(pieces)
+    assert out["text"] == text == "".join(c["text"] for c in chunks)  # the tags kept
+    assert out["reasoning_content"] == f"I could call {thought} but no."
+    (made,) = out["tool_calls"]
+    assert made["function"]["name"] == "get_weather"  # not the one it only thought about
+    assert out["content"] == "Sure.  ok"
+    streamed = [(k, c) for k, ch in enumerate(chunks) for c in ch.get("tool_calls", ())]
+    assert [c for _, c in streamed] == [made]
+    assert streamed[0][0] == 5  # with the piece that closed it, before the text ended
+
+
+def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
+    # no tools: the answer and the reasoning; cut while thinking: all reasoning
+    _, out = generate(reasoner, "plain", ["<think>x</think>", "The answer."], tools=None)
+    assert (out["reasoning_content"], out["content"]) == ("x", "The answer.")
+    assert "tool_calls" not in out
+    _, cut = generate(reasoner, "cut", ["<think>still", " going"], tools=None)
+    assert (cut["reasoning_content"], cut["content"]) == ("still going", "")
+    # a constrained request (tool_choice required) is not split (its constraint holds from
+    # the first token), nor is a completion of a prompt
+    (required,) = reasoner.prepare_many([chat("req", tool_choice="required")])
+    (prompt,) = reasoner.prepare_many([chat("p", messages=None, inputs=["a b"], tools=None)])
+    assert not required.payload.reasoning and not prompt.payload.reasoning  # type: ignore[union-attr]
+    assert reasoner.info()["reasoning_parser"] == "deepseek_r1"
+
+
+def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                             options={**TINY_LM_OPTIONS, "reasoning_parser": "nope"})  # fmt: skip
