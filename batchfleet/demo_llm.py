@@ -42,6 +42,7 @@ QUESTIONS = (
     "Name three colours of the rainbow.",
     "Why is the sky blue? Answer briefly.",
     "Give the capital of France and its country as JSON.",
+    "What is the weather like in Paris today?",
 )
 MAX_NEW_TOKENS = 60
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -51,8 +52,16 @@ OPTIONS: dict[str, dict[str, Any]] = {
                        "country": {"type": "string", "maxLength": 40}},
         "required": ["city", "country"], "additionalProperties": False,
     }, "disable_any_whitespace": True}},
+    QUESTIONS[4]: {"tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False},
+    }}], "tool_choice": "required", "parallel_tool_calls": False},
 }  # fmt: skip
-"""Request options of some questions: the last answers as JSON under a schema."""
+"""Request options of some questions: the fourth answers as JSON under a schema, the
+fifth with a call of a tool."""
 
 
 @contextlib.contextmanager
@@ -110,7 +119,12 @@ def stream_answers(
         for piece in job.stream(timeout=300):
             console.out(piece, end="", highlight=False)
         console.out("")
-        results.append(job.result(timeout=60))
+        result = job.result(timeout=60)
+        for gen in result.generations() if result.ok else []:
+            for call in gen.tool_calls or ():
+                fn = call.function
+                console.print(f"[green]tool call:[/] {fn.name}({fn.arguments})", highlight=False)
+        results.append(result)
     return results
 
 

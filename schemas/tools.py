@@ -134,7 +134,9 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, chat: bool)
 
 def calls_schema(tools: list[Tool], use: ToolUse) -> dict[str, Any] | None:
     """The JSON Schema the text follows (vLLM's): the named function's arguments, or a
-    non-empty array of ``{"name", "parameters"}`` calls of the tools; None for ``auto``."""
+    non-empty array of ``{"name", "parameters"}`` calls of the tools, with no other keys
+    (vLLM's allows others: a small model writes on, adding keys until its text is cut);
+    None for ``auto``."""
     if use.kind == "named":
         (fn,) = (t.function for t in tools if t.function.name == use.name)
         return _parameters(fn)
@@ -146,6 +148,7 @@ def calls_schema(tools: list[Tool], use: ToolUse) -> dict[str, Any] | None:
                     "parameters": _parameters(t.function),
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
             for t in tools
         ]

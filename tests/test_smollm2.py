@@ -62,7 +62,8 @@ def test_smollm2_answers_a_chat_streaming(smollm_url: str) -> None:
 def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:
     out = io.StringIO()
     console = Console(file=out, width=100)
-    asked = [demo_llm.QUESTIONS[0], demo_llm.QUESTIONS[3]]  # the second answers in JSON
+    # the second answers in JSON, the third with a tool call
+    asked = [demo_llm.QUESTIONS[0], demo_llm.QUESTIONS[3], demo_llm.QUESTIONS[4]]
     with Producer(smollm_url) as producer:
         results = demo_llm.stream_answers(console, producer, asked)
     printed = out.getvalue()
@@ -72,3 +73,9 @@ def test_the_demo_streams_smollm2_answers(smollm_url: str) -> None:
     shaped = results[1].generations()[0]
     assert shaped.finish_reason == "stop"
     assert json.loads(shaped.text) == {"city": "Paris", "country": "FRANCE"}
+    called = results[2].generations()[0]
+    assert called.finish_reason == "stop" and called.tool_calls is not None
+    (call,) = called.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris", "unit": "celsius"})  # fmt: skip
+    assert f"tool call: get_weather({call.function.arguments})" in printed
