@@ -1,10 +1,12 @@
 """Reasoning models (the ``reasoning_parser`` option, vLLM's): a chat's text is split into
 ``reasoning_content`` and its answer (``content``); tool calls are read in the answer
 only, and streamed once the reasoning is over. The split is read off texts given to the
-runner's own admission and delta code (a random model writes no reasoning)."""
+runner's own admission and delta code (a random model writes no reasoning); a
+constraint begins after the reasoning."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,11 @@ from devices import DEVICE
 torch = pytest.importorskip("torch")
 
 from batchfleet.worker.generation.reasoning import answer_start, split  # noqa: E402
+from batchfleet.worker.generation.sampling import _Track  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_structured import run  # noqa: E402
 from test_generation_tools import chat  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
@@ -96,11 +100,11 @@ def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
     assert "tool_calls" not in out
     _, cut = generate(reasoner, "cut", ["<think>still", " going"], tools=None)
     assert (cut["reasoning_content"], cut["content"]) == ("still going", "")
-    # a constrained request (tool_choice required) is not split (its constraint holds from
-    # the first token), nor is a completion of a prompt
+    # a completion of a prompt is not split; a constrained chat is (its constraint begins
+    # after the reasoning, below)
     (required,) = reasoner.prepare_many([chat("req", tool_choice="required")])
     (prompt,) = reasoner.prepare_many([chat("p", messages=None, inputs=["a b"], tools=None)])
-    assert not required.payload.reasoning and not prompt.payload.reasoning  # type: ignore[union-attr]
+    assert required.payload.reasoning and not prompt.payload.reasoning  # type: ignore[union-attr]
     assert reasoner.info()["reasoning_parser"] == "deepseek_r1"
 
 
@@ -108,3 +112,43 @@ def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:
     with pytest.raises(ValueError, match="reasoning_parser"):
         TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                              options={**TINY_LM_OPTIONS, "reasoning_parser": "nope"})  # fmt: skip
+
+
+def test_a_constraint_begins_after_the_reasoning(reasoner: TextGenerationRunner) -> None:
+    think_end = reasoner.tokenizer.convert_tokens_to_ids("</think>")
+    digits = {"regex": "[0-9]{3}"}
+    # </think> pushed first: the regex holds from the token after it, then the text ends
+    ended = chat("ended", tools=None, structured_outputs=digits, max_new_tokens=20,
+                 logit_bias={str(think_end): 100.0})  # fmt: skip
+    # never ending its reasoning: free text throughout, all of it reasoning
+    free = chat("free", tools=None, structured_outputs=digits, max_new_tokens=8)
+    plain = chat("plain", tools=None, max_new_tokens=8)
+    outs = run(reasoner, ended, free, plain)
+    (out,) = outs["ended"]
+    assert re.fullmatch("</think>[0-9]{3}", out["text"]) and out["finish_reason"] == "stop"
+    assert (out["reasoning_content"], out["content"]) == ("", out["text"][len("</think>") :])
+    (thinking,) = outs["free"]
+    assert thinking["text"] == outs["plain"][0]["text"]  # unconstrained
+    assert thinking["reasoning_content"] == thinking["text"].strip() and thinking["content"] == ""
+
+
+def test_a_resumed_sequence_takes_up_its_constraint_where_it_was(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # a preempted sequence comes back with its output as prompt: its matcher starts after
+    # its </think> and goes through what followed; without one, it has none yet
+    think_end = reasoner.tokenizer.convert_tokens_to_ids("</think>")
+    (prep,) = reasoner.prepare_many(
+        [chat("c", tools=None, structured_outputs={"regex": "[0-9]{3}"})]
+    )
+    sampling = prep.payload.sampling  # type: ignore[union-attr]
+    assert sampling.constraint is not None and sampling.constraint_after == think_end
+    digits = reasoner.tokenizer("123", add_special_tokens=False)["input_ids"]
+    word = reasoner.tokenizer(" the", add_special_tokens=False)["input_ids"]
+    track = _Track(sampling, None, prompt=2)
+    track.restart([1, 2, *word, think_end, *digits])
+    assert track.matcher is not None and track.matcher.is_accepting()
+    track.restart([1, 2, *word, *digits])
+    assert track.matcher is None
+    track.restart([1, 2, *word, think_end, *digits[:1]])
+    assert track.matcher is not None and not track.matcher.is_accepting()

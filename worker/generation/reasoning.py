@@ -9,7 +9,8 @@ parsers, chosen by the model's ``reasoning_parser`` option):
   prompt, write no opening one).
 
 The answer is where tool calls are read, so a call the model only thought about is not
-made; until ``</think>`` comes, none is read (for ``qwen3`` without it: at the end).
+made; until ``</think>`` comes, none is read (for ``qwen3`` without it: at the end). A
+request's constraint begins after ``</think>`` (``Sampling.constraint_after``).
 """
 
 from __future__ import annotations

@@ -79,6 +79,9 @@ class Sampling:
     """Keep each token's log-probability and this many alternatives' (None: none)."""
     constraint: Constraint | None = None
     """The text follows it (``structured_outputs``; None: free)."""
+    constraint_after: int | None = None
+    """The constraint begins after this token (a reasoning model's ``</think>``): the
+    text before it is free (None: from the first token)."""
 
     @property
     def greedy(self) -> bool:
@@ -145,9 +148,16 @@ class _Track:
         del self.logprobs[self.generated :]  # drawn in a step that failed: not generated
         constraint = self.sampling.constraint
         if constraint is not None:  # back to the start, then through what it generated
+            out = tokens[self.prompt :]
+            after = self.sampling.constraint_after
+            if after is not None:  # it begins after that token, once there is one
+                self.matcher = None
+                if after not in out:
+                    return
+                out = out[out.index(after) + 1 :]
             self.matcher = constraint.matcher()
-            if self.generated:
-                self.matcher.consume_tokens(tokens[self.prompt :])
+            if out:
+                self.matcher.consume_tokens(out)
 
     def took(self, token: int) -> None:
         self.seen.add(token)
@@ -257,7 +267,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
 
     @staticmethod
     def _consume(sequence: str, track: _Track, token: int) -> None:
-        if track.matcher is not None and not track.matcher.consume_token(token):
+        if track.matcher is None:
+            s = track.sampling
+            if s.constraint is not None and token == s.constraint_after:  # it begins
+                track.matcher = s.constraint.matcher()
+            return
+        if not track.matcher.consume_token(token):
             logger.warning("sequence %s: its constraint refused token %d: %s", sequence, token,
                            track.matcher.get_error())  # fmt: skip
 

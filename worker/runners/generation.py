@@ -161,6 +161,12 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token ``text`` is (None: it takes more, or none)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
 def _flag(value: Any, name: str) -> bool:
     """A boolean option (TOML gives a bool; anything else is refused, not guessed)."""
     if not isinstance(value, bool):
@@ -276,6 +282,9 @@ class TextGenerationRunner:
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
+        self._think_end = _single_token(self.tokenizer, REASONING_MARKERS[1])
+        """``</think>``'s token (None: not one token), after which a reasoning chat's
+        constraint begins."""
         self._decodes: dict[tuple[str, ...], Decode] = {}
         """How the texts that parsers read are decoded, by the markers they look for
         (kept where this tokenizer makes them special tokens)."""
@@ -339,6 +348,13 @@ class TextGenerationRunner:
             except PrepareError as exc:
                 return exc
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
+        # a chat to a reasoning model is split; a constraint then begins after its
+        # reasoning, where </think> is one token (else it holds from the first: no split)
+        reasoning = (
+            self.reasoning_parser is not None
+            and req.messages is not None
+            and (constraint is None or self._think_end is not None)
+        )
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias)):
             unknown = sorted(t for t in ids if t >= self.vocab_size)
             if unknown:
@@ -361,6 +377,7 @@ class TextGenerationRunner:
                 min_p=req.min_p or 0.0,
                 logprobs=req.logprobs,
                 constraint=constraint,
+                constraint_after=self._think_end if reasoning and constraint else None,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
@@ -369,9 +386,7 @@ class TextGenerationRunner:
             keep_stop=bool(req.include_stop_str_in_output),
             prompt_logprobs=req.prompt_logprobs,
             tools=use,
-            reasoning=self.reasoning_parser is not None
-            and req.messages is not None
-            and constraint is None,
+            reasoning=reasoning,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
