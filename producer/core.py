@@ -141,6 +141,10 @@ class GenerationOptions(TypedDict, total=False):
     ``"required"``, ``{"type": "function", "function": {"name": ...}}`` or ``"none"``."""
     parallel_tool_calls: bool | None
     """False: at most one tool call per output (OpenAI's)."""
+    allowed_token_ids: Sequence[int] | None
+    """Only these tokens are generated (vLLM's; list an end-of-sequence token to end)."""
+    skip_special_tokens: bool | None
+    """False: special tokens' text stays in the output (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

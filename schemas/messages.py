@@ -78,6 +78,8 @@ MAX_TOP_LOGPROBS: Final = 20
 """The most alternatives a generated token's log-probabilities list (``logprobs``)."""
 MAX_LOGIT_BIAS: Final = 300
 """The most tokens a request's ``logit_bias`` lists (OpenAI's bound)."""
+MAX_ALLOWED_TOKEN_IDS: Final = 8_192
+"""The most token ids a request's ``allowed_token_ids`` lists."""
 MAX_COMPLETIONS: Final = 16
 """The most completions a generation request asks per input (``n``)."""
 MAX_GRAMMAR_CHARS: Final = 65_536
@@ -92,6 +94,7 @@ GENERATION_FIELDS: Final = (
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "allowed_token_ids", "skip_special_tokens",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -296,6 +299,14 @@ class Request(_Strict):
     ignore_eos: bool | None = None
     """vLLM's: generate past end-of-sequence tokens, up to ``max_new_tokens`` (benchmarks,
     fixed-length outputs); the tokens stay in the output."""
+    allowed_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    """vLLM's: only these tokens are generated (an end-of-sequence token only if listed:
+    without one, the text runs to ``max_new_tokens``, a stop string or a stop token)."""
+    skip_special_tokens: bool | None = None
+    """vLLM's: false keeps special tokens' text in the output (default true: left out); an
+    end-of-sequence token that ends the text shows none either way."""
     include_stop_str_in_output: bool | None = None
     """vLLM's: a text ended by a stop string keeps it (default: cut before it)."""
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=1_000_000)
@@ -430,6 +441,10 @@ class Request(_Strict):
                 )
         if self.stop_token_ids is not None and any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids are token ids: 0 to 2**31 - 1")
+        if self.allowed_token_ids is not None and any(
+            not 0 <= t < 2**31 for t in self.allowed_token_ids
+        ):
+            raise ValueError("allowed_token_ids are token ids: 0 to 2**31 - 1")
         if self.logit_bias is not None:
             if any(not (k.isascii() and k.isdigit() and int(k) < 2**31) for k in self.logit_bias):
                 raise ValueError("logit_bias keys are token ids: decimal strings, 0 to 2**31 - 1")

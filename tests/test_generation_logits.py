@@ -7,6 +7,7 @@ preemption and a restart; log-probabilities equal those of the model's own logit
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -458,3 +459,78 @@ def test_prompt_logprobs_score_each_prompt_in_its_first_output(
         )
         assert all(len(e["top"]) == 2 and e["text"] for e in scored[1:])
     assert d.finals["plain"].outputs[0]["text"] == greedy(runner, PROMPTS[0], 4)
+
+
+def test_allowed_token_ids_give_generate_s_tokens_restricted_to_them(
+    runner: TextGenerationRunner,
+) -> None:
+    tok = runner.tokenizer
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids.to(runner.torch_device)
+    free = runner.model.generate(ids, max_new_tokens=12, do_sample=False,
+                                 pad_token_id=runner.eos[0])[0, ids.shape[1] :].tolist()  # fmt: skip
+    allowed = sorted(
+        {*tok(" the man was a dog", add_special_tokens=False).input_ids, runner.eos[0]}
+    )
+    assert not set(free) <= set(allowed)  # the restriction changes the text
+    made = runner.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=runner.eos[0],
+                                 prefix_allowed_tokens_fn=lambda b, x: allowed)[0, ids.shape[1] :]  # fmt: skip
+    wanted = [t for t in made.tolist() if t != runner.eos[0]]
+    preps = prepare(runner, req("only", inputs=[PROMPTS[1]], max_new_tokens=12, logprobs=0,
+                                allowed_token_ids=list(reversed(allowed)) + allowed[:2]),
+                    req("drawn", inputs=[PROMPTS[1]], max_new_tokens=12, logprobs=0, seed=3,
+                        temperature=1.5, allowed_token_ids=allowed),
+                    req("plain", inputs=[PROMPTS[1]], max_new_tokens=12))  # fmt: skip
+    d = Driver(runner)
+    d.step([(k, p) for k, p in zip(("only", "drawn", "plain"), preps, strict=True)])
+    d.run()
+    only = d.finals["only"].outputs[0]
+    assert [lp["token"] for lp in only["logprobs"] if lp["token"] != runner.eos[0]] == wanted
+    assert only["text"] == tok.decode(wanted)
+    drawn = d.finals["drawn"].outputs[0]
+    assert {lp["token"] for lp in drawn["logprobs"]} <= set(allowed)
+    assert d.finals["plain"].outputs[0]["text"] == tok.decode(free, skip_special_tokens=True)
+    (bad,) = runner.prepare_many([req("b", allowed_token_ids=[1, runner.vocab_size])])
+    assert isinstance(bad, PrepareError) and "allowed_token_ids" in str(bad)
+
+
+def run(runner: TextGenerationRunner, *reqs: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each request's outputs, all admitted in one step."""
+    d = Driver(runner)
+    d.step([(r.id, p) for r, p in zip(reqs, prepare(runner, *reqs), strict=True)])
+    d.run()
+    return {k: f.outputs for k, f in d.finals.items()}
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_text(
+    runner: TextGenerationRunner,
+) -> None:
+    start = runner.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    eos = runner.eos[0]
+    pushed = {"allowed_token_ids": [start, eos], "logit_bias": {str(start): 100.0},
+              "max_new_tokens": 3, "stream": True}  # fmt: skip
+    ended = {"allowed_token_ids": [eos], "max_new_tokens": 3}
+    outs = run(runner, req("kept", skip_special_tokens=False, **pushed), req("skipped", **pushed),
+               req("eos", skip_special_tokens=False, **ended))  # fmt: skip
+    assert outs["kept"][0]["text"] == "<|im_start|>" * 3
+    assert outs["skipped"][0]["text"] == ""  # the default
+    assert set(req("r", **pushed).generation_fields()) >= {"allowed_token_ids"}  # not to encoders
+    assert req("s", skip_special_tokens=False).generation_fields() == ["skip_special_tokens"]
+    eos_out = outs["eos"][0]  # the end-of-sequence token shows no text
+    assert (eos_out["text"], eos_out["finish_reason"], eos_out["completion_tokens"]) == (
+        "",
+        "stop",
+        1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"allowed_token_ids": []}, "at least 1"),
+        ({"allowed_token_ids": [-1]}, "0 to 2**31"),
+        ({"allowed_token_ids": list(range(8_193))}, "at most 8192"),
+    ],
+)
+def test_allowed_token_ids_bounds(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        req("x", **fields)

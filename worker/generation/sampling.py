@@ -73,6 +73,8 @@ class Sampling:
     """(token id, bias) pairs added to those tokens' logits."""
     min_p: float = 0.0
     """Draw only tokens at least this fraction as likely as the likeliest (0: any)."""
+    allowed_tokens: tuple[int, ...] = ()
+    """Only these tokens are drawn (vLLM's ``allowed_token_ids``; empty: any)."""
     ignore_eos: bool = False
     """An end-of-sequence token does not end the sequence (the engines read this)."""
     logprobs: int | None = None
@@ -96,6 +98,7 @@ class Sampling:
             or self.frequency_penalty != 0.0
             or self.min_new_tokens > 0
             or bool(self.logit_bias)
+            or bool(self.allowed_tokens)
         )
 
     @property
@@ -137,6 +140,8 @@ class _Track:
     """Per generated token (``Sampling.logprobs``)."""
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
     """``Sampling.logit_bias`` as tensors (ids, biases), made at its first draw."""
+    only: torch.Tensor | None = None
+    """``Sampling.allowed_tokens`` as a tensor of ids, made at its first draw."""
     matcher: llguidance.LLMatcher | None = None
     """Where its output stands in its constraint (``Sampling.constraint``)."""
 
@@ -299,6 +304,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 by = torch.tensor([b for _, b in s.logit_bias], dtype=x.dtype, device=dev)
                 track.bias = (ids, by)
             x[track.bias[0]] += track.bias[1]
+        if s.allowed_tokens:
+            if track.only is None:
+                track.only = torch.tensor(s.allowed_tokens, dtype=torch.long, device=dev)
+            kept = x[track.only]
+            x.fill_(float("-inf"))
+            x[track.only] = kept
         if track.generated < s.min_new_tokens and self._eos:
             x[torch.tensor(self._eos, dtype=torch.long, device=dev)] = float("-inf")
         if allowed is not None:

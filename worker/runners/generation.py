@@ -92,7 +92,10 @@ class GenSpec:
     """How its texts hold tool calls (None: none are read)."""
     reasoning: bool = False
     """Its texts are split into reasoning and answer (a chat to a model with a
-    ``reasoning_parser``, unconstrained)."""
+    ``reasoning_parser``)."""
+    skip_special: bool = True
+    """Special tokens show no text (``skip_special_tokens``; False: all but the
+    end-of-sequence tokens show theirs)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -159,6 +162,10 @@ def _arguments(text: str) -> Any:
     except ValueError:
         return text
     return value if isinstance(value, dict) else text
+
+
+_ALL_SPECIAL: tuple[str, ...] = ("<every special token but the end-of-sequence ones>",)
+"""The markers of a text that keeps every special token (``skip_special_tokens`` false)."""
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:
@@ -355,7 +362,9 @@ class TextGenerationRunner:
             and req.messages is not None
             and (constraint is None or self._think_end is not None)
         )
-        for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias)):
+        allowed = tuple(sorted(set(req.allowed_token_ids or ())))
+        for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
+                          ("allowed_token_ids", allowed)):  # fmt: skip
             unknown = sorted(t for t in ids if t >= self.vocab_size)
             if unknown:
                 return PrepareError(f"{name} {unknown[:8]} are not tokens of this model "
@@ -377,6 +386,7 @@ class TextGenerationRunner:
                 min_p=req.min_p or 0.0,
                 logprobs=req.logprobs,
                 constraint=constraint,
+                allowed_tokens=allowed,
                 constraint_after=self._think_end if reasoning and constraint else None,
             ),
             stop=tuple(req.stop or ()),
@@ -387,6 +397,7 @@ class TextGenerationRunner:
             prompt_logprobs=req.prompt_logprobs,
             tools=use,
             reasoning=reasoning,
+            skip_special=req.skip_special_tokens is not False,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -535,7 +546,8 @@ class TextGenerationRunner:
             markers = (
                 MARKERS.get(self.tool_call_parser or "", ()) if use and use.kind == "auto" else ()
             )
-            decode = self._marked(markers + (REASONING_MARKERS if spec.reasoning else ()))
+            decode = self._marked(markers + (REASONING_MARKERS if spec.reasoning else ())
+                                  if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
                          calls=None if use is None else CallReader(use, self.tool_call_parser),
@@ -735,11 +747,15 @@ class TextGenerationRunner:
 
     def _keeping(self, markers: Sequence[str]) -> Decode | None:
         """A decode that keeps those of ``markers`` this tokenizer makes special tokens
-        (and skips the other special tokens); None where none of them is one."""
+        (and skips the other special tokens; :data:`_ALL_SPECIAL`: keeps all but the
+        end-of-sequence ones); None where none of them is one."""
         tok = self.tokenizer
         special = set(tok.all_special_ids)
         special |= {i for i, t in tok.added_tokens_decoder.items() if t.special}
-        keep = {i for i in special if tok.convert_ids_to_tokens(i) in markers}
+        if markers == _ALL_SPECIAL:  # skip_special_tokens false
+            keep = special - set(self.eos)
+        else:
+            keep = {i for i in special if tok.convert_ids_to_tokens(i) in markers}
         if not keep:
             return None
         drop = frozenset(special - keep)
