@@ -21,7 +21,7 @@ from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling, SeededSampler  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
-from test_generation_runner import PROMPTS, Driver, greedy, prepare, req  # noqa: E402
+from test_generation_runner import PROMPTS, Driver, greedy, prepare, req, run  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
 OPTIONS = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
@@ -491,14 +491,6 @@ def test_allowed_token_ids_give_generate_s_tokens_restricted_to_them(
     assert d.finals["plain"].outputs[0]["text"] == tok.decode(free, skip_special_tokens=True)
     (bad,) = runner.prepare_many([req("b", allowed_token_ids=[1, runner.vocab_size])])
     assert isinstance(bad, PrepareError) and "allowed_token_ids" in str(bad)
-
-
-def run(runner: TextGenerationRunner, *reqs: Any) -> dict[str, list[dict[str, Any]]]:
-    """Each request's outputs, all admitted in one step."""
-    d = Driver(runner)
-    d.step([(r.id, p) for r, p in zip(reqs, prepare(runner, *reqs), strict=True)])
-    d.run()
-    return {k: f.outputs for k, f in d.finals.items()}
 
 
 def test_skip_special_tokens_false_keeps_special_tokens_text(

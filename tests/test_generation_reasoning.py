@@ -20,7 +20,7 @@ from batchfleet.worker.generation.sampling import _Track  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
-from test_generation_structured import run  # noqa: E402
+from test_generation_runner import run  # noqa: E402
 from test_generation_tools import chat  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 

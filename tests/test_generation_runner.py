@@ -90,6 +90,14 @@ class Driver:
         raise AssertionError("did not finish")
 
 
+def run(runner: TextGenerationRunner, *reqs: Request) -> dict[str, list[dict[str, Any]]]:
+    """Each request's outputs, all admitted in one step and run to their ends."""
+    d = Driver(runner)
+    d.step([(r.id, p) for r, p in zip(reqs, prepare(runner, *reqs), strict=True)])
+    d.run()
+    return {k: f.outputs for k, f in d.finals.items()}
+
+
 def greedy(runner: TextGenerationRunner, text: str, n: int) -> str:
     ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
     out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,

@@ -28,7 +28,7 @@ from batchfleet.worker.generation.grammar import Grammars, _closed  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
-from test_generation_runner import PROMPTS, Driver, greedy, prepare, req  # noqa: E402
+from test_generation_runner import PROMPTS, Driver, greedy, prepare, req, run  # noqa: E402
 
 
 @pytest.fixture(params=["padded", "paged"])
@@ -71,13 +71,6 @@ def reference(runner: TextGenerationRunner, text: str, n: int, spec: dict[str, A
                 break
             assert matcher.consume_token(out[-1])
     return str(runner.tokenizer.decode(out, skip_special_tokens=True))
-
-
-def run(runner: TextGenerationRunner, *reqs: Request) -> dict[str, list[dict[str, Any]]]:
-    d = Driver(runner)
-    d.step([(r.id, p) for r, p in zip(reqs, prepare(runner, *reqs), strict=True)])
-    d.run()
-    return {k: f.outputs for k, f in d.finals.items()}
 
 
 def test_greedy_structured_output_follows_the_reference_beside_plain_requests(

@@ -27,8 +27,11 @@ from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
-from test_generation_runner import Driver, prepare  # noqa: E402
-from test_generation_structured import run  # noqa: E402
+from test_generation_runner import (  # noqa: E402
+    Driver,
+    prepare,
+    run,
+)
 from tiny_models import make_causal_lm  # noqa: E402
 
 WEATHER = {
