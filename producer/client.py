@@ -170,7 +170,8 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``min_new_tokens``, ``logprobs``, ``stop_token_ids``, ``logit_bias``, ``n``, ``ignore_eos``,
         ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``prompt_logprobs``,
         ``structured_outputs``, ``response_format``, ``tools``, ``tool_choice``,
-        ``parallel_tool_calls``, ``allowed_token_ids``, ``skip_special_tokens`` (see
+        ``parallel_tool_calls``, ``allowed_token_ids``, ``skip_special_tokens``,
+        ``bad_words`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

@@ -145,6 +145,8 @@ class GenerationOptions(TypedDict, total=False):
     """Only these tokens are generated (vLLM's; list an end-of-sequence token to end)."""
     skip_special_tokens: bool | None
     """False: special tokens' text stays in the output (vLLM's)."""
+    bad_words: Sequence[str] | None
+    """Words never generated (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

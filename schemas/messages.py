@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json as _json
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -80,6 +80,8 @@ MAX_LOGIT_BIAS: Final = 300
 """The most tokens a request's ``logit_bias`` lists (OpenAI's bound)."""
 MAX_ALLOWED_TOKEN_IDS: Final = 8_192
 """The most token ids a request's ``allowed_token_ids`` lists."""
+MAX_BAD_WORDS: Final = 128
+"""The most words a request's ``bad_words`` lists (each 1 to 256 chars)."""
 MAX_COMPLETIONS: Final = 16
 """The most completions a generation request asks per input (``n``)."""
 MAX_GRAMMAR_CHARS: Final = 65_536
@@ -94,7 +96,7 @@ GENERATION_FIELDS: Final = (
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "allowed_token_ids", "skip_special_tokens",
+    "allowed_token_ids", "skip_special_tokens", "bad_words",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -304,6 +306,11 @@ class Request(_Strict):
     )
     """vLLM's: only these tokens are generated (an end-of-sequence token only if listed:
     without one, the text runs to ``max_new_tokens``, a stop string or a stop token)."""
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, min_length=1, max_length=MAX_BAD_WORDS
+    )
+    """vLLM's: words never generated (as the tokenizer writes each, alone and after a
+    space: the last token of its tokens is not drawn where the text ends with the rest)."""
     skip_special_tokens: bool | None = None
     """vLLM's: false keeps special tokens' text in the output (default true: left out); an
     end-of-sequence token that ends the text shows none either way."""

@@ -46,6 +46,14 @@ def generate(runner: TextGenerationRunner, text: str, n: int, **rules: float) ->
     return str(runner.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
+def hf_tokens(runner: TextGenerationRunner, text: str, n: int, **kw: Any) -> list[int]:
+    """HF ``generate``'s greedy tokens for ``text`` (``kw``: its own options)."""
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
+    out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,
+                                pad_token_id=runner.eos[0], **kw)  # fmt: skip
+    return list(out[0, ids.shape[1] :].tolist())
+
+
 def penalised(runner: TextGenerationRunner, text: str, n: int, presence: float,
               frequency: float) -> str:  # fmt: skip
     """Greedy with OpenAI's penalties, one full forward per token (the reference)."""
@@ -465,16 +473,13 @@ def test_allowed_token_ids_give_generate_s_tokens_restricted_to_them(
     runner: TextGenerationRunner,
 ) -> None:
     tok = runner.tokenizer
-    ids = tok(PROMPTS[1], return_tensors="pt").input_ids.to(runner.torch_device)
-    free = runner.model.generate(ids, max_new_tokens=12, do_sample=False,
-                                 pad_token_id=runner.eos[0])[0, ids.shape[1] :].tolist()  # fmt: skip
+    free = hf_tokens(runner, PROMPTS[1], 12)
     allowed = sorted(
         {*tok(" the man was a dog", add_special_tokens=False).input_ids, runner.eos[0]}
     )
     assert not set(free) <= set(allowed)  # the restriction changes the text
-    made = runner.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=runner.eos[0],
-                                 prefix_allowed_tokens_fn=lambda b, x: allowed)[0, ids.shape[1] :]  # fmt: skip
-    wanted = [t for t in made.tolist() if t != runner.eos[0]]
+    made = hf_tokens(runner, PROMPTS[1], 12, prefix_allowed_tokens_fn=lambda b, x: allowed)
+    wanted = [t for t in made if t != runner.eos[0]]
     preps = prepare(runner, req("only", inputs=[PROMPTS[1]], max_new_tokens=12, logprobs=0,
                                 allowed_token_ids=list(reversed(allowed)) + allowed[:2]),
                     req("drawn", inputs=[PROMPTS[1]], max_new_tokens=12, logprobs=0, seed=3,
@@ -526,3 +531,31 @@ def test_skip_special_tokens_false_keeps_special_tokens_text(
 def test_allowed_token_ids_bounds(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         req("x", **fields)
+
+
+def test_bad_words_give_generate_s_tokens_with_its_bad_words_ids(
+    runner: TextGenerationRunner,
+) -> None:
+    tok = runner.tokenizer
+    free = hf_tokens(runner, PROMPTS[0], 16)
+    # a word the free text writes as two tokens, and one it writes as one
+    pair = next(free[k : k + 2] for k in range(len(free) - 1)
+                if len(tok(tok.decode(free[k : k + 2]), add_special_tokens=False).input_ids) == 2)  # fmt: skip
+    words = [tok.decode(pair).strip(), tok.decode(free[:1]).strip()]
+    (prep,) = prepare(runner, req("bw", max_new_tokens=16, bad_words=words, logprobs=0))
+    banned = [list(w) for w in prep.payload.sampling.bad_words]
+    assert banned and all(w for w in banned)
+    made = hf_tokens(runner, PROMPTS[0], 16, bad_words_ids=banned)
+    assert made != free  # the words change the text
+    d = Driver(runner)
+    d.step([("bw", prep)])
+    d.run()
+    out = d.finals["bw"].outputs[0]
+    got = [lp["token"] for lp in out["logprobs"]]
+    assert got == made[: len(got)] and (len(got) == 16 or got[-1] in runner.eos)
+    for w in banned:  # none completed
+        assert all(got[k : k + len(w)] != w for k in range(len(got)))
+    assert req("x", bad_words=["a"]).generation_fields() == ["bad_words"]
+    for bad in ([], [""], ["x" * 257], ["w"] * 129):
+        with pytest.raises(ValueError):
+            req("x", bad_words=bad)

@@ -75,6 +75,9 @@ class Sampling:
     """Draw only tokens at least this fraction as likely as the likeliest (0: any)."""
     allowed_tokens: tuple[int, ...] = ()
     """Only these tokens are drawn (vLLM's ``allowed_token_ids``; empty: any)."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never completed: a sequence's last token is not drawn where the
+    output ends with the rest of it (vLLM's ``bad_words``, HF's ``bad_words_ids``)."""
     ignore_eos: bool = False
     """An end-of-sequence token does not end the sequence (the engines read this)."""
     logprobs: int | None = None
@@ -99,6 +102,7 @@ class Sampling:
             or self.min_new_tokens > 0
             or bool(self.logit_bias)
             or bool(self.allowed_tokens)
+            or bool(self.bad_words)
         )
 
     @property
@@ -142,6 +146,8 @@ class _Track:
     """``Sampling.logit_bias`` as tensors (ids, biases), made at its first draw."""
     only: torch.Tensor | None = None
     """``Sampling.allowed_tokens`` as a tensor of ids, made at its first draw."""
+    tail: list[int] = field(default_factory=list)
+    """Its output's last tokens (``Sampling.bad_words``: as many as the longest less one)."""
     matcher: llguidance.LLMatcher | None = None
     """Where its output stands in its constraint (``Sampling.constraint``)."""
 
@@ -151,6 +157,9 @@ class _Track:
         self.counts = Counter(tokens[self.prompt :])
         self.generated = max(0, len(tokens) - self.prompt)
         del self.logprobs[self.generated :]  # drawn in a step that failed: not generated
+        if self.sampling.bad_words:
+            keep = max(len(w) for w in self.sampling.bad_words) - 1
+            self.tail = tokens[self.prompt :][-keep:] if keep else []
         constraint = self.sampling.constraint
         if constraint is not None:  # back to the start, then through what it generated
             out = tokens[self.prompt :]
@@ -168,6 +177,16 @@ class _Track:
         self.seen.add(token)
         self.counts[token] += 1
         self.generated += 1
+        if self.sampling.bad_words:
+            self.tail.append(token)
+            keep = max(len(w) for w in self.sampling.bad_words) - 1
+            del self.tail[: len(self.tail) - keep]
+
+    def banned(self) -> list[int]:
+        """The tokens that would complete one of its bad words now."""
+        tail = self.tail
+        return [w[-1] for w in self.sampling.bad_words
+                if len(w) <= len(tail) + 1 and tail[len(tail) - len(w) + 1 :] == list(w[:-1])]  # fmt: skip
 
 
 class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
@@ -304,6 +323,8 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 by = torch.tensor([b for _, b in s.logit_bias], dtype=x.dtype, device=dev)
                 track.bias = (ids, by)
             x[track.bias[0]] += track.bias[1]
+        if s.bad_words and (banned := track.banned()):
+            x[torch.tensor(banned, dtype=torch.long, device=dev)] = float("-inf")
         if s.allowed_tokens:
             if track.only is None:
                 track.only = torch.tensor(s.allowed_tokens, dtype=torch.long, device=dev)

@@ -387,6 +387,7 @@ class TextGenerationRunner:
                 logprobs=req.logprobs,
                 constraint=constraint,
                 allowed_tokens=allowed,
+                bad_words=self._bad_words(req.bad_words or ()),
                 constraint_after=self._think_end if reasoning and constraint else None,
             ),
             stop=tuple(req.stop or ()),
@@ -402,6 +403,16 @@ class TextGenerationRunner:
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
+
+    def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as written alone and after a space (vLLM's ``bad_words``)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
 
     def _constraint(self, req: Request) -> Constraint:
         """The request's ``structured_outputs`` (or ``response_format``), compiled for this
