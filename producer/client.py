@@ -171,7 +171,8 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``prompt_logprobs``,
         ``structured_outputs``, ``response_format``, ``tools``, ``tool_choice``,
         ``parallel_tool_calls``, ``allowed_token_ids``, ``skip_special_tokens``,
-        ``bad_words`` (see
+        ``bad_words``, ``chat_template_kwargs``, ``add_generation_prompt``,
+        ``continue_final_message`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

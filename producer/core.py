@@ -147,6 +147,12 @@ class GenerationOptions(TypedDict, total=False):
     """False: special tokens' text stays in the output (vLLM's)."""
     bad_words: Sequence[str] | None
     """Words never generated (vLLM's)."""
+    chat_template_kwargs: Mapping[str, Any] | None
+    """More variables for the chat template, e.g. ``{"enable_thinking": False}`` (vLLM's)."""
+    add_generation_prompt: bool | None
+    """False: the template does not open the assistant's turn (vLLM's)."""
+    continue_final_message: bool | None
+    """The last (assistant) message is continued, not closed (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

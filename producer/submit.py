@@ -137,12 +137,16 @@ def build_request(
 
 
 def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:
-    """The generation fields that are set; ``stop`` as a list (a lone string is one)."""
+    """The generation fields that are set; ``stop`` and ``bad_words`` as lists (a lone
+    string is one)."""
     out = {k: v for k, v in generation.items() if v is not None}
     if "stop" in out:
         out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
-    if "stop_token_ids" in out:
-        out["stop_token_ids"] = list(out["stop_token_ids"])
+    for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+        if name in out:
+            out[name] = [out[name]] if isinstance(out[name], str) else list(out[name])
+    if "chat_template_kwargs" in out:
+        out["chat_template_kwargs"] = dict(out["chat_template_kwargs"])
     if "logit_bias" in out:  # token ids as the wire's string keys
         out["logit_bias"] = {str(k): float(b) for k, b in out["logit_bias"].items()}
     if "structured_outputs" in out:

@@ -82,6 +82,14 @@ MAX_ALLOWED_TOKEN_IDS: Final = 8_192
 """The most token ids a request's ``allowed_token_ids`` lists."""
 MAX_BAD_WORDS: Final = 128
 """The most words a request's ``bad_words`` lists (each 1 to 256 chars)."""
+MAX_TEMPLATE_KWARGS_CHARS: Final = 4_096
+"""The most chars a request's ``chat_template_kwargs`` take as JSON."""
+TEMPLATE_NAMES: Final = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+"""Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set."""
 MAX_COMPLETIONS: Final = 16
 """The most completions a generation request asks per input (``n``)."""
 MAX_GRAMMAR_CHARS: Final = 65_536
@@ -96,7 +104,8 @@ GENERATION_FIELDS: Final = (
     "stop_token_ids", "n", "logit_bias", "ignore_eos", "min_p",
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "allowed_token_ids", "skip_special_tokens", "bad_words",
+    "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -247,6 +256,14 @@ class Request(_Strict):
     ``messages``, not both."""
     messages: list[ChatMessage] | None = None
     """Generation models only: one chat (one output), rendered with the chat template."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: more variables for the chat template (``{"enable_thinking": false}`` for
+    Qwen3); JSON values, 4,096 chars in all, not the template call's own arguments."""
+    add_generation_prompt: bool | None = None
+    """vLLM's: the template opens the assistant's turn (default true)."""
+    continue_final_message: bool | None = None
+    """vLLM's: the chat's last message (the assistant's) is continued, not closed: the
+    text goes on from its content (not with ``add_generation_prompt`` true)."""
     deadline_ms: int | None = Field(None, ge=1, le=7 * 24 * 3600 * 1000)
     """Result due this many ms after the entry was added (its stream id's time)."""
     reply: str | None = Field(None, min_length=1, max_length=256)
@@ -375,6 +392,27 @@ class Request(_Strict):
                 )
         return None if self.response_format is None else self.response_format.structured()
 
+    def _check_template(self) -> None:
+        chat = self.messages is not None
+        for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if getattr(self, name) is not None and not chat:
+                raise ValueError(f"{name} goes with a chat (messages)")
+        if self.chat_template_kwargs is not None:
+            if reserved := sorted(TEMPLATE_NAMES & set(self.chat_template_kwargs)):
+                raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+            size = len(_json.dumps(self.chat_template_kwargs, default=str))
+            if size > MAX_TEMPLATE_KWARGS_CHARS:
+                raise ValueError(f"too_large: chat_template_kwargs take {size} chars as JSON "
+                                 f"> {MAX_TEMPLATE_KWARGS_CHARS}")  # fmt: skip
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt are not "
+                                 "both true")  # fmt: skip
+            assert self.messages is not None
+            if self.messages[-1].role != "assistant" or self.messages[-1].content is None:
+                raise ValueError("continue_final_message continues a last assistant message "
+                                 "with content")  # fmt: skip
+
     def generation_fields(self) -> list[str]:
         """The generation-only fields this request sets."""
         return [f for f in GENERATION_FIELDS if getattr(self, f) is not None]
@@ -459,6 +497,7 @@ class Request(_Strict):
                 raise ValueError("logit_bias values are -100 to 100")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("a request sets structured_outputs or response_format, not both")
+        self._check_template()
         check_tools(self.tools, self.tool_choice, self.messages is not None)
         use = self.tool_use
         if use is not None and use.kind != "auto" and self.constraint_set:

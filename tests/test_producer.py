@@ -478,7 +478,10 @@ def test_generation_requests_carry_their_fields(
                        logprobs=4, stop_token_ids=(7, 9), n=2,
                        logit_bias={50: -100, 7: 2.5}, ignore_eos=True, min_p=0.1,
                        include_stop_str_in_output=True, truncate_prompt_tokens=50,
-                       prompt_logprobs=3, structured_outputs={"json": Answer})  # fmt: skip
+                       prompt_logprobs=3, structured_outputs={"json": Answer},
+                       allowed_token_ids=(1, 2), skip_special_tokens=False, bad_words=["x"],
+                       chat_template_kwargs={"enable_thinking": False},
+                       add_generation_prompt=True)  # fmt: skip
     prompts, talk = shell.submit_many("tiny", [["a", "b"], chat], max_new_tokens=5,
                                       structured_outputs=StructuredOutputs(regex="[ab]"))  # fmt: skip
     shell.submit("tiny", "x", response_format={"type": "json_object"})
@@ -508,6 +511,10 @@ def test_generation_requests_carry_their_fields(
     assert request.logit_bias == {"50": -100.0, "7": 2.5} and request.ignore_eos is True
     assert request.min_p == 0.1 and request.include_stop_str_in_output is True
     assert request.truncate_prompt_tokens == 50 and request.prompt_logprobs == 3
+    assert (request.allowed_token_ids, request.skip_special_tokens, request.bad_words) == (
+        [1, 2], False, ["x"])  # fmt: skip
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    assert request.add_generation_prompt is True
     assert request.structured_outputs is not None  # a pydantic class goes as its schema
     assert request.structured_outputs.json_schema == Answer.model_json_schema()
     assert many.structured_outputs == StructuredOutputs(regex="[ab]")

@@ -447,11 +447,14 @@ class TextGenerationRunner:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise PrepareError("this model has no chat template: send `inputs` (prompts)")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            go_on = bool(req.continue_final_message)
             ids = self.tokenizer.apply_chat_template(
                 [_turn(m) for m in req.messages],
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=not go_on and req.add_generation_prompt is not False,
+                continue_final_message=go_on,
                 tokenize=True,
+                **(req.chat_template_kwargs or {}),
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
