@@ -88,6 +88,7 @@ TEMPLATE_NAMES: Final = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens",
 })  # fmt: skip
 """Arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set."""
 MAX_COMPLETIONS: Final = 16

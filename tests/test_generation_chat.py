@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.schemas.messages import Request  # noqa: E402
+from batchfleet.schemas.messages import TEMPLATE_NAMES, Request  # noqa: E402
 from batchfleet.worker.runner import Prepared, PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -100,3 +100,12 @@ def test_a_template_that_fails_is_an_error_result(runner: TextGenerationRunner) 
     finally:
         tok.chat_template = template
     assert isinstance(prep, PrepareError) and "no thanks" in str(prep)
+
+
+def test_template_kwargs_cannot_set_the_template_call_s_own_arguments() -> None:
+    import inspect
+
+    from transformers import PreTrainedTokenizerFast
+
+    own = set(inspect.signature(PreTrainedTokenizerFast.apply_chat_template).parameters)
+    assert own - {"self", "kwargs"} <= TEMPLATE_NAMES  # a newer transformers' too
