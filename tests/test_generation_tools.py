@@ -21,9 +21,14 @@ pytest.importorskip("llguidance")
 
 from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.messages import Generation, Request  # noqa: E402
-from batchfleet.schemas.tools import ToolUse  # noqa: E402
+from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
 from batchfleet.worker.generation import tools  # noqa: E402
-from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  # noqa: E402
+from batchfleet.worker.generation.tools import (  # noqa: E402
+    PARSERS,
+    CallReader,
+    param_types,
+    read_calls,
+)
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -259,6 +264,9 @@ FORMATS = {
     "mistral_v11": ('[TOOL_CALLS]a[ARGS]{"q": 1}[TOOL_CALLS]b[ARGS]{}', ""),
     "pythonic": ("<|python_start|>[a(q=1), b()]<|python_end|>", ""),
     "required": ('[{"name":"a","parameters":{"q":1}},{"name":"b","parameters":{}}]', ""),
+    "qwen3_coder": ("Sure.\n<tool_call>\n<function=a>\n<parameter=q>\n1\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=b>\n</function>\n"
+                    "</tool_call>", "Sure."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
 
@@ -268,13 +276,14 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
     parser = fmt.split("_v")[0]
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    whole = CallReader(use, parser)
+    types = {"a": {"q": "integer"}}  # qwen3_coder's values are typed by the schema
+    whole = CallReader(use, parser, types)
     whole.read(text, final=True)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
             ] == [("a", {"q": 1}), ("b", {})]  # fmt: skip
     assert whole.content == content
     # fed a character at a time: calls only ever added, each once, the first before the end
-    growing = CallReader(use, parser)
+    growing = CallReader(use, parser, types)
     seen: list[dict[str, Any]] = []
     first_at = None
     for end in range(len(text) + 1):
@@ -290,7 +299,7 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     assert seen == growing.calls and len(seen) == 2
     assert [c["function"] for c in seen] == [c["function"] for c in whole.calls]
     assert first_at is not None and first_at < len(text.rstrip()) - 5
-    one = CallReader(ToolUse(use.kind, parallel=False), parser)
+    one = CallReader(ToolUse(use.kind, parallel=False), parser, types)
     one.read(text, final=True)
     assert [c["function"]["name"] for c in one.calls] == ["a"]
 
@@ -315,8 +324,45 @@ def test_hermes_reads_on_from_its_last_closed_block(monkeypatch: pytest.MonkeyPa
     assert len(parsed) == 52 and [c["function"]["name"] for c in reader.calls[-2:]] == ["f", "g"]
 
 
+def test_qwen3_coder_values_are_typed_by_the_functions_schema() -> None:
+    tool = Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {
+            "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+            "opts": {"type": "object"}, "ids": {"type": ["array", "null"]},
+            "code": {"type": "string"}, "bad": {"type": "integer"}, "gone": {"type": "string"},
+            "flag": {"type": "boolean"}}}}})  # fmt: skip
+    types = param_types([tool])
+    assert types == {"f": {"n": "integer", "x": "number", "ok": "boolean", "opts": "object",
+                           "ids": "array", "code": "string", "bad": "integer",
+                           "gone": "string", "flag": "boolean"}}  # fmt: skip
+    code = 'print("a\\tb")\nx = {"k": 1}'  # a string that looks like JSON, backslashes kept
+    params = {"n": "-3", "x": "2.5", "ok": "true", "opts": '{"a": [1, null]}', "ids": "[1, 2]",
+              "code": code, "bad": "many", "gone": "null", "flag": "False", "extra": "7"}  # fmt: skip
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    text = f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    (call,) = read_calls(ToolUse("auto"), text, "qwen3_coder", types) or []
+    assert json.loads(call["function"]["arguments"]) == {
+        "n": -3, "x": 2.5, "ok": True, "opts": {"a": [1, None]}, "ids": [1, 2], "code": code,
+        "bad": "many", "gone": None, "flag": False, "extra": "7"}  # fmt: skip
+    cut = "<tool_call>\n<function=f>\n<parameter=n>\n1\n</parameter>\n"
+    assert read_calls(ToolUse("auto"), cut, "qwen3_coder", types) is None  # its function open
+    assert read_calls(ToolUse("auto"), "<tool_call>oops</tool_call>", "qwen3_coder") is None
+
+
+def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
+    coder = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                 options={**TINY_LM_OPTIONS, "tool_call_parser": "qwen3_coder"})  # fmt: skip
+    markup = ("<tool_call>\n<function=get_weather>\n<parameter=unit>\nf\n</parameter>\n"
+              "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
+    (out,) = run(coder, chat("x", structured_outputs={"regex": _literal(markup)},
+                             max_new_tokens=300))["x"]  # fmt: skip
+    assert out["text"] == markup and out["content"] == ""
+    (call,) = out["tool_calls"]  # days an integer (its schema's type), unit (an enum) text
+    assert call["function"] == {"name": "get_weather", "arguments": '{"unit":"f","days":2}'}
+
+
 def test_parsers_read_only_their_own_format() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

@@ -13,7 +13,11 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   newer tokenizers, ``name[ARGS]{...}``;
 - ``pythonic``: a text that is a Python list of calls, ``[f(a=1), g(b="x")]``, in an
   optional ``<|python_start|>`` ... ``<|python_end|>`` (Llama 3.2 and 4), read with
-  :mod:`ast` (literals only: nothing is evaluated).
+  :mod:`ast` (literals only: nothing is evaluated);
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+  </function></tool_call>`` (Qwen3-Coder), each value raw text, typed by the function's
+  schema (``Types``): a string stays as written, a number, boolean, object or array is
+  read as JSON (then as a Python literal), ``null`` is null.
 
 :class:`CallReader` reads an output's text as it grows: a call counts once its text is
 complete (a closed block, a closed JSON object, a closed list), so the calls read from a
@@ -32,15 +36,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ...schemas.tools import ToolUse
+from ...schemas.tools import Tool, ToolUse
 
-PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 """The values of a model's ``tool_call_parser`` option."""
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "pythonic": ("<|python_start|>", "<|python_end|>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -57,6 +62,8 @@ class _Found:
     args: dict[str, Any]
 
 
+Types = dict[str, dict[str, str]]
+"""Per function, its parameters' JSON Schema types (``qwen3_coder`` types its values)."""
 Scan = Callable[[str, bool], list[_Found]]
 """The calls complete in a text (``True``: the text is whole, so one cut at its end that
 still parses counts too)."""
@@ -71,8 +78,8 @@ class CallReader:
 
     __slots__ = ("_at", "_limit", "_scan", "_settled", "calls", "content", "sent")
 
-    def __init__(self, use: ToolUse, parser: str | None) -> None:
-        self._scan = _scanner(use, parser)
+    def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
+        self._scan = _scanner(use, parser, types or {})
         self._limit = None if use.parallel else 1
         self._at = 0
         self._settled: list[_Found] = []
@@ -113,14 +120,15 @@ class CallReader:
         return out
 
 
-def read_calls(use: ToolUse, text: str, parser: str | None) -> list[dict[str, Any]] | None:
+def read_calls(use: ToolUse, text: str, parser: str | None,
+               types: Types | None = None) -> list[dict[str, Any]] | None:  # fmt: skip
     """The calls a whole ``text`` makes, as a result's ``tool_calls`` (None: none)."""
-    reader = CallReader(use, parser)
+    reader = CallReader(use, parser, types)
     reader.read(text, final=True)
     return reader.calls or None
 
 
-def _scanner(use: ToolUse, parser: str | None) -> Resume:
+def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
     if use.kind == "named":
         assert use.name is not None
         return _whole(_named(use.name))
@@ -128,6 +136,8 @@ def _scanner(use: ToolUse, parser: str | None) -> Resume:
         return _whole(_required)
     if parser == "hermes":
         return _hermes
+    if parser == "qwen3_coder":
+        return _qwen3_coder(types)
     return _whole(_SCANNERS.get(parser or "", _none))
 
 
@@ -178,6 +188,86 @@ def _hermes(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
         out.append(_entry(_json(text[i + len(opening) : j]), i, start))
         i = text.find(opening, start)
     return [f for f in out if f is not None], start
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
+
+
+def _qwen3_coder(types: Types) -> Resume:
+    def scan(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
+        """Blocks as ``hermes`` reads them (settled after the last closed one); a block's
+        text is one ``<function=...>`` with its parameters."""
+        out: list[_Found] = []
+        opening, closing = "<tool_call>", "</tool_call>"
+        i = text.find(opening, start)
+        while i >= 0:
+            j = text.find(closing, i + len(opening))
+            if j < 0 and not final:
+                break
+            end = len(text) if j < 0 else j + len(closing)
+            m = _FUNCTION.match(text, i + len(opening), len(text) if j < 0 else j)
+            if m is not None:
+                name = m.group(1).strip()
+                known = types.get(name, {})
+                args = {k.strip(): _typed(v, known.get(k.strip())) for k, v in
+                        _PARAMETER.findall(m.group(2))}  # fmt: skip
+                out.append(_Found(i, end, name, args))
+            if j < 0:
+                break
+            start = end
+            i = text.find(opening, start)
+        return out, start
+
+    return scan
+
+
+def param_types(tools: list[Tool]) -> Types:
+    """Each function's parameters' types, as its JSON Schema gives them (the first of a
+    list other than ``null``; none: written as is)."""
+    out: Types = {}
+    for tool in tools:
+        props = (tool.function.parameters or {}).get("properties")
+        kinds: dict[str, str] = {}
+        for key, schema in (props if isinstance(props, dict) else {}).items():
+            kind = schema.get("type") if isinstance(schema, dict) else None
+            if isinstance(kind, list):
+                kind = next((k for k in kind if isinstance(k, str) and k != "null"), None)
+            if isinstance(kind, str):
+                kinds[key] = kind
+        out[tool.function.name] = kinds
+    return out
+
+
+def _typed(raw: str, kind: str | None) -> Any:
+    """A ``qwen3_coder`` parameter's value (raw text, one newline each side) as its
+    schema's ``kind`` says."""
+    value = raw[1:] if raw.startswith("\n") else raw
+    value = value[:-1] if value.endswith("\n") else value
+    if value.strip().lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return value
+    for read in (json.loads, ast.literal_eval):
+        try:
+            got = read(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        if kind == "boolean" and isinstance(got, bool):
+            return got
+        if kind == "integer" and isinstance(got, int) and not isinstance(got, bool):
+            return got
+        if kind == "number" and isinstance(got, int | float) and not isinstance(got, bool):
+            return got
+        if kind in ("object", "array") and isinstance(got, dict | list):
+            try:
+                json.dumps(got)
+            except (TypeError, ValueError):
+                continue
+            return got
+    if kind == "boolean" and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value  # not what its schema says: as written
 
 
 def _llama3_json(text: str, final: bool) -> list[_Found]:
@@ -287,6 +377,7 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "llama3_json": _llama3_json,
     "mistral": _mistral,
     "pythonic": _pythonic,
+    "qwen3_coder": lambda text, final: _qwen3_coder({})(text, final, 0)[0],
 }
 assert tuple(_SCANNERS) == PARSERS == tuple(MARKERS)
 

@@ -23,7 +23,7 @@ this many tokens, so a prompt that begins like one of them prefills only the res
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
 not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_parser``
-(``hermes``, ``llama3_json``, ``mistral``, ``pythonic``: how ``tool_choice`` ``auto``
+(``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``: how ``tool_choice`` ``auto``
 reads tool calls out of the text, :mod:`..generation.tools`; unset: such requests are
 refused).
 """
@@ -48,7 +48,7 @@ from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.reasoning import REASONING_MARKERS, REASONING_PARSERS, answer_start, split
 from ..generation.sampling import Logprob, Sampling
-from ..generation.tools import MARKERS, PARSERS, CallReader
+from ..generation.tools import MARKERS, PARSERS, CallReader, Types, param_types
 from ..runner import (
     LOST,
     Failed,
@@ -93,6 +93,8 @@ class GenSpec:
     reasoning: bool = False
     """Its texts are split into reasoning and answer (a chat to a model with a
     ``reasoning_parser``)."""
+    tool_types: Types = field(default_factory=dict)
+    """Its functions' parameters' types (read by the ``qwen3_coder`` parser)."""
     skip_special: bool = True
     """Special tokens show no text (``skip_special_tokens``; False: all but the
     end-of-sequence tokens show theirs)."""
@@ -398,6 +400,9 @@ class TextGenerationRunner:
             prompt_logprobs=req.prompt_logprobs,
             tools=use,
             reasoning=reasoning,
+            tool_types=param_types(req.tools)
+            if req.tools and self.tool_call_parser == "qwen3_coder"
+            else {},
             skip_special=req.skip_special_tokens is not False,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
@@ -564,7 +569,8 @@ class TextGenerationRunner:
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
-                         calls=None if use is None else CallReader(use, self.tool_call_parser),
+                         calls=None if use is None else CallReader(use, self.tool_call_parser,
+                                                                    spec.tool_types),
                          answer_at=None if spec.reasoning else 0)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
