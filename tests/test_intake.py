@@ -128,9 +128,10 @@ def test_refreshing_resets_the_idle_time_of_own_pending_entries_and_counts_no_de
 def watch_reclaims(r: redis.Redis, loop: BatchLoop) -> tuple[list[Entry], set[int]]:
     """Run ``loop`` while another worker (w2) looks for idle entries to take over every
     100 ms: what it took, and the delivery counts seen."""
+    other = ModelStreams(r, MODEL, 3, "w2")
+    other.ensure_groups()  # as the loop's start does: its thread may not be there yet
     thread = threading.Thread(target=loop.run)
     thread.start()
-    other = ModelStreams(r, MODEL, 3, "w2")
     taken: list[Entry] = []
     deliveries: set[int] = set()
     while thread.is_alive():
