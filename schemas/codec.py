@@ -335,6 +335,10 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
     if delta.tool_calls is not None:
         body["tool_calls"] = [c.model_dump() for c in delta.tool_calls]
+    if delta.content is not None:
+        body["content"] = delta.content
+    if delta.reasoning_content is not None:
+        body["reasoning_content"] = delta.reasoning_content
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
@@ -343,7 +347,7 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
 def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     """A delta as a token-stream entry (flat fields, readable from any language;
     ``logprobs``, where the request asked, and ``tool_calls``, where the delta completed
-    calls, as JSON text)."""
+    calls, as JSON text; ``content`` and ``reasoning_content`` where the output has them)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -354,6 +358,10 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"logprobs"] = logprobs_json(delta.logprobs).encode()
     if delta.tool_calls is not None:
         fields[b"tool_calls"] = tool_calls_json(delta.tool_calls).encode()
+    if delta.content is not None:
+        fields[b"content"] = delta.content.encode()
+    if delta.reasoning_content is not None:
+        fields[b"reasoning_content"] = delta.reasoning_content.encode()
     return fields
 
 

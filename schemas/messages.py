@@ -604,9 +604,9 @@ class Generation(_Answer):
     """With the request's ``tools``: the calls its text makes (the text is kept as
     generated); absent when it makes none."""
     content: str | None = None
-    """With ``tool_calls``, or from a model with a ``reasoning_parser``: the answer, the
-    text outside the reasoning and the calls, trimmed (OpenAI's message ``content``; empty
-    when the text is only those)."""
+    """With the request's ``tools``, or from a model with a ``reasoning_parser``: the
+    answer, the text outside the reasoning and the calls, trimmed (OpenAI's message
+    ``content``; empty when the text is only those)."""
     reasoning_content: str | None = None
     """From a model with a ``reasoning_parser``: the text's reasoning (vLLM's), trimmed,
     without its ``<think>`` tags; absent when it has none."""
@@ -639,6 +639,15 @@ class Delta(_Answer):
     """With the request's ``tools``: calls the output's text completed with this delta,
     each streamed once, in order, with the id the result gives it (the result's
     ``tool_calls`` begin with them); absent otherwise."""
+    content: str | None = None
+    """Where the output has a ``content`` (see :attr:`Generation.content`): what this
+    delta adds to it (maybe empty); the deltas' pieces add up to the result's ``content``.
+    A tool call's markup and the reasoning are not in it; a piece may lag ``text`` (what
+    may yet be a call's or the reasoning's start is held back, as is trailing whitespace);
+    absent otherwise."""
+    reasoning_content: str | None = None
+    """From a model with a ``reasoning_parser``: what this delta adds to the output's
+    ``reasoning_content`` (maybe empty), the same way; absent otherwise."""
 
 
 class Result(_Answer):

@@ -15,7 +15,12 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.worker.generation.reasoning import answer_start, split  # noqa: E402
+from batchfleet.worker.generation.reasoning import (  # noqa: E402
+    answer_start,
+    opens,
+    reasoning_so_far,
+    split,
+)
 from batchfleet.worker.generation.sampling import _Track  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
@@ -26,26 +31,42 @@ from tiny_models import make_causal_lm  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("parser", "text", "reasoning", "answer"),
+    ("parser", "prompt_end", "text", "reasoning", "answer"),
     [
-        ("deepseek_r1", "<think>\nhm</think>\n\nParis.", "hm", "\n\nParis."),
-        ("deepseek_r1", "hm, so</think>Paris.", "hm, so", "Paris."),  # opened in the prompt
-        ("deepseek_r1", "<think>still thinking", "still thinking", ""),  # cut while thinking
-        ("qwen3", "<think>hm</think>Paris.", "hm", "Paris."),
-        ("qwen3", "hm</think>Paris.", "hm", "Paris."),  # a thinking model's template
-        ("qwen3", "Paris.", None, "Paris."),  # thinking off
-        ("qwen3", "<think>cut", None, "<think>cut"),  # no end: all answer (vLLM's)
-        ("qwen3", "Paris.</think>", "Paris.", ""),
+        ("deepseek_r1", "Assistant:", "<think>\nhm</think>\n\nParis.", "hm", "\n\nParis."),
+        ("deepseek_r1", "<think>\n", "hm, so</think>Paris.", "hm, so", "Paris."),  # opened
+        ("deepseek_r1", "", "hm, so</think>Paris.", "hm, so", "Paris."),  # R1 always thinks
+        ("deepseek_r1", "x", "<think>still thinking", "still thinking", ""),  # cut
+        ("qwen3", "assistant\n", "<think>hm</think>Paris.", "hm", "Paris."),
+        ("qwen3", "assistant\n<think>\n", "hm</think>Paris.", "hm", "Paris."),  # -2507
+        ("qwen3", "assistant\n", "Paris.", None, "Paris."),  # thinking off, its own way
+        ("qwen3", "<think>\n\n</think>\n\n", "Paris.", None, "Paris."),  # enable_thinking
+        ("qwen3", "<think>\n\n</think>\n\n", "<think>x</think>y", None, "<think>x</think>y"),
+        ("qwen3", "assistant\n", "<think>cut", "cut", ""),  # cut while thinking
+        ("qwen3", "<think>", "cut", "cut", ""),
+        ("qwen3", "assistant\n", "Paris.</think>", None, "Paris.</think>"),  # not thinking
+        ("qwen3", "assistant\n", "  <thin", None, "  <thin"),  # not <think> after all
     ],
 )
-def test_split(parser: str, text: str, reasoning: str | None, answer: str) -> None:
-    assert split(parser, text) == (reasoning, answer)
-    # while the text grows, where the answer begins is unknown until </think>, then fixed
-    starts = [answer_start(parser, text[:n], final=False) for n in range(len(text) + 1)]
+def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
+               answer: str) -> None:  # fmt: skip
+    thinking = opens(parser, prompt_end)
+    assert split(text, thinking) == (reasoning, answer)
+    # while the text grows, where the answer begins is unknown until </think> (or, where
+    # the text's start tells, until it does), then fixed; the reasoning so far is always
+    # a start of the whole's, all of it once the answer begins
+    starts = [answer_start(text[:n], False, thinking) for n in range(len(text) + 1)]
+    known = next((n for n, s in enumerate(starts) if s is not None), None)
+    assert known is None or set(starts[known:]) == {starts[known]}
     end = text.find("</think>")
-    assert all(s is None for s in starts[: end + len("</think>") if end >= 0 else None])
-    if end >= 0:
-        assert set(starts[end + len("</think>") :]) == {end + len("</think>")}
+    if reasoning is not None and end >= 0:
+        assert known == end + len("</think>") and starts[known] == known
+    if reasoning is None and known is not None:
+        assert starts[known] == 0
+    shown = [reasoning_so_far(text[:n], thinking) for n in range(len(text) + 1)]
+    assert all((reasoning or "").startswith(r) for r in shown)
+    if known is not None:
+        assert set(shown[known:]) == {reasoning or ""}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +112,60 @@ def test_calls_are_read_in_the_answer_only_and_streamed_once_it_begins(
     streamed = [(k, c) for k, ch in enumerate(chunks) for c in ch.get("tool_calls", ())]
     assert [c for _, c in streamed] == [made]
     assert streamed[0][0] == 5  # with the piece that closed it, before the text ended
+    # the deltas split the text as the result does: the reasoning (whole once </think>
+    # came), then the answer without the call's markup
+    assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]
+    assert "".join(c["content"] for c in chunks) == out["content"]
+    said = [(c["reasoning_content"], c["content"]) for c in chunks]
+    assert said == [("I could call", ""), (" " + thought, ""), (" but no.", ""), ("", ""),
+                    ("", "Sure."), ("", ""), ("", ""),
+                    ("", "  ok")]  # after the last call: at the end  # fmt: skip
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_streamed_reasoning_and_content_add_up_to_the_results(
+    reasoner: TextGenerationRunner, step: int
+) -> None:
+    # fed a few characters at a time: tags, whitespace and a call's markup held back, and
+    # every piece is a start of what is left of the result's
+    text = (
+        "  <think>\nA <b>bold</b> thought;\n</think>\n\nIt is <i>so</i>. "
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>\n'
+    )
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    chunks, out = generate(reasoner, "g", pieces, stream=True)
+    assert out["text"] == text
+    assert (out["reasoning_content"], out["content"]) == (
+        "A <b>bold</b> thought;",
+        "It is <i>so</i>.",
+    )
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["get_time"]
+    for key in ("reasoning_content", "content"):
+        assert "".join(c[key] for c in chunks) == out[key]
+    assert not any("think>" in c["reasoning_content"] + c["content"] for c in chunks)
+    assert not any("tool_call" in c["content"] for c in chunks)
+    # all of the answer's content is out before the call's markup ends
+    ended = next(k for k, c in enumerate(chunks) if "</tool_call>" in "".join(
+        x["text"] for x in chunks[: k + 1]))  # fmt: skip
+    assert "".join(c["content"] for c in chunks[: ended + 1]) == out["content"]
+
+
+def test_a_prompt_that_closes_the_reasoning_is_all_answer_and_constrained_from_the_start(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # the assistant's turn begun with an empty reasoning (Qwen3's enable_thinking false):
+    # the text is all answer, and a constraint holds from its first token
+    closed = [{"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]  # fmt: skip
+    req = chat("closed", messages=closed, continue_final_message=True,
+               add_generation_prompt=False, tools=None,
+               structured_outputs={"regex": "[0-9]{3}"}, max_new_tokens=10)  # fmt: skip
+    (prep,) = reasoner.prepare_many([req])
+    spec = prep.payload  # type: ignore[union-attr]
+    assert spec.reasoning and spec.thinking is False and spec.sampling.constraint_after is None
+    (out,) = run(reasoner, req)["closed"]
+    assert re.fullmatch("[0-9]{3}", out["text"]) and out["finish_reason"] == "stop"
+    assert out["content"] == out["text"] and "reasoning_content" not in out
 
 
 def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:

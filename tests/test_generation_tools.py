@@ -138,7 +138,8 @@ def test_auto_reads_hermes_calls_out_of_the_text(runner: TextGenerationRunner) -
     assert call["function"] == {"name": "get_weather", "arguments": '{"unit":"f","days":2}'}
     assert out["content"] == ""
     assert "tool_calls" not in outs["plain"][0]  # free text of a random model: no calls
-    assert "content" not in outs["plain"][0]
+    plain = outs["plain"][0]
+    assert plain["content"] == plain["text"].strip()  # with tools, always
 
 
 def test_streamed_calls_come_as_each_completes_with_the_results_ids(
@@ -156,6 +157,9 @@ def test_streamed_calls_come_as_each_completes_with_the_results_ids(
     assert out["text"] == markup and out["content"] == "Checking."
     chunks = d.partials["s"]
     assert "".join(c["text"] for c in chunks) == markup
+    # the content streams without the calls' markup, and is out before the first call ends
+    assert "".join(c["content"] for c in chunks) == "Checking."
+    assert not any("<" in c["content"] for c in chunks)
     streamed = [(k, call) for k, c in enumerate(chunks) for call in c.get("tool_calls", ())]
     assert [call for _, call in streamed] == out["tool_calls"]  # the same ids, in order
     assert [call["function"]["name"] for call in out["tool_calls"]] == ["get_time", "get_weather"]
@@ -288,6 +292,9 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     first_at = None
     for end in range(len(text) + 1):
         growing.read(text[:end])
+        # the content streamed so far: a start of the result's, never a call's markup
+        shown = growing.content_so_far(text[:end])
+        assert content.startswith(shown) and not set(shown) & set("<[{")
         new = growing.unsent()
         assert not new or CallReader.may_complete(text[end - 1])  # reading then is enough
         seen += new
@@ -302,6 +309,27 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     one = CallReader(ToolUse(use.kind, parallel=False), parser, types)
     one.read(text, final=True)
     assert [c["function"]["name"] for c in one.calls] == ["a"]
+
+
+@pytest.mark.parametrize("parser", [*PARSERS, None])
+@pytest.mark.parametrize(
+    "text",
+    ["I cannot <b>call</b> that.", "  [1] is a note, {x} too; <|python", "Plain, then <tool_",
+     "  ", "{not a call}", "[also not]", "<|python_tag|>hello"],
+)  # fmt: skip
+def test_content_without_calls_streams_as_written(parser: str | None, text: str) -> None:
+    # what may begin a call is held back only until it turns out not to (at the end)
+    reader = CallReader(ToolUse("auto"), parser)
+    shown = [reader.content_so_far(text[:end]) for end in range(len(text) + 1)]
+    reader.read(text, final=True)
+    assert not reader.calls and reader.content is None  # the result's content: all of it
+    assert all(text.strip().startswith(s) for s in shown)
+    held = text.strip()[len(shown[-1]) :]
+    leads = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
+    if text.lstrip().startswith(leads.get(parser or "", ())):
+        assert shown[-1] == ""  # a text that may be a call is all held: it would be one
+    else:
+        assert len(held) < len("[TOOL_CALLS]")  # at most a marker's start
 
 
 def test_hermes_reads_on_from_its_last_closed_block(monkeypatch: pytest.MonkeyPatch) -> None:

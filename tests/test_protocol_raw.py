@@ -237,10 +237,13 @@ def test_plain_client_generates_streams_and_cancels(
     entries5 = read_tokens(r, f"bf:{{gen}}:tokens:{rid5}")
     streamed = [json.loads(f[b"tool_calls"]) for f in entries5 if b"tool_calls" in f]
     assert streamed == [[call]]  # once, with the result's id
+    # every delta carries its piece of the content (none here: the text is the call)
+    assert all(b"content" in f for f in entries5[:-1])
+    assert "".join(f[b"content"].decode() for f in entries5[:-1]) == out5["content"]
     while (message := pubsub.get_message(timeout=5)) is not None:
         sent = json.loads(message["data"])
         if sent.get("id") == rid5 and "tool_calls" in sent:
-            assert sent["tool_calls"] == [call]
+            assert sent["tool_calls"] == [call] and sent["content"] == ""
             break
     else:
         raise AssertionError("no delta message with the tool call")

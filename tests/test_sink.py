@@ -155,12 +155,16 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     harness: Harness, fmt: str
 ) -> None:
     # Given texts a JSON or msgpack encoder could get wrong (escapes, control characters,
-    # non-ASCII, every msgpack string length class) and a multi-input request
+    # non-ASCII, every msgpack string length class) and a multi-input request, with each
+    # optional field given or left out
     texts = ['say "hi" \\ back/slash\n\ttab\x01', "Zürich ☃ 😀", "x" * 31, "y" * 32,
              "é" * 200, "z" * 70_000]  # fmt: skip
     deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1,
                     logprobs=_logprobs(t, i) if i % 3 else None,
-                    tool_calls=_calls(t, i) if i % 2 == 0 else None)
+                    tool_calls=_calls(t, i) if i % 2 == 0 else None,
+                    # a split output's pieces: empty ones, and with or without the others
+                    content=t[: 7 * (i % 3)] if i % 2 else None,
+                    reasoning_content=t[-3:] if i == 3 else "" if i == 1 else None)
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]

@@ -65,7 +65,8 @@ class StreamTo:
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
                         None if lps is None else logprobs_json(lps), self.life,
-                        None if calls is None else tool_calls_json(calls))  # fmt: skip
+                        None if calls is None else tool_calls_json(calls),
+                        chunk.get("content"), chunk.get("reasoning_content"))  # fmt: skip
 
 
 class DeltaWriter:

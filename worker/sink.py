@@ -109,13 +109,18 @@ class Streamed:
     negative where ``tokens.lua`` checks it against the stream's last entry."""
     tool_calls: str | None = None
     """The tool calls the delta completed, as JSON text (None: none)."""
+    content: str | None = None
+    """What the delta adds to its output's ``content`` (None: the output has none)."""
+    reasoning: str | None = None
+    """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
         lps = None if delta.logprobs is None else logprobs_json(delta.logprobs)
         calls = None if delta.tool_calls is None else tool_calls_json(delta.tool_calls)
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
-                   delta.tokens, delta.model, lps, tool_calls=calls)  # fmt: skip
+                   delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
+                   reasoning=delta.reasoning_content)  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -125,7 +130,8 @@ class Streamed:
         lps = None if self.logprobs is None else json.loads(self.logprobs)
         calls = None if self.tool_calls is None else json.loads(self.tool_calls)
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
-                     text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls)  # fmt: skip
+                     text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls,
+                     content=self.content, reasoning_content=self.reasoning)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -134,7 +140,7 @@ class Streamed:
         ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
-                          self.life, self.tool_calls)  # fmt: skip
+                          self.life, self.tool_calls, self.content, self.reasoning)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,17 +88,27 @@ class TokenWrite:
     where ``tokens.lua`` is to check it against the stream's last entry's."""
     tool_calls: str | None = None
     """The tool calls the delta completed, as JSON text (None: none)."""
+    content: str | None = None
+    """What the delta adds to its output's ``content`` (None: the output has none)."""
+    reasoning: str | None = None
+    """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
 
     def item(self) -> list[Any]:
-        """The entry as ``tokens.lua`` takes it."""
+        """The entry as ``tokens.lua`` takes it (the optional fields last, as far as the
+        last given: '' for no ``logprobs`` or ``tool_calls``, false for no ``content`` or
+        ``reasoning``)."""
         if self.text is None:
             return [self.seq, self.ttl_s, self.life]
         item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
                 self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
-        if self.logprobs is not None or self.tool_calls is not None:
-            item.append(self.logprobs or "")
-        if self.tool_calls is not None:
-            item.append(self.tool_calls)
+        if self.content is not None or self.reasoning is not None:
+            item += [self.logprobs or "", self.tool_calls or "",
+                     False if self.content is None else self.content,
+                     False if self.reasoning is None else self.reasoning]  # fmt: skip
+        elif self.tool_calls is not None:
+            item += [self.logprobs or "", self.tool_calls]
+        elif self.logprobs is not None:
+            item.append(self.logprobs)
         return item
 
 

@@ -23,6 +23,11 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 complete (a closed block, a closed JSON object, a closed list), so the calls read from a
 prefix of the text are the first of those read from the whole, and each is streamed once,
 with the id the result gives it.
+
+Streamed, the text outside the calls goes out as ``content`` (:meth:`CallReader.content_so_far`):
+the text before where the first call may begin (its marker or opening bracket, or what may
+be their start), then, at the end, what follows the last call; so the deltas' pieces add
+up to the result's ``content``, and no call's markup is streamed as content.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import Tool, ToolUse
+from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 """The values of a model's ``tool_call_parser`` option."""
@@ -76,10 +82,11 @@ text goes on (0: never settled, read from the start each time)."""
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_at", "_limit", "_scan", "_settled", "calls", "content", "sent")
+    __slots__ = ("_at", "_hold", "_limit", "_scan", "_settled", "calls", "content", "sent")
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         self._scan = _scanner(use, parser, types or {})
+        self._hold = _holder(use, parser)
         self._limit = None if use.parallel else 1
         self._at = 0
         self._settled: list[_Found] = []
@@ -106,6 +113,11 @@ class CallReader:
             self.content = (
                 text[: found[0].start] + text[found[-1].end :] if found else text
             ).strip()
+
+    def content_so_far(self, text: str) -> str:
+        """The content a text so far shows for certain (a start of the whole text's
+        ``content``): its text before where a call may begin, trimmed."""
+        return text[: self._hold(text)].strip()
 
     @staticmethod
     def may_complete(new: str) -> bool:
@@ -139,6 +151,45 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
     if parser == "qwen3_coder":
         return _qwen3_coder(types)
     return _whole(_SCANNERS.get(parser or "", _none))
+
+
+def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
+    """Where, in a text so far, a call may begin: the text before is content whatever
+    follows (see the module docstring)."""
+    if use.kind != "auto":  # the text is the calls
+        return lambda text: 0
+    if parser in ("hermes", "qwen3_coder"):
+        return _marked("<tool_call>")
+    if parser == "mistral":
+        return _marked("[TOOL_CALLS]")
+    if parser == "llama3_json":
+        return _leading("<|python_tag|>", "{")
+    if parser == "pythonic":
+        return _leading("<|python_start|>", "[")
+    return len
+
+
+def _marked(marker: str) -> Callable[[str], int]:
+    """Calls begin at ``marker``."""
+
+    def hold(text: str) -> int:
+        at = text.find(marker)
+        return at if at >= 0 else len(text) - held(text, marker)  # its start, perhaps
+
+    return hold
+
+
+def _leading(marker: str, bracket: str) -> Callable[[str], int]:
+    """Calls are the whole text, which begins with ``marker`` or ``bracket``."""
+
+    def hold(text: str) -> int:
+        i = _skip(text, 0)
+        head = text[i : i + len(marker)]
+        if head.startswith(bracket) or marker.startswith(head):
+            return i  # calls, perhaps (or nothing yet)
+        return len(text)
+
+    return hold
 
 
 def _whole(scan: Scan) -> Resume:

@@ -12,20 +12,24 @@
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs}
 --               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs,
 --                tool_calls}
+--               {seq, ttl, life, input, text, tokens, reply, json, id, model, logprobs,
+--                tool_calls, content, reasoning_content}
 --             ttl: seconds to set (0: leave the TTL); life: the writer's attempt at the
 --             request (its entry's delivery count; 0: none), negative to be checked
 --             (below); reply: the channel to
 --             publish the delta's message on ('' : none); json: 1 (JSON message) or 0
 --             (msgpack); logprobs: the delta's log-probabilities as JSON text ('': none);
---             tool_calls: the tool calls it completed, as JSON text
+--             tool_calls: the tool calls it completed, as JSON text ('': none);
+--             content, reasoning_content: what it adds to its output's (false: none)
 --
--- Entries: [life,] seq, input, text, tokens[, logprobs][, tool_calls] (a delta) or [life,]
--- seq, end = 1. Messages: the Delta of docs/protocol.md (v, kind, id, model, seq, input,
--- text, tokens[, logprobs][, tool_calls]). A checked item whose life is below that of the stream's last entry is
--- dropped, message too: a worker that lost the request to another (it stalled, or was cut
--- off, past the fleet's timeouts) writes nothing after the new owner's first entry. The
--- worker asks for the check where it may have been taken for dead (and for every end):
--- it costs an XREVRANGE.
+-- Entries: [life,] seq, input, text, tokens[, logprobs][, tool_calls][, content]
+-- [, reasoning_content] (a delta) or [life,] seq, end = 1. Messages: the Delta of
+-- docs/protocol.md (v, kind, id, model, seq, input, text, tokens[, logprobs][, tool_calls]
+-- [, content][, reasoning_content]). A checked item whose life is below that of the
+-- stream's last entry is dropped, message too: a worker that lost the request to another
+-- (it stalled, or was cut off, past the fleet's timeouts) writes nothing after the new
+-- owner's first entry. The worker asks for the check where it may have been taken for dead
+-- (and for every end): it costs an XREVRANGE.
 -- Returns the number of items written.
 local maxlen = ARGV[1]
 local items = cmsgpack.unpack(ARGV[2])
@@ -58,9 +62,17 @@ for i = 1, #KEYS do
         n = #args
         args[n + 1], args[n + 2] = 'logprobs', it[11]
       end
-      if #it > 11 then
+      if #it > 11 and it[12] ~= '' then
         n = #args
         args[n + 1], args[n + 2] = 'tool_calls', it[12]
+      end
+      if #it > 12 and it[13] then
+        n = #args
+        args[n + 1], args[n + 2] = 'content', it[13]
+      end
+      if #it > 13 and it[14] then
+        n = #args
+        args[n + 1], args[n + 2] = 'reasoning_content', it[14]
       end
     end
     redis.call(unpack(args))
@@ -70,8 +82,14 @@ for i = 1, #KEYS do
     if #it > 3 and it[7] ~= '' then
       local body = {v = 1, kind = 'delta', id = it[9], model = it[10], seq = seq,
                     input = it[4], text = it[5], tokens = it[6]}
+      if #it > 12 and it[13] then
+        body.content = it[13]
+      end
+      if #it > 13 and it[14] then
+        body.reasoning_content = it[14]
+      end
       local lps = #it > 10 and it[11] ~= '' and it[11] or nil
-      local calls = it[12]
+      local calls = #it > 11 and it[12] ~= '' and it[12] or nil
       local message
       if it[8] == 1 then
         message = cjson.encode(body)

@@ -46,7 +46,14 @@ from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_m
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
-from ..generation.reasoning import REASONING_MARKERS, REASONING_PARSERS, answer_start, split
+from ..generation.reasoning import (
+    REASONING_MARKERS,
+    REASONING_PARSERS,
+    answer_start,
+    opens,
+    reasoning_so_far,
+    split,
+)
 from ..generation.sampling import Logprob, Sampling
 from ..generation.tools import MARKERS, PARSERS, CallReader, Types, param_types
 from ..runner import (
@@ -93,6 +100,9 @@ class GenSpec:
     reasoning: bool = False
     """Its texts are split into reasoning and answer (a chat to a model with a
     ``reasoning_parser``)."""
+    thinking: bool | None = None
+    """Where split: whether its texts begin in their reasoning (None: their start tells;
+    :func:`~..generation.reasoning.opens`)."""
     tool_types: Types = field(default_factory=dict)
     """Its functions' parameters' types (read by the ``qwen3_coder`` parser)."""
     skip_special: bool = True
@@ -123,6 +133,14 @@ class _Seq:
     """Its tool calls, read as its text comes (a request with ``tools``)."""
     answer_at: int | None = 0
     """Where its answer begins in its text (after its reasoning; None: not known yet)."""
+    thinking: bool | None = None
+    """Whether its text begins in its reasoning (see ``GenSpec.thinking``)."""
+    said: list[int] = field(default_factory=lambda: [0, 0])
+    """A split output (reasoning or tools): the characters of its ``reasoning_content``
+    and of its ``content`` streamed so far."""
+    answer: dict[str, Any] | None = None
+    """Its result's ``reasoning_content``, ``content`` and ``tool_calls`` (a split
+    output's), once read at its end."""
 
 
 @dataclass(slots=True)
@@ -358,11 +376,16 @@ class TextGenerationRunner:
                 return exc
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
         # a chat to a reasoning model is split; a constraint then begins after its
-        # reasoning, where </think> is one token (else it holds from the first: no split)
+        # reasoning, where </think> is one token (else it holds from the first: no split),
+        # or from the first token where the prompt closed the reasoning
+        thinking = None
+        if self.reasoning_parser is not None and req.messages is not None:
+            end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+            thinking = opens(self.reasoning_parser, end)
         reasoning = (
             self.reasoning_parser is not None
             and req.messages is not None
-            and (constraint is None or self._think_end is not None)
+            and (constraint is None or thinking is False or self._think_end is not None)
         )
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
@@ -390,7 +413,9 @@ class TextGenerationRunner:
                 constraint=constraint,
                 allowed_tokens=allowed,
                 bad_words=self._bad_words(req.bad_words or ()),
-                constraint_after=self._think_end if reasoning and constraint else None,
+                constraint_after=self._think_end
+                if reasoning and constraint and thinking is not False
+                else None,
             ),
             stop=tuple(req.stop or ()),
             stream=bool(req.stream),
@@ -400,6 +425,7 @@ class TextGenerationRunner:
             prompt_logprobs=req.prompt_logprobs,
             tools=use,
             reasoning=reasoning,
+            thinking=thinking,
             tool_types=param_types(req.tools)
             if req.tools and self.tool_call_parser == "qwen3_coder"
             else {},
@@ -571,7 +597,7 @@ class TextGenerationRunner:
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
                          calls=None if use is None else CallReader(use, self.tool_call_parser,
                                                                     spec.tool_types),
-                         answer_at=None if spec.reasoning else 0)
+                         answer_at=None if spec.reasoning else 0, thinking=spec.thinking)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs))
@@ -624,19 +650,9 @@ class TextGenerationRunner:
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
-        for s, out in zip(r.seqs, outputs, strict=True):
-            answer = out["text"]
-            if r.spec.reasoning:
-                assert self.reasoning_parser is not None
-                reasoning, answer = split(self.reasoning_parser, answer)
-                if reasoning is not None:
-                    out["reasoning_content"] = reasoning
-                out["content"] = answer.strip()
-            if (reader := s.calls) is not None:
-                reader.read(answer, final=True)
-                if reader.calls:
-                    out["tool_calls"] = reader.calls
-                    out["content"] = reader.content
+        if r.spec.reasoning or r.spec.tools is not None:
+            for s, out in zip(r.seqs, outputs, strict=True):
+                out.update(self._answer(r, s))
         for s, out in zip(r.seqs, outputs, strict=True):
             if s.score is not None:  # the first token has none (vLLM's null)
                 out["prompt_logprobs"] = [
@@ -646,6 +662,44 @@ class TextGenerationRunner:
         for s in r.seqs:
             self.engine.forget(s.name)
         return Final(r.key, outputs)
+
+    def _answer(self, r: _Req, s: _Seq) -> dict[str, Any]:
+        """A split output's ``reasoning_content`` (where it has one), ``content`` (its
+        answer outside its tool calls, trimmed) and ``tool_calls`` (where it made some),
+        read once, at its end."""
+        if s.answer is None:
+            out: dict[str, Any] = {}
+            answer = s.text.final_text
+            if r.spec.reasoning:
+                reasoning, answer = split(answer, s.thinking)
+                if reasoning is not None:
+                    out["reasoning_content"] = reasoning
+            out["content"] = answer.strip()
+            if (reader := s.calls) is not None:
+                reader.read(answer, final=True)
+                if reader.calls:
+                    out["tool_calls"] = reader.calls
+                    out["content"] = reader.content
+            s.answer = out
+        return s.answer
+
+    def _so_far(self, r: _Req, s: _Seq, new: str) -> tuple[str, str, list[dict[str, Any]]]:
+        """A split output's reasoning and content so far (each a start of its result's),
+        and the tool calls read since last asked; ``new``: the text just released."""
+        released = s.text.released
+        reasoning = ""
+        if s.answer_at is None:  # the answer follows the reasoning
+            s.answer_at = answer_start(released, False, s.thinking)
+            reasoning = reasoning_so_far(released, s.thinking)
+        if s.answer_at is None:
+            return reasoning, "", []
+        answer = released[s.answer_at :]
+        reader = s.calls
+        if reader is None:
+            return reasoning, answer.strip(), []
+        if reader.may_complete(new):
+            reader.read(answer)
+        return reasoning, reader.content_so_far(answer), reader.unsent()
 
     def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
         """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
@@ -664,30 +718,46 @@ class TextGenerationRunner:
         (all of it when ``final``). Its text may be empty (tokens that show none yet: part of
         a character, the possible start of a stop string; or none at all, such as the
         end-of-sequence token), so a stream's first delta is its first token and the deltas'
-        tokens and log-probabilities add up to the result's."""
+        tokens and log-probabilities add up to the result's. A split output's deltas carry
+        its ``content`` (and a reasoning one's ``reasoning_content``) piece by piece, which
+        add up to the result's, and each tool call once, in the delta that completes it."""
         out: list[StepEvent] = []
         sent = r.sent
+        split_ = r.spec.reasoning or r.spec.tools is not None
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
             n = len(s.text.tokens)
-            calls = None
-            if (reader := s.calls) is not None and (final or reader.may_complete(text)):
-                released = s.text.released
-                if s.answer_at is None:  # the answer follows the reasoning
-                    assert self.reasoning_parser is not None
-                    s.answer_at = answer_start(self.reasoning_parser, released, final)
-                if s.answer_at is not None:
-                    reader.read(released[s.answer_at :], final)
-                    calls = reader.unsent()
-            if text or n > sent[i] or calls:
+            parts = self._parts(r, s, text, final) if split_ else {}
+            if text or n > sent[i] or any(parts.values()):
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
-                if calls:
-                    chunk["tool_calls"] = calls
-                out.append(Partial(r.key, chunk))
+                out.append(Partial(r.key, chunk | parts))
                 sent[i] = n
         return out
+
+    def _parts(self, r: _Req, s: _Seq, text: str, final: bool) -> dict[str, Any]:
+        """A split output's delta fields, given its newly released ``text``: the pieces
+        of its ``content`` and ``reasoning_content`` not streamed yet, and its
+        ``tool_calls`` read since the last delta (where there are some)."""
+        if final:
+            got = self._answer(r, s)
+            said = (got.get("reasoning_content", ""), got["content"])
+            calls = s.calls.unsent() if s.calls is not None else []
+        elif text:
+            reasoning, content, calls = self._so_far(r, s, text)
+            said = (reasoning, content)
+        else:
+            said, calls = ("", ""), []
+        pieces = [whole[had:] for whole, had in zip(said, s.said, strict=True)]
+        s.said[0] += len(pieces[0])
+        s.said[1] += len(pieces[1])
+        parts: dict[str, Any] = {"content": pieces[1]}
+        if r.spec.reasoning:
+            parts["reasoning_content"] = pieces[0]
+        if calls:
+            parts["tool_calls"] = calls
+        return parts
 
     def _progress(self, r: _Req) -> Progress:
         contexts: list[int] = []
