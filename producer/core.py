@@ -153,6 +153,8 @@ class GenerationOptions(TypedDict, total=False):
     """False: the template does not open the assistant's turn (vLLM's)."""
     continue_final_message: bool | None
     """The last (assistant) message is continued, not closed (vLLM's)."""
+    return_token_ids: bool | None
+    """Outputs carry ``token_ids`` (and ``prompt_token_ids``), deltas theirs (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

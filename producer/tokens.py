@@ -128,6 +128,7 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             tokens=int(flat.get("tokens", 0)),
             logprobs=json.loads(flat["logprobs"]) if "logprobs" in flat else None,
             tool_calls=json.loads(flat["tool_calls"]) if "tool_calls" in flat else None,
+            token_ids=json.loads(flat["token_ids"]) if "token_ids" in flat else None,
             content=_str(flat["content"]) if "content" in flat else None,
             reasoning_content=_str(flat["reasoning_content"])
             if "reasoning_content" in flat

@@ -335,6 +335,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
     if delta.tool_calls is not None:
         body["tool_calls"] = [c.model_dump() for c in delta.tool_calls]
+    if delta.token_ids is not None:
+        body["token_ids"] = delta.token_ids
     if delta.content is not None:
         body["content"] = delta.content
     if delta.reasoning_content is not None:
@@ -347,7 +349,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
 def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     """A delta as a token-stream entry (flat fields, readable from any language;
     ``logprobs``, where the request asked, and ``tool_calls``, where the delta completed
-    calls, as JSON text; ``content`` and ``reasoning_content`` where the output has them)."""
+    calls, and ``token_ids``, where the request asked, as JSON text; ``content`` and
+    ``reasoning_content`` where the output has them)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -358,6 +361,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"logprobs"] = logprobs_json(delta.logprobs).encode()
     if delta.tool_calls is not None:
         fields[b"tool_calls"] = tool_calls_json(delta.tool_calls).encode()
+    if delta.token_ids is not None:
+        fields[b"token_ids"] = token_ids_json(delta.token_ids).encode()
     if delta.content is not None:
         fields[b"content"] = delta.content.encode()
     if delta.reasoning_content is not None:
@@ -375,6 +380,11 @@ def tool_calls_json(calls: Sequence[ToolCall] | Sequence[dict[str, Any]]) -> str
     """A delta's ``tool_calls`` as its token-stream field holds them (compact JSON)."""
     plain = [c.model_dump() if isinstance(c, ToolCall) else c for c in calls]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
+
+
+def token_ids_json(ids: Sequence[int]) -> str:
+    """A delta's ``token_ids`` as its token-stream field holds them (compact JSON)."""
+    return json.dumps(list(ids), separators=(",", ":"))
 
 
 def end_fields(seq: int) -> dict[bytes, bytes]:

@@ -6,7 +6,8 @@ An input is one of:
 - a text pair, for cross-encoders and NLI: ``{"text": …, "text_pair": …}``;
 - a ranking, one query against many documents: ``{"query": …, "documents": […], "top_n": n}``;
 - an image: raw bytes (msgpack ``bin``), ``{"image_b64": …}`` (any encoding, for JSON), or
-  ``{"image_key": "bf:{<model>}:input:<name>"}``, a Redis key the client wrote the bytes to.
+  ``{"image_key": "bf:{<model>}:input:<name>"}``, a Redis key the client wrote the bytes to;
+- a prompt as token ids, for generation models: ``{"prompt_token_ids": […]}`` (vLLM's).
 
 Which kinds a model takes is up to its runner; a kind it does not take is ``invalid_input``.
 """
@@ -32,7 +33,7 @@ from pydantic import (
 
 from .keys import ModelKeys
 
-Kind = Literal["text", "pair", "ranking", "image"]
+Kind = Literal["text", "pair", "ranking", "image", "tokens"]
 IMAGE_FORMATS: Final = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """Formats a worker can be told to accept (Pillow's names)."""
 
@@ -84,6 +85,14 @@ class Ranking(_Input):
     query: str
     documents: list[str] = Field(min_length=1)
     top_n: int | None = Field(None, ge=1)
+
+
+class TokenPrompt(_Input):
+    """A prompt as token ids (vLLM's ``TokensPrompt``): a generation model takes them as
+    they are, not tokenized again (so a client's own tokenization, or an earlier
+    generation's ``token_ids``, goes on exactly)."""
+
+    prompt_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]]
 
 
 class ImageB64(_Input):
@@ -139,7 +148,8 @@ def _tag(v: Any) -> str | None:
         return "bytes"
     if isinstance(v, Mapping | BaseModel):
         keys = v.keys() if isinstance(v, Mapping) else type(v).model_fields.keys()
-        for key, tag in (("image_b64", "b64"), ("image_key", "ref"), ("query", "ranking")):
+        for key, tag in (("image_b64", "b64"), ("image_key", "ref"), ("query", "ranking"),
+                         ("prompt_token_ids", "tokens")):  # fmt: skip
             if key in keys:
                 return tag
         return "pair"
@@ -152,16 +162,17 @@ Input = Annotated[
     | Annotated[TextPair, Tag("pair")]
     | Annotated[Ranking, Tag("ranking")]
     | Annotated[ImageB64, Tag("b64")]
-    | Annotated[ImageRef, Tag("ref")],
+    | Annotated[ImageRef, Tag("ref")]
+    | Annotated[TokenPrompt, Tag("tokens")],
     Discriminator(
         _tag,
         custom_error_type="input_kind",
         custom_error_message="an input is a string, bytes, or a map with text+text_pair, "
-        "query+documents, image_b64 or image_key",
+        "query+documents, image_b64, image_key or prompt_token_ids",
     ),
 ]
 """One input as it is on the wire."""
-AnyInput = str | bytes | TextPair | Ranking | ImageB64 | ImageRef | FetchedImage
+AnyInput = str | bytes | TextPair | Ranking | ImageB64 | ImageRef | FetchedImage | TokenPrompt
 """An input as a runner sees it (a reference is fetched by then)."""
 
 
@@ -172,6 +183,8 @@ def kind_of(item: AnyInput) -> Kind:
         return "pair"
     if isinstance(item, Ranking):
         return "ranking"
+    if isinstance(item, TokenPrompt):
+        return "tokens"
     return "image"
 
 
@@ -211,6 +224,14 @@ def check_inputs(
                 raise ValueError(
                     f"too_large: inputs[{i}] has{what} {len(text)} chars > max_text_chars "
                     f"{max_text_chars}"
+                )
+        if isinstance(item, TokenPrompt):
+            if not item.prompt_token_ids:
+                raise ValueError(f"empty_input: inputs[{i}] has no prompt_token_ids")
+            if len(item.prompt_token_ids) > max_text_chars:  # a token is a char or more
+                raise ValueError(
+                    f"too_large: inputs[{i}] has {len(item.prompt_token_ids)} "
+                    f"prompt_token_ids > max_text_chars {max_text_chars}"
                 )
         if isinstance(item, Ranking) and len(item.documents) > limits.max_documents:
             raise ValueError(

@@ -106,7 +106,7 @@ GENERATION_FIELDS: Final = (
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "return_token_ids",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -313,6 +313,10 @@ class Request(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """vLLM's: each prompt token's log-probability (after the first) and this many
     likeliest tokens at its position, in the first output of each input (padded engine)."""
+    return_token_ids: bool | None = None
+    """vLLM's: each output carries its generated ``token_ids`` (and the first of each
+    input its ``prompt_token_ids``), each delta its own ``token_ids``: what an RL trainer
+    or a client sending ``prompt_token_ids`` inputs needs, with no tokenizing again."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
@@ -596,6 +600,12 @@ class Generation(_Answer):
     them, a stop string's and the end-of-sequence token's included), from the model's own
     distribution (before the request's rules, temperature, top-k and top-p); streamed in
     the deltas too."""
+    token_ids: list[int] | None = None
+    """With the request's ``return_token_ids``: the generated tokens (``completion_tokens``
+    of them, as ``logprobs`` counts them); absent otherwise."""
+    prompt_token_ids: list[int] | None = None
+    """With ``return_token_ids``, in the first output of each input: the prompt's tokens
+    (``prompt_tokens`` of them: a chat's rendered template, a truncated prompt's last)."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With the request's ``prompt_logprobs``, in the first output of each input: one per
     prompt token (``prompt_tokens`` of them), the first null (nothing precedes it), each
@@ -639,6 +649,9 @@ class Delta(_Answer):
     """With the request's ``tools``: calls the output's text completed with this delta,
     each streamed once, in order, with the id the result gives it (the result's
     ``tool_calls`` begin with them); absent otherwise."""
+    token_ids: list[int] | None = None
+    """With the request's ``return_token_ids``: the tokens this delta holds (``tokens``
+    of them); absent otherwise."""
     content: str | None = None
     """Where the output has a ``content`` (see :attr:`Generation.content`): what this
     delta adds to it (maybe empty); the deltas' pieces add up to the result's ``content``.

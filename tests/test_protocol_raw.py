@@ -240,6 +240,17 @@ def test_plain_client_generates_streams_and_cancels(
     # every delta carries its piece of the content (none here: the text is the call)
     assert all(b"content" in f for f in entries5[:-1])
     assert "".join(f[b"content"].decode() for f in entries5[:-1]) == out5["content"]
+    # token ids in and out: a prompt as ids, streamed; the deltas' ids add up to the result's
+    rid6 = uuid.uuid4().hex
+    body6 = {"id": rid6, "model": "gen", "inputs": [{"prompt_token_ids": [5, 6, 7]}],
+             "max_new_tokens": 6, "stream": True, "return_token_ids": True}  # fmt: skip
+    r.xadd("bf:{gen}:lane:1", {"json": json.dumps(body6)})
+    (out6,) = json.loads(poll(r, f"bf:{{gen}}:result:{rid6}"))["outputs"]
+    assert out6["prompt_token_ids"] == [5, 6, 7] and out6["prompt_tokens"] == 3
+    assert len(out6["token_ids"]) == out6["completion_tokens"] > 0
+    entries6 = read_tokens(r, f"bf:{{gen}}:tokens:{rid6}")
+    streamed6 = [t for f in entries6[:-1] for t in json.loads(f[b"token_ids"])]
+    assert streamed6 == out6["token_ids"]
     while (message := pubsub.get_message(timeout=5)) is not None:
         sent = json.loads(message["data"])
         if sent.get("id") == rid5 and "tool_calls" in sent:

@@ -285,7 +285,7 @@ class BatchRunner:
             if kind not in self.accepts:
                 takes = ", ".join(sorted(self.accepts))
                 return InvalidInput(
-                    f"inputs[{i}] is a {kind}: the {self.name} runner takes {takes}"
+                    f"inputs[{i}] is of kind {kind}: the {self.name} runner takes {takes}"
                 )
         return None
 

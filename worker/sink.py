@@ -27,6 +27,7 @@ from ..schemas.codec import (
     encode_delta,
     end_fields,
     logprobs_json,
+    token_ids_json,
     tool_calls_json,
 )
 from ..schemas.messages import Delta, Format
@@ -113,14 +114,17 @@ class Streamed:
     """What the delta adds to its output's ``content`` (None: the output has none)."""
     reasoning: str | None = None
     """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
+    token_ids: str | None = None
+    """Its tokens' ids as JSON text (None: its request did not ask)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
         lps = None if delta.logprobs is None else logprobs_json(delta.logprobs)
         calls = None if delta.tool_calls is None else tool_calls_json(delta.tool_calls)
+        ids = None if delta.token_ids is None else token_ids_json(delta.token_ids)
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
                    delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
-                   reasoning=delta.reasoning_content)  # fmt: skip
+                   reasoning=delta.reasoning_content, token_ids=ids)  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -129,9 +133,11 @@ class Streamed:
             return None
         lps = None if self.logprobs is None else json.loads(self.logprobs)
         calls = None if self.tool_calls is None else json.loads(self.tool_calls)
+        ids = None if self.token_ids is None else json.loads(self.token_ids)
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
                      text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls,
-                     content=self.content, reasoning_content=self.reasoning)  # fmt: skip
+                     content=self.content, reasoning_content=self.reasoning,
+                     token_ids=ids)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -140,7 +146,8 @@ class Streamed:
         ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
-                          self.life, self.tool_calls, self.content, self.reasoning)  # fmt: skip
+                          self.life, self.tool_calls, self.content, self.reasoning,
+                          self.token_ids)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,23 +92,28 @@ class TokenWrite:
     """What the delta adds to its output's ``content`` (None: the output has none)."""
     reasoning: str | None = None
     """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
+    token_ids: str | None = None
+    """Its tokens' ids as JSON text (None: its request did not ask)."""
 
     def item(self) -> list[Any]:
-        """The entry as ``tokens.lua`` takes it (the optional fields last, as far as the
-        last given: '' for no ``logprobs`` or ``tool_calls``, false for no ``content`` or
-        ``reasoning``)."""
+        """The entry as ``tokens.lua`` takes it."""
         if self.text is None:
             return [self.seq, self.ttl_s, self.life]
         item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
                 self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
-        if self.content is not None or self.reasoning is not None:
-            item += [self.logprobs or "", self.tool_calls or "",
-                     False if self.content is None else self.content,
-                     False if self.reasoning is None else self.reasoning]  # fmt: skip
-        elif self.tool_calls is not None:
-            item += [self.logprobs or "", self.tool_calls]
-        elif self.logprobs is not None:
-            item.append(self.logprobs)
+        more = [
+            [name, value, raw]
+            for name, value, raw in (
+                ("logprobs", self.logprobs, 1),
+                ("tool_calls", self.tool_calls, 1),
+                ("token_ids", self.token_ids, 1),
+                ("content", self.content, 0),
+                ("reasoning_content", self.reasoning, 0),
+            )
+            if value is not None
+        ]
+        if more:
+            item.append(more)
         return item
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ...schemas.errors import ErrorCode
+from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request
 from ...schemas.tools import ToolUse
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
@@ -108,6 +109,8 @@ class GenSpec:
     skip_special: bool = True
     """Special tokens show no text (``skip_special_tokens``; False: all but the
     end-of-sequence tokens show theirs)."""
+    token_ids: bool = False
+    """Outputs and deltas carry their tokens' ids (``return_token_ids``)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -430,6 +433,7 @@ class TextGenerationRunner:
             if req.tools and self.tool_call_parser == "qwen3_coder"
             else {},
             skip_special=req.skip_special_tokens is not False,
+            token_ids=bool(req.return_token_ids),
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -490,10 +494,20 @@ class TextGenerationRunner:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [list(ids)]
-        if any(not isinstance(t, str) for t in req.inputs):
-            raise PrepareError("a text-generation model takes texts (prompts) or messages",
-                               ErrorCode.INVALID_INPUT)  # fmt: skip
-        return [list(self.tokenizer(t)["input_ids"]) for t in req.inputs]
+        prompts: list[list[int]] = []
+        for i, item in enumerate(req.inputs):
+            if isinstance(item, str):
+                prompts.append(list(self.tokenizer(item)["input_ids"]))
+            elif isinstance(item, TokenPrompt):  # taken as they are
+                if (top := max(item.prompt_token_ids)) >= self.vocab_size:
+                    raise PrepareError(f"inputs[{i}].prompt_token_ids: {top} is not a token of "
+                                       f"this model (vocabulary {self.vocab_size})",
+                                       ErrorCode.INVALID_INPUT)  # fmt: skip
+                prompts.append(list(item.prompt_token_ids))
+            else:
+                raise PrepareError("a text-generation model takes texts or prompt_token_ids "
+                                   "(prompts), or messages", ErrorCode.INVALID_INPUT)  # fmt: skip
+        return prompts
 
     # --- the device's side -------------------------------------------------------------
 
@@ -653,6 +667,11 @@ class TextGenerationRunner:
         if r.spec.reasoning or r.spec.tools is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out.update(self._answer(r, s))
+        if r.spec.token_ids:
+            for k, (s, out) in enumerate(zip(r.seqs, outputs, strict=True)):
+                out["token_ids"] = list(s.text.tokens)
+                if k % r.spec.n == 0:  # the first completion of its prompt
+                    out["prompt_token_ids"] = list(s.prompt)
         for s, out in zip(r.seqs, outputs, strict=True):
             if s.score is not None:  # the first token has none (vLLM's null)
                 out["prompt_logprobs"] = [
@@ -732,6 +751,8 @@ class TextGenerationRunner:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
+                if r.spec.token_ids:
+                    chunk["token_ids"] = s.text.tokens[sent[i] : n]
                 out.append(Partial(r.key, chunk | parts))
                 sent[i] = n
         return out
