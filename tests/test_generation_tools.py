@@ -258,6 +258,8 @@ def test_read_calls() -> None:
     assert read_calls(ToolUse("auto"), "no calls here", "hermes") is None
 
 
+DS = tools._DS
+"""DeepSeek's markers (calls begin, calls end, call begin, call end, sep)."""
 FORMATS = {
     "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
                '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Let me look."),
@@ -271,6 +273,16 @@ FORMATS = {
     "qwen3_coder": ("Sure.\n<tool_call>\n<function=a>\n<parameter=q>\n1\n</parameter>\n"
                     "</function>\n</tool_call>\n<tool_call>\n<function=b>\n</function>\n"
                     "</tool_call>", "Sure."),
+    "glm45": ("Sure.<tool_call>a\n<arg_key>q</arg_key>\n<arg_value>1</arg_value>\n"
+              "</tool_call>\n<tool_call>b\n</tool_call>", "Sure."),
+    "deepseek_v3": (f"Sure.{DS[0]}{DS[2]}function{DS[4]}a\n```json\n{{\"q\": 1}}\n```{DS[3]}\n"
+                    f"{DS[2]}function{DS[4]}b\n```json\n{{}}\n```{DS[3]}{DS[1]}", "Sure."),
+    "deepseek_v31": (f"{DS[0]}{DS[2]}a{DS[4]}{{\"q\": 1}}{DS[3]}{DS[2]}b{DS[4]}{{}}{DS[3]}"
+                     f"{DS[1]} Done.", "Done."),  # after the section: at the end
+    "kimi_k2": ("I'll check. <|tool_calls_section_begin|><|tool_call_begin|>functions.a:0"
+                '<|tool_call_argument_begin|>{"q": 1}<|tool_call_end|><|tool_call_begin|>'
+                "functions.b:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+                "<|tool_calls_section_end|>", "I'll check."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
 
@@ -278,7 +290,7 @@ FORMATS = {
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
-    parser = fmt.split("_v")[0]
+    parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
     types = {"a": {"q": "integer"}}  # qwen3_coder's values are typed by the schema
     whole = CallReader(use, parser, types)
@@ -377,6 +389,41 @@ def test_qwen3_coder_values_are_typed_by_the_functions_schema() -> None:
     assert read_calls(ToolUse("auto"), "<tool_call>oops</tool_call>", "qwen3_coder") is None
 
 
+def test_block_formats_of_deepseek_kimi_and_glm() -> None:
+    auto = ToolUse("auto")
+    # kimi_k2: the call's id is the model's own (its template writes it back), the name
+    # without its "functions." prefix
+    kimi = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>")  # fmt: skip
+    (call,) = read_calls(auto, kimi, "kimi_k2") or []
+    assert call["id"] == "functions.get_weather:3"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+    # glm45: values read as JSON unless the schema says string
+    glm = ("<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>12</arg_value>\n"
+           "<arg_key>s</arg_key>\n<arg_value>12</arg_value>\n<arg_key>o</arg_key>"
+           '<arg_value>{"a": [1, null]}</arg_value><arg_key>w</arg_key><arg_value>two words'
+           "</arg_value></tool_call>")  # fmt: skip
+    (call,) = read_calls(auto, glm, "glm45", {"f": {"s": "string"}}) or []
+    assert json.loads(call["function"]["arguments"]) == {
+        "n": 12, "s": "12", "o": {"a": [1, None]}, "w": "two words"}  # fmt: skip
+    # not calls: arguments that are not an object, no name, no separator, a fence left open
+    for parser, text in [
+        ("deepseek_v31", f"{DS[2]}f{DS[4]}[1]{DS[3]}"),
+        ("deepseek_v31", f"{DS[2]}{DS[4]}{{}}{DS[3]}"),
+        ("deepseek_v3", f"{DS[2]}function\nf\n```json\n{{}}\n```{DS[3]}"),
+        ("deepseek_v3", f"{DS[2]}function{DS[4]}f\n```json\n{{}}{DS[3]}"),
+        ("kimi_k2", "<|tool_call_begin|>f<|tool_call_argument_begin|>{}<|tool_call_end|>"),
+        ("glm45", "<tool_call><arg_key>k</arg_key><arg_value>1</arg_value></tool_call>"),
+    ]:
+        assert read_calls(auto, text, parser) is None, (parser, text)
+    # a block cut by the end is read where it parses; its section's end marker is markup
+    cut = f'{DS[0]}{DS[2]}f{DS[4]}{{"x": 1}}'
+    reader = CallReader(auto, "deepseek_v31")
+    reader.read(cut, final=True)
+    assert [c["function"]["name"] for c in reader.calls] == ["f"] and reader.content == ""
+
+
 def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
     coder = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "qwen3_coder"})  # fmt: skip
@@ -390,7 +437,8 @@ def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
 
 
 def test_parsers_read_only_their_own_format() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+                            "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

@@ -17,7 +17,19 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``qwen3_coder``: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`` (Qwen3-Coder), each value raw text, typed by the function's
   schema (``Types``): a string stays as written, a number, boolean, object or array is
-  read as JSON (then as a Python literal), ``null`` is null.
+  read as JSON (then as a Python literal), ``null`` is null;
+- ``glm45``: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>`` (GLM-4.5, 4.6), each value typed as ``qwen3_coder``'s, but read as JSON
+  unless its schema says it is a string (vLLM's);
+- ``deepseek_v3``: in ``<|tool calls begin|>`` ... ``<|tool calls end|>``, blocks
+  ``<|tool call begin|>function<|tool sep|>NAME`` and the arguments in a fenced
+  ```` ```json ```` block, then ``<|tool call end|>`` (DeepSeek-V3, R1-0528; its markers
+  are written with U+FF5C for the bars and U+2581 for the spaces);
+- ``deepseek_v31``: the same blocks as ``NAME<|tool sep|>ARGUMENTS`` (DeepSeek-V3.1);
+- ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
+  blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
+  <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
+  (its template writes it back in later turns, as vLLM keeps it).
 
 :class:`CallReader` reads an output's text as it grows: a call counts once its text is
 complete (a closed block, a closed JSON object, a closed list), so the calls read from a
@@ -44,14 +56,32 @@ from typing import Any, Final
 from ...schemas.tools import Tool, ToolUse
 from .reasoning import held
 
-PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
+                  "deepseek_v3", "deepseek_v31", "kimi_k2")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
+TYPED: Final = ("qwen3_coder", "glm45")
+"""The parsers that type values by the functions' schemas (``Types``)."""
+_DS = tuple("<\uff5c" + m.replace(" ", "\u2581") + "\uff5c>" for m in (
+    "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep"))  # fmt: skip
+_KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+         "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "pythonic": ("<|python_start|>", "<|python_end|>"),
     "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "glm45": (
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+    ),
+    "deepseek_v3": _DS,
+    "deepseek_v31": _DS,
+    "kimi_k2": _KIMI,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -66,6 +96,8 @@ class _Found:
     part of the text, markers and brackets included)."""
     name: str
     args: dict[str, Any]
+    id: str | None = None
+    """The model's own id for the call (``kimi_k2``; None: one is made)."""
 
 
 Types = dict[str, dict[str, str]]
@@ -82,11 +114,13 @@ text goes on (0: never settled, read from the start each time)."""
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_at", "_hold", "_limit", "_scan", "_settled", "calls", "content", "sent")
+    __slots__ = ("_at", "_hold", "_limit", "_scan", "_section", "_settled", "calls", "content",
+                 "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
+        self._section = _SECTIONS.get(parser or "") if use.kind == "auto" else None
         self._limit = None if use.parallel else 1
         self._at = 0
         self._settled: list[_Found] = []
@@ -108,11 +142,17 @@ class CallReader:
             self._settled += [f for f in new if f.end <= settled]
             self._at = settled
         for f in found[len(self.calls) : self._limit]:
-            self.calls.append(_call(f.name, f.args))
+            self.calls.append(_call(f.name, f.args, f.id))
         if final and self.calls:
-            self.content = (
-                text[: found[0].start] + text[found[-1].end :] if found else text
-            ).strip()
+            start, end = found[0].start, found[-1].end
+            if self._section is not None:  # the section's markers are the calls' too
+                begin, close = self._section
+                at = text.rfind(begin, 0, start)
+                if at >= 0 and not text[at + len(begin) : start].strip():
+                    start = at
+                if text.startswith(close, _skip(text, end)):
+                    end = _skip(text, end) + len(close)
+            self.content = (text[:start] + text[end:]).strip()
 
     def content_so_far(self, text: str) -> str:
         """The content a text so far shows for certain (a start of the whole text's
@@ -146,10 +186,9 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
         return _whole(_named(use.name))
     if use.kind == "required":
         return _whole(_required)
-    if parser == "hermes":
-        return _hermes
-    if parser == "qwen3_coder":
-        return _qwen3_coder(types)
+    if parser in _BLOCKS:
+        opening, closing, body = _BLOCKS[parser]
+        return _blocks(opening, closing, body, types)
     return _whole(_SCANNERS.get(parser or "", _none))
 
 
@@ -158,8 +197,10 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
     follows (see the module docstring)."""
     if use.kind != "auto":  # the text is the calls
         return lambda text: 0
-    if parser in ("hermes", "qwen3_coder"):
+    if parser in ("hermes", "qwen3_coder", "glm45"):
         return _marked("<tool_call>")
+    if parser in _SECTIONS:
+        return _marked(_SECTIONS[parser][0])
     if parser == "mistral":
         return _marked("[TOOL_CALLS]")
     if parser == "llama3_json":
@@ -223,47 +264,27 @@ def _required(text: str, final: bool) -> list[_Found]:
     return _from(0, _closed(text, _entries(text, i + 1, ",", "]")))
 
 
-def _hermes(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
-    """Blocks from ``start``, each from an opening tag to the next closing one; settled
-    after the last closed block (the blocks are read apart)."""
-    out: list[_Found | None] = []
-    opening, closing = "<tool_call>", "</tool_call>"
-    i = text.find(opening, start)
-    while i >= 0:
-        j = text.find(closing, i + len(opening))
-        if j < 0:
-            if final:  # cut by the end
-                out.append(_entry(_json(text[i + len(opening) :]), i, len(text)))
-            break
-        start = j + len(closing)
-        out.append(_entry(_json(text[i + len(opening) : j]), i, start))
-        i = text.find(opening, start)
-    return [f for f in out if f is not None], start
+Body = Callable[[str, Types], "tuple[str, dict[str, Any], str | None] | None"]
+"""A block's call read from its text between the markers (name, arguments, the model's
+id), given the functions' types; None: not a call."""
 
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
+def _blocks(opening: str, closing: str, body: Body, types: Types) -> Resume:
+    """Calls in blocks, each from an ``opening`` marker to the next ``closing`` one (a
+    block cut by the end read too, where the text is whole); settled after the last closed
+    block (the blocks are read apart)."""
 
-
-def _qwen3_coder(types: Types) -> Resume:
     def scan(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
-        """Blocks as ``hermes`` reads them (settled after the last closed one); a block's
-        text is one ``<function=...>`` with its parameters."""
         out: list[_Found] = []
-        opening, closing = "<tool_call>", "</tool_call>"
         i = text.find(opening, start)
         while i >= 0:
             j = text.find(closing, i + len(opening))
             if j < 0 and not final:
                 break
             end = len(text) if j < 0 else j + len(closing)
-            m = _FUNCTION.match(text, i + len(opening), len(text) if j < 0 else j)
-            if m is not None:
-                name = m.group(1).strip()
-                known = types.get(name, {})
-                args = {k.strip(): _typed(v, known.get(k.strip())) for k, v in
-                        _PARAMETER.findall(m.group(2))}  # fmt: skip
-                out.append(_Found(i, end, name, args))
+            got = body(text[i + len(opening) : len(text) if j < 0 else j], types)
+            if got is not None:
+                out.append(_Found(i, end, *got))
             if j < 0:
                 break
             start = end
@@ -271,6 +292,87 @@ def _qwen3_coder(types: Types) -> Resume:
         return out, start
 
     return scan
+
+
+def _hermes_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    found = _entry(_json(text), 0, 0)
+    return None if found is None else (found.name, found.args, None)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
+
+
+def _qwen3_coder_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    m = _FUNCTION.match(text)
+    if m is None:
+        return None
+    name = m.group(1).strip()
+    known = types.get(name, {})
+    args = {k.strip(): _typed(v, known.get(k.strip())) for k, v in _PARAMETER.findall(m.group(2))}
+    return name, args, None
+
+
+_GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm45_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    m = _GLM_NAME.match(text)
+    if m is None:
+        return None
+    name = m.group(1)
+    known = types.get(name, {})
+    args = {}
+    for k, v in _GLM_ARG.findall(text, m.end()):
+        kind = known.get(k.strip())
+        args[k.strip()] = _typed(v.strip(), kind or "any")  # JSON unless a string
+    return name, args, None
+
+
+_DS_V3 = re.compile(r"\s*\w*\s*" + re.escape(_DS[4]) +
+                    r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)  # fmt: skip
+_DS_V31 = re.compile(r"\s*([^\n<]{1,64}?)\s*" + re.escape(_DS[4]) + r"(.*)$", re.DOTALL)
+
+
+def _deepseek_body(pattern: re.Pattern[str]) -> Body:
+    def body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+        m = pattern.match(text)
+        args = None if m is None else _json(m.group(2))
+        if m is None or not isinstance(args, dict):
+            return None
+        return m.group(1), args, None
+
+    return body
+
+
+_KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*"
+                        r"<\|tool_call_argument_begin\|>(.*)$", re.DOTALL)  # fmt: skip
+
+
+def _kimi_k2_body(text: str, types: Types) -> tuple[str, dict[str, Any], str] | None:
+    m = _KIMI_CALL.match(text)
+    args = None if m is None else _json(m.group(3))
+    if m is None or not isinstance(args, dict):
+        return None
+    return m.group(2), args, m.group(1)
+
+
+_BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
+    "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", _qwen3_coder_body),
+    "glm45": ("<tool_call>", "</tool_call>", _glm45_body),
+    "deepseek_v3": (_DS[2], _DS[3], _deepseek_body(_DS_V3)),
+    "deepseek_v31": (_DS[2], _DS[3], _deepseek_body(_DS_V31)),
+    "kimi_k2": (_KIMI[2], _KIMI[3], _kimi_k2_body),
+}
+"""The parsers whose calls are blocks: their markers and how a block's text reads."""
+_SECTIONS: Final[dict[str, tuple[str, str]]] = {
+    "deepseek_v3": (_DS[0], _DS[1]),
+    "deepseek_v31": (_DS[0], _DS[1]),
+    "kimi_k2": (_KIMI[0], _KIMI[1]),
+}
+"""The markers around a parser's blocks, where it has them."""
 
 
 def param_types(tools: list[Tool]) -> Types:
@@ -291,8 +393,8 @@ def param_types(tools: list[Tool]) -> Types:
 
 
 def _typed(raw: str, kind: str | None) -> Any:
-    """A ``qwen3_coder`` parameter's value (raw text, one newline each side) as its
-    schema's ``kind`` says."""
+    """A parameter's value (raw text, one newline each side) as its schema's ``kind``
+    says (None: a string; ``any``: any JSON value it reads as, else a string)."""
     value = raw[1:] if raw.startswith("\n") else raw
     value = value[:-1] if value.endswith("\n") else value
     if value.strip().lower() == "null":
@@ -310,9 +412,9 @@ def _typed(raw: str, kind: str | None) -> Any:
             return got
         if kind == "number" and isinstance(got, int | float) and not isinstance(got, bool):
             return got
-        if kind in ("object", "array") and isinstance(got, dict | list):
+        if kind == "any" or (kind in ("object", "array") and isinstance(got, dict | list)):
             try:
-                json.dumps(got)
+                json.dumps(got, allow_nan=False)
             except (TypeError, ValueError):
                 continue
             return got
@@ -424,13 +526,12 @@ def _python_literal(node: ast.expr) -> Any:
 
 
 _SCANNERS: Final[dict[str, Scan]] = {
-    "hermes": lambda text, final: _hermes(text, final, 0)[0],
     "llama3_json": _llama3_json,
     "mistral": _mistral,
     "pythonic": _pythonic,
-    "qwen3_coder": lambda text, final: _qwen3_coder({})(text, final, 0)[0],
 }
-assert tuple(_SCANNERS) == PARSERS == tuple(MARKERS)
+"""The parsers that read the whole text each time."""
+assert set(_SCANNERS) | set(_BLOCKS) == set(PARSERS) == set(MARKERS)
 
 _DECODER = json.JSONDecoder()
 
@@ -494,9 +595,9 @@ def _entry(value: Any, start: int, end: int) -> _Found | None:
     return _Found(start, end, name, args)
 
 
-def _call(name: str, args: dict[str, Any]) -> dict[str, Any]:
+def _call(name: str, args: dict[str, Any], cid: str | None = None) -> dict[str, Any]:
     arguments = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": cid or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}  # fmt: skip
 
 

@@ -23,7 +23,8 @@ this many tokens, so a prompt that begins like one of them prefills only the res
 ``limits.max_new_tokens``, checked when the request is read), ``schedule_ahead`` (default
 true: the loop plans and queues each step while the one before runs, so the device does
 not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_parser``
-(``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``: how ``tool_choice`` ``auto``
+(``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``glm45``,
+``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``: how ``tool_choice`` ``auto``
 reads tool calls out of the text, :mod:`..generation.tools`; unset: such requests are
 refused).
 """
@@ -56,7 +57,7 @@ from ..generation.reasoning import (
     split,
 )
 from ..generation.sampling import Logprob, Sampling
-from ..generation.tools import MARKERS, PARSERS, CallReader, Types, param_types
+from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
 from ..runner import (
     LOST,
     Failed,
@@ -105,7 +106,7 @@ class GenSpec:
     """Where split: whether its texts begin in their reasoning (None: their start tells;
     :func:`~..generation.reasoning.opens`)."""
     tool_types: Types = field(default_factory=dict)
-    """Its functions' parameters' types (read by the ``qwen3_coder`` parser)."""
+    """Its functions' parameters' types (read by the ``qwen3_coder`` and ``glm45`` parsers)."""
     skip_special: bool = True
     """Special tokens show no text (``skip_special_tokens``; False: all but the
     end-of-sequence tokens show theirs)."""
@@ -430,7 +431,7 @@ class TextGenerationRunner:
             reasoning=reasoning,
             thinking=thinking,
             tool_types=param_types(req.tools)
-            if req.tools and self.tool_call_parser == "qwen3_coder"
+            if req.tools and self.tool_call_parser in TYPED
             else {},
             skip_special=req.skip_special_tokens is not False,
             token_ids=bool(req.return_token_ids),
