@@ -15,12 +15,7 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.worker.generation.reasoning import (  # noqa: E402
-    answer_start,
-    opens,
-    reasoning_so_far,
-    split,
-)
+from batchfleet.worker.generation.reasoning import REASONING_PARSERS, Reasoning  # noqa: E402
 from batchfleet.worker.generation.sampling import _Track  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
@@ -46,24 +41,33 @@ from tiny_models import make_causal_lm  # noqa: E402
         ("qwen3", "<think>", "cut", "cut", ""),
         ("qwen3", "assistant\n", "Paris.</think>", None, "Paris.</think>"),  # not thinking
         ("qwen3", "assistant\n", "  <thin", None, "  <thin"),  # not <think> after all
+        ("glm45", "<|assistant|>", "<think>hm</think>Paris.", "hm", "Paris."),
+        ("glm45", "<|assistant|><think></think>", "Paris.", None, "Paris."),  # thinking off
+        ("deepseek_v3", "Assistant:<think>", "hm</think>Paris.", "hm", "Paris."),  # V3.1 on
+        ("deepseek_v3", "Assistant:</think>", "Paris.", None, "Paris."),  # V3.1 off
+        ("mistral", "[/INST]", "[THINK]hm, so[/THINK]Paris.", "hm, so", "Paris."),
+        ("mistral", "[/INST]", "Paris, [THINK] no.", None, "Paris, [THINK] no."),
+        ("seed_oss", "assistant\n", "<seed:think>hm</seed:think>Paris.", "hm", "Paris."),
+        ("seed_oss", "assistant\n", "<seed:think>cut", "cut", ""),
     ],
 )
 def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
                answer: str) -> None:  # fmt: skip
-    thinking = opens(parser, prompt_end)
-    assert split(text, thinking) == (reasoning, answer)
+    split = Reasoning(parser)
+    thinking = split.opens(prompt_end)
+    assert split.split(text, thinking) == (reasoning, answer)
     # while the text grows, where the answer begins is unknown until </think> (or, where
     # the text's start tells, until it does), then fixed; the reasoning so far is always
     # a start of the whole's, all of it once the answer begins
-    starts = [answer_start(text[:n], False, thinking) for n in range(len(text) + 1)]
+    starts = [split.answer_start(text[:n], False, thinking) for n in range(len(text) + 1)]
     known = next((n for n, s in enumerate(starts) if s is not None), None)
     assert known is None or set(starts[known:]) == {starts[known]}
-    end = text.find("</think>")
+    end = text.find(split.close)
     if reasoning is not None and end >= 0:
-        assert known == end + len("</think>") and starts[known] == known
+        assert known == end + len(split.close) and starts[known] == known
     if reasoning is None and known is not None:
         assert starts[known] == 0
-    shown = [reasoning_so_far(text[:n], thinking) for n in range(len(text) + 1)]
+    shown = [split.so_far(text[:n], thinking) for n in range(len(text) + 1)]
     assert all((reasoning or "").startswith(r) for r in shown)
     if known is not None:
         assert set(shown[known:]) == {reasoning or ""}
@@ -183,6 +187,11 @@ def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
     assert reasoner.info()["reasoning_parser"] == "deepseek_r1"
 
 
+def test_the_parsers() -> None:
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "glm45", "deepseek_v3",
+                                      "mistral", "seed_oss"}  # fmt: skip
+
+
 def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:
     with pytest.raises(ValueError, match="reasoning_parser"):
         TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
@@ -227,3 +236,24 @@ def test_a_resumed_sequence_takes_up_its_constraint_where_it_was(
     assert track.matcher is None
     track.restart([1, 2, *word, think_end, *digits[:1]])
     assert track.matcher is not None and not track.matcher.is_accepting()
+
+
+def test_a_parser_with_other_tags_splits_keeps_and_constrains_by_them(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # Magistral's [THINK] ... [/THINK], special tokens of its tokenizer: kept in the text,
+    # split on, streamed apart, and the constraint begins after [/THINK]
+    path = make_causal_lm(
+        tmp_path_factory.mktemp("tiny-magistral"), specials=("[THINK]", "[/THINK]")
+    )
+    magistral = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                     options={**TINY_LM_OPTIONS, "reasoning_parser": "mistral"})  # fmt: skip
+    close = magistral.tokenizer.convert_tokens_to_ids("[/THINK]")
+    (prep,) = magistral.prepare_many([chat("c", tools=None, structured_outputs={"regex": "[0-9]"})])
+    assert prep.payload.sampling.constraint_after == close  # type: ignore[union-attr]
+    chunks, out = generate(magistral, "m", ["[THINK]", "Hm, ", "so.", "[/THINK]", " Paris."],
+                           tools=None, stream=True)  # fmt: skip
+    assert out["text"] == "[THINK]Hm, so.[/THINK] Paris."
+    assert (out["reasoning_content"], out["content"]) == ("Hm, so.", "Paris.")
+    assert [(c["reasoning_content"], c["content"]) for c in chunks] == [
+        ("", ""), ("Hm,", ""), (" so.", ""), ("", ""), ("", "Paris.")]  # fmt: skip

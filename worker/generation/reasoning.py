@@ -1,96 +1,117 @@
 """A reasoning model's text split into its reasoning and its answer (vLLM's reasoning
 parsers, chosen by the model's ``reasoning_parser`` option).
 
+Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
+``</think>`` for ``deepseek_r1``, ``qwen3``, ``glm45`` and ``deepseek_v3``, ``[THINK]``
+and ``[/THINK]`` for ``mistral`` (Magistral), ``<seed:think>`` and ``</seed:think>`` for
+``seed_oss``.
+
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
-(:func:`opens`): a prompt that leaves ``<think>`` open (DeepSeek-R1's template, Qwen3's
-thinking models) begins it; one that closes it (Qwen3 with ``enable_thinking`` false writes
-an empty ``<think></think>``) does not. Otherwise the parser decides:
+(:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
+template, Qwen3's thinking models, DeepSeek-V3.1 with ``thinking`` on) begins it; one that
+closes it (Qwen3 with ``enable_thinking`` false, GLM-4.5 with thinking off, DeepSeek-V3.1
+by default) does not. Otherwise ``deepseek_r1`` takes the text to begin in its reasoning
+(a leading opening tag left out), and the other parsers only where it begins with the
+opening tag; else it is all answer.
 
-- ``deepseek_r1``: the text begins in its reasoning (a leading ``<think>`` left out);
-- ``qwen3``: only where it begins with ``<think>`` (Qwen3 with thinking on); else it is
-  all answer.
-
-A text that begins in its reasoning is reasoning up to its first ``</think>``, and all
+A text that begins in its reasoning is reasoning up to its first closing tag, and all
 reasoning without one (cut while thinking). The answer is where tool calls are read, so a
-call the model only thought about is not made; until ``</think>`` comes, none is read. A
-request's constraint begins after ``</think>`` (``Sampling.constraint_after``), or from the
-first token where the prompt closed the reasoning.
+call the model only thought about is not made; until the closing tag comes, none is read.
+A request's constraint begins after the closing tag (``Sampling.constraint_after``), or
+from the first token where the prompt closed the reasoning.
 
 Streamed, each delta carries the reasoning and the answer it adds
-(:func:`reasoning_so_far`): held back are a possible ``<think>`` or ``</think>`` being
-written, and trailing whitespace, so that the deltas' pieces add up to the result's
-``reasoning_content``.
+(:meth:`Reasoning.so_far`): held back are a possible tag being written, and trailing
+whitespace, so that the deltas' pieces add up to the result's ``reasoning_content``.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-REASONING_PARSERS: Final = ("deepseek_r1", "qwen3")
+TAGS: Final[dict[str, tuple[str, str]]] = {
+    "deepseek_r1": ("<think>", "</think>"),
+    "qwen3": ("<think>", "</think>"),
+    "glm45": ("<think>", "</think>"),
+    "deepseek_v3": ("<think>", "</think>"),
+    "mistral": ("[THINK]", "[/THINK]"),
+    "seed_oss": ("<seed:think>", "</seed:think>"),
+}
+"""Each parser's opening and closing tags."""
+REASONING_PARSERS: Final = tuple(TAGS)
 """The values of a model's ``reasoning_parser`` option."""
-REASONING_MARKERS: Final = ("<think>", "</think>")
-_OPEN, _CLOSE = REASONING_MARKERS
+_BEGINS: Final = ("deepseek_r1",)
+"""The parsers whose texts begin in their reasoning unless the prompt closed it."""
 
 
-def opens(parser: str, prompt_end: str) -> bool | None:
-    """Whether the text after a prompt ending ``prompt_end`` begins in its reasoning
-    (None: the text's own start tells, see the module docstring)."""
-    tail = prompt_end.rstrip()
-    if tail.endswith(_OPEN):
-        return True
-    if tail.endswith(_CLOSE):
-        return False
-    return True if parser == "deepseek_r1" else None
+class Reasoning:
+    """One parser's split (see the module docstring)."""
 
+    __slots__ = ("close", "open", "parser")
 
-def answer_start(text: str, final: bool, thinking: bool | None) -> int | None:
-    """Where the answer begins in ``text`` (a text so far; ``final``: all of it); None
-    while that is not known yet (it may still be reasoning)."""
-    if thinking is None:  # the text's start tells
-        head = text.lstrip()
-        if not head.startswith(_OPEN):
-            return None if not final and _OPEN.startswith(head) else 0
-    elif not thinking:
-        return 0
-    end = text.find(_CLOSE)
-    if end >= 0:
-        return end + len(_CLOSE)
-    return len(text) if final else None
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.open, self.close = TAGS[parser]
 
+    @property
+    def tags(self) -> tuple[str, str]:
+        return self.open, self.close
 
-def split(text: str, thinking: bool | None) -> tuple[str | None, str]:
-    """A whole text's reasoning (None: none) and its answer."""
-    start = answer_start(text, True, thinking)
-    assert start is not None
-    if start == 0:
-        return None, text
-    return _clean(text[:start]), text[start:]
+    def opens(self, prompt_end: str) -> bool | None:
+        """Whether the text after a prompt ending ``prompt_end`` begins in its reasoning
+        (None: the text's own start tells)."""
+        tail = prompt_end.rstrip()
+        if tail.endswith(self.open):
+            return True
+        if tail.endswith(self.close):
+            return False
+        return True if self.parser in _BEGINS else None
 
+    def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
+        """Where the answer begins in ``text`` (a text so far; ``final``: all of it); None
+        while that is not known yet (it may still be reasoning)."""
+        if thinking is None:  # the text's start tells
+            head = text.lstrip()
+            if not head.startswith(self.open):
+                return None if not final and self.open.startswith(head) else 0
+        elif not thinking:
+            return 0
+        end = text.find(self.close)
+        if end >= 0:
+            return end + len(self.close)
+        return len(text) if final else None
 
-def reasoning_so_far(text: str, thinking: bool | None) -> str:
-    """The reasoning a text so far shows for certain: the start of the whole text's
-    reasoning (:func:`split`), whatever follows."""
-    start = answer_start(text, False, thinking)
-    if start == 0:
-        return ""
-    if start is not None:
-        return _clean(text[:start])
-    if thinking is None and not text.lstrip().startswith(_OPEN):
-        return ""  # not known yet to be reasoning
-    body = text[: len(text) - held(text, _CLOSE)]
-    head = body.lstrip()
-    if not head.startswith(_OPEN) and _OPEN.startswith(head):
-        return ""  # perhaps <think> being written
-    return _clean(body)
+    def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
+        """A whole text's reasoning (None: none) and its answer."""
+        start = self.answer_start(text, True, thinking)
+        assert start is not None
+        if start == 0:
+            return None, text
+        return self._clean(text[:start]), text[start:]
 
+    def so_far(self, text: str, thinking: bool | None) -> str:
+        """The reasoning a text so far shows for certain: the start of the whole text's
+        reasoning (:meth:`split`), whatever follows."""
+        start = self.answer_start(text, False, thinking)
+        if start == 0:
+            return ""
+        if start is not None:
+            return self._clean(text[:start])
+        if thinking is None and not text.lstrip().startswith(self.open):
+            return ""  # not known yet to be reasoning
+        body = text[: len(text) - held(text, self.close)]
+        head = body.lstrip()
+        if not head.startswith(self.open) and self.open.startswith(head):
+            return ""  # perhaps the opening tag being written
+        return self._clean(body)
 
-def _clean(reasoning: str) -> str:
-    if reasoning.endswith(_CLOSE):
-        reasoning = reasoning[: -len(_CLOSE)]
-    head = reasoning.lstrip()
-    if head.startswith(_OPEN):
-        reasoning = head[len(_OPEN) :]
-    return reasoning.strip()
+    def _clean(self, reasoning: str) -> str:
+        if reasoning.endswith(self.close):
+            reasoning = reasoning[: -len(self.close)]
+        head = reasoning.lstrip()
+        if head.startswith(self.open):
+            reasoning = head[len(self.open) :]
+        return reasoning.strip()
 
 
 def held(text: str, marker: str) -> int:

@@ -48,14 +48,7 @@ from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_m
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
-from ..generation.reasoning import (
-    REASONING_MARKERS,
-    REASONING_PARSERS,
-    answer_start,
-    opens,
-    reasoning_so_far,
-    split,
-)
+from ..generation.reasoning import REASONING_PARSERS, Reasoning
 from ..generation.sampling import Logprob, Sampling
 from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
 from ..runner import (
@@ -259,6 +252,9 @@ class TextGenerationRunner:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"options.reasoning_parser: {self.reasoning_parser!r} is not one "
                              f"of {', '.join(REASONING_PARSERS)}")  # fmt: skip
+        self._reasoning = (
+            None if self.reasoning_parser is None else Reasoning(self.reasoning_parser)
+        )
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -313,9 +309,13 @@ class TextGenerationRunner:
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
-        self._think_end = _single_token(self.tokenizer, REASONING_MARKERS[1])
-        """``</think>``'s token (None: not one token), after which a reasoning chat's
-        constraint begins."""
+        self._think_end = (
+            None
+            if self._reasoning is None
+            else _single_token(self.tokenizer, self._reasoning.close)
+        )
+        """The closing reasoning tag's token (``</think>``; None: not one token, or no
+        reasoning parser), after which a reasoning chat's constraint begins."""
         self._decodes: dict[tuple[str, ...], Decode] = {}
         """How the texts that parsers read are decoded, by the markers they look for
         (kept where this tokenizer makes them special tokens)."""
@@ -383,11 +383,11 @@ class TextGenerationRunner:
         # reasoning, where </think> is one token (else it holds from the first: no split),
         # or from the first token where the prompt closed the reasoning
         thinking = None
-        if self.reasoning_parser is not None and req.messages is not None:
+        if self._reasoning is not None and req.messages is not None:
             end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
-            thinking = opens(self.reasoning_parser, end)
+            thinking = self._reasoning.opens(end)
         reasoning = (
-            self.reasoning_parser is not None
+            self._reasoning is not None
             and req.messages is not None
             and (constraint is None or thinking is False or self._think_end is not None)
         )
@@ -606,7 +606,8 @@ class TextGenerationRunner:
             markers = (
                 MARKERS.get(self.tool_call_parser or "", ()) if use and use.kind == "auto" else ()
             )
-            decode = self._marked(markers + (REASONING_MARKERS if spec.reasoning else ())
+            tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
+            decode = self._marked(markers + tags
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
@@ -691,7 +692,8 @@ class TextGenerationRunner:
             out: dict[str, Any] = {}
             answer = s.text.final_text
             if r.spec.reasoning:
-                reasoning, answer = split(answer, s.thinking)
+                assert self._reasoning is not None
+                reasoning, answer = self._reasoning.split(answer, s.thinking)
                 if reasoning is not None:
                     out["reasoning_content"] = reasoning
             out["content"] = answer.strip()
@@ -709,8 +711,9 @@ class TextGenerationRunner:
         released = s.text.released
         reasoning = ""
         if s.answer_at is None:  # the answer follows the reasoning
-            s.answer_at = answer_start(released, False, s.thinking)
-            reasoning = reasoning_so_far(released, s.thinking)
+            assert self._reasoning is not None
+            s.answer_at = self._reasoning.answer_start(released, False, s.thinking)
+            reasoning = self._reasoning.so_far(released, s.thinking)
         if s.answer_at is None:
             return reasoning, "", []
         answer = released[s.answer_at :]
