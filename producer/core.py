@@ -155,6 +155,8 @@ class GenerationOptions(TypedDict, total=False):
     """The last (assistant) message is continued, not closed (vLLM's)."""
     return_token_ids: bool | None
     """Outputs carry ``token_ids`` (and ``prompt_token_ids``), deltas theirs (vLLM's)."""
+    cache_salt: str | None
+    """Cached prefixes are shared only with requests of the same salt (vLLM's)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -106,7 +106,7 @@ GENERATION_FIELDS: Final = (
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message", "return_token_ids",
+    "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -313,6 +313,10 @@ class Request(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """vLLM's: each prompt token's log-probability (after the first) and this many
     likeliest tokens at its position, in the first output of each input (padded engine)."""
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """vLLM's: the prompt shares cached prefixes (and a prefill) only with prompts of the
+    same salt, so one tenant cannot time whether another's prompt began as its own did;
+    give each tenant a secret random salt (e.g. 43 base64 characters: 256 bits)."""
     return_token_ids: bool | None = None
     """vLLM's: each output carries its generated ``token_ids`` (and the first of each
     input its ``prompt_token_ids``), each delta its own ``token_ids``: what an RL trainer

@@ -1,6 +1,7 @@
 """Prefix caching: the block store on its own (longest held prefix, one token always left
 to prefill, a hash collision never lends keys, eviction within its capacity takes a
-prompt's tail before its head), and the padded engine with it: prompts sharing a system
+prompt's tail before its head, a salt's blocks found only with that salt), and the
+padded engine with it (salted prompts share neither blocks nor a prefill): prompts sharing a system
 prompt prefill only what follows it and still give ``generate``'s greedy tokens (through
 the lean step forward and through transformers' own), a sampled request draws what it
 draws without the cache, and a preempted sequence resumes from its own blocks; the
@@ -67,8 +68,26 @@ def test_a_hash_collision_never_lends_another_prompt_s_keys() -> None:
     cache = PrefixCache(capacity=64, block=4)
     cache.store([1, 2, 3, 4, 5], kv_of([1, 2, 3, 4, 5]))
     ((h, block),) = cache._blocks.items()
-    cache._blocks[h] = _Block((9, 9, 9, 9), block.kv)  # as if another prompt hashed the same
+    cache._blocks[h] = _Block((9, 9, 9, 9), None, block.kv)  # as if another prompt hashed the same
     assert cache.lookup([1, 2, 3, 4, 5]) == (0, None)
+
+
+def test_a_salted_prompt_finds_only_blocks_of_its_own_salt() -> None:
+    # vLLM's cache_salt: a tenant cannot time whether another's prompt began as its own
+    cache = PrefixCache(capacity=64, block=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert cache.store(prompt, kv_of(prompt), salt="tenant-a") == 2
+    assert cache.lookup(prompt) == (0, None) and cache.peek(prompt, "tenant-b") == 0
+    assert cache.lookup(prompt, "tenant-b") == (0, None)
+    n, blocks = cache.lookup(prompt, "tenant-a")
+    assert n == 8 and columns(blocks) == prompt[:8]
+    assert cache.store(prompt, kv_of(prompt)) == 2  # unsalted: blocks of their own
+    assert cache.store(prompt, kv_of(prompt), salt="tenant-b") == 2 and cache.tokens == 24
+    # a block held under another salt, even at the same hash, is not lent
+    (h,) = cache._hashes(prompt, 1, "tenant-a")
+    block = cache._blocks[h]
+    cache._blocks[h] = _Block(block.tokens, "tenant-x", block.kv)
+    assert cache.lookup(prompt, "tenant-a")[0] == 0
 
 
 def test_eviction_keeps_within_capacity_and_takes_tails_before_heads() -> None:
@@ -121,6 +140,31 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest(llama: Any, fused
             assert kept == pytest.approx(reference(llama, prompt, got[name]), abs=1e-4), name
     run = sum(len(p) for p in prompts.values()) - 4 * 64
     assert engine.prefilled == run and cache.hit_tokens == 4 * 64
+
+
+def test_salted_prompts_share_neither_blocks_nor_a_prefill(llama: Any) -> None:
+    # the same prompt under two salts and none: each prefilled in full, each the same
+    # greedy text; under the same salt again, it takes that salt's blocks
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 300) for _ in range(40)]
+    cache = PrefixCache(capacity=512, block=16)
+    engine = PaddedEngine(llama, eos_token_ids=[EOS], step_tokens=64, max_running=8,
+                          prefix_cache=cache)  # fmt: skip
+    for name, salt in (("a", "s1"), ("b", "s2"), ("c", None)):
+        engine.add(name, prompt, 6, Sampling(), salt=salt)
+    got = _until_done(engine)
+    assert engine.prefilled == 3 * len(prompt) and engine.shared == 0
+    assert cache.hit_tokens == 0 and got["a"] == got["b"] == got["c"] == generate(llama, prompt, 6)
+    engine.add("d", prompt, 6, Sampling(), salt="s2")
+    got.update(_until_done(engine))
+    assert cache.hit_tokens == 32 and got["d"] == got["b"]
+    # the same salt, arriving together: one prefill
+    engine.add("e", [*prompt, 7], 6, Sampling(), salt="s3")
+    engine.add("f", [*prompt, 7], 6, Sampling(), salt="s3")
+    engine.add("g", [*prompt, 7], 6, Sampling(), salt="s4")
+    before = engine.prefilled
+    got.update(_until_done(engine))
+    assert engine.prefilled - before == 2 * (len(prompt) + 1) and got["e"] == got["f"] == got["g"]
 
 
 def test_a_waiting_prompt_reports_only_the_uncached_part_as_prefill(llama: Any) -> None:
@@ -205,3 +249,16 @@ def test_the_runner_option(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prefix_cache_tokens"):
         TextGenerationRunner(path, device="cpu", options={"prefix_cache_tokens": 64,
                                                           "engine": "paged"})  # fmt: skip
+    # a request's cache_salt reaches the engine: a salted prompt does not take the
+    # unsalted one's blocks; the same salt again does
+    from batchfleet.schemas.messages import Request
+    from test_generation_runner import run
+
+    words = " ".join(f"w{i}" for i in range(40))
+    ask = [Request(id=k, model="lm", inputs=[words], max_new_tokens=2, cache_salt=salt)
+           for k, salt in (("plain", None), ("s1", "tenant-1"), ("s1b", "tenant-1"))]  # fmt: skip
+    hits = []
+    for request in ask:
+        run(runner, request)
+        hits.append(runner.info()["prefix_cache_hit_tokens"])
+    assert hits[0] == hits[1] == 0 < hits[2]

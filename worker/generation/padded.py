@@ -244,11 +244,19 @@ class _Seq:
     """Keep its prompt tokens' log-probabilities, with this many likeliest tokens each
     (None: not asked): its prefill keeps every position's logits, and takes nothing
     from the prefix cache (a cached prefix has no logits)."""
+    salt: str | None = None
+    """Its request's ``cache_salt``: it shares the prefix cache's blocks, and a prefill,
+    only with sequences of the same salt."""
 
     @property
     def context(self) -> int:
         """Tokens in its cache (the last generated one is not in it yet)."""
         return self.done + max(len(self.generated) - 1, 0)
+
+
+def _same(a: _Seq, b: _Seq) -> bool:
+    """Whether one prefill serves both (the same tokens, salt and scoring)."""
+    return a.tokens == b.tokens and a.salt == b.salt and a.score == b.score
 
 
 class PaddedEngine:
@@ -328,23 +336,25 @@ class PaddedEngine:
         sampling: Sampling,
         priority: int = 0,
         score: int | None = None,
+        salt: str | None = None,
     ) -> None:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
         (the request's lane) first, then in the order added. ``score``: keep the
         log-probabilities of its tokens after the first (:meth:`prompt_logprobs`), with
-        that many likeliest tokens each (prefilled again from its start if it was)."""
+        that many likeliest tokens each (prefilled again from its start if it was).
+        ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
-        key = hash(tuple(tokens)) if score is None else hash((tuple(tokens), score))
+        key = hash((tuple(tokens), score, salt))
         if score is not None:
             self._prompt_lps[sequence] = []
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
                                        order=(priority, self._added), key=key,
                                        eos=frozenset() if sampling.ignore_eos else self.eos,
-                                       score=score)  # fmt: skip
+                                       score=score, salt=salt)  # fmt: skip
         if self.prefix is not None and score is None:
-            self._waiting[sequence].cached = self.prefix.peek(tokens)
+            self._waiting[sequence].cached = self.prefix.peek(tokens, salt)
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -642,7 +652,7 @@ class PaddedEngine:
                 break
             if seq.cache is None:
                 twin = begun.get(seq.key)
-                if twin is not None and twin.tokens == seq.tokens:
+                if twin is not None and _same(twin, seq):
                     continue  # takes the twin's prefill when it ends (_share)
                 seq.cache = _cache(reserve=len(seq.tokens))
                 if seq.score is None:
@@ -664,7 +674,7 @@ class PaddedEngine:
         prefix cache holds into its cache; its prefill goes on after it."""
         if self.prefix is None:
             return
-        n, kv = self.prefix.lookup(seq.tokens)
+        n, kv = self.prefix.lookup(seq.tokens, seq.salt)
         if kv is None:
             return
         assert seq.cache is not None
@@ -684,7 +694,8 @@ class PaddedEngine:
     def _keep(self, seq: _Seq) -> None:
         """A sequence's prefill ended: the prefix cache keeps its blocks."""
         if self.prefix is not None and seq.cache is not None:
-            self.prefix.store(seq.tokens, [(la.keys, la.values) for la in seq.cache.layers])
+            self.prefix.store(seq.tokens, [(la.keys, la.values) for la in seq.cache.layers],
+                              seq.salt)  # fmt: skip
 
     def _first(self, seq: _Seq, token: int) -> Output:
         """A sequence whose prefill ended takes its first token and leaves the waiting
@@ -733,7 +744,7 @@ class PaddedEngine:
         for w in self._waiting.values():
             if len(out) >= room:
                 break
-            if w.key == seq.key and w is not seq and w.cache is None and w.tokens == seq.tokens:
+            if w.key == seq.key and w is not seq and w.cache is None and _same(w, seq):
                 out.append(w)
         return out
 

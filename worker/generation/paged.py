@@ -87,9 +87,11 @@ class PagedEngine:
         sampling: Sampling,
         priority: int = 0,
         score: int | None = None,
+        salt: str | None = None,
     ) -> None:
         """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused).
-        ``score`` (prompt log-probabilities) is the padded engine's alone: refused."""
+        ``score`` (prompt log-probabilities) is the padded engine's alone: refused.
+        ``salt`` is unused: this engine shares no prefix between sequences."""
         if score is not None:
             raise ValueError("prompt log-probabilities need the padded engine")
         self.sampler.add(sequence, sampling, tokens)

@@ -9,6 +9,11 @@ Its tokens are kept too, and compared, so a hash collision never lends wrong key
 lookup walks a prompt's blocks while they are held and returns the longest such prefix
 that leaves at least one token to prefill (its logits give the first new token).
 
+A prompt may carry a salt (vLLM's ``cache_salt``): its chain of hashes starts from it,
+and its blocks are found only by prompts with the same salt, so a tenant cannot tell
+from how fast its prompt was answered whether another tenant's prompt began the same
+way (the salt is kept with each block and compared, as the tokens are).
+
 Blocks are evicted least recently used first, within ``capacity`` tokens. A lookup or a
 store touches a prompt's blocks last to first, so a block is always more recent than
 the blocks after it in any prompt: eviction takes a prompt's tail before its head, and a
@@ -38,6 +43,7 @@ Stacked = tuple[torch.Tensor, torch.Tensor]
 @dataclass(frozen=True, slots=True)
 class _Block:
     tokens: tuple[int, ...]
+    salt: str | None
     kv: Stacked
     """Its keys and values, all layers in one tensor each (two copies a block, not two a
     layer: a store's cost is in the number of copies)."""
@@ -61,35 +67,37 @@ class PrefixCache:
         """Tokens held."""
         return len(self._blocks) * self.block
 
-    def _hashes(self, tokens: Sequence[int], blocks: int) -> list[int]:
+    def _hashes(self, tokens: Sequence[int], blocks: int, salt: str | None) -> list[int]:
         out: list[int] = []
-        h = 0
+        h = 0 if salt is None else hash(("salt", salt))
         b = self.block
         for i in range(blocks):
             h = hash((h, tuple(tokens[i * b : (i + 1) * b])))
             out.append(h)
         return out
 
-    def _found(self, tokens: Sequence[int]) -> list[tuple[int, _Block]]:
+    def _found(self, tokens: Sequence[int], salt: str | None) -> list[tuple[int, _Block]]:
         b = self.block
         found: list[tuple[int, _Block]] = []
-        for i, h in enumerate(self._hashes(tokens, (len(tokens) - 1) // b)):
+        for i, h in enumerate(self._hashes(tokens, (len(tokens) - 1) // b, salt)):
             block = self._blocks.get(h)
-            if block is None or block.tokens != tuple(tokens[i * b : (i + 1) * b]):
+            if (block is None or block.salt != salt
+                    or block.tokens != tuple(tokens[i * b : (i + 1) * b])):  # fmt: skip
                 break
             found.append((h, block))
         return found
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """How long a prefix of ``tokens`` :meth:`lookup` would find now (touching nothing:
         an estimate of the prefill a waiting prompt will need)."""
-        return len(self._found(tokens)) * self.block
+        return len(self._found(tokens, salt)) * self.block
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, Stacked | None]:
-        """The longest held prefix of ``tokens`` (block by block) that leaves at least one
-        token to prefill: its length and its keys and values (None: nothing held)."""
+    def lookup(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, Stacked | None]:
+        """The longest held prefix of ``tokens`` (block by block) with the same ``salt``
+        that leaves at least one token to prefill: its length and its keys and values
+        (None: nothing held)."""
         b = self.block
-        found = self._found(tokens)
+        found = self._found(tokens, salt)
         for h, _ in reversed(found):
             self._blocks.move_to_end(h)
         self.hit_tokens += len(found) * b
@@ -100,24 +108,25 @@ class PrefixCache:
         keys = torch.cat([block.kv[0] for _, block in found], dim=3)
         return len(found) * b, (keys, torch.cat([block.kv[1] for _, block in found], dim=3))
 
-    def store(self, tokens: Sequence[int], kv: KV) -> int:
+    def store(self, tokens: Sequence[int], kv: KV, salt: str | None = None) -> int:
         """Hold the whole blocks of a prefilled prompt (``kv``: its cache, per layer, at
-        least ``len(tokens)`` columns) that are not held yet; how many new blocks. A model
-        whose layers' caches differ in shape is not cached."""
+        least ``len(tokens)`` columns; ``salt``: its ``cache_salt``) that are not held yet;
+        how many new blocks. A model whose layers' caches differ in shape is not cached."""
         b = self.block
         if self.capacity < b or not kv or any(k.shape[1:] != kv[0][0].shape[1:] for k, _ in kv):
             return 0
         blocks = min(len(tokens) // b, self.capacity // b)
-        hashes = self._hashes(tokens, blocks)
+        hashes = self._hashes(tokens, blocks, salt)
         missing = [
             i for i, h in enumerate(hashes)
-            if (held := self._blocks.get(h)) is None or held.tokens != tuple(tokens[i * b : (i + 1) * b])
+            if (held := self._blocks.get(h)) is None or held.salt != salt
+            or held.tokens != tuple(tokens[i * b : (i + 1) * b])
         ]  # fmt: skip
         for i in missing:  # each block its own copy: freed when it is evicted
             cut = slice(i * b, (i + 1) * b)
             keys = torch.stack([k[:, :, cut] for k, _ in kv])
             values = torch.stack([v[:, :, cut] for _, v in kv])
-            self._blocks[hashes[i]] = _Block(tuple(tokens[cut]), (keys, values))
+            self._blocks[hashes[i]] = _Block(tuple(tokens[cut]), salt, (keys, values))
         for h in reversed(hashes):
             self._blocks.move_to_end(h)
         while self.tokens > self.capacity:

@@ -105,6 +105,8 @@ class GenSpec:
     end-of-sequence tokens show theirs)."""
     token_ids: bool = False
     """Outputs and deltas carry their tokens' ids (``return_token_ids``)."""
+    cache_salt: str | None = None
+    """Its prompts share cached prefixes only with prompts of the same salt."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -435,6 +437,7 @@ class TextGenerationRunner:
             else {},
             skip_special=req.skip_special_tokens is not False,
             token_ids=bool(req.return_token_ids),
+            cache_salt=req.cache_salt,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -626,8 +629,8 @@ class TextGenerationRunner:
             seq.base = done
             # a prompt scored already (its prefill ended: it generated) is not scored again
             self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
-                            seq.sampling, priority=lane,
-                            score=seq.score if not done else None)  # fmt: skip
+                            seq.sampling, priority=lane, score=seq.score if not done else None,
+                            salt=r.spec.cache_salt)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
     def _park(self, r: _Req) -> Preempted:
