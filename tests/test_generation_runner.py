@@ -17,6 +17,7 @@ from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
 from batchfleet.worker.runner import (  # noqa: E402
     LOST,
+    Failed,
     Final,
     Partial,
     Preempted,
@@ -61,6 +62,7 @@ class Driver:
         self.finals: dict[str, Final] = {}
         self.partials: dict[str, list[dict[str, Any]]] = {}
         self.preempted: dict[str, Preempted] = {}
+        self.failed: dict[str, Failed] = {}
         self.n = 0
 
     def step(
@@ -79,6 +81,9 @@ class Driver:
                 self.partials.setdefault(ev.key, []).append(ev.chunk)
             elif isinstance(ev, Preempted):
                 self.preempted[ev.key] = ev
+            elif isinstance(ev, Failed):
+                assert ev.key not in self.failed and ev.key not in self.finals
+                self.failed[ev.key] = ev
             else:
                 raise AssertionError(ev)
 

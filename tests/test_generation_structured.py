@@ -2,12 +2,14 @@
 through the runner on both engines: greedy output equals a reference loop of full
 forwards masked by llguidance's own torch helpers, beside plain requests and across a
 preemption; the texts follow their constraints and end ``stop``; bad constraints are
-refused when the request is read."""
+refused when the request is read, or when compiled; a constraint compiles on its own
+thread while the other requests run."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,17 @@ from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.messages import Request, StructuredOutputs  # noqa: E402
 from batchfleet.worker.generation.grammar import Grammars, _closed  # noqa: E402
-from batchfleet.worker.runner import PrepareError  # noqa: E402
+from batchfleet.worker.runner import Prepared, PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
 from test_generation_runner import PROMPTS, Driver, greedy, prepare, req, run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sync(tiny_lm: Path) -> TextGenerationRunner:
+    """Constraints compiled when the request is read (no compile threads)."""
+    return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                options={**TINY_LM_OPTIONS, "compile_threads": 0})  # fmt: skip
 
 
 @pytest.fixture(params=["padded", "paged"])
@@ -182,11 +191,24 @@ def test_n_completions_each_follow_the_constraint(runner: TextGenerationRunner) 
     ],
 )  # fmt: skip
 def test_a_constraint_llguidance_refuses_is_an_invalid_request(
-    runner: TextGenerationRunner, spec: dict[str, Any], message: str
+    runner: TextGenerationRunner, sync: TextGenerationRunner, spec: dict[str, Any], message: str
 ) -> None:
+    # what cannot be made a grammar is refused when read; what llguidance refuses, when
+    # compiled (on its thread: the admitted request fails), or when read (no threads)
     (out,) = runner.prepare_many([req("bad", structured_outputs=spec)])
-    assert isinstance(out, PrepareError) and out.code == ErrorCode.INVALID_REQUEST
-    assert message in str(out)
+    if isinstance(out, Prepared):
+        d = Driver(runner)
+        d.step([("bad", out)])
+        d.run()
+        failed = d.failed["bad"]
+        assert failed.code == ErrorCode.INVALID_REQUEST and message in failed.message
+        assert not d.finals and not runner._reqs
+    else:
+        assert isinstance(out, PrepareError) and out.code == ErrorCode.INVALID_REQUEST
+        assert message in str(out)
+    (now,) = sync.prepare_many([req("bad", structured_outputs=spec)])
+    assert isinstance(now, PrepareError) and now.code == ErrorCode.INVALID_REQUEST
+    assert message in str(now)
 
 
 def test_the_info_says_it_takes_structured_outputs(runner: TextGenerationRunner) -> None:
@@ -204,9 +226,9 @@ def test_a_schema_sent_again_is_compiled_once(runner: TextGenerationRunner) -> N
         req("b", structured_outputs={"json": json.loads(json.dumps(PERSON))}),
         req("c", structured_outputs={"json": PERSON, "disable_any_whitespace": True}),
     ])  # fmt: skip
-    sampling = [p.payload.sampling for p in (first, again, other)]  # type: ignore[union-attr]
-    assert sampling[0].constraint is sampling[1].constraint
-    assert sampling[2].constraint is not sampling[0].constraint
+    made = [p.payload.sampling.constraint or p.payload.compiling.result()  # type: ignore[union-attr]
+            for p in (first, again, other)]  # fmt: skip
+    assert made[0] is made[1] and made[2] is not made[0]
 
 
 def test_disable_additional_properties_closes_every_listed_object() -> None:
@@ -291,3 +313,43 @@ def test_the_wire_form_keeps_vllm_s_names() -> None:
 def test_the_schema_takes_exactly_one_bounded_constraint(spec: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="structured_outputs"):
         Request(id="r", model="m", inputs=["x"], structured_outputs=spec)
+
+
+def test_a_constraint_compiles_while_the_other_requests_run(tiny_lm: Path) -> None:
+    # compiles held until released (no sleeps): the plain request runs to its end, a
+    # constrained one cancelled while it compiles ends at once, one preempted while it
+    # compiles comes back, and once compiled it gives the reference's greedy text
+    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=TINY_LM_OPTIONS)
+    assert runner.info()["compile_threads"] == 1
+    gate = threading.Event()
+    real = runner._grammars._compile  # type: ignore[union-attr]
+
+    def held(kind: str, grammar: str) -> Any:
+        assert gate.wait(60)
+        return real(kind, grammar)
+
+    runner._grammars._compile = held  # type: ignore[union-attr,method-assign]
+    spec = {"json": PERSON, "disable_any_whitespace": True}
+    plain, shaped, gone = prepare(runner, req("plain", max_new_tokens=6),
+                                  req("shaped", max_new_tokens=40, structured_outputs=spec),
+                                  req("gone", structured_outputs={"regex": "[0-9]{4}"}))  # fmt: skip
+    for p in (shaped, gone):
+        assert p.payload.compiling is not None and p.payload.sampling.constraint is None  # type: ignore[union-attr]
+    d = Driver(runner)
+    d.step([("plain", plain), ("shaped", shaped), ("gone", gone)])
+    for _ in range(6):
+        d.step()
+    assert d.finals["plain"].outputs[0]["completion_tokens"] == 6
+    assert runner.engine.state("shaped#0") is None  # not begun: still compiling
+    d.step(stop=[("gone", "cancelled")], preempt=["shaped"])
+    (out,) = d.finals["gone"].outputs
+    assert (out["finish_reason"], out["text"]) == ("cancelled", "")
+    assert "shaped" in d.preempted and not runner._compiling
+    d.step([("shaped", shaped)])  # admitted again, still compiling
+    assert "shaped" in runner._compiling
+    gate.set()
+    d.run()
+    (out,) = d.finals["shaped"].outputs
+    assert out["finish_reason"] == "stop" and out["text"] == reference(runner, PROMPTS[0], 40, spec)
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    assert not d.failed and not runner._compiling

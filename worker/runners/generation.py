@@ -26,7 +26,10 @@ not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_par
 (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``glm45``,
 ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``: how ``tool_choice`` ``auto``
 reads tool calls out of the text, :mod:`..generation.tools`; unset: such requests are
-refused).
+refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``compile_threads``
+(default 1: threads that compile a constraint not compiled yet while the request waits,
+admitted, and the others run; 0: compiled when the request is read, on the loop thread;
+:mod:`..generation.grammar`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +111,9 @@ class GenSpec:
     """Outputs and deltas carry their tokens' ids (``return_token_ids``)."""
     cache_salt: str | None = None
     """Its prompts share cached prefixes only with prompts of the same salt."""
+    compiling: Future[Constraint] | None = None
+    """Its constraint, still being compiled (``sampling`` then has none yet; see
+    :mod:`..generation.grammar`)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -149,6 +156,8 @@ class _Req:
     seqs: list[_Seq]
     parked: bool = False
     sent: list[int] = field(default_factory=list)
+    compiling: Future[Constraint] | None = None
+    """Its constraint, until compiled: its sequences are not in the engine until then."""
 
     @property
     def done(self) -> bool:
@@ -183,6 +192,8 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+COMPILE_WAIT_S = 0.05
+"""With nothing else to run, how long a step waits for a constraint being compiled."""
 _ALL_SPECIAL: tuple[str, ...] = ("<every special token but the end-of-sequence ones>",)
 """The markers of a text that keeps every special token (``skip_special_tokens`` false)."""
 
@@ -240,6 +251,9 @@ class TextGenerationRunner:
         self.kv_cache_tokens = int(opts.get("kv_cache_tokens", 16384))
         self.step_tokens = int(opts.get("step_tokens", 512))
         self.max_running = int(opts.get("max_running", 64))
+        self.compile_threads = int(opts.get("compile_threads", 1))
+        if not 0 <= self.compile_threads <= 16:
+            raise ValueError(f"options.compile_threads: {self.compile_threads} is not 0 … 16")
         self.default_new_tokens = int(opts.get("max_new_tokens", 256))
         self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
@@ -324,6 +338,8 @@ class TextGenerationRunner:
         self._grammars = self._make_grammars()
         """Compiles ``structured_outputs`` (a string: why this model cannot take them)."""
         self._reqs: dict[str, _Req] = {}
+        self._compiling: dict[str, tuple[_Req, int]] = {}
+        """Admitted requests waiting for their constraints, and their lanes."""
         self._unsettled: StepReport | None = None
         """The last step's report, until its progress is filled in."""
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
@@ -374,12 +390,18 @@ class TextGenerationRunner:
                                 "the text with the model's tool_call_parser option, which this "
                                 "model does not set: send tool_choice required, a named "
                                 "function, or none")  # fmt: skip
-        constraint = None
+        constraint: Constraint | None = None
+        compiling: Future[Constraint] | None = None
         if req.constraint is not None:
             try:
-                constraint = self._constraint(req)
+                compiling = self._constraint(req)
             except PrepareError as exc:
                 return exc
+            if compiling.done():  # compiled before (or here): refused now if it failed
+                try:
+                    constraint, compiling = compiling.result(), None
+                except GrammarError as exc:
+                    return PrepareError(str(exc))
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
         # a chat to a reasoning model is split; a constraint then begins after its
         # reasoning, where </think> is one token (else it holds from the first: no split),
@@ -391,7 +413,7 @@ class TextGenerationRunner:
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
-            and (constraint is None or thinking is False or self._think_end is not None)
+            and (req.constraint is None or thinking is False or self._think_end is not None)
         )
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
@@ -420,7 +442,7 @@ class TextGenerationRunner:
                 allowed_tokens=allowed,
                 bad_words=self._bad_words(req.bad_words or ()),
                 constraint_after=self._think_end
-                if reasoning and constraint and thinking is not False
+                if reasoning and req.constraint is not None and thinking is not False
                 else None,
             ),
             stop=tuple(req.stop or ()),
@@ -438,6 +460,7 @@ class TextGenerationRunner:
             skip_special=req.skip_special_tokens is not False,
             token_ids=bool(req.return_token_ids),
             cache_salt=req.cache_salt,
+            compiling=compiling,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
@@ -453,9 +476,9 @@ class TextGenerationRunner:
                     out.append(ids)
         return tuple(out)
 
-    def _constraint(self, req: Request) -> Constraint:
+    def _constraint(self, req: Request) -> Future[Constraint]:
         """The request's ``structured_outputs`` (or ``response_format``), compiled for this
-        tokenizer."""
+        tokenizer or being compiled (:meth:`Grammars.submit`)."""
         spec = req.constraint
         assert spec is not None
         if req.ignore_eos:
@@ -465,7 +488,7 @@ class TextGenerationRunner:
         if isinstance(grammars, str):
             raise PrepareError(grammars)
         try:
-            return grammars.compile(spec)
+            return grammars.submit(spec)
         except GrammarError as exc:
             raise PrepareError(str(exc)) from exc
 
@@ -474,7 +497,7 @@ class TextGenerationRunner:
         if not self.eos:
             return "structured_outputs: this model has no end-of-sequence token"
         try:
-            return Grammars(self.tokenizer, self.vocab_size, self.eos)
+            return Grammars(self.tokenizer, self.vocab_size, self.eos, self.compile_threads)
         except Exception as exc:  # a slow (Python) tokenizer, or a vocabulary it cannot read
             logger.warning("structured outputs are off for this model: %s: %s",
                            type(exc).__name__, exc)  # fmt: skip
@@ -537,6 +560,8 @@ class TextGenerationRunner:
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
             self._admit(key, prep, lane)
+        if self._compiling:
+            self._compiled(events)
         failure = ""
         try:
             outputs = self.engine.step()
@@ -593,6 +618,7 @@ class TextGenerationRunner:
         self.engine.forget_all()
         self._reqs.clear()
         self._by_seq.clear()
+        self._compiling.clear()
         self._unsettled = None
 
     def _fill_progress(self, report: StepReport) -> None:
@@ -619,9 +645,16 @@ class TextGenerationRunner:
                          answer_at=None if spec.reasoning else 0, thinking=spec.thinking)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
-            r = _Req(key, spec, seqs, sent=[0] * len(seqs))
+            r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
             self._reqs[key] = r
         r.parked = False
+        if r.compiling is not None:  # it starts once its constraint is compiled
+            self._compiling[key] = (r, lane)
+            return
+        self._start(r, lane)
+
+    def _start(self, r: _Req, lane: int) -> None:
+        """Put a request's unfinished sequences in the engine."""
         for seq in r.seqs:
             if seq.finish is not None:
                 continue
@@ -632,6 +665,34 @@ class TextGenerationRunner:
                             seq.sampling, priority=lane, score=seq.score if not done else None,
                             salt=r.spec.cache_salt)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
+
+    def _compiled(self, events: list[StepEvent]) -> None:
+        """Start the requests whose constraints are now compiled (with nothing else to
+        run, wait a while for one); a constraint llguidance refused fails its request."""
+        pending = [r.compiling for r, _ in self._compiling.values()
+                   if r.compiling is not None and not r.parked]  # fmt: skip
+        if pending and not self._by_seq:  # the device has nothing else to do
+            wait(pending, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        for key, (r, lane) in list(self._compiling.items()):
+            fut = r.compiling
+            if self._reqs.get(key) is not r or r.parked or fut is None:
+                del self._compiling[key]  # ended, or preempted (admitted again later)
+            elif fut.done():
+                del self._compiling[key]
+                try:
+                    constraint = fut.result()
+                except Exception as exc:  # GrammarError: the request's own fault
+                    code = ErrorCode.INVALID_REQUEST if isinstance(exc, GrammarError) else (
+                        ErrorCode.INFERENCE_FAILED)  # fmt: skip
+                    events.append(Failed(key, str(exc), code))
+                    self._reqs.pop(key, None)
+                    for seq in r.seqs:
+                        self.engine.forget(seq.name)
+                    continue
+                r.compiling = None
+                for seq in r.seqs:
+                    seq.sampling = replace(seq.sampling, constraint=constraint)
+                self._start(r, lane)
 
     def _park(self, r: _Req) -> Preempted:
         """Free a request's sequences and keep its tokens; it resumes when admitted again."""
@@ -898,6 +959,7 @@ class TextGenerationRunner:
             "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
             "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
             "step_tokens": self.step_tokens, "max_running": self.max_running,
+            "compile_threads": self.compile_threads,
             "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",
             "running": len(self._reqs),
             "structured_outputs": not isinstance(self._grammars, str),
