@@ -324,9 +324,9 @@ def test_a_constraint_compiles_while_the_other_requests_run(tiny_lm: Path) -> No
     gate = threading.Event()
     real = runner._grammars._compile  # type: ignore[union-attr]
 
-    def held(kind: str, grammar: str) -> Any:
+    def held(spec: StructuredOutputs) -> Any:
         assert gate.wait(60)
-        return real(kind, grammar)
+        return real(spec)
 
     runner._grammars._compile = held  # type: ignore[union-attr,method-assign]
     spec = {"json": PERSON, "disable_any_whitespace": True}

@@ -15,8 +15,8 @@ some 40 ms (a 64 KB schema of 59 objects), llguidance's own work with the GIL re
 On the loop thread that long, the device, one step queued ahead, ran dry on a GPU (a
 step there takes a few ms). So with ``threads`` (the runner's ``compile_threads``) a
 schema not compiled yet is compiled on a thread of its own (:meth:`Grammars.submit`),
-vLLM's way: what it cannot convert to a grammar is refused at once, the rest (llguidance's
-own refusals) when compiled; the request waits for it, admitted, while the others run.
+vLLM's way: the request waits for it, admitted, while the others run, and one llguidance
+refuses fails then.
 With no threads each is compiled when the request is read, as before.
 """
 
@@ -86,23 +86,22 @@ class Grammars:
 
     def submit(self, spec: StructuredOutputs, here: bool = False) -> Future[Constraint]:
         """``spec`` compiled, or being compiled on a thread of the pool (``here``, or no
-        pool: compiled now, on this thread). A spec that cannot be made a grammar raises
-        :class:`GrammarError` at once; one llguidance refuses, from the future."""
+        pool: compiled now, on this thread); one llguidance refuses raises
+        :class:`GrammarError` from the future."""
         key = json.dumps(spec.model_dump(mode="json", exclude_none=True), sort_keys=True)
         hit = self._compiled.get(key)
         if hit is not None:
             self._compiled.move_to_end(key)
             return hit
-        grammar = self._grammar(spec)
         if here or self._pool is None:
             done: Future[Constraint] = Future()
             try:
-                done.set_result(self._compile(spec.kind, grammar))
+                done.set_result(self._compile(spec))
             except GrammarError as exc:
                 done.set_exception(exc)
             fut = done
         else:
-            fut = self._pool.submit(self._compile, spec.kind, grammar)
+            fut = self._pool.submit(self._compile, spec)
         self._compiled[key] = fut
         if len(self._compiled) > _CACHED:
             self._compiled.popitem(last=False)
@@ -113,8 +112,9 @@ class Grammars:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, kind: str, grammar: str) -> Constraint:
-        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+    def _compile(self, spec: StructuredOutputs) -> Constraint:
+        kind = spec.kind
+        matcher = self._ll.LLMatcher(self.tokenizer, self._grammar(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{kind}: {_first_lines(matcher.get_error())}")
         return Constraint(matcher, kind, self.vocab_size)
