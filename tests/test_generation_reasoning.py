@@ -7,6 +7,7 @@ constraint begins after the reasoning."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,14 @@ def test_a_constraint_begins_after_the_reasoning(reasoner: TextGenerationRunner)
     assert thinking["reasoning_content"] == thinking["text"].strip() and thinking["content"] == ""
 
 
+def compiled(prep: Any) -> Any:
+    """A prepared request's sampling with its constraint, compiled (on its thread or not)."""
+    sampling = prep.payload.sampling
+    if sampling.constraint is None:
+        sampling = replace(sampling, constraint=prep.payload.compiling.result())
+    return sampling
+
+
 def test_a_resumed_sequence_takes_up_its_constraint_where_it_was(
     reasoner: TextGenerationRunner,
 ) -> None:
@@ -225,7 +234,7 @@ def test_a_resumed_sequence_takes_up_its_constraint_where_it_was(
     (prep,) = reasoner.prepare_many(
         [chat("c", tools=None, structured_outputs={"regex": "[0-9]{3}"})]
     )
-    sampling = prep.payload.sampling  # type: ignore[union-attr]
+    sampling = compiled(prep)
     assert sampling.constraint is not None and sampling.constraint_after == think_end
     digits = reasoner.tokenizer("123", add_special_tokens=False)["input_ids"]
     word = reasoner.tokenizer(" the", add_special_tokens=False)["input_ids"]
@@ -257,3 +266,43 @@ def test_a_parser_with_other_tags_splits_keeps_and_constrains_by_them(
     assert (out["reasoning_content"], out["content"]) == ("Hm, so.", "Paris.")
     assert [(c["reasoning_content"], c["content"]) for c in chunks] == [
         ("", ""), ("Hm,", ""), (" so.", ""), ("", ""), ("", "Paris.")]  # fmt: skip
+
+
+def test_a_model_left_to_choose_whether_to_think_is_constrained_either_way(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # qwen3, a prompt that neither opens nor closes <think>: the first token may open the
+    # reasoning (then the constraint begins after </think>), or it is the constraint's
+    path = make_causal_lm(tmp_path_factory.mktemp("tiny-qwen3"), specials=("<think>", "</think>"))
+    qwen = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                options={**TINY_LM_OPTIONS, "reasoning_parser": "qwen3"})  # fmt: skip
+    open_, close = (qwen.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    digits = {"regex": "[0-9]{3}"}
+    direct = chat("direct", tools=None, structured_outputs=digits, max_new_tokens=10)
+    (prep,) = qwen.prepare_many([direct])
+    sampling = prep.payload.sampling  # type: ignore[union-attr]
+    assert prep.payload.thinking is None  # type: ignore[union-attr]
+    assert (sampling.constraint_after, sampling.constraint_unless) == (close, open_)
+    # pushed to think, once (a second <think> is a bad word), then to close it
+    thinks = chat("thinks", tools=None, structured_outputs=digits, max_new_tokens=10,
+                  logit_bias={str(open_): 100.0, str(close): 50.0},
+                  bad_words=["<think><think>"])  # fmt: skip
+    outs = run(qwen, direct, thinks)
+    (out,) = outs["direct"]  # did not think: constrained from its first token
+    assert re.fullmatch("[0-9]{3}", out["text"]) and out["finish_reason"] == "stop"
+    assert out["content"] == out["text"] and "reasoning_content" not in out
+    (out,) = outs["thinks"]
+    assert re.fullmatch("<think></think>[0-9]{3}", out["text"]) and out["finish_reason"] == "stop"
+    assert out["reasoning_content"] == "" and re.fullmatch("[0-9]{3}", out["content"])
+    # a resumed track: after a <think>, from its </think>; else through its output
+    one = qwen.tokenizer("1", add_special_tokens=False)["input_ids"]
+    sampling = compiled(prep)
+    track = _Track(sampling, None, prompt=2)
+    track.restart([1, 2])
+    assert track.opening and track.matcher is not None
+    track.restart([1, 2, open_, 7, close, *one])
+    assert not track.opening and track.matcher is not None and not track.matcher.is_accepting()
+    track.restart([1, 2, open_, 7])
+    assert track.matcher is None
+    track.restart([1, 2, *one])
+    assert not track.opening and track.matcher is not None

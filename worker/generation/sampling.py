@@ -87,6 +87,10 @@ class Sampling:
     constraint_after: int | None = None
     """The constraint begins after this token (a reasoning model's ``</think>``): the
     text before it is free (None: from the first token)."""
+    constraint_unless: int | None = None
+    """With ``constraint_after``: the constraint holds from the first token unless that
+    token is this one (a reasoning model's ``<think>``, where the prompt leaves it to the
+    model whether to think), which the first token may also be."""
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +154,8 @@ class _Track:
     """Its output's last tokens (``Sampling.bad_words``: as many as the longest less one)."""
     matcher: llguidance.LLMatcher | None = None
     """Where its output stands in its constraint (``Sampling.constraint``)."""
+    opening: bool = False
+    """Its next token is its first, which may also be ``Sampling.constraint_unless``."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
@@ -163,9 +169,10 @@ class _Track:
         constraint = self.sampling.constraint
         if constraint is not None:  # back to the start, then through what it generated
             out = tokens[self.prompt :]
-            after = self.sampling.constraint_after
-            if after is not None:  # it begins after that token, once there is one
-                self.matcher = None
+            after, unless = self.sampling.constraint_after, self.sampling.constraint_unless
+            self.opening = unless is not None and not out
+            if after is not None and (unless is None or out[:1] == [unless]):
+                self.matcher = None  # it begins after that token, once there is one
                 if after not in out:
                     return
                 out = out[out.index(after) + 1 :]
@@ -291,6 +298,11 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
 
     @staticmethod
     def _consume(sequence: str, track: _Track, token: int) -> None:
+        if track.opening:
+            track.opening = False
+            if token == track.sampling.constraint_unless:  # it thinks first
+                track.matcher = None
+                return
         if track.matcher is None:
             s = track.sampling
             if s.constraint is not None and token == s.constraint_after:  # it begins
@@ -356,6 +368,9 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
             out[live, :cut] = bits[:, :cut]
         for k in set(range(len(tracks))) - set(live):
             out[k, self._eos] = True
+        for k, t in enumerate(tracks):
+            if t.opening:  # its first token may also open its reasoning
+                out[k, t.sampling.constraint_unless] = True
         return out.to(logits.device)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:

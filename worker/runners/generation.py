@@ -332,6 +332,11 @@ class TextGenerationRunner:
         )
         """The closing reasoning tag's token (``</think>``; None: not one token, or no
         reasoning parser), after which a reasoning chat's constraint begins."""
+        self._think_open = (
+            None if self._reasoning is None else _single_token(self.tokenizer, self._reasoning.open)
+        )
+        """The opening tag's token: where the prompt leaves it to the model whether to
+        think, a constraint holds from the first token unless that is this one."""
         self._decodes: dict[tuple[str, ...], Decode] = {}
         """How the texts that parsers read are decoded, by the markers they look for
         (kept where this tokenizer makes them special tokens)."""
@@ -443,6 +448,9 @@ class TextGenerationRunner:
                 bad_words=self._bad_words(req.bad_words or ()),
                 constraint_after=self._think_end
                 if reasoning and req.constraint is not None and thinking is not False
+                else None,
+                constraint_unless=self._think_open
+                if reasoning and req.constraint is not None and thinking is None
                 else None,
             ),
             stop=tuple(req.stop or ()),
