@@ -23,7 +23,7 @@ from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_fo
 from .ops import Runner
 from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
 from .submit import Chat, InputsArg
-from .tokens import DeltaFollower, Follower, Restarted, TextFollower
+from .tokens import DeltaFollower, Follower, Part, Restarted, TextFollower
 
 T = TypeVar("T")
 
@@ -57,10 +57,12 @@ class AsyncJob(JobRef):
         (text,) = generation_texts(await self.result(timeout))
         return text
 
-    def stream(self, timeout: float | None = STREAM_TIMEOUT_S) -> AsyncIterator[str]:
+    def stream(
+        self, timeout: float | None = STREAM_TIMEOUT_S, part: Part = "text"
+    ) -> AsyncIterator[str]:
         """:meth:`Job.stream <batchfleet.producer.Job.stream>`: ``async for``."""
         self.check_streaming(one_input=True)
-        return self.producer.follow(self, TextFollower(self.id), timeout)
+        return self.producer.follow(self, TextFollower(self.id, part), timeout)
 
     def deltas(self, timeout: float | None = STREAM_TIMEOUT_S) -> AsyncIterator[Delta | Restarted]:
         """:meth:`Job.deltas <batchfleet.producer.Job.deltas>`: ``async for``."""

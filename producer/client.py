@@ -24,7 +24,7 @@ from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_fo
 from .ops import Runner
 from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
 from .submit import Chat, InputsArg
-from .tokens import DeltaFollower, Follower, Restarted, TextFollower
+from .tokens import DeltaFollower, Follower, Part, Restarted, TextFollower
 
 __all__ = ["Job", "Producer", "raise_for_status"]
 
@@ -62,13 +62,18 @@ class Job(JobRef):
         (text,) = generation_texts(self.result(timeout))
         return text
 
-    def stream(self, timeout: float | None = STREAM_TIMEOUT_S) -> Iterator[str]:
+    def stream(
+        self, timeout: float | None = STREAM_TIMEOUT_S, part: Part = "text"
+    ) -> Iterator[str]:
         """The generated text as it is produced, piece by piece, until the request ends
         (submitted with ``stream=True``, one input). Then ``result()`` has its
-        ``finish_reason`` and usage. Raises :class:`NotStreamed`, :class:`ResultTimeout`
-        after ``timeout`` s, :class:`StreamRestarted` (see docs/protocol.md)."""
+        ``finish_reason`` and usage. ``part="content"``: the answer only (a reasoning
+        model's without its reasoning, a request with tools without the calls' markup);
+        ``"reasoning_content"``: the reasoning only. Raises :class:`NotStreamed`,
+        :class:`ResultTimeout` after ``timeout`` s, :class:`StreamRestarted` (see
+        docs/protocol.md)."""
         self.check_streaming(one_input=True)
-        return self.producer.follow(self, TextFollower(self.id), timeout)
+        return self.producer.follow(self, TextFollower(self.id, part), timeout)
 
     def deltas(self, timeout: float | None = STREAM_TIMEOUT_S) -> Iterator[Delta | Restarted]:
         """Every :class:`Delta` of every input as it is produced, and a :class:`Restarted`

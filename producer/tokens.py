@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from ..schemas.errors import ResultTimeout, StreamRestarted
 from ..schemas.keys import ModelKeys
@@ -60,16 +60,23 @@ class DeltaFollower:
         pass
 
 
+Part = Literal["text", "content", "reasoning_content"]
+"""What ``job.stream()`` yields: the text as generated, or its answer (a reasoning
+model's without its reasoning; a request with tools without the calls' markup), or its
+reasoning."""
+
+
 class TextFollower:
-    """``job.stream()``: the text of a one-input request, piece by piece.
+    """``job.stream()``: the text (or its ``part``) of a one-input request, piece by piece.
 
     After a restart, the text generated again is checked against what was already yielded:
     while it repeats it (greedy and seeded decoding do), nothing is yielded twice and the
     stream goes on past it; if it differs, :class:`StreamRestarted` is raised.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, part: Part = "text") -> None:
         self.request_id = request_id
+        self.part = part
         self.sent = ""
         self.again: str | None = None
         """Text regenerated since a restart, while it has not caught up with ``sent``."""
@@ -82,10 +89,14 @@ class TextFollower:
             raise ValueError(
                 f"request {self.request_id} has several inputs: read it with job.deltas()"
             )
+        piece = event.text
+        if self.part != "text":  # a delta without the field: all text is answer
+            got = getattr(event, self.part)
+            piece = got if got is not None else piece if self.part == "content" else ""
         if self.again is None:
-            self.sent += event.text
-            return event.text or None
-        self.again += event.text
+            self.sent += piece
+            return piece or None
+        self.again += piece
         if not (self.sent.startswith(self.again) or self.again.startswith(self.sent)):
             raise self._diverged()
         if len(self.again) <= len(self.sent):

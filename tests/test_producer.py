@@ -552,6 +552,29 @@ def test_stream_yields_the_text_until_the_end_entry(
     assert shell.result(job).generations()[0].finish_reason == "stop"
 
 
+def test_stream_yields_a_part_of_the_text(
+    kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
+) -> None:
+    # Given a reasoning model's deltas: each with its pieces of reasoning and answer
+    from batchfleet.worker.streams import TokenWrite
+
+    shell = shells(kind, redis_url)
+    job, plain = shell.submit_many("tiny", ["why?", "hi"], stream=True)
+    pieces = [("<think>So", "So", ""), (" it is.</think>", " it is.", ""), ("\n\nYes", "", "Yes"),
+              ("!", "", "!")]  # fmt: skip
+    writes = [TokenWrite(job.id, k + 1, 60, text, tokens=1, content=answer, reasoning=thought)
+              for k, (text, thought, answer) in enumerate(pieces)]  # fmt: skip
+    ModelStreams(r, "tiny", 3, "fake-worker").append_tokens([*writes, TokenWrite(job.id, 5, 60)])
+    # Then stream() yields the text, or its answer, or its reasoning
+    assert "".join(collect(shell, job.stream())) == "<think>So it is.</think>\n\nYes!"
+    assert collect(shell, job.stream(part="content")) == ["Yes", "!"]
+    assert collect(shell, job.stream(part="reasoning_content")) == ["So", " it is."]
+    # and a request whose deltas carry no parts: all its text is its answer
+    write_deltas(r, plain.id, (1, "Hel"), (2, "lo"), end=3)
+    assert collect(shell, plain.stream(part="content")) == ["Hel", "lo"]
+    assert collect(shell, plain.stream(part="reasoning_content")) == []
+
+
 def test_stream_ends_at_a_stored_result_without_end_entry(
     kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
 ) -> None:
