@@ -89,6 +89,8 @@ class Job:
     prompt: tuple[int, ...]
     """The prompt's token ids, as the runner tokenizes ``text``."""
     max_new: int
+    extra: tuple[tuple[str, Any], ...] = ()
+    """More request fields (a fleet run sends them)."""
 
 
 def workload(
@@ -703,7 +705,8 @@ class Fleet:
             for k in due:
                 j = jobs[k]
                 body = {"v": 1, "model": self.model.name, "id": ids[k], "inputs": [j.text],
-                        "max_new_tokens": j.max_new, "stream": True, "reply": REPLY}  # fmt: skip
+                        "max_new_tokens": j.max_new, "stream": True, "reply": REPLY,
+                        **dict(j.extra)}  # fmt: skip
                 pipe.xadd(
                     f"bf:{{{self.model.name}}}:lane:{j.lane}", {"msgpack": msgpack.packb(body)}
                 )
@@ -723,10 +726,12 @@ class Fleet:
         timings: list[dict[str, float] | None] = [None] * len(jobs)
         received: list[tuple[str, int, float]] = []
         first_text: list[float | None] = [None] * len(jobs)
+        gaps: list[list[float]] = []
         for k, rid in enumerate(ids):
             got = self.results.pop(rid, None)
             deltas = sorted(self.deltas.pop(rid, []))
             received += [(keys[k], seq, t) for seq, t, _, _ in deltas]
+            gaps.append([(b[1] - a[1]) * 1e3 for a, b in pairwise(deltas)])
             if deltas:
                 out.first[k] = deltas[0][1] - t0
                 texts = [t for _, t, _, shown in deltas if shown]
@@ -748,7 +753,7 @@ class Fleet:
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
                      "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
                      "batch": batch, "timings": timings, "step parts": parts,
-                     "first text": first_text}  # fmt: skip
+                     "first text": first_text, "delta gaps ms": gaps}  # fmt: skip
         return out
 
     def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
