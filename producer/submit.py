@@ -36,8 +36,8 @@ LANES_CACHE_S = 30.0
 InputArg = str | bytes | tuple[str, str] | Mapping[str, Any] | BaseModel
 """One input: a text, image bytes, a ``(text, text_pair)`` tuple, or an input map / model
 (schemas/inputs.py)."""
-InputsArg = str | bytes | Iterable[InputArg] | None
-"""A request's inputs: one text or image, or a list of inputs."""
+InputsArg = str | bytes | Mapping[str, Any] | BaseModel | Iterable[InputArg] | None
+"""A request's inputs: one input (a text, an image, an input map), or a list of inputs."""
 
 
 def new_request_id() -> str:
@@ -68,7 +68,8 @@ def gather_inputs(
     ``documents`` (one ranking input, ``top_n`` best)."""
     out: list[Any] = []
     if inputs is not None:
-        items = [inputs] if isinstance(inputs, str | bytes) else list(inputs)
+        one = isinstance(inputs, str | bytes | Mapping | BaseModel)  # a map: one input
+        items = [inputs] if one else list(inputs)
         out += [_wire_input(i) for i in items]
     out += [_wire_input(bytes(b)) for b in images or ()]
     out += [_wire_input(tuple(p)) for p in pairs or ()]

@@ -20,6 +20,7 @@ from .errors import ErrorCode, RequestRejected
 from .keys import REQUEST_ID
 from .messages import (
     DEFAULT_LIMITS,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     Delta,
     Format,
@@ -51,7 +52,17 @@ def unpack(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Any:
         ext_hook=_no_ext,
         max_str_len=max(limits.max_text_chars * 4, 4096),
         max_bin_len=limits.max_entry_bytes,
-        max_array_len=max(limits.max_inputs, limits.inputs.max_documents, 4096),
+        # twice the longest arrays a request may hold (its inputs, a ranking's documents,
+        # a prompt's token ids: at most max_text_chars, allowed_token_ids), so that one
+        # over its bound is answered too_large by the checks, not malformed here
+        max_array_len=2
+        * max(
+            limits.max_inputs,
+            limits.inputs.max_documents,
+            limits.max_text_chars,
+            MAX_ALLOWED_TOKEN_IDS,
+            4096,
+        ),
         max_map_len=max(limits.max_metadata_items, 64, 4 * MAX_LOGIT_BIAS),
         max_ext_len=0,
     )

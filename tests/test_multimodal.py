@@ -15,9 +15,17 @@ import msgpack
 import pytest
 import redis
 from batchfleet.producer import AsyncProducer, Producer
+from batchfleet.producer.submit import gather_inputs
 from batchfleet.schemas.codec import EntryRejected, decode_entry, encode_request
 from batchfleet.schemas.errors import ErrorCode, RequestRejected
-from batchfleet.schemas.inputs import ImageB64, ImageRef, InputLimits, Ranking, TextPair
+from batchfleet.schemas.inputs import (
+    ImageB64,
+    ImageRef,
+    InputLimits,
+    Ranking,
+    TextPair,
+    TokenPrompt,
+)
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Request, Result
 from batchfleet.worker.intake import BLOB_READ_TRIES
@@ -73,6 +81,8 @@ PNG = image_file(16, 12)
         ([{"text": "q", "text_pair": "d"}], "json", TextPair),
         ([{"query": "q", "documents": ["a", "b"], "top_n": 1}], "msgpack", Ranking),
         (["plain text"], "json", str),
+        ([{"prompt_token_ids": [1, 2, 3]}], "msgpack", TokenPrompt),
+        ([{"prompt_token_ids": [0]}], "json", TokenPrompt),
     ],
 )
 def test_input_kinds_decode(inputs: list[Any], fmt: str, kind: type) -> None:
@@ -94,6 +104,10 @@ def test_input_kinds_decode(inputs: list[Any], fmt: str, kind: type) -> None:
         ([{"image": "what"}], ErrorCode.INVALID_REQUEST),
         ([b""], ErrorCode.EMPTY_INPUT),
         ([7], ErrorCode.INVALID_REQUEST),
+        ([{"prompt_token_ids": []}], ErrorCode.EMPTY_INPUT),
+        ([{"prompt_token_ids": ["1"]}], ErrorCode.INVALID_REQUEST),
+        ([{"prompt_token_ids": [1], "text": "x"}], ErrorCode.INVALID_REQUEST),
+        ([{"prompt_token_ids": [1] * 30_000}], ErrorCode.TOO_LARGE),
     ],
 )
 def test_bad_inputs_are_refused_with_stable_codes(inputs: list[Any], code: ErrorCode) -> None:
@@ -127,6 +141,24 @@ def test_producer_refuses_bad_inputs_before_redis(r: redis.Redis) -> None:
         producer.submit("m", images=[b"x" * (9 * 1_048_576)])
     assert info.value.code is ErrorCode.TOO_LARGE
     assert r.dbsize() == 0
+
+
+def test_long_arrays_a_request_may_hold_decode_in_msgpack() -> None:
+    # a prompt of 20,000 token ids (max_text_chars) and 8,192 allowed_token_ids, each
+    # over msgpack's default array bound of 4,096 here
+    body = {**GOOD, "inputs": [{"prompt_token_ids": [7] * 20_000}],
+            "allowed_token_ids": list(range(8_192))}  # fmt: skip
+    request, _ = decode_entry(_fields(body), "m")
+    assert len(request.inputs[0].prompt_token_ids) == 20_000  # type: ignore[union-attr]
+    assert request.allowed_token_ids is not None and len(request.allowed_token_ids) == 8_192
+
+
+def test_one_input_map_is_one_input() -> None:
+    # a map given as inputs is one input, not a list of its keys
+    one = {"prompt_token_ids": [5, 6]}
+    assert gather_inputs(one) == gather_inputs([one]) == [one]
+    pair = TextPair(text="q", text_pair="d")
+    assert gather_inputs(pair) == [{"text": "q", "text_pair": "d"}]
 
 
 # --- through a worker loop ----------------------------------------------------------------------
