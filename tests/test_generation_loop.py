@@ -498,6 +498,26 @@ def test_generation_metrics_and_stats() -> None:
     assert value("batchfleet_kv_cache_usage_ratio") == 0
     stats = r.loop.stats.snapshot()["generation"]
     assert stats["completion_tokens"] == 25 and stats["preemptions"] == 1
+    assert value("batchfleet_constraints_compiling") == 0
+
+
+def test_constraint_compile_metrics() -> None:
+    from batchfleet.worker.metrics import Metrics, PrometheusObserver
+    from batchfleet.worker.observers import Generated
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    obs = PrometheusObserver(Metrics(registry))
+    obs.notify(Generated(MODEL, 3, 0, 100, 1000, 0, compiling=2, compiled_s=(0.004, 0.03)))
+    obs.notify(Generated(MODEL, 3, 0, 100, 1000, 0, compiling=1))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    assert value("batchfleet_constraints_compiling") == 1
+    assert value("batchfleet_constraint_compile_seconds_count") == 2
+    assert value("batchfleet_constraint_compile_seconds_bucket", le="0.005") == 1
+    assert value("batchfleet_constraint_compile_seconds_sum") == pytest.approx(0.034)
 
 
 def test_first_token_time_is_its_first_step_s_end_streaming_or_not() -> None:

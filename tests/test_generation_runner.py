@@ -23,6 +23,7 @@ from batchfleet.worker.runner import (  # noqa: E402
     Preempted,
     Prepared,
     PrepareError,
+    StepReport,
     Work,
 )
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
@@ -63,6 +64,7 @@ class Driver:
         self.partials: dict[str, list[dict[str, Any]]] = {}
         self.preempted: dict[str, Preempted] = {}
         self.failed: dict[str, Failed] = {}
+        self.reports: list[StepReport] = []
         self.n = 0
 
     def step(
@@ -73,6 +75,7 @@ class Driver:
     ) -> None:
         self.n += 1
         report = self.runner.step(Work(f"s{self.n}", tuple(admit), tuple(stop), tuple(preempt)))
+        self.reports.append(report)
         for ev in report.events:
             if isinstance(ev, Final):
                 assert ev.key not in self.finals, "a request ended twice"

@@ -341,6 +341,7 @@ def test_a_constraint_compiles_while_the_other_requests_run(tiny_lm: Path) -> No
         d.step()
     assert d.finals["plain"].outputs[0]["completion_tokens"] == 6
     assert runner.engine.state("shaped#0") is None  # not begun: still compiling
+    assert d.reports[-1].compiling == 2 and not any(rep.compiled_s for rep in d.reports)
     d.step(stop=[("gone", "cancelled")], preempt=["shaped"])
     (out,) = d.finals["gone"].outputs
     assert (out["finish_reason"], out["text"]) == ("cancelled", "")
@@ -352,4 +353,6 @@ def test_a_constraint_compiles_while_the_other_requests_run(tiny_lm: Path) -> No
     (out,) = d.finals["shaped"].outputs
     assert out["finish_reason"] == "stop" and out["text"] == reference(runner, PROMPTS[0], 40, spec)
     jsonschema.validate(json.loads(out["text"]), PERSON)
-    assert not d.failed and not runner._compiling
+    assert not d.failed and not runner._compiling and d.reports[-1].compiling == 0
+    took = [s for rep in d.reports for s in rep.compiled_s]
+    assert len(took) == 2 and all(s > 0 for s in took)  # shaped's, and gone's (cancelled)

@@ -131,6 +131,8 @@ class Generating:
             preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
             tokens=sum((done.report.produced or {}).values()),
             gaps=gaps,
+            compiling=done.report.compiling,
+            compiled_s=done.report.compiled_s,
         )
 
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:

@@ -59,6 +59,9 @@ RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                0.3, 0.5, 0.75, 1, 2.5, 5)  # fmt: skip
 """Inter-token latency: a step's length on a loaded GPU (a few ms) up to a preemption's gap."""
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+"""A constraint's compile: one tool's schema (about 1 ms) to a large schema (tens of ms) and
+past (a big vocabulary)."""
 STATUSES = ("ok", "error", "expired")
 """The values of a result's ``status``."""
 
@@ -170,6 +173,18 @@ class Metrics:
             "Generation: share of the KV cache the running sequences hold.",
             ["model"], registry=registry,
         )  # fmt: skip
+        self.compiling = Gauge(
+            "batchfleet_constraints_compiling",
+            "Generation: admitted requests waiting for their structured-output constraints "
+            "to compile.",
+            ["model"], registry=registry,
+        )  # fmt: skip
+        self.compile = hist(
+            "batchfleet_constraint_compile_seconds",
+            "Generation: how long a new structured-output constraint took to compile.",
+            ["model"],
+            COMPILE_BUCKETS,
+        )
 
     def init_model(self, model: str, lanes: int) -> None:
         """Create a model's counter series at 0, so that they exist before their first event:
@@ -183,6 +198,7 @@ class Metrics:
         self.oom.labels(model)
         self.rows.labels(model)
         self.preemptions.labels(model)
+        self.compile.labels(model)
         self.generated_tokens.labels(model)
         self.step_tokens.labels(model)
         self.prompt_tokens.labels(model)
@@ -257,6 +273,11 @@ class PrometheusObserver:
                 self.m.step_tokens.labels(event.model).inc(event.tokens)
             if event.gaps:
                 self.m.inter_token.add(event.model, event.gaps)
+            self.m.compiling.labels(event.model).set(event.compiling)
+            if event.compiled_s:
+                compile_ = self.m.compile.labels(event.model)
+                for seconds in event.compiled_s:
+                    compile_.observe(seconds)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()

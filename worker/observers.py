@@ -113,6 +113,10 @@ class Generated:
     gaps: tuple[tuple[int, float], ...] = ()
     """Inter-token latency: (lane, seconds since the request's previous tokens) for each
     request the step gave tokens that had some before."""
+    compiling: int = 0
+    """Requests waiting for their constraints to compile."""
+    compiled_s: tuple[float, ...] = ()
+    """How long each constraint compiled since the last step took."""
 
 
 LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged | Generated

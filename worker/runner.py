@@ -156,6 +156,10 @@ class StepReport:
     deferred: Callable[[], None] | None = None
     """Continuous runners: what the runner left to do after the step's deltas are streamed
     (filling ``progress``); :meth:`settle` does it, before the runner steps again."""
+    compiling: int = 0
+    """Generation: admitted requests waiting for their constraints to compile."""
+    compiled_s: tuple[float, ...] = ()
+    """Generation: the constraints compiled since the last step, how long each took."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""

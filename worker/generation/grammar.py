@@ -23,7 +23,8 @@ With no threads each is compiled when the request is read, as before.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,9 @@ class Grammars:
         """Compiled (or compiling) constraints by their spec, the last used last. Only the
         loop thread reads and writes it; the pool's threads only compile."""
         self._pool = ThreadPoolExecutor(threads, "bf-grammar") if threads > 0 else None
+        self.took: deque[float] = deque(maxlen=1024)
+        """Seconds each compile took (refused ones too), for the metrics; the runner
+        takes them (a deque: the compiling threads append, the device thread pops)."""
 
     def compile(self, spec: StructuredOutputs) -> Constraint:
         """``spec`` compiled (or the copy compiled last time), here and now;
@@ -114,7 +118,11 @@ class Grammars:
 
     def _compile(self, spec: StructuredOutputs) -> Constraint:
         kind = spec.kind
-        matcher = self._ll.LLMatcher(self.tokenizer, self._grammar(spec), log_level=0)
+        began = time.perf_counter()
+        try:
+            matcher = self._ll.LLMatcher(self.tokenizer, self._grammar(spec), log_level=0)
+        finally:
+            self.took.append(time.perf_counter() - began)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{kind}: {_first_lines(matcher.get_error())}")
         return Constraint(matcher, kind, self.vocab_size)

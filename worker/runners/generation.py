@@ -614,6 +614,10 @@ class TextGenerationRunner:
             elif r.spec.stream:
                 events += self._deltas(r)
         report.events = events
+        report.compiling = len(self._compiling)
+        if not isinstance(self._grammars, str) and self._grammars.took:
+            took = self._grammars.took
+            report.compiled_s = tuple(took.popleft() for _ in range(len(took)))
         # after the deltas: the device thread streams them first, then settles this
         report.deferred = lambda: self._fill_progress(report)
         self._unsettled = report
