@@ -76,6 +76,9 @@ class Metrics:
         def counter(name: str, doc: str, labels: Sequence[str]) -> Any:
             return Counter(name, doc, labels, registry=registry)
 
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, ["model"], registry=registry)
+
         self.batch_rows = hist(
             "batchfleet_batch_rows", "Rows (inputs) per micro-batch.", ["model"], ROW_BUCKETS
         )
@@ -159,26 +162,22 @@ class Metrics:
             "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
             ["model"],
         )  # fmt: skip
-        self.running = Gauge(
-            "batchfleet_generation_running_sequences", "Generation: sequences in the KV cache.",
-            ["model"], registry=registry,
-        )  # fmt: skip
-        self.waiting = Gauge(
+        self.running = gauge(
+            "batchfleet_generation_running_sequences", "Generation: sequences in the KV cache."
+        )
+        self.waiting = gauge(
             "batchfleet_generation_waiting_requests",
             "Generation: requests read and not running (new or preempted).",
-            ["model"], registry=registry,
-        )  # fmt: skip
-        self.kv_usage = Gauge(
+        )
+        self.kv_usage = gauge(
             "batchfleet_kv_cache_usage_ratio",
             "Generation: share of the KV cache the running sequences hold.",
-            ["model"], registry=registry,
-        )  # fmt: skip
-        self.compiling = Gauge(
+        )
+        self.compiling = gauge(
             "batchfleet_constraints_compiling",
             "Generation: admitted requests waiting for their structured-output constraints "
             "to compile.",
-            ["model"], registry=registry,
-        )  # fmt: skip
+        )
         self.compile = hist(
             "batchfleet_constraint_compile_seconds",
             "Generation: how long a new structured-output constraint took to compile.",
