@@ -139,6 +139,9 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             tokens=int(flat.get("tokens", 0)),
             logprobs=json.loads(flat["logprobs"]) if "logprobs" in flat else None,
             tool_calls=json.loads(flat["tool_calls"]) if "tool_calls" in flat else None,
+            tool_call_chunks=json.loads(flat["tool_call_chunks"])
+            if "tool_call_chunks" in flat
+            else None,
             token_ids=json.loads(flat["token_ids"]) if "token_ids" in flat else None,
             content=_str(flat["content"]) if "content" in flat else None,
             reasoning_content=_str(flat["reasoning_content"])

@@ -29,7 +29,7 @@ from .messages import (
     Result,
     TokenLogprob,
 )
-from .tools import ToolCall
+from .tools import ToolCall, ToolCallChunk
 from .wire import FROM_WIRE
 
 MSGPACK_FIELD = b"msgpack"
@@ -346,6 +346,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
     if delta.tool_calls is not None:
         body["tool_calls"] = [c.model_dump() for c in delta.tool_calls]
+    if delta.tool_call_chunks is not None:
+        body["tool_call_chunks"] = [c.model_dump(exclude_none=True) for c in delta.tool_call_chunks]
     if delta.token_ids is not None:
         body["token_ids"] = delta.token_ids
     if delta.content is not None:
@@ -359,8 +361,9 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
 
 def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     """A delta as a token-stream entry (flat fields, readable from any language;
-    ``logprobs``, where the request asked, and ``tool_calls``, where the delta completed
-    calls, and ``token_ids``, where the request asked, as JSON text; ``content`` and
+    ``logprobs``, where the request asked, ``tool_calls``, where the delta completed
+    calls, ``tool_call_chunks``, where it wrote some, and ``token_ids``, where the request
+    asked, as JSON text; ``content`` and
     ``reasoning_content`` where the output has them)."""
     fields = {
         b"seq": str(delta.seq).encode(),
@@ -372,6 +375,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"logprobs"] = logprobs_json(delta.logprobs).encode()
     if delta.tool_calls is not None:
         fields[b"tool_calls"] = tool_calls_json(delta.tool_calls).encode()
+    if delta.tool_call_chunks is not None:
+        fields[b"tool_call_chunks"] = tool_chunks_json(delta.tool_call_chunks).encode()
     if delta.token_ids is not None:
         fields[b"token_ids"] = token_ids_json(delta.token_ids).encode()
     if delta.content is not None:
@@ -390,6 +395,14 @@ def logprobs_json(logprobs: Sequence[TokenLogprob] | Sequence[dict[str, Any]]) -
 def tool_calls_json(calls: Sequence[ToolCall] | Sequence[dict[str, Any]]) -> str:
     """A delta's ``tool_calls`` as its token-stream field holds them (compact JSON)."""
     plain = [c.model_dump() if isinstance(c, ToolCall) else c for c in calls]
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_chunks_json(chunks: Sequence[ToolCallChunk] | Sequence[dict[str, Any]]) -> str:
+    """A delta's ``tool_call_chunks`` as its token-stream field holds them (compact JSON,
+    a chunk's absent parts left out)."""
+    plain = [c.model_dump(exclude_none=True) if isinstance(c, ToolCallChunk) else c
+             for c in chunks]  # fmt: skip
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -15,6 +15,7 @@ from .tools import (
     PastToolCall,
     Tool,
     ToolCall,
+    ToolCallChunk,
     ToolChoice,
     ToolUse,
     calls_schema,
@@ -653,6 +654,12 @@ class Delta(_Answer):
     """With the request's ``tools``: calls the output's text completed with this delta,
     each streamed once, in order, with the id the result gives it (the result's
     ``tool_calls`` begin with them); absent otherwise."""
+    tool_call_chunks: list[ToolCallChunk] | None = None
+    """With the request's ``tools``: the calls as they are written, OpenAI's
+    ``delta.tool_calls`` (see :class:`ToolCallChunk`): a call's id and name once its name is
+    written, then its ``arguments`` piece by piece; a call's pieces add up to the one the
+    result holds (same id); ``index`` counts the calls streamed (a call the model began but
+    wrote badly, which the result leaves out, keeps its index); absent otherwise."""
     token_ids: list[int] | None = None
     """With the request's ``return_token_ids``: the tokens this delta holds (``tokens``
     of them); absent otherwise."""

@@ -89,6 +89,24 @@ class ToolCall(_Answer):
     function: FunctionCall
 
 
+class FunctionChunk(_Answer):
+    name: str | None = None
+    """In a call's first chunk only."""
+    arguments: str = ""
+    """What this chunk adds to the call's ``arguments``."""
+
+
+class ToolCallChunk(_Answer):
+    """A piece of a call being written (a delta's ``tool_call_chunks``: OpenAI's
+    ``delta.tool_calls``): its first has ``id``, ``type`` and the function's ``name``, and
+    each adds to its ``arguments``; a call's pieces (same ``index``) add up to the call."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionChunk
+
+
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """How a request's text holds its tool calls."""

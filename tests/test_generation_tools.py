@@ -167,6 +167,20 @@ def test_streamed_calls_come_as_each_completes_with_the_results_ids(
     first = streamed[0][0]
     assert "".join(c["text"] for c in chunks[: first + 1]).endswith("</tool_call>")
     assert first < len(chunks) - 10
+    # and as it is written (OpenAI's delta.tool_calls): its name once written, then its
+    # arguments piece by piece; the pieces add up to the result's calls, same ids
+    pieces = [(k, p) for k, c in enumerate(chunks) for p in c.get("tool_call_chunks", ())]
+    calls: dict[int, dict[str, Any]] = {}
+    for _, p in pieces:
+        fn = p["function"]
+        if "id" in p:
+            calls[p["index"]] = {"id": p["id"], "type": p["type"],
+                                 "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+        calls[p["index"]]["function"]["arguments"] += fn["arguments"]
+    assert list(calls.values()) == out["tool_calls"]
+    named = next(k for k, p in pieces if p["index"] == 0)
+    assert "".join(c["text"] for c in chunks[: named + 1]).endswith('"get_time", "arguments": {')
+    assert len([p for _, p in pieces if p["index"] == 0]) > 3  # the arguments in pieces
 
 
 @pytest.fixture(scope="module")

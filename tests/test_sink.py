@@ -162,6 +162,7 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     deltas = [Delta(id="gen-2", model="m-1", seq=i + 1, input=i % 2, text=t, tokens=i + 1,
                     logprobs=_logprobs(t, i) if i % 3 else None,
                     tool_calls=_calls(t, i) if i % 2 == 0 else None,
+                    tool_call_chunks=_chunks(t, i) if i % 3 != 1 else None,
                     # a split output's pieces: empty ones, and with or without the others
                     content=t[: 7 * (i % 3)] if i % 2 else None,
                     reasoning_content=t[-3:] if i == 3 else "" if i == 1 else None,
@@ -192,6 +193,15 @@ def _calls(text: str, i: int) -> list[dict[str, Any]]:
     return [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": args}},
             {"id": "call_x", "type": "function", "function": {"name": "g.h", "arguments": "{}"}}
             ][: 1 + i % 4 // 2]  # fmt: skip
+
+
+def _chunks(text: str, i: int) -> list[dict[str, Any]]:
+    """Pieces of calls being written: a call's first (id, type, name, empty arguments) and
+    later ones (arguments only), escapes and non-ASCII in them."""
+    first = {"index": i, "id": f"call_{i}", "type": "function",
+             "function": {"name": "f", "arguments": ""}}  # fmt: skip
+    return [first, {"index": i, "function": {"arguments": json.dumps(text[:9])[:-1]}},
+            {"index": i + 1, "function": {"arguments": '"}'}}][i % 2 :]  # fmt: skip
 
 
 def _logprobs(text: str, i: int) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schemas.codec import logprobs_json, token_ids_json, tool_calls_json
+from ..schemas.codec import logprobs_json, token_ids_json, tool_calls_json, tool_chunks_json
 from ..schemas.messages import Format
 from .inbox import StepDone
 from .runner import Failed, Final, Partial, Preempted
@@ -63,12 +63,14 @@ class StreamTo:
         lps = chunk.get("logprobs")
         calls = chunk.get("tool_calls")
         ids = chunk.get("token_ids")
+        pieces = chunk.get("tool_call_chunks")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
                         None if lps is None else logprobs_json(lps), self.life,
                         None if calls is None else tool_calls_json(calls),
                         chunk.get("content"), chunk.get("reasoning_content"),
-                        None if ids is None else token_ids_json(ids))  # fmt: skip
+                        None if ids is None else token_ids_json(ids),
+                        None if pieces is None else tool_chunks_json(pieces))  # fmt: skip
 
 
 class DeltaWriter:

@@ -29,6 +29,7 @@ from ..schemas.codec import (
     logprobs_json,
     token_ids_json,
     tool_calls_json,
+    tool_chunks_json,
 )
 from ..schemas.messages import Delta, Format
 from .answers import Outgoing
@@ -116,15 +117,19 @@ class Streamed:
     """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
     token_ids: str | None = None
     """Its tokens' ids as JSON text (None: its request did not ask)."""
+    tool_call_chunks: str | None = None
+    """The calls' pieces it wrote, as JSON text (None: none)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
         lps = None if delta.logprobs is None else logprobs_json(delta.logprobs)
         calls = None if delta.tool_calls is None else tool_calls_json(delta.tool_calls)
         ids = None if delta.token_ids is None else token_ids_json(delta.token_ids)
+        pieces = delta.tool_call_chunks
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
                    delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
-                   reasoning=delta.reasoning_content, token_ids=ids)  # fmt: skip
+                   reasoning=delta.reasoning_content, token_ids=ids,
+                   tool_call_chunks=None if pieces is None else tool_chunks_json(pieces))  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -134,10 +139,11 @@ class Streamed:
         lps = None if self.logprobs is None else json.loads(self.logprobs)
         calls = None if self.tool_calls is None else json.loads(self.tool_calls)
         ids = None if self.token_ids is None else json.loads(self.token_ids)
+        pieces = None if self.tool_call_chunks is None else json.loads(self.tool_call_chunks)
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
                      text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls,
                      content=self.content, reasoning_content=self.reasoning,
-                     token_ids=ids)  # fmt: skip
+                     token_ids=ids, tool_call_chunks=pieces)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -147,7 +153,7 @@ class Streamed:
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
                           self.life, self.tool_calls, self.content, self.reasoning,
-                          self.token_ids)  # fmt: skip
+                          self.token_ids, self.tool_call_chunks)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

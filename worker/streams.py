@@ -94,6 +94,8 @@ class TokenWrite:
     """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
     token_ids: str | None = None
     """Its tokens' ids as JSON text (None: its request did not ask)."""
+    tool_call_chunks: str | None = None
+    """The calls' pieces it wrote, as JSON text (None: none)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
@@ -107,6 +109,7 @@ class TokenWrite:
                 ("logprobs", self.logprobs, 1),
                 ("tool_calls", self.tool_calls, 1),
                 ("token_ids", self.token_ids, 1),
+                ("tool_call_chunks", self.tool_call_chunks, 1),
                 ("content", self.content, 0),
                 ("reasoning_content", self.reasoning, 0),
             )

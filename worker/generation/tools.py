@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import Tool, ToolUse
+from .json_compact import DECODER, Pairs, compact
 from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
@@ -114,14 +115,15 @@ text goes on (0: never settled, read from the start each time)."""
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_at", "_hold", "_limit", "_scan", "_section", "_settled", "calls", "content",
-                 "sent")  # fmt: skip
+    __slots__ = ("_at", "_hold", "_scan", "_section", "_settled", "calls", "content", "end",
+                 "limit", "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
         self._section = _SECTIONS.get(parser or "") if use.kind == "auto" else None
-        self._limit = None if use.parallel else 1
+        self.limit = None if use.parallel else 1
+        """How many calls count (None: all; ``parallel_tool_calls`` false: the first)."""
         self._at = 0
         self._settled: list[_Found] = []
         """The calls before ``_at``, where the text read last was settled."""
@@ -132,6 +134,8 @@ class CallReader:
         self.content: str | None = None
         """After a final read that found calls: the text outside them (OpenAI's message
         ``content``), trimmed."""
+        self.end = 0
+        """Where the last call read ends in the text (0: none read)."""
 
     def read(self, text: str, final: bool = False) -> None:
         """Take the output's text so far (``final``: all of it); each text given is the
@@ -141,8 +145,9 @@ class CallReader:
         if settled > self._at:
             self._settled += [f for f in new if f.end <= settled]
             self._at = settled
-        for f in found[len(self.calls) : self._limit]:
+        for f in found[len(self.calls) : self.limit]:
             self.calls.append(_call(f.name, f.args, f.id))
+            self.end = f.end
         if final and self.calls:
             start, end = found[0].start, found[-1].end
             if self._section is not None:  # the section's markers are the calls' too
@@ -158,6 +163,10 @@ class CallReader:
         """The content a text so far shows for certain (a start of the whole text's
         ``content``): its text before where a call may begin, trimmed."""
         return text[: self._hold(text)].strip()
+
+    def may_call(self, text: str) -> bool:
+        """Whether a call may have begun in a text so far."""
+        return self._hold(text) < len(text)
 
     @staticmethod
     def may_complete(new: str) -> bool:
@@ -308,9 +317,13 @@ def _qwen3_coder_body(text: str, types: Types) -> tuple[str, dict[str, Any], Non
     if m is None:
         return None
     name = m.group(1).strip()
-    known = types.get(name, {})
-    args = {k.strip(): _typed(v, known.get(k.strip())) for k, v in _PARAMETER.findall(m.group(2))}
-    return name, args, None
+    return name, qwen3_coder_args(m.group(2), 0, types.get(name, {})), None
+
+
+def qwen3_coder_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, typed by ``known``."""
+    return Pairs([(k.strip(), _typed(v, known.get(k.strip())))
+                  for k, v in _PARAMETER.findall(text, at)])  # fmt: skip
 
 
 _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
@@ -322,12 +335,14 @@ def _glm45_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | N
     if m is None:
         return None
     name = m.group(1)
-    known = types.get(name, {})
-    args = {}
-    for k, v in _GLM_ARG.findall(text, m.end()):
-        kind = known.get(k.strip())
-        args[k.strip()] = _typed(v.strip(), kind or "any")  # JSON unless a string
-    return name, args, None
+    return name, glm45_args(text, m.end(), types.get(name, {})), None
+
+
+def glm45_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The arguments written whole in ``text`` from ``at``, typed by ``known`` (JSON
+    unless a string)."""
+    return Pairs([(k.strip(), _typed(v.strip(), known.get(k.strip()) or "any"))
+                  for k, v in _GLM_ARG.findall(text, at)])  # fmt: skip
 
 
 _DS_V3 = re.compile(r"\s*\w*\s*" + re.escape(_DS[4]) +
@@ -533,8 +548,6 @@ _SCANNERS: Final[dict[str, Scan]] = {
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) == set(PARSERS) == set(MARKERS)
 
-_DECODER = json.JSONDecoder()
-
 
 def _entries(text: str, i: int, sep: str, close: str | None) -> Iterator[_Found]:
     """Calls written as complete JSON objects from ``i`` on, separated by ``sep``, up to
@@ -596,9 +609,13 @@ def _entry(value: Any, start: int, end: int) -> _Found | None:
 
 
 def _call(name: str, args: dict[str, Any], cid: str | None = None) -> dict[str, Any]:
-    arguments = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-    return {"id": cid or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    return {"id": cid or new_id(), "type": "function",
+            "function": {"name": name, "arguments": compact(args)}}  # fmt: skip
+
+
+def new_id() -> str:
+    """A call's id, where the model gives none (OpenAI's form)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _skip(text: str, i: int) -> int:
@@ -611,13 +628,13 @@ def _skip(text: str, i: int) -> int:
 def _decode(text: str, i: int) -> tuple[Any, int] | None:
     """The JSON value at ``i`` and where it ends (None: none complete there)."""
     try:
-        return _DECODER.raw_decode(text, i)
+        return DECODER.raw_decode(text, i)
     except (ValueError, RecursionError):
         return None
 
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
+        return DECODER.decode(text)
     except (ValueError, RecursionError):
         return None

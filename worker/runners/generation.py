@@ -54,6 +54,7 @@ from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.reasoning import REASONING_PARSERS, Reasoning
 from ..generation.sampling import Logprob, Sampling
+from ..generation.tool_chunks import CallChunks
 from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
 from ..runner import (
     LOST,
@@ -137,6 +138,8 @@ class _Seq:
     """Its prompt's log-probabilities are kept, with this many likeliest tokens each."""
     calls: CallReader | None = None
     """Its tool calls, read as its text comes (a request with ``tools``)."""
+    chunks: CallChunks | None = None
+    """...and streamed as they are written (a streaming request with ``tools``)."""
     answer_at: int | None = 0
     """Where its answer begins in its text (after its reasoning; None: not known yet)."""
     thinking: bool | None = None
@@ -657,6 +660,11 @@ class TextGenerationRunner:
                          answer_at=None if spec.reasoning else 0, thinking=spec.thinking)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
+            if use is not None and spec.stream:
+                for s in seqs:
+                    assert s.calls is not None
+                    s.chunks = CallChunks(s.calls, use, self.tool_call_parser,
+                                          spec.tool_types)  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
             self._reqs[key] = r
         r.parked = False
@@ -781,9 +789,12 @@ class TextGenerationRunner:
             s.answer = out
         return s.answer
 
-    def _so_far(self, r: _Req, s: _Seq, new: str) -> tuple[str, str, list[dict[str, Any]]]:
+    def _so_far(
+        self, r: _Req, s: _Seq, new: str
+    ) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
         """A split output's reasoning and content so far (each a start of its result's),
-        and the tool calls read since last asked; ``new``: the text just released."""
+        the tool calls read since last asked, and their chunks since then; ``new``: the
+        text just released."""
         released = s.text.released
         reasoning = ""
         if s.answer_at is None:  # the answer follows the reasoning
@@ -791,14 +802,15 @@ class TextGenerationRunner:
             s.answer_at = self._reasoning.answer_start(released, False, s.thinking)
             reasoning = self._reasoning.so_far(released, s.thinking)
         if s.answer_at is None:
-            return reasoning, "", []
+            return reasoning, "", [], []
         answer = released[s.answer_at :]
         reader = s.calls
         if reader is None:
-            return reasoning, answer.strip(), []
+            return reasoning, answer.strip(), [], []
         if reader.may_complete(new):
             reader.read(answer)
-        return reasoning, reader.content_so_far(answer), reader.unsent()
+        chunks = [] if s.chunks is None else s.chunks.chunks(answer)  # before ids go out
+        return reasoning, reader.content_so_far(answer), reader.unsent(), chunks
 
     def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
         """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
@@ -841,12 +853,15 @@ class TextGenerationRunner:
         """A split output's delta fields, given its newly released ``text``: the pieces
         of its ``content`` and ``reasoning_content`` not streamed yet, and its
         ``tool_calls`` read since the last delta (where there are some)."""
+        chunks: list[dict[str, Any]] = []
         if final:
             got = self._answer(r, s)
             said = (got.get("reasoning_content", ""), got["content"])
+            if s.chunks is not None:  # the calls a final read found (ids set before they go)
+                chunks = s.chunks.chunks("", final=True)
             calls = s.calls.unsent() if s.calls is not None else []
         elif text:
-            reasoning, content, calls = self._so_far(r, s, text)
+            reasoning, content, calls, chunks = self._so_far(r, s, text)
             said = (reasoning, content)
         else:
             said, calls = ("", ""), []
@@ -858,6 +873,8 @@ class TextGenerationRunner:
             parts["reasoning_content"] = pieces[0]
         if calls:
             parts["tool_calls"] = calls
+        if chunks:
+            parts["tool_call_chunks"] = chunks
         return parts
 
     def _progress(self, r: _Req) -> Progress:

@@ -1,0 +1,206 @@
+"""Tool calls streamed as OpenAI's ``delta.tool_calls``: each call's id and name once its
+name is written, then its ``arguments`` piece by piece as the model writes them.
+
+A :class:`CallReader` finds a call once its text is complete; :class:`CallChunks` also
+follows the call being written (the *open* call): where its format has put its name and
+begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
+(:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
+``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, and ``tool_choice``
+``required`` or a named function), or the parameters written whole (``qwen3_coder``,
+``glm45``, each typed by its schema). ``pythonic`` calls come whole, once complete, and so
+do calls written otherwise (``arguments`` before ``name``, or as a JSON string).
+
+A call's chunks (``{"index", "id", "type", "function": {"name", "arguments"}}`` first,
+then ``{"index", "function": {"arguments"}}``) add up to the call the result holds: the
+same id, name and ``arguments`` text. ``index`` counts the calls streamed; a call the
+model began but wrote so that it is not one (its result leaves it out) keeps its index,
+and the next call takes the one after.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ...schemas.tools import ToolUse
+from .json_compact import Compactor, compact
+from .tools import _BLOCKS, _DS, _KIMI, CallReader, Types, glm45_args, new_id, qwen3_coder_args
+
+_NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
+_CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+"""A JSON call's start, up to its arguments' ``{`` (its name written first)."""
+_SEP: Final = re.escape(_DS[4])
+_AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
+    "hermes": re.compile(r"\s*" + _CALL),
+    "qwen3_coder": re.compile(r"\s*<function=([^>\n]{1,64})>"),
+    "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
+    "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
+    "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
+    "kimi_k2": re.compile(
+        r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*" + re.escape(_KIMI[4]) + r"\s*(?=\{)"
+    ),
+}
+"""How a block's call begins, after its opening marker (the name in group 1; ``kimi_k2``:
+its id in group 1, its name in group 2)."""
+_LLAMA: Final = re.compile(r"\s*(?:<\|python_tag\|>\s*)?(?:;\s*)?" + _CALL)
+_IN_ARRAY: Final = re.compile(r"\s*[\[,]\s*" + _CALL)
+_MISTRAL: Final = re.compile(r"\[TOOL_CALLS\]\s*(?:\[\s*" + _CALL + r"|([A-Za-z0-9_.-]{1,64})"
+                             r"\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]\s*(?=\{))")  # fmt: skip
+_TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args}
+
+
+@dataclass(frozen=True, slots=True)
+class _Opening:
+    """Where a call being written stands: its name, and where its arguments begin."""
+
+    at: int
+    """Where its text begins (its block's marker, or its JSON object)."""
+    name: str
+    id: str | None
+    """The model's own id (``kimi_k2``)."""
+    args: int
+    """Where its arguments begin: the JSON object's ``{``, or the first typed parameter."""
+
+
+@dataclass(slots=True)
+class _Open:
+    """The call being streamed."""
+
+    opening: _Opening
+    index: int
+    id: str
+    json: Compactor | None
+    """Its JSON arguments as they come (None: typed parameters)."""
+    sent: str = ""
+    """Its ``arguments`` streamed so far."""
+
+
+@dataclass(slots=True)
+class CallChunks:
+    """One output's calls as OpenAI's ``delta.tool_calls`` chunks (see the module's
+    docstring), read alongside its :class:`CallReader`."""
+
+    reader: CallReader
+    use: ToolUse
+    parser: str | None
+    types: Types = field(default_factory=dict)
+    _done: int = 0
+    """The reader's calls streamed whole."""
+    _shift: int = 0
+    """Streamed calls the result leaves out (each kept its index)."""
+    _open: _Open | None = None
+
+    def chunks(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        """The chunks since last asked, given the output's text so far (read by the
+        reader first; ``final``: all of it)."""
+        out: list[dict[str, Any]] = []
+        calls = self.reader.calls
+        for k in range(self._done, len(calls)):
+            out += self._complete(k, calls[k])
+        self._done = len(calls)
+        if final:
+            return out
+        limit = self.reader.limit
+        if limit is not None and len(calls) >= limit:
+            return out
+        if self._open is not None and self._abandoned(text):
+            self._open = None
+            self._shift += 1
+        if self._open is None and self.reader.may_call(text):
+            opening = _opening(self.use, self.parser, text, self.reader.end if calls else 0)
+            if opening is not None:
+                cid = opening.id or new_id()
+                comp = None if self.parser in _TYPED and self.use.kind == "auto" else Compactor()
+                self._open = _Open(opening, len(calls) + self._shift, cid, comp)
+                out.append({"index": self._open.index, "id": cid, "type": "function",
+                            "function": {"name": opening.name, "arguments": ""}})  # fmt: skip
+        if self._open is not None:
+            args = self._so_far(self._open, text)
+            if len(args) > len(self._open.sent):
+                out.append(_piece(self._open.index, args[len(self._open.sent) :]))
+                self._open.sent = args
+        return out
+
+    def _complete(self, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """Call ``k``, just read whole: the rest of it where it was being streamed, else
+        all of it (under the next index)."""
+        fn = call["function"]
+        o, self._open = self._open, None
+        if o is not None:
+            if fn["name"] == o.opening.name and fn["arguments"].startswith(o.sent):
+                call["id"] = o.id  # the id its first chunk gave
+                rest = fn["arguments"][len(o.sent) :]
+                return [_piece(o.index, rest)] if rest else []
+            self._shift += 1  # what was streamed was not this call
+            if call["id"] == o.id:
+                call["id"] = new_id()
+        return [{"index": k + self._shift, "id": call["id"], "type": "function",
+                 "function": {"name": fn["name"], "arguments": fn["arguments"]}}]  # fmt: skip
+
+    def _so_far(self, o: _Open, text: str) -> str:
+        if o.json is not None:
+            o.json.feed(text[o.opening.args :])
+            return o.json.text
+        got = _TYPED[self.parser or ""](text, o.opening.args, self.types.get(o.opening.name, {}))
+        return compact(got)[:-1]  # without the closing brace: more may come
+
+    def _abandoned(self, text: str) -> bool:
+        """Whether the open call's block closed without making a call."""
+        assert self._open is not None
+        if self.use.kind != "auto" or self.parser not in _BLOCKS:
+            return False
+        opening, closing, _ = _BLOCKS[self.parser]
+        return text.find(closing, self._open.opening.at + len(opening)) >= 0
+
+
+def _piece(index: int, arguments: str) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": arguments}}
+
+
+def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Opening | None:
+    """The call being written after ``start`` (where the last call read ends), where its
+    name is written and its arguments begun."""
+    if use.kind == "named":
+        assert use.name is not None
+        m = re.compile(r"\s*(?=\{)").match(text, start)
+        return None if m is None or start else _Opening(0, use.name, None, m.end())
+    if use.kind == "required":
+        return _json_call(_IN_ARRAY.match(text, start))
+    if parser in _AFTER_MARKER:
+        marker, closing, _ = _BLOCKS[parser]
+        at = text.rfind(marker, start)
+        if at < 0 or text.find(closing, at) >= 0:
+            return None
+        m = _AFTER_MARKER[parser].match(text, at + len(marker))
+        if m is None:
+            return None
+        if parser == "kimi_k2":
+            return _Opening(at, m.group(2), m.group(1), m.end())
+        if parser == "hermes":
+            return _json_call(m, at)
+        return _Opening(at, m.group(1).strip(), None, m.end())
+    if parser == "llama3_json":
+        return _json_call(_LLAMA.match(text, start))
+    if parser == "mistral":
+        got = _json_call(_IN_ARRAY.match(text, start)) if start else None
+        at = text.rfind("[TOOL_CALLS]", start)
+        if got is not None or at < 0:
+            return got
+        m = _MISTRAL.match(text, at)
+        if m is None or m.group(1) is not None:
+            return _json_call(m, at)
+        return _Opening(at, m.group(2), None, m.end())
+    return None  # pythonic: whole calls only
+
+
+def _json_call(m: re.Match[str] | None, at: int | None = None) -> _Opening | None:
+    """A JSON call's opening from a match of :data:`_CALL` (its name in group 1)."""
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    return _Opening(m.start() if at is None else at, name, None, m.end())
