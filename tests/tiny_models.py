@@ -255,3 +255,26 @@ def make_causal_lm(
     model.save_pretrained(path)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
     return path
+
+
+def make_gpt_oss(path: Path, *, window: int = 8, context: int = 1024, seed: int = 0) -> Path:
+    """A tiny random gpt-oss (its layers alternate a sliding window of ``window`` tokens
+    and full attention, with attention sinks and a mixture of experts), with
+    :func:`make_causal_lm`'s tokenizer and chat template."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
+
+    make_causal_lm(path, context=context)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    rope = {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": context,
+            "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # fmt: skip
+    cfg = GptOssConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=window, max_position_embeddings=context,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    GptOssForCausalLM(cfg).save_pretrained(path)
+    return path

@@ -44,7 +44,8 @@ dense mask over every running sequence's cached tokens, so its cost per token st
 falling at about four sequences (1.6 ms at 16 against 0.18 ms for padded ``generate``,
 ``python -m bench.generation``). This loop costs what ``generate`` costs per step and
 never runs a row nobody waits for. Models with sliding-window or linear-attention
-layers need the paged engine (``options.engine = "paged"``).
+layers need the paged engine: the runner picks it for them (``options.engine`` "auto")
+and refuses this one.
 """
 
 from __future__ import annotations

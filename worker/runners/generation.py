@@ -10,8 +10,9 @@ request stands (:class:`Progress`, for the KV-cache budget).
 Options (fleet file, ``options``): ``gguf_file`` (load a GGUF file in ``path``),
 ``kv_cache_tokens`` (KV cache size, default 16384), ``page_size`` (KV block, default 32),
 ``step_tokens`` (per-step token budget, default 512), ``max_running`` (sequences per
-step, default 64), ``engine`` (``padded``, the default, or ``paged``:
-transformers' paged engine, for sliding-window and hybrid models; ``cuda_graphs``,
+step, default 64), ``engine`` (``auto``, the default: ``padded`` where every layer
+attends to the whole context, else ``paged``: transformers' paged engine, for
+sliding-window and hybrid models, which ``padded`` refuses; ``cuda_graphs``,
 default false: its steps replayed as CUDA graphs), ``lean_decode``
 (default true: the padded engine's steps run Llama-family models without
 transformers' module stack, :mod:`..generation.lean_decode`; false: their own forwards),
@@ -207,6 +208,24 @@ def _single_token(tokenizer: Any, text: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def _windowed(config: Any, context: int) -> str | None:
+    """Why some of a model's layers do not attend to the whole context (up to ``context``
+    tokens): a sliding window shorter than it, or another kind of layer (linear
+    attention, state spaces); None: every layer does. The padded engine serves only the
+    latter: it gives every layer the whole cache (on a model with a sliding window of 8,
+    its greedy tokens left ``generate``'s at the 9th); transformers' paged engine follows
+    the model's layer kinds."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    other = sorted(kinds - {"full_attention", "sliding_attention"})
+    if other:
+        return f"has {', '.join(other)} layers"
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in kinds or (not kinds and window is not None)
+    if sliding and (not isinstance(window, int) or window < context):
+        return f"has a sliding window of {window} tokens, shorter than its context ({context})"
+    return None
+
+
 def _flag(value: Any, name: str) -> bool:
     """A boolean option (TOML gives a bool; anything else is refused, not guessed)."""
     if not isinstance(value, bool):
@@ -286,8 +305,15 @@ class TextGenerationRunner:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
             self.eos.append(int(self.tokenizer.eos_token_id))
         pad = self.tokenizer.pad_token_id
-        self.engine_kind = str(opts.get("engine", "padded"))
-        padded = opts.get("engine", "padded") == "padded"
+        windowed = _windowed(cfg, self.context)
+        self.engine_kind = str(opts.get("engine", "auto"))
+        if self.engine_kind == "auto":  # the padded engine where it serves the model
+            self.engine_kind = "paged" if windowed else "padded"
+        elif self.engine_kind == "padded" and windowed:
+            raise ValueError(f"options.engine: 'padded' serves models whose layers attend to "
+                             f"the whole context, and this one {windowed}: use 'paged' (or "
+                             "leave engine out)")  # fmt: skip
+        padded = self.engine_kind == "padded"
         self.prefix_cache_tokens = int(
             opts.get("prefix_cache_tokens", self.kv_cache_tokens // 8 if padded else 0)
         )
@@ -327,7 +353,8 @@ class TextGenerationRunner:
                 cuda_graphs=_flag(opts.get("cuda_graphs", False), "cuda_graphs"),
             )
         else:
-            raise ValueError(f"options.engine: {self.engine_kind!r} is not 'padded' or 'paged'")
+            raise ValueError(f"options.engine: {self.engine_kind!r} is not 'auto', 'padded' or "
+                             "'paged'")  # fmt: skip
         self._think_end = (
             None
             if self._reasoning is None
