@@ -190,7 +190,7 @@ def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
 
 def test_the_parsers() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "glm45", "deepseek_v3",
-                                      "mistral", "seed_oss"}  # fmt: skip
+                                      "mistral", "seed_oss", "openai_gptoss"}  # fmt: skip
 
 
 def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:

@@ -297,6 +297,10 @@ FORMATS = {
                 '<|tool_call_argument_begin|>{"q": 1}<|tool_call_end|><|tool_call_begin|>'
                 "functions.b:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
                 "<|tool_calls_section_end|>", "I'll check."),
+    "openai": ("<|channel|>analysis<|message|>Two calls.<|end|><|start|>assistant<|channel|>"
+               "commentary<|message|>On it.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.a <|constrain|>json<|message|>{"q": 1}<|call|><|start|>assistant '
+               "to=functions.b<|channel|>commentary json<|message|>{}<|call|>", "On it."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
 
@@ -452,7 +456,7 @@ def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
 
 def test_parsers_read_only_their_own_format() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
-                            "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2"}  # fmt: skip
+                            "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

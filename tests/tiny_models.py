@@ -207,14 +207,17 @@ CHAT_TEMPLATE = (
 
 def make_causal_lm(
     path: Path, *, layers: int = 2, hidden: int = 64, seed: int = 0, context: int = 1024,
-    sharp: float = 12.0, specials: tuple[str, ...] = (),
+    sharp: float = 12.0, specials: tuple[str, ...] = (), eos_tokens: tuple[str, ...] = (),
+    template: str | None = None,
 ) -> Path:  # fmt: skip
     """A tiny random Llama with a byte-level BPE tokenizer (trained here on WORDS) and a
     chat template, saved like a hub model (config, weights, tokenizer, generation config);
     ``context``: its max_position_embeddings. ``sharp``: its query and key projections
     scaled by this, so that its attention is peaked: a random model's is near uniform, and
     then keys read from the wrong place (a cache bug) change nothing a test can see.
-    ``specials``: more special tokens (the vocabulary grows by them)."""
+    ``specials``: more special tokens (the vocabulary grows by them); ``eos_tokens``: those of
+    them that end a sequence too (the generation config's); ``template``: the chat
+    template (default :data:`CHAT_TEMPLATE`)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -237,7 +240,7 @@ def make_causal_lm(
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template or CHAT_TEMPLATE
     fast.save_pretrained(path)
     eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")
     cfg = LlamaConfig(
@@ -253,7 +256,8 @@ def make_causal_lm(
             layer.self_attn.q_proj.weight.mul_(sharp)
             layer.self_attn.k_proj.weight.mul_(sharp)
     model.save_pretrained(path)
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
+    ends = [eos, *(fast.convert_tokens_to_ids(t) for t in eos_tokens)] if eos_tokens else eos
+    GenerationConfig(eos_token_id=ends, pad_token_id=pad).save_pretrained(path)
     return path
 
 

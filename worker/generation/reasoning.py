@@ -4,7 +4,8 @@ parsers, chosen by the model's ``reasoning_parser`` option).
 Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
 ``</think>`` for ``deepseek_r1``, ``qwen3``, ``glm45`` and ``deepseek_v3``, ``[THINK]``
 and ``[/THINK]`` for ``mistral`` (Magistral), ``<seed:think>`` and ``</seed:think>`` for
-``seed_oss``.
+``seed_oss``. ``openai_gptoss`` reads gpt-oss's harmony messages instead
+(:class:`HarmonyReasoning`, :mod:`.harmony`): no tags, but channels.
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
 (:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from . import harmony
+
 TAGS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_r1": ("<think>", "</think>"),
     "qwen3": ("<think>", "</think>"),
@@ -38,7 +41,7 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "seed_oss": ("<seed:think>", "</seed:think>"),
 }
 """Each parser's opening and closing tags."""
-REASONING_PARSERS: Final = tuple(TAGS)
+REASONING_PARSERS: Final = (*TAGS, "openai_gptoss")
 """The values of a model's ``reasoning_parser`` option."""
 _BEGINS: Final = ("deepseek_r1",)
 """The parsers whose texts begin in their reasoning unless the prompt closed it."""
@@ -54,7 +57,7 @@ class Reasoning:
         self.open, self.close = TAGS[parser]
 
     @property
-    def tags(self) -> tuple[str, str]:
+    def tags(self) -> tuple[str, ...]:
         return self.open, self.close
 
     def opens(self, prompt_end: str) -> bool | None:
@@ -112,6 +115,48 @@ class Reasoning:
         if head.startswith(self.open):
             reasoning = head[len(self.open) :]
         return reasoning.strip()
+
+    def content(self, answer: str) -> str:
+        """An answer's (so far) content (OpenAI's message ``content``), trimmed."""
+        return answer.strip()
+
+
+class HarmonyReasoning(Reasoning):
+    """gpt-oss's split (``openai_gptoss``): the reasoning is the ``analysis`` messages
+    before the answer's first other message; the answer's content is its final messages
+    and preambles (:mod:`.harmony`). Where the text begins is the text's own business,
+    so the prompt's end tells nothing, and there is no closing tag for a constraint to
+    wait for (a constrained chat is not split: it holds from the first token)."""
+
+    def __init__(self, parser: str = "openai_gptoss") -> None:
+        self.parser = parser
+        self.open = self.close = ""
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return harmony.TOKENS
+
+    def opens(self, prompt_end: str) -> bool | None:
+        return None
+
+    def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
+        return harmony.answer_start(text, final)
+
+    def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
+        start = harmony.answer_start(text, True)
+        assert start is not None
+        return harmony.reasoning(text[:start]), text[start:]
+
+    def so_far(self, text: str, thinking: bool | None) -> str:
+        return harmony.reasoning(text) or ""
+
+    def content(self, answer: str) -> str:
+        return harmony.content(answer)
+
+
+def reasoning_for(parser: str) -> Reasoning:
+    """The split a ``reasoning_parser`` names."""
+    return HarmonyReasoning(parser) if parser == "openai_gptoss" else Reasoning(parser)
 
 
 def held(text: str, marker: str) -> int:

@@ -25,8 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
+from . import harmony
 from .json_compact import Compactor, compact
-from .tools import _BLOCKS, _DS, _KIMI, CallReader, Types, glm45_args, new_id, qwen3_coder_args
+from .tools import (
+    _BLOCKS,
+    _DS,
+    _KIMI,
+    CallReader,
+    Types,
+    _skip,
+    glm45_args,
+    new_id,
+    qwen3_coder_args,
+)
 
 _NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
 _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
@@ -183,6 +194,8 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         return _Opening(at, m.group(1).strip(), None, m.end())
     if parser == "llama3_json":
         return _json_call(_LLAMA.match(text, start))
+    if parser == "openai":
+        return _harmony_call(text, start)
     if parser == "mistral":
         got = _json_call(_IN_ARRAY.match(text, start)) if start else None
         at = text.rfind("[TOOL_CALLS]", start)
@@ -193,6 +206,18 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
             return _json_call(m, at)
         return _Opening(at, m.group(2), None, m.end())
     return None  # pythonic: whole calls only
+
+
+def _harmony_call(text: str, start: int) -> _Opening | None:
+    """The harmony message to a function being written from ``start``, once its
+    arguments' ``{`` is."""
+    for msg in harmony.messages(text, start):
+        if msg.body is None:
+            return None
+        if msg.call:
+            at = _skip(text, msg.body)
+            return _Opening(msg.at, msg.call, None, at) if text.startswith("{", at) else None
+    return None
 
 
 def _json_call(m: re.Match[str] | None, at: int | None = None) -> _Opening | None:

@@ -26,6 +26,8 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ```` ```json ```` block, then ``<|tool call end|>`` (DeepSeek-V3, R1-0528; its markers
   are written with U+FF5C for the bars and U+2581 for the spaces);
 - ``deepseek_v31``: the same blocks as ``NAME<|tool sep|>ARGUMENTS`` (DeepSeek-V3.1);
+- ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
+  content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
@@ -54,11 +56,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import Tool, ToolUse
+from . import harmony
 from .json_compact import DECODER, Pairs, compact
 from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
-                  "deepseek_v3", "deepseek_v31", "kimi_k2")  # fmt: skip
+                  "deepseek_v3", "deepseek_v31", "kimi_k2", "openai")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 TYPED: Final = ("qwen3_coder", "glm45")
 """The parsers that type values by the functions' schemas (``Types``)."""
@@ -83,6 +86,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "deepseek_v3": _DS,
     "deepseek_v31": _DS,
     "kimi_k2": _KIMI,
+    "openai": harmony.TOKENS,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -115,13 +119,16 @@ text goes on (0: never settled, read from the start each time)."""
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_at", "_hold", "_scan", "_section", "_settled", "calls", "content", "end",
-                 "limit", "sent")  # fmt: skip
+    __slots__ = ("_at", "_harmony", "_hold", "_scan", "_section", "_settled", "calls",
+                 "content", "end", "limit", "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
         self._section = _SECTIONS.get(parser or "") if use.kind == "auto" else None
+        self._harmony = parser == "openai" and use.kind == "auto"
+        """The text is harmony messages: its content is theirs, not the text outside the
+        calls."""
         self.limit = None if use.parallel else 1
         """How many calls count (None: all; ``parallel_tool_calls`` false: the first)."""
         self._at = 0
@@ -157,11 +164,16 @@ class CallReader:
                     start = at
                 if text.startswith(close, _skip(text, end)):
                     end = _skip(text, end) + len(close)
-            self.content = (text[:start] + text[end:]).strip()
+            self.content = (
+                harmony.content(text) if self._harmony else (text[:start] + text[end:]).strip()
+            )
 
     def content_so_far(self, text: str) -> str:
         """The content a text so far shows for certain (a start of the whole text's
-        ``content``): its text before where a call may begin, trimmed."""
+        ``content``): its text before where a call may begin, trimmed (harmony: its
+        final messages' and preambles')."""
+        if self._harmony:
+            return harmony.content(text)
         return text[: self._hold(text)].strip()
 
     def may_call(self, text: str) -> bool:
@@ -216,6 +228,8 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _leading("<|python_tag|>", "{")
     if parser == "pythonic":
         return _leading("<|python_start|>", "[")
+    if parser == "openai":
+        return harmony.call_start
     return len
 
 
@@ -540,7 +554,21 @@ def _python_literal(node: ast.expr) -> Any:
     raise ValueError("not a literal")
 
 
+def _openai(text: str, final: bool) -> list[_Found]:
+    """Harmony messages to ``functions.NAME`` whose content is a JSON object, once ended
+    (``<|call|>``, which ends the generation, is not in the text: the text's end)."""
+    out: list[_Found] = []
+    for m in harmony.messages(text):
+        name = m.call
+        if name and m.body is not None and (m.closed or final):
+            args = _json(text[m.body : m.end])
+            if isinstance(args, dict):
+                out.append(_Found(m.at, m.after, name, args))
+    return out
+
+
 _SCANNERS: Final[dict[str, Scan]] = {
+    "openai": _openai,
     "llama3_json": _llama3_json,
     "mistral": _mistral,
     "pythonic": _pythonic,

@@ -50,10 +50,11 @@ from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request
 from ...schemas.tools import ToolUse
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
+from ..generation import harmony
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
-from ..generation.reasoning import REASONING_PARSERS, Reasoning
+from ..generation.reasoning import REASONING_PARSERS, reasoning_for
 from ..generation.sampling import Logprob, Sampling
 from ..generation.tool_chunks import CallChunks
 from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
@@ -291,8 +292,12 @@ class TextGenerationRunner:
             raise ValueError(f"options.reasoning_parser: {self.reasoning_parser!r} is not one "
                              f"of {', '.join(REASONING_PARSERS)}")  # fmt: skip
         self._reasoning = (
-            None if self.reasoning_parser is None else Reasoning(self.reasoning_parser)
+            None if self.reasoning_parser is None else reasoning_for(self.reasoning_parser)
         )
+        self._harmony = (
+            self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
+        )
+        """The model writes harmony messages (gpt-oss): an answer's content is theirs."""
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -807,7 +812,7 @@ class TextGenerationRunner:
                 reasoning, answer = self._reasoning.split(answer, s.thinking)
                 if reasoning is not None:
                     out["reasoning_content"] = reasoning
-            out["content"] = answer.strip()
+            out["content"] = self._content(answer)
             if (reader := s.calls) is not None:
                 reader.read(answer, final=True)
                 if reader.calls:
@@ -815,6 +820,11 @@ class TextGenerationRunner:
                     out["content"] = reader.content
             s.answer = out
         return s.answer
+
+    def _content(self, answer: str) -> str:
+        """An answer's (so far) content, trimmed: all of it, or a harmony answer's final
+        messages and preambles."""
+        return harmony.content(answer) if self._harmony else answer.strip()
 
     def _so_far(
         self, r: _Req, s: _Seq, new: str
@@ -833,7 +843,7 @@ class TextGenerationRunner:
         answer = released[s.answer_at :]
         reader = s.calls
         if reader is None:
-            return reasoning, answer.strip(), [], []
+            return reasoning, self._content(answer), [], []
         if reader.may_complete(new):
             reader.read(answer)
         chunks = [] if s.chunks is None else s.chunks.chunks(answer)  # before ids go out
@@ -990,7 +1000,8 @@ class TextGenerationRunner:
         if markers == _ALL_SPECIAL:  # skip_special_tokens false
             keep = special - set(self.eos)
         else:
-            keep = {i for i in special if tok.convert_ids_to_tokens(i) in markers}
+            # an end-of-sequence marker (harmony's <|return|>, <|call|>) ends the text
+            keep = {i for i in special if tok.convert_ids_to_tokens(i) in markers} - set(self.eos)
         if not keep:
             return None
         drop = frozenset(special - keep)

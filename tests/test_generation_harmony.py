@@ -1,0 +1,172 @@
+"""gpt-oss's harmony messages (the ``openai_gptoss`` reasoning parser and the ``openai``
+tool parser, vLLM's): the reasoning is the analysis messages, the content the final
+messages and preambles, the calls the messages to ``functions.NAME``; streamed, each piece
+is a start of the result's. Texts are given to the runner's own delta code a token at a
+time (a random model writes no harmony)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from devices import DEVICE
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.schemas.tools import ToolUse  # noqa: E402
+from batchfleet.worker.generation import harmony  # noqa: E402
+from batchfleet.worker.generation.reasoning import HarmonyReasoning  # noqa: E402
+from batchfleet.worker.generation.tools import CallReader  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_reasoning import generate  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+A = "<|channel|>analysis<|message|>"
+NEXT = "<|start|>assistant"
+FINAL = "<|channel|>final<|message|>"
+CALL = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+
+CASES = [
+    # text, reasoning, content, calls (name, arguments)
+    (f"{A}User asks. Easy.<|end|>{NEXT}{FINAL}Paris.<|return|>", "User asks. Easy.", "Paris.", []),
+    (f"{A}Need weather.<|end|>{NEXT}{CALL}" + '{"city": "Paris", "days": 2}<|call|>',
+     "Need weather.", "", [("get_weather", '{"city":"Paris","days":2}')]),
+    # the recipient before the channel; a preamble for the user first
+    (f"{A}Plan.<|end|>{NEXT}<|channel|>commentary<|message|>Checking the weather.<|end|>"
+     f"{NEXT} to=functions.get_time<|channel|>commentary json<|message|>" + '{"zone": "utc"}',
+     "Plan.", "Checking the weather.", [("get_time", '{"zone":"utc"}')]),
+    (f"{FINAL} Straight to it. ", None, "Straight to it.", []),  # no reasoning
+    (f"{A}Still thinking about", "Still thinking about", "", []),  # cut while thinking
+    # two analysis messages, one to a built-in tool (the model's own business: reasoning)
+    (f"{A}First.<|end|>{NEXT}<|channel|>analysis to=browser.search<|message|>" + '{"q": 1}'
+     f"<|end|>{NEXT}{A}\n\n<|end|>{NEXT}{FINAL}Done", 'First.\n{"q": 1}', "Done", []),
+    (f"{A}x<|end|>{NEXT}{CALL}" + '{"city": "Par', "x", "", []),  # a call cut: none
+]  # fmt: skip
+
+
+def _tokens(text: str) -> list[str]:
+    """``text`` as a model writes it: a special token whole, other text a character at a
+    time."""
+    return [p for part in re.split("(<\\|[a-z]+\\|>)", text) if part
+            for p in ([part] if part in harmony.TOKENS else list(part))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "calls"), CASES)
+def test_harmony_texts_split_and_so_far(
+    text: str, reasoning: str | None, content: str, calls: list[tuple[str, str]]
+) -> None:
+    split = HarmonyReasoning()
+    got_reasoning, answer = split.split(text, split.opens("<|start|>assistant"))
+    assert got_reasoning == reasoning
+    reader = CallReader(ToolUse("auto"), "openai")
+    reader.read(answer, final=True)
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in reader.calls]
+    assert got == calls
+    assert (reader.content if calls else split.content(answer)) == content
+    # as it is written: every reasoning and content so far is a start of the whole's, and
+    # where the answer begins is fixed once known
+    pieces = _tokens(text)
+    starts = set()
+    for n in range(len(pieces) + 1):
+        so_far = "".join(pieces[:n])
+        assert (reasoning or "").startswith(split.so_far(so_far, None))
+        start = split.answer_start(so_far, False, None)
+        if start is not None:
+            starts.add(start)
+            assert content.startswith(reader.content_so_far(so_far[start:]))
+    assert len(starts) <= 1
+
+
+def test_messages_read_their_headers() -> None:
+    text = f"{A}a<|end|>{NEXT} to=functions.f<|channel|>commentary json<|message|>{{}}<|call|>"
+    first, second = harmony.messages(text)
+    assert (first.channel, first.recipient, first.closed, first.reasoning) == (
+        "analysis", None, True, True)  # fmt: skip
+    assert (second.channel, second.call, second.closed) == ("commentary", "f", True)
+    assert text[second.body : second.end] == "{}" and second.after == len(text)
+    # where the tokens are not special, what may be an end token's start is held back
+    (cut,) = harmony.messages(f"{A}abc<|en")
+    assert (cut.closed, cut.end, harmony.reasoning(f"{A}abc<|en")) == (False, len(A) + 3, "abc")
+    (writing,) = harmony.messages("<|channel|>fin")
+    assert writing.body is None  # its header still being written: nothing known
+    assert harmony.answer_start("<|channel|>fin", False) is None
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory: pytest.TempPathFactory) -> TextGenerationRunner:
+    """A tiny model whose tokenizer has harmony's special tokens (``<|return|>`` and
+    ``<|call|>`` end a sequence) and a harmony chat template."""
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}"
+                "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")  # fmt: skip
+    path = make_causal_lm(tmp_path_factory.mktemp("tiny-gpt-oss"), specials=harmony.TOKENS,
+                          eos_tokens=("<|return|>", "<|call|>"), template=template)  # fmt: skip
+    options = {**TINY_LM_OPTIONS, "reasoning_parser": "openai_gptoss", "tool_call_parser": "openai"}
+    return TextGenerationRunner(path, device=DEVICE, dtype="float32", options=options)
+
+
+def _added(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    calls: dict[int, dict[str, Any]] = {}
+    for c in (c for ch in chunks for c in ch.get("tool_call_chunks", ())):
+        fn = c["function"]
+        if "id" in c:
+            calls[c["index"]] = {"id": c["id"], "type": c["type"],
+                                 "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+        calls[c["index"]]["function"]["arguments"] += fn["arguments"]
+    return calls
+
+
+def test_a_gpt_oss_call_streams_as_the_result_holds_it(gptoss: TextGenerationRunner) -> None:
+    text = (f"{A}The user wants the weather. Call it.<|end|>{NEXT}<|channel|>commentary"
+            "<|message|>Let me check.<|end|>"
+            f"{NEXT}{CALL}" + '{"city": "Zürich", "unit": "c"}')  # fmt: skip
+    chunks, out = generate(gptoss, "w", [*_tokens(text), "<|call|>"], stream=True)
+    assert out["text"] == text == "".join(c["text"] for c in chunks)  # <|call|>: the end
+    assert out["reasoning_content"] == "The user wants the weather. Call it."
+    assert out["content"] == "Let me check."
+    (call,) = out["tool_calls"]
+    assert call["function"] == {"name": "get_weather",
+                                "arguments": '{"city":"Zürich","unit":"c"}'}  # fmt: skip
+    for key in ("reasoning_content", "content"):
+        assert "".join(c[key] for c in chunks) == out[key]
+    assert not any("<|" in c["reasoning_content"] + c["content"] for c in chunks)
+    assert _added(chunks) == {0: call}  # the arguments piece by piece, the same id
+    pieces = [c for ch in chunks for c in ch.get("tool_call_chunks", ())]
+    assert len(pieces) > 10
+    # the whole call comes once the text ends (<|call|> ends the generation)
+    assert [k for k, c in enumerate(chunks) if c.get("tool_calls")] == [len(chunks) - 1]
+
+
+def test_a_gpt_oss_answer_without_tools(gptoss: TextGenerationRunner) -> None:
+    text = f"{A}Simple.<|end|>{NEXT}{FINAL}The capital is Paris."
+    chunks, out = generate(gptoss, "a", [*_tokens(text), "<|return|>"], stream=True, tools=None)
+    assert (out["reasoning_content"], out["content"]) == ("Simple.", "The capital is Paris.")
+    assert "tool_calls" not in out and out["text"] == text
+    assert "".join(c["content"] for c in chunks) == out["content"]
+    # not streamed: the same result
+    _, whole = generate(gptoss, "b", [*_tokens(text), "<|return|>"], tools=None)
+    assert (whole["reasoning_content"], whole["content"]) == ("Simple.", "The capital is Paris.")
+
+
+def test_a_constrained_gpt_oss_chat_is_not_split(gptoss: TextGenerationRunner) -> None:
+    # no closing tag to wait for: a constraint holds from the first token, the text is
+    # the answer as constrained (as for a reasoning model whose tag is not one token)
+    from test_generation_tools import chat
+
+    (prep,) = gptoss.prepare_many([chat("c", tools=None, structured_outputs={"json": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}})])  # fmt: skip
+    spec = prep.payload  # type: ignore[union-attr]
+    assert not spec.reasoning and spec.sampling.constraint_after is None
+    assert spec.sampling.constraint is not None or spec.compiling is not None  # constrained
+
+
+def test_gpt_oss_options(tiny_lm: Path) -> None:
+    r = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                             options={**TINY_LM_OPTIONS, "tool_call_parser": "openai"})  # fmt: skip
+    assert r.info()["reasoning_parser"] is None
+    # a harmony answer's content without the reasoning parser: still the final message's
+    assert r._content(f"{A}x<|end|>{NEXT}{FINAL}y") == "y"
+    assert json.loads(json.dumps(r.info()))  # plain data
