@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +34,8 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker(
     redis_url: str, r: redis.Redis, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
 ) -> Iterator[WorkerProcess]:
-    opts = {"kv_cache_tokens": 4096, "page_size": 16, "step_tokens": 64, "max_running": 16}
+    opts = {"kv_cache_tokens": 4096, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "tool_call_parser": "hermes"}  # fmt: skip
     text = fleet_toml(redis_url, {MODEL: {"runner": "text-generation", "path": str(lm_dir),
                                           "options": opts}})  # fmt: skip
     w = start_worker(text, "gen-1")
@@ -48,12 +50,17 @@ def submit(r: redis.Redis, **fields: Any) -> str:
     return str(rid)
 
 
-def result(r: redis.Redis, rid: str, timeout: float = 60.0) -> dict[str, Any]:
+def result(
+    r: redis.Redis,
+    rid: str,
+    timeout: float = 60.0,
+    decode: Callable[[bytes], Any] = msgpack.unpackb,
+) -> dict[str, Any]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         raw = r.get(f"bf:{{{MODEL}}}:result:{rid}")
         if raw is not None:
-            out: dict[str, Any] = msgpack.unpackb(raw)
+            out: dict[str, Any] = decode(raw)
             return out
         time.sleep(0.05)
     raise TimeoutError(rid)
@@ -103,6 +110,41 @@ def test_streamed_generation_by_token_stream_and_reply_channel(
     assert all(m["kind"] == "delta" and m["id"] == rid for m in messages[:-1])
     assert messages[-1]["id"] == rid and messages[-1]["status"] == "ok"
     assert r.ttl(f"bf:{{{MODEL}}}:tokens:{rid}") > 0
+
+
+def test_tool_calls_stream_as_they_are_written(r: redis.Redis, worker: WorkerProcess) -> None:
+    # Given a chat with tools whose text a regex makes a hermes call (a random model writes
+    # none), streamed in JSON on a reply channel
+    markup = ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich", '
+              '"days": 3}}</tool_call>')  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("tool-replies")
+    rid = submit(r, messages=[{"role": "user", "content": "weather?"}], tools=tools,
+                 structured_outputs={"regex": re.escape(markup)}, max_new_tokens=200,
+                 stream=True, reply="tool-replies", format="json")  # fmt: skip
+    entries = token_stream(r, rid)[:-1]
+    res = result(r, rid, decode=json.loads)  # stored in the request's encoding
+    (out,) = res["outputs"]
+    assert out["text"] == markup and out["content"] == "Sure."
+    (call,) = out["tool_calls"]
+    # Then the token stream's tool_call_chunks add up to the call, OpenAI's way
+    pieces = [c for e in entries for c in json.loads(e.get(b"tool_call_chunks", b"[]"))]
+    assert pieces[0] == {"index": 0, "id": call["id"], "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
+    assert "".join(p["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
+    assert call["function"]["arguments"] == '{"city":"Zürich","days":3}' and len(pieces) > 5
+    assert "".join(e[b"content"].decode() for e in entries) == "Sure."
+    # and so do the reply channel's messages
+    messages = []
+    while (msg := next_message(pubsub, 5.0)) is not None:
+        messages.append(json.loads(msg["data"]))
+        if "status" in messages[-1]:
+            break
+    pubsub.close()
+    sent = [c for m in messages[:-1] for c in m.get("tool_call_chunks", ())]
+    assert sent == pieces
 
 
 def test_cancel_by_key_and_deadline_mid_generation(r: redis.Redis, worker: WorkerProcess) -> None:
