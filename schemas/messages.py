@@ -5,7 +5,15 @@ from __future__ import annotations
 import json as _json
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ErrorCode
 from .inputs import Input, InputLimits, check_inputs
@@ -124,6 +132,13 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = Field(None, min_length=1, max_length=128)
     """A ``tool`` turn: the call it answers."""
     name: str | None = Field(None, min_length=1, max_length=64)
+    reasoning_content: str | None = Field(
+        None, validation_alias=AliasChoices("reasoning_content", "reasoning")
+    )
+    """An assistant turn's reasoning (a result's ``reasoning_content``; vLLM's, also as
+    ``reasoning``): given to the chat template as ``reasoning_content`` (Qwen3's and
+    DeepSeek-R1's templates write it back for the turns of a tool-calling loop) and as
+    ``thinking`` (gpt-oss's)."""
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
@@ -133,9 +148,9 @@ class ChatMessage(_Strict):
 
     @property
     def chars(self) -> int:
-        """Its text's size: the content and the calls' arguments."""
+        """Its text's size: the content, the calls' arguments and the reasoning."""
         calls = sum(len(c.function.arguments) for c in self.tool_calls or ())
-        return len(self.content or "") + calls
+        return len(self.content or "") + calls + len(self.reasoning_content or "")
 
 
 class StructuredOutputs(_Strict):

@@ -58,12 +58,14 @@ TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}"
     "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}"
-    " {{ c['function']['arguments']['unit'] }}{% endfor %}{% if m.get('tool_call_id') %}"
+    " {{ c['function']['arguments']['unit'] }}{% endfor %}"
+    "{% if m.get('reasoning_content') %} thought {{ m['reasoning_content'] }}"
+    " / {{ m['thinking'] }}{% endif %}{% if m.get('tool_call_id') %}"
     " for {{ m['tool_call_id'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""A chat template that renders the tools, earlier calls (arguments as an object) and
-the tool turns' call ids."""
+"""A chat template that renders the tools, earlier calls (arguments as an object), their
+reasoning and the tool turns' call ids."""
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +238,7 @@ def test_the_chat_template_renders_tools_and_earlier_calls(runner: TextGeneratio
     try:
         turns = [
             *CHAT,
-            {"role": "assistant", "content": None, "tool_calls": [
+            {"role": "assistant", "content": None, "reasoning": "cold?", "tool_calls": [
                 {"id": "call_1", "type": "function",
                  "function": {"name": "get_weather", "arguments": '{"unit": "c", "days": 1}'}}]},
             {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
@@ -249,6 +251,8 @@ def test_the_chat_template_renders_tools_and_earlier_calls(runner: TextGeneratio
     assert "tools: get_weather get_time" in prompt
     assert "call get_weather c" in prompt  # the arguments as an object
     assert "sunny for call_1" in prompt
+    # an earlier turn's reasoning, as Qwen3's and gpt-oss's templates read it
+    assert "thought cold? / cold?" in prompt
 
 
 def test_read_calls() -> None:
