@@ -305,6 +305,17 @@ FORMATS = {
                "commentary<|message|>On it.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.a <|constrain|>json<|message|>{"q": 1}<|call|><|start|>assistant '
                "to=functions.b<|channel|>commentary json<|message|>{}<|call|>", "On it."),
+    "seed_oss": ("Sure.<seed:tool_call>\n<function=a>\n<parameter=q>\n1\n</parameter>\n"
+                 "</function>\n</seed:tool_call><seed:tool_call><function=b></function>"
+                 "</seed:tool_call>", "Sure."),
+    "minimax_m2": ('Sure.\n<minimax:tool_call>\n<invoke name="a">\n<parameter name="q">1'
+                   '</parameter>\n</invoke>\n<invoke name="b">\n</invoke>\n'
+                   "</minimax:tool_call> Done.", "Sure.\n Done."),
+    "internlm": ('Sure.<|action_start|><|plugin|>\n{"name": "a", "parameters": {"q": 1}}'
+                 '<|action_end|>\n<|action_start|><|plugin|>{"name": "b", "parameters": {}}'
+                 "<|action_end|>", "Sure."),
+    "granite": ('<|tool_call|>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+                '"arguments": {}}]', ""),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
 
@@ -314,7 +325,7 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
     parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    types = {"a": {"q": "integer"}}  # qwen3_coder's values are typed by the schema
+    types = {"a": {"q": "integer"}}  # qwen3_coder's (and others') values: typed by the schema
     whole = CallReader(use, parser, types)
     whole.read(text, final=True)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
@@ -460,7 +471,8 @@ def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
 
 def test_parsers_read_only_their_own_format() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
-                            "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai"}  # fmt: skip
+                            "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai",
+                            "seed_oss", "minimax_m2", "internlm", "granite"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

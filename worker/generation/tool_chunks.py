@@ -35,6 +35,7 @@ from .tools import (
     Types,
     _skip,
     glm45_args,
+    minimax_m2_args,
     new_id,
     qwen3_coder_args,
 )
@@ -46,6 +47,9 @@ _SEP: Final = re.escape(_DS[4])
 _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "hermes": re.compile(r"\s*" + _CALL),
     "qwen3_coder": re.compile(r"\s*<function=([^>\n]{1,64})>"),
+    "seed_oss": re.compile(r"\s*<function=([^>\n]{1,64})>"),
+    "minimax_m2": re.compile(r'\s*name="([^"\n]{1,64})"\s*>'),
+    "internlm": re.compile(r"\s*" + _CALL),
     "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
@@ -59,7 +63,9 @@ _LLAMA: Final = re.compile(r"\s*(?:<\|python_tag\|>\s*)?(?:;\s*)?" + _CALL)
 _IN_ARRAY: Final = re.compile(r"\s*[\[,]\s*" + _CALL)
 _MISTRAL: Final = re.compile(r"\[TOOL_CALLS\]\s*(?:\[\s*" + _CALL + r"|([A-Za-z0-9_.-]{1,64})"
                              r"\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]\s*(?=\{))")  # fmt: skip
-_TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args}
+_GRANITE: Final = re.compile(r"<\|tool_call\|>\s*\[\s*" + _CALL)
+_TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args,
+                 "seed_oss": qwen3_coder_args, "minimax_m2": minimax_m2_args}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +195,19 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
             return None
         if parser == "kimi_k2":
             return _Opening(at, m.group(2), m.group(1), m.end())
-        if parser == "hermes":
+        if parser in ("hermes", "internlm"):
             return _json_call(m, at)
         return _Opening(at, m.group(1).strip(), None, m.end())
     if parser == "llama3_json":
         return _json_call(_LLAMA.match(text, start))
     if parser == "openai":
         return _harmony_call(text, start)
+    if parser == "granite":
+        got = _json_call(_IN_ARRAY.match(text, start)) if start else None
+        at = text.find("<|tool_call|>")
+        if got is not None or at < 0 or start:
+            return got
+        return _json_call(_GRANITE.match(text, at), at)
     if parser == "mistral":
         got = _json_call(_IN_ARRAY.match(text, start)) if start else None
         at = text.rfind("[TOOL_CALLS]", start)

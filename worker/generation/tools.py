@@ -26,6 +26,15 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ```` ```json ```` block, then ``<|tool call end|>`` (DeepSeek-V3, R1-0528; its markers
   are written with U+FF5C for the bars and U+2581 for the spaces);
 - ``deepseek_v31``: the same blocks as ``NAME<|tool sep|>ARGUMENTS`` (DeepSeek-V3.1);
+- ``seed_oss``: ``qwen3_coder``'s blocks between ``<seed:tool_call>`` and
+  ``</seed:tool_call>`` (Seed-OSS);
+- ``minimax_m2``: in ``<minimax:tool_call>`` ... ``</minimax:tool_call>``, blocks
+  ``<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`` (MiniMax-M2),
+  each value typed as ``qwen3_coder``'s;
+- ``internlm``: ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}
+  <|action_end|>`` blocks (InternLM 2.5);
+- ``granite``: after ``<|tool_call|>``, a JSON array of ``{"name", "arguments"}`` (IBM
+  Granite 3);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
@@ -61,9 +70,10 @@ from .json_compact import DECODER, Pairs, compact
 from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
-                  "deepseek_v3", "deepseek_v31", "kimi_k2", "openai")  # fmt: skip
+                  "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
+                  "internlm", "granite")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
-TYPED: Final = ("qwen3_coder", "glm45")
+TYPED: Final = ("qwen3_coder", "glm45", "seed_oss", "minimax_m2")
 """The parsers that type values by the functions' schemas (``Types``)."""
 _DS = tuple("<\uff5c" + m.replace(" ", "\u2581") + "\uff5c>" for m in (
     "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep"))  # fmt: skip
@@ -87,6 +97,10 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "deepseek_v31": _DS,
     "kimi_k2": _KIMI,
     "openai": harmony.TOKENS,
+    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+    "internlm": ("<|action_start|>", "<|plugin|>", "<|action_end|>"),
+    "granite": ("<|tool_call|>",),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -218,12 +232,12 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
     follows (see the module docstring)."""
     if use.kind != "auto":  # the text is the calls
         return lambda text: 0
-    if parser in ("hermes", "qwen3_coder", "glm45"):
-        return _marked("<tool_call>")
     if parser in _SECTIONS:
         return _marked(_SECTIONS[parser][0])
-    if parser == "mistral":
-        return _marked("[TOOL_CALLS]")
+    if parser in _BLOCKS:
+        return _marked(_BLOCKS[parser][0])
+    if parser in ("mistral", "granite"):
+        return _marked(MARKERS[parser][0])
     if parser == "llama3_json":
         return _leading("<|python_tag|>", "{")
     if parser == "pythonic":
@@ -326,12 +340,24 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTAL
 _PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
 
 
-def _qwen3_coder_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
-    m = _FUNCTION.match(text)
-    if m is None:
-        return None
-    name = m.group(1).strip()
-    return name, qwen3_coder_args(m.group(2), 0, types.get(name, {})), None
+TypedArgs = Callable[[str, int, dict[str, str]], Pairs]
+"""A typed format's parameters written whole in a text from an offset, typed by the
+function's schema."""
+
+
+def _typed_body(header: re.Pattern[str], args: TypedArgs) -> Body:
+    """A typed format's block: a header naming the function (group 1), then its
+    parameters (group 2 where the header has one, else what follows it)."""
+
+    def body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+        m = header.match(text)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        inner, at = (m.group(2), 0) if header.groups >= 2 else (text, m.end())
+        return name, args(inner, at, types.get(name, {})), None
+
+    return body
 
 
 def qwen3_coder_args(text: str, at: int, known: dict[str, str]) -> Pairs:
@@ -344,12 +370,14 @@ _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
-def _glm45_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
-    m = _GLM_NAME.match(text)
-    if m is None:
-        return None
-    name = m.group(1)
-    return name, glm45_args(text, m.end(), types.get(name, {})), None
+_INVOKE = re.compile(r'\s*name="([^"\n]{1,64})"\s*>')
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"\n]{1,128})">(.*?)</parameter>', re.DOTALL)
+
+
+def minimax_m2_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, typed by ``known``."""
+    return Pairs([(k.strip(), _typed(v, known.get(k.strip())))
+                  for k, v in _MINIMAX_PARAMETER.findall(text, at)])  # fmt: skip
 
 
 def glm45_args(text: str, at: int, known: dict[str, str]) -> Pairs:
@@ -389,17 +417,21 @@ def _kimi_k2_body(text: str, types: Types) -> tuple[str, dict[str, Any], str] | 
 
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
-    "qwen3_coder": ("<tool_call>", "</tool_call>", _qwen3_coder_body),
-    "glm45": ("<tool_call>", "</tool_call>", _glm45_body),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, qwen3_coder_args)),
+    "glm45": ("<tool_call>", "</tool_call>", _typed_body(_GLM_NAME, glm45_args)),
     "deepseek_v3": (_DS[2], _DS[3], _deepseek_body(_DS_V3)),
     "deepseek_v31": (_DS[2], _DS[3], _deepseek_body(_DS_V31)),
     "kimi_k2": (_KIMI[2], _KIMI[3], _kimi_k2_body),
+    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", _typed_body(_FUNCTION, qwen3_coder_args)),
+    "minimax_m2": ("<invoke", "</invoke>", _typed_body(_INVOKE, minimax_m2_args)),
+    "internlm": ("<|action_start|><|plugin|>", "<|action_end|>", _hermes_body),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v3": (_DS[0], _DS[1]),
     "deepseek_v31": (_DS[0], _DS[1]),
     "kimi_k2": (_KIMI[0], _KIMI[1]),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
 }
 """The markers around a parser's blocks, where it has them."""
 
@@ -567,7 +599,18 @@ def _openai(text: str, final: bool) -> list[_Found]:
     return out
 
 
+def _granite(text: str, final: bool) -> list[_Found]:
+    at = text.find("<|tool_call|>")
+    if at < 0:
+        return []
+    i = _skip(text, at + len("<|tool_call|>"))
+    if not text.startswith("[", i):
+        return []
+    return _from(at, _closed(text, _entries(text, i + 1, ",", "]")))
+
+
 _SCANNERS: Final[dict[str, Scan]] = {
+    "granite": _granite,
     "openai": _openai,
     "llama3_json": _llama3_json,
     "mistral": _mistral,
