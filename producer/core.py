@@ -157,6 +157,8 @@ class GenerationOptions(TypedDict, total=False):
     """Outputs carry ``token_ids`` (and ``prompt_token_ids``), deltas theirs (vLLM's)."""
     cache_salt: str | None
     """Cached prefixes are shared only with requests of the same salt (vLLM's)."""
+    reasoning_effort: str | None
+    """``"low"``, ``"medium"`` or ``"high"``, for the chat template (OpenAI's; gpt-oss)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -116,6 +116,7 @@ GENERATION_FIELDS: Final = (
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
+    "reasoning_effort",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -276,6 +277,10 @@ class Request(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: more variables for the chat template (``{"enable_thinking": false}`` for
     Qwen3); JSON values, 4,096 chars in all, not the template call's own arguments."""
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """OpenAI's and vLLM's, with ``messages``: how hard a reasoning model thinks, given to
+    the chat template as ``reasoning_effort`` (gpt-oss's writes it in its system message;
+    a template that does not read it ignores it)."""
     add_generation_prompt: bool | None = None
     """vLLM's: the template opens the assistant's turn (default true)."""
     continue_final_message: bool | None = None
@@ -419,12 +424,18 @@ class Request(_Strict):
 
     def _check_template(self) -> None:
         chat = self.messages is not None
-        for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+        for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                     "reasoning_effort"):  # fmt: skip
             if getattr(self, name) is not None and not chat:
                 raise ValueError(f"{name} goes with a chat (messages)")
         if self.chat_template_kwargs is not None:
             if reserved := sorted(TEMPLATE_NAMES & set(self.chat_template_kwargs)):
                 raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+            if (
+                self.reasoning_effort is not None
+                and "reasoning_effort" in self.chat_template_kwargs
+            ):
+                raise ValueError("reasoning_effort is set twice (and in chat_template_kwargs)")
             size = len(_json.dumps(self.chat_template_kwargs, default=str))
             if size > MAX_TEMPLATE_KWARGS_CHARS:
                 raise ValueError(f"too_large: chat_template_kwargs take {size} chars as JSON "

@@ -24,9 +24,11 @@ THINKING = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}{% endif %}"
     "{% endif %}"
 )
-"""A template with a variable of its own (Qwen3's ``enable_thinking``)."""
+"""A template with variables of its own (Qwen3's ``enable_thinking``, gpt-oss's
+``reasoning_effort``)."""
 CHAT = [{"role": "user", "content": "the man was"}]
 
 
@@ -49,9 +51,11 @@ def test_template_kwargs_reach_the_template(runner: TextGenerationRunner) -> Non
         off = prompt(runner, chat_template_kwargs={"enable_thinking": False})
         on = prompt(runner, chat_template_kwargs={"enable_thinking": True})
         plain = prompt(runner)
+        high = prompt(runner, reasoning_effort="high")
     finally:
         tok.chat_template = template
     assert off.endswith("<|im_start|>assistant\n<think></think>")
+    assert high == plain + "effort: high"  # OpenAI's reasoning_effort: a template variable
     assert on == plain and plain.endswith("<|im_start|>assistant\n")
 
 
@@ -79,6 +83,9 @@ BAD = [
     ({"continue_final_message": True, "add_generation_prompt": True,
       "messages": [*CHAT, {"role": "assistant", "content": "a"}]}, "not both"),
     ({"messages": None, "inputs": ["x"], "add_generation_prompt": False}, "goes with a chat"),
+    ({"messages": None, "inputs": ["x"], "reasoning_effort": "low"}, "goes with a chat"),
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}}, "twice"),
 ]  # fmt: skip
 
 

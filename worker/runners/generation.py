@@ -562,6 +562,11 @@ class TextGenerationRunner:
                 continue_final_message=go_on,
                 tokenize=True,
                 **(req.chat_template_kwargs or {}),
+                **(
+                    {}
+                    if req.reasoning_effort is None
+                    else {"reasoning_effort": req.reasoning_effort}
+                ),
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
