@@ -25,6 +25,8 @@ from test_generation_runner import run  # noqa: E402
 from test_generation_tools import chat  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
+GRANITE = ("Here is my thought process:", "Here is my response:")
+
 
 @pytest.mark.parametrize(
     ("parser", "prompt_end", "text", "reasoning", "answer"),
@@ -50,6 +52,15 @@ from tiny_models import make_causal_lm  # noqa: E402
         ("mistral", "[/INST]", "Paris, [THINK] no.", None, "Paris, [THINK] no."),
         ("seed_oss", "assistant\n", "<seed:think>hm</seed:think>Paris.", "hm", "Paris."),
         ("seed_oss", "assistant\n", "<seed:think>cut", "cut", ""),
+        (
+            "granite",
+            "<|end_of_role|>",
+            f"{GRANITE[0]}\nhm, so\n{GRANITE[1]}\nParis.",
+            "hm, so",
+            "\nParis.",
+        ),  # plain-text tags
+        ("granite", "<|end_of_role|>", "Paris.", None, "Paris."),  # thinking off
+        ("granite", "<|end_of_role|>", "Here is my", None, "Here is my"),  # not the tag
     ],
 )
 def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
@@ -190,7 +201,7 @@ def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
 
 def test_the_parsers() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "glm45", "deepseek_v3",
-                                      "mistral", "seed_oss", "openai_gptoss"}  # fmt: skip
+                                      "mistral", "seed_oss", "openai_gptoss", "granite"}  # fmt: skip
 
 
 def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:

@@ -4,7 +4,8 @@ parsers, chosen by the model's ``reasoning_parser`` option).
 Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
 ``</think>`` for ``deepseek_r1``, ``qwen3``, ``glm45`` and ``deepseek_v3``, ``[THINK]``
 and ``[/THINK]`` for ``mistral`` (Magistral), ``<seed:think>`` and ``</seed:think>`` for
-``seed_oss``. ``openai_gptoss`` reads gpt-oss's harmony messages instead
+``seed_oss``, and the plain-text ``Here is my thought process:`` and ``Here is my
+response:`` for ``granite`` (Granite 3.2 with ``thinking`` on). ``openai_gptoss`` reads gpt-oss's harmony messages instead
 (:class:`HarmonyReasoning`, :mod:`.harmony`): no tags, but channels.
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
@@ -39,6 +40,7 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v3": ("<think>", "</think>"),
     "mistral": ("[THINK]", "[/THINK]"),
     "seed_oss": ("<seed:think>", "</seed:think>"),
+    "granite": ("Here is my thought process:", "Here is my response:"),
 }
 """Each parser's opening and closing tags."""
 REASONING_PARSERS: Final = (*TAGS, "openai_gptoss")
