@@ -243,3 +243,27 @@ def test_text_without_calls_streams_no_chunks(parser: str) -> None:
         # (glm45 reads a block cut by the end as a call: "cut", no arguments)
         assert _replay([c for s in steps for c in s]) == dict(enumerate(reader.calls))
         assert bool(reader.calls) == (parser == "glm45" and "cut" in text)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_any_cut_and_any_pace_keeps_the_chunks_consistent(fmt: str) -> None:
+    # a text cut anywhere (length, a deadline) and streamed at random paces: every call the
+    # result holds is streamed whole under one index, with its id; every other index is a
+    # call begun but not made (the result leaves it out)
+    text, _ = FORMATS[fmt]
+    parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
+    use = ToolUse("required") if fmt == "required" else ToolUse("auto")
+    types = {"a": {"q": "integer"}}
+    rnd = random.Random(fmt)
+    for _ in range(40):
+        cut = text[: rnd.randint(0, len(text))]
+        reader, steps = _stream(use, parser, cut, types, rnd.randint(1, 7))
+        calls = _replay([c for s in steps for c in s])
+        by_id = {c["id"]: c for c in calls.values()}
+        assert len(by_id) == len(calls)  # ids unique across indices
+        for made in reader.calls:
+            assert by_id[made["id"]] == made
+        made = [calls[k] for k in sorted(calls) if calls[k] in reader.calls]
+        assert made == reader.calls  # in the result's order
+        orphans = [c for c in calls.values() if c not in reader.calls]
+        assert len(orphans) <= 1  # at most the one being written at the cut
