@@ -215,9 +215,10 @@ def _windowed(config: Any, context: int) -> str | None:
     """Why some of a model's layers do not attend to the whole context (up to ``context``
     tokens): a sliding window shorter than it, or another kind of layer (linear
     attention, state spaces); None: every layer does. The padded engine serves only the
-    latter: it gives every layer the whole cache (on a model with a sliding window of 8,
-    its greedy tokens left ``generate``'s at the 9th); transformers' paged engine follows
-    the model's layer kinds."""
+    latter: its step is built for full attention and does not give sliding layers the
+    masks transformers builds for them (on a tiny gpt-oss with a window of 8, its greedy
+    tokens left ``generate``'s by the 4th generated token); transformers' paged engine
+    follows the model's layer kinds."""
     kinds = set(getattr(config, "layer_types", None) or ())
     other = sorted(kinds - {"full_attention", "sliding_attention"})
     if other:
