@@ -140,7 +140,7 @@ def _streamed(use: ToolUse, parser: str | None, text: str, types: Any = None,
 
 STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen3_coder",
             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss",
-            "minimax_m2", "internlm", "granite"}  # fmt: skip
+            "minimax_m2", "internlm", "granite", "hunyuan_a13b", "minimax"}  # fmt: skip
 """The formats whose calls stream before they are complete (``pythonic``: whole)."""
 
 

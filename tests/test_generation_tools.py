@@ -316,6 +316,10 @@ FORMATS = {
                  "<|action_end|>", "Sure."),
     "granite": ('<|tool_call|>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
                 '"arguments": {}}]', ""),
+    "hunyuan_a13b": ('Sure. <tool_calls>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+                     '"arguments": {}}]</tool_calls>', "Sure."),
+    "minimax": ('Sure.\n<tool_calls>\n{"name": "a", "arguments": {"q": 1}}\n{"name": "b", '
+                '"arguments": {}}\n</tool_calls> Done.', "Sure.\n Done."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
 
@@ -472,7 +476,8 @@ def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
 def test_parsers_read_only_their_own_format() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai",
-                            "seed_oss", "minimax_m2", "internlm", "granite"}  # fmt: skip
+                            "seed_oss", "minimax_m2", "internlm", "granite", "hunyuan_a13b",
+                            "minimax"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

@@ -63,7 +63,13 @@ _LLAMA: Final = re.compile(r"\s*(?:<\|python_tag\|>\s*)?(?:;\s*)?" + _CALL)
 _IN_ARRAY: Final = re.compile(r"\s*[\[,]\s*" + _CALL)
 _MISTRAL: Final = re.compile(r"\[TOOL_CALLS\]\s*(?:\[\s*" + _CALL + r"|([A-Za-z0-9_.-]{1,64})"
                              r"\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]\s*(?=\{))")  # fmt: skip
-_GRANITE: Final = re.compile(r"<\|tool_call\|>\s*\[\s*" + _CALL)
+_LISTED: Final[dict[str, tuple[str, re.Pattern[str], re.Pattern[str]]]] = {
+    "granite": ("<|tool_call|>", re.compile(r"<\|tool_call\|>\s*\[\s*" + _CALL), _IN_ARRAY),
+    "hunyuan_a13b": ("<tool_calls>", re.compile(r"<tool_calls>\s*\[\s*" + _CALL), _IN_ARRAY),
+    "minimax": ("<tool_calls>", re.compile(r"<tool_calls>\s*" + _CALL), re.compile(r"\s*" + _CALL)),
+}
+"""The parsers whose calls follow a marker, one after another: the marker, how the
+first call begins at it, and how a next one begins where the last ended."""
 _TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args,
                  "seed_oss": qwen3_coder_args, "minimax_m2": minimax_m2_args}  # fmt: skip
 
@@ -202,12 +208,13 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         return _json_call(_LLAMA.match(text, start))
     if parser == "openai":
         return _harmony_call(text, start)
-    if parser == "granite":
-        got = _json_call(_IN_ARRAY.match(text, start)) if start else None
-        at = text.find("<|tool_call|>")
-        if got is not None or at < 0 or start:
+    if parser in _LISTED:
+        marker, first, then = _LISTED[parser]
+        got = _json_call(then.match(text, start)) if start else None
+        at = text.rfind(marker, start)
+        if got is not None or at < 0:
             return got
-        return _json_call(_GRANITE.match(text, at), at)
+        return _json_call(first.match(text, at), at)
     if parser == "mistral":
         got = _json_call(_IN_ARRAY.match(text, start)) if start else None
         at = text.rfind("[TOOL_CALLS]", start)

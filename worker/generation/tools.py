@@ -35,6 +35,10 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   <|action_end|>`` blocks (InternLM 2.5);
 - ``granite``: after ``<|tool_call|>``, a JSON array of ``{"name", "arguments"}`` (IBM
   Granite 3);
+- ``hunyuan_a13b``: in ``<tool_calls>`` ... ``</tool_calls>``, a JSON array of them
+  (Hunyuan-A13B);
+- ``minimax``: in ``<tool_calls>`` ... ``</tool_calls>``, JSON objects ``{"name",
+  "arguments"}`` one after another (MiniMax-M1);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
@@ -71,7 +75,7 @@ from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
-                  "internlm", "granite")  # fmt: skip
+                  "internlm", "granite", "hunyuan_a13b", "minimax")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 TYPED: Final = ("qwen3_coder", "glm45", "seed_oss", "minimax_m2")
 """The parsers that type values by the functions' schemas (``Types``)."""
@@ -101,6 +105,8 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
     "internlm": ("<|action_start|>", "<|plugin|>", "<|action_end|>"),
     "granite": ("<|tool_call|>",),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>"),
+    "minimax": ("<tool_calls>", "</tool_calls>"),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -432,8 +438,10 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v31": (_DS[0], _DS[1]),
     "kimi_k2": (_KIMI[0], _KIMI[1]),
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>"),
+    "minimax": ("<tool_calls>", "</tool_calls>"),
 }
-"""The markers around a parser's blocks, where it has them."""
+"""The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
 
 def param_types(tools: list[Tool]) -> Types:
@@ -496,24 +504,34 @@ def _llama3_json(text: str, final: bool) -> list[_Found]:
 _MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
-def _mistral(text: str, final: bool) -> list[_Found]:
-    out: list[_Found] = []
-    marker = "[TOOL_CALLS]"
-    at = text.find(marker)
-    while at >= 0:
-        i = _skip(text, at + len(marker))
-        nxt = text.find(marker, i)
-        if text.startswith("[", i):  # a JSON array of calls
-            calls = _closed(text, _entries(text, i + 1, ",", "]"))
-        elif (m := _MISTRAL_NAME.match(text, i)) is not None:  # name[ARGS]{...}
-            got = _decode(text, _skip(text, m.end()))
-            calls = [] if got is None else [_Found(i, got[1], m.group(1), got[0])]
-            calls = [f for f in calls if isinstance(f.args, dict)]
-        else:
-            calls = []
-        out += _from(at, calls)
-        at = nxt
-    return out
+def _after(marker: str, read: Callable[[str, int], list[_Found]]) -> Scan:
+    """Calls after each ``marker``, read from where its text goes on (``read``)."""
+
+    def scan(text: str, final: bool) -> list[_Found]:
+        out: list[_Found] = []
+        at = text.find(marker)
+        while at >= 0:
+            i = _skip(text, at + len(marker))
+            nxt = text.find(marker, i)
+            out += _from(at, read(text, i))
+            at = nxt
+        return out
+
+    return scan
+
+
+def _array(text: str, i: int) -> list[_Found]:
+    """The calls of a JSON array at ``i``."""
+    return _closed(text, _entries(text, i + 1, ",", "]")) if text.startswith("[", i) else []
+
+
+def _mistral_calls(text: str, i: int) -> list[_Found]:
+    """A JSON array of calls, or newer tokenizers' ``name[ARGS]{...}``."""
+    if (m := _MISTRAL_NAME.match(text, i)) is None:
+        return _array(text, i)
+    got = _decode(text, _skip(text, m.end()))
+    calls = [] if got is None else [_Found(i, got[1], m.group(1), got[0])]
+    return [f for f in calls if isinstance(f.args, dict)]
 
 
 def _pythonic(text: str, final: bool) -> list[_Found]:
@@ -599,30 +617,23 @@ def _openai(text: str, final: bool) -> list[_Found]:
     return out
 
 
-def _granite(text: str, final: bool) -> list[_Found]:
-    at = text.find("<|tool_call|>")
-    if at < 0:
-        return []
-    i = _skip(text, at + len("<|tool_call|>"))
-    if not text.startswith("[", i):
-        return []
-    return _from(at, _closed(text, _entries(text, i + 1, ",", "]")))
-
-
 _SCANNERS: Final[dict[str, Scan]] = {
-    "granite": _granite,
+    "mistral": _after("[TOOL_CALLS]", _mistral_calls),
+    "granite": _after("<|tool_call|>", _array),
+    "hunyuan_a13b": _after("<tool_calls>", _array),
+    "minimax": _after("<tool_calls>", lambda text, i: list(_entries(text, i, None, "<"))),
     "openai": _openai,
     "llama3_json": _llama3_json,
-    "mistral": _mistral,
     "pythonic": _pythonic,
 }
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) == set(PARSERS) == set(MARKERS)
 
 
-def _entries(text: str, i: int, sep: str, close: str | None) -> Iterator[_Found]:
-    """Calls written as complete JSON objects from ``i`` on, separated by ``sep``, up to
-    ``close`` or the first that is not complete (or not a call: left out, read on)."""
+def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[_Found]:
+    """Calls written as complete JSON objects from ``i`` on, separated by ``sep`` (None:
+    whitespace only), up to ``close`` or the first that is not complete (or not a call:
+    left out, read on)."""
     n = len(text)
     while True:
         i = _skip(text, i)
@@ -635,6 +646,8 @@ def _entries(text: str, i: int, sep: str, close: str | None) -> Iterator[_Found]
         if (found := _entry(value, i, end)) is not None:
             yield found
         i = _skip(text, end)
+        if sep is None:
+            continue
         if i >= n or text[i] != sep:
             return
         i += 1
