@@ -45,6 +45,11 @@ CASES = [
     (f"{A}First.<|end|>{NEXT}<|channel|>analysis to=browser.search<|message|>" + '{"q": 1}'
      f"<|end|>{NEXT}{A}\n\n<|end|>{NEXT}{FINAL}Done", 'First.\n{"q": 1}', "Done", []),
     (f"{A}x<|end|>{NEXT}{CALL}" + '{"city": "Par', "x", "", []),  # a call cut: none
+    # thinking again after a preamble: reasoning too, wherever it is (vLLM's)
+    (f"{A}Plan.<|end|>{NEXT}<|channel|>commentary<|message|>One moment.<|end|>"
+     f"{NEXT}{A} Rethink. <|end|>{NEXT}{FINAL}Sunny.<|return|>",
+     "Plan.\nRethink.", "One moment.\nSunny.", []),
+    (f"{FINAL}Hi.<|end|>{NEXT}{A}Was that right?", "Was that right?", "Hi.", []),
 ]  # fmt: skip
 
 
@@ -138,6 +143,27 @@ def test_a_gpt_oss_call_streams_as_the_result_holds_it(gptoss: TextGenerationRun
     assert len(pieces) > 10
     # the whole call comes once the text ends (<|call|> ends the generation)
     assert [k for k, c in enumerate(chunks) if c.get("tool_calls")] == [len(chunks) - 1]
+
+
+def test_gpt_oss_reasoning_after_the_answer_began_streams_as_reasoning(
+    gptoss: TextGenerationRunner,
+) -> None:
+    text = (f"{A}Need data.<|end|>{NEXT}<|channel|>commentary<|message|>Looking it up.<|end|>"
+            f"{NEXT}{A}Rather answer directly.<|end|>{NEXT}{FINAL}It is 4.")  # fmt: skip
+    for tools in (None, "default"):
+        kw: dict[str, Any] = {"tools": None} if tools is None else {}
+        chunks, out = generate(gptoss, f"i{tools}", [*_tokens(text), "<|return|>"],
+                               stream=True, **kw)  # fmt: skip
+        assert out["reasoning_content"] == "Need data.\nRather answer directly."
+        assert out["content"] == "Looking it up.\nIt is 4."
+        for key in ("reasoning_content", "content"):
+            assert "".join(c[key] for c in chunks) == out[key]
+        # the second thought streams as it is written, after the preamble's content
+        said = [(c["reasoning_content"], c["content"]) for c in chunks]
+        shown = next(k for k, (_, c) in enumerate(said) if c)
+        assert "".join(r for r, _ in said[:shown]) == "Need data."
+        assert "".join(r for r, _ in said[shown:]) == "\nRather answer directly."
+        assert len([r for r, _ in said[shown:] if r]) > 10  # piece by piece
 
 
 def test_a_gpt_oss_answer_without_tools(gptoss: TextGenerationRunner) -> None:

@@ -61,6 +61,29 @@ GRANITE = ("Here is my thought process:", "Here is my response:")
         ),  # plain-text tags
         ("granite", "<|end_of_role|>", "Paris.", None, "Paris."),  # thinking off
         ("granite", "<|end_of_role|>", "Here is my", None, "Here is my"),  # not the tag
+        # "Here's", as quantized Granites write it (vLLM reads both), either tag
+        (
+            "granite",
+            "<|end_of_role|>",
+            "Here's my thought process: hm Here is my response: ok",
+            "hm",
+            " ok",
+        ),
+        (
+            "granite",
+            "<|end_of_role|>",
+            "Here is my thought process: hm Here's my response: ok",
+            "hm",
+            " ok",
+        ),
+        (
+            "granite",
+            "<|end_of_role|>",
+            "Here's my thought process: cut Here's my",
+            "cut Here's my",
+            "",
+        ),
+        ("granite", "<|end_of_role|>", "Here's my take: Paris.", None, "Here's my take: Paris."),
     ],
 )
 def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
@@ -74,9 +97,10 @@ def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
     starts = [split.answer_start(text[:n], False, thinking) for n in range(len(text) + 1)]
     known = next((n for n, s in enumerate(starts) if s is not None), None)
     assert known is None or set(starts[known:]) == {starts[known]}
-    end = text.find(split.close)
+    end, close = min(((text.find(c), c) for c in split.closings if c in text),
+                     default=(-1, ""))  # fmt: skip
     if reasoning is not None and end >= 0:
-        assert known == end + len(split.close) and starts[known] == known
+        assert known == end + len(close) and starts[known] == known
     if reasoning is None and known is not None:
         assert starts[known] == 0
     shown = [split.so_far(text[:n], thinking) for n in range(len(text) + 1)]

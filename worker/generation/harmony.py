@@ -9,9 +9,11 @@ for the user) and its recipient (``to=functions.NAME``: a call of a function, it
 the arguments as JSON, ending ``<|call|>``; the recipient may be written before or after
 the channel). Here:
 
-- the *reasoning* (``reasoning_content``) is the ``analysis`` messages before the answer
-  begins (those to built-in tools too), each trimmed, joined by a newline;
+- the *reasoning* (``reasoning_content``) is the ``analysis`` messages (those to built-in
+  tools too), each trimmed, joined by a newline, wherever they are: a model may think
+  again after a preamble or a call's result (vLLM's ``parse_chat_output`` too);
 - the *answer* begins at the first other message (a call, a final message, a preamble);
+  the reasoning messages after it are not its content;
 - its *content* is its ``final`` and ``commentary`` messages that call nothing, each
   trimmed, joined by a newline (the calls' arguments, and messages to built-in tools such
   as ``browser.search``, are not content);
@@ -145,10 +147,9 @@ def answer_start(text: str, final: bool) -> int | None:
 
 
 def reasoning(text: str) -> str | None:
-    """The reasoning a text (so far) shows (None: it has no reasoning message)."""
-    ms = messages(text)
-    start = next((k for k, m in enumerate(ms) if m.body is not None and not m.reasoning), len(ms))
-    kept = [m for m in ms[:start] if m.body is not None]
+    """The reasoning a text (so far) shows: all its analysis messages (None: it has
+    none)."""
+    kept = [m for m in messages(text) if m.body is not None and m.reasoning]
     return None if not kept else _join(text, kept)
 
 

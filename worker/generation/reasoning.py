@@ -5,7 +5,8 @@ Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
 ``</think>`` for ``deepseek_r1``, ``qwen3``, ``glm45`` and ``deepseek_v3``, ``[THINK]``
 and ``[/THINK]`` for ``mistral`` (Magistral), ``<seed:think>`` and ``</seed:think>`` for
 ``seed_oss``, and the plain-text ``Here is my thought process:`` and ``Here is my
-response:`` for ``granite`` (Granite 3.2 with ``thinking`` on). ``openai_gptoss`` reads gpt-oss's harmony messages instead
+response:`` for ``granite`` (Granite 3.2 with ``thinking`` on; ``Here's`` for ``Here is``
+too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``openai_gptoss`` reads gpt-oss's harmony messages instead
 (:class:`HarmonyReasoning`, :mod:`.harmony`): no tags, but channels.
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
@@ -29,7 +30,7 @@ whitespace, so that the deltas' pieces add up to the result's ``reasoning_conten
 
 from __future__ import annotations
 
-from typing import Final
+from typing import ClassVar, Final
 
 from . import harmony
 
@@ -43,6 +44,10 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "granite": ("Here is my thought process:", "Here is my response:"),
 }
 """Each parser's opening and closing tags."""
+SPELLINGS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "granite": (("Here's my thought process:",), ("Here's my response:",)),
+}
+"""Other spellings of a parser's opening and closing tags, read as they are."""
 REASONING_PARSERS: Final = (*TAGS, "openai_gptoss")
 """The values of a model's ``reasoning_parser`` option."""
 _BEGINS: Final = ("deepseek_r1",)
@@ -52,23 +57,29 @@ _BEGINS: Final = ("deepseek_r1",)
 class Reasoning:
     """One parser's split (see the module docstring)."""
 
-    __slots__ = ("close", "open", "parser")
+    __slots__ = ("close", "closings", "open", "openings", "parser")
+
+    interleaved: ClassVar[bool] = False
+    """Reasoning may follow the answer's start (its parts so far are still asked for)."""
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
         self.open, self.close = TAGS[parser]
+        more_open, more_close = SPELLINGS.get(parser, ((), ()))
+        self.openings = (self.open, *more_open)
+        self.closings = (self.close, *more_close)
 
     @property
     def tags(self) -> tuple[str, ...]:
-        return self.open, self.close
+        return *self.openings, *self.closings
 
     def opens(self, prompt_end: str) -> bool | None:
         """Whether the text after a prompt ending ``prompt_end`` begins in its reasoning
         (None: the text's own start tells)."""
         tail = prompt_end.rstrip()
-        if tail.endswith(self.open):
+        if tail.endswith(self.openings):
             return True
-        if tail.endswith(self.close):
+        if tail.endswith(self.closings):
             return False
         return True if self.parser in _BEGINS else None
 
@@ -77,13 +88,13 @@ class Reasoning:
         while that is not known yet (it may still be reasoning)."""
         if thinking is None:  # the text's start tells
             head = text.lstrip()
-            if not head.startswith(self.open):
-                return None if not final and self.open.startswith(head) else 0
+            if not head.startswith(self.openings):
+                return None if not final and _begins(self.openings, head) else 0
         elif not thinking:
             return 0
-        end = text.find(self.close)
+        end, tag = _first(text, self.closings)
         if end >= 0:
-            return end + len(self.close)
+            return end + len(tag)
         return len(text) if final else None
 
     def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
@@ -102,20 +113,24 @@ class Reasoning:
             return ""
         if start is not None:
             return self._clean(text[:start])
-        if thinking is None and not text.lstrip().startswith(self.open):
+        if thinking is None and not text.lstrip().startswith(self.openings):
             return ""  # not known yet to be reasoning
-        body = text[: len(text) - held(text, self.close)]
+        body = text[: len(text) - max(held(text, c) for c in self.closings)]
         head = body.lstrip()
-        if not head.startswith(self.open) and self.open.startswith(head):
+        if not head.startswith(self.openings) and _begins(self.openings, head):
             return ""  # perhaps the opening tag being written
         return self._clean(body)
 
     def _clean(self, reasoning: str) -> str:
-        if reasoning.endswith(self.close):
-            reasoning = reasoning[: -len(self.close)]
+        for close in self.closings:
+            if reasoning.endswith(close):
+                reasoning = reasoning[: -len(close)]
+                break
         head = reasoning.lstrip()
-        if head.startswith(self.open):
-            reasoning = head[len(self.open) :]
+        for open_ in self.openings:
+            if head.startswith(open_):
+                reasoning = head[len(open_) :]
+                break
         return reasoning.strip()
 
     def content(self, answer: str) -> str:
@@ -124,15 +139,19 @@ class Reasoning:
 
 
 class HarmonyReasoning(Reasoning):
-    """gpt-oss's split (``openai_gptoss``): the reasoning is the ``analysis`` messages
-    before the answer's first other message; the answer's content is its final messages
-    and preambles (:mod:`.harmony`). Where the text begins is the text's own business,
-    so the prompt's end tells nothing, and there is no closing tag for a constraint to
-    wait for (a constrained chat is not split: it holds from the first token)."""
+    """gpt-oss's split (``openai_gptoss``): the reasoning is the ``analysis`` messages,
+    those after the answer's start too (:attr:`interleaved`); the answer begins at the
+    first other message, and its content is its final messages and preambles
+    (:mod:`.harmony`). Where the text begins is the text's own business, so the prompt's
+    end tells nothing, and there is no closing tag for a constraint to wait for (a
+    constrained chat is not split: it holds from the first token)."""
+
+    interleaved: ClassVar[bool] = True
 
     def __init__(self, parser: str = "openai_gptoss") -> None:
         self.parser = parser
         self.open = self.close = ""
+        self.openings = self.closings = ()
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -147,7 +166,7 @@ class HarmonyReasoning(Reasoning):
     def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
         start = harmony.answer_start(text, True)
         assert start is not None
-        return harmony.reasoning(text[:start]), text[start:]
+        return harmony.reasoning(text), text[start:]
 
     def so_far(self, text: str, thinking: bool | None) -> str:
         return harmony.reasoning(text) or ""
@@ -159,6 +178,21 @@ class HarmonyReasoning(Reasoning):
 def reasoning_for(parser: str) -> Reasoning:
     """The split a ``reasoning_parser`` names."""
     return HarmonyReasoning(parser) if parser == "openai_gptoss" else Reasoning(parser)
+
+
+def _begins(tags: tuple[str, ...], head: str) -> bool:
+    """Whether ``head`` may be one of ``tags`` being written."""
+    return any(t.startswith(head) for t in tags)
+
+
+def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """Where the first of ``tags`` in ``text`` is, and which (-1: none)."""
+    best, found = -1, ""
+    for t in tags:
+        j = text.find(t)
+        if j >= 0 and (best < 0 or j < best):
+            best, found = j, t
+    return best, found
 
 
 def held(text: str, marker: str) -> int:

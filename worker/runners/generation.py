@@ -842,10 +842,13 @@ class TextGenerationRunner:
         text just released."""
         released = s.text.released
         reasoning = ""
+        split = self._reasoning
         if s.answer_at is None:  # the answer follows the reasoning
-            assert self._reasoning is not None
-            s.answer_at = self._reasoning.answer_start(released, False, s.thinking)
-            reasoning = self._reasoning.so_far(released, s.thinking)
+            assert split is not None
+            s.answer_at = split.answer_start(released, False, s.thinking)
+            reasoning = split.so_far(released, s.thinking)
+        elif r.spec.reasoning and split is not None and split.interleaved:
+            reasoning = split.so_far(released, s.thinking)  # gpt-oss thinks again
         if s.answer_at is None:
             return reasoning, "", [], []
         answer = released[s.answer_at :]
