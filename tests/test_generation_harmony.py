@@ -18,7 +18,9 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.tools import ToolUse  # noqa: E402
 from batchfleet.worker.generation import harmony  # noqa: E402
+from batchfleet.worker.generation.harmony import MESSAGE  # noqa: E402
 from batchfleet.worker.generation.reasoning import HarmonyReasoning  # noqa: E402
+from batchfleet.worker.generation.sampling import Marker, SeededSampler, _Track  # noqa: E402
 from batchfleet.worker.generation.tools import CallReader  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -177,16 +179,64 @@ def test_a_gpt_oss_answer_without_tools(gptoss: TextGenerationRunner) -> None:
     assert (whole["reasoning_content"], whole["content"]) == ("Simple.", "The capital is Paris.")
 
 
-def test_a_constrained_gpt_oss_chat_is_not_split(gptoss: TextGenerationRunner) -> None:
-    # no closing tag to wait for: a constraint holds from the first token, the text is
-    # the answer as constrained (as for a reasoning model whose tag is not one token)
+def test_a_constrained_gpt_oss_chat_is_constrained_in_its_final_message(
+    gptoss: TextGenerationRunner,
+) -> None:
+    # vLLM's way: free through the analysis messages and the final message's header
+    # (<|channel|>final, up to 20 tokens, <|message|>), then the constraint
+    from test_generation_reasoning import compiled
     from test_generation_tools import chat
 
-    (prep,) = gptoss.prepare_many([chat("c", tools=None, structured_outputs={"json": {
-        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}})])  # fmt: skip
+    tok = gptoss.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+    (prep,) = gptoss.prepare_many([chat("c", tools=None, structured_outputs={"regex": "[0-9]{3}"})])
+    spec = prep.payload  # type: ignore[union-attr]
+    marker = Marker(tuple(ids("<|channel|>final")), (tok.convert_tokens_to_ids(MESSAGE),), 20)
+    assert spec.reasoning and spec.sampling.constraint_after == marker
+    sampling = compiled(prep)
+    for header in (FINAL, "<|channel|>final <|constrain|>json<|message|>"):
+        out = ids(f"{A}Think: final answer?<|end|>{NEXT}{header}")
+        # token by token, as drawn: the constraint begins with the header's last token
+        sampler = SeededSampler()
+        sampler.add("s", sampling, [1, 2])
+        track = sampler._tracks["s"]
+        for k, token in enumerate(out):
+            assert track.matcher is None, k
+            SeededSampler._consume("s", track, token)
+        assert track.matcher is not None and not track.matcher.is_accepting()
+        for token in ids("123"):
+            SeededSampler._consume("s", track, token)
+        assert track.matcher.is_accepting()
+        # a resumed track takes it up where it was
+        track.restart([1, 2, *out, *ids("12")])
+        assert track.matcher is not None and not track.matcher.is_accepting()
+        track.restart([1, 2, *out[:-1]])
+        assert track.matcher is None
+    # a header whose <|message|> comes more than 20 tokens on is not the final's
+    track = _Track(sampling, None, prompt=2)
+    track.restart([1, 2, *ids("<|channel|>final"), *ids(" x" * 21), *ids(MESSAGE + "1")])
+    assert track.matcher is None
+    # the calls tool_choice requires are not written as harmony calls: from the first
+    # token, not split
+    (prep,) = gptoss.prepare_many([chat("r", tool_choice="required")])
     spec = prep.payload  # type: ignore[union-attr]
     assert not spec.reasoning and spec.sampling.constraint_after is None
-    assert spec.sampling.constraint is not None or spec.compiling is not None  # constrained
+    assert spec.sampling.constraint is not None or spec.compiling is not None
+
+
+def test_a_marker_is_found_where_it_ends() -> None:
+    think = Marker((9,))
+    assert (think.end([1, 9, 2]), think.end([1, 2]), think.last, think.span) == (2, None, 9, 1)
+    final = Marker((5, 6), (7,), gap=2)
+    assert final.end([5, 6, 7, 1]) == 3
+    assert final.end([5, 6, 0, 0, 7]) == 5  # within the gap
+    assert final.end([5, 6, 0, 0, 0, 7]) is None  # beyond it
+    assert final.end([5, 0, 6, 7]) is None and final.end([5, 6]) is None
+    assert final.end([5, 6, 0, 0, 0, 5, 6, 7]) == 8  # a later head
+    assert (final.last, final.span) == (7, 5)
 
 
 def test_gpt_oss_options(tiny_lm: Path) -> None:

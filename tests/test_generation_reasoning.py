@@ -17,7 +17,7 @@ from devices import DEVICE
 torch = pytest.importorskip("torch")
 
 from batchfleet.worker.generation.reasoning import REASONING_PARSERS, Reasoning  # noqa: E402
-from batchfleet.worker.generation.sampling import _Track  # noqa: E402
+from batchfleet.worker.generation.sampling import Marker, _Track  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -270,7 +270,7 @@ def test_a_resumed_sequence_takes_up_its_constraint_where_it_was(
         [chat("c", tools=None, structured_outputs={"regex": "[0-9]{3}"})]
     )
     sampling = compiled(prep)
-    assert sampling.constraint is not None and sampling.constraint_after == think_end
+    assert sampling.constraint is not None and sampling.constraint_after == Marker((think_end,))
     digits = reasoner.tokenizer("123", add_special_tokens=False)["input_ids"]
     word = reasoner.tokenizer(" the", add_special_tokens=False)["input_ids"]
     track = _Track(sampling, None, prompt=2)
@@ -294,7 +294,7 @@ def test_a_parser_with_other_tags_splits_keeps_and_constrains_by_them(
                                      options={**TINY_LM_OPTIONS, "reasoning_parser": "mistral"})  # fmt: skip
     close = magistral.tokenizer.convert_tokens_to_ids("[/THINK]")
     (prep,) = magistral.prepare_many([chat("c", tools=None, structured_outputs={"regex": "[0-9]"})])
-    assert prep.payload.sampling.constraint_after == close  # type: ignore[union-attr]
+    assert prep.payload.sampling.constraint_after == Marker((close,))  # type: ignore[union-attr]
     chunks, out = generate(magistral, "m", ["[THINK]", "Hm, ", "so.", "[/THINK]", " Paris."],
                            tools=None, stream=True)  # fmt: skip
     assert out["text"] == "[THINK]Hm, so.[/THINK] Paris."
@@ -317,7 +317,7 @@ def test_a_model_left_to_choose_whether_to_think_is_constrained_either_way(
     (prep,) = qwen.prepare_many([direct])
     sampling = prep.payload.sampling  # type: ignore[union-attr]
     assert prep.payload.thinking is None  # type: ignore[union-attr]
-    assert (sampling.constraint_after, sampling.constraint_unless) == (close, open_)
+    assert (sampling.constraint_after, sampling.constraint_unless) == (Marker((close,)), open_)
     # pushed to think, once (a second <think> is a bad word), then to close it
     thinks = chat("thinks", tools=None, structured_outputs=digits, max_new_tokens=10,
                   logit_bias={str(open_): 100.0, str(close): 50.0},

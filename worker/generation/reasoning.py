@@ -21,7 +21,8 @@ A text that begins in its reasoning is reasoning up to its first closing tag, an
 reasoning without one (cut while thinking). The answer is where tool calls are read, so a
 call the model only thought about is not made; until the closing tag comes, none is read.
 A request's constraint begins after the closing tag (``Sampling.constraint_after``), or
-from the first token where the prompt closed the reasoning.
+from the first token where the prompt closed the reasoning; gpt-oss's, in its final
+message (:attr:`Reasoning.answer_marker`).
 
 Streamed, each delta carries the reasoning and the answer it adds
 (:meth:`Reasoning.so_far`): held back are a possible tag being written, and trailing
@@ -72,6 +73,12 @@ class Reasoning:
     @property
     def tags(self) -> tuple[str, ...]:
         return *self.openings, *self.closings
+
+    @property
+    def answer_marker(self) -> tuple[str, str, str]:
+        """Where a constraint may begin: after a tag, a word and a second tag (the word and
+        second tag may be empty): here, the closing tag."""
+        return self.close, "", ""
 
     def opens(self, prompt_end: str) -> bool | None:
         """Whether the text after a prompt ending ``prompt_end`` begins in its reasoning
@@ -143,8 +150,8 @@ class HarmonyReasoning(Reasoning):
     those after the answer's start too (:attr:`interleaved`); the answer begins at the
     first other message, and its content is its final messages and preambles
     (:mod:`.harmony`). Where the text begins is the text's own business, so the prompt's
-    end tells nothing, and there is no closing tag for a constraint to wait for (a
-    constrained chat is not split: it holds from the first token)."""
+    end tells nothing. A constraint begins in the final message, after its header
+    (:attr:`answer_marker`)."""
 
     interleaved: ClassVar[bool] = True
 
@@ -159,6 +166,11 @@ class HarmonyReasoning(Reasoning):
 
     def opens(self, prompt_end: str) -> bool | None:
         return None
+
+    @property
+    def answer_marker(self) -> tuple[str, str, str]:
+        """The final message's header, ``<|channel|>final`` … ``<|message|>``."""
+        return harmony.CHANNEL, "final", harmony.MESSAGE
 
     def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
         return harmony.answer_start(text, final)

@@ -58,6 +58,42 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class Marker:
+    """Where a reasoning model's constraint begins: right after ``head``'s tokens (a
+    ``</think>``), or, with ``tail``, after ``tail``'s tokens begun within ``gap`` tokens
+    of ``head``'s end (gpt-oss: ``<|channel|>final`` … ``<|message|>``, a
+    ``<|constrain|>json`` between allowed; vLLM's ``is_reasoning_end``)."""
+
+    head: tuple[int, ...]
+    tail: tuple[int, ...] = ()
+    gap: int = 0
+
+    @property
+    def last(self) -> int:
+        """The token that completes it."""
+        return (self.tail or self.head)[-1]
+
+    @property
+    def span(self) -> int:
+        """The most tokens it takes."""
+        return len(self.head) + self.gap + len(self.tail)
+
+    def end(self, out: Sequence[int]) -> int | None:
+        """Where in ``out`` the text after its first occurrence begins (None: none yet)."""
+        h, t = list(self.head), list(self.tail)
+        for i in range(len(out) - len(h) + 1):
+            if out[i] != h[0] or list(out[i : i + len(h)]) != h:
+                continue
+            j = i + len(h)
+            if not t:
+                return j
+            for k in range(j, min(len(out) - len(t), j + self.gap) + 1):
+                if list(out[k : k + len(t)]) == t:
+                    return k + len(t)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """A request's sampling parameters (``temperature`` 0: greedy) and logits rules."""
 
@@ -84,8 +120,8 @@ class Sampling:
     """Keep each token's log-probability and this many alternatives' (None: none)."""
     constraint: Constraint | None = None
     """The text follows it (``structured_outputs``; None: free)."""
-    constraint_after: int | None = None
-    """The constraint begins after this token (a reasoning model's ``</think>``): the
+    constraint_after: Marker | None = None
+    """The constraint begins after this marker (a reasoning model's ``</think>``): the
     text before it is free (None: from the first token)."""
     constraint_unless: int | None = None
     """With ``constraint_after``: the constraint holds from the first token unless that
@@ -156,6 +192,9 @@ class _Track:
     """Where its output stands in its constraint (``Sampling.constraint``)."""
     opening: bool = False
     """Its next token is its first, which may also be ``Sampling.constraint_unless``."""
+    recent: list[int] = field(default_factory=list)
+    """While its constraint waits for ``Sampling.constraint_after``: its last tokens (as
+    many as the marker may take)."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
@@ -172,10 +211,12 @@ class _Track:
             after, unless = self.sampling.constraint_after, self.sampling.constraint_unless
             self.opening = unless is not None and not out
             if after is not None and (unless is None or out[:1] == [unless]):
-                self.matcher = None  # it begins after that token, once there is one
-                if after not in out:
+                self.matcher = None  # it begins after the marker, once there is one
+                at = after.end(out)
+                if at is None:
+                    self.recent = out[-after.span :]
                     return
-                out = out[out.index(after) + 1 :]
+                out = out[at:]
             self.matcher = constraint.matcher()
             if out:
                 self.matcher.consume_tokens(out)
@@ -304,9 +345,15 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 track.matcher = None
                 return
         if track.matcher is None:
-            s = track.sampling
-            if s.constraint is not None and token == s.constraint_after:  # it begins
+            s, after = track.sampling, track.sampling.constraint_after
+            if s.constraint is None or after is None:
+                return
+            recent = track.recent
+            recent.append(token)
+            del recent[: len(recent) - after.span]
+            if token == after.last and after.end(recent) is not None:  # it begins
                 track.matcher = s.constraint.matcher()
+                recent.clear()
             return
         if not track.matcher.consume_token(token):
             logger.warning("sequence %s: its constraint refused token %d: %s", sequence, token,

@@ -54,8 +54,8 @@ from ..generation import harmony
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
-from ..generation.reasoning import REASONING_PARSERS, reasoning_for
-from ..generation.sampling import Logprob, Sampling
+from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
+from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.tool_chunks import CallChunks
 from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
 from ..runner import (
@@ -211,6 +211,27 @@ def _single_token(tokenizer: Any, text: str) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def _marker(tokenizer: Any, split: Reasoning) -> Marker | None:
+    """A reasoning parser's :attr:`~Reasoning.answer_marker` as tokens (None: its tags
+    are not tokens of their own, so a text could write them otherwise)."""
+    tag, word, tail = split.answer_marker
+    first = _single_token(tokenizer, tag)
+    if first is None:
+        return None
+    if not word and not tail:
+        return Marker((first,))
+    head = [int(t) for t in tokenizer.encode(tag + word, add_special_tokens=False)]
+    last = _single_token(tokenizer, tail)
+    if head[:1] != [first] or last is None:
+        return None
+    return Marker(tuple(head), (last,), gap=_MARKER_GAP)
+
+
+_MARKER_GAP = 20
+"""Tokens allowed between a marker's head and tail (vLLM's for gpt-oss: a
+``<|constrain|>json`` there)."""
+
+
 def _windowed(config: Any, context: int) -> str | None:
     """Why some of a model's layers do not attend to the whole context (up to ``context``
     tokens): a sliding window shorter than it, or another kind of layer (linear
@@ -364,12 +385,11 @@ class TextGenerationRunner:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'auto', 'padded' or "
                              "'paged'")  # fmt: skip
         self._think_end = (
-            None
-            if self._reasoning is None
-            else _single_token(self.tokenizer, self._reasoning.close)
+            None if self._reasoning is None else _marker(self.tokenizer, self._reasoning)
         )
-        """The closing reasoning tag's token (``</think>``; None: not one token, or no
-        reasoning parser), after which a reasoning chat's constraint begins."""
+        """The tokens after which a reasoning chat's constraint begins (``</think>``;
+        gpt-oss's ``<|channel|>final`` … ``<|message|>``; None: its tags are not tokens
+        of their own, or no reasoning parser)."""
         self._think_open = (
             None if self._reasoning is None else _single_token(self.tokenizer, self._reasoning.open)
         )
@@ -448,15 +468,20 @@ class TextGenerationRunner:
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
         # a chat to a reasoning model is split; a constraint then begins after its
         # reasoning, where </think> is one token (else it holds from the first: no split),
-        # or from the first token where the prompt closed the reasoning
+        # or from the first token where the prompt closed the reasoning; gpt-oss's in its
+        # final message, but the calls tool_choice requires from the first token (they
+        # are not written as harmony calls: no structural tags)
         thinking = None
         if self._reasoning is not None and req.messages is not None:
             end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
             thinking = self._reasoning.opens(end)
+        think_end = self._think_end
+        if self._harmony and req.structured_outputs is None and req.response_format is None:
+            think_end = None
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
-            and (req.constraint is None or thinking is False or self._think_end is not None)
+            and (req.constraint is None or thinking is False or think_end is not None)
         )
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
@@ -484,7 +509,7 @@ class TextGenerationRunner:
                 constraint=constraint,
                 allowed_tokens=allowed,
                 bad_words=self._bad_words(req.bad_words or ()),
-                constraint_after=self._think_end
+                constraint_after=think_end
                 if reasoning and req.constraint is not None and thinking is not False
                 else None,
                 constraint_unless=self._think_open
