@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from batchfleet.schemas.tools import ToolUse
+from batchfleet.worker.generation import tools
 from batchfleet.worker.generation.json_compact import DECODER, Compactor, compact
 from batchfleet.worker.generation.tool_chunks import CallChunks
 from batchfleet.worker.generation.tools import PARSERS, CallReader
-from test_generation_tools import FORMATS
+from test_generation_tools import FORMATS, parser_of
 
 
 def _feed(raw: str) -> tuple[Compactor, list[str]]:
@@ -140,15 +141,18 @@ def _streamed(use: ToolUse, parser: str | None, text: str, types: Any = None,
 
 STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen3_coder",
             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss",
-            "minimax_m2", "internlm", "granite", "hunyuan_a13b", "minimax"}  # fmt: skip
-"""The formats whose calls stream before they are complete (``pythonic``: whole)."""
+            "minimax_m2", "internlm", "granite", "hunyuan_a13b", "minimax", "jamba",
+            "phi4_mini_json", "xlam", "xlam_fenced", "xlam_marked", "xlam_tagged", "llama4_json",
+            "longcat", "ernie45", "step3"}  # fmt: skip
+"""The formats whose calls stream before they are complete (``pythonic``, ``llama4_pythonic``:
+whole)."""
 
 
 @pytest.mark.parametrize("step", [1, 3])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_formats_chunks_add_up_to_the_results_calls(fmt: str, step: int) -> None:
     text, _ = FORMATS[fmt]
-    parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
+    parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
     types = {"a": {"q": "integer"}}
     reader, steps, whole = _streamed(use, parser, text, types, step)
@@ -189,6 +193,53 @@ def test_typed_parameters_stream_each_once_written() -> None:
     pieces = [c["function"]["arguments"] for s in steps for c in s]
     assert pieces == ["", "{", '"city":"Paris"', ',"days":3', "}"]
     assert reader.calls[0]["function"]["arguments"] == '{"city":"Paris","days":3}'
+
+
+def test_step3_parameters_stream_each_once_written() -> None:
+    st = tools._STEP
+    text = (f'{st[0]}{st[2]}function{st[4]}<steptml:invoke name="f"><steptml:parameter name="city">'
+            ' Paris </steptml:parameter><steptml:parameter name="days">3</steptml:parameter>'
+            f"</steptml:invoke>{st[3]}{st[1]}")  # fmt: skip
+    reader, steps = _stream(ToolUse("auto"), "step3", text, {"f": {"days": "integer"}})
+    pieces = [c["function"]["arguments"] for s in steps for c in s]
+    assert pieces == ["", "{", '"city":"Paris"', ',"days":3', "}"]
+    assert reader.calls[0]["function"]["arguments"] == '{"city":"Paris","days":3}'
+
+
+@pytest.mark.parametrize("fmt", ["xlam", "xlam_fenced", "xlam_marked", "xlam_tagged",
+                                 "phi4_mini_json", "jamba"])  # fmt: skip
+def test_arrays_of_calls_stream_each_call_as_written(fmt: str) -> None:
+    # a next call in the array, or in a next wrapper, streams as the first did
+    text, _ = FORMATS[fmt]
+    text = text.replace('"b", "arguments": {}', '"b", "arguments": {"r": "x"}')
+    text = text.replace('"b", "arguments": "{}"', '"b", "arguments": {"r": "x"}')
+    text = text.replace('"b", "parameters": {}', '"b", "parameters": {"r": "x"}')
+    reader, steps = _stream(ToolUse("auto"), parser_of(fmt), text)
+    assert _replay([c for s in steps for c in s]) == dict(enumerate(reader.calls))
+    b = [c for s in steps for c in s if c["index"] == 1]
+    assert b[0]["function"] == {"name": "b", "arguments": ""} and len(b) > 3, b
+
+
+def test_a_wrapped_xlam_array_after_another_streams_too() -> None:
+    text = ('Sure.\n```json\n[{"name": "a", "arguments": {"q": 1}}]\n```\nAnd:\n<tool_call>'
+            '[{"name": "b", "arguments": {"r": 2}}]</tool_call>')  # fmt: skip
+    reader, steps = _stream(ToolUse("auto"), "xlam", text)
+    calls = _replay([c for s in steps for c in s])
+    assert list(calls.values()) == reader.calls and len(reader.calls) == 2
+    assert len([c for s in steps for c in s if c["index"] == 1]) > 3
+    assert reader.content == "Sure."  # the text between calls is not content (as hermes's)
+
+
+@pytest.mark.parametrize(("alias", "parser"), list(tools.ALIASES.items()))
+def test_vllms_other_names_stream_as_their_formats(alias: str, parser: str) -> None:
+    text, _ = FORMATS[parser]
+    _, alias_steps = _stream(ToolUse("auto"), alias, text)
+    _, steps = _stream(ToolUse("auto"), parser, text)
+
+    def shape(steps: list[list[dict[str, Any]]]) -> list[list[Any]]:
+        return [[(c["index"], c["function"]) for c in s] for s in steps]
+
+    assert shape(alias_steps) == shape(steps)
 
 
 def test_a_call_written_badly_keeps_its_index_and_the_next_takes_the_next() -> None:
@@ -251,7 +302,7 @@ def test_any_cut_and_any_pace_keeps_the_chunks_consistent(fmt: str) -> None:
     # result holds is streamed whole under one index, with its id; every other index is a
     # call begun but not made (the result leaves it out)
     text, _ = FORMATS[fmt]
-    parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
+    parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
     types = {"a": {"q": "integer"}}
     rnd = random.Random(fmt)

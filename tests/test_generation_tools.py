@@ -278,6 +278,8 @@ def test_read_calls() -> None:
 
 DS = tools._DS
 """DeepSeek's markers (calls begin, calls end, call begin, call end, sep)."""
+ST = tools._STEP
+"""Step-3's markers (the same order)."""
 FORMATS = {
     "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
                '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Let me look."),
@@ -320,14 +322,41 @@ FORMATS = {
                      '"arguments": {}}]</tool_calls>', "Sure."),
     "minimax": ('Sure.\n<tool_calls>\n{"name": "a", "arguments": {"q": 1}}\n{"name": "b", '
                 '"arguments": {}}\n</tool_calls> Done.', "Sure.\n Done."),
+    "jamba": ('Sure. <tool_calls>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+              '"arguments": {}}]</tool_calls>', "Sure."),
+    "phi4_mini_json": ('Calling: functools[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+                       '"parameters": {}}]', "Calling:"),
+    "xlam": ('[{"name": "a", "arguments": {"q": 1}}, {"name": "b", "arguments": {}}]', ""),
+    "xlam_fenced": ('Sure.\n```json\n[{"name": "a", "arguments": {"q": 1}},\n {"name": "b", '
+                    '"arguments": "{}"}]\n```', "Sure."),
+    "xlam_marked": ('[TOOL_CALLS][{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+                    '"arguments": {}}]\nDone.', "Done."),
+    "xlam_tagged": ('Sure. <tool_call>[{"name": "a", "arguments": {"q": 1}}, {"name": "b", '
+                    '"arguments": {}}]</tool_call> Done.', "Sure.  Done."),
+    "llama4_json": ('{"name": "a", "parameters": {"q": 1}}; {"name": "b", "parameters": {}}', ""),
+    "llama4_pythonic": ("<|python_start|>[a(q=1), b()]<|python_end|>", ""),
+    "longcat": ('Sure.<longcat_tool_call>{"name": "a", "arguments": {"q": 1}}</longcat_tool_call>'
+                '\n<longcat_tool_call>\n{"name": "b", "arguments": {}}\n</longcat_tool_call>',
+                "Sure."),
+    "ernie45": ('Sure.\n\n<tool_call>\n{"name": "a", "arguments": {"q": 1}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n', "Sure."),
+    "step3": (f'Sure.{ST[0]}{ST[2]}function{ST[4]}<steptml:invoke name="a"><steptml:parameter '
+              f'name="q">1</steptml:parameter></steptml:invoke>{ST[3]}\n{ST[2]}function{ST[4]}'
+              f'<steptml:invoke name="b"></steptml:invoke>{ST[3]}{ST[1]} Done.', "Sure. Done."),
 }  # fmt: skip
-"""A text in each format calling ``a(q=1)`` then ``b()``, and its content."""
+"""A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
+variants: ``PARSER_VARIANT``)."""
+
+
+def parser_of(fmt: str) -> str:
+    """The parser that reads a format of :data:`FORMATS`."""
+    return fmt if fmt in PARSERS else fmt.rsplit("_", 1)[0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
-    parser = fmt if fmt in PARSERS else fmt.split("_v")[0]
+    parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
     types = {"a": {"q": "integer"}}  # qwen3_coder's (and others') values: typed by the schema
     whole = CallReader(use, parser, types)
@@ -374,7 +403,9 @@ def test_content_without_calls_streams_as_written(parser: str | None, text: str)
     assert not reader.calls and reader.content is None  # the result's content: all of it
     assert all(text.strip().startswith(s) for s in shown)
     held = text.strip()[len(shown[-1]) :]
-    leads = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
+    leads = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>"),
+             "xlam": ("[",)}  # fmt: skip
+    leads |= {"llama4_json": leads["llama3_json"], "llama4_pythonic": leads["pythonic"]}
     if text.lstrip().startswith(leads.get(parser or "", ())):
         assert shown[-1] == ""  # a text that may be a call is all held: it would be one
     else:
@@ -461,6 +492,106 @@ def test_block_formats_of_deepseek_kimi_and_glm() -> None:
     assert [c["function"]["name"] for c in reader.calls] == ["f"] and reader.content == ""
 
 
+def test_xlam_reads_an_array_bare_fenced_marked_or_tagged() -> None:
+    auto = ToolUse("auto")
+    array = '[{"name": "a", "arguments": {"q": 1}}, {"name": "b", "arguments": "{\\"r\\": 2}"}]'
+    for text, content in [
+        (f"  {array}  ", ""),
+        (f"Here:\n```json\n{array}\n```\nThen more.", "Here:\n\nThen more."),
+        (f"Here:\n```\n{array}\n```", "Here:"),
+        (f"[TOOL_CALLS]{array}\nDone.", "Done."),
+        (f"Sure.<tool_call>\n{array}\n</tool_call>", "Sure."),
+    ]:
+        reader = CallReader(auto, "xlam")
+        reader.read(text, final=True)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in reader.calls] == [("a", {"q": 1}), ("b", {"r": 2})], text  # fmt: skip
+        assert reader.content == content, text
+    # not calls: an array not at the start nor wrapped, a fence of code, an object (not an
+    # array) in a block, entries without a name or arguments, a fence left open and cut
+    for text in [
+        f"Sure. {array}",
+        '```python\nprint([{"name": "a"}])\n```',
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>',
+        '[{"name": "a"}, {"arguments": {}}, 3]',
+        '```json\n[{"name": "a", "arguments": {"q": 1',
+    ]:
+        assert read_calls(auto, text, "xlam") is None, text
+    # a code fence before the calls, and a fence's text that looks like a marker
+    text = f"See ```sh\nls [x]\n``` and:\n```json\n{array}\n```"
+    assert len(read_calls(auto, text, "xlam") or []) == 2
+    inner = '[{"name": "w", "arguments": {"code": "```json\\n[1]\\n```"}}]'
+    (call,) = read_calls(auto, inner, "xlam") or []
+    assert json.loads(call["function"]["arguments"]) == {"code": "```json\n[1]\n```"}
+    # a code fence in the content streams once it cannot open calls
+    reader = CallReader(auto, "xlam")
+    assert reader.content_so_far("Try ```python\nx = 1") == "Try ```python\nx = 1"
+    assert reader.content_so_far("Try ```js") == "Try"  # may yet be ```json
+    assert reader.content_so_far("Try ```json\n") == "Try"
+
+
+def test_phi4_mini_reads_the_array_after_functools() -> None:
+    auto = ToolUse("auto")
+    text = 'functools[{"name": "a", "parameters": {"q": [1, 2]}}, {"name": "b", "arguments": {}}]'
+    calls = read_calls(auto, text, "phi4_mini_json") or []
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"q": [1, 2]}), ("b", {})]  # fmt: skip
+    # the module's name in prose is not a marker, and its content is not held back
+    prose = "Use functools.reduce, or import functools; functools (a module) [see docs]."
+    reader = CallReader(auto, "phi4_mini_json")
+    assert reader.content_so_far(prose) == prose
+    assert read_calls(auto, prose, "phi4_mini_json") is None
+    assert reader.content_so_far("Then functools") == "Then"  # may yet be its array
+    assert read_calls(auto, '[{"name": "a", "arguments": {}}]', "phi4_mini_json") is None
+
+
+def test_step3_values_are_trimmed_and_typed_by_the_functions_schema() -> None:
+    def invoke(name: str, params: dict[str, str], kind: str = "function") -> str:
+        body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>'
+                       for k, v in params.items())  # fmt: skip
+        return (f'{ST[2]}{kind}{ST[4]}<steptml:invoke name="{name}">{body}</steptml:invoke>'
+                f"{ST[3]}")  # fmt: skip
+
+    types = {"f": {"n": "integer", "x": "number", "ok": "boolean", "s": "string",
+                   "o": "object", "bad": "integer"}}  # fmt: skip
+    params = {"n": " 3 ", "x": "2.5", "ok": "False", "s": "\n two words \n",
+              "o": '{"a": [1, null]}', "bad": "many", "free": "<b>"}  # fmt: skip
+    text = f"Checking.{ST[0]}{invoke('f', params)}{ST[1]}"
+    reader = CallReader(ToolUse("auto"), "step3", types)
+    reader.read(text, final=True)
+    (call,) = reader.calls
+    assert call["function"]["name"] == "f" and reader.content == "Checking."
+    assert json.loads(call["function"]["arguments"]) == {
+        "n": 3, "x": 2.5, "ok": False, "s": "two words", "o": {"a": [1, None]},
+        "bad": "many", "free": "<b>"}  # fmt: skip
+    # not calls: a type other than function, no separator, no invoke
+    for bad in [invoke("f", {}, "code"), f"{ST[2]}function<steptml:invoke name=\"f\">{ST[3]}",
+                f"{ST[2]}function{ST[4]}f{ST[3]}"]:  # fmt: skip
+        assert read_calls(ToolUse("auto"), f"{ST[0]}{bad}{ST[1]}", "step3") is None, bad
+
+
+@pytest.mark.parametrize(("alias", "parser"), list(tools.ALIASES.items()))
+def test_vllms_other_names_read_their_formats(alias: str, parser: str) -> None:
+    text, content = FORMATS[parser]
+    reader = CallReader(ToolUse("auto"), alias)
+    reader.read(text, final=True)
+    same = read_calls(ToolUse("auto"), text, parser) or []
+    assert [c["function"] for c in reader.calls] == [c["function"] for c in same]
+    assert len(same) == 2 and reader.content == content
+    assert tools.MARKERS[alias] == tools.MARKERS[parser] and alias not in tools.TYPED
+
+
+def test_longcat_reads_its_own_blocks_only() -> None:
+    auto = ToolUse("auto")
+    hermes, _ = FORMATS["hermes"]
+    assert read_calls(auto, hermes, "longcat") is None
+    bad = ('<longcat_tool_call>{"name": "a", "arguments": 3}</longcat_tool_call>'
+           '<longcat_tool_call>{"name": "b", "arguments": {}}</longcat_tool_call>')  # fmt: skip
+    reader = CallReader(auto, "longcat")
+    reader.read(bad, final=True)
+    assert [c["function"]["name"] for c in reader.calls] == ["b"]
+
+
 def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
     coder = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "qwen3_coder"})  # fmt: skip
@@ -477,7 +608,8 @@ def test_parsers_read_only_their_own_format() -> None:
     assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai",
                             "seed_oss", "minimax_m2", "internlm", "granite", "hunyuan_a13b",
-                            "minimax"}  # fmt: skip
+                            "minimax", "phi4_mini_json", "xlam", "longcat", "step3", "jamba",
+                            "llama4_json", "llama4_pythonic", "ernie45"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

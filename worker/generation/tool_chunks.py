@@ -5,10 +5,12 @@ A :class:`CallReader` finds a call once its text is complete; :class:`CallChunks
 follows the call being written (the *open* call): where its format has put its name and
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
-``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, and ``tool_choice``
-``required`` or a named function), or the parameters written whole (``qwen3_coder``,
-``glm45``, each typed by its schema). ``pythonic`` calls come whole, once complete, and so
-do calls written otherwise (``arguments`` before ``name``, or as a JSON string).
+``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
+arrays and lists after a marker, ``xlam``'s, and ``tool_choice`` ``required`` or a named
+function), or the parameters written whole (``qwen3_coder``, ``glm45``, ``seed_oss``,
+``minimax_m2``, ``step3``, each typed by its schema). ``pythonic`` calls come whole, once
+complete, and so do calls written otherwise (``arguments`` before ``name``, or as a JSON
+string). A parser's other name (``tools.ALIASES``) streams as the parser.
 
 A call's chunks (``{"index", "id", "type", "function": {"name", "arguments"}}`` first,
 then ``{"index", "function": {"arguments"}}``) add up to the call the result holds: the
@@ -31,6 +33,8 @@ from .tools import (
     _BLOCKS,
     _DS,
     _KIMI,
+    _STEP3_INVOKE,
+    ALIASES,
     CallReader,
     Types,
     _skip,
@@ -38,6 +42,7 @@ from .tools import (
     minimax_m2_args,
     new_id,
     qwen3_coder_args,
+    step3_args,
 )
 
 _NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
@@ -50,6 +55,8 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "seed_oss": re.compile(r"\s*<function=([^>\n]{1,64})>"),
     "minimax_m2": re.compile(r'\s*name="([^"\n]{1,64})"\s*>'),
     "internlm": re.compile(r"\s*" + _CALL),
+    "longcat": re.compile(r"\s*" + _CALL),
+    "step3": _STEP3_INVOKE,
     "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
@@ -59,6 +66,8 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
 }
 """How a block's call begins, after its opening marker (the name in group 1; ``kimi_k2``:
 its id in group 1, its name in group 2)."""
+_JSON_BLOCKS: Final = ("hermes", "internlm", "longcat")
+"""The block formats whose call is a JSON object."""
 _LLAMA: Final = re.compile(r"\s*(?:<\|python_tag\|>\s*)?(?:;\s*)?" + _CALL)
 _IN_ARRAY: Final = re.compile(r"\s*[\[,]\s*" + _CALL)
 _MISTRAL: Final = re.compile(r"\[TOOL_CALLS\]\s*(?:\[\s*" + _CALL + r"|([A-Za-z0-9_.-]{1,64})"
@@ -67,11 +76,18 @@ _LISTED: Final[dict[str, tuple[str, re.Pattern[str], re.Pattern[str]]]] = {
     "granite": ("<|tool_call|>", re.compile(r"<\|tool_call\|>\s*\[\s*" + _CALL), _IN_ARRAY),
     "hunyuan_a13b": ("<tool_calls>", re.compile(r"<tool_calls>\s*\[\s*" + _CALL), _IN_ARRAY),
     "minimax": ("<tool_calls>", re.compile(r"<tool_calls>\s*" + _CALL), re.compile(r"\s*" + _CALL)),
+    "phi4_mini_json": ("functools", re.compile(r"functools\s*\[\s*" + _CALL), _IN_ARRAY),
 }
 """The parsers whose calls follow a marker, one after another: the marker, how the
 first call begins at it, and how a next one begins where the last ended."""
+_XLAM: Final = re.compile(
+    r"(?:\A\s*|```(?:json)?\s*|\[TOOL_CALLS\]\s*|<tool_call>\s*)\[\s*" + _CALL
+)
+"""How an ``xlam`` array's first call begins (at the text's start, a fence, a marker)."""
+_NEXT: Final = re.compile(r"\s*,\s*" + _CALL)
 _TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args,
-                 "seed_oss": qwen3_coder_args, "minimax_m2": minimax_m2_args}  # fmt: skip
+                 "seed_oss": qwen3_coder_args, "minimax_m2": minimax_m2_args,
+                 "step3": step3_args}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +130,9 @@ class CallChunks:
     _shift: int = 0
     """Streamed calls the result leaves out (each kept its index)."""
     _open: _Open | None = None
+
+    def __post_init__(self) -> None:
+        self.parser = ALIASES.get(self.parser or "", self.parser)
 
     def chunks(self, text: str, final: bool = False) -> list[dict[str, Any]]:
         """The chunks since last asked, given the output's text so far (read by the
@@ -201,11 +220,14 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
             return None
         if parser == "kimi_k2":
             return _Opening(at, m.group(2), m.group(1), m.end())
-        if parser in ("hermes", "internlm"):
+        if parser in _JSON_BLOCKS:
             return _json_call(m, at)
         return _Opening(at, m.group(1).strip(), None, m.end())
     if parser == "llama3_json":
         return _json_call(_LLAMA.match(text, start))
+    if parser == "xlam":
+        got = _json_call(_NEXT.match(text, start)) if start else None
+        return got or _json_call(_XLAM.search(text, start))
     if parser == "openai":
         return _harmony_call(text, start)
     if parser in _LISTED:

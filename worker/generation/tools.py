@@ -39,6 +39,19 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   (Hunyuan-A13B);
 - ``minimax``: in ``<tool_calls>`` ... ``</tool_calls>``, JSON objects ``{"name",
   "arguments"}`` one after another (MiniMax-M1);
+- ``phi4_mini_json``: after ``functools``, a JSON array of them (Phi-4-mini);
+- ``xlam``: a JSON array of them: the whole text, or in a fenced ```` ```json ```` block,
+  after ``[TOOL_CALLS]`` or in a ``<tool_call>`` block (Salesforce xLAM);
+- ``longcat``: ``hermes``'s blocks as ``<longcat_tool_call>`` ... ``</longcat_tool_call>``
+  (LongCat-Flash);
+- ``step3``: in ``<|tool_calls_begin|>`` ... ``<|tool_calls_end|>``, blocks
+  ``<|tool_call_begin|>function<|tool_sep|><steptml:invoke name="NAME">
+  <steptml:parameter name="KEY">VALUE</steptml:parameter>...</steptml:invoke>
+  <|tool_call_end|>`` (Step-3; its bars are U+FF5C), each value trimmed, typed as
+  ``qwen3_coder``'s;
+- vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
+  AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
+  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
@@ -75,12 +88,18 @@ from .reasoning import held
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
-                  "internlm", "granite", "hunyuan_a13b", "minimax")  # fmt: skip
+                  "internlm", "granite", "hunyuan_a13b", "minimax", "phi4_mini_json", "xlam",
+                  "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
-TYPED: Final = ("qwen3_coder", "glm45", "seed_oss", "minimax_m2")
+ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
+                  "llama4_pythonic": "pythonic", "ernie45": "hermes"}  # fmt: skip
+"""vLLM's names for another parser's format (as vLLM registers them, or the same format)."""
+TYPED: Final = ("qwen3_coder", "glm45", "seed_oss", "minimax_m2", "step3")
 """The parsers that type values by the functions' schemas (``Types``)."""
 _DS = tuple("<\uff5c" + m.replace(" ", "\u2581") + "\uff5c>" for m in (
     "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep"))  # fmt: skip
+_STEP = tuple(f"<\uff5c{m}\uff5c>" for m in (
+    "tool_calls_begin", "tool_calls_end", "tool_call_begin", "tool_call_end", "tool_sep"))  # fmt: skip
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
@@ -107,6 +126,14 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "granite": ("<|tool_call|>",),
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>"),
     "minimax": ("<tool_calls>", "</tool_calls>"),
+    "phi4_mini_json": ("functools",),
+    "xlam": ("[TOOL_CALLS]", "<tool_call>", "</tool_call>"),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>"),
+    "step3": _STEP,
+    "jamba": ("<tool_calls>", "</tool_calls>"),
+    "llama4_json": ("<|python_tag|>",),
+    "llama4_pythonic": ("<|python_start|>", "<|python_end|>"),
+    "ernie45": ("<tool_call>", "</tool_call>"),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -143,6 +170,7 @@ class CallReader:
                  "content", "end", "limit", "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
+        parser = ALIASES.get(parser or "", parser)
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
         self._section = _SECTIONS.get(parser or "") if use.kind == "auto" else None
@@ -244,6 +272,12 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _marked(_BLOCKS[parser][0])
     if parser in ("mistral", "granite"):
         return _marked(MARKERS[parser][0])
+    if parser == "phi4_mini_json":
+        return _before_array(("functools",))
+    if parser == "xlam":
+        lead = _leading("[", "[")
+        fenced = _before_array(("```json", "```", "[TOOL_CALLS]", "<tool_call>"))
+        return lambda text: min(lead(text), fenced(text))
     if parser == "llama3_json":
         return _leading("<|python_tag|>", "{")
     if parser == "pythonic":
@@ -259,6 +293,25 @@ def _marked(marker: str) -> Callable[[str], int]:
     def hold(text: str) -> int:
         at = text.find(marker)
         return at if at >= 0 else len(text) - held(text, marker)  # its start, perhaps
+
+    return hold
+
+
+def _before_array(markers: tuple[str, ...]) -> Callable[[str], int]:
+    """Calls begin at a marker that a JSON array follows: the first one whose text so far
+    may go on so (nothing but whitespace yet, or ``[``), or a marker's start at the end."""
+
+    def hold(text: str) -> int:
+        cut = len(text) - max(held(text, m) for m in markers)
+        for m in markers:
+            at = text.find(m)
+            while 0 <= at < cut:
+                i = _skip(text, at + len(m))
+                if i == len(text) or text[i] == "[":
+                    cut = at
+                    break
+                at = text.find(m, at + 1)
+        return cut
 
     return hold
 
@@ -409,6 +462,18 @@ def _deepseek_body(pattern: re.Pattern[str]) -> Body:
     return body
 
 
+_STEP3_INVOKE = re.compile(r"\s*function\s*" + re.escape(_STEP[4]) +
+                           r'\s*<steptml:invoke name="([^"\n]{1,64})">')  # fmt: skip
+_STEP3_PARAMETER = re.compile(r'<steptml:parameter name="([^"\n]{1,128})">(.*?)</steptml:parameter>',
+                              re.DOTALL)  # fmt: skip
+
+
+def step3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, trimmed, typed by ``known``."""
+    return Pairs([(k.strip(), _typed(v.strip(), known.get(k.strip())))
+                  for k, v in _STEP3_PARAMETER.findall(text, at)])  # fmt: skip
+
+
 _KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*"
                         r"<\|tool_call_argument_begin\|>(.*)$", re.DOTALL)  # fmt: skip
 
@@ -431,6 +496,8 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", _typed_body(_FUNCTION, qwen3_coder_args)),
     "minimax_m2": ("<invoke", "</invoke>", _typed_body(_INVOKE, minimax_m2_args)),
     "internlm": ("<|action_start|><|plugin|>", "<|action_end|>", _hermes_body),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", _hermes_body),
+    "step3": (_STEP[2], _STEP[3], _typed_body(_STEP3_INVOKE, step3_args)),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -440,6 +507,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>"),
     "minimax": ("<tool_calls>", "</tool_calls>"),
+    "step3": (_STEP[0], _STEP[1]),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -534,6 +602,36 @@ def _mistral_calls(text: str, i: int) -> list[_Found]:
     return [f for f in calls if isinstance(f.args, dict)]
 
 
+_XLAM: Final = re.compile(r"\A\s*(?=\[(?!TOOL_CALLS\]))|```(?:json)?|\[TOOL_CALLS\]|<tool_call>")
+"""Where an ``xlam`` array may begin: the text's start, a fence, or a marker."""
+_XLAM_CLOSE: Final = {"`": "```", "<": "</tool_call>"}
+
+
+def _xlam(text: str, final: bool) -> list[_Found]:
+    """JSON arrays of calls where :data:`_XLAM` finds them (an array's closing fence or
+    ``</tool_call>`` is its calls' markup); read up to an array not complete."""
+    out: list[_Found] = []
+    at = 0
+    while (m := _XLAM.search(text, at)) is not None:
+        i = _skip(text, m.end())
+        if not text.startswith("[", i):
+            at = m.end()
+            continue
+        found = _from(m.start(), _array(text, i))
+        got = _decode(text, i)
+        if got is None:  # cut (or not JSON): what follows is not read
+            return out + found
+        at = got[1]
+        close = _XLAM_CLOSE.get(m.group()[:1])
+        if close is not None and text.startswith(close, _skip(text, at)):
+            at = _skip(text, at) + len(close)
+            if found:
+                last = found[-1]
+                found[-1] = _Found(last.start, at, last.name, last.args)
+        out += found
+    return out
+
+
 def _pythonic(text: str, final: bool) -> list[_Found]:
     start = i = _skip(text, 0)
     if text.startswith("<|python_start|>", i):
@@ -622,12 +720,14 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "granite": _after("<|tool_call|>", _array),
     "hunyuan_a13b": _after("<tool_calls>", _array),
     "minimax": _after("<tool_calls>", lambda text, i: list(_entries(text, i, None, "<"))),
+    "phi4_mini_json": _after("functools", _array),
+    "xlam": _xlam,
     "openai": _openai,
     "llama3_json": _llama3_json,
     "pythonic": _pythonic,
 }
 """The parsers that read the whole text each time."""
-assert set(_SCANNERS) | set(_BLOCKS) == set(PARSERS) == set(MARKERS)
+assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
 
 
 def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[_Found]:
