@@ -175,5 +175,12 @@ def calls_schema(tools: list[Tool], use: ToolUse) -> dict[str, Any] | None:
     return None
 
 
+def called(tools: list[Tool], use: ToolUse) -> list[tuple[str, dict[str, Any]]]:
+    """The functions a call that ``use`` (``required`` or named) asks for may call, each
+    with its parameters' JSON Schema."""
+    fns = [t.function for t in tools if use.kind != "named" or t.function.name == use.name]
+    return [(fn.name, _parameters(fn)) for fn in fns]
+
+
 def _parameters(fn: FunctionDef) -> dict[str, Any]:
     return fn.parameters if fn.parameters else {"type": "object", "properties": {}}

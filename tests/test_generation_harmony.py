@@ -219,12 +219,6 @@ def test_a_constrained_gpt_oss_chat_is_constrained_in_its_final_message(
     track = _Track(sampling, None, prompt=2)
     track.restart([1, 2, *ids("<|channel|>final"), *ids(" x" * 21), *ids(MESSAGE + "1")])
     assert track.matcher is None
-    # the calls tool_choice requires are not written as harmony calls: from the first
-    # token, not split
-    (prep,) = gptoss.prepare_many([chat("r", tool_choice="required")])
-    spec = prep.payload  # type: ignore[union-attr]
-    assert not spec.reasoning and spec.sampling.constraint_after is None
-    assert spec.sampling.constraint is not None or spec.compiling is not None
 
 
 def test_a_marker_is_found_where_it_ends() -> None:
@@ -246,3 +240,59 @@ def test_gpt_oss_options(tiny_lm: Path) -> None:
     # a harmony answer's content without the reasoning parser: still the final message's
     assert r._content(f"{A}x<|end|>{NEXT}{FINAL}y") == "y"
     assert json.loads(json.dumps(r.info()))  # plain data
+
+
+def test_gpt_oss_writes_the_calls_tool_choice_asks_for_as_harmony_calls(
+    gptoss: TextGenerationRunner,
+) -> None:
+    # vLLM's structural tags' aim: analysis messages free, then a harmony call whose
+    # arguments follow the function's schema (harmony.calls_grammar), not a JSON array
+    from test_generation_reasoning import compiled
+    from test_generation_runner import run
+    from test_generation_tools import chat
+
+    tok = gptoss.tokenizer
+    time_call = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"
+
+    def accepts(sampling: Any, text: str) -> bool:
+        m = sampling.constraint.matcher()
+        return bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))
+                    and m.is_accepting())  # fmt: skip
+
+    (prep,) = gptoss.prepare_many([chat("r", tool_choice="required")])
+    spec = prep.payload  # type: ignore[union-attr]
+    assert spec.reasoning and spec.sampling.constraint_after is None  # split, from the first
+    required = compiled(prep)
+    thought = f"{A}Which <tool>? Time.<|end|>{NEXT}"
+    assert accepts(required, thought + time_call + '{"zone":"cet"}')
+    assert accepts(required, time_call.replace("get_time", "get_weather") + '{"unit":"c","days":2}')
+    assert not accepts(required, time_call + '{"zone":"mars"}')  # its schema
+    assert not accepts(required, time_call + '{ "zone":"cet"}')  # compact
+    assert not accepts(required, thought + f"{FINAL}No call.")  # a call it must make
+    assert not accepts(required, time_call.replace("get_time", "get_date") + "{}")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    (prep,) = gptoss.prepare_many([chat("n", tool_choice=named)])
+    only = compiled(prep)
+    assert accepts(only, time_call + '{"zone":"utc"}')
+    assert not accepts(only, time_call.replace("get_time", "get_weather") + '{"unit":"c","days":2}')
+    # generated: pushed past the analysis channel (its first letters' tokens), the random
+    # model's call is the named function's, its arguments as the schema allows
+    vocab = {i: tok.decode([i]) for i in range(len(tok))}
+    not_analysis = {str(i): -100.0 for i, t in vocab.items() if t and "analysis".startswith(t)}
+    outs = run(gptoss, chat("g", tool_choice=named, logit_bias=not_analysis, max_new_tokens=120))
+    (out,) = outs["g"]
+    assert out["text"].startswith(time_call), out
+    assert out["finish_reason"] != "length" and "tool_calls" in out, out
+    (call,) = out["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) in ({"zone": "utc"}, {"zone": "cet"})
+    assert out["content"] == "" and out.get("reasoning_content") is None
+    # streamed, required: the reasoning, then the call's chunks, adding up to the result's
+    text = thought + time_call + '{"zone": "cet"}'
+    chunks, out = generate(gptoss, "s", [*_tokens(text), "<|call|>"], stream=True,
+                           tool_choice="required")  # fmt: skip
+    assert out["reasoning_content"] == "Which <tool>? Time." and out["content"] == ""
+    (call,) = out["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone":"cet"}'}
+    assert _added(chunks) == {0: call}
+    assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]

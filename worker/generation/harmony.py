@@ -29,10 +29,11 @@ adds its content trimmed, and its newline only once it has a character to show.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
@@ -176,3 +177,24 @@ def call_start(text: str, start: int = 0) -> int:
         if m.body is None or m.call is not None:
             return m.at
     return len(text)
+
+
+def calls_grammar(functions: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """A Lark grammar (llguidance's) for a text that calls one of ``functions`` (each a
+    name and its parameters' JSON Schema) as gpt-oss does, for the calls ``tool_choice``
+    ``required`` or a named function asks for: analysis messages, each free text, then a
+    ``commentary`` message to ``functions.NAME`` whose content is compact JSON the
+    function's schema allows (then an end token, ``<|call|>``). The markers are the
+    tokenizer's special tokens, which free text cannot write."""
+    rules = [
+        "start: thought* call",
+        f'thought: {CHANNEL} "analysis" {MESSAGE} TEXT {END} {START} "assistant"',
+        "call: " + " | ".join(f"call_{k}" for k in range(len(functions))),
+        r"TEXT: /(.|\n)*/",
+    ]
+    for k, (name, schema) in enumerate(functions):
+        header = json.dumps(f"commentary to={FUNCTIONS}{name} ")
+        args = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f'call_{k}: {CHANNEL} {header} {CONSTRAIN} "json" {MESSAGE} args_{k}')
+        rules.append(f"args_{k}: %json {json.dumps(args)}")
+    return "\n".join(rules)

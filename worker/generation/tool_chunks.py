@@ -204,6 +204,8 @@ def _piece(index: int, arguments: str) -> dict[str, Any]:
 def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Opening | None:
     """The call being written after ``start`` (where the last call read ends), where its
     name is written and its arguments begun."""
+    if parser == "openai":  # harmony calls, whatever the tool choice
+        return _harmony_call(text, start)
     if use.kind == "named":
         assert use.name is not None
         m = re.compile(r"\s*(?=\{)").match(text, start)
@@ -228,8 +230,6 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
     if parser == "xlam":
         got = _json_call(_NEXT.match(text, start)) if start else None
         return got or _json_call(_XLAM.search(text, start))
-    if parser == "openai":
-        return _harmony_call(text, start)
     if parser in _LISTED:
         marker, first, then = _LISTED[parser]
         got = _json_call(then.match(text, start)) if start else None

@@ -174,9 +174,9 @@ class CallReader:
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
         self._section = _SECTIONS.get(parser or "") if use.kind == "auto" else None
-        self._harmony = parser == "openai" and use.kind == "auto"
-        """The text is harmony messages: its content is theirs, not the text outside the
-        calls."""
+        self._harmony = parser == "openai"
+        """The text is harmony messages (whatever the tool choice): its content is
+        theirs, not the text outside the calls."""
         self.limit = None if use.parallel else 1
         """How many calls count (None: all; ``parallel_tool_calls`` false: the first)."""
         self._at = 0
@@ -250,6 +250,8 @@ def read_calls(use: ToolUse, text: str, parser: str | None,
 
 
 def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
+    if parser == "openai":  # harmony calls, whatever the tool choice (harmony.calls_grammar)
+        return _whole(_openai)
     if use.kind == "named":
         assert use.name is not None
         return _whole(_named(use.name))
@@ -264,6 +266,8 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
 def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
     """Where, in a text so far, a call may begin: the text before is content whatever
     follows (see the module docstring)."""
+    if parser == "openai":
+        return harmony.call_start
     if use.kind != "auto":  # the text is the calls
         return lambda text: 0
     if parser in _SECTIONS:
@@ -282,8 +286,6 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _leading("<|python_tag|>", "{")
     if parser == "pythonic":
         return _leading("<|python_start|>", "[")
-    if parser == "openai":
-        return harmony.call_start
     return len
 
 

@@ -47,8 +47,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ...schemas.errors import ErrorCode
 from ...schemas.inputs import TokenPrompt
-from ...schemas.messages import ChatMessage, Request
-from ...schemas.tools import ToolUse
+from ...schemas.messages import ChatMessage, Request, StructuredOutputs
+from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation import harmony
 from ..generation.detok import Decode, TextStream
@@ -322,6 +322,9 @@ class TextGenerationRunner:
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
         )
         """The model writes harmony messages (gpt-oss): an answer's content is theirs."""
+        self._calls_parser = "openai" if self._harmony else self.tool_call_parser
+        """How calls are read: harmony calls for gpt-oss whatever the tool choice (the
+        calls it requires are constrained to them), else the model's parser's."""
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -455,9 +458,15 @@ class TextGenerationRunner:
                                 "function, or none")  # fmt: skip
         constraint: Constraint | None = None
         compiling: Future[Constraint] | None = None
+        # gpt-oss writes the calls tool_choice asks for as harmony calls, after its
+        # analysis (harmony.calls_grammar): the text is split, constrained from the first
+        harmony_calls = (
+            self._harmony and req.constraint is not None
+            and req.structured_outputs is None and req.response_format is None
+        )  # fmt: skip
         if req.constraint is not None:
             try:
-                compiling = self._constraint(req)
+                compiling = self._constraint(req, harmony_calls)
             except PrepareError as exc:
                 return exc
             if compiling.done():  # compiled before (or here): refused now if it failed
@@ -469,20 +478,19 @@ class TextGenerationRunner:
         # a chat to a reasoning model is split; a constraint then begins after its
         # reasoning, where </think> is one token (else it holds from the first: no split),
         # or from the first token where the prompt closed the reasoning; gpt-oss's in its
-        # final message, but the calls tool_choice requires from the first token (they
-        # are not written as harmony calls: no structural tags)
+        # final message, or, for calls, from the first token (the grammar frees the
+        # analysis)
         thinking = None
         if self._reasoning is not None and req.messages is not None:
             end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
             thinking = self._reasoning.opens(end)
-        think_end = self._think_end
-        if self._harmony and req.structured_outputs is None and req.response_format is None:
-            think_end = None
+        think_end = None if harmony_calls else self._think_end
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
-            and (req.constraint is None or thinking is False or think_end is not None)
-        )
+            and (req.constraint is None or thinking is False or think_end is not None
+                 or harmony_calls)
+        )  # fmt: skip
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
                           ("allowed_token_ids", allowed)):  # fmt: skip
@@ -547,11 +555,17 @@ class TextGenerationRunner:
                     out.append(ids)
         return tuple(out)
 
-    def _constraint(self, req: Request) -> Future[Constraint]:
-        """The request's ``structured_outputs`` (or ``response_format``), compiled for this
-        tokenizer or being compiled (:meth:`Grammars.submit`)."""
+    def _constraint(self, req: Request, harmony_calls: bool = False) -> Future[Constraint]:
+        """The request's ``structured_outputs`` (or ``response_format``, or the calls
+        its ``tool_choice`` asks for; ``harmony_calls``: as gpt-oss writes them), compiled
+        for this tokenizer or being compiled (:meth:`Grammars.submit`)."""
         spec = req.constraint
         assert spec is not None
+        if harmony_calls:
+            use = req.tool_use
+            assert use is not None and req.tools is not None
+            grammar = harmony.calls_grammar(called(req.tools, use))
+            spec = StructuredOutputs.model_construct(grammar=grammar)  # tools are bounded
         if req.ignore_eos:
             raise PrepareError("structured_outputs ends the text with an end-of-sequence "
                                "token: it does not go with ignore_eos")  # fmt: skip
@@ -715,12 +729,14 @@ class TextGenerationRunner:
             markers = (
                 MARKERS.get(self.tool_call_parser or "", ()) if use and use.kind == "auto" else ()
             )
+            if self._harmony and use is not None:  # harmony calls, whatever the choice
+                markers = harmony.TOKENS
             tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
             decode = self._marked(markers + tags
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
-                         calls=None if use is None else CallReader(use, self.tool_call_parser,
+                         calls=None if use is None else CallReader(use, self._calls_parser,
                                                                     spec.tool_types),
                          answer_at=None if spec.reasoning else 0, thinking=spec.thinking)
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
@@ -728,7 +744,7 @@ class TextGenerationRunner:
             if use is not None and spec.stream:
                 for s in seqs:
                     assert s.calls is not None
-                    s.chunks = CallChunks(s.calls, use, self.tool_call_parser,
+                    s.chunks = CallChunks(s.calls, use, self._calls_parser,
                                           spec.tool_types)  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
             self._reqs[key] = r
