@@ -8,9 +8,11 @@ begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
 arrays and lists after a marker, ``xlam``'s, and ``tool_choice`` ``required`` or a named
 function), or the parameters written whole (``qwen3_coder``, ``glm45``, ``seed_oss``,
-``minimax_m2``, ``step3``, each typed by its schema). ``pythonic`` calls come whole, once
-complete, and so do calls written otherwise (``arguments`` before ``name``, or as a JSON
-string). A parser's other name (``tools.ALIASES``) streams as the parser.
+``minimax_m2``, ``step3``, each typed by its schema), or, for ``pythonic``, the keyword
+arguments written whole (:class:`.python_calls.ArgsScanner`: a call is streamed whole at
+its ``)``, before the list that holds it closes and is read). Calls written otherwise
+(``arguments`` before ``name``, or as a JSON string) come whole, once complete. A parser's
+other name (``tools.ALIASES``) streams as the parser.
 
 A call's chunks (``{"index", "id", "type", "function": {"name", "arguments"}}`` first,
 then ``{"index", "function": {"arguments"}}``) add up to the call the result holds: the
@@ -27,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import harmony
+from . import harmony, python_calls
 from .json_compact import Compactor, compact
+from .python_calls import ArgsScanner
 from .tools import (
     _BLOCKS,
     _DS,
@@ -111,7 +114,9 @@ class _Open:
     index: int
     id: str
     json: Compactor | None
-    """Its JSON arguments as they come (None: typed parameters)."""
+    """Its JSON arguments as they come (None: typed parameters, or Python's)."""
+    py: ArgsScanner | None = None
+    """Its Python keyword arguments as they come (``pythonic``)."""
     sent: str = ""
     """Its ``arguments`` streamed so far."""
 
@@ -130,6 +135,11 @@ class CallChunks:
     _shift: int = 0
     """Streamed calls the result leaves out (each kept its index)."""
     _open: _Open | None = None
+    _closed: list[_Open] = field(default_factory=list)
+    """Calls streamed whole that the reader has not read yet (``pythonic``: the list's
+    calls are read once it closes)."""
+    _after: int = 0
+    """Where the last of them ends (where the next may begin)."""
 
     def __post_init__(self) -> None:
         self.parser = ALIASES.get(self.parser or "", self.parser)
@@ -150,26 +160,51 @@ class CallChunks:
         if self._open is not None and self._abandoned(text):
             self._open = None
             self._shift += 1
-        if self._open is None and self.reader.may_call(text):
-            opening = _opening(self.use, self.parser, text, self.reader.end if calls else 0)
-            if opening is not None:
-                cid = opening.id or new_id()
-                comp = None if self.parser in _TYPED and self.use.kind == "auto" else Compactor()
-                self._open = _Open(opening, len(calls) + self._shift, cid, comp)
-                out.append({"index": self._open.index, "id": cid, "type": "function",
+        while True:
+            if self._open is None:
+                if limit is not None and len(calls) + len(self._closed) >= limit:
+                    break
+                if not self.reader.may_call(text):
+                    break
+                opening = _opening(self.use, self.parser, text, self._start(calls))
+                if opening is None:
+                    break
+                self._open = self._begin(opening, len(calls))
+                out.append({"index": self._open.index, "id": self._open.id, "type": "function",
                             "function": {"name": opening.name, "arguments": ""}})  # fmt: skip
-        if self._open is not None:
-            args = self._so_far(self._open, text)
-            if len(args) > len(self._open.sent):
-                out.append(_piece(self._open.index, args[len(self._open.sent) :]))
-                self._open.sent = args
+            o = self._open
+            args = self._so_far(o, text)
+            if len(args) > len(o.sent):
+                out.append(_piece(o.index, args[len(o.sent) :]))
+                o.sent = args
+            if o.py is None or o.py.end is None:
+                break
+            self._closed.append(o)  # its ")": the next call may begin
+            self._open, self._after = None, o.py.end
         return out
+
+    def _start(self, calls: list[dict[str, Any]]) -> int:
+        """Where the next call may begin: after the last call streamed whole or read."""
+        read = self.reader.end if calls else 0
+        return max(self._after, read) if self._closed or self.parser == "pythonic" else read
+
+    def _begin(self, opening: _Opening, read: int) -> _Open:
+        """The call that begins at ``opening``, ``read`` calls read before it."""
+        index = read + len(self._closed) + self._shift
+        cid = opening.id or new_id()
+        auto = self.use.kind == "auto"
+        if auto and self.parser == "pythonic":
+            return _Open(opening, index, cid, None, ArgsScanner(opening.args))
+        return _Open(opening, index, cid, None if auto and self.parser in _TYPED else Compactor())
 
     def _complete(self, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k``, just read whole: the rest of it where it was being streamed, else
         all of it (under the next index)."""
         fn = call["function"]
-        o, self._open = self._open, None
+        if self._closed:
+            o: _Open | None = self._closed.pop(0)
+        else:
+            o, self._open = self._open, None
         if o is not None:
             if fn["name"] == o.opening.name and fn["arguments"].startswith(o.sent):
                 call["id"] = o.id  # the id its first chunk gave
@@ -182,6 +217,8 @@ class CallChunks:
                  "function": {"name": fn["name"], "arguments": fn["arguments"]}}]  # fmt: skip
 
     def _so_far(self, o: _Open, text: str) -> str:
+        if o.py is not None:
+            return compact(o.py.feed(text))[:-1]  # without the closing brace: more may come
         if o.json is not None:
             o.json.feed(text[o.opening.args :])
             return o.json.text
@@ -246,7 +283,10 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         if m is None or m.group(1) is not None:
             return _json_call(m, at)
         return _Opening(at, m.group(2), None, m.end())
-    return None  # pythonic: whole calls only
+    if parser == "pythonic":
+        py = python_calls.opening(text, start)
+        return None if py is None else _Opening(py[0], py[1], None, py[2])
+    return None
 
 
 def _harmony_call(text: str, start: int) -> _Opening | None:

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -82,7 +81,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import Tool, ToolUse
-from . import harmony
+from . import harmony, python_calls
 from .json_compact import DECODER, Pairs, compact
 from .reasoning import held
 
@@ -635,73 +634,11 @@ def _xlam(text: str, final: bool) -> list[_Found]:
 
 
 def _pythonic(text: str, final: bool) -> list[_Found]:
-    start = i = _skip(text, 0)
-    if text.startswith("<|python_start|>", i):
-        i = _skip(text, i + len("<|python_start|>"))
-    j = text.rfind("]")
-    if not text.startswith("[", i) or j < i:
+    got = python_calls.read_list(text)
+    if got is None:
         return []
-    try:
-        tree = ast.parse(text[i : j + 1], mode="eval")
-        if not isinstance(tree.body, ast.List):
-            return []
-        calls = [_python_call(node) for node in tree.body.elts]
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        return []
-    end = _skip(text, j + 1)
-    end = end + len("<|python_end|>") if text.startswith("<|python_end|>", end) else j + 1
+    start, end, calls = got
     return [_Found(start, end, name, args) for name, args in calls]
-
-
-def _python_call(node: ast.expr) -> tuple[str, dict[str, Any]]:
-    if not isinstance(node, ast.Call) or node.args:
-        raise ValueError("not a call with keyword arguments")
-    parts: list[str] = []
-    func: ast.expr = node.func
-    while isinstance(func, ast.Attribute):
-        parts.append(func.attr)
-        func = func.value
-    if not isinstance(func, ast.Name):
-        raise ValueError("not a named function")
-    parts.append(func.id)
-    args: dict[str, Any] = {}
-    for kw in node.keywords:
-        if kw.arg is None:
-            raise ValueError("**arguments")
-        args[kw.arg] = _python_literal(kw.value)
-    return ".".join(reversed(parts)), args
-
-
-_NAMES: Final[dict[str, Any]] = {"true": True, "false": False, "null": None,
-                                 "True": True, "False": False, "None": None}  # fmt: skip
-
-
-def _python_literal(node: ast.expr) -> Any:
-    """A JSON value written as a Python (or JSON) literal."""
-    if isinstance(node, ast.Constant):
-        v = node.value
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError("not a finite number")
-        if v is None or isinstance(v, str | int | float):
-            return v
-        raise ValueError("not a JSON value")
-    if isinstance(node, ast.Name) and node.id in _NAMES:
-        return _NAMES[node.id]
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_python_literal(e) for e in node.elts]
-    if isinstance(node, ast.Dict):
-        out: dict[str, Any] = {}
-        for key, item in zip(node.keys, node.values, strict=True):
-            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                raise ValueError("a key that is not a string")
-            out[key.value] = _python_literal(item)
-        return out
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        number = _python_literal(node.operand)
-        if isinstance(number, bool) or not isinstance(number, int | float):
-            raise ValueError("a sign on what is not a number")
-        return -number if isinstance(node.op, ast.USub) else number
-    raise ValueError("not a literal")
 
 
 def _openai(text: str, final: bool) -> list[_Found]:
