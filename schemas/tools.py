@@ -35,7 +35,9 @@ class FunctionDef(_Strict):
     parameters: dict[str, Any] | None = None
     """A JSON Schema of its arguments (an object); none: it takes any object."""
     strict: bool | None = None
-    """Accepted (OpenAI's); a constrained call always follows the schema."""
+    """OpenAI's: with ``tool_choice`` ``auto``, a call of it follows ``parameters``
+    (where the model's format is one the worker holds so: ``hermes``, ``longcat``);
+    ``required`` and named calls always do."""
 
 
 class Tool(_Strict):

@@ -82,6 +82,21 @@ class Grammars:
         self.took: deque[float] = deque(maxlen=1024)
         """Seconds each compile took (refused ones too), for the metrics; the runner
         takes them (a deque: the compiling threads append, the device thread pops)."""
+        self._special: dict[str, bool] = {}
+
+    def special(self, marker: str) -> bool:
+        """Whether this tokenizer makes ``marker`` a special token to llguidance: a
+        grammar names it ``<marker>``, and free text cannot write it (else a grammar
+        writes it as text). Asked once per marker (the loop thread's)."""
+        got = self._special.get(marker)
+        if got is None:
+            got = False
+            if marker.startswith("<") and marker.endswith(">") and "\n" not in marker:
+                ll = self._ll.LLMatcher
+                probe = ll(self.tokenizer, ll.grammar_from_lark(f"start: {marker}"), log_level=0)
+                got = not probe.is_error()
+            self._special[marker] = got
+        return got
 
     def compile(self, spec: StructuredOutputs) -> Constraint:
         """``spec`` compiled (or the copy compiled last time), here and now;

@@ -50,14 +50,22 @@ from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
-from ..generation import harmony
+from ..generation import harmony, strict_calls
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.tool_chunks import CallChunks
-from ..generation.tools import MARKERS, PARSERS, TYPED, CallReader, Types, param_types
+from ..generation.tools import (
+    ALIASES,
+    MARKERS,
+    PARSERS,
+    TYPED,
+    CallReader,
+    Types,
+    param_types,
+)
 from ..runner import (
     LOST,
     Failed,
@@ -464,11 +472,12 @@ class TextGenerationRunner:
             self._harmony and req.constraint is not None
             and req.structured_outputs is None and req.response_format is None
         )  # fmt: skip
-        if req.constraint is not None:
-            try:
-                compiling = self._constraint(req, harmony_calls)
-            except PrepareError as exc:
-                return exc
+        try:
+            constrained = self._constraint(req, harmony_calls)
+        except PrepareError as exc:
+            return exc
+        if constrained is not None:
+            compiling = constrained
             if compiling.done():  # compiled before (or here): refused now if it failed
                 try:
                     constraint, compiling = compiling.result(), None
@@ -488,7 +497,7 @@ class TextGenerationRunner:
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
-            and (req.constraint is None or thinking is False or think_end is not None
+            and (constrained is None or thinking is False or think_end is not None
                  or harmony_calls)
         )  # fmt: skip
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
@@ -518,10 +527,10 @@ class TextGenerationRunner:
                 allowed_tokens=allowed,
                 bad_words=self._bad_words(req.bad_words or ()),
                 constraint_after=think_end
-                if reasoning and req.constraint is not None and thinking is not False
+                if reasoning and constrained is not None and thinking is not False
                 else None,
                 constraint_unless=self._think_open
-                if reasoning and req.constraint is not None and thinking is None
+                if reasoning and constrained is not None and thinking is None
                 else None,
             ),
             stop=tuple(req.stop or ()),
@@ -555,17 +564,35 @@ class TextGenerationRunner:
                     out.append(ids)
         return tuple(out)
 
-    def _constraint(self, req: Request, harmony_calls: bool = False) -> Future[Constraint]:
+    def _constraint(self, req: Request, harmony_calls: bool = False) -> Future[Constraint] | None:
         """The request's ``structured_outputs`` (or ``response_format``, or the calls
-        its ``tool_choice`` asks for; ``harmony_calls``: as gpt-oss writes them), compiled
-        for this tokenizer or being compiled (:meth:`Grammars.submit`)."""
+        its ``tool_choice`` asks for; ``harmony_calls``: as gpt-oss writes them; or, for
+        ``auto`` with ``strict`` functions, the calls in the model's format), compiled
+        for this tokenizer or being compiled (:meth:`Grammars.submit`); None: the text is
+        free."""
         spec = req.constraint
-        assert spec is not None
+        use = req.tool_use
+        grammar: str | None = None
         if harmony_calls:
-            use = req.tool_use
             assert use is not None and req.tools is not None
             grammar = harmony.calls_grammar(called(req.tools, use))
+        elif spec is None and use is not None and use.kind == "auto" and req.tools:
+            if not any(t.function.strict for t in req.tools):
+                return None
+            grammars = self._grammars
+            if isinstance(grammars, str):
+                raise PrepareError(f"strict functions: {grammars}")
+            parser = ALIASES.get(self._calls_parser or "", self._calls_parser)
+            functions = [(t.function.name, t.function.parameters, bool(t.function.strict))
+                         for t in req.tools]  # fmt: skip
+            grammar = strict_calls.grammar(parser or "", functions, use.parallel,
+                                           grammars.special)  # fmt: skip
+            if grammar is None:
+                return None  # a format the grammars do not hold: strict not enforced
+        if grammar is not None:
             spec = StructuredOutputs.model_construct(grammar=grammar)  # tools are bounded
+        if spec is None:
+            return None
         if req.ignore_eos:
             raise PrepareError("structured_outputs ends the text with an end-of-sequence "
                                "token: it does not go with ignore_eos")  # fmt: skip

@@ -1,0 +1,105 @@
+"""``tool_choice`` ``auto`` with ``strict`` functions: the text stays free, and a call,
+once its marker is written, follows the model's format and the function's schema
+(``worker/generation/strict_calls.py``), whether the marker is a special token or text."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from devices import DEVICE
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.worker.generation import strict_calls  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from conftest import TINY_LM_OPTIONS  # noqa: E402
+from test_generation_reasoning import compiled  # noqa: E402
+from test_generation_runner import run  # noqa: E402
+from test_generation_tools import TOOLS, WEATHER, chat  # noqa: E402
+from tiny_models import make_causal_lm  # noqa: E402
+
+
+def _strict(*names: str) -> list[dict[str, Any]]:
+    tools = copy.deepcopy(TOOLS)
+    for t in tools:
+        if t["function"]["name"] in names:
+            t["function"]["strict"] = True
+    return tools
+
+
+@pytest.fixture(scope="module", params=["special", "text"])
+def hermes(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> TextGenerationRunner:  # fmt: skip
+    """A tiny hermes model whose tokenizer makes the markers special tokens, or not."""
+    specials = ("<tool_call>", "</tool_call>") if request.param == "special" else ()
+    path = make_causal_lm(tmp_path_factory.mktemp(f"tiny-hermes-{request.param}"),
+                          specials=specials)  # fmt: skip
+    return TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                options={**TINY_LM_OPTIONS, "tool_call_parser": "hermes"})  # fmt: skip
+
+
+def _accepts(runner: TextGenerationRunner, sampling: Any, text: str) -> bool:
+    m = sampling.constraint.matcher()
+    ids = runner.tokenizer.encode(text, add_special_tokens=False)
+    return bool(m.consume_tokens(ids) and m.is_accepting())
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "days": 3}}\n</tool_call>'
+
+
+def test_strict_functions_hold_the_calls_and_free_the_text(hermes: TextGenerationRunner) -> None:
+    (prep,) = hermes.prepare_many([chat("s", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    assert _accepts(hermes, strict, "No call needed: it is sunny.")
+    assert _accepts(hermes, strict, f"Let me check. {CALL} Done.")
+    assert _accepts(hermes, strict, CALL + CALL)  # parallel calls
+    bad_days = CALL.replace('"days": 3', '"days": 9')  # maximum 7
+    assert not _accepts(hermes, strict, bad_days)
+    assert not _accepts(hermes, strict, "x <tool_call> not json")
+    assert not _accepts(hermes, strict, CALL.replace("get_weather", "get_moon"))
+    # a function that is not strict: its arguments any object, its name still one of them
+    other = '<tool_call>{"name": "get_time", "arguments": {"zone": "mars", "x": 1}}</tool_call>'
+    assert _accepts(hermes, strict, other)
+    # one call at most without parallel calls
+    (prep,) = hermes.prepare_many([chat("p", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(hermes, compiled(prep), CALL + CALL)
+    # no strict function, or another tool choice: as before
+    (prep,) = hermes.prepare_many([chat("f")])
+    assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
+
+
+def test_a_strict_call_the_model_makes_follows_its_schema(tmp_path: Path) -> None:
+    # pushed to open a call (the marker, a special token), the random model writes the
+    # rest as the grammar holds it; one call (parallel off), then free text to the length
+    path = make_causal_lm(tmp_path / "m", specials=("<tool_call>", "</tool_call>"))
+    hermes = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "hermes"})  # fmt: skip
+    bias = {str(hermes.tokenizer.convert_tokens_to_ids("<tool_call>")): 100.0}
+    req = chat("g", tools=_strict("get_weather", "get_time"), logit_bias=bias,
+               parallel_tool_calls=False, max_new_tokens=120)  # fmt: skip
+    (out,) = run(hermes, req)["g"]
+    assert "tool_calls" in out, out
+    (call,) = out["tool_calls"]
+    fn = call["function"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+    assert out["text"].startswith("<tool_call>"), out["text"]
+
+
+def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> None:
+    mistral = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                   options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
+    (prep,) = mistral.prepare_many([chat("m", tools=_strict("get_weather"))])
+    assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
+    assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: False) is None
+    # an alias reads as its parser: ernie45 is hermes's format
+    ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                 options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
+    (prep,) = ernie.prepare_many([chat("e", tools=_strict("get_weather"))])
+    assert _accepts(ernie, compiled(prep), f"ok {CALL}")
