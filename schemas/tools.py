@@ -36,7 +36,8 @@ class FunctionDef(_Strict):
     """A JSON Schema of its arguments (an object); none: it takes any object."""
     strict: bool | None = None
     """OpenAI's: with ``tool_choice`` ``auto``, a call of it follows ``parameters``
-    (where the model's format is one the worker holds so: ``hermes``, ``longcat``);
+    (where the model's format is one the worker holds so: ``hermes``, ``longcat``,
+    ``granite``, ``hunyuan_a13b``, and their other names);
     ``required`` and named calls always do."""
 
 

@@ -15,7 +15,9 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.schemas.tools import ToolUse  # noqa: E402
 from batchfleet.worker.generation import strict_calls  # noqa: E402
+from batchfleet.worker.generation.tools import read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
 from test_generation_reasoning import compiled  # noqa: E402
@@ -103,3 +105,35 @@ def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> Non
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
     (prep,) = ernie.prepare_many([chat("e", tools=_strict("get_weather"))])
     assert _accepts(ernie, compiled(prep), f"ok {CALL}")
+
+
+ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
+
+
+@pytest.mark.parametrize(("parser", "opening", "closing", "special"), [
+    ("granite", "<|tool_call|>", "", True),
+    ("hunyuan_a13b", "<tool_calls>", "</tool_calls>", False),
+    ("jamba", "<tool_calls>", "</tool_calls>", True),  # hunyuan_a13b's format
+])  # fmt: skip
+def test_arrays_after_a_marker_are_held_too(
+    parser: str, opening: str, closing: str, special: bool, tmp_path: Path
+) -> None:
+    specials = tuple(m for m in (opening, closing) if m) if special else ()
+    path = make_causal_lm(tmp_path / parser, specials=specials)
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("a", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    two = ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
+    assert _accepts(runner, strict, "Plain answer.")
+    assert _accepts(runner, strict, f"Checking. {opening}{ARRAY}{closing} ok")
+    assert _accepts(runner, strict, f"{opening}\n{two}{closing}")
+    calls = read_calls(ToolUse("auto"), f"{opening}\n{two}{closing}", parser) or []
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
+    assert not _accepts(runner, strict, f"{opening}{ARRAY.replace('1}', '8}')}{closing}")
+    assert not _accepts(runner, strict, f"{opening}[]{closing}")  # at least one call
+    assert not _accepts(runner, strict, f"{opening} not an array")
+    (prep,) = runner.prepare_many([chat("p", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), f"{opening}{two}{closing}")
+    assert _accepts(runner, compiled(prep), f"{opening}{ARRAY}{closing}")

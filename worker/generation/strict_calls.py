@@ -9,7 +9,8 @@ function's arguments follow its ``parameters``; another's are any object), then 
 closing marker. Where the tokenizer makes a marker a special token, the grammar names the
 token (free text cannot write it); else the marker is text, and the free text before it
 is a lazy lexeme that ends where the marker is written. The formats whose calls are such
-JSON blocks are built (:data:`BLOCKS`); for the others ``strict`` is not enforced.
+JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`); for the
+others ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-BLOCKS: Final[dict[str, tuple[str, str]]] = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>"),
+BLOCKS: Final[dict[str, tuple[str, str, bool]]] = {
+    "hermes": ("<tool_call>", "</tool_call>", False),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", False),
+    "granite": ("<|tool_call|>", "", True),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", True),
 }
-"""The parsers whose calls a grammar can hold: their opening and closing markers."""
+"""The parsers whose calls a grammar can hold: their opening and closing markers (""
+none), and whether a block holds a JSON array of calls (else one call)."""
 
 
 def grammar(
@@ -39,7 +43,7 @@ def grammar(
     markers = BLOCKS.get(parser)
     if markers is None or not functions:
         return None
-    opening, closing = markers
+    opening, closing, listed = markers
     calls = [
         {
             "type": "object",
@@ -53,20 +57,23 @@ def grammar(
         for name, params, strict in functions
     ]
     body: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if listed:
+        most = {} if parallel else {"maxItems": 1}
+        body = {"type": "array", "minItems": 1, **most, "items": body}
     body["x-guidance"] = {"whitespace_pattern": _SPACE}
     if special(opening):
         head, text = f"call_head: TEXT {opening}", r"/(.|\n)*/"
     else:  # the text after the one call may not write another's marker
         head = f"call_head[lazy]: TEXT {json.dumps(opening)}"
         text = r"/(.|\n)*/" if parallel else _without(opening)
-    close = closing if special(closing) else json.dumps(closing)
+    close = "" if not closing else closing if special(closing) else json.dumps(closing)
     return "\n".join([
         "%llguidance {}",
         "start: call* TEXT" if parallel else "start: TEXT | call TAIL",
         r"TEXT: /(.|\n)*/",
         f"TAIL: {text}",
         head,
-        f"call: call_head WS? body WS? {close}",
+        f"call: call_head WS? body WS? {close}" if close else "call: call_head WS? body",
         r"WS: /[ \t\r\n]+/",
         f"body: %json {json.dumps(body)}",
     ])  # fmt: skip
