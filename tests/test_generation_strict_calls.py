@@ -137,3 +137,25 @@ def test_arrays_after_a_marker_are_held_too(
                                         parallel_tool_calls=False)])  # fmt: skip
     assert not _accepts(runner, compiled(prep), f"{opening}{two}{closing}")
     assert _accepts(runner, compiled(prep), f"{opening}{ARRAY}{closing}")
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_llama3_json_calls_are_the_whole_text_or_none(special: bool, tmp_path: Path) -> None:
+    tag = "<|python_tag|>"
+    path = make_causal_lm(tmp_path / "llama", specials=(tag,) if special else ())
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "llama3_json"})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("l", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    call = '{"name": "get_weather", "parameters": {"unit": "c", "days": 2}}'
+    time = '{"name": "get_time", "parameters": {"zone": "x"}}'  # not strict: any object
+    for text in ("It is sunny.", "", call, f"{tag}{call}", f"  {call}; {time}"):
+        assert _accepts(runner, strict, text), text
+        if text.lstrip().startswith(("{", tag)):  # calls, as the parser reads them
+            assert read_calls(ToolUse("auto"), text, "llama3_json")
+    for text in ('{"name": "get_weather", "parameters": {"unit": "k", "days": 2}}',
+                 '{"weather": 1}', f"{tag}sunny", f"{call} and more"):  # fmt: skip
+        assert not _accepts(runner, strict, text), text
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), f"{call}; {time}")

@@ -9,8 +9,10 @@ function's arguments follow its ``parameters``; another's are any object), then 
 closing marker. Where the tokenizer makes a marker a special token, the grammar names the
 token (free text cannot write it); else the marker is text, and the free text before it
 is a lazy lexeme that ends where the marker is written. The formats whose calls are such
-JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`); for the
-others ``strict`` is not enforced.
+JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`), and
+those whose calls are the whole text (:data:`LEADING`: a text that begins with ``{`` or
+the marker is held to calls, one that begins otherwise is free); for the others
+``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ BLOCKS: Final[dict[str, tuple[str, str, bool]]] = {
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), and whether a block holds a JSON array of calls (else one call)."""
+LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
+"""The parsers whose calls are the whole text, after an optional marker: JSON objects
+``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
 
 
 def grammar(
@@ -40,27 +45,19 @@ def grammar(
     JSON Schema, and whether it is strict) in ``parser``'s format; ``parallel`` false:
     one call at most; ``special``: whether the tokenizer makes a marker a special token.
     None: the format is not built."""
+    if not functions:
+        return None
+    if parser in LEADING:
+        return _leading(LEADING[parser], _body(functions, "parameters"), parallel, special)
     markers = BLOCKS.get(parser)
-    if markers is None or not functions:
+    if markers is None:
         return None
     opening, closing, listed = markers
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": name},
-                "arguments": params if strict and params else {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, params, strict in functions
-    ]
-    body: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    body = _body(functions, "arguments")
     if listed:
         most = {} if parallel else {"maxItems": 1}
-        body = {"type": "array", "minItems": 1, **most, "items": body}
-    body["x-guidance"] = {"whitespace_pattern": _SPACE}
+        item = {k: v for k, v in body.items() if k != "x-guidance"}
+        body = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
     if special(opening):
         head, text = f"call_head: TEXT {opening}", r"/(.|\n)*/"
     else:  # the text after the one call may not write another's marker
@@ -79,10 +76,43 @@ def grammar(
     ])  # fmt: skip
 
 
-_SPACE: Final = "[ ]?"
+_WS: Final = {"whitespace_pattern": "[ ]?"}
 """Whitespace between a call's JSON tokens: none or one space, as models write calls on
 one line (``{"name": "f", "arguments": {"a": 1}}``); a random or drifting model is not
 left to write whitespace forever."""
+
+
+def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str) -> dict[str, Any]:
+    """One call's JSON Schema: ``{"name": ..., key: ...}`` of one of ``functions``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                key: params if strict and params else {"type": "object"},
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for name, params, strict in functions
+    ]
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": _WS}
+
+
+def _leading(marker: str, body: dict[str, Any], parallel: bool,
+             special: Callable[[str], bool]) -> str:  # fmt: skip
+    """A text that is calls (after ``marker``, or from its first ``{``), or free text
+    that begins otherwise."""
+    mark, first = (marker, "{") if special(marker) else (json.dumps(marker), "{<")
+    more = ' (WS? ";" WS? body)*' if parallel else ""
+    return "\n".join([
+        "%llguidance {}",
+        "start: TEXT | calls",
+        rf"TEXT: /\s*([^\s{first}](.|\n)*)?/",
+        f"calls: WS? ({mark} WS?)? body{more} WS?",
+        r"WS: /[ \t\r\n]+/",
+        f"body: %json {json.dumps(body)}",
+    ])  # fmt: skip
 
 
 def _without(marker: str) -> str:
