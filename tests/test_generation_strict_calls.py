@@ -16,7 +16,7 @@ from devices import DEVICE
 torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.tools import ToolUse  # noqa: E402
-from batchfleet.worker.generation import strict_calls  # noqa: E402
+from batchfleet.worker.generation import strict_calls, tools  # noqa: E402
 from batchfleet.worker.generation.tools import read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -159,3 +159,39 @@ def test_llama3_json_calls_are_the_whole_text_or_none(special: bool, tmp_path: P
     (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
                                         parallel_tool_calls=False)])  # fmt: skip
     assert not _accepts(runner, compiled(prep), f"{call}; {time}")
+
+
+def _section_call(parser: str, name: str, args: str) -> str:
+    ds, kimi = tools._DS, tools._KIMI
+    if parser == "deepseek_v31":
+        return f"{ds[2]}{name}{ds[4]}{args}{ds[3]}"
+    if parser == "deepseek_v3":
+        return f"{ds[2]}function{ds[4]}{name}\n```json\n{args}\n```{ds[3]}"
+    return f"{kimi[2]}functions.{name}:0{kimi[4]}{args}{kimi[3]}"
+
+
+@pytest.mark.parametrize(("parser", "special"), [
+    ("deepseek_v31", True), ("deepseek_v3", True), ("kimi_k2", True), ("deepseek_v31", False),
+])  # fmt: skip
+def test_sections_of_named_calls_are_held_too(parser: str, special: bool, tmp_path: Path) -> None:
+    markers = tools._KIMI if parser == "kimi_k2" else tools._DS
+    path = make_causal_lm(tmp_path / parser, specials=markers if special else ())
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("d", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    weather = _section_call(parser, "get_weather", '{"unit": "c", "days": 5}')
+    time = _section_call(parser, "get_time", '{"anything": [1]}')  # not strict
+    section = f"{markers[0]}{weather}{time}{markers[1]}"
+    assert _accepts(runner, strict, "Just text.")
+    assert _accepts(runner, strict, f"Let me look. {section}")
+    calls = read_calls(ToolUse("auto"), f"Let me look. {section}", parser) or []
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
+    bad = _section_call(parser, "get_weather", '{"unit": "c", "days": 0}')  # minimum 1
+    assert not _accepts(runner, strict, f"{markers[0]}{bad}{markers[1]}")
+    unknown = _section_call(parser, "get_moon", "{}")
+    assert not _accepts(runner, strict, f"{markers[0]}{unknown}{markers[1]}")
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), section)
+    assert _accepts(runner, compiled(prep), f"{markers[0]}{weather}{markers[1]}")

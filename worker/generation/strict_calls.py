@@ -11,8 +11,9 @@ token (free text cannot write it); else the marker is text, and the free text be
 is a lazy lexeme that ends where the marker is written. The formats whose calls are such
 JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`), and
 those whose calls are the whole text (:data:`LEADING`: a text that begins with ``{`` or
-the marker is held to calls, one that begins otherwise is free); for the others
-``strict`` is not enforced.
+the marker is held to calls, one that begins otherwise is free), and those whose calls
+are named blocks in a section (:data:`SECTIONS`); for the others ``strict`` is not
+enforced.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Final
+
+from .tools import _DS, _KIMI
 
 BLOCKS: Final[dict[str, tuple[str, str, bool]]] = {
     "hermes": ("<tool_call>", "</tool_call>", False),
@@ -33,6 +36,24 @@ none), and whether a block holds a JSON array of calls (else one call)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
+
+Part = tuple[str, str]
+"""A piece of a call as written: ``("marker", text)`` (a special token, or text where the
+tokenizer has none), ``("text", text)``, ``("regex", pattern)``, or ``("args", "")``
+(the arguments' JSON)."""
+_ARGS: Final[Part] = ("args", "")
+SECTIONS: Final[dict[str, tuple[str, str, Callable[[str], list[Part]]]]] = {
+    "deepseek_v31": (_DS[0], _DS[1], lambda name: [
+        ("marker", _DS[2]), ("text", name), ("marker", _DS[4]), _ARGS, ("marker", _DS[3])]),
+    "deepseek_v3": (_DS[0], _DS[1], lambda name: [
+        ("marker", _DS[2]), ("text", "function"), ("marker", _DS[4]),
+        ("text", f"{name}\n```json\n"), _ARGS, ("text", "\n```"), ("marker", _DS[3])]),
+    "kimi_k2": (_KIMI[0], _KIMI[1], lambda name: [
+        ("marker", _KIMI[2]), ("text", f"functions.{name}:"), ("regex", "[0-9]{1,6}"),
+        ("marker", _KIMI[4]), _ARGS, ("marker", _KIMI[3])]),
+}  # fmt: skip
+"""The parsers whose calls are blocks in a section: the section's markers, and how a call
+of a function is written."""
 
 
 def grammar(
@@ -49,6 +70,8 @@ def grammar(
         return None
     if parser in LEADING:
         return _leading(LEADING[parser], _body(functions, "parameters"), parallel, special)
+    if parser in SECTIONS:
+        return _sections(*SECTIONS[parser], functions, parallel, special)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -58,21 +81,60 @@ def grammar(
         most = {} if parallel else {"maxItems": 1}
         item = {k: v for k, v in body.items() if k != "x-guidance"}
         body = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
+    return _around(opening, closing, "WS? body WS?", [f"body: %json {json.dumps(body)}"],
+                   parallel, special)  # fmt: skip
+
+
+def _sections(
+    opening: str,
+    closing: str,
+    call: Callable[[str], list[Part]],
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    special: Callable[[str], bool],
+) -> str:
+    """A text with sections of calls, each written as ``call`` writes it."""
+    rules = ["entry: " + " | ".join(f"entry_{k}" for k in range(len(functions)))]
+    for k, (name, params, strict) in enumerate(functions):
+        schema = {**(params if strict and params else {"type": "object"}), "x-guidance": _WS}
+        parts = [f"args_{k}" if kind == "args" else _part(kind, value, special)
+                 for kind, value in call(name)]  # fmt: skip
+        rules += [f"entry_{k}: {' '.join(parts)}", f"args_{k}: %json {json.dumps(schema)}"]
+    body = "WS? entry (WS? entry)* WS?" if parallel else "WS? entry WS?"
+    return _around(opening, closing, body, rules, parallel, special)
+
+
+def _part(kind: str, value: str, special: Callable[[str], bool]) -> str:
+    if kind == "marker" and special(value):
+        return value
+    return f"/{value}/" if kind == "regex" else json.dumps(value)
+
+
+def _around(
+    opening: str,
+    closing: str,
+    body: str,
+    rules: list[str],
+    parallel: bool,
+    special: Callable[[str], bool],
+) -> str:
+    """Free text with calls (``body``, its ``rules``) between ``opening`` and
+    ``closing`` ("": none)."""
     if special(opening):
         head, text = f"call_head: TEXT {opening}", r"/(.|\n)*/"
     else:  # the text after the one call may not write another's marker
         head = f"call_head[lazy]: TEXT {json.dumps(opening)}"
         text = r"/(.|\n)*/" if parallel else _without(opening)
-    close = "" if not closing else closing if special(closing) else json.dumps(closing)
+    close = "" if not closing else _part("marker", closing, special)
     return "\n".join([
         "%llguidance {}",
         "start: call* TEXT" if parallel else "start: TEXT | call TAIL",
         r"TEXT: /(.|\n)*/",
         f"TAIL: {text}",
         head,
-        f"call: call_head WS? body WS? {close}" if close else "call: call_head WS? body",
+        f"call: call_head {body} {close}".rstrip(),
         r"WS: /[ \t\r\n]+/",
-        f"body: %json {json.dumps(body)}",
+        *rules,
     ])  # fmt: skip
 
 
