@@ -15,9 +15,9 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.schemas.tools import ToolUse  # noqa: E402
+from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
 from batchfleet.worker.generation import strict_calls, tools  # noqa: E402
-from batchfleet.worker.generation.tools import read_calls  # noqa: E402
+from batchfleet.worker.generation.tools import param_types, read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
 from test_generation_reasoning import compiled  # noqa: E402
@@ -195,3 +195,48 @@ def test_sections_of_named_calls_are_held_too(parser: str, special: bool, tmp_pa
                                         parallel_tool_calls=False)])  # fmt: skip
     assert not _accepts(runner, compiled(prep), section)
     assert _accepts(runner, compiled(prep), f"{markers[0]}{weather}{markers[1]}")
+
+
+def _typed_call(parser: str, name: str, params: dict[str, str]) -> str:
+    if parser == "minimax_m2":
+        body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in params.items())
+        return f'<invoke name="{name}">{body}</invoke>'
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<function={name}>\n{body}</function>"
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2"])
+def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
+    opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
+                        "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
+                        "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}[parser]  # fmt: skip
+    path = make_causal_lm(tmp_path / parser)
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    tools_ = _strict("get_weather")
+    tools_.append({"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("t", tools=tools_)])
+    strict = compiled(prep)
+
+    def block(*calls: str) -> str:
+        return f"Sure. {opening}\n{''.join(calls)}\n{closing} ok"
+
+    weather = _typed_call(parser, "get_weather", {"unit": "c", "days": "3"})
+    note = _typed_call(parser, "note", {"text": "a <b> & {c}, 5\nlines"})
+    time = _typed_call(parser, "get_time", {"anything": "goes"})  # not strict
+    for text in ("Plain.", block(weather), block(note), block(time)):
+        assert _accepts(runner, strict, text), text
+        types = param_types([Tool.model_validate(t) for t in tools_ + TOOLS[1:]])
+        calls = read_calls(ToolUse("auto"), text, parser, types) or []
+        assert len(calls) == (0 if text == "Plain." else 1)
+    weather_calls = read_calls(ToolUse("auto"), block(weather), parser, types) or []
+    assert json.loads(weather_calls[0]["function"]["arguments"]) == {"unit": "c", "days": 3}
+    for bad in ({"unit": "k", "days": "3"}, {"unit": "c", "days": "9"},
+                {"unit": "c", "days": "three"}, {"city": "Paris"}):  # fmt: skip
+        assert not _accepts(runner, strict, block(_typed_call(parser, "get_weather", bad))), bad
+    assert not _accepts(runner, strict, block(_typed_call(parser, "get_moon", {})))
+    if parser == "minimax_m2":  # several invokes in one block, unless parallel calls are off
+        assert _accepts(runner, strict, block(weather, note))
+        (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])
+        assert not _accepts(runner, compiled(prep), block(weather, note))

@@ -12,8 +12,8 @@ is a lazy lexeme that ends where the marker is written. The formats whose calls 
 JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`), and
 those whose calls are the whole text (:data:`LEADING`: a text that begins with ``{`` or
 the marker is held to calls, one that begins otherwise is free), and those whose calls
-are named blocks in a section (:data:`SECTIONS`); for the others ``strict`` is not
-enforced.
+are named blocks in a section (:data:`SECTIONS`) or blocks with tagged parameters
+(:data:`TYPED`); for the others ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ SECTIONS: Final[dict[str, tuple[str, str, Callable[[str], list[Part]]]]] = {
 }  # fmt: skip
 """The parsers whose calls are blocks in a section: the section's markers, and how a call
 of a function is written."""
+TYPED: Final[dict[str, tuple[str, str, bool, str, str, str, str]]] = {
+    "qwen3_coder": ("<tool_call>", "</tool_call>", False,
+                    "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
+    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", False,
+                 "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>", True,
+                   '<invoke name="{}">', "</invoke>", '<parameter name="{}">', "</parameter>"),
+}  # fmt: skip
+"""The parsers whose calls write each parameter in tags: the block's (or section's)
+markers, whether a block holds several calls, and how a function and a parameter open
+and close (``{}``: its name). A string parameter's value is its text; another's is JSON
+its schema allows."""
 
 
 def grammar(
@@ -72,6 +84,8 @@ def grammar(
         return _leading(LEADING[parser], _body(functions, "parameters"), parallel, special)
     if parser in SECTIONS:
         return _sections(*SECTIONS[parser], functions, parallel, special)
+    if parser in TYPED:
+        return _typed(*TYPED[parser], functions, parallel, special)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -102,6 +116,64 @@ def _sections(
         rules += [f"entry_{k}: {' '.join(parts)}", f"args_{k}: %json {json.dumps(schema)}"]
     body = "WS? entry (WS? entry)* WS?" if parallel else "WS? entry WS?"
     return _around(opening, closing, body, rules, parallel, special)
+
+
+def _typed(
+    opening: str,
+    closing: str,
+    several: bool,
+    fn_open: str,
+    fn_close: str,
+    param_open: str,
+    param_close: str,
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    special: Callable[[str], bool],
+) -> str:
+    """A text with blocks of calls whose parameters are tagged: a strict function's
+    parameters are its properties (each as often as written: ``required`` is not held),
+    a string's value its text up to the closing tag (only an ``enum`` held), another's
+    JSON its schema allows; another function's are any names, their values text."""
+    text_value = "/(.|\\n)*" + re.escape(param_close).replace("/", "\\/") + "/"
+    rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))),
+             f"value[lazy]: {text_value}"]  # fmt: skip
+    for k, (name, params, strict) in enumerate(functions):
+        props = (params or {}).get("properties") if strict else None
+        head, tail = json.dumps(fn_open.format(name)), json.dumps(fn_close)
+        if not strict:
+            prefix, suffix = (json.dumps(p) for p in param_open.split("{}", 1))
+            rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
+                      f"param_{k}: {prefix} /[^>\\n\"]{{1,128}}/ {suffix} value"]  # fmt: skip
+            continue
+        props = props if isinstance(props, dict) else {}
+        names = list(props)
+        if not names:
+            rules.append(f"fn_{k}: {head} WS? {tail}")
+            continue
+        rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
+                  f"param_{k}: " + " | ".join(f"param_{k}_{j}" for j in range(len(names)))]  # fmt: skip
+        for j, key in enumerate(names):
+            opened = json.dumps(param_open.format(key))
+            rules.append(f"param_{k}_{j}: {opened} {_value(props[key], param_close)}")
+    body = "WS? entry (WS? entry)* WS?" if several and parallel else "WS? entry WS?"
+    return _around(opening, closing, body, rules, parallel, special)
+
+
+def _value(schema: Any, close: str) -> str:
+    """A tagged parameter's value and closing tag, as its ``schema`` allows."""
+    if not isinstance(schema, dict):
+        return "value"  # read as written
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((t for t in kind if t != "null"), None)
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        options = " | ".join(json.dumps(e) for e in enum)  # strings, written bare
+        return f'"\\n"? ({options}) "\\n"? {json.dumps(close)}'
+    if kind == "string" or (kind is None and enum is None):
+        return "value"  # text (a schema without a type: read as written)
+    sub = {**schema, "x-guidance": _WS}
+    return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}"
 
 
 def _part(kind: str, value: str, special: Callable[[str], bool]) -> str:
