@@ -5,7 +5,8 @@ The generation benchmark's mixed trace (prompts 8-512 tokens, 8-256 new tokens, 
 arrivals at ``--rate``, saturating) runs in arms that differ only in each request's
 ``structured_outputs``: ``free`` (none), ``json`` (a JSON Schema: an object with a name,
 a number, a list of tags and a free text of up to 600 chars, compact) and ``regex``
-(``[a-z ]+[.]``). A JSON text ends when it is complete, so it generates fewer tokens
+(``[a-z ]+[.]``), and ``tools`` (the grammar ``strict`` functions hold a hermes
+model's text to under ``tool_choice`` ``auto``: free text). A JSON text ends when it is complete, so it generates fewer tokens
 than a free one: the arm ``free@json`` is free requests each asking for the tokens its
 ``json`` twin generated in the round (the same work without the constraint). Compare
 tokens/s, and the time the masks took per
@@ -41,7 +42,15 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "free": None,
     "json": {"json": SCHEMA, "disable_any_whitespace": True},
     "regex": {"regex": "[a-z ]+[.]"},
+    "tools": {},  # made for the runner's tokenizer (strict_calls.grammar)
 }
+TOOLS = [("get_weather", {"type": "object", "properties": {"city": {"type": "string"},
+          "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city"]}, True),
+         ("get_time", {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}}, True)]  # fmt: skip
+"""The ``tools`` arm's functions: its requests are held as ``tool_choice`` ``auto`` with
+``strict`` functions holds a hermes model's text (free text, and calls once
+``<tool_call>`` is written), the grammar given as ``structured_outputs``: what a strict
+tools request costs where the model writes text."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, runner, jobs = g.engine_bench_trace(args.model, options, Path(tmp),
                                                    args.requests, args.seed)  # fmt: skip
+        from batchfleet.worker.generation import strict_calls
+
+        special = runner._grammars.special
+        ARMS["tools"] = {"grammar": strict_calls.grammar("hermes", TOOLS, True, special)}
         print(f"{model.name}: {len(jobs)} requests at {args.rate}/s (the mixed trace), "
               f"vocabulary {runner.vocab_size:,}, one torch thread")  # fmt: skip
         g.engine_alone(runner, jobs[:2], 0.0, "warm-up")
