@@ -21,6 +21,7 @@ from batchfleet.worker.generation import harmony  # noqa: E402
 from batchfleet.worker.generation.harmony import MESSAGE  # noqa: E402
 from batchfleet.worker.generation.reasoning import HarmonyReasoning  # noqa: E402
 from batchfleet.worker.generation.sampling import Marker, SeededSampler, _Track  # noqa: E402
+from batchfleet.worker.generation.split import OutputSplit  # noqa: E402
 from batchfleet.worker.generation.tools import CallReader  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -238,7 +239,10 @@ def test_gpt_oss_options(tiny_lm: Path) -> None:
                              options={**TINY_LM_OPTIONS, "tool_call_parser": "openai"})  # fmt: skip
     assert r.info()["reasoning_parser"] is None
     # a harmony answer's content without the reasoning parser: still the final message's
-    assert r._content(f"{A}x<|end|>{NEXT}{FINAL}y") == "y"
+    assert (
+        r._harmony
+        and OutputSplit(None, None, r._harmony).content(f"{A}x<|end|>{NEXT}{FINAL}y") == "y"
+    )
     assert json.loads(json.dumps(r.info()))  # plain data
 
 

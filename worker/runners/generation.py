@@ -56,6 +56,7 @@ from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
+from ..generation.split import OutputSplit
 from ..generation.tool_chunks import CallChunks
 from ..generation.tools import (
     ALIASES,
@@ -146,20 +147,9 @@ class _Seq:
     finish: str | None = None
     score: int | None = None
     """Its prompt's log-probabilities are kept, with this many likeliest tokens each."""
-    calls: CallReader | None = None
-    """Its tool calls, read as its text comes (a request with ``tools``)."""
-    chunks: CallChunks | None = None
-    """...and streamed as they are written (a streaming request with ``tools``)."""
-    answer_at: int | None = 0
-    """Where its answer begins in its text (after its reasoning; None: not known yet)."""
-    thinking: bool | None = None
-    """Whether its text begins in its reasoning (see ``GenSpec.thinking``)."""
-    said: list[int] = field(default_factory=lambda: [0, 0])
-    """A split output (reasoning or tools): the characters of its ``reasoning_content``
-    and of its ``content`` streamed so far."""
-    answer: dict[str, Any] | None = None
-    """Its result's ``reasoning_content``, ``content`` and ``tool_calls`` (a split
-    output's), once read at its end."""
+    split: OutputSplit | None = None
+    """Its reasoning, content and tool calls as its text comes (a split output: a chat
+    split by the reasoning parser, or a request with ``tools``)."""
 
 
 @dataclass(slots=True)
@@ -763,16 +753,9 @@ class TextGenerationRunner:
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
                          spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
-                         calls=None if use is None else CallReader(use, self._calls_parser,
-                                                                    spec.tool_types),
-                         answer_at=None if spec.reasoning else 0, thinking=spec.thinking)
+                         split=self._split(spec))
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
-            if use is not None and spec.stream:
-                for s in seqs:
-                    assert s.calls is not None
-                    s.chunks = CallChunks(s.calls, use, self._calls_parser,
-                                          spec.tool_types)  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
             self._reqs[key] = r
         r.parked = False
@@ -780,6 +763,19 @@ class TextGenerationRunner:
             self._compiling[key] = (r, lane)
             return
         self._start(r, lane)
+
+    def _split(self, spec: GenSpec) -> OutputSplit | None:
+        """A new output's split (None: its text is not split)."""
+        use = spec.tools
+        if not spec.reasoning and use is None:
+            return None
+        split = OutputSplit(self._reasoning if spec.reasoning else None, spec.thinking,
+                            self._harmony)  # fmt: skip
+        if use is not None:
+            split.calls = CallReader(use, self._calls_parser, spec.tool_types)
+            if spec.stream:
+                split.chunks = CallChunks(split.calls, use, self._calls_parser, spec.tool_types)
+        return split
 
     def _start(self, r: _Req, lane: int) -> None:
         """Put a request's unfinished sequences in the engine."""
@@ -858,9 +854,9 @@ class TextGenerationRunner:
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
-        if r.spec.reasoning or r.spec.tools is not None:
-            for s, out in zip(r.seqs, outputs, strict=True):
-                out.update(self._answer(r, s))
+        for s, out in zip(r.seqs, outputs, strict=True):
+            if s.split is not None:
+                out.update(s.split.result(s.text.final_text))
         if r.spec.token_ids:
             for k, (s, out) in enumerate(zip(r.seqs, outputs, strict=True)):
                 out["token_ids"] = list(s.text.tokens)
@@ -875,58 +871,6 @@ class TextGenerationRunner:
         for s in r.seqs:
             self.engine.forget(s.name)
         return Final(r.key, outputs)
-
-    def _answer(self, r: _Req, s: _Seq) -> dict[str, Any]:
-        """A split output's ``reasoning_content`` (where it has one), ``content`` (its
-        answer outside its tool calls, trimmed) and ``tool_calls`` (where it made some),
-        read once, at its end."""
-        if s.answer is None:
-            out: dict[str, Any] = {}
-            answer = s.text.final_text
-            if r.spec.reasoning:
-                assert self._reasoning is not None
-                reasoning, answer = self._reasoning.split(answer, s.thinking)
-                if reasoning is not None:
-                    out["reasoning_content"] = reasoning
-            out["content"] = self._content(answer)
-            if (reader := s.calls) is not None:
-                reader.read(answer, final=True)
-                if reader.calls:
-                    out["tool_calls"] = reader.calls
-                    out["content"] = reader.content
-            s.answer = out
-        return s.answer
-
-    def _content(self, answer: str) -> str:
-        """An answer's (so far) content, trimmed: all of it, or a harmony answer's final
-        messages and preambles."""
-        return harmony.content(answer) if self._harmony else answer.strip()
-
-    def _so_far(
-        self, r: _Req, s: _Seq, new: str
-    ) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
-        """A split output's reasoning and content so far (each a start of its result's),
-        the tool calls read since last asked, and their chunks since then; ``new``: the
-        text just released."""
-        released = s.text.released
-        reasoning = ""
-        split = self._reasoning
-        if s.answer_at is None:  # the answer follows the reasoning
-            assert split is not None
-            s.answer_at = split.answer_start(released, False, s.thinking)
-            reasoning = split.so_far(released, s.thinking)
-        elif r.spec.reasoning and split is not None and split.interleaved:
-            reasoning = split.so_far(released, s.thinking)  # gpt-oss thinks again
-        if s.answer_at is None:
-            return reasoning, "", [], []
-        answer = released[s.answer_at :]
-        reader = s.calls
-        if reader is None:
-            return reasoning, self._content(answer), [], []
-        if reader.may_complete(new):
-            reader.read(answer)
-        chunks = [] if s.chunks is None else s.chunks.chunks(answer)  # before ids go out
-        return reasoning, reader.content_so_far(answer), reader.unsent(), chunks
 
     def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
         """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
@@ -950,11 +894,12 @@ class TextGenerationRunner:
         add up to the result's, and each tool call once, in the delta that completes it."""
         out: list[StepEvent] = []
         sent = r.sent
-        split_ = r.spec.reasoning or r.spec.tools is not None
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
             n = len(s.text.tokens)
-            parts = self._parts(r, s, text, final) if split_ else {}
+            split = s.split
+            parts = ({} if split is None else
+                     split.delta(s.text.released, text, s.text.final_text if final else None))  # fmt: skip
             if text or n > sent[i] or any(parts.values()):
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if r.spec.sampling.logprobs is not None:
@@ -964,34 +909,6 @@ class TextGenerationRunner:
                 out.append(Partial(r.key, chunk | parts))
                 sent[i] = n
         return out
-
-    def _parts(self, r: _Req, s: _Seq, text: str, final: bool) -> dict[str, Any]:
-        """A split output's delta fields, given its newly released ``text``: the pieces
-        of its ``content`` and ``reasoning_content`` not streamed yet, and its
-        ``tool_calls`` read since the last delta (where there are some)."""
-        chunks: list[dict[str, Any]] = []
-        if final:
-            got = self._answer(r, s)
-            said = (got.get("reasoning_content", ""), got["content"])
-            if s.chunks is not None:  # the calls a final read found (ids set before they go)
-                chunks = s.chunks.chunks("", final=True)
-            calls = s.calls.unsent() if s.calls is not None else []
-        elif text:
-            reasoning, content, calls, chunks = self._so_far(r, s, text)
-            said = (reasoning, content)
-        else:
-            said, calls = ("", ""), []
-        pieces = [whole[had:] for whole, had in zip(said, s.said, strict=True)]
-        s.said[0] += len(pieces[0])
-        s.said[1] += len(pieces[1])
-        parts: dict[str, Any] = {"content": pieces[1]}
-        if r.spec.reasoning:
-            parts["reasoning_content"] = pieces[0]
-        if calls:
-            parts["tool_calls"] = calls
-        if chunks:
-            parts["tool_call_chunks"] = chunks
-        return parts
 
     def _progress(self, r: _Req) -> Progress:
         contexts: list[int] = []

@@ -1,0 +1,128 @@
+"""One output's text split as it grows: its reasoning, its answer's content, and its tool
+calls (a chat to a model with a ``reasoning_parser``, or a request with ``tools``).
+
+Streamed, each delta carries the pieces of ``reasoning_content`` and ``content`` not sent
+yet (each so far a start of the result's, so the pieces add up to it), the calls read
+whole since the last delta, and the chunks of the calls being written
+(:mod:`.tool_chunks`); at the end the whole text is read once more for the result
+(:meth:`OutputSplit.result`). The answer begins after the reasoning (where
+:class:`~.reasoning.Reasoning` says, once it knows); calls are read in the answer only.
+gpt-oss's reasoning may follow the answer's start (``Reasoning.interleaved``), and its
+content is its harmony messages' (:mod:`.harmony`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import harmony
+from .reasoning import Reasoning
+from .tool_chunks import CallChunks
+from .tools import CallReader
+
+
+@dataclass(slots=True)
+class OutputSplit:
+    """One output's split (its owner: the runner's sequence)."""
+
+    reasoning: Reasoning | None
+    """The model's reasoning parser, where this output is split by it (None: the text is
+    all answer)."""
+    thinking: bool | None
+    """Whether its text begins in its reasoning (``GenSpec.thinking``)."""
+    harmony: bool
+    """The model writes harmony messages: an answer's content is theirs."""
+    calls: CallReader | None = None
+    """Its tool calls, read as its text comes (a request with ``tools``)."""
+    chunks: CallChunks | None = None
+    """...and streamed as they are written (a streaming request with ``tools``)."""
+    answer_at: int | None = None
+    """Where its answer begins in its text (None: not known yet)."""
+    said: list[int] = field(default_factory=lambda: [0, 0])
+    """The characters of its ``reasoning_content`` and ``content`` streamed so far."""
+    answer: dict[str, Any] | None = None
+    """Its result's fields, once read at its end."""
+
+    def __post_init__(self) -> None:
+        if self.reasoning is None:
+            self.answer_at = 0
+
+    def result(self, text: str) -> dict[str, Any]:
+        """The whole text's ``reasoning_content`` (where it has one), ``content`` (its
+        answer outside its tool calls, trimmed) and ``tool_calls`` (where it made some),
+        read once."""
+        if self.answer is None:
+            out: dict[str, Any] = {}
+            answer = text
+            if self.reasoning is not None:
+                reasoning, answer = self.reasoning.split(text, self.thinking)
+                if reasoning is not None:
+                    out["reasoning_content"] = reasoning
+            out["content"] = self.content(answer)
+            if (reader := self.calls) is not None:
+                reader.read(answer, final=True)
+                if reader.calls:
+                    out["tool_calls"] = reader.calls
+                    out["content"] = reader.content
+            self.answer = out
+        return self.answer
+
+    def content(self, answer: str) -> str:
+        """An answer's (so far) content, trimmed: all of it, or a harmony answer's final
+        messages and preambles."""
+        return harmony.content(answer) if self.harmony else answer.strip()
+
+    def delta(self, released: str, new: str, final: str | None) -> dict[str, Any]:
+        """A delta's fields, given the text released so far and ``new``, the part just
+        released (``final``: the whole text, at the end): the pieces of its ``content``
+        and ``reasoning_content`` not streamed yet, its ``tool_calls`` read since the last
+        delta, and its ``tool_call_chunks`` (where there are some)."""
+        chunks: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        if final is not None:
+            got = self.result(final)
+            said = (got.get("reasoning_content", ""), got["content"])
+            if self.chunks is not None:  # the calls a final read found (ids set before)
+                chunks = self.chunks.chunks("", final=True)
+            calls = self.calls.unsent() if self.calls is not None else []
+        elif new:
+            reasoning, content, calls, chunks = self._so_far(released, new)
+            said = (reasoning, content)
+        else:
+            said = ("", "")
+        pieces = [whole[had:] for whole, had in zip(said, self.said, strict=True)]
+        self.said[0] += len(pieces[0])
+        self.said[1] += len(pieces[1])
+        parts: dict[str, Any] = {"content": pieces[1]}
+        if self.reasoning is not None:
+            parts["reasoning_content"] = pieces[0]
+        if calls:
+            parts["tool_calls"] = calls
+        if chunks:
+            parts["tool_call_chunks"] = chunks
+        return parts
+
+    def _so_far(
+        self, released: str, new: str
+    ) -> tuple[str, str, list[dict[str, Any]], list[dict[str, Any]]]:
+        """The reasoning and content so far (each a start of the result's), the calls
+        read since last asked, and their chunks since then."""
+        reasoning = ""
+        split = self.reasoning
+        if self.answer_at is None:  # the answer follows the reasoning
+            assert split is not None
+            self.answer_at = split.answer_start(released, False, self.thinking)
+            reasoning = split.so_far(released, self.thinking)
+        elif split is not None and split.interleaved:
+            reasoning = split.so_far(released, self.thinking)  # gpt-oss thinks again
+        if self.answer_at is None:
+            return reasoning, "", [], []
+        answer = released[self.answer_at :]
+        reader = self.calls
+        if reader is None:
+            return reasoning, self.content(answer), [], []
+        if reader.may_complete(new):
+            reader.read(answer)
+        chunks = [] if self.chunks is None else self.chunks.chunks(answer)  # before ids go
+        return reasoning, reader.content_so_far(answer), reader.unsent(), chunks
