@@ -201,15 +201,20 @@ def _typed_call(parser: str, name: str, params: dict[str, str]) -> str:
     if parser == "minimax_m2":
         body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in params.items())
         return f'<invoke name="{name}">{body}</invoke>'
+    if parser == "glm45":
+        body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                       for k, v in params.items())  # fmt: skip
+        return f"{name}\n{body}"
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
     return f"<function={name}>\n{body}</function>"
 
 
-@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2"])
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45"])
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
-                        "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}[parser]  # fmt: skip
+                        "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+                        "glm45": ("<tool_call>", "</tool_call>")}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser)
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip

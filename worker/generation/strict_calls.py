@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from .tools import _DS, _KIMI
@@ -54,18 +55,37 @@ SECTIONS: Final[dict[str, tuple[str, str, Callable[[str], list[Part]]]]] = {
 }  # fmt: skip
 """The parsers whose calls are blocks in a section: the section's markers, and how a call
 of a function is written."""
-TYPED: Final[dict[str, tuple[str, str, bool, str, str, str, str]]] = {
-    "qwen3_coder": ("<tool_call>", "</tool_call>", False,
-                    "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
-    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", False,
-                 "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
-    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>", True,
-                   '<invoke name="{}">', "</invoke>", '<parameter name="{}">', "</parameter>"),
+
+
+@dataclass(frozen=True, slots=True)
+class Tagged:
+    """A format whose calls write each parameter in tags (``{}``: a name)."""
+
+    opening: str
+    closing: str
+    """The block's (or section's) markers."""
+    several: bool
+    """A block holds several calls."""
+    fn_open: str
+    fn_close: str
+    param_open: str
+    param_close: str
+    key: str = '[^>\\n"]{1,128}'
+    """A parameter's name, as a regex (another function's: any)."""
+
+
+TYPED: Final[dict[str, Tagged]] = {
+    "qwen3_coder": Tagged("<tool_call>", "</tool_call>", False,
+                          "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
+    "seed_oss": Tagged("<seed:tool_call>", "</seed:tool_call>", False,
+                       "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
+    "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", True, '<invoke name="{}">',
+                         "</invoke>", '<parameter name="{}">', "</parameter>"),
+    "glm45": Tagged("<tool_call>", "</tool_call>", False, "{}\n", "",
+                    "<arg_key>{}</arg_key>\n<arg_value>", "</arg_value>", "[^<\\n]{1,128}"),
 }  # fmt: skip
-"""The parsers whose calls write each parameter in tags: the block's (or section's)
-markers, whether a block holds several calls, and how a function and a parameter open
-and close (``{}``: its name). A string parameter's value is its text; another's is JSON
-its schema allows."""
+"""The parsers whose calls write each parameter in tags. A string parameter's value is
+its text; another's is JSON its schema allows."""
 
 
 def grammar(
@@ -85,7 +105,7 @@ def grammar(
     if parser in SECTIONS:
         return _sections(*SECTIONS[parser], functions, parallel, special)
     if parser in TYPED:
-        return _typed(*TYPED[parser], functions, parallel, special)
+        return _typed(TYPED[parser], functions, parallel, special)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -119,13 +139,7 @@ def _sections(
 
 
 def _typed(
-    opening: str,
-    closing: str,
-    several: bool,
-    fn_open: str,
-    fn_close: str,
-    param_open: str,
-    param_close: str,
+    f: Tagged,
     functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
     parallel: bool,
     special: Callable[[str], bool],
@@ -134,16 +148,17 @@ def _typed(
     parameters are its properties (each as often as written: ``required`` is not held),
     a string's value its text up to the closing tag (only an ``enum`` held), another's
     JSON its schema allows; another function's are any names, their values text."""
-    text_value = "/(.|\\n)*" + re.escape(param_close).replace("/", "\\/") + "/"
+    text_value = "/(.|\\n)*" + re.escape(f.param_close).replace("/", "\\/") + "/"
     rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))),
              f"value[lazy]: {text_value}"]  # fmt: skip
     for k, (name, params, strict) in enumerate(functions):
         props = (params or {}).get("properties") if strict else None
-        head, tail = json.dumps(fn_open.format(name)), json.dumps(fn_close)
+        head = json.dumps(f.fn_open.format(name))
+        tail = json.dumps(f.fn_close) if f.fn_close else ""
         if not strict:
-            prefix, suffix = (json.dumps(p) for p in param_open.split("{}", 1))
+            prefix, suffix = (json.dumps(p) for p in f.param_open.split("{}", 1))
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
-                      f"param_{k}: {prefix} /[^>\\n\"]{{1,128}}/ {suffix} value"]  # fmt: skip
+                      f"param_{k}: {prefix} /{f.key}/ {suffix} value"]  # fmt: skip
             continue
         props = props if isinstance(props, dict) else {}
         names = list(props)
@@ -153,10 +168,10 @@ def _typed(
         rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
                   f"param_{k}: " + " | ".join(f"param_{k}_{j}" for j in range(len(names)))]  # fmt: skip
         for j, key in enumerate(names):
-            opened = json.dumps(param_open.format(key))
-            rules.append(f"param_{k}_{j}: {opened} {_value(props[key], param_close)}")
-    body = "WS? entry (WS? entry)* WS?" if several and parallel else "WS? entry WS?"
-    return _around(opening, closing, body, rules, parallel, special)
+            opened = json.dumps(f.param_open.format(key))
+            rules.append(f"param_{k}_{j}: {opened} {_value(props[key], f.param_close)}")
+    body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
+    return _around(f.opening, f.closing, body, rules, parallel, special)
 
 
 def _value(schema: Any, close: str) -> str:
