@@ -300,3 +300,44 @@ def test_gpt_oss_writes_the_calls_tool_choice_asks_for_as_harmony_calls(
     assert call["function"] == {"name": "get_time", "arguments": '{"zone":"cet"}'}
     assert _added(chunks) == {0: call}
     assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]
+
+
+def test_gpt_oss_strict_functions_hold_its_calls_not_its_messages(
+    gptoss: TextGenerationRunner,
+) -> None:
+    from test_generation_reasoning import compiled
+    from test_generation_strict_calls import _strict
+    from test_generation_tools import chat
+
+    tok = gptoss.tokenizer
+
+    def accepts(sampling: Any, text: str) -> bool:
+        m = sampling.constraint.matcher()
+        return bool(m.consume_tokens(tok.encode(text, add_special_tokens=False))
+                    and m.is_accepting())  # fmt: skip
+
+    (prep,) = gptoss.prepare_many([chat("a", tools=_strict("get_weather"))])
+    spec = prep.payload  # type: ignore[union-attr]
+    assert spec.reasoning and spec.sampling.constraint_after is None
+    strict = compiled(prep)
+    weather = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    browse = "<|channel|>analysis to=browser.search<|message|>"
+    for text in (
+        f"{A}Think.<|end|>{NEXT}{FINAL}Answer.",  # no call: free as ever
+        f"{A}x<|end|>{NEXT}<|channel|>commentary<|message|>Checking.<|end|>{NEXT}"
+        + weather
+        + '{"unit":"c","days":1}',
+        f'{browse}{{"q": 1}}<|end|>{NEXT}{FINAL}ok',  # a built-in tool: free
+        weather.replace("get_weather", "get_time") + '{"any":[1]}',
+    ):  # not strict
+        assert accepts(strict, text), text
+    for text in (
+        weather + '{"unit":"k","days":1}',  # its schema
+        weather + '{ "unit":"c","days":1}',  # compact
+        f"{A}x<|end|>{NEXT}<|channel|>commentary to=functions.get_moon<|message|>{{}}",
+        weather + '{"unit":"c","days":1}<|end|>',
+    ):  # a call is the last message
+        assert not accepts(strict, text), text
+    # no strict function: free
+    (prep,) = gptoss.prepare_many([chat("f")])
+    assert prep.payload.compiling is None and prep.payload.sampling.constraint is None  # type: ignore[union-attr]

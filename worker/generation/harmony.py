@@ -198,3 +198,27 @@ def calls_grammar(functions: Sequence[tuple[str, dict[str, Any]]]) -> str:
         rules.append(f'call_{k}: {CHANNEL} {header} {CONSTRAIN} "json" {MESSAGE} args_{k}')
         rules.append(f"args_{k}: %json {json.dumps(args)}")
     return "\n".join(rules)
+
+
+def auto_grammar(functions: Sequence[tuple[str, dict[str, Any] | None, bool]]) -> str:
+    """A Lark grammar for a gpt-oss text under ``tool_choice`` ``auto`` with ``strict``
+    functions (each a name, its parameters' JSON Schema, whether strict): messages as
+    free as ever (any channel, any recipient but a function: ``to=browser.search`` too),
+    but a message to ``functions.NAME`` is one of ``functions``, written
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>``, its content
+    compact JSON (a strict function's arguments as its schema allows, another's any
+    object); a call is the last message (``<|call|>`` ends the generation)."""
+    rules = [
+        f'start: (free {END} {START} "assistant")* (free | call)',
+        f"free: {CHANNEL} HEADER {MESSAGE} TEXT",
+        r"HEADER: /[^<]*/ & ~/(?s:.*)to=functions(?s:.*)/",
+        r"TEXT: /(.|\n)*/",
+        "call: " + " | ".join(f"call_{k}" for k in range(len(functions))),
+    ]
+    for k, (name, params, strict) in enumerate(functions):
+        schema = params if strict and params else {"type": "object"}
+        header = json.dumps(f"commentary to={FUNCTIONS}{name} ")
+        args = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f'call_{k}: {CHANNEL} {header} {CONSTRAIN} "json" {MESSAGE} args_{k}')
+        rules.append(f"args_{k}: %json {json.dumps(args)}")
+    return "\n".join(rules)

@@ -462,6 +462,12 @@ class TextGenerationRunner:
             self._harmony and req.constraint is not None
             and req.structured_outputs is None and req.response_format is None
         )  # fmt: skip
+        # gpt-oss under auto with strict functions: its messages held from the first
+        # (harmony.auto_grammar), the text split as ever
+        harmony_strict = (
+            self._harmony and use is not None and use.kind == "auto"
+            and req.constraint is None and any(t.function.strict for t in req.tools or ())
+        )  # fmt: skip
         try:
             constrained = self._constraint(req, harmony_calls)
         except PrepareError as exc:
@@ -483,12 +489,12 @@ class TextGenerationRunner:
         if self._reasoning is not None and req.messages is not None:
             end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
             thinking = self._reasoning.opens(end)
-        think_end = None if harmony_calls else self._think_end
+        think_end = None if harmony_calls or harmony_strict else self._think_end
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
             and (constrained is None or thinking is False or think_end is not None
-                 or harmony_calls)
+                 or harmony_calls or harmony_strict)
         )  # fmt: skip
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
@@ -575,8 +581,11 @@ class TextGenerationRunner:
             parser = ALIASES.get(self._calls_parser or "", self._calls_parser)
             functions = [(t.function.name, t.function.parameters, bool(t.function.strict))
                          for t in req.tools]  # fmt: skip
-            grammar = strict_calls.grammar(parser or "", functions, use.parallel,
-                                           grammars.special)  # fmt: skip
+            grammar = (
+                harmony.auto_grammar(functions)
+                if self._harmony
+                else strict_calls.grammar(parser or "", functions, use.parallel, grammars.special)
+            )
             if grammar is None:
                 return None  # a format the grammars do not hold: strict not enforced
         if grammar is not None:
