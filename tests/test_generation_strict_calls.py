@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
 from batchfleet.worker.generation import strict_calls, tools  # noqa: E402
-from batchfleet.worker.generation.tools import param_types, read_calls  # noqa: E402
+from batchfleet.worker.generation.tagged_args import param_types  # noqa: E402
+from batchfleet.worker.generation.tools import read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
 from test_generation_reasoning import compiled  # noqa: E402

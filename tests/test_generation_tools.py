@@ -23,12 +23,8 @@ from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.messages import Generation, Request  # noqa: E402
 from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
 from batchfleet.worker.generation import tools  # noqa: E402
-from batchfleet.worker.generation.tools import (  # noqa: E402
-    PARSERS,
-    CallReader,
-    param_types,
-    read_calls,
-)
+from batchfleet.worker.generation.tagged_args import param_types  # noqa: E402
+from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402

@@ -32,21 +32,8 @@ from ...schemas.tools import ToolUse
 from . import harmony, python_calls
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
-from .tools import (
-    _BLOCKS,
-    _DS,
-    _KIMI,
-    _STEP3_INVOKE,
-    ALIASES,
-    CallReader,
-    Types,
-    _skip,
-    glm45_args,
-    minimax_m2_args,
-    new_id,
-    qwen3_coder_args,
-    step3_args,
-)
+from .tagged_args import Types, glm45_args, minimax_m2_args, qwen3_coder_args, step3_args
+from .tools import _BLOCKS, _DS, _KIMI, _STEP3_INVOKE, ALIASES, CallReader, _skip, new_id
 
 _NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
 _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'

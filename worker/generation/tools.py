@@ -16,7 +16,7 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   :mod:`ast` (literals only: nothing is evaluated);
 - ``qwen3_coder``: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
   </function></tool_call>`` (Qwen3-Coder), each value raw text, typed by the function's
-  schema (``Types``): a string stays as written, a number, boolean, object or array is
+  schema (``Types``, :mod:`.tagged_args`): a string stays as written, a number, boolean, object or array is
   read as JSON (then as a Python literal), ``null`` is null;
 - ``glm45``: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
   </tool_call>`` (GLM-4.5, 4.6), each value typed as ``qwen3_coder``'s, but read as JSON
@@ -72,18 +72,24 @@ up to the result's ``content``, and no call's markup is streamed as content.
 
 from __future__ import annotations
 
-import ast
-import json
 import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ...schemas.tools import Tool, ToolUse
+from ...schemas.tools import ToolUse
 from . import harmony, python_calls
-from .json_compact import DECODER, Pairs, compact
+from .json_compact import DECODER, compact
 from .reasoning import held
+from .tagged_args import (
+    TypedArgs,
+    Types,
+    glm45_args,
+    minimax_m2_args,
+    qwen3_coder_args,
+    step3_args,
+)
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
@@ -151,7 +157,6 @@ class _Found:
     """The model's own id for the call (``kimi_k2``; None: one is made)."""
 
 
-Types = dict[str, dict[str, str]]
 """Per function, its parameters' JSON Schema types (``qwen3_coder`` types its values)."""
 Scan = Callable[[str, bool], list[_Found]]
 """The calls complete in a text (``True``: the text is whole, so one cut at its end that
@@ -397,12 +402,6 @@ def _hermes_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | 
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
-
-
-TypedArgs = Callable[[str, int, dict[str, str]], Pairs]
-"""A typed format's parameters written whole in a text from an offset, typed by the
-function's schema."""
 
 
 def _typed_body(header: re.Pattern[str], args: TypedArgs) -> Body:
@@ -420,31 +419,10 @@ def _typed_body(header: re.Pattern[str], args: TypedArgs) -> Body:
     return body
 
 
-def qwen3_coder_args(text: str, at: int, known: dict[str, str]) -> Pairs:
-    """The parameters written whole in ``text`` from ``at``, typed by ``known``."""
-    return Pairs([(k.strip(), _typed(v, known.get(k.strip())))
-                  for k, v in _PARAMETER.findall(text, at)])  # fmt: skip
-
-
 _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 _INVOKE = re.compile(r'\s*name="([^"\n]{1,64})"\s*>')
-_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"\n]{1,128})">(.*?)</parameter>', re.DOTALL)
-
-
-def minimax_m2_args(text: str, at: int, known: dict[str, str]) -> Pairs:
-    """The parameters written whole in ``text`` from ``at``, typed by ``known``."""
-    return Pairs([(k.strip(), _typed(v, known.get(k.strip())))
-                  for k, v in _MINIMAX_PARAMETER.findall(text, at)])  # fmt: skip
-
-
-def glm45_args(text: str, at: int, known: dict[str, str]) -> Pairs:
-    """The arguments written whole in ``text`` from ``at``, typed by ``known`` (JSON
-    unless a string)."""
-    return Pairs([(k.strip(), _typed(v.strip(), known.get(k.strip()) or "any"))
-                  for k, v in _GLM_ARG.findall(text, at)])  # fmt: skip
 
 
 _DS_V3 = re.compile(r"\s*\w*\s*" + re.escape(_DS[4]) +
@@ -465,16 +443,6 @@ def _deepseek_body(pattern: re.Pattern[str]) -> Body:
 
 _STEP3_INVOKE = re.compile(r"\s*function\s*" + re.escape(_STEP[4]) +
                            r'\s*<steptml:invoke name="([^"\n]{1,64})">')  # fmt: skip
-_STEP3_PARAMETER = re.compile(r'<steptml:parameter name="([^"\n]{1,128})">(.*?)</steptml:parameter>',
-                              re.DOTALL)  # fmt: skip
-
-
-def step3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
-    """The parameters written whole in ``text`` from ``at``, trimmed, typed by ``known``."""
-    return Pairs([(k.strip(), _typed(v.strip(), known.get(k.strip())))
-                  for k, v in _STEP3_PARAMETER.findall(text, at)])  # fmt: skip
-
-
 _KIMI_CALL = re.compile(r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*"
                         r"<\|tool_call_argument_begin\|>(.*)$", re.DOTALL)  # fmt: skip
 
@@ -511,54 +479,6 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "step3": (_STEP[0], _STEP[1]),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
-
-
-def param_types(tools: list[Tool]) -> Types:
-    """Each function's parameters' types, as its JSON Schema gives them (the first of a
-    list other than ``null``; none: written as is)."""
-    out: Types = {}
-    for tool in tools:
-        props = (tool.function.parameters or {}).get("properties")
-        kinds: dict[str, str] = {}
-        for key, schema in (props if isinstance(props, dict) else {}).items():
-            kind = schema.get("type") if isinstance(schema, dict) else None
-            if isinstance(kind, list):
-                kind = next((k for k in kind if isinstance(k, str) and k != "null"), None)
-            if isinstance(kind, str):
-                kinds[key] = kind
-        out[tool.function.name] = kinds
-    return out
-
-
-def _typed(raw: str, kind: str | None) -> Any:
-    """A parameter's value (raw text, one newline each side) as its schema's ``kind``
-    says (None: a string; ``any``: any JSON value it reads as, else a string)."""
-    value = raw[1:] if raw.startswith("\n") else raw
-    value = value[:-1] if value.endswith("\n") else value
-    if value.strip().lower() == "null":
-        return None
-    if kind in (None, "string"):
-        return value
-    for read in (json.loads, ast.literal_eval):
-        try:
-            got = read(value.strip())
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-        if kind == "boolean" and isinstance(got, bool):
-            return got
-        if kind == "integer" and isinstance(got, int) and not isinstance(got, bool):
-            return got
-        if kind == "number" and isinstance(got, int | float) and not isinstance(got, bool):
-            return got
-        if kind == "any" or (kind in ("object", "array") and isinstance(got, dict | list)):
-            try:
-                json.dumps(got, allow_nan=False)
-            except (TypeError, ValueError):
-                continue
-            return got
-    if kind == "boolean" and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    return value  # not what its schema says: as written
 
 
 def _llama3_json(text: str, final: bool) -> list[_Found]:

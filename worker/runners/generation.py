@@ -57,16 +57,9 @@ from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.split import OutputSplit
+from ..generation.tagged_args import Types, param_types
 from ..generation.tool_chunks import CallChunks
-from ..generation.tools import (
-    ALIASES,
-    MARKERS,
-    PARSERS,
-    TYPED,
-    CallReader,
-    Types,
-    param_types,
-)
+from ..generation.tools import ALIASES, MARKERS, PARSERS, TYPED, CallReader
 from ..runner import (
     LOST,
     Failed,
