@@ -115,29 +115,32 @@ ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
     ("granite", "<|tool_call|>", "", True),
     ("hunyuan_a13b", "<tool_calls>", "</tool_calls>", False),
     ("jamba", "<tool_calls>", "</tool_calls>", True),  # hunyuan_a13b's format
+    ("minimax", "<tool_calls>", "</tool_calls>", False),  # objects, not an array
 ])  # fmt: skip
 def test_arrays_after_a_marker_are_held_too(
     parser: str, opening: str, closing: str, special: bool, tmp_path: Path
 ) -> None:
     specials = tuple(m for m in (opening, closing) if m) if special else ()
     path = make_causal_lm(tmp_path / parser, specials=specials)
+    array, two = ARRAY, ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
+    if parser == "minimax":  # MiniMax-M1: one object a line
+        array, two = array[1:-1], two[1:-1].replace("}, {", "}\n{")
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     (prep,) = runner.prepare_many([chat("a", tools=_strict("get_weather"))])
     strict = compiled(prep)
-    two = ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
     assert _accepts(runner, strict, "Plain answer.")
-    assert _accepts(runner, strict, f"Checking. {opening}{ARRAY}{closing} ok")
+    assert _accepts(runner, strict, f"Checking. {opening}{array}{closing} ok")
     assert _accepts(runner, strict, f"{opening}\n{two}{closing}")
     calls = read_calls(ToolUse("auto"), f"{opening}\n{two}{closing}", parser) or []
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
-    assert not _accepts(runner, strict, f"{opening}{ARRAY.replace('1}', '8}')}{closing}")
-    assert not _accepts(runner, strict, f"{opening}[]{closing}")  # at least one call
+    assert not _accepts(runner, strict, f"{opening}{array.replace('1}', '8}')}{closing}")
+    assert not _accepts(runner, strict, f"{opening}{'' if parser == 'minimax' else '[]'}{closing}")
     assert not _accepts(runner, strict, f"{opening} not an array")
     (prep,) = runner.prepare_many([chat("p", tools=_strict("get_weather"),
                                         parallel_tool_calls=False)])  # fmt: skip
     assert not _accepts(runner, compiled(prep), f"{opening}{two}{closing}")
-    assert _accepts(runner, compiled(prep), f"{opening}{ARRAY}{closing}")
+    assert _accepts(runner, compiled(prep), f"{opening}{array}{closing}")
 
 
 @pytest.mark.parametrize("special", [True, False])

@@ -26,14 +26,16 @@ from typing import Any, Final
 
 from .tools import _DS, _KIMI
 
-BLOCKS: Final[dict[str, tuple[str, str, bool]]] = {
-    "hermes": ("<tool_call>", "</tool_call>", False),
-    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", False),
-    "granite": ("<|tool_call|>", "", True),
-    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", True),
+BLOCKS: Final[dict[str, tuple[str, str, str]]] = {
+    "hermes": ("<tool_call>", "</tool_call>", "one"),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", "one"),
+    "granite": ("<|tool_call|>", "", "array"),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array"),
+    "minimax": ("<tool_calls>", "</tool_calls>", "several"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
-none), and whether a block holds a JSON array of calls (else one call)."""
+none), and what a block holds: ``one`` call, an ``array`` of calls, or ``several``
+calls one after another (each a JSON object ``{"name", "arguments"}``)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
@@ -109,13 +111,14 @@ def grammar(
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
-    opening, closing, listed = markers
+    opening, closing, shape = markers
     body = _body(functions, "arguments")
-    if listed:
+    if shape == "array":
         most = {} if parallel else {"maxItems": 1}
         item = {k: v for k, v in body.items() if k != "x-guidance"}
         body = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
-    return _around(opening, closing, "WS? body WS?", [f"body: %json {json.dumps(body)}"],
+    calls = "WS? body (WS? body)* WS?" if shape == "several" and parallel else "WS? body WS?"
+    return _around(opening, closing, calls, [f"body: %json {json.dumps(body)}"],
                    parallel, special)  # fmt: skip
 
 
