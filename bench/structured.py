@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.requests, args.seed)  # fmt: skip
         from batchfleet.worker.generation import strict_calls
 
-        special = runner._grammars.special
-        ARMS["tools"] = {"grammar": strict_calls.grammar("hermes", TOOLS, True, special)}
+        token = runner._grammars.token
+        ARMS["tools"] = {"grammar": strict_calls.grammar("hermes", TOOLS, True, token)}
         print(f"{model.name}: {len(jobs)} requests at {args.rate}/s (the mixed trace), "
               f"vocabulary {runner.vocab_size:,}, one torch thread")  # fmt: skip
         g.engine_alone(runner, jobs[:2], 0.0, "warm-up")

@@ -100,7 +100,9 @@ def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> Non
                                    options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
     (prep,) = mistral.prepare_many([chat("m", tools=_strict("get_weather"))])
     assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
-    assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: False) is None
+    # (mistral's [TOOL_CALLS] is no token of its own in this tokenizer)
+    assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: None) is None
+    assert strict_calls.grammar("step3", [("f", WEATHER, True)], True, lambda m: None) is None
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
@@ -249,3 +251,33 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])
         assert not _accepts(runner, compiled(prep), block(weather, note))
+
+
+@pytest.mark.parametrize("v11", [False, True])
+def test_mistral_calls_are_held_by_its_tokens(v11: bool, tmp_path: Path) -> None:
+    # [TOOL_CALLS] then a JSON array; with an [ARGS] token (v11 tokenizers), NAME[ARGS]{...}
+    # after each [TOOL_CALLS]; the grammar names the tokens by id (<[id]>)
+    specials = ("[TOOL_CALLS]", "[ARGS]") if v11 else ("[TOOL_CALLS]",)
+    path = make_causal_lm(tmp_path / "mistral", specials=specials)
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("m", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    if v11:
+        one = '[TOOL_CALLS]get_weather[ARGS]{"unit": "c", "days": 2}'
+        two = one + '[TOOL_CALLS]get_time[ARGS]{"zone": "x"}'
+        bad = '[TOOL_CALLS]get_weather[ARGS]{"unit": "c", "days": 0}'
+    else:
+        one = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}]'
+        two = one[:-1] + ', {"name": "get_time", "arguments": {"zone": "x"}}]'
+        bad = one.replace('"days": 2', '"days": 0')
+    assert _accepts(runner, strict, "Sure, no call.")
+    assert _accepts(runner, strict, f"Sure. {two}")
+    calls = read_calls(ToolUse("auto"), f"Sure. {two}", "mistral") or []
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert not _accepts(runner, strict, bad)
+    assert not _accepts(runner, strict, "[TOOL_CALLS] sunny")
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), two)
+    assert _accepts(runner, compiled(prep), one)

@@ -71,6 +71,7 @@ class Grammars:
         import llguidance.hf
 
         self._ll = llguidance
+        self._hf = tokenizer
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
@@ -82,20 +83,25 @@ class Grammars:
         self.took: deque[float] = deque(maxlen=1024)
         """Seconds each compile took (refused ones too), for the metrics; the runner
         takes them (a deque: the compiling threads append, the device thread pops)."""
-        self._special: dict[str, bool] = {}
+        self._tokens: dict[str, str | None] = {}
 
-    def special(self, marker: str) -> bool:
-        """Whether this tokenizer makes ``marker`` a special token to llguidance: a
-        grammar names it ``<marker>``, and free text cannot write it (else a grammar
-        writes it as text). Asked once per marker (the loop thread's)."""
-        got = self._special.get(marker)
-        if got is None:
-            got = False
-            if marker.startswith("<") and marker.endswith(">") and "\n" not in marker:
-                ll = self._ll.LLMatcher
-                probe = ll(self.tokenizer, ll.grammar_from_lark(f"start: {marker}"), log_level=0)
-                got = not probe.is_error()
-            self._special[marker] = got
+    def token(self, marker: str) -> str | None:
+        """How a grammar names ``marker`` where this tokenizer makes it a special token
+        (``<|name|>``; ``<[id]>`` for a ``[NAME]`` one, Mistral's); free text cannot write
+        it. None: the marker is text. Asked once per marker (the loop thread's)."""
+        if marker in self._tokens:
+            return self._tokens[marker]
+        got: str | None = None
+        if marker.startswith("<") and marker.endswith(">") and "\n" not in marker:
+            ll = self._ll.LLMatcher
+            probe = ll(self.tokenizer, ll.grammar_from_lark(f"start: {marker}"), log_level=0)
+            got = None if probe.is_error() else marker
+        elif marker.startswith("[") and marker.endswith("]"):
+            ids = self._hf.encode(marker, add_special_tokens=False)
+            added = getattr(self._hf, "added_tokens_decoder", {})
+            if len(ids) == 1 and getattr(added.get(ids[0]), "special", False):
+                got = f"<[{int(ids[0])}]>"
+        self._tokens[marker] = got
         return got
 
     def compile(self, spec: StructuredOutputs) -> Constraint:

@@ -7,13 +7,14 @@ text, and calls, each free text ended by the opening marker, then a JSON object
 ``{"name": ..., "arguments": ...}`` that is one of the functions' (a ``strict``
 function's arguments follow its ``parameters``; another's are any object), then the
 closing marker. Where the tokenizer makes a marker a special token, the grammar names the
-token (free text cannot write it); else the marker is text, and the free text before it
-is a lazy lexeme that ends where the marker is written. The formats whose calls are such
-JSON blocks, or JSON arrays of them after a marker, are built (:data:`BLOCKS`), and
-those whose calls are the whole text (:data:`LEADING`: a text that begins with ``{`` or
-the marker is held to calls, one that begins otherwise is free), and those whose calls
-are named blocks in a section (:data:`SECTIONS`) or blocks with tagged parameters
-(:data:`TYPED`); for the others ``strict`` is not enforced.
+token (``<|name|>``, or ``<[id]>`` for Mistral's ``[TOOL_CALLS]``), which free text
+cannot write; else the marker is text, and the free text before it is a lazy lexeme that
+ends where the marker is written. Built: calls in JSON blocks, arrays or runs of them
+after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`: a text
+that begins with ``{`` or the marker is held to calls, one that begins otherwise is
+free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
+(:data:`TYPED`); and Mistral's (:func:`_mistral`). For the other formats ``strict`` is
+not enforced.
 """
 
 from __future__ import annotations
@@ -94,20 +95,23 @@ def grammar(
     parser: str,
     functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
     parallel: bool,
-    special: Callable[[str], bool],
+    token: Callable[[str], str | None],
 ) -> str | None:
     """The grammar for a text with calls of ``functions`` (each a name, its parameters'
     JSON Schema, and whether it is strict) in ``parser``'s format; ``parallel`` false:
-    one call at most; ``special``: whether the tokenizer makes a marker a special token.
+    one call at most; ``token``: how the grammar names a marker the tokenizer makes a
+    special token (None: it is text).
     None: the format is not built."""
     if not functions:
         return None
     if parser in LEADING:
-        return _leading(LEADING[parser], _body(functions, "parameters"), parallel, special)
+        return _leading(LEADING[parser], _body(functions, "parameters"), parallel, token)
     if parser in SECTIONS:
-        return _sections(*SECTIONS[parser], functions, parallel, special)
+        return _sections(*SECTIONS[parser], functions, parallel, token)
     if parser in TYPED:
-        return _typed(TYPED[parser], functions, parallel, special)
+        return _typed(TYPED[parser], functions, parallel, token)
+    if parser == "mistral":
+        return _mistral(functions, parallel, token)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -119,7 +123,7 @@ def grammar(
         body = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
     calls = "WS? body (WS? body)* WS?" if shape == "several" and parallel else "WS? body WS?"
     return _around(opening, closing, calls, [f"body: %json {json.dumps(body)}"],
-                   parallel, special)  # fmt: skip
+                   parallel, token)  # fmt: skip
 
 
 def _sections(
@@ -128,24 +132,24 @@ def _sections(
     call: Callable[[str], list[Part]],
     functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
     parallel: bool,
-    special: Callable[[str], bool],
+    token: Callable[[str], str | None],
 ) -> str:
     """A text with sections of calls, each written as ``call`` writes it."""
     rules = ["entry: " + " | ".join(f"entry_{k}" for k in range(len(functions)))]
     for k, (name, params, strict) in enumerate(functions):
         schema = {**(params if strict and params else {"type": "object"}), "x-guidance": _WS}
-        parts = [f"args_{k}" if kind == "args" else _part(kind, value, special)
+        parts = [f"args_{k}" if kind == "args" else _part(kind, value, token)
                  for kind, value in call(name)]  # fmt: skip
         rules += [f"entry_{k}: {' '.join(parts)}", f"args_{k}: %json {json.dumps(schema)}"]
     body = "WS? entry (WS? entry)* WS?" if parallel else "WS? entry WS?"
-    return _around(opening, closing, body, rules, parallel, special)
+    return _around(opening, closing, body, rules, parallel, token)
 
 
 def _typed(
     f: Tagged,
     functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
     parallel: bool,
-    special: Callable[[str], bool],
+    token: Callable[[str], str | None],
 ) -> str:
     """A text with blocks of calls whose parameters are tagged: a strict function's
     parameters are its properties (each as often as written: ``required`` is not held),
@@ -174,7 +178,7 @@ def _typed(
             opened = json.dumps(f.param_open.format(key))
             rules.append(f"param_{k}_{j}: {opened} {_value(props[key], f.param_close)}")
     body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
-    return _around(f.opening, f.closing, body, rules, parallel, special)
+    return _around(f.opening, f.closing, body, rules, parallel, token)
 
 
 def _value(schema: Any, close: str) -> str:
@@ -194,9 +198,35 @@ def _value(schema: Any, close: str) -> str:
     return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}"
 
 
-def _part(kind: str, value: str, special: Callable[[str], bool]) -> str:
-    if kind == "marker" and special(value):
-        return value
+def _mistral(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str | None:
+    """Mistral's calls after ``[TOOL_CALLS]``: ``NAME[ARGS]{...}`` each where the
+    tokenizer has an ``[ARGS]`` token (v11 and later), else a JSON array of ``{"name",
+    "arguments"}``. None: ``[TOOL_CALLS]`` is not a token of its own (a text could write
+    it otherwise)."""
+    if token("[TOOL_CALLS]") is None:
+        return None
+    if token("[ARGS]") is None:
+        body = _body(functions, "arguments")
+        most = {} if parallel else {"maxItems": 1}
+        item = {k: v for k, v in body.items() if k != "x-guidance"}
+        array = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
+        return _around("[TOOL_CALLS]", "", "WS? body WS?",
+                       [f"body: %json {json.dumps(array)}"], parallel, token)  # fmt: skip
+    rules = ["entry: " + " | ".join(f"entry_{k}" for k in range(len(functions)))]
+    for k, (name, params, strict) in enumerate(functions):
+        schema = {**(params if strict and params else {"type": "object"}), "x-guidance": _WS}
+        rules += [f"entry_{k}: {json.dumps(name)} {token('[ARGS]')} args_{k}",
+                  f"args_{k}: %json {json.dumps(schema)}"]  # fmt: skip
+    return _around("[TOOL_CALLS]", "", "entry", rules, parallel, token)
+
+
+def _part(kind: str, value: str, token: Callable[[str], str | None]) -> str:
+    if kind == "marker" and (ref := token(value)) is not None:
+        return ref
     return f"/{value}/" if kind == "regex" else json.dumps(value)
 
 
@@ -206,16 +236,16 @@ def _around(
     body: str,
     rules: list[str],
     parallel: bool,
-    special: Callable[[str], bool],
+    token: Callable[[str], str | None],
 ) -> str:
     """Free text with calls (``body``, its ``rules``) between ``opening`` and
     ``closing`` ("": none)."""
-    if special(opening):
-        head, text = f"call_head: TEXT {opening}", r"/(.|\n)*/"
+    if (ref := token(opening)) is not None:
+        head, text = f"call_head: TEXT {ref}", r"/(.|\n)*/"
     else:  # the text after the one call may not write another's marker
         head = f"call_head[lazy]: TEXT {json.dumps(opening)}"
         text = r"/(.|\n)*/" if parallel else _without(opening)
-    close = "" if not closing else _part("marker", closing, special)
+    close = "" if not closing else _part("marker", closing, token)
     return "\n".join([
         "%llguidance {}",
         "start: call* TEXT" if parallel else "start: TEXT | call TAIL",
@@ -252,10 +282,11 @@ def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str
 
 
 def _leading(marker: str, body: dict[str, Any], parallel: bool,
-             special: Callable[[str], bool]) -> str:  # fmt: skip
+             token: Callable[[str], str | None]) -> str:  # fmt: skip
     """A text that is calls (after ``marker``, or from its first ``{``), or free text
     that begins otherwise."""
-    mark, first = (marker, "{") if special(marker) else (json.dumps(marker), "{<")
+    ref = token(marker)
+    mark, first = (ref, "{") if ref is not None else (json.dumps(marker), "{<")
     more = ' (WS? ";" WS? body)*' if parallel else ""
     return "\n".join([
         "%llguidance {}",

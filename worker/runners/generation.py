@@ -577,7 +577,7 @@ class TextGenerationRunner:
             grammar = (
                 harmony.auto_grammar(functions)
                 if self._harmony
-                else strict_calls.grammar(parser or "", functions, use.parallel, grammars.special)
+                else strict_calls.grammar(parser or "", functions, use.parallel, grammars.token)
             )
             if grammar is None:
                 return None  # a format the grammars do not hold: strict not enforced
