@@ -203,15 +203,16 @@ def test_sections_of_named_calls_are_held_too(parser: str, special: bool, tmp_pa
     assert _accepts(runner, compiled(prep), f"{markers[0]}{weather}{markers[1]}")
 
 
-def _typed_call(parser: str, name: str, params: dict[str, str]) -> str:
+def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str, str]]) -> str:
+    items = list(params.items()) if isinstance(params, dict) else params
     if parser == "minimax_m2":
-        body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in params.items())
+        body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in items)
         return f'<invoke name="{name}">{body}</invoke>'
     if parser == "glm45":
         body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
-                       for k, v in params.items())  # fmt: skip
+                       for k, v in items)  # fmt: skip
         return f"{name}\n{body}"
-    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in items)
     return f"<function={name}>\n{body}</function>"
 
 
@@ -243,9 +244,14 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         assert len(calls) == (0 if text == "Plain." else 1)
     weather_calls = read_calls(ToolUse("auto"), block(weather), parser, types) or []
     assert json.loads(weather_calls[0]["function"]["arguments"]) == {"unit": "c", "days": 3}
+    # each property at most once, in the schema's order, the required ones always
+    assert _accepts(runner, strict, block(_typed_call(parser, "note", {})))
     for bad in ({"unit": "k", "days": "3"}, {"unit": "c", "days": "9"},
-                {"unit": "c", "days": "three"}, {"city": "Paris"}):  # fmt: skip
+                {"unit": "c", "days": "three"}, {"city": "Paris"}, {"unit": "c"}, {"days": "3"},
+                [("days", "3"), ("unit", "c")], [("unit", "c"), ("unit", "f"), ("days", "3")],
+                [("unit", "c"), ("days", "3"), ("days", "4")]):  # fmt: skip
         assert not _accepts(runner, strict, block(_typed_call(parser, "get_weather", bad))), bad
+    assert not _accepts(runner, strict, block(_typed_call(parser, "note", [("text", "a")] * 2)))
     assert not _accepts(runner, strict, block(_typed_call(parser, "get_moon", {})))
     if parser == "minimax_m2":  # several invokes in one block, unless parallel calls are off
         assert _accepts(runner, strict, block(weather, note))

@@ -152,9 +152,10 @@ def _typed(
     token: Callable[[str], str | None],
 ) -> str:
     """A text with blocks of calls whose parameters are tagged: a strict function's
-    parameters are its properties (each as often as written: ``required`` is not held),
-    a string's value its text up to the closing tag (only an ``enum`` held), another's
-    JSON its schema allows; another function's are any names, their values text."""
+    parameters are its properties, each at most once and in the schema's order (as
+    llguidance writes a JSON object's), the ``required`` ones always; a string's value is
+    its text up to the closing tag (only an ``enum`` held), another's JSON its schema
+    allows; another function's are any names, their values text."""
     text_value = "/(.|\\n)*" + re.escape(f.param_close).replace("/", "\\/") + "/"
     rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))),
              f"value[lazy]: {text_value}"]  # fmt: skip
@@ -172,8 +173,11 @@ def _typed(
         if not names:
             rules.append(f"fn_{k}: {head} WS? {tail}")
             continue
-        rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
-                  f"param_{k}: " + " | ".join(f"param_{k}_{j}" for j in range(len(names)))]  # fmt: skip
+        needed = (params or {}).get("required")
+        needed = set(needed) if isinstance(needed, list) else set()
+        written = " ".join(f"param_{k}_{j} WS?" if key in needed else f"(param_{k}_{j} WS?)?"
+                           for j, key in enumerate(names))  # fmt: skip
+        rules.append(f"fn_{k}: {head} WS? {written} {tail}")
         for j, key in enumerate(names):
             opened = json.dumps(f.param_open.format(key))
             rules.append(f"param_{k}_{j}: {opened} {_value(props[key], f.param_close)}")
