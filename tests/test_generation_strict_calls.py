@@ -167,6 +167,66 @@ def test_llama3_json_calls_are_the_whole_text_or_none(special: bool, tmp_path: P
     assert not _accepts(runner, compiled(prep), f"{call}; {time}")
 
 
+SEARCH = {"type": "function", "function": {"name": "web.search", "strict": True, "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 12},
+                                     "exact": {"type": "boolean"}, "limit": {"type": "integer"}},
+    "required": ["q"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "special"), [("pythonic", True), ("pythonic", False),
+                                                 ("llama4_pythonic", True)])  # fmt: skip
+def test_pythonic_calls_are_a_python_list_or_none(parser: str, special: bool,
+                                                  tmp_path: Path) -> None:  # fmt: skip
+    start, end = "<|python_start|>", "<|python_end|>"
+    path = make_causal_lm(tmp_path / parser, specials=(start, end) if special else ())
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("p", tools=[*_strict("get_weather"), SEARCH])])
+    strict = compiled(prep)
+    weather = 'get_weather(unit="c", days=3)'
+    good = ["It is sunny.", "", f"[{weather}]", f"{start}[{weather}]{end}",
+            f' [{weather}, get_time(zone="x", utc=True)]',  # get_time is not strict
+            '[web.search(q="rain", exact=False, limit=5)]', '[web.search(q="rain",limit=2)]',
+            '[web.search(q="rain")]']  # fmt: skip
+    types = param_types([Tool.model_validate(t) for t in [*_strict("get_weather"), SEARCH]])
+    for text in good:
+        assert _accepts(runner, strict, text), text
+        if "(" in text:  # calls, as the parser reads them
+            assert read_calls(ToolUse("auto"), text, parser, types), text
+    for text in ['[get_weather(unit="k", days=3)]', "[get_weather(days=3)]",  # bad, missing
+                 '[get_weather(unit="c")]', '[web.search(exact=True, q="a")]',
+                 '[get_weather(days=3, unit="c")]',  # not in the schema's order
+                 '[get_weather(unit="c", unit="f", days=3)]', '[get_moon(phase="full")]',
+                 '[web.search(q="a longer query than twelve")]', '[web.search(exact=True)]',
+                 '[web.search(q="a", exact=1)]', f"[{weather}] and more",
+                 f"[{weather},]", f"{start}sunny"]:  # fmt: skip
+        assert not _accepts(runner, strict, text), text
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), f' [{weather}, get_time(zone="x")]')
+    # a function whose name is not a Python name cannot be called in this format
+    assert (
+        strict_calls.grammar("pythonic", [("get-x", WEATHER, True)], True, lambda m: None) is None
+    )
+
+
+def test_a_pythonic_call_the_model_makes_follows_its_schema(tmp_path: Path) -> None:
+    start = "<|python_start|>"
+    path = make_causal_lm(tmp_path / "m", specials=(start, "<|python_end|>"))
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "pythonic"})  # fmt: skip
+    bias = {str(runner.tokenizer.convert_tokens_to_ids(start)): 100.0}
+    for seed in range(2):
+        req = chat(f"p{seed}", tools=_strict("get_weather", "get_time"), logit_bias=bias,
+                   max_new_tokens=160, temperature=1.0, seed=seed)  # fmt: skip
+        (out,) = run(runner, req)[f"p{seed}"]
+        assert out.get("tool_calls"), out
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in out["tool_calls"]:
+            fn = call["function"]
+            jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+
+
 def _section_call(parser: str, name: str, args: str) -> str:
     ds, kimi = tools._DS, tools._KIMI
     if parser == "deepseek_v31":

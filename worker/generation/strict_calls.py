@@ -13,8 +13,8 @@ ends where the marker is written. Built: calls in JSON blocks, arrays or runs of
 after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`: a text
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
-(:data:`TYPED`); and Mistral's (:func:`_mistral`). For the other formats ``strict`` is
-not enforced.
+(:data:`TYPED`); Mistral's (:func:`_mistral`); and ``pythonic`` lists of calls
+(:mod:`.strict_python`). For the other formats ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from . import strict_python
 from .tools import _DS, _KIMI
 
 BLOCKS: Final[dict[str, tuple[str, str, str]]] = {
@@ -112,6 +113,8 @@ def grammar(
         return _typed(TYPED[parser], functions, parallel, token)
     if parser == "mistral":
         return _mistral(functions, parallel, token)
+    if parser == "pythonic":
+        return strict_python.grammar(functions, parallel, token)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
