@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
 from batchfleet.worker.generation import strict_calls, tools  # noqa: E402
 from batchfleet.worker.generation.tagged_args import param_types  # noqa: E402
+from batchfleet.worker.generation.tools import _STEP as ST  # noqa: E402
 from batchfleet.worker.generation.tools import read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -102,7 +103,7 @@ def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> Non
     assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
     # (mistral's [TOOL_CALLS] is no token of its own in this tokenizer)
     assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: None) is None
-    assert strict_calls.grammar("step3", [("f", WEATHER, True)], True, lambda m: None) is None
+    assert strict_calls.grammar("xlam", [("f", WEATHER, True)], True, lambda m: None) is None
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
@@ -118,6 +119,7 @@ ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
     ("hunyuan_a13b", "<tool_calls>", "</tool_calls>", False),
     ("jamba", "<tool_calls>", "</tool_calls>", True),  # hunyuan_a13b's format
     ("minimax", "<tool_calls>", "</tool_calls>", False),  # objects, not an array
+    ("phi4_mini_json", "functools", "", False),  # its "functools[" opens the calls
 ])  # fmt: skip
 def test_arrays_after_a_marker_are_held_too(
     parser: str, opening: str, closing: str, special: bool, tmp_path: Path
@@ -138,11 +140,29 @@ def test_arrays_after_a_marker_are_held_too(
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
     assert not _accepts(runner, strict, f"{opening}{array.replace('1}', '8}')}{closing}")
     assert not _accepts(runner, strict, f"{opening}{'' if parser == 'minimax' else '[]'}{closing}")
-    assert not _accepts(runner, strict, f"{opening} not an array")
+    # prose that writes the marker stays free where the marker is text and opens an array
+    prose = _accepts(runner, strict, f"{opening} not an array")
+    assert prose == (parser == "phi4_mini_json")
     (prep,) = runner.prepare_many([chat("p", tools=_strict("get_weather"),
                                         parallel_tool_calls=False)])  # fmt: skip
     assert not _accepts(runner, compiled(prep), f"{opening}{two}{closing}")
     assert _accepts(runner, compiled(prep), f"{opening}{array}{closing}")
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_internlm_calls_are_held_after_its_two_markers(special: bool, tmp_path: Path) -> None:
+    start, plugin, end = "<|action_start|>", "<|plugin|>", "<|action_end|>"
+    path = make_causal_lm(tmp_path / "intern", specials=(start, plugin, end) if special else ())
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "internlm"})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("i", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    call = '{"name": "get_weather", "parameters": {"unit": "c", "days": 2}}'
+    for text in ("Plain.", f"Let me check.{start}{plugin}\n{call}{end} done"):
+        assert _accepts(runner, strict, text), text
+    assert read_calls(ToolUse("auto"), f"{start}{plugin}{call}{end}", "internlm")
+    for bad in (call.replace('"c"', '"k"'), call.replace("parameters", "arguments"), "{}"):
+        assert not _accepts(runner, strict, f"{start}{plugin}{bad}{end}"), bad
 
 
 @pytest.mark.parametrize("special", [True, False])
@@ -265,6 +285,9 @@ def test_sections_of_named_calls_are_held_too(parser: str, special: bool, tmp_pa
 
 def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str, str]]) -> str:
     items = list(params.items()) if isinstance(params, dict) else params
+    if parser == "step3":
+        body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in items)
+        return f'{ST[2]}function{ST[4]}<steptml:invoke name="{name}">{body}</steptml:invoke>{ST[3]}'
     if parser == "minimax_m2":
         body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in items)
         return f'<invoke name="{name}">{body}</invoke>'
@@ -276,13 +299,14 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     return f"<function={name}>\n{body}</function>"
 
 
-@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45"])
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3"])
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
                         "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
-                        "glm45": ("<tool_call>", "</tool_call>")}[parser]  # fmt: skip
-    path = make_causal_lm(tmp_path / parser)
+                        "glm45": ("<tool_call>", "</tool_call>"),
+                        "step3": (ST[0], ST[1])}[parser]  # fmt: skip
+    path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     tools_ = _strict("get_weather")
@@ -313,7 +337,7 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         assert not _accepts(runner, strict, block(_typed_call(parser, "get_weather", bad))), bad
     assert not _accepts(runner, strict, block(_typed_call(parser, "note", [("text", "a")] * 2)))
     assert not _accepts(runner, strict, block(_typed_call(parser, "get_moon", {})))
-    if parser == "minimax_m2":  # several invokes in one block, unless parallel calls are off
+    if parser in ("minimax_m2", "step3"):  # several calls in a block, unless parallel is off
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])
         assert not _accepts(runner, compiled(prep), block(weather, note))

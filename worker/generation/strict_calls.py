@@ -14,7 +14,8 @@ after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`:
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); and ``pythonic`` lists of calls
-(:mod:`.strict_python`). For the other formats ``strict`` is not enforced.
+(:mod:`.strict_python`). For ``xlam`` (and Mistral's where ``[TOOL_CALLS]`` is text)
+``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import strict_python
-from .tools import _DS, _KIMI
+from .tools import _DS, _KIMI, _STEP
 
-BLOCKS: Final[dict[str, tuple[str, str, str]]] = {
-    "hermes": ("<tool_call>", "</tool_call>", "one"),
-    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", "one"),
-    "granite": ("<|tool_call|>", "", "array"),
-    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array"),
-    "minimax": ("<tool_calls>", "</tool_calls>", "several"),
+BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
+    "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", "one", "arguments"),
+    "internlm": ("<|action_start|><|plugin|>", "<|action_end|>", "one", "parameters"),
+    "granite": ("<|tool_call|>", "", "array", "arguments"),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array", "arguments"),
+    "minimax": ("<tool_calls>", "</tool_calls>", "several", "arguments"),
+    "phi4_mini_json": ("functools[", "]", "items", "arguments"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
-none), and what a block holds: ``one`` call, an ``array`` of calls, or ``several``
-calls one after another (each a JSON object ``{"name", "arguments"}``)."""
+none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
+after another, or ``items``, an array's calls after its ``[`` (in the opening marker, so
+prose that writes ``functools`` stays free), and the key of a call's arguments (each call
+a JSON object ``{"name", key}``)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
@@ -76,6 +81,9 @@ class Tagged:
     param_close: str
     key: str = '[^>\\n"]{1,128}'
     """A parameter's name, as a regex (another function's: any)."""
+    before: tuple[Part, ...] = ()
+    after: tuple[Part, ...] = ()
+    """What a call writes before ``fn_open`` and after ``fn_close`` (in a section)."""
 
 
 TYPED: Final[dict[str, Tagged]] = {
@@ -87,6 +95,10 @@ TYPED: Final[dict[str, Tagged]] = {
                          "</invoke>", '<parameter name="{}">', "</parameter>"),
     "glm45": Tagged("<tool_call>", "</tool_call>", False, "{}\n", "",
                     "<arg_key>{}</arg_key>\n<arg_value>", "</arg_value>", "[^<\\n]{1,128}"),
+    "step3": Tagged(_STEP[0], _STEP[1], True, '<steptml:invoke name="{}">', "</steptml:invoke>",
+                    '<steptml:parameter name="{}">', "</steptml:parameter>",
+                    before=(("marker", _STEP[2]), ("text", "function"), ("marker", _STEP[4])),
+                    after=(("marker", _STEP[3]),)),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -118,13 +130,14 @@ def grammar(
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
-    opening, closing, shape = markers
-    body = _body(functions, "arguments")
+    opening, closing, shape, key = markers
+    body = _body(functions, key)
     if shape == "array":
         most = {} if parallel else {"maxItems": 1}
         item = {k: v for k, v in body.items() if k != "x-guidance"}
         body = {"type": "array", "minItems": 1, **most, "items": item, "x-guidance": _WS}
-    calls = "WS? body (WS? body)* WS?" if shape == "several" and parallel else "WS? body WS?"
+    more = {"several": " (WS? body)*", "items": ' (WS? "," WS? body)*'}.get(shape, "")
+    calls = f"WS? body{more if parallel else ''} WS?"
     return _around(opening, closing, calls, [f"body: %json {json.dumps(body)}"],
                    parallel, token)  # fmt: skip
 
@@ -164,8 +177,9 @@ def _typed(
              f"value[lazy]: {text_value}"]  # fmt: skip
     for k, (name, params, strict) in enumerate(functions):
         props = (params or {}).get("properties") if strict else None
-        head = json.dumps(f.fn_open.format(name))
-        tail = json.dumps(f.fn_close) if f.fn_close else ""
+        head = " ".join([*(_part(*p, token) for p in f.before), json.dumps(f.fn_open.format(name))])
+        tail = " ".join([json.dumps(f.fn_close)] * bool(f.fn_close) +
+                        [_part(*p, token) for p in f.after])  # fmt: skip
         if not strict:
             prefix, suffix = (json.dumps(p) for p in f.param_open.split("{}", 1))
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
