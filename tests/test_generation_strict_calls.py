@@ -103,7 +103,6 @@ def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> Non
     assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
     # (mistral's [TOOL_CALLS] is no token of its own in this tokenizer)
     assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: None) is None
-    assert strict_calls.grammar("xlam", [("f", WEATHER, True)], True, lambda m: None) is None
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
@@ -149,14 +148,48 @@ def test_arrays_after_a_marker_are_held_too(
     assert _accepts(runner, compiled(prep), f"{opening}{array}{closing}")
 
 
+def _held(
+    tmp_path: Path, parser: str, specials: tuple[str, ...]
+) -> tuple[TextGenerationRunner, Any]:
+    """A tiny ``parser`` model (``specials``: its special tokens) and the constraint of a
+    request whose ``get_weather`` is strict."""
+    path = make_causal_lm(tmp_path / parser, specials=specials)
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    (prep,) = runner.prepare_many([chat(parser, tools=_strict("get_weather"))])
+    return runner, compiled(prep)
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_xlam_calls_are_a_leading_array_or_follow_a_fence_or_marker(special: bool,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    tc, tag, end = "[TOOL_CALLS]", "<tool_call>", "</tool_call>"
+    runner, strict = _held(tmp_path, "xlam", (tc, tag, end) if special else ())
+    bad = ARRAY.replace("1}", "8}")
+    two = ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
+    good = ["Plain.", ARRAY, f" {two} ", f"Here:\n```json\n{two}\n```", f"Run ```{ARRAY}```",
+            f"ok {tag}{ARRAY}{end}", f"{tc}{ARRAY}", f"So {tc} {two}", f"  {tc}{ARRAY}",
+            f"  Well, {tc}{ARRAY}", f" {tag}{ARRAY}{end}",
+            "Code: ```python\nx = [1]\n```"]  # fmt: skip
+    for text in good:
+        assert _accepts(runner, strict, text), text
+        if "name" in text:  # calls, as the parser reads them
+            assert read_calls(ToolUse("auto"), text, "xlam"), text
+    for text in (bad, "[1, 2]", f"```json\n{bad}\n```", f"{tag}{bad}{end}", f"{tc}{bad}",
+                 f"[not json {tag}{ARRAY}{end}", f"{tc} sunny", "```json\n[1]\n```"):  # fmt: skip
+        assert not _accepts(runner, strict, text), text
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    one = compiled(prep)
+    assert _accepts(runner, one, f"ok {tag}{ARRAY}{end} done")
+    for text in (two, f"```json\n{two}\n```", f"{tag}{ARRAY}{end} and {tc}{ARRAY}"):
+        assert not _accepts(runner, one, text), text
+
+
 @pytest.mark.parametrize("special", [True, False])
 def test_internlm_calls_are_held_after_its_two_markers(special: bool, tmp_path: Path) -> None:
     start, plugin, end = "<|action_start|>", "<|plugin|>", "<|action_end|>"
-    path = make_causal_lm(tmp_path / "intern", specials=(start, plugin, end) if special else ())
-    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
-                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "internlm"})  # fmt: skip
-    (prep,) = runner.prepare_many([chat("i", tools=_strict("get_weather"))])
-    strict = compiled(prep)
+    runner, strict = _held(tmp_path, "internlm", (start, plugin, end) if special else ())
     call = '{"name": "get_weather", "parameters": {"unit": "c", "days": 2}}'
     for text in ("Plain.", f"Let me check.{start}{plugin}\n{call}{end} done"):
         assert _accepts(runner, strict, text), text

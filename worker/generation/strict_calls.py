@@ -14,8 +14,8 @@ after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`:
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); and ``pythonic`` lists of calls
-(:mod:`.strict_python`). For ``xlam`` (and Mistral's where ``[TOOL_CALLS]`` is text)
-``strict`` is not enforced.
+(:mod:`.strict_python`); and xLAM's (:func:`_xlam`). For Mistral's where
+``[TOOL_CALLS]`` is text, ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def grammar(
         return _mistral(functions, parallel, token)
     if parser == "pythonic":
         return strict_python.grammar(functions, parallel, token)
+    if parser == "xlam":
+        return _xlam(functions, parallel, token)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -243,6 +245,56 @@ def _mistral(
         rules += [f"entry_{k}: {json.dumps(name)} {token('[ARGS]')} args_{k}",
                   f"args_{k}: %json {json.dumps(schema)}"]  # fmt: skip
     return _around("[TOOL_CALLS]", "", "entry", rules, parallel, token)
+
+
+_FENCE: Final = r"```(json)?\s*\["
+"""Where a fenced ``xlam`` array begins (its ``[``: a fence of other code stays free)."""
+
+
+def _xlam(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str:
+    """xLAM's calls: a text that begins with ``[`` is a JSON array of calls; one that
+    begins otherwise is free, but where it writes a fence and ``[``, ``<tool_call>`` or
+    ``[TOOL_CALLS]``, an array of calls follows (to the fence's end, or
+    ``</tool_call>``)."""
+    item = _body(functions, "arguments")
+    most = {} if parallel else {"maxItems": 1}
+    array = {"type": "array", "minItems": 1, **most, "x-guidance": _WS,
+             "items": {k: v for k, v in item.items() if k != "x-guidance"}}  # fmt: skip
+    more = ' (WS? "," WS? item)*' if parallel else ""
+    rules = [f'fenced: WS? item{more} WS? "]" WS? "```"',
+             f"tagged: WS? body WS? {_part('marker', '</tool_call>', token)}",
+             "marked: WS? body", f"body: %json {json.dumps(array)}",
+             f"item: %json {json.dumps(item)}"]  # fmt: skip
+    triggers = [_FENCE]
+    for rule, marker in (("tagged", "<tool_call>"), ("marked", "[TOOL_CALLS]")):
+        ref = token(marker)
+        if ref is None:
+            triggers.append(re.escape(marker))
+        for head, text in (("first", "FIRST"), ("call", "TEXT")):
+            if ref is not None:
+                rules.append(f"{head}_{rule}: {text} {ref}")
+            else:  # (a leading text's whitespace is WS's: one lexeme ends where it may)
+                text = "LEAD" if (head, rule) == ("first", "marked") else text
+                rules.append(f"{head}_{rule}[lazy]: {text} {json.dumps(marker)}")
+    for head, text in (("first", "FIRST"), ("call", "TEXT")):
+        ws = "WS? " if head == "first" and token("[TOOL_CALLS]") is None else ""
+        rules += [f"{head}_fenced[lazy]: {text} /{_FENCE}/",
+                  f"{head}: {head}_fenced fenced | {head}_tagged tagged | {ws}{head}_marked marked"]  # fmt: skip
+    any_trigger = "|".join(triggers).replace("/", "\\/")
+    tail = "call* TEXT" if parallel else f"TAIL\nTAIL: /(?s:.*)/ & ~/(?s:.*)({any_trigger})(?s:.*)/"
+    return "\n".join([
+        "%llguidance {}",
+        f"start: WS? body WS? | FIRST | first {tail}",
+        r"TEXT: /(.|\n)*/",
+        r"FIRST: /\s*([^\s\[](.|\n)*)?/",
+        r"LEAD: /([^\s\[](.|\n)*)?/",
+        r"WS: /[ \t\r\n]+/",
+        *rules,
+    ])  # fmt: skip
 
 
 def _part(kind: str, value: str, token: Callable[[str], str | None]) -> str:
