@@ -96,13 +96,17 @@ def test_a_strict_call_the_model_makes_follows_its_schema(tmp_path: Path) -> Non
     assert out["text"].startswith("<tool_call>"), out["text"]
 
 
-def test_formats_without_a_grammar_leave_strict_unenforced(tiny_lm: Path) -> None:
+def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
+    for parser in set(tools.PARSERS) - {"openai"}:  # (gpt-oss's: harmony.auto_grammar)
+        name = tools.ALIASES.get(parser, parser)
+        assert strict_calls.grammar(name, [("f", WEATHER, True)], True, lambda m: None), parser
+    # mistral's [TOOL_CALLS] where it is no token of its own (this tokenizer): text
     mistral = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                    options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
     (prep,) = mistral.prepare_many([chat("m", tools=_strict("get_weather"))])
-    assert prep.payload.sampling.constraint is None and prep.payload.compiling is None  # type: ignore[union-attr]
-    # (mistral's [TOOL_CALLS] is no token of its own in this tokenizer)
-    assert strict_calls.grammar("mistral", [("f", WEATHER, True)], True, lambda m: None) is None
+    held = compiled(prep)
+    assert _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY}")
+    assert not _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY.replace('1}', '8}')}")
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip

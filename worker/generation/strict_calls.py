@@ -14,8 +14,7 @@ after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`:
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); and ``pythonic`` lists of calls
-(:mod:`.strict_python`); and xLAM's (:func:`_xlam`). For Mistral's where
-``[TOOL_CALLS]`` is text, ``strict`` is not enforced.
+(:mod:`.strict_python`); and xLAM's (:func:`_xlam`): every format.
 """
 
 from __future__ import annotations
@@ -225,13 +224,10 @@ def _mistral(
     functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
     parallel: bool,
     token: Callable[[str], str | None],
-) -> str | None:
+) -> str:
     """Mistral's calls after ``[TOOL_CALLS]``: ``NAME[ARGS]{...}`` each where the
     tokenizer has an ``[ARGS]`` token (v11 and later), else a JSON array of ``{"name",
-    "arguments"}``. None: ``[TOOL_CALLS]`` is not a token of its own (a text could write
-    it otherwise)."""
-    if token("[TOOL_CALLS]") is None:
-        return None
+    "arguments"}`` (after the text ``[TOOL_CALLS]`` too, where it is not a token)."""
     if token("[ARGS]") is None:
         body = _body(functions, "arguments")
         most = {} if parallel else {"maxItems": 1}
