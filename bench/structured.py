@@ -6,7 +6,7 @@ arrivals at ``--rate``, saturating) runs in arms that differ only in each reques
 ``structured_outputs``: ``free`` (none), ``json`` (a JSON Schema: an object with a name,
 a number, a list of tags and a free text of up to 600 chars, compact) and ``regex``
 (``[a-z ]+[.]``), and ``tools`` (the grammar ``strict`` functions hold a hermes
-model's text to under ``tool_choice`` ``auto``: free text). A JSON text ends when it is complete, so it generates fewer tokens
+model's text to under ``tool_choice`` ``auto``: free text; ``--parser`` another format's). A JSON text ends when it is complete, so it generates fewer tokens
 than a free one: the arm ``free@json`` is free requests each asking for the tokens its
 ``json`` twin generated in the round (the same work without the constraint). Compare
 tokens/s, and the time the masks took per
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.structured",
                                 description=__doc__.splitlines()[0])  # fmt: skip
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--parser", default="hermes",
+                   help="the tool_call_parser whose strict grammar the tools arm holds")  # fmt: skip
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rate", type=float, default=400.0, help="arrivals per second")
     p.add_argument("--rounds", type=int, default=2)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         from batchfleet.worker.generation import strict_calls
 
         token = runner._grammars.token
-        ARMS["tools"] = {"grammar": strict_calls.grammar("hermes", TOOLS, True, token)}
+        ARMS["tools"] = {"grammar": strict_calls.grammar(args.parser, TOOLS, True, token)}
         print(f"{model.name}: {len(jobs)} requests at {args.rate}/s (the mixed trace), "
               f"vocabulary {runner.vocab_size:,}, one torch thread")  # fmt: skip
         g.engine_alone(runner, jobs[:2], 0.0, "warm-up")
