@@ -16,8 +16,9 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
-from batchfleet.worker.generation.reasoning import REASONING_PARSERS, Reasoning  # noqa: E402
+from batchfleet.worker.generation.reasoning import REASONING_PARSERS, reasoning_for  # noqa: E402
 from batchfleet.worker.generation.sampling import Marker, _Track  # noqa: E402
+from batchfleet.worker.generation.split import OutputSplit  # noqa: E402
 from batchfleet.worker.runner import Final, Partial  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -88,25 +89,41 @@ GRANITE = ("Here is my thought process:", "Here is my response:")
 )
 def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
                answer: str) -> None:  # fmt: skip
-    split = Reasoning(parser)
+    check_split(parser, prompt_end, text, reasoning, answer)
+
+
+def check_split(parser: str, prompt_end: str, text: str, reasoning: str | None,
+                answer: str) -> None:  # fmt: skip
+    """A text after a prompt ending ``prompt_end`` splits so, whole and as it grows."""
+    split = reasoning_for(parser)
     thinking = split.opens(prompt_end)
     assert split.split(text, thinking) == (reasoning, answer)
     # while the text grows, where the answer begins is unknown until </think> (or, where
     # the text's start tells, until it does), then fixed; the reasoning so far is always
-    # a start of the whole's, all of it once the answer begins
+    # a start of the whole's, all of it once the answer begins, and so is the answer
     starts = [split.answer_start(text[:n], False, thinking) for n in range(len(text) + 1)]
     known = next((n for n, s in enumerate(starts) if s is not None), None)
     assert known is None or set(starts[known:]) == {starts[known]}
-    end, close = min(((text.find(c), c) for c in split.closings if c in text),
-                     default=(-1, ""))  # fmt: skip
+    ends = [(text.find(c), len(c), len(c)) for c in split.closings if c in text]
+    ends += [(text.find(e), len(e), 0) for e in split.enders if e in text]  # in the answer
+    end, length, skip = min(ends, default=(-1, 0, 0))
     if reasoning is not None and end >= 0:
-        assert known == end + len(close) and starts[known] == known
+        assert known == end + length and starts[known] == end + skip
     if reasoning is None and known is not None:
         assert starts[known] == 0
     shown = [split.so_far(text[:n], thinking) for n in range(len(text) + 1)]
     assert all((reasoning or "").startswith(r) for r in shown)
     if known is not None:
         assert set(shown[known:]) == {reasoning or ""}
+        at = starts[known]
+        assert all(answer.startswith(split.answer(text[:n][at:]))
+                   for n in range(known, len(text) + 1))  # fmt: skip
+    # streamed a character at a time, the deltas' pieces add up to the result's
+    out = OutputSplit(split, thinking, harmony=False)
+    deltas = [out.delta(text[: n + 1], text[n], None) for n in range(len(text))]
+    deltas.append(out.delta(text, "", text))
+    assert "".join(d["reasoning_content"] for d in deltas) == (reasoning or "")
+    assert "".join(d["content"] for d in deltas) == answer.strip()
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +241,12 @@ def test_what_is_split_and_what_is_not(reasoner: TextGenerationRunner) -> None:
 
 
 def test_the_parsers() -> None:
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "glm45", "deepseek_v3",
-                                      "mistral", "seed_oss", "openai_gptoss", "granite"}  # fmt: skip
+    assert set(REASONING_PARSERS) == {
+        "deepseek_r1", "qwen3", "glm45", "deepseek_v3", "mistral", "seed_oss", "openai_gptoss",
+        "granite", "deepseek_v4", "ernie45", "gemma4", "glm47", "holo2", "hunyuan_a13b",
+        "hy_v3", "identity", "kimi_k2", "mimo", "minimax_m2", "minimax_m2_append_think",
+        "nemotron_v3", "olmo3", "poolside_v1", "step3", "step3p5",
+    }  # fmt: skip
 
 
 def test_an_unknown_reasoning_parser_is_refused(tiny_lm: Path) -> None:

@@ -2,31 +2,48 @@
 parsers, chosen by the model's ``reasoning_parser`` option).
 
 Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
-``</think>`` for ``deepseek_r1``, ``qwen3``, ``glm45`` and ``deepseek_v3``, ``[THINK]``
-and ``[/THINK]`` for ``mistral`` (Magistral), ``<seed:think>`` and ``</seed:think>`` for
-``seed_oss``, and the plain-text ``Here is my thought process:`` and ``Here is my
+``</think>`` for most (``deepseek_r1``, ``qwen3``, ``glm45``, ``glm47``, ``deepseek_v3``,
+``deepseek_v4``, ``ernie45``, ``holo2``, ``hunyuan_a13b``, ``hy_v3``, ``kimi_k2``,
+``mimo``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``poolside_v1``, ``step3p5``),
+``</think>`` alone for ``step3`` (it has no opening tag: a ``<think>`` it writes is
+reasoning too), ``[THINK]`` and ``[/THINK]`` for ``mistral`` (Magistral),
+``<seed:think>`` and ``</seed:think>`` for ``seed_oss``, ``<|channel>`` and
+``<channel|>`` for ``gemma4`` (its reasoning's leading ``thought`` label left out,
+:data:`LABELS`), and the plain-text ``Here is my thought process:`` and ``Here is my
 response:`` for ``granite`` (Granite 3.2 with ``thinking`` on; ``Here's`` for ``Here is``
-too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``openai_gptoss`` reads gpt-oss's harmony messages instead
-(:class:`HarmonyReasoning`, :mod:`.harmony`): no tags, but channels.
+too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``kimi_k2``'s tool
+section and ``deepseek_v4``'s DSML tool calls end the reasoning too, and begin the answer
+(:data:`ENDS`). ``hunyuan_a13b`` wraps its answer in ``<answer>`` … ``</answer>``,
+``ernie45`` in ``<response>`` … ``</response>`` (or writes it bare): the content is what
+they wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
+``minimax_m2_append_think`` never split (:class:`WholeAnswer`): the whole text is the
+answer, the latter's content begun with the ``<think>`` its prompt opened.
+``openai_gptoss`` reads gpt-oss's harmony messages instead (:class:`HarmonyReasoning`,
+:mod:`.harmony`): no tags, but channels.
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
 (:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
-template, Qwen3's thinking models, DeepSeek-V3.1 with ``thinking`` on) begins it; one that
-closes it (Qwen3 with ``enable_thinking`` false, GLM-4.5 with thinking off, DeepSeek-V3.1
-by default) does not. Otherwise ``deepseek_r1`` takes the text to begin in its reasoning
-(a leading opening tag left out), and the other parsers only where it begins with the
-opening tag; else it is all answer.
+template, Qwen3's thinking models, DeepSeek-V3.1 with ``thinking`` on, Kimi-K2.5,
+MiniMax-M2, GLM-4.7) begins it; one that closes it (Qwen3 with ``enable_thinking`` false,
+GLM-4.5 with thinking off, DeepSeek-V3.1 by default) does not. Otherwise ``deepseek_r1``,
+``ernie45``, ``glm47``, ``holo2``, ``kimi_k2``, ``minimax_m2``, ``nemotron_v3``,
+``olmo3``, ``step3`` and ``step3p5`` take the text to begin in its reasoning, as vLLM's
+do (their models' prompts open it, or the models may leave the opening tag out; a leading
+one is left out), and the other parsers only where it begins with the opening tag; else
+it is all answer.
 
-A text that begins in its reasoning is reasoning up to its first closing tag, and all
-reasoning without one (cut while thinking). The answer is where tool calls are read, so a
-call the model only thought about is not made; until the closing tag comes, none is read.
-A request's constraint begins after the closing tag (``Sampling.constraint_after``), or
-from the first token where the prompt closed the reasoning; gpt-oss's, in its final
-message (:attr:`Reasoning.answer_marker`).
+A text that begins in its reasoning is reasoning up to its first closing tag (or marker
+that ends it), and all reasoning without one (cut while thinking). The answer is where
+tool calls are read, so a call the model only thought about is not made; until the
+closing tag comes, none is read. A request's constraint begins after the closing tag
+(``Sampling.constraint_after``), or from the first token where the prompt closed the
+reasoning (``identity``'s always); gpt-oss's, in its final message
+(:attr:`Reasoning.answer_marker`).
 
 Streamed, each delta carries the reasoning and the answer it adds
-(:meth:`Reasoning.so_far`): held back are a possible tag being written, and trailing
-whitespace, so that the deltas' pieces add up to the result's ``reasoning_content``.
+(:meth:`Reasoning.so_far`, :meth:`Reasoning.answer`): held back are a possible tag (or
+label) being written, and trailing whitespace, so that the deltas' pieces add up to the
+result's ``reasoning_content`` and ``content``.
 """
 
 from __future__ import annotations
@@ -43,36 +60,74 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "mistral": ("[THINK]", "[/THINK]"),
     "seed_oss": ("<seed:think>", "</seed:think>"),
     "granite": ("Here is my thought process:", "Here is my response:"),
+    "deepseek_v4": ("<think>", "</think>"),
+    "ernie45": ("<think>", "</think>"),
+    "gemma4": ("<|channel>", "<channel|>"),
+    "glm47": ("<think>", "</think>"),
+    "holo2": ("<think>", "</think>"),
+    "hunyuan_a13b": ("<think>", "</think>"),
+    "hy_v3": ("<think>", "</think>"),
+    "kimi_k2": ("<think>", "</think>"),
+    "mimo": ("<think>", "</think>"),
+    "minimax_m2": ("<think>", "</think>"),
+    "minimax_m2_append_think": ("<think>", "</think>"),
+    "nemotron_v3": ("<think>", "</think>"),
+    "olmo3": ("<think>", "</think>"),
+    "poolside_v1": ("<think>", "</think>"),
+    "step3": ("", "</think>"),
+    "step3p5": ("<think>", "</think>"),
 }
-"""Each parser's opening and closing tags."""
+"""Each parser's opening and closing tags (``""``: it has no opening tag)."""
 SPELLINGS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "granite": (("Here's my thought process:",), ("Here's my response:",)),
 }
 """Other spellings of a parser's opening and closing tags, read as they are."""
-REASONING_PARSERS: Final = (*TAGS, "openai_gptoss")
+ENDS: Final[dict[str, tuple[str, ...]]] = {
+    "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"),
+    "deepseek_v4": ("<\uff5cDSML\uff5ctool_calls>",),
+}
+"""Markers that end a parser's reasoning as its closing tag does, but begin its answer
+(its tool calls' section, so they are read)."""
+WRAPS: Final[dict[str, tuple[str, str]]] = {
+    "hunyuan_a13b": ("<answer>", "</answer>"),
+    "ernie45": ("<response>", "</response>"),
+}
+"""The tags around a parser's answer, left out of its content: an answer that begins with
+the first is read up to the second."""
+LABELS: Final[dict[str, str]] = {"gemma4": "thought\n"}
+"""What a parser's reasoning begins with, left out of ``reasoning_content``."""
+PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<think>"}
+"""The parsers that never split (:class:`WholeAnswer`), and what their content begins
+with."""
+REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss")
 """The values of a model's ``reasoning_parser`` option."""
-_BEGINS: Final = ("deepseek_r1",)
+_BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "kimi_k2",
+                            "minimax_m2", "nemotron_v3", "olmo3", "step3", "step3p5"})  # fmt: skip
 """The parsers whose texts begin in their reasoning unless the prompt closed it."""
 
 
 class Reasoning:
     """One parser's split (see the module docstring)."""
 
-    __slots__ = ("close", "closings", "open", "openings", "parser")
+    __slots__ = ("close", "closings", "enders", "label", "open", "openings", "parser", "wrap")
 
     interleaved: ClassVar[bool] = False
     """Reasoning may follow the answer's start (its parts so far are still asked for)."""
 
     def __init__(self, parser: str) -> None:
         self.parser = parser
-        self.open, self.close = TAGS[parser]
+        self.open, self.close = TAGS.get(parser, ("", ""))
         more_open, more_close = SPELLINGS.get(parser, ((), ()))
-        self.openings = (self.open, *more_open)
-        self.closings = (self.close, *more_close)
+        self.openings = tuple(t for t in (self.open, *more_open) if t)
+        self.closings = tuple(t for t in (self.close, *more_close) if t)
+        self.enders = ENDS.get(parser, ())
+        self.wrap = WRAPS.get(parser)
+        self.label = LABELS.get(parser, "")
 
     @property
     def tags(self) -> tuple[str, ...]:
-        return *self.openings, *self.closings
+        """The markers its split reads (kept in the text where they are special tokens)."""
+        return *self.openings, *self.closings, *self.enders, *(self.wrap or ())
 
     @property
     def answer_marker(self) -> tuple[str, str, str]:
@@ -99,18 +154,18 @@ class Reasoning:
                 return None if not final and _begins(self.openings, head) else 0
         elif not thinking:
             return 0
-        end, tag = _first(text, self.closings)
+        end, tag = _first(text, self.closings + self.enders)
         if end >= 0:
-            return end + len(tag)
+            return end + (0 if tag in self.enders else len(tag))
         return len(text) if final else None
 
     def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
-        """A whole text's reasoning (None: none) and its answer."""
+        """A whole text's reasoning (None: none) and its answer (:meth:`answer`)."""
         start = self.answer_start(text, True, thinking)
         assert start is not None
         if start == 0:
-            return None, text
-        return self._clean(text[:start]), text[start:]
+            return None, self.answer(text)
+        return self._clean(text[:start]), self.answer(text[start:])
 
     def so_far(self, text: str, thinking: bool | None) -> str:
         """The reasoning a text so far shows for certain: the start of the whole text's
@@ -122,11 +177,25 @@ class Reasoning:
             return self._clean(text[:start])
         if thinking is None and not text.lstrip().startswith(self.openings):
             return ""  # not known yet to be reasoning
-        body = text[: len(text) - max(held(text, c) for c in self.closings)]
+        body = text[: len(text) - max(held(text, c) for c in self.closings + self.enders)]
         head = body.lstrip()
         if not head.startswith(self.openings) and _begins(self.openings, head):
             return ""  # perhaps the opening tag being written
         return self._clean(body)
+
+    def answer(self, rest: str) -> str:
+        """The answer where its content and calls are read, given ``rest``, the text (so
+        far) from its start: all of it, or what its :data:`WRAPS` tags wrap (a tag maybe
+        being written held back, so that it only grows with ``rest``)."""
+        if self.wrap is None:
+            return rest
+        open_, close = self.wrap
+        head = rest.lstrip()
+        if not head.startswith(open_):
+            return "" if _begins((open_,), head) else rest
+        body = head[len(open_) :]
+        end = body.find(close)
+        return body[:end] if end >= 0 else body[: len(body) - held(body, close)]
 
     def _clean(self, reasoning: str) -> str:
         for close in self.closings:
@@ -138,11 +207,36 @@ class Reasoning:
             if head.startswith(open_):
                 reasoning = head[len(open_) :]
                 break
-        return reasoning.strip()
+        if self.label.startswith(reasoning):
+            return ""  # perhaps the label being written
+        return reasoning.removeprefix(self.label).strip()
 
     def content(self, answer: str) -> str:
         """An answer's (so far) content (OpenAI's message ``content``), trimmed."""
         return answer.strip()
+
+
+class WholeAnswer(Reasoning):
+    """A parser that never splits (:data:`PREFIXES`): vLLM's ``identity``, and
+    ``minimax_m2_append_think``, whose content begins with the ``<think>`` its prompt
+    opened, then the whole text, ``</think>`` and all. Its text is all answer, where its
+    calls are read; a constraint begins after its closing tag, where it has one (else
+    from the first token: the prompt's end tells that the reasoning is over)."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, parser: str) -> None:
+        super().__init__(parser)
+        self.prefix = PREFIXES[parser]
+
+    def opens(self, prompt_end: str) -> bool | None:
+        return super().opens(prompt_end) if self.closings else False
+
+    def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
+        return 0
+
+    def answer(self, rest: str) -> str:
+        return self.prefix + rest
 
 
 class HarmonyReasoning(Reasoning):
@@ -156,9 +250,7 @@ class HarmonyReasoning(Reasoning):
     interleaved: ClassVar[bool] = True
 
     def __init__(self, parser: str = "openai_gptoss") -> None:
-        self.parser = parser
-        self.open = self.close = ""
-        self.openings = self.closings = ()
+        super().__init__(parser)  # no tags
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -189,7 +281,9 @@ class HarmonyReasoning(Reasoning):
 
 def reasoning_for(parser: str) -> Reasoning:
     """The split a ``reasoning_parser`` names."""
-    return HarmonyReasoning(parser) if parser == "openai_gptoss" else Reasoning(parser)
+    if parser == "openai_gptoss":
+        return HarmonyReasoning(parser)
+    return WholeAnswer(parser) if parser in PREFIXES else Reasoning(parser)
 
 
 def _begins(tags: tuple[str, ...], head: str) -> bool:

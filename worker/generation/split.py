@@ -6,7 +6,8 @@ yet (each so far a start of the result's, so the pieces add up to it), the calls
 whole since the last delta, and the chunks of the calls being written
 (:mod:`.tool_chunks`); at the end the whole text is read once more for the result
 (:meth:`OutputSplit.result`). The answer begins after the reasoning (where
-:class:`~.reasoning.Reasoning` says, once it knows); calls are read in the answer only.
+:class:`~.reasoning.Reasoning` says, once it knows; less the tags some parsers wrap it
+in, :meth:`~.reasoning.Reasoning.answer`); calls are read in the answer only.
 gpt-oss's reasoning may follow the answer's start (``Reasoning.interleaved``), and its
 content is its harmony messages' (:mod:`.harmony`).
 """
@@ -119,6 +120,8 @@ class OutputSplit:
         if self.answer_at is None:
             return reasoning, "", [], []
         answer = released[self.answer_at :]
+        if split is not None:
+            answer = split.answer(answer)
         reader = self.calls
         if reader is None:
             return reasoning, self.content(answer), [], []
