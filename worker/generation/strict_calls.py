@@ -13,8 +13,9 @@ ends where the marker is written. Built: calls in JSON blocks, arrays or runs of
 after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`: a text
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
-(:data:`TYPED`); and Mistral's (:func:`_mistral`). For the other formats ``strict`` is
-not enforced.
+(:data:`TYPED`); and Mistral's (:func:`_mistral`). For the other formats (``pythonic``,
+``olmo3``, ``internlm``, ``step3``, ``phi4_mini_json``, ``xlam``; GigaChat 3's calls,
+after ``function call<|role_sep|>``) ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .tools import _DS, _KIMI
+from .tools import _DS, _KIMI, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one"),
@@ -33,10 +34,12 @@ BLOCKS: Final[dict[str, tuple[str, str, str]]] = {
     "granite": ("<|tool_call|>", "", "array"),
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array"),
     "minimax": ("<tool_calls>", "</tool_calls>", "several"),
+    "gigachat3": ("<|function_call|>", "", "one"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), and what a block holds: ``one`` call, an ``array`` of calls, or ``several``
-calls one after another (each a JSON object ``{"name", "arguments"}``)."""
+calls one after another (each a JSON object ``{"name", "arguments"}``). ``gigachat3``:
+GigaChat 3.1's header, where it is a token (:func:`grammar`)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
@@ -75,6 +78,8 @@ class Tagged:
     param_close: str
     key: str = '[^>\\n"]{1,128}'
     """A parameter's name, as a regex (another function's: any)."""
+    json_open: str = ""
+    """A parameter's opening tag where its value is JSON, not text ("": ``param_open``)."""
 
 
 TYPED: Final[dict[str, Tagged]] = {
@@ -86,6 +91,9 @@ TYPED: Final[dict[str, Tagged]] = {
                          "</invoke>", '<parameter name="{}">', "</parameter>"),
     "glm45": Tagged("<tool_call>", "</tool_call>", False, "{}\n", "",
                     "<arg_key>{}</arg_key>\n<arg_value>", "</arg_value>", "[^<\\n]{1,128}"),
+    "deepseek_v32": Tagged(_V32[0], _V32[1], True, _V32[2] + ' name="{}">', _V32[3],
+                           _V32[4] + ' name="{}" string="true">', _V32[5],
+                           json_open=_V32[4] + ' name="{}" string="false">'),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -112,6 +120,8 @@ def grammar(
         return _typed(TYPED[parser], functions, parallel, token)
     if parser == "mistral":
         return _mistral(functions, parallel, token)
+    if parser == "gigachat3" and token("<|function_call|>") is None:
+        return None  # GigaChat 3's header: "function call" (text), then <|role_sep|>
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -164,6 +174,8 @@ def _typed(
         tail = json.dumps(f.fn_close) if f.fn_close else ""
         if not strict:
             prefix, suffix = (json.dumps(p) for p in f.param_open.split("{}", 1))
+            if f.json_open:  # either tag, its value text
+                suffix = f"({suffix} | {json.dumps(f.json_open.split('{}', 1)[1])})"
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
                       f"param_{k}: {prefix} /{f.key}/ {suffix} value"]  # fmt: skip
             continue
@@ -175,27 +187,29 @@ def _typed(
         rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
                   f"param_{k}: " + " | ".join(f"param_{k}_{j}" for j in range(len(names)))]  # fmt: skip
         for j, key in enumerate(names):
-            opened = json.dumps(f.param_open.format(key))
-            rules.append(f"param_{k}_{j}: {opened} {_value(props[key], f.param_close)}")
+            value, is_json = _value(props[key], f.param_close)
+            opened = f.json_open if is_json and f.json_open else f.param_open
+            rules.append(f"param_{k}_{j}: {json.dumps(opened.format(key))} {value}")
     body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
     return _around(f.opening, f.closing, body, rules, parallel, token)
 
 
-def _value(schema: Any, close: str) -> str:
-    """A tagged parameter's value and closing tag, as its ``schema`` allows."""
+def _value(schema: Any, close: str) -> tuple[str, bool]:
+    """A tagged parameter's value and closing tag, as its ``schema`` allows, and whether
+    the value is JSON (else text)."""
     if not isinstance(schema, dict):
-        return "value"  # read as written
+        return "value", False  # read as written
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((t for t in kind if t != "null"), None)
     enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
         options = " | ".join(json.dumps(e) for e in enum)  # strings, written bare
-        return f'"\\n"? ({options}) "\\n"? {json.dumps(close)}'
+        return f'"\\n"? ({options}) "\\n"? {json.dumps(close)}', False
     if kind == "string" or (kind is None and enum is None):
-        return "value"  # text (a schema without a type: read as written)
+        return "value", False  # text (a schema without a type: read as written)
     sub = {**schema, "x-guidance": _WS}
-    return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}"
+    return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}", True
 
 
 def _mistral(
