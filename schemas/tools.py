@@ -38,8 +38,9 @@ class FunctionDef(_Strict):
     """OpenAI's: with ``tool_choice`` ``auto``, a call of it follows ``parameters``
     (where the model's format is one the worker holds so: ``hermes``, ``longcat``,
     ``granite``, ``hunyuan_a13b``, ``minimax``, ``mistral``, ``llama3_json``, ``deepseek_v3``, ``deepseek_v31``,
-    ``kimi_k2``, ``qwen3_coder``, ``seed_oss``, ``minimax_m2``, ``glm45``, ``openai``
-    (gpt-oss), and their other names);
+    ``kimi_k2``, ``qwen3_coder``, ``seed_oss``, ``minimax_m2``, ``glm45``, ``deepseek_v32``,
+    ``gigachat3`` (3.1's ``<|function_call|>`` token), ``openai`` (gpt-oss), and their
+    other names);
     ``required`` and named calls always do."""
 
 

@@ -97,7 +97,7 @@ def test_a_strict_call_the_model_makes_follows_its_schema(tmp_path: Path) -> Non
 
 
 def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
-    for parser in set(tools.PARSERS) - {"openai"}:  # (gpt-oss's: harmony.auto_grammar)
+    for parser in set(tools.PARSERS) - {"openai", "olmo3", "gigachat3"}:  # (gpt-oss: harmony)
         name = tools.ALIASES.get(parser, parser)
         assert strict_calls.grammar(name, [("f", WEATHER, True)], True, lambda m: None), parser
     # mistral's [TOOL_CALLS] where it is no token of its own (this tokenizer): text
@@ -107,11 +107,22 @@ def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
     held = compiled(prep)
     assert _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY}")
     assert not _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY.replace('1}', '8}')}")
+    # olmo3's, and GigaChat 3's (its header "function call<|role_sep|>"): not held
+    for parser in ("olmo3", "gigachat3"):
+        assert strict_calls.grammar(parser, [("f", WEATHER, True)], True, lambda m: None) is None
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
     (prep,) = ernie.prepare_many([chat("e", tools=_strict("get_weather"))])
     assert _accepts(ernie, compiled(prep), f"ok {CALL}")
+    # and qwen3_xml is qwen3_coder's: its parameters held by their schemas
+    xml = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                               options={**TINY_LM_OPTIONS, "tool_call_parser": "qwen3_xml"})  # fmt: skip
+    (prep,) = xml.prepare_many([chat("x", tools=_strict("get_weather"))])
+    call = _typed_call("qwen3_coder", "get_weather", {"unit": "c", "days": "3"})
+    assert _accepts(xml, compiled(prep), f"ok <tool_call>\n{call}\n</tool_call>")
+    bad = _typed_call("qwen3_coder", "get_weather", {"unit": "c", "days": "9"})
+    assert not _accepts(xml, compiled(prep), f"ok <tool_call>\n{bad}\n</tool_call>")
 
 
 ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
@@ -293,6 +304,23 @@ def _section_call(parser: str, name: str, args: str) -> str:
     return f"{kimi[2]}functions.{name}:0{kimi[4]}{args}{kimi[3]}"
 
 
+def test_gigachat31_calls_are_held_after_its_token(tmp_path: Path) -> None:
+    head = "<|function_call|>"
+    path = make_causal_lm(tmp_path / "giga", specials=(head, "<|message_sep|>", "<|role_sep|>"))
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "gigachat3"})  # fmt: skip
+    (prep,) = runner.prepare_many([chat("g", tools=_strict("get_weather"))])
+    strict = compiled(prep)
+    call = '{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}'
+    assert _accepts(runner, strict, "Plain answer.")
+    assert _accepts(runner, strict, f"Checking.{head}{call}")
+    calls = read_calls(ToolUse("auto"), f"Checking.{head}{call}", "gigachat3") or []
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]  # as read
+    assert not _accepts(runner, strict, f"{head}{call.replace('2}', '0}')}")
+    assert not _accepts(runner, strict, f"{head} sunny")
+    assert not _accepts(runner, strict, f'{head}{{"name": "get_moon", "arguments": {{}}}}')
+
+
 @pytest.mark.parametrize(("parser", "special"), [
     ("deepseek_v31", True), ("deepseek_v3", True), ("kimi_k2", True), ("deepseek_v31", False),
 ])  # fmt: skip
@@ -325,6 +353,11 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     if parser == "step3":
         body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in items)
         return f'{ST[2]}function{ST[4]}<steptml:invoke name="{name}">{body}</steptml:invoke>{ST[3]}'
+    if parser == "deepseek_v32":  # a number's value JSON, another's text
+        v = tools._V32
+        body = "".join(f'{v[4]} name="{k}" string="{str(not x.isdigit()).lower()}">{x}{v[5]}\n'
+                       for k, x in items)  # fmt: skip
+        return f'{v[2]} name="{name}">\n{body}{v[3]}\n'
     if parser == "minimax_m2":
         body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in items)
         return f'<invoke name="{name}">{body}</invoke>'
@@ -336,13 +369,15 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     return f"<function={name}>\n{body}</function>"
 
 
-@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3"])
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3",
+                                    "deepseek_v32"])  # fmt: skip
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
                         "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
                         "glm45": ("<tool_call>", "</tool_call>"),
-                        "step3": (ST[0], ST[1])}[parser]  # fmt: skip
+                        "step3": (ST[0], ST[1]),
+                        "deepseek_v32": tools._V32[:2]}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
@@ -357,7 +392,7 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
 
     weather = _typed_call(parser, "get_weather", {"unit": "c", "days": "3"})
     note = _typed_call(parser, "note", {"text": "a <b> & {c}, 5\nlines"})
-    time = _typed_call(parser, "get_time", {"anything": "goes"})  # not strict
+    time = _typed_call(parser, "get_time", {"anything": "goes", "n": "5"})  # not strict
     for text in ("Plain.", block(weather), block(note), block(time)):
         assert _accepts(runner, strict, text), text
         types = param_types([Tool.model_validate(t) for t in tools_ + TOOLS[1:]])
@@ -374,7 +409,11 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         assert not _accepts(runner, strict, block(_typed_call(parser, "get_weather", bad))), bad
     assert not _accepts(runner, strict, block(_typed_call(parser, "note", [("text", "a")] * 2)))
     assert not _accepts(runner, strict, block(_typed_call(parser, "get_moon", {})))
-    if parser in ("minimax_m2", "step3"):  # several calls in a block, unless parallel is off
+    if parser in (
+        "minimax_m2",
+        "step3",
+        "deepseek_v32",
+    ):  # several calls a block, unless not parallel
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])
         assert not _accepts(runner, compiled(prep), block(weather, note))

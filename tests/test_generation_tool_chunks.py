@@ -13,7 +13,7 @@ from batchfleet.worker.generation import tools
 from batchfleet.worker.generation.json_compact import DECODER, Compactor, compact
 from batchfleet.worker.generation.tool_chunks import CallChunks
 from batchfleet.worker.generation.tools import PARSERS, CallReader
-from test_generation_tools import FORMATS, parser_of
+from test_generation_tools import FORMATS, V32, parser_of
 
 
 def _feed(raw: str) -> tuple[Compactor, list[str]]:
@@ -143,7 +143,8 @@ STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen
             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss",
             "minimax_m2", "internlm", "granite", "hunyuan_a13b", "minimax", "jamba",
             "phi4_mini_json", "xlam", "xlam_fenced", "xlam_marked", "xlam_tagged", "llama4_json",
-            "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic"}  # fmt: skip
+            "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic", "olmo3", "gigachat3",
+            "gigachat3_v31", "deepseek_v32"}  # fmt: skip
 """The formats whose calls stream before they are complete (all here)."""
 
 
@@ -186,24 +187,44 @@ def test_arguments_stream_piece_by_piece_and_the_id_stays() -> None:
     assert pieces[0]["id"] == call["id"] and call["id"].startswith("call_")
 
 
-def test_typed_parameters_stream_each_once_written() -> None:
-    text = ("<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n"
-            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
-    reader, steps = _stream(ToolUse("auto"), "qwen3_coder", text, {"f": {"days": "integer"}})
-    pieces = [c["function"]["arguments"] for s in steps for c in s]
-    assert pieces == ["", "{", '"city":"Paris"', ',"days":3', "}"]
-    assert reader.calls[0]["function"]["arguments"] == '{"city":"Paris","days":3}'
+ST, V = tools._STEP, V32
+TAGGED = {
+    "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "Paris"),
+    "step3": (f'{ST[0]}{ST[2]}function{ST[4]}<steptml:invoke name="f"><steptml:parameter '
+              'name="city"> Paris </steptml:parameter><steptml:parameter name="days">3'
+              f"</steptml:parameter></steptml:invoke>{ST[3]}{ST[1]}", "Paris"),
+    "deepseek_v32": (f'Sure.{V[0]}\n{V[2]} name="f">\n{V[4]} name="city" string="true"> Paris '
+                     f'{V[5]}\n{V[4]} name="days" string="false">3{V[5]}\n{V[3]}\n{V[1]}',
+                     " Paris "),  # a string="true" value as written
+}  # fmt: skip
+"""A call of ``f(city="Paris", days=3)`` in typed formats, and the city as read."""
 
 
-def test_step3_parameters_stream_each_once_written() -> None:
-    st = tools._STEP
-    text = (f'{st[0]}{st[2]}function{st[4]}<steptml:invoke name="f"><steptml:parameter name="city">'
-            ' Paris </steptml:parameter><steptml:parameter name="days">3</steptml:parameter>'
-            f"</steptml:invoke>{st[3]}{st[1]}")  # fmt: skip
-    reader, steps = _stream(ToolUse("auto"), "step3", text, {"f": {"days": "integer"}})
+@pytest.mark.parametrize("parser", TAGGED)
+def test_typed_parameters_stream_each_once_written(parser: str) -> None:
+    text, city = TAGGED[parser]
+    reader, steps = _stream(ToolUse("auto"), parser, text, {"f": {"days": "integer"}})
     pieces = [c["function"]["arguments"] for s in steps for c in s]
-    assert pieces == ["", "{", '"city":"Paris"', ',"days":3', "}"]
-    assert reader.calls[0]["function"]["arguments"] == '{"city":"Paris","days":3}'
+    assert pieces == ["", "{", f'"city":"{city}"', ',"days":3', "}"]
+    assert reader.calls[0]["function"]["arguments"] == f'{{"city":"{city}","days":3}}'
+
+
+def test_olmo3_calls_stream_before_their_block_closes() -> None:
+    text = "<function_calls>\nf(city='Paris', days=3)\ng(x=[1, 2])\n</function_calls>"
+    reader, steps = _stream(ToolUse("auto"), "olmo3", text)
+    assert _replay([c for s in steps for c in s]) == dict(enumerate(reader.calls))
+    firsts = [k for k, s in enumerate(steps) for c in s if "id" in c]
+    closed = len(text) - len("</function_calls>")
+    assert len(firsts) == 2 and firsts[1] < closed  # g's name before the block closes
+    f = [c["function"]["arguments"] for s in steps for c in s if c["index"] == 0]
+    assert f == ["", "{", '"city":"Paris"', ',"days":3', "}"]
+    # a call on the same line as another is not followed (it comes whole, once read), nor
+    # a call after the block
+    text = "<function_calls>f(), g()</function_calls>\nh(x=1)"
+    _, steps = _stream(ToolUse("auto"), "olmo3", text)
+    assert [c["function"] for s in steps for c in s if "id" in c] == [
+        {"name": "f", "arguments": ""}, {"name": "g", "arguments": "{}"}]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", ["xlam", "xlam_fenced", "xlam_marked", "xlam_tagged",
@@ -317,7 +338,7 @@ def test_any_cut_and_any_pace_keeps_the_chunks_consistent(fmt: str) -> None:
         made = [calls[k] for k in sorted(calls) if calls[k] in reader.calls]
         assert made == reader.calls  # in the result's order
         orphans = [c for c in calls.values() if c not in reader.calls]
-        if parser in ("pythonic", "llama4_pythonic") and not reader.calls:  # read once closed
+        if parser in ("pythonic", "llama4_pythonic", "olmo3") and not reader.calls:  # read closed
             assert len(orphans) <= 2 and all(o["function"]["name"] in "ab" for o in orphans)
         else:
             assert len(orphans) <= 1  # at most the one being written at the cut

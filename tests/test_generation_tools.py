@@ -276,6 +276,8 @@ DS = tools._DS
 """DeepSeek's markers (calls begin, calls end, call begin, call end, sep)."""
 ST = tools._STEP
 """Step-3's markers (the same order)."""
+V32 = tools._V32
+"""DeepSeek-V3.2's DSML markers (calls begin and end, invoke's and parameter's start and end)."""
 FORMATS = {
     "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
                '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Let me look."),
@@ -339,6 +341,15 @@ FORMATS = {
     "step3": (f'Sure.{ST[0]}{ST[2]}function{ST[4]}<steptml:invoke name="a"><steptml:parameter '
               f'name="q">1</steptml:parameter></steptml:invoke>{ST[3]}\n{ST[2]}function{ST[4]}'
               f'<steptml:invoke name="b"></steptml:invoke>{ST[3]}{ST[1]} Done.', "Sure. Done."),
+    "olmo3": ("Sure.\n<function_calls>\na(q=1)\nb()\n</function_calls>\nDone.", "Sure.\n\nDone."),
+    "gigachat3": ('Sure.<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "a", "arguments": '
+                  '{"q": 1}}<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "b", '
+                  '"arguments": {}}', "Sure."),
+    "gigachat3_v31": ('Sure.<|function_call|>{"name": "a", "arguments": {"q": 1}}'
+                      '<|function_call|>{"name": "b", "arguments": {}}', "Sure."),
+    "deepseek_v32": (f'Sure.\n\n{V32[0]}\n{V32[2]} name="a">\n{V32[4]} name="q" string="false">1'
+                     f'{V32[5]}\n{V32[3]}\n{V32[2]} name="b">\n{V32[3]}\n{V32[1]} Done.',
+                     "Sure.\n\n Done."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -574,7 +585,8 @@ def test_vllms_other_names_read_their_formats(alias: str, parser: str) -> None:
     same = read_calls(ToolUse("auto"), text, parser) or []
     assert [c["function"] for c in reader.calls] == [c["function"] for c in same]
     assert len(same) == 2 and reader.content == content
-    assert tools.MARKERS[alias] == tools.MARKERS[parser] and alias not in tools.TYPED
+    assert tools.MARKERS[alias] == tools.MARKERS[parser]
+    assert (alias in tools.TYPED) == (parser in tools.TYPED)  # the runner gives it the types
 
 
 def test_longcat_reads_its_own_blocks_only() -> None:
@@ -586,6 +598,103 @@ def test_longcat_reads_its_own_blocks_only() -> None:
     reader = CallReader(auto, "longcat")
     reader.read(bad, final=True)
     assert [c["function"]["name"] for c in reader.calls] == ["b"]
+
+
+def _names_args(calls: list[dict[str, Any]] | None) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls or []]
+
+
+def test_olmo3_reads_a_call_a_line_in_its_block() -> None:
+    auto = ToolUse("auto")
+    # vLLM's cases: Python or JSON literals, escapes, no arguments, empty containers
+    lines = ["register_user(name='John Doe', age=37, address={'city': 'SF'}, role=None, "
+             "passed_test=True, aliases=['John', 'Johnny'])",
+             "register_user(name='Jo', role=null, passed_test=true, ok=false)",
+             r"""get_weather(city='Martha\'s Vineyard', metric='\"cool units\"')""",
+             "get_time()", "do_something_cool(additional_data={}, steps=[])"]  # fmt: skip
+    text = "I will call.\n<function_calls>\n" + "\n\n".join(lines) + "\n</function_calls>\nOk."
+    reader = CallReader(auto, "olmo3")
+    reader.read(text, final=True)
+    assert _names_args(reader.calls) == [
+        ("register_user", {"name": "John Doe", "age": 37, "address": {"city": "SF"},
+                           "role": None, "passed_test": True, "aliases": ["John", "Johnny"]}),
+        ("register_user", {"name": "Jo", "role": None, "passed_test": True, "ok": False}),
+        ("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'}),
+        ("get_time", {}), ("do_something_cool", {"additional_data": {}, "steps": []})]  # fmt: skip
+    assert reader.content == "I will call.\n\nOk."
+    # not calls (the text stays content): no block, a block not closed, a line that is not
+    # a call, a value that is not a literal or not finite, brackets that do not match
+    for bad in ["How can I help you today?", "get_weather(city='SF')",
+                "<function_calls>get_time()", "<function_calls>\n</function_calls>",
+                "<function_calls>get_time()\nhello world</function_calls>",
+                "<function_calls>f(x=b'z')\nget_time()</function_calls>",
+                "<function_calls>calc(x=1e999)</function_calls>",
+                "<function_calls>f(x=open('a'))</function_calls>",
+                "<function_calls>foo(x=1])</function_calls>"]:  # fmt: skip
+        got = CallReader(auto, "olmo3")
+        got.read(bad, final=True)
+        assert got.calls == [] and got.content is None, bad
+    # the first block only (vLLM's); what may begin one is held back from the content
+    two = "<function_calls>a()</function_calls> then <function_calls>b()</function_calls>"
+    assert [c["function"]["name"] for c in read_calls(auto, two, "olmo3") or []] == ["a"]
+    assert reader.content_so_far("I will call.\n<function_c") == "I will call."
+
+
+def test_gigachat3_reads_the_json_call_after_either_header() -> None:
+    auto = ToolUse("auto")
+    args = {"action": "create", "content": {"short_answers": True, "english_ui": False}}
+    call = json.dumps({"name": "manage_user_memory", "arguments": args}, ensure_ascii=False)
+    for head in ("<|message_sep|>\n\nfunction call<|role_sep|>\n", "<|function_call|>"):
+        for before in ("", "I'll check that for you."):
+            reader = CallReader(auto, "gigachat3")
+            reader.read(before + head + call, final=True)
+            assert _names_args(reader.calls) == [("manage_user_memory", args)]
+            assert reader.content == before
+        empty = head + '{"name": "f", "arguments": {}}'
+        assert _names_args(read_calls(auto, empty, "gigachat3")) == [("f", {})]
+    # not calls: no header, not JSON, arguments not an object, no name, cut by the end
+    for bad in [call, 'function call {"name": "f", "arguments": {}}',
+                '<|function_call|>{"name": "f", "arguments": {"a": tru}}',
+                '<|function_call|>{"name": "f", "arguments": [1]}',
+                '<|function_call|>{"arguments": {}}', '<|function_call|>{"name": "f", "argu']:  # fmt: skip
+        assert read_calls(auto, bad, "gigachat3") is None, bad
+    # the content before a header is out before the call; "function call" in prose too
+    reader = CallReader(auto, "gigachat3")
+    assert reader.content_so_far("Sure.<|message_sep|>\n\nfunction call") == "Sure."
+    assert reader.content_so_far("A function call") == "A"  # may yet be the header
+    assert reader.content_so_far("A function call is a call.") == "A function call is a call."
+
+
+def _dsml(name: str, params: dict[str, tuple[str, str]]) -> str:
+    """A DSML invoke of ``name``, each parameter's value and ``string`` attribute."""
+    body = "".join(f'{V32[4]} name="{k}" string="{s}">{v}{V32[5]}\n'
+                   for k, (v, s) in params.items())  # fmt: skip
+    return f'{V32[2]} name="{name}">\n{body}{V32[3]}\n'
+
+
+def test_deepseek_v32_values_are_typed_as_vllm_does() -> None:
+    types = {"f": {"enabled": "boolean", "count": "integer", "ratio": "number", "tags": "array",
+                   "meta": "object", "name": "string", "n": "integer"}}  # fmt: skip
+    params = {"enabled": ("true", "false"), "count": ("42", "false"), "ratio": ("3.14", "false"),
+              "tags": ('["a", "b"]', "false"), "meta": ('{"k": 1}', "false"),
+              "name": ("007", "false"), "n": ("42", "true"), "loc": (" 杭州 ", "true"),
+              "free": ('{"x": [1, null]}', "false"), "word": ("two words", "false")}  # fmt: skip
+    text = f"Sure, let me check! {V32[0]}\n{_dsml('f', params)}{_dsml('g', {})}{V32[1]}"
+    reader = CallReader(ToolUse("auto"), "deepseek_v32", types)
+    reader.read(text, final=True)
+    assert _names_args(reader.calls) == [("f", {
+        "enabled": True, "count": 42, "ratio": 3.14, "tags": ["a", "b"], "meta": {"k": 1},
+        "name": "007", "n": "42", "loc": " 杭州 ", "free": {"x": [1, None]},
+        "word": "two words"}), ("g", {})]  # fmt: skip
+    assert reader.content == "Sure, let me check!"
+    # a parameter without its string attribute is not read; an invoke without a name is no
+    # call, nor one not closed while the text may grow
+    loose = f'{V32[2]} name="f">{V32[4]} name="a">1{V32[5]}{V32[3]}'
+    assert _names_args(read_calls(ToolUse("auto"), loose, "deepseek_v32")) == [("f", {})]
+    assert read_calls(ToolUse("auto"), f"{V32[2]}>{V32[3]}", "deepseek_v32") is None
+    reader = CallReader(ToolUse("auto"), "deepseek_v32")
+    reader.read(f'{V32[0]}{V32[2]} name="f">')
+    assert reader.calls == []
 
 
 def test_auto_reads_qwen3_coder_calls_typed_by_the_tools(tiny_lm: Path) -> None:
@@ -605,7 +714,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "glm45", "deepseek_v3", "deepseek_v31", "kimi_k2", "openai",
                             "seed_oss", "minimax_m2", "internlm", "granite", "hunyuan_a13b",
                             "minimax", "phi4_mini_json", "xlam", "longcat", "step3", "jamba",
-                            "llama4_json", "llama4_pythonic", "ernie45"}  # fmt: skip
+                            "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
+                            "qwen3_xml", "deepseek_v32"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

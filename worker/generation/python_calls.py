@@ -1,12 +1,14 @@
 """Tool calls written as a Python list of calls with keyword arguments (the ``pythonic``
 parser's format, Llama 3.2 and 4): ``[get_weather(city="Paris", days=2), get_time()]``,
-in an optional ``<|python_start|>`` … ``<|python_end|>``.
+in an optional ``<|python_start|>`` … ``<|python_end|>``; or, ``olmo3``'s (OLMo 3), a
+call a line in ``<function_calls>`` … ``</function_calls>``.
 
-A whole list is read with :mod:`ast`: literals only (JSON's ``true``, ``false`` and
-``null`` too), nothing is evaluated (:func:`read_list`). As it is written, a call is
-followed by an :class:`ArgsScanner`: each keyword argument counts once a comma or the
-call's closing parenthesis outside any string or bracket ends it, so a call's arguments
-stream one argument at a time (:mod:`.tool_chunks`), each as the whole list will read it.
+A whole list (or block) is read with :mod:`ast`: literals only (JSON's ``true``, ``false``
+and ``null`` too), nothing is evaluated (:func:`read_list`, :func:`read_lines`). As it is
+written, a call is followed by an :class:`ArgsScanner`: each keyword argument counts once
+a comma or the call's closing parenthesis outside any string or bracket ends it, so a
+call's arguments stream one argument at a time (:mod:`.tool_chunks`), each as the whole
+list will read it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from typing import Any, Final
 from .json_compact import Pairs
 
 START, END = "<|python_start|>", "<|python_end|>"
+OPEN, CLOSE = "<function_calls>", "</function_calls>"
 _NAME: Final = r"([A-Za-z_][\w.]{0,63})\s*\("
 _FIRST: Final = re.compile(r"\s*(?:" + re.escape(START) + r"\s*)?\[\s*" + _NAME)
 _NEXT: Final = re.compile(r"\s*,\s*" + _NAME)
+_FIRST_LINE: Final = re.compile(re.escape(OPEN) + r"\s*" + _NAME)
+_NEXT_LINE: Final = re.compile(r"[^\S\n]*\n\s*" + _NAME)
+Calls = tuple[int, int, list[tuple[str, dict[str, Any]]]]
+"""Where a text's calls begin and end, and each call's name and arguments."""
 _NAMES: Final[dict[str, Any]] = {"true": True, "false": False, "null": None,
                                  "True": True, "False": False, "None": None}  # fmt: skip
 
 
-def read_list(text: str) -> tuple[int, int, list[tuple[str, dict[str, Any]]]] | None:
+def read_list(text: str) -> Calls | None:
     """A text that is a list of calls: where it begins, where it ends (after its ``]``,
     or its ``<|python_end|>``), and its calls, each a name and its arguments (None: the
     text is not one, or not yet)."""
@@ -36,16 +43,36 @@ def read_list(text: str) -> tuple[int, int, list[tuple[str, dict[str, Any]]]] | 
     j = text.rfind("]")
     if not text.startswith("[", i) or j < i:
         return None
-    try:
-        tree = ast.parse(text[i : j + 1], mode="eval")
-        if not isinstance(tree.body, ast.List):
-            return None
-        calls = [call_of(node) for node in tree.body.elts]
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+    calls = _calls(text[i : j + 1])
+    if calls is None:
         return None
     end = _skip(text, j + 1)
     end = end + len(END) if text.startswith(END, end) else j + 1
     return start, end, calls
+
+
+def read_lines(text: str) -> Calls | None:
+    """OLMo 3's calls: its first ``<function_calls>`` block, once closed, a call a line
+    (vLLM's: the lines joined into a list): where the block begins, where it ends, and its
+    calls (None: no closed block, or one that is not calls)."""
+    start = text.find(OPEN)
+    end = text.find(CLOSE, start) if start >= 0 else -1
+    if end < 0:
+        return None
+    lines = [line.strip() for line in text[start + len(OPEN) : end].splitlines()]
+    calls = _calls("[" + ", ".join(line for line in lines if line) + "]")
+    return (start, end + len(CLOSE), calls) if calls else None
+
+
+def _calls(source: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """The calls of a Python list's ``source`` (None: it is not a list of calls)."""
+    try:
+        tree = ast.parse(source, mode="eval")
+        if not isinstance(tree.body, ast.List):
+            return None
+        return [call_of(node) for node in tree.body.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
 
 
 def call_of(node: ast.expr) -> tuple[str, dict[str, Any]]:
@@ -102,6 +129,16 @@ def opening(text: str, start: int) -> tuple[int, str, int] | None:
     before it ended): where its text begins, its name, and where its arguments begin
     (after its ``(``); None: no call's name and ``(`` there yet."""
     m = (_NEXT if start else _FIRST).match(text, start)
+    return None if m is None else (m.start(1), m.group(1), m.end())
+
+
+def line_opening(text: str, start: int) -> tuple[int, str, int] | None:
+    """:func:`opening` for OLMo 3's block: its first call, or one on a line of its own
+    after the call that ended at ``start``, while the block is open."""
+    at = text.find(OPEN)
+    if at < 0 or 0 <= text.find(CLOSE, at) < start:
+        return None
+    m = _FIRST_LINE.match(text, at) if start <= at else _NEXT_LINE.match(text, start)
     return None if m is None else (m.start(1), m.group(1), m.end())
 
 

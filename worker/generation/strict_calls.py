@@ -13,8 +13,9 @@ ends where the marker is written. Built: calls in JSON blocks, arrays or runs of
 after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`: a text
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
-(:data:`TYPED`); Mistral's (:func:`_mistral`); and ``pythonic`` lists of calls
-(:mod:`.strict_python`); and xLAM's (:func:`_xlam`): every format.
+(:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
+(:mod:`.strict_python`); and xLAM's (:func:`_xlam`). For ``olmo3`` and GigaChat 3's
+calls (after ``function call<|role_sep|>``) ``strict`` is not enforced.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import strict_python
-from .tools import _DS, _KIMI, _STEP
+from .tools import _DS, _KIMI, _STEP, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -36,12 +37,14 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array", "arguments"),
     "minimax": ("<tool_calls>", "</tool_calls>", "several", "arguments"),
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
+    "gigachat3": ("<|function_call|>", "", "one", "arguments"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
 after another, or ``items``, an array's calls after its ``[`` (in the opening marker, so
 prose that writes ``functools`` stays free), and the key of a call's arguments (each call
-a JSON object ``{"name", key}``)."""
+a JSON object ``{"name", key}``). ``gigachat3``: GigaChat 3.1's header, where it is a
+token (:func:`grammar`)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
@@ -83,6 +86,8 @@ class Tagged:
     before: tuple[Part, ...] = ()
     after: tuple[Part, ...] = ()
     """What a call writes before ``fn_open`` and after ``fn_close`` (in a section)."""
+    json_open: str = ""
+    """A parameter's opening tag where its value is JSON, not text ("": ``param_open``)."""
 
 
 TYPED: Final[dict[str, Tagged]] = {
@@ -98,6 +103,9 @@ TYPED: Final[dict[str, Tagged]] = {
                     '<steptml:parameter name="{}">', "</steptml:parameter>",
                     before=(("marker", _STEP[2]), ("text", "function"), ("marker", _STEP[4])),
                     after=(("marker", _STEP[3]),)),
+    "deepseek_v32": Tagged(_V32[0], _V32[1], True, _V32[2] + ' name="{}">', _V32[3],
+                           _V32[4] + ' name="{}" string="true">', _V32[5],
+                           json_open=_V32[4] + ' name="{}" string="false">'),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -128,6 +136,8 @@ def grammar(
         return strict_python.grammar(functions, parallel, token)
     if parser == "xlam":
         return _xlam(functions, parallel, token)
+    if parser == "gigachat3" and token("<|function_call|>") is None:
+        return None  # GigaChat 3's header: "function call" (text), then <|role_sep|>
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -183,6 +193,8 @@ def _typed(
                         [_part(*p, token) for p in f.after])  # fmt: skip
         if not strict:
             prefix, suffix = (json.dumps(p) for p in f.param_open.split("{}", 1))
+            if f.json_open:  # either tag, its value text
+                suffix = f"({suffix} | {json.dumps(f.json_open.split('{}', 1)[1])})"
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
                       f"param_{k}: {prefix} /{f.key}/ {suffix} value"]  # fmt: skip
             continue
@@ -197,27 +209,29 @@ def _typed(
                            for j, key in enumerate(names))  # fmt: skip
         rules.append(f"fn_{k}: {head} WS? {written} {tail}")
         for j, key in enumerate(names):
-            opened = json.dumps(f.param_open.format(key))
-            rules.append(f"param_{k}_{j}: {opened} {_value(props[key], f.param_close)}")
+            value, is_json = _value(props[key], f.param_close)
+            opened = f.json_open if is_json and f.json_open else f.param_open
+            rules.append(f"param_{k}_{j}: {json.dumps(opened.format(key))} {value}")
     body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
     return _around(f.opening, f.closing, body, rules, parallel, token)
 
 
-def _value(schema: Any, close: str) -> str:
-    """A tagged parameter's value and closing tag, as its ``schema`` allows."""
+def _value(schema: Any, close: str) -> tuple[str, bool]:
+    """A tagged parameter's value and closing tag, as its ``schema`` allows, and whether
+    the value is JSON (else text)."""
     if not isinstance(schema, dict):
-        return "value"  # read as written
+        return "value", False  # read as written
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((t for t in kind if t != "null"), None)
     enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
         options = " | ".join(json.dumps(e) for e in enum)  # strings, written bare
-        return f'"\\n"? ({options}) "\\n"? {json.dumps(close)}'
+        return f'"\\n"? ({options}) "\\n"? {json.dumps(close)}', False
     if kind == "string" or (kind is None and enum is None):
-        return "value"  # text (a schema without a type: read as written)
+        return "value", False  # text (a schema without a type: read as written)
     sub = {**schema, "x-guidance": _WS}
-    return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}"
+    return f"WS? %json {json.dumps(sub)} WS? {json.dumps(close)}", True
 
 
 def _mistral(

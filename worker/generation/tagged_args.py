@@ -1,6 +1,6 @@
 """The parameters of the tool-call formats that write each one in tags, typed by the
 function's JSON Schema (``qwen3_coder``, ``seed_oss``, ``glm45``, ``minimax_m2``,
-``step3``; vLLM's): a string stays as written, a number, boolean, object or array is read
+``step3``, ``deepseek_v32``; vLLM's): a string stays as written, a number, boolean, object or array is read
 as JSON (then as a Python literal), ``null`` is null; a value that is not what its schema
 says stays as written. :mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each
 parameter once its closing tag is written.
@@ -12,7 +12,7 @@ import ast
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from ...schemas.tools import Tool
 from .json_compact import Pairs
@@ -107,3 +107,22 @@ def step3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     """The parameters written whole in ``text`` from ``at``, trimmed, typed by ``known``."""
     return Pairs([(k.strip(), _typed(v.strip(), known.get(k.strip())))
                   for k, v in _STEP3_PARAMETER.findall(text, at)])  # fmt: skip
+
+
+_V32_PARAMETER = re.compile(r'<\uff5cDSML\uff5cparameter\s+name="([^"\n]{1,128})"\s+'
+                            r'string="(true|false)"\s*>(.*?)</\uff5cDSML\uff5cparameter>',
+                            re.DOTALL)  # fmt: skip
+
+
+def deepseek_v32_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``: a ``string="true"`` one's
+    value as written, another's typed by ``known`` (JSON where it types none)."""
+    return Pairs([(k, v if string == "true" else _typed(v, known.get(k) or "any"))
+                  for k, string, v in _V32_PARAMETER.findall(text, at)])  # fmt: skip
+
+
+TYPED_ARGS: Final[dict[str, TypedArgs]] = {
+    "qwen3_coder": qwen3_coder_args, "seed_oss": qwen3_coder_args, "glm45": glm45_args,
+    "minimax_m2": minimax_m2_args, "step3": step3_args, "deepseek_v32": deepseek_v32_args,
+}  # fmt: skip
+"""Each typed format's parameters, as its blocks write them."""

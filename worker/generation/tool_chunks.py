@@ -6,11 +6,12 @@ follows the call being written (the *open* call): where its format has put its n
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
 ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
-arrays and lists after a marker, ``xlam``'s, and ``tool_choice`` ``required`` or a named
-function), or the parameters written whole (``qwen3_coder``, ``glm45``, ``seed_oss``,
-``minimax_m2``, ``step3``, each typed by its schema), or, for ``pythonic``, the keyword
-arguments written whole (:class:`.python_calls.ArgsScanner`: a call is streamed whole at
-its ``)``, before the list that holds it closes and is read). Calls written otherwise
+arrays and lists after a marker, ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
+``required`` or a named function), or the parameters written whole (``qwen3_coder``,
+``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, each typed by its
+schema), or, for ``pythonic`` and ``olmo3``, the keyword arguments written whole
+(:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
+list or block that holds it closes and is read). Calls written otherwise
 (``arguments`` before ``name``, or as a JSON string) come whole, once complete. A parser's
 other name (``tools.ALIASES``) streams as the parser.
 
@@ -32,8 +33,19 @@ from ...schemas.tools import ToolUse
 from . import harmony, python_calls
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
-from .tagged_args import Types, glm45_args, minimax_m2_args, qwen3_coder_args, step3_args
-from .tools import _BLOCKS, _DS, _KIMI, _STEP3_INVOKE, ALIASES, CallReader, _skip, new_id
+from .tagged_args import TYPED_ARGS, Types
+from .tools import (
+    _BLOCKS,
+    _DS,
+    _GIGACHAT,
+    _KIMI,
+    _STEP3_INVOKE,
+    _V32_INVOKE,
+    ALIASES,
+    CallReader,
+    _skip,
+    new_id,
+)
 
 _NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
 _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
@@ -47,6 +59,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "internlm": re.compile(r"\s*" + _CALL),
     "longcat": re.compile(r"\s*" + _CALL),
     "step3": _STEP3_INVOKE,
+    "deepseek_v32": _V32_INVOKE,
     "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
@@ -75,9 +88,9 @@ _XLAM: Final = re.compile(
 )
 """How an ``xlam`` array's first call begins (at the text's start, a fence, a marker)."""
 _NEXT: Final = re.compile(r"\s*,\s*" + _CALL)
-_TYPED: Final = {"qwen3_coder": qwen3_coder_args, "glm45": glm45_args,
-                 "seed_oss": qwen3_coder_args, "minimax_m2": minimax_m2_args,
-                 "step3": step3_args}  # fmt: skip
+_GIGACHAT_CALL: Final = re.compile(f"(?:{_GIGACHAT.pattern})\\s*" + _CALL)
+_PYTHON: Final = {"pythonic": python_calls.opening, "olmo3": python_calls.line_opening}
+"""The formats of Python calls, and how a call being written begins."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,16 +186,17 @@ class CallChunks:
     def _start(self, calls: list[dict[str, Any]]) -> int:
         """Where the next call may begin: after the last call streamed whole or read."""
         read = self.reader.end if calls else 0
-        return max(self._after, read) if self._closed or self.parser == "pythonic" else read
+        return max(self._after, read) if self._closed or self.parser in _PYTHON else read
 
     def _begin(self, opening: _Opening, read: int) -> _Open:
         """The call that begins at ``opening``, ``read`` calls read before it."""
         index = read + len(self._closed) + self._shift
         cid = opening.id or new_id()
         auto = self.use.kind == "auto"
-        if auto and self.parser == "pythonic":
+        if auto and self.parser in _PYTHON:
             return _Open(opening, index, cid, None, ArgsScanner(opening.args))
-        return _Open(opening, index, cid, None if auto and self.parser in _TYPED else Compactor())
+        typed = auto and self.parser in TYPED_ARGS
+        return _Open(opening, index, cid, None if typed else Compactor())
 
     def _complete(self, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k``, just read whole: the rest of it where it was being streamed, else
@@ -209,7 +223,8 @@ class CallChunks:
         if o.json is not None:
             o.json.feed(text[o.opening.args :])
             return o.json.text
-        got = _TYPED[self.parser or ""](text, o.opening.args, self.types.get(o.opening.name, {}))
+        args = TYPED_ARGS[self.parser or ""]
+        got = args(text, o.opening.args, self.types.get(o.opening.name, {}))
         return compact(got)[:-1]  # without the closing brace: more may come
 
     def _abandoned(self, text: str) -> bool:
@@ -270,8 +285,10 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         if m is None or m.group(1) is not None:
             return _json_call(m, at)
         return _Opening(at, m.group(2), None, m.end())
-    if parser == "pythonic":
-        py = python_calls.opening(text, start)
+    if parser == "gigachat3":
+        return _json_call(_GIGACHAT_CALL.search(text, start))
+    if parser in _PYTHON:
+        py = _PYTHON[parser](text, start)
         return None if py is None else _Opening(py[0], py[1], None, py[2])
     return None
 

@@ -49,9 +49,17 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   <steptml:parameter name="KEY">VALUE</steptml:parameter>...</steptml:invoke>
   <|tool_call_end|>`` (Step-3; its bars are U+FF5C), each value trimmed, typed as
   ``qwen3_coder``'s;
+- ``olmo3``: in ``<function_calls>`` ... ``</function_calls>``, a Python call a line,
+  read as ``pythonic``'s (OLMo 3; the first block);
+- ``gigachat3``: a JSON call ``{"name", "arguments"}`` after ``function call<|role_sep|>``
+  (GigaChat 3, after its ``<|message_sep|>``) or ``<|function_call|>`` (GigaChat 3.1);
+- ``deepseek_v32``: in ``<|DSML|function_calls>`` ... ``</|DSML|function_calls>``, blocks
+  ``<|DSML|invoke name="NAME"><|DSML|parameter name="KEY" string="true">VALUE
+  </|DSML|parameter>...</|DSML|invoke>`` (DeepSeek-V3.2; its bars are U+FF5C), a
+  ``string="true"`` value as written, another typed by the schema, JSON where untyped;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
-  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5);
+  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
@@ -82,29 +90,29 @@ from ...schemas.tools import ToolUse
 from . import harmony, python_calls
 from .json_compact import DECODER, compact
 from .reasoning import held
-from .tagged_args import (
-    TypedArgs,
-    Types,
-    glm45_args,
-    minimax_m2_args,
-    qwen3_coder_args,
-    step3_args,
-)
+from .tagged_args import TYPED_ARGS, Types
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
                   "internlm", "granite", "hunyuan_a13b", "minimax", "phi4_mini_json", "xlam",
-                  "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45")  # fmt: skip
+                  "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
+                  "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
-                  "llama4_pythonic": "pythonic", "ernie45": "hermes"}  # fmt: skip
+                  "llama4_pythonic": "pythonic", "ernie45": "hermes",
+                  "qwen3_xml": "qwen3_coder"}  # fmt: skip
 """vLLM's names for another parser's format (as vLLM registers them, or the same format)."""
-TYPED: Final = ("qwen3_coder", "glm45", "seed_oss", "minimax_m2", "step3")
+TYPED: Final = tuple(p for p in PARSERS if ALIASES.get(p, p) in TYPED_ARGS)
 """The parsers that type values by the functions' schemas (``Types``)."""
 _DS = tuple("<\uff5c" + m.replace(" ", "\u2581") + "\uff5c>" for m in (
     "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep"))  # fmt: skip
 _STEP = tuple(f"<\uff5c{m}\uff5c>" for m in (
     "tool_calls_begin", "tool_calls_end", "tool_call_begin", "tool_call_end", "tool_sep"))  # fmt: skip
+_V32 = tuple(f"<{end}\uff5cDSML\uff5c{m}" for end, m in (
+    ("", "function_calls>"), ("/", "function_calls>"), ("", "invoke"), ("/", "invoke>"),
+    ("", "parameter"), ("/", "parameter>")))  # fmt: skip
+"""DeepSeek-V3.2's DSML markers (calls begin and end; an invoke's start and end; a
+parameter's start and end)."""
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
@@ -139,6 +147,10 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "llama4_json": ("<|python_tag|>",),
     "llama4_pythonic": ("<|python_start|>", "<|python_end|>"),
     "ernie45": ("<tool_call>", "</tool_call>"),
+    "olmo3": (python_calls.OPEN, python_calls.CLOSE),
+    "gigachat3": ("<|message_sep|>", "<|role_sep|>", "<|function_call|>"),
+    "qwen3_xml": ("<tool_call>", "</tool_call>"),
+    "deepseek_v32": _V32[:2],
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -278,8 +290,10 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _marked(_SECTIONS[parser][0])
     if parser in _BLOCKS:
         return _marked(_BLOCKS[parser][0])
-    if parser in ("mistral", "granite"):
+    if parser in ("mistral", "granite", "olmo3"):
         return _marked(MARKERS[parser][0])
+    if parser == "gigachat3":  # (vLLM's content: the text before <|message_sep|> or the call)
+        return _marked("<|message_sep|>", "function call<|role_sep|>", "<|function_call|>")
     if parser == "phi4_mini_json":
         return _before_array(("functools",))
     if parser == "xlam":
@@ -293,12 +307,14 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
     return len
 
 
-def _marked(marker: str) -> Callable[[str], int]:
-    """Calls begin at ``marker``."""
+def _marked(*markers: str) -> Callable[[str], int]:
+    """Calls begin at the first of ``markers``."""
 
     def hold(text: str) -> int:
-        at = text.find(marker)
-        return at if at >= 0 else len(text) - held(text, marker)  # its start, perhaps
+        found = [at for m in markers if (at := text.find(m)) >= 0]
+        if found:
+            return min(found)
+        return len(text) - max(held(text, m) for m in markers)  # a start of one, perhaps
 
     return hold
 
@@ -404,9 +420,10 @@ def _hermes_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTALL)
 
 
-def _typed_body(header: re.Pattern[str], args: TypedArgs) -> Body:
+def _typed_body(header: re.Pattern[str], parser: str) -> Body:
     """A typed format's block: a header naming the function (group 1), then its
     parameters (group 2 where the header has one, else what follows it)."""
+    args = TYPED_ARGS[parser]
 
     def body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
         m = header.match(text)
@@ -423,6 +440,7 @@ _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
 
 
 _INVOKE = re.compile(r'\s*name="([^"\n]{1,64})"\s*>')
+_V32_INVOKE = re.compile(r'\s+name="([^"\n]{1,64})"\s*>')
 
 
 _DS_V3 = re.compile(r"\s*\w*\s*" + re.escape(_DS[4]) +
@@ -457,16 +475,17 @@ def _kimi_k2_body(text: str, types: Types) -> tuple[str, dict[str, Any], str] | 
 
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
-    "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, qwen3_coder_args)),
-    "glm45": ("<tool_call>", "</tool_call>", _typed_body(_GLM_NAME, glm45_args)),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "qwen3_coder")),
+    "glm45": ("<tool_call>", "</tool_call>", _typed_body(_GLM_NAME, "glm45")),
     "deepseek_v3": (_DS[2], _DS[3], _deepseek_body(_DS_V3)),
     "deepseek_v31": (_DS[2], _DS[3], _deepseek_body(_DS_V31)),
     "kimi_k2": (_KIMI[2], _KIMI[3], _kimi_k2_body),
-    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", _typed_body(_FUNCTION, qwen3_coder_args)),
-    "minimax_m2": ("<invoke", "</invoke>", _typed_body(_INVOKE, minimax_m2_args)),
+    "seed_oss": ("<seed:tool_call>", "</seed:tool_call>", _typed_body(_FUNCTION, "seed_oss")),
+    "minimax_m2": ("<invoke", "</invoke>", _typed_body(_INVOKE, "minimax_m2")),
     "internlm": ("<|action_start|><|plugin|>", "<|action_end|>", _hermes_body),
     "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", _hermes_body),
-    "step3": (_STEP[2], _STEP[3], _typed_body(_STEP3_INVOKE, step3_args)),
+    "step3": (_STEP[2], _STEP[3], _typed_body(_STEP3_INVOKE, "step3")),
+    "deepseek_v32": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v32")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -477,6 +496,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>"),
     "minimax": ("<tool_calls>", "</tool_calls>"),
     "step3": (_STEP[0], _STEP[1]),
+    "deepseek_v32": (_V32[0], _V32[1]),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -553,12 +573,35 @@ def _xlam(text: str, final: bool) -> list[_Found]:
     return out
 
 
-def _pythonic(text: str, final: bool) -> list[_Found]:
-    got = python_calls.read_list(text)
-    if got is None:
-        return []
-    start, end, calls = got
-    return [_Found(start, end, name, args) for name, args in calls]
+_GIGACHAT: Final = re.compile(r"(?:<\|message_sep\|>\s*)?function call<\|role_sep\|>"
+                              r"|<\|function_call\|>")  # fmt: skip
+"""GigaChat 3's call header (its ``<|message_sep|>`` before it the calls' too), or 3.1's."""
+
+
+def _gigachat3(text: str, final: bool) -> list[_Found]:
+    """A JSON call after each header (vLLM's reads the first)."""
+    out: list[_Found] = []
+    at = 0
+    while (m := _GIGACHAT.search(text, at)) is not None:
+        got = _decode(text, _skip(text, m.end()))
+        found = None if got is None else _entry(got[0], m.start(), got[1])
+        if found is not None:
+            out.append(found)
+        at = m.end()  # (in a call's strings a header is followed by escaped quotes: no call)
+    return out
+
+
+def _python(read: Callable[[str], python_calls.Calls | None]) -> Scan:
+    """Calls written in Python, where ``read`` finds them."""
+
+    def scan(text: str, final: bool) -> list[_Found]:
+        got = read(text)
+        if got is None:
+            return []
+        start, end, calls = got
+        return [_Found(start, end, name, args) for name, args in calls]
+
+    return scan
 
 
 def _openai(text: str, final: bool) -> list[_Found]:
@@ -583,7 +626,9 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "xlam": _xlam,
     "openai": _openai,
     "llama3_json": _llama3_json,
-    "pythonic": _pythonic,
+    "pythonic": _python(python_calls.read_list),
+    "olmo3": _python(python_calls.read_lines),
+    "gigachat3": _gigachat3,
 }
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
