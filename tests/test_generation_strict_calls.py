@@ -97,7 +97,7 @@ def test_a_strict_call_the_model_makes_follows_its_schema(tmp_path: Path) -> Non
 
 
 def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
-    for parser in set(tools.PARSERS) - {"openai", "olmo3", "gigachat3"}:  # (gpt-oss: harmony)
+    for parser in set(tools.PARSERS) - {"openai"}:  # (gpt-oss's: harmony.auto_grammar)
         name = tools.ALIASES.get(parser, parser)
         assert strict_calls.grammar(name, [("f", WEATHER, True)], True, lambda m: None), parser
     # mistral's [TOOL_CALLS] where it is no token of its own (this tokenizer): text
@@ -107,9 +107,6 @@ def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
     held = compiled(prep)
     assert _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY}")
     assert not _accepts(mistral, held, f"Sure.[TOOL_CALLS]{ARRAY.replace('1}', '8}')}")
-    # olmo3's, and GigaChat 3's (its header "function call<|role_sep|>"): not held
-    for parser in ("olmo3", "gigachat3"):
-        assert strict_calls.grammar(parser, [("f", WEATHER, True)], True, lambda m: None) is None
     # an alias reads as its parser: ernie45 is hermes's format
     ernie = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "ernie45"})  # fmt: skip
@@ -276,6 +273,40 @@ def test_pythonic_calls_are_a_python_list_or_none(parser: str, special: bool,
     assert (
         strict_calls.grammar("pythonic", [("get-x", WEATHER, True)], True, lambda m: None) is None
     )
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_olmo3_calls_are_a_python_call_a_line_in_one_block(special: bool, tmp_path: Path) -> None:
+    start, end = "<function_calls>", "</function_calls>"
+    runner, strict = _held(tmp_path, "olmo3", (start, end) if special else ())
+    weather, time = 'get_weather(unit="c", days=3)', 'get_time(zone="x")'  # get_time: not strict
+    for text in ("Plain.", f"Sure.\n{start}\n{weather}\n{time}\n{end}", f"{start}{weather}{end}"):
+        assert _accepts(runner, strict, text), text
+        if start in text:
+            assert read_calls(ToolUse("auto"), text, "olmo3"), text
+    for text in (f"{start}get_weather(days=3){end}", f"{start}[{weather}]{end}",
+                 f"{start}{weather}, {time}{end}", f"{start}{weather}{end} {start}{time}{end}",
+                 f"{start}sunny{end}"):  # fmt: skip
+        assert not _accepts(runner, strict, text), text
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), f"{start}{weather}\n{time}{end}")
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_gigachat3_calls_follow_its_header(special: bool, tmp_path: Path) -> None:
+    msg, sep = "<|message_sep|>", "<|role_sep|>"
+    runner, strict = _held(tmp_path, "gigachat3", (msg, sep) if special else ())
+    call = '{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}'
+    for text in ("Plain.", "A function call is a call.", f"Sure.{msg}function call{sep}\n{call}",
+                 f"function call{sep}{call}"):  # fmt: skip
+        assert _accepts(runner, strict, text), text
+        if sep in text:
+            assert read_calls(ToolUse("auto"), text, "gigachat3"), text
+    for bad in (call.replace('"c"', '"k"'), '{"name": "get_moon", "arguments": {}}', "sunny"):
+        assert not _accepts(runner, strict, f"{msg}function call{sep}{bad}"), bad
+    if special:  # the separator only after the header
+        assert not _accepts(runner, strict, f"Sure.{sep}{call}")
 
 
 def test_a_pythonic_call_the_model_makes_follows_its_schema(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`:
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
-(:mod:`.strict_python`); and xLAM's (:func:`_xlam`). For ``olmo3`` and GigaChat 3's
-calls (after ``function call<|role_sep|>``) ``strict`` is not enforced.
+(:mod:`.strict_python`) and OLMo 3's (:func:`_olmo3`); GigaChat 3's (:func:`_gigachat3`);
+and xLAM's (:func:`_xlam`): every format.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import strict_python
+from . import python_calls, strict_python
 from .tools import _DS, _KIMI, _STEP, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
@@ -37,7 +37,7 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", "array", "arguments"),
     "minimax": ("<tool_calls>", "</tool_calls>", "several", "arguments"),
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
-    "gigachat3": ("<|function_call|>", "", "one", "arguments"),
+    "gigachat3": ("<|function_call|>", "", "one", "arguments"),  # 3.1's (3.0: _gigachat3)
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
@@ -136,8 +136,10 @@ def grammar(
         return strict_python.grammar(functions, parallel, token)
     if parser == "xlam":
         return _xlam(functions, parallel, token)
+    if parser == "olmo3":
+        return _olmo3(functions, parallel, token)
     if parser == "gigachat3" and token("<|function_call|>") is None:
-        return None  # GigaChat 3's header: "function call" (text), then <|role_sep|>
+        return _gigachat3(functions, parallel, token)
     markers = BLOCKS.get(parser)
     if markers is None:
         return None
@@ -255,6 +257,48 @@ def _mistral(
         rules += [f"entry_{k}: {json.dumps(name)} {token('[ARGS]')} args_{k}",
                   f"args_{k}: %json {json.dumps(schema)}"]  # fmt: skip
     return _around("[TOOL_CALLS]", "", "entry", rules, parallel, token)
+
+
+def _gigachat3(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str:
+    """GigaChat 3's calls, each a JSON object after ``function call<|role_sep|>`` (and
+    ``<|message_sep|>`` before it, perhaps). Where ``<|role_sep|>`` is a token, the text
+    writes it only after ``function call``, so prose that says "function call" stays
+    free; where it is text, the header is a lazy marker."""
+    rules = [f"body: %json {json.dumps(_body(functions, 'arguments'))}"]
+    sep = token("<|role_sep|>")
+    if sep is None:
+        return _around("function call<|role_sep|>", "", "WS? body WS?", rules, parallel, token)
+    msg = token("<|message_sep|>")
+    head = "HEAD" if msg is None else f'(HEAD | TEXT {msg} WS? "function call")'
+    return "\n".join([
+        "%llguidance {}",
+        "start: call* TEXT" if parallel else "start: TEXT | call TEXT",
+        r"TEXT: /(.|\n)*/",
+        r"HEAD: /(.|\n)*function call/",
+        f"call: {head} {sep} WS? body WS?",
+        r"WS: /[ \t\r\n]+/",
+        *rules,
+    ])  # fmt: skip
+
+
+def _olmo3(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str | None:
+    """OLMo 3's calls: one ``<function_calls>`` block (the parser reads the first), a
+    Python call a line (:func:`.strict_python.call_rules`). None: no function has a
+    Python name."""
+    rules = strict_python.call_rules(functions)
+    if rules is None:
+        return None
+    more = r" (/[ \t]*\n\s*/ pycall)*" if parallel else ""
+    return _around(python_calls.OPEN, python_calls.CLOSE, f"WS? pycall{more} WS?", rules,
+                   False, token)  # fmt: skip
 
 
 _FENCE: Final = r"```(json)?\s*\["

@@ -1,7 +1,9 @@
 """``strict`` functions under ``tool_choice`` ``auto`` for the ``pythonic`` format (and
 ``llama4_pythonic``): a text that begins with ``[`` (or ``<|python_start|>``) is a
 Python list of calls, ``[f(a=1), g(b="x")]``, held to the functions; one that begins
-otherwise is free (as :func:`.strict_calls._leading` holds ``llama3_json``'s).
+otherwise is free (as :func:`.strict_calls._leading` holds ``llama3_json``'s). Its calls'
+rules (:func:`call_rules`) hold ``olmo3``'s too, a call a line in a block
+(:func:`.strict_calls._olmo3`).
 
 A call names one of the functions whose name is a Python (dotted) name. A strict
 function's keyword arguments are its properties, each at most once and in the schema's
@@ -36,6 +38,26 @@ def grammar(
     name, its parameters' JSON Schema, and whether it is strict); ``parallel`` false:
     one call at most; ``token``: how the grammar names a special token (None: text).
     None: no function can be written as a Python call."""
+    rules = call_rules(functions)
+    if rules is None:
+        return None
+    start, end = token(START), token(END)
+    mark, first = (start, r"\[") if start is not None else (json.dumps(START), r"\[<")
+    close = end if end is not None else json.dumps(END)
+    more = f" ({_SEP} pycall)*" if parallel else ""
+    return "\n".join([
+        "%llguidance {}",
+        "start: TEXT | calls",
+        rf"TEXT: /\s*([^\s{first}](.|\n)*)?/",
+        f'calls: WS? ({mark} WS?)? "[" pycall{more} "]" WS? ({close} WS?)?',
+        r"WS: /[ \t\r\n]+/",
+        *rules,
+    ])  # fmt: skip
+
+
+def call_rules(functions: Sequence[tuple[str, dict[str, Any] | None, bool]]) -> list[str] | None:
+    """The rules of ``pycall``, one Python call of one of ``functions`` (None: none can be
+    written so)."""
     rules: list[str] = []
     entries: list[str] = []
     for k, (name, params, strict) in enumerate(functions):
@@ -48,21 +70,12 @@ def grammar(
         rules.append(f'fn_{k}: {json.dumps(name + "(")} {args} ")"')
     if not entries:
         return None
-    start, end = token(START), token(END)
-    mark, first = (start, r"\[") if start is not None else (json.dumps(START), r"\[<")
-    close = end if end is not None else json.dumps(END)
-    more = f" ({_SEP} call)*" if parallel else ""
-    return "\n".join([
-        "%llguidance {}",
-        "start: TEXT | calls",
-        rf"TEXT: /\s*([^\s{first}](.|\n)*)?/",
-        f'calls: WS? ({mark} WS?)? "[" call{more} "]" WS? ({close} WS?)?',
-        r"WS: /[ \t\r\n]+/",
-        "call: " + " | ".join(entries),
+    return [
+        "pycall: " + " | ".join(entries),
         r"kw: /[A-Za-z_][A-Za-z0-9_]{0,63}/ " + '"=" any',
         f'any: %json {json.dumps({"x-guidance": _WS})} | "True" | "False" | "None"',
         *rules,
-    ])  # fmt: skip
+    ]
 
 
 def _args(k: int, params: dict[str, Any] | None, rules: list[str]) -> str | None:
