@@ -591,12 +591,21 @@ class Timings(_Answer):
     a token that is only part of a character waits for the next)."""
 
 
+class PromptTokensDetails(_Answer):
+    """OpenAI's ``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = 0
+    """Prompt tokens not prefilled for this request: taken from the worker's prefix cache,
+    or from the prefill of the same prompt sent with it (vLLM's ``num_cached_tokens``)."""
+
+
 class Usage(_Answer):
     """Tokens a generation request used, over all its inputs (a prompt counts once
     whatever its ``n``; every completion's tokens count)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Answer):
@@ -626,6 +635,10 @@ class Generation(_Answer):
     readers accept others."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Of ``prompt_tokens``, those its sequence did not prefill: from the prefix cache, or
+    the prefill of the same prompt run with it (its request's other completions, or the
+    same prompt sent at the same time)."""
     logprobs: list[TokenLogprob] | None = None
     """With the request's ``logprobs``: one per generated token (``completion_tokens`` of
     them, a stop string's and the end-of-sequence token's included), from the model's own

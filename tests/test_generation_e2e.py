@@ -92,7 +92,8 @@ def test_streamed_generation_by_token_stream_and_reply_channel(
     assert res["status"] == "ok"
     (out,) = res["outputs"]
     assert out["completion_tokens"] == 12 and out["finish_reason"] == "length"
-    assert res["usage"] == {"prompt_tokens": out["prompt_tokens"], "completion_tokens": 12}
+    assert res["usage"] == {"prompt_tokens": out["prompt_tokens"], "completion_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": out["cached_tokens"]}}  # fmt: skip
     assert 0 < res["timings"]["first_token_ms"] <= res["timings"]["total_ms"]
     deltas, end = entries[:-1], entries[-1]
     assert [int(e[b"seq"]) for e in entries] == list(range(1, len(entries) + 1))
@@ -255,7 +256,9 @@ def test_n_completions_per_input_through_a_worker(
     assert all(o["completion_tokens"] == 5 for o in res["outputs"])
     # each prompt counts once in the usage, every completion's tokens do
     prompt_tokens = sum(len(tok(p).input_ids) for p in prompts)
-    assert res["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 30}
+    cached = sum(o["cached_tokens"] for o in res["outputs"][::3])
+    assert res["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 30,
+                            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
     again = submit(r, inputs=prompts[1:], max_new_tokens=5, temperature=1.3, seed=6)
     assert result(r, again)["outputs"][0]["text"] == res["outputs"][5]["text"]  # seed + 2
     big = submit(r, inputs=["x"] * 22, n=3, max_new_tokens=2)  # 66 outputs > max_inputs

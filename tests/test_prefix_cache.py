@@ -158,6 +158,7 @@ def test_salted_prompts_share_neither_blocks_nor_a_prefill(llama: Any) -> None:
     engine.add("d", prompt, 6, Sampling(), salt="s2")
     got.update(_until_done(engine))
     assert cache.hit_tokens == 32 and got["d"] == got["b"]
+    assert [engine.cached(s) for s in "abcd"] == [0, 0, 0, 32]  # (OpenAI's cached_tokens)
     # the same salt, arriving together: one prefill
     engine.add("e", [*prompt, 7], 6, Sampling(), salt="s3")
     engine.add("f", [*prompt, 7], 6, Sampling(), salt="s3")
@@ -165,6 +166,9 @@ def test_salted_prompts_share_neither_blocks_nor_a_prefill(llama: Any) -> None:
     before = engine.prefilled
     got.update(_until_done(engine))
     assert engine.prefilled - before == 2 * (len(prompt) + 1) and got["e"] == got["f"] == got["g"]
+    assert sorted(engine.cached(s) for s in "efg") == [0, 0, len(prompt) + 1]  # f took e's
+    engine.forget("d")
+    assert engine.cached("d") == 0
 
 
 def test_a_waiting_prompt_reports_only_the_uncached_part_as_prefill(llama: Any) -> None:
@@ -229,6 +233,7 @@ def test_a_preempted_sequence_resumes_from_its_own_blocks(llama: Any) -> None:
     kept = [lp for _, lp, _, _ in engine.logprobs("r")]
     assert kept == pytest.approx(reference(llama, prompt + tokens, more), abs=1e-4)
     assert engine.prefilled - before == len(prompt) + len(tokens) - 40  # the prompt's blocks
+    assert engine.cached("r") == 0  # its own blocks, not the cache's when it began
 
 
 def test_the_runner_option(tmp_path: Path) -> None:
@@ -257,8 +262,10 @@ def test_the_runner_option(tmp_path: Path) -> None:
     words = " ".join(f"w{i}" for i in range(40))
     ask = [Request(id=k, model="lm", inputs=[words], max_new_tokens=2, cache_salt=salt)
            for k, salt in (("plain", None), ("s1", "tenant-1"), ("s1b", "tenant-1"))]  # fmt: skip
-    hits = []
+    hits, cached = [], []
     for request in ask:
-        run(runner, request)
+        (out,) = run(runner, request)[request.id]
         hits.append(runner.info()["prefix_cache_hit_tokens"])
+        cached.append(out["cached_tokens"])
     assert hits[0] == hits[1] == 0 < hits[2]
+    assert cached == [0, 0, hits[2]] and hits[2] % 16 == 0  # whole blocks

@@ -14,7 +14,16 @@ from ..batching.types import Waiting
 from ..config import ModelConfig
 from ..schemas.codec import EntryRejected, encode_result
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import ErrorInfo, Format, Request, Result, Status, Timings, Usage
+from ..schemas.messages import (
+    ErrorInfo,
+    Format,
+    PromptTokensDetails,
+    Request,
+    Result,
+    Status,
+    Timings,
+    Usage,
+)
 from .observers import Reply
 from .runner import Prepared
 from .streams import Entry, Finish, TokenWrite
@@ -111,9 +120,11 @@ class Answerer:
             ttft = round(max(0.0, first_token_at - enq) * 1000, 3)
             timings = timings.model_copy(update={"first_token_ms": ttft})
         n = held.request.n or 1  # each prompt counts once, whatever its completions
+        cached = sum(int(o.get("cached_tokens", 0)) for o in outputs[::n])
         usage = Usage.model_construct(
             prompt_tokens=sum(int(o.get("prompt_tokens", 0)) for o in outputs[::n]),
             completion_tokens=sum(int(o.get("completion_tokens", 0)) for o in outputs),
+            prompt_tokens_details=PromptTokensDetails.model_construct(cached_tokens=cached),
         )
         req = held.request
         result = self.result(req.id, "ok", req.metadata, timings, now, outputs=outputs,

@@ -328,6 +328,9 @@ class PaddedEngine:
         self._lean_ran = False
         self._prompt_lps: dict[str, list[Logprob]] = {}
         """Per sequence that asked, its prompt tokens' log-probabilities so far."""
+        self._cached: dict[str, int] = {}
+        """Per sequence that began with some, its prompt tokens it did not prefill itself
+        (:meth:`cached`)."""
 
     def add(
         self,
@@ -367,6 +370,7 @@ class PaddedEngine:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
         self._prompt_lps.pop(sequence, None)
+        self._cached.pop(sequence, None)
 
     def logprobs(self, sequence: str) -> list[Logprob]:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
@@ -377,11 +381,17 @@ class PaddedEngine:
         prefill has gone (it was added with ``score``; else empty)."""
         return self._prompt_lps.get(sequence, [])
 
+    def cached(self, sequence: str) -> int:
+        """Prompt tokens a sequence took, when it first began, from the prefix cache or a
+        twin's prefill instead of prefilling them (OpenAI's ``cached_tokens``)."""
+        return self._cached.get(sequence, 0)
+
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""
         self.reset()
         self.sampler.clear()
         self._prompt_lps.clear()
+        self._cached.clear()
 
     def state(self, sequence: str) -> SeqState | None:
         """Where a queued or running sequence stands (None: the engine no longer has it)."""
@@ -676,6 +686,7 @@ class PaddedEngine:
         if self.prefix is None:
             return
         n, kv = self.prefix.lookup(seq.tokens, seq.salt)
+        self._cached.setdefault(seq.name, 0 if kv is None else n)  # (not a resumed one's own)
         if kv is None:
             return
         assert seq.cache is not None
@@ -761,6 +772,7 @@ class PaddedEngine:
         for twin, t in zip(twins, tokens, strict=True):
             twin.cache, twin.done = cache, len(twin.tokens)
             self.shared += twin.done
+            self._cached.setdefault(twin.name, twin.done)
             out.append(self._first(twin, t))
             if not twin.finished:
                 join(twin)

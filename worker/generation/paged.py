@@ -116,6 +116,10 @@ class PagedEngine:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
         return self.sampler.logprobs(sequence)
 
+    def cached(self, sequence: str) -> int:
+        """0: this engine shares no blocks (``allow_block_sharing`` off)."""
+        return 0
+
     def prompt_logprobs(self, sequence: str) -> list[Logprob]:
         """None here (see :meth:`add`)."""
         return []

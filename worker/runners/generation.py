@@ -850,7 +850,8 @@ class TextGenerationRunner:
         self._cancel(r.seqs)
         outputs: list[dict[str, Any]] = [
             {"text": s.text.final_text, "finish_reason": s.finish or "stop",
-             "prompt_tokens": len(s.prompt), "completion_tokens": len(s.text.tokens)}
+             "prompt_tokens": len(s.prompt), "completion_tokens": len(s.text.tokens),
+             "cached_tokens": self.engine.cached(s.name)}
             for s in r.seqs
         ]  # fmt: skip
         if r.spec.sampling.logprobs is not None:
