@@ -150,8 +150,19 @@ class Tokens:
 
     def _final(self, key: str, run: _Run, reason: str) -> Final:
         text = "".join(f" t{k}" for k in range(1, run.made + 1))
-        return Final(key, [{"text": text, "finish_reason": reason, "prompt_tokens": p,
-                            "completion_tokens": run.made} for p in run.prompts])  # fmt: skip
+        return Final(
+            key,
+            [
+                {
+                    "text": text,
+                    "finish_reason": reason,
+                    "prompt_tokens": p,
+                    "completion_tokens": run.made,
+                    "cached_tokens": p // 16 * 16 // 2,
+                }
+                for p in run.prompts
+            ],
+        )  # fmt: skip (half its whole blocks "cached")
 
     def info(self) -> dict[str, Any]:
         return {"runner": self.name}
@@ -492,6 +503,12 @@ def test_generation_metrics_and_stats() -> None:
     r, value = preempting_run()
 
     assert value("batchfleet_generated_tokens_total") == 25
+    # the prompts' tokens, and the "cached" ones the scripted runner reports (half their
+    # whole blocks of 16: 20 -> 8, 40 -> 16)
+    assert (
+        value("batchfleet_prompt_tokens_total"),
+        value("batchfleet_prompt_cached_tokens_total"),
+    ) == (60, 24)
     assert value("batchfleet_preemptions_total") == 1
     assert value("batchfleet_time_to_first_token_seconds_count", lane="0") == 1
     assert value("batchfleet_generation_running_sequences") == 0  # all done at the end

@@ -158,6 +158,11 @@ class Metrics:
         self.prompt_tokens = counter(
             "batchfleet_prompt_tokens", "Generation: prompt tokens of answered requests.", ["model"]
         )
+        self.cached_tokens = counter(
+            "batchfleet_prompt_cached_tokens",
+            "Generation: prompt tokens of answered requests not prefilled (prefix cache hits).",
+            ["model"],
+        )
         self.preemptions = counter(
             "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
             ["model"],
@@ -201,6 +206,7 @@ class Metrics:
         self.generated_tokens.labels(model)
         self.step_tokens.labels(model)
         self.prompt_tokens.labels(model)
+        self.cached_tokens.labels(model)
 
 
 class TokenGaps(Collector):  # type: ignore[misc]
@@ -304,6 +310,9 @@ class PrometheusObserver:
             if res.usage is not None:
                 self.m.generated_tokens.labels(model).inc(res.usage.completion_tokens)
                 self.m.prompt_tokens.labels(model).inc(res.usage.prompt_tokens)
+                details = res.usage.prompt_tokens_details
+                if details is not None:
+                    self.m.cached_tokens.labels(model).inc(details.cached_tokens)
         for (lane, status), n in counts.items():
             self.m.results.labels(model, lane, status).inc(n)
 
