@@ -107,6 +107,8 @@ MAX_GRAMMAR_CHARS: Final = 65_536
 a grammar."""
 MAX_CHOICES: Final = 1_024
 """The most strings a ``structured_outputs.choice`` lists."""
+MAX_STRUCTURES: Final = 128
+"""The most structures (and triggers) a ``structural_tag`` lists."""
 
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -154,9 +156,53 @@ class ChatMessage(_Strict):
         return len(self.content or "") + calls + len(self.reasoning_content or "")
 
 
+_ALIASED = ConfigDict(
+    extra="forbid", frozen=True, strict=True, validate_by_alias=True, validate_by_name=True,
+    serialize_by_alias=True,
+)  # fmt: skip
+
+
+class TagStructure(_Strict):
+    """One structure of a :class:`StructuralTag`: ``begin``, JSON valid under ``schema``,
+    ``end``."""
+
+    model_config = _ALIASED
+    begin: str = Field(min_length=1, max_length=1024)
+    """Its opening text; it begins with one of the tag's ``triggers``."""
+    json_schema: dict[str, Any] = Field(alias="schema")
+    """``schema``: the JSON Schema its JSON is valid under."""
+    end: str = Field("", max_length=1024)
+
+
+class StructuralTag(_Strict):
+    """vLLM's structural tag (``structures`` and ``triggers``): the text is free, but where
+    it writes a trigger, one of the structures that begin with it follows (its ``begin``,
+    JSON valid under its schema, its ``end``), then free text again. Tool calls in a
+    model's own format, held mid-text."""
+
+    model_config = _ALIASED
+    type: Literal["structural_tag"] = "structural_tag"
+    structures: list[TagStructure] = Field(min_length=1, max_length=MAX_STRUCTURES)
+    triggers: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        min_length=1, max_length=MAX_STRUCTURES
+    )
+
+    @model_validator(mode="after")
+    def _triggered(self) -> StructuralTag:
+        for s in self.structures:
+            if not any(s.begin.startswith(t) for t in self.triggers):
+                raise ValueError(f"structural_tag: the structure beginning {s.begin!r} begins "
+                                 "with none of its triggers")  # fmt: skip
+        size = len(self.model_dump_json(by_alias=True))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"too_large: structural_tag has {size} chars as JSON "
+                             f"> {MAX_GRAMMAR_CHARS}")  # fmt: skip
+        return self
+
+
 class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs``: the generated text follows one constraint (exactly one
-    of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``)."""
+    of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``, ``structural_tag``)."""
 
     model_config = ConfigDict(
         extra="forbid", frozen=True, strict=True, validate_by_alias=True, validate_by_name=True,
@@ -180,6 +226,23 @@ class StructuredOutputs(_Strict):
     said ``additionalProperties: false`` where it says nothing)."""
     whitespace_pattern: str | None = Field(None, min_length=1, max_length=256)
     """JSON: the regex whitespace between tokens matches (instead of any whitespace)."""
+    structural_tag: StructuralTag | None = None
+    """Free text that holds structures where it writes their triggers (vLLM's: an object,
+    or its JSON text)."""
+
+    @field_validator("structural_tag", mode="before")
+    @classmethod
+    def _tag_text(cls, v: Any) -> Any:
+        """vLLM's form: the tag as JSON text."""
+        if isinstance(v, str):
+            if len(v) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"too_large: structural_tag has {len(v)} chars "
+                                 f"> {MAX_GRAMMAR_CHARS}")  # fmt: skip
+            try:
+                return _json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"structural_tag: not JSON ({exc})") from None
+        return v
 
     @property
     def kind(self) -> str:
@@ -193,7 +256,8 @@ class StructuredOutputs(_Strict):
             kinds.append("json")
         if self.json_object:
             kinds.append("json_object")
-        kinds += [k for k in ("regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += [k for k in ("regex", "choice", "grammar", "structural_tag")
+                  if getattr(self, k) is not None]  # fmt: skip
         return kinds
 
     @model_validator(mode="after")
@@ -201,7 +265,7 @@ class StructuredOutputs(_Strict):
         kinds = self.set_kinds()
         if len(kinds) != 1:
             raise ValueError("structured_outputs sets exactly one of json, json_object, regex, "
-                             f"choice, grammar (it sets {kinds or 'none'})")  # fmt: skip
+                             f"choice, grammar, structural_tag (it sets {kinds or 'none'})")  # fmt: skip
         if isinstance(self.json_schema, dict):
             size = len(_json.dumps(self.json_schema, separators=(",", ":"), default=str))
         else:
@@ -233,17 +297,28 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """OpenAI's ``response_format`` (``text``, ``json_object`` or ``json_schema``): the
-    same constraints as :class:`StructuredOutputs`' ``json_object`` and ``json``."""
+    """OpenAI's ``response_format`` (``text``, ``json_object`` or ``json_schema``), and
+    vLLM's ``structural_tag`` (with ``structures`` and ``triggers``): the same constraints
+    as :class:`StructuredOutputs`' ``json_object``, ``json`` and ``structural_tag``."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("response_format: type json_schema comes with json_schema "
                              "(and only it)")  # fmt: skip
+        tagged = self.structures is not None and self.triggers is not None
+        if (self.type == "structural_tag") != tagged or (
+            not tagged and (self.structures or self.triggers) is not None
+        ):
+            raise ValueError("response_format: type structural_tag comes with structures "
+                             "and triggers (and only it)")  # fmt: skip
+        if tagged:
+            self._tag()  # checked now
         if self.json_schema is not None:
             size = len(
                 _json.dumps(self.json_schema.json_schema, separators=(",", ":"), default=str)
@@ -259,7 +334,14 @@ class ResponseFormat(_Strict):
             return StructuredOutputs(json_object=True)
         if self.json_schema is not None:
             return StructuredOutputs.model_validate({"json": self.json_schema.json_schema})
+        if self.type == "structural_tag":
+            return StructuredOutputs(structural_tag=self._tag())
         return None
+
+    def _tag(self) -> StructuralTag:
+        return StructuralTag.model_validate(
+            {"structures": self.structures, "triggers": self.triggers}
+        )
 
 
 class Request(_Strict):

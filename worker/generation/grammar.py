@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from . import struct_tag
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -172,6 +174,11 @@ class Grammars:
             if kind == "choice":
                 assert spec.choice is not None
                 return self._ll.grammar_from("choice", json.dumps(spec.choice))
+            if kind == "structural_tag":  # (the runner builds it on its thread first)
+                assert spec.structural_tag is not None
+                return self._ll.grammar_from(
+                    "lark", struct_tag.grammar(spec.structural_tag, self.token)
+                )
             assert spec.grammar is not None
             return self._ll.grammar_from("grammar", spec.grammar)
         except GrammarError:

@@ -50,7 +50,7 @@ from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
-from ..generation import harmony, strict_calls
+from ..generation import harmony, strict_calls, struct_tag
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
@@ -565,6 +565,11 @@ class TextGenerationRunner:
         if harmony_calls:
             assert use is not None and req.tools is not None
             grammar = harmony.calls_grammar(called(req.tools, use))
+        elif spec is not None and spec.structural_tag is not None:
+            grammars = self._grammars
+            if isinstance(grammars, str):
+                raise PrepareError(f"structural_tag: {grammars}")
+            grammar = struct_tag.grammar(spec.structural_tag, grammars.token)
         elif spec is None and use is not None and use.kind == "auto" and req.tools:
             if not any(t.function.strict for t in req.tools):
                 return None
