@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP gateway in front of the fleet (``batchfleet gateway``)."""
