@@ -265,6 +265,18 @@ def _flower(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .producer.gateway.app import serve
+
+    key = args.api_key or os.environ.get("BATCHFLEET_API_KEY") or None
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
+                          timeout_s=args.timeout or None, priority=args.priority))  # fmt: skip
+    return 0
+
+
 def _flower_options(given: list[str]) -> list[str]:
     """Flower's own options: ``--enable_events=False`` unless given. Workers send task
     events from the start, and Flower's default broadcasts ``enable_events`` every 5 s,
@@ -443,6 +455,26 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--address", default="127.0.0.1")
     fl.add_argument("flower_args", nargs="*", help="passed to flower (after --)")
     fl.set_defaults(func=_flower)
+
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/...)")
+    where(gw)
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--api-key", help="clients must send it as a Bearer token (default "
+                    "$BATCHFLEET_API_KEY; none: no key)")  # fmt: skip
+    gw.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a request may wait for its result or next token (0: no limit)",
+    )
+    gw.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="lane of requests that give no priority (default: the producer's, 1)",
+    )
+    gw.set_defaults(func=_gateway)
 
     for name, text in (
         ("pause", "stop reading new requests (held ones are still answered)"),

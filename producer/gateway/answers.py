@@ -1,0 +1,159 @@
+"""batchfleet's generation results → OpenAI's answers (chat and text completions, whole).
+
+The result's outputs are choices, in order (``n`` per input, input by input, as OpenAI
+numbers them). ``finish_reason`` is batchfleet's (``stop``, ``length``, ``deadline``,
+``cancelled``), ``tool_calls`` where a ``stop`` made calls, as OpenAI says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import accumulate
+from typing import Any
+
+from ...schemas.messages import Generation, Result, TokenLogprob, Usage
+from .endpoint import Answered
+from .openai_fields import prompts
+
+
+def finish_reason(g: Generation) -> str:
+    return "tool_calls" if g.tool_calls and g.finish_reason == "stop" else g.finish_reason
+
+
+def usage(u: Usage | None) -> dict[str, Any]:
+    """OpenAI's ``usage``."""
+    prompt, completion = (u.prompt_tokens, u.completion_tokens) if u else (0, 0)
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if u is not None and u.prompt_tokens_details is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": u.prompt_tokens_details.cached_tokens}
+    return out
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if lps is None:
+        return None
+
+    def one(t: Any) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+
+    return {"content": [one(t) | {"top_logprobs": [one(x) for x in t.top]} for t in lps]}
+
+
+def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy ``logprobs``: tokens, their log-probabilities, the likeliest at each
+    position, and each token's character offset (from ``offset``) in the text."""
+    if lps is None:
+        return None
+    texts = [t.text for t in lps]
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [{x.text: x.logprob for x in t.top} for t in lps],
+        "text_offset": [offset + o for o in accumulate((len(t) for t in texts), initial=0)][:-1],
+    }
+
+
+def prompt_logprobs(lps: list[TokenLogprob | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, null or ``{token id: {logprob, rank,
+    decoded_token}}`` (the token itself, then the likeliest, ranked)."""
+    if lps is None:
+        return None
+    out: list[Any] = []
+    for t in lps:
+        if t is None:
+            out.append(None)
+            continue
+        entry = {str(t.token): {"logprob": t.logprob, "rank": None, "decoded_token": t.text}}
+        for rank, x in enumerate(t.top, 1):
+            if str(x.token) in entry:
+                entry[str(x.token)]["rank"] = rank
+            else:
+                entry[str(x.token)] = {"logprob": x.logprob, "rank": rank, "decoded_token": x.text}
+        out.append(entry)
+    return out
+
+
+def assistant_message(g: Generation) -> dict[str, Any]:
+    """A choice's ``message``: the answer (``content``), the reasoning and the calls."""
+    content: str | None = g.content if g.content is not None else g.text
+    calls = [c.model_dump() for c in g.tool_calls or ()]
+    if calls and not content:
+        content = None
+    return {
+        "role": "assistant",
+        "content": content,
+        "reasoning_content": g.reasoning_content,
+        "reasoning": g.reasoning_content,
+        "tool_calls": calls,
+    }
+
+
+def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -> dict[str, Any]:
+    """``chat.completion``."""
+    gens = result.generations()
+    choices = []
+    for i, g in enumerate(gens):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": assistant_message(g),
+            "logprobs": chat_logprobs(g.logprobs),
+            "finish_reason": finish_reason(g),
+            "stop_reason": None,
+        }
+        if g.token_ids is not None:
+            choice["token_ids"] = g.token_ids
+        choices.append(choice)
+    out: dict[str, Any] = {
+        "id": answered.id,
+        "object": "chat.completion",
+        "created": answered.created,
+        "model": result.model,
+        "choices": choices,
+        "usage": usage(result.usage),
+        "system_fingerprint": None,
+    }
+    if gens and gens[0].prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(gens[0].prompt_logprobs)
+    if gens and gens[0].prompt_token_ids is not None:
+        out["prompt_token_ids"] = gens[0].prompt_token_ids
+    return out
+
+
+def completion_response(
+    body: Mapping[str, Any], result: Result, answered: Answered
+) -> dict[str, Any]:
+    """``text_completion``: with ``echo``, each choice's text begins with its prompt."""
+    gens = result.generations()
+    texts = prompts(body)
+    per_input = max(1, len(gens) // max(1, len(texts)))
+    choices = []
+    for i, g in enumerate(gens):
+        echo = texts[i // per_input] if body.get("echo") else ""
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": f"{echo}{g.text}",
+            "logprobs": completion_logprobs(g.logprobs),
+            "finish_reason": finish_reason(g),
+            "stop_reason": None,
+        }
+        if g.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(g.prompt_logprobs)
+        if g.token_ids is not None:
+            choice["token_ids"] = g.token_ids
+        if g.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = g.prompt_token_ids
+        choices.append(choice)
+    return {
+        "id": answered.id,
+        "object": "text_completion",
+        "created": answered.created,
+        "model": result.model,
+        "choices": choices,
+        "usage": usage(result.usage),
+        "system_fingerprint": None,
+    }

@@ -1,0 +1,348 @@
+"""The gateway's HTTP side (tornado): routes, API key, JSON in and out, server-sent events.
+
+Each HTTP request becomes one fleet request through one shared :class:`AsyncProducer`:
+the gateway holds no model and no queue of its own, so any number of gateways can stand
+in front of one fleet. A client that goes away (its connection closed) cancels its
+request, so the fleet stops generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import tornado.httputil
+import tornado.iostream
+import tornado.web
+
+from ...schemas.errors import BatchfleetError, ErrorCode
+from ...schemas.keys import LANES_KEY_PATTERN, REQUEST_ID, ModelKeys, model_of_lanes_key
+from ..aio import AsyncJob, AsyncProducer
+from . import openai_fields
+from .answers import chat_response, completion_response
+from .chunks import Chunks, Diverged
+from .endpoint import Answered, Endpoint, Submission
+from .errors import ApiError, invalid, of_exception, of_result
+
+logger = logging.getLogger(__name__)
+
+MODELS_CACHE_S = 5.0
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
+
+class Gateway:
+    """What every handler shares: the producer, the settings, the models seen."""
+
+    def __init__(
+        self,
+        producer: AsyncProducer,
+        *,
+        api_key: str | None = None,
+        timeout_s: float | None = 3600.0,
+        priority: int | None = None,
+    ) -> None:
+        self.producer = producer
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.priority = priority
+        self._models: tuple[float, list[str]] = (0.0, [])
+        self.pending: set[asyncio.Task[None]] = set()
+        """Cancellations under way (kept referenced until done)."""
+
+    async def models(self) -> list[str]:
+        """The models the fleet serves (every model whose workers published its lanes)."""
+        at, names = self._models
+        if time.monotonic() - at > MODELS_CACHE_S:
+            found = set()
+            async for key in self.producer.client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
+                name = model_of_lanes_key(key.decode() if isinstance(key, bytes) else key)
+                if name:
+                    found.add(name)
+            names = sorted(found)
+            self._models = (time.monotonic(), names)
+        return names
+
+    async def check_model(self, model: str) -> None:
+        """404 unless a worker of ``model`` ever started (its lanes key is there)."""
+        try:
+            keys = ModelKeys(model)
+        except ValueError as exc:
+            raise ApiError(404, str(exc), code="model_not_found", param="model") from None
+        if model in self._models[1]:
+            return
+        if not await self.producer.client.exists(keys.lanes_key):
+            raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
+                           code="model_not_found", param="model")  # fmt: skip
+
+    def cancel(self, job: AsyncJob) -> None:
+        """Cancel ``job`` in the background (its client is gone)."""
+        task = asyncio.ensure_future(self._cancel(job))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _cancel(self, job: AsyncJob) -> None:
+        try:
+            await job.cancel()
+        except BatchfleetError as exc:
+            logger.warning("could not cancel %s after its client left: %s", job.id, exc)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class Handler(tornado.web.RequestHandler):
+    """Shared by every route: the key check and OpenAI's error answers."""
+
+    gateway: Gateway
+
+    def initialize(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def prepare(self) -> None:
+        key = self.gateway.api_key
+        if key is None or self.request.path == "/health":
+            return
+        given = self.request.headers.get("Authorization", "")
+        token = given[7:] if given.startswith("Bearer ") else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            self.fail(ApiError(401, "Incorrect API key: send Authorization: Bearer <key>",
+                               code="invalid_api_key"))  # fmt: skip
+
+    def fail(self, error: ApiError) -> None:
+        """Answer with ``error`` (nothing was sent yet)."""
+        self.clear()
+        self.set_status(error.status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(dumps(error.body()))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        reason = self._reason if status_code < 500 else "internal server error"
+        code = ErrorCode.INTERNAL.value if status_code >= 500 else None
+        self.set_header("Content-Type", "application/json")
+        self.finish(dumps(ApiError(status_code, reason, code=code).body()))
+
+    def send_json(self, obj: Any) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.finish(dumps(obj))
+
+    def body_json(self) -> Mapping[str, Any]:
+        try:
+            body = json.loads(self.request.body or b"null")
+        except ValueError as exc:
+            raise invalid(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, Mapping):
+            raise invalid("the body must be a JSON object")
+        return body
+
+    def request_id(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The fleet request id the client chose (``X-Request-Id`` or vLLM's ``request_id``):
+        resubmitted, the same id gets the same single result."""
+        rid = self.request.headers.get("X-Request-Id") or body.get("request_id")
+        if rid is None:
+            return {}
+        if not isinstance(rid, str) or not REQUEST_ID.match(rid):
+            raise invalid("a request id has 1-128 of letters, digits and _.:-", "request_id")
+        return {"request_id": rid}
+
+    async def submit(self, sub: Submission, body: Mapping[str, Any]) -> AsyncJob:
+        await self.gateway.check_model(sub.model)
+        options = sub.options | self.request_id(body)
+        if "priority" not in options and self.gateway.priority is not None:
+            options["priority"] = self.gateway.priority
+        job = await self.gateway.producer.submit(sub.model, **options)
+        self.set_header("X-Request-Id", job.id)
+        return job
+
+
+class Models(Handler):
+    async def get(self, name: str | None = None) -> None:
+        try:
+            names = await self.gateway.models()
+        except BatchfleetError as exc:
+            return self.fail(of_exception(exc))
+        cards = [{"id": n, "object": "model", "created": 0, "owned_by": "batchfleet",
+                  "root": n, "parent": None} for n in names]  # fmt: skip
+        if name is None:
+            return self.send_json({"object": "list", "data": cards})
+        card = next((c for c in cards if c["id"] == name), None)
+        if card is None:
+            return self.fail(ApiError(404, f"The model {name!r} does not exist",
+                                      code="model_not_found"))  # fmt: skip
+        self.send_json(card)
+
+
+class Health(Handler):
+    async def get(self) -> None:
+        try:
+            await self.gateway.producer.client.ping()
+        except Exception as exc:
+            return self.fail(ApiError(503, f"Redis unreachable: {exc}", code="unavailable"))
+        self.set_status(200)
+        self.finish()
+
+
+class Unary(Handler):
+    """An endpoint answered once from the result (embeddings, scores, ...)."""
+
+    endpoint: Endpoint
+
+    def initialize(self, gateway: Gateway, endpoint: Endpoint) -> None:  # type: ignore[override]
+        super().initialize(gateway)
+        self.endpoint = endpoint
+        self.job: AsyncJob | None = None
+
+    async def post(self) -> None:
+        try:
+            body = self.body_json()
+            self.job = await self.submit(self.endpoint.submission(body), body)
+            result = await self.job.result(timeout=self.gateway.timeout_s)
+            if not result.ok:
+                raise of_result(result)
+            answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
+            self.send_json(self.endpoint.answer(body, result, answered))
+        except ApiError as exc:
+            self.fail(exc)
+        except BatchfleetError as exc:
+            self.fail(of_exception(exc))
+
+    def on_connection_close(self) -> None:
+        if self.job is not None and not self._finished:
+            self.gateway.cancel(self.job)
+
+
+class Generate(Handler):
+    """``/v1/chat/completions`` (``chat``) and ``/v1/completions``: whole, or streamed as
+    server-sent events."""
+
+    def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
+        super().initialize(gateway)
+        self.chat = chat
+        self.job: AsyncJob | None = None
+        self.gone = False
+
+    async def post(self) -> None:
+        started = False
+        try:
+            body = self.body_json()
+            make = (
+                openai_fields.chat_submission if self.chat else openai_fields.completion_submission
+            )
+            self.job = await self.submit(make(body), body)
+            prefix = "chatcmpl" if self.chat else "cmpl"
+            answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
+            if not body.get("stream"):
+                result = await self.job.result(timeout=self.gateway.timeout_s)
+                if not result.ok:
+                    raise of_result(result)
+                build = chat_response if self.chat else completion_response
+                return self.send_json(build(body, result, answered))
+            chunks = Chunks(body, answered, self.job.model, self.chat)
+            async for event in self.job.deltas(timeout=self.gateway.timeout_s):
+                out = chunks.feed(event)
+                if out:
+                    started = started or self._start()
+                    await self._send(out)
+            result = await self.job.result(timeout=self.gateway.timeout_s)
+            if not result.ok:
+                raise of_result(result)
+            started = started or self._start()
+            await self._send(chunks.finish(result))
+            self.write("data: [DONE]\n\n")
+            self.finish()
+        except tornado.iostream.StreamClosedError:
+            self._left()
+        except Diverged as exc:
+            self._left()
+            self._end_with(ApiError(500, str(exc), code="stream_restarted"))
+        except (ApiError, BatchfleetError) as exc:
+            error = exc if isinstance(exc, ApiError) else of_exception(exc)
+            if not started:
+                return self.fail(error)
+            self._end_with(error)
+
+    def _start(self) -> bool:
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-cache")
+        return True
+
+    async def _send(self, chunks: list[dict[str, Any]]) -> None:
+        if self.gone:
+            raise tornado.iostream.StreamClosedError()
+        self.write("".join(f"data: {dumps(c)}\n\n" for c in chunks))
+        await self.flush()
+
+    def _end_with(self, error: ApiError) -> None:
+        """A stream that already began ends with an error event (as vLLM's do)."""
+        if self.gone:
+            return
+        self.write(f"data: {dumps(error.body())}\n\ndata: [DONE]\n\n")
+        self.finish()
+
+    def _left(self) -> None:
+        if self.job is not None and not self._finished:
+            self.gateway.cancel(self.job)
+
+    def on_connection_close(self) -> None:
+        self.gone = True
+        self._left()
+
+
+class NotFound(Handler):
+    def prepare(self) -> None:
+        super().prepare()
+        if not self._finished:
+            self.fail(ApiError(404, f"no route {self.request.method} {self.request.path}",
+                               code="not_found"))  # fmt: skip
+
+
+def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
+    """The tornado application: the generation routes, ``endpoints`` (path → unary
+    endpoint: the pooling ones by default), models and health."""
+    if endpoints is None:
+        from .pooling import ENDPOINTS
+
+        endpoints = ENDPOINTS
+    g = {"gateway": gateway}
+    routes: list[Any] = [
+        (r"/v1/chat/completions", Generate, g | {"chat": True}),
+        (r"/v1/completions", Generate, g | {"chat": False}),
+        (r"/v1/models", Models, g),
+        (r"/v1/models/([^/]+)", Models, g),
+        (r"/health", Health, g),
+    ]
+    routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
+    return tornado.web.Application(routes, default_handler_class=NotFound,
+                                   default_handler_args=g)  # fmt: skip
+
+
+async def serve(
+    url: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    timeout_s: float | None = 3600.0,
+    priority: int | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Serve until cancelled."""
+    async with AsyncProducer(url) as producer:
+        gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority)
+        server = make_app(gateway).listen(port, host, max_body_size=max_body,
+                                          idle_connection_timeout=3600)  # fmt: skip
+        logger.info("OpenAI-compatible gateway on http://%s:%d/v1 (fleet %s)", host, port,
+                    producer.url)  # fmt: skip
+        if ready is not None:
+            ready.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            server.stop()
+            await asyncio.gather(*gateway.pending, return_exceptions=True)

@@ -1,0 +1,143 @@
+"""A streamed generation → OpenAI's server-sent chunks (chat or text completion).
+
+One :class:`Chunks` per HTTP stream owns what was sent. When the worker generating the
+request dies, another generates it again from the start (:class:`Restarted`): the chunks
+already sent cannot be taken back, so each choice's regenerated deltas are matched
+against the ones sent and skipped while they are the same (a greedy or seeded request
+regenerates the same tokens); the first that differs ends the stream with an error
+(:class:`Diverged`); past them the stream goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...producer.tokens import Restarted
+from ...schemas.messages import Delta, Result
+from .answers import chat_logprobs, completion_logprobs, finish_reason, usage
+from .endpoint import Answered
+from .openai_fields import prompts
+
+
+class Diverged(Exception):
+    """A restarted generation wrote other text than the one already streamed."""
+
+
+@dataclass
+class _Choice:
+    sent: list[str] = field(default_factory=list)
+    """The text of each delta sent (to match a regeneration against)."""
+    replayed: int = 0
+    """Deltas matched since the last restart."""
+    offset: int = 0
+    """Characters sent (completions' ``text_offset``)."""
+
+
+class Chunks:
+    """Builds one stream's chunks; ``chat``: ``chat.completion.chunk``, else
+    ``text_completion``."""
+
+    def __init__(self, body: Mapping[str, Any], answered: Answered, model: str, chat: bool):
+        self.body, self.answered, self.model, self.chat = body, answered, model, chat
+        options = body.get("stream_options")
+        self.include_usage = bool(isinstance(options, Mapping) and options.get("include_usage"))
+        self.choices: dict[int, _Choice] = {}
+        self.restarted = False
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.answered.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.answered.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def _choice(self, index: int) -> tuple[_Choice, list[dict[str, Any]]]:
+        """Its state, and the chunks that open it (chat: the role; echo: the prompt)."""
+        if index in self.choices:
+            return self.choices[index], []
+        state = self.choices[index] = _Choice()
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            return state, [self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": None}])]  # fmt: skip
+        if self.body.get("echo"):
+            texts = prompts(self.body)
+            n = self.body.get("n") or 1
+            text = str(texts[index // n])
+            state.offset = len(text)
+            return state, [self._chunk([{"index": index, "text": text, "logprobs": None,
+                                         "finish_reason": None}])]  # fmt: skip
+        return state, []
+
+    def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
+        """The chunks one event of the token stream makes (maybe none)."""
+        if isinstance(event, Restarted):
+            self.restarted = True
+            for c in self.choices.values():
+                c.replayed = 0
+            return []
+        state, out = self._choice(event.input)
+        if self.restarted and state.replayed < len(state.sent):
+            if state.sent[state.replayed] != event.text:
+                raise Diverged(
+                    "the worker generating this request stopped, and another generated other "
+                    "text than the one already streamed (sample with a seed to have it the same)"
+                )
+            state.replayed += 1
+            return out
+        state.sent.append(event.text)
+        state.replayed = len(state.sent)
+        choice = self._delta_choice(event, state)
+        if choice is not None:
+            out.append(self._chunk([choice]))
+        return out
+
+    def _delta_choice(self, d: Delta, state: _Choice) -> dict[str, Any] | None:
+        if not self.chat:
+            logprobs = completion_logprobs(d.logprobs, state.offset)
+            state.offset += len(d.text)
+            if not d.text and logprobs is None:
+                return None
+            choice = {"index": d.input, "text": d.text, "logprobs": logprobs,
+                      "finish_reason": None}  # fmt: skip
+        else:
+            delta: dict[str, Any] = {}
+            content = d.content if d.content is not None else d.text
+            if content:
+                delta["content"] = content
+            if d.reasoning_content:
+                delta["reasoning_content"] = delta["reasoning"] = d.reasoning_content
+            if d.tool_call_chunks:
+                delta["tool_calls"] = [c.model_dump(exclude_none=True)
+                                       for c in d.tool_call_chunks]  # fmt: skip
+            if not delta and d.logprobs is None:
+                return None
+            choice = {"index": d.input, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
+                      "finish_reason": None}  # fmt: skip
+        if d.token_ids is not None:
+            choice["token_ids"] = d.token_ids
+        return choice
+
+    def finish(self, result: Result) -> list[dict[str, Any]]:
+        """The last chunks: each choice's ``finish_reason`` (a choice that streamed nothing
+        is opened first), then the usage if the request asked for it."""
+        out: list[dict[str, Any]] = []
+        for i, g in enumerate(result.generations()):
+            _, opening = self._choice(i)
+            out += opening
+            end = {"index": i, "logprobs": None, "finish_reason": finish_reason(g),
+                   "stop_reason": None}  # fmt: skip
+            end |= {"delta": {}} if self.chat else {"text": ""}
+            out.append(self._chunk([end]))
+        if self.include_usage:
+            last = self._chunk([])
+            last["usage"] = usage(result.usage)
+            out.append(last)
+        return out

@@ -1,0 +1,162 @@
+"""OpenAI's (and vLLM's) generation request fields → batchfleet's submit options.
+
+Pure translation: what the fleet itself checks (bounds, types, the model's limits) is left
+to :func:`~batchfleet.producer.submit.build_request` and the worker, whose refusals the
+gateway answers as 400s; here only the shapes the translation reads are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...schemas.inputs import TokenPrompt
+from .endpoint import Submission
+from .errors import invalid
+
+SAME_NAME = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "stop_token_ids", "n", "ignore_eos",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
+    "structured_outputs", "response_format", "allowed_token_ids", "skip_special_tokens",
+    "bad_words", "return_token_ids", "cache_salt", "priority", "deadline_ms",
+)  # fmt: skip
+"""Fields batchfleet takes under the same name and meaning (vLLM's extras included;
+``priority`` is the lane, 0 first, as vLLM's lower-first priority; ``deadline_ms`` is
+batchfleet's own)."""
+
+CHAT_SAME_NAME = (
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message", "reasoning_effort",
+)  # fmt: skip
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+"""vLLM's older constraint fields → ``structured_outputs`` keys."""
+
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+ROLE_ALIASES = {"developer": "system"}
+"""OpenAI's ``developer`` role is its ``system`` (chat templates know the latter)."""
+
+
+def _options(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {k: body[k] for k in names if body.get(k) is not None}
+
+
+def common(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The options both generation endpoints share."""
+    out = _options(body, SAME_NAME)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        out["max_new_tokens"] = limit
+    if body.get("min_tokens") is not None:
+        out["min_new_tokens"] = body["min_tokens"]
+    stop = body.get("stop")
+    if stop is not None:
+        out["stop"] = [stop] if isinstance(stop, str) else stop
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise invalid("logit_bias must map token ids to biases", "logit_bias")
+        out["logit_bias"] = {str(k): v for k, v in bias.items()}
+    guided = {v: body[k] for k, v in GUIDED.items() if body.get(k) is not None}
+    if guided:
+        if "structured_outputs" in out or len(guided) > 1:
+            raise invalid("one constraint at most (guided_* or structured_outputs)")
+        out["structured_outputs"] = guided
+    if body.get("stream"):
+        out["stream"] = True
+    return out
+
+
+def model_of(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required", "model")
+    return model
+
+
+def chat_submission(body: Mapping[str, Any]) -> Submission:
+    """``/v1/chat/completions``."""
+    model = model_of(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise invalid("messages must be a non-empty list", "messages")
+    options = common(body) | _options(body, CHAT_SAME_NAME)
+    options["messages"] = [message(m, i) for i, m in enumerate(raw)]
+    if body.get("logprobs"):
+        options["logprobs"] = body.get("top_logprobs") or 0
+    return Submission(model, options)
+
+
+def message(m: Any, index: int) -> dict[str, Any]:
+    """One OpenAI message as batchfleet's :class:`ChatMessage` map: content parts joined,
+    fields batchfleet has no use for (``refusal``, ``audio``, ...) left out."""
+    param = f"messages[{index}]"
+    if not isinstance(m, Mapping):
+        raise invalid("each message must be an object", param)
+    out = {k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None}
+    if m.get("reasoning") is not None and "reasoning_content" not in out:
+        out["reasoning_content"] = m["reasoning"]
+    role = out.get("role")
+    if isinstance(role, str):
+        out["role"] = ROLE_ALIASES.get(role, role)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = _text_parts(content, param)
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [
+            {k: c[k] for k in ("id", "type", "function") if k in c} if isinstance(c, Mapping)
+            else c for c in calls
+        ]  # fmt: skip
+    return out
+
+
+def _text_parts(parts: list[Any], param: str) -> str:
+    """OpenAI's content parts, of type ``text`` only, joined by newlines (as vLLM does)."""
+    texts: list[str] = []
+    for p in parts:
+        if not isinstance(p, Mapping) or p.get("type") != "text":
+            kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
+            raise invalid(f"content part of type {kind!r}: this gateway takes text parts only",
+                          f"{param}.content")  # fmt: skip
+        text = p.get("text")
+        if not isinstance(text, str):
+            raise invalid("a text part's text must be a string", f"{param}.content")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def completion_submission(body: Mapping[str, Any]) -> Submission:
+    """``/v1/completions``: ``prompt`` a text, texts, token ids, or lists of token ids."""
+    model = model_of(body)
+    if body.get("suffix") is not None:
+        raise invalid("suffix is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise invalid("best_of other than n is not supported", "best_of")
+    options = common(body)
+    if body.get("logprobs") is not None:
+        options["logprobs"] = body["logprobs"]
+    if body.get("echo") and (body.get("logprobs") is not None or not all(
+            isinstance(p, str) for p in prompts(body))):  # fmt: skip
+        raise invalid("echo works with text prompts and without logprobs", "echo")
+    options["inputs"] = [p if isinstance(p, str) else TokenPrompt(prompt_token_ids=p)
+                         for p in prompts(body)]  # fmt: skip
+    return Submission(model, options)
+
+
+def prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """A completion request's prompts: texts or token-id lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+            return list(p)
+    raise invalid("prompt must be a text, a list of texts, token ids or lists of them", "prompt")

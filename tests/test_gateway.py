@@ -1,0 +1,309 @@
+"""The OpenAI-compatible gateway, end to end: the official `openai` client (and raw HTTP
+where the client hides what is checked) → `batchfleet gateway` (a real process) → Redis →
+a real worker generating with a tiny random Llama. Answers are compared with the same
+requests sent through the Python producer (greedy decoding: the same text)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import openai
+import pytest
+import redis
+from batchfleet.producer import Producer
+from batchfleet.schemas.keys import ModelKeys
+from conftest import WorkerProcess, fleet_toml
+from tiny_models import make_causal_lm
+
+from batchfleet.redis_server import LocalRedis, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+LM = "tinylm"
+KEY = "sk-test-gateway"
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}]  # fmt: skip
+
+
+@dataclass
+class Fleet:
+    url: str
+    base: str
+    """The gateway's http://host:port."""
+    client: openai.OpenAI
+    r: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    lm = make_causal_lm(tmp / "lm", context=4096)
+    server = LocalRedis()
+    server.start()
+    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
+    config = tmp / "fleet.toml"
+    config.write_text(fleet_toml(server.url, {LM: {"runner": "text-generation", "path": str(lm),
+                                                   "options": opts}}))  # fmt: skip
+    worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
+    port = free_port()
+    log = (tmp / "gateway.log").open("wb")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", server.url,
+         "--port", str(port), "--api-key", KEY],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    r = redis.Redis.from_url(server.url)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        worker.wait_ready(r, LM)
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if raw(Fleet(server.url, base, None, r), "GET", "/health")[0] == 200:  # type: ignore[arg-type]
+                    break
+            except OSError:
+                pass
+            if gateway.poll() is not None or time.monotonic() > end:
+                raise RuntimeError((tmp / "gateway.log").read_text()[-3000:])
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield Fleet(server.url, base, client, r)
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+        worker.stop()
+        r.close()
+        server.stop()
+
+
+def producer_text(fleet: Fleet, **options: Any) -> str:
+    with Producer(fleet.url) as p:
+        return p.submit(LM, **options).text(timeout=120)
+
+
+def raw(fleet: Fleet, method: str, path: str, body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+    """One plain HTTP call: status and JSON answer."""
+    conn = http.client.HTTPConnection(fleet.base.removeprefix("http://"), timeout=60)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_chat_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                             {"type": "text", "text": "a story"}]}]  # fmt: skip
+    # Given a chat, its text through the Python producer (greedy)
+    expected = producer_text(fleet, messages=[messages[0], {"role": "user",
+                             "content": "Tell me\na story"}], max_new_tokens=24)  # fmt: skip
+    # When the same chat is asked of the gateway with the openai client, whole
+    whole = fleet.client.chat.completions.with_raw_response.create(
+        model=LM, messages=messages, max_tokens=24
+    )  # type: ignore[arg-type]
+    reply = whole.parse()
+    # Then it is the same text, with OpenAI's fields
+    (choice,) = reply.choices
+    assert choice.message.content == expected and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and reply.object == "chat.completion"
+    assert reply.usage is not None and reply.usage.completion_tokens == 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 24 > 24
+    assert reply.id == f"chatcmpl-{whole.headers['x-request-id']}"
+    # and streamed, the pieces add up to it, the role first, the usage last
+    chunks = list(fleet.client.chat.completions.create(
+        model=LM, messages=messages, max_tokens=24, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length" and set(finish[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sampling_fields_and_n(fleet: Fleet) -> None:
+    # Given a seeded sampled chat with n = 3 and logprobs
+    ask = {"model": LM, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+           "temperature": 1.5, "seed": 7, "n": 3, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    reply = fleet.client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    again = fleet.client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    # Then 3 choices, indexed, the same text for the same seed, logprobs per token
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [c.message.content for c in again.choices]
+    for c in reply.choices:
+        assert c.logprobs is not None and c.logprobs.content is not None
+        assert len(c.logprobs.content) == 8
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
+    # and vLLM's extras pass through (top_k = 1 is greedy whatever the temperature)
+    greedy = producer_text(fleet, messages=[{"role": "user", "content": "hello"}],
+                           max_new_tokens=8)  # fmt: skip
+    topk = fleet.client.chat.completions.create(
+        model=LM, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+        temperature=1.0, extra_body={"top_k": 1})  # fmt: skip
+    assert topk.choices[0].message.content == greedy
+
+
+def test_completions_prompts_n_echo_logprobs_and_tokens(fleet: Fleet) -> None:
+    prompts = ["the cat", "a dog ran"]
+    expected = [producer_text(fleet, inputs=p, max_new_tokens=6) for p in prompts]
+    # Given two prompts, n = 2 each, with echo
+    reply = fleet.client.completions.create(model=LM, prompt=prompts, max_tokens=6, n=2,
+                                            echo=True)  # fmt: skip
+    # Then 4 choices, input by input, each the prompt and its text
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text for c in reply.choices] == [p + e for p, e in zip(prompts, expected, strict=True)
+                                               for _ in range(2)]  # fmt: skip
+    assert reply.object == "text_completion" and reply.usage is not None
+    # and logprobs in the legacy shape, offsets into the text
+    lp = fleet.client.completions.create(model=LM, prompt="the cat", max_tokens=6, logprobs=3)
+    (c,) = lp.choices
+    assert c.logprobs is not None and c.logprobs.tokens is not None
+    assert "".join(c.logprobs.tokens) == c.text == expected[0]
+    assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i])) for i in range(6)]
+    assert all(len(t) <= 3 for t in c.logprobs.top_logprobs or [])
+    # and a prompt of token ids goes on as given
+    ids = fleet.client.completions.create(model=LM, prompt=[5, 6, 7], max_tokens=4,
+                                          extra_body={"return_token_ids": True})  # fmt: skip
+    assert ids.choices[0].model_extra is not None
+    assert ids.choices[0].model_extra["prompt_token_ids"] == [5, 6, 7]
+    # and streamed, each choice's pieces add up to its text
+    pieces: dict[int, str] = {}
+    for chunk in fleet.client.completions.create(model=LM, prompt=prompts, max_tokens=6,
+                                                 stream=True):  # fmt: skip
+        for ch in chunk.choices:
+            pieces[ch.index] = pieces.get(ch.index, "") + ch.text
+    assert pieces == {0: expected[0], 1: expected[1]}
+
+
+def test_tool_calls_whole_and_streamed(fleet: Fleet) -> None:
+    # Given tools and tool_choice "required" (the grammar makes the random model call one)
+    ask = {"model": LM, "messages": [{"role": "user", "content": "weather?"}], "tools": WEATHER,
+           "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}  # fmt: skip
+    reply = fleet.client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    (choice,) = reply.choices
+    # Then the call is OpenAI's, and the finish reason says so
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+    # and streamed, the calls' pieces add up to the same calls
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in fleet.client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        for d in chunk.choices:
+            finish = d.finish_reason or finish
+            for tc in d.delta.tool_calls or ():
+                slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                slot["id"] += tc.id or ""
+                slot["name"] += tc.function.name or "" if tc.function else ""
+                slot["arguments"] += tc.function.arguments or "" if tc.function else ""
+    assert finish == "tool_calls" and calls
+    assert [c["name"] for c in calls.values()] == [c.function.name for c in
+                                                    choice.message.tool_calls]  # fmt: skip
+    assert all(json.loads(c["arguments"]) for c in calls.values())
+    # and a past call and its answer go back in as OpenAI writes them
+    follow = fleet.client.chat.completions.create(
+        model=LM, max_tokens=4, messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()],
+             "refusal": None},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}], tools=WEATHER)  # type: ignore[list-item]  # fmt: skip
+    assert follow.choices[0].message.content is not None
+
+
+def test_errors_are_openai_errors(fleet: Fleet) -> None:
+    c = fleet.client
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert nf.value.code == "model_not_found"
+    # a value the fleet refuses (the producer's own validation): 400 with its code
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=LM, messages=[{"role": "user", "content": "x"}],
+                                  temperature=-1)  # fmt: skip
+    assert bad.value.code == "invalid_request" and "temperature" in str(bad.value)
+    # a refusal the worker answers (a prompt over its bound): 400, streamed or not
+    long = "the cat " * 1200
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as ctx:
+            out = c.completions.create(model=LM, prompt=long, max_tokens=4, stream=stream)
+            list(out) if stream else None  # type: ignore[call-overload]
+        assert ctx.value.code == "too_large" and "prompt tokens" in str(ctx.value)
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        c.chat.completions.create(model=LM, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}])  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{fleet.base}/v1", api_key="wrong", max_retries=0).models.list()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = raw(fleet, "POST", "/v1/chat/completions", b"{not json", auth)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = raw(fleet, "GET", "/v1/nothing", None, auth)
+    assert status == 404 and "error" in body
+
+
+def test_models_and_request_ids(fleet: Fleet) -> None:
+    assert [m.id for m in fleet.client.models.list()] == [LM]
+    assert fleet.client.models.retrieve(LM).owned_by == "batchfleet"
+    # a request id chosen by the client names the fleet request; sent again, it gets the
+    # same single result (nothing is generated twice)
+    rid = uuid.uuid4().hex
+    ask = {"model": LM, "prompt": "the cat", "max_tokens": 5, "temperature": 1.0}
+    first = fleet.client.completions.create(**ask, extra_headers={"X-Request-Id": rid})
+    second = fleet.client.completions.create(**ask, extra_headers={"X-Request-Id": rid})
+    assert first.id == second.id == f"cmpl-{rid}" and first.choices == second.choices
+    stored = msgpack.unpackb(fleet.r.get(ModelKeys(LM).result(rid)))
+    assert stored["outputs"][0]["text"] == first.choices[0].text
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> None:
+    rid = uuid.uuid4().hex
+    body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
+    # Given a long streamed generation, read until its text flows
+    conn = http.client.HTTPConnection(fleet.base.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    while line := response.readline():
+        if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"]:
+            break
+    conn.close()
+    # When the client closes the connection, Then the fleet stops it: cancelled, short
+    key = ModelKeys(LM).result(rid)
+    end = time.monotonic() + 60
+    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert raw is not None
+    (out,) = msgpack.unpackb(raw)["outputs"]
+    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+
+
+def test_vllm_guided_fields_and_structured_outputs(fleet: Fleet) -> None:
+    reply = fleet.client.chat.completions.create(
+        model=LM, messages=[{"role": "user", "content": "pick"}], max_tokens=20,
+        extra_body={"guided_choice": ["red", "green"]})  # fmt: skip
+    assert reply.choices[0].message.content in ("red", "green")
+    schema = {"enum": ["yes", "no"]}
+    js = fleet.client.chat.completions.create(
+        model=LM, messages=[{"role": "user", "content": "json"}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+    content = js.choices[0].message.content
+    assert content is not None and json.loads(content) in ("yes", "no")
