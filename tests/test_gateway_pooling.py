@@ -119,6 +119,16 @@ def test_embeddings_base64_round_trip() -> None:
         )
 
 
+def test_embeddings_answer_is_openais_shape() -> None:
+    from openai.types import CreateEmbeddingResponse
+
+    body = {"model": "minilm", "input": ["a", "b"]}
+    answer = EMBEDDINGS.answer(body, _result([[0.5, 0.25], [1.0, 0.0]]), ANSWERED)
+    parsed = CreateEmbeddingResponse.model_validate(answer)
+    assert [e.embedding for e in parsed.data] == [[0.5, 0.25], [1.0, 0.0]]
+    assert (parsed.usage.prompt_tokens, parsed.usage.total_tokens) == (0, 0)
+
+
 def test_encode_base64_is_little_endian_float32() -> None:
     assert base64.b64decode(encode_base64([1.0])) == b"\x00\x00\x80\x3f"
 
