@@ -5,6 +5,8 @@ requests sent through the Python producer (greedy decoding: the same text)."""
 
 from __future__ import annotations
 
+import array
+import base64
 import http.client
 import json
 import os
@@ -23,7 +25,8 @@ import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import ModelKeys
 from conftest import WorkerProcess, fleet_toml
-from tiny_models import make_causal_lm
+from tiny_models import make_causal_lm, make_classifier, make_embedding_model
+from tiny_vision import make_cross_encoder
 
 from batchfleet.redis_server import LocalRedis, free_port
 
@@ -54,8 +57,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
     config = tmp / "fleet.toml"
-    config.write_text(fleet_toml(server.url, {LM: {"runner": "text-generation", "path": str(lm),
-                                                   "options": opts}}))  # fmt: skip
+    models = {
+        LM: {"runner": "text-generation", "path": str(lm), "options": opts},
+        "embed": {"runner": "embedding", "path": str(make_embedding_model(tmp / "e")),
+                  "max_tokens": 64},
+        "ranker": {"runner": "rerank", "path": str(make_cross_encoder(tmp / "x")),
+                   "max_tokens": 64},
+        "sentiment": {"runner": "text-classification", "path": str(make_classifier(tmp / "c")),
+                      "max_tokens": 64},
+    }  # fmt: skip
+    config.write_text(fleet_toml(server.url, models))
     worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
     port = free_port()
     log = (tmp / "gateway.log").open("wb")
@@ -67,7 +78,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     r = redis.Redis.from_url(server.url)
     base = f"http://127.0.0.1:{port}"
     try:
-        worker.wait_ready(r, LM)
+        for model in models:
+            worker.wait_ready(r, model)
         end = time.monotonic() + 60
         while True:
             try:
@@ -258,7 +270,8 @@ def test_errors_are_openai_errors(fleet: Fleet) -> None:
 
 
 def test_models_and_request_ids(fleet: Fleet) -> None:
-    assert [m.id for m in fleet.client.models.list()] == [LM]
+    assert [m.id for m in fleet.client.models.list()] == sorted([LM, "embed", "ranker",
+                                                                 "sentiment"])  # fmt: skip
     assert fleet.client.models.retrieve(LM).owned_by == "batchfleet"
     # a request id chosen by the client names the fleet request; sent again, it gets the
     # same single result (nothing is generated twice)
@@ -307,3 +320,43 @@ def test_vllm_guided_fields_and_structured_outputs(fleet: Fleet) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
     content = js.choices[0].message.content
     assert content is not None and json.loads(content) in ("yes", "no")
+
+
+def test_pooling_endpoints(fleet: Fleet) -> None:
+    texts = ["the cat sat", "a dog ran"]
+    with Producer(fleet.url) as p:
+        vectors = p.submit("embed", texts).outputs(timeout=60)
+        ranked = p.submit("ranker", query="the cat", documents=texts).outputs(timeout=60)[0]
+        classes = p.submit("sentiment", texts).outputs(timeout=60)
+    # Embeddings through the openai client, float and base64, are the producer's vectors
+    for fmt in ("float", "base64"):
+        got = fleet.client.embeddings.create(model="embed", input=texts, encoding_format=fmt)
+        assert [d.index for d in got.data] == [0, 1]
+        for d, v in zip(got.data, vectors, strict=True):
+            e = d.embedding  # base64 asked for: left as the text (little-endian float32)
+            floats = list(array.array("f", base64.b64decode(e))) if isinstance(e, str) else e
+            assert floats == pytest.approx(v, rel=1e-5, abs=1e-6)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    # vLLM's rerank: best first, indices into the documents
+    status, body = raw(fleet, "POST", "/v1/rerank", json.dumps(
+        {"model": "ranker", "query": "the cat", "documents": texts}).encode(), auth)  # fmt: skip
+    assert status == 200
+    assert [(x["index"], x["relevance_score"]) for x in body["results"]] == [
+        (x["index"], pytest.approx(x["score"])) for x in ranked]  # fmt: skip
+    # score 1 → N, in the documents' order
+    status, body = raw(fleet, "POST", "/score", json.dumps(
+        {"model": "ranker", "text_1": "the cat", "text_2": texts}).encode(), auth)  # fmt: skip
+    by_index = {x["index"]: x["score"] for x in ranked}
+    assert status == 200 and [d["score"] for d in body["data"]] == [
+        pytest.approx(by_index[0]), pytest.approx(by_index[1])]  # fmt: skip
+    # classify: labels and probabilities
+    status, body = raw(fleet, "POST", "/classify", json.dumps(
+        {"model": "sentiment", "input": texts}).encode(), auth)  # fmt: skip
+    assert status == 200 and len(body["data"]) == 2
+    for d, c in zip(body["data"], classes, strict=True):
+        assert d["label"] == c["label"] and sum(d["probs"]) == pytest.approx(1.0, abs=1e-4)
+    # the key guards these paths too, and a generation field on an encoder is a 400
+    assert raw(fleet, "POST", "/classify", b"{}", {})[0] == 401
+    with pytest.raises(openai.BadRequestError):
+        fleet.client.chat.completions.create(model="embed", messages=[{"role": "user",
+                                             "content": "x"}])  # fmt: skip

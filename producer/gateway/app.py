@@ -28,6 +28,7 @@ from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
+from .results import Results
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Gateway:
         priority: int | None = None,
     ) -> None:
         self.producer = producer
+        self.results = Results(producer)
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.priority = priority
@@ -201,7 +203,7 @@ class Unary(Handler):
         try:
             body = self.body_json()
             self.job = await self.submit(self.endpoint.submission(body), body)
-            result = await self.job.result(timeout=self.gateway.timeout_s)
+            result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
             if not result.ok:
                 raise of_result(result)
             answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
@@ -237,7 +239,9 @@ class Generate(Handler):
             prefix = "chatcmpl" if self.chat else "cmpl"
             answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
             if not body.get("stream"):
-                result = await self.job.result(timeout=self.gateway.timeout_s)
+                result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
+                if self.gone:
+                    return
                 if not result.ok:
                     raise of_result(result)
                 build = chat_response if self.chat else completion_response
@@ -248,7 +252,7 @@ class Generate(Handler):
                 if out:
                     started = started or self._start()
                     await self._send(out)
-            result = await self.job.result(timeout=self.gateway.timeout_s)
+            result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
             if not result.ok:
                 raise of_result(result)
             started = started or self._start()
@@ -335,6 +339,7 @@ async def serve(
     """Serve until cancelled."""
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority)
+        await gateway.results.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip
         logger.info("OpenAI-compatible gateway on http://%s:%d/v1 (fleet %s)", host, port,
@@ -346,3 +351,4 @@ async def serve(
         finally:
             server.stop()
             await asyncio.gather(*gateway.pending, return_exceptions=True)
+            await gateway.results.close()

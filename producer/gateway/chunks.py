@@ -132,9 +132,12 @@ class Chunks:
         for i, g in enumerate(result.generations()):
             _, opening = self._choice(i)
             out += opening
-            end = {"index": i, "logprobs": None, "finish_reason": finish_reason(g),
-                   "stop_reason": None}  # fmt: skip
-            end |= {"delta": {}} if self.chat else {"text": ""}
+            end: dict[str, Any] = {"index": i, "logprobs": None,
+                                   "finish_reason": finish_reason(g), "stop_reason": None}  # fmt: skip
+            if self.chat:
+                end["delta"] = {}
+            else:
+                end["text"] = ""
             out.append(self._chunk([end]))
         if self.include_usage:
             last = self._chunk([])

@@ -1,0 +1,209 @@
+"""The gateway's translations, without a server: OpenAI fields → submit options (checked by
+the producer's own request validation), results → answers, deltas → stream chunks
+(restarts included), batchfleet errors → HTTP errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from batchfleet.producer.core import GENERATION_OPTIONS
+from batchfleet.producer.gateway.answers import chat_response, completion_response
+from batchfleet.producer.gateway.chunks import Chunks, Diverged
+from batchfleet.producer.gateway.endpoint import Answered, Submission
+from batchfleet.producer.gateway.errors import ApiError, of_exception, of_result
+from batchfleet.producer.gateway.openai_fields import chat_submission, completion_submission
+from batchfleet.producer.submit import build_request
+from batchfleet.producer.tokens import Restarted
+from batchfleet.schemas.errors import QueueFull, RequestRejected, ResultTimeout, Unavailable
+from batchfleet.schemas.messages import Delta, Result
+
+ANSWERED = Answered("x-1", 1700000000)
+NOT_GENERATION = {"messages", "inputs", "priority", "deadline_ms"}
+
+
+def built(sub: Submission) -> Any:
+    """The request the producer would build from a submission (its validation applies)."""
+    options = sub.options
+    assert set(options) - set(GENERATION_OPTIONS) <= NOT_GENERATION
+    return build_request(sub.model, options.get("inputs"), messages=options.get("messages"),
+                         generation={k: options.get(k) for k in GENERATION_OPTIONS},
+                         deadline_ms=options.get("deadline_ms"))  # fmt: skip
+
+
+def test_chat_fields_become_the_fleets() -> None:
+    body = {
+        "model": "lm", "max_tokens": 9, "max_completion_tokens": 12, "temperature": 0.5,
+        "top_p": 0.9, "n": 2, "stop": "END", "seed": 3, "logprobs": True, "top_logprobs": 4,
+        "presence_penalty": 0.5, "logit_bias": {"17": -100}, "user": "u1", "store": False,
+        "min_tokens": 2, "top_k": 5, "priority": 0, "deadline_ms": 5000,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": "auto", "parallel_tool_calls": False,
+        "messages": [
+            {"role": "developer", "content": "be kind"},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            {"role": "assistant", "content": "x", "reasoning": "hmm"},
+        ],
+    }  # fmt: skip
+    sub = chat_submission(body)
+    request = built(sub)
+    assert request.max_new_tokens == 12 and request.min_new_tokens == 2
+    assert request.stop == ["END"] and request.logprobs == 4 and request.n == 2
+    assert request.logit_bias == {"17": -100.0} and request.top_k == 5
+    assert request.parallel_tool_calls is False and request.deadline_ms == 5000
+    assert sub.options["priority"] == 0
+    msgs = request.messages
+    assert msgs is not None and msgs[0].role == "system" and msgs[1].content == "a\nb"
+    assert msgs[2].tool_calls is not None and msgs[4].reasoning_content == "hmm"
+
+
+def test_guided_fields_and_their_refusals() -> None:
+    base = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    sub = chat_submission(base | {"guided_choice": ["a", "b"]})
+    assert built(sub).structured_outputs.choice == ["a", "b"]
+    regex = chat_submission(base | {"guided_regex": "[0-9]+"})
+    assert built(regex).structured_outputs.regex == "[0-9]+"
+    with pytest.raises(ApiError, match="one constraint"):
+        chat_submission(base | {"guided_regex": "a", "structured_outputs": {"regex": "b"}})
+    for bad, param in ((base | {"messages": []}, "messages"), ({"messages": [1]}, "model"),
+                       (base | {"messages": ["hi"]}, "messages[0]")):  # fmt: skip
+        with pytest.raises(ApiError) as e:
+            chat_submission(bad)
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(ApiError, match="image_url") as e:
+        chat_submission(base | {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]})  # fmt: skip
+    assert e.value.param == "messages[0].content"
+
+
+def test_completion_prompts() -> None:
+    for prompt, inputs in (("a", ["a"]), (["a", "b"], ["a", "b"]),
+                           ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]])):  # fmt: skip
+        request = built(completion_submission({"model": "lm", "prompt": prompt, "logprobs": 2}))
+        got = [i if isinstance(i, str) else i.prompt_token_ids for i in request.inputs]
+        assert got == inputs and request.logprobs == 2
+    for body, word in (({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+                       ({"prompt": "a", "suffix": "z"}, "suffix"),
+                       ({"prompt": "a", "best_of": 3}, "best_of"),
+                       ({"prompt": [1, 2], "echo": True}, "echo"),
+                       ({"prompt": "a", "echo": True, "logprobs": 1}, "echo")):  # fmt: skip
+        with pytest.raises(ApiError) as e:
+            completion_submission({"model": "lm", **body})
+        assert e.value.param == word
+
+
+def result(outputs: list[dict[str, Any]], **more: Any) -> Result:
+    return Result.model_validate({"id": "r1", "model": "lm", "status": "ok",
+                                  "outputs": outputs, **more})  # fmt: skip
+
+
+def test_chat_answer() -> None:
+    lp = {"token": 5, "text": "hi", "logprob": -0.5,
+          "top": [{"token": 5, "text": "hi", "logprob": -0.5}]}  # fmt: skip
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    res = result([
+        {"text": "<tool_call>...", "finish_reason": "stop", "content": "", "tool_calls": [call]},
+        {"text": "hi", "finish_reason": "length", "logprobs": [lp],
+         "reasoning_content": "think"},
+    ], usage={"prompt_tokens": 7, "completion_tokens": 3,
+              "prompt_tokens_details": {"cached_tokens": 4}})  # fmt: skip
+    out = chat_response({}, res, ANSWERED)
+    first, second = out["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    assert first["message"]["tool_calls"] == [call]
+    assert second["message"] == {"role": "assistant", "content": "hi", "tool_calls": [],
+                                 "reasoning_content": "think", "reasoning": "think"}  # fmt: skip
+    assert second["logprobs"]["content"][0] == {
+        "token": "hi", "logprob": -0.5, "bytes": [104, 105],
+        "top_logprobs": [{"token": "hi", "logprob": -0.5, "bytes": [104, 105]}]}  # fmt: skip
+    assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                            "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    assert out["id"] == "x-1" and out["object"] == "chat.completion"
+
+
+def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:
+    tok = [{"token": i, "text": t, "logprob": -1.0, "top": []} for i, t in enumerate("ab")]
+    prompt_lps = [None, {"token": 9, "text": "q", "logprob": -2.0,
+                         "top": [{"token": 3, "text": "z", "logprob": -0.1},
+                                 {"token": 9, "text": "q", "logprob": -2.0}]}]  # fmt: skip
+    res = result([{"text": "ab", "finish_reason": "stop", "logprobs": tok,
+                   "prompt_logprobs": prompt_lps},
+                  {"text": "c", "finish_reason": "stop"}])  # fmt: skip
+    out = completion_response({"prompt": "P", "n": 2, "echo": True}, res, ANSWERED)
+    a, b = out["choices"]
+    assert (a["text"], b["text"]) == ("Pab", "Pc")
+    assert a["logprobs"]["text_offset"] == [0, 1] and a["logprobs"]["tokens"] == ["a", "b"]
+    assert a["prompt_logprobs"] == [None, {
+        "9": {"logprob": -2.0, "rank": 2, "decoded_token": "q"},
+        "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}]  # fmt: skip
+
+
+def delta(seq: int, text: str, index: int = 0, **more: Any) -> Delta:
+    return Delta(id="r1", seq=seq, input=index, text=text, tokens=1, **more)
+
+
+def test_chunks_chat_stream_and_a_restart() -> None:
+    c = Chunks({"stream_options": {"include_usage": True}}, ANSWERED, "lm", chat=True)
+    first = c.feed(delta(1, "Hel"))
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first[1]["choices"][0]["delta"] == {"content": "Hel"} and first[1]["usage"] is None
+    assert c.feed(delta(2, "lo")) and c.feed(delta(3, "x", index=1))
+    # Restarted: the same deltas again are skipped, then new ones go on
+    assert c.feed(Restarted("r1")) == []
+    assert c.feed(delta(1, "Hel")) == [] and c.feed(delta(2, "lo")) == []
+    assert c.feed(delta(3, "x", index=1)) == []
+    (more,) = c.feed(delta(4, "!"))
+    assert more["choices"][0]["delta"] == {"content": "!"}
+    # and a regeneration that differs from what was sent ends the stream
+    c.feed(Restarted("r1"))
+    with pytest.raises(Diverged):
+        c.feed(delta(1, "Help"))
+    end = c.finish(result([{"text": "Hello!", "finish_reason": "stop"},
+                           {"text": "x", "finish_reason": "length"}],
+                          usage={"prompt_tokens": 2, "completion_tokens": 5}))  # fmt: skip
+    assert [e["choices"][0]["finish_reason"] for e in end[:2]] == ["stop", "length"]
+    assert end[-1]["choices"] == [] and end[-1]["usage"]["total_tokens"] == 7
+
+
+def test_chunks_before_anything_sent_a_restart_changes_nothing() -> None:
+    c = Chunks({}, ANSWERED, "lm", chat=True)
+    assert c.feed(Restarted("r1")) == []
+    assert len(c.feed(delta(1, "other"))) == 2  # role, then the text
+
+
+def test_chunks_completion_echo_and_tool_chunks() -> None:
+    c = Chunks({"prompt": ["P", "Q"], "n": 2, "echo": True}, ANSWERED, "lm", chat=False)
+    out = c.feed(delta(1, "a", index=3))
+    assert [o["choices"][0]["text"] for o in out] == ["Q", "a"]
+    # a choice that streamed nothing still opens (its echo) before its end
+    end = c.finish(result([{"text": "", "finish_reason": "stop"}] * 4))
+    texts = [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in end]
+    assert texts[:2] == [(0, "P"), (0, "")] and ("Q" not in [t for i, t in texts if i == 3])
+    chat = Chunks({}, ANSWERED, "lm", chat=True)
+    chunk = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+    out = chat.feed(delta(1, "<tool_call>", content="", tool_call_chunks=[chunk]))
+    assert out[-1]["choices"][0]["delta"] == {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": ""}}]}  # fmt: skip
+
+
+def test_errors() -> None:
+    failed = Result.model_validate({"id": "r", "model": "lm", "status": "error",
+                                    "error": {"code": "too_large", "message": "big"}})  # fmt: skip
+    assert (of_result(failed).status, of_result(failed).code) == (400, "too_large")
+    expired = Result.model_validate({"id": "r", "model": "lm", "status": "expired",
+                                     "error": {"code": "deadline_exceeded", "message": "late"}})  # fmt: skip
+    assert of_result(expired).status == 504
+    unknown = Result.model_validate({"id": "r", "model": "lm", "status": "error", "error": {
+        "code": "brand_new", "message": "?"}}, context={"from_wire": True})  # fmt: skip
+    assert of_result(unknown).status == 500 and of_result(unknown).code == "brand_new"
+    assert of_exception(QueueFull("full")).status == 429
+    assert of_exception(Unavailable("down")).status == 503
+    assert of_exception(ResultTimeout("slow")).status == 504
+    assert of_exception(RequestRejected("bad")).body()["error"] == {
+        "message": "bad", "type": "invalid_request_error", "param": None,
+        "code": "invalid_request"}  # fmt: skip
