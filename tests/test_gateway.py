@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -68,36 +69,48 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     }  # fmt: skip
     config.write_text(fleet_toml(server.url, models))
     worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
-    port = free_port()
-    log = (tmp / "gateway.log").open("wb")
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", server.url,
-         "--port", str(port), "--api-key", KEY],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
     r = redis.Redis.from_url(server.url)
-    base = f"http://127.0.0.1:{port}"
+    gateway = None
     try:
         for model in models:
             worker.wait_ready(r, model)
-        end = time.monotonic() + 60
-        while True:
-            try:
-                if raw(Fleet(server.url, base, None, r), "GET", "/health")[0] == 200:  # type: ignore[arg-type]
-                    break
-            except OSError:
-                pass
-            if gateway.poll() is not None or time.monotonic() > end:
-                raise RuntimeError((tmp / "gateway.log").read_text()[-3000:])
-            time.sleep(0.1)
+        gateway, base = start_gateway(server.url, tmp)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
         yield Fleet(server.url, base, client, r)
     finally:
-        gateway.terminate()
-        gateway.wait(10)
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(10)
         worker.stop()
         r.close()
         server.stop()
+
+
+def start_gateway(url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`batchfleet gateway` on a free port, once its /health answers; its base URL."""
+    port = free_port()
+    log = tmp / f"gateway-{port}.log"
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", url,
+         "--port", str(port), "--api-key", KEY],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    end = time.monotonic() + 60
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return gateway, f"http://127.0.0.1:{port}"
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if gateway.poll() is not None or time.monotonic() > end:
+            gateway.kill()
+            raise RuntimeError(log.read_text()[-3000:])
+        time.sleep(0.1)
 
 
 def producer_text(fleet: Fleet, **options: Any) -> str:
@@ -360,3 +373,49 @@ def test_pooling_endpoints(fleet: Fleet) -> None:
     with pytest.raises(openai.BadRequestError):
         fleet.client.chat.completions.create(model="embed", messages=[{"role": "user",
                                              "content": "x"}])  # fmt: skip
+
+
+def test_a_worker_killed_mid_stream_goes_unseen(
+    tmp_path: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    # Given a gateway streaming a long greedy chat from a worker that is kill -9'd part-way
+    server = LocalRedis()
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    gateway = None
+    try:
+        lm = make_causal_lm(tmp_path / "lm", context=4096)
+        opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16}
+        fleet = fleet_toml(server.url, {LM: {"runner": "text-generation", "path": str(lm),
+                                             "options": opts}},
+                           {"heartbeat_timeout_ms": 1000})  # fmt: skip
+        first = start_worker(fleet, "gw-victim")
+        first.wait_ready(r, LM)
+        gateway, base = start_gateway(server.url, tmp_path)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=LM, messages=[{"role": "user", "content": "there were many"}],
+            max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-Id": "killed-1"})  # fmt: skip
+        pieces: list[str] = []
+        finish = []
+        for chunk in stream:
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                finish.append(c.finish_reason)
+            if len(pieces) == 20:
+                first.kill()  # When its worker dies, and another takes the request over
+                start_worker(fleet, "gw-heir").wait_ready(r, LM)
+        # Then the client saw one stream, no error and no repeat: the heir's deltas up to
+        # where the first worker stopped were the same (greedy) and skipped
+        stored = msgpack.unpackb(r.get(ModelKeys(LM).result("killed-1")))
+        (out,) = stored["outputs"]
+        assert stored["timings"]["worker"] == "gw-heir"
+        assert "".join(pieces) == out["text"] and finish[-1] == out["finish_reason"]
+        assert out["completion_tokens"] > 20
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(10)
+        r.close()
+        server.stop()
