@@ -273,7 +273,8 @@ def _gateway(args: argparse.Namespace) -> int:
     key = args.api_key or os.environ.get("BATCHFLEET_API_KEY") or None
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
-                          timeout_s=args.timeout or None, priority=args.priority))  # fmt: skip
+                          timeout_s=args.timeout or None, priority=args.priority,
+                          grace_s=args.grace))  # fmt: skip
     return 0
 
 
@@ -473,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="lane of requests that give no priority (default: the producer's, 1)",
+    )
+    gw.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the requests in flight get to end (then cancelled)",
     )
     gw.set_defaults(func=_gateway)
 

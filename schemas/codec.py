@@ -451,6 +451,18 @@ def decode_result(data: bytes | str) -> Result:
     return Result.model_validate(_loads(data), context={FROM_WIRE: True})
 
 
+def decode_message(data: bytes | str) -> Result | Delta | None:
+    """A reply-channel message: a result, a delta, or ``None`` (not a v1 message we know),
+    decoded once."""
+    try:
+        body = _loads(data)
+    except Exception:
+        return None
+    if isinstance(body, dict) and body.get("kind") == "delta":
+        return decode_delta(body)
+    return _result_of(body)
+
+
 def decode_reply(data: bytes | str) -> Result | None:
     """A message from a reply channel: its result, or ``None`` for a message that is not a v1
     result — a map whose ``kind`` (absent in results) is not ``"result"``, a body without a
@@ -459,6 +471,10 @@ def decode_reply(data: bytes | str) -> Result | None:
         body = _loads(data)
     except Exception:
         return None
+    return _result_of(body)
+
+
+def _result_of(body: Any) -> Result | None:
     if not (
         isinstance(body, dict)
         and body.get("kind", "result") == "result"

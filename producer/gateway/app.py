@@ -9,12 +9,15 @@ request, so the fleet stops generating for nobody.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import tornado.httputil
 import tornado.iostream
@@ -22,13 +25,15 @@ import tornado.web
 
 from ...schemas.errors import BatchfleetError, ErrorCode
 from ...schemas.keys import LANES_KEY_PATTERN, REQUEST_ID, ModelKeys, model_of_lanes_key
+from ...schemas.messages import Result
 from ..aio import AsyncJob, AsyncProducer
+from ..submit import new_request_id
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
-from .results import Results
+from .replies import Replies
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +53,17 @@ class Gateway:
         priority: int | None = None,
     ) -> None:
         self.producer = producer
-        self.results = Results(producer)
+        self.replies = Replies(producer)
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.priority = priority
         self._models: tuple[float, list[str]] = (0.0, [])
         self.pending: set[asyncio.Task[None]] = set()
         """Cancellations under way (kept referenced until done)."""
+        self.inflight: set[AsyncJob] = set()
+        """Submitted requests whose client is still being answered."""
+        self.stopping = False
+        """Shutting down: new requests are refused (503)."""
 
     async def models(self) -> list[str]:
         """The models the fleet serves (every model whose workers published its lanes)."""
@@ -107,8 +116,10 @@ class Handler(tornado.web.RequestHandler):
         self.gateway = gateway
 
     def prepare(self) -> None:
+        if self.gateway.stopping and self.request.method == "POST":
+            return self.fail(ApiError(503, "the gateway is shutting down", code="unavailable"))
         key = self.gateway.api_key
-        if key is None or self.request.path == "/health":
+        if key is None or self.request.path in ("/health", "/livez"):
             return
         given = self.request.headers.get("Authorization", "")
         token = given[7:] if given.startswith("Bearer ") else ""
@@ -152,14 +163,24 @@ class Handler(tornado.web.RequestHandler):
             raise invalid("a request id has 1-128 of letters, digits and _.:-", "request_id")
         return {"request_id": rid}
 
-    async def submit(self, sub: Submission, body: Mapping[str, Any]) -> AsyncJob:
+    async def submit(
+        self, sub: Submission, body: Mapping[str, Any], request_id: str | None = None
+    ) -> AsyncJob:
         await self.gateway.check_model(sub.model)
         options = sub.options | self.request_id(body)
+        if request_id is not None:
+            options["request_id"] = request_id
         if "priority" not in options and self.gateway.priority is not None:
             options["priority"] = self.gateway.priority
         job = await self.gateway.producer.submit(sub.model, **options)
+        self.gateway.inflight.add(job)
         self.set_header("X-Request-Id", job.id)
         return job
+
+    def on_finish(self) -> None:
+        job = getattr(self, "job", None)
+        if job is not None:
+            self.gateway.inflight.discard(job)
 
 
 class Models(Handler):
@@ -180,11 +201,22 @@ class Models(Handler):
 
 
 class Health(Handler):
+    """``/health``: 200 when Redis answers and the reply channel is subscribed (ready),
+    else 503; ``/livez``: 200 while the process serves HTTP at all (alive)."""
+
+    def initialize(self, gateway: Gateway, deep: bool = True) -> None:
+        super().initialize(gateway)
+        self.deep = deep
+
     async def get(self) -> None:
-        try:
-            await self.gateway.producer.client.ping()
-        except Exception as exc:
-            return self.fail(ApiError(503, f"Redis unreachable: {exc}", code="unavailable"))
+        if self.deep:
+            try:
+                await self.gateway.producer.client.ping()
+            except Exception as exc:
+                return self.fail(ApiError(503, f"Redis unreachable: {exc}", code="unavailable"))
+            if not self.gateway.replies.live:
+                return self.fail(ApiError(503, "not subscribed to the reply channel yet",
+                                          code="unavailable"))  # fmt: skip
         self.set_status(200)
         self.finish()
 
@@ -203,7 +235,7 @@ class Unary(Handler):
         try:
             body = self.body_json()
             self.job = await self.submit(self.endpoint.submission(body), body)
-            result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
+            result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
             if not result.ok:
                 raise of_result(result)
             answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
@@ -235,28 +267,33 @@ class Generate(Handler):
             make = (
                 openai_fields.chat_submission if self.chat else openai_fields.completion_submission
             )
-            self.job = await self.submit(make(body), body)
+            sub = make(body)
             prefix = "chatcmpl" if self.chat else "cmpl"
-            answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
             if not body.get("stream"):
-                result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
+                self.job = await self.submit(sub, body)
+                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
+                result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
                 if self.gone:
                     return
                 if not result.ok:
                     raise of_result(result)
                 build = chat_response if self.chat else completion_response
                 return self.send_json(build(body, result, answered))
-            chunks = Chunks(body, answered, self.job.model, self.chat)
-            async for event in self.job.deltas(timeout=self.gateway.timeout_s):
-                out = chunks.feed(event)
-                if out:
-                    started = started or self._start()
-                    await self._send(out)
-            result = await self.gateway.results.wait(self.job, self.gateway.timeout_s)
-            if not result.ok:
-                raise of_result(result)
-            started = started or self._start()
-            await self._send(chunks.finish(result))
+            rid = self.request_id(body).get("request_id") or new_request_id()
+            with self.gateway.replies.stream(sub.model, rid):
+                self.job = await self.submit(sub, body, rid)
+                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
+                chunks = Chunks(body, answered, self.job.model, self.chat)
+                async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
+                    if isinstance(event, Result):
+                        if not event.ok:
+                            raise of_result(event)
+                        out = chunks.finish(event)
+                    else:
+                        out = chunks.feed(event)
+                    if out:
+                        started = started or self._start()
+                        await self._send(out)
             self.write("data: [DONE]\n\n")
             self.finish()
         except tornado.iostream.StreamClosedError:
@@ -319,10 +356,21 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
         (r"/health", Health, g),
+        (r"/livez", Health, g | {"deep": False}),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password masked (for logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
 
 
 async def serve(
@@ -334,21 +382,44 @@ async def serve(
     timeout_s: float | None = 3600.0,
     priority: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
+    grace_s: float = 30.0,
     ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until cancelled."""
+    """Serve until SIGTERM or SIGINT (or ``stop`` is set, or cancelled); then take no new
+    request, give those in flight up to ``grace_s`` to end, and cancel those left, so the
+    fleet stops generating for clients that will not be answered."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)  # the main thread's loop only
+            handled.append(sig)
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority)
-        await gateway.results.start()
+        gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip
         logger.info("OpenAI-compatible gateway on http://%s:%d/v1 (fleet %s)", host, port,
-                    producer.url)  # fmt: skip
+                    redacted(producer.url))  # fmt: skip
         if ready is not None:
             ready.set()
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
+            gateway.stopping = True
+            server.stop()
+            end = time.monotonic() + grace_s
+            while gateway.inflight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            if gateway.inflight:
+                logger.warning("stopping: cancelling %d requests still in flight",
+                               len(gateway.inflight))  # fmt: skip
+            for job in list(gateway.inflight):
+                gateway.cancel(job)
         finally:
             server.stop()
             await asyncio.gather(*gateway.pending, return_exceptions=True)
-            await gateway.results.close()
+            await gateway.replies.close()
+            for sig in handled:
+                loop.remove_signal_handler(sig)

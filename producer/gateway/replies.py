@@ -1,0 +1,244 @@
+"""Everything one gateway's requests wait for, from one subscription to its reply channel.
+
+Workers publish each result they store, and each delta of a streamed request, on the
+request's reply channel (the producer's). ``job.result()`` instead polls its result key
+(1 to 25 ms apart) and ``job.deltas()`` reads its token stream (one ``XREAD`` a delta):
+fine for one caller, but a gateway holding a thousand requests would send Redis 40,000
+reads a second while they wait, and a command per token while they stream. Here one
+pub/sub connection answers every waiter and feeds every stream.
+
+Pub/sub loses what is published while the subscriber is away, so:
+
+- a waiter reads its stored result once when it begins (published before it waited),
+  and the stored results of waiters older than ``sweep_s`` are read again every
+  ``sweep_s``;
+- a stream whose deltas may have been lost reads its token stream from the start
+  instead, which holds every delta (:class:`Restarted` first, so that what was already
+  sent is matched and skipped): when the subscription was lost and is back (redis-py's
+  pub/sub reconnects and subscribes again by itself: a connect callback tells), when a
+  ``seq`` skips, when the result's text is not the deltas' text, and when its result is
+  stored while the stream has heard nothing for ``sweep_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from ...schemas.codec import decode_message, decode_result
+from ...schemas.errors import ResultTimeout
+from ...schemas.keys import ModelKeys
+from ...schemas.messages import Delta, Result
+from ..aio import AsyncJob, AsyncProducer
+from ..tokens import DeltaFollower, Restarted
+
+logger = logging.getLogger(__name__)
+
+SWEEP_S = 2.0
+RECONNECT_S = 0.5
+DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def _texts(result: Result) -> dict[int, str]:
+    """A result's texts, per output (those not empty), to match against its deltas'."""
+    return {i: g.text for i, g in enumerate(result.generations()) if g.text}
+
+
+class Resync:
+    """The subscription was lost and is back: messages in between may be gone."""
+
+
+Event = Delta | Result | Resync
+
+
+@dataclass
+class _Stream:
+    key: str
+    """Its result key."""
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    heard: float = field(default_factory=time.monotonic)
+    """When its last message came (or it began)."""
+
+
+class Replies:
+    """Owns the waiters (request id → result key, future, since), the streams' queues
+    (request id → queue) and the subscription."""
+
+    def __init__(self, producer: AsyncProducer, sweep_s: float = SWEEP_S) -> None:
+        self.producer = producer
+        self.sweep_s = sweep_s
+        self.waiting: dict[str, tuple[str, asyncio.Future[Result], float]] = {}
+        self.streams: dict[str, _Stream] = {}
+        self.live = False
+        """Subscribed now (``/health`` says so)."""
+        self.resweep = False
+        """Sweep every waiter now (the subscription came back)."""
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Subscribe in the background (:attr:`live` once subscribed; again after a loss)."""
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- whole results -------------------------------------------------------------------
+
+    async def wait(self, job: AsyncJob, timeout: float | None) -> Result:
+        """``job``'s result; :class:`ResultTimeout` after ``timeout`` seconds."""
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self.waiting[job.id] = (job.result_key, future, time.monotonic())
+        try:
+            with contextlib.suppress(*DOWN):
+                raw = await self.producer.client.get(job.result_key)
+                if raw is not None:
+                    return decode_result(raw)
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise ResultTimeout(f"no result for {job.id} within {timeout}s") from None
+        finally:
+            self.waiting.pop(job.id, None)
+
+    # --- streams -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def stream(self, model: str, request_id: str) -> Any:
+        """Take the deltas and result of ``request_id`` (enter before submitting it)."""
+        self.streams[request_id] = _Stream(ModelKeys(model).result(request_id))
+        try:
+            yield
+        finally:
+            self.streams.pop(request_id, None)
+
+    async def events(
+        self, job: AsyncJob, timeout: float | None
+    ) -> AsyncIterator[Delta | Restarted | Result]:
+        """``job``'s deltas (a :class:`Restarted` where another worker began it again),
+        then its result; inside :meth:`stream`. :class:`ResultTimeout` after ``timeout``
+        seconds without one."""
+        queue = self.streams[job.id].queue
+        last = 0
+        texts: dict[int, list[str]] = {}
+        if await self.producer.client.exists(job.result_key):
+            queue.put_nowait(Resync())  # answered already (its id sent before): replay
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout)
+            except asyncio.TimeoutError:
+                raise ResultTimeout(f"nothing from {job.id} within {timeout}s") from None
+            whole = isinstance(event, Result) and (not event.ok or _texts(event) == {
+                i: "".join(pieces) for i, pieces in texts.items() if any(pieces)})  # fmt: skip
+            if whole:
+                yield event  # type: ignore[misc]  # a Result
+                return
+            if not isinstance(event, Delta) or event.seq not in (last + 1, 1):
+                async for replayed in self._replay(job, timeout):
+                    yield replayed
+                return
+            if event.seq == 1 and last:
+                texts.clear()
+                yield Restarted(job.id)
+            last = event.seq
+            texts.setdefault(event.input, []).append(event.text)
+            yield event
+
+    async def _replay(
+        self, job: AsyncJob, timeout: float | None
+    ) -> AsyncIterator[Delta | Restarted | Result]:
+        """The token stream from its start (marked as a restart), then the stored result."""
+        logger.info("reading %s's token stream: its reply-channel deltas may be lost", job.id)
+        yield Restarted(job.id)
+        async for event in self.producer.follow(job, DeltaFollower(), timeout):
+            yield event
+        yield await self.wait(job, timeout)
+
+    # --- the subscription ----------------------------------------------------------------
+
+    def _deliver(self, message: Result | Delta) -> None:
+        stream = self.streams.get(message.id)
+        if stream is not None:
+            stream.queue.put_nowait(message)
+            stream.heard = time.monotonic()
+            return
+        entry = self.waiting.get(message.id)
+        if isinstance(message, Result) and entry is not None and not entry[1].done():
+            entry[1].set_result(message)
+
+    async def _sweep(self, older_than: float) -> None:
+        """Read the stored results of the waiters waiting longer than ``older_than`` s,
+        and look for those of the streams silent that long (a stored one: replay)."""
+        now = time.monotonic()
+        due = [key for key, _, since in self.waiting.values() if now - since >= older_than]
+        for start in range(0, len(due), 256):
+            pipe = self.producer.client.pipeline(transaction=False)
+            for key in due[start : start + 256]:
+                pipe.get(key)
+            for raw in await pipe.execute():
+                if raw is not None:
+                    self._deliver(decode_result(raw))
+        silent = [(rid, s.key) for rid, s in self.streams.items() if now - s.heard >= older_than]
+        for start in range(0, len(silent), 256):
+            chunk = silent[start : start + 256]
+            pipe = self.producer.client.pipeline(transaction=False)
+            for _, key in chunk:
+                pipe.exists(key)
+            for (rid, _), stored in zip(chunk, await pipe.execute(), strict=True):
+                if stored:
+                    self._resync([rid])
+
+    def _resync(self, request_ids: list[str] | None = None) -> None:
+        """Tell these streams (default all) that messages may have been lost."""
+        for rid in list(self.streams) if request_ids is None else request_ids:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait(Resync())
+                stream.heard = time.monotonic()
+
+    def _reconnected(self, connection: Any) -> None:
+        """redis-py's pub/sub connection came back (and subscribes again by itself)."""
+        logger.warning("reply channel %s: reconnected; streams read their token streams",
+                       self.producer.reply_channel)  # fmt: skip
+        self._resync()
+        self.resweep = True
+
+    async def _run(self) -> None:
+        channel = self.producer.reply_channel
+        while True:
+            pubsub = self.producer.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                assert pubsub.connection is not None
+                pubsub.connection.register_connect_callback(self._reconnected)
+                self.live = True
+                self._resync()
+                await self._sweep(0.0)
+                swept = time.monotonic()
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                    if msg is not None and msg.get("type") == "message":
+                        message = decode_message(msg["data"])
+                        if message is not None:
+                            self._deliver(message)
+                    if self.resweep or time.monotonic() - swept >= self.sweep_s:
+                        await self._sweep(0.0 if self.resweep else self.sweep_s)
+                        self.resweep, swept = False, time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a refusal (ACL) as much as a lost connection
+                level = logging.WARNING if isinstance(exc, DOWN) else logging.ERROR
+                logger.log(level, "reply channel %s: %s; subscribing again", channel, exc)
+                await asyncio.sleep(RECONNECT_S)
+            finally:
+                self.live = False
+                with contextlib.suppress(*DOWN):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

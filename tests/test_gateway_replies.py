@@ -1,0 +1,178 @@
+"""The gateway's one reply-channel subscription: it answers every waiter (a result
+published while it waits, one stored before it waited, one stored with its message lost:
+read by the sweep) and feeds every stream, falling back to the token stream where
+messages may be lost (a ``seq`` skipped, the subscription lost and back, a result stored
+before the stream was read). A real Redis; no worker: results, deltas and token-stream
+entries are written as a worker writes them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis
+from batchfleet.producer.aio import AsyncJob, AsyncProducer
+from batchfleet.producer.gateway.replies import Replies
+from batchfleet.producer.tokens import Restarted
+from batchfleet.schemas.codec import delta_fields, encode_delta, encode_result, end_fields
+from batchfleet.schemas.errors import ResultTimeout
+from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.messages import Delta, Result
+
+pytestmark = pytest.mark.timeout(60)
+KEYS = ModelKeys("m")
+
+
+def result(rid: str, text: str = "") -> Result:
+    return Result(id=rid, model="m", status="ok", outputs=[{"text": text, "finish_reason": "stop"}])
+
+
+async def live(p: AsyncProducer, sweep_s: float = 2.0) -> Replies:
+    replies = Replies(p, sweep_s=sweep_s)
+    replies.start()
+    while not replies.live:
+        await asyncio.sleep(0.01)
+    return replies
+
+
+def test_waiters_are_answered_by_message_store_and_sweep(redis_url: str, r: redis.Redis) -> None:
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p, sweep_s=0.0)
+            jobs = {name: AsyncJob(name, "m", producer=p) for name in ("pub", "before", "lost")}
+            r.set(jobs["before"].result_key, encode_result(result("before")))
+            waits = {n: asyncio.ensure_future(replies.wait(j, 30)) for n, j in jobs.items()}
+            while len(replies.waiting) < 2:  # "before" answered at once, from its key
+                await asyncio.sleep(0.01)
+            # a worker stores and publishes; the "lost" one's message never arrives
+            r.set(jobs["pub"].result_key, encode_result(result("pub")))
+            r.publish(p.reply_channel, encode_result(result("pub")))
+            r.set(jobs["lost"].result_key, encode_result(result("lost")))
+            got = {n: (await w).id for n, w in waits.items()}
+            assert got == {"pub": "pub", "before": "before", "lost": "lost"}
+            assert replies.waiting == {}
+            with pytest.raises(ResultTimeout):
+                await replies.wait(AsyncJob("never", "m", producer=p), 0.2)
+            await replies.close()
+
+    asyncio.run(go())
+
+
+def delta(rid: str, seq: int, text: str) -> Delta:
+    return Delta(id=rid, model="m", seq=seq, text=text, tokens=1)
+
+
+class Worker:
+    """Writes a request's deltas as a worker does: the token stream, then the message."""
+
+    def __init__(self, r: redis.Redis, channel: str, rid: str) -> None:
+        self.r, self.channel, self.rid = r, channel, rid
+
+    def delta(self, seq: int, text: str, publish: bool = True) -> None:
+        d = delta(self.rid, seq, text)
+        self.r.xadd(KEYS.tokens(self.rid), delta_fields(d))
+        if publish:
+            self.r.publish(self.channel, encode_delta(d))
+
+    def finish(self, text: str, seq: int, publish: bool = True) -> None:
+        self.r.set(KEYS.result(self.rid), encode_result(result(self.rid, text)))
+        if publish:
+            self.r.publish(self.channel, encode_result(result(self.rid, text)))
+        self.r.xadd(KEYS.tokens(self.rid), end_fields(seq))
+
+
+def summary(events: list[Any]) -> list[Any]:
+    return [e.text if isinstance(e, Delta) else "R" if isinstance(e, Restarted) else
+            f"={e.generations()[0].text}" for e in events]  # fmt: skip
+
+
+async def follow(replies: Replies, job: AsyncJob, events: list[Any], until: int) -> None:
+    """Read ``job``'s events into ``events`` until ``until`` of them came."""
+    async for e in replies.events(job, 10):
+        events.append(e)
+        if len(events) == until:
+            return
+
+
+def test_streams_from_messages_and_from_the_token_stream_when_one_may_be_lost(
+    redis_url: str, r: redis.Redis
+) -> None:
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p)
+
+            async def case(rid: str, write: Any, until: int) -> list[Any]:
+                job = AsyncJob(rid, "m", producer=p, streaming=True)
+                events: list[Any] = []
+                with replies.stream("m", rid):
+                    reading = asyncio.ensure_future(follow(replies, job, events, until))
+                    await asyncio.sleep(0.05)
+                    write(Worker(r, p.reply_channel, rid))
+                    await asyncio.wait_for(reading, 10)
+                return summary(events)
+
+            # in order: the messages alone
+            def plain(w: Worker) -> None:
+                w.delta(1, "a")
+                w.delta(2, "b")
+                w.finish("ab", 3)
+
+            assert await case("plain", plain, 3) == ["a", "b", "=ab"]
+
+            # a takeover: seq 1 again is a restart
+            def again(w: Worker) -> None:
+                w.delta(1, "a")
+                w.delta(2, "b")
+                w.delta(1, "a")
+                w.finish("a", 2)
+
+            assert await case("again", again, 5) == ["a", "b", "R", "a", "=a"]
+
+            # a message lost (seq 2 never published): the token stream from its start
+            def lost(w: Worker) -> None:
+                w.delta(1, "a")
+                w.delta(2, "b", publish=False)
+                w.delta(3, "c")
+                w.finish("abc", 4)
+
+            assert await case("lost", lost, 6) == ["a", "R", "a", "b", "c", "=abc"]
+
+            # the last delta lost: the result's text is not the deltas'
+            def tail(w: Worker) -> None:
+                w.delta(1, "a")
+                w.delta(2, "b", publish=False)
+                w.finish("ab", 3)
+
+            assert await case("tail", tail, 5) == ["a", "R", "a", "b", "=ab"]
+
+            # the subscription lost and back: the same, from the token stream
+            def cut(w: Worker) -> None:
+                w.delta(1, "a")
+                r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                w.delta(2, "b", publish=False)
+                w.finish("ab", 3, publish=False)
+
+            assert await case("cut", cut, 5) == ["a", "R", "a", "b", "=ab"]
+            await replies.close()
+
+    asyncio.run(go())
+
+
+def test_a_stream_already_answered_is_read_from_its_token_stream(
+    redis_url: str, r: redis.Redis
+) -> None:
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p)
+            w = Worker(r, p.reply_channel, "done")
+            w.delta(1, "x", publish=False)
+            w.finish("x", 2, publish=False)
+            job = AsyncJob("done", "m", producer=p, streaming=True)
+            events: list[Any] = []
+            with replies.stream("m", "done"):
+                await follow(replies, job, events, 3)
+            assert summary(events) == ["R", "x", "=x"]
+            await replies.close()
+
+    asyncio.run(go())
