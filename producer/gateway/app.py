@@ -293,7 +293,9 @@ class Generate(Handler):
                         out = chunks.feed(event)
                     if out:
                         started = started or self._start()
-                        await self._send(out)
+                        self._write(out)
+                    if started and not self.gateway.replies.backlog(rid):
+                        await self._flush()
             self.write("data: [DONE]\n\n")
             self.finish()
         except tornado.iostream.StreamClosedError:
@@ -312,10 +314,15 @@ class Generate(Handler):
         self.set_header("Cache-Control", "no-cache")
         return True
 
-    async def _send(self, chunks: list[dict[str, Any]]) -> None:
+    def _write(self, chunks: list[dict[str, Any]]) -> None:
         if self.gone:
             raise tornado.iostream.StreamClosedError()
         self.write("".join(f"data: {dumps(c)}\n\n" for c in chunks))
+
+    async def _flush(self) -> None:
+        """Send what was written (once the stream's delivered events are all written)."""
+        if self.gone:
+            raise tornado.iostream.StreamClosedError()
         await self.flush()
 
     def _end_with(self, error: ApiError) -> None:

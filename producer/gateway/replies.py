@@ -132,10 +132,13 @@ class Replies:
         if await self.producer.client.exists(job.result_key):
             queue.put_nowait(Resync())  # answered already (its id sent before): replay
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), timeout)
-            except asyncio.TimeoutError:
-                raise ResultTimeout(f"nothing from {job.id} within {timeout}s") from None
+            if not queue.empty():
+                event = queue.get_nowait()  # no timer to set when it is there already
+            else:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise ResultTimeout(f"nothing from {job.id} within {timeout}s") from None
             whole = isinstance(event, Result) and (not event.ok or _texts(event) == {
                 i: "".join(pieces) for i, pieces in texts.items() if any(pieces)})  # fmt: skip
             if whole:
@@ -161,6 +164,11 @@ class Replies:
         async for event in self.producer.follow(job, DeltaFollower(), timeout):
             yield event
         yield await self.wait(job, timeout)
+
+    def backlog(self, request_id: str) -> int:
+        """Events of this stream delivered and not read yet (more to send before a flush)."""
+        stream = self.streams.get(request_id)
+        return 0 if stream is None else stream.queue.qsize()
 
     # --- the subscription ----------------------------------------------------------------
 
