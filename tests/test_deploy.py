@@ -3,12 +3,15 @@ Redis config and ACL users work on a real redis-server. No Docker engine or clus
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,10 @@ import pytest
 import redis
 import yaml
 from batchfleet.producer import Producer
+from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
-from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
+from batchfleet.schemas.messages import Result
+from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
 
 from batchfleet.config import load_config
 from batchfleet.connection import connect
@@ -144,7 +149,7 @@ def test_groups_job_flower_webhooks_and_egress_policy(
     secrets = of_kind(docs, "Secret")
     assert any("FLOWER_BASIC_AUTH" in secrets[r]["stringData"] for r in refs)
     hooks = of_kind(docs, "Deployment")["batchfleet-webhooks"]
-    (policy,) = of_kind(docs, "NetworkPolicy").values()
+    policy = of_kind(docs, "NetworkPolicy")["batchfleet-webhooks-egress"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= (
         hooks["spec"]["template"]["metadata"]["labels"].items()
     )
@@ -153,6 +158,53 @@ def test_groups_job_flower_webhooks_and_egress_policy(
         to["ipBlock"] for rule in policy["spec"]["egress"] for to in rule["to"] if "ipBlock" in to
     ]
     assert all("169.254.0.0/16" in b["except"] and "10.0.0.0/8" in b["except"] for b in blocks)
+
+
+def test_gateway_service_budget_and_network_policy(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    overlay, docs = rendered
+    dep = of_kind(docs, "Deployment")["batchfleet-gateway"]
+    assert dep["spec"]["replicas"] == (1 if overlay == "dev" else 2)
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[:3] == ["gateway", "--host", "0.0.0.0"]
+    port = int(args[args.index("--port") + 1])
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert not any("gpu" in name for name in container["resources"]["limits"])
+    assert "tolerations" not in pod and "nodeSelector" not in pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # Then it connects as the gateway's ACL user (not the workers'), and its key is a Secret's
+    secrets = of_kind(docs, "Secret")
+    env: dict[str, str] = {}
+    for ref in container["envFrom"]:
+        env |= secrets[ref["secretRef"]["name"]]["stringData"]
+    assert env["BATCHFLEET_API_KEY"]
+    assert urllib.parse.urlsplit(env["REDIS_URL"]).username == "gateway"
+    assert re.search(r"^user gateway on ", (DEPLOY / "redis" / "users.acl").read_text(), re.M)
+    # the Service reaches the pods on their port; drains take one replica at a time
+    service = of_kind(docs, "Service")["batchfleet-gateway"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(port, "http")]
+    budget = of_kind(docs, "PodDisruptionBudget")["batchfleet-gateway"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["maxUnavailable"] == 1
+    # ingress on its port only; egress to DNS and Redis only
+    policy = of_kind(docs, "NetworkPolicy")["batchfleet-gateway"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert sorted(policy["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+    ingress = [p for rule in policy["spec"]["ingress"] for p in rule["ports"]]
+    assert ingress == [{"protocol": "TCP", "port": port}]
+    egress = policy["spec"]["egress"]
+    assert all(rule.get("to") and "ipBlock" not in to for rule in egress for to in rule["to"])
+    assert {(p["protocol"], p["port"]) for rule in egress for p in rule["ports"]} == {
+        ("UDP", 53), ("TCP", 53), ("TCP", 6379)
+    }  # fmt: skip
 
 
 def test_init_groups_creates_every_models_groups(
@@ -205,6 +257,28 @@ def test_compose_services() -> None:
     assert targets == {f"{name}:{port}" for name in workers for port in ports}
     assert "BATCHFLEET_WEBHOOKS__SECRET" in services["webhooks"]["environment"]
     assert "redis.conf" in " ".join(services["redis"]["command"])
+    gateway = services["gateway"]
+    command = gateway["command"]
+    assert command[:3] == ["gateway", "--host", "0.0.0.0"]
+    port = command[command.index("--port") + 1]
+    assert [p.rsplit(":", 1)[1] for p in gateway["ports"]] == [port]
+    assert f"127.0.0.1:{port}/health" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "BATCHFLEET_API_KEY" in gateway["environment"]
+    assert gateway["environment"]["REDIS_URL"].startswith("redis://gateway:")
+    assert "deploy" not in gateway, "no GPU"
+
+
+def test_env_example_sets_what_compose_requires_and_matches_the_acl() -> None:
+    required = set(re.findall(r"\$\{(\w+):\?", (DEPLOY / "docker-compose.yml").read_text()))
+    lines = (DEPLOY / ".env.example").read_text().splitlines()
+    example = dict(ln.split("=", 1) for ln in lines if ln and not ln.startswith("#"))
+    assert "GATEWAY_API_KEY" in required and required <= example.keys()
+    acl = (DEPLOY / "redis" / "users.acl").read_text()
+    for name, value in example.items():
+        if name.endswith("_REDIS_PASSWORD"):
+            user = name.removesuffix("_REDIS_PASSWORD").lower()
+            assert f"user {user} on >{value} " in acl, f"{name} is not {user}'s password"
 
 
 def test_dockerfile_is_parameterised_and_non_root() -> None:
@@ -217,6 +291,12 @@ def test_dockerfile_is_parameterised_and_non_root() -> None:
     for copied in re.findall(r"^COPY (\S+)", text, re.M):
         if not copied.startswith("--"):
             assert (DEPLOY.parent / copied).exists(), f"COPY {copied} is not in the repository"
+    # `pip install .` needs every folder pyproject.toml maps a package to
+    pyproject = (DEPLOY.parent / "pyproject.toml").read_text()
+    folders = {
+        d.split("/")[0] for d in re.findall(r'^"batchfleet[\w.]*" = "([\w/]+)"', pyproject, re.M)
+    }
+    assert folders and all(f"COPY {d} {d}" in lines for d in folders), folders
 
 
 # --- Redis config and ACL users, on a real redis-server ------------------------------------------
@@ -323,4 +403,127 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
         worker.flushall()
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker.set("other:key", b"x")  # outside bf:* and the broker selector
+    worker.close()
+
+
+GATEWAY_KEY = "sk-test"
+
+
+def http_request(method: str, path: str, body: Any = None) -> bytes:
+    """An HTTP/1.0 request with the key (the gateway closes the connection after answering)."""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (f"{method} {path} HTTP/1.0\r\nAuthorization: Bearer {GATEWAY_KEY}\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    return head.encode() + data
+
+
+async def http(port: int, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+    """One call to the gateway: the status and the body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(http_request(method, path, body))
+    response = await reader.read()
+    writer.close()
+    status, _, rest = response.partition(b"\r\n")
+    return int(status.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.server
+def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
+    """The gateway itself (``serve``, as `batchfleet gateway` runs it) on the gateway user:
+    health, models, an unknown model, an embedding, a streamed chat and a client that leaves,
+    answered by a worker on the worker user. The user is refused the rest."""
+    from batchfleet.producer.gateway.app import serve
+
+    base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
+    model, keys = "gwm", ModelKeys("gwm")
+    worker = connect(base.format("worker:CHANGE_ME_worker"))
+    streams = ModelStreams(worker, model, 3, "w1")
+    streams.ensure_groups(max_depth=100)  # the submit script reads the lane's length then
+
+    def take() -> tuple[Entry, str, str | None]:
+        """The worker's read of the next request: its entry, id and reply channel."""
+        (entry,) = streams.read({0: 1, 1: 1, 2: 1}, 10_000)
+        request, _ = decode_entry(entry.fields, model)
+        return entry, request.id, request.reply
+
+    def store(entry: Entry, rid: str, reply: str | None, outputs: list[Any]) -> None:
+        result = Result(id=rid, model=model, status="ok", outputs=outputs)
+        assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
+
+    async def go() -> None:
+        port, ready = free_port(), asyncio.Event()
+        server = asyncio.ensure_future(serve(base.format("gateway:CHANGE_ME_gateway"),
+                                             port=port, api_key=GATEWAY_KEY, timeout_s=20,
+                                             ready=ready))  # fmt: skip
+        try:
+            await asyncio.wait_for(ready.wait(), 20)  # subscribed to its reply channel
+            assert (await http(port, "GET", "/health"))[0] == 200  # PING
+            # a model no worker serves: EXISTS on its lanes key
+            assert (await http(port, "POST", "/v1/embeddings", {"model": "nope", "input": "x"})
+                    )[0] == 404  # fmt: skip
+            # an embedding: GET lanes, EVALSHA (SCRIPT LOAD first: GET, XLEN, XADD), GET the
+            # result, its message on the reply channel
+            ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
+                                             {"model": model, "input": "hello"}))  # fmt: skip
+            entry, rid, reply = await asyncio.to_thread(take)
+            await asyncio.to_thread(store, entry, rid, reply, [[0.5, 0.25]])
+            status, body = await ask
+            assert status == 200 and json.loads(body)["data"][0]["embedding"] == [0.5, 0.25]
+            # a streamed chat: XREAD of its token stream
+            chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True}  # fmt: skip
+            ask = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions", chat))
+            entry, rid, reply = await asyncio.to_thread(take)
+            await asyncio.to_thread(streams.append_tokens, [
+                TokenWrite(rid, 1, 60, "Hi", tokens=1, reply=reply), TokenWrite(rid, 2, 60)])  # fmt: skip
+            await asyncio.to_thread(
+                store, entry, rid, reply, [{"text": "Hi", "finish_reason": "stop"}]
+            )
+            status, body = await ask
+            assert status == 200 and b'"content":"Hi"' in body and body.endswith(b"[DONE]\n\n")
+            # the models the fleet serves: SCAN MATCH bf:{*}:lanes
+            status, body = await http(port, "GET", "/v1/models")
+            assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
+            # a client that leaves mid-stream: SET of the cancel key
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(http_request("POST", "/v1/chat/completions", chat))
+            entry, rid, reply = await asyncio.to_thread(take)
+            for seq in range(1, 200):
+                await asyncio.to_thread(streams.append_tokens,
+                                        [TokenWrite(rid, seq, 60, "x", tokens=1, reply=reply)])  # fmt: skip
+                if seq == 1:
+                    await reader.readuntil(b"data: ")
+                    writer.close()
+                if await asyncio.to_thread(streams.cancelled, [rid]):
+                    break
+                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(streams.cancelled, [rid]) == [rid]
+        finally:
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await server
+
+    asyncio.run(go())
+    gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")
+    forge = "return redis.call('SET', KEYS[1], 'x')"
+    for forbidden in (
+        lambda: gw.xreadgroup(GROUP, "x", {keys.lane(0): ">"}),
+        lambda: gw.xread({keys.lane(0): "0-0"}),  # others' requests
+        lambda: gw.xrange(keys.dead),
+        lambda: gw.set(keys.result("forged"), b"x"),
+        lambda: gw.eval(forge, 1, keys.result("forged")),  # a script runs as the gateway user
+        lambda: gw.publish("bf:reply:other", b"x"),
+        lambda: gw.xadd(keys.tokens("t"), {"seq": "9"}),  # forged tokens
+        lambda: gw.set(keys.lanes_key, b"9"),
+        lambda: gw.set(keys.max_depth, b"1"),
+        lambda: gw.get(keys.cancel("t")),
+        lambda: gw.delete(keys.cancel("t")),
+        lambda: gw.hgetall(keys.workers),
+        lambda: gw.keys("*"),
+        lambda: gw.flushall(),
+        lambda: gw.config_get("*"),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    gw.close()
     worker.close()
