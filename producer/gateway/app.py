@@ -58,6 +58,8 @@ class Gateway:
         self.timeout_s = timeout_s
         self.priority = priority
         self._models: tuple[float, list[str]] = (0.0, [])
+        self._seen: dict[str, float] = {}
+        """Model → when its lanes key was last seen (checked again after MODELS_CACHE_S)."""
         self.pending: set[asyncio.Task[None]] = set()
         """Cancellations under way (kept referenced until done)."""
         self.inflight: set[AsyncJob] = set()
@@ -84,11 +86,12 @@ class Gateway:
             keys = ModelKeys(model)
         except ValueError as exc:
             raise ApiError(404, str(exc), code="model_not_found", param="model") from None
-        if model in self._models[1]:
+        if time.monotonic() - self._seen.get(model, -MODELS_CACHE_S) < MODELS_CACHE_S:
             return
         if not await self.producer.client.exists(keys.lanes_key):
             raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                            code="model_not_found", param="model")  # fmt: skip
+        self._seen[model] = time.monotonic()
 
     def cancel(self, job: AsyncJob) -> None:
         """Cancel ``job`` in the background (its client is gone)."""
@@ -395,7 +398,8 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM or SIGINT (or ``stop`` is set, or cancelled); then take no new
     request, give those in flight up to ``grace_s`` to end, and cancel those left, so the
-    fleet stops generating for clients that will not be answered."""
+    fleet stops generating for clients that will not be answered. ``ready`` is set once
+    it listens and is subscribed to its reply channel."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -410,9 +414,10 @@ async def serve(
                                           idle_connection_timeout=3600)  # fmt: skip
         logger.info("OpenAI-compatible gateway on http://%s:%d/v1 (fleet %s)", host, port,
                     redacted(producer.url))  # fmt: skip
-        if ready is not None:
-            ready.set()
         try:
+            if ready is not None:
+                await gateway.replies.subscribed.wait()
+                ready.set()
             await stop.wait()
             gateway.stopping = True
             server.stop()

@@ -78,6 +78,8 @@ class Replies:
         self.streams: dict[str, _Stream] = {}
         self.live = False
         """Subscribed now (``/health`` says so)."""
+        self.subscribed = asyncio.Event()
+        """Set once first subscribed."""
         self.resweep = False
         """Sweep every waiter now (the subscription came back)."""
         self._task: asyncio.Task[None] | None = None
@@ -228,6 +230,7 @@ class Replies:
                 assert pubsub.connection is not None
                 pubsub.connection.register_connect_callback(self._reconnected)
                 self.live = True
+                self.subscribed.set()
                 self._resync()
                 await self._sweep(0.0)
                 swept = time.monotonic()
