@@ -100,7 +100,7 @@ async def run_arm(name: str, url: str, base: str, args: argparse.Namespace, gw_p
                             first = time.perf_counter()
                     res = await job.result(timeout=300)
                 else:
-                    res = [r async for r in producer.results([job], timeout=300)][0]
+                    (res,) = [r async for r in producer.results([job], timeout=300)]
                 tokens = res.usage.completion_tokens if res.usage else 0
             else:
                 ask: dict[str, Any] = {"model": MODEL, "messages": messages,
