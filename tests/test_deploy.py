@@ -173,8 +173,11 @@ def test_gateway_service_budget_and_network_policy(
     assert args[:3] == ["gateway", "--host", "0.0.0.0"]
     port = int(args[args.index("--port") + 1])
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port}
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    # its grace for requests in flight fits the pod's, after the preStop wait
+    grace = float(args[args.index("--grace") + 1])
+    assert pod["terminationGracePeriodSeconds"] >= grace + 5 + 10
     assert not any("gpu" in name for name in container["resources"]["limits"])
     assert "tolerations" not in pod and "nodeSelector" not in pod
     assert pod["securityContext"]["runAsNonRoot"] is True

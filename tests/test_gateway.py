@@ -86,13 +86,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         server.stop()
 
 
-def start_gateway(url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(url: str, tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """`batchfleet gateway` on a free port, once its /health answers; its base URL."""
     port = free_port()
     log = tmp / f"gateway-{port}.log"
     gateway = subprocess.Popen(
         [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", url,
-         "--port", str(port), "--api-key", KEY],
+         "--port", str(port), "--api-key", KEY, *extra],
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
@@ -313,6 +313,38 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> No
             break
     conn.close()
     # When the client closes the connection, Then the fleet stops it: cancelled, short
+    key = ModelKeys(LM).result(rid)
+    end = time.monotonic() + 60
+    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert raw is not None
+    (out,) = msgpack.unpackb(raw)["outputs"]
+    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+
+
+def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # Given a second gateway (a grace of 1 s) streaming a long generation
+    gateway, base = start_gateway(fleet.url, tmp_path, "--grace", "1")
+    rid = uuid.uuid4().hex
+    body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                 {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid})  # fmt: skip
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    # When it gets SIGTERM
+    gateway.terminate()
+    # Then it takes no new request, and once the grace is over it cancels the one in
+    # flight in the fleet, and exits
+    with pytest.raises(OSError):
+        probe = http.client.HTTPConnection(base.removeprefix("http://"), timeout=5)
+        probe.request("GET", "/health")
+        probe.getresponse()
+    assert gateway.wait(30) == 0
+    conn.close()
     key = ModelKeys(LM).result(rid)
     end = time.monotonic() + 60
     while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
