@@ -207,3 +207,37 @@ def test_errors() -> None:
     assert of_exception(RequestRejected("bad")).body()["error"] == {
         "message": "bad", "type": "invalid_request_error", "param": None,
         "code": "invalid_request"}  # fmt: skip
+
+
+def test_redis_unreachable_mid_request_is_a_503() -> None:
+    import asyncio
+    import json as _json
+
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway, make_app
+
+    from batchfleet.redis_server import free_port
+
+    async def go() -> list[tuple[int, Any]]:
+        dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+        async with AsyncProducer(dead, retry_for_s=0.1) as producer:
+            port = free_port()
+            server = make_app(Gateway(producer), {}).listen(port, "127.0.0.1")
+            out = []
+            for method, path, body in (("GET", "/v1/models", b""),
+                                       ("POST", "/v1/chat/completions", _json.dumps(
+                                           {"model": "m", "messages": [{"role": "user",
+                                                                         "content": "x"}]}
+                                       ).encode()),
+                                       ("GET", "/health", b"")):  # fmt: skip
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(f"{method} {path} HTTP/1.0\r\nContent-Length: {len(body)}\r\n\r\n"
+                             .encode() + body)  # fmt: skip
+                raw = await reader.read()
+                writer.close()
+                head, _, payload = raw.partition(b"\r\n\r\n")
+                out.append((int(head.split()[1]), _json.loads(payload)["error"]["code"]))
+            server.stop()
+            return out
+
+    assert asyncio.run(go()) == [(503, "unavailable")] * 3

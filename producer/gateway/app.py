@@ -33,7 +33,7 @@ from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
-from .replies import Replies
+from .replies import DOWN, Replies
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +138,19 @@ class Handler(tornado.web.RequestHandler):
         self.finish(dumps(error.body()))
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        reason = self._reason if status_code < 500 else "internal server error"
-        code = ErrorCode.INTERNAL.value if status_code >= 500 else None
+        """An exception no handler answered: Redis unreachable mid-request (a call outside
+        the producer's retries) is a 503, anything else a 500."""
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, DOWN):
+            error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
+        elif status_code >= 500:
+            error = ApiError(status_code, "internal server error", code=ErrorCode.INTERNAL.value)
+        else:
+            error = ApiError(status_code, self._reason)
+        self.clear()
+        self.set_status(error.status)
         self.set_header("Content-Type", "application/json")
-        self.finish(dumps(ApiError(status_code, reason, code=code).body()))
+        self.finish(dumps(error.body()))
 
     def send_json(self, obj: Any) -> None:
         self.set_header("Content-Type", "application/json")
@@ -233,6 +242,7 @@ class Unary(Handler):
         super().initialize(gateway)
         self.endpoint = endpoint
         self.job: AsyncJob | None = None
+        self.gone = False
 
     async def post(self) -> None:
         try:
@@ -241,6 +251,8 @@ class Unary(Handler):
             result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
             if not result.ok:
                 raise of_result(result)
+            if self.gone:
+                return  # the client left (its request was cancelled)
             answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
             self.send_json(self.endpoint.answer(body, result, answered))
         except ApiError as exc:
@@ -249,6 +261,7 @@ class Unary(Handler):
             self.fail(of_exception(exc))
 
     def on_connection_close(self) -> None:
+        self.gone = True
         if self.job is not None and not self._finished:
             self.gateway.cancel(self.job)
 
