@@ -253,7 +253,10 @@ def test_lane0_keeps_its_share_when_lanes_0_and_2_flood() -> None:
 @given(seed=st.integers(0, 2**32))
 def test_low_lane_wait_bounded_with_cpu_cost(seed: int) -> None:
     # Lane 0 at 1.5x capacity, random lengths; a lane-2 trickle waits at most its bound
-    # plus about two batch times (one promoted request must go per batch).
+    # plus about two batch times, and one more per older lane-2 request still waiting at
+    # its bound: one promoted request must go per batch, and a Poisson trickle has clumps
+    # (seed 154102: 15 lane-2 requests in 0.8 s, over the lane's share; the youngest of
+    # them waited 0.74 s, past 0.3 + 2 batch times but not 0.3 + 4).
     policy = Policy(max_batch_size=16, max_starvation_ms=300)
     rng = random.Random(seed)
     trace: list[Waiting] = []
@@ -267,7 +270,11 @@ def test_low_lane_wait_bounded_with_cpu_cost(seed: int) -> None:
         trace.append(Waiting(f"c{len(trace)}", 2, t, rng.randint(7, 76)))
     run = drive(cpu_engine(policy), trace, cpu_seconds)
     longest = max(end - start for _, start, end in run.dispatched)
-    waits = [start - w.arrived for b, start, _ in run.dispatched for w in b.items if w.lane == 2]
-    assert waits and max(waits) <= 0.3 + 2 * longest
+    started = {w.key: start for b, start, _ in run.dispatched for w in b.items if w.lane == 2}
+    low = [w for w in trace if w.lane == 2]
+    assert low and set(started) == {w.key for w in low}
+    for w in low:
+        ahead = sum(1 for v in low if v.arrived < w.arrived and started[v.key] > w.arrived + 0.3)
+        assert started[w.key] - w.arrived <= 0.3 + (2 + ahead) * longest, (w.key, ahead)
     lane0 = [start - w.arrived for b, start, _ in run.dispatched for w in b.items if w.lane == 0]
     assert max(lane0) > 0.3  # lane 0 really was saturated
