@@ -214,13 +214,16 @@ class Models(Handler):
 
 class Health(Handler):
     """``/health``: 200 when Redis answers and the reply channel is subscribed (ready),
-    else 503; ``/livez``: 200 while the process serves HTTP at all (alive)."""
+    else 503, also once it is stopping; ``/livez``: 200 while the process serves HTTP at
+    all (alive)."""
 
     def initialize(self, gateway: Gateway, deep: bool = True) -> None:
         super().initialize(gateway)
         self.deep = deep
 
     async def get(self) -> None:
+        if self.deep and self.gateway.stopping:
+            return self.fail(ApiError(503, "the gateway is shutting down", code="unavailable"))
         if self.deep:
             try:
                 await self.gateway.producer.client.ping()
