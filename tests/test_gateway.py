@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -17,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgpack
 import openai
@@ -40,24 +41,52 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
     "additionalProperties": False}}}]  # fmt: skip
 
 
+Client = TypeVar("Client")
+
+
 @dataclass
-class Fleet:
+class Fleet(Generic[Client]):
     url: str
     base: str
     """The gateway's http://host:port."""
-    client: openai.OpenAI
+    client: Client
+    """An official client of the gateway (openai's here)."""
     r: redis.Redis
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("gateway")
-    lm = make_causal_lm(tmp / "lm", context=4096)
+@contextlib.contextmanager
+def serving(
+    tmp: Path, models: dict[str, dict[str, Any]], client: Callable[[str], Client]
+) -> Iterator[Fleet[Client]]:
+    """Redis, a worker serving ``models``, and a gateway in front of them, which
+    ``client(base URL)`` talks to."""
     server = LocalRedis()
     server.start()
+    config = tmp / "fleet.toml"
+    config.write_text(fleet_toml(server.url, models))
+    worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
+    r = redis.Redis.from_url(server.url)
+    gateway = None
+    try:
+        for model in models:
+            worker.wait_ready(r, model)
+        gateway, base = start_gateway(server.url, tmp)
+        yield Fleet(server.url, base, client(base), r)
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(10)
+        worker.stop()
+        r.close()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet[openai.OpenAI]]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    lm = make_causal_lm(tmp / "lm", context=4096)
     opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
-    config = tmp / "fleet.toml"
     models = {
         LM: {"runner": "text-generation", "path": str(lm), "options": opts},
         "embed": {"runner": "embedding", "path": str(make_embedding_model(tmp / "e")),
@@ -67,23 +96,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "sentiment": {"runner": "text-classification", "path": str(make_classifier(tmp / "c")),
                       "max_tokens": 64},
     }  # fmt: skip
-    config.write_text(fleet_toml(server.url, models))
-    worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
-    r = redis.Redis.from_url(server.url)
-    gateway = None
-    try:
-        for model in models:
-            worker.wait_ready(r, model)
-        gateway, base = start_gateway(server.url, tmp)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-        yield Fleet(server.url, base, client, r)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-            gateway.wait(10)
-        worker.stop()
-        r.close()
-        server.stop()
+    with serving(tmp, models, lambda base: openai.OpenAI(
+            base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)) as fleet:  # fmt: skip
+        yield fleet
 
 
 def start_gateway(url: str, tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -297,28 +312,42 @@ def test_models_and_request_ids(fleet: Fleet) -> None:
     assert stored["outputs"][0]["text"] == first.choices[0].text
 
 
+def leave_mid_stream(base: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                     flowing: Callable[[Any], bool]) -> None:  # fmt: skip
+    """POST a streamed request, read its events until ``flowing`` says its text flows,
+    then close the connection."""
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    conn.request("POST", path, json.dumps(body).encode(), headers)
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    while line := response.readline():
+        if line.startswith(b"data: ") and flowing(json.loads(line[6:])):
+            break
+    conn.close()
+
+
+def stored_output(r: redis.Redis, rid: str) -> dict[str, Any]:
+    """The one output of ``rid``'s result, once stored (within a minute)."""
+    key = ModelKeys(LM).result(rid)
+    end = time.monotonic() + 60
+    while (raw := r.get(key)) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert raw is not None
+    (out,) = msgpack.unpackb(raw)["outputs"]
+    return out  # type: ignore[no-any-return]
+
+
 def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> None:
     rid = uuid.uuid4().hex
     body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
     # Given a long streamed generation, read until its text flows
-    conn = http.client.HTTPConnection(fleet.base.removeprefix("http://"), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.headers["content-type"].startswith("text/event-stream")
-    while line := response.readline():
-        if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"]:
-            break
-    conn.close()
+    leave_mid_stream(fleet.base, "/v1/completions", body, headers,
+                     lambda chunk: chunk["choices"][0]["text"])  # fmt: skip
     # When the client closes the connection, Then the fleet stops it: cancelled, short
-    key = ModelKeys(LM).result(rid)
-    end = time.monotonic() + 60
-    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
-        time.sleep(0.05)
-    assert raw is not None
-    (out,) = msgpack.unpackb(raw)["outputs"]
+    out = stored_output(fleet.r, rid)
     assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
 
 
@@ -363,12 +392,7 @@ def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
     # And once the grace is over it cancels the one in flight in the fleet, and exits
     assert gateway.wait(30) == 0
     conn.close()
-    key = ModelKeys(LM).result(rid)
-    end = time.monotonic() + 60
-    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
-        time.sleep(0.05)
-    assert raw is not None
-    (out,) = msgpack.unpackb(raw)["outputs"]
+    out = stored_output(fleet.r, rid)
     assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
 
 

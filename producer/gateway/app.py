@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import tornado.httputil
@@ -25,9 +25,10 @@ import tornado.web
 
 from ...schemas.errors import BatchfleetError, ErrorCode
 from ...schemas.keys import LANES_KEY_PATTERN, REQUEST_ID, ModelKeys, model_of_lanes_key
-from ...schemas.messages import Result
+from ...schemas.messages import Delta, Result
 from ..aio import AsyncJob, AsyncProducer
 from ..submit import new_request_id
+from ..tokens import Restarted
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
@@ -125,17 +126,23 @@ class Handler(tornado.web.RequestHandler):
         if key is None or self.request.path in ("/health", "/livez"):
             return
         given = self.request.headers.get("Authorization", "")
-        token = given[7:] if given.startswith("Bearer ") else ""
+        # Anthropic's clients send the key as x-api-key
+        token = given[7:] if given.startswith("Bearer ") else self.request.headers.get(
+            "x-api-key", "")  # fmt: skip
         if not hmac.compare_digest(token.encode(), key.encode()):
-            self.fail(ApiError(401, "Incorrect API key: send Authorization: Bearer <key>",
-                               code="invalid_api_key"))  # fmt: skip
+            self.fail(ApiError(401, "Incorrect API key: send Authorization: Bearer <key> "
+                               "(or x-api-key: <key>)", code="invalid_api_key"))  # fmt: skip
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        """The JSON of an error answer (OpenAI's error object)."""
+        return error.body()
 
     def fail(self, error: ApiError) -> None:
         """Answer with ``error`` (nothing was sent yet)."""
         self.clear()
         self.set_status(error.status)
         self.set_header("Content-Type", "application/json")
-        self.finish(dumps(error.body()))
+        self.finish(dumps(self.error_body(error)))
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """An exception no handler answered: Redis unreachable mid-request (a call outside
@@ -147,10 +154,7 @@ class Handler(tornado.web.RequestHandler):
             error = ApiError(status_code, "internal server error", code=ErrorCode.INTERNAL.value)
         else:
             error = ApiError(status_code, self._reason)
-        self.clear()
-        self.set_status(error.status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(dumps(error.body()))
+        self.fail(error)
 
     def send_json(self, obj: Any) -> None:
         self.set_header("Content-Type", "application/json")
@@ -269,9 +273,18 @@ class Unary(Handler):
             self.gateway.cancel(self.job)
 
 
+class Events(Protocol):
+    """Builds one stream's events from its deltas and result (:class:`Chunks`)."""
+
+    def feed(self, event: Delta | Restarted) -> list[Any]: ...
+
+    def finish(self, result: Result) -> list[Any]: ...
+
+
 class Generate(Handler):
     """``/v1/chat/completions`` (``chat``) and ``/v1/completions``: whole, or streamed as
-    server-sent events."""
+    server-sent events. Another API's generation route overrides its translations
+    (:meth:`submission`, :meth:`answer`, :meth:`events`) and how its events are written."""
 
     def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
         super().initialize(gateway)
@@ -279,30 +292,38 @@ class Generate(Handler):
         self.job: AsyncJob | None = None
         self.gone = False
 
+    def submission(self, body: Mapping[str, Any]) -> Submission:
+        make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
+        return make(body)
+
+    def answered(self, job: AsyncJob) -> Answered:
+        return Answered(f"{'chatcmpl' if self.chat else 'cmpl'}-{job.id}", int(time.time()))
+
+    def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
+        build = chat_response if self.chat else completion_response
+        return build(body, result, answered)
+
+    def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
+        return Chunks(body, answered, model, self.chat)
+
     async def post(self) -> None:
         started = False
         try:
             body = self.body_json()
-            make = (
-                openai_fields.chat_submission if self.chat else openai_fields.completion_submission
-            )
-            sub = make(body)
-            prefix = "chatcmpl" if self.chat else "cmpl"
+            sub = self.submission(body)
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
-                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
+                answered = self.answered(self.job)
                 result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
                 if self.gone:
                     return
                 if not result.ok:
                     raise of_result(result)
-                build = chat_response if self.chat else completion_response
-                return self.send_json(build(body, result, answered))
+                return self.send_json(self.answer(body, result, answered))
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
-                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
-                chunks = Chunks(body, answered, self.job.model, self.chat)
+                chunks = self.events(body, self.answered(self.job), self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):
                         if not event.ok:
@@ -315,8 +336,7 @@ class Generate(Handler):
                         self._write(out)
                     if started and not self.gateway.replies.backlog(rid):
                         await self._flush()
-            self.write("data: [DONE]\n\n")
-            self.finish()
+            self._done()
         except tornado.iostream.StreamClosedError:
             self._left()
         except Diverged as exc:
@@ -333,10 +353,19 @@ class Generate(Handler):
         self.set_header("Cache-Control", "no-cache")
         return True
 
-    def _write(self, chunks: list[dict[str, Any]]) -> None:
+    def _write(self, chunks: list[Any]) -> None:
         if self.gone:
             raise tornado.iostream.StreamClosedError()
-        self.write("".join(f"data: {dumps(c)}\n\n" for c in chunks))
+        self.write("".join(self.sse(c) for c in chunks))
+
+    def sse(self, event: Any) -> str:
+        """One server-sent event."""
+        return f"data: {dumps(event)}\n\n"
+
+    def _done(self) -> None:
+        """The stream's end, once its last events are written."""
+        self.write("data: [DONE]\n\n")
+        self.finish()
 
     async def _flush(self) -> None:
         """Send what was written (once the stream's delivered events are all written)."""
@@ -348,8 +377,8 @@ class Generate(Handler):
         """A stream that already began ends with an error event (as vLLM's do)."""
         if self.gone:
             return
-        self.write(f"data: {dumps(error.body())}\n\ndata: [DONE]\n\n")
-        self.finish()
+        self._write([self.error_body(error)])
+        self._done()
 
     def _left(self) -> None:
         if self.job is not None and not self._finished:
@@ -375,10 +404,13 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         from .pooling import ENDPOINTS
 
         endpoints = ENDPOINTS
+    from .messages import Messages  # a Generate: imported here, as it imports this module
+
     g = {"gateway": gateway}
     routes: list[Any] = [
         (r"/v1/chat/completions", Generate, g | {"chat": True}),
         (r"/v1/completions", Generate, g | {"chat": False}),
+        (r"/v1/messages", Messages, g),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
         (r"/health", Health, g),
