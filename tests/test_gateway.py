@@ -388,13 +388,16 @@ def test_vllm_guided_fields_and_structured_outputs(fleet: Fleet) -> None:
 def test_pooling_endpoints(fleet: Fleet) -> None:
     texts = ["the cat sat", "a dog ran"]
     with Producer(fleet.url) as p:
-        vectors = p.submit("embed", texts).outputs(timeout=60)
+        embedded = p.submit("embed", texts).result(timeout=60)
         ranked = p.submit("ranker", query="the cat", documents=texts).outputs(timeout=60)[0]
         classes = p.submit("sentiment", texts).outputs(timeout=60)
+    vectors, tokens = embedded.outputs or [], embedded.usage.prompt_tokens if embedded.usage else 0
+    assert tokens > 2 * 3  # the texts' words, [CLS] and [SEP]
     # Embeddings through the openai client, float and base64, are the producer's vectors
     for fmt in ("float", "base64"):
         got = fleet.client.embeddings.create(model="embed", input=texts, encoding_format=fmt)
         assert [d.index for d in got.data] == [0, 1]
+        assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
         for d, v in zip(got.data, vectors, strict=True):
             e = d.embedding  # base64 asked for: left as the text (little-endian float32)
             floats = list(array.array("f", base64.b64decode(e))) if isinstance(e, str) else e
