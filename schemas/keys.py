@@ -83,6 +83,12 @@ class ModelKeys:
         return f"{self.tag}:max-depth"
 
     @property
+    def limits(self) -> str:
+        """A string holding the model's request limits as JSON (``max_inputs``,
+        ``max_entry_bytes``, ...), written by workers for producers and gateways."""
+        return f"{self.tag}:limits"
+
+    @property
     def workers(self) -> str:
         """Hash of live consumers: name → unix ms of its last heartbeat."""
         return f"{self.tag}:workers"

@@ -403,6 +403,25 @@ def test_pooling_endpoints(fleet: Fleet) -> None:
             floats = list(array.array("f", base64.b64decode(e))) if isinstance(e, str) else e
             assert floats == pytest.approx(v, rel=1e-5, abs=1e-6)
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    # More inputs than a fleet request takes (LangChain sends 1,000) go as several fleet
+    # requests, <id>.0, <id>.1, ..., answered as one in the inputs' order
+    many = [f"text number {i}" for i in range(150)]
+    most = json.loads(fleet.r.get(ModelKeys("embed").limits) or b"{}")["max_inputs"]
+    assert most == 32  # the worker published its limit: the model's batch size
+    with Producer(fleet.url) as p:
+        expected = [v for k in range(0, 150, 30) for v in p.submit("embed", many[k : k + 30])
+                    .outputs(timeout=60)]  # fmt: skip
+    rid = uuid.uuid4().hex
+    got = fleet.client.embeddings.with_raw_response.create(
+        model="embed", input=many, extra_headers={"X-Request-Id": rid}
+    )
+    assert got.headers["x-request-id"] == rid
+    embeddings = got.parse()
+    assert [d.index for d in embeddings.data] == list(range(150))
+    for d, v in zip(embeddings.data, expected, strict=True):
+        assert d.embedding == pytest.approx(v, rel=1e-5, abs=1e-6)
+    parts = [fleet.r.exists(ModelKeys("embed").result(f"{rid}.{k}")) for k in range(6)]
+    assert parts == [1, 1, 1, 1, 1, 0]  # 32, 32, 32, 32 and 22 inputs
     # vLLM's rerank: best first, indices into the documents
     status, body = raw(fleet, "POST", "/v1/rerank", json.dumps(
         {"model": "ranker", "query": "the cat", "documents": texts}).encode(), auth)  # fmt: skip

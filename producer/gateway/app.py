@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import tornado.httputil
 import tornado.iostream
 import tornado.web
@@ -34,6 +35,7 @@ from .chunks import Chunks, Diverged
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .replies import DOWN, Replies
+from .split import merged, part_ids, split
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class Gateway:
         self.priority = priority
         self._models: tuple[float, list[str]] = (0.0, [])
         self._seen: dict[str, float] = {}
+        self._limits: dict[str, tuple[float, tuple[int, int] | None]] = {}
         """Model → when its lanes key was last seen (checked again after MODELS_CACHE_S)."""
         self.pending: set[asyncio.Task[None]] = set()
         """Cancellations under way (kept referenced until done)."""
@@ -92,6 +95,24 @@ class Gateway:
             raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                            code="model_not_found", param="model")  # fmt: skip
         self._seen[model] = time.monotonic()
+
+    async def limits(self, model: str) -> tuple[int, int]:
+        """``model``'s ``max_inputs`` and ``max_entry_bytes``, as its workers published them
+        (checked again after MODELS_CACHE_S); the protocol's defaults where none did."""
+        at, known = self._limits.get(model, (-MODELS_CACHE_S, None))
+        if known is not None and time.monotonic() - at < MODELS_CACHE_S:
+            return known
+        limits = self.producer.limits
+        found = (limits.max_inputs, limits.max_entry_bytes)
+        try:
+            raw = await self.producer.client.get(ModelKeys(model).limits)
+            published = json.loads(raw) if raw is not None else {}
+            found = (int(published.get("max_inputs", found[0])),
+                     int(published.get("max_entry_bytes", found[1])))  # fmt: skip
+        except (*DOWN, redis.ResponseError, ValueError, TypeError, AttributeError) as exc:
+            logger.warning("limits of %s unreadable (%s): taking the defaults", model, exc)
+        self._limits[model] = (time.monotonic(), found)
+        return found
 
     def cancel(self, job: AsyncJob) -> None:
         """Cancel ``job`` in the background (its client is gone)."""
@@ -237,36 +258,67 @@ class Health(Handler):
 
 
 class Unary(Handler):
-    """An endpoint answered once from the result (embeddings, scores, ...)."""
+    """An endpoint answered once from the result (embeddings, scores, ...); more inputs
+    than a fleet request takes go as several (``split.py``), answered as one."""
 
     endpoint: Endpoint
 
     def initialize(self, gateway: Gateway, endpoint: Endpoint) -> None:  # type: ignore[override]
         super().initialize(gateway)
         self.endpoint = endpoint
-        self.job: AsyncJob | None = None
+        self.jobs: list[AsyncJob] = []
         self.gone = False
 
     async def post(self) -> None:
         try:
             body = self.body_json()
-            self.job = await self.submit(self.endpoint.submission(body), body)
-            result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
-            if not result.ok:
-                raise of_result(result)
+            sub = self.endpoint.submission(body)
+            await self.gateway.check_model(sub.model)
+            parts = split(sub, *await self.gateway.limits(sub.model))
+            base = self.request_id(body).get("request_id") or new_request_id()
+            for part, rid in zip(parts, part_ids(base, len(parts)), strict=True):
+                self.jobs.append(await self.submit(part, body, rid))
+            self.set_header("X-Request-Id", base)
+            results = await self._results()
+            for result in results:
+                if not result.ok:
+                    raise of_result(result)
             if self.gone:
                 return  # the client left (its request was cancelled)
-            answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
-            self.send_json(self.endpoint.answer(body, result, answered))
+            answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()))
+            self.send_json(self.endpoint.answer(body, merged(results), answered))
         except ApiError as exc:
+            self._cancel_all()
             self.fail(exc)
         except BatchfleetError as exc:
+            self._cancel_all()
             self.fail(of_exception(exc))
+
+    async def _results(self) -> list[Result]:
+        waits = [
+            asyncio.ensure_future(self.gateway.replies.wait(job, self.gateway.timeout_s))
+            for job in self.jobs
+        ]
+        try:
+            return await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    def _cancel_all(self) -> None:
+        """A part failed or the client left: the other parts are answered to nobody."""
+        if len(self.jobs) > 1 or self.gone:
+            for job in self.jobs:
+                self.gateway.cancel(job)
 
     def on_connection_close(self) -> None:
         self.gone = True
-        if self.job is not None and not self._finished:
-            self.gateway.cancel(self.job)
+        if not self._finished:
+            self._cancel_all()
+
+    def on_finish(self) -> None:
+        for job in self.jobs:
+            self.gateway.inflight.discard(job)
 
 
 class Generate(Handler):
