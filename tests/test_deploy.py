@@ -23,8 +23,8 @@ import redis
 import yaml
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_entry, encode_result
-from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
-from batchfleet.schemas.messages import Result
+from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys
+from batchfleet.schemas.messages import Limits, Result
 from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
 
 from batchfleet.config import load_config
@@ -441,7 +441,8 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     model, keys = "gwm", ModelKeys("gwm")
     worker = connect(base.format("worker:CHANGE_ME_worker"))
     streams = ModelStreams(worker, model, 3, "w1")
-    streams.ensure_groups(max_depth=100)  # the submit script reads the lane's length then
+    # the submit script reads the lane's length then; bf:models and the limits are written
+    streams.ensure_groups(max_depth=100, limits=Limits(max_inputs=2))
 
     def take() -> tuple[Entry, str, str | None]:
         """The worker's read of the next request: its entry, id and reply channel."""
@@ -472,6 +473,15 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             await asyncio.to_thread(store, entry, rid, reply, [[0.5, 0.25]])
             status, body = await ask
             assert status == 200 and json.loads(body)["data"][0]["embedding"] == [0.5, 0.25]
+            # 3 inputs: GET of the model's limits (2 inputs a request), so two requests
+            ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
+                                             {"model": model, "input": ["a", "b", "c"]}))  # fmt: skip
+            for outputs in ([[1.0], [2.0]], [[3.0]]):
+                entry, rid, reply = await asyncio.to_thread(take)
+                await asyncio.to_thread(store, entry, rid, reply, outputs)
+            status, body = await ask
+            assert status == 200
+            assert [d["embedding"] for d in json.loads(body)["data"]] == [[1.0], [2.0], [3.0]]
             # a streamed chat: XREAD of its token stream
             chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
                     "stream": True}  # fmt: skip
@@ -484,7 +494,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             )
             status, body = await ask
             assert status == 200 and b'"content":"Hi"' in body and body.endswith(b"[DONE]\n\n")
-            # the models the fleet serves: SCAN MATCH bf:{*}:lanes
+            # the models the fleet serves: SMEMBERS bf:models (the gateway may not SCAN)
             status, body = await http(port, "GET", "/v1/models")
             assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
             # a client that leaves mid-stream: SET of the cancel key
@@ -523,6 +533,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.delete(keys.cancel("t")),
         lambda: gw.hgetall(keys.workers),
         lambda: gw.keys("*"),
+        lambda: gw.scan(0, match="bf:*"),  # other requests' result keys
+        lambda: gw.sadd(MODELS_KEY, "forged"),
+        lambda: gw.set(keys.limits, b"{}"),
         lambda: gw.flushall(),
         lambda: gw.config_get("*"),
     ):

@@ -14,7 +14,7 @@ import redis
 from redis.commands.core import Script
 
 from ..connection import SyncClient
-from ..schemas.keys import GROUP, ModelKeys
+from ..schemas.keys import GROUP, MODELS_KEY, ModelKeys
 from ..schemas.messages import Limits
 
 FINISH_CHUNK = 256
@@ -168,6 +168,7 @@ class ModelStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self.client.set(self.keys.lanes_key, self.lanes)
+        self.client.sadd(MODELS_KEY, self.keys.model)
         if limits is not None:
             self.client.set(self.keys.limits, limits.model_dump_json())
         if max_depth:

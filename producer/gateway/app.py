@@ -25,7 +25,14 @@ import tornado.iostream
 import tornado.web
 
 from ...schemas.errors import BatchfleetError, ErrorCode
-from ...schemas.keys import LANES_KEY_PATTERN, REQUEST_ID, ModelKeys, model_of_lanes_key
+from ...schemas.keys import (
+    LANES_KEY_PATTERN,
+    MODELS_KEY,
+    REQUEST_ID,
+    ModelKeys,
+    model_names,
+    model_of_lanes_key,
+)
 from ...schemas.messages import Result
 from ..aio import AsyncJob, AsyncProducer
 from ..submit import new_request_id
@@ -71,17 +78,27 @@ class Gateway:
         """Shutting down: new requests are refused (503)."""
 
     async def models(self) -> list[str]:
-        """The models the fleet serves (every model whose workers published its lanes)."""
+        """The models the fleet serves: the set its workers announce them in (a SCAN of
+        their lanes keys where the workers are too old to write it)."""
         at, names = self._models
         if time.monotonic() - at > MODELS_CACHE_S:
-            found = set()
+            client = self.producer.client
+            names = model_names(await client.smembers(MODELS_KEY))
+            if not names:
+                names = await self._scanned_models()
+            self._models = (time.monotonic(), names)
+        return names
+
+    async def _scanned_models(self) -> list[str]:
+        found = set()
+        try:
             async for key in self.producer.client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
                 name = model_of_lanes_key(key.decode() if isinstance(key, bytes) else key)
                 if name:
                     found.add(name)
-            names = sorted(found)
-            self._models = (time.monotonic(), names)
-        return names
+        except redis.exceptions.NoPermissionError:  # deploy/'s gateway user may not SCAN
+            logger.warning("no worker announced its model in %s, and SCAN is refused", MODELS_KEY)
+        return sorted(found)
 
     async def check_model(self, model: str) -> None:
         """404 unless a worker of ``model`` ever started (its lanes key is there)."""
