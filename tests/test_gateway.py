@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -52,14 +53,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("gateway")
-    lm = make_causal_lm(tmp / "lm", context=4096)
-    server = LocalRedis()
-    server.start()
-    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
-            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
-    config = tmp / "fleet.toml"
     models = {
-        LM: {"runner": "text-generation", "path": str(lm), "options": opts},
         "embed": {"runner": "embedding", "path": str(make_embedding_model(tmp / "e")),
                   "max_tokens": 64},
         "ranker": {"runner": "rerank", "path": str(make_cross_encoder(tmp / "x")),
@@ -67,6 +61,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "sentiment": {"runner": "text-classification", "path": str(make_classifier(tmp / "c")),
                       "max_tokens": 64},
     }  # fmt: skip
+    with serving(tmp, models) as fleet:
+        yield fleet
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, more: dict[str, dict[str, Any]] | None = None) -> Iterator[Fleet]:
+    """A fleet (Redis, one worker) serving the tiny Llama as ``LM`` (hermes tool calls)
+    and the ``more`` models, and a gateway in front of it."""
+    lm = make_causal_lm(tmp / "lm", context=4096)
+    server = LocalRedis()
+    server.start()
+    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
+    config = tmp / "fleet.toml"
+    models = {LM: {"runner": "text-generation", "path": str(lm), "options": opts}, **(more or {})}
     config.write_text(fleet_toml(server.url, models))
     worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
     r = redis.Redis.from_url(server.url)
@@ -301,25 +310,39 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> No
     rid = uuid.uuid4().hex
     body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
     # Given a long streamed generation, read until its text flows
-    conn = http.client.HTTPConnection(fleet.base.removeprefix("http://"), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.headers["content-type"].startswith("text/event-stream")
+    conn, response = open_stream(fleet.base, "/v1/completions", body, rid)
     while line := response.readline():
         if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"]:
             break
     conn.close()
     # When the client closes the connection, Then the fleet stops it: cancelled, short
+    out = stored_output(fleet.r, rid)
+    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+
+
+def open_stream(
+    base: str, path: str, body: dict[str, Any], rid: str
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed request under the client's own id, as raw HTTP, once its events began."""
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    conn.request("POST", path, json.dumps(body).encode(),
+                 {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid})  # fmt: skip
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    return conn, response
+
+
+def stored_output(r: redis.Redis, rid: str) -> dict[str, Any]:
+    """The one output of request ``rid``'s result, once stored (within a minute)."""
     key = ModelKeys(LM).result(rid)
     end = time.monotonic() + 60
-    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
+    while (raw := r.get(key)) is None and time.monotonic() < end:
         time.sleep(0.05)
     assert raw is not None
     (out,) = msgpack.unpackb(raw)["outputs"]
-    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+    return dict(out)
 
 
 def probe(base: str) -> tuple[int | None, int | None]:
@@ -347,11 +370,8 @@ def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
     rid = uuid.uuid4().hex
     body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                 {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid})  # fmt: skip
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn, response = open_stream(base, "/v1/completions", body, rid)
+    assert response.readline().startswith(b"data: ")
     # When it gets SIGTERM
     gateway.terminate()
     # Then, once the signal is handled, it is not ready and takes no new request: it no
@@ -363,12 +383,7 @@ def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
     # And once the grace is over it cancels the one in flight in the fleet, and exits
     assert gateway.wait(30) == 0
     conn.close()
-    key = ModelKeys(LM).result(rid)
-    end = time.monotonic() + 60
-    while (raw := fleet.r.get(key)) is None and time.monotonic() < end:
-        time.sleep(0.05)
-    assert raw is not None
-    (out,) = msgpack.unpackb(raw)["outputs"]
+    out = stored_output(fleet.r, rid)
     assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
 
 

@@ -39,7 +39,7 @@ from ..submit import new_request_id
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
-from .endpoint import Answered, Endpoint, Submission
+from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .replies import DOWN, Replies
 from .split import merged, part_ids, split
@@ -340,38 +340,47 @@ class Unary(Handler):
 
 class Generate(Handler):
     """``/v1/chat/completions`` (``chat``) and ``/v1/completions``: whole, or streamed as
-    server-sent events."""
+    server-sent events. A subclass serves another generation API by overriding the
+    translations (:meth:`submission`, :meth:`answer`, :meth:`events`) and the stream's
+    framing (:meth:`_write`, :meth:`_end`, :meth:`_end_with`)."""
 
     def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
         super().initialize(gateway)
         self.chat = chat
+        self.prefix = "chatcmpl-" if chat else "cmpl-"
+        """Of the response's id."""
         self.job: AsyncJob | None = None
         self.gone = False
+
+    def submission(self, body: Mapping[str, Any]) -> Submission:
+        make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
+        return make(body)
+
+    def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
+        return (chat_response if self.chat else completion_response)(body, result, answered)
+
+    def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
+        return Chunks(body, answered, model, self.chat)
 
     async def post(self) -> None:
         started = False
         try:
             body = self.body_json()
-            make = (
-                openai_fields.chat_submission if self.chat else openai_fields.completion_submission
-            )
-            sub = make(body)
-            prefix = "chatcmpl" if self.chat else "cmpl"
+            sub = self.submission(body)
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
-                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
+                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
                 result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
                 if self.gone:
                     return
                 if not result.ok:
                     raise of_result(result)
-                build = chat_response if self.chat else completion_response
-                return self.send_json(build(body, result, answered))
+                return self.send_json(self.answer(body, result, answered))
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
-                answered = Answered(f"{prefix}-{self.job.id}", int(time.time()))
-                chunks = Chunks(body, answered, self.job.model, self.chat)
+                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
+                chunks = self.events(body, answered, self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):
                         if not event.ok:
@@ -384,8 +393,7 @@ class Generate(Handler):
                         self._write(out)
                     if started and not self.gateway.replies.backlog(rid):
                         await self._flush()
-            self.write("data: [DONE]\n\n")
-            self.finish()
+            self._end()
         except tornado.iostream.StreamClosedError:
             self._left()
         except Diverged as exc:
@@ -412,6 +420,11 @@ class Generate(Handler):
         if self.gone:
             raise tornado.iostream.StreamClosedError()
         await self.flush()
+
+    def _end(self) -> None:
+        """The stream is whole."""
+        self.write("data: [DONE]\n\n")
+        self.finish()
 
     def _end_with(self, error: ApiError) -> None:
         """A stream that already began ends with an error event (as vLLM's do)."""
@@ -440,6 +453,8 @@ class NotFound(Handler):
 def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
     """The tornado application: the generation routes, ``endpoints`` (path → unary
     endpoint: the pooling ones by default), models and health."""
+    from .respond import Responses
+
     if endpoints is None:
         from .pooling import ENDPOINTS
 
@@ -448,6 +463,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     routes: list[Any] = [
         (r"/v1/chat/completions", Generate, g | {"chat": True}),
         (r"/v1/completions", Generate, g | {"chat": False}),
+        (r"/v1/responses", Responses, g),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
         (r"/health", Health, g),

@@ -1,17 +1,14 @@
 """A streamed generation → OpenAI's server-sent chunks (chat or text completion).
 
-One :class:`Chunks` per HTTP stream owns what was sent. When the worker generating the
-request dies, another generates it again from the start (:class:`Restarted`): the chunks
-already sent cannot be taken back, so each choice's regenerated deltas are matched
-against the ones sent and skipped while they are the same (a greedy or seeded request
-regenerates the same tokens); the first that differs ends the stream with an error
-(:class:`Diverged`); past them the stream goes on.
+One :class:`Chunks` per HTTP stream owns what was sent; a worker's restart mid-stream is
+handled by :class:`~.replay.Replay` (repeated deltas skipped, :class:`Diverged` where the
+regeneration differs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...producer.tokens import Restarted
@@ -19,18 +16,13 @@ from ...schemas.messages import Delta, Result
 from .answers import chat_logprobs, completion_logprobs, finish_reason, usage
 from .endpoint import Answered
 from .openai_fields import prompts
+from .replay import Diverged, Replay
 
-
-class Diverged(Exception):
-    """A restarted generation wrote other text than the one already streamed."""
+__all__ = ["Chunks", "Diverged"]
 
 
 @dataclass
 class _Choice:
-    sent: list[str] = field(default_factory=list)
-    """The text of each delta sent (to match a regeneration against)."""
-    replayed: int = 0
-    """Deltas matched since the last restart."""
     offset: int = 0
     """Characters sent (completions' ``text_offset``)."""
 
@@ -44,7 +36,7 @@ class Chunks:
         options = body.get("stream_options")
         self.include_usage = bool(isinstance(options, Mapping) and options.get("include_usage"))
         self.choices: dict[int, _Choice] = {}
-        self.restarted = False
+        self.replay = Replay()
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -79,21 +71,11 @@ class Chunks:
     def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
         """The chunks one event of the token stream makes (maybe none)."""
         if isinstance(event, Restarted):
-            self.restarted = True
-            for c in self.choices.values():
-                c.replayed = 0
+            self.replay.restart()
             return []
         state, out = self._choice(event.input)
-        if self.restarted and state.replayed < len(state.sent):
-            if state.sent[state.replayed] != event.text:
-                raise Diverged(
-                    "the worker generating this request stopped, and another generated other "
-                    "text than the one already streamed (sample with a seed to have it the same)"
-                )
-            state.replayed += 1
+        if not self.replay.fresh(event):
             return out
-        state.sent.append(event.text)
-        state.replayed = len(state.sent)
         choice = self._delta_choice(event, state)
         if choice is not None:
             out.append(self._chunk([choice]))
