@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+
 import pytest
+import redis
 from batchfleet.producer.gateway.endpoint import Submission
 from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.producer.gateway.split import MAX_INPUTS, merged, part_ids, split
-from batchfleet.schemas.messages import Result, Usage
+from batchfleet.schemas.codec import decode_entry, encode_result
+from batchfleet.schemas.errors import ErrorCode
+from batchfleet.schemas.messages import ErrorInfo, Limits, Result, Usage
+from batchfleet.worker.streams import Entry, Finish, ModelStreams
+
+from batchfleet.redis_server import free_port
 
 
 def test_a_request_within_the_limits_goes_whole() -> None:
@@ -65,3 +75,61 @@ def test_merged_results_keep_the_order_and_sum_the_tokens() -> None:
     assert both.usage is not None and both.usage.prompt_tokens == 9 and both.ok
     old = merged([_ok([[1.0]], None, None), _ok([[2.0]], None, None)])  # older workers
     assert old.usage is None and old.truncated is None and old.outputs == [[1.0], [2.0]]
+
+
+def test_a_part_that_fails_fails_the_answer_and_cancels_the_others(redis_url: str) -> None:
+    """The gateway in-process against a real Redis; the test plays the worker."""
+    from batchfleet.producer.gateway.app import serve
+    from test_deploy import http
+
+    model = "splitm"
+    client = redis.Redis.from_url(redis_url)
+    streams = ModelStreams(client, model, 3, "w1")
+    streams.ensure_groups(limits=Limits(max_inputs=2))
+
+    def take() -> tuple[Entry, str, str | None]:
+        (entry,) = streams.read({0: 1, 1: 1, 2: 1}, 10_000)
+        request, _ = decode_entry(entry.fields, model)
+        return entry, request.id, request.reply
+
+    def store(entry: Entry, rid: str, reply: str | None, result: Result) -> None:
+        assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
+
+    async def go() -> None:
+        port, ready = free_port(), asyncio.Event()
+        server = asyncio.ensure_future(serve(redis_url, port=port, api_key="sk-test",
+                                             timeout_s=20, ready=ready))  # fmt: skip
+        try:
+            await asyncio.wait_for(ready.wait(), 20)
+            # Given 5 texts for a model that takes 2 a request: 3 fleet requests
+            ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
+                                             {"model": model, "input": list("abcde")}))  # fmt: skip
+            taken = [await asyncio.to_thread(take) for _ in range(3)]
+            assert sorted(rid.rsplit(".", 1)[1] for _, rid, _ in taken) == ["0", "1", "2"]
+            by_part = {rid.rsplit(".", 1)[1]: (entry, rid, reply) for entry, rid, reply in taken}
+            # When part 0 is answered and part 1 fails
+            entry, rid, reply = by_part["0"]
+            ok = Result(id=rid, model=model, status="ok", outputs=[[1.0], [2.0]])
+            await asyncio.to_thread(store, entry, rid, reply, ok)
+            entry, rid, reply = by_part["1"]
+            error = ErrorInfo(code=ErrorCode.INVALID_INPUT, message="inputs[1]: no good")
+            failed = Result(id=rid, model=model, status="error", error=error)
+            await asyncio.to_thread(store, entry, rid, reply, failed)
+            # Then the answer is part 1's error, and part 2 (still running) is cancelled
+            status, body = await ask
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_input"
+            part2 = by_part["2"][1]
+            for _ in range(100):
+                if await asyncio.to_thread(streams.cancelled, [part2]):
+                    break
+                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(streams.cancelled, [part2]) == [part2]
+        finally:
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await server
+
+    try:
+        asyncio.run(go())
+    finally:
+        client.close()

@@ -297,9 +297,6 @@ class Unary(Handler):
                 self.jobs.append(await self.submit(part, body, rid))
             self.set_header("X-Request-Id", base)
             results = await self._results()
-            for result in results:
-                if not result.ok:
-                    raise of_result(result)
             if self.gone:
                 return  # the client left (its request was cancelled)
             answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()))
@@ -312,12 +309,16 @@ class Unary(Handler):
             self.fail(of_exception(exc))
 
     async def _results(self) -> list[Result]:
+        """Every part's ``ok`` result, in order; the first part that fails raises at once."""
         waits = [
             asyncio.ensure_future(self.gateway.replies.wait(job, self.gateway.timeout_s))
             for job in self.jobs
         ]
         try:
-            return await asyncio.gather(*waits)
+            for done in asyncio.as_completed(waits):
+                if not (result := await done).ok:
+                    raise of_result(result)
+            return [wait.result() for wait in waits]
         finally:
             for wait in waits:
                 wait.cancel()
