@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -430,13 +430,29 @@ async def http(port: int, method: str, path: str, body: Any = None) -> tuple[int
     return int(status.split()[1]), rest.partition(b"\r\n\r\n")[2]
 
 
+@contextlib.asynccontextmanager
+async def gateway_in_process(url: str) -> AsyncIterator[int]:
+    """``serve`` (as `batchfleet gateway` runs it) on a free port, once it is subscribed to
+    its reply channel: the port."""
+    from batchfleet.producer.gateway.app import serve
+
+    port, ready = free_port(), asyncio.Event()
+    server = asyncio.ensure_future(serve(url, port=port, api_key=GATEWAY_KEY, timeout_s=20,
+                                         ready=ready))  # fmt: skip
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield port
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
 @pytest.mark.server
 def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     """The gateway itself (``serve``, as `batchfleet gateway` runs it) on the gateway user:
     health, models, an unknown model, an embedding, a streamed chat and a client that leaves,
     answered by a worker on the worker user. The user is refused the rest."""
-    from batchfleet.producer.gateway.app import serve
-
     base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
     model, keys = "gwm", ModelKeys("gwm")
     worker = connect(base.format("worker:CHANGE_ME_worker"))
@@ -455,12 +471,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
 
     async def go() -> None:
-        port, ready = free_port(), asyncio.Event()
-        server = asyncio.ensure_future(serve(base.format("gateway:CHANGE_ME_gateway"),
-                                             port=port, api_key=GATEWAY_KEY, timeout_s=20,
-                                             ready=ready))  # fmt: skip
-        try:
-            await asyncio.wait_for(ready.wait(), 20)  # subscribed to its reply channel
+        async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway")) as port:
             assert (await http(port, "GET", "/health"))[0] == 200  # PING
             # a model no worker serves: EXISTS on its lanes key
             assert (await http(port, "POST", "/v1/embeddings", {"model": "nope", "input": "x"})
@@ -511,10 +522,6 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
                     break
                 await asyncio.sleep(0.05)
             assert await asyncio.to_thread(streams.cancelled, [rid]) == [rid]
-        finally:
-            server.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await server
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import pytest
@@ -15,8 +14,6 @@ from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.messages import ErrorInfo, Limits, Result, Usage
 from batchfleet.worker.streams import Entry, Finish, ModelStreams
-
-from batchfleet.redis_server import free_port
 
 
 def test_a_request_within_the_limits_goes_whole() -> None:
@@ -79,8 +76,7 @@ def test_merged_results_keep_the_order_and_sum_the_tokens() -> None:
 
 def test_a_part_that_fails_fails_the_answer_and_cancels_the_others(redis_url: str) -> None:
     """The gateway in-process against a real Redis; the test plays the worker."""
-    from batchfleet.producer.gateway.app import serve
-    from test_deploy import http
+    from test_deploy import gateway_in_process, http
 
     model = "splitm"
     client = redis.Redis.from_url(redis_url)
@@ -96,11 +92,7 @@ def test_a_part_that_fails_fails_the_answer_and_cancels_the_others(redis_url: st
         assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
 
     async def go() -> None:
-        port, ready = free_port(), asyncio.Event()
-        server = asyncio.ensure_future(serve(redis_url, port=port, api_key="sk-test",
-                                             timeout_s=20, ready=ready))  # fmt: skip
-        try:
-            await asyncio.wait_for(ready.wait(), 20)
+        async with gateway_in_process(redis_url) as port:
             # Given 5 texts for a model that takes 2 a request: 3 fleet requests
             ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
                                              {"model": model, "input": list("abcde")}))  # fmt: skip
@@ -124,10 +116,6 @@ def test_a_part_that_fails_fails_the_answer_and_cancels_the_others(redis_url: st
                     break
                 await asyncio.sleep(0.05)
             assert await asyncio.to_thread(streams.cancelled, [part2]) == [part2]
-        finally:
-            server.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await server
 
     try:
         asyncio.run(go())
