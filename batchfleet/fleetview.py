@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .connection import SyncClient
-from .schemas.keys import GROUP, LANES_KEY_PATTERN, ModelKeys, model_of_lanes_key
+from .schemas.keys import (
+    GROUP,
+    LANES_KEY_PATTERN,
+    MODELS_KEY,
+    ModelKeys,
+    model_names,
+    model_of_lanes_key,
+)
 
 DEFAULT_LANES = 3
 """Lanes assumed for a model whose lanes key is missing (the fleet file's default)."""
@@ -30,7 +37,10 @@ class LaneRow:
 
 
 def discover_models(client: SyncClient) -> list[str]:
-    """Every model some worker (or ``init-groups``) has announced on this Redis."""
+    """Every model some worker (or ``init-groups``) has announced on this Redis (by a SCAN
+    of the lanes keys where no worker wrote the set of models: older ones)."""
+    if names := model_names(client.smembers(MODELS_KEY)):
+        return names
     found = set()
     for key in client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
         model = model_of_lanes_key(_s(key))

@@ -29,7 +29,7 @@ def init_groups(fleet: FleetConfig, models: list[str] | None = None) -> dict[str
         for name in names:
             cfg = fleet.models[name]
             streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")
-            streams.ensure_groups(cfg.max_queue_depth)
+            streams.ensure_groups(cfg.max_queue_depth, cfg.limits)
             created[name] = streams.streams
             logger.info("model %s: group ready on %s", name, ", ".join(streams.streams))
         return created

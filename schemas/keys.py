@@ -8,6 +8,7 @@ single-slot. See docs/protocol.md for the same table in prose.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PREFIX = "bf"
@@ -83,6 +84,12 @@ class ModelKeys:
         return f"{self.tag}:max-depth"
 
     @property
+    def limits(self) -> str:
+        """A string holding the model's request limits as JSON (``max_inputs``,
+        ``max_entry_bytes``, ...), written by workers for producers and gateways."""
+        return f"{self.tag}:limits"
+
+    @property
     def workers(self) -> str:
         """Hash of live consumers: name → unix ms of its last heartbeat."""
         return f"{self.tag}:workers"
@@ -105,8 +112,18 @@ class ModelKeys:
         return int(tail) if tail != stream and tail.isdigit() and len(tail) < 4 else None
 
 
+MODELS_KEY = f"{PREFIX}:models"
+"""A set of the models some worker (or ``init-groups``) announced: what a fleet serves,
+read without SCAN."""
 LANES_KEY_PATTERN = f"{PREFIX}:{{*}}:lanes"
-"""SCAN pattern matching every model's lanes key: the models a fleet serves."""
+"""SCAN pattern matching every model's lanes key: the models a fleet serves (the way to
+find them where the workers are too old to write ``MODELS_KEY``)."""
+
+
+def model_names(members: Iterable[bytes | str]) -> list[str]:
+    """The valid model names among ``MODELS_KEY``'s members, sorted."""
+    names = (m.decode() if isinstance(m, bytes) else m for m in members)
+    return sorted(n for n in names if MODEL_NAME.match(n))
 
 
 def model_of_lanes_key(key: str) -> str | None:

@@ -682,8 +682,8 @@ class PromptTokensDetails(_Answer):
 
 
 class Usage(_Answer):
-    """Tokens a generation request used, over all its inputs (a prompt counts once
-    whatever its ``n``; every completion's tokens count)."""
+    """Tokens a request used, over all its inputs: a generation's (a prompt counts once
+    whatever its ``n``; every completion's tokens count), or an encoder's input tokens."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -815,7 +815,8 @@ class Result(_Answer):
     truncated: list[bool] | None = None
     """Per input: was it cut to the model's max tokens?"""
     usage: Usage | None = None
-    """Generation: tokens used over all inputs."""
+    """Tokens used over all inputs: a generation's prompts and completions; an encoder's
+    ``prompt_tokens`` only (every row it ran, as cut to its ``max_tokens``)."""
     error: ErrorInfo | None = None
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ import redis
 import yaml
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_entry, encode_result
-from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
-from batchfleet.schemas.messages import Result
+from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys
+from batchfleet.schemas.messages import Limits, Result
 from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
 
 from batchfleet.config import load_config
@@ -430,18 +430,35 @@ async def http(port: int, method: str, path: str, body: Any = None) -> tuple[int
     return int(status.split()[1]), rest.partition(b"\r\n\r\n")[2]
 
 
+@contextlib.asynccontextmanager
+async def gateway_in_process(url: str) -> AsyncIterator[int]:
+    """``serve`` (as `batchfleet gateway` runs it) on a free port, once it is subscribed to
+    its reply channel: the port."""
+    from batchfleet.producer.gateway.app import serve
+
+    port, ready = free_port(), asyncio.Event()
+    server = asyncio.ensure_future(serve(url, port=port, api_key=GATEWAY_KEY, timeout_s=20,
+                                         ready=ready))  # fmt: skip
+    try:
+        await asyncio.wait_for(ready.wait(), 20)
+        yield port
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+
 @pytest.mark.server
 def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     """The gateway itself (``serve``, as `batchfleet gateway` runs it) on the gateway user:
     health, models, an unknown model, an embedding, a streamed chat and a client that leaves,
     answered by a worker on the worker user. The user is refused the rest."""
-    from batchfleet.producer.gateway.app import serve
-
     base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
     model, keys = "gwm", ModelKeys("gwm")
     worker = connect(base.format("worker:CHANGE_ME_worker"))
     streams = ModelStreams(worker, model, 3, "w1")
-    streams.ensure_groups(max_depth=100)  # the submit script reads the lane's length then
+    # the submit script reads the lane's length then; bf:models and the limits are written
+    streams.ensure_groups(max_depth=100, limits=Limits(max_inputs=2))
 
     def take() -> tuple[Entry, str, str | None]:
         """The worker's read of the next request: its entry, id and reply channel."""
@@ -454,12 +471,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
 
     async def go() -> None:
-        port, ready = free_port(), asyncio.Event()
-        server = asyncio.ensure_future(serve(base.format("gateway:CHANGE_ME_gateway"),
-                                             port=port, api_key=GATEWAY_KEY, timeout_s=20,
-                                             ready=ready))  # fmt: skip
-        try:
-            await asyncio.wait_for(ready.wait(), 20)  # subscribed to its reply channel
+        async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway")) as port:
             assert (await http(port, "GET", "/health"))[0] == 200  # PING
             # a model no worker serves: EXISTS on its lanes key
             assert (await http(port, "POST", "/v1/embeddings", {"model": "nope", "input": "x"})
@@ -472,6 +484,15 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             await asyncio.to_thread(store, entry, rid, reply, [[0.5, 0.25]])
             status, body = await ask
             assert status == 200 and json.loads(body)["data"][0]["embedding"] == [0.5, 0.25]
+            # 3 inputs: GET of the model's limits (2 inputs a request), so two requests
+            ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
+                                             {"model": model, "input": ["a", "b", "c"]}))  # fmt: skip
+            for outputs in ([[1.0], [2.0]], [[3.0]]):
+                entry, rid, reply = await asyncio.to_thread(take)
+                await asyncio.to_thread(store, entry, rid, reply, outputs)
+            status, body = await ask
+            assert status == 200
+            assert [d["embedding"] for d in json.loads(body)["data"]] == [[1.0], [2.0], [3.0]]
             # a streamed chat: XREAD of its token stream
             chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
                     "stream": True}  # fmt: skip
@@ -484,7 +505,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             )
             status, body = await ask
             assert status == 200 and b'"content":"Hi"' in body and body.endswith(b"[DONE]\n\n")
-            # the models the fleet serves: SCAN MATCH bf:{*}:lanes
+            # the models the fleet serves: SMEMBERS bf:models (the gateway may not SCAN)
             status, body = await http(port, "GET", "/v1/models")
             assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
             # a client that leaves mid-stream: SET of the cancel key
@@ -501,10 +522,6 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
                     break
                 await asyncio.sleep(0.05)
             assert await asyncio.to_thread(streams.cancelled, [rid]) == [rid]
-        finally:
-            server.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await server
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")
@@ -523,6 +540,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.delete(keys.cancel("t")),
         lambda: gw.hgetall(keys.workers),
         lambda: gw.keys("*"),
+        lambda: gw.scan(0, match="bf:*"),  # other requests' result keys
+        lambda: gw.sadd(MODELS_KEY, "forged"),
+        lambda: gw.set(keys.limits, b"{}"),
         lambda: gw.flushall(),
         lambda: gw.config_get("*"),
     ):

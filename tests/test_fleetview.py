@@ -112,3 +112,20 @@ def test_status_json(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixtu
     ]
     (worker,) = status["workers"]
     assert worker["worker"] == "w9" and worker["state"] == "stale"
+
+
+def test_models_are_found_in_the_set_workers_announce_them_in(r: redis.Redis) -> None:
+    from batchfleet.schemas.keys import MODELS_KEY
+
+    from batchfleet.fleetview import discover_models
+
+    try:
+        # An older worker wrote only its lanes key: found by a SCAN
+        r.set(ModelKeys("older").lanes_key, 3)
+        assert "older" in discover_models(r)
+        # A worker of today announces its model in the set, which is read instead
+        ModelStreams(r, "newer", 3, "w").ensure_groups()
+        assert r.smembers(MODELS_KEY) == {b"newer"}
+        assert discover_models(r) == ["newer"]
+    finally:
+        r.delete(MODELS_KEY, ModelKeys("older").lanes_key, ModelKeys("newer").lanes_key)

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import msgpack
 import openai
@@ -41,28 +41,43 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters"
     "additionalProperties": False}}}]  # fmt: skip
 
 
-Client = TypeVar("Client")
-
-
 @dataclass
-class Fleet(Generic[Client]):
+class Fleet:
     url: str
     base: str
     """The gateway's http://host:port."""
-    client: Client
-    """An official client of the gateway (openai's here)."""
+    client: openai.OpenAI
     r: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("gateway")
+    models = {
+        "embed": {"runner": "embedding", "path": str(make_embedding_model(tmp / "e")),
+                  "max_tokens": 64},
+        "ranker": {"runner": "rerank", "path": str(make_cross_encoder(tmp / "x")),
+                   "max_tokens": 64},
+        "sentiment": {"runner": "text-classification", "path": str(make_classifier(tmp / "c")),
+                      "max_tokens": 64},
+    }  # fmt: skip
+    with serving(tmp, models) as fleet:
+        yield fleet
 
 
 @contextlib.contextmanager
 def serving(
-    tmp: Path, models: dict[str, dict[str, Any]], client: Callable[[str], Client]
-) -> Iterator[Fleet[Client]]:
-    """Redis, a worker serving ``models``, and a gateway in front of them, which
-    ``client(base URL)`` talks to."""
+    tmp: Path, more: dict[str, dict[str, Any]] | None = None, template: str | None = None
+) -> Iterator[Fleet]:
+    """A fleet (Redis, one worker) serving the tiny Llama as ``LM`` (hermes tool calls; its
+    chat ``template`` where given) and the ``more`` models, and a gateway in front of it."""
+    lm = make_causal_lm(tmp / "lm", context=4096, template=template)
     server = LocalRedis()
     server.start()
+    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
     config = tmp / "fleet.toml"
+    models = {LM: {"runner": "text-generation", "path": str(lm), "options": opts}, **(more or {})}
     config.write_text(fleet_toml(server.url, models))
     worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
     r = redis.Redis.from_url(server.url)
@@ -71,7 +86,8 @@ def serving(
         for model in models:
             worker.wait_ready(r, model)
         gateway, base = start_gateway(server.url, tmp)
-        yield Fleet(server.url, base, client(base), r)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield Fleet(server.url, base, client, r)
     finally:
         if gateway is not None:
             gateway.terminate()
@@ -79,26 +95,6 @@ def serving(
         worker.stop()
         r.close()
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet[openai.OpenAI]]:
-    tmp = tmp_path_factory.mktemp("gateway")
-    lm = make_causal_lm(tmp / "lm", context=4096)
-    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
-            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
-    models = {
-        LM: {"runner": "text-generation", "path": str(lm), "options": opts},
-        "embed": {"runner": "embedding", "path": str(make_embedding_model(tmp / "e")),
-                  "max_tokens": 64},
-        "ranker": {"runner": "rerank", "path": str(make_cross_encoder(tmp / "x")),
-                   "max_tokens": 64},
-        "sentiment": {"runner": "text-classification", "path": str(make_classifier(tmp / "c")),
-                      "max_tokens": 64},
-    }  # fmt: skip
-    with serving(tmp, models, lambda base: openai.OpenAI(
-            base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)) as fleet:  # fmt: skip
-        yield fleet
 
 
 def start_gateway(url: str, tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -312,43 +308,52 @@ def test_models_and_request_ids(fleet: Fleet) -> None:
     assert stored["outputs"][0]["text"] == first.choices[0].text
 
 
-def leave_mid_stream(base: str, path: str, body: dict[str, Any], headers: dict[str, str],
-                     flowing: Callable[[Any], bool]) -> None:  # fmt: skip
-    """POST a streamed request, read its events until ``flowing`` says its text flows,
-    then close the connection."""
+def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> None:
+    body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    # Given a long streamed generation, read until its text flows, When the client closes
+    # the connection
+    out = leave_mid_stream(fleet, "/v1/completions", body, lambda line: line.startswith(
+        b"data: ") and bool(json.loads(line[6:])["choices"][0]["text"]))  # fmt: skip
+    # Then the fleet stops it: cancelled, short
+    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+
+
+def leave_mid_stream(
+    fleet: Fleet, path: str, body: dict[str, Any], flowing: Callable[[bytes], bool]
+) -> dict[str, Any]:
+    """Stream ``body`` under a new request id, read it up to the first line ``flowing``
+    (its text flows), close the connection: the request's output once stored."""
+    rid = uuid.uuid4().hex
+    conn, response = open_stream(fleet.base, path, body, rid)
+    while (line := response.readline()) and not flowing(line):
+        pass
+    conn.close()
+    return stored_output(fleet.r, rid)
+
+
+def open_stream(
+    base: str, path: str, body: dict[str, Any], rid: str
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed request under the client's own id, as raw HTTP, once its events began."""
     conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    conn.request("POST", path, json.dumps(body).encode(), headers)
+    conn.request("POST", path, json.dumps(body).encode(),
+                 {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid})  # fmt: skip
     response = conn.getresponse()
     assert response.status == 200
     assert response.headers["content-type"].startswith("text/event-stream")
-    while line := response.readline():
-        if line.startswith(b"data: ") and flowing(json.loads(line[6:])):
-            break
-    conn.close()
+    return conn, response
 
 
 def stored_output(r: redis.Redis, rid: str) -> dict[str, Any]:
-    """The one output of ``rid``'s result, once stored (within a minute)."""
+    """The one output of request ``rid``'s result, once stored (within a minute)."""
     key = ModelKeys(LM).result(rid)
     end = time.monotonic() + 60
     while (raw := r.get(key)) is None and time.monotonic() < end:
         time.sleep(0.05)
     assert raw is not None
     (out,) = msgpack.unpackb(raw)["outputs"]
-    return out  # type: ignore[no-any-return]
-
-
-def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> None:
-    rid = uuid.uuid4().hex
-    body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid}
-    # Given a long streamed generation, read until its text flows
-    leave_mid_stream(fleet.base, "/v1/completions", body, headers,
-                     lambda chunk: chunk["choices"][0]["text"])  # fmt: skip
-    # When the client closes the connection, Then the fleet stops it: cancelled, short
-    out = stored_output(fleet.r, rid)
-    assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
+    return dict(out)
 
 
 def probe(base: str) -> tuple[int | None, int | None]:
@@ -376,11 +381,8 @@ def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
     rid = uuid.uuid4().hex
     body = {"model": LM, "prompt": "the cat", "max_tokens": 4000, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                 {"Authorization": f"Bearer {KEY}", "X-Request-Id": rid})  # fmt: skip
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn, response = open_stream(base, "/v1/completions", body, rid)
+    assert response.readline().startswith(b"data: ")
     # When it gets SIGTERM
     gateway.terminate()
     # Then, once the signal is handled, it is not ready and takes no new request: it no
@@ -412,18 +414,40 @@ def test_vllm_guided_fields_and_structured_outputs(fleet: Fleet) -> None:
 def test_pooling_endpoints(fleet: Fleet) -> None:
     texts = ["the cat sat", "a dog ran"]
     with Producer(fleet.url) as p:
-        vectors = p.submit("embed", texts).outputs(timeout=60)
+        embedded = p.submit("embed", texts).result(timeout=60)
         ranked = p.submit("ranker", query="the cat", documents=texts).outputs(timeout=60)[0]
         classes = p.submit("sentiment", texts).outputs(timeout=60)
+    vectors, tokens = embedded.outputs or [], embedded.usage.prompt_tokens if embedded.usage else 0
+    assert tokens > 2 * 3  # the texts' words, [CLS] and [SEP]
     # Embeddings through the openai client, float and base64, are the producer's vectors
     for fmt in ("float", "base64"):
         got = fleet.client.embeddings.create(model="embed", input=texts, encoding_format=fmt)
         assert [d.index for d in got.data] == [0, 1]
+        assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
         for d, v in zip(got.data, vectors, strict=True):
             e = d.embedding  # base64 asked for: left as the text (little-endian float32)
             floats = list(array.array("f", base64.b64decode(e))) if isinstance(e, str) else e
             assert floats == pytest.approx(v, rel=1e-5, abs=1e-6)
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    # More inputs than a fleet request takes (LangChain sends 1,000) go as several fleet
+    # requests, <id>.0, <id>.1, ..., answered as one in the inputs' order
+    many = [f"text number {i}" for i in range(150)]
+    most = json.loads(fleet.r.get(ModelKeys("embed").limits) or b"{}")["max_inputs"]
+    assert most == 32  # the worker published its limit: the model's batch size
+    with Producer(fleet.url) as p:
+        expected = [v for k in range(0, 150, 30) for v in p.submit("embed", many[k : k + 30])
+                    .outputs(timeout=60)]  # fmt: skip
+    rid = uuid.uuid4().hex
+    got = fleet.client.embeddings.with_raw_response.create(
+        model="embed", input=many, extra_headers={"X-Request-Id": rid}
+    )
+    assert got.headers["x-request-id"] == rid
+    embeddings = got.parse()
+    assert [d.index for d in embeddings.data] == list(range(150))
+    for d, v in zip(embeddings.data, expected, strict=True):
+        assert d.embedding == pytest.approx(v, rel=1e-5, abs=1e-6)
+    parts = [fleet.r.exists(ModelKeys("embed").result(f"{rid}.{k}")) for k in range(6)]
+    assert parts == [1, 1, 1, 1, 1, 0]  # 32, 32, 32, 32 and 22 inputs
     # vLLM's rerank: best first, indices into the documents
     status, body = raw(fleet, "POST", "/v1/rerank", json.dumps(
         {"model": "ranker", "query": "the cat", "documents": texts}).encode(), auth)  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from batchfleet.producer import Producer
 from batchfleet.producer.gateway.anthropic_answers import error_body, message
-from batchfleet.producer.gateway.anthropic_events import MessageEvents, sse
+from batchfleet.producer.gateway.anthropic_events import MessageEvents
 from batchfleet.producer.gateway.anthropic_fields import submission
 from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.producer.gateway.replay import Diverged
@@ -25,12 +25,9 @@ from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.errors import RequestRejected
 from batchfleet.schemas.messages import Delta, Generation, Result
 from pydantic import TypeAdapter
-from test_gateway import Fleet, leave_mid_stream, serving, stored_output
+from test_gateway import KEY, LM, Fleet, leave_mid_stream, serving
 from test_gateway_units import built
-from tiny_models import make_causal_lm
 
-LM = "tinylm"
-KEY = "sk-test-gateway"
 WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
     "additionalProperties": False}}  # fmt: skip
@@ -291,7 +288,7 @@ def test_a_stream_with_no_delta_still_opens_and_closes() -> None:
 
 def sdk_stream(events: list[dict[str, Any]]) -> anthropic.Stream[Any]:
     """The SDK's reading of these events as the gateway writes them."""
-    raw = "".join(sse(e) for e in events).encode()
+    raw = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
     response = httpx2.Response(200, content=raw, headers={"content-type": "text/event-stream"},
                                request=httpx2.Request("POST", "http://gw/v1/messages"))  # fmt: skip
     client = anthropic.Anthropic(api_key="k", base_url="http://gw")
@@ -317,15 +314,15 @@ def test_errors_in_anthropics_shape() -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet[anthropic.Anthropic]]:
-    tmp = tmp_path_factory.mktemp("messages")
-    opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
-            "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
-    lm = make_causal_lm(tmp / "lm", context=4096, template=TEMPLATE)
-    models = {LM: {"runner": "text-generation", "path": str(lm), "options": opts}}
-    with serving(tmp, models, lambda base: anthropic.Anthropic(
-            base_url=base, api_key=KEY, max_retries=0, timeout=120)) as fleet:  # fmt: skip
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with serving(tmp_path_factory.mktemp("messages"), template=TEMPLATE) as fleet:
         yield fleet
+
+
+@pytest.fixture(scope="module")
+def client(fleet: Fleet) -> anthropic.Anthropic:
+    """Anthropic's official client of the gateway (its key sent as x-api-key)."""
+    return anthropic.Anthropic(base_url=fleet.base, api_key=KEY, max_retries=0, timeout=120)
 
 
 def produced(fleet: Fleet, **options: Any) -> Generation:
@@ -339,7 +336,7 @@ def text(msg: Message) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
+def test_whole_and_streamed_match_the_producer(fleet: Fleet, client: anthropic.Anthropic) -> None:
     # Given a chat with a system prompt, and its greedy text through the Python producer
     ask: dict[str, Any] = {"model": LM, "max_tokens": 24, "system": "Be brief.",
                            "messages": [{"role": "user", "content": [
@@ -350,7 +347,7 @@ def test_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
         {"role": "user", "content": "Tell me\na story"}])  # fmt: skip
     # When it is asked of the gateway with the anthropic client, whole
     rid = uuid.uuid4().hex
-    raw = fleet.client.messages.with_raw_response.create(**ask, extra_headers={
+    raw = client.messages.with_raw_response.create(**ask, extra_headers={
         "X-Request-Id": rid})  # fmt: skip
     reply = raw.parse()
     # Then it is the same text, max_tokens reached, with Anthropic's fields
@@ -361,10 +358,10 @@ def test_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
     assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == (
         expected.prompt_tokens)  # fmt: skip
     # and sent again with the same id, it is the same single result
-    again = fleet.client.messages.create(**ask, extra_headers={"X-Request-Id": rid})
+    again = client.messages.create(**ask, extra_headers={"X-Request-Id": rid})
     assert again.id == reply.id and again.content == reply.content
     # and streamed (the raw events): message_start first, one text block, message_stop last
-    events = list(fleet.client.messages.create(**ask, stream=True))
+    events = list(client.messages.create(**ask, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -372,7 +369,7 @@ def test_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
                    and e.delta.type == "text_delta") == expected.text  # fmt: skip
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 24
     # and through the SDK's stream helper, its final message is the whole one
-    with fleet.client.messages.stream(**ask) as stream:
+    with client.messages.stream(**ask) as stream:
         pieces = list(stream.text_stream)
         final = stream.get_final_message()
     assert "".join(pieces) == expected.text == text(final)
@@ -382,7 +379,7 @@ def test_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_stop_sequences_and_sampling_fields(fleet: Fleet) -> None:
+def test_stop_sequences_and_sampling_fields(fleet: Fleet, client: anthropic.Anthropic) -> None:
     user = [{"role": "user", "content": "the cat"}]
     whole = produced(fleet, messages=user, max_new_tokens=24).text
     stop = next(whole[i : i + 3] for i in range(4, len(whole) - 3) if whole[i : i + 3].strip())
@@ -391,28 +388,28 @@ def test_stop_sequences_and_sampling_fields(fleet: Fleet) -> None:
     assert len(expected) < len(whole)
     for stream in (False, True):
         if stream:
-            with fleet.client.messages.stream(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
+            with client.messages.stream(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
                                               stop_sequences=[stop]) as s:  # fmt: skip
                 reply = s.get_final_message()
         else:
-            reply = fleet.client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
+            reply = client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
                                                  stop_sequences=[stop])  # fmt: skip
         # Then the text ends before it; the fleet does not tell which stop string matched
         assert text(reply) == expected and reply.stop_reason == "end_turn"
     # top_k 1 is greedy whatever the temperature (this SDK sends neither but as extras)
-    topk = fleet.client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
+    topk = client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
                                         extra_body={"temperature": 1.0, "top_k": 1})  # fmt: skip
     assert text(topk) == whole
 
 
 @pytest.mark.timeout(240)
-def test_a_tool_use_and_tool_result_round_trip(fleet: Fleet) -> None:
+def test_a_tool_use_and_tool_result_round_trip(fleet: Fleet, client: anthropic.Anthropic) -> None:
     user = {"role": "user", "content": "weather?"}
     # Given a tool and tool_choice any (the grammar makes the random model call it)
     ask: dict[str, Any] = {"model": LM, "max_tokens": 200, "messages": [user],
                            "tools": [WEATHER], "tool_choice": {"type": "any",
                                                                "disable_parallel_tool_use": True}}  # fmt: skip
-    reply = fleet.client.messages.create(**ask)
+    reply = client.messages.create(**ask)
     # Then the call is a tool_use block, its input an object, and the stop reason says so
     assert reply.stop_reason == "tool_use"
     (call,) = [b for b in reply.content if b.type == "tool_use"]
@@ -426,7 +423,7 @@ def test_a_tool_use_and_tool_result_round_trip(fleet: Fleet) -> None:
     assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == (
         same.prompt_tokens)  # fmt: skip
     # and streamed, the SDK puts the same call together from its input_json_delta pieces
-    with fleet.client.messages.stream(**ask) as stream:
+    with client.messages.stream(**ask) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content
@@ -436,7 +433,7 @@ def test_a_tool_use_and_tool_result_round_trip(fleet: Fleet) -> None:
     chat: list[Any] = [user, {"role": "assistant", "content": reply.content},
                        {"role": "user", "content": [{"type": "tool_result",
                                                      "tool_use_id": call.id, "content": "sunny"}]}]  # fmt: skip
-    follow = fleet.client.messages.create(model=LM, max_tokens=8, messages=chat,
+    follow = client.messages.create(model=LM, max_tokens=8, messages=chat,
                                           thinking={"type": "disabled"})  # fmt: skip
     # Then the model reads the same prompt, and answers the same, as with the OpenAI-shaped
     # chat through the producer
@@ -452,23 +449,22 @@ def test_a_tool_use_and_tool_result_round_trip(fleet: Fleet) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_errors_are_the_sdks_exceptions(fleet: Fleet) -> None:
-    c = fleet.client
+def test_errors_are_the_sdks_exceptions(fleet: Fleet, client: anthropic.Anthropic) -> None:
     user = [{"role": "user", "content": "x"}]
     with pytest.raises(anthropic.BadRequestError) as bad:
-        c.messages.create(model=LM, messages=user, max_tokens=anthropic.omit)  # type: ignore[arg-type]
+        client.messages.create(model=LM, messages=user, max_tokens=anthropic.omit)  # type: ignore[arg-type]
     assert bad.value.body == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "max_tokens is required"}}  # fmt: skip
     for stream in (False, True):
         with pytest.raises(anthropic.NotFoundError) as nf:
-            c.messages.create(model="nope", messages=user, max_tokens=4, stream=stream)  # type: ignore[arg-type, call-overload]
+            client.messages.create(model="nope", messages=user, max_tokens=4, stream=stream)  # type: ignore[arg-type, call-overload]
         assert nf.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
     # a value the producer refuses
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
-        c.messages.create(model=LM, messages=user, max_tokens=4,  # type: ignore[arg-type]
+        client.messages.create(model=LM, messages=user, max_tokens=4,  # type: ignore[arg-type]
                           extra_body={"temperature": -1})  # fmt: skip
     with pytest.raises(anthropic.BadRequestError, match="image"):
-        c.messages.create(model=LM, max_tokens=4, messages=[{"role": "user", "content": [
+        client.messages.create(model=LM, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}])  # fmt: skip
     wrong = anthropic.Anthropic(base_url=fleet.base, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as auth:
@@ -476,19 +472,16 @@ def test_errors_are_the_sdks_exceptions(fleet: Fleet) -> None:
     assert auth.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     # count_tokens is not served (the gateway holds no tokenizer)
     with pytest.raises(anthropic.NotFoundError):
-        c.messages.count_tokens(model=LM, messages=user)  # type: ignore[arg-type]
+        client.messages.count_tokens(model=LM, messages=user)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(240)
 def test_a_client_that_leaves_mid_stream_cancels_its_request(fleet: Fleet) -> None:
-    rid = uuid.uuid4().hex
     body = {"model": LM, "max_tokens": 4000, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "the cat"}]}  # fmt: skip
-    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "X-Request-Id": rid,
-               "Content-Type": "application/json"}  # fmt: skip
-    # Given a long streamed generation, read until its text flows
-    leave_mid_stream(fleet.base, "/v1/messages", body, headers,
-                     lambda event: event.get("delta", {}).get("text"))  # fmt: skip
-    # When the client closes the connection, Then the fleet stops it: cancelled, short
-    out = stored_output(fleet.r, rid)
+    # Given a long streamed generation, read until its text flows, When the client closes
+    # the connection
+    out = leave_mid_stream(fleet, "/v1/messages", body,
+                           lambda line: line == b"event: content_block_delta\n")  # fmt: skip
+    # Then the fleet stops it: cancelled, short
     assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000

@@ -19,7 +19,7 @@ from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.producer.gateway.pooling import ENDPOINTS, encode_base64
 from batchfleet.producer.submit import build_request, gather_inputs
 from batchfleet.schemas.codec import decode_result, encode_result
-from batchfleet.schemas.messages import Request, Result
+from batchfleet.schemas.messages import Request, Result, Usage
 from batchfleet.worker.runners.classification import label_scores
 
 ANSWERED = Answered(id="x-r1", created=1_765_000_000)
@@ -28,12 +28,13 @@ SCORE = ENDPOINTS["/score"]
 RERANK = ENDPOINTS["/rerank"]
 CLASSIFY = ENDPOINTS["/classify"]
 POOLING = ENDPOINTS["/pooling"]
-NO_USAGE = {"prompt_tokens": 0, "total_tokens": 0}
+USAGE = {"prompt_tokens": 7, "total_tokens": 7}
+SEVEN = Usage(prompt_tokens=7)
 
 
-def _result(outputs: list[Any]) -> Result:
-    """An ``ok`` result as the producer decodes it from the wire."""
-    res = Result(id="r1", model="m", status="ok", outputs=outputs)
+def _result(outputs: list[Any], usage: Usage | None = SEVEN) -> Result:
+    """An ``ok`` result as the producer decodes it from the wire (it took 7 tokens)."""
+    res = Result(id="r1", model="m", status="ok", outputs=outputs, usage=usage)
     return decode_result(encode_result(res, "msgpack"))
 
 
@@ -101,7 +102,7 @@ def test_embeddings_answer_floats() -> None:
             {"object": "embedding", "index": 0, "embedding": [0.625, -0.75]},
             {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]},
         ],
-        "usage": NO_USAGE,
+        "usage": USAGE,
     }
 
 
@@ -126,7 +127,13 @@ def test_embeddings_answer_is_openais_shape() -> None:
     answer = EMBEDDINGS.answer(body, _result([[0.5, 0.25], [1.0, 0.0]]), ANSWERED)
     parsed = CreateEmbeddingResponse.model_validate(answer)
     assert [e.embedding for e in parsed.data] == [[0.5, 0.25], [1.0, 0.0]]
-    assert (parsed.usage.prompt_tokens, parsed.usage.total_tokens) == (0, 0)
+    assert (parsed.usage.prompt_tokens, parsed.usage.total_tokens) == (7, 7)
+
+
+def test_usage_of_a_worker_too_old_to_count_tokens_is_0() -> None:
+    body = {"model": "minilm", "input": ["a"]}
+    answer = EMBEDDINGS.answer(body, _result([[0.5, 0.25]], usage=None), ANSWERED)
+    assert answer["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
 
 
 def test_encode_base64_is_little_endian_float32() -> None:
@@ -210,7 +217,7 @@ def test_score_one_to_one() -> None:
         "created": 1_765_000_000,
         "model": "rr",
         "data": [{"index": 0, "object": "score", "score": 2.5}],
-        "usage": NO_USAGE,
+        "usage": USAGE,
     }
 
 
@@ -305,7 +312,7 @@ def test_rerank_answer_best_first_with_documents() -> None:
     assert answer == {
         "id": "x-r1",
         "model": "rr",
-        "usage": NO_USAGE,
+        "usage": USAGE,
         "results": [
             {"index": 1, "relevance_score": 7.5, "document": {"text": DOCS[1]}},
             {"index": 2, "relevance_score": 3.0, "document": {"text": DOCS[2]}},
@@ -362,7 +369,7 @@ def test_classify() -> None:
     outputs = _classified([[0.0, 1.0, 4.0], [3.0, 0.0, -1.0]])
     answer = CLASSIFY.answer(body, _result(outputs), ANSWERED)
     assert answer["id"] == "x-r1" and answer["object"] == "list" and answer["model"] == "sst"
-    assert answer["created"] == 1_765_000_000 and answer["usage"] == NO_USAGE
+    assert answer["created"] == 1_765_000_000 and answer["usage"] == USAGE
     labels = [(d["index"], d["label"], d["num_classes"]) for d in answer["data"]]
     assert labels == [(0, "pos", 3), (1, "neg", 3)]
     for item, out in zip(answer["data"], outputs, strict=True):

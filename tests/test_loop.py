@@ -68,6 +68,9 @@ def test_good_requests_get_results_with_timings(r: redis.Redis, handler: Embeddi
         res = job.result(timeout=1)
         assert res.status == "ok" and len(res.outputs or []) == 2
         assert res.truncated == [False, False]
+        rows = handler.encode(["the dog", "the quick brown fox"])
+        assert res.usage is not None and res.usage.completion_tokens == 0
+        assert res.usage.prompt_tokens == sum(len(row.ids) for row in rows)
         t = res.timings
         assert t.worker == "w1" and t.batch_size >= 2 and t.batch_id
         assert 0 <= t.queued_ms <= t.total_ms and t.inference_ms > 0

@@ -44,6 +44,7 @@ def test_plain_redis_client(
     assert result["status"] == "ok" and result["id"] == rid
     assert len(result["outputs"]) == 2 and len(result["outputs"][0]) == 32
     assert result["truncated"] == [False, False]
+    assert result["usage"]["prompt_tokens"] > 4  # both texts' tokens, [CLS] and [SEP] too
     assert result["metadata"] == {"user": "ada"}
     assert set(result["timings"]) >= {"queued_ms", "batch_wait_ms", "inference_ms", "total_ms",
                                       "batch_size", "batch_id", "worker"}  # fmt: skip

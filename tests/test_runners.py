@@ -137,7 +137,10 @@ def test_prepare_many_reports_costs_and_truncation(embedder: EmbeddingRunner) ->
     a, b = embedder.prepare_many(reqs)
     assert not isinstance(a, Exception) and not isinstance(b, Exception)
     assert (a.rows, a.tokens, a.truncated) == (2, 48, (False, True))
+    hi = len(embedder.encode(["hi"])[0].ids)
+    assert a.input_tokens == hi + 48  # every row's tokens, the truncated one's as kept
     assert b.rows == 1 and b.tokens == len(embedder.encode(["what a day"])[0].ids)
+    assert b.input_tokens == b.tokens
 
 
 def test_a_runner_needing_weights_says_so_without_a_path() -> None:

@@ -100,12 +100,14 @@ class Answerer:
         self.consumer = consumer
 
     def computed(self, run: BatchRun, held: Held, outputs: list[Any], now: float) -> Outgoing:
-        """An ``ok`` result of a finished batch."""
+        """An ``ok`` result of a finished batch, with the tokens it took as its usage."""
         timings = self._batch_timings(run, held, now)
         req = held.request
-        truncated = list(held.prepared.truncated) if held.prepared.truncated is not None else None
+        prepared = held.prepared
+        truncated = list(prepared.truncated) if prepared.truncated is not None else None
+        usage = Usage.model_construct(prompt_tokens=prepared.input_tokens)
         result = self.result(req.id, "ok", req.metadata, timings, now, outputs=outputs,
-                             truncated=truncated)  # fmt: skip
+                             truncated=truncated, usage=usage)  # fmt: skip
         return self._answer(held, result)
 
     def generated(

@@ -102,7 +102,7 @@ class Intake:
         if self._sync_clock is not None:
             self._sync_clock()
         self._max_depth = max_depth
-        self.streams.ensure_groups(max_depth)
+        self.streams.ensure_groups(max_depth, self.limits)
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
         self._own = self.streams.own_pending()
@@ -202,7 +202,7 @@ class Intake:
                 else:  # the server lost its data (a restart without persistence): start over
                     logger.warning("consumer group gone (%s): creating it again", exc)
                     with contextlib.suppress(redis.RedisError):
-                        self.streams.ensure_groups(self._max_depth)
+                        self.streams.ensure_groups(self._max_depth, self.limits)
                         continue
                 with self._cond:
                     self._cond.wait(1.0)

@@ -57,6 +57,9 @@ class Prepared:
     """Per input: was it cut to the model's limit? (reported in the result)"""
     prompts: tuple[int, ...] = ()
     """Generating runners: prompt tokens per sequence (what the KV cache will hold)."""
+    input_tokens: int = 0
+    """One-shot runners: tokens over all its rows (an image's: its patches), the result's
+    ``usage.prompt_tokens``."""
     max_new_tokens: int = 0
     """Generating runners: the most tokens a sequence of it may generate."""
 
@@ -307,12 +310,14 @@ class BatchRunner:
         payload = self.payload(request, rows)
         if len(rows) == 1:  # the common case, on the hot path
             row = rows[0]
-            return Prepared(payload, 1, row.tokens, (row.truncated,))
+            return Prepared(payload, 1, row.tokens, (row.truncated,), input_tokens=row.tokens)
+        counts = [r.tokens for r in rows]
         return Prepared(
             payload=payload,
             rows=len(rows),
-            tokens=max((r.tokens for r in rows), default=0),
+            tokens=max(counts, default=0),
             truncated=_truncated(request.inputs, rows),
+            input_tokens=sum(counts),
         )
 
     def step(self, work: Work) -> StepReport:

@@ -14,7 +14,8 @@ import redis
 from redis.commands.core import Script
 
 from ..connection import SyncClient
-from ..schemas.keys import GROUP, ModelKeys
+from ..schemas.keys import GROUP, MODELS_KEY, ModelKeys
+from ..schemas.messages import Limits
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
@@ -156,9 +157,10 @@ class ModelStreams:
         self._refresh = _script(client, "refresh.lua")
         self._tokens = _script(client, "tokens.lua")
 
-    def ensure_groups(self, max_depth: int | None = None) -> None:
+    def ensure_groups(self, max_depth: int | None = None, limits: Limits | None = None) -> None:
         """Create the group on every lane (from the stream's start, so nothing queued before
-        the first worker is missed) and publish the lane count and depth limit for producers."""
+        the first worker is missed) and publish the lane count, depth limit and request
+        limits for producers."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -166,6 +168,9 @@ class ModelStreams:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self.client.set(self.keys.lanes_key, self.lanes)
+        self.client.sadd(MODELS_KEY, self.keys.model)
+        if limits is not None:
+            self.client.set(self.keys.limits, limits.model_dump_json())
         if max_depth:
             self.client.set(self.keys.max_depth, max_depth)
         else:

@@ -5,8 +5,8 @@ block in turn, ``content_block_start``, its ``content_block_delta``s (``thinking
 ``text_delta``, ``input_json_delta``) and ``content_block_stop``, numbered by ``index``
 from 0; a new kind of piece (the reasoning, the answer, a call) closes the block before.
 Then ``message_delta`` (``stop_reason`` and ``usage``) and ``message_stop``. Each event's
-``type`` is its SSE event name. Deltas a restarted generation repeats are skipped, as
-in the chat route (:class:`~.replay.Replay`).
+``type`` is its SSE event name. Deltas a restarted generation repeats are skipped, as in
+the chat route (:class:`~.replay.Replay`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,7 @@ from typing import Any
 from ...producer.tokens import Restarted
 from ...schemas.messages import Delta, Result
 from .anthropic_answers import envelope, stop_reason, usage
-from .app import dumps
 from .replay import Replay
-
-
-def sse(event: dict[str, Any]) -> str:
-    """One event as Anthropic writes it: named by its ``type``."""
-    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
 
 
 class MessageEvents:
@@ -64,9 +58,12 @@ class MessageEvents:
 
     def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
         """The events one event of the token stream makes (maybe none)."""
-        delta = self.replay.new(event)
-        if delta is None:
+        if isinstance(event, Restarted):
+            self.replay.restart()
             return []
+        if not self.replay.fresh(event):
+            return []  # sent before the restart
+        delta = event
         out = self._start()
         if delta.reasoning_content:
             if self.open != "thinking":

@@ -16,25 +16,33 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 import tornado.httputil
 import tornado.iostream
 import tornado.web
 
 from ...schemas.errors import BatchfleetError, ErrorCode
-from ...schemas.keys import LANES_KEY_PATTERN, REQUEST_ID, ModelKeys, model_of_lanes_key
-from ...schemas.messages import Delta, Result
+from ...schemas.keys import (
+    LANES_KEY_PATTERN,
+    MODELS_KEY,
+    REQUEST_ID,
+    ModelKeys,
+    model_names,
+    model_of_lanes_key,
+)
+from ...schemas.messages import Result
 from ..aio import AsyncJob, AsyncProducer
 from ..submit import new_request_id
-from ..tokens import Restarted
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
-from .endpoint import Answered, Endpoint, Submission
+from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .replies import DOWN, Replies
+from .split import merged, part_ids, split
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,7 @@ class Gateway:
         self.priority = priority
         self._models: tuple[float, list[str]] = (0.0, [])
         self._seen: dict[str, float] = {}
+        self._limits: dict[str, tuple[float, tuple[int, int] | None]] = {}
         """Model → when its lanes key was last seen (checked again after MODELS_CACHE_S)."""
         self.pending: set[asyncio.Task[None]] = set()
         """Cancellations under way (kept referenced until done)."""
@@ -69,17 +78,27 @@ class Gateway:
         """Shutting down: new requests are refused (503)."""
 
     async def models(self) -> list[str]:
-        """The models the fleet serves (every model whose workers published its lanes)."""
+        """The models the fleet serves: the set its workers announce them in (a SCAN of
+        their lanes keys where the workers are too old to write it)."""
         at, names = self._models
         if time.monotonic() - at > MODELS_CACHE_S:
-            found = set()
+            client = self.producer.client
+            names = model_names(await client.smembers(MODELS_KEY))
+            if not names:
+                names = await self._scanned_models()
+            self._models = (time.monotonic(), names)
+        return names
+
+    async def _scanned_models(self) -> list[str]:
+        found = set()
+        try:
             async for key in self.producer.client.scan_iter(match=LANES_KEY_PATTERN, count=1000):
                 name = model_of_lanes_key(key.decode() if isinstance(key, bytes) else key)
                 if name:
                     found.add(name)
-            names = sorted(found)
-            self._models = (time.monotonic(), names)
-        return names
+        except redis.exceptions.NoPermissionError:  # deploy/'s gateway user may not SCAN
+            logger.warning("no worker announced its model in %s, and SCAN is refused", MODELS_KEY)
+        return sorted(found)
 
     async def check_model(self, model: str) -> None:
         """404 unless a worker of ``model`` ever started (its lanes key is there)."""
@@ -93,6 +112,24 @@ class Gateway:
             raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                            code="model_not_found", param="model")  # fmt: skip
         self._seen[model] = time.monotonic()
+
+    async def limits(self, model: str) -> tuple[int, int]:
+        """``model``'s ``max_inputs`` and ``max_entry_bytes``, as its workers published them
+        (checked again after MODELS_CACHE_S); the protocol's defaults where none did."""
+        at, known = self._limits.get(model, (-MODELS_CACHE_S, None))
+        if known is not None and time.monotonic() - at < MODELS_CACHE_S:
+            return known
+        limits = self.producer.limits
+        found = (limits.max_inputs, limits.max_entry_bytes)
+        try:
+            raw = await self.producer.client.get(ModelKeys(model).limits)
+            published = json.loads(raw) if raw is not None else {}
+            found = (int(published.get("max_inputs", found[0])),
+                     int(published.get("max_entry_bytes", found[1])))  # fmt: skip
+        except (*DOWN, redis.ResponseError, ValueError, TypeError, AttributeError) as exc:
+            logger.warning("limits of %s unreadable (%s): taking the defaults", model, exc)
+        self._limits[model] = (time.monotonic(), found)
+        return found
 
     def cancel(self, job: AsyncJob) -> None:
         """Cancel ``job`` in the background (its client is gone)."""
@@ -134,7 +171,7 @@ class Handler(tornado.web.RequestHandler):
                                "(or x-api-key: <key>)", code="invalid_api_key"))  # fmt: skip
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
-        """The JSON of an error answer (OpenAI's error object)."""
+        """The JSON of an error answer: OpenAI's error object (a route may have its own)."""
         return error.body()
 
     def fail(self, error: ApiError) -> None:
@@ -241,54 +278,84 @@ class Health(Handler):
 
 
 class Unary(Handler):
-    """An endpoint answered once from the result (embeddings, scores, ...)."""
+    """An endpoint answered once from the result (embeddings, scores, ...); more inputs
+    than a fleet request takes go as several (``split.py``), answered as one."""
 
     endpoint: Endpoint
 
     def initialize(self, gateway: Gateway, endpoint: Endpoint) -> None:  # type: ignore[override]
         super().initialize(gateway)
         self.endpoint = endpoint
-        self.job: AsyncJob | None = None
+        self.jobs: list[AsyncJob] = []
         self.gone = False
 
     async def post(self) -> None:
         try:
             body = self.body_json()
-            self.job = await self.submit(self.endpoint.submission(body), body)
-            result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
-            if not result.ok:
-                raise of_result(result)
+            sub = self.endpoint.submission(body)
+            await self.gateway.check_model(sub.model)
+            parts = split(sub, *await self.gateway.limits(sub.model))
+            base = self.request_id(body).get("request_id") or new_request_id()
+            for part, rid in zip(parts, part_ids(base, len(parts)), strict=True):
+                self.jobs.append(await self.submit(part, body, rid))
+            self.set_header("X-Request-Id", base)
+            results = await self._results()
             if self.gone:
                 return  # the client left (its request was cancelled)
-            answered = Answered(f"{self.endpoint.id_prefix}-{self.job.id}", int(time.time()))
-            self.send_json(self.endpoint.answer(body, result, answered))
+            answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()))
+            self.send_json(self.endpoint.answer(body, merged(results), answered))
         except ApiError as exc:
+            self._cancel_all()
             self.fail(exc)
         except BatchfleetError as exc:
+            self._cancel_all()
             self.fail(of_exception(exc))
+
+    async def _results(self) -> list[Result]:
+        """Every part's ``ok`` result, in order; the first part that fails raises at once."""
+        waits = [
+            asyncio.ensure_future(self.gateway.replies.wait(job, self.gateway.timeout_s))
+            for job in self.jobs
+        ]
+        try:
+            for done in asyncio.as_completed(waits):
+                if not (result := await done).ok:
+                    raise of_result(result)
+            return [wait.result() for wait in waits]
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    def _cancel_all(self) -> None:
+        """A part failed or the client left: the other parts are answered to nobody."""
+        if len(self.jobs) > 1 or self.gone:
+            for job in self.jobs:
+                self.gateway.cancel(job)
 
     def on_connection_close(self) -> None:
         self.gone = True
-        if self.job is not None and not self._finished:
-            self.gateway.cancel(self.job)
+        if not self._finished:
+            self._cancel_all()
 
-
-class Events(Protocol):
-    """Builds one stream's events from its deltas and result (:class:`Chunks`)."""
-
-    def feed(self, event: Delta | Restarted) -> list[Any]: ...
-
-    def finish(self, result: Result) -> list[Any]: ...
+    def on_finish(self) -> None:
+        for job in self.jobs:
+            self.gateway.inflight.discard(job)
 
 
 class Generate(Handler):
     """``/v1/chat/completions`` (``chat``) and ``/v1/completions``: whole, or streamed as
-    server-sent events. Another API's generation route overrides its translations
-    (:meth:`submission`, :meth:`answer`, :meth:`events`) and how its events are written."""
+    server-sent events. A subclass serves another generation API by overriding the
+    translations (:meth:`submission`, :meth:`answer`, :meth:`events`, :meth:`error_body`)
+    and the stream's framing (:attr:`named`, :meth:`_write`, :meth:`_end`, :meth:`_end_with`)."""
 
     def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
         super().initialize(gateway)
         self.chat = chat
+        self.prefix = "chatcmpl-" if chat else "cmpl-"
+        """Of the response's id."""
+        self.named = False
+        """Events written under their ``type`` (``event: <type>``), no ``[DONE]`` after
+        them: the Responses and Messages APIs' streams (chunks are ``data:`` only)."""
         self.job: AsyncJob | None = None
         self.gone = False
 
@@ -296,12 +363,8 @@ class Generate(Handler):
         make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
         return make(body)
 
-    def answered(self, job: AsyncJob) -> Answered:
-        return Answered(f"{'chatcmpl' if self.chat else 'cmpl'}-{job.id}", int(time.time()))
-
     def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
-        build = chat_response if self.chat else completion_response
-        return build(body, result, answered)
+        return (chat_response if self.chat else completion_response)(body, result, answered)
 
     def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
         return Chunks(body, answered, model, self.chat)
@@ -313,7 +376,7 @@ class Generate(Handler):
             sub = self.submission(body)
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
-                answered = self.answered(self.job)
+                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
                 result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
                 if self.gone:
                     return
@@ -323,7 +386,8 @@ class Generate(Handler):
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
-                chunks = self.events(body, self.answered(self.job), self.job.model)
+                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
+                chunks = self.events(body, answered, self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):
                         if not event.ok:
@@ -336,7 +400,7 @@ class Generate(Handler):
                         self._write(out)
                     if started and not self.gateway.replies.backlog(rid):
                         await self._flush()
-            self._done()
+            self._end()
         except tornado.iostream.StreamClosedError:
             self._left()
         except Diverged as exc:
@@ -353,19 +417,11 @@ class Generate(Handler):
         self.set_header("Cache-Control", "no-cache")
         return True
 
-    def _write(self, chunks: list[Any]) -> None:
+    def _write(self, chunks: list[dict[str, Any]]) -> None:
         if self.gone:
             raise tornado.iostream.StreamClosedError()
-        self.write("".join(self.sse(c) for c in chunks))
-
-    def sse(self, event: Any) -> str:
-        """One server-sent event."""
-        return f"data: {dumps(event)}\n\n"
-
-    def _done(self) -> None:
-        """The stream's end, once its last events are written."""
-        self.write("data: [DONE]\n\n")
-        self.finish()
+        named = "event: {type}\n" if self.named else ""
+        self.write("".join(f"{named.format_map(e)}data: {dumps(e)}\n\n" for e in chunks))
 
     async def _flush(self) -> None:
         """Send what was written (once the stream's delivered events are all written)."""
@@ -373,12 +429,18 @@ class Generate(Handler):
             raise tornado.iostream.StreamClosedError()
         await self.flush()
 
+    def _end(self) -> None:
+        """The stream is whole."""
+        if not self.named:
+            self.write("data: [DONE]\n\n")
+        self.finish()
+
     def _end_with(self, error: ApiError) -> None:
         """A stream that already began ends with an error event (as vLLM's do)."""
         if self.gone:
             return
         self._write([self.error_body(error)])
-        self._done()
+        self._end()
 
     def _left(self) -> None:
         if self.job is not None and not self._finished:
@@ -400,16 +462,18 @@ class NotFound(Handler):
 def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
     """The tornado application: the generation routes, ``endpoints`` (path → unary
     endpoint: the pooling ones by default), models and health."""
+    from .messages import Messages  # Generates: imported here, as they import this module
+    from .respond import Responses
+
     if endpoints is None:
         from .pooling import ENDPOINTS
 
         endpoints = ENDPOINTS
-    from .messages import Messages  # a Generate: imported here, as it imports this module
-
     g = {"gateway": gateway}
     routes: list[Any] = [
         (r"/v1/chat/completions", Generate, g | {"chat": True}),
         (r"/v1/completions", Generate, g | {"chat": False}),
+        (r"/v1/responses", Responses, g),
         (r"/v1/messages", Messages, g),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),

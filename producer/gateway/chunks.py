@@ -1,8 +1,8 @@
 """A streamed generation → OpenAI's server-sent chunks (chat or text completion).
 
-One :class:`Chunks` per HTTP stream owns what was sent; where another worker generates
-the request again from the start (:class:`Restarted`), its :class:`Replay` skips the
-deltas already sent (and raises :class:`Diverged` where they differ).
+One :class:`Chunks` per HTTP stream owns what was sent; a worker's restart mid-stream is
+handled by :class:`~.replay.Replay` (repeated deltas skipped, :class:`Diverged` where the
+regeneration differs).
 """
 
 from __future__ import annotations
@@ -70,11 +70,13 @@ class Chunks:
 
     def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
         """The chunks one event of the token stream makes (maybe none)."""
-        delta = self.replay.new(event)
-        if delta is None:
-            return []  # a replayed delta's choice was opened when it was first sent
-        state, out = self._choice(delta.input)
-        choice = self._delta_choice(delta, state)
+        if isinstance(event, Restarted):
+            self.replay.restart()
+            return []
+        state, out = self._choice(event.input)
+        if not self.replay.fresh(event):
+            return out
+        choice = self._delta_choice(event, state)
         if choice is not None:
             out.append(self._chunk([choice]))
         return out

@@ -1,14 +1,15 @@
-"""What an endpoint that answers once (no stream) is made of: the request it submits and
-the answer it builds from the result. The HTTP side (``app.py``) does the rest: JSON in,
-submit, wait, errors, JSON out."""
+"""What an endpoint is made of: the request it submits and the answer it builds from the
+result (or, streamed, the events it builds from the deltas). The HTTP side (``app.py``)
+does the rest: JSON in, submit, wait, errors, JSON or server-sent events out."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from ...schemas.messages import Result
+from ...schemas.messages import Delta, Result
+from ..tokens import Restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +40,12 @@ class Endpoint:
     answer: Callable[[Mapping[str, Any], Result, Answered], dict[str, Any]]
     id_prefix: str
     """Of the response's id."""
+
+
+class Events(Protocol):
+    """One stream's answer, built as its events come (chat chunks, Responses API events):
+    what each delta, restart and the ``ok`` result add (maybe nothing)."""
+
+    def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]: ...
+
+    def finish(self, result: Result) -> list[dict[str, Any]]: ...

@@ -1,37 +1,33 @@
 """``POST /v1/messages``: Anthropic's Messages API, as vLLM serves it.
 
 The chat route's handler with Anthropic's translations: its request, its message and its
-events, its errors (``{"type": "error", "error": {"type", "message"}}``, the chat route's
-HTTP statuses). Waiting, streaming, a worker's restart mid-stream and a client that
-leaves are the chat route's.
+events (``event: <type>``), its errors (``{"type": "error", "error": {"type", "message"}}``,
+the chat route's HTTP statuses). Waiting, streaming, a worker's restart mid-stream and a
+client that leaves are the chat route's.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from ...schemas.messages import Result
-from ..aio import AsyncJob
 from . import anthropic_answers, anthropic_fields
-from .anthropic_events import MessageEvents, sse
-from .app import Events, Gateway, Generate
-from .endpoint import Answered, Submission
+from .anthropic_events import MessageEvents
+from .app import Gateway, Generate
+from .endpoint import Answered, Events, Submission
 from .errors import ApiError
 
 
 class Messages(Generate):
-    """Anthropic's ``message`` whole, or its server-sent events (``event: <type>``)."""
+    """Anthropic's ``message`` whole, or its server-sent events."""
 
     def initialize(self, gateway: Gateway) -> None:  # type: ignore[override]
         super().initialize(gateway, chat=True)
+        self.prefix, self.named = "msg_", True
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         return anthropic_fields.submission(body)
-
-    def answered(self, job: AsyncJob) -> Answered:
-        return Answered(f"msg_{job.id}", int(time.time()))
 
     def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
         return anthropic_answers.message(result, answered.id)
@@ -41,9 +37,3 @@ class Messages(Generate):
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return anthropic_answers.error_body(error)
-
-    def sse(self, event: Any) -> str:
-        return sse(event)
-
-    def _done(self) -> None:
-        self.finish()  # message_stop (or an error event) was the last

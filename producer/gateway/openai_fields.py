@@ -103,7 +103,7 @@ def message(m: Any, index: int) -> dict[str, Any]:
         out["role"] = ROLE_ALIASES.get(role, role)
     content = out.get("content")
     if isinstance(content, list):
-        out["content"] = _text_parts(content, param)
+        out["content"] = text_parts(content, f"{param}.content")
     calls = out.get("tool_calls")
     if isinstance(calls, list):
         out["tool_calls"] = [
@@ -113,17 +113,18 @@ def message(m: Any, index: int) -> dict[str, Any]:
     return out
 
 
-def _text_parts(parts: list[Any], param: str) -> str:
-    """OpenAI's content parts, of type ``text`` only, joined by newlines (as vLLM does)."""
+def text_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """OpenAI's content parts, of the text ``kinds`` only, joined by newlines (as vLLM
+    does); ``param`` names the content in a refusal."""
     texts: list[str] = []
     for p in parts:
-        if not isinstance(p, Mapping) or p.get("type") != "text":
+        if not isinstance(p, Mapping) or p.get("type") not in kinds:
             kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
             raise invalid(f"content part of type {kind!r}: this gateway takes text parts only",
-                          f"{param}.content")  # fmt: skip
+                          param)  # fmt: skip
         text = p.get("text")
         if not isinstance(text, str):
-            raise invalid("a text part's text must be a string", f"{param}.content")
+            raise invalid("a text part's text must be a string", param)
         texts.append(text)
     return "\n".join(texts)
 

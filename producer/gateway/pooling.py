@@ -15,7 +15,9 @@ What is not mapped, and why:
   activation, truncation (always, to the model's ``max_tokens``) and lanes are the fleet's;
 - score with an embedding model (vLLM's cosine similarity): a request names no runner, so
   the gateway cannot choose between pairs and texts;
-- ``usage``: encoder results carry no token counts, so every count is 0.
+
+``usage`` counts every token the model took (a score or rerank pair's query with each
+text): the result's ``usage.prompt_tokens``, 0 from a worker too old to count them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ SCORE_NAMES: Final = (
     ("data_1", "data_2"),
 )
 """vLLM's names for the two sides of a score request."""
-NO_USAGE: Final = {"prompt_tokens": 0, "total_tokens": 0}
 KINDS: Final[dict[type, str]] = {list: "lists", dict: "maps", float: "numbers", int: "numbers"}
 """How a mismatched output is named in the error."""
 
@@ -133,7 +134,15 @@ def encode_base64(vector: Sequence[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-def _listing(answered: Answered, model: str, data: list[dict[str, Any]]) -> dict[str, Any]:
+def _usage(result: Result) -> dict[str, int]:
+    """OpenAI's embeddings ``usage``: the tokens the model took (no completion)."""
+    tokens = result.usage.prompt_tokens if result.usage is not None else 0
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def _listing(
+    answered: Answered, model: str, data: list[dict[str, Any]], result: Result
+) -> dict[str, Any]:
     """vLLM's ``{"id", "object": "list", "created", "model", "data", "usage"}``."""
     return {
         "id": answered.id,
@@ -141,7 +150,7 @@ def _listing(answered: Answered, model: str, data: list[dict[str, Any]]) -> dict
         "created": answered.created,
         "model": model,
         "data": data,
-        "usage": dict(NO_USAGE),
+        "usage": _usage(result),
     }
 
 
@@ -197,7 +206,7 @@ def _embeddings_answer(body: Body, result: Result, answered: Answered) -> dict[s
         {"object": "embedding", "index": i, "embedding": e}
         for i, e in enumerate(_vectors(req, outputs))
     ]
-    return _listing(answered, req.model, data)
+    return _listing(answered, req.model, data, result)
 
 
 def _pooling_submission(body: Body) -> Submission:
@@ -218,7 +227,7 @@ def _pooling_answer(body: Body, result: Result, answered: Answered) -> dict[str,
     else:
         rows = _vectors(req, _outputs(result, req.model, len(req.texts), "embeddings", _is_vector))
     data = [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(rows)]
-    return _listing(answered, req.model, data)
+    return _listing(answered, req.model, data, result)
 
 
 # --- /score, /v1/score -------------------------------------------------------------------------
@@ -271,7 +280,7 @@ def _score_answer(body: Body, result: Result, answered: Answered) -> dict[str, A
     else:
         scores = _outputs(result, req.model, len(req.first), "scores", _is_number)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    return _listing(answered, req.model, data)
+    return _listing(answered, req.model, data, result)
 
 
 # --- /rerank, /v1/rerank, /v2/rerank -----------------------------------------------------------
@@ -319,7 +328,7 @@ def _rerank_answer(body: Body, result: Result, answered: Answered) -> dict[str, 
         if req.return_documents:
             item["document"] = {"text": req.documents[r["index"]]}
         results.append(item)
-    return {"id": answered.id, "model": req.model, "usage": dict(NO_USAGE), "results": results}
+    return {"id": answered.id, "model": req.model, "usage": _usage(result), "results": results}
 
 
 # --- /classify --------------------------------------------------------------------------------
@@ -346,7 +355,7 @@ def _classify_answer(body: Body, result: Result, answered: Answered) -> dict[str
         data.append(
             {"index": i, "label": out.get("label"), "probs": probs, "num_classes": len(probs)}
         )
-    return _listing(answered, model, data)
+    return _listing(answered, model, data, result)
 
 
 EMBEDDINGS = Endpoint(_embeddings_submission, _embeddings_answer, "embd")

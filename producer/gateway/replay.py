@@ -1,16 +1,17 @@
-"""Which deltas of one stream are new to its client, across a worker's restart.
+"""A stream's deltas matched against a restarted generation's (shared by every streamed
+answer: chat and text chunks, Responses API events).
 
-When the worker generating a streamed request dies, another generates it again from the
-start (:class:`~batchfleet.producer.tokens.Restarted`). What was sent cannot be taken
-back, so each output's regenerated deltas are matched against the ones sent and skipped
-while they are the same (a greedy or seeded request regenerates the same tokens); the
-first that differs ends the stream (:class:`Diverged`); past them the stream goes on.
-Every streamed answer (OpenAI's chunks, Anthropic's events) keeps one :class:`Replay`.
+When the worker generating a request dies, another generates it again from the start
+(:class:`~batchfleet.producer.tokens.Restarted`): what was already sent cannot be taken
+back, so each output's regenerated deltas are skipped while they are the ones sent (a
+greedy or seeded request regenerates the same tokens); the first that differs ends the
+stream (:class:`Diverged`); past them the stream goes on.
 """
 
 from __future__ import annotations
 
-from ...producer.tokens import Restarted
+from dataclasses import dataclass, field
+
 from ...schemas.messages import Delta
 
 
@@ -18,32 +19,39 @@ class Diverged(Exception):
     """A restarted generation wrote other text than the one already streamed."""
 
 
+@dataclass
+class _Sent:
+    texts: list[str] = field(default_factory=list)
+    """The text of each delta sent (to match a regeneration against)."""
+    replayed: int = 0
+    """Deltas matched since the last restart."""
+
+
 class Replay:
-    """The text of each delta sent, per output, and how far a regeneration matched it."""
+    """Which deltas of one stream are new (to send) and which repeat what was sent."""
 
     def __init__(self) -> None:
-        self.sent: dict[int, list[str]] = {}
-        self.replayed: dict[int, int] = {}
-        """Per output: its deltas matched since the last restart."""
+        self.outputs: dict[int, _Sent] = {}
+        self.restarted = False
 
-    def new(self, event: Delta | Restarted) -> Delta | None:
-        """The delta to send, or None: a :class:`Restarted` (the generation begins again:
-        its next deltas are matched from the first), or a regenerated delta already sent;
-        :class:`Diverged` where it differs from the one sent in its place."""
-        if isinstance(event, Restarted):
-            self.replayed = dict.fromkeys(self.sent, 0)
-            return None
-        delta = event
-        sent = self.sent.setdefault(delta.input, [])
-        matched = self.replayed.get(delta.input, len(sent))
-        if matched < len(sent):
-            if sent[matched] != delta.text:
+    def restart(self) -> None:
+        """Another worker begins again: its deltas are matched against those sent."""
+        self.restarted = True
+        for sent in self.outputs.values():
+            sent.replayed = 0
+
+    def fresh(self, delta: Delta) -> bool:
+        """True for a delta to send, False for one that repeats a delta sent;
+        :class:`Diverged` where a regeneration differs from what was sent."""
+        sent = self.outputs.setdefault(delta.input, _Sent())
+        if self.restarted and sent.replayed < len(sent.texts):
+            if sent.texts[sent.replayed] != delta.text:
                 raise Diverged(
                     "the worker generating this request stopped, and another generated other "
                     "text than the one already streamed (sample with a seed to have it the same)"
                 )
-            self.replayed[delta.input] = matched + 1
-            return None
-        sent.append(delta.text)
-        self.replayed[delta.input] = len(sent)
-        return delta
+            sent.replayed += 1
+            return False
+        sent.texts.append(delta.text)
+        sent.replayed = len(sent.texts)
+        return True

@@ -1,0 +1,176 @@
+"""OpenAI's Responses API request (``POST /v1/responses``) → the chat submission it means.
+
+The ``instructions`` and ``input`` items become chat messages and the Responses fields
+their chat-completions names; :func:`~.openai_fields.chat_submission` does the rest, so
+both routes submit the same request for the same chat and the producer's validation
+answers a bad value (400). What needs state the gateway does not keep (a previous
+response, a conversation, a stored prompt, a background run) and OpenAI's built-in tools
+are refused with 400 and the field as ``param``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .endpoint import Submission
+from .errors import invalid
+from .openai_fields import SAME_NAME, chat_submission, text_parts
+
+STATEFUL = ("previous_response_id", "conversation", "prompt")
+"""Fields that name state kept on OpenAI's side (the gateway keeps none)."""
+
+NOT_TAKEN = ("n", "response_format", "prompt_logprobs", "return_token_ids")
+EXTRAS = (
+    *(n for n in SAME_NAME if n not in NOT_TAKEN), "stop", "min_tokens", "logit_bias",
+    "chat_template_kwargs", "request_id", "parallel_tool_calls", "stream",
+)  # fmt: skip
+"""Fields taken as chat takes them (OpenAI's, vLLM's extras and batchfleet's own); not ``n``
+(a response has one output) nor the fields a response has no place for."""
+
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
+"""The ``include`` entry that asks for the output text's log-probabilities."""
+
+
+def response_submission(body: Mapping[str, Any]) -> Submission:
+    """``/v1/responses``: the chat submission of :func:`chat_body`."""
+    return chat_submission(chat_body(body))
+
+
+def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` body that asks what this Responses body asks."""
+    for name in STATEFUL:
+        if body.get(name) is not None:
+            raise invalid(f"{name} is not supported: the gateway keeps no conversation "
+                          "state; send the whole conversation as input", name)  # fmt: skip
+    if body.get("background"):
+        raise invalid("background is not supported: the gateway stores no response to poll; "
+                      "stream instead", "background")  # fmt: skip
+    chat = {k: body[k] for k in ("model", *EXTRAS) if body.get(k) is not None}
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    chat["messages"] = messages + input_messages(body.get("input"))
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("tools must be a list", "tools")
+        if tools:
+            chat["tools"] = [function_tool(t, i) for i, t in enumerate(tools)]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = tool_choice(body["tool_choice"])
+    fmt = response_format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    if wants_logprobs(body):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs")
+    return chat
+
+
+def wants_logprobs(body: Mapping[str, Any]) -> bool:
+    include = body.get("include")
+    return isinstance(include, list) and LOGPROBS in include
+
+
+def input_messages(raw: Any) -> list[dict[str, Any]]:
+    """``input`` (a text, or a list of items) as chat messages: a function call joins the
+    assistant message before it (as chat writes ``tool_calls``), its output is a ``tool``
+    message; reasoning items are left out."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise invalid("input must be a text or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(raw):
+        param = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise invalid("each input item must be an object", param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, param))
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = text_parts(output, f"{param}.output", TEXT_PARTS)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind != "reasoning":
+            raise invalid(f"input items of type {kind!r} are not supported (messages, "
+                          "function calls and their outputs are)", f"{param}.type")  # fmt: skip
+    if not out:
+        raise invalid("input holds no message", "input")
+    return out
+
+
+def _message(item: Mapping[str, Any], param: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise invalid(f"a message's role is one of {', '.join(ROLES)}", f"{param}.role")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = text_parts(content, f"{param}.content", TEXT_PARTS)
+    elif not isinstance(content, str):
+        raise invalid("a message's content is a text or a list of parts", f"{param}.content")
+    return {"role": role, "content": content}
+
+
+def function_tool(tool: Any, index: int) -> dict[str, Any]:
+    """A Responses function tool (flat) as chat's (``function`` nested)."""
+    if not isinstance(tool, Mapping):
+        raise invalid("each tool must be an object", f"tools[{index}]")
+    kind = tool.get("type")
+    if kind != "function":
+        raise invalid(f"tools of type {kind!r} are not supported: the gateway serves function "
+                      "tools only (built-in tools run on OpenAI's side)", f"tools[{index}].type")  # fmt: skip
+    fields = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in fields if tool.get(k) is not None}}
+
+
+def tool_choice(choice: Any) -> Any:
+    """``auto``, ``none``, ``required`` as they are; a named function as chat names it."""
+    if not isinstance(choice, Mapping):
+        return choice
+    if choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise invalid(f"tool_choice of type {choice.get('type')!r} is not supported (auto, none, "
+                  "required or a function are)", "tool_choice")  # fmt: skip
+
+
+def response_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (None: free text)."""
+    if text is None:
+        return None
+    if not isinstance(text, Mapping):
+        raise invalid("text must be an object", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        assert isinstance(fmt, Mapping)
+        fields = ("name", "description", "schema", "strict")
+        return {"type": "json_schema",
+                "json_schema": {k: fmt[k] for k in fields if fmt.get(k) is not None}}  # fmt: skip
+    raise invalid("text.format.type is one of text, json_object, json_schema",
+                  "text.format.type")  # fmt: skip
