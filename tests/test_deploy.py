@@ -4,7 +4,6 @@ Redis config and ACL users work on a real redis-server. No Docker engine or clus
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import shutil
@@ -12,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,10 @@ import pytest
 import redis
 import yaml
 from batchfleet.producer import Producer
-from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys
-from batchfleet.schemas.messages import Limits, Result
-from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
+from batchfleet.schemas.messages import Limits
+from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
+from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_stream
 
 from batchfleet.config import load_config
 from batchfleet.connection import connect
@@ -257,7 +256,8 @@ def test_compose_services() -> None:
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
     ports = {svc["environment"]["BATCHFLEET_METRICS__PORT"] for svc in workers.values()}
-    assert targets == {f"{name}:{port}" for name in workers for port in ports}
+    port = services["gateway"]["command"][services["gateway"]["command"].index("--port") + 1]
+    assert targets == {f"{name}:{p}" for name in workers for p in ports} | {f"gateway:{port}"}
     assert "BATCHFLEET_WEBHOOKS__SECRET" in services["webhooks"]["environment"]
     assert "redis.conf" in " ".join(services["redis"]["command"])
     gateway = services["gateway"]
@@ -409,45 +409,6 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     worker.close()
 
 
-GATEWAY_KEY = "sk-test"
-
-
-def http_request(method: str, path: str, body: Any = None) -> bytes:
-    """An HTTP/1.0 request with the key (the gateway closes the connection after answering)."""
-    data = b"" if body is None else json.dumps(body).encode()
-    head = (f"{method} {path} HTTP/1.0\r\nAuthorization: Bearer {GATEWAY_KEY}\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n")  # fmt: skip
-    return head.encode() + data
-
-
-async def http(port: int, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-    """One call to the gateway: the status and the body."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(http_request(method, path, body))
-    response = await reader.read()
-    writer.close()
-    status, _, rest = response.partition(b"\r\n")
-    return int(status.split()[1]), rest.partition(b"\r\n\r\n")[2]
-
-
-@contextlib.asynccontextmanager
-async def gateway_in_process(url: str) -> AsyncIterator[int]:
-    """``serve`` (as `batchfleet gateway` runs it) on a free port, once it is subscribed to
-    its reply channel: the port."""
-    from batchfleet.producer.gateway.app import serve
-
-    port, ready = free_port(), asyncio.Event()
-    server = asyncio.ensure_future(serve(url, port=port, api_key=GATEWAY_KEY, timeout_s=20,
-                                         ready=ready))  # fmt: skip
-    try:
-        await asyncio.wait_for(ready.wait(), 20)
-        yield port
-    finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-
-
 @pytest.mark.server
 def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     """The gateway itself (``serve``, as `batchfleet gateway` runs it) on the gateway user:
@@ -456,19 +417,8 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
     model, keys = "gwm", ModelKeys("gwm")
     worker = connect(base.format("worker:CHANGE_ME_worker"))
-    streams = ModelStreams(worker, model, 3, "w1")
     # the submit script reads the lane's length then; bf:models and the limits are written
-    streams.ensure_groups(max_depth=100, limits=Limits(max_inputs=2))
-
-    def take() -> tuple[Entry, str, str | None]:
-        """The worker's read of the next request: its entry, id and reply channel."""
-        (entry,) = streams.read({0: 1, 1: 1, 2: 1}, 10_000)
-        request, _ = decode_entry(entry.fields, model)
-        return entry, request.id, request.reply
-
-    def store(entry: Entry, rid: str, reply: str | None, outputs: list[Any]) -> None:
-        result = Result(id=rid, model=model, status="ok", outputs=outputs)
-        assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
+    fake = ScriptedWorker(worker, model, Limits(max_inputs=2), max_depth=100)
 
     async def go() -> None:
         async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway")) as port:
@@ -480,16 +430,14 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             # result, its message on the reply channel
             ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
                                              {"model": model, "input": "hello"}))  # fmt: skip
-            entry, rid, reply = await asyncio.to_thread(take)
-            await asyncio.to_thread(store, entry, rid, reply, [[0.5, 0.25]])
+            await asyncio.to_thread(fake.ok, await asyncio.to_thread(fake.take), [[0.5, 0.25]])
             status, body = await ask
             assert status == 200 and json.loads(body)["data"][0]["embedding"] == [0.5, 0.25]
             # 3 inputs: GET of the model's limits (2 inputs a request), so two requests
             ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
                                              {"model": model, "input": ["a", "b", "c"]}))  # fmt: skip
             for outputs in ([[1.0], [2.0]], [[3.0]]):
-                entry, rid, reply = await asyncio.to_thread(take)
-                await asyncio.to_thread(store, entry, rid, reply, outputs)
+                await asyncio.to_thread(fake.ok, await asyncio.to_thread(fake.take), outputs)
             status, body = await ask
             assert status == 200
             assert [d["embedding"] for d in json.loads(body)["data"]] == [[1.0], [2.0], [3.0]]
@@ -497,31 +445,17 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
                     "stream": True}  # fmt: skip
             ask = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions", chat))
-            entry, rid, reply = await asyncio.to_thread(take)
-            await asyncio.to_thread(streams.append_tokens, [
-                TokenWrite(rid, 1, 60, "Hi", tokens=1, reply=reply), TokenWrite(rid, 2, 60)])  # fmt: skip
-            await asyncio.to_thread(
-                store, entry, rid, reply, [{"text": "Hi", "finish_reason": "stop"}]
-            )
+            taken = await asyncio.to_thread(fake.take)
+            await asyncio.to_thread(fake.delta, taken, 1, "Hi")
+            await asyncio.to_thread(fake.delta, taken, 2)
+            await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
             status, body = await ask
             assert status == 200 and b'"content":"Hi"' in body and body.endswith(b"[DONE]\n\n")
             # the models the fleet serves: SMEMBERS bf:models (the gateway may not SCAN)
             status, body = await http(port, "GET", "/v1/models")
             assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
             # a client that leaves mid-stream: SET of the cancel key
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(http_request("POST", "/v1/chat/completions", chat))
-            entry, rid, reply = await asyncio.to_thread(take)
-            for seq in range(1, 200):
-                await asyncio.to_thread(streams.append_tokens,
-                                        [TokenWrite(rid, seq, 60, "x", tokens=1, reply=reply)])  # fmt: skip
-                if seq == 1:
-                    await reader.readuntil(b"data: ")
-                    writer.close()
-                if await asyncio.to_thread(streams.cancelled, [rid]):
-                    break
-                await asyncio.sleep(0.05)
-            assert await asyncio.to_thread(streams.cancelled, [rid]) == [rid]
+            assert await leave_mid_stream(port, fake, chat)
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")

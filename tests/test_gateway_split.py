@@ -10,10 +10,9 @@ import redis
 from batchfleet.producer.gateway.endpoint import Submission
 from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.producer.gateway.split import MAX_INPUTS, merged, part_ids, split
-from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.messages import ErrorInfo, Limits, Result, Usage
-from batchfleet.worker.streams import Entry, Finish, ModelStreams
+from gateway_fakes import ScriptedWorker, gateway_in_process, http
 
 
 def test_a_request_within_the_limits_goes_whole() -> None:
@@ -76,46 +75,30 @@ def test_merged_results_keep_the_order_and_sum_the_tokens() -> None:
 
 def test_a_part_that_fails_fails_the_answer_and_cancels_the_others(redis_url: str) -> None:
     """The gateway in-process against a real Redis; the test plays the worker."""
-    from test_deploy import gateway_in_process, http
-
-    model = "splitm"
     client = redis.Redis.from_url(redis_url)
-    streams = ModelStreams(client, model, 3, "w1")
-    streams.ensure_groups(limits=Limits(max_inputs=2))
-
-    def take() -> tuple[Entry, str, str | None]:
-        (entry,) = streams.read({0: 1, 1: 1, 2: 1}, 10_000)
-        request, _ = decode_entry(entry.fields, model)
-        return entry, request.id, request.reply
-
-    def store(entry: Entry, rid: str, reply: str | None, result: Result) -> None:
-        assert streams.finish([Finish(entry, rid, encode_result(result), 60, reply)]) == [True]
+    fake = ScriptedWorker(client, "splitm", Limits(max_inputs=2))
 
     async def go() -> None:
         async with gateway_in_process(redis_url) as port:
             # Given 5 texts for a model that takes 2 a request: 3 fleet requests
             ask = asyncio.ensure_future(http(port, "POST", "/v1/embeddings",
-                                             {"model": model, "input": list("abcde")}))  # fmt: skip
-            taken = [await asyncio.to_thread(take) for _ in range(3)]
-            assert sorted(rid.rsplit(".", 1)[1] for _, rid, _ in taken) == ["0", "1", "2"]
-            by_part = {rid.rsplit(".", 1)[1]: (entry, rid, reply) for entry, rid, reply in taken}
+                                             {"model": "splitm", "input": list("abcde")}))  # fmt: skip
+            taken = [await asyncio.to_thread(fake.take) for _ in range(3)]
+            part = {t.id.rsplit(".", 1)[1]: t for t in taken}
+            assert sorted(part) == ["0", "1", "2"]
             # When part 0 is answered and part 1 fails
-            entry, rid, reply = by_part["0"]
-            ok = Result(id=rid, model=model, status="ok", outputs=[[1.0], [2.0]])
-            await asyncio.to_thread(store, entry, rid, reply, ok)
-            entry, rid, reply = by_part["1"]
+            await asyncio.to_thread(fake.ok, part["0"], [[1.0], [2.0]])
             error = ErrorInfo(code=ErrorCode.INVALID_INPUT, message="inputs[1]: no good")
-            failed = Result(id=rid, model=model, status="error", error=error)
-            await asyncio.to_thread(store, entry, rid, reply, failed)
+            failed = Result(id=part["1"].id, model="splitm", status="error", error=error)
+            await asyncio.to_thread(fake.answer, part["1"], failed)
             # Then the answer is part 1's error, and part 2 (still running) is cancelled
             status, body = await ask
             assert status == 400 and json.loads(body)["error"]["code"] == "invalid_input"
-            part2 = by_part["2"][1]
             for _ in range(100):
-                if await asyncio.to_thread(streams.cancelled, [part2]):
+                if await asyncio.to_thread(fake.cancelled, part["2"]):
                     break
                 await asyncio.sleep(0.05)
-            assert await asyncio.to_thread(streams.cancelled, [part2]) == [part2]
+            assert await asyncio.to_thread(fake.cancelled, part["2"])
 
     try:
         asyncio.run(go())

@@ -36,17 +36,22 @@ from ...schemas.keys import (
 from ...schemas.messages import Result
 from ..aio import AsyncJob, AsyncProducer
 from ..submit import new_request_id
+from ..tokens import Restarted
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
 from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
+from .metrics import CLIENT_LEFT, GatewayMetrics
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .replies import DOWN, Replies
 from .split import merged, part_ids, split
 
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
+OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
+"""Paths answered without the API key (probes and Prometheus, as vLLM's)."""
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 
@@ -63,6 +68,10 @@ class Gateway:
     ) -> None:
         self.producer = producer
         self.replies = Replies(producer)
+        self.metrics = GatewayMetrics()
+        self.metrics.watch(lambda: len(self.inflight), lambda: float(self.replies.live))
+        self.routes: frozenset[str] = frozenset()
+        """The paths served (``make_app`` sets them): the metrics' route labels."""
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.priority = priority
@@ -131,6 +140,12 @@ class Gateway:
         self._limits[model] = (time.monotonic(), found)
         return found
 
+    def route_of(self, path: str) -> str:
+        """A request path's route label in the metrics (one per route: few labels)."""
+        if path in self.routes:
+            return path
+        return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
     def cancel(self, job: AsyncJob) -> None:
         """Cancel ``job`` in the background (its client is gone)."""
         task = asyncio.ensure_future(self._cancel(job))
@@ -149,18 +164,23 @@ def dumps(obj: Any) -> str:
 
 
 class Handler(tornado.web.RequestHandler):
-    """Shared by every route: the key check and OpenAI's error answers."""
+    """Shared by every route: the key check, OpenAI's error answers, the metrics."""
 
     gateway: Gateway
 
     def initialize(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.gone = False
+        """The client closed the connection before its answer ended."""
+        self.route = gateway.route_of(self.request.path)
+        self._measured = False
+        gateway.metrics.started(self.route)
 
     def prepare(self) -> None:
         if self.gateway.stopping and self.request.method == "POST":
             return self.fail(ApiError(503, "the gateway is shutting down", code="unavailable"))
         key = self.gateway.api_key
-        if key is None or self.request.path in ("/health", "/livez"):
+        if key is None or self.request.path in OPEN_PATHS:
             return
         given = self.request.headers.get("Authorization", "")
         # Anthropic's clients send the key as x-api-key
@@ -230,10 +250,36 @@ class Handler(tornado.web.RequestHandler):
         self.set_header("X-Request-Id", job.id)
         return job
 
+    def count_tokens(self, result: Result) -> None:
+        """An ``ok`` result's tokens, in the metrics."""
+        if result.usage is not None:
+            usage = result.usage
+            self.gateway.metrics.tokens(result.model, usage.prompt_tokens, usage.completion_tokens)
+
+    def _measured_as(self, status: int) -> None:
+        if not self._measured:
+            self._measured = True
+            self.gateway.metrics.ended(self.route, self.request.method or "", status,
+                                       self.request.request_time())  # fmt: skip
+
+    def on_connection_close(self) -> None:
+        self.gone = True
+        if not self._finished:
+            self._measured_as(CLIENT_LEFT)
+
     def on_finish(self) -> None:
+        self._measured_as(CLIENT_LEFT if self.gone else self.get_status())
         job = getattr(self, "job", None)
         if job is not None:
             self.gateway.inflight.discard(job)
+
+
+class Metrics(Handler):
+    """``/metrics``: Prometheus' text format (no key, as vLLM's)."""
+
+    def get(self) -> None:
+        self.set_header("Content-Type", METRICS_CONTENT_TYPE)
+        self.finish(self.gateway.metrics.exposition())
 
 
 class Models(Handler):
@@ -287,7 +333,6 @@ class Unary(Handler):
         super().initialize(gateway)
         self.endpoint = endpoint
         self.jobs: list[AsyncJob] = []
-        self.gone = False
 
     async def post(self) -> None:
         try:
@@ -303,7 +348,9 @@ class Unary(Handler):
             if self.gone:
                 return  # the client left (its request was cancelled)
             answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()))
-            self.send_json(self.endpoint.answer(body, merged(results), answered))
+            result = merged(results)
+            self.count_tokens(result)
+            self.send_json(self.endpoint.answer(body, result, answered))
         except ApiError as exc:
             self._cancel_all()
             self.fail(exc)
@@ -333,11 +380,12 @@ class Unary(Handler):
                 self.gateway.cancel(job)
 
     def on_connection_close(self) -> None:
-        self.gone = True
+        super().on_connection_close()
         if not self._finished:
             self._cancel_all()
 
     def on_finish(self) -> None:
+        super().on_finish()
         for job in self.jobs:
             self.gateway.inflight.discard(job)
 
@@ -357,7 +405,6 @@ class Generate(Handler):
         """Events written under their ``type`` (``event: <type>``), no ``[DONE]`` after
         them: the Responses and Messages APIs' streams (chunks are ``data:`` only)."""
         self.job: AsyncJob | None = None
-        self.gone = False
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
@@ -382,6 +429,7 @@ class Generate(Handler):
                     return
                 if not result.ok:
                     raise of_result(result)
+                self.count_tokens(result)
                 return self.send_json(self.answer(body, result, answered))
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
@@ -392,8 +440,11 @@ class Generate(Handler):
                     if isinstance(event, Result):
                         if not event.ok:
                             raise of_result(event)
+                        self.count_tokens(event)
                         out = chunks.finish(event)
                     else:
+                        if isinstance(event, Restarted):
+                            self.gateway.metrics.restarts.inc()
                         out = chunks.feed(event)
                     if out:
                         started = started or self._start()
@@ -415,6 +466,7 @@ class Generate(Handler):
     def _start(self) -> bool:
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
+        self.gateway.metrics.first_event.labels(self.route).observe(self.request.request_time())
         return True
 
     def _write(self, chunks: list[dict[str, Any]]) -> None:
@@ -447,7 +499,7 @@ class Generate(Handler):
             self.gateway.cancel(self.job)
 
     def on_connection_close(self) -> None:
-        self.gone = True
+        super().on_connection_close()
         self._left()
 
 
@@ -479,8 +531,10 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/models/([^/]+)", Models, g),
         (r"/health", Health, g),
         (r"/livez", Health, g | {"deep": False}),
+        (r"/metrics", Metrics, g),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
+    gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
 
