@@ -147,6 +147,7 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             reasoning_content=_str(flat["reasoning_content"])
             if "reasoning_content" in flat
             else None,
+            prompt_tokens=int(flat["prompt_tokens"]) if "prompt_tokens" in flat else None,
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None

@@ -354,6 +354,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         body["content"] = delta.content
     if delta.reasoning_content is not None:
         body["reasoning_content"] = delta.reasoning_content
+    if delta.prompt_tokens is not None:
+        body["prompt_tokens"] = delta.prompt_tokens
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
@@ -363,8 +365,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     """A delta as a token-stream entry (flat fields, readable from any language;
     ``logprobs``, where the request asked, ``tool_calls``, where the delta completed
     calls, ``tool_call_chunks``, where it wrote some, and ``token_ids``, where the request
-    asked, as JSON text; ``content`` and
-    ``reasoning_content`` where the output has them)."""
+    asked, as JSON text; ``content`` and ``reasoning_content`` where the output has them;
+    ``prompt_tokens`` in each output's first)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -383,6 +385,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"content"] = delta.content.encode()
     if delta.reasoning_content is not None:
         fields[b"reasoning_content"] = delta.reasoning_content.encode()
+    if delta.prompt_tokens is not None:
+        fields[b"prompt_tokens"] = str(delta.prompt_tokens).encode()
     return fields
 
 

@@ -784,6 +784,10 @@ class Delta(_Answer):
     token_ids: list[int] | None = None
     """With the request's ``return_token_ids``: the tokens this delta holds (``tokens``
     of them); absent otherwise."""
+    prompt_tokens: int | None = None
+    """In the first delta of each output: its prompt's tokens (the result's
+    ``prompt_tokens`` for it), so a stream can report its usage as it goes; absent in the
+    others, and from workers before it was added."""
     content: str | None = None
     """Where the output has a ``content`` (see :attr:`Generation.content`): what this
     delta adds to it (maybe empty); the deltas' pieces add up to the result's ``content``.

@@ -172,6 +172,13 @@ def test_chat_whole_and_streamed_match_the_producer(fleet: Fleet) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 24
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: each chunk's usage so far, from the prompt on
+    chunks = list(fleet.client.chat.completions.create(
+        model=LM, messages=messages, max_tokens=24, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]  # fmt: skip
+    counts = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks if c.usage]
+    assert len(counts) == len(chunks) and set(p for p, _ in counts) == {reply.usage.prompt_tokens}
+    assert counts[0][1] == 0 and counts[-1][1] == 24 and counts == sorted(counts)
 
 
 def test_sampling_fields_and_n(fleet: Fleet) -> None:

@@ -235,8 +235,9 @@ def delta(seq: int, text: str, **more: Any) -> Delta:
 
 def test_stream_events_blocks_in_turn_and_a_restart() -> None:
     ev = MessageEvents("msg_r1", "lm")
-    start = ev.feed(delta(1, "<think>", reasoning_content="", content=""))
+    start = ev.feed(delta(1, "<think>", reasoning_content="", content="", prompt_tokens=12))
     assert [e["type"] for e in start] == ["message_start"]
+    assert start[0]["message"]["usage"]["input_tokens"] == 12  # as the first delta tells
     assert start[0]["message"]["content"] == [] and start[0]["message"]["stop_reason"] is None
     out = ev.feed(delta(2, "hm", reasoning_content="hm", content=""))
     out += ev.feed(delta(3, "</think>Ro", reasoning_content="", content="Ro"))

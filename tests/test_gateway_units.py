@@ -169,6 +169,37 @@ def test_chunks_chat_stream_and_a_restart() -> None:
     assert end[-1]["choices"] == [] and end[-1]["usage"]["total_tokens"] == 7
 
 
+def test_chunks_continuous_usage_stats_count_each_choice_as_it_goes() -> None:
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk holds
+    # its choice's prompt (its first delta tells it) and the tokens sent so far
+    opts = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    c = Chunks(opts, ANSWERED, "lm", chat=True)
+    role, text = c.feed(delta(1, "Hel", prompt_tokens=6))
+    assert role["usage"] == {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}
+    assert text["usage"] == {"prompt_tokens": 6, "completion_tokens": 1, "total_tokens": 7}
+    (_, other) = c.feed(delta(2, "x", index=1, prompt_tokens=9))
+    assert other["usage"] == {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+    (more,) = c.feed(delta(3, "lo"))
+    assert more["usage"]["completion_tokens"] == 2
+    # a restart's replayed deltas count once
+    c.feed(Restarted("r1"))
+    assert c.feed(delta(1, "Hel", prompt_tokens=6)) == [] and c.feed(delta(2, "x", index=1)) == []
+    assert c.feed(delta(3, "lo")) == []
+    (last,) = c.feed(delta(4, "!"))
+    assert last["usage"]["completion_tokens"] == 3
+    # the ends hold each choice's result, the last chunk the whole usage
+    end = c.finish(result([{"text": "Hello!", "finish_reason": "stop", "prompt_tokens": 6,
+                            "completion_tokens": 4},
+                           {"text": "x", "finish_reason": "length", "prompt_tokens": 9,
+                            "completion_tokens": 1}],
+                          usage={"prompt_tokens": 15, "completion_tokens": 5}))  # fmt: skip
+    assert [e["usage"]["completion_tokens"] for e in end[:2]] == [4, 1]
+    assert end[-1]["choices"] == [] and end[-1]["usage"]["total_tokens"] == 20
+    # without include_usage, no usage at all (as vLLM)
+    plain = Chunks({"stream_options": {"continuous_usage_stats": True}}, ANSWERED, "lm", True)
+    assert all("usage" not in chunk for chunk in plain.feed(delta(1, "a", prompt_tokens=3)))
+
+
 def test_chunks_before_anything_sent_a_restart_changes_nothing() -> None:
     c = Chunks({}, ANSWERED, "lm", chat=True)
     assert c.feed(Restarted("r1")) == []

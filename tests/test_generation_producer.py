@@ -52,13 +52,18 @@ def test_stream_gives_the_result_text_and_cancel_stops_it(
                               logprobs=2)  # fmt: skip
         texts = ["", ""]
         lps: list[list[TokenLogprob]] = [[], []]
+        prompts: list[list[int | None]] = [[], []]
         for delta in two.deltas(timeout=60):
             assert isinstance(delta, Delta) and delta.logprobs is not None
             assert len(delta.logprobs) == delta.tokens
             texts[delta.input] += delta.text
             lps[delta.input] += delta.logprobs
+            prompts[delta.input].append(delta.prompt_tokens)
         outs = two.result().generations()
         assert texts == [g.text for g in outs]
+        # each output's first delta tells its prompt's tokens, the others nothing
+        assert [p[0] for p in prompts] == [g.prompt_tokens for g in outs]
+        assert all(x is None for p in prompts for x in p[1:])
         assert all(o.logprobs is not None and o.logprobs[: len(lp)] == lp
                    for o, lp in zip(outs, lps, strict=True))  # fmt: skip
 

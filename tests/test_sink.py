@@ -166,7 +166,8 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
                     # a split output's pieces: empty ones, and with or without the others
                     content=t[: 7 * (i % 3)] if i % 2 else None,
                     reasoning_content=t[-3:] if i == 3 else "" if i == 1 else None,
-                    token_ids=list(range(i, 3 * i)) if i % 4 != 1 else None)
+                    token_ids=list(range(i, 3 * i)) if i % 4 != 1 else None,
+                    prompt_tokens=[17, 4, None][i % 3])  # an output's first only
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]

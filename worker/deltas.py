@@ -70,7 +70,8 @@ class StreamTo:
                         None if calls is None else tool_calls_json(calls),
                         chunk.get("content"), chunk.get("reasoning_content"),
                         None if ids is None else token_ids_json(ids),
-                        None if pieces is None else tool_chunks_json(pieces))  # fmt: skip
+                        None if pieces is None else tool_chunks_json(pieces),
+                        chunk.get("prompt_tokens"))  # fmt: skip
 
 
 class DeltaWriter:

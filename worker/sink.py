@@ -119,6 +119,8 @@ class Streamed:
     """Its tokens' ids as JSON text (None: its request did not ask)."""
     tool_call_chunks: str | None = None
     """The calls' pieces it wrote, as JSON text (None: none)."""
+    prompt_tokens: int | None = None
+    """Its output's prompt tokens (its first delta only)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
@@ -129,7 +131,8 @@ class Streamed:
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
                    delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
                    reasoning=delta.reasoning_content, token_ids=ids,
-                   tool_call_chunks=None if pieces is None else tool_chunks_json(pieces))  # fmt: skip
+                   tool_call_chunks=None if pieces is None else tool_chunks_json(pieces),
+                   prompt_tokens=delta.prompt_tokens)  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -143,7 +146,8 @@ class Streamed:
         return Delta(id=self.request_id, model=self.model, seq=self.seq, input=self.input,
                      text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls,
                      content=self.content, reasoning_content=self.reasoning,
-                     token_ids=ids, tool_call_chunks=pieces)  # fmt: skip
+                     token_ids=ids, tool_call_chunks=pieces,
+                     prompt_tokens=self.prompt_tokens)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -153,7 +157,7 @@ class Streamed:
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
                           self.life, self.tool_calls, self.content, self.reasoning,
-                          self.token_ids, self.tool_call_chunks)  # fmt: skip
+                          self.token_ids, self.tool_call_chunks, self.prompt_tokens)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,8 @@ class TokenWrite:
     """Its tokens' ids as JSON text (None: its request did not ask)."""
     tool_call_chunks: str | None = None
     """The calls' pieces it wrote, as JSON text (None: none)."""
+    prompt_tokens: int | None = None
+    """Its output's prompt tokens (in its first delta; None: the others)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
@@ -104,6 +106,7 @@ class TokenWrite:
             return [self.seq, self.ttl_s, self.life]
         item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
                 self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
+        prompt = None if self.prompt_tokens is None else str(self.prompt_tokens)
         more = [
             [name, value, raw]
             for name, value, raw in (
@@ -113,6 +116,7 @@ class TokenWrite:
                 ("tool_call_chunks", self.tool_call_chunks, 1),
                 ("content", self.content, 0),
                 ("reasoning_content", self.reasoning, 0),
+                ("prompt_tokens", prompt, 1),
             )
             if value is not None
         ]

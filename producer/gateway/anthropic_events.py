@@ -33,12 +33,14 @@ class MessageEvents:
         self.call: int | None = None
         """The ``index`` of the call the open ``tool_use`` block holds."""
 
-    def _start(self) -> list[dict[str, Any]]:
+    def _start(self, prompt: int | None = None) -> list[dict[str, Any]]:
         if self.started:
             return []
         self.started = True
-        # the prompt's size comes with the result: message_delta's usage tells it
-        opened = envelope(self.id, self.model, [], None, {"input_tokens": 0, "output_tokens": 0})
+        # the prompt's size, as the first delta tells it (the prefix cache's share comes
+        # with the result: message_delta's usage tells it)
+        used = {"input_tokens": prompt or 0, "output_tokens": 0}
+        opened = envelope(self.id, self.model, [], None, used)
         return [{"type": "message_start", "message": opened}]
 
     def _close(self) -> list[dict[str, Any]]:
@@ -64,7 +66,7 @@ class MessageEvents:
         if not self.replay.fresh(event):
             return []  # sent before the restart
         delta = event
-        out = self._start()
+        out = self._start(delta.prompt_tokens)
         if delta.reasoning_content:
             if self.open != "thinking":
                 out += self._open({"type": "thinking", "thinking": "", "signature": ""})

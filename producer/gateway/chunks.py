@@ -25,6 +25,10 @@ __all__ = ["Chunks", "Diverged"]
 class _Choice:
     offset: int = 0
     """Characters sent (completions' ``text_offset``)."""
+    prompt: int = 0
+    """Its prompt's tokens (its first delta tells them)."""
+    tokens: int = 0
+    """Tokens sent."""
 
 
 class Chunks:
@@ -35,6 +39,9 @@ class Chunks:
         self.body, self.answered, self.model, self.chat = body, answered, model, chat
         options = body.get("stream_options")
         self.include_usage = bool(isinstance(options, Mapping) and options.get("include_usage"))
+        self.continuous_usage = bool(self.include_usage and isinstance(options, Mapping)
+                                     and options.get("continuous_usage_stats"))  # fmt: skip
+        """vLLM's: every chunk carries its choice's usage so far."""
         self.choices: dict[int, _Choice] = {}
         self.replay = Replay()
 
@@ -48,13 +55,19 @@ class Chunks:
         }
         if self.include_usage:
             out["usage"] = None
+            if self.continuous_usage and choices:
+                state = self.choices[choices[0]["index"]]
+                out["usage"] = {"prompt_tokens": state.prompt, "completion_tokens": state.tokens,
+                                "total_tokens": state.prompt + state.tokens}  # fmt: skip
         return out
 
-    def _choice(self, index: int) -> tuple[_Choice, list[dict[str, Any]]]:
+    def _choice(
+        self, index: int, prompt: int | None = None
+    ) -> tuple[_Choice, list[dict[str, Any]]]:
         """Its state, and the chunks that open it (chat: the role; echo: the prompt)."""
         if index in self.choices:
             return self.choices[index], []
-        state = self.choices[index] = _Choice()
+        state = self.choices[index] = _Choice(prompt=prompt or 0)
         if self.chat:
             delta = {"role": "assistant", "content": ""}
             return state, [self._chunk([{"index": index, "delta": delta, "logprobs": None,
@@ -73,9 +86,10 @@ class Chunks:
         if isinstance(event, Restarted):
             self.replay.restart()
             return []
-        state, out = self._choice(event.input)
+        state, out = self._choice(event.input, event.prompt_tokens)
         if not self.replay.fresh(event):
             return out
+        state.tokens += event.tokens
         choice = self._delta_choice(event, state)
         if choice is not None:
             out.append(self._chunk([choice]))
@@ -112,7 +126,8 @@ class Chunks:
         is opened first), then the usage if the request asked for it."""
         out: list[dict[str, Any]] = []
         for i, g in enumerate(result.generations()):
-            _, opening = self._choice(i)
+            state, opening = self._choice(i, g.prompt_tokens)
+            state.tokens, state.prompt = g.completion_tokens, g.prompt_tokens
             out += opening
             end: dict[str, Any] = {"index": i, "logprobs": None,
                                    "finish_reason": finish_reason(g), "stop_reason": None}  # fmt: skip

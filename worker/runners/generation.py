@@ -910,6 +910,8 @@ class TextGenerationRunner:
                      split.delta(s.text.released, text, s.text.final_text if final else None))  # fmt: skip
             if text or n > sent[i] or any(parts.values()):
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
+                if not sent[i]:  # its first delta
+                    chunk["prompt_tokens"] = len(s.prompt)
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
                 if r.spec.token_ids:
