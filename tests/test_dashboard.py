@@ -1,4 +1,4 @@
-"""The Grafana dashboard only queries series the workers (or Flower) export."""
+"""The Grafana dashboard only queries series the workers, the gateway (or Flower) export."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from batchfleet.producer.gateway.metrics import GatewayMetrics
 from batchfleet.worker.metrics import Metrics
 from prometheus_client import CollectorRegistry
 
@@ -24,8 +25,10 @@ GAUGES = {
 def test_dashboard_queries_exported_series() -> None:
     registry = CollectorRegistry()
     Metrics(registry)
+    gateway = GatewayMetrics()
+    gateway.watch(lambda: 0, lambda: 1)
     exported = set(GAUGES)
-    for family in registry.collect():
+    for family in [*registry.collect(), *gateway.registry.collect()]:
         if family.type == "gauge":
             exported.add(family.name)
             continue
