@@ -102,6 +102,12 @@ async def run_script_calls_async(
     return replies
 
 
+ASYNC_MAX_CONNECTIONS = 256
+"""Connections one asyncio client opens at most (its commands in flight at once)."""
+ASYNC_POOL_WAIT_S = 30.0
+"""How long a command waits for a free connection before it fails as unavailable."""
+
+
 def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "socket_connect_timeout": 5.0,
@@ -140,4 +146,10 @@ def connect_async(
         opts.pop("retry_on_error")
         opts.pop("health_check_interval")
         return aioredis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
-    return aioredis.Redis.from_url(url, retry=retry, **_options(socket_timeout, extra))
+    # A blocking pool: past max_connections a command waits for a free connection (up to
+    # ASYNC_POOL_WAIT_S), where redis-py's default pool fails it ("Too many connections"),
+    # which reads as Redis being down to a program awaiting hundreds of results at once.
+    opts = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S,
+            **_options(socket_timeout, extra)}  # fmt: skip
+    pool = aioredis.BlockingConnectionPool.from_url(url, retry=retry, **opts)
+    return aioredis.Redis.from_pool(pool)

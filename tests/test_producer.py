@@ -670,3 +670,27 @@ def test_stream_survives_a_redis_restart(
     # Then the same stream() call yields the rest
     assert reading.result(timeout=60) == ["one", " two"]
     client.close()
+
+
+def test_async_producer_awaits_hundreds_of_results_at_once(
+    redis_url: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    from batchfleet.schemas.codec import encode_result
+
+    # Given 300 requests awaited at once (more than a connection pool's default 100), whose
+    # results arrive while they all poll
+    async def go() -> list[Result]:
+        async with AsyncProducer(redis_url) as producer:
+            jobs = [await producer.submit("many", inputs=f"t{i}") for i in range(300)]
+            waits = [asyncio.ensure_future(job.result(timeout=60)) for job in jobs]
+            await asyncio.sleep(0.5)  # every wait has polled
+            for job in jobs:
+                done = Result(id=job.id, model="many", status="ok", outputs=[[1.0]])
+                r.set(ModelKeys("many").result(job.id), encode_result(done))
+            return await asyncio.gather(*waits)
+
+    with caplog.at_level(logging.WARNING):
+        results = asyncio.run(go())
+    # Then each gets its result, and no command failed for want of a connection
+    assert len(results) == 300 and all(res.ok for res in results)
+    assert "Redis unreachable" not in caplog.text
