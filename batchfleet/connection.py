@@ -9,6 +9,7 @@ work on both.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -103,9 +104,8 @@ async def run_script_calls_async(
 
 
 ASYNC_MAX_CONNECTIONS = 256
-"""Connections one asyncio client opens at most (its commands in flight at once)."""
-ASYNC_POOL_WAIT_S = 30.0
-"""How long a command waits for a free connection before it fails as unavailable."""
+"""Connections one asyncio client opens at most (its commands in flight at once; more wait
+for one)."""
 
 
 def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, Any]:
@@ -146,10 +146,29 @@ def connect_async(
         opts.pop("retry_on_error")
         opts.pop("health_check_interval")
         return aioredis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
-    # A blocking pool: past max_connections a command waits for a free connection (up to
-    # ASYNC_POOL_WAIT_S), where redis-py's default pool fails it ("Too many connections"),
-    # which reads as Redis being down to a program awaiting hundreds of results at once.
-    opts = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S,
-            **_options(socket_timeout, extra)}  # fmt: skip
-    pool = aioredis.BlockingConnectionPool.from_url(url, retry=retry, **opts)
-    return aioredis.Redis.from_pool(pool)
+    opts = {"max_connections": ASYNC_MAX_CONNECTIONS, **_options(socket_timeout, extra)}
+    return aioredis.Redis.from_pool(_WaitingPool.from_url(url, retry=retry, **opts))
+
+
+class _WaitingPool(aioredis.ConnectionPool):
+    """Past ``max_connections`` a command waits for a free connection, where redis-py's
+    pool fails it ("Too many connections": a program awaiting hundreds of results at once
+    read it as Redis being down). The wait is a semaphore's, which a cancellation ends."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = asyncio.Semaphore(self.max_connections)
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        await self._slots.acquire()
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            self._slots.release()

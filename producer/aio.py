@@ -98,12 +98,15 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
 
     async def _drive(self, runner: Runner[Any]) -> AsyncIterator[Result]:
         """Await each of ``runner``'s operations; results it emits go to the caller."""
+        cancels = _cancels()
         async with contextlib.aclosing(_Subscription(self.client)) as subscription:
             for op in runner:
                 if isinstance(op, ops.Emit):
                     yield op.item
                 else:
                     runner.reply = await self._do(op, subscription)
+                    if _cancels() > cancels:  # swallowed on the way: see _cancels
+                        raise asyncio.CancelledError()
 
     async def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
         """The reply to ``op``; a connection error is returned, for the core to handle."""
@@ -193,6 +196,18 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     ) -> None:
         """:meth:`Producer.cancel <batchfleet.producer.Producer.cancel>`, awaitable."""
         await self._call(self.core.cancel(*self._target(job, model), ttl_s))
+
+
+def _cancels() -> int:
+    """Cancellations this task was asked for and has not handled. Python < 3.12's
+    ``asyncio.wait_for``, which redis-py sends each command through, returns the command's
+    reply and drops a cancellation that arrives as the command ends; a task cancelled so
+    (hundreds of ``result()`` waits at once) polled on until its timeout. Where the
+    counter went up across an operation, the cancellation is raised again, once the
+    operation is whole (its reply read: the connection stays in step)."""
+    task = asyncio.current_task()
+    count = getattr(task, "cancelling", None)  # Python 3.11+
+    return count() if count is not None else 0
 
 
 class _Subscription:

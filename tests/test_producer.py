@@ -694,3 +694,20 @@ def test_async_producer_awaits_hundreds_of_results_at_once(
     # Then each gets its result, and no command failed for want of a connection
     assert len(results) == 300 and all(res.ok for res in results)
     assert "Redis unreachable" not in caplog.text
+
+
+def test_hundreds_of_async_waits_cancelled_at_once_all_end(redis_url: str) -> None:
+    # Given 300 result() waits polling for results that never come
+    async def go() -> tuple[int, int]:
+        async with AsyncProducer(redis_url) as producer:
+            jobs = [await producer.submit("idle", inputs=f"t{i}") for i in range(300)]
+            waits = [asyncio.ensure_future(job.result(timeout=600)) for job in jobs]
+            await asyncio.sleep(0.5)  # every wait has polled
+            # When they are all cancelled (a server's clients gone at once)
+            for wait in waits:
+                wait.cancel()
+            done, pending = await asyncio.wait(waits, timeout=60)
+            return len(pending), sum(w.cancelled() for w in done)
+
+    # Then every one ends, cancelled (none goes on polling until its timeout)
+    assert asyncio.run(go()) == (0, 300)
