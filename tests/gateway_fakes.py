@@ -101,9 +101,10 @@ class ScriptedWorker:
         return self.streams.cancelled([taken.id]) == [taken.id]
 
 
-async def leave_mid_stream(port: int, fake: ScriptedWorker, body: dict[str, Any]) -> bool:
+async def leave_mid_stream(port: int, fake: ScriptedWorker, body: dict[str, Any]) -> Taken | None:
     """Stream ``body``, close the connection once its first event arrived while ``fake``
-    writes tokens; True once the gateway cancelled the request in the fleet."""
+    writes tokens: the request, once the gateway cancelled it in the fleet (None if it
+    did not)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(http_request("POST", "/v1/chat/completions", body))
     taken = await asyncio.to_thread(fake.take)
@@ -113,6 +114,6 @@ async def leave_mid_stream(port: int, fake: ScriptedWorker, body: dict[str, Any]
             await reader.readuntil(b"data: ")
             writer.close()
         if await asyncio.to_thread(fake.cancelled, taken):
-            return True
+            return taken
         await asyncio.sleep(0.05)
-    return False
+    return None

@@ -44,10 +44,18 @@ def test_metrics_count_requests_tokens_streams_and_clients_that_left(redis_url: 
             await asyncio.to_thread(fake.ok, taken, [{"text": "Hi!", "finish_reason": "stop"}],
                                     Usage(prompt_tokens=5, completion_tokens=2))  # fmt: skip
             assert (await ask)[0] == 200
-            assert await leave_mid_stream(port, fake, chat)
-            # When Prometheus scrapes, without the key
-            status, body = await http(port, "GET", "/metrics", key=None)
-            assert status == 200
+            left = await leave_mid_stream(port, fake, chat)
+            assert left is not None
+            # (answered as a worker answers a cancelled request, which ends its handler)
+            cancelled = {"text": "x", "finish_reason": "cancelled"}
+            await asyncio.to_thread(fake.ok, left, [cancelled])
+            # When Prometheus scrapes, without the key (once that handler has ended)
+            for _ in range(200):
+                status, body = await http(port, "GET", "/metrics", key=None)
+                assert status == 200
+                if sample(body.decode(), "batchfleet_gateway_fleet_requests_in_flight") == 0:
+                    break
+                await asyncio.sleep(0.05)
             return body.decode()
 
     try:

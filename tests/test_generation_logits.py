@@ -307,7 +307,8 @@ def test_the_last_delta_carries_tokens_that_add_no_text(
     d.run()
     out = d.finals["e"].outputs[0]
     assert (out["text"], out["completion_tokens"], out["finish_reason"]) == ("", 1, "stop")
-    assert d.partials["e"] == [{"input": 0, "text": "", "tokens": 1, "logprobs": out["logprobs"]}]
+    assert d.partials["e"] == [{"input": 0, "text": "", "tokens": 1, "logprobs": out["logprobs"],
+                                "prompt_tokens": out["prompt_tokens"]}]  # fmt: skip
     assert out["logprobs"][0]["token"] == eos
     # a longer text: the deltas add up to the result too
     mid = d.finals["m"].outputs[0]
