@@ -118,7 +118,7 @@ GENERATION_FIELDS: Final = (
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
-    "reasoning_effort",
+    "reasoning_effort", "return_prompt_text",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -380,8 +380,12 @@ class Request(_Strict):
     webhook: Webhook | None = None
     """POST the result there too (signed, retried); it stays pollable either way."""
     # --- generation models only (an encoder answers invalid_request if any is set) --------
-    max_new_tokens: int | None = Field(None, ge=1)
-    """Tokens to generate at most per input (default and bound: the model's config)."""
+    max_new_tokens: int | None = Field(None, ge=0)
+    """Tokens to generate at most per input (default and bound: the model's config). 0:
+    none, the prompt only: each output has an empty ``text``, ``finish_reason`` ``length``,
+    its ``prompt_tokens`` and, as asked, ``prompt_token_ids``, ``prompt_logprobs`` and
+    ``prompt_text`` (a tokenizer's count, a prompt's score); workers before it was allowed
+    answer ``invalid_request``."""
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     """0 (the default) is greedy decoding; above 0, sampling."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -424,6 +428,10 @@ class Request(_Strict):
     """vLLM's: each output carries its generated ``token_ids`` (and the first of each
     input its ``prompt_token_ids``), each delta its own ``token_ids``: what an RL trainer
     or a client sending ``prompt_token_ids`` inputs needs, with no tokenizing again."""
+    return_prompt_text: bool | None = None
+    """The first output of each input carries ``prompt_text``: its prompt as the model
+    read it (what OpenAI's ``echo`` and vLLM's ``/detokenize`` show for a prompt sent as
+    token ids or a chat); absent otherwise."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
@@ -732,6 +740,15 @@ class Generation(_Answer):
     prompt_token_ids: list[int] | None = None
     """With ``return_token_ids``, in the first output of each input: the prompt's tokens
     (``prompt_tokens`` of them: a chat's rendered template, a truncated prompt's last)."""
+    prompt_text: str | None = None
+    """With the request's ``return_prompt_text``, in the first output of each input: the
+    prompt's text as the model read it: a text input as sent (decoded from its tokens when
+    ``truncate_prompt_tokens`` cut it), a chat's rendered template, ``prompt_token_ids``
+    decoded (special tokens kept)."""
+    stop_reason: str | int | None = None
+    """vLLM's: what ended a ``stop`` output: the request's stop string (``stop``) or stop
+    token id (``stop_token_ids``) it met; null when an end-of-sequence token ended it, for
+    any other ``finish_reason``, and from workers before it was added."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With the request's ``prompt_logprobs``, in the first output of each input: one per
     prompt token (``prompt_tokens`` of them), the first null (nothing precedes it), each
