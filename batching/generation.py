@@ -53,7 +53,8 @@ class GenWaiting:
     """Absolute seconds; ``None`` = none."""
     prompts: tuple[int, ...]
     """Tokens to prefill per sequence (one per input); a resumed request's prompt plus
-    what it generated before preemption."""
+    what it generated before preemption; 0 for a sequence its runner answers when
+    admitted (``max_new_tokens`` 0: the prompt only, not scored)."""
     max_new_tokens: int
     """Tokens each sequence may still generate."""
 
