@@ -345,8 +345,9 @@ class PaddedEngine:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
         (the request's lane) first, then in the order added. ``score``: keep the
         log-probabilities of its tokens after the first (:meth:`prompt_logprobs`), with
-        that many likeliest tokens each (prefilled again from its start if it was).
-        ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
+        that many likeliest tokens each (prefilled again from its start if it was); with
+        ``max_new_tokens`` 0 (its prompt only scored) it still takes one token, which the
+        runner drops. ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
