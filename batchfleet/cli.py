@@ -363,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0)
     s.add_argument("--chat", action="store_true",
                    help="generation: the text is one user message (chat template)")  # fmt: skip
-    s.add_argument("--max-new-tokens", type=int, default=None, help="generation")
+    s.add_argument(
+        "--max-new-tokens", type=int, default=None, help="generation (0: none, the prompt only)"
+    )
     s.add_argument("--stream", action="store_true",
                    help="generation: print the text as it streams, then the result")  # fmt: skip
     s.add_argument("--options", default=None,

@@ -53,7 +53,8 @@ class GenWaiting:
     """Absolute seconds; ``None`` = none."""
     prompts: tuple[int, ...]
     """Tokens to prefill per sequence (one per input); a resumed request's prompt plus
-    what it generated before preemption."""
+    what it generated before preemption; 0 for a sequence its runner answers when
+    admitted (``max_new_tokens`` 0: the prompt only, not scored)."""
     max_new_tokens: int
     """Tokens each sequence may still generate."""
 
@@ -159,10 +160,11 @@ def reserved_blocks(r: GenRunning, page_size: int) -> int:
 
 
 def admission_blocks(w: GenWaiting, page_size: int) -> int:
-    """Blocks a waiting request needs to start: whole prompts plus one decode token."""
+    """Blocks a waiting request needs to start: whole prompts plus one decode token (none
+    for a sequence of no prompt tokens: its runner answers it when admitted)."""
     if len(w.prompts) == 1:
-        return -(-(w.prompts[0] + 1) // page_size)
-    return sum(blocks_for(p + 1, page_size) for p in w.prompts)
+        return -(-(w.prompts[0] + 1) // page_size) if w.prompts[0] else 0
+    return sum(blocks_for(p + 1, page_size) for p in w.prompts if p)
 
 
 def schedule_step(running: Sequence[GenRunning], step_tokens: int) -> dict[str, tuple[int, ...]]:

@@ -87,7 +87,9 @@ class GenerationOptions(TypedDict, total=False):
     ``invalid_request`` if any is set). None: the model's default."""
 
     max_new_tokens: int | None
-    """Tokens to generate at most, per input (bounded by the model)."""
+    """Tokens to generate at most, per input (bounded by the model). 0: none, the prompt
+    only (its ``prompt_tokens``, and as asked ``prompt_token_ids``, ``prompt_logprobs``,
+    ``prompt_text``); workers older than it answer ``invalid_request``."""
     temperature: float | None
     """0 (the default) decodes greedily; above 0 it samples."""
     top_p: float | None
@@ -155,6 +157,9 @@ class GenerationOptions(TypedDict, total=False):
     """The last (assistant) message is continued, not closed (vLLM's)."""
     return_token_ids: bool | None
     """Outputs carry ``token_ids`` (and ``prompt_token_ids``), deltas theirs (vLLM's)."""
+    return_prompt_text: bool | None
+    """Each input's first output carries ``prompt_text``: its prompt as the model read it
+    (a chat's rendered template, token ids decoded)."""
     cache_salt: str | None
     """Cached prefixes are shared only with requests of the same salt (vLLM's)."""
     reasoning_effort: str | None

@@ -130,6 +130,27 @@ def eos_runner(
     return runner, eos
 
 
+def test_an_end_of_sequence_token_leaves_no_stop_reason(
+    eos_runner: tuple[TextGenerationRunner, int],
+) -> None:
+    # vLLM's: an end-of-sequence token ends an output with no stop_reason, listed in
+    # stop_token_ids or not; a stop string or another stop token does set it
+    runner, eos = eos_runner
+    made = runner.tokenizer.decode([eos], skip_special_tokens=True)
+    outs = run(runner, req("eos", max_new_tokens=6), req("listed", max_new_tokens=6,
+               stop_token_ids=[eos, 5]), req("len", max_new_tokens=1, ignore_eos=True),
+               req("other", max_new_tokens=1, ignore_eos=True, stop_token_ids=[eos]))  # fmt: skip
+    for key in ("eos", "listed"):
+        (out,) = outs[key]
+        assert (out["finish_reason"], out["completion_tokens"]) == ("stop", 1), key
+        assert "stop_reason" not in out, key
+    (length,) = outs["len"]
+    assert length["finish_reason"] == "length" and "stop_reason" not in length
+    # ignore_eos: the same token, a stop token like any other
+    (other,) = outs["other"]
+    assert (other["finish_reason"], other["stop_reason"], other["text"]) == ("stop", eos, made)
+
+
 def test_min_new_tokens_holds_back_the_end_of_sequence(
     eos_runner: tuple[TextGenerationRunner, int],
 ) -> None:
@@ -331,9 +352,12 @@ def test_stop_token_ids_end_the_text_after_the_token(runner: TextGenerationRunne
     d.run()
     out = d.finals["st"].outputs[0]
     assert (out["finish_reason"], out["completion_tokens"]) == ("stop", at + 1)
+    assert out["stop_reason"] == made[at]  # vLLM's: the stop token that ended it
     assert out["text"] == runner.tokenizer.decode(made[: at + 1], skip_special_tokens=True)
     assert "".join(c["text"] for c in d.partials["st"]) == out["text"]
-    assert d.finals["plain"].outputs[0]["completion_tokens"] == 16  # its batch-mate goes on
+    plain = d.finals["plain"].outputs[0]
+    assert plain["completion_tokens"] == 16  # its batch-mate goes on
+    assert plain["finish_reason"] == "length" and "stop_reason" not in plain
     (bad,) = runner.prepare_many([req("b", stop_token_ids=[runner.vocab_size])])
     assert isinstance(bad, PrepareError) and "not tokens of this model" in str(bad)
 
@@ -437,6 +461,44 @@ def test_ignore_eos_generates_past_the_end_of_sequence(
     assert out["text"] == runner.tokenizer.decode(made, skip_special_tokens=True)
     plain = d.finals["plain"].outputs[0]
     assert (plain["finish_reason"], plain["completion_tokens"]) == ("stop", 1)
+
+
+def test_prompt_logprobs_with_max_new_tokens_0_are_those_of_max_1(
+    runner: TextGenerationRunner,
+) -> None:
+    # Given: a prompt's score (lm-eval's loglikelihood: echo, logprobs, max_tokens 0) for
+    # two inputs and two completions each, streamed, beside the same with max 1
+    texts = ["the man was", "a b c"]
+    zero = req("z", inputs=texts, max_new_tokens=0, n=2, prompt_logprobs=2, stream=True,
+               return_token_ids=True, logprobs=1)  # fmt: skip
+    if runner.engine_kind == "paged":  # refused, as any prompt_logprobs there
+        (refused,) = runner.prepare_many([zero])
+        assert isinstance(refused, PrepareError) and "prompt_logprobs" in str(refused)
+        return
+    lengths = [len(runner.tokenizer(t).input_ids) for t in texts]
+    preps = prepare(runner, zero, req("one", inputs=texts, max_new_tokens=1, prompt_logprobs=2),
+                    req("plain", max_new_tokens=4))  # fmt: skip
+    # only each input's scored first completion takes the KV cache (its prompt)
+    assert preps[0].prompts == (lengths[0], 0, lengths[1], 0)
+    # When: they run
+    d = Driver(runner)
+    d.step([("z", preps[0]), ("one", preps[1]), ("plain", preps[2])])
+    d.run()
+    # Then: the same scores, and no token: the one its prefill took is dropped
+    outs, ones = d.finals["z"].outputs, d.finals["one"].outputs
+    for i, one in enumerate(ones):
+        first, second = outs[2 * i], outs[2 * i + 1]
+        assert first["prompt_logprobs"] == one["prompt_logprobs"]
+        assert len(first["prompt_logprobs"]) == first["prompt_tokens"] == lengths[i]
+        assert "prompt_logprobs" not in second
+        for out in (first, second):
+            assert out["text"] == "" and out["completion_tokens"] == 0
+            assert out["finish_reason"] == "length"
+            assert out["token_ids"] == out["logprobs"] == []
+        assert one["completion_tokens"] == 1
+    assert "z" not in d.partials and all("z" not in rep.produced for rep in d.reports)
+    assert d.finals["plain"].outputs[0]["text"] == greedy(runner, PROMPTS[0], 4)
+    assert not runner._reqs and not runner._by_seq
 
 
 def test_prompt_logprobs_score_each_prompt_in_its_first_output(

@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -203,3 +204,62 @@ def test_a_generation_longer_than_claim_idle_ms_stays_with_its_live_worker(
         assert result.ok and result.timings.worker in names
         (generation,) = result.generations()
         assert generation.finish_reason == "cancelled", "the answer ended before 2 s: too short"
+
+
+def test_the_prompt_alone_its_text_and_stop_reasons_through_a_worker(
+    redis_url: str, r: redis.Redis, tiny_lm: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_lm)
+    start_worker(gen_fleet(redis_url, tiny_lm), "gen-prompt").wait_ready(r, "gen")
+    texts = ["the man was", "a b c"]
+    with Producer(redis_url) as producer:
+        # a tokenizer's count: max_new_tokens 0, two inputs, two completions each
+        job = producer.submit("gen", inputs=texts, max_new_tokens=0, n=2, return_token_ids=True,
+                              return_prompt_text=True)  # fmt: skip
+        result = job.result(timeout=60)
+        outs = result.generations()
+        assert len(outs) == 4 and result.usage is not None
+        assert result.usage.completion_tokens == 0
+        assert result.usage.prompt_tokens == sum(len(tok(t).input_ids) for t in texts)
+        for i, text in enumerate(texts):
+            first, second = outs[2 * i], outs[2 * i + 1]
+            assert (first.prompt_token_ids, first.prompt_text) == (tok(text).input_ids, text)
+            assert second.prompt_token_ids is None and second.prompt_text is None
+            for g in (first, second):
+                assert (g.text, g.finish_reason, g.completion_tokens) == ("", "length", 0)
+                assert g.token_ids == [] and g.stop_reason is None
+        # streamed: no delta, and the stream ends
+        streamed = producer.submit("gen", "the man was", max_new_tokens=0, stream=True)
+        assert list(streamed.deltas(timeout=60)) == [] and streamed.text() == ""
+        # a chat: its template as rendered
+        chat = producer.submit("gen", messages=CHAT, max_new_tokens=0, return_prompt_text=True)
+        (said,) = chat.result(timeout=60).generations()
+        assert said.prompt_text == tok.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                           tokenize=False)  # fmt: skip
+        # stop_reason: the stop string, or the stop token, that ended the text
+        rules: dict[str, Any] = {"max_new_tokens": 12, "repetition_penalty": 3.0}
+        plain = producer.submit("gen", "a b c", return_token_ids=True, **rules)
+        (whole,) = plain.result(timeout=60).generations()
+        assert whole.finish_reason == "length" and whole.stop_reason is None
+        assert whole.token_ids is not None and whole.token_ids[1] not in whole.token_ids[:1]
+        stop = whole.text[5:7]
+        assert stop.strip(), whole.text
+        by_string = producer.submit("gen", "a b c", stop=["§", stop], **rules)
+        (cut,) = by_string.result(timeout=60).generations()
+        assert (cut.finish_reason, cut.stop_reason, cut.text) == (
+            "stop", stop, whole.text[: whole.text.index(stop)])  # fmt: skip
+        by_token = producer.submit("gen", "a b c", stop_token_ids=[whole.token_ids[1]], **rules)
+        (ended,) = by_token.result(timeout=60).generations()
+        assert (ended.finish_reason, ended.stop_reason, ended.completion_tokens) == (
+            "stop", whole.token_ids[1], 2)  # fmt: skip
+
+    async def scored() -> None:  # the async producer takes the same options
+        async with AsyncProducer(redis_url) as producer:
+            job = await producer.submit("gen", inputs=texts[:1], max_new_tokens=0,
+                                        return_prompt_text=True)  # fmt: skip
+            (g,) = (await job.result(timeout=60)).generations()
+            assert (g.prompt_text, g.completion_tokens) == (texts[0], 0)
+
+    asyncio.run(scored())

@@ -256,12 +256,14 @@ def test_a_stop_string_ends_the_text_before_it(runner: TextGenerationRunner) -> 
     full = greedy(runner, "a b c", 12)
     stop = full[5:7]
     assert stop.strip(), full
-    (p,) = prepare(runner, req("st", inputs=["a b c"], max_new_tokens=12, stop=[stop], stream=True))
+    (p,) = prepare(runner, req("st", inputs=["a b c"], max_new_tokens=12, stop=["§§", stop],
+                               stream=True))  # fmt: skip
     d = Driver(runner)
     d.step([("st", p)])
     d.run()
     out = d.finals["st"].outputs[0]
     assert out["finish_reason"] == "stop"
+    assert out["stop_reason"] == stop  # vLLM's: the stop string that ended it
     assert out["text"] == full[: full.index(stop)]
     assert "".join(c["text"] for c in d.partials.get("st", [])) == out["text"]
 

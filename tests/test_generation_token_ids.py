@@ -114,3 +114,80 @@ def test_token_prompts_out_of_bounds_are_refused(
     assert "is of kind tokens" in str(refused)
     ok = runner.prepare_many([req("k", inputs=["text", {"prompt_token_ids": [5, 6]}])])
     assert all(isinstance(p, Prepared) for p in ok)
+
+
+def test_max_new_tokens_0_answers_the_prompt_alone_without_the_engine(
+    runner: TextGenerationRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: two text inputs and one of token ids, two completions each, streamed, with
+    # their token ids and log-probabilities asked (a tokenizer's count)
+    ids = runner.tokenizer("a b c")["input_ids"]
+    (prep,) = prepare(runner, req("z", inputs=[PROMPT, "there were many", {"prompt_token_ids": ids}],
+                                  max_new_tokens=0, n=2, stream=True, return_token_ids=True,
+                                  logprobs=1, temperature=1.0, seed=2))  # fmt: skip
+    # the scheduler plans no KV cache for it, and nothing to generate
+    assert prep.prompts == (0,) * 6 and prep.max_new_tokens == 0
+    added: list[str] = []
+    add = runner.engine.add
+    monkeypatch.setattr(runner.engine, "add", lambda name, *a, **kw: (added.append(name),
+                                                                     add(name, *a, **kw)))  # fmt: skip
+    # When: it is admitted
+    d = Driver(runner)
+    d.step([("z", prep)])
+    # Then: answered in that very step, with no engine work and no delta
+    assert "z" in d.finals and not added and "z" not in d.partials
+    assert not runner._reqs and not runner._by_seq and d.reports[0].produced == {}
+    outs = d.finals["z"].outputs
+    for i, prompt in enumerate([runner.tokenizer(PROMPT)["input_ids"],
+                                runner.tokenizer("there were many")["input_ids"], ids]):  # fmt: skip
+        first, second = outs[2 * i], outs[2 * i + 1]
+        for out in (first, second):
+            assert out["text"] == "" and out["completion_tokens"] == 0
+            assert out["finish_reason"] == "length"
+            assert out["prompt_tokens"] == len(prompt)
+            assert out["token_ids"] == [] and out["logprobs"] == []
+            assert "stop_reason" not in out
+        assert first["prompt_token_ids"] == prompt and "prompt_token_ids" not in second
+    # a plain request beside it goes on as ever, through the engine
+    (plain,) = run(runner, req("p", max_new_tokens=3))["p"]
+    assert plain["completion_tokens"] == 3 and added
+
+
+def test_min_new_tokens_with_max_new_tokens_0_is_refused() -> None:
+    with pytest.raises(ValidationError, match="min_new_tokens 1 > max_new_tokens 0"):
+        req("m", max_new_tokens=0, min_new_tokens=1)
+    assert req("m", max_new_tokens=0, min_new_tokens=0).max_new_tokens == 0
+
+
+def test_return_prompt_text_gives_each_input_s_prompt_as_the_model_read_it(
+    runner: TextGenerationRunner,
+) -> None:
+    tok = runner.tokenizer
+    long = "there were many years of time and " * 3
+    kept = tok(long)["input_ids"][-5:]
+    special = tok(PROMPT)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    msgs = [{"role": "user", "content": "what is this"}]
+    outs = run(runner,
+               req("t", inputs=[PROMPT, {"prompt_token_ids": special}], n=2, max_new_tokens=3,
+                   return_prompt_text=True),
+               req("cut", inputs=[long, "it"], truncate_prompt_tokens=5, max_new_tokens=0,
+                   return_prompt_text=True),
+               req("c", inputs=[], messages=msgs, max_new_tokens=2, return_prompt_text=True,
+                   return_token_ids=True),
+               req("no", max_new_tokens=0))  # fmt: skip
+    # a text as sent; token ids decoded, their special tokens kept; only in each input's
+    # first output
+    shown = tok.decode(special, skip_special_tokens=False)
+    assert [o.get("prompt_text") for o in outs["t"]] == [PROMPT, None, shown, None]
+    assert outs["t"][2]["prompt_text"].endswith("<|im_end|>")
+    # a text truncate_prompt_tokens cut: the tokens kept, decoded; one it did not, as sent
+    cut = tok.decode(kept, skip_special_tokens=False)
+    assert [o["prompt_text"] for o in outs["cut"]] == [cut, "it"]
+    assert outs["cut"][0]["prompt_tokens"] == 5
+    # a chat: its template as rendered, whose tokens are the prompt's
+    (chat,) = outs["c"]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert chat["prompt_text"] == rendered
+    assert chat["prompt_token_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    # not asked: none
+    assert "prompt_text" not in outs["no"][0]

@@ -70,6 +70,14 @@ def test_a_sliding_window_model_is_served_by_the_paged_engine(gpt_oss: Path) -> 
     assert runner.engine_kind == "paged"  # chosen for it
     # Then batched greedy tokens are generate's, one prompt at a time
     assert _served(runner, PROMPTS, 24) == _generate(gpt_oss, PROMPTS, 24)
+    # and the prompt alone (max_new_tokens 0) is answered when admitted, as on any engine
+    (prep,) = prepare(runner, req("z", inputs=PROMPTS, max_new_tokens=0, return_token_ids=True,
+                                  return_prompt_text=True))  # fmt: skip
+    d = Driver(runner)
+    d.step([("z", prep)])
+    tok = AutoTokenizer.from_pretrained(gpt_oss)
+    assert [(o["prompt_token_ids"], o["prompt_text"], o["completion_tokens"])
+            for o in d.finals["z"].outputs] == [(tok(p).input_ids, p, 0) for p in PROMPTS]  # fmt: skip
 
 
 def test_the_padded_engine_refuses_a_sliding_window_model(gpt_oss: Path) -> None:

@@ -525,7 +525,13 @@ def test_generation_requests_carry_their_fields(
     with pytest.raises(RequestRejected):
         shell.submit("tiny", "both", messages=chat)
     with pytest.raises(RequestRejected):
-        shell.submit("tiny", "x", max_new_tokens=0)
+        shell.submit("tiny", "x", max_new_tokens=-1)
+    with pytest.raises(RequestRejected, match="min_new_tokens 1 > max_new_tokens 0"):
+        shell.submit("tiny", "x", max_new_tokens=0, min_new_tokens=1)
+    # 0: the prompt only (a tokenizer's count, a prompt's score), here with its text
+    shell.submit("tiny", "x", max_new_tokens=0, return_prompt_text=True)
+    *_, counted = [decode_entry(f, "tiny")[0] for _, f in r.xrange(KEYS.lane(1))]
+    assert (counted.max_new_tokens, counted.return_prompt_text) == (0, True)
 
 
 def test_stream_yields_the_text_until_the_end_entry(

@@ -56,7 +56,8 @@ class Prepared:
     truncated: tuple[bool, ...] | None = None
     """Per input: was it cut to the model's limit? (reported in the result)"""
     prompts: tuple[int, ...] = ()
-    """Generating runners: prompt tokens per sequence (what the KV cache will hold)."""
+    """Generating runners: prompt tokens per sequence (what the KV cache will hold; 0: a
+    sequence answered when admitted, with nothing to generate or score)."""
     input_tokens: int = 0
     """One-shot runners: tokens over all its rows (an image's: its patches), the result's
     ``usage.prompt_tokens``."""

@@ -42,6 +42,14 @@ class Case:
 
 CASES = [
     Case(
+        "a request with no prompt to hold (max_new_tokens 0) needs no block: it is answered",
+        tokens_policy(kv=10),
+        [gw("count", 0.1, prompts=(0, 0), max_new=0), gw("b", 0.2, prompts=(1,))],
+        [gr("r", 0.0, contexts=(9,))],
+        0.5,
+        admit=["count"],
+    ),
+    Case(
         "lane order, oldest first within a lane",
         tokens_policy(),
         [gw("l2", 0.0, lane=2), gw("l1", 0.1, lane=1), gw("b", 0.3), gw("a", 0.2)],

@@ -52,6 +52,8 @@ class TextStream:
     """Where a stop string begins in ``text``, once one was produced."""
     stop_end: int = 0
     """Where that stop string ends in ``text``."""
+    stop_string: str | None = None
+    """That stop string (what vLLM's ``stop_reason`` reports)."""
     _base: str = ""
     """The text of ``tokens[:read]`` (complete)."""
     _tail: str = ""
@@ -85,6 +87,7 @@ class TextStream:
             if hits:  # the first to begin (the first given, of those beginning there)
                 at, k = min(hits)
                 self.stopped_at, self.stop_end = at, at + len(self.stop[k])
+                self.stop_string = self.stop[k]
 
     def _settle(self, before: str, after: str) -> None:
         """Move a held window on to ``SETTLE`` tokens back, if the text there is settled:

@@ -345,8 +345,9 @@ class PaddedEngine:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
         (the request's lane) first, then in the order added. ``score``: keep the
         log-probabilities of its tokens after the first (:meth:`prompt_logprobs`), with
-        that many likeliest tokens each (prefilled again from its start if it was).
-        ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
+        that many likeliest tokens each (prefilled again from its start if it was); with
+        ``max_new_tokens`` 0 (its prompt only scored) it still takes one token, which the
+        runner drops. ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
@@ -596,7 +597,7 @@ class PaddedEngine:
             if not seq.finished:
                 self._join(seq)
             twins = self._twins(seq, self.max_running - len(self._rows))
-            out += self._share(cache, twins, logits[last[k]], self._join)
+            out += self._share(seq, cache, twins, logits[last[k]], self._join)
         self._leave(lambda r: r.finished)
         return out
 
@@ -745,7 +746,7 @@ class PaddedEngine:
             if not seq.finished:
                 joined.append(seq)
             twins = self._twins(seq, self.max_running - len(self._rows) - len(joined))
-            out += self._share(cache, twins, logits[0], joined.append)
+            out += self._share(seq, cache, twins, logits[0], joined.append)
         return joined, out
 
     def _twins(self, seq: _Seq, room: int) -> list[_Seq]:
@@ -761,16 +762,19 @@ class PaddedEngine:
         return out
 
     def _share(
-        self, cache: Cache | None, twins: list[_Seq], logits: torch.Tensor, join: Any
+        self, seq: _Seq, cache: Cache | None, twins: list[_Seq], logits: torch.Tensor, join: Any
     ) -> list[Output]:
-        """``twins`` take a twin's ended prefill: its ``cache`` (each row gets its own copy)
-        and a first token drawn from its last ``logits`` by each twin's own sampler."""
+        """``twins`` take ``seq``'s ended prefill: its ``cache`` (each row gets its own
+        copy), its prompt's scores where they are scored too, and a first token drawn from
+        its last ``logits`` by each twin's own sampler."""
         if not twins:
             return []
         out = []
         tokens = self._pick(logits[None].expand(len(twins), -1).clone(), twins)
         for twin, t in zip(twins, tokens, strict=True):
             twin.cache, twin.done = cache, len(twin.tokens)
+            if twin.score is not None:  # the same prompt sent twice, both scored
+                self._prompt_lps[twin.name] = list(self._prompt_lps.get(seq.name, ()))
             self.shared += twin.done
             self._cached.setdefault(twin.name, twin.done)
             out.append(self._first(twin, t))

@@ -86,7 +86,8 @@ class GenSpec:
 
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: tuple[int, ...]
-    """Per input: the request's max_new_tokens, cut to what the context leaves."""
+    """Per input: the request's max_new_tokens, cut to what the context leaves (0: none,
+    the prompt only; its sequences need the engine only to score their prompts)."""
     sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
@@ -116,6 +117,9 @@ class GenSpec:
     """Outputs and deltas carry their tokens' ids (``return_token_ids``)."""
     cache_salt: str | None = None
     """Its prompts share cached prefixes only with prompts of the same salt."""
+    prompt_texts: tuple[str, ...] | None = None
+    """Per input, its prompt's text as the model read it (``return_prompt_text``; None:
+    not asked)."""
     compiling: Future[Constraint] | None = None
     """Its constraint, still being compiled (``sampling`` then has none yet; see
     :mod:`..generation.grammar`)."""
@@ -143,6 +147,8 @@ class _Seq:
     split: OutputSplit | None = None
     """Its reasoning, content and tool calls as its text comes (a split output: a chat
     split by the reasoning parser, or a request with ``tools``)."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it (vLLM's ``stop_reason``)."""
 
 
 @dataclass(slots=True)
@@ -419,13 +425,16 @@ class TextGenerationRunner:
 
     def _prepare(self, req: Request) -> Prepared | PrepareError:
         try:
-            prompts = self._prompts(req)
+            prompts, texts = self._prompts(req)
         except PrepareError as exc:
             return exc
         except Exception as exc:
             return PrepareError(f"cannot tokenize: {type(exc).__name__}: {exc}")
         if req.truncate_prompt_tokens is not None:  # vLLM's: keep the last ones
-            prompts = [p[-req.truncate_prompt_tokens :] for p in prompts]
+            cut = [p[-req.truncate_prompt_tokens :] for p in prompts]
+            texts = [t if len(c) == len(p) else None
+                     for t, c, p in zip(texts, cut, prompts, strict=True)]  # fmt: skip
+            prompts = cut
         for i, p in enumerate(prompts):
             if not p:
                 return PrepareError(f"input {i} has no tokens", ErrorCode.EMPTY_INPUT)
@@ -435,7 +444,8 @@ class TextGenerationRunner:
                     f"(context {self.context})",
                     ErrorCode.TOO_LARGE,
                 )
-        wanted = req.max_new_tokens or self.default_new_tokens  # bounded by the limits
+        # bounded by the limits; 0 (falsy) is the prompt only
+        wanted = self.default_new_tokens if req.max_new_tokens is None else req.max_new_tokens
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
@@ -461,8 +471,8 @@ class TextGenerationRunner:
             self._harmony and use is not None and use.kind == "auto"
             and req.constraint is None and any(t.function.strict for t in req.tools or ())
         )  # fmt: skip
-        try:
-            constrained = self._constraint(req, harmony_calls)
+        try:  # nothing generated (max_new_tokens 0): nothing to constrain
+            constrained = self._constraint(req, harmony_calls) if wanted else None
         except PrepareError as exc:
             return exc
         if constrained is not None:
@@ -537,10 +547,21 @@ class TextGenerationRunner:
             skip_special=req.skip_special_tokens is not False,
             token_ids=bool(req.return_token_ids),
             cache_salt=req.cache_salt,
+            prompt_texts=tuple(
+                t if t is not None else self.tokenizer.decode(p, skip_special_tokens=False)
+                for t, p in zip(texts, prompts, strict=True)
+            )
+            if req.return_prompt_text
+            else None,
             compiling=compiling,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
-        return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=lengths,
+        # the KV cache holds per sequence its prompt, or nothing where it is answered when
+        # admitted (nothing to generate, nor to score)
+        scored = req.prompt_logprobs is not None  # the first completion of each prompt
+        held = tuple(len(p) if wanted or (scored and j == 0) else 0
+                     for p in prompts for j in range(spec.n))  # fmt: skip
+        return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=held,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
     def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -613,18 +634,18 @@ class TextGenerationRunner:
             return (f"structured_outputs: this model's tokenizer cannot be used for them "
                     f"({type(exc).__name__}: {exc})")  # fmt: skip
 
-    def _prompts(self, req: Request) -> list[list[int]]:
+    def _prompts(self, req: Request) -> tuple[list[list[int]], list[str | None]]:
+        """Each input's prompt tokens, and its text where there is one: a text input's,
+        a chat's rendered template (rendered only for ``return_prompt_text``)."""
         if req.messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise PrepareError("this model has no chat template: send `inputs` (prompts)")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             go_on = bool(req.continue_final_message)
-            ids = self.tokenizer.apply_chat_template(
-                [_turn(m) for m in req.messages],
+            kwargs: dict[str, Any] = dict(
                 tools=tools,
                 add_generation_prompt=not go_on and req.add_generation_prompt is not False,
                 continue_final_message=go_on,
-                tokenize=True,
                 **(req.chat_template_kwargs or {}),
                 **(
                     {}
@@ -632,11 +653,18 @@ class TextGenerationRunner:
                     else {"reasoning_effort": req.reasoning_effort}
                 ),
             )
+            turns = [_turn(m) for m in req.messages]
+            ids = self.tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            return [list(ids)]
+            text = None
+            if req.return_prompt_text:  # as rendered, before tokenizing
+                text = str(self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs))
+            return [list(ids)], [text]
         prompts: list[list[int]] = []
+        texts: list[str | None] = []
         for i, item in enumerate(req.inputs):
+            texts.append(item if isinstance(item, str) else None)
             if isinstance(item, str):
                 prompts.append(list(self.tokenizer(item)["input_ids"]))
             elif isinstance(item, TokenPrompt):  # taken as they are
@@ -648,7 +676,7 @@ class TextGenerationRunner:
             else:
                 raise PrepareError("a text-generation model takes texts or prompt_token_ids "
                                    "(prompts), or messages", ErrorCode.INVALID_INPUT)  # fmt: skip
-        return prompts
+        return prompts, texts
 
     # --- the device's side -------------------------------------------------------------
 
@@ -673,7 +701,8 @@ class TextGenerationRunner:
                 events.append(self._park(r))
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
-            self._admit(key, prep, lane)
+            if (answered := self._admit(key, prep, lane)) is not None:
+                events += self._finish(answered)
         if self._compiling:
             self._compiled(events)
         failure = ""
@@ -694,6 +723,14 @@ class TextGenerationRunner:
                 continue  # ended or parked meanwhile
             r, seq = found
             text = seq.text
+            if not seq.max_new:  # a prompt to score, and nothing to generate
+                if out.tokens or out.finished:  # scored: the token its prefill took is dropped
+                    seq.finish = "length"
+                    if not out.finished:
+                        self.engine.cancel([seq.name])
+                    by_seq.pop(seq.name, None)
+                    touched[r.key] = r
+                continue
             new = out.tokens[len(text.tokens) - seq.base :]
             stop_ids = r.spec.stop_ids
             ended = False
@@ -707,6 +744,11 @@ class TextGenerationRunner:
                 produced[r.key] = produced.get(r.key, 0) + len(new)
             if text.stopped_at is not None or ended:
                 seq.finish = "stop"
+                # vLLM's: a stop string, else the stop token (an end-of-sequence one: none)
+                if text.stopped_at is not None:
+                    seq.stop_reason = text.stop_string
+                elif seq.sampling.ignore_eos or new[-1] not in self.eos:
+                    seq.stop_reason = new[-1]
                 self.engine.cancel([seq.name])
             elif out.finished:
                 eos = bool(text.tokens) and text.tokens[-1] in self.eos
@@ -744,7 +786,9 @@ class TextGenerationRunner:
             if not r.parked:
                 report.progress[key] = self._progress(r)
 
-    def _admit(self, key: str, prep: Prepared, lane: int) -> None:
+    def _admit(self, key: str, prep: Prepared, lane: int) -> _Req | None:
+        """Take an admitted request (new, or resumed); a new one with nothing for the
+        engine to do is returned, to be answered at once."""
         r = self._reqs.get(key)
         if r is None:
             spec: GenSpec = prep.payload
@@ -758,18 +802,25 @@ class TextGenerationRunner:
             tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
             decode = self._marked(markers + tags
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
+            # nothing to generate (max_new_tokens 0): only a prompt to score runs, greedily
+            # (its token is dropped); the other sequences end now, with no engine work
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
-                         spec.sampling_of(j), score=spec.prompt_logprobs if j == 0 else None,
-                         split=self._split(spec))
+                         spec.sampling_of(j) if m else Sampling(),
+                         score=spec.prompt_logprobs if j == 0 else None, split=self._split(spec),
+                         finish=None if m or (j == 0 and spec.prompt_logprobs is not None)
+                         else "length")
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
+            if r.done:
+                return r
             self._reqs[key] = r
         r.parked = False
         if r.compiling is not None:  # it starts once its constraint is compiled
             self._compiling[key] = (r, lane)
-            return
+            return None
         self._start(r, lane)
+        return None
 
     def _split(self, spec: GenSpec) -> OutputSplit | None:
         """A new output's split (None: its text is not split)."""
@@ -859,6 +910,12 @@ class TextGenerationRunner:
              "cached_tokens": self.engine.cached(s.name)}
             for s in r.seqs
         ]  # fmt: skip
+        for s, out in zip(r.seqs, outputs, strict=True):
+            if s.stop_reason is not None and s.finish == "stop":
+                out["stop_reason"] = s.stop_reason
+        if r.spec.prompt_texts is not None:
+            for i, text in enumerate(r.spec.prompt_texts):
+                outputs[i * r.spec.n]["prompt_text"] = text
         if r.spec.sampling.logprobs is not None:
             for s, out in zip(r.seqs, outputs, strict=True):
                 out["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[: len(s.text.tokens)])
