@@ -178,10 +178,14 @@ def test_bodies_refused_before_the_fleet(change: dict[str, Any], param: str) -> 
 
 def test_values_the_fleet_refuses_are_the_producers_to_tell() -> None:
     body = {"model": "lm", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
-    for change in ({"temperature": -1}, {"max_tokens": 0},
+    for change in ({"temperature": -1}, {"max_tokens": -1},
                    {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}):  # fmt: skip
         with pytest.raises(RequestRejected):
             built(submission(body | change))
+    # 0, which the fleet takes (the prompt only), is refused as Anthropic's API does
+    with pytest.raises(ApiError) as e:
+        submission(body | {"max_tokens": 0})
+    assert e.value.param == "max_tokens"
 
 
 # --- answers, events, errors ---------------------------------------------------------------
@@ -220,11 +224,19 @@ def test_a_whole_answer_is_a_message_the_sdk_reads() -> None:
         ({"text": "", "finish_reason": "stop", "content": "", "tool_calls": [CALL]}, "tool_use"),
         ({"text": "a", "finish_reason": "deadline"}, "deadline"),
         ({"text": "a", "finish_reason": "cancelled"}, "cancelled"),
+        ({"text": "a", "finish_reason": "stop", "stop_reason": "END"}, "stop_sequence"),
+        ({"text": "a", "finish_reason": "stop", "stop_reason": 2}, "end_turn"),
     ],
 )  # fmt: skip
 def test_stop_reasons(output: dict[str, Any], reason: str) -> None:
     out = message(result(output), "msg_r1")
     assert out["stop_reason"] == reason
+    # the stop string that ended it, for stop_sequence only
+    assert out["stop_sequence"] == ("END" if reason == "stop_sequence" else None)
+    if reason not in ("deadline", "cancelled"):  # the fleet's own: not the SDK's
+        assert Message.model_validate(out).stop_reason == reason
+    events = MessageEvents("msg_r1", "lm").finish(result(output))
+    assert events[-2]["delta"] == {"stop_reason": reason, "stop_sequence": out["stop_sequence"]}
     assert [b["type"] for b in out["content"]] == (["tool_use"] if "tool_calls" in output
                                                    else ["text"])  # fmt: skip
 
