@@ -274,7 +274,9 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
     assert c.text == "the cat sat" and c.logprobs is not None and c.logprobs.tokens is not None
     assert "".join(c.logprobs.tokens) == "the cat sat" == "".join(
         [c.logprobs.tokens[0], *(t.text for t in scored.prompt_logprobs[1:])])  # fmt: skip
-    assert c.logprobs.token_logprobs == [None, *(t.logprob for t in scored.prompt_logprobs[1:])]
+    assert c.logprobs.token_logprobs is not None and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        [t.logprob for t in scored.prompt_logprobs[1:]], abs=1e-4)  # fmt: skip
     assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i]))
                                       for i in range(len(c.logprobs.tokens))]  # fmt: skip
     assert reply.usage is not None and reply.usage.prompt_tokens == text.prompt_tokens
@@ -284,7 +286,9 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
                                            logprobs=1, max_tokens=3)  # fmt: skip
     (m,) = more.choices
     assert m.logprobs is not None and m.logprobs.token_logprobs is not None
-    assert m.logprobs.token_logprobs[: text.prompt_tokens] == c.logprobs.token_logprobs
+    assert m.logprobs.token_logprobs[0] is None
+    assert m.logprobs.token_logprobs[1 : text.prompt_tokens] == pytest.approx(
+        c.logprobs.token_logprobs[1:], abs=1e-4)  # fmt: skip
     assert len(m.logprobs.token_logprobs) == text.prompt_tokens + 3
     assert m.text == "the cat sat" + producer_text(fleet, inputs="the cat sat", max_new_tokens=3)
     # a prompt of token ids echoes as the worker decodes it
