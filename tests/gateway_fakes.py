@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfleet.schemas.codec import decode_entry, encode_result
-from batchfleet.schemas.messages import Limits, Result, Usage
+from batchfleet.schemas.messages import Limits, Request, Result, Usage
 from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
 
 from batchfleet.connection import SyncClient
@@ -65,6 +65,8 @@ class Taken:
     entry: Entry
     id: str
     reply: str | None
+    request: Request
+    """As the worker decodes it."""
 
 
 class ScriptedWorker:
@@ -81,7 +83,7 @@ class ScriptedWorker:
         """The next request (waits up to 10 s)."""
         (entry,) = self.streams.read({0: 1, 1: 1, 2: 1}, 10_000)
         request, _ = decode_entry(entry.fields, self.model)
-        return Taken(entry, request.id, request.reply)
+        return Taken(entry, request.id, request.reply, request)
 
     def answer(self, taken: Taken, result: Result) -> None:
         finish = Finish(taken.entry, taken.id, encode_result(result), 60, taken.reply)

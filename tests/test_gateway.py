@@ -235,6 +235,88 @@ def test_completions_prompts_n_echo_logprobs_and_tokens(fleet: Fleet) -> None:
     assert pieces == {0: expected[0], 1: expected[1]}
 
 
+def produced(fleet: Fleet, **options: Any) -> Any:
+    """The first output of ``options`` asked of the fleet through the Python producer."""
+    with Producer(fleet.url) as p:
+        return p.submit(LM, **options).result(timeout=120).generations()[0]
+
+
+def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return raw(fleet, "POST", path, json.dumps(body).encode(), auth)
+
+    # Given a prompt and a chat, their tokens as the worker reads them for a generation
+    text = produced(fleet, inputs="the cat sat", max_new_tokens=1, return_token_ids=True)
+    chat = [{"role": "user", "content": "hello"}]
+    rendered = produced(fleet, messages=chat, max_new_tokens=1, return_token_ids=True)
+    # When /tokenize is asked for them, Then the same ids, generating nothing
+    status, body = post("/tokenize", {"model": LM, "prompt": "the cat sat"})
+    assert status == 200, body
+    assert body == {"count": text.prompt_tokens, "tokens": text.prompt_token_ids,
+                    "token_strs": None}  # fmt: skip
+    status, body = post("/tokenize", {"model": LM, "messages": chat})
+    assert status == 200 and body["tokens"] == rendered.prompt_token_ids
+    # and /detokenize gives the text back
+    status, body = post("/detokenize", {"model": LM, "tokens": text.prompt_token_ids})
+    assert (status, body) == (200, {"prompt": "the cat sat"})
+    # a token the model does not have is the worker's refusal
+    status, body = post("/detokenize", {"model": LM, "tokens": [10**6]})
+    assert status == 400 and body["error"]["code"] == "invalid_input"
+    status, body = post("/tokenize", {"model": LM, "prompt": "a", "return_token_strs": True})
+    assert status == 400 and body["error"]["param"] == "return_token_strs"
+    # lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0 scores the prompt
+    scored = produced(fleet, inputs="the cat sat", max_new_tokens=1, prompt_logprobs=1)
+    reply = fleet.client.completions.create(model=LM, prompt="the cat sat", echo=True,
+                                            logprobs=1, max_tokens=0)  # fmt: skip
+    (c,) = reply.choices
+    assert c.text == "the cat sat" and c.logprobs is not None and c.logprobs.tokens is not None
+    assert "".join(c.logprobs.tokens) == "the cat sat" == "".join(
+        [c.logprobs.tokens[0], *(t.text for t in scored.prompt_logprobs[1:])])  # fmt: skip
+    assert c.logprobs.token_logprobs is not None and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        [t.logprob for t in scored.prompt_logprobs[1:]], abs=1e-4)  # fmt: skip
+    assert c.logprobs.text_offset == [len("".join(c.logprobs.tokens[:i]))
+                                      for i in range(len(c.logprobs.tokens))]  # fmt: skip
+    assert reply.usage is not None and reply.usage.prompt_tokens == text.prompt_tokens
+    assert reply.usage.completion_tokens == 0
+    # and with tokens generated, theirs follow the prompt's
+    more = fleet.client.completions.create(model=LM, prompt="the cat sat", echo=True,
+                                           logprobs=1, max_tokens=3)  # fmt: skip
+    (m,) = more.choices
+    assert m.logprobs is not None and m.logprobs.token_logprobs is not None
+    assert m.logprobs.token_logprobs[0] is None
+    assert m.logprobs.token_logprobs[1 : text.prompt_tokens] == pytest.approx(
+        c.logprobs.token_logprobs[1:], abs=1e-4)  # fmt: skip
+    assert len(m.logprobs.token_logprobs) == text.prompt_tokens + 3
+    assert m.text == "the cat sat" + producer_text(fleet, inputs="the cat sat", max_new_tokens=3)
+    # a prompt of token ids echoes as the worker decodes it
+    ids = fleet.client.completions.create(model=LM, prompt=text.prompt_token_ids, echo=True,
+                                          max_tokens=0)  # fmt: skip
+    assert ids.choices[0].text == "the cat sat"
+
+
+def test_stop_reason_names_the_stop_string(fleet: Fleet) -> None:
+    whole = producer_text(fleet, inputs="the cat", max_new_tokens=24)
+    stop = next(whole[i : i + 3] for i in range(4, len(whole) - 3) if whole[i : i + 3].strip())
+    # Given a stop string from the middle of the greedy text, When it ends the text
+    reply = fleet.client.completions.create(model=LM, prompt="the cat", max_tokens=24,
+                                            stop=[stop])  # fmt: skip
+    (c,) = reply.choices
+    # Then the choice names it (vLLM's stop_reason), whole and streamed
+    assert c.finish_reason == "stop" and c.model_extra is not None
+    assert c.model_extra["stop_reason"] == stop
+    ends = [ch for chunk in fleet.client.completions.create(
+        model=LM, prompt="the cat", max_tokens=24, stop=[stop], stream=True)
+        for ch in chunk.choices if ch.finish_reason]  # fmt: skip
+    assert [(e.finish_reason, (e.model_extra or {}).get("stop_reason")) for e in ends] == [
+        ("stop", stop)]  # fmt: skip
+    # and a text that reached max_tokens has none
+    long = fleet.client.completions.create(model=LM, prompt="the cat", max_tokens=2)
+    assert (long.choices[0].model_extra or {}).get("stop_reason") is None
+
+
 def test_tool_calls_whole_and_streamed(fleet: Fleet) -> None:
     # Given tools and tool_choice "required" (the grammar makes the random model call one)
     ask = {"model": LM, "messages": [{"role": "user", "content": "weather?"}], "tools": WEATHER,

@@ -178,10 +178,14 @@ def test_bodies_refused_before_the_fleet(change: dict[str, Any], param: str) -> 
 
 def test_values_the_fleet_refuses_are_the_producers_to_tell() -> None:
     body = {"model": "lm", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
-    for change in ({"temperature": -1}, {"max_tokens": 0},
+    for change in ({"temperature": -1}, {"max_tokens": -1},
                    {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}):  # fmt: skip
         with pytest.raises(RequestRejected):
             built(submission(body | change))
+    # 0, which the fleet takes (the prompt only), is refused as Anthropic's API does
+    with pytest.raises(ApiError) as e:
+        submission(body | {"max_tokens": 0})
+    assert e.value.param == "max_tokens"
 
 
 # --- answers, events, errors ---------------------------------------------------------------
@@ -220,11 +224,19 @@ def test_a_whole_answer_is_a_message_the_sdk_reads() -> None:
         ({"text": "", "finish_reason": "stop", "content": "", "tool_calls": [CALL]}, "tool_use"),
         ({"text": "a", "finish_reason": "deadline"}, "deadline"),
         ({"text": "a", "finish_reason": "cancelled"}, "cancelled"),
+        ({"text": "a", "finish_reason": "stop", "stop_reason": "END"}, "stop_sequence"),
+        ({"text": "a", "finish_reason": "stop", "stop_reason": 2}, "end_turn"),
     ],
 )  # fmt: skip
 def test_stop_reasons(output: dict[str, Any], reason: str) -> None:
     out = message(result(output), "msg_r1")
     assert out["stop_reason"] == reason
+    # the stop string that ended it, for stop_sequence only
+    assert out["stop_sequence"] == ("END" if reason == "stop_sequence" else None)
+    if reason not in ("deadline", "cancelled"):  # the fleet's own: not the SDK's
+        assert Message.model_validate(out).stop_reason == reason
+    events = MessageEvents("msg_r1", "lm").finish(result(output))
+    assert events[-2]["delta"] == {"stop_reason": reason, "stop_sequence": out["stop_sequence"]}
     assert [b["type"] for b in out["content"]] == (["tool_use"] if "tool_calls" in output
                                                    else ["text"])  # fmt: skip
 
@@ -395,8 +407,9 @@ def test_stop_sequences_and_sampling_fields(fleet: Fleet, client: anthropic.Anth
         else:
             reply = client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
                                                  stop_sequences=[stop])  # fmt: skip
-        # Then the text ends before it; the fleet does not tell which stop string matched
-        assert text(reply) == expected and reply.stop_reason == "end_turn"
+        # Then the text ends before it, and the message names it
+        assert text(reply) == expected and reply.stop_reason == "stop_sequence"
+        assert reply.stop_sequence == stop
     # top_k 1 is greedy whatever the temperature (this SDK sends neither but as extras)
     topk = client.messages.create(model=LM, max_tokens=24, messages=user,  # type: ignore[arg-type]
                                         extra_body={"temperature": 1.0, "top_k": 1})  # fmt: skip
@@ -471,9 +484,26 @@ def test_errors_are_the_sdks_exceptions(fleet: Fleet, client: anthropic.Anthropi
     with pytest.raises(anthropic.AuthenticationError) as auth:
         wrong.messages.create(model=LM, messages=user, max_tokens=4)  # type: ignore[arg-type]
     assert auth.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
-    # count_tokens is not served (the gateway holds no tokenizer)
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.count_tokens(model=LM, messages=user)  # type: ignore[arg-type]
+        client.messages.count_tokens(model="nope", messages=user)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_count_tokens_counts_the_chat_as_messages_renders_it(
+    fleet: Fleet, client: anthropic.Anthropic
+) -> None:
+    ask: dict[str, Any] = {"model": LM, "system": "Be brief.", "tools": [WEATHER],
+                           "messages": [{"role": "user", "content": "weather?"}]}  # fmt: skip
+    # Given a chat with a system prompt and a tool, When its tokens are counted
+    counted = client.messages.count_tokens(**ask)
+    # Then they are the prompt the same chat is answered from
+    reply = client.messages.create(**ask, max_tokens=1)
+    assert counted.input_tokens == reply.usage.input_tokens + (
+        reply.usage.cache_read_input_tokens or 0)  # fmt: skip
+    assert (
+        counted.input_tokens
+        > client.messages.count_tokens(model=LM, messages=ask["messages"]).input_tokens
+    )  # the template renders the tools
 
 
 @pytest.mark.timeout(240)

@@ -119,6 +119,7 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"model": None}, "model"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )  # fmt: skip
 def test_what_is_refused_before_submitting(extra: dict[str, Any], param: str) -> None:
@@ -128,7 +129,7 @@ def test_what_is_refused_before_submitting(extra: dict[str, Any], param: str) ->
 
 
 def test_bad_values_are_the_producers_to_refuse() -> None:
-    for extra in ({"temperature": -1}, {"max_output_tokens": 0}, {"reasoning": {"effort": "x"}}):
+    for extra in ({"temperature": -1}, {"max_output_tokens": -1}, {"reasoning": {"effort": "x"}}):
         with pytest.raises(RequestRejected):
             built(response_submission({"model": "lm", "input": "hi"} | extra))
 

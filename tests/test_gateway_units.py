@@ -89,11 +89,74 @@ def test_completion_prompts() -> None:
     for body, word in (({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
                        ({"prompt": "a", "suffix": "z"}, "suffix"),
                        ({"prompt": "a", "best_of": 3}, "best_of"),
-                       ({"prompt": [1, 2], "echo": True}, "echo"),
-                       ({"prompt": "a", "echo": True, "logprobs": 1}, "echo")):  # fmt: skip
+                       ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+                       ({"prompt": [1, 2], "echo": True, "stream": True}, "echo"),
+                       ({"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "echo")):  # fmt: skip
         with pytest.raises(ApiError) as e:
             completion_submission({"model": "lm", **body})
         assert e.value.param == word
+
+
+def test_echo_with_logprobs_asks_the_prompts_score_and_max_tokens_0_only_with_echo() -> None:
+    # lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0
+    body = {"model": "lm", "prompt": "the cat", "echo": True, "logprobs": 1, "max_tokens": 0}
+    request = built(completion_submission(body))
+    assert (request.max_new_tokens, request.logprobs, request.prompt_logprobs) == (0, 1, 1)
+    assert built(completion_submission(body | {"prompt_logprobs": 3})).prompt_logprobs == 3
+    assert completion_submission(body | {"echo": False, "max_tokens": 1}).options.get(
+        "prompt_logprobs") is None  # fmt: skip
+    # token ids echo as the worker decodes them; text prompts as sent
+    ids = completion_submission({"model": "lm", "prompt": [[1, 2], [3]], "echo": True})
+    assert ids.options["return_prompt_text"] is True
+    assert "return_prompt_text" not in completion_submission(body).options
+    # a streamed echo of text prompts without logprobs goes on
+    assert completion_submission(body | {"logprobs": None, "stream": True}).options["stream"]
+    # the chat routes take no max_tokens 0 (vLLM's refusal)
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(ApiError) as e:
+            chat_submission(chat | {field: 0})
+        assert (e.value.status, e.value.param) == (400, field)
+
+
+def test_echoed_prompt_scores_lead_the_logprobs() -> None:
+    def lp(token: int, text: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "text": text, "logprob": logprob,
+                "top": [{"token": 0, "text": "a", "logprob": -0.25}]}  # fmt: skip
+
+    prompt_lps = [None, lp(7, " cat", -2.0), lp(8, " sat", float("-inf"))]
+    res = result([{"text": "!", "finish_reason": "stop", "stop_reason": "!",
+                   "logprobs": [lp(9, "!", -0.5)], "prompt_logprobs": prompt_lps},
+                  {"text": "?", "finish_reason": "length", "logprobs": [lp(10, "?", -1.0)]}])  # fmt: skip
+    out = completion_response({"prompt": "the cat sat", "n": 2, "echo": True, "logprobs": 1},
+                              res, ANSWERED)  # fmt: skip
+    a, b = out["choices"]
+    assert (a["text"], b["text"]) == ("the cat sat!", "the cat sat?")
+    # the first prompt token's text is what precedes the rest; its score null, as vLLM's
+    assert a["logprobs"] == {
+        "tokens": ["the", " cat", " sat", "!"],
+        "token_logprobs": [None, -2.0, -9999.0, -0.5],
+        "top_logprobs": [None, {"a": -0.25}, {"a": -0.25}, {"a": -0.25}],
+        "text_offset": [0, 3, 7, 11],
+    }  # fmt: skip
+    # the input's second output: the same prompt (its first output's scores), its own text
+    assert b["logprobs"]["tokens"] == ["the", " cat", " sat", "?"]
+    assert (a["stop_reason"], b["stop_reason"]) == ("!", None)
+    # max_tokens 0: the prompt alone; a BOS the text does not show reads as ""
+    zero = result([{"text": "", "finish_reason": "length", "prompt_text": "<s>the cat",
+                    "prompt_logprobs": [None, lp(5, "the", -1.5), lp(7, " cat", -2.0)]}])  # fmt: skip
+    (c,) = completion_response({"prompt": [1, 5, 7], "echo": True, "logprobs": 0}, zero,
+                               ANSWERED)["choices"]  # fmt: skip
+    assert c["text"] == "<s>the cat" and c["logprobs"]["tokens"] == ["<s>", "the", " cat"]
+    plain = completion_response({"prompt": "the cat", "echo": True, "logprobs": 0}, zero,
+                                ANSWERED)["choices"][0]  # fmt: skip
+    assert plain["text"] == "the cat" and plain["logprobs"]["tokens"] == ["", "the", " cat"]
+    assert plain["logprobs"]["text_offset"] == [0, 0, 3]
+    # a worker that did not score the prompt: the generated tokens, offset past the echo
+    old = result([{"text": "!", "finish_reason": "stop", "logprobs": [lp(9, "!", -0.5)]}])
+    (d,) = completion_response({"prompt": "ab", "echo": True, "logprobs": 0}, old,
+                               ANSWERED)["choices"]  # fmt: skip
+    assert d["logprobs"]["tokens"] == ["!"] and d["logprobs"]["text_offset"] == [2]
 
 
 def result(outputs: list[dict[str, Any]], **more: Any) -> Result:
@@ -113,6 +176,9 @@ def test_chat_answer() -> None:
               "prompt_tokens_details": {"cached_tokens": 4}})  # fmt: skip
     out = chat_response({}, res, ANSWERED)
     first, second = out["choices"]
+    assert first["stop_reason"] is None
+    stopped = result([{"text": "a", "finish_reason": "stop", "stop_reason": "END"}])
+    assert chat_response({}, stopped, ANSWERED)["choices"][0]["stop_reason"] == "END"
     assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
     assert first["message"]["tool_calls"] == [call]
     assert second["message"] == {"role": "assistant", "content": "hi", "tool_calls": [],
@@ -136,7 +202,9 @@ def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:
     out = completion_response({"prompt": "P", "n": 2, "echo": True}, res, ANSWERED)
     a, b = out["choices"]
     assert (a["text"], b["text"]) == ("Pab", "Pc")
-    assert a["logprobs"]["text_offset"] == [0, 1] and a["logprobs"]["tokens"] == ["a", "b"]
+    assert a["logprobs"] is None  # the body asked none (vLLM's prompt_logprobs alone)
+    plain = completion_response({"prompt": "P", "n": 2}, res, ANSWERED)["choices"][0]
+    assert plain["logprobs"]["text_offset"] == [0, 1] and plain["logprobs"]["tokens"] == ["a", "b"]
     assert a["prompt_logprobs"] == [None, {
         "9": {"logprob": -2.0, "rank": 2, "decoded_token": "q"},
         "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}]  # fmt: skip
@@ -166,7 +234,13 @@ def test_chunks_chat_stream_and_a_restart() -> None:
                            {"text": "x", "finish_reason": "length"}],
                           usage={"prompt_tokens": 2, "completion_tokens": 5}))  # fmt: skip
     assert [e["choices"][0]["finish_reason"] for e in end[:2]] == ["stop", "length"]
+    assert [e["choices"][0]["stop_reason"] for e in end[:2]] == [None, None]
     assert end[-1]["choices"] == [] and end[-1]["usage"]["total_tokens"] == 7
+    # what ended a stop output (vLLM's stop_reason): a stop string or a stop token id
+    for reason in ("END", 2):
+        stopped = Chunks({}, ANSWERED, "lm", chat=True).finish(result([{
+            "text": "a", "finish_reason": "stop", "stop_reason": reason}]))  # fmt: skip
+        assert stopped[-1]["choices"][0]["stop_reason"] == reason
 
 
 def test_chunks_continuous_usage_stats_count_each_choice_as_it_goes() -> None:

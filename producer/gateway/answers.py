@@ -7,13 +7,16 @@ numbers them). ``finish_reason`` is batchfleet's (``stop``, ``length``, ``deadli
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import Any, Final
 
 from ...schemas.messages import Generation, Result, TokenLogprob, Usage
 from .endpoint import Answered
 from .openai_fields import prompts
+
+FLOOR: Final = -9999.0
+"""A log-probability of -inf in the legacy shape (JSON has no infinity; vLLM's value)."""
 
 
 def finish_reason(g: Generation) -> str:
@@ -44,18 +47,40 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     return {"content": [one(t) | {"top_logprobs": [one(x) for x in t.top]} for t in lps]}
 
 
-def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(
+    lps: Sequence[TokenLogprob | None] | None, offset: int = 0, head: str = ""
+) -> dict[str, Any] | None:
     """OpenAI's legacy ``logprobs``: tokens, their log-probabilities, the likeliest at each
-    position, and each token's character offset (from ``offset``) in the text."""
+    position, and each token's character offset (from ``offset``) in the text. A null
+    entry (an echoed prompt's first token: nothing precedes it) reads as ``head``, its
+    log-probability and likeliest null, as vLLM writes it; -inf is -9999.0 (JSON)."""
     if lps is None:
         return None
-    texts = [t.text for t in lps]
+    texts = [head if t is None else t.text for t in lps]
+    tops = [None if t is None else {x.text: max(x.logprob, FLOOR) for x in t.top} for t in lps]
     return {
         "tokens": texts,
-        "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{x.text: x.logprob for x in t.top} for t in lps],
+        "token_logprobs": [None if t is None else max(t.logprob, FLOOR) for t in lps],
+        "top_logprobs": tops,
         "text_offset": [offset + o for o in accumulate((len(t) for t in texts), initial=0)][:-1],
     }
+
+
+def echoed(
+    prompt: str, g: Generation, first: Generation, logprobs: bool
+) -> tuple[str, dict[str, Any] | None]:
+    """A completion's text and ``logprobs`` with its ``prompt`` echoed before them: the
+    prompt's tokens first (their input's ``first`` output carries them), then ``g``'s.
+    The first prompt token's text is what the prompt holds before the second's (none
+    for a BOS that its text does not show)."""
+    if not logprobs:
+        return f"{prompt}{g.text}", None
+    if first.prompt_logprobs is None:  # a worker that did not score the prompt
+        return f"{prompt}{g.text}", completion_logprobs(g.logprobs, len(prompt))
+    scored = first.prompt_logprobs
+    rest = "".join(t.text for t in scored[1:] if t is not None)
+    head = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
+    return f"{prompt}{g.text}", completion_logprobs([*scored, *(g.logprobs or ())], head=head)
 
 
 def prompt_logprobs(lps: list[TokenLogprob | None] | None) -> list[Any] | None:
@@ -103,7 +128,7 @@ def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -
             "message": assistant_message(g),
             "logprobs": chat_logprobs(g.logprobs),
             "finish_reason": finish_reason(g),
-            "stop_reason": None,
+            "stop_reason": g.stop_reason,
         }
         if g.token_ids is not None:
             choice["token_ids"] = g.token_ids
@@ -127,19 +152,26 @@ def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -
 def completion_response(
     body: Mapping[str, Any], result: Result, answered: Answered
 ) -> dict[str, Any]:
-    """``text_completion``: with ``echo``, each choice's text begins with its prompt."""
+    """``text_completion``: with ``echo``, each choice's text (and ``logprobs``) begins
+    with its prompt: as sent, or the worker's ``prompt_text`` for token ids."""
     gens = result.generations()
     texts = prompts(body)
     per_input = max(1, len(gens) // max(1, len(texts)))
     choices = []
     for i, g in enumerate(gens):
-        echo = texts[i // per_input] if body.get("echo") else ""
+        if body.get("echo"):
+            first = gens[i - i % per_input]
+            prompt = texts[i // per_input]
+            echo = prompt if isinstance(prompt, str) else first.prompt_text or ""
+            text, logprobs = echoed(echo, g, first, body.get("logprobs") is not None)
+        else:
+            text, logprobs = g.text, completion_logprobs(g.logprobs)
         choice: dict[str, Any] = {
             "index": i,
-            "text": f"{echo}{g.text}",
-            "logprobs": completion_logprobs(g.logprobs),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(g),
-            "stop_reason": None,
+            "stop_reason": g.stop_reason,
         }
         if g.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(g.prompt_logprobs)

@@ -3,7 +3,8 @@
 A message's ``content`` is its blocks in order: the reasoning (a ``thinking`` block, with
 an empty ``signature``: nothing signs it), the answer (``text``), the calls (``tool_use``,
 ``input`` the parsed arguments). ``stop_reason`` is Anthropic's for the fleet's
-``finish_reason``; the fleet's own ``deadline`` and ``cancelled`` are kept as they are.
+``finish_reason`` (``stop_sequence`` where the output's ``stop_reason`` names the stop
+string); the fleet's own ``deadline`` and ``cancelled`` are kept as they are.
 """
 
 from __future__ import annotations
@@ -38,11 +39,21 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 
 def stop_reason(g: Generation) -> str:
-    """``end_turn``, ``max_tokens``, ``tool_use`` (a ``stop`` that made calls). The fleet
-    does not say which stop string ended a text: that is an ``end_turn`` too."""
+    """``end_turn``, ``max_tokens``, ``tool_use`` (a ``stop`` that made calls),
+    ``stop_sequence`` (one of ``stop_sequences`` ended it: :func:`stop_sequence`)."""
     if g.finish_reason == "stop" and g.tool_calls:
         return "tool_use"
+    if stop_sequence(g) is not None:
+        return "stop_sequence"
     return STOP_REASONS.get(g.finish_reason, g.finish_reason)
+
+
+def stop_sequence(g: Generation) -> str | None:
+    """The stop string that ended ``g`` (a stop token id, as ``stop_token_ids`` sends,
+    is an ``end_turn``: Anthropic's ``stop_sequence`` is a string)."""
+    if g.finish_reason == "stop" and isinstance(g.stop_reason, str):
+        return g.stop_reason
+    return None
 
 
 def usage(u: Usage | None) -> dict[str, Any]:
@@ -58,11 +69,13 @@ def usage(u: Usage | None) -> dict[str, Any]:
     }
 
 
-def envelope(id: str, model: str, content: list[dict[str, Any]], stop: str | None,
+def envelope(id: str, model: str, content: list[dict[str, Any]], g: Generation | None,
              used: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """A ``message`` object (whole, or opening a stream with no content yet)."""
+    """A ``message`` object (whole, or opening a stream with no content yet: no ``g``)."""
+    stop = (stop_reason(g), stop_sequence(g)) if g is not None else (None, None)
     return {"id": id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop, "stop_sequence": None, "usage": used}  # fmt: skip
+            "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+            "usage": used}  # fmt: skip
 
 
 def message(result: Result, id: str) -> dict[str, Any]:
@@ -76,4 +89,4 @@ def message(result: Result, id: str) -> dict[str, Any]:
         content.append({"type": "text", "text": text})
     content += [{"type": "tool_use", "id": c.id, "name": c.function.name,
                  "input": json.loads(c.function.arguments)} for c in g.tool_calls or ()]  # fmt: skip
-    return envelope(id, result.model, content, stop_reason(g), usage(result.usage))
+    return envelope(id, result.model, content, g, usage(result.usage))

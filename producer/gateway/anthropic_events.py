@@ -15,7 +15,7 @@ from typing import Any
 
 from ...producer.tokens import Restarted
 from ...schemas.messages import Delta, Result
-from .anthropic_answers import envelope, stop_reason, usage
+from .anthropic_answers import envelope, stop_reason, stop_sequence, usage
 from .replay import Replay
 
 
@@ -89,7 +89,7 @@ class MessageEvents:
     def finish(self, result: Result) -> list[dict[str, Any]]:
         """The last events: the open block closed, why it stopped, the usage."""
         (g,) = result.generations()
-        end = {"stop_reason": stop_reason(g), "stop_sequence": None}
+        end = {"stop_reason": stop_reason(g), "stop_sequence": stop_sequence(g)}
         return [*self._start(), *self._close(),
                 {"type": "message_delta", "delta": end, "usage": usage(result.usage)},
                 {"type": "message_stop"}]  # fmt: skip

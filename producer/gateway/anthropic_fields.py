@@ -30,13 +30,15 @@ BILLING_HEADER = "x-anthropic-billing-header"
 (vLLM leaves it out too)."""
 
 
-def submission(body: Mapping[str, Any]) -> Submission:
-    """``/v1/messages``: ``max_tokens`` is required, as Anthropic's API has it."""
-    if body.get("max_tokens") is None:
+def submission(body: Mapping[str, Any], counting: bool = False) -> Submission:
+    """``/v1/messages``: ``max_tokens`` is required, as Anthropic's API has it;
+    ``counting`` (``/v1/messages/count_tokens``): none, the same prompt with nothing
+    generated (``max_new_tokens`` 0)."""
+    if body.get("max_tokens") is None and not counting:
         raise invalid("max_tokens is required", "max_tokens")
     chat: dict[str, Any] = {k: body[k] for k in PASSED if body.get(k) is not None}
-    chat |= {"model": body.get("model"), "max_tokens": body["max_tokens"],
-             "messages": messages(body), "stream": bool(body.get("stream"))}  # fmt: skip
+    chat |= {"model": body.get("model"), "max_tokens": None if counting else body["max_tokens"],
+             "messages": messages(body), "stream": bool(body.get("stream")) and not counting}  # fmt: skip
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     tools = body.get("tools")
@@ -47,7 +49,8 @@ def submission(body: Mapping[str, Any]) -> Submission:
     if body.get("thinking") is not None:
         chat["chat_template_kwargs"] = thinking(body["thinking"], chat.get("chat_template_kwargs"))
     chat |= output_config(body.get("output_config"))
-    return chat_submission(chat)
+    sub = chat_submission(chat)
+    return Submission(sub.model, sub.options | {"max_new_tokens": 0}) if counting else sub
 
 
 def _list(value: Any, param: str) -> list[Any]:

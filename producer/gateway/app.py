@@ -512,10 +512,12 @@ class NotFound(Handler):
 
 
 def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
-    """The tornado application: the generation routes, ``endpoints`` (path → unary
-    endpoint: the pooling ones by default), models and health."""
-    from .messages import Messages  # Generates: imported here, as they import this module
+    """The tornado application: the generation routes (and their tokenizer's: vLLM's
+    ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
+    → unary endpoint: the pooling ones by default), models and health."""
+    from .messages import CountTokens, Messages  # imported here, as they import this module
     from .respond import Responses
+    from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
 
     if endpoints is None:
         from .pooling import ENDPOINTS
@@ -527,6 +529,9 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/completions", Generate, g | {"chat": False}),
         (r"/v1/responses", Responses, g),
         (r"/v1/messages", Messages, g),
+        (r"/v1/messages/count_tokens", CountTokens, g | {"endpoint": COUNT_TOKENS}),
+        (r"/tokenize", Unary, g | {"endpoint": TOKENIZE}),
+        (r"/detokenize", Unary, g | {"endpoint": DETOKENIZE}),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
         (r"/health", Health, g),

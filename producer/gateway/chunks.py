@@ -129,8 +129,8 @@ class Chunks:
             state, opening = self._choice(i, g.prompt_tokens)
             state.tokens, state.prompt = g.completion_tokens, g.prompt_tokens
             out += opening
-            end: dict[str, Any] = {"index": i, "logprobs": None,
-                                   "finish_reason": finish_reason(g), "stop_reason": None}  # fmt: skip
+            end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish_reason(g),
+                                   "stop_reason": g.stop_reason}  # fmt: skip
             if self.chat:
                 end["delta"] = {}
             else:

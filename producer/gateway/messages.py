@@ -1,4 +1,5 @@
-"""``POST /v1/messages``: Anthropic's Messages API, as vLLM serves it.
+"""``POST /v1/messages``: Anthropic's Messages API, as vLLM serves it (and its
+``/v1/messages/count_tokens``).
 
 The chat route's handler with Anthropic's translations: its request, its message and its
 events (``event: <type>``), its errors (``{"type": "error", "error": {"type", "message"}}``,
@@ -14,7 +15,7 @@ from typing import Any
 from ...schemas.messages import Result
 from . import anthropic_answers, anthropic_fields
 from .anthropic_events import MessageEvents
-from .app import Gateway, Generate
+from .app import Gateway, Generate, Unary
 from .endpoint import Answered, Events, Submission
 from .errors import ApiError
 
@@ -34,6 +35,13 @@ class Messages(Generate):
 
     def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
         return MessageEvents(answered.id, model)
+
+    def error_body(self, error: ApiError) -> dict[str, Any]:
+        return anthropic_answers.error_body(error)
+
+
+class CountTokens(Unary):
+    """``/v1/messages/count_tokens``: a unary endpoint with Anthropic's errors."""
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return anthropic_answers.error_body(error)

@@ -43,10 +43,14 @@ def _options(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {k: body[k] for k in names if body.get(k) is not None}
 
 
-def common(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The options both generation endpoints share."""
+def common(body: Mapping[str, Any], prompt_only: bool = False) -> dict[str, Any]:
+    """The options both generation endpoints share. A ``max_tokens`` of 0 (the fleet's
+    prompt only) is refused, as vLLM refuses it, unless ``prompt_only`` (an echo)."""
     out = _options(body, SAME_NAME)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    limit = body.get(param)
+    if limit == 0 and not prompt_only and not isinstance(limit, bool):
+        raise invalid(f"{param} must be at least 1", param)
     if limit is not None:
         out["max_new_tokens"] = limit
     if body.get("min_tokens") is not None:
@@ -137,14 +141,21 @@ def completion_submission(body: Mapping[str, Any]) -> Submission:
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise invalid("best_of other than n is not supported", "best_of")
-    options = common(body)
+    echo = bool(body.get("echo"))
+    options = common(body, prompt_only=echo)
+    texts = prompts(body)
     if body.get("logprobs") is not None:
         options["logprobs"] = body["logprobs"]
-    if body.get("echo") and (body.get("logprobs") is not None or not all(
-            isinstance(p, str) for p in prompts(body))):  # fmt: skip
-        raise invalid("echo works with text prompts and without logprobs", "echo")
+        if echo and "prompt_logprobs" not in options:  # the echoed prompt's, as vLLM's
+            options["prompt_logprobs"] = body["logprobs"]
+    if echo and not all(isinstance(p, str) for p in texts):
+        options["return_prompt_text"] = True  # the echo of token ids: the worker decodes
+    if echo and body.get("stream") and ("prompt_logprobs" in options
+                                        or "return_prompt_text" in options):  # fmt: skip
+        raise invalid("echo with logprobs or token-id prompts is not streamed: ask "
+                      "without stream", "echo")  # fmt: skip
     options["inputs"] = [p if isinstance(p, str) else TokenPrompt(prompt_token_ids=p)
-                         for p in prompts(body)]  # fmt: skip
+                         for p in texts]  # fmt: skip
     return Submission(model, options)
 
 

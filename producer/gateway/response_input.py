@@ -57,6 +57,8 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
         messages.append({"role": "system", "content": instructions})
     chat["messages"] = messages + input_messages(body.get("input"))
     if body.get("max_output_tokens") is not None:
+        if body["max_output_tokens"] == 0:  # the fleet's prompt only: no Responses answer
+            raise invalid("max_output_tokens must be at least 1", "max_output_tokens")
         chat["max_completion_tokens"] = body["max_output_tokens"]
     tools = body.get("tools")
     if tools is not None:

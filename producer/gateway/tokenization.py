@@ -1,0 +1,100 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``, Anthropic's ``/v1/messages/count_tokens``.
+
+The gateway holds no tokenizer: each is a fleet request with ``max_new_tokens`` 0 (the
+prompt only, nothing generated), so the model's own worker tokenizes it exactly as it
+would for a generation (the same chat template, the same ids); the answer is read from
+its one output (``prompt_token_ids``, ``prompt_text``, ``prompt_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...schemas.inputs import TokenPrompt
+from ...schemas.messages import Generation, Result
+from . import anthropic_fields
+from .endpoint import Answered, Endpoint, Submission
+from .errors import ApiError, invalid
+from .openai_fields import chat_submission, model_of
+
+CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+               "continue_final_message")  # fmt: skip
+"""vLLM's ``TokenizeChatRequest`` fields the fleet honours (as the chat route takes them)."""
+
+
+def tokenize_submission(body: Mapping[str, Any]) -> Submission:
+    """``{model, prompt}`` or ``{model, messages, ...}`` → the prompt's token ids.
+    ``add_special_tokens`` is honoured at its default only (a text: with them, BOS and the
+    like; a chat: the template's own), since the fleet tokenizes so; ``return_token_strs``
+    is refused (the fleet returns no token strings)."""
+    model = model_of(body)
+    if body.get("return_token_strs"):
+        raise invalid("return_token_strs is not served: the fleet's workers return token ids, "
+                      "not the tokenizer's strings", "return_token_strs")  # fmt: skip
+    special = body.get("add_special_tokens")
+    if body.get("messages") is not None:
+        if special:
+            raise invalid("add_special_tokens with messages is not served: a chat has its "
+                          "template's special tokens only", "add_special_tokens")  # fmt: skip
+        chat = {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
+        options = chat_submission(chat | {"model": model}).options
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise invalid("prompt must be a non-empty text (or send messages)", "prompt")
+        if special is False:
+            raise invalid("add_special_tokens false is not served: a text is tokenized with "
+                          "its special tokens, as a completion's prompt is", "add_special_tokens")  # fmt: skip
+        options = {"inputs": [prompt]}
+    return Submission(model, options | {"max_new_tokens": 0, "return_token_ids": True})
+
+
+def _first(result: Result, field: str) -> Generation:
+    """The output, with ``field`` (a 500 where the worker left it out: one from before
+    ``max_new_tokens`` 0)."""
+    g = result.generations()[0]
+    if getattr(g, field) is None:
+        raise ApiError(500, f"the worker returned no {field}: is it older than the gateway?",
+                       code="internal")  # fmt: skip
+    return g
+
+
+def tokenize_answer(body: Mapping[str, Any], result: Result, answered: Answered) -> dict[str, Any]:
+    """vLLM's ``{count, tokens, token_strs}``; its ``max_model_len`` is left out (the
+    gateway does not know a model's context length)."""
+    ids = _first(result, "prompt_token_ids").prompt_token_ids or []
+    return {"count": len(ids), "tokens": ids, "token_strs": None}
+
+
+def detokenize_submission(body: Mapping[str, Any]) -> Submission:
+    """``{model, tokens}`` → their text, as the model reads them (special tokens kept)."""
+    model = model_of(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):  # fmt: skip
+        raise invalid("tokens must be a non-empty list of token ids", "tokens")
+    return Submission(model, {"inputs": [TokenPrompt(prompt_token_ids=tokens)],
+                              "max_new_tokens": 0, "return_prompt_text": True})  # fmt: skip
+
+
+def detokenize_answer(
+    body: Mapping[str, Any], result: Result, answered: Answered
+) -> dict[str, Any]:
+    """vLLM's ``{prompt}``."""
+    return {"prompt": _first(result, "prompt_text").prompt_text}
+
+
+def count_submission(body: Mapping[str, Any]) -> Submission:
+    """Anthropic's body (as ``/v1/messages`` takes it, no ``max_tokens``): its chat."""
+    return anthropic_fields.submission(body, counting=True)
+
+
+def count_answer(body: Mapping[str, Any], result: Result, answered: Answered) -> dict[str, Any]:
+    """Anthropic's ``{input_tokens}``: the rendered chat's tokens."""
+    return {"input_tokens": result.generations()[0].prompt_tokens}
+
+
+TOKENIZE = Endpoint(tokenize_submission, tokenize_answer, "tokenize")
+DETOKENIZE = Endpoint(detokenize_submission, detokenize_answer, "detokenize")
+COUNT_TOKENS = Endpoint(count_submission, count_answer, "count")
