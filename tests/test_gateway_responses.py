@@ -105,7 +105,6 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -413,8 +412,7 @@ def test_text_format_json_schema(fleet: Fleet) -> None:
 
 def test_refusals_are_openai_errors(fleet: Fleet) -> None:
     c = fleet.client
-    for extra, param in (({"previous_response_id": "resp_x"}, "previous_response_id"),
-                         ({"background": True}, "background"),
+    for extra, param in (({"background": True}, "background"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                          ({"temperature": -1}, None)):  # fmt: skip
         for stream in (False, True):
