@@ -15,6 +15,7 @@ import redis
 from batchfleet.producer.gateway.stored import ResponseStore
 from batchfleet.schemas.keys import response_key
 from gateway_fakes import GATEWAY_KEY, ScriptedWorker, Taken, gateway_in_process, http
+from test_gateway_metrics import sample
 
 from batchfleet.connection import connect
 
@@ -107,6 +108,15 @@ def test_a_conversation_continues_through_previous_response_id(
         assert error == {"message": f"Previous response with id '{first['id']}' not found.",
                          "type": "invalid_request_error", "param": "previous_response_id",
                          "code": "previous_response_not_found"}  # fmt: skip
+        # and the metrics label the routes by their pattern, not by id
+        text = (await http(port, "GET", "/metrics", key=None))[1].decode()
+        requests = "batchfleet_gateway_requests_total"
+        assert sample(text, requests, route="/v1/responses/{id}", method="GET", status="200") == 2
+        for status in ("200", "404"):
+            assert sample(text, requests, route="/v1/responses/{id}", method="DELETE",
+                          status=status) == 1  # fmt: skip
+        assert sample(text, requests, route="/v1/responses/{id}/input_items", status="200") == 2
+        assert sample(text, requests, route="/v1/responses", status="404") == 1
 
     run(redis_url, scenario)
 
