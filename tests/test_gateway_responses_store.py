@@ -121,6 +121,36 @@ def test_a_conversation_continues_through_previous_response_id(
     run(redis_url, scenario)
 
 
+def test_a_function_call_output_continues_the_call(redis_url: str) -> None:
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}  # fmt: skip
+
+    async def scenario(port: int, fake: ScriptedWorker) -> None:
+        # Given a response that is a call only
+        ask = asyncio.ensure_future(http(port, "POST", "/v1/responses",
+                                         {"model": MODEL, "input": "weather?", "tools": tools}))  # fmt: skip
+        taken = await asyncio.to_thread(fake.take)
+        await asyncio.to_thread(fake.ok, taken, [{"text": "", "tool_calls": [call],
+                                                  "finish_reason": "tool_calls"}])  # fmt: skip
+        first = json.loads((await ask)[1])
+        assert [i["type"] for i in first["output"]] == ["function_call"]
+        # When the call's output alone continues it
+        output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+        taken, status, _ = await answered(port, fake, {
+            "model": MODEL, "input": [output], "tools": tools,
+            "previous_response_id": first["id"]}, "Sunny in Rome.")  # fmt: skip
+        # Then the worker is asked the question, the assistant's call and the tool's answer
+        assert status == 200 and chat(taken) == [
+            ("user", "weather?"), ("assistant", None), ("tool", "sunny")]  # fmt: skip
+        messages = taken.request.messages
+        assert messages is not None and messages[1].tool_calls is not None
+        assert messages[1].tool_calls[0].function.arguments == '{"city":"Rome"}'
+        assert messages[2].tool_call_id == "call_1"
+
+    run(redis_url, scenario)
+
+
 def test_store_false_stores_nothing_and_cannot_be_continued(redis_url: str, r: redis.Redis) -> None:
     async def scenario(port: int, fake: ScriptedWorker) -> None:
         ask = {"model": MODEL, "input": "hello", "store": False}
