@@ -274,7 +274,8 @@ def _gateway(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
-                          grace_s=args.grace))  # fmt: skip
+                          grace_s=args.grace, store_ttl_s=args.responses_ttl,
+                          store_max_bytes=args.responses_max_bytes))  # fmt: skip
     return 0
 
 
@@ -482,6 +483,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds the requests in flight get to end (then cancelled)",
+    )
+    gw.add_argument(
+        "--responses-ttl",
+        type=int,
+        default=24 * 3600,  # stored.DEFAULT_TTL_S (not imported: the CLI stays light)
+        help="seconds a stored /v1/responses response is kept, up to 30 days (0: store none)",
+    )
+    gw.add_argument(
+        "--responses-max-bytes",
+        type=int,
+        default=4 * 1024 * 1024,  # stored.DEFAULT_MAX_BYTES
+        help="a larger stored response (with its conversation) is answered but not stored",
     )
     gw.set_defaults(func=_gateway)
 

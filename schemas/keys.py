@@ -174,3 +174,18 @@ class WebhookKeys:
     def slow(self, endpoint: str) -> str:
         """Present (with a TTL) while an endpoint's last attempt timed out: its cap is lowered."""
         return f"{self.prefix}:{{{endpoint}}}:slow"
+
+
+RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9_.:-]{1,128}$")
+"""A Responses API response id: ``resp_`` and the fleet request id it answered."""
+RESPONSE_KEY_PATTERN = f"{PREFIX}:responses:*"
+"""Every stored response's key (the gateway's ACL pattern)."""
+
+
+def response_key(response_id: str) -> str:
+    """A stored Responses API response (JSON, with a TTL), that ``previous_response_id``
+    continues and ``GET /v1/responses/{id}`` reads. Fleet-wide, untagged: each is read and
+    written alone, so on a Cluster they spread over the slots rather than share one."""
+    if not RESPONSE_ID.match(response_id):
+        raise ValueError(f"bad response id {response_id!r}")
+    return f"{PREFIX}:responses:{response_id}"

@@ -41,14 +41,14 @@ async def http(
 
 
 @contextlib.asynccontextmanager
-async def gateway_in_process(url: str) -> AsyncIterator[int]:
-    """``serve`` (as `batchfleet gateway` runs it) on a free port, once it is subscribed to
-    its reply channel: the port."""
+async def gateway_in_process(url: str, **options: Any) -> AsyncIterator[int]:
+    """``serve`` (as `batchfleet gateway` runs it, with ``options``) on a free port, once it
+    is subscribed to its reply channel: the port."""
     from batchfleet.producer.gateway.app import serve
 
     port, ready = free_port(), asyncio.Event()
     server = asyncio.ensure_future(serve(url, port=port, api_key=GATEWAY_KEY, timeout_s=20,
-                                         ready=ready))  # fmt: skip
+                                         ready=ready, **options))  # fmt: skip
     try:
         await asyncio.wait_for(ready.wait(), 20)
         yield port

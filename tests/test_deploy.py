@@ -21,7 +21,7 @@ import pytest
 import redis
 import yaml
 from batchfleet.producer import Producer
-from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys
+from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
 from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
 from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_stream
@@ -456,6 +456,18 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
             # a client that leaves mid-stream: SET of the cancel key
             assert await leave_mid_stream(port, fake, chat) is not None
+            # a stored response (SET with EX), continued (GET), read, deleted (DEL)
+            first, second = {"model": model, "input": "hi"}, {"model": model, "input": "more"}
+            for ask in (first, second):
+                reply = asyncio.ensure_future(http(port, "POST", "/v1/responses", ask))
+                taken = await asyncio.to_thread(fake.take)
+                await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
+                status, body = await reply
+                assert status == 200 and json.loads(body)["store"] is True
+                second["previous_response_id"] = json.loads(body)["id"]
+            path = f"/v1/responses/{second['previous_response_id']}"
+            assert (await http(port, "GET", path))[0] == 200
+            assert (await http(port, "DELETE", path))[0] == 200
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")
@@ -477,6 +489,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.scan(0, match="bf:*"),  # other requests' result keys
         lambda: gw.sadd(MODELS_KEY, "forged"),
         lambda: gw.set(keys.limits, b"{}"),
+        lambda: gw.delete(keys.result("t")),  # DEL on stored responses only
+        lambda: gw.set("bf:other", b"x", ex=60),
+        lambda: gw.expire(response_key("resp_t"), 60),
         lambda: gw.flushall(),
         lambda: gw.config_get("*"),
     ):

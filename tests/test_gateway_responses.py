@@ -105,7 +105,6 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -401,6 +400,31 @@ def test_a_function_call_round_trip(fleet: Fleet) -> None:
     )
 
 
+def test_a_two_turn_conversation_through_previous_response_id(fleet: Fleet) -> None:
+    c = fleet.client
+    # Given a first turn, stored
+    first = c.responses.create(model=LM, input="Tell me a story", max_output_tokens=8)
+    assert first.store and first.output_text
+    # When the next turn continues it
+    second = c.responses.create(model=LM, input="And then?", max_output_tokens=8,
+                                previous_response_id=first.id)  # fmt: skip
+    # Then the model answered the whole chat, as the producer sends it: the same prompt
+    # (its tokens) and the same (greedy) answer
+    with Producer(fleet.url) as p:
+        (expected,) = p.submit(LM, max_new_tokens=8, messages=[
+            {"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}]).result(timeout=120).generations()  # fmt: skip
+    assert second.usage is not None and second.usage.input_tokens == expected.prompt_tokens
+    assert second.output_text == expected.text and second.previous_response_id == first.id
+    # and any gateway reads it back
+    again = c.responses.retrieve(second.id)
+    assert again.output_text == second.output_text and again.usage == second.usage
+    with pytest.raises(openai.NotFoundError) as unknown:
+        c.responses.create(model=LM, input="x", previous_response_id="resp_unknown")
+    assert unknown.value.param == "previous_response_id"
+
+
 def test_text_format_json_schema(fleet: Fleet) -> None:
     schema = {"enum": ["yes", "no"]}
     reply = fleet.client.responses.create(
@@ -413,8 +437,7 @@ def test_text_format_json_schema(fleet: Fleet) -> None:
 
 def test_refusals_are_openai_errors(fleet: Fleet) -> None:
     c = fleet.client
-    for extra, param in (({"previous_response_id": "resp_x"}, "previous_response_id"),
-                         ({"background": True}, "background"),
+    for extra, param in (({"background": True}, "background"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                          ({"temperature": -1}, None)):  # fmt: skip
         for stream in (False, True):

@@ -46,6 +46,7 @@ from .metrics import CLIENT_LEFT, GatewayMetrics
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .replies import DOWN, Replies
 from .split import merged, part_ids, split
+from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ class Gateway:
         api_key: str | None = None,
         timeout_s: float | None = 3600.0,
         priority: int | None = None,
+        store_ttl_s: int = DEFAULT_TTL_S,
+        store_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.producer = producer
+        self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
+        """The Responses API's stored responses."""
         self.replies = Replies(producer)
         self.metrics = GatewayMetrics()
         self.metrics.watch(lambda: len(self.inflight), lambda: float(self.replies.live))
@@ -144,6 +149,9 @@ class Gateway:
         """A request path's route label in the metrics (one per route: few labels)."""
         if path in self.routes:
             return path
+        if path.startswith("/v1/responses/"):
+            items = path.endswith("/input_items")
+            return "/v1/responses/{id}/input_items" if items else "/v1/responses/{id}"
         return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
     def cancel(self, job: AsyncJob) -> None:
@@ -416,10 +424,19 @@ class Generate(Handler):
     def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
         return Chunks(body, answered, model, self.chat)
 
+    async def expand(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The body to serve: as sent, here; the Responses API puts the stored
+        conversation a ``previous_response_id`` continues in it."""
+        return body
+
+    async def keep(self, answer: Any) -> None:
+        """Called with the whole answer (streamed: the last events) before it is sent:
+        nothing here; the Responses API stores it."""
+
     async def post(self) -> None:
         started = False
         try:
-            body = self.body_json()
+            body = await self.expand(self.body_json())
             sub = self.submission(body)
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
@@ -430,7 +447,9 @@ class Generate(Handler):
                 if not result.ok:
                     raise of_result(result)
                 self.count_tokens(result)
-                return self.send_json(self.answer(body, result, answered))
+                answer = self.answer(body, result, answered)
+                await self.keep(answer)
+                return self.send_json(answer)
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
@@ -442,6 +461,7 @@ class Generate(Handler):
                             raise of_result(event)
                         self.count_tokens(event)
                         out = chunks.finish(event)
+                        await self.keep(out)
                     else:
                         if isinstance(event, Restarted):
                             self.gateway.metrics.restarts.inc()
@@ -516,7 +536,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
     → unary endpoint: the pooling ones by default), models and health."""
     from .messages import CountTokens, Messages  # imported here, as they import this module
-    from .respond import Responses
+    from .respond import InputItems, Responses, StoredResponse
     from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
 
     if endpoints is None:
@@ -528,6 +548,8 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/chat/completions", Generate, g | {"chat": True}),
         (r"/v1/completions", Generate, g | {"chat": False}),
         (r"/v1/responses", Responses, g),
+        (r"/v1/responses/([^/]+)", StoredResponse, g),
+        (r"/v1/responses/([^/]+)/input_items", InputItems, g),
         (r"/v1/messages", Messages, g),
         (r"/v1/messages/count_tokens", CountTokens, g | {"endpoint": COUNT_TOKENS}),
         (r"/tokenize", Unary, g | {"endpoint": TOKENIZE}),
@@ -564,13 +586,16 @@ async def serve(
     priority: int | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     grace_s: float = 30.0,
+    store_ttl_s: int = DEFAULT_TTL_S,
+    store_max_bytes: int = DEFAULT_MAX_BYTES,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT (or ``stop`` is set, or cancelled); then take no new
     request, give those in flight up to ``grace_s`` to end, and cancel those left, so the
     fleet stops generating for clients that will not be answered. ``ready`` is set once
-    it listens and is subscribed to its reply channel."""
+    it listens and is subscribed to its reply channel. Responses API responses are stored
+    ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -579,7 +604,8 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)  # the main thread's loop only
             handled.append(sig)
     async with AsyncProducer(url) as producer:
-        gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority)
+        gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
+                          store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip

@@ -51,17 +51,26 @@ class ApiError(Exception):
     """An answer other than 200: its HTTP status and OpenAI's error object."""
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.kind = kind
+        """The error's ``type`` where it is not its status's (OpenAI's 404s of the
+        Responses API are ``invalid_request_error``)."""
 
     @property
     def type(self) -> str:
-        return TYPE_OF_STATUS.get(self.status, "server_error")
+        return self.kind or TYPE_OF_STATUS.get(self.status, "server_error")
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object."""

@@ -1,18 +1,42 @@
-"""``POST /v1/responses``: OpenAI's Responses API, served as :class:`~.app.Generate` serves
+"""``/v1/responses``: OpenAI's Responses API, served as :class:`~.app.Generate` serves
 chat (the same submission, waiting, disconnects and restarts), with the Responses API's
-objects and its semantic server-sent events (``event: <type>`` then ``data: <json>``)."""
+objects and its semantic server-sent events (``event: <type>`` then ``data: <json>``).
+
+With ``store`` (the default) each response is stored once answered (``stored.py``), with
+the input items it was built from: ``previous_response_id`` continues it (its input and
+output before the new input; not its ``instructions``, as OpenAI's), and
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read or
+delete it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+import redis
+
 from ...schemas.messages import Result
-from .app import Gateway, Generate
+from .app import Gateway, Generate, Handler
 from .endpoint import Answered, Events, Submission
-from .errors import ApiError
-from .response_input import response_submission
+from .errors import ApiError, invalid
+from .replies import DOWN
+from .response_input import input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
+
+logger = logging.getLogger(__name__)
+
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+               "reasoning": "rs"}  # fmt: skip
+"""Of the ids given to input items sent without one (``input_items`` lists them by id)."""
+
+
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    """OpenAI's answer for a response it does not hold (``param``: the field that named it)."""
+    previous = "Previous response" if param else "Response"
+    return ApiError(404, f"{previous} with id '{response_id}' not found.",
+                    code="previous_response_not_found" if param else "not_found", param=param,
+                    kind="invalid_request_error")  # fmt: skip
 
 
 class Responses(Generate):
@@ -23,6 +47,47 @@ class Responses(Generate):
         self.prefix, self.named = "resp_", True
         self.sequence = 0
         """The next event's ``sequence_number`` (an error event's, after the others)."""
+        self.conversation: list[dict[str, Any]] = []
+        """The input items the response is built from (the previous response's first)."""
+
+    async def expand(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``input`` as items after the stored conversation ``previous_response_id``
+        continues (404 where none is stored); ``store`` as it will be."""
+        store = body.get("store")
+        if store is not None and not isinstance(store, bool):
+            raise invalid("store must be a boolean", "store")
+        new = input_items(body.get("input"))
+        input_messages(new)  # a bad item is refused under its own index
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise invalid("previous_response_id must be a string", "previous_response_id")
+            found = await self.gateway.responses.get(previous)
+            if found is None:
+                raise not_found(previous, "previous_response_id")
+            new = found.conversation + new
+        self.conversation = new
+        return {**body, "input": new,
+                "store": store is not False and self.gateway.responses.enabled}  # fmt: skip
+
+    async def keep(self, answer: Any) -> None:
+        """Store the whole response (streamed: the last event's) before it is sent; one
+        not stored (over the size bound, Redis failing) says ``store: false``."""
+        whole = answer if isinstance(answer, dict) else answer[-1]["response"]
+        if not whole["store"]:
+            return
+        suffix = whole["id"].removeprefix("resp_")
+        items = [item if "id" in item else
+                 {**item, "id": f"{ITEM_PREFIX.get(item.get('type', 'message'), 'item')}_"
+                                f"{suffix}_{i}"}
+                 for i, item in enumerate(self.conversation)]  # fmt: skip
+        try:
+            stored = await self.gateway.responses.put(whole, items)
+        except (*DOWN, redis.ResponseError) as exc:
+            logger.warning("response %s not stored: %s", whole["id"], exc)
+            stored = False
+        if not stored:
+            whole["store"] = False
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         return response_submission(body)
@@ -44,3 +109,50 @@ class Responses(Generate):
         self._write([{"type": "error", "code": error.code, "message": error.message,
                       "param": error.param, "sequence_number": self.sequence}])  # fmt: skip
         self._end()
+
+
+class StoredResponse(Handler):
+    """``GET /v1/responses/{id}``: a stored response; ``DELETE``: delete it."""
+
+    async def get(self, response_id: str) -> None:
+        found = await self.gateway.responses.get(response_id)
+        if found is None:
+            return self.fail(not_found(response_id))
+        self.send_json(found.response)
+
+    async def delete(self, response_id: str) -> None:
+        if not await self.gateway.responses.delete(response_id):
+            return self.fail(not_found(response_id))
+        self.send_json({"id": response_id, "object": "response", "deleted": True})
+
+
+class InputItems(Handler):
+    """``GET /v1/responses/{id}/input_items``: the input items a stored response was built
+    from (its previous responses' included), as OpenAI lists them: ``order`` (``desc``, the
+    default, or ``asc``), ``limit`` (1-100, 20) items ``after`` the one of that id."""
+
+    async def get(self, response_id: str) -> None:
+        order = self.get_argument("order", "desc")
+        if order not in ("asc", "desc"):
+            return self.fail(invalid("order is asc or desc", "order"))
+        try:
+            limit = int(self.get_argument("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            return self.fail(invalid("limit is an integer from 1 to 100", "limit"))
+        found = await self.gateway.responses.get(response_id)
+        if found is None:
+            return self.fail(not_found(response_id))
+        items = found.input if order == "asc" else found.input[::-1]
+        after = self.get_argument("after", None)
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+            if at is None:
+                return self.fail(invalid(f"no input item {after!r} in this response", "after"))
+            items = items[at + 1 :]
+        page = items[:limit]
+        self.send_json({"object": "list", "data": page,
+                        "first_id": page[0]["id"] if page else None,
+                        "last_id": page[-1]["id"] if page else None,
+                        "has_more": len(items) > limit})  # fmt: skip

@@ -3,9 +3,10 @@
 The ``instructions`` and ``input`` items become chat messages and the Responses fields
 their chat-completions names; :func:`~.openai_fields.chat_submission` does the rest, so
 both routes submit the same request for the same chat and the producer's validation
-answers a bad value (400). What needs state the gateway does not keep (a previous
-response, a conversation, a stored prompt, a background run) and OpenAI's built-in tools
-are refused with 400 and the field as ``param``.
+answers a bad value (400). A ``previous_response_id`` is the handler's to resolve
+(``respond.py``: its stored conversation is put in ``input``); what needs state the gateway
+does not keep (a conversation object, a stored prompt, a background run) and OpenAI's
+built-in tools are refused with 400 and the field as ``param``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from .endpoint import Submission
 from .errors import invalid
 from .openai_fields import SAME_NAME, chat_submission, text_parts
 
-STATEFUL = ("previous_response_id", "conversation", "prompt")
-"""Fields that name state kept on OpenAI's side (the gateway keeps none)."""
+STATEFUL = ("conversation", "prompt")
+"""Fields that name state kept on OpenAI's side (the gateway keeps responses only)."""
 
 NOT_TAKEN = ("n", "response_format", "prompt_logprobs", "return_token_ids")
 EXTRAS = (
@@ -43,10 +44,10 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The ``/v1/chat/completions`` body that asks what this Responses body asks."""
     for name in STATEFUL:
         if body.get(name) is not None:
-            raise invalid(f"{name} is not supported: the gateway keeps no conversation "
-                          "state; send the whole conversation as input", name)  # fmt: skip
+            raise invalid(f"{name} is not supported: continue a conversation with "
+                          "previous_response_id, or send it whole as input", name)  # fmt: skip
     if body.get("background"):
-        raise invalid("background is not supported: the gateway stores no response to poll; "
+        raise invalid("background is not supported: the gateway runs no response to poll; "
                       "stream instead", "background")  # fmt: skip
     chat = {k: body[k] for k in ("model", *EXTRAS) if body.get(k) is not None}
     messages: list[dict[str, Any]] = []
@@ -83,6 +84,16 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
 def wants_logprobs(body: Mapping[str, Any]) -> bool:
     include = body.get("include")
     return isinstance(include, list) and LOGPROBS in include
+
+
+def input_items(raw: Any) -> list[dict[str, Any]]:
+    """``input`` as a list of items (a text: one user message), as a response stores it."""
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": raw}]}]  # fmt: skip
+    if not isinstance(raw, list) or not raw:
+        raise invalid("input must be a text or a non-empty list of items", "input")
+    return list(raw)
 
 
 def input_messages(raw: Any) -> list[dict[str, Any]]:
