@@ -255,8 +255,8 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
     # When /tokenize is asked for them, Then the same ids, generating nothing
     status, body = post("/tokenize", {"model": LM, "prompt": "the cat sat"})
     assert status == 200, body
-    assert body == {"count": text.prompt_tokens, "tokens": text.prompt_token_ids,
-                    "token_strs": None}  # fmt: skip
+    assert body == {"count": text.prompt_tokens, "max_model_len": 4096,
+                    "tokens": text.prompt_token_ids, "token_strs": None}  # fmt: skip
     status, body = post("/tokenize", {"model": LM, "messages": chat})
     assert status == 200 and body["tokens"] == rendered.prompt_token_ids
     # and /detokenize gives the text back
