@@ -67,3 +67,15 @@ def test_what_the_runners_say_of_their_model(tiny_lm: Path, tiny_embedder: Path)
     enc = EmbeddingRunner(tiny_embedder, device="cpu", dtype="float32", max_tokens=64)
     assert model_info(enc, Limits(), 7) == ModelInfo(task="embedding", max_model_len=64,
                                                      created=7)  # fmt: skip
+
+
+def test_a_custom_runner_is_described_by_what_it_has() -> None:
+    class Custom:
+        name = ""
+        continuous = True
+        context = "long"
+        tool_call_parser = 3
+
+    info = model_info(Custom(), Limits(), 7)  # type: ignore[arg-type]
+    assert (info.task, info.max_model_len, info.tool_call_parser) == ("custom", None, None)
+    assert (info.max_new_tokens, info.chat_template) == (4096, False)
