@@ -19,6 +19,7 @@ from .schemas.keys import (
     model_names,
     model_of_lanes_key,
 )
+from .schemas.model_info import ModelInfo, decode_model_info
 
 DEFAULT_LANES = 3
 """Lanes assumed for a model whose lanes key is missing (the fleet file's default)."""
@@ -63,6 +64,20 @@ def dead_letter_counts(client: SyncClient, models: Sequence[str]) -> dict[str, i
     for model in models:
         pipe.xlen(ModelKeys(model).dead)
     return {m: int(n) for m, n in zip(models, pipe.execute(), strict=True)}
+
+
+def model_infos(client: SyncClient, models: Sequence[str]) -> dict[str, ModelInfo | None]:
+    """Per model, what its workers published of it (None: nothing readable, older ones)."""
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.get(ModelKeys(model).info)
+    found: dict[str, ModelInfo | None] = {}
+    for model, raw in zip(models, pipe.execute(), strict=True):
+        try:
+            found[model] = decode_model_info(raw) if raw is not None else None
+        except ValueError:
+            found[model] = None
+    return found
 
 
 def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:

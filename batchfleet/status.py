@@ -26,9 +26,11 @@ from .fleetview import (
     discover_models,
     heartbeats,
     lane_counts,
+    model_infos,
     read_lanes,
 )
 from .remote import inspect_stats
+from .schemas.model_info import ModelInfo
 
 STALE_S = 10.0
 """A worker whose heartbeat is older than this is shown as stale."""
@@ -43,6 +45,8 @@ class ModelStatus:
     workers: dict[str, float]
     """Consumer name → seconds since its heartbeat."""
     dead_letters: int
+    info: ModelInfo | None = None
+    """What its workers published of it (task, context length); None: older workers."""
 
 
 @dataclass
@@ -93,6 +97,8 @@ class FleetStatus:
                 {
                     "model": ms.model,
                     "dead_letters": ms.dead_letters,
+                    "task": ms.info.task if ms.info else None,
+                    "max_model_len": ms.info.max_model_len if ms.info else None,
                     "lanes": [
                         {k: v for k, v in asdict(row).items() if k != "model"} for row in ms.lanes
                     ],
@@ -111,7 +117,11 @@ def collect(client: SyncClient, models: Sequence[str] | None = None) -> list[Mod
     rows = read_lanes(client, lane_counts(client, names))
     beats = heartbeats(client, names)
     dead = dead_letter_counts(client, names)
-    return [ModelStatus(m, [r for r in rows if r.model == m], beats[m], dead[m]) for m in names]
+    infos = model_infos(client, names)
+    return [
+        ModelStatus(m, [r for r in rows if r.model == m], beats[m], dead[m], infos[m])
+        for m in names
+    ]
 
 
 def gather(
@@ -143,12 +153,17 @@ def _age(seconds: float) -> str:
 def render(status: FleetStatus) -> Group:
     """Two tables: streams per model and lane, then workers."""
     streams = Table(title="streams", title_justify="left")
-    for col in ("model", "lane", "depth", "pending", "lag", "oldest", "dead letters"):
-        streams.add_column(col, justify="left" if col == "model" else "right")
+    for col in ("model", "task", "context", "lane", "depth", "pending", "lag", "oldest",
+                "dead letters"):  # fmt: skip
+        streams.add_column(col, justify="left" if col in ("model", "task") else "right")
     for ms in status.models:
+        task = ms.info.task if ms.info else "-"
+        context = str(ms.info.max_model_len) if ms.info and ms.info.max_model_len else "-"
         for i, row in enumerate(ms.lanes):
             streams.add_row(
                 ms.model if i == 0 else "",
+                task if i == 0 else "",
+                context if i == 0 else "",
                 str(row.lane),
                 str(row.length),
                 str(row.pending),

@@ -90,6 +90,12 @@ class ModelKeys:
         return f"{self.tag}:limits"
 
     @property
+    def info(self) -> str:
+        """A string holding what a client needs to know of the model as JSON (its task and
+        context length: ``schemas/model_info.py``), written by workers for gateways."""
+        return f"{self.tag}:info"
+
+    @property
     def workers(self) -> str:
         """Hash of live consumers: name → unix ms of its last heartbeat."""
         return f"{self.tag}:workers"

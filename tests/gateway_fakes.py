@@ -12,6 +12,7 @@ from typing import Any
 
 from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.messages import Limits, Request, Result, Usage
+from batchfleet.schemas.model_info import ModelInfo
 from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
 
 from batchfleet.connection import SyncClient
@@ -73,11 +74,12 @@ class ScriptedWorker:
     """One model's worker side, step by step (blocking: call it through a thread)."""
 
     def __init__(
-        self, client: SyncClient, model: str, limits: Limits | None = None, max_depth: int = 0
-    ) -> None:
+        self, client: SyncClient, model: str, limits: Limits | None = None, max_depth: int = 0,
+        info: ModelInfo | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.streams = ModelStreams(client, model, 3, "w1")
-        self.streams.ensure_groups(max_depth or None, limits)
+        self.streams.ensure_groups(max_depth or None, limits, info)
 
     def take(self) -> Taken:
         """The next request (waits up to 10 s)."""

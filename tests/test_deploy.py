@@ -23,6 +23,7 @@ import yaml
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
+from batchfleet.schemas.model_info import ModelInfo
 from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
 from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_stream
 
@@ -417,8 +418,10 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     base = f"redis://{{}}@127.0.0.1:{acl_redis}/0"
     model, keys = "gwm", ModelKeys("gwm")
     worker = connect(base.format("worker:CHANGE_ME_worker"))
-    # the submit script reads the lane's length then; bf:models and the limits are written
-    fake = ScriptedWorker(worker, model, Limits(max_inputs=2), max_depth=100)
+    # the submit script reads the lane's length then; bf:models, the limits and the model's
+    # info are written
+    info = ModelInfo(task="text-generation", max_model_len=2048, created=1700000000)
+    fake = ScriptedWorker(worker, model, Limits(max_inputs=2), max_depth=100, info=info)
 
     async def go() -> None:
         async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway")) as port:
@@ -451,9 +454,11 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
             status, body = await ask
             assert status == 200 and b'"content":"Hi"' in body and body.endswith(b"[DONE]\n\n")
-            # the models the fleet serves: SMEMBERS bf:models (the gateway may not SCAN)
+            # the models the fleet serves: SMEMBERS bf:models (the gateway may not SCAN), and
+            # GET of each one's info (its max_model_len)
             status, body = await http(port, "GET", "/v1/models")
-            assert status == 200 and model in [m["id"] for m in json.loads(body)["data"]]
+            cards = {m["id"]: m for m in json.loads(body)["data"]}
+            assert status == 200 and cards[model]["max_model_len"] == 2048
             # a client that leaves mid-stream: SET of the cancel key
             assert await leave_mid_stream(port, fake, chat) is not None
             # a stored response (SET with EX), continued (GET), read, deleted (DEL)
@@ -492,6 +497,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.delete(keys.result("t")),  # DEL on stored responses only
         lambda: gw.set("bf:other", b"x", ex=60),
         lambda: gw.expire(response_key("resp_t"), 60),
+        lambda: gw.set(keys.info, b"{}"),
         lambda: gw.flushall(),
         lambda: gw.config_get("*"),
     ):

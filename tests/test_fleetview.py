@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -11,13 +12,16 @@ from batchfleet.producer import Producer
 from batchfleet.schemas.codec import encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys, WebhookKeys
 from batchfleet.schemas.messages import Request
+from batchfleet.schemas.model_info import ModelInfo
 from batchfleet.webhooks.tasks import Delivery
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.streams import ModelStreams
+from rich.console import Console
 
 from batchfleet import cli
 from batchfleet.config import ModelConfig, WorkerConfig
+from batchfleet.status import print_status
 from batchfleet.trace import render, trace
 
 MODEL = "tiny"
@@ -110,8 +114,18 @@ def test_status_json(r: redis.Redis, redis_url: str, capsys: pytest.CaptureFixtu
         (0, 0, 0),
         (1, 1, 1),
     ]
+    assert (model["task"], model["max_model_len"]) == (None, None)  # no info: older workers
     (worker,) = status["workers"]
     assert worker["worker"] == "w9" and worker["state"] == "stale"
+    # Once a worker published the model's info, its task and context length show
+    r.set(KEYS.info, ModelInfo(task="text-generation", max_model_len=4096).model_dump_json())
+    assert cli.main(["status", "--json", "--redis-url", redis_url]) == 0
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert (model["task"], model["max_model_len"]) == ("text-generation", 4096)
+    out = io.StringIO()
+    print_status(redis_url, workers=False, console=Console(file=out, width=160))
+    table = out.getvalue()
+    assert "text-generation" in table and "4096" in table
 
 
 def test_models_are_found_in_the_set_workers_announce_them_in(r: redis.Redis) -> None:

@@ -26,6 +26,7 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.model_info import decode_model_info
 from conftest import WorkerProcess, fleet_toml
 from tiny_models import make_causal_lm, make_classifier, make_embedding_model
 from tiny_vision import make_cross_encoder
@@ -254,8 +255,8 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
     # When /tokenize is asked for them, Then the same ids, generating nothing
     status, body = post("/tokenize", {"model": LM, "prompt": "the cat sat"})
     assert status == 200, body
-    assert body == {"count": text.prompt_tokens, "tokens": text.prompt_token_ids,
-                    "token_strs": None}  # fmt: skip
+    assert body == {"count": text.prompt_tokens, "max_model_len": 4096,
+                    "tokens": text.prompt_token_ids, "token_strs": None}  # fmt: skip
     status, body = post("/tokenize", {"model": LM, "messages": chat})
     assert status == 200 and body["tokens"] == rendered.prompt_token_ids
     # and /detokenize gives the text back
@@ -386,6 +387,18 @@ def test_models_and_request_ids(fleet: Fleet) -> None:
     assert [m.id for m in fleet.client.models.list()] == sorted([LM, "embed", "ranker",
                                                                  "sentiment"])  # fmt: skip
     assert fleet.client.models.retrieve(LM).owned_by == "batchfleet"
+    # the worker published each model's info: the tiny Llama's context (its 4096 positions,
+    # within its 8192-token cache), the encoders' tokens per input (max_tokens 64)
+    info = decode_model_info(fleet.r.get(ModelKeys(LM).info) or b"")
+    assert (info.task, info.max_model_len, info.max_new_tokens) == ("text-generation", 4096,
+                                                                    4096)  # fmt: skip
+    assert (info.chat_template, info.tool_call_parser, info.reasoning_parser) == (True, "hermes",
+                                                                                   None)  # fmt: skip
+    assert info.created > 0
+    lens = {m.id: (m.model_extra or {}).get("max_model_len") for m in fleet.client.models.list()}
+    assert lens == {LM: 4096, "embed": 64, "ranker": 64, "sentiment": 64}
+    embed = decode_model_info(fleet.r.get(ModelKeys("embed").info) or b"")
+    assert (embed.task, embed.max_model_len, embed.chat_template) == ("embedding", 64, None)
     # a request id chosen by the client names the fleet request; sent again, it gets the
     # same single result (nothing is generated twice)
     rid = uuid.uuid4().hex

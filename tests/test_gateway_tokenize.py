@@ -29,6 +29,7 @@ from batchfleet.producer.gateway.tokenization import (
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.inputs import TokenPrompt
 from batchfleet.schemas.messages import ErrorInfo, Result, Usage
+from batchfleet.schemas.model_info import ModelInfo
 from gateway_fakes import GATEWAY_KEY, ScriptedWorker, Taken, gateway_in_process, http
 from test_gateway_units import built
 
@@ -110,6 +111,9 @@ def test_answers_and_a_worker_that_left_the_field_out() -> None:
     ids = result(out | {"prompt_token_ids": [1, 5, 7]})
     assert tokenize_answer({}, ids, ANSWERED) == {"count": 3, "tokens": [1, 5, 7],
                                                   "token_strs": None}  # fmt: skip
+    known = Answered("x-1", 1700000000, max_model_len=2048)
+    assert tokenize_answer({}, ids, known) == {"count": 3, "max_model_len": 2048,
+                                               "tokens": [1, 5, 7], "token_strs": None}  # fmt: skip
     text = result(out | {"prompt_text": "<s>the cat"})
     assert detokenize_answer({}, text, ANSWERED) == {"prompt": "<s>the cat"}
     for answer in (tokenize_answer, detokenize_answer):
@@ -199,6 +203,49 @@ def test_tokenize_and_detokenize_routes(redis_url: str) -> None:
         assert 'route="/tokenize"' in raw.decode() and 'route="/detokenize"' in raw.decode()
 
     playing(redis_url, go)
+
+
+def test_max_model_len_where_the_workers_published_it(redis_url: str) -> None:
+    """vLLM's ``max_model_len`` in ``/tokenize`` and the model cards, from the model's
+    published info; left out for a model whose workers published none (older ones)."""
+    client = redis.Redis.from_url(redis_url)
+    # Given a model whose worker published its info, and one whose worker did not
+    info = ModelInfo(task="text-generation", max_model_len=2048, created=1700000000)
+    fake = ScriptedWorker(client, MODEL, info=info)
+    ScriptedWorker(client, "older")
+
+    async def go(port: int) -> None:
+        # When a prompt is tokenized, Then the answer has the model's context length
+        _, status, body = await asked(port, fake, "/tokenize", {"model": MODEL, "prompt": "a"},
+                                      PROMPT_ONLY | {"prompt_token_ids": [1, 5, 7]})  # fmt: skip
+        assert (status, body) == (200, {"count": 3, "max_model_len": 2048, "tokens": [1, 5, 7],
+                                        "token_strs": None})  # fmt: skip
+        # and the cards have it (and when the info was first published), the older not
+        status, raw = await http(port, "GET", "/v1/models")
+        cards = {c["id"]: c for c in json.loads(raw)["data"]}
+        assert status == 200 and cards[MODEL]["max_model_len"] == 2048
+        assert cards[MODEL]["created"] == 1700000000 and "max_model_len" not in cards["older"]
+        status, raw = await http(port, "GET", f"/v1/models/{MODEL}")
+        assert (status, json.loads(raw)) == (200, cards[MODEL])
+        status, raw = await http(port, "GET", "/v1/models/older")
+        assert status == 200 and json.loads(raw) == cards["older"]
+        assert json.loads(raw)["created"] == 0
+        status, raw = await http(port, "GET", "/v1/models/nope")
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+        # through the OpenAI client: an extra field of its Model
+        oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=GATEWAY_KEY)
+        card = await oai.models.retrieve(MODEL)
+        assert (card.model_extra or {})["max_model_len"] == 2048
+        await oai.close()
+
+    async def run() -> None:
+        async with gateway_in_process(redis_url) as port:
+            await go(port)
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.close()
 
 
 def test_count_tokens_through_the_anthropic_client(redis_url: str) -> None:

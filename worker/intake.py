@@ -22,6 +22,7 @@ import redis
 from ..config import WorkerConfig
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
+from ..schemas.model_info import ModelInfo
 from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, Lost, ReadIdle, Retire
@@ -56,11 +57,14 @@ class Intake:
         *,
         sync_clock: Callable[[], None] | None = None,
         check_cancels: bool = False,
+        info: ModelInfo | None = None,
         name: str = "intake",
     ) -> None:
         self.streams = streams
         self.worker = worker
         self.limits = limits
+        self.info = info
+        """The model's info, published with the limits (``ModelStreams.publish_info``)."""
         self._clock = clock
         self._post = post
         self._sync_clock = sync_clock
@@ -102,7 +106,7 @@ class Intake:
         if self._sync_clock is not None:
             self._sync_clock()
         self._max_depth = max_depth
-        self.streams.ensure_groups(max_depth, self.limits)
+        self.streams.ensure_groups(max_depth, self.limits, self.info)
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
         self._own = self.streams.own_pending()
@@ -202,7 +206,7 @@ class Intake:
                 else:  # the server lost its data (a restart without persistence): start over
                     logger.warning("consumer group gone (%s): creating it again", exc)
                     with contextlib.suppress(redis.RedisError):
-                        self.streams.ensure_groups(self._max_depth, self.limits)
+                        self.streams.ensure_groups(self._max_depth, self.limits, self.info)
                         continue
                 with self._cond:
                     self._cond.wait(1.0)

@@ -6,6 +6,7 @@ Production wires the Redis intake and sink, a device thread and the Redis server
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,7 +19,7 @@ from .holding import Holding
 from .inbox import Inbox, ThreadInbox, Wake
 from .intake import Intake
 from .observers import Observers
-from .runner import Runner, Work, is_continuous
+from .runner import Runner, Work, is_continuous, model_info
 from .sink import RedisSink, ResultSink
 from .streams import Entry, ModelStreams, RedisClock
 
@@ -86,6 +87,7 @@ def redis_parts(
     source = Intake(
         streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
         check_cancels=is_continuous(runner), name=f"intake-{model}",
+        info=model_info(runner, config.limits, int(time.time())),
     )  # fmt: skip
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),

@@ -25,7 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..schemas.errors import BatchfleetError, ErrorCode
 from ..schemas.inputs import AnyInput, Kind, Ranking, kind_of
-from ..schemas.messages import Request
+from ..schemas.messages import Limits, Request
+from ..schemas.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -420,3 +421,34 @@ def _truncated(inputs: Sequence[AnyInput], rows: Sequence[Any]) -> tuple[bool, .
         out.append(any(r.truncated for r in rows[pos : pos + n]))
         pos += n
     return tuple(out)
+
+
+def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
+    """What clients need to know of the model ``runner`` serves, published for gateways: a
+    generator's context (``context``, ``max_prompt_tokens``), an encoder's tokens per input
+    (``max_tokens``); read off the attributes the built-in runners have, so a custom runner
+    with the same ones is described too (one without them: its ``name`` alone)."""
+    task = str(getattr(runner, "name", "") or "custom")[:128]
+    if not is_continuous(runner):
+        tokens = getattr(runner, "max_tokens", None)
+        return ModelInfo(task=task, max_model_len=_positive(tokens), created=created)
+    template = getattr(getattr(runner, "tokenizer", None), "chat_template", None)
+    return ModelInfo(
+        task=task,
+        max_model_len=_positive(getattr(runner, "context", None)),
+        max_prompt_tokens=_positive(getattr(runner, "max_prompt_tokens", None)),
+        max_new_tokens=limits.max_new_tokens,
+        default_max_new_tokens=_positive(getattr(runner, "default_new_tokens", None)),
+        chat_template=bool(template),
+        tool_call_parser=_text(getattr(runner, "tool_call_parser", None)),
+        reasoning_parser=_text(getattr(runner, "reasoning_parser", None)),
+        created=created,
+    )
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None

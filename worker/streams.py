@@ -16,6 +16,7 @@ from redis.commands.core import Script
 from ..connection import SyncClient
 from ..schemas.keys import GROUP, MODELS_KEY, ModelKeys
 from ..schemas.messages import Limits
+from ..schemas.model_info import ModelInfo, decode_model_info
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
@@ -161,10 +162,13 @@ class ModelStreams:
         self._refresh = _script(client, "refresh.lua")
         self._tokens = _script(client, "tokens.lua")
 
-    def ensure_groups(self, max_depth: int | None = None, limits: Limits | None = None) -> None:
+    def ensure_groups(
+        self, max_depth: int | None = None, limits: Limits | None = None,
+        info: ModelInfo | None = None,
+    ) -> None:  # fmt: skip
         """Create the group on every lane (from the stream's start, so nothing queued before
         the first worker is missed) and publish the lane count, depth limit and request
-        limits for producers."""
+        limits for producers, and the model's info for gateways (:meth:`publish_info`)."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -175,10 +179,25 @@ class ModelStreams:
         self.client.sadd(MODELS_KEY, self.keys.model)
         if limits is not None:
             self.client.set(self.keys.limits, limits.model_dump_json())
+        if info is not None:
+            self.publish_info(info)
         if max_depth:
             self.client.set(self.keys.max_depth, max_depth)
         else:
             self.client.delete(self.keys.max_depth)
+
+    def publish_info(self, info: ModelInfo) -> None:
+        """Write the model's info (no TTL, as the limits: each worker writes it when it
+        starts), keeping the ``created`` of the info already there, if any."""
+        raw = self.client.get(self.keys.info)
+        if raw is not None:
+            try:
+                created = decode_model_info(raw).created
+            except ValueError:  # not ours to read: replaced
+                created = 0
+            if 0 < created < info.created or not info.created:
+                info = info.model_copy(update={"created": created})
+        self.client.set(self.keys.info, info.model_dump_json())
 
     def depths(self) -> tuple[list[int], list[int]]:
         """Entries in each lane stream, and how many of them are pending (being worked on)."""

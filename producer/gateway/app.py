@@ -34,6 +34,7 @@ from ...schemas.keys import (
     model_of_lanes_key,
 )
 from ...schemas.messages import Result
+from ...schemas.model_info import ModelInfo, decode_model_info
 from ..aio import AsyncJob, AsyncProducer
 from ..submit import new_request_id
 from ..tokens import Restarted
@@ -84,6 +85,7 @@ class Gateway:
         self._seen: dict[str, float] = {}
         self._limits: dict[str, tuple[float, tuple[int, int] | None]] = {}
         """Model → when its lanes key was last seen (checked again after MODELS_CACHE_S)."""
+        self._info: dict[str, tuple[float, ModelInfo | None]] = {}
         self.pending: set[asyncio.Task[None]] = set()
         """Cancellations under way (kept referenced until done)."""
         self.inflight: set[AsyncJob] = set()
@@ -144,6 +146,21 @@ class Gateway:
             logger.warning("limits of %s unreadable (%s): taking the defaults", model, exc)
         self._limits[model] = (time.monotonic(), found)
         return found
+
+    async def model_info(self, model: str) -> ModelInfo | None:
+        """What ``model``'s workers published of it (read again after MODELS_CACHE_S); None
+        where none did (workers older than ``bf:{model}:info``) or it is unreadable."""
+        at, known = self._info.get(model, (-MODELS_CACHE_S, None))
+        if time.monotonic() - at < MODELS_CACHE_S:
+            return known
+        try:
+            raw = await self.producer.client.get(ModelKeys(model).info)
+            known = decode_model_info(raw) if raw is not None else None
+        except (*DOWN, redis.ResponseError, ValueError) as exc:
+            logger.warning("info of %s unreadable (%s): left out", model, exc)
+            known = None
+        self._info[model] = (time.monotonic(), known)
+        return known
 
     def route_of(self, path: str) -> str:
         """A request path's route label in the metrics (one per route: few labels)."""
@@ -296,15 +313,25 @@ class Models(Handler):
             names = await self.gateway.models()
         except BatchfleetError as exc:
             return self.fail(of_exception(exc))
-        cards = [{"id": n, "object": "model", "created": 0, "owned_by": "batchfleet",
-                  "root": n, "parent": None} for n in names]  # fmt: skip
-        if name is None:
-            return self.send_json({"object": "list", "data": cards})
-        card = next((c for c in cards if c["id"] == name), None)
-        if card is None:
+        if name is not None and name not in names:
             return self.fail(ApiError(404, f"The model {name!r} does not exist",
                                       code="model_not_found"))  # fmt: skip
-        self.send_json(card)
+        shown = names if name is None else [name]
+        infos = await asyncio.gather(*(self.gateway.model_info(n) for n in shown))
+        cards = [model_card(n, i) for n, i in zip(shown, infos, strict=True)]
+        self.send_json({"object": "list", "data": cards} if name is None else cards[0])
+
+
+def model_card(name: str, info: ModelInfo | None) -> dict[str, Any]:
+    """vLLM's model card: ``max_model_len`` (and ``created``) where the model's workers
+    published them, left out where they did not (workers older than ``bf:{model}:info``)."""
+    card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
+                            "owned_by": "batchfleet", "root": name, "parent": None}  # fmt: skip
+    if info is not None:
+        card["created"] = info.created
+        if info.max_model_len is not None:
+            card["max_model_len"] = info.max_model_len
+    return card
 
 
 class Health(Handler):
@@ -355,7 +382,9 @@ class Unary(Handler):
             results = await self._results()
             if self.gone:
                 return  # the client left (its request was cancelled)
-            answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()))
+            info = await self.gateway.model_info(sub.model)
+            answered = Answered(f"{self.endpoint.id_prefix}-{base}", int(time.time()),
+                                info.max_model_len if info is not None else None)  # fmt: skip
             result = merged(results)
             self.count_tokens(result)
             self.send_json(self.endpoint.answer(body, result, answered))

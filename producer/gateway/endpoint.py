@@ -22,12 +22,15 @@ class Submission:
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """What the answer names besides the result: its id and creation time."""
+    """What the answer names besides the result: its id and creation time (and, unary
+    answers, the model's context length)."""
 
     id: str
     """The response's id (``"embd-<request id>"`` and the like)."""
     created: int
     """Unix seconds."""
+    max_model_len: int | None = None
+    """The model's, as its workers published it (``ModelInfo``); None: they did not."""
 
 
 @dataclass(frozen=True, slots=True)

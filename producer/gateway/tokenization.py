@@ -61,10 +61,11 @@ def _first(result: Result, field: str) -> Generation:
 
 
 def tokenize_answer(body: Mapping[str, Any], result: Result, answered: Answered) -> dict[str, Any]:
-    """vLLM's ``{count, tokens, token_strs}``; its ``max_model_len`` is left out (the
-    gateway does not know a model's context length)."""
+    """vLLM's ``{count, max_model_len, tokens, token_strs}``; ``max_model_len`` is left out
+    where the model's workers did not publish it (ones older than ``bf:{model}:info``)."""
     ids = _first(result, "prompt_token_ids").prompt_token_ids or []
-    return {"count": len(ids), "tokens": ids, "token_strs": None}
+    known = {} if answered.max_model_len is None else {"max_model_len": answered.max_model_len}
+    return {"count": len(ids), **known, "tokens": ids, "token_strs": None}
 
 
 def detokenize_submission(body: Mapping[str, Any]) -> Submission:

@@ -1,0 +1,43 @@
+"""What a client needs to know of a model, as its workers publish it at ``bf:{model}:info``:
+the kind of model and how long its inputs may be (vLLM's ``max_model_len``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .wire import FROM_WIRE, _Answer
+
+
+class ModelInfo(_Answer):
+    """Written as JSON by each worker of the model when it starts (the last one's stands);
+    decoded by :func:`decode_model_info`, which ignores fields it does not know, so a later
+    worker may add some within v1."""
+
+    task: str = Field(min_length=1, max_length=128)
+    """The runner serving it, as the fleet file names it: ``text-generation``,
+    ``embedding``, ``text-classification``, ``rerank``... (a custom runner's ``name``)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """A generating model: the longest sequence it serves, prompt and generated tokens
+    together; an encoder: the most tokens of one input (longer ones are cut). None: the
+    model takes no text (an image classifier) or its runner does not tell."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """A generating model: the longest prompt it takes (a longer one is ``too_large``)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """A generating model: the most tokens a request may ask for (``limits.max_new_tokens``;
+    the context left after the prompt cuts it further)."""
+    default_max_new_tokens: int | None = Field(None, ge=0)
+    """A generating model: what a request that sets no ``max_new_tokens`` generates at most."""
+    chat_template: bool | None = None
+    """A generating model: its tokenizer has a chat template (else chat requests are refused)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of its text (the runner option; None: none)."""
+    reasoning_parser: str | None = None
+    """How reasoning is split from the answer (the runner option; None: none)."""
+    created: int = Field(0, ge=0)
+    """Unix seconds when a worker first published the model's info (kept by later ones)."""
+
+
+def decode_model_info(data: bytes | str) -> ModelInfo:
+    """Read a published ``ModelInfo`` as a tolerant reader (unknown fields ignored); raises
+    ``pydantic.ValidationError`` for one that is not JSON or lacks ``task``."""
+    return ModelInfo.model_validate_json(data, context={FROM_WIRE: True})
