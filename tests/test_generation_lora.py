@@ -232,6 +232,18 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
             _start(lm, adapters["sql"], **opts)
 
 
+def test_a_family_the_lean_forward_does_not_serve_is_refused(
+    lm: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet.worker.generation import lean_decode
+
+    monkeypatch.setattr(lean_decode, "FAMILIES", frozenset({"mistral", "qwen2"}))
+    with pytest.raises(
+        ValueError, match="served for mistral, qwen2 models, and this one is 'llama'"
+    ):
+        _start(lm, adapters["sql"])
+
+
 def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     lm: Path, tmp_path: Path
 ) -> None:

@@ -336,7 +336,8 @@ class PaddedEngine:
         where the model's layers are a known shape (None: where possible); otherwise the
         model's own forwards. Its decode rows attend as ``row_attention`` says. If its
         first step fails (not for memory), it is dropped for good: that step fails as any
-        failed step does, and the next ones run transformers' forwards."""
+        failed step does, and the next ones run transformers' forwards (not with
+        ``adapters``: their sequences have no other forward)."""
         if adapters and self.lean is None:
             raise ValueError("LoRA adapters need the lean forward (a Llama-family model; "
                              "lean_decode true)")  # fmt: skip
