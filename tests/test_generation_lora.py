@@ -160,6 +160,31 @@ def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
         assert out["token_ids"] == reference(r.lora, LONG, 5), r.lora
 
 
+def test_the_padded_batch_attention_path_applies_the_adapters_too(
+    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+) -> None:
+    """The decode rows attended by sdpa over the padded batch (the path of a GPU or a
+    16-bit dtype), engine alone: the same tokens."""
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.sampling import Sampling
+
+    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
+                          max_running=8, row_attention=False, adapters=adapters)  # fmt: skip
+    assert not engine.row_attention and engine.lean is not None
+    plan = [(None, 0), ("sql", 1), ("chat", 2), ("sql", 3), ("chat", 0)]
+    names = [None, *runner.lora_adapters]
+    got: dict[str, list[int]] = {}
+    for i, (lora, p) in enumerate(plan):
+        ids = runner.tokenizer(PROMPTS[p]).input_ids
+        engine.add(f"e{i}", ids, 7, Sampling(ignore_eos=True), lora=names.index(lora))
+        got |= {o.sequence: o.tokens for o in engine.step()}  # joins as the others decode
+    while engine.running or len(got) < len(plan):
+        got |= {o.sequence: o.tokens for o in engine.step()}
+    for i, (lora, p) in enumerate(plan):
+        assert got[f"e{i}"] == reference(lora, PROMPTS[p], 7), (i, lora)
+
+
 def test_a_request_preempted_under_an_adapter_resumes_under_it(
     runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
 ) -> None:
