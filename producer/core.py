@@ -164,6 +164,9 @@ class GenerationOptions(TypedDict, total=False):
     """Cached prefixes are shared only with requests of the same salt (vLLM's)."""
     reasoning_effort: str | None
     """``"low"``, ``"medium"`` or ``"high"``, for the chat template (OpenAI's; gpt-oss)."""
+    lora: str | None
+    """The model's LoRA adapter (a name of its info's ``lora_adapters``) the text comes
+    from; none: the base model (vLLM's multi-LoRA)."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

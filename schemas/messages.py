@@ -118,7 +118,7 @@ GENERATION_FIELDS: Final = (
     "structured_outputs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
-    "reasoning_effort", "return_prompt_text",
+    "reasoning_effort", "return_prompt_text", "lora",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -424,6 +424,9 @@ class Request(_Strict):
     """vLLM's: the prompt shares cached prefixes (and a prefill) only with prompts of the
     same salt, so one tenant cannot time whether another's prompt began as its own did;
     give each tenant a secret random salt (e.g. 43 base64 characters: 256 bits)."""
+    lora: str | None = Field(None, min_length=1, max_length=128)
+    """The model's LoRA adapter (its ``lora_adapters`` name) this request's text comes from;
+    none: the base model. A name the model does not serve is an ``invalid_request``."""
     return_token_ids: bool | None = None
     """vLLM's: each output carries its generated ``token_ids`` (and the first of each
     input its ``prompt_token_ids``), each delta its own ``token_ids``: what an RL trainer

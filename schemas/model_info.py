@@ -33,6 +33,9 @@ class ModelInfo(_Answer):
     """How tool calls are read out of its text (the runner option; None: none)."""
     reasoning_parser: str | None = None
     """How reasoning is split from the answer (the runner option; None: none)."""
+    lora_adapters: list[str] = Field(default_factory=list)
+    """A generating model: the LoRA adapters a request may name in its ``lora`` (the
+    runner's ``lora_adapters`` option; empty: none)."""
     created: int = Field(0, ge=0)
     """Unix seconds when a worker first published the model's info (kept by later ones)."""
 

@@ -442,6 +442,7 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         chat_template=bool(template),
         tool_call_parser=_text(getattr(runner, "tool_call_parser", None)),
         reasoning_parser=_text(getattr(runner, "reasoning_parser", None)),
+        lora_adapters=_names(getattr(runner, "lora_adapters", None)),
         created=created,
     )
 
@@ -452,3 +453,7 @@ def _positive(value: object) -> int | None:
 
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _names(value: object) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, tuple | list) else []

@@ -38,7 +38,8 @@ class Engine(Protocol):
 
     def add(self, sequence: str, tokens: list[int], max_new_tokens: int,
             sampling: Sampling, priority: int = 0,
-            score: int | None = None, salt: str | None = None) -> None: ...  # fmt: skip
+            score: int | None = None, salt: str | None = None,
+            lora: int = 0) -> None: ...  # fmt: skip
     def cancel(self, sequences: Iterable[str]) -> None: ...
     def forget(self, sequence: str) -> None: ...
     def step(self) -> list[Output]: ...

@@ -25,7 +25,9 @@ prefill chunks at once:
   transformers forward and HF ``generate`` attend);
 - each prefill chunk's appended to its sequence's own cache and attended causally by
   transformers' ``sdpa`` function, as its prefill forward does;
-- logits only for the decode rows and each chunk's last token.
+- logits only for the decode rows and each chunk's last token;
+- where a step's tokens use LoRA adapters (:mod:`.lora`), each product adds each
+  adapter's low-rank update on its own tokens (none used: no work).
 
 Models whose layers do not match keep transformers' forwards.
 """
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import decode_attention
+from . import lora as lora_
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 """``config.model_type`` values whose decoder layer :class:`LeanDecoder` reproduces."""
@@ -139,6 +142,7 @@ class LeanDecoder:
         chunks: Sequence[Chunk],
         padding: torch.Tensor | None = None,
         every: Sequence[bool] = (),
+        lora: Sequence[tuple[lora_.Adapter, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """One step's forward over the decode rows and prefill chunks together (the
         linear layers run once over all their tokens): decode row ``i`` feeds ``ids[i]``
@@ -148,7 +152,9 @@ class LeanDecoder:
         per-row kernel; else through sdpa over the padded batch, ``padding`` being its
         ``rows x 1 x 1 x columns`` mask (:func:`padding_mask`). The logits of every
         decode row, then of each chunk's last token, or of all its tokens where
-        ``every`` says so (a chunk whose prompt log-probabilities are kept)."""
+        ``every`` says so (a chunk whose prompt log-probabilities are kept). ``lora``: each
+        LoRA adapter the step's tokens use and those tokens' indices (:func:`.lora.groups`;
+        empty: the base model's products alone)."""
         rows = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
@@ -169,6 +175,8 @@ class LeanDecoder:
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            if lora:
+                lora_.apply(qkv, h, i, "qkv", lora)
             v = qkv[..., k_end:].view(1, total, kv_heads, dim).transpose(1, 2)
             if one_pass:
                 qk = qkv[..., :k_end].view(1, total, heads + kv_heads, dim).transpose(1, 2)
@@ -202,11 +210,19 @@ class LeanDecoder:
                 parts.append(out.reshape(n, q_end))
                 at += n
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x = x + F.linear(attended[None], layer.o, layer.o_bias)
+            o = F.linear(attended[None], layer.o, layer.o_bias)
+            if lora:
+                lora_.apply(o, attended[None], i, "o", lora)
+            x = x + o
             h = layer.post_norm(x)
             gu = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            if lora:
+                lora_.apply(gu, h, i, "gate_up", lora)
             mid = layer.act(gu[..., : self.intermediate]) * gu[..., self.intermediate :]
-            x = x + F.linear(mid, layer.down, layer.down_bias)
+            down = F.linear(mid, layer.down, layer.down_bias)
+            if lora:
+                lora_.apply(down, mid, i, "down", lora)
+            x = x + down
         if chunks:
             ends = np.cumsum([rows] + [len(c.tokens) for c in chunks])[1:] - 1
             if any(every):

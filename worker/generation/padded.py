@@ -29,6 +29,11 @@ device and dtype), steps 2 and 3 are one forward over the decode rows and the pr
 each linear layer runs once over all the step's tokens; a sequence whose prefill ends
 joins after that forward, with its first token, and decodes from the next step.
 
+A sequence may run under one of the engine's LoRA adapters (:mod:`.lora`, lean forward
+only): each step's products add each adapter's update on its own tokens, and its prompt
+shares cached blocks and a prefill only with sequences of the same adapter (as of the
+same ``cache_salt``).
+
 Nothing copies the whole batch when sequences join or leave. On CPU, given the longest
 context, the buffer is reserved once at ``max_running`` rows of it and takes memory only
 where rows write (:mod:`.reserve`); otherwise it grows by doubling (rows up to
@@ -64,7 +69,8 @@ from ..device import is_out_of_memory
 from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
-from .prefix_cache import PrefixCache
+from .lora import Adapter, groups
+from .prefix_cache import PrefixCache, Salt
 from .sampling import Logprob, Sampling, SeededSampler, logprob_rows
 
 logger = logging.getLogger(__name__)
@@ -245,9 +251,11 @@ class _Seq:
     """Keep its prompt tokens' log-probabilities, with this many likeliest tokens each
     (None: not asked): its prefill keeps every position's logits, and takes nothing
     from the prefix cache (a cached prefix has no logits)."""
-    salt: str | None = None
-    """Its request's ``cache_salt``: it shares the prefix cache's blocks, and a prefill,
-    only with sequences of the same salt."""
+    salt: Salt = None
+    """Its request's ``cache_salt``, with its LoRA adapter where it has one: it shares the
+    prefix cache's blocks, and a prefill, only with sequences of the same salt."""
+    lora: int = 0
+    """Its LoRA adapter: an index into the engine's ``adapters``, plus one (0: none)."""
 
     @property
     def context(self) -> int:
@@ -256,7 +264,7 @@ class _Seq:
 
 
 def _same(a: _Seq, b: _Seq) -> bool:
-    """Whether one prefill serves both (the same tokens, salt and scoring)."""
+    """Whether one prefill serves both (the same tokens, salt, adapter and scoring)."""
     return a.tokens == b.tokens and a.salt == b.salt and a.score == b.score
 
 
@@ -275,8 +283,12 @@ class PaddedEngine:
         max_context: int | None = None,
         resident_tokens: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        adapters: tuple[Adapter, ...] = (),
     ) -> None:
         self.model = model
+        self.adapters = adapters
+        """The LoRA adapters its sequences may run under (:mod:`.lora`); they need the
+        lean forward, which is then never dropped."""
         self.prefix = prefix_cache
         """Recent prompts' leading blocks (None: no prefix caching)."""
         self.device = next(model.parameters()).device
@@ -324,7 +336,11 @@ class PaddedEngine:
         where the model's layers are a known shape (None: where possible); otherwise the
         model's own forwards. Its decode rows attend as ``row_attention`` says. If its
         first step fails (not for memory), it is dropped for good: that step fails as any
-        failed step does, and the next ones run transformers' forwards."""
+        failed step does, and the next ones run transformers' forwards (not with
+        ``adapters``: their sequences have no other forward)."""
+        if adapters and self.lean is None:
+            raise ValueError("LoRA adapters need the lean forward (a Llama-family model; "
+                             "lean_decode true)")  # fmt: skip
         self._lean_ran = False
         self._prompt_lps: dict[str, list[Logprob]] = {}
         """Per sequence that asked, its prompt tokens' log-probabilities so far."""
@@ -341,25 +357,30 @@ class PaddedEngine:
         priority: int = 0,
         score: int | None = None,
         salt: str | None = None,
+        lora: int = 0,
     ) -> None:
         """Queue a sequence; it starts prefilling at the next step, lower ``priority``
         (the request's lane) first, then in the order added. ``score``: keep the
         log-probabilities of its tokens after the first (:meth:`prompt_logprobs`), with
         that many likeliest tokens each (prefilled again from its start if it was); with
         ``max_new_tokens`` 0 (its prompt only scored) it still takes one token, which the
-        runner drops. ``salt``: its request's ``cache_salt`` (see :class:`_Seq`)."""
+        runner drops. ``salt``: its request's ``cache_salt`` (see :class:`_Seq`); ``lora``:
+        its adapter, an index into ``adapters`` plus one (0: the base model)."""
+        if not 0 <= lora <= len(self.adapters):
+            raise ValueError(f"LoRA adapter {lora}: the engine has {len(self.adapters)}")
+        shared: Salt = salt if not lora else (salt, lora)
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
         self._added += 1
-        key = hash((tuple(tokens), score, salt))
+        key = hash((tuple(tokens), score, shared))
         if score is not None:
             self._prompt_lps[sequence] = []
         self._waiting[sequence] = _Seq(sequence, list(tokens), max(1, max_new_tokens),
                                        order=(priority, self._added), key=key,
                                        eos=frozenset() if sampling.ignore_eos else self.eos,
-                                       score=score, salt=salt)  # fmt: skip
+                                       score=score, salt=shared, lora=lora)  # fmt: skip
         if self.prefix is not None and score is None:
-            self._waiting[sequence].cached = self.prefix.peek(tokens, salt)
+            self._waiting[sequence].cached = self.prefix.peek(tokens, shared)
 
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences before the next step."""
@@ -543,7 +564,7 @@ class PaddedEngine:
         try:
             out = self._fused_step()
         except Exception as exc:
-            if not self._lean_ran and not is_out_of_memory(exc):
+            if not self._lean_ran and not is_out_of_memory(exc) and not self.adapters:
                 logger.warning(
                     "the lean step forward failed on its first step (%s: %s); this engine "
                     "uses transformers' forwards from now on", type(exc).__name__, exc,
@@ -572,8 +593,9 @@ class PaddedEngine:
         if not rows and not chunks:
             return []
         every = [seq.score is not None for seq, _ in chunks]
+        lora = self._lora(chunks) if self.adapters else ()
         logits = self.lean.forward(ids, positions, lengths, self._layers,
-                                   [c for _, c in chunks], padding, every)  # fmt: skip
+                                   [c for _, c in chunks], padding, every, lora)  # fmt: skip
         self._lean_ran = True
         out = self._decoded(logits[:rows]) if rows else []
         ended = []
@@ -600,6 +622,16 @@ class PaddedEngine:
             out += self._share(seq, cache, twins, logits[last[k]], self._join)
         self._leave(lambda r: r.finished)
         return out
+
+    def _lora(self, chunks: list[tuple[_Seq, Chunk]]) -> list[tuple[Adapter, torch.Tensor]]:
+        """The step's tokens by LoRA adapter (:func:`.lora.groups`): the decode rows',
+        then each chunk's."""
+        labels = [r.lora for r in self._rows]
+        for seq, chunk in chunks:
+            labels += [seq.lora] * len(chunk.tokens)
+        if not any(labels):
+            return []
+        return groups(labels, self.adapters, self.device)
 
     def _prepare_decode(self) -> tuple[torch.Tensor, np.ndarray]:
         """Room for every row's next token and the step's write positions set; each

@@ -88,12 +88,16 @@ class PagedEngine:
         priority: int = 0,
         score: int | None = None,
         salt: str | None = None,
+        lora: int = 0,
     ) -> None:
         """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused).
-        ``score`` (prompt log-probabilities) is the padded engine's alone: refused.
-        ``salt`` is unused: this engine shares no prefix between sequences."""
+        ``score`` (prompt log-probabilities) and ``lora`` (LoRA adapters) are the padded
+        engine's alone: refused. ``salt`` is unused: this engine shares no prefix between
+        sequences."""
         if score is not None:
             raise ValueError("prompt log-probabilities need the padded engine")
+        if lora:
+            raise ValueError("LoRA adapters need the padded engine")
         self.sampler.add(sequence, sampling, tokens)
         self.manager.add_request(
             tokens,

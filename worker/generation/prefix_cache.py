@@ -36,6 +36,11 @@ import torch
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, keys and values: ``1 x kv_heads x tokens x head_dim``."""
 
+Salt = str | tuple[str | None, int] | None
+"""A prompt's ``cache_salt``; with a LoRA adapter, ``(cache_salt, adapter)``: keys and
+values computed under an adapter are never lent to another adapter's prompt, nor to the
+base model's."""
+
 Stacked = tuple[torch.Tensor, torch.Tensor]
 """Keys and values of every layer: ``layers x 1 x kv_heads x tokens x head_dim``."""
 
@@ -43,7 +48,7 @@ Stacked = tuple[torch.Tensor, torch.Tensor]
 @dataclass(frozen=True, slots=True)
 class _Block:
     tokens: tuple[int, ...]
-    salt: str | None
+    salt: Salt
     kv: Stacked
     """Its keys and values, all layers in one tensor each (two copies a block, not two a
     layer: a store's cost is in the number of copies)."""
@@ -67,7 +72,7 @@ class PrefixCache:
         """Tokens held."""
         return len(self._blocks) * self.block
 
-    def _hashes(self, tokens: Sequence[int], blocks: int, salt: str | None) -> list[int]:
+    def _hashes(self, tokens: Sequence[int], blocks: int, salt: Salt) -> list[int]:
         out: list[int] = []
         h = 0 if salt is None else hash(("salt", salt))
         b = self.block
@@ -76,7 +81,7 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def _found(self, tokens: Sequence[int], salt: str | None) -> list[tuple[int, _Block]]:
+    def _found(self, tokens: Sequence[int], salt: Salt) -> list[tuple[int, _Block]]:
         b = self.block
         found: list[tuple[int, _Block]] = []
         for i, h in enumerate(self._hashes(tokens, (len(tokens) - 1) // b, salt)):
@@ -87,12 +92,12 @@ class PrefixCache:
             found.append((h, block))
         return found
 
-    def peek(self, tokens: Sequence[int], salt: str | None = None) -> int:
+    def peek(self, tokens: Sequence[int], salt: Salt = None) -> int:
         """How long a prefix of ``tokens`` :meth:`lookup` would find now (touching nothing:
         an estimate of the prefill a waiting prompt will need)."""
         return len(self._found(tokens, salt)) * self.block
 
-    def lookup(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, Stacked | None]:
+    def lookup(self, tokens: Sequence[int], salt: Salt = None) -> tuple[int, Stacked | None]:
         """The longest held prefix of ``tokens`` (block by block) with the same ``salt``
         that leaves at least one token to prefill: its length and its keys and values
         (None: nothing held)."""
@@ -108,7 +113,7 @@ class PrefixCache:
         keys = torch.cat([block.kv[0] for _, block in found], dim=3)
         return len(found) * b, (keys, torch.cat([block.kv[1] for _, block in found], dim=3))
 
-    def store(self, tokens: Sequence[int], kv: KV, salt: str | None = None) -> int:
+    def store(self, tokens: Sequence[int], kv: KV, salt: Salt = None) -> int:
         """Hold the whole blocks of a prefilled prompt (``kv``: its cache, per layer, at
         least ``len(tokens)`` columns; ``salt``: its ``cache_salt``) that are not held yet;
         how many new blocks. A model whose layers' caches differ in shape is not cached."""

@@ -30,7 +30,10 @@ reads tool calls out of the text, :mod:`..generation.tools`; unset: such request
 refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``compile_threads``
 (default 1: threads that compile a constraint not compiled yet while the request waits,
 admitted, and the others run; 0: compiled when the request is read, on the loop thread;
-:mod:`..generation.grammar`).
+:mod:`..generation.grammar`), ``lora_adapters`` (``{name: path}``: PEFT LoRA adapters of
+this model, loaded at startup, that a request names in its ``lora``; padded engine, lean
+forward: Llama-family models; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
+most 512: a higher-rank adapter is refused).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from ..runner import (
 
 if TYPE_CHECKING:
     from ...batching.generation import GenPolicy
+    from ..generation.lora import Adapter
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,8 @@ class GenSpec:
     compiling: Future[Constraint] | None = None
     """Its constraint, still being compiled (``sampling`` then has none yet; see
     :mod:`..generation.grammar`)."""
+    lora: int = 0
+    """Its LoRA adapter: an index into the runner's ``lora_adapters``, plus one (0: none)."""
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -351,6 +357,8 @@ class TextGenerationRunner:
         ):
             raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
                              "and only with engine 'padded')")  # fmt: skip
+        self.lora_adapters, adapters = self._adapters(opts)
+        """The names of the LoRA adapters requests may ask for (``options.lora_adapters``)."""
         self.engine: Engine
         if self.engine_kind == "padded":
             from ..generation.padded import PaddedEngine
@@ -364,7 +372,7 @@ class TextGenerationRunner:
                                        lean=_flag(opts.get("lean_decode", True), "lean_decode"),
                                        max_context=self.context,
                                        resident_tokens=self.kv_cache_tokens,
-                                       prefix_cache=prefix)  # fmt: skip
+                                       prefix_cache=prefix, adapters=adapters)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -406,6 +414,38 @@ class TextGenerationRunner:
         self._unsettled: StepReport | None = None
         """The last step's report, until its progress is filled in."""
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
+
+    def _adapters(self, opts: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
+        """``options.lora_adapters`` loaded, checked against the model and engine (a
+        ``ValueError`` says what is not served): their names and the adapters."""
+        from ..generation.lean_decode import FAMILIES
+        from ..generation.lora import MAX_RANK
+        from ..generation.lora import load as load_adapter
+
+        named = opts.get("lora_adapters") or {}
+        rank = opts.get("max_lora_rank", 64)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"options.max_lora_rank: {rank!r} is not 1 … {MAX_RANK}")
+        if not isinstance(named, dict) or not all(
+            isinstance(k, str) and 0 < len(k) <= 128 and isinstance(v, str | Path)
+            for k, v in named.items()
+        ):
+            raise ValueError("options.lora_adapters: a table of adapter names (1-128 "
+                             "characters) to adapter directories")  # fmt: skip
+        if not named:
+            return (), ()
+        family = getattr(self.model.config, "model_type", None)
+        if self.engine_kind != "padded":
+            raise ValueError("options.lora_adapters: LoRA adapters need the padded engine, and "
+                             f"this model runs on {self.engine_kind!r}")  # fmt: skip
+        if family not in FAMILIES:
+            raise ValueError(f"options.lora_adapters: LoRA adapters are served for "
+                             f"{', '.join(sorted(FAMILIES))} models, and this one is "
+                             f"{family!r}")  # fmt: skip
+        if not _flag(opts.get("lean_decode", True), "lean_decode"):
+            raise ValueError("options.lora_adapters: LoRA adapters need lean_decode on")
+        loaded = tuple(load_adapter(k, v, self.model, rank) for k, v in named.items())
+        return tuple(named), loaded
 
     # --- the loop's side ---------------------------------------------------------------
 
@@ -449,6 +489,13 @@ class TextGenerationRunner:
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
+        lora = 0
+        if req.lora is not None:
+            if req.lora not in self.lora_adapters:
+                known = ", ".join(self.lora_adapters) or "none"
+                return PrepareError(f"lora {req.lora!r} is not one of this model's adapters "
+                                    f"({known})")  # fmt: skip
+            lora = self.lora_adapters.index(req.lora) + 1
         if req.prompt_logprobs is not None and self.engine_kind != "padded":
             return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
         use = req.tool_use
@@ -554,6 +601,7 @@ class TextGenerationRunner:
             if req.return_prompt_text
             else None,
             compiling=compiling,
+            lora=lora,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         # the KV cache holds per sequence its prompt, or nothing where it is answered when
@@ -845,7 +893,7 @@ class TextGenerationRunner:
             # a prompt scored already (its prefill ended: it generated) is not scored again
             self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
                             seq.sampling, priority=lane, score=seq.score if not done else None,
-                            salt=r.spec.cache_salt)  # fmt: skip
+                            salt=r.spec.cache_salt, lora=r.spec.lora)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
     def _compiled(self, events: list[StepEvent]) -> None:

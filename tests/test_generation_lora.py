@@ -1,0 +1,340 @@
+"""Multi-LoRA serving: PEFT adapters of a tiny random Llama, loaded by the text-generation
+runner, give in one continuous batch (with the base model's requests) the greedy tokens of
+the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``);
+the same prompt under two adapters never shares keys and values; what is not served is
+refused when the runner starts or the request is read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
+from test_generation_runner import Driver, prepare, req
+from tiny_models import make_causal_lm
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from batchfleet.producer import AsyncProducer, Producer  # noqa: E402
+from batchfleet.schemas.errors import ErrorCode  # noqa: E402
+from batchfleet.schemas.keys import ModelKeys  # noqa: E402
+from batchfleet.schemas.messages import Limits  # noqa: E402
+from batchfleet.schemas.model_info import decode_model_info  # noqa: E402
+from batchfleet.worker.runner import PrepareError, model_info  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+
+OPTIONS = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16}
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = ["the man was", "a b c", "there were many years of time and", "it", "what is this"]
+LONG = "there were many years of time and the man was a b c it what is this " * 2
+"""A prompt of more than two 16-token blocks: the prefix cache holds it."""
+
+
+def make_adapter(path: Path, base: Path, *, r: int = 8, alpha: float = 16,
+                 targets: Any = ALL, seed: int = 1, **extra: Any) -> Path:  # fmt: skip
+    """A PEFT LoRA adapter of the model at ``base``, saved by peft, with random non-zero
+    A and B large enough to change the tiny model's greedy text."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **extra)
+    lora = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    lora.save_pretrained(path)
+    return path
+
+
+def merged(base: Path, adapter: Path) -> Any:
+    """The base model with the adapter merged into its weights (peft's own merge)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture(scope="module")
+def adapters(lm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``sql``: every projection, r 8; ``chat``: q, v and down only, r 4, rsLoRA scaling."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "sql": make_adapter(root / "sql", lm, seed=1),
+        "chat": make_adapter(root / "chat", lm, r=4, alpha=8, seed=2, use_rslora=True,
+                             targets=["q_proj", "v_proj", "down_proj"]),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runner(lm: Path, adapters: dict[str, Path]) -> TextGenerationRunner:
+    opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}}
+    return TextGenerationRunner(lm, device="cpu", dtype="float32", options=opts)
+
+
+@pytest.fixture(scope="module")
+def reference(
+    lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner
+) -> Callable[[str | None, str, int], list[int]]:
+    """Greedy tokens of HF ``generate`` on the base model (None) or a merged adapter."""
+    models = {None: runner.model, **{k: merged(lm, v) for k, v in adapters.items()}}
+
+    def greedy(lora: str | None, text: str, n: int) -> list[int]:
+        ids = runner.tokenizer(text, return_tensors="pt").input_ids
+        out = models[lora].generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                    pad_token_id=runner.eos[0])  # fmt: skip
+        return [int(t) for t in out[0, ids.shape[1] :]]
+
+    return greedy
+
+
+def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_tokens(
+    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+) -> None:
+    # Given: requests for the base, sql and chat, of different lengths, arriving over steps
+    plan = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
+            (None, 4, 8), ("chat", 0, 5)]  # fmt: skip
+    reqs = [req(f"r{i}", inputs=[PROMPTS[p]], max_new_tokens=n, lora=lora, ignore_eos=True,
+                return_token_ids=True)
+            for i, (lora, p, n) in enumerate(plan)]  # fmt: skip
+    preps = prepare(runner, *reqs)
+    d = Driver(runner)
+    # When: they join the running batch at different steps
+    d.step([("r0", preps[0]), ("r1", preps[1])])
+    d.step([("r2", preps[2])])
+    d.step()
+    d.step([("r3", preps[3]), ("r4", preps[4])])
+    d.step([("r5", preps[5]), ("r6", preps[6])])
+    d.run()
+    # Then: each gives its own model's greedy tokens
+    for i, (lora, p, n) in enumerate(plan):
+        got = d.finals[f"r{i}"].outputs[0]["token_ids"]
+        assert got == reference(lora, PROMPTS[p], n), (i, lora)
+    # and the adapters change the text (else the test would prove nothing)
+    base = reference(None, PROMPTS[0], 6)
+    assert reference("sql", PROMPTS[0], 6) != base != reference("chat", PROMPTS[0], 6)
+
+
+def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
+    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+) -> None:
+    engine: Any = runner.engine
+    # Given: one prompt for the base, sql and chat (and sql twice), read in one step
+    loras = [None, "sql", "chat", "sql"]
+    reqs = [req(f"t{i}", inputs=[LONG], max_new_tokens=5, lora=lora, ignore_eos=True,
+                return_token_ids=True, cache_salt="same-prompt-test")
+            for i, lora in enumerate(loras)]  # fmt: skip
+    d = Driver(runner)
+    shared = engine.shared
+    d.step(list(zip([r.id for r in reqs], prepare(runner, *reqs), strict=True)))
+    d.run()
+    # Then: only the two sql requests shared a prefill; each has its model's tokens
+    prompt = len(runner.tokenizer(LONG).input_ids)
+    assert engine.shared - shared == prompt
+    for i, lora in enumerate(loras):
+        assert d.finals[f"t{i}"].outputs[0]["token_ids"] == reference(lora, LONG, 5), lora
+    # When: the prompt comes back under chat, then under an adapter-less request
+    again = [req("a0", inputs=[LONG], max_new_tokens=5, lora="chat", ignore_eos=True,
+                 return_token_ids=True, cache_salt="same-prompt-test"),
+             req("a1", inputs=[LONG], max_new_tokens=5, ignore_eos=True,
+                 return_token_ids=True, cache_salt="same-prompt-test")]  # fmt: skip
+    for r in again:
+        d = Driver(runner)
+        d.step([(r.id, prepare(runner, r)[0])])
+        d.run()
+        # Then: it starts from its own adapter's cached blocks, and gives its tokens
+        out = d.finals[r.id].outputs[0]
+        assert out["cached_tokens"] >= 32
+        assert out["token_ids"] == reference(r.lora, LONG, 5), r.lora
+
+
+def test_the_padded_batch_attention_path_applies_the_adapters_too(
+    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+) -> None:
+    """The decode rows attended by sdpa over the padded batch (the path of a GPU or a
+    16-bit dtype), engine alone: the same tokens."""
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.sampling import Sampling
+
+    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
+                          max_running=8, row_attention=False, adapters=adapters)  # fmt: skip
+    assert not engine.row_attention and engine.lean is not None
+    plan = [(None, 0), ("sql", 1), ("chat", 2), ("sql", 3), ("chat", 0)]
+    names = [None, *runner.lora_adapters]
+    got: dict[str, list[int]] = {}
+    for i, (lora, p) in enumerate(plan):
+        ids = runner.tokenizer(PROMPTS[p]).input_ids
+        engine.add(f"e{i}", ids, 7, Sampling(ignore_eos=True), lora=names.index(lora))
+        got |= {o.sequence: o.tokens for o in engine.step()}  # joins as the others decode
+    while engine.running or len(got) < len(plan):
+        got |= {o.sequence: o.tokens for o in engine.step()}
+    for i, (lora, p) in enumerate(plan):
+        assert got[f"e{i}"] == reference(lora, PROMPTS[p], 7), (i, lora)
+
+
+def test_a_request_preempted_under_an_adapter_resumes_under_it(
+    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+) -> None:
+    (p,) = prepare(runner, req("pre", inputs=PROMPTS[2:4], max_new_tokens=12, lora="chat",
+                               ignore_eos=True, return_token_ids=True))  # fmt: skip
+    d = Driver(runner)
+    d.step([("pre", p)])
+    for _ in range(4):
+        d.step()
+    d.step(preempt=["pre"])
+    d.step([("pre", p)])
+    d.run()
+    got = [o["token_ids"] for o in d.finals["pre"].outputs]
+    assert got == [reference("chat", t, 12) for t in PROMPTS[2:4]]
+
+
+def test_an_unknown_adapter_is_an_invalid_request_naming_the_known_ones(
+    runner: TextGenerationRunner,
+) -> None:
+    (out,) = runner.prepare_many([req("x", lora="nope")])
+    assert isinstance(out, PrepareError) and out.code == ErrorCode.INVALID_REQUEST
+    assert "'nope'" in str(out) and "sql, chat" in str(out)
+
+
+def test_the_model_info_lists_the_adapters(runner: TextGenerationRunner) -> None:
+    assert model_info(runner, Limits(), 1).lora_adapters == ["sql", "chat"]
+
+
+def _start(lm: Path, adapter: Path, **opts: Any) -> TextGenerationRunner:
+    return TextGenerationRunner(
+        lm,
+        device="cpu",
+        dtype="float32",
+        options=OPTIONS | {"lora_adapters": {"bad": str(adapter)}} | opts,
+    )
+
+
+def test_adapters_that_are_not_served_are_refused_at_startup(
+    lm: Path, adapters: dict[str, Path], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    def refused(adapter: Path, why: str, **opts: Any) -> None:
+        with pytest.raises(ValueError, match=why) as info:
+            _start(lm, adapter, **opts)
+        assert "options.lora_adapters: adapter 'bad'" in str(info.value)
+
+    # DoRA, a rank over the bound, a bias, modules_to_save, the LM head
+    refused(make_adapter(tmp_path / "dora", lm, use_dora=True), "DoRA")
+    refused(adapters["sql"], "rank 8 is over max_lora_rank 4", max_lora_rank=4)
+    refused(make_adapter(tmp_path / "bias", lm, bias="lora_only"), "bias 'lora_only'")
+    refused(make_adapter(tmp_path / "save", lm, modules_to_save=["lm_head"]), "modules_to_save")
+    refused(make_adapter(tmp_path / "head", lm, targets=["q_proj", "lm_head"]), "lm_head")
+    # an adapter of another base model (hidden 32): its shapes do not fit
+    other = make_causal_lm(tmp_path_factory.mktemp("other"), hidden=32)
+    refused(make_adapter(tmp_path / "other", other), r"do not fit the base")
+    # a base with fewer layers than the adapter
+    deep = make_causal_lm(tmp_path_factory.mktemp("deep"), layers=3)
+    refused(make_adapter(tmp_path / "deep", deep), "the base model has 2 layers")
+    # a missing weights file, a missing config
+    gone = make_adapter(tmp_path / "gone", lm)
+    (gone / "adapter_model.safetensors").unlink()
+    refused(gone, "adapter_model.safetensors is missing")
+    refused(tmp_path / "nowhere", "cannot read adapter_config.json")
+    # not the lean forward, nor the padded engine; a bound out of range
+    for why, opts in (
+        ("need lean_decode on", {"lean_decode": False}),
+        ("need the padded engine", {"engine": "paged"}),
+        ("max_lora_rank: 1024 is not 1 … 512", {"max_lora_rank": 1024}),
+    ):
+        with pytest.raises(ValueError, match=why):
+            _start(lm, adapters["sql"], **opts)
+
+
+def test_a_family_the_lean_forward_does_not_serve_is_refused(
+    lm: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet.worker.generation import lean_decode
+
+    monkeypatch.setattr(lean_decode, "FAMILIES", frozenset({"mistral", "qwen2"}))
+    with pytest.raises(
+        ValueError, match="served for mistral, qwen2 models, and this one is 'llama'"
+    ):
+        _start(lm, adapters["sql"])
+
+
+def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
+    lm: Path, tmp_path: Path
+) -> None:
+    """q and v of layer 1 only: the qkv product takes both A's along the rank and each B in
+    its own rows (k's rows zero), scaled by alpha / r; layer 0 and the MLP take nothing."""
+    from batchfleet.worker.generation.lora import load
+    from safetensors.torch import save_file
+
+    runner = _start(lm, make_adapter(tmp_path / "any", lm))
+    attn = runner.model.model.layers[1].self_attn
+    q, v, k_out = attn.q_proj, attn.v_proj, attn.k_proj.out_features
+    a_q, a_v = torch.randn(2, q.in_features), torch.randn(2, v.in_features)
+    b_q, b_v = torch.randn(q.out_features, 2), torch.randn(v.out_features, 2)
+    path = tmp_path / "hand"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 3, "target_modules": ["q_proj", "v_proj"],
+         "bias": "none", "fan_in_fan_out": False, "use_dora": False}))  # fmt: skip
+    key = "base_model.model.model.layers.1.self_attn.{}.lora_{}.weight"
+    save_file({key.format("q_proj", "A"): a_q, key.format("q_proj", "B"): b_q,
+               key.format("v_proj", "A"): a_v, key.format("v_proj", "B"): b_v},
+              str(path / "adapter_model.safetensors"))  # fmt: skip
+    adapter = load("hand", path, runner.model, 64)
+    assert adapter.layers[0] == {} and set(adapter.layers[1]) == {"qkv"}
+    a, b = adapter.layers[1]["qkv"]
+    assert torch.equal(a, torch.cat([a_q, a_v]))
+    want = torch.zeros(q.out_features + k_out + v.out_features, 4)
+    want[: q.out_features, :2] = b_q * 1.5
+    want[q.out_features + k_out :, 2:] = b_v * 1.5
+    assert torch.equal(b, want)
+    # peft's all-linear shorthand is every projection, in every layer
+    every = load("all", make_adapter(tmp_path / "all", lm, targets="all-linear", alpha=4),
+                 runner.model, 64)  # fmt: skip
+    assert every.scale == 0.5
+    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in every.layers)
+    # B without its A is refused
+    save_file({key.format("q_proj", "B"): b_q}, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="lora_A and lora_B are not both there"):
+        load("hand", path, runner.model, 64)
+
+
+def test_a_worker_serves_an_adapter_to_the_producers(
+    redis_url: str, r: redis.Redis, lm: Path, adapters: dict[str, Path],
+    reference: Callable[[str | None, str, int], list[int]],
+    start_worker: Callable[..., WorkerProcess],
+) -> None:  # fmt: skip
+    spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
+    fleet = fleet_toml(redis_url, {"gen": spec})
+    fleet += f'[models.gen.options.lora_adapters]\nsql = "{adapters["sql"]}"\n'
+    start_worker(fleet, "gen-1").wait_ready(r, "gen")
+    info = decode_model_info(r.get(ModelKeys("gen").info) or b"")
+    assert info.lora_adapters == ["sql"]
+    with Producer(redis_url) as producer:
+        job = producer.submit("gen", inputs=[PROMPTS[1]], lora="sql", max_new_tokens=6,
+                              ignore_eos=True, return_token_ids=True)  # fmt: skip
+        (out,) = job.result(timeout=60).generations()
+        assert out.token_ids == reference("sql", PROMPTS[1], 6)
+        bad = producer.submit("gen", inputs=[PROMPTS[1]], lora="nope").result(timeout=60)
+        assert bad.error is not None and bad.error.code == ErrorCode.INVALID_REQUEST
+        assert "sql" in bad.error.message
+
+    async def base() -> list[int] | None:
+        async with AsyncProducer(redis_url) as aio:
+            job = await aio.submit("gen", inputs=[PROMPTS[1]], lora="sql", max_new_tokens=6,
+                                   ignore_eos=True, return_token_ids=True)  # fmt: skip
+            (out,) = (await job.result(timeout=60)).generations()
+            return out.token_ids
+
+    assert asyncio.run(base()) == reference("sql", PROMPTS[1], 6)
