@@ -15,7 +15,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -161,6 +161,27 @@ class Gateway:
             known = None
         self._info[model] = (time.monotonic(), known)
         return known
+
+    async def adapters(self) -> dict[str, str]:
+        """LoRA adapter name → its base model, over the models the fleet serves (vLLM's:
+        each adapter is a model of its own, named in ``model``)."""
+        names = await self.models()
+        infos = await asyncio.gather(*(self.model_info(n) for n in names))
+        found: dict[str, str] = {}
+        for base, info in zip(names, infos, strict=True):
+            for name in info.lora_adapters if info is not None else ():
+                found.setdefault(name, base)  # the first base, where two have one name
+        return found
+
+    async def served(self, sub: Submission) -> tuple[Submission, str | None]:
+        """``sub`` as the fleet takes it: naming a LoRA adapter (not a model), it goes to
+        the adapter's base model with ``lora``; and the adapter's name, to answer under."""
+        if "lora" in sub.options or sub.model in await self.models():
+            return sub, None
+        base = (await self.adapters()).get(sub.model)
+        if base is None:
+            return sub, None
+        return Submission(base, sub.options | {"lora": sub.model}), sub.model
 
     def route_of(self, path: str) -> str:
         """A request path's route label in the metrics (one per route: few labels)."""
@@ -311,22 +332,36 @@ class Models(Handler):
     async def get(self, name: str | None = None) -> None:
         try:
             names = await self.gateway.models()
+            adapters = await self.gateway.adapters()
         except BatchfleetError as exc:
             return self.fail(of_exception(exc))
-        if name is not None and name not in names:
-            return self.fail(ApiError(404, f"The model {name!r} does not exist",
-                                      code="model_not_found"))  # fmt: skip
-        shown = names if name is None else [name]
-        infos = await asyncio.gather(*(self.gateway.model_info(n) for n in shown))
-        cards = [model_card(n, i) for n, i in zip(shown, infos, strict=True)]
+        shown = [*names, *(a for a in adapters if a not in names)]
+        if name is not None:
+            if name not in shown:
+                return self.fail(ApiError(404, f"The model {name!r} does not exist",
+                                          code="model_not_found"))  # fmt: skip
+            shown = [name]
+        bases = [adapters.get(n, n) if n not in names else n for n in shown]
+        infos = await asyncio.gather(*(self.gateway.model_info(b) for b in bases))
+        cards = [model_card(n, i, None if n == b else b)
+                 for n, b, i in zip(shown, bases, infos, strict=True)]  # fmt: skip
         self.send_json({"object": "list", "data": cards} if name is None else cards[0])
 
 
-def model_card(name: str, info: ModelInfo | None) -> dict[str, Any]:
+def _named(alias: str | None) -> Callable[[Result], Result]:
+    """A result as answered under ``alias`` (a LoRA adapter's name: vLLM's answers name
+    the model asked for), or as it is."""
+    if alias is None:
+        return lambda result: result
+    return lambda result: result.model_copy(update={"model": alias})
+
+
+def model_card(name: str, info: ModelInfo | None, parent: str | None = None) -> dict[str, Any]:
     """vLLM's model card: ``max_model_len`` (and ``created``) where the model's workers
-    published them, left out where they did not (workers older than ``bf:{model}:info``)."""
+    published them, left out where they did not (workers older than ``bf:{model}:info``);
+    a LoRA adapter's names its base model ``parent`` (its ``info``: the base's)."""
     card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
-                            "owned_by": "batchfleet", "root": name, "parent": None}  # fmt: skip
+                            "owned_by": "batchfleet", "root": name, "parent": parent}  # fmt: skip
     if info is not None:
         card["created"] = info.created
         if info.max_model_len is not None:
@@ -372,7 +407,7 @@ class Unary(Handler):
     async def post(self) -> None:
         try:
             body = self.body_json()
-            sub = self.endpoint.submission(body)
+            sub, _ = await self.gateway.served(self.endpoint.submission(body))
             await self.gateway.check_model(sub.model)
             parts = split(sub, *await self.gateway.limits(sub.model))
             base = self.request_id(body).get("request_id") or new_request_id()
@@ -466,11 +501,12 @@ class Generate(Handler):
         started = False
         try:
             body = await self.expand(self.body_json())
-            sub = self.submission(body)
+            sub, alias = await self.gateway.served(self.submission(body))
+            named = _named(alias)
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
                 answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
-                result = await self.gateway.replies.wait(self.job, self.gateway.timeout_s)
+                result = named(await self.gateway.replies.wait(self.job, self.gateway.timeout_s))
                 if self.gone:
                     return
                 if not result.ok:
@@ -483,9 +519,10 @@ class Generate(Handler):
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
                 answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
-                chunks = self.events(body, answered, self.job.model)
+                chunks = self.events(body, answered, alias or self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):
+                        event = named(event)
                         if not event.ok:
                             raise of_result(event)
                         self.count_tokens(event)
