@@ -112,6 +112,14 @@ def test_cancel_stops_the_fleet_request_and_keeps_the_text_so_far(
         assert done["status"] == "cancelled" and done["output"][0]["content"][0]["text"] == "Hel"
         assert "pending" not in json.loads(r.get(response_key(first["id"])) or b"")
         assert await call(port, "POST", f"/v1/responses/{first['id']}/cancel") == (200, done)
+        # and one the worker finished before it saw the cancel stays cancelled, as answered
+        _, other = await call(port, "POST", "/v1/responses", ASK)
+        taken = await asyncio.to_thread(fake.take)
+        assert (await call(port, "POST", f"/v1/responses/{other['id']}/cancel"))[0] == 200
+        await asyncio.to_thread(fake.ok, taken, [{"text": "Hello", "finish_reason": "stop"}])
+        done = await get(port, other["id"])
+        assert done["status"] == "cancelled" and done["completed_at"] is None
+        assert done["output"][0]["content"][0]["text"] == "Hello"
 
     run(redis_url, scenario)
 
