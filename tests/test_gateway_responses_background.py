@@ -12,11 +12,15 @@ from typing import Any
 import openai
 import pytest
 import redis
+from batchfleet.producer.gateway.app import serve
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import response_key
 from batchfleet.schemas.messages import ErrorInfo, Result, Usage
 from gateway_fakes import GATEWAY_KEY, ScriptedWorker, gateway_in_process, http
 from test_gateway_responses_store import MODEL, Scenario, answered, chat, run
+
+from batchfleet.connection import connect
+from batchfleet.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,6 +77,32 @@ def test_a_background_response_is_queued_then_completed_for_any_gateway(
         assert chat(taken) == [("user", "hello"), ("assistant", "Hi there"), ("user", "more")]
 
     run(redis_url, scenario)
+
+
+def test_a_gateway_that_stops_leaves_its_background_responses_to_the_others(
+    redis_url: str,
+) -> None:
+    fake = ScriptedWorker(connect(redis_url), MODEL)
+
+    async def go() -> None:
+        # Given a background response, taken by a worker
+        port, ready, stop = free_port(), asyncio.Event(), asyncio.Event()
+        server = asyncio.ensure_future(serve(redis_url, port=port, api_key=GATEWAY_KEY,
+                                             ready=ready, stop=stop, grace_s=0))  # fmt: skip
+        await asyncio.wait_for(ready.wait(), 20)
+        _, first = await call(port, "POST", "/v1/responses", ASK)
+        taken = await asyncio.to_thread(fake.take)
+        # When its gateway stops (SIGTERM: the requests still in flight are cancelled)
+        stop.set()
+        await server
+        # Then the background response was not in flight: not cancelled
+        assert not await asyncio.to_thread(fake.cancelled, taken)
+        # and once the worker answers, another gateway answers it completed
+        await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
+        async with gateway_in_process(redis_url) as other:
+            assert (await get(other, first["id"]))["status"] == "completed"
+
+    asyncio.run(go())
 
 
 def test_a_background_response_not_final_cannot_be_continued_until_it_is(redis_url: str) -> None:
