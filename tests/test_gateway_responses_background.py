@@ -226,6 +226,21 @@ def test_what_background_refuses(
     run(redis_url, scenario, **options)
 
 
+def test_one_too_large_to_store_is_refused_and_cancelled(redis_url: str, r: redis.Redis) -> None:
+    async def scenario(port: int, fake: ScriptedWorker) -> None:
+        status, out = await call(port, "POST", "/v1/responses", ASK | {"input": "x" * 5000})
+        assert status == 400 and out["error"]["param"] == "background"
+        taken = await asyncio.to_thread(fake.take)  # submitted before it could be stored
+        for _ in range(100):  # the gateway cancels it in the background
+            if await asyncio.to_thread(fake.cancelled, taken):
+                break
+            await asyncio.sleep(0.02)
+        assert await asyncio.to_thread(fake.cancelled, taken)
+        assert not r.keys("bf:responses:*")
+
+    run(redis_url, scenario, store_max_bytes=4000)
+
+
 def test_the_openai_client_creates_polls_and_cancels(redis_url: str) -> None:
     async def scenario(port: int, fake: ScriptedWorker) -> None:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=GATEWAY_KEY,
