@@ -18,11 +18,12 @@ from typing import Any
 
 import redis
 
+from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Result
 from .app import Gateway, Generate, Handler
 from .background import PENDING, job, pending, queued, settle
 from .endpoint import Answered, Events, Submission
-from .errors import ApiError, invalid
+from .errors import ApiError, invalid, of_exception
 from .replies import DOWN
 from .response_input import input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
@@ -189,7 +190,10 @@ class CancelResponse(Handler):
             return self.fail(invalid("Only responses created with background can be cancelled."))
         if found.pending is None:
             return self.fail(invalid(f"Cannot cancel a response with status '{was['status']}'."))
-        await job(self.gateway, found).cancel(ttl_s=self.gateway.responses.ttl_s)
+        try:
+            await job(self.gateway, found).cancel(ttl_s=self.gateway.responses.ttl_s)
+        except BatchfleetError as exc:  # Redis away past the producer's retries
+            return self.fail(of_exception(exc))
         cancelled = was | {"status": "cancelled"}
         await self.gateway.responses.put(cancelled, found.input, found.pending, again=True)
         self.send_json(cancelled)
