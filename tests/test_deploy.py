@@ -473,6 +473,21 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             path = f"/v1/responses/{second['previous_response_id']}"
             assert (await http(port, "GET", path))[0] == 200
             assert (await http(port, "DELETE", path))[0] == 200
+            # a background response: stored queued, its result read (GET), settled (SET
+            # with XX KEEPTTL); another cancelled (SET of the cancel key)
+            for cancel in (False, True):
+                status, body = await http(port, "POST", "/v1/responses",
+                                          {"model": model, "input": "hi", "background": True})  # fmt: skip
+                assert status == 200 and json.loads(body)["status"] == "queued"
+                path = f"/v1/responses/{json.loads(body)['id']}"
+                taken = await asyncio.to_thread(fake.take)
+                if cancel:
+                    assert (await http(port, "POST", f"{path}/cancel"))[0] == 200
+                    assert await asyncio.to_thread(fake.cancelled, taken)
+                    continue
+                await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
+                status, body = await http(port, "GET", path)
+                assert status == 200 and json.loads(body)["status"] == "completed"
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -106,7 +107,7 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
     ("extra", "param"),
     [
         ({"conversation": "conv_1"}, "conversation"),
-        ({"background": True}, "background"),
+        ({"background": True, "stream": True}, "stream"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
@@ -425,6 +426,30 @@ def test_a_two_turn_conversation_through_previous_response_id(fleet: Fleet) -> N
     assert unknown.value.param == "previous_response_id"
 
 
+def test_a_background_response_polled_until_done(fleet: Fleet) -> None:
+    c = fleet.client
+    ask: dict[str, Any] = {"model": LM, "input": "Tell me a story", "max_output_tokens": 8}
+    # Given the answer waited for
+    waited = c.responses.create(**ask)
+    # When the same is asked in the background
+    made = c.responses.create(**ask, background=True)
+    assert made.status in ("queued", "completed") and made.background
+    # Then polling it ends with the same answer (greedy), stored
+    deadline = time.monotonic() + 120
+    polled = made
+    while polled.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        polled = c.responses.retrieve(made.id)
+    assert polled.status == waited.status and polled.output_text == waited.output_text
+    assert polled.usage is not None and waited.usage is not None
+    assert polled.usage.input_tokens == waited.usage.input_tokens  # cached_tokens may differ
+    assert polled.usage.output_tokens == waited.usage.output_tokens
+    assert polled.background and polled.store and polled.id == made.id
+    # and a finished one cannot be cancelled
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(made.id)
+
+
 def test_text_format_json_schema(fleet: Fleet) -> None:
     schema = {"enum": ["yes", "no"]}
     reply = fleet.client.responses.create(
@@ -437,7 +462,7 @@ def test_text_format_json_schema(fleet: Fleet) -> None:
 
 def test_refusals_are_openai_errors(fleet: Fleet) -> None:
     c = fleet.client
-    for extra, param in (({"background": True}, "background"),
+    for extra, param in (({"background": True, "store": False}, "store"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                          ({"temperature": -1}, None)):  # fmt: skip
         for stream in (False, True):

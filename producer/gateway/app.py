@@ -188,8 +188,10 @@ class Gateway:
         if path in self.routes:
             return path
         if path.startswith("/v1/responses/"):
-            items = path.endswith("/input_items")
-            return "/v1/responses/{id}/input_items" if items else "/v1/responses/{id}"
+            for tail in ("/input_items", "/cancel"):
+                if path.endswith(tail):
+                    return "/v1/responses/{id}" + tail
+            return "/v1/responses/{id}"
         return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
     def cancel(self, job: AsyncJob) -> None:
@@ -493,6 +495,11 @@ class Generate(Handler):
         conversation a ``previous_response_id`` continues in it."""
         return body
 
+    async def detached(self, sub: Submission, body: Mapping[str, Any], alias: str | None) -> bool:
+        """Answer without waiting for the result (True: answered): never, here; the
+        Responses API's ``background`` does."""
+        return False
+
     async def keep(self, answer: Any) -> None:
         """Called with the whole answer (streamed: the last events) before it is sent:
         nothing here; the Responses API stores it."""
@@ -503,6 +510,8 @@ class Generate(Handler):
             body = await self.expand(self.body_json())
             sub, alias = await self.gateway.served(self.submission(body))
             named = _named(alias)
+            if await self.detached(sub, body, alias):
+                return
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
                 answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
@@ -602,7 +611,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
     → unary endpoint: the pooling ones by default), models and health."""
     from .messages import CountTokens, Messages  # imported here, as they import this module
-    from .respond import InputItems, Responses, StoredResponse
+    from .respond import CancelResponse, InputItems, Responses, StoredResponse
     from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
 
     if endpoints is None:
@@ -616,6 +625,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/responses", Responses, g),
         (r"/v1/responses/([^/]+)", StoredResponse, g),
         (r"/v1/responses/([^/]+)/input_items", InputItems, g),
+        (r"/v1/responses/([^/]+)/cancel", CancelResponse, g),
         (r"/v1/messages", Messages, g),
         (r"/v1/messages/count_tokens", CountTokens, g | {"endpoint": COUNT_TOKENS}),
         (r"/tokenize", Unary, g | {"endpoint": TOKENIZE}),

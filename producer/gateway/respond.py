@@ -6,20 +6,24 @@ With ``store`` (the default) each response is stored once answered (``stored.py`
 the input items it was built from: ``previous_response_id`` continues it (its input and
 output before the new input; not its ``instructions``, as OpenAI's), and
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read or
-delete it."""
+delete it. With ``background`` it is answered at once, ``queued``, and polled with ``GET``
+until final, or cancelled (``POST /v1/responses/{id}/cancel``): ``background.py``."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import redis
 
+from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Result
 from .app import Gateway, Generate, Handler
+from .background import PENDING, job, pending, queued, settle
 from .endpoint import Answered, Events, Submission
-from .errors import ApiError, invalid
+from .errors import ApiError, invalid, of_exception
 from .replies import DOWN
 from .response_input import input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
@@ -56,6 +60,14 @@ class Responses(Generate):
         store = body.get("store")
         if store is not None and not isinstance(store, bool):
             raise invalid("store must be a boolean", "store")
+        background = body.get("background")
+        if background is not None and not isinstance(background, bool):
+            raise invalid("background must be a boolean", "background")
+        stored = store is not False and self.gateway.responses.enabled
+        if background and not stored:
+            raise invalid("background requires store: a background response is polled from "
+                          "the store" + ("" if store is False else ", and storing is off here"),
+                          "store")  # fmt: skip
         new = input_items(body.get("input"))
         input_messages(new)  # a bad item is refused under its own index
         previous = body.get("previous_response_id")
@@ -65,10 +77,22 @@ class Responses(Generate):
             found = await self.gateway.responses.get(previous)
             if found is None:
                 raise not_found(previous, "previous_response_id")
+            found = await settle(self.gateway, found)
+            if found.response["status"] in PENDING:
+                raise invalid(f"Previous response with id '{previous}' is still "
+                              f"{found.response['status']}: poll it until it is final",
+                              "previous_response_id")  # fmt: skip
             new = found.conversation + new
         self.conversation = new
-        return {**body, "input": new,
-                "store": store is not False and self.gateway.responses.enabled}  # fmt: skip
+        return {**body, "input": new, "store": stored}
+
+    def items(self, response_id: str) -> list[dict[str, Any]]:
+        """The conversation as stored: each input item with an id (made where it has none)."""
+        suffix = response_id.removeprefix("resp_")
+        return [item if "id" in item else
+                {**item, "id": f"{ITEM_PREFIX.get(item.get('type', 'message'), 'item')}_"
+                               f"{suffix}_{i}"}
+                for i, item in enumerate(self.conversation)]  # fmt: skip
 
     async def keep(self, answer: Any) -> None:
         """Store the whole response (streamed: the last event's) before it is sent; one
@@ -76,18 +100,37 @@ class Responses(Generate):
         whole = answer if isinstance(answer, dict) else answer[-1]["response"]
         if not whole["store"]:
             return
-        suffix = whole["id"].removeprefix("resp_")
-        items = [item if "id" in item else
-                 {**item, "id": f"{ITEM_PREFIX.get(item.get('type', 'message'), 'item')}_"
-                                f"{suffix}_{i}"}
-                 for i, item in enumerate(self.conversation)]  # fmt: skip
         try:
-            stored = await self.gateway.responses.put(whole, items)
+            stored = await self.gateway.responses.put(whole, self.items(whole["id"]))
         except (*DOWN, redis.ResponseError) as exc:
             logger.warning("response %s not stored: %s", whole["id"], exc)
             stored = False
         if not stored:
             whole["store"] = False
+
+    async def detached(self, sub: Submission, body: Mapping[str, Any], alias: str | None) -> bool:
+        """``background``: submitted, its fleet result kept as long as the response is
+        (bounded by the fleet's limit), stored ``queued`` and answered so at once (True).
+        A response not stored (over the size bound, Redis failing) is cancelled and refused:
+        nothing could ever answer it."""
+        if not body.get("background"):
+            return False
+        ttl = min(self.gateway.responses.ttl_s, self.gateway.producer.limits.max_result_ttl_s)
+        fleet = await self.submit(Submission(sub.model, sub.options | {"result_ttl_s": ttl}), body)
+        self.gateway.inflight.discard(fleet)  # no client waits on it: a shutdown keeps it
+        whole = queued(body, Answered(f"resp_{fleet.id}", int(time.time())), alias or fleet.model)
+        try:
+            stored = await self.gateway.responses.put(whole, self.items(whole["id"]),
+                                                      pending(fleet.model, alias, body))  # fmt: skip
+        except BaseException:
+            self.gateway.cancel(fleet)
+            raise
+        if not stored:
+            self.gateway.cancel(fleet)
+            raise invalid("a background response this large cannot be stored (the gateway's "
+                          "--responses-max-bytes): send it without background", "background")  # fmt: skip
+        self.send_json(whole)
+        return True
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         return response_submission(body)
@@ -112,18 +155,48 @@ class Responses(Generate):
 
 
 class StoredResponse(Handler):
-    """``GET /v1/responses/{id}``: a stored response; ``DELETE``: delete it."""
+    """``GET /v1/responses/{id}``: a stored response (a background one settled first:
+    ``background.py``); ``DELETE``: delete it (a background one not final: cancelled)."""
 
     async def get(self, response_id: str) -> None:
         found = await self.gateway.responses.get(response_id)
         if found is None:
             return self.fail(not_found(response_id))
-        self.send_json(found.response)
+        self.send_json((await settle(self.gateway, found)).response)
 
     async def delete(self, response_id: str) -> None:
+        found = await self.gateway.responses.get(response_id)
+        if found is not None and found.pending is not None:  # no one will read its result
+            self.gateway.cancel(job(self.gateway, found))
         if not await self.gateway.responses.delete(response_id):
             return self.fail(not_found(response_id))
         self.send_json({"id": response_id, "object": "response", "deleted": True})
+
+
+class CancelResponse(Handler):
+    """``POST /v1/responses/{id}/cancel``: a background response not yet final is cancelled
+    (its fleet request too) and answered ``cancelled`` (with the text its fleet result will
+    hold, once there); one cancelled already is answered again; any other is refused."""
+
+    async def post(self, response_id: str) -> None:
+        found = await self.gateway.responses.get(response_id)
+        if found is None:
+            return self.fail(not_found(response_id))
+        found = await settle(self.gateway, found)
+        was = found.response
+        if was["status"] == "cancelled":
+            return self.send_json(was)
+        if not was.get("background"):
+            return self.fail(invalid("Only responses created with background can be cancelled."))
+        if found.pending is None:
+            return self.fail(invalid(f"Cannot cancel a response with status '{was['status']}'."))
+        try:
+            await job(self.gateway, found).cancel(ttl_s=self.gateway.responses.ttl_s)
+        except BatchfleetError as exc:  # Redis away past the producer's retries
+            return self.fail(of_exception(exc))
+        cancelled = was | {"status": "cancelled"}
+        await self.gateway.responses.put(cancelled, found.input, found.pending, again=True)
+        self.send_json(cancelled)
 
 
 class InputItems(Handler):

@@ -62,7 +62,7 @@ def settings(body: Mapping[str, Any], answered: Answered, model: str) -> dict[st
         "object": "response",
         "created_at": answered.created,
         "status": "in_progress",
-        "background": False,
+        "background": body.get("background") is True,
         "error": None,
         "incomplete_details": None,
         "instructions": body.get("instructions"),

@@ -32,6 +32,8 @@ class Stored:
 
     response: dict[str, Any]
     input: list[dict[str, Any]]
+    pending: dict[str, Any] | None = None
+    """A background response not settled yet: what finishing it takes (``background.py``)."""
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -58,17 +60,31 @@ class ResponseStore:
     def enabled(self) -> bool:
         return self.ttl_s > 0
 
-    async def put(self, response: Mapping[str, Any], input: list[dict[str, Any]]) -> bool:
-        """Store ``response`` (built from ``input``) for ``ttl_s``; False where it was not
-        (storing is off, or it is over ``max_bytes``: logged)."""
+    async def put(
+        self,
+        response: Mapping[str, Any],
+        input: list[dict[str, Any]],
+        pending: Mapping[str, Any] | None = None,
+        *,
+        again: bool = False,
+    ) -> bool:
+        """Store ``response`` (built from ``input``; ``pending``: a background response's
+        finishing) for ``ttl_s``; False where it was not (storing is off, it is over
+        ``max_bytes``: logged). ``again``: over a stored one, its TTL kept (False where it
+        is gone: expired or deleted)."""
         if not self.enabled:
             return False
-        raw = json.dumps({"response": response, "input": input}, ensure_ascii=False,
-                         separators=(",", ":")).encode()  # fmt: skip
+        record = {"response": response, "input": input}
+        if pending is not None:
+            record["pending"] = pending
+        raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
         if len(raw) > self.max_bytes:
             logger.warning("response %s not stored: %d bytes, over the %d bytes bound",
                            response["id"], len(raw), self.max_bytes)  # fmt: skip
             return False
+        if again:
+            return bool(await self.client.set(response_key(response["id"]), raw, xx=True,
+                                              keepttl=True))  # fmt: skip
         await self.client.set(response_key(response["id"]), raw, ex=self.ttl_s)
         return True
 
@@ -80,7 +96,7 @@ class ResponseStore:
         if raw is None:
             return None
         record = json.loads(raw)
-        return Stored(record["response"], record["input"])
+        return Stored(record["response"], record["input"], record.get("pending"))
 
     async def delete(self, response_id: str) -> bool:
         """Delete ``response_id``; False where none was stored."""

@@ -1,0 +1,101 @@
+"""Background responses (``background: true``, OpenAI's and vLLM's): answered at once,
+``queued``, then polled (``GET /v1/responses/{id}``) until final, or cancelled
+(``POST /v1/responses/{id}/cancel``).
+
+No gateway runs them: the fleet request is submitted and the response stored ``queued``
+with what finishing it takes (its fleet request's model, the name it is answered under
+and the request body). Any gateway that reads it settles it (:func:`settle`): where the
+fleet's result is there, it builds the final response as an answer waited for is built,
+and stores it in place of the pending one. A gateway that stops or restarts loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from ...schemas.messages import Result
+from ..aio import AsyncJob
+from .app import Gateway
+from .endpoint import Answered
+from .errors import of_result
+from .replies import DOWN
+from .responses import response, settings
+from .stored import Stored
+
+logger = logging.getLogger(__name__)
+
+PENDING = ("queued", "in_progress")
+"""A background response's statuses before it is final."""
+ERROR_CODE = {400: "invalid_prompt", 429: "rate_limit_exceeded"}
+"""OpenAI's ``error.code`` of a failed response, by the fleet error's HTTP status (else
+``server_error``)."""
+
+
+def pending(model: str, alias: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
+    """What finishing a background response takes: its fleet request's model, the name it
+    is answered under (a LoRA adapter's, or None) and the body (its input is stored apart)."""
+    return {"model": model, "alias": alias, "body": {k: v for k, v in body.items() if k != "input"}}
+
+
+def queued(body: Mapping[str, Any], answered: Answered, model: str) -> dict[str, Any]:
+    """The response a ``background`` request answers at once."""
+    return settings(body, answered, model) | {"status": "queued"}
+
+
+def failed(body: Mapping[str, Any], answered: Answered, result: Result) -> dict[str, Any]:
+    """A response whose fleet request failed: ``failed``, with OpenAI's ``error`` (the
+    fleet's code in the message)."""
+    error = of_result(result)
+    code = ERROR_CODE.get(error.status, "server_error")
+    return settings(body, answered, result.model) | {
+        "status": "failed",
+        "error": {"code": code, "message": f"{error.code}: {error.message}"},
+    }
+
+
+def final(found: Stored, result: Result) -> dict[str, Any]:
+    """The final response of a pending one, from its fleet request's result: as a whole
+    answer is built; one cancelled stays cancelled (with the text the result holds)."""
+    assert found.pending is not None
+    body, alias = found.pending["body"], found.pending["alias"]
+    if alias is not None:
+        result = result.model_copy(update={"model": alias})
+    was = found.response
+    answered = Answered(was["id"], was["created_at"])
+    if was["status"] == "cancelled":
+        if not result.ok:
+            return was
+        return response(body, result, answered) | {"status": "cancelled", "completed_at": None,
+                                                    "incomplete_details": None}  # fmt: skip
+    return response(body, result, answered) if result.ok else failed(body, answered, result)
+
+
+def job(gateway: Gateway, found: Stored) -> AsyncJob:
+    """A pending response's fleet request."""
+    assert found.pending is not None
+    rid = found.response["id"].removeprefix("resp_")
+    return AsyncJob(rid, found.pending["model"], producer=gateway.producer)
+
+
+async def settle(gateway: Gateway, found: Stored) -> Stored:
+    """``found`` as it stands now: a pending one whose fleet result is there is made final
+    and stored so (its TTL kept: it expires when it would have); else as it was."""
+    if found.pending is None:
+        return found
+    result = await job(gateway, found).peek()
+    if result is None:
+        return found
+    settled = Stored(final(found, result), found.input)
+    try:
+        stored = await gateway.responses.put(settled.response, settled.input, again=True)
+    except (*DOWN, redis.ResponseError) as exc:
+        stored = False
+        logger.warning("response %s answered, not stored settled: %s", settled.response["id"], exc)
+    if stored:
+        logger.info("background response %s settled: %s", settled.response["id"],
+                    settled.response["status"])  # fmt: skip
+    return settled
