@@ -1,8 +1,10 @@
-"""Multi-LoRA serving: PEFT adapters of a tiny random Llama, loaded by the text-generation
+"""Multi-LoRA serving: PEFT adapters of tiny random models, loaded by the text-generation
 runner, give in one continuous batch (with the base model's requests) the greedy tokens of
-the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``);
-the same prompt under two adapters never shares keys and values; what is not served is
-refused when the runner starts or the request is read."""
+the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``) —
+on the lean forward (a Llama) and on transformers' forwards (the same Llama with
+``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3); the same prompt under
+two adapters never shares keys and values; what is not served is refused when the runner
+starts or the request is read."""
 
 from __future__ import annotations
 
@@ -78,31 +80,116 @@ def adapters(lm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def runner(lm: Path, adapters: dict[str, Path]) -> TextGenerationRunner:
-    opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}}
-    return TextGenerationRunner(lm, device="cpu", dtype="float32", options=opts)
+Reference = Callable[[str | None, str, int], list[int]]
+"""Greedy tokens of HF ``generate`` on the base model (None) or a merged adapter."""
 
 
-@pytest.fixture(scope="module")
-def reference(
-    lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner
-) -> Callable[[str | None, str, int], list[int]]:
-    """Greedy tokens of HF ``generate`` on the base model (None) or a merged adapter."""
-    models = {None: runner.model, **{k: merged(lm, v) for k, v in adapters.items()}}
+def _runner(base: Path, adapters: dict[str, Path], **opts: Any) -> TextGenerationRunner:
+    opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}} | opts
+    return TextGenerationRunner(base, device="cpu", dtype="float32", options=opts)
+
+
+def _reference(base: Path, adapters: dict[str, Path], runner: TextGenerationRunner) -> Reference:
+    models = {None: runner.model, **{k: merged(base, v) for k, v in adapters.items()}}
 
     def greedy(lora: str | None, text: str, n: int) -> list[int]:
         ids = runner.tokenizer(text, return_tensors="pt").input_ids
-        out = models[lora].generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                                    pad_token_id=runner.eos[0])  # fmt: skip
+        model = models[lora]
+        # ignore_eos: an end token never drawn (min_new_tokens would mask the real one out)
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=runner.eos[0],
+                             eos_token_id=model.config.vocab_size)  # fmt: skip
         return [int(t) for t in out[0, ids.shape[1] :]]
 
     return greedy
 
 
+@pytest.fixture(scope="module")
+def runner(lm: Path, adapters: dict[str, Path]) -> TextGenerationRunner:
+    return _runner(lm, adapters)
+
+
+@pytest.fixture(scope="module")
+def reference(lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner) -> Reference:
+    return _reference(lm, adapters, runner)
+
+
+def make_other(path: Path, lm: Path, family: str) -> Path:
+    """A tiny random ``family`` model (gpt2, qwen3) with ``lm``'s tokenizer, saved like
+    ``lm`` (its query and key weights scaled up: peaked attention)."""
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    tok = AutoTokenizer.from_pretrained(lm)
+    tok.save_pretrained(path)
+    GenerationConfig.from_pretrained(lm).save_pretrained(path)
+    eos, vocab = tok.convert_tokens_to_ids("<|im_end|>"), len(tok)
+    torch.manual_seed(3)
+    model: Any
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=64,
+                                           n_layer=2, n_head=4, bos_token_id=eos,
+                                           eos_token_id=eos))  # fmt: skip
+        with torch.no_grad():  # c_attn is a Conv1D (inputs x outputs): q and k first
+            for block in model.transformer.h:
+                block.attn.c_attn.weight[:, :128].mul_(6.0)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64,
+                                             intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=16, max_position_embeddings=1024,
+                                             eos_token_id=eos, tie_word_embeddings=False))  # fmt: skip
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(6.0)
+                layer.self_attn.k_proj.weight.mul_(6.0)
+    model.save_pretrained(path)
+    return path
+
+
+WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3"]
+"""A Llama on the lean forward, and models (or options) that run transformers' forwards."""
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def world(
+    request: pytest.FixtureRequest, lm: Path, adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[TextGenerationRunner, Reference]:  # fmt: skip
+    """A runner serving two adapters ``sql`` and ``chat``, and its reference."""
+    which = request.param
+    if which == "llama-lean":
+        return request.getfixturevalue("runner"), request.getfixturevalue("reference")
+    if which == "llama-transformers":
+        run = _runner(lm, adapters, lean_decode=False)
+        assert run.engine.lean is None  # type: ignore[attr-defined]
+        return run, _reference(lm, adapters, run)
+    base = make_other(tmp_path_factory.mktemp(which), lm, which)
+    root = tmp_path_factory.mktemp(f"{which}-adapters")
+    if which == "gpt2":  # Conv1D layers (fan_in_fan_out); c_attn is q, k and v in one
+        own = {"sql": make_adapter(root / "sql", base, seed=1, fan_in_fan_out=True,
+                                   targets=["c_attn", "c_proj", "c_fc"]),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2,
+                                    use_rslora=True, fan_in_fan_out=True,
+                                    targets=["attn.c_attn", "mlp.c_proj"])}  # fmt: skip
+    else:
+        own = {"sql": make_adapter(root / "sql", base, seed=1),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2, use_rslora=True,
+                                    targets=["q_proj", "v_proj", "down_proj"])}  # fmt: skip
+    run = _runner(base, own)
+    assert run.engine.lean is None  # type: ignore[attr-defined]
+    return run, _reference(base, own, run)
+
+
 def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_tokens(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
+    runner, reference = world
     # Given: requests for the base, sql and chat, of different lengths, arriving over steps
     plan = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
             (None, 4, 8), ("chat", 0, 5)]  # fmt: skip
@@ -128,8 +215,9 @@ def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_to
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
+    runner, reference = world
     engine: Any = runner.engine
     # Given: one prompt for the base, sql and chat (and sql twice), read in one step
     loras = [None, "sql", "chat", "sql"]
@@ -161,7 +249,7 @@ def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
 
 
 def test_the_padded_batch_attention_path_applies_the_adapters_too(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    runner: TextGenerationRunner, reference: Reference
 ) -> None:
     """The decode rows attended by sdpa over the padded batch (the path of a GPU or a
     16-bit dtype), engine alone: the same tokens."""
@@ -186,8 +274,9 @@ def test_the_padded_batch_attention_path_applies_the_adapters_too(
 
 
 def test_a_request_preempted_under_an_adapter_resumes_under_it(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
+    runner, reference = world
     (p,) = prepare(runner, req("pre", inputs=PROMPTS[2:4], max_new_tokens=12, lora="chat",
                                ignore_eos=True, return_token_ids=True))  # fmt: skip
     d = Driver(runner)
@@ -239,17 +328,18 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
     # an adapter of another base model (hidden 32): its shapes do not fit
     other = make_causal_lm(tmp_path_factory.mktemp("other"), hidden=32)
     refused(make_adapter(tmp_path / "other", other), r"do not fit the base")
-    # a base with fewer layers than the adapter
+    # a base with fewer layers than the adapter; an embedding (not a linear layer)
     deep = make_causal_lm(tmp_path_factory.mktemp("deep"), layers=3)
-    refused(make_adapter(tmp_path / "deep", deep), "the base model has 2 layers")
+    refused(make_adapter(tmp_path / "deep", deep), "no module 'model.layers.2.")
+    refused(make_adapter(tmp_path / "embed", lm, targets=["q_proj", "embed_tokens"]),
+            "embed_tokens.*is not a LoRA weight of a linear layer")  # fmt: skip
     # a missing weights file, a missing config
     gone = make_adapter(tmp_path / "gone", lm)
     (gone / "adapter_model.safetensors").unlink()
     refused(gone, "adapter_model.safetensors is missing")
     refused(tmp_path / "nowhere", "cannot read adapter_config.json")
-    # not the lean forward, nor the padded engine; a bound out of range
+    # not the padded engine; a bound out of range
     for why, opts in (
-        ("need lean_decode on", {"lean_decode": False}),
         ("need the padded engine", {"engine": "paged"}),
         ("max_lora_rank: 1024 is not 1 … 512", {"max_lora_rank": 1024}),
     ):
@@ -257,16 +347,30 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
             _start(lm, adapters["sql"], **opts)
 
 
-def test_a_family_the_lean_forward_does_not_serve_is_refused(
-    lm: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+def test_the_hooks_are_attached_for_a_forward_with_an_adapter_s_rows_alone(
+    runner: TextGenerationRunner,
 ) -> None:
-    from batchfleet.worker.generation import lean_decode
+    """No adapter row: no hook on any module (the base model's forward as it is); else one
+    on each module the used adapters target, removed after the forward."""
+    from batchfleet.worker.generation.lora_hooks import LoraHooks
 
-    monkeypatch.setattr(lean_decode, "FAMILIES", frozenset({"mistral", "qwen2"}))
-    with pytest.raises(
-        ValueError, match="served for mistral, qwen2 models, and this one is 'llama'"
-    ):
-        _start(lm, adapters["sql"])
+    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    sql, chat = adapters
+    hooks = LoraHooks(runner.model, adapters)
+
+    def hooked() -> set[str]:
+        return {n for n, m in runner.model.named_modules() if m._forward_hooks}
+
+    with hooks.rows([0, 0, 0]):
+        assert hooked() == set()
+    with hooks.rows([0, 2, 0]):
+        assert hooked() == set(chat.modules) and len(chat.modules) == 6
+    with hooks.rows([1, 2]):
+        assert hooked() == set(sql.modules) | set(chat.modules)
+    assert hooked() == set()
+    with pytest.raises(ZeroDivisionError), hooks.rows([1]):
+        raise ZeroDivisionError  # a failed forward leaves no hook behind
+    assert hooked() == set()
 
 
 def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
@@ -274,7 +378,7 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
 ) -> None:
     """q and v of layer 1 only: the qkv product takes both A's along the rank and each B in
     its own rows (k's rows zero), scaled by alpha / r; layer 0 and the MLP take nothing."""
-    from batchfleet.worker.generation.lora import load
+    from batchfleet.worker.generation.lora import fuse, load
     from safetensors.torch import save_file
 
     runner = _start(lm, make_adapter(tmp_path / "any", lm))
@@ -292,8 +396,11 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
                key.format("v_proj", "A"): a_v, key.format("v_proj", "B"): b_v},
               str(path / "adapter_model.safetensors"))  # fmt: skip
     adapter = load("hand", path, runner.model, 64)
-    assert adapter.layers[0] == {} and set(adapter.layers[1]) == {"qkv"}
-    a, b = adapter.layers[1]["qkv"]
+    assert set(adapter.modules) == {"model.layers.1.self_attn.q_proj",
+                                    "model.layers.1.self_attn.v_proj"}  # fmt: skip
+    fused = fuse(adapter, runner.model)
+    assert fused is not None and fused[0] == {} and set(fused[1]) == {"qkv"}
+    a, b = fused[1]["qkv"]
     assert torch.equal(a, torch.cat([a_q, a_v]))
     want = torch.zeros(q.out_features + k_out + v.out_features, 4)
     want[: q.out_features, :2] = b_q * 1.5
@@ -303,7 +410,9 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     every = load("all", make_adapter(tmp_path / "all", lm, targets="all-linear", alpha=4),
                  runner.model, 64)  # fmt: skip
     assert every.scale == 0.5
-    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in every.layers)
+    layers = fuse(every, runner.model)
+    assert layers is not None
+    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in layers)
     # B without its A is refused
     save_file({key.format("q_proj", "B"): b_q}, str(path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="lora_A and lora_B are not both there"):
