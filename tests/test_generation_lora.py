@@ -273,6 +273,68 @@ def test_the_padded_batch_attention_path_applies_the_adapters_too(
         assert got[f"e{i}"] == reference(lora, PROMPTS[p], 7), (i, lora)
 
 
+def test_adapters_go_on_through_hooks_where_the_lean_forward_fails_on_its_first_step(
+    runner: TextGenerationRunner, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet.worker.generation.lean_decode import LeanDecoder
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.sampling import Sampling
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel for this device")
+
+    # Given: an engine with adapters whose lean forward cannot run here
+    engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
+                          max_running=8, adapters=runner.engine.adapters)  # type: ignore[attr-defined]  # fmt: skip
+    assert engine.lean is not None
+    with monkeypatch.context() as m:
+        m.setattr(LeanDecoder, "forward", broken)
+        engine.add("x", runner.tokenizer(PROMPTS[0]).input_ids, 5, Sampling(), lora=1)
+        with pytest.raises(RuntimeError, match="no kernel"):
+            engine.step()
+    engine.reset()
+    assert engine.lean is None
+    # When: the base and both adapters run on transformers' forwards
+    names = [None, *runner.lora_adapters]
+    for i in range(len(names)):
+        engine.add(f"f{i}", runner.tokenizer(PROMPTS[i]).input_ids, 6, Sampling(ignore_eos=True),
+                   lora=i)  # fmt: skip
+    got: dict[str, list[int]] = {}
+    while len(got) < len(names):
+        got |= {o.sequence: o.tokens for o in engine.step() if o.finished}
+    # Then: each has its merged model's tokens
+    for i, lora in enumerate(names):
+        assert got[f"f{i}"] == reference(lora, PROMPTS[i], 6), lora
+
+
+def test_an_adapter_of_a_module_the_lean_forward_does_not_run_takes_transformers_forwards(
+    lm: Path, tmp_path: Path
+) -> None:
+    """A Llama with one more linear layer in its MLP (a variant the lean forward's
+    products leave out): its adapter is served on transformers' forwards."""
+    from batchfleet.worker.generation.lora import load
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+    mlp = model.model.layers[0].mlp
+    mlp.extra = torch.nn.Linear(64, 64, bias=False)
+    path = tmp_path / "extra"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+    save_file({f"base_model.model.model.layers.0.mlp.{p}.lora_{w}.weight": torch.ones(shape)
+               for p, shapes in (("extra", ((2, 64), (64, 2))), ("up_proj", ((2, 64), (128, 2))))
+               for w, shape in zip("AB", shapes, strict=True)},
+              str(path / "adapter_model.safetensors"))  # fmt: skip
+    adapter = load("extra", path, model, 8)
+    assert set(adapter.modules) == {"model.layers.0.mlp.extra", "model.layers.0.mlp.up_proj"}
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4,
+                          adapters=(adapter,))  # fmt: skip
+    assert engine.lean is None
+    assert PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4).lean is not None
+
+
 def test_a_request_preempted_under_an_adapter_resumes_under_it(
     world: tuple[TextGenerationRunner, Reference],
 ) -> None:
