@@ -2,9 +2,9 @@
 runner, give in one continuous batch (with the base model's requests) the greedy tokens of
 the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``) —
 on the lean forward (a Llama) and on transformers' forwards (the same Llama with
-``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3); the same prompt under
-two adapters never shares keys and values; what is not served is refused when the runner
-starts or the request is read."""
+``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3, a Phi-3); the same
+prompt under two adapters never shares keys and values; what is not served is refused
+when the runner starts or the request is read."""
 
 from __future__ import annotations
 
@@ -114,13 +114,15 @@ def reference(lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner)
 
 
 def make_other(path: Path, lm: Path, family: str) -> Path:
-    """A tiny random ``family`` model (gpt2, qwen3) with ``lm``'s tokenizer, saved like
-    ``lm`` (its query and key weights scaled up: peaked attention)."""
+    """A tiny random ``family`` model (gpt2, qwen3, phi3) with ``lm``'s tokenizer, saved
+    like ``lm`` (its query and key weights scaled up: peaked attention)."""
     from transformers import (
         AutoTokenizer,
         GenerationConfig,
         GPT2Config,
         GPT2LMHeadModel,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -138,6 +140,16 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
         with torch.no_grad():  # c_attn is a Conv1D (inputs x outputs): q and k first
             for block in model.transformer.h:
                 block.attn.c_attn.weight[:, :128].mul_(6.0)
+    elif family == "phi3":  # q, k and v in one qkv_proj; gate and up in one gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(vocab_size=vocab, hidden_size=64,
+                                           intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=1024, eos_token_id=eos,
+                                           pad_token_id=0, bos_token_id=eos,
+                                           tie_word_embeddings=False))  # fmt: skip
+        with torch.no_grad():  # q rows, then k (2 of 4 heads' worth)
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.weight[:96].mul_(6.0)
     else:
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64,
                                              intermediate_size=128, num_hidden_layers=2,
@@ -152,7 +164,7 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
     return path
 
 
-WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3"]
+WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3", "phi3"]
 """A Llama on the lean forward, and models (or options) that run transformers' forwards."""
 
 
@@ -177,6 +189,10 @@ def world(
                "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2,
                                     use_rslora=True, fan_in_fan_out=True,
                                     targets=["attn.c_attn", "mlp.c_proj"])}  # fmt: skip
+    elif which == "phi3":
+        own = {"sql": make_adapter(root / "sql", base, seed=1, targets="all-linear"),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2, use_rslora=True,
+                                    targets=["qkv_proj", "down_proj"])}  # fmt: skip
     else:
         own = {"sql": make_adapter(root / "sql", base, seed=1),
                "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2, use_rslora=True,
