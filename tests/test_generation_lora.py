@@ -265,17 +265,19 @@ def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
 
 
 def test_the_padded_batch_attention_path_applies_the_adapters_too(
-    runner: TextGenerationRunner, reference: Reference
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
     """The decode rows attended by sdpa over the padded batch (the path of a GPU or a
     16-bit dtype), engine alone: the same tokens."""
     from batchfleet.worker.generation.padded import PaddedEngine
     from batchfleet.worker.generation.sampling import Sampling
 
-    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    runner, reference = world
+    old: Any = runner.engine
     engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
-                          max_running=8, row_attention=False, adapters=adapters)  # fmt: skip
-    assert not engine.row_attention and engine.lean is not None
+                          max_running=8, row_attention=False, adapters=old.adapters,
+                          lean=old.lean is not None)  # fmt: skip
+    assert not engine.row_attention and (engine.lean is None) == (old.lean is None)
     plan = [(None, 0), ("sql", 1), ("chat", 2), ("sql", 3), ("chat", 0)]
     names = [None, *runner.lora_adapters]
     got: dict[str, list[int]] = {}
