@@ -160,9 +160,11 @@ def _modules(tensors: dict[str, torch.Tensor], model: Any, rank: int, scale: flo
 def features(module: Any) -> tuple[int, int] | None:
     """A linear layer's inputs and outputs (None: not one): an ``nn.Linear``'s, or a
     transformers ``Conv1D``'s (GPT-2's; its weight ``inputs x outputs``)."""
+    from transformers.pytorch_utils import Conv1D
+
     if isinstance(module, torch.nn.Linear):
         return int(module.in_features), int(module.out_features)
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+    if isinstance(module, Conv1D):
         return int(module.weight.shape[0]), int(module.weight.shape[1])
     return None
 
