@@ -2,9 +2,9 @@
 runner, give in one continuous batch (with the base model's requests) the greedy tokens of
 the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``) —
 on the lean forward (a Llama) and on transformers' forwards (the same Llama with
-``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3, a Phi-3); the same
-prompt under two adapters never shares keys and values; what is not served is refused
-when the runner starts or the request is read."""
+``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3, a Phi-3, a Gemma); the
+same prompt under two adapters never shares keys and values; what is not served is
+refused when the runner starts or the request is read."""
 
 from __future__ import annotations
 
@@ -114,10 +114,12 @@ def reference(lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner)
 
 
 def make_other(path: Path, lm: Path, family: str) -> Path:
-    """A tiny random ``family`` model (gpt2, qwen3, phi3) with ``lm``'s tokenizer, saved
-    like ``lm`` (its query and key weights scaled up: peaked attention)."""
+    """A tiny random ``family`` model (gpt2, qwen3, phi3, gemma) with ``lm``'s tokenizer,
+    saved like ``lm`` (its query and key weights scaled up: peaked attention)."""
     from transformers import (
         AutoTokenizer,
+        GemmaConfig,
+        GemmaForCausalLM,
         GenerationConfig,
         GPT2Config,
         GPT2LMHeadModel,
@@ -151,11 +153,12 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
             for layer in model.model.layers:
                 layer.self_attn.qkv_proj.weight[:96].mul_(6.0)
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64,
-                                             intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=16, max_position_embeddings=1024,
-                                             eos_token_id=eos, tie_word_embeddings=False))  # fmt: skip
+        kind, config = ((GemmaForCausalLM, GemmaConfig) if family == "gemma"
+                        else (Qwen3ForCausalLM, Qwen3Config))  # fmt: skip
+        model = kind(config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=1024, eos_token_id=eos,
+                            pad_token_id=0, bos_token_id=eos, tie_word_embeddings=False))  # fmt: skip
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight.mul_(6.0)
@@ -164,7 +167,7 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
     return path
 
 
-WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3", "phi3"]
+WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3", "phi3", "gemma"]
 """A Llama on the lean forward, and models (or options) that run transformers' forwards."""
 
 
