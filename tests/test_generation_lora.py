@@ -1,7 +1,9 @@
-"""Multi-LoRA serving: PEFT adapters of a tiny random Llama, loaded by the text-generation
+"""Multi-LoRA serving: PEFT adapters of tiny random models, loaded by the text-generation
 runner, give in one continuous batch (with the base model's requests) the greedy tokens of
-the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``);
-the same prompt under two adapters never shares keys and values; what is not served is
+the base model with each adapter merged (peft's ``merge_and_unload``, HF ``generate``) —
+on the lean forward (a Llama) and on transformers' forwards (the same Llama with
+``lean_decode`` off, a GPT-2 with its ``Conv1D`` layers, a Qwen3, a Phi-3, a Gemma); the
+same prompt under two adapters never shares keys and values; what is not served is
 refused when the runner starts or the request is read."""
 
 from __future__ import annotations
@@ -78,31 +80,135 @@ def adapters(lm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def runner(lm: Path, adapters: dict[str, Path]) -> TextGenerationRunner:
-    opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}}
-    return TextGenerationRunner(lm, device="cpu", dtype="float32", options=opts)
+Reference = Callable[[str | None, str, int], list[int]]
+"""Greedy tokens of HF ``generate`` on the base model (None) or a merged adapter."""
 
 
-@pytest.fixture(scope="module")
-def reference(
-    lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner
-) -> Callable[[str | None, str, int], list[int]]:
-    """Greedy tokens of HF ``generate`` on the base model (None) or a merged adapter."""
-    models = {None: runner.model, **{k: merged(lm, v) for k, v in adapters.items()}}
+def _runner(base: Path, adapters: dict[str, Path], **opts: Any) -> TextGenerationRunner:
+    opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}} | opts
+    return TextGenerationRunner(base, device="cpu", dtype="float32", options=opts)
+
+
+def _reference(base: Path, adapters: dict[str, Path], runner: TextGenerationRunner) -> Reference:
+    models = {None: runner.model, **{k: merged(base, v) for k, v in adapters.items()}}
 
     def greedy(lora: str | None, text: str, n: int) -> list[int]:
         ids = runner.tokenizer(text, return_tensors="pt").input_ids
-        out = models[lora].generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                                    pad_token_id=runner.eos[0])  # fmt: skip
+        model = models[lora]
+        # ignore_eos: an end token never drawn (min_new_tokens would mask the real one out)
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=runner.eos[0],
+                             eos_token_id=model.config.vocab_size)  # fmt: skip
         return [int(t) for t in out[0, ids.shape[1] :]]
 
     return greedy
 
 
+@pytest.fixture(scope="module")
+def runner(lm: Path, adapters: dict[str, Path]) -> TextGenerationRunner:
+    return _runner(lm, adapters)
+
+
+@pytest.fixture(scope="module")
+def reference(lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner) -> Reference:
+    return _reference(lm, adapters, runner)
+
+
+def make_other(path: Path, lm: Path, family: str) -> Path:
+    """A tiny random ``family`` model (gpt2, qwen3, phi3, gemma) with ``lm``'s tokenizer,
+    saved like ``lm`` (its query and key weights scaled up: peaked attention)."""
+    from transformers import (
+        AutoTokenizer,
+        GemmaConfig,
+        GemmaForCausalLM,
+        GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    tok = AutoTokenizer.from_pretrained(lm)
+    tok.save_pretrained(path)
+    GenerationConfig.from_pretrained(lm).save_pretrained(path)
+    eos, vocab = tok.convert_tokens_to_ids("<|im_end|>"), len(tok)
+    torch.manual_seed(3)
+    model: Any
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=64,
+                                           n_layer=2, n_head=4, bos_token_id=eos,
+                                           eos_token_id=eos))  # fmt: skip
+        with torch.no_grad():  # c_attn is a Conv1D (inputs x outputs): q and k first
+            for block in model.transformer.h:
+                block.attn.c_attn.weight[:, :128].mul_(6.0)
+    elif family == "phi3":  # q, k and v in one qkv_proj; gate and up in one gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(vocab_size=vocab, hidden_size=64,
+                                           intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=1024, eos_token_id=eos,
+                                           pad_token_id=0, bos_token_id=eos,
+                                           tie_word_embeddings=False))  # fmt: skip
+        with torch.no_grad():  # q rows, then k (2 of 4 heads' worth)
+            for layer in model.model.layers:
+                layer.self_attn.qkv_proj.weight[:96].mul_(6.0)
+    else:
+        kind, config = ((GemmaForCausalLM, GemmaConfig) if family == "gemma"
+                        else (Qwen3ForCausalLM, Qwen3Config))  # fmt: skip
+        model = kind(config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=1024, eos_token_id=eos,
+                            pad_token_id=0, bos_token_id=eos, tie_word_embeddings=False))  # fmt: skip
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(6.0)
+                layer.self_attn.k_proj.weight.mul_(6.0)
+    model.save_pretrained(path)
+    return path
+
+
+WORLDS = ["llama-lean", "llama-transformers", "gpt2", "qwen3", "phi3", "gemma"]
+"""A Llama on the lean forward, and models (or options) that run transformers' forwards."""
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def world(
+    request: pytest.FixtureRequest, lm: Path, adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[TextGenerationRunner, Reference]:  # fmt: skip
+    """A runner serving two adapters ``sql`` and ``chat``, and its reference."""
+    which = request.param
+    if which == "llama-lean":
+        return request.getfixturevalue("runner"), request.getfixturevalue("reference")
+    if which == "llama-transformers":
+        run = _runner(lm, adapters, lean_decode=False)
+        assert run.engine.lean is None  # type: ignore[attr-defined]
+        return run, _reference(lm, adapters, run)
+    base = make_other(tmp_path_factory.mktemp(which), lm, which)
+    root = tmp_path_factory.mktemp(f"{which}-adapters")
+    if which == "gpt2":  # Conv1D layers (fan_in_fan_out); c_attn is q, k and v in one
+        own = {"sql": make_adapter(root / "sql", base, seed=1, fan_in_fan_out=True,
+                                   targets=["c_attn", "c_proj", "c_fc"]),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2,
+                                    use_rslora=True, fan_in_fan_out=True,
+                                    targets=["attn.c_attn", "mlp.c_proj"])}  # fmt: skip
+    elif which == "phi3":
+        own = {"sql": make_adapter(root / "sql", base, seed=1, targets="all-linear"),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2, use_rslora=True,
+                                    targets=["qkv_proj", "down_proj"])}  # fmt: skip
+    else:
+        own = {"sql": make_adapter(root / "sql", base, seed=1),
+               "chat": make_adapter(root / "chat", base, r=4, alpha=8, seed=2, use_rslora=True,
+                                    targets=["q_proj", "v_proj", "down_proj"])}  # fmt: skip
+    run = _runner(base, own)
+    assert run.engine.lean is None  # type: ignore[attr-defined]
+    return run, _reference(base, own, run)
+
+
 def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_tokens(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
+    runner, reference = world
     # Given: requests for the base, sql and chat, of different lengths, arriving over steps
     plan = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
             (None, 4, 8), ("chat", 0, 5)]  # fmt: skip
@@ -128,8 +234,9 @@ def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_to
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
+    runner, reference = world
     engine: Any = runner.engine
     # Given: one prompt for the base, sql and chat (and sql twice), read in one step
     loras = [None, "sql", "chat", "sql"]
@@ -161,17 +268,19 @@ def test_the_same_prompt_under_two_adapters_shares_no_prefill_nor_cached_prefix(
 
 
 def test_the_padded_batch_attention_path_applies_the_adapters_too(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+    world: tuple[TextGenerationRunner, Reference],
 ) -> None:
     """The decode rows attended by sdpa over the padded batch (the path of a GPU or a
     16-bit dtype), engine alone: the same tokens."""
     from batchfleet.worker.generation.padded import PaddedEngine
     from batchfleet.worker.generation.sampling import Sampling
 
-    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    runner, reference = world
+    old: Any = runner.engine
     engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
-                          max_running=8, row_attention=False, adapters=adapters)  # fmt: skip
-    assert not engine.row_attention and engine.lean is not None
+                          max_running=8, row_attention=False, adapters=old.adapters,
+                          lean=old.lean is not None)  # fmt: skip
+    assert not engine.row_attention and (engine.lean is None) == (old.lean is None)
     plan = [(None, 0), ("sql", 1), ("chat", 2), ("sql", 3), ("chat", 0)]
     names = [None, *runner.lora_adapters]
     got: dict[str, list[int]] = {}
@@ -185,9 +294,72 @@ def test_the_padded_batch_attention_path_applies_the_adapters_too(
         assert got[f"e{i}"] == reference(lora, PROMPTS[p], 7), (i, lora)
 
 
-def test_a_request_preempted_under_an_adapter_resumes_under_it(
-    runner: TextGenerationRunner, reference: Callable[[str | None, str, int], list[int]]
+def test_adapters_go_on_through_hooks_where_the_lean_forward_fails_on_its_first_step(
+    runner: TextGenerationRunner, reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from batchfleet.worker.generation.lean_decode import LeanDecoder
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.sampling import Sampling
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel for this device")
+
+    # Given: an engine with adapters whose lean forward cannot run here
+    engine = PaddedEngine(runner.model, eos_token_ids=runner.eos, step_tokens=64,
+                          max_running=8, adapters=runner.engine.adapters)  # type: ignore[attr-defined]  # fmt: skip
+    assert engine.lean is not None
+    with monkeypatch.context() as m:
+        m.setattr(LeanDecoder, "forward", broken)
+        engine.add("x", runner.tokenizer(PROMPTS[0]).input_ids, 5, Sampling(), lora=1)
+        with pytest.raises(RuntimeError, match="no kernel"):
+            engine.step()
+    engine.reset()
+    assert engine.lean is None
+    # When: the base and both adapters run on transformers' forwards
+    names = [None, *runner.lora_adapters]
+    for i in range(len(names)):
+        engine.add(f"f{i}", runner.tokenizer(PROMPTS[i]).input_ids, 6, Sampling(ignore_eos=True),
+                   lora=i)  # fmt: skip
+    got: dict[str, list[int]] = {}
+    while len(got) < len(names):
+        got |= {o.sequence: o.tokens for o in engine.step() if o.finished}
+    # Then: each has its merged model's tokens
+    for i, lora in enumerate(names):
+        assert got[f"f{i}"] == reference(lora, PROMPTS[i], 6), lora
+
+
+def test_an_adapter_of_a_module_the_lean_forward_does_not_run_takes_transformers_forwards(
+    lm: Path, tmp_path: Path
+) -> None:
+    """A Llama with one more linear layer in its MLP (a variant the lean forward's
+    products leave out): its adapter is served on transformers' forwards."""
+    from batchfleet.worker.generation.lora import load
+    from batchfleet.worker.generation.padded import PaddedEngine
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+    mlp = model.model.layers[0].mlp
+    mlp.extra = torch.nn.Linear(64, 64, bias=False)
+    path = tmp_path / "extra"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+    save_file({f"base_model.model.model.layers.0.mlp.{p}.lora_{w}.weight": torch.ones(shape)
+               for p, shapes in (("extra", ((2, 64), (64, 2))), ("up_proj", ((2, 64), (128, 2))))
+               for w, shape in zip("AB", shapes, strict=True)},
+              str(path / "adapter_model.safetensors"))  # fmt: skip
+    adapter = load("extra", path, model, 8)
+    assert set(adapter.modules) == {"model.layers.0.mlp.extra", "model.layers.0.mlp.up_proj"}
+    engine = PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4,
+                          adapters=(adapter,))  # fmt: skip
+    assert engine.lean is None
+    assert PaddedEngine(model, eos_token_ids=[], step_tokens=64, max_running=4).lean is not None
+
+
+def test_a_request_preempted_under_an_adapter_resumes_under_it(
+    world: tuple[TextGenerationRunner, Reference],
+) -> None:
+    runner, reference = world
     (p,) = prepare(runner, req("pre", inputs=PROMPTS[2:4], max_new_tokens=12, lora="chat",
                                ignore_eos=True, return_token_ids=True))  # fmt: skip
     d = Driver(runner)
@@ -239,17 +411,18 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
     # an adapter of another base model (hidden 32): its shapes do not fit
     other = make_causal_lm(tmp_path_factory.mktemp("other"), hidden=32)
     refused(make_adapter(tmp_path / "other", other), r"do not fit the base")
-    # a base with fewer layers than the adapter
+    # a base with fewer layers than the adapter; an embedding (not a linear layer)
     deep = make_causal_lm(tmp_path_factory.mktemp("deep"), layers=3)
-    refused(make_adapter(tmp_path / "deep", deep), "the base model has 2 layers")
+    refused(make_adapter(tmp_path / "deep", deep), "no module 'model.layers.2.")
+    refused(make_adapter(tmp_path / "embed", lm, targets=["q_proj", "embed_tokens"]),
+            "embed_tokens.*is not a LoRA weight of a linear layer")  # fmt: skip
     # a missing weights file, a missing config
     gone = make_adapter(tmp_path / "gone", lm)
     (gone / "adapter_model.safetensors").unlink()
     refused(gone, "adapter_model.safetensors is missing")
     refused(tmp_path / "nowhere", "cannot read adapter_config.json")
-    # not the lean forward, nor the padded engine; a bound out of range
+    # not the padded engine; a bound out of range
     for why, opts in (
-        ("need lean_decode on", {"lean_decode": False}),
         ("need the padded engine", {"engine": "paged"}),
         ("max_lora_rank: 1024 is not 1 … 512", {"max_lora_rank": 1024}),
     ):
@@ -257,16 +430,30 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
             _start(lm, adapters["sql"], **opts)
 
 
-def test_a_family_the_lean_forward_does_not_serve_is_refused(
-    lm: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+def test_the_hooks_are_attached_for_a_forward_with_an_adapter_s_rows_alone(
+    runner: TextGenerationRunner,
 ) -> None:
-    from batchfleet.worker.generation import lean_decode
+    """No adapter row: no hook on any module (the base model's forward as it is); else one
+    on each module the used adapters target, removed after the forward."""
+    from batchfleet.worker.generation.lora_hooks import LoraHooks
 
-    monkeypatch.setattr(lean_decode, "FAMILIES", frozenset({"mistral", "qwen2"}))
-    with pytest.raises(
-        ValueError, match="served for mistral, qwen2 models, and this one is 'llama'"
-    ):
-        _start(lm, adapters["sql"])
+    adapters = runner.engine.adapters  # type: ignore[attr-defined]
+    sql, chat = adapters
+    hooks = LoraHooks(runner.model, adapters)
+
+    def hooked() -> set[str]:
+        return {n for n, m in runner.model.named_modules() if m._forward_hooks}
+
+    with hooks.rows([0, 0, 0]):
+        assert hooked() == set()
+    with hooks.rows([0, 2, 0]):
+        assert hooked() == set(chat.modules) and len(chat.modules) == 6
+    with hooks.rows([1, 2]):
+        assert hooked() == set(sql.modules) | set(chat.modules)
+    assert hooked() == set()
+    with pytest.raises(ZeroDivisionError), hooks.rows([1]):
+        raise ZeroDivisionError  # a failed forward leaves no hook behind
+    assert hooked() == set()
 
 
 def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
@@ -274,7 +461,7 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
 ) -> None:
     """q and v of layer 1 only: the qkv product takes both A's along the rank and each B in
     its own rows (k's rows zero), scaled by alpha / r; layer 0 and the MLP take nothing."""
-    from batchfleet.worker.generation.lora import load
+    from batchfleet.worker.generation.lora import fuse, load
     from safetensors.torch import save_file
 
     runner = _start(lm, make_adapter(tmp_path / "any", lm))
@@ -292,8 +479,11 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
                key.format("v_proj", "A"): a_v, key.format("v_proj", "B"): b_v},
               str(path / "adapter_model.safetensors"))  # fmt: skip
     adapter = load("hand", path, runner.model, 64)
-    assert adapter.layers[0] == {} and set(adapter.layers[1]) == {"qkv"}
-    a, b = adapter.layers[1]["qkv"]
+    assert set(adapter.modules) == {"model.layers.1.self_attn.q_proj",
+                                    "model.layers.1.self_attn.v_proj"}  # fmt: skip
+    fused = fuse(adapter, runner.model)
+    assert fused is not None and fused[0] == {} and set(fused[1]) == {"qkv"}
+    a, b = fused[1]["qkv"]
     assert torch.equal(a, torch.cat([a_q, a_v]))
     want = torch.zeros(q.out_features + k_out + v.out_features, 4)
     want[: q.out_features, :2] = b_q * 1.5
@@ -303,7 +493,9 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     every = load("all", make_adapter(tmp_path / "all", lm, targets="all-linear", alpha=4),
                  runner.model, 64)  # fmt: skip
     assert every.scale == 0.5
-    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in every.layers)
+    layers = fuse(every, runner.model)
+    assert layers is not None
+    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in layers)
     # B without its A is refused
     save_file({key.format("q_proj", "B"): b_q}, str(path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="lora_A and lora_B are not both there"):

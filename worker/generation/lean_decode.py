@@ -142,7 +142,7 @@ class LeanDecoder:
         chunks: Sequence[Chunk],
         padding: torch.Tensor | None = None,
         every: Sequence[bool] = (),
-        lora: Sequence[tuple[lora_.Adapter, torch.Tensor]] = (),
+        lora: Sequence[tuple[lora_.Fused, torch.Tensor]] = (),
     ) -> torch.Tensor:
         """One step's forward over the decode rows and prefill chunks together (the
         linear layers run once over all their tokens): decode row ``i`` feeds ``ids[i]``

@@ -4,17 +4,24 @@ An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetenso
 PEFT's ``save_pretrained`` writes them; it is read here with safetensors alone (no peft
 at runtime) and checked against the base model when the worker starts: what is not
 served is refused then, with a ``ValueError`` naming the adapter and why (DoRA, biases,
-``modules_to_save``, per-module ranks, targets other than the decoder layers' seven
-projections (``target_modules`` names them, or is ``all-linear``, or a regex: the weights
-present then tell), a rank over ``max_lora_rank``, a layer or shape the base lacks).
+``modules_to_save``, per-module ranks, a target that is not a linear layer of the base
+(``nn.Linear``, or GPT-2's ``Conv1D``), the LM head, a rank over ``max_lora_rank``, a
+module or shape the base lacks).
 
-A targeted projection computes ``W x + scale * B (A x)`` (``scale``: ``lora_alpha / r``,
-or ``lora_alpha / sqrt(r)`` with ``use_rslora``). The weights are kept as
-:class:`~.lean_decode.LeanDecoder` runs its layers: per layer and fused product (q, k and
-v in one; gate and up in one), the targeted projections' ``A`` concatenated along the
-rank and their ``B`` placed block-wise in one ``outputs x ranks`` matrix (zero where a
-projection is not targeted, scale folded in), so each product takes one low-rank update
-per adapter in a step: :func:`apply`.
+A targeted module computes ``W x + scale * B (A x)`` (``scale``: ``lora_alpha / r``, or
+``lora_alpha / sqrt(r)`` with ``use_rslora``); :class:`Adapter` keeps, per module, ``A``
+and ``B`` with the scale folded in. PEFT's ``fan_in_fan_out`` (a ``Conv1D``'s weight is
+``inputs x outputs``) changes only how it merges the update into the weight: its ``A`` is
+``rank x inputs`` and its ``B`` ``outputs x rank`` either way, and so is the update here.
+A fused module (GPT-2's ``c_attn``: q, k and v) has one ``A`` and ``B``, as PEFT saves it.
+
+Two forwards apply them. :class:`~.lean_decode.LeanDecoder` runs a Llama-family layer's
+fused products (q, k and v in one; gate and up in one): :func:`fuse` lays an adapter out
+that way, the projections' ``A`` concatenated along the rank and their ``B`` placed
+block-wise in one ``outputs x ranks`` matrix (zero where a projection is not targeted), so
+each product takes one low-rank update per adapter in a step (:func:`apply`). Any other
+model, or the same with ``lean_decode`` off, runs transformers' forwards, which
+:mod:`.lora_hooks` hooks.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,15 +41,16 @@ PROJECTIONS = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
 }  # fmt: skip
-"""The projections an adapter may target: each one's fused product and place in it."""
+"""The projections the lean forward applies an adapter to: each one's fused product and
+place in it."""
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}  # fmt: skip
 """The lean decoder's products, each of its projections in output order."""
 MAX_RANK = 512
 """The highest ``max_lora_rank`` (vLLM's largest)."""
-_KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
-)
+_KEY = re.compile(r"base_model\.model\.([\w.]+)\.lora_([AB])\.weight")
+_LEAN = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)")
+"""A module path the lean forward knows (a decoder layer's projection)."""
 _REFUSED = {"use_dora": "DoRA (use_dora)", "lora_bias": "LoRA biases (lora_bias)",
             "modules_to_save": "modules_to_save", "rank_pattern": "per-module ranks "
             "(rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)",
@@ -52,22 +60,28 @@ _REFUSED = {"use_dora": "DoRA (use_dora)", "lora_bias": "LoRA biases (lora_bias)
 """Config entries that, set, ask for more than a plain LoRA of linear layers."""
 
 Update = tuple[torch.Tensor, torch.Tensor]
-"""One fused product's ``A`` (``ranks x inputs``) and scaled ``B`` (``outputs x ranks``)."""
+"""One module's (or fused product's) ``A`` (``ranks x inputs``) and scaled ``B``
+(``outputs x ranks``)."""
+Fused = tuple[dict[str, Update], ...]
+"""An adapter laid out for the lean forward: per decoder layer, its update of each fused
+product it targets (:func:`fuse`)."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
-    """One loaded adapter: per decoder layer, its update of each fused product it targets."""
+    """One loaded adapter: its update of each module it targets, by the module's path in
+    the model (``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``)."""
 
     name: str
     rank: int
     scale: float
-    layers: tuple[dict[str, Update], ...]
+    modules: dict[str, Update]
 
 
 def load(name: str, path: str | Path, model: Any, max_rank: int) -> Adapter:
-    """Read the adapter at ``path`` for ``model`` (a Llama-family causal LM), on its device
-    and in its dtype; a ``ValueError`` naming it says what is not served (module docstring)."""
+    """Read the adapter at ``path`` for ``model`` (a causal LM), on its device and in its
+    dtype; a ``ValueError`` naming it says what is not served (module docstring)."""
     where = Path(path)
 
     def refuse(why: str) -> ValueError:
@@ -86,12 +100,6 @@ def load(name: str, path: str | Path, model: Any, max_rank: int) -> Adapter:
             raise refuse(f"{what} is not served")
     if config.get("bias", "none") != "none":
         raise refuse(f"bias {config.get('bias')!r} is not served (only 'none')")
-    targets = config.get("target_modules")  # a string: "all-linear", or a regex
-    if isinstance(targets, list):  # names, matched as PEFT does: a module path's end
-        other = sorted({str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in PROJECTIONS})
-        if other:
-            raise refuse(f"target_modules {other[:4]} are not served (only "
-                         f"{', '.join(PROJECTIONS)}, or 'all-linear')")  # fmt: skip
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise refuse(f"r {rank!r} is not a positive integer")
@@ -109,56 +117,87 @@ def load(name: str, path: str | Path, model: Any, max_rank: int) -> Adapter:
         tensors = load_file(str(weights))
     except Exception as exc:
         raise refuse(f"cannot read adapter_model.safetensors: {exc}") from exc
-    return Adapter(name, rank, scale, _fuse(tensors, model, rank, scale, refuse))
+    return Adapter(name, rank, scale, _modules(tensors, model, rank, scale, refuse))
 
 
-def _fuse(tensors: dict[str, torch.Tensor], model: Any, rank: int, scale: float,
-          refuse: Any) -> tuple[dict[str, Update], ...]:  # fmt: skip
-    """The tensors checked against ``model``'s layers and fused (module docstring)."""
-    base = model.model.layers
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+def _modules(tensors: dict[str, torch.Tensor], model: Any, rank: int, scale: float,
+             refuse: Any) -> dict[str, Update]:  # fmt: skip
+    """The tensors checked against ``model``'s modules, per module (module docstring)."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in PROJECTIONS:
-            raise refuse(f"weight {key!r} is not a LoRA weight of a served projection")
-        layer, proj = int(m.group(1)), m.group(2)
-        if layer >= len(base):
-            raise refuse(f"weight {key!r}: the base model has {len(base)} layers")
-        found.setdefault((layer, proj), {})[m.group(3)] = tensor
+        if m is None:
+            raise refuse(f"weight {key!r} is not a LoRA weight of a linear layer")
+        found.setdefault(m.group(1), {})[m.group(2)] = tensor
     if not found:
         raise refuse("adapter_model.safetensors holds no LoRA weights")
+    head = model.get_output_embeddings()
     param = next(model.parameters())
-    layers: list[dict[str, Update]] = [{} for _ in base]
-    for i, modules in enumerate(base):
-        for fused, projs in FUSED.items():
-            linears = [_linear(modules, p) for p in projs]
-            if not any((i, p) in found for p in projs):
+    out: dict[str, Update] = {}
+    for where, pair in sorted(found.items()):
+        try:
+            module = model.get_submodule(where)
+        except AttributeError:
+            raise refuse(f"the base model has no module {where!r} (another base model?)") from None
+        if head is not None and module is head:
+            raise refuse(f"{where} (the LM head) is not served")
+        shape = features(module)
+        if shape is None:
+            raise refuse(f"{where} is a {type(module).__name__}, not a linear layer")
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise refuse(f"{where}: lora_A and lora_B are not both there")
+        want_a, want_b = (rank, shape[0]), (shape[1], rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise refuse(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+                         f"not fit the base's {want_a} and {want_b} (another base model, or "
+                         "another r)")  # fmt: skip
+        out[where] = (a.to(param.device, param.dtype).contiguous(),
+                      (b * scale).to(param.device, param.dtype).contiguous())  # fmt: skip
+    return out
+
+
+def features(module: Any) -> tuple[int, int] | None:
+    """A linear layer's inputs and outputs (None: not one): an ``nn.Linear``'s, or a
+    transformers ``Conv1D``'s (GPT-2's; its weight ``inputs x outputs``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return int(module.in_features), int(module.out_features)
+    if isinstance(module, Conv1D):
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
+def fuse(adapter: Adapter, model: Any) -> Fused | None:
+    """``adapter`` laid out for the lean forward over ``model``'s layers (module docstring);
+    None where it targets a module that forward does not run as one of its products
+    (anything but a decoder layer's seven projections)."""
+    base = model.model.layers
+    by_layer: list[dict[str, Update]] = [{} for _ in base]
+    for where in adapter.modules:
+        m = _LEAN.fullmatch(where)
+        if m is None or m.group(2) not in PROJECTIONS or int(m.group(1)) >= len(base):
+            return None
+    for i, layer in enumerate(base):
+        for product, projs in FUSED.items():
+            paths = [f"model.layers.{i}.{_part(p)}.{p}" for p in projs]
+            if not any(p in adapter.modules for p in paths):
                 continue
+            linears = [getattr(getattr(layer, _part(p)), p) for p in projs]
             a_parts, b_parts = [], []
-            for p, linear in zip(projs, linears, strict=True):
-                pair = found.get((i, p))
-                if pair is None:
-                    continue
-                a, b = pair.get("A"), pair.get("B")
-                if a is None or b is None:
-                    raise refuse(f"layer {i} {p}: lora_A and lora_B are not both there")
-                want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
-                if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-                    raise refuse(f"layer {i} {p}: lora_A {tuple(a.shape)} and lora_B "
-                                 f"{tuple(b.shape)} do not fit the base's {want_a} and "
-                                 f"{want_b} (another base model, or another r)")  # fmt: skip
-                a_parts.append(a)
-                b_parts.append(_placed(b, projs.index(p), linears))
-            a_cat = torch.cat(a_parts).to(param.device, param.dtype).contiguous()
-            b_cat = (torch.cat(b_parts, dim=1) * scale).to(param.device, param.dtype).contiguous()
-            layers[i][fused] = (a_cat, b_cat)
-    return tuple(layers)
+            for k, path in enumerate(paths):
+                if path in adapter.modules:
+                    a, b = adapter.modules[path]
+                    a_parts.append(a)
+                    b_parts.append(_placed(b, k, linears))
+            by_layer[i][product] = (torch.cat(a_parts).contiguous(),
+                                    torch.cat(b_parts, dim=1).contiguous())  # fmt: skip
+    return tuple(by_layer)
 
 
-def _linear(layer: Any, proj: str) -> torch.nn.Linear:
-    parent = layer.self_attn if proj in FUSED["qkv"] or proj == "o_proj" else layer.mlp
-    linear: torch.nn.Linear = getattr(parent, proj)
-    return linear
+def _part(proj: str) -> str:
+    return "self_attn" if proj in FUSED["qkv"] or proj == "o_proj" else "mlp"
 
 
 def _placed(b: torch.Tensor, index: int, linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
@@ -172,11 +211,11 @@ def _placed(b: torch.Tensor, index: int, linears: Sequence[torch.nn.Linear]) -> 
     return out
 
 
-def groups(labels: Sequence[int], adapters: Sequence[Adapter],
-           device: torch.device) -> list[tuple[Adapter, torch.Tensor]]:  # fmt: skip
-    """A step's tokens by adapter (``labels``: per token, its adapter's index in
-    ``adapters`` plus one; 0: the base model): each adapter used and its tokens' indices.
-    Empty where no token has one."""
+def groups(labels: Sequence[int], adapters: Sequence[T],
+           device: torch.device) -> list[tuple[T, torch.Tensor]]:  # fmt: skip
+    """Tokens (or batch rows) by adapter (``labels``: per one, its adapter's index in
+    ``adapters`` plus one; 0: the base model): each adapter used and its indices. Empty
+    where none has one."""
     have = np.asarray(labels, dtype=np.int64)
     used = np.unique(have[have > 0])
     return [(adapters[int(a) - 1], torch.from_numpy(np.flatnonzero(have == a)).to(device))
@@ -184,11 +223,11 @@ def groups(labels: Sequence[int], adapters: Sequence[Adapter],
 
 
 def apply(out: torch.Tensor, x: torch.Tensor, layer: int, fused: str,
-          lora: Sequence[tuple[Adapter, torch.Tensor]]) -> None:  # fmt: skip
+          lora: Sequence[tuple[Fused, torch.Tensor]]) -> None:  # fmt: skip
     """Add to ``out`` (``1 x tokens x outputs``: the product ``fused`` of layer ``layer``
     over inputs ``x``, ``1 x tokens x inputs``) each adapter's update on its tokens."""
     for adapter, at in lora:
-        update = adapter.layers[layer].get(fused)
+        update = adapter[layer].get(fused)
         if update is None:
             continue
         a, b = update

@@ -29,10 +29,11 @@ device and dtype), steps 2 and 3 are one forward over the decode rows and the pr
 each linear layer runs once over all the step's tokens; a sequence whose prefill ends
 joins after that forward, with its first token, and decodes from the next step.
 
-A sequence may run under one of the engine's LoRA adapters (:mod:`.lora`, lean forward
-only): each step's products add each adapter's update on its own tokens, and its prompt
-shares cached blocks and a prefill only with sequences of the same adapter (as of the
-same ``cache_salt``).
+A sequence may run under one of the engine's LoRA adapters (:mod:`.lora`): each step's
+products add each adapter's update on its own tokens (the lean forward's fused products;
+otherwise hooks on the model's own modules, :mod:`.lora_hooks`, for the forwards with an
+adapter's row), and its prompt shares cached blocks and a prefill only with sequences of
+the same adapter (as of the same ``cache_salt``).
 
 Nothing copies the whole batch when sequences join or leave. On CPU, given the longest
 context, the buffer is reserved once at ``max_running`` rows of it and takes memory only
@@ -55,9 +56,11 @@ and refuses this one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +72,8 @@ from ..device import is_out_of_memory
 from . import decode_attention, reserve
 from .engine import Output, SeqState
 from .lean_decode import Chunk, LeanDecoder, padding_mask
-from .lora import Adapter, groups
+from .lora import Adapter, Fused, fuse, groups
+from .lora_hooks import LoraHooks
 from .prefix_cache import PrefixCache, Salt
 from .sampling import Logprob, Sampling, SeededSampler, logprob_rows
 
@@ -287,8 +291,9 @@ class PaddedEngine:
     ) -> None:
         self.model = model
         self.adapters = adapters
-        """The LoRA adapters its sequences may run under (:mod:`.lora`); they need the
-        lean forward, which is then never dropped."""
+        """The LoRA adapters its sequences may run under (:mod:`.lora`)."""
+        self._hooks = LoraHooks(model, adapters) if adapters else None
+        """The adapters on transformers' forwards (:mod:`.lora_hooks`)."""
         self.prefix = prefix_cache
         """Recent prompts' leading blocks (None: no prefix caching)."""
         self.device = next(model.parameters()).device
@@ -336,11 +341,18 @@ class PaddedEngine:
         where the model's layers are a known shape (None: where possible); otherwise the
         model's own forwards. Its decode rows attend as ``row_attention`` says. If its
         first step fails (not for memory), it is dropped for good: that step fails as any
-        failed step does, and the next ones run transformers' forwards (not with
-        ``adapters``: their sequences have no other forward)."""
-        if adapters and self.lean is None:
-            raise ValueError("LoRA adapters need the lean forward (a Llama-family model; "
-                             "lean_decode true)")  # fmt: skip
+        failed step does, and the next ones run transformers' forwards. Not taken where
+        an adapter targets a module it does not run (:func:`.lora.fuse`)."""
+        self._fused: tuple[Fused, ...] = ()
+        """The adapters laid out for the lean forward."""
+        if adapters and self.lean is not None:
+            fused = [fuse(a, model) for a in adapters]
+            if all(f is not None for f in fused):
+                self._fused = tuple(f for f in fused if f is not None)
+            else:
+                logger.info("a LoRA adapter targets modules the lean forward does not run: "
+                            "this engine uses transformers' forwards")  # fmt: skip
+                self.lean = None
         self._lean_ran = False
         self._prompt_lps: dict[str, list[Logprob]] = {}
         """Per sequence that asked, its prompt tokens' log-probabilities so far."""
@@ -564,7 +576,7 @@ class PaddedEngine:
         try:
             out = self._fused_step()
         except Exception as exc:
-            if not self._lean_ran and not is_out_of_memory(exc) and not self.adapters:
+            if not self._lean_ran and not is_out_of_memory(exc):
                 logger.warning(
                     "the lean step forward failed on its first step (%s: %s); this engine "
                     "uses transformers' forwards from now on", type(exc).__name__, exc,
@@ -623,7 +635,7 @@ class PaddedEngine:
         self._leave(lambda r: r.finished)
         return out
 
-    def _lora(self, chunks: list[tuple[_Seq, Chunk]]) -> list[tuple[Adapter, torch.Tensor]]:
+    def _lora(self, chunks: list[tuple[_Seq, Chunk]]) -> list[tuple[Fused, torch.Tensor]]:
         """The step's tokens by LoRA adapter (:func:`.lora.groups`): the decode rows',
         then each chunk's."""
         labels = [r.lora for r in self._rows]
@@ -631,7 +643,7 @@ class PaddedEngine:
             labels += [seq.lora] * len(chunk.tokens)
         if not any(labels):
             return []
-        return groups(labels, self.adapters, self.device)
+        return groups(labels, self._fused, self.device)
 
     def _prepare_decode(self) -> tuple[torch.Tensor, np.ndarray]:
         """Room for every row's next token and the step's write positions set; each
@@ -675,10 +687,11 @@ class PaddedEngine:
         extra: dict[str, Any] = {}
         if self.row_attention:
             extra[decode_attention.LENGTHS] = lengths
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
-            cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
-        ).logits[:, -1]  # fmt: skip
+        with self._lora_rows([r.lora for r in self._rows]):
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
+                cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
+            ).logits[:, -1]  # fmt: skip
         return self._decoded(logits)
 
     def _plan(self, budget: int, join_cost: int) -> list[tuple[_Seq, list[int]]]:
@@ -761,10 +774,11 @@ class PaddedEngine:
         for seq, chunk in self._plan(budget, 1):
             ids = torch.tensor([chunk], device=self.device)
             positions = torch.arange(seq.done, seq.done + len(chunk), device=self.device)
-            every = self.model(
-                input_ids=ids, position_ids=positions[None], cache=seq.cache, use_cache=True,
-                logits_to_keep=1 if seq.score is None else 0,
-            ).logits  # fmt: skip
+            with self._lora_rows([seq.lora]):
+                every = self.model(
+                    input_ids=ids, position_ids=positions[None], cache=seq.cache,
+                    use_cache=True, logits_to_keep=1 if seq.score is None else 0,
+                ).logits  # fmt: skip
             if seq.score is not None:
                 self._score(seq, every[0])
             logits = every[:, -1]
@@ -780,6 +794,13 @@ class PaddedEngine:
             twins = self._twins(seq, self.max_running - len(self._rows) - len(joined))
             out += self._share(seq, cache, twins, logits[0], joined.append)
         return joined, out
+
+    def _lora_rows(self, labels: list[int]) -> AbstractContextManager[None]:
+        """A transformers forward's batch rows under these adapters (:mod:`.lora_hooks`;
+        none: nothing attached)."""
+        if self._hooks is None:
+            return contextlib.nullcontext()
+        return self._hooks.rows(labels)
 
     def _twins(self, seq: _Seq, room: int) -> list[_Seq]:
         """Up to ``room`` waiting sequences not yet begun with ``seq``'s tokens (a request's

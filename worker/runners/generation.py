@@ -31,8 +31,8 @@ refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``compile_thread
 (default 1: threads that compile a constraint not compiled yet while the request waits,
 admitted, and the others run; 0: compiled when the request is read, on the loop thread;
 :mod:`..generation.grammar`), ``lora_adapters`` (``{name: path}``: PEFT LoRA adapters of
-this model, loaded at startup, that a request names in its ``lora``; padded engine, lean
-forward: Llama-family models; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
+this model, loaded at startup, that a request names in its ``lora``; padded engine, any
+model family; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
 most 512: a higher-rank adapter is refused).
 """
 
@@ -418,7 +418,6 @@ class TextGenerationRunner:
     def _adapters(self, opts: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
         """``options.lora_adapters`` loaded, checked against the model and engine (a
         ``ValueError`` says what is not served): their names and the adapters."""
-        from ..generation.lean_decode import FAMILIES
         from ..generation.lora import MAX_RANK
         from ..generation.lora import load as load_adapter
 
@@ -434,16 +433,9 @@ class TextGenerationRunner:
                              "characters) to adapter directories")  # fmt: skip
         if not named:
             return (), ()
-        family = getattr(self.model.config, "model_type", None)
         if self.engine_kind != "padded":
             raise ValueError("options.lora_adapters: LoRA adapters need the padded engine, and "
                              f"this model runs on {self.engine_kind!r}")  # fmt: skip
-        if family not in FAMILIES:
-            raise ValueError(f"options.lora_adapters: LoRA adapters are served for "
-                             f"{', '.join(sorted(FAMILIES))} models, and this one is "
-                             f"{family!r}")  # fmt: skip
-        if not _flag(opts.get("lean_decode", True), "lean_decode"):
-            raise ValueError("options.lora_adapters: LoRA adapters need lean_decode on")
         loaded = tuple(load_adapter(k, v, self.model, rank) for k, v in named.items())
         return tuple(named), loaded
 
