@@ -8,7 +8,10 @@ worker's remote control publish the model info again; per-adapter gauges."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,12 +286,15 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     assert info().lora_adapters == ["sql"]
     reference = _reference(lm, adapters, _serving(lm))
 
-    # When: chat is loaded through remote control
-    reply = _control(redis_url, dest, "bf_load_lora", model="gen", name="chat",
-                     path=str(adapters["chat"]))  # fmt: skip
+    # When: chat is loaded through plain `celery control`
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "batchfleet.worker.app", "control",
+         "bf_load_lora", "gen", "chat", str(adapters["chat"]), "--timeout", "30", "-d", dest],
+        env=dict(os.environ, REDIS_URL=redis_url), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     # Then: the worker answers for itself, the model info lists it, requests take it
-    assert reply == {"ok": "load_lora", "models": ["gen"],
-                     "lora_adapters": {"gen": ["sql", "chat"]}}  # fmt: skip
+    assert out.returncode == 0 and f"{dest}: OK" in out.stdout, out
+    assert "load_lora chat: gen serves sql, chat" in out.stdout, out.stdout
     assert info().lora_adapters == ["sql", "chat"]
     assert gather(redis_url, ["gen"], workers=False).to_json()["models"][0]["lora_adapters"] == [
         "sql",
@@ -315,7 +321,8 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
 
     # When: sql is unloaded
     reply = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
-    assert reply["lora_adapters"] == {"gen": ["chat"]}
+    assert reply == {"ok": "unload_lora sql: gen serves chat", "models": ["gen"],
+                     "lora_adapters": {"gen": ["chat"]}}  # fmt: skip
     assert info().lora_adapters == ["chat"]
     with Producer(redis_url) as producer:
         res = producer.submit("gen", inputs=[PROMPTS[1]], lora="sql").result(timeout=60)

@@ -337,7 +337,7 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
     loops = _loops(state, model)
     if not loops:
         return {"ok": f"no loop for {model!r} here", "models": []}
-    reply: dict[str, Any] = {"ok": what, "models": [], "lora_adapters": {}}
+    reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {}}
     for lp in loops:
         act = getattr(lp.runner, what, None)
         if act is None:
@@ -348,7 +348,10 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
             return {"error": f"{lp.model}: {exc}"}
         logger.info("control: %s %s %s", what, lp.model, " ".join(args))
         reply["models"].append(lp.model)
-        reply["lora_adapters"][lp.model] = list(getattr(lp.runner, "lora_adapters", ()))
+        names = list(getattr(lp.runner, "lora_adapters", ()))
+        reply["lora_adapters"][lp.model] = names
+        # what `celery control` prints of a reply
+        reply["ok"] = f"{what} {args[0]}: {lp.model} serves {', '.join(names) or 'no adapter'}"
         try:
             publish_info(lp)
         except redis.RedisError as exc:  # served all the same; the next change publishes it
