@@ -506,11 +506,12 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
 
 
 def start_gen_worker(redis_url: str, r: redis.Redis, lm: Path, sql: Path,
-                     start_worker: Callable[..., WorkerProcess]) -> None:  # fmt: skip
-    """A worker ``gen-1`` serving ``lm`` as ``gen`` with its adapter ``sql``, ready."""
+                     start_worker: Callable[..., WorkerProcess], extra: str = "") -> None:  # fmt: skip
+    """A worker ``gen-1`` serving ``lm`` as ``gen`` with its adapter ``sql`` (``extra``:
+    more of its fleet file), ready."""
     spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
     fleet = fleet_toml(redis_url, {"gen": spec})
-    fleet += f'[models.gen.options.lora_adapters]\nsql = "{sql}"\n'
+    fleet += f'[models.gen.options.lora_adapters]\nsql = "{sql}"\n{extra}'
     start_worker(fleet, "gen-1").wait_ready(r, "gen")
 
 

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +42,8 @@ from batchfleet.schemas.messages import Limits  # noqa: E402
 from batchfleet.schemas.model_info import decode_model_info  # noqa: E402
 from batchfleet.worker.runner import PrepareError, model_info  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+
+from batchfleet.redis_server import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +283,9 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
 ) -> None:  # fmt: skip
     from batchfleet.status import gather
 
-    start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker)
+    port = free_port()
+    start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker,
+                     f'[metrics]\nport = {port}\naddress = "127.0.0.1"\n')  # fmt: skip
     dest = f"gen-1@{socket.gethostname()}"
     info = lambda: decode_model_info(r.get(ModelKeys("gen").info) or b"")  # noqa: E731
     assert info().lora_adapters == ["sql"]
@@ -318,6 +323,10 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     finally:
         app.close()
     assert state[dest]["gen"]["runner"]["lora_adapters"] == ["sql", "chat"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'batchfleet_lora_adapters_loaded{model="gen"} 2.0' in metrics
+    assert 'batchfleet_lora_requests_running{adapter="chat",model="gen"} 0.0' in metrics
 
     # When: sql is unloaded
     reply = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
@@ -329,3 +338,18 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
         assert res.error is not None and res.error.code == ErrorCode.INVALID_REQUEST
     unknown = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
     assert "'sql' is not loaded" in unknown["error"]
+
+
+def test_the_info_published_again_is_also_what_the_intake_publishes_on_a_reconnect(
+    lm: Path, adapters: dict[str, Path]
+) -> None:
+    from batchfleet.worker.control import publish_info
+
+    runner = _serving(lm)
+    runner.load_lora("sql", adapters["sql"])
+    published: list[Any] = []
+    loop = SimpleNamespace(runner=runner, config=SimpleNamespace(limits=Limits()),
+                           parts=SimpleNamespace(source=SimpleNamespace(info=None)),
+                           streams=SimpleNamespace(publish_info=published.append))  # fmt: skip
+    publish_info(loop)  # type: ignore[arg-type]
+    assert published[0].lora_adapters == ["sql"] and loop.parts.source.info is published[0]
