@@ -279,7 +279,7 @@ def _control(redis_url: str, dest: str, command: str, **arguments: str) -> dict[
 
 def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     redis_url: str, r: redis.Redis, lm: Path, adapters: dict[str, Path], tmp_path: Path,
-    start_worker: Callable[..., WorkerProcess],
+    start_worker: Callable[..., WorkerProcess], capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     from batchfleet.status import gather
 
@@ -328,8 +328,13 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     assert 'batchfleet_lora_adapters_loaded{model="gen"} 2.0' in metrics
     assert 'batchfleet_lora_requests_running{adapter="chat",model="gen"} 0.0' in metrics
 
-    # When: sql is unloaded
-    reply = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
+    # When: sql is unloaded (`batchfleet unload-lora`)
+    from batchfleet import cli
+
+    capsys.readouterr()
+    assert cli.main(["unload-lora", "gen", "sql", "--redis-url", redis_url, "-d", dest,
+                     "--timeout", "10"]) == 0  # fmt: skip
+    reply = json.loads(capsys.readouterr().out.split(": ", 1)[1])
     assert reply == {"ok": "unload_lora sql: gen serves chat", "models": ["gen"],
                      "lora_adapters": {"gen": ["chat"]}}  # fmt: skip
     assert info().lora_adapters == ["chat"]
@@ -338,6 +343,8 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
         assert res.error is not None and res.error.code == ErrorCode.INVALID_REQUEST
     unknown = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
     assert "'sql' is not loaded" in unknown["error"]
+    assert cli.main(["load-lora", "gen", "x", str(tmp_path), "--redis-url", redis_url,
+                     "-d", dest]) == 1  # refused: exit 1  # fmt: skip
 
 
 def test_the_info_published_again_is_also_what_the_intake_publishes_on_a_reconnect(

@@ -909,13 +909,9 @@ class TextGenerationRunner:
         self._loras.settled(bool(self._draining_loras))
 
     def _lora_live(self, prep: Prepared) -> bool:
-        """Whether a new request's adapter may start (not unloaded since it was read)."""
-        label = prep.payload.lora
-        if label not in self._loras.labels.values():
-            return False
-        if self._loras.pending:  # loaded since this step began
-            self._lora_changes()
-        return True
+        """Whether a new request's adapter may start (not unloaded since it was read). One
+        read with it was loaded before: before its step began, which put it in the engine."""
+        return prep.payload.lora in self._loras.labels.values()
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
