@@ -298,9 +298,13 @@ def _control(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             return 2
         arguments["settings"] = args.settings
+    if args.command in ("load-lora", "unload-lora"):
+        arguments["name"] = args.name
+    if args.command == "load-lora":
+        arguments["path"] = args.path
     replies = send(
         _broker(args),
-        f"bf_{args.command}",
+        f"bf_{args.command.replace('-', '_')}",
         arguments,
         destination=args.destination,
         timeout=args.timeout,
@@ -503,15 +507,23 @@ def build_parser() -> argparse.ArgumentParser:
         ("resume", "resume reading after pause"),
         ("drain", "answer what is held, then stop; the worker exits when all its models are"),
         ("policy", "change batch policy knobs live: policy MODEL key=value ..."),
+        ("load-lora", "load a LoRA adapter while serving: load-lora MODEL NAME PATH"),
+        ("unload-lora", "unload a LoRA adapter: unload-lora MODEL NAME"),
     ):
         c = sub.add_parser(name, help=text)
         where(c)
-        c.add_argument("model", nargs=None if name == "policy" else "?", help="model (default all)")
+        named = name in ("policy", "load-lora", "unload-lora")
+        c.add_argument("model", nargs=None if named else "?", help="model (default all)")
         if name == "policy":
             c.add_argument("settings", nargs="+", help="e.g. max_batch_size=8 max_wait_ms=2")
+        if name in ("load-lora", "unload-lora"):
+            c.add_argument("name", help="the adapter's name (a request's `lora`)")
+        if name == "load-lora":
+            c.add_argument("path", help="its directory on the workers' hosts (PEFT's files)")
         c.add_argument("--destination", "-d", action="append",
                        help="only this worker: hostname (NAME@HOST) or name, as `status` shows")  # fmt: skip
-        c.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for replies")
+        c.add_argument("--timeout", type=float, default=30.0 if name == "load-lora" else 2.0,
+                       help="seconds to wait for replies")  # fmt: skip
         c.set_defaults(func=_control)
     return parser
 

@@ -99,6 +99,7 @@ class FleetStatus:
                     "dead_letters": ms.dead_letters,
                     "task": ms.info.task if ms.info else None,
                     "max_model_len": ms.info.max_model_len if ms.info else None,
+                    "lora_adapters": ms.info.lora_adapters if ms.info else [],
                     "lanes": [
                         {k: v for k, v in asdict(row).items() if k != "model"} for row in ms.lanes
                     ],

@@ -71,8 +71,11 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def adapters(lm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return sql_and_chat(lm, tmp_path_factory.mktemp("adapters"))
+
+
+def sql_and_chat(lm: Path, root: Path) -> dict[str, Path]:
     """``sql``: every projection, r 8; ``chat``: q, v and down only, r 4, rsLoRA scaling."""
-    root = tmp_path_factory.mktemp("adapters")
     return {
         "sql": make_adapter(root / "sql", lm, seed=1),
         "chat": make_adapter(root / "chat", lm, r=4, alpha=8, seed=2, use_rslora=True,
@@ -502,15 +505,22 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
         load("hand", path, runner.model, 64)
 
 
+def start_gen_worker(redis_url: str, r: redis.Redis, lm: Path, sql: Path,
+                     start_worker: Callable[..., WorkerProcess], extra: str = "") -> None:  # fmt: skip
+    """A worker ``gen-1`` serving ``lm`` as ``gen`` with its adapter ``sql`` (``extra``:
+    more of its fleet file), ready."""
+    spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
+    fleet = fleet_toml(redis_url, {"gen": spec})
+    fleet += f'[models.gen.options.lora_adapters]\nsql = "{sql}"\n{extra}'
+    start_worker(fleet, "gen-1").wait_ready(r, "gen")
+
+
 def test_a_worker_serves_an_adapter_to_the_producers(
     redis_url: str, r: redis.Redis, lm: Path, adapters: dict[str, Path],
     reference: Callable[[str | None, str, int], list[int]],
     start_worker: Callable[..., WorkerProcess],
 ) -> None:  # fmt: skip
-    spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
-    fleet = fleet_toml(redis_url, {"gen": spec})
-    fleet += f'[models.gen.options.lora_adapters]\nsql = "{adapters["sql"]}"\n'
-    start_worker(fleet, "gen-1").wait_ready(r, "gen")
+    start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker)
     info = decode_model_info(r.get(ModelKeys("gen").info) or b"")
     assert info.lora_adapters == ["sql"]
     with Producer(redis_url) as producer:

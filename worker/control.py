@@ -1,4 +1,5 @@
-"""Remote control through Celery's own mechanism: pause, resume, drain, live batch policy.
+"""Remote control through Celery's own mechanism: pause, resume, drain, live batch policy,
+LoRA adapters loaded and unloaded while the model serves.
 
 ``celery -A batchfleet.worker.app control bf_pause tiny`` (or ``batchfleet pause tiny``)
 reaches every worker that serves ``tiny``; leave the model out to act on all of a worker's
@@ -26,6 +27,7 @@ from ..batching.generation import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
 from .observers import Answered, Generated, LoopEvent, LoopObserver
+from .runner import model_info
 
 if TYPE_CHECKING:
     from .loop import BatchLoop
@@ -309,6 +311,63 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
         lp.set_policy(policy)
         logger.info("control: policy of %s changed: %s", lp.model, changes)
     return {"ok": "policy", "models": [lp.model for lp in loops], "changes": changes}
+
+
+@control_command(args=[("model", str), ("name", str), ("path", str)],
+                 signature="model name path")  # fmt: skip
+def bf_load_lora(state: Any, model: str, name: str, path: str) -> dict[str, Any]:
+    """Load a PEFT LoRA adapter (a directory this worker reads) for a generating model,
+    under ``name``: read and checked here as at startup (refused: the reply says why, and
+    nothing changes), served from the next step on; the model's info is published again.
+    vLLM's ``/v1/load_lora_adapter``. Each worker answers for itself; one started later
+    loads only its fleet file's ``lora_adapters``."""
+    return _lora(state, model, "load_lora", name, path)
+
+
+@control_command(args=[("model", str), ("name", str)], signature="model name")
+def bf_unload_lora(state: Any, model: str, name: str) -> dict[str, Any]:
+    """Unload a LoRA adapter: a new request naming it is an ``invalid_request``; those that
+    started under it end under it (vLLM's ``/v1/unload_lora_adapter``)."""
+    return _lora(state, model, "unload_lora", name)
+
+
+def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
+    if not model:
+        return {"error": "name the model"}
+    loops = _loops(state, model)
+    if not loops:
+        return {"ok": f"no loop for {model!r} here", "models": []}
+    reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {}}
+    for lp in loops:
+        act = getattr(lp.runner, what, None)
+        if act is None:
+            return {"error": f"{lp.model}: its runner serves no LoRA adapters"}
+        try:
+            act(*args)
+        except ValueError as exc:
+            return {"error": f"{lp.model}: {exc}"}
+        logger.info("control: %s %s %s", what, lp.model, " ".join(args))
+        reply["models"].append(lp.model)
+        names = list(getattr(lp.runner, "lora_adapters", ()))
+        reply["lora_adapters"][lp.model] = names
+        # what `celery control` prints of a reply
+        reply["ok"] = f"{what} {args[0]}: {lp.model} serves {', '.join(names) or 'no adapter'}"
+        try:
+            publish_info(lp)
+        except redis.RedisError as exc:  # served all the same; the next change publishes it
+            reply["info_error"] = f"{lp.model}: the model info was not published: {exc}"
+    return reply
+
+
+def publish_info(loop: BatchLoop) -> None:
+    """Publish a loop's model info again (its runner changed what it serves), for the
+    gateways' ``/v1/models``; also what its intake publishes when it reconnects."""
+    if loop.streams is None:
+        return
+    info = model_info(loop.runner, loop.config.limits, int(time.time()))
+    if hasattr(loop.parts.source, "info"):
+        loop.parts.source.info = info
+    loop.streams.publish_info(info)
 
 
 @inspect_command()

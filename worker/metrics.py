@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 from collections import Counter as Tally
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -402,6 +402,47 @@ def _device_memory() -> Iterator[GaugeMetricFamily]:
     yield reserved
 
 
+class LoraCollector(Collector):  # type: ignore[misc]
+    """Per LoRA adapter of each generating model of this worker, its requests running and
+    waiting here (vLLM's ``vllm:lora_requests_info``, one series per adapter: as many as
+    ``max_loras`` at most), and the adapters loaded; read off the runners at each scrape."""
+
+    def __init__(self, loops: Callable[[], Sequence[Any]]) -> None:
+        self._loops = loops
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily(
+            "batchfleet_lora_requests_running",
+            "Generation: requests running under each LoRA adapter.", labels=["model", "adapter"],
+        )  # fmt: skip
+        waiting = GaugeMetricFamily(
+            "batchfleet_lora_requests_waiting",
+            "Generation: requests admitted under each LoRA adapter and not running (preempted, "
+            "or waiting for a constraint).", labels=["model", "adapter"],
+        )  # fmt: skip
+        loaded = GaugeMetricFamily(
+            "batchfleet_lora_adapters_loaded",
+            "Generation: LoRA adapters a request may name.", labels=["model"],
+        )  # fmt: skip
+        for lp in self._loops():
+            counts = getattr(lp.runner, "lora_requests", None)
+            if counts is None:
+                continue
+            by_adapter = counts()
+            loaded.add_metric([lp.model], len(by_adapter))
+            for name, (run, wait) in sorted(by_adapter.items()):
+                running.add_metric([lp.model, name], run)
+                waiting.add_metric([lp.model, name], wait)
+        yield running
+        yield waiting
+        yield loaded
+
+
+def worker_loops(worker: Any) -> list[Any]:
+    """The batch loops of a Celery worker (its blueprint steps')."""
+    return [lp for step in getattr(worker, "steps", ()) for lp in getattr(step, "loops", ())]
+
+
 class MetricsServer:
     """One ``/metrics`` HTTP server per worker process, shared by its models' observers."""
 
@@ -446,5 +487,6 @@ def prometheus_metrics(worker: Any, fleet: FleetConfig, model: str) -> LoopObser
     if server is None:
         only = worker.app.batchfleet_models or list(fleet.models)
         server = MetricsServer(fleet, {m: fleet.models[m].lanes for m in only})
+        server.registry.register(LoraCollector(lambda: worker_loops(worker)))
         worker._batchfleet_metrics = server
     return PrometheusObserver(server.metrics)

@@ -26,11 +26,12 @@ from .lora import Adapter, groups
 class LoraHooks:
     """The engine's adapters on ``model``'s modules, for the forwards it says."""
 
-    def __init__(self, model: Any, adapters: Sequence[Adapter]) -> None:
+    def __init__(self, model: Any, adapters: Sequence[Adapter | None]) -> None:
         self.adapters = tuple(adapters)
+        """By label less one (None: a label taken away)."""
         self.device = next(model.parameters()).device
         self._modules = {where: model.get_submodule(where)
-                         for a in self.adapters for where in a.modules}  # fmt: skip
+                         for a in self.adapters if a is not None for where in a.modules}  # fmt: skip
         """Every targeted module, by its path."""
         self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
         """The current forward's rows by adapter (None: all its rows)."""
@@ -45,9 +46,11 @@ class LoraHooks:
             yield
             return
         if len(used) == 1 and 0 not in labels:
-            self._groups = [(self.adapters[used.pop() - 1], None)]
+            only = self.adapters[used.pop() - 1]
+            self._groups = [] if only is None else [(only, None)]
         else:
-            self._groups = list(groups(labels, self.adapters, self.device))
+            self._groups = [(a, at) for a, at in groups(labels, self.adapters, self.device)
+                            if a is not None]  # fmt: skip
         self._rows = len(labels)
         wanted = {where for a, _ in self._groups for where in a.modules}
         handles = [self._modules[where].register_forward_hook(self._hook(where))

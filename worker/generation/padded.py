@@ -290,8 +290,9 @@ class PaddedEngine:
         adapters: tuple[Adapter, ...] = (),
     ) -> None:
         self.model = model
-        self.adapters = adapters
-        """The LoRA adapters its sequences may run under (:mod:`.lora`)."""
+        self.adapters: tuple[Adapter | None, ...] = adapters
+        """The LoRA adapters its sequences may run under (:mod:`.lora`), by label less one
+        (None: a label whose adapter was taken away, :meth:`set_adapter`)."""
         self._hooks = LoraHooks(model, adapters) if adapters else None
         """The adapters on transformers' forwards (:mod:`.lora_hooks`)."""
         self.prefix = prefix_cache
@@ -343,12 +344,12 @@ class PaddedEngine:
         first step fails (not for memory), it is dropped for good: that step fails as any
         failed step does, and the next ones run transformers' forwards. Not taken where
         an adapter targets a module it does not run (:func:`.lora.fuse`)."""
-        self._fused: tuple[Fused, ...] = ()
-        """The adapters laid out for the lean forward."""
+        self._fused: tuple[Fused | None, ...] = ()
+        """The adapters laid out for the lean forward, as ``adapters``."""
         if adapters and self.lean is not None:
             fused = [fuse(a, model) for a in adapters]
             if all(f is not None for f in fused):
-                self._fused = tuple(f for f in fused if f is not None)
+                self._fused = tuple(fused)
             else:
                 logger.info("a LoRA adapter targets modules the lean forward does not run: "
                             "this engine uses transformers' forwards")  # fmt: skip
@@ -378,8 +379,8 @@ class PaddedEngine:
         ``max_new_tokens`` 0 (its prompt only scored) it still takes one token, which the
         runner drops. ``salt``: its request's ``cache_salt`` (see :class:`_Seq`); ``lora``:
         its adapter, an index into ``adapters`` plus one (0: the base model)."""
-        if not 0 <= lora <= len(self.adapters):
-            raise ValueError(f"LoRA adapter {lora}: the engine has {len(self.adapters)}")
+        if lora and not (lora <= len(self.adapters) and self.adapters[lora - 1] is not None):
+            raise ValueError(f"LoRA adapter {lora}: the engine does not have it")
         shared: Salt = salt if not lora else (salt, lora)
         self.sampler.add(sequence, sampling, tokens)
         self._cancelled.discard(sequence)
@@ -437,6 +438,34 @@ class PaddedEngine:
         if seq.cache is None and not seq.generated:  # not begun: the cache's part counts
             return SeqState(context=seq.cached, prefill_left=len(seq.tokens) - seq.cached)
         return SeqState(context=seq.context, prefill_left=len(seq.tokens) - seq.done)
+
+    def fuse_adapter(self, adapter: Adapter) -> Fused | None:
+        """``adapter`` laid out for this engine's lean forward (None: it has none); a
+        ``ValueError`` where it targets a module that forward does not run (at startup the
+        engine takes transformers' forwards then; while it serves, it does not change).
+        Any thread: it reads the model's layers, changes nothing."""
+        if self.lean is None:
+            return None
+        fused = fuse(adapter, self.model)
+        if fused is None:
+            raise ValueError(f"adapter {adapter.name!r} targets modules the lean forward does "
+                             "not run: load it at startup (options.lora_adapters), or serve "
+                             "the model with lean_decode false")  # fmt: skip
+        return fused
+
+    def set_adapter(self, label: int, adapter: Adapter | None, fused: Fused | None = None) -> None:
+        """Between steps (the engine's owner): put ``adapter`` at ``label`` (an index into
+        ``adapters`` plus one, past the end: added), with its :meth:`fuse_adapter` layout;
+        None: take that label's away (no sequence of it may be left, but cancelled ones)."""
+        slots = list(self.adapters) + [None] * max(0, label - len(self.adapters))
+        slots[label - 1] = adapter
+        fused_slots = list(self._fused) + [None] * max(0, len(slots) - len(self._fused))
+        fused_slots[label - 1] = fused if adapter is not None else None
+        while slots and slots[-1] is None:
+            slots.pop()
+        self.adapters = tuple(slots)
+        self._fused = tuple(fused_slots[: len(slots)]) if self.lean is not None else ()
+        self._hooks = LoraHooks(self.model, self.adapters) if self.adapters else None
 
     def set_step_tokens(self, tokens: int) -> None:
         """Change the per-step token budget (prefill chunks + decodes)."""
@@ -643,7 +672,7 @@ class PaddedEngine:
             labels += [seq.lora] * len(chunk.tokens)
         if not any(labels):
             return []
-        return groups(labels, self._fused, self.device)
+        return [(f, at) for f, at in groups(labels, self._fused, self.device) if f is not None]
 
     def _prepare_decode(self) -> tuple[torch.Tensor, np.ndarray]:
         """Room for every row's next token and the step's write positions set; each

@@ -33,7 +33,8 @@ admitted, and the others run; 0: compiled when the request is read, on the loop 
 :mod:`..generation.grammar`), ``lora_adapters`` (``{name: path}``: PEFT LoRA adapters of
 this model, loaded at startup, that a request names in its ``lora``; padded engine, any
 model family; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
-most 512: a higher-rank adapter is refused).
+most 512: a higher-rank adapter is refused), ``max_loras`` (default 8: adapters loaded at
+once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_lora`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from ..generation import harmony, strict_calls, struct_tag
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine
 from ..generation.grammar import Constraint, GrammarError, Grammars
+from ..generation.lora_table import MAX_LORAS, AdapterTable
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.split import OutputSplit
@@ -128,7 +130,9 @@ class GenSpec:
     """Its constraint, still being compiled (``sampling`` then has none yet; see
     :mod:`..generation.grammar`)."""
     lora: int = 0
-    """Its LoRA adapter: an index into the runner's ``lora_adapters``, plus one (0: none)."""
+    """Its LoRA adapter's label in the runner's table (0: none;
+    :mod:`..generation.lora_table`)."""
+    lora_name: str | None = None
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -357,8 +361,16 @@ class TextGenerationRunner:
         ):
             raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
                              "and only with engine 'padded')")  # fmt: skip
-        self.lora_adapters, adapters = self._adapters(opts)
-        """The names of the LoRA adapters requests may ask for (``options.lora_adapters``)."""
+        names, adapters = self._adapters(opts)
+        self.max_lora_rank = int(opts.get("max_lora_rank", 64))
+        max_loras = opts.get("max_loras", MAX_LORAS)
+        if not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 1:
+            raise ValueError(f"options.max_loras: {max_loras!r} is not a positive integer")
+        self._loras = AdapterTable(names, max_loras)
+        """The LoRA adapters requests may ask for (``options.lora_adapters``, then those
+        loaded and unloaded while it serves)."""
+        self._draining_loras: set[int] = set()
+        """Labels of adapters unloaded whose requests have not all ended (device thread)."""
         self.engine: Engine
         if self.engine_kind == "padded":
             from ..generation.padded import PaddedEngine
@@ -483,11 +495,12 @@ class TextGenerationRunner:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
         lora = 0
         if req.lora is not None:
-            if req.lora not in self.lora_adapters:
-                known = ", ".join(self.lora_adapters) or "none"
+            labels = self._loras.labels
+            if req.lora not in labels:
+                known = ", ".join(labels) or "none"
                 return PrepareError(f"lora {req.lora!r} is not one of this model's adapters "
                                     f"({known})")  # fmt: skip
-            lora = self.lora_adapters.index(req.lora) + 1
+            lora = labels[req.lora]
         if req.prompt_logprobs is not None and self.engine_kind != "padded":
             return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
         use = req.tool_use
@@ -594,6 +607,7 @@ class TextGenerationRunner:
             else None,
             compiling=compiling,
             lora=lora,
+            lora_name=req.lora,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         # the KV cache holds per sequence its prompt, or nothing where it is answered when
@@ -730,6 +744,8 @@ class TextGenerationRunner:
         if work.step_tokens is not None and work.step_tokens != self.step_tokens:
             self.step_tokens = work.step_tokens  # an operator's live change (bf_policy)
             self.engine.set_step_tokens(work.step_tokens)
+        if self._loras.pending:  # an operator's adapter loaded or unloaded (bf_load_lora)
+            self._lora_changes()
         for key, reason in work.stop:
             r = self._reqs.get(key)
             if r is not None:
@@ -741,6 +757,10 @@ class TextGenerationRunner:
                 events.append(self._park(r))
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
+            if prep.payload.lora and key not in self._reqs and not self._lora_live(prep):
+                events.append(Failed(key, f"lora adapter {prep.payload.lora_name!r} was "
+                                     "unloaded", ErrorCode.INVALID_REQUEST))  # fmt: skip
+                continue
             if (answered := self._admit(key, prep, lane)) is not None:
                 events += self._finish(answered)
         if self._compiling:
@@ -810,6 +830,88 @@ class TextGenerationRunner:
         report.deferred = lambda: self._fill_progress(report)
         self._unsettled = report
         return report
+
+    # --- LoRA adapters while it serves --------------------------------------------------
+
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters a new request may ask for now."""
+        return self._loras.names
+
+    @property
+    def max_loras(self) -> int:
+        return self._loras.max_loras
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Any thread but the device's (a control command's): read and check the adapter at
+        ``path`` as at startup (a ``ValueError`` says what is refused; nothing changes
+        then) and hand it to the device thread, which serves it from its next step on."""
+        from ..generation.lora import load as load_adapter
+
+        if self.engine_kind != "padded":
+            raise ValueError(f"LoRA adapters need the padded engine, and this model runs on "
+                             f"{self.engine_kind!r}")  # fmt: skip
+        from ..generation.padded import PaddedEngine
+
+        assert isinstance(self.engine, PaddedEngine)
+        self._loras.reserve(name)
+        try:
+            adapter = load_adapter(name, path, self.model, self.max_lora_rank)
+            fused = self.engine.fuse_adapter(adapter)
+        except ValueError as exc:
+            self._loras.release(name)
+            raise ValueError(str(exc).removeprefix("options.lora_adapters: ")) from None
+        except BaseException:
+            self._loras.release(name)
+            raise
+        self._loras.add(name, adapter, fused)
+
+    def unload_lora(self, name: str) -> None:
+        """Any thread: no new request may name ``name`` (``invalid_request``); those
+        already started under it end under it (vLLM's: a running request keeps its
+        adapter), then its memory goes. A ``ValueError`` where it is not loaded."""
+        self._loras.remove(name)
+
+    def lora_requests(self) -> dict[str, tuple[int, int]]:
+        """Any thread: per adapter a new request may name, its requests running and waiting
+        here (preempted, or waiting for a constraint); read at a metrics scrape."""
+        names = {label: name for name, label in self._loras.labels.items()}
+        out = dict.fromkeys(names.values(), (0, 0))
+        for r in tuple(self._reqs.values()):
+            name = names.get(r.spec.lora)
+            if name is not None:
+                running, waiting = out[name]
+                if r.parked or r.compiling is not None:
+                    out[name] = (running, waiting + 1)
+                else:
+                    out[name] = (running + 1, waiting)
+        return out
+
+    def _lora_changes(self) -> None:
+        """Between steps: the adapters loaded since put in the engine, and those unloaded
+        taken out of it once none of their requests is left."""
+        from ..generation.padded import PaddedEngine
+
+        engine = self.engine
+        assert isinstance(engine, PaddedEngine)
+        for change in self._loras.take():
+            if change.adapter is not None:
+                engine.set_adapter(change.label, change.adapter, change.fused)
+                logger.info("LoRA adapter %r loaded (label %d)", change.adapter.name, change.label)
+            else:
+                self._draining_loras.add(change.label)
+        if self._draining_loras:
+            used = {r.spec.lora for r in self._reqs.values()}
+            for label in sorted(self._draining_loras - used):
+                engine.set_adapter(label, None)
+                self._draining_loras.discard(label)
+                logger.info("LoRA adapter of label %d unloaded", label)
+        self._loras.settled(bool(self._draining_loras))
+
+    def _lora_live(self, prep: Prepared) -> bool:
+        """Whether a new request's adapter may start (not unloaded since it was read). One
+        read with it was loaded before: before its step began, which put it in the engine."""
+        return prep.payload.lora in self._loras.labels.values()
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
@@ -1135,6 +1237,7 @@ class TextGenerationRunner:
             "structured_outputs": not isinstance(self._grammars, str),
             "tool_call_parser": self.tool_call_parser,
             "reasoning_parser": self.reasoning_parser,
+            "lora_adapters": list(self.lora_adapters), "max_loras": self.max_loras,
             **self._resident(),
         }  # fmt: skip
 
