@@ -96,6 +96,12 @@ class ModelKeys:
         return f"{self.tag}:info"
 
     @property
+    def lora(self) -> str:
+        """Hash of the LoRA adapters loaded while the model serves (``bf_load_lora``): name
+        → adapter directory, written by workers; a worker that starts loads them too."""
+        return f"{self.tag}:lora"
+
+    @property
     def workers(self) -> str:
         """Hash of live consumers: name → unix ms of its last heartbeat."""
         return f"{self.tag}:workers"

@@ -397,6 +397,10 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     # what the intake, the sink and the webhooks workers do besides
     streams.heartbeat(1)
     assert "w1" in streams.live_consumers(2, 10) and streams.holders() == {}
+    streams.lora_loaded("sql", "/models/sql")  # LoRA adapters loaded while serving
+    assert streams.loras() == {"sql": "/models/sql"}
+    streams.lora_unloaded("sql")
+    assert streams.loras() == {}
     streams.append_tokens([TokenWrite("gen-1", 1, 60, "x", tokens=1, reply="bf:reply:x")])
     assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits

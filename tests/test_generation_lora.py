@@ -506,13 +506,14 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
 
 
 def start_gen_worker(redis_url: str, r: redis.Redis, lm: Path, sql: Path,
-                     start_worker: Callable[..., WorkerProcess], extra: str = "") -> None:  # fmt: skip
-    """A worker ``gen-1`` serving ``lm`` as ``gen`` with its adapter ``sql`` (``extra``:
+                     start_worker: Callable[..., WorkerProcess], extra: str = "",
+                     name: str = "gen-1") -> None:  # fmt: skip
+    """A worker ``name`` serving ``lm`` as ``gen`` with its adapter ``sql`` (``extra``:
     more of its fleet file), ready."""
     spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
     fleet = fleet_toml(redis_url, {"gen": spec})
     fleet += f'[models.gen.options.lora_adapters]\nsql = "{sql}"\n{extra}'
-    start_worker(fleet, "gen-1").wait_ready(r, "gen")
+    start_worker(fleet, name).wait_ready(r, "gen")
 
 
 def test_a_worker_serves_an_adapter_to_the_producers(

@@ -3,7 +3,8 @@
 device thread, put in the engine between two steps; a request already started under an
 unloaded adapter ends under it, a new one naming it is an ``invalid_request``;
 ``max_loras`` bounds them; ``bf_load_lora`` / ``bf_unload_lora`` through a real Celery
-worker's remote control publish the model info again; per-adapter gauges."""
+worker's remote control publish the model info again and record the adapter in
+``bf:{model}:lora``, which a worker started later loads; per-adapter gauges."""
 
 from __future__ import annotations
 
@@ -360,3 +361,89 @@ def test_the_info_published_again_is_also_what_the_intake_publishes_on_a_reconne
                            streams=SimpleNamespace(publish_info=published.append))  # fmt: skip
     publish_info(loop)  # type: ignore[arg-type]
     assert published[0].lora_adapters == ["sql"] and loop.parts.source.info is published[0]
+
+
+# --- adapters loaded while serving are fleet-wide state (bf:{model}:lora) ------------------
+
+
+def _started(r: redis.Redis, lm: Path, startup: dict[str, Path] | None = None,
+             **opts: Any) -> tuple[TextGenerationRunner, Any]:  # fmt: skip
+    """A runner as a worker starting now makes it: its parts restore ``bf:{gen}:lora``;
+    the runner and the info its intake publishes."""
+    from batchfleet.worker.observers import Observers
+    from batchfleet.worker.parts import redis_parts
+    from batchfleet.worker.streams import ModelStreams
+
+    from batchfleet.config import ModelConfig, WorkerConfig
+
+    runner = _serving(lm, startup, **opts)
+    config = ModelConfig.model_validate({"runner": "text-generation", "path": str(lm)})
+    parts = redis_parts(ModelStreams(r, "gen", config.lanes, "later"), runner, config,
+                        WorkerConfig(), Observers([]), "gen")  # fmt: skip
+    return runner, parts.source.info  # type: ignore[attr-defined]
+
+
+def test_a_worker_started_later_loads_the_adapters_loaded_while_serving(
+    r: redis.Redis, lm: Path, adapters: dict[str, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    keys = ModelKeys("gen")
+    r.hset(keys.lora, mapping={"chat": str(adapters["chat"]), "sql": str(adapters["chat"]),
+                               "gone": str(tmp_path / "nowhere")})  # fmt: skip
+    reference = _reference(lm, adapters, _serving(lm))
+    # Given: the fleet file's sql (whose name the hash also has, with chat's weights)
+    with caplog.at_level("WARNING"):
+        runner, info = _started(r, lm, {"sql": adapters["sql"]})
+    # Then: chat loaded besides, sql is the fleet file's, the missing one skipped
+    assert runner.lora_adapters == ("sql", "chat")
+    assert info.lora_adapters == ["sql", "chat"]
+    assert "'gone'" in caplog.text and "skipped" in caplog.text
+    d = Driver(runner)
+    a, b, c = prepare(runner, _gen("a", 0, 6, "chat"), _gen("b", 1, 6, "sql"), _gen("c", 2, 6))
+    d.step([("a", a), ("b", b), ("c", c)])
+    d.run()
+    assert _tokens(d, "a") == reference("chat", PROMPTS[0], 6)
+    assert _tokens(d, "b") == reference("sql", PROMPTS[1], 6)
+    assert _tokens(d, "c") == reference(None, PROMPTS[2], 6)
+
+
+def test_max_loras_bounds_the_adapters_a_worker_started_later_loads(
+    r: redis.Redis, lm: Path, adapters: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    r.hset(ModelKeys("gen").lora, mapping={"chat": str(adapters["chat"]),
+                                            "more": str(adapters["sql"])})  # fmt: skip
+    with caplog.at_level("WARNING"):
+        runner, info = _started(r, lm, {"sql": adapters["sql"]}, max_loras=2)
+    assert runner.lora_adapters == ("sql", "chat") and info.lora_adapters == ["sql", "chat"]
+    assert "'more'" in caplog.text and "max_loras 2" in caplog.text
+
+
+def test_a_worker_started_later_serves_what_was_loaded_and_not_what_was_unloaded(
+    redis_url: str, r: redis.Redis, lm: Path, adapters: dict[str, Path],
+    start_worker: Callable[..., WorkerProcess],
+) -> None:  # fmt: skip
+    host = socket.gethostname()
+    keys = ModelKeys("gen")
+    start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker)
+    reference = _reference(lm, adapters, _serving(lm))
+    # When: chat is loaded while gen-1 serves
+    loaded = _control(redis_url, f"gen-1@{host}", "bf_load_lora", model="gen", name="chat",
+                      path=str(adapters["chat"]))  # fmt: skip
+    assert "lora_error" not in loaded and loaded["lora_adapters"] == {"gen": ["sql", "chat"]}
+    assert r.hgetall(keys.lora) == {b"chat": str(adapters["chat"]).encode()}
+    # Then: gen-2, started afterwards (gen-1 paused: gen-2 answers), serves it and lists it
+    start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker, name="gen-2")
+    assert decode_model_info(r.get(keys.info) or b"").lora_adapters == ["sql", "chat"]
+    assert _control(redis_url, f"gen-1@{host}", "bf_pause", model="gen")["models"] == ["gen"]
+    with Producer(redis_url) as producer:
+        job = producer.submit("gen", inputs=[PROMPTS[1]], lora="chat", max_new_tokens=6,
+                              ignore_eos=True, return_token_ids=True)  # fmt: skip
+        (out,) = job.result(timeout=60).generations()
+        assert out.token_ids == reference("chat", PROMPTS[1], 6)
+    # When: chat is unloaded: gone from the hash; a runner started now does not load it
+    for dest in ("gen-1", "gen-2"):
+        reply = _control(redis_url, f"{dest}@{host}", "bf_unload_lora", model="gen", name="chat")
+        assert reply["lora_adapters"] == {"gen": ["sql"]}, reply
+    assert r.hgetall(keys.lora) == {}
+    runner, info = _started(r, lm, {"sql": adapters["sql"]})
+    assert runner.lora_adapters == ("sql",) and info.lora_adapters == ["sql"]

@@ -27,10 +27,11 @@ from ..batching.generation import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
 from .observers import Answered, Generated, LoopEvent, LoopObserver
-from .runner import model_info
+from .runner import Runner, model_info
 
 if TYPE_CHECKING:
     from .loop import BatchLoop
+    from .streams import ModelStreams
 
 logger = logging.getLogger(__name__)
 
@@ -319,15 +320,17 @@ def bf_load_lora(state: Any, model: str, name: str, path: str) -> dict[str, Any]
     """Load a PEFT LoRA adapter (a directory this worker reads) for a generating model,
     under ``name``: read and checked here as at startup (refused: the reply says why, and
     nothing changes), served from the next step on; the model's info is published again.
-    vLLM's ``/v1/load_lora_adapter``. Each worker answers for itself; one started later
-    loads only its fleet file's ``lora_adapters``."""
+    vLLM's ``/v1/load_lora_adapter``. Each worker answers for itself, and records the
+    adapter in ``bf:{model}:lora``: a worker started later loads it too
+    (:func:`restore_loras`)."""
     return _lora(state, model, "load_lora", name, path)
 
 
 @control_command(args=[("model", str), ("name", str)], signature="model name")
 def bf_unload_lora(state: Any, model: str, name: str) -> dict[str, Any]:
     """Unload a LoRA adapter: a new request naming it is an ``invalid_request``; those that
-    started under it end under it (vLLM's ``/v1/unload_lora_adapter``)."""
+    started under it end under it (vLLM's ``/v1/unload_lora_adapter``); a worker started
+    later does not load it (it leaves ``bf:{model}:lora``)."""
     return _lora(state, model, "unload_lora", name)
 
 
@@ -353,10 +356,53 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
         # what `celery control` prints of a reply
         reply["ok"] = f"{what} {args[0]}: {lp.model} serves {', '.join(names) or 'no adapter'}"
         try:
+            _record_lora(lp, what, *args)
+        except redis.RedisError as exc:  # served here all the same
+            reply["lora_error"] = f"{lp.model}: not recorded for workers started later: {exc}"
+        try:
             publish_info(lp)
         except redis.RedisError as exc:  # served all the same; the next change publishes it
             reply["info_error"] = f"{lp.model}: the model info was not published: {exc}"
     return reply
+
+
+def _record_lora(loop: BatchLoop, what: str, name: str, path: str = "") -> None:
+    """Fleet-wide state: every worker the broadcast reaches writes the same (idempotent)."""
+    if loop.streams is None:
+        return
+    if what == "load_lora":
+        loop.streams.lora_loaded(name, path)
+    else:
+        loop.streams.lora_unloaded(name)
+
+
+def restore_loras(streams: ModelStreams, runner: Runner, model: str) -> None:
+    """At startup, before the model info is published: load the adapters loaded while the
+    model served (``bf:{model}:lora``) besides the fleet file's (which win on a name
+    clash). One this worker cannot load (a directory missing on this host, a refused
+    adapter, past ``max_loras``) is logged and skipped: the worker serves the rest."""
+    load = getattr(runner, "load_lora", None)
+    if load is None:
+        return
+    try:
+        recorded = streams.loras()
+    except redis.RedisError as exc:
+        logger.warning("%s: the LoRA adapters loaded while serving were not read: %s", model, exc)
+        return
+    configured = set(getattr(runner, "lora_adapters", ()))
+    for name, path in sorted(recorded.items()):
+        if name in configured:
+            logger.info("%s: LoRA adapter %r of bf:{%s}:lora is the fleet file's: kept the "
+                        "fleet file's", model, name, model)  # fmt: skip
+            continue
+        try:
+            load(name, path)
+        except Exception as exc:  # never stops the worker
+            logger.warning("%s: LoRA adapter %r (%s) loaded while serving is skipped: %s",
+                           model, name, path, exc)  # fmt: skip
+        else:
+            logger.info("%s: LoRA adapter %r (%s) loaded while serving, loaded again",
+                        model, name, path)  # fmt: skip
 
 
 def publish_info(loop: BatchLoop) -> None:

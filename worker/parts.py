@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ..config import ModelConfig, WorkerConfig
 from .cancels import CancelWatch
+from .control import restore_loras
 from .deltas import DeltaWriter
 from .executor import Executor
 from .holding import Holding
@@ -82,6 +83,7 @@ def redis_parts(
     model: str,
 ) -> Parts:
     """The production parts: Redis intake and sink, a device thread, the Redis clock."""
+    restore_loras(streams, runner, model)  # before the info lists the adapters
     inbox = ThreadInbox()
     clock = RedisClock(streams)
     source = Intake(

@@ -199,6 +199,19 @@ class ModelStreams:
                 info = info.model_copy(update={"created": created})
         self.client.set(self.keys.info, info.model_dump_json())
 
+    def lora_loaded(self, name: str, path: str) -> None:
+        """An adapter loaded while the model serves: workers started later load it too
+        (every worker the broadcast reaches writes the same value)."""
+        self.client.hset(self.keys.lora, name, path)
+
+    def lora_unloaded(self, name: str) -> None:
+        self.client.hdel(self.keys.lora, name)
+
+    def loras(self) -> dict[str, str]:
+        """The adapters loaded while the model serves: name → directory."""
+        raw = self.client.hgetall(self.keys.lora)
+        return {_text(k): _text(v) for k, v in raw.items()}
+
     def depths(self) -> tuple[list[int], list[int]]:
         """Entries in each lane stream, and how many of them are pending (being worked on)."""
         pipe = self.client.pipeline(transaction=False)
@@ -511,3 +524,7 @@ class RedisClock:
 
     def __call__(self) -> float:
         return time.monotonic() + self._offset
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
