@@ -6,6 +6,7 @@ tokenizing again."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,27 @@ def test_return_prompt_text_gives_each_input_s_prompt_as_the_model_read_it(
     assert chat["prompt_token_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
     # not asked: none
     assert "prompt_text" not in outs["no"][0]
+
+
+def test_a_chat_s_prompt_text_is_its_rendered_template_where_decoding_differs(
+    tiny_lm: Path, tmp_path: Path
+) -> None:
+    # a tokenizer that normalizes (NFKC: "ﬁ" -> "fi", "①" -> "1"): the rendered template's
+    # tokens decode to another text, so the template must be what is answered
+    from tokenizers import Tokenizer, normalizers
+
+    model = tmp_path / "nfkc"
+    shutil.copytree(tiny_lm, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.normalizer = normalizers.NFKC()
+    tok.save(str(model / "tokenizer.json"))
+    runner = TextGenerationRunner(model, device=DEVICE, dtype="float32",
+                                  options=TINY_LM_OPTIONS)  # fmt: skip
+    msgs = [{"role": "user", "content": "a ﬁne day ①"}]
+    (chat,) = run(runner, req("c", inputs=[], messages=msgs, max_new_tokens=0,
+                              return_prompt_text=True, return_token_ids=True))["c"]  # fmt: skip
+    rendered = runner.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                    tokenize=False)  # fmt: skip
+    decoded = runner.tokenizer.decode(chat["prompt_token_ids"], skip_special_tokens=False)
+    assert "a fine day 1" in decoded and decoded != rendered
+    assert chat["prompt_text"] == rendered
