@@ -68,12 +68,15 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "hunyuan_a13b": ("<think>", "</think>"),
     "hy_v3": ("<think>", "</think>"),
     "kimi_k2": ("<think>", "</think>"),
+    "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
     "mimo": ("<think>", "</think>"),
     "minimax_m2": ("<think>", "</think>"),
     "minimax_m2_append_think": ("<think>", "</think>"),
+    "minimax_m3": ("<mm:think>", "</mm:think>"),
     "nemotron_v3": ("<think>", "</think>"),
     "olmo3": ("<think>", "</think>"),
     "poolside_v1": ("<think>", "</think>"),
+    "solar_open2": ("", "<|think:end|>"),
     "step3": ("", "</think>"),
     "step3p5": ("<think>", "</think>"),
 }
@@ -85,15 +88,20 @@ SPELLINGS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
 ENDS: Final[dict[str, tuple[str, ...]]] = {
     "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"),
     "deepseek_v4": ("<\uff5cDSML\uff5ctool_calls>",),
+    "solar_open2": ("<|tool_call:start|>",),
 }
 """Markers that end a parser's reasoning as its closing tag does, but begin its answer
 (its tool calls' section, so they are read)."""
 WRAPS: Final[dict[str, tuple[str, str]]] = {
     "hunyuan_a13b": ("<answer>", "</answer>"),
     "ernie45": ("<response>", "</response>"),
+    "kimi_k3": ("<|open|>response<|sep|>", "<|close|>response<|sep|>"),
 }
 """The tags around a parser's answer, left out of its content: an answer that begins with
 the first is read up to the second."""
+PIECES: Final[dict[str, tuple[str, ...]]] = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>")}
+"""The special tokens a parser's tags are written with, where a tag takes several (kept
+in the text, as a tag that is one token is)."""
 LABELS: Final[dict[str, str]] = {"gemma4": "thought\n"}
 """What a parser's reasoning begins with, left out of ``reasoning_content``."""
 PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<think>"}
@@ -101,15 +109,20 @@ PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<
 with."""
 REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss")
 """The values of a model's ``reasoning_parser`` option."""
-_BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "kimi_k2",
-                            "minimax_m2", "nemotron_v3", "olmo3", "step3", "step3p5"})  # fmt: skip
+_BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "kimi_k2", "kimi_k3",
+                            "minimax_m2", "nemotron_v3", "olmo3", "solar_open2", "step3",
+                            "step3p5"})  # fmt: skip
 """The parsers whose texts begin in their reasoning unless the prompt closed it."""
+_STRAYS: Final = frozenset({"minimax_m3"})
+"""The parsers that leave out a closing tag at the very start of a text that does not
+begin in its reasoning (MiniMax-M3 may begin its answer with a stray one)."""
 
 
 class Reasoning:
     """One parser's split (see the module docstring)."""
 
-    __slots__ = ("close", "closings", "enders", "label", "open", "openings", "parser", "wrap")
+    __slots__ = ("close", "closings", "enders", "label", "open", "openings", "parser", "stray",
+                 "wrap")  # fmt: skip
 
     interleaved: ClassVar[bool] = False
     """Reasoning may follow the answer's start (its parts so far are still asked for)."""
@@ -123,11 +136,14 @@ class Reasoning:
         self.enders = ENDS.get(parser, ())
         self.wrap = WRAPS.get(parser)
         self.label = LABELS.get(parser, "")
+        self.stray = parser in _STRAYS
 
     @property
     def tags(self) -> tuple[str, ...]:
-        """The markers its split reads (kept in the text where they are special tokens)."""
-        return *self.openings, *self.closings, *self.enders, *(self.wrap or ())
+        """The markers its split reads (kept in the text where they are special tokens),
+        and the special tokens they are written with (:data:`PIECES`)."""
+        marks = *self.openings, *self.closings, *self.enders, *(self.wrap or ())
+        return *marks, *PIECES.get(self.parser, ())
 
     @property
     def answer_marker(self) -> tuple[str, str, str]:
@@ -148,6 +164,11 @@ class Reasoning:
     def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
         """Where the answer begins in ``text`` (a text so far; ``final``: all of it); None
         while that is not known yet (it may still be reasoning)."""
+        if self.stray and thinking is not True:  # a stray closing tag is left out
+            if text.startswith(self.close):
+                return len(self.close)
+            if not final and self.close.startswith(text):
+                return None
         if thinking is None:  # the text's start tells
             head = text.lstrip()
             if not head.startswith(self.openings):
@@ -163,8 +184,8 @@ class Reasoning:
         """A whole text's reasoning (None: none) and its answer (:meth:`answer`)."""
         start = self.answer_start(text, True, thinking)
         assert start is not None
-        if start == 0:
-            return None, self.answer(text)
+        if start == 0 or self._strayed(text, thinking):
+            return None, self.answer(text[start:])
         return self._clean(text[:start]), self.answer(text[start:])
 
     def so_far(self, text: str, thinking: bool | None) -> str:
@@ -196,6 +217,10 @@ class Reasoning:
         body = head[len(open_) :]
         end = body.find(close)
         return body[:end] if end >= 0 else body[: len(body) - held(body, close)]
+
+    def _strayed(self, text: str, thinking: bool | None) -> bool:
+        """Whether ``text`` begins with a stray closing tag, left out (:data:`_STRAYS`)."""
+        return self.stray and thinking is not True and text.startswith(self.close)
 
     def _clean(self, reasoning: str) -> str:
         for close in self.closings:
