@@ -245,8 +245,9 @@ def test_the_parsers() -> None:
     assert set(REASONING_PARSERS) == {
         "deepseek_r1", "qwen3", "glm45", "deepseek_v3", "mistral", "seed_oss", "openai_gptoss",
         "granite", "deepseek_v4", "ernie45", "gemma4", "glm47", "holo2", "hunyuan_a13b",
-        "hy_v3", "identity", "kimi_k2", "mimo", "minimax_m2", "minimax_m2_append_think",
-        "nemotron_v3", "olmo3", "poolside_v1", "step3", "step3p5",
+        "hy_v3", "hy_v4", "identity", "kimi_k2", "kimi_k3", "mimo", "minimax_m2",
+        "minimax_m2_append_think", "minimax_m3", "nemotron_v3", "olmo3", "poolside_v1",
+        "solar_open2", "step3", "step3p5",
     }  # fmt: skip
 
 

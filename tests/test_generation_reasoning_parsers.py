@@ -185,6 +185,12 @@ SOLAR_CALL = (
             None,
             "Paris.",
         ),
+        # hy_v4: begins in its reasoning (its prompt opens <think>), a <think> it writes
+        # left out; no_think's prompt closes it (vLLM's tests)
+        ("hy_v4", IM, "<think>abc</think>def", "abc", "def"),
+        ("hy_v4", IM, "abc</think>def", "abc", "def"),
+        ("hy_v4", IM + "<think>", "cut", "cut", ""),
+        ("hy_v4", IM + "<think></think>", "def", None, "def"),
         # gemma4: <|channel> ... <channel|>, its reasoning's "thought" label left out
         ("gemma4", "model\n", "<|channel>thought\nhm<channel|>Paris.", "hm", "Paris."),
         ("gemma4", "model\n", "<|channel>thoughtful<channel|>x", "thoughtful", "x"),
@@ -204,6 +210,42 @@ SOLAR_CALL = (
 )
 def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None, answer: str) -> None:
     check_split(parser, prompt_end, text.format(*HUNYUAN), reasoning, answer)
+
+
+SUFFIX = ":6124c78e"
+"""An HY-V4 checkpoint's structural tokens' suffix."""
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tags"),
+    [
+        ([f"<tool_calls{SUFFIX}>", f"<think{SUFFIX}>", f"</think{SUFFIX}>", "a"],
+         (f"<think{SUFFIX}>", f"</think{SUFFIX}>")),
+        (["a", "<think>", "</think>", "<arg_key>"], ("<think>", "</think>")),
+    ],
+)  # fmt: skip
+def test_hy_v4s_tags_end_in_the_suffix_its_vocabulary_tells(
+    vocab: list[str], tags: tuple[str, str]
+) -> None:
+    split = reasoning_for("hy_v4", vocab)
+    assert (split.open, split.close) == tags
+    text = f"abc{tags[1]}def"
+    assert split.split(text, split.opens(f"{IM}{tags[0]}")) == ("abc", "def")
+    assert split.split(f"{tags[0]}{tags[1]}def", split.opens(IM)) == ("", "def")
+
+
+def test_hy_v4_without_its_think_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"hy_v4.*<think:x>"):
+        reasoning_for("hy_v4", ["<arg_key:x>", "<think>", "</think>"])
+    with pytest.raises(ValueError, match="hy_v4"):
+        reasoning_for("hy_v4", ["a", "b"])
+
+
+def test_a_runner_reads_hy_v4s_tags_off_its_tokenizer(tagged: Path, tiny_lm: Path) -> None:
+    # the tagged tokenizer's <think> tokens have no suffix; the plain one has none at all
+    assert runner_for(tagged, "hy_v4")._reasoning.close == "</think>"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="hy_v4"):
+        runner_for(tiny_lm, "hy_v4")
 
 
 HUNYUAN_PIECES = ["<think>", "\nhm,", " so\n", "</think>", "\n<answer>", "\nParis.", "\n</answer>"]
