@@ -17,6 +17,7 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker.generation.reasoning import reasoning_for  # noqa: E402
 from batchfleet.worker.generation.sampling import Marker  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -33,6 +34,16 @@ IM = "<|im_start|>assistant\n"
 """ChatML's assistant turn (a prompt's end that neither opens nor closes the reasoning)."""
 HUNYUAN = ("<think>\n", "\n</think>\n<answer>\n", "\n</answer>")
 """Hunyuan-A13B's think start, answer start and answer end (vLLM's tests')."""
+K3_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+K3_RESPONSE = ("<|open|>response<|sep|>", "<|close|>response<|sep|>")
+K3_END = "<|close|>message<|sep|>"
+"""Kimi-K3's XTML think and response channels' markers, and its message's end."""
+SOLAR = ("<|think:start|>", "<|think:end|>")
+SOLAR_CALL = (
+    "<|tool_call:start|>get_weather\n"
+    "<|tool_arg:start|>city<|tool_arg:value|>Seoul<|tool_arg:end|>\n<|tool_call:end|>"
+)
+"""Solar-Open2's think markers and a tool call (vLLM's tests')."""
 
 
 @pytest.mark.parametrize(
@@ -98,6 +109,88 @@ HUNYUAN = ("<think>\n", "\n</think>\n<answer>\n", "\n</answer>")
         ("poolside_v1", "<assistant>", "<think>hm</think>Paris.", "hm", "Paris."),
         ("mimo", IM, "<think>hm</think>Paris.", "hm", "Paris."),
         ("mimo", IM, "Paris.", None, "Paris."),
+        # minimax_m3: <mm:think> ... </mm:think>, begun where the prompt opens it
+        # (thinking_mode "enabled") or the text begins with it; a stray </mm:think> at
+        # the very start of an answer is left out, one later is the answer's (vLLM's tests)
+        ("minimax_m3", IM, "<mm:think>plan</mm:think>answer", "plan", "answer"),
+        ("minimax_m3", IM, "plain answer", None, "plain answer"),
+        ("minimax_m3", IM, "</mm:think>answer", None, "answer"),
+        ("minimax_m3", IM, "</mm:think>", None, ""),
+        ("minimax_m3", IM, "</mm:thin", None, "</mm:thin"),  # cut: not the tag after all
+        ("minimax_m3", IM, "XXX</mm:think>YYY", None, "XXX</mm:think>YYY"),
+        ("minimax_m3", IM + "<mm:think>", "plan</mm:think>answer", "plan", "answer"),
+        ("minimax_m3", IM + "<mm:think>", "</mm:think>answer", "", "answer"),
+        ("minimax_m3", IM + "<mm:think>", "still", "still", ""),
+        ("minimax_m3", IM, "<mm:think>still thinking", "still thinking", ""),
+        ("minimax_m3", IM + "<mm:think></mm:think>", "</mm:think>ok", None, "ok"),
+        # solar_open2: its prompt opens <|think:start|> (closes it too, at a low effort):
+        # reasoning up to <|think:end|>, or up to a tool call it writes while thinking,
+        # which begins the answer (vLLM's streamed split)
+        (
+            "solar_open2",
+            IM + SOLAR[0],
+            f"I need to analyze{SOLAR[1]}The answer is 42",
+            "I need to analyze",
+            "The answer is 42",
+        ),
+        ("solar_open2", IM + SOLAR[0], "Still thinking...", "Still thinking...", ""),
+        ("solar_open2", IM + SOLAR[0], f"My reasoning{SOLAR[1]}", "My reasoning", ""),
+        ("solar_open2", IM + SOLAR[0] + SOLAR[1], "Hello, world!", None, "Hello, world!"),
+        ("solar_open2", IM + SOLAR[0], f"{SOLAR[1]}Direct answer", "", "Direct answer"),
+        (
+            "solar_open2",
+            IM + SOLAR[0],
+            f"Step 1\nStep 2\n{SOLAR[1]}Final",
+            "Step 1\nStep 2",
+            "Final",
+        ),
+        ("solar_open2", IM + SOLAR[0], f"checking\n{SOLAR_CALL}", "checking", SOLAR_CALL),
+        (
+            "solar_open2",
+            IM + SOLAR[0],
+            f"plan\n{SOLAR_CALL}\n{SOLAR[1]}ok",
+            "plan",
+            f"{SOLAR_CALL}\n{SOLAR[1]}ok",
+        ),
+        (
+            "solar_open2",
+            IM,
+            f"{SOLAR[0]}hm{SOLAR[1]}ok",
+            f"{SOLAR[0]}hm",
+            "ok",
+        ),  # no opening tag of its own
+        # kimi_k3: XTML channels; begins in its reasoning (thinking on); the content is
+        # what its response channel wraps
+        (
+            "kimi_k3",
+            IM,
+            f"{K3_THINK[0]}hm{K3_THINK[1]}{K3_RESPONSE[0]}Paris.{K3_RESPONSE[1]}{K3_END}",
+            "hm",
+            "Paris.",
+        ),
+        (
+            "kimi_k3",
+            IM + K3_THINK[0],
+            f"hm{K3_THINK[1]}{K3_RESPONSE[0]}Paris.{K3_RESPONSE[1]}{K3_END}",
+            "hm",
+            "Paris.",
+        ),
+        ("kimi_k3", IM, f"hm{K3_THINK[1]}{K3_RESPONSE[0]}Par", "hm", "Par"),
+        ("kimi_k3", IM, f"hm{K3_THINK[1]}ok", "hm", "ok"),
+        ("kimi_k3", IM, "still", "still", ""),
+        (
+            "kimi_k3",
+            IM + K3_THINK[0] + K3_THINK[1],
+            f"{K3_RESPONSE[0]}Paris.{K3_RESPONSE[1]}",
+            None,
+            "Paris.",
+        ),
+        # hy_v4: begins in its reasoning (its prompt opens <think>), a <think> it writes
+        # left out; no_think's prompt closes it (vLLM's tests)
+        ("hy_v4", IM, "<think>abc</think>def", "abc", "def"),
+        ("hy_v4", IM, "abc</think>def", "abc", "def"),
+        ("hy_v4", IM + "<think>", "cut", "cut", ""),
+        ("hy_v4", IM + "<think></think>", "def", None, "def"),
         # gemma4: <|channel> ... <channel|>, its reasoning's "thought" label left out
         ("gemma4", "model\n", "<|channel>thought\nhm<channel|>Paris.", "hm", "Paris."),
         ("gemma4", "model\n", "<|channel>thoughtful<channel|>x", "thoughtful", "x"),
@@ -119,8 +212,46 @@ def test_split(parser: str, prompt_end: str, text: str, reasoning: str | None, a
     check_split(parser, prompt_end, text.format(*HUNYUAN), reasoning, answer)
 
 
+SUFFIX = ":6124c78e"
+"""An HY-V4 checkpoint's structural tokens' suffix."""
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tags"),
+    [
+        ([f"<tool_calls{SUFFIX}>", f"<think{SUFFIX}>", f"</think{SUFFIX}>", "a"],
+         (f"<think{SUFFIX}>", f"</think{SUFFIX}>")),
+        (["a", "<think>", "</think>", "<arg_key>"], ("<think>", "</think>")),
+    ],
+)  # fmt: skip
+def test_hy_v4s_tags_end_in_the_suffix_its_vocabulary_tells(
+    vocab: list[str], tags: tuple[str, str]
+) -> None:
+    split = reasoning_for("hy_v4", vocab)
+    assert (split.open, split.close) == tags
+    text = f"abc{tags[1]}def"
+    assert split.split(text, split.opens(f"{IM}{tags[0]}")) == ("abc", "def")
+    assert split.split(f"{tags[0]}{tags[1]}def", split.opens(IM)) == ("", "def")
+
+
+def test_hy_v4_without_its_think_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"hy_v4.*<think:x>"):
+        reasoning_for("hy_v4", ["<arg_key:x>", "<think>", "</think>"])
+    with pytest.raises(ValueError, match="hy_v4"):
+        reasoning_for("hy_v4", ["a", "b"])
+
+
+def test_a_runner_reads_hy_v4s_tags_off_its_tokenizer(tagged: Path, tiny_lm: Path) -> None:
+    # the tagged tokenizer's <think> tokens have no suffix; the plain one has none at all
+    assert runner_for(tagged, "hy_v4")._reasoning.close == "</think>"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="hy_v4"):
+        runner_for(tiny_lm, "hy_v4")
+
+
 HUNYUAN_PIECES = ["<think>", "\nhm,", " so\n", "</think>", "\n<answer>", "\nParis.", "\n</answer>"]
-SPECIALS = ("<think>", "</think>", KIMI, "<answer>", "</answer>", "<|channel>", "<channel|>")
+SPECIALS = ("<think>", "</think>", KIMI, "<answer>", "</answer>", "<|channel>", "<channel|>",
+            "<mm:think>", "</mm:think>", *SOLAR, "<|tool_call:start|>", "<|open|>", "<|close|>",
+            "<|sep|>")  # fmt: skip
 """The tags the tiny model's tokenizer makes special tokens (kept in the text, split on)."""
 
 
@@ -156,6 +287,8 @@ def runner_for(path: Path, parser: str, **options: str) -> TextGenerationRunner:
             "<think>hm, so</think> Paris.",
         ),
         ("identity", ["hm,", " so", "</think>", " Paris."], None, "hm, so Paris."),
+        ("minimax_m3", ["<mm:think>", "hm,", " so", "</mm:think>", " Paris."], "hm, so", "Paris."),
+        ("solar_open2", ["hm,", " so", SOLAR[1], " Paris."], "hm, so", "Paris."),
     ],
 )
 def test_the_runner_splits_keeps_and_streams_by_a_parsers_tags(
@@ -164,15 +297,11 @@ def test_the_runner_splits_keeps_and_streams_by_a_parsers_tags(
     # the tags are special tokens: kept in the text, split on, never streamed half-written,
     # and a constraint begins after the closing tag (identity's: from the first token)
     runner = runner_for(tagged, parser)
-    close = runner.tokenizer.convert_tokens_to_ids("</think>")
+    close = runner.tokenizer.convert_tokens_to_ids(reasoning_for(parser).close)
     (prep,) = runner.prepare_many([chat("c", tools=None, structured_outputs={"regex": "[0-9]"})])
     assert prep.payload.reasoning  # type: ignore[union-attr]  # split, the constraint after
     after = prep.payload.sampling.constraint_after  # type: ignore[union-attr]
-    wanted = {
-        "identity": None,
-        "gemma4": Marker((runner.tokenizer.convert_tokens_to_ids("<channel|>"),)),
-    }.get(parser, Marker((close,)))
-    assert after == wanted
+    assert after == (None if parser == "identity" else Marker((close,)))
     chunks, out = generate(runner, "g", pieces, tools=None, stream=True)
     # (identity reads no tags: a special </think> is left out as any other)
     assert out["text"] == ("".join(pieces) if parser != "identity" else content)
@@ -198,6 +327,22 @@ def test_kimi_k2s_tool_section_ends_its_reasoning_and_its_calls_are_read(tagged:
     ]
     assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]
     assert [c for ch in chunks for c in ch.get("tool_calls", ())] == out["tool_calls"]
+
+
+def test_kimi_k3s_channels_are_kept_in_the_text_and_split_on(tagged: Path) -> None:
+    # each XTML marker is three tokens, <|open|>/<|close|>, a word and <|sep|>: the special
+    # ones are kept in the text (else the markers would be lost with them), and the
+    # content is what the response channel wraps, without its message's end
+    runner = runner_for(tagged, "kimi_k3")
+    pieces = ["<|open|>", "think", "<|sep|>", "hm,", " so", "<|close|>", "think", "<|sep|>",
+              "<|open|>", "response", "<|sep|>", "Paris.", "<|close|>", "response", "<|sep|>",
+              K3_END]  # fmt: skip
+    chunks, out = generate(runner, "k3", pieces, tools=None, stream=True)
+    assert out["text"] == "".join(pieces)
+    assert (out["reasoning_content"], out["content"]) == ("hm, so", "Paris.")
+    for key in ("reasoning_content", "content"):
+        assert "".join(c[key] for c in chunks) == out[key]
+    assert not any("<|" in c["reasoning_content"] + c["content"] for c in chunks)
 
 
 @pytest.mark.parametrize("parser", ["step3", "minimax_m2_append_think", "hunyuan_a13b"])

@@ -4,18 +4,25 @@ parsers, chosen by the model's ``reasoning_parser`` option).
 Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
 ``</think>`` for most (``deepseek_r1``, ``qwen3``, ``glm45``, ``glm47``, ``deepseek_v3``,
 ``deepseek_v4``, ``ernie45``, ``holo2``, ``hunyuan_a13b``, ``hy_v3``, ``kimi_k2``,
-``mimo``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``poolside_v1``, ``step3p5``),
-``</think>`` alone for ``step3`` (it has no opening tag: a ``<think>`` it writes is
-reasoning too), ``[THINK]`` and ``[/THINK]`` for ``mistral`` (Magistral),
+``mimo``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``poolside_v1``, ``step3p5``; and
+``hy_v4``, whose tags end in the suffix its checkpoint's vocabulary tells, e.g.
+``<think:6124c78e>``, :data:`SUFFIXES`), ``</think>`` alone for ``step3`` and
+``<|think:end|>`` alone for ``solar_open2`` (no opening tag: one they write is reasoning
+too), ``<mm:think>`` and ``</mm:think>`` for ``minimax_m3`` (a stray closing tag at the
+very start of an answer left out, :data:`_STRAYS`), Kimi-K3's XTML channels
+``<|open|>think<|sep|>`` and ``<|close|>think<|sep|>`` for ``kimi_k3`` (each three
+tokens, the special ones kept in the text, :data:`PIECES`), ``[THINK]`` and ``[/THINK]``
+for ``mistral`` (Magistral),
 ``<seed:think>`` and ``</seed:think>`` for ``seed_oss``, ``<|channel>`` and
 ``<channel|>`` for ``gemma4`` (its reasoning's leading ``thought`` label left out,
 :data:`LABELS`), and the plain-text ``Here is my thought process:`` and ``Here is my
 response:`` for ``granite`` (Granite 3.2 with ``thinking`` on; ``Here's`` for ``Here is``
 too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``kimi_k2``'s tool
-section and ``deepseek_v4``'s DSML tool calls end the reasoning too, and begin the answer
-(:data:`ENDS`). ``hunyuan_a13b`` wraps its answer in ``<answer>`` … ``</answer>``,
-``ernie45`` in ``<response>`` … ``</response>`` (or writes it bare): the content is what
-they wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
+section, ``deepseek_v4``'s DSML tool calls and ``solar_open2``'s ``<|tool_call:start|>``
+end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
+answer in ``<answer>`` … ``</answer>``, ``ernie45`` in ``<response>`` … ``</response>``,
+``kimi_k3`` in its response channel (or they write it bare): the content is what they
+wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
 ``minimax_m2_append_think`` never split (:class:`WholeAnswer`): the whole text is the
 answer, the latter's content begun with the ``<think>`` its prompt opened.
 ``openai_gptoss`` reads gpt-oss's harmony messages instead (:class:`HarmonyReasoning`,
@@ -24,10 +31,12 @@ answer, the latter's content begun with the ``<think>`` its prompt opened.
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
 (:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
 template, Qwen3's thinking models, DeepSeek-V3.1 with ``thinking`` on, Kimi-K2.5,
-MiniMax-M2, GLM-4.7) begins it; one that closes it (Qwen3 with ``enable_thinking`` false,
-GLM-4.5 with thinking off, DeepSeek-V3.1 by default) does not. Otherwise ``deepseek_r1``,
-``ernie45``, ``glm47``, ``holo2``, ``kimi_k2``, ``minimax_m2``, ``nemotron_v3``,
-``olmo3``, ``step3`` and ``step3p5`` take the text to begin in its reasoning, as vLLM's
+MiniMax-M2, GLM-4.7, MiniMax-M3 with ``thinking_mode`` enabled, Solar-Open2 at a medium or
+higher effort) begins it; one that closes it (Qwen3 with ``enable_thinking`` false,
+GLM-4.5 with thinking off, DeepSeek-V3.1 by default, Solar-Open2 at a low effort) does
+not. Otherwise ``deepseek_r1``, ``ernie45``, ``glm47``, ``holo2``, ``hy_v4``, ``kimi_k2``,
+``kimi_k3``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``solar_open2``, ``step3`` and
+``step3p5`` take the text to begin in its reasoning, as vLLM's
 do (their models' prompts open it, or the models may leave the opening tag out; a leading
 one is left out), and the other parsers only where it begins with the opening tag; else
 it is all answer.
@@ -48,6 +57,8 @@ result's ``reasoning_content`` and ``content``.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import ClassVar, Final
 
 from . import harmony
@@ -67,13 +78,17 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "holo2": ("<think>", "</think>"),
     "hunyuan_a13b": ("<think>", "</think>"),
     "hy_v3": ("<think>", "</think>"),
+    "hy_v4": ("<think>", "</think>"),
     "kimi_k2": ("<think>", "</think>"),
+    "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
     "mimo": ("<think>", "</think>"),
     "minimax_m2": ("<think>", "</think>"),
     "minimax_m2_append_think": ("<think>", "</think>"),
+    "minimax_m3": ("<mm:think>", "</mm:think>"),
     "nemotron_v3": ("<think>", "</think>"),
     "olmo3": ("<think>", "</think>"),
     "poolside_v1": ("<think>", "</think>"),
+    "solar_open2": ("", "<|think:end|>"),
     "step3": ("", "</think>"),
     "step3p5": ("<think>", "</think>"),
 }
@@ -85,15 +100,20 @@ SPELLINGS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
 ENDS: Final[dict[str, tuple[str, ...]]] = {
     "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"),
     "deepseek_v4": ("<\uff5cDSML\uff5ctool_calls>",),
+    "solar_open2": ("<|tool_call:start|>",),
 }
 """Markers that end a parser's reasoning as its closing tag does, but begin its answer
 (its tool calls' section, so they are read)."""
 WRAPS: Final[dict[str, tuple[str, str]]] = {
     "hunyuan_a13b": ("<answer>", "</answer>"),
     "ernie45": ("<response>", "</response>"),
+    "kimi_k3": ("<|open|>response<|sep|>", "<|close|>response<|sep|>"),
 }
 """The tags around a parser's answer, left out of its content: an answer that begins with
 the first is read up to the second."""
+PIECES: Final[dict[str, tuple[str, ...]]] = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>")}
+"""The special tokens a parser's tags are written with, where a tag takes several (kept
+in the text, as a tag that is one token is)."""
 LABELS: Final[dict[str, str]] = {"gemma4": "thought\n"}
 """What a parser's reasoning begins with, left out of ``reasoning_content``."""
 PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<think>"}
@@ -101,33 +121,49 @@ PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<
 with."""
 REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss")
 """The values of a model's ``reasoning_parser`` option."""
-_BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "kimi_k2",
-                            "minimax_m2", "nemotron_v3", "olmo3", "step3", "step3p5"})  # fmt: skip
+_BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "hy_v4", "kimi_k2",
+                            "kimi_k3", "minimax_m2", "nemotron_v3", "olmo3", "solar_open2",
+                            "step3", "step3p5"})  # fmt: skip
 """The parsers whose texts begin in their reasoning unless the prompt closed it."""
+SUFFIXES: Final[dict[str, re.Pattern[str]]] = {
+    "hy_v4": re.compile(r"<(?:think|tool_calls|tool_call|arg_key|arg_value)(:[^\s>]+)?>"),
+}
+"""The parsers whose tags end in a suffix each checkpoint's vocabulary tells (HY-V4's
+``<think:6124c78e>``): a pattern its structural tokens match whole, the suffix its first
+group (vLLM's ``detect_token_suffix``)."""
+_STRAYS: Final = frozenset({"minimax_m3"})
+"""The parsers that leave out a closing tag at the very start of a text that does not
+begin in its reasoning (MiniMax-M3 may begin its answer with a stray one)."""
 
 
 class Reasoning:
     """One parser's split (see the module docstring)."""
 
-    __slots__ = ("close", "closings", "enders", "label", "open", "openings", "parser", "wrap")
+    __slots__ = ("close", "closings", "enders", "label", "open", "openings", "parser", "stray",
+                 "wrap")  # fmt: skip
 
     interleaved: ClassVar[bool] = False
     """Reasoning may follow the answer's start (its parts so far are still asked for)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, vocab: Iterable[str] | None = None) -> None:
         self.parser = parser
         self.open, self.close = TAGS.get(parser, ("", ""))
+        if parser in SUFFIXES and vocab is not None:
+            self.open, self.close = _suffixed(parser, (self.open, self.close), vocab)
         more_open, more_close = SPELLINGS.get(parser, ((), ()))
         self.openings = tuple(t for t in (self.open, *more_open) if t)
         self.closings = tuple(t for t in (self.close, *more_close) if t)
         self.enders = ENDS.get(parser, ())
         self.wrap = WRAPS.get(parser)
         self.label = LABELS.get(parser, "")
+        self.stray = parser in _STRAYS
 
     @property
     def tags(self) -> tuple[str, ...]:
-        """The markers its split reads (kept in the text where they are special tokens)."""
-        return *self.openings, *self.closings, *self.enders, *(self.wrap or ())
+        """The markers its split reads (kept in the text where they are special tokens),
+        and the special tokens they are written with (:data:`PIECES`)."""
+        marks = *self.openings, *self.closings, *self.enders, *(self.wrap or ())
+        return *marks, *PIECES.get(self.parser, ())
 
     @property
     def answer_marker(self) -> tuple[str, str, str]:
@@ -148,6 +184,11 @@ class Reasoning:
     def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
         """Where the answer begins in ``text`` (a text so far; ``final``: all of it); None
         while that is not known yet (it may still be reasoning)."""
+        if self.stray and thinking is not True:  # a stray closing tag is left out
+            if text.startswith(self.close):
+                return len(self.close)
+            if not final and self.close.startswith(text):
+                return None
         if thinking is None:  # the text's start tells
             head = text.lstrip()
             if not head.startswith(self.openings):
@@ -163,8 +204,8 @@ class Reasoning:
         """A whole text's reasoning (None: none) and its answer (:meth:`answer`)."""
         start = self.answer_start(text, True, thinking)
         assert start is not None
-        if start == 0:
-            return None, self.answer(text)
+        if start == 0 or self._strayed(text, thinking):
+            return None, self.answer(text[start:])
         return self._clean(text[:start]), self.answer(text[start:])
 
     def so_far(self, text: str, thinking: bool | None) -> str:
@@ -196,6 +237,10 @@ class Reasoning:
         body = head[len(open_) :]
         end = body.find(close)
         return body[:end] if end >= 0 else body[: len(body) - held(body, close)]
+
+    def _strayed(self, text: str, thinking: bool | None) -> bool:
+        """Whether ``text`` begins with a stray closing tag, left out (:data:`_STRAYS`)."""
+        return self.stray and thinking is not True and text.startswith(self.close)
 
     def _clean(self, reasoning: str) -> str:
         for close in self.closings:
@@ -279,11 +324,25 @@ class HarmonyReasoning(Reasoning):
         return harmony.content(answer)
 
 
-def reasoning_for(parser: str) -> Reasoning:
-    """The split a ``reasoning_parser`` names."""
+def reasoning_for(parser: str, vocab: Iterable[str] | None = None) -> Reasoning:
+    """The split a ``reasoning_parser`` names, for a tokenizer whose tokens are ``vocab``
+    (None: its tags as :data:`TAGS` writes them)."""
     if parser == "openai_gptoss":
         return HarmonyReasoning(parser)
-    return WholeAnswer(parser) if parser in PREFIXES else Reasoning(parser)
+    return WholeAnswer(parser) if parser in PREFIXES else Reasoning(parser, vocab)
+
+
+def _suffixed(parser: str, tags: tuple[str, str], vocab: Iterable[str]) -> tuple[str, str]:
+    """A :data:`SUFFIXES` parser's tags with the suffix ``vocab``'s structural tokens end
+    in; a vocabulary without them is refused."""
+    tokens = list(vocab)
+    pattern = SUFFIXES[parser]
+    suffix = next((m.group(1) or "" for t in tokens if (m := pattern.fullmatch(t))), "")
+    open_, close = (t[:-1] + suffix + t[-1] for t in tags)
+    if not {open_, close} <= set(tokens):
+        raise ValueError(f"reasoning_parser {parser!r}: the tokenizer has no {open_} and "
+                         f"{close} tokens")  # fmt: skip
+    return open_, close
 
 
 def _begins(tags: tuple[str, ...], head: str) -> bool:

@@ -323,7 +323,9 @@ class TextGenerationRunner:
             raise ValueError(f"options.reasoning_parser: {self.reasoning_parser!r} is not one "
                              f"of {', '.join(REASONING_PARSERS)}")  # fmt: skip
         self._reasoning = (
-            None if self.reasoning_parser is None else reasoning_for(self.reasoning_parser)
+            None
+            if self.reasoning_parser is None
+            else reasoning_for(self.reasoning_parser, self.tokenizer.get_vocab())
         )
         self._harmony = (
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
