@@ -71,9 +71,10 @@ def delta_is(text: str) -> Callable[[Event], bool]:
     return lambda e: e["type"] == "response.output_text.delta" and e["delta"] == text
 
 
-async def worker(fake: ScriptedWorker, taken: Taken, *pieces: str | None) -> None:
-    """The worker writes these token-stream entries (None: the end), in order."""
-    for seq, piece in enumerate(pieces, 1):
+async def worker(fake: ScriptedWorker, taken: Taken, *pieces: str | None, first: int = 1) -> None:
+    """The worker writes these token-stream entries (None: the end), in order, the first
+    numbered ``first``."""
+    for seq, piece in enumerate(pieces, first):
         await asyncio.to_thread(fake.delta, taken, seq, piece)
 
 
@@ -121,18 +122,22 @@ def test_a_streamed_background_response_resumes_on_another_gateway(
         assert r.exists(response_key(created["id"]))  # stored before its first event
         taken = await asyncio.to_thread(fake.take)
         assert created["id"] == f"resp_{taken.id}"
-        # When the worker writes its first tokens, read as they come
-        await worker(fake, taken, "Hel", "lo")
-        seen = opening + await read(stream, delta_is("lo"))
-        assert [e["type"] for e in seen[2:5]] == ["response.in_progress",
-            "response.output_item.added", "response.content_part.added"]  # fmt: skip
+        # When the worker writes its first token (no text yet): in progress
+        await worker(fake, taken, "")
+        seen = opening + await read(stream, lambda e: e["type"] == "response.in_progress")
+        assert len(seen) == 3 and seen[-1]["response"] == created | {"status": "in_progress"}
+        # and its next ones, read as they come
+        await worker(fake, taken, "Hel", "lo", first=2)
+        seen += await read(stream, delta_is("lo"))
+        assert [e["type"] for e in seen[3:5]] == ["response.output_item.added",
+                                                  "response.content_part.added"]  # fmt: skip
         # and the client leaves, and the worker ends it
         leave(stream)
-        await asyncio.to_thread(fake.delta, taken, 3, " world")
-        usage = Usage(prompt_tokens=4, completion_tokens=3)
+        await asyncio.to_thread(fake.delta, taken, 4, " world")
+        usage = Usage(prompt_tokens=4, completion_tokens=4)
         await asyncio.to_thread(fake.ok, taken, [{"text": "Hello world", "finish_reason": "stop"}],
                                 usage)  # fmt: skip
-        await asyncio.to_thread(fake.delta, taken, 4, None)
+        await asyncio.to_thread(fake.delta, taken, 5, None)
         # Then another gateway streams the rest, after the last event read
         last = seen[-1]["sequence_number"]
         async with gateway_in_process(redis_url) as other:
@@ -145,7 +150,7 @@ def test_a_streamed_background_response_resumes_on_another_gateway(
         assert rest[-1] == {"type": "response.completed", "response": stored,
                             "sequence_number": len(seen + rest) - 1}  # fmt: skip
         assert texts(seen + rest) == stored["output"][0]["content"][0]["text"] == "Hello world"
-        assert stored["status"] == "completed" and stored["usage"]["total_tokens"] == 7
+        assert stored["status"] == "completed" and stored["usage"]["total_tokens"] == 8
         # and streamed from the start, the same events as the first client read
         assert again == seen + rest
         # and the client that left cancelled nothing
