@@ -18,7 +18,7 @@ import redis
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import ModelKeys, response_key
 from batchfleet.schemas.messages import ErrorInfo, Result, Usage
-from gateway_fakes import GATEWAY_KEY, ScriptedWorker, Taken, gateway_in_process, http_request
+from gateway_fakes import GATEWAY_KEY, ScriptedWorker, Taken, gateway_in_process, http, http_request
 from openai.types.responses import ResponseStreamEvent
 from test_gateway_responses_background import ASK, call, get
 from test_gateway_responses_store import MODEL, answered, run
@@ -61,6 +61,17 @@ async def read(reader: asyncio.StreamReader, until: Callable[[Event], bool] | No
 
 def leave(reader: asyncio.StreamReader) -> None:
     reader.writer.close()  # type: ignore[attr-defined]
+
+
+async def seen_leaving(port: int) -> None:
+    """Until the gateway saw a client of ``POST /v1/responses`` leave (its metrics' 499)."""
+    for _ in range(500):
+        _, raw = await http(port, "GET", "/metrics")
+        if any(line.startswith("batchfleet_gateway_requests_total{") and 'status="499"' in line
+               and 'route="/v1/responses"' in line for line in raw.decode().splitlines()):  # fmt: skip
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the gateway never saw the client leave")
 
 
 def texts(events: list[Event]) -> str:
@@ -131,8 +142,9 @@ def test_a_streamed_background_response_resumes_on_another_gateway(
         seen += await read(stream, delta_is("lo"))
         assert [e["type"] for e in seen[3:5]] == ["response.output_item.added",
                                                   "response.content_part.added"]  # fmt: skip
-        # and the client leaves, and the worker ends it
+        # and the client leaves (while the worker is quiet), and the worker ends it
         leave(stream)
+        await seen_leaving(port)
         await asyncio.to_thread(fake.delta, taken, 4, " world")
         usage = Usage(prompt_tokens=4, completion_tokens=4)
         await asyncio.to_thread(fake.ok, taken, [{"text": "Hello world", "finish_reason": "stop"}],
@@ -205,6 +217,22 @@ def test_a_cancel_ends_the_streams_with_the_text_so_far(redis_url: str) -> None:
         assert end["type"] == "response.incomplete" and end["response"]["status"] == "cancelled"
         assert end["response"] == await get(port, rid)
         assert end["response"]["output"][0]["content"][0]["text"] == texts(seen + rest) == "Hel"
+        # and streamed again from the start, the same events
+        assert await read(await opened(port, "GET", f"/v1/responses/{rid}?stream=true")) == (
+            seen + rest)  # fmt: skip
+        # and one the worker finished before it saw the cancel ends cancelled too, as GET
+        # answers it
+        stream = await opened(port, "POST", "/v1/responses", STREAMED)
+        taken = await asyncio.to_thread(fake.take)
+        await worker(fake, taken, "Hello")
+        seen = await read(stream, delta_is("Hello"))
+        rid = seen[0]["response"]["id"]
+        assert (await call(port, "POST", f"/v1/responses/{rid}/cancel"))[0] == 200
+        await asyncio.to_thread(fake.ok, taken, [{"text": "Hello", "finish_reason": "stop"}])
+        await asyncio.to_thread(fake.delta, taken, 2, None)
+        end = (await read(stream))[-1]
+        assert end["type"] == "response.incomplete" and end["response"] == await get(port, rid)
+        assert end["response"]["status"] == "cancelled"
 
     run(redis_url, scenario)
 
@@ -234,7 +262,8 @@ def test_what_cannot_be_streamed_from_get(redis_url: str, r: redis.Redis) -> Non
 
         # a response answered at once (not background): OpenAI's 400
         _, _, whole = await answered(port, fake, {"model": MODEL, "input": "x"}, "ok")
-        assert "background" in await refused(f"/v1/responses/{whole['id']}?stream=true", "stream")
+        assert "Only a response created with background" in await refused(
+            f"/v1/responses/{whole['id']}?stream=true", "stream")  # fmt: skip
         # bad query values
         assert (await call(port, "GET", f"/v1/responses/{whole['id']}?stream=false"))[0] == 200
         await refused(f"/v1/responses/{whole['id']}?stream=yes", "stream")
