@@ -267,7 +267,7 @@ def test_what_cannot_be_streamed_from_get(redis_url: str, r: redis.Redis) -> Non
         # bad query values
         assert (await call(port, "GET", f"/v1/responses/{whole['id']}?stream=false"))[0] == 200
         await refused(f"/v1/responses/{whole['id']}?stream=yes", "stream")
-        for after in ("x", "1.5", "-2"):
+        for after in ("x", "1.5", "-1", "--1", ""):
             await refused(f"/v1/responses/{whole['id']}?stream=true&starting_after={after}",
                           "starting_after")  # fmt: skip
         await refused("/v1/responses/resp_nope?stream=true", None, 404)

@@ -175,10 +175,10 @@ class StoredResponse(Handler):
         stream = self.get_argument("stream", "false").lower()
         if stream not in ("true", "false"):
             return self.fail(invalid("stream must be true or false", "stream"))
-        after = self.get_argument("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or int(after) < -1:
-            return self.fail(invalid("starting_after must be an integer (a sequence_number)",
-                                     "starting_after"))  # fmt: skip
+        after = self.get_argument("starting_after", None)
+        if after is not None and not after.isdigit():
+            return self.fail(invalid("starting_after must be an event's sequence_number (an "
+                                     "integer, 0 or more)", "starting_after"))  # fmt: skip
         found = await self.gateway.responses.get(response_id)
         if found is None:
             return self.fail(not_found(response_id))
@@ -187,7 +187,7 @@ class StoredResponse(Handler):
         refused = await self.unstreamable(found)
         if refused is not None:
             return self.fail(invalid(refused, "stream"))
-        await send(self, found, int(after))
+        await send(self, found, -1 if after is None else int(after))
 
     async def unstreamable(self, found: Stored) -> str | None:
         """Why ``found``'s events cannot be streamed (None: they can)."""
