@@ -489,9 +489,17 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
                     assert (await http(port, "POST", f"{path}/cancel"))[0] == 200
                     assert await asyncio.to_thread(fake.cancelled, taken)
                     continue
+                # in progress: XREAD of its token stream (a streamed fleet request)
+                await asyncio.to_thread(fake.delta, taken, 1, "Hi")
+                status, body = await http(port, "GET", path)
+                assert status == 200 and json.loads(body)["status"] == "in_progress"
                 await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
+                await asyncio.to_thread(fake.delta, taken, 2)
                 status, body = await http(port, "GET", path)
                 assert status == 200 and json.loads(body)["status"] == "completed"
+                # its events streamed again: EXISTS of its result, XREAD of its token stream
+                status, body = await http(port, "GET", f"{path}?stream=true")
+                assert status == 200 and body.endswith(b'"sequence_number":9}\n\n'), body
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")

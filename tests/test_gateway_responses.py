@@ -107,7 +107,6 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
     ("extra", "param"),
     [
         ({"conversation": "conv_1"}, "conversation"),
-        ({"background": True, "stream": True}, "stream"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
@@ -448,6 +447,39 @@ def test_a_background_response_polled_until_done(fleet: Fleet) -> None:
     # and a finished one cannot be cancelled
     with pytest.raises(openai.BadRequestError):
         c.responses.cancel(made.id)
+
+
+def test_a_background_stream_left_resumed_and_cancelled(fleet: Fleet) -> None:
+    c = fleet.client
+    # Given a long background response streamed, left once its text flows
+    stream = c.responses.create(model=LM, input="the cat", max_output_tokens=4000,
+                                background=True, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    seen: list[Any] = []
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()
+    rid = seen[0].response.id
+    assert [e.type for e in seen[:3]] == ["response.created", "response.queued",
+                                          "response.in_progress"]  # fmt: skip
+    # Then the worker goes on generating it: in progress, not cancelled
+    assert c.responses.retrieve(rid).status == "in_progress"
+    # When the client resumes after the last event it read, and cancels it mid-stream
+    resumed = c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number)
+    rest: list[Any] = []
+    for event in resumed:
+        rest.append(event)
+        if sum(e.type == "response.output_text.delta" for e in rest) == 3:
+            assert c.responses.cancel(rid).status == "cancelled"
+    # Then the stream goes on without a gap to the response cancelled, with the text streamed
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers)))
+    end = rest[-1]
+    assert end.type == "response.incomplete" and end.response.status == "cancelled"
+    text = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert end.response.output_text == text == c.responses.retrieve(rid).output_text
+    assert end.response.usage is not None and 3 < end.response.usage.output_tokens < 4000
 
 
 def test_text_format_json_schema(fleet: Fleet) -> None:

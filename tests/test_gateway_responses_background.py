@@ -211,7 +211,6 @@ def test_deleting_a_pending_background_response_cancels_it(redis_url: str) -> No
     [
         ({"store": False}, "store", {}),
         ({}, "store", {"store_ttl_s": 0}),
-        ({"stream": True}, "stream", {}),
         ({"background": "yes"}, "background", {}),
     ],
 )

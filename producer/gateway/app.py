@@ -220,6 +220,8 @@ class Handler(tornado.web.RequestHandler):
         self.gateway = gateway
         self.gone = False
         """The client closed the connection before its answer ended."""
+        self.left = asyncio.Event()
+        """Set as :attr:`gone` is (for what waits on something else meanwhile)."""
         self.route = gateway.route_of(self.request.path)
         self._measured = False
         gateway.metrics.started(self.route)
@@ -312,6 +314,7 @@ class Handler(tornado.web.RequestHandler):
 
     def on_connection_close(self) -> None:
         self.gone = True
+        self.left.set()
         if not self._finished:
             self._measured_as(CLIENT_LEFT)
 

@@ -1,22 +1,27 @@
 """Background responses (``background: true``, OpenAI's and vLLM's): answered at once,
-``queued``, then polled (``GET /v1/responses/{id}``) until final, or cancelled
-(``POST /v1/responses/{id}/cancel``).
+``queued`` (or streamed: ``background_events.py``), then polled (``GET /v1/responses/{id}``)
+until final, or cancelled (``POST /v1/responses/{id}/cancel``).
 
-No gateway runs them: the fleet request is submitted and the response stored ``queued``
-with what finishing it takes (its fleet request's model, the name it is answered under
-and the request body). Any gateway that reads it settles it (:func:`settle`): where the
-fleet's result is there, it builds the final response as an answer waited for is built,
-and stores it in place of the pending one. A gateway that stops or restarts loses nothing.
+No gateway runs them: the fleet request is submitted (streamed, so that its token stream
+shows it began and holds its deltas) and the response stored ``queued`` with what
+finishing it takes (its fleet request's model, the name it is answered under and the
+request body). Any gateway that reads it settles it (:func:`settle`): where the fleet's
+result is there, it builds the final response as an answer waited for is built, and stores
+it in place of the pending one; where not, it is ``in_progress`` once its token stream has
+an entry (the worker generates it), else still ``queued``. A gateway that stops or
+restarts loses nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import redis
 
+from ...schemas.keys import ModelKeys
 from ...schemas.messages import Result
 from ..aio import AsyncJob
 from .app import Gateway
@@ -75,27 +80,51 @@ def final(found: Stored, result: Result) -> dict[str, Any]:
 
 
 def job(gateway: Gateway, found: Stored) -> AsyncJob:
-    """A pending response's fleet request."""
-    assert found.pending is not None
+    """A background response's fleet request (its ``pending``'s, or once final its
+    ``replay``'s)."""
+    info = found.pending or found.replay
+    assert info is not None
     rid = found.response["id"].removeprefix("resp_")
-    return AsyncJob(rid, found.pending["model"], producer=gateway.producer)
+    return AsyncJob(rid, info["model"], producer=gateway.producer,
+                    streaming=found.replay is not None)  # fmt: skip
+
+
+async def begun(gateway: Gateway, found: Stored) -> bool:
+    """Whether a pending response's fleet request has begun: its token stream has an entry
+    (a worker generated its first token). One submitted unstreamed (by a gateway older than
+    ``replay``) has none: False."""
+    fleet = job(gateway, found)
+    if not fleet.streaming:
+        return False
+    stream = ModelKeys(fleet.model).tokens(fleet.id)
+    return bool(await gateway.producer.client.xread({stream: "0-0"}, count=1))
 
 
 async def settle(gateway: Gateway, found: Stored) -> Stored:
     """``found`` as it stands now: a pending one whose fleet result is there is made final
-    and stored so (its TTL kept: it expires when it would have); else as it was."""
+    and stored so (its TTL kept: it expires when it would have); one ``queued`` whose fleet
+    request has begun is answered ``in_progress`` (not stored: a cancel may be under way);
+    else as it was."""
     if found.pending is None:
         return found
     result = await job(gateway, found).peek()
     if result is None:
+        if found.response["status"] == "queued" and await begun(gateway, found):
+            return replace(found, response=found.response | {"status": "in_progress"})
         return found
-    settled = Stored(final(found, result), found.input)
+    return await settled(gateway, found, result)
+
+
+async def settled(gateway: Gateway, found: Stored, result: Result) -> Stored:
+    """Pending ``found`` made final from its fleet ``result``, and stored so (its TTL kept)."""
+    done = Stored(final(found, result), found.input, replay=found.replay)
     try:
-        stored = await gateway.responses.put(settled.response, settled.input, again=True)
+        stored = await gateway.responses.put(done.response, done.input, replay=done.replay,
+                                             again=True)  # fmt: skip
     except (*DOWN, redis.ResponseError) as exc:
         stored = False
-        logger.warning("response %s answered, not stored settled: %s", settled.response["id"], exc)
+        logger.warning("response %s answered, not stored settled: %s", done.response["id"], exc)
     if stored:
-        logger.info("background response %s settled: %s", settled.response["id"],
-                    settled.response["status"])  # fmt: skip
-    return settled
+        logger.info("background response %s settled: %s", done.response["id"],
+                    done.response["status"])  # fmt: skip
+    return done

@@ -7,7 +7,9 @@ the input items it was built from: ``previous_response_id`` continues it (its in
 output before the new input; not its ``instructions``, as OpenAI's), and
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read or
 delete it. With ``background`` it is answered at once, ``queued``, and polled with ``GET``
-until final, or cancelled (``POST /v1/responses/{id}/cancel``): ``background.py``."""
+until final, or cancelled (``POST /v1/responses/{id}/cancel``): ``background.py``; with
+``stream`` too, its events are streamed, and resumed by ``GET ...?stream=true``:
+``background_events.py``."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Result
 from .app import Gateway, Generate, Handler
 from .background import PENDING, job, pending, queued, settle
+from .background_events import send
 from .endpoint import Answered, Events, Submission
 from .errors import ApiError, invalid, of_exception
 from .replies import DOWN
 from .response_input import input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
+from .stored import Stored
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +113,23 @@ class Responses(Generate):
             whole["store"] = False
 
     async def detached(self, sub: Submission, body: Mapping[str, Any], alias: str | None) -> bool:
-        """``background``: submitted, its fleet result kept as long as the response is
-        (bounded by the fleet's limit), stored ``queued`` and answered so at once (True).
-        A response not stored (over the size bound, Redis failing) is cancelled and refused:
-        nothing could ever answer it."""
+        """``background``: submitted streamed (its token stream shows it began and holds its
+        deltas), its fleet result kept as long as the response is (bounded by the fleet's
+        limit), stored ``queued`` and answered so at once (True), or with ``stream`` its
+        events streamed (the client leaving does not cancel it). A response not stored
+        (over the size bound, Redis failing) is cancelled and refused: nothing could ever
+        answer it."""
         if not body.get("background"):
             return False
         ttl = min(self.gateway.responses.ttl_s, self.gateway.producer.limits.max_result_ttl_s)
-        fleet = await self.submit(Submission(sub.model, sub.options | {"result_ttl_s": ttl}), body)
+        options = sub.options | {"result_ttl_s": ttl, "stream": True}
+        fleet = await self.submit(Submission(sub.model, options), body)
         self.gateway.inflight.discard(fleet)  # no client waits on it: a shutdown keeps it
         whole = queued(body, Answered(f"resp_{fleet.id}", int(time.time())), alias or fleet.model)
+        finishing = pending(fleet.model, alias, body)
         try:
-            stored = await self.gateway.responses.put(whole, self.items(whole["id"]),
-                                                      pending(fleet.model, alias, body))  # fmt: skip
+            stored = await self.gateway.responses.put(whole, self.items(whole["id"]), finishing,
+                                                      replay=finishing)  # fmt: skip
         except BaseException:
             self.gateway.cancel(fleet)
             raise
@@ -129,7 +137,10 @@ class Responses(Generate):
             self.gateway.cancel(fleet)
             raise invalid("a background response this large cannot be stored (the gateway's "
                           "--responses-max-bytes): send it without background", "background")  # fmt: skip
-        self.send_json(whole)
+        if body.get("stream"):
+            await send(self, Stored(whole, self.items(whole["id"]), finishing, finishing))
+        else:
+            self.send_json(whole)
         return True
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
@@ -156,13 +167,43 @@ class Responses(Generate):
 
 class StoredResponse(Handler):
     """``GET /v1/responses/{id}``: a stored response (a background one settled first:
-    ``background.py``); ``DELETE``: delete it (a background one not final: cancelled)."""
+    ``background.py``), or with ``stream=true`` a background one's events after
+    ``starting_after`` (``background_events.py``); ``DELETE``: delete it (a background one
+    not final: cancelled)."""
 
     async def get(self, response_id: str) -> None:
+        stream = self.get_argument("stream", "false").lower()
+        if stream not in ("true", "false"):
+            return self.fail(invalid("stream must be true or false", "stream"))
+        after = self.get_argument("starting_after", None)
+        if after is not None and not after.isdigit():
+            return self.fail(invalid("starting_after must be an event's sequence_number (an "
+                                     "integer, 0 or more)", "starting_after"))  # fmt: skip
         found = await self.gateway.responses.get(response_id)
         if found is None:
             return self.fail(not_found(response_id))
-        self.send_json((await settle(self.gateway, found)).response)
+        if stream == "false":
+            return self.send_json((await settle(self.gateway, found)).response)
+        refused = await self.unstreamable(found)
+        if refused is not None:
+            return self.fail(invalid(refused, "stream"))
+        await send(self, found, -1 if after is None else int(after))
+
+    async def unstreamable(self, found: Stored) -> str | None:
+        """Why ``found``'s events cannot be streamed (None: they can)."""
+        if not found.response.get("background"):
+            return ("Only a response created with background can be streamed: GET it "
+                    "without stream")  # fmt: skip
+        if found.replay is None:
+            return ("This background response was created by an older gateway, which did "
+                    "not keep its events: GET it without stream")  # fmt: skip
+        fleet = job(self.gateway, found)
+        if found.pending is None and not await self.gateway.producer.client.exists(
+            fleet.result_key
+        ):
+            return ("The events of this response are no longer kept (they expire with its "
+                    "fleet result, after the fleet's max_result_ttl_s): GET it without stream")  # fmt: skip
+        return None
 
     async def delete(self, response_id: str) -> None:
         found = await self.gateway.responses.get(response_id)
@@ -195,7 +236,8 @@ class CancelResponse(Handler):
         except BatchfleetError as exc:  # Redis away past the producer's retries
             return self.fail(of_exception(exc))
         cancelled = was | {"status": "cancelled"}
-        await self.gateway.responses.put(cancelled, found.input, found.pending, again=True)
+        await self.gateway.responses.put(cancelled, found.input, found.pending,
+                                         replay=found.replay, again=True)  # fmt: skip
         self.send_json(cancelled)
 
 

@@ -5,8 +5,7 @@ their chat-completions names; :func:`~.openai_fields.chat_submission` does the r
 both routes submit the same request for the same chat and the producer's validation
 answers a bad value (400). A ``previous_response_id`` is the handler's to resolve
 (``respond.py``: its stored conversation is put in ``input``); what needs state the gateway
-does not keep (a conversation object, a stored prompt, a background response's stream)
-and OpenAI's built-in tools are refused with 400 and the field as ``param``.
+does not keep (a conversation object, a stored prompt) and OpenAI's built-in tools are refused with 400 and the field as ``param``.
 """
 
 from __future__ import annotations
@@ -46,9 +45,6 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if body.get(name) is not None:
             raise invalid(f"{name} is not supported: continue a conversation with "
                           "previous_response_id, or send it whole as input", name)  # fmt: skip
-    if body.get("background") and body.get("stream"):
-        raise invalid("background with stream is not supported: poll GET /v1/responses/{id} "
-                      "until the response is final", "stream")  # fmt: skip
     chat = {k: body[k] for k in ("model", *EXTRAS) if body.get(k) is not None}
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")

@@ -199,12 +199,20 @@ class ResponseEvents:
         self.held: list[TokenLogprob] = []
         """Log-probabilities of tokens that showed no text yet."""
 
+    def _begin(self) -> list[dict[str, Any]]:
+        """The events that open the stream, before its first output."""
+        self.begun = True
+        begun = settings(self.body, self.answered, self.model)
+        return [{"type": "response.created", "response": begun},
+                {"type": "response.in_progress", "response": begun}]  # fmt: skip
+
     def _number(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``events`` numbered (the opening ones first, before the first output)."""
         if events and not self.begun:
-            self.begun = True
-            begun = settings(self.body, self.answered, self.model)
-            events = [{"type": "response.created", "response": begun},
-                      {"type": "response.in_progress", "response": begun}, *events]  # fmt: skip
+            events = [*self._begin(), *events]
+        return self._numbered(events)
+
+    def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for e in events:
             e["sequence_number"] = self.seq
             self.seq += 1

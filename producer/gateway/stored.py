@@ -34,6 +34,9 @@ class Stored:
     input: list[dict[str, Any]]
     pending: dict[str, Any] | None = None
     """A background response not settled yet: what finishing it takes (``background.py``)."""
+    replay: dict[str, Any] | None = None
+    """A background response's: what rebuilding its events takes (the same as ``pending``),
+    kept once it is final, so that it can be streamed again (``background_events.py``)."""
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -66,17 +69,20 @@ class ResponseStore:
         input: list[dict[str, Any]],
         pending: Mapping[str, Any] | None = None,
         *,
+        replay: Mapping[str, Any] | None = None,
         again: bool = False,
     ) -> bool:
         """Store ``response`` (built from ``input``; ``pending``: a background response's
-        finishing) for ``ttl_s``; False where it was not (storing is off, it is over
-        ``max_bytes``: logged). ``again``: over a stored one, its TTL kept (False where it
-        is gone: expired or deleted)."""
+        finishing, ``replay``: its events' rebuilding) for ``ttl_s``; False where it was not
+        (storing is off, it is over ``max_bytes``: logged). ``again``: over a stored one,
+        its TTL kept (False where it is gone: expired or deleted)."""
         if not self.enabled:
             return False
         record = {"response": response, "input": input}
         if pending is not None:
             record["pending"] = pending
+        if replay is not None:
+            record["replay"] = replay
         raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
         if len(raw) > self.max_bytes:
             logger.warning("response %s not stored: %d bytes, over the %d bytes bound",
@@ -96,7 +102,8 @@ class ResponseStore:
         if raw is None:
             return None
         record = json.loads(raw)
-        return Stored(record["response"], record["input"], record.get("pending"))
+        return Stored(record["response"], record["input"], record.get("pending"),
+                      record.get("replay"))  # fmt: skip
 
     async def delete(self, response_id: str) -> bool:
         """Delete ``response_id``; False where none was stored."""
