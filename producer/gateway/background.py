@@ -19,6 +19,7 @@ import redis
 
 from ...schemas.messages import Result
 from ..aio import AsyncJob
+from . import continued
 from .app import Gateway
 from .endpoint import Answered
 from .errors import of_result
@@ -90,6 +91,7 @@ async def settle(gateway: Gateway, found: Stored) -> Stored:
     if result is None:
         return found
     settled = Stored(final(found, result), found.input)
+    await continued.settled(gateway, found, settled.response)  # made with conversation
     try:
         stored = await gateway.responses.put(settled.response, settled.input, again=True)
     except (*DOWN, redis.ResponseError) as exc:
