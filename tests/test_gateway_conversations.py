@@ -337,7 +337,7 @@ def test_appends_from_two_gateways_at_once_are_all_kept_whole(redis_url: str) ->
             # Then the conversation holds all 80, each pair together and in its order
             ids: list[str] = []
             after = ""
-            while True:
+            for _ in range(4):  # 80 items: 3 pages of 30
                 _, page = await call(two, "GET", f"{path}?order=asc&limit=30{after}")
                 ids += [i["id"] for i in page["data"]]
                 if not page["has_more"]:
@@ -349,3 +349,20 @@ def test_appends_from_two_gateways_at_once_are_all_kept_whole(redis_url: str) ->
                        for i in range(0, 80, 2))  # fmt: skip
 
     asyncio.run(go())
+
+
+def test_items_are_stored_and_shown_as_openai_answers_them() -> None:
+    from batchfleet.producer.gateway.conversation_routes import new_items, shown
+
+    user, assistant, call = new_items([HELLO, {"role": "assistant", "content": "Hi"},
+                                       {"type": "function_call", "call_id": "c", "name": "f",
+                                        "arguments": "{}"}])  # fmt: skip
+    assert user["content"] == [{"type": "input_text", "text": "hello"}]
+    assert (user["type"], user["status"], user["id"][:4]) == ("message", "completed", "msg_")
+    assert assistant["content"] == [{"type": "output_text", "text": "Hi", "annotations": []}]
+    assert call["id"].startswith("fc_") and "status" not in call and user["id"] != assistant["id"]
+    # an output text's log-probabilities only where include asks for them
+    part = {"type": "output_text", "text": "Hi", "logprobs": [{"token": "Hi", "logprob": -1.0}]}
+    item = {**assistant, "content": [part]}
+    assert shown(item, True) == item
+    assert shown(item, False)["content"] == [{**part, "logprobs": []}]
