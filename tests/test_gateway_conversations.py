@@ -289,7 +289,7 @@ def test_the_bounds_refuse_items_and_responses_past_them(redis_url: str, r: redi
         assert idle(fake)
         # When a response's output is past the bytes bound (2000): it is answered with
         # that error, and neither added nor stored
-        _, other = await call(port, "POST", "/v1/conversations", {})
+        _, other = await call(port, "POST", "/v1/conversations", {"items": []})
         ask = asyncio.ensure_future(http(port, "POST", "/v1/responses", {
             "model": MODEL, "input": "x", "conversation": other["id"]}))  # fmt: skip
         taken = await asyncio.to_thread(fake.take)

@@ -130,7 +130,8 @@ class Conversations(ConversationHandler):
     async def post(self) -> None:
         body = self.body_json()
         meta = metadata(body.get("metadata"))
-        items = [] if body.get("items") is None else new_items(body["items"])
+        raw = body.get("items")
+        items = [] if raw is None or raw == [] else new_items(raw)
         try:
             made = await self.gateway.conversations.create(meta, items, int(time.time()))
         except ItemsRefused as exc:
