@@ -275,7 +275,10 @@ def _gateway(args: argparse.Namespace) -> int:
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
                           grace_s=args.grace, store_ttl_s=args.responses_ttl,
-                          store_max_bytes=args.responses_max_bytes))  # fmt: skip
+                          store_max_bytes=args.responses_max_bytes,
+                          conversations={"ttl_s": args.conversations_ttl,
+                                         "max_items": args.conversations_max_items,
+                                         "max_bytes": args.conversations_max_bytes}))  # fmt: skip
     return 0
 
 
@@ -499,6 +502,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4 * 1024 * 1024,  # stored.DEFAULT_MAX_BYTES
         help="a larger stored response (with its conversation) is answered but not stored",
+    )
+    gw.add_argument(
+        "--conversations-ttl",
+        type=int,
+        default=30 * 24 * 3600,  # conversations.DEFAULT_TTL_S
+        help="seconds a /v1/conversations conversation is kept after its last change "
+        "(default 30 days; 0: until deleted, as OpenAI's)",
+    )
+    gw.add_argument(
+        "--conversations-max-items",
+        type=int,
+        default=1000,  # conversations.DEFAULT_MAX_ITEMS
+        help="the most items a conversation holds (adding more is refused with 400)",
+    )
+    gw.add_argument(
+        "--conversations-max-bytes",
+        type=int,
+        default=4 * 1024 * 1024,  # conversations.DEFAULT_MAX_BYTES
+        help="the most bytes a conversation's items hold, as JSON (more is refused with 400)",
     )
     gw.set_defaults(func=_gateway)
 

@@ -201,3 +201,42 @@ def response_key(response_id: str) -> str:
     if not RESPONSE_ID.match(response_id):
         raise ValueError(f"bad response id {response_id!r}")
     return f"{PREFIX}:responses:{response_id}"
+
+
+CONVERSATION_ID = re.compile(r"^conv_[A-Za-z0-9_-]{1,128}$")
+"""A Conversations API conversation id: ``conv_`` and a random hex (the gateway's)."""
+CONVERSATION_KEY_PATTERN = f"{PREFIX}:conversations:*"
+"""Every conversation's keys (the gateway's ACL pattern)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKeys:
+    """Names of one Conversations API conversation's keys. They share the hash tag of its
+    id, so its scripts stay single-slot on a Cluster, and conversations spread over slots."""
+
+    conversation_id: str
+
+    def __post_init__(self) -> None:
+        if not CONVERSATION_ID.match(self.conversation_id):
+            raise ValueError(f"bad conversation id {self.conversation_id!r}")
+
+    @property
+    def meta(self) -> str:
+        """Hash: ``created_at``, ``metadata`` (JSON), ``next`` (the last item's sequence
+        number) and ``bytes`` (its items' JSON, summed)."""
+        return f"{PREFIX}:conversations:{{{self.conversation_id}}}"
+
+    @property
+    def items(self) -> str:
+        """Hash: item id → the item's JSON."""
+        return f"{self.meta}:items"
+
+    @property
+    def order(self) -> str:
+        """Sorted set: item ids scored by their sequence number (the order they were added)."""
+        return f"{self.meta}:order"
+
+    @property
+    def all(self) -> list[str]:
+        """Every key, in the order the conversation scripts take them."""
+        return [self.meta, self.items, self.order]

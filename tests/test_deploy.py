@@ -500,6 +500,36 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
                 # its events streamed again: EXISTS of its result, XREAD of its token stream
                 status, body = await http(port, "GET", f"{path}?stream=true")
                 assert status == 200 and body.endswith(b'"sequence_number":9}\n\n'), body
+            # a conversation: made, with items and metadata (EVALSHA of the write script:
+            # EXISTS, ZCARD, HGET, HEXISTS, HSET, HINCRBY, ZADD, EXPIRE), read (HMGET), listed
+            # (ZRANGE, ZREVRANK, HMGET), an item read (HGET) and deleted (the remove script:
+            # HDEL, ZREM), continued by a response, changed, deleted (DEL)
+            item = {"type": "message", "role": "user", "content": "hi"}
+            status, body = await http(port, "POST", "/v1/conversations",
+                                      {"items": [item, item], "metadata": {"a": "b"}})  # fmt: skip
+            assert status == 200, body
+            path = f"/v1/conversations/{json.loads(body)['id']}"
+            assert (await http(port, "GET", path))[0] == 200
+            status, body = await http(port, "GET", f"{path}/items?limit=1")
+            listed = json.loads(body)
+            assert status == 200 and listed["has_more"]
+            status, body = await http(port, "GET", f"{path}/items?after={listed['last_id']}")
+            assert status == 200 and len(json.loads(body)["data"]) == 1
+            status, body = await http(port, "GET", f"{path}/items?order=asc&limit=1")
+            assert status == 200 and json.loads(body)["data"][0]["id"] != listed["last_id"]
+            item_path = f"{path}/items/{listed['last_id']}"
+            assert (await http(port, "GET", item_path))[0] == 200
+            assert (await http(port, "DELETE", item_path))[0] == 200
+            reply = asyncio.ensure_future(http(port, "POST", "/v1/responses", {
+                "model": model, "input": "more", "conversation": path.rsplit("/", 1)[1]}))  # fmt: skip
+            taken = await asyncio.to_thread(fake.take)
+            await asyncio.to_thread(fake.ok, taken, [{"text": "Hi", "finish_reason": "stop"}])
+            assert (await reply)[0] == 200
+            status, body = await http(port, "GET", f"{path}/items")
+            assert status == 200 and len(json.loads(body)["data"]) == 3
+            assert (await http(port, "POST", path, {"metadata": {}}))[0] == 200
+            assert (await http(port, "DELETE", path))[0] == 200
+            assert (await http(port, "GET", path))[0] == 404
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")
@@ -525,6 +555,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.set("bf:other", b"x", ex=60),
         lambda: gw.expire(response_key("resp_t"), 60),
         lambda: gw.set(keys.info, b"{}"),
+        lambda: gw.hset(keys.workers, "w", "x"),  # hash commands on conversations only
+        lambda: gw.zadd("bf:other", {"x": 1}),
+        lambda: gw.expire(keys.lanes_key, 60),
         lambda: gw.flushall(),
         lambda: gw.config_get("*"),
     ):

@@ -106,7 +106,7 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),

@@ -41,6 +41,7 @@ from ..tokens import Restarted
 from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
+from .conversations import ConversationStore
 from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .metrics import CLIENT_LEFT, GatewayMetrics
@@ -69,10 +70,14 @@ class Gateway:
         priority: int | None = None,
         store_ttl_s: int = DEFAULT_TTL_S,
         store_max_bytes: int = DEFAULT_MAX_BYTES,
+        conversations: Mapping[str, int] | None = None,
     ) -> None:
         self.producer = producer
         self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
         """The Responses API's stored responses."""
+        self.conversations = ConversationStore(producer.client, **(conversations or {}))
+        """The Conversations API's conversations (``conversations``: their ``ttl_s``,
+        ``max_items`` and ``max_bytes``)."""
         self.replies = Replies(producer)
         self.metrics = GatewayMetrics()
         self.metrics.watch(lambda: len(self.inflight), lambda: float(self.replies.live))
@@ -192,6 +197,9 @@ class Gateway:
                 if path.endswith(tail):
                     return "/v1/responses/{id}" + tail
             return "/v1/responses/{id}"
+        if path.startswith("/v1/conversations/"):
+            depth = path.count("/") - 3  # 0: a conversation, 1: its items, 2: one item
+            return "/v1/conversations/{id}" + ("", "/items", "/items/{item_id}")[min(depth, 2)]
         return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
     def cancel(self, job: AsyncJob) -> None:
@@ -613,6 +621,12 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     """The tornado application: the generation routes (and their tokenizer's: vLLM's
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
     → unary endpoint: the pooling ones by default), models and health."""
+    from .conversation_routes import (
+        ConversationItem,
+        ConversationItems,
+        ConversationObject,
+        Conversations,
+    )
     from .messages import CountTokens, Messages  # imported here, as they import this module
     from .respond import CancelResponse, InputItems, Responses, StoredResponse
     from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
@@ -629,6 +643,10 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/v1/responses/([^/]+)", StoredResponse, g),
         (r"/v1/responses/([^/]+)/input_items", InputItems, g),
         (r"/v1/responses/([^/]+)/cancel", CancelResponse, g),
+        (r"/v1/conversations", Conversations, g),
+        (r"/v1/conversations/([^/]+)", ConversationObject, g),
+        (r"/v1/conversations/([^/]+)/items", ConversationItems, g),
+        (r"/v1/conversations/([^/]+)/items/([^/]+)", ConversationItem, g),
         (r"/v1/messages", Messages, g),
         (r"/v1/messages/count_tokens", CountTokens, g | {"endpoint": COUNT_TOKENS}),
         (r"/tokenize", Unary, g | {"endpoint": TOKENIZE}),
@@ -667,6 +685,7 @@ async def serve(
     grace_s: float = 30.0,
     store_ttl_s: int = DEFAULT_TTL_S,
     store_max_bytes: int = DEFAULT_MAX_BYTES,
+    conversations: Mapping[str, int] | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -674,7 +693,8 @@ async def serve(
     request, give those in flight up to ``grace_s`` to end, and cancel those left, so the
     fleet stops generating for clients that will not be answered. ``ready`` is set once
     it listens and is subscribed to its reply channel. Responses API responses are stored
-    ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each."""
+    ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each; conversations as
+    ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -684,7 +704,8 @@ async def serve(
             handled.append(sig)
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
-                          store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes)  # fmt: skip
+                          store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
+                          conversations=conversations)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip

@@ -24,6 +24,7 @@ import redis
 from ...schemas.keys import ModelKeys
 from ...schemas.messages import Result
 from ..aio import AsyncJob
+from . import continued
 from .app import Gateway
 from .endpoint import Answered
 from .errors import of_result
@@ -118,6 +119,7 @@ async def settle(gateway: Gateway, found: Stored) -> Stored:
 async def settled(gateway: Gateway, found: Stored, result: Result) -> Stored:
     """Pending ``found`` made final from its fleet ``result``, and stored so (its TTL kept)."""
     done = Stored(final(found, result), found.input, replay=found.replay)
+    await continued.settled(gateway, found, done.response)  # made with conversation
     try:
         stored = await gateway.responses.put(done.response, done.input, replay=done.replay,
                                              again=True)  # fmt: skip

@@ -25,18 +25,15 @@ from ...schemas.messages import Result
 from .app import Gateway, Generate, Handler
 from .background import PENDING, job, pending, queued, settle
 from .background_events import send
+from .continued import Continued, continued
 from .endpoint import Answered, Events, Submission
 from .errors import ApiError, invalid, of_exception
 from .replies import DOWN
-from .response_input import input_items, input_messages, response_submission
+from .response_input import ITEM_PREFIX, input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
 from .stored import Stored
 
 logger = logging.getLogger(__name__)
-
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-               "reasoning": "rs"}  # fmt: skip
-"""Of the ids given to input items sent without one (``input_items`` lists them by id)."""
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -57,10 +54,13 @@ class Responses(Generate):
         """The next event's ``sequence_number`` (an error event's, after the others)."""
         self.conversation: list[dict[str, Any]] = []
         """The input items the response is built from (the previous response's first)."""
+        self.continued: Continued | None = None
+        """The conversation object (``conversation``) the response continues."""
 
     async def expand(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """``input`` as items after the stored conversation ``previous_response_id``
-        continues (404 where none is stored); ``store`` as it will be."""
+        continues (404 where none is stored), or the items of the conversation object
+        ``conversation`` names (``continued.py``); ``store`` as it will be."""
         store = body.get("store")
         if store is not None and not isinstance(store, bool):
             raise invalid("store must be a boolean", "store")
@@ -74,6 +74,11 @@ class Responses(Generate):
                           "store")  # fmt: skip
         new = input_items(body.get("input"))
         input_messages(new)  # a bad item is refused under its own index
+        if body.get("conversation") is not None:
+            self.continued = await continued(self.gateway, body, new)
+            self.conversation = self.continued.items + new
+            return {**body, "input": self.conversation, "store": stored,
+                    "conversation": {"id": self.continued.id}}  # fmt: skip
         previous = body.get("previous_response_id")
         if previous is not None:
             if not isinstance(previous, str):
@@ -100,8 +105,11 @@ class Responses(Generate):
 
     async def keep(self, answer: Any) -> None:
         """Store the whole response (streamed: the last event's) before it is sent; one
-        not stored (over the size bound, Redis failing) says ``store: false``."""
+        not stored (over the size bound, Redis failing) says ``store: false``. With
+        ``conversation``, it is added to the conversation first (else an error answers)."""
         whole = answer if isinstance(answer, dict) else answer[-1]["response"]
+        if self.continued is not None:
+            await self.continued.add(self.items(whole["id"]), whole["output"])
         if not whole["store"]:
             return
         try:
@@ -128,6 +136,8 @@ class Responses(Generate):
         whole = queued(body, Answered(f"resp_{fleet.id}", int(time.time())), alias or fleet.model)
         finishing = pending(fleet.model, alias, body)
         try:
+            if self.continued is not None:  # added to it once settled
+                finishing |= self.continued.pending()
             stored = await self.gateway.responses.put(whole, self.items(whole["id"]), finishing,
                                                       replay=finishing)  # fmt: skip
         except BaseException:

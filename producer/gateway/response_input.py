@@ -5,7 +5,8 @@ their chat-completions names; :func:`~.openai_fields.chat_submission` does the r
 both routes submit the same request for the same chat and the producer's validation
 answers a bad value (400). A ``previous_response_id`` is the handler's to resolve
 (``respond.py``: its stored conversation is put in ``input``); what needs state the gateway
-does not keep (a conversation object, a stored prompt) and OpenAI's built-in tools are refused with 400 and the field as ``param``.
+does not keep (a stored prompt) and OpenAI's built-in tools are refused with 400 and the
+field as ``param``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from .endpoint import Submission
 from .errors import invalid
 from .openai_fields import SAME_NAME, chat_submission, text_parts
 
-STATEFUL = ("conversation", "prompt")
-"""Fields that name state kept on OpenAI's side (the gateway keeps responses only)."""
+STATEFUL = ("prompt",)
+"""Fields that name state kept on OpenAI's side (the gateway keeps responses and
+conversations only)."""
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+               "reasoning": "rs"}  # fmt: skip
+"""Of the ids given to input items sent without one (``input_items`` lists them by id)."""
 
 NOT_TAKEN = ("n", "response_format", "prompt_logprobs", "return_token_ids")
 EXTRAS = (
@@ -44,7 +49,8 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in STATEFUL:
         if body.get(name) is not None:
             raise invalid(f"{name} is not supported: continue a conversation with "
-                          "previous_response_id, or send it whole as input", name)  # fmt: skip
+                          "conversation or previous_response_id, or send it whole as input",
+                          name)  # fmt: skip
     chat = {k: body[k] for k in ("model", *EXTRAS) if body.get(k) is not None}
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")

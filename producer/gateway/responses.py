@@ -72,6 +72,7 @@ def settings(body: Mapping[str, Any], answered: Answered, model: str) -> dict[st
         "output": [],
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": body.get("previous_response_id"),
+        "conversation": body.get("conversation"),  # {"id": ...}, as respond.py puts it
         "reasoning": dict(reasoning) if isinstance(reasoning, Mapping) else None,
         "store": body.get("store") is not False,
         "temperature": body.get("temperature", 0.0),
