@@ -160,6 +160,13 @@ class GenerationOptions(TypedDict, total=False):
     return_prompt_text: bool | None
     """Each input's first output carries ``prompt_text``: its prompt as the model read it
     (a chat's rendered template, token ids decoded)."""
+    add_special_tokens: bool | None
+    """Whether the tokenizer adds its special tokens to a prompt (default: a text's yes, a
+    chat's no; vLLM's); workers older than it answer ``invalid_request``."""
+    return_token_strs: bool | None
+    """Each input's first output carries ``prompt_token_strs``: its prompt's tokens as the
+    tokenizer writes them (vLLM's ``/tokenize``); workers older than it answer
+    ``invalid_request``."""
     cache_salt: str | None
     """Cached prefixes are shared only with requests of the same salt (vLLM's)."""
     reasoning_effort: str | None

@@ -148,6 +148,10 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             if "reasoning_content" in flat
             else None,
             prompt_tokens=int(flat["prompt_tokens"]) if "prompt_tokens" in flat else None,
+            prompt_text=_str(flat["prompt_text"]) if "prompt_text" in flat else None,
+            prompt_logprobs=json.loads(flat["prompt_logprobs"])
+            if "prompt_logprobs" in flat
+            else None,
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None

@@ -356,6 +356,11 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         body["reasoning_content"] = delta.reasoning_content
     if delta.prompt_tokens is not None:
         body["prompt_tokens"] = delta.prompt_tokens
+    if delta.prompt_text is not None:
+        body["prompt_text"] = delta.prompt_text
+    if delta.prompt_logprobs is not None:
+        body["prompt_logprobs"] = [None if lp is None else lp.model_dump()
+                                   for lp in delta.prompt_logprobs]  # fmt: skip
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
@@ -366,7 +371,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     ``logprobs``, where the request asked, ``tool_calls``, where the delta completed
     calls, ``tool_call_chunks``, where it wrote some, and ``token_ids``, where the request
     asked, as JSON text; ``content`` and ``reasoning_content`` where the output has them;
-    ``prompt_tokens`` in each output's first)."""
+    ``prompt_tokens`` in each output's first; ``prompt_text``, and ``prompt_logprobs`` as
+    JSON text, where the delta has them)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -387,11 +393,24 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"reasoning_content"] = delta.reasoning_content.encode()
     if delta.prompt_tokens is not None:
         fields[b"prompt_tokens"] = str(delta.prompt_tokens).encode()
+    if delta.prompt_text is not None:
+        fields[b"prompt_text"] = delta.prompt_text.encode()
+    if delta.prompt_logprobs is not None:
+        fields[b"prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs).encode()
     return fields
 
 
 def logprobs_json(logprobs: Sequence[TokenLogprob] | Sequence[dict[str, Any]]) -> str:
     """A delta's ``logprobs`` as its token-stream field holds them (compact JSON)."""
+    plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
+    return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
+
+
+def prompt_logprobs_json(
+    logprobs: Sequence[TokenLogprob | None] | Sequence[dict[str, Any] | None],
+) -> str:
+    """A delta's ``prompt_logprobs`` as its token-stream field holds them (compact JSON; the
+    first token's null kept)."""
     plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 

@@ -119,6 +119,7 @@ GENERATION_FIELDS: Final = (
     "allowed_token_ids", "skip_special_tokens", "bad_words", "chat_template_kwargs",
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
     "reasoning_effort", "return_prompt_text", "lora",
+    "add_special_tokens", "return_token_strs",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -435,6 +436,16 @@ class Request(_Strict):
     """The first output of each input carries ``prompt_text``: its prompt as the model
     read it (what OpenAI's ``echo`` and vLLM's ``/detokenize`` show for a prompt sent as
     token ids or a chat); absent otherwise."""
+    add_special_tokens: bool | None = None
+    """vLLM's: whether the tokenizer adds its special tokens (BOS and the like) when it
+    tokenizes a prompt. None: a text with them, a chat without (its template has its
+    own); true adds them to a chat's rendered template too, false leaves them off a text.
+    ``prompt_token_ids`` inputs are taken as they are. Workers before it was added
+    answer ``invalid_request``."""
+    return_token_strs: bool | None = None
+    """vLLM's ``/tokenize``: the first output of each input carries ``prompt_token_strs``,
+    its prompt's tokens as the tokenizer writes them (``convert_ids_to_tokens``). Workers
+    before it was added answer ``invalid_request``."""
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     """OpenAI's and vLLM's: added to these tokens' logits (-100 … 100) before sampling. Keys
     are token ids as decimal strings (as in OpenAI's API; Python may pass ints)."""
@@ -748,6 +759,9 @@ class Generation(_Answer):
     prompt's text as the model read it: a text input as sent (decoded from its tokens when
     ``truncate_prompt_tokens`` cut it), a chat's rendered template, ``prompt_token_ids``
     decoded (special tokens kept)."""
+    prompt_token_strs: list[str] | None = None
+    """With the request's ``return_token_strs``, in the first output of each input: the
+    prompt's tokens as the tokenizer writes them (``prompt_tokens`` of them; e.g. ``Ġcat``)."""
     stop_reason: str | int | None = None
     """vLLM's: what ended a ``stop`` output: the request's stop string (``stop``) or stop
     token id (``stop_token_ids``) it met; null when an end-of-sequence token ended it, for
@@ -808,6 +822,15 @@ class Delta(_Answer):
     """In the first delta of each output: its prompt's tokens (the result's
     ``prompt_tokens`` for it), so a stream can report its usage as it goes; absent in the
     others, and from workers before it was added."""
+    prompt_text: str | None = None
+    """With the request's ``return_prompt_text`` and ``stream``, in the first delta of the
+    first output of each input (``i * n``): the result's ``prompt_text`` of it, so a stream
+    can echo its prompt before the generated text; absent otherwise, and from workers
+    before it was added."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With the request's ``prompt_logprobs`` and ``stream``, where ``prompt_text`` would
+    be: the result's ``prompt_logprobs`` of that output; absent otherwise, and from workers
+    before it was added."""
     content: str | None = None
     """Where the output has a ``content`` (see :attr:`Generation.content`): what this
     delta adds to it (maybe empty); the deltas' pieces add up to the result's ``content``.

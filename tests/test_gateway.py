@@ -26,6 +26,7 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.messages import Delta
 from batchfleet.schemas.model_info import decode_model_info
 from conftest import WorkerProcess, fleet_toml
 from tiny_models import make_causal_lm, make_classifier, make_embedding_model
@@ -265,8 +266,17 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
     # a token the model does not have is the worker's refusal
     status, body = post("/detokenize", {"model": LM, "tokens": [10**6]})
     assert status == 400 and body["error"]["code"] == "invalid_input"
-    status, body = post("/tokenize", {"model": LM, "prompt": "a", "return_token_strs": True})
-    assert status == 400 and body["error"]["param"] == "return_token_strs"
+    # the tokenizer's strings of them (vLLM's token_strs), and add_special_tokens as asked
+    # (this tokenizer adds none to a text: the same ids; a chat's template has its own)
+    status, body = post("/tokenize", {"model": LM, "prompt": "the cat sat",
+                                      "return_token_strs": True, "add_special_tokens": False})  # fmt: skip
+    assert status == 200 and body["tokens"] == text.prompt_token_ids
+    assert "".join(body["token_strs"]).replace("Ġ", " ") == "the cat sat"
+    assert len(body["token_strs"]) == body["count"] == text.prompt_tokens
+    status, body = post("/tokenize", {"model": LM, "messages": chat, "add_special_tokens": True})
+    assert status == 200 and body["tokens"] == rendered.prompt_token_ids
+    status, body = post("/tokenize", {"model": LM, "prompt": "a", "add_special_tokens": "no"})
+    assert status == 400 and body["error"]["param"] == "add_special_tokens"
     # lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0 scores the prompt
     scored = produced(fleet, inputs="the cat sat", max_new_tokens=1, prompt_logprobs=1)
     reply = fleet.client.completions.create(model=LM, prompt="the cat sat", echo=True,
@@ -296,6 +306,55 @@ def test_tokenize_detokenize_and_prompt_scoring(fleet: Fleet) -> None:
     ids = fleet.client.completions.create(model=LM, prompt=text.prompt_token_ids, echo=True,
                                           max_tokens=0)  # fmt: skip
     assert ids.choices[0].text == "the cat sat"
+
+
+def test_a_streamed_echo_adds_up_to_the_whole_answer(fleet: Fleet) -> None:
+    """vLLM streams ``echo`` with ``logprobs`` and token-id prompts: each choice opens
+    with its prompt (its tokens' log-probabilities, the first null), then its deltas."""
+    # Given the fleet's token stream of such a request: its first delta tells the prompt
+    with Producer(fleet.url) as p:
+        job = p.submit(LM, inputs="the cat sat", max_new_tokens=3, stream=True,
+                       prompt_logprobs=1, return_prompt_text=True)  # fmt: skip
+        deltas = [d for d in job.deltas(timeout=120) if isinstance(d, Delta)]
+        out = job.result(timeout=120).generations()[0]
+    assert deltas[0].prompt_text == out.prompt_text == "the cat sat"
+    assert deltas[0].prompt_logprobs == out.prompt_logprobs and out.prompt_logprobs
+    assert all(d.prompt_text is None and d.prompt_logprobs is None for d in deltas[1:])
+    ids = produced(fleet, inputs="a dog ran", max_new_tokens=1,
+                   return_token_ids=True).prompt_token_ids  # fmt: skip
+    for prompt, more in ((["the cat sat", "a dog ran"], {"logprobs": 1}), ([ids], {}),
+                         ([ids], {"logprobs": 0}), (["the cat sat"], {"logprobs": 2})):  # fmt: skip
+        for max_tokens in (5, 0):
+            # Given a completion asked whole, greedy: n 2 gives each input's text twice
+            ask = {"model": LM, "prompt": prompt, "echo": True, "max_tokens": max_tokens,
+                   "n": 2, **more}  # fmt: skip
+            whole = fleet.client.completions.create(**ask)
+            # When it is streamed
+            pieces: dict[int, list[Any]] = {}
+            for chunk in fleet.client.completions.create(**ask, stream=True):
+                for ch in chunk.choices:
+                    pieces.setdefault(ch.index, []).append(ch)
+            # Then each choice's chunks add up to its whole text and logprobs, prompt first
+            assert sorted(pieces) == [c.index for c in whole.choices] == [0, 1, 2, 3][
+                : 2 * len(prompt)]  # fmt: skip
+            for c in whole.choices:
+                mine = pieces[c.index]
+                assert "".join(ch.text for ch in mine) == c.text, (ask, c.index)
+                echo = prompt[c.index // 2]
+                assert mine[0].text == (echo if isinstance(echo, str) else "a dog ran")
+                assert mine[-1].finish_reason == c.finish_reason
+                if c.logprobs is None:
+                    assert all(ch.logprobs is None for ch in mine)
+                    continue
+                streamed: dict[str, list[Any]] = {}
+                for ch in mine:
+                    for k, v in (ch.logprobs.model_dump() if ch.logprobs else {}).items():
+                        streamed.setdefault(k, []).extend(v)
+                assert streamed == c.logprobs.model_dump()
+                assert c.logprobs.token_logprobs is not None
+                assert c.logprobs.token_logprobs[0] is None
+                assert mine[0].logprobs is not None and mine[0].logprobs.text_offset
+                assert mine[0].logprobs.text_offset[0] == 0
 
 
 def test_stop_reason_names_the_stop_string(fleet: Fleet) -> None:

@@ -45,6 +45,12 @@ def test_tokenize_asks_the_prompt_only_with_its_token_ids() -> None:
                                          "add_special_tokens": True}))  # fmt: skip
     assert request.inputs == ["the cat"] and request.messages is None
     assert (request.max_new_tokens, request.return_token_ids) == (0, True)
+    # the defaults (a text with special tokens, a chat without) and no strings go as
+    # nothing, so workers from before those fields serve them
+    assert (request.add_special_tokens, request.return_token_strs) == (None, None)
+    strs = built(tokenize_submission({"model": MODEL, "prompt": "the cat",
+                                      "add_special_tokens": False, "return_token_strs": True}))  # fmt: skip
+    assert (strs.add_special_tokens, strs.return_token_strs) == (False, True)
     # a chat, rendered as the chat route renders it (tools and the template's switches)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     chat = built(tokenize_submission({
@@ -53,6 +59,10 @@ def test_tokenize_asks_the_prompt_only_with_its_token_ids() -> None:
         "tools": tools, "chat_template_kwargs": {"enable_thinking": False},
         "add_generation_prompt": False, "continue_final_message": True,
         "add_special_tokens": False}))  # fmt: skip
+    assert chat.add_special_tokens is None
+    again = built(tokenize_submission({"model": MODEL, "messages": CHAT,
+                                       "add_special_tokens": True}))  # fmt: skip
+    assert again.add_special_tokens is True
     assert [m.role for m in chat.messages] == ["system", "user", "assistant"] and chat.tools
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert (chat.add_generation_prompt, chat.continue_final_message) == (False, True)
@@ -66,9 +76,9 @@ def test_tokenize_asks_the_prompt_only_with_its_token_ids() -> None:
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": ""}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2]}, "prompt"),
-        ({"model": MODEL, "prompt": "a", "return_token_strs": True}, "return_token_strs"),
-        ({"model": MODEL, "prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
-        ({"model": MODEL, "messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+        ({"model": MODEL, "prompt": "a", "return_token_strs": "yes"}, "return_token_strs"),
+        ({"model": MODEL, "prompt": "a", "add_special_tokens": 0}, "add_special_tokens"),
+        ({"model": MODEL, "messages": CHAT, "add_special_tokens": "no"}, "add_special_tokens"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "tokens": []}, "tokens"),
         ({"model": MODEL, "tokens": [1, -1]}, "tokens"),
@@ -116,9 +126,16 @@ def test_answers_and_a_worker_that_left_the_field_out() -> None:
                                                "tokens": [1, 5, 7], "token_strs": None}  # fmt: skip
     text = result(out | {"prompt_text": "<s>the cat"})
     assert detokenize_answer({}, text, ANSWERED) == {"prompt": "<s>the cat"}
-    for answer in (tokenize_answer, detokenize_answer):
+    strs = result(
+        out | {"prompt_token_ids": [1, 5, 7], "prompt_token_strs": ["<s>", "the", "Ġcat"]}
+    )
+    assert tokenize_answer({"return_token_strs": True}, strs, ANSWERED)["token_strs"] == [
+        "<s>", "the", "Ġcat"]  # fmt: skip
+    assert tokenize_answer({}, strs, ANSWERED)["token_strs"] is None
+    for answer, asked in ((tokenize_answer, {}), (detokenize_answer, {}),
+                          (tokenize_answer, {"return_token_strs": True})):  # fmt: skip
         with pytest.raises(ApiError) as e:
-            answer({}, result(out), ANSWERED)
+            answer(asked, result(out | ({"prompt_token_ids": [1]} if asked else {})), ANSWERED)
         assert e.value.status == 500 and "older" in e.value.message
 
 
@@ -179,6 +196,19 @@ def test_tokenize_and_detokenize_routes(redis_url: str) -> None:
             "model": MODEL, "messages": CHAT}, PROMPT_ONLY | {"prompt_token_ids": [1, 2, 3]})  # fmt: skip
         assert taken.request.messages is not None and taken.request.messages[0].content == "hi"
         assert status == 200 and body["count"] == 3
+        # the tokenizer's strings and its special tokens left off, as asked
+        taken, status, body = await asked(port, fake, "/tokenize", {
+            "model": MODEL, "prompt": "the cat", "return_token_strs": True,
+            "add_special_tokens": False}, PROMPT_ONLY | {"prompt_token_ids": [5, 7],
+                                                         "prompt_token_strs": ["the", "Ġcat"]})  # fmt: skip
+        assert (taken.request.return_token_strs, taken.request.add_special_tokens) == (True, False)
+        assert (status, body) == (200, {"count": 2, "tokens": [5, 7],
+                                        "token_strs": ["the", "Ġcat"]})  # fmt: skip
+        # a worker from before return_token_strs refuses the field it does not know: a 400
+        _, status, body = await asked(port, fake, "/tokenize", {
+            "model": MODEL, "prompt": "a", "return_token_strs": True}, failed(
+                ErrorCode.INVALID_REQUEST, "return_token_strs: Extra inputs are not permitted"))  # fmt: skip
+        assert status == 400 and body["error"]["code"] == "invalid_request"
         # and ids back to their text
         taken, status, body = await asked(port, fake, "/detokenize", {
             "model": MODEL, "tokens": [1, 5, 7]}, PROMPT_ONLY | {"prompt_text": "<s>the cat"})  # fmt: skip

@@ -90,8 +90,7 @@ def test_completion_prompts() -> None:
                        ({"prompt": "a", "suffix": "z"}, "suffix"),
                        ({"prompt": "a", "best_of": 3}, "best_of"),
                        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-                       ({"prompt": [1, 2], "echo": True, "stream": True}, "echo"),
-                       ({"prompt": "a", "echo": True, "logprobs": 1, "stream": True}, "echo")):  # fmt: skip
+                       ({"prompt": "a", "add_special_tokens": 1}, "add_special_tokens")):  # fmt: skip
         with pytest.raises(ApiError) as e:
             completion_submission({"model": "lm", **body})
         assert e.value.param == word
@@ -109,8 +108,11 @@ def test_echo_with_logprobs_asks_the_prompts_score_and_max_tokens_0_only_with_ec
     ids = completion_submission({"model": "lm", "prompt": [[1, 2], [3]], "echo": True})
     assert ids.options["return_prompt_text"] is True
     assert "return_prompt_text" not in completion_submission(body).options
-    # a streamed echo of text prompts without logprobs goes on
+    # a streamed echo goes on, of text prompts and token ids, with logprobs or not
     assert completion_submission(body | {"logprobs": None, "stream": True}).options["stream"]
+    streamed = built(completion_submission(body | {"prompt": [1, 2], "stream": True}))
+    assert (streamed.stream, streamed.prompt_logprobs, streamed.return_prompt_text) == (
+        True, 1, True)  # fmt: skip
     # the chat routes take no max_tokens 0 (vLLM's refusal)
     chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
     for field in ("max_tokens", "max_completion_tokens"):
@@ -346,3 +348,91 @@ def test_redis_unreachable_mid_request_is_a_503() -> None:
             return out
 
     assert asyncio.run(go()) == [(503, "unavailable")] * 3
+
+
+def test_add_special_tokens_goes_to_the_fleet_only_where_not_the_default() -> None:
+    text = {"model": "lm", "prompt": "a"}
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    assert "add_special_tokens" not in completion_submission(text).options
+    assert "add_special_tokens" not in completion_submission(
+        text | {"add_special_tokens": True}).options  # fmt: skip
+    assert (
+        built(completion_submission(text | {"add_special_tokens": False})).add_special_tokens
+        is False
+    )
+    assert "add_special_tokens" not in chat_submission(chat | {"add_special_tokens": False}).options
+    assert built(chat_submission(chat | {"add_special_tokens": True})).add_special_tokens is True
+    with pytest.raises(ApiError) as e:
+        chat_submission(chat | {"add_special_tokens": "yes"})
+    assert (e.value.status, e.value.param) == (400, "add_special_tokens")
+
+
+def _lp(token: int, text: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "text": text, "logprob": logprob,
+            "top": [{"token": token, "text": text, "logprob": logprob}]}  # fmt: skip
+
+
+ECHO_RESULT = result([
+    {"text": " on it", "finish_reason": "length", "prompt_text": "the cat",
+     "logprobs": [_lp(4, " on", -1.0), _lp(5, " it", -2.0)],
+     "prompt_logprobs": [None, _lp(2, " cat", -3.0)]},
+    {"text": " ran", "finish_reason": "stop", "logprobs": [_lp(6, " ran", -0.5)]},
+    {"text": "!", "finish_reason": "length", "prompt_text": "<s>a dog",
+     "logprobs": [_lp(7, "!", -0.25)],
+     "prompt_logprobs": [None, _lp(8, "a", -1.5), _lp(9, " dog", -2.5)]},
+    {"text": "", "finish_reason": "stop", "logprobs": []},
+], usage={"prompt_tokens": 5, "completion_tokens": 4})  # fmt: skip
+"""Two inputs (a text, token ids), n 2: what a worker answers echo with logprobs 1."""
+
+
+def echo_deltas(prompt_info: bool) -> list[Delta]:
+    """``ECHO_RESULT`` as its deltas, in an order a worker may send them (an input's second
+    output first); ``prompt_info``: the first delta of each input's first output carries
+    its prompt's text and log-probabilities (a worker that knows them)."""
+    outs = ECHO_RESULT.generations()
+
+    def d(seq: int, i: int, k: int, first: bool) -> Delta:
+        g = outs[i]
+        lps = g.logprobs[k : k + 1] if g.logprobs else []
+        more: dict[str, Any] = {"prompt_tokens": 2} if first else {}
+        if first and prompt_info and i % 2 == 0:
+            more |= {"prompt_text": g.prompt_text, "prompt_logprobs": g.prompt_logprobs}
+        text = "".join(t.text for t in lps)
+        return Delta(id="r1", seq=seq, input=i, text=text, tokens=1, logprobs=lps, **more)
+
+    return [d(1, 1, 0, True), d(2, 0, 0, True), d(3, 2, 0, True), d(4, 0, 1, False),
+            d(5, 3, 0, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("prompt_info", [True, False], ids=["worker-tells", "older-worker"])
+@pytest.mark.parametrize("max_tokens", [2, 0])
+@pytest.mark.parametrize("ids", [True, False], ids=["token-ids", "texts"])
+def test_a_streamed_echo_adds_up_to_the_whole_answer(
+    prompt_info: bool, max_tokens: int, ids: bool
+) -> None:
+    prompt = [[1, 2], [1, 8, 9]] if ids else ["the cat", "a dog"]
+    body = {"prompt": prompt, "n": 2, "echo": True, "logprobs": 1, "max_tokens": max_tokens}
+    whole = completion_response(body, ECHO_RESULT, ANSWERED)["choices"]
+    if max_tokens == 0:  # the prompt only: no delta, the result tells all
+        res = result([{**g, "text": "", "logprobs": []} for g in ECHO_RESULT.outputs or []])
+        whole, deltas = completion_response(body, res, ANSWERED)["choices"], []
+    else:
+        res, deltas = ECHO_RESULT, echo_deltas(prompt_info)
+    c = Chunks(body | {"stream": True}, ANSWERED, "lm", chat=False)
+    sent: list[list[dict[str, Any]]] = [c.feed(d) for d in deltas]
+    sent.append(c.finish(res))
+    chunks = [ch for out in sent for o in out for ch in o["choices"]]
+    for w in whole:
+        mine = [ch for ch in chunks if ch["index"] == w["index"]]
+        assert "".join(ch["text"] for ch in mine) == w["text"]
+        lps = [ch["logprobs"] for ch in mine if ch["logprobs"] is not None]
+        assert {k: [x for lp in lps for x in lp[k]] for k in w["logprobs"]} == w["logprobs"]
+        echo = "the cat" if w["index"] < 2 else "<s>a dog" if ids else "a dog"
+        assert mine[0]["text"] == echo and w["text"].startswith(echo)  # the echo first
+        assert mine[-1]["finish_reason"] == w["finish_reason"]
+    if max_tokens and prompt_info:
+        # the prompt's echo leads as soon as the first delta of its input tells it
+        assert [ch["index"] for ch in (o["choices"][0] for o in sent[1])] == [0, 1, 1, 0]
+        assert sent[1][0]["choices"][0]["logprobs"]["tokens"] == ["the", " cat"]
+    elif max_tokens:  # an older worker's deltas do not tell: held until the result
+        assert all(out == [] for out in sent[:-1])

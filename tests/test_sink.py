@@ -167,7 +167,10 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
                     content=t[: 7 * (i % 3)] if i % 2 else None,
                     reasoning_content=t[-3:] if i == 3 else "" if i == 1 else None,
                     token_ids=list(range(i, 3 * i)) if i % 4 != 1 else None,
-                    prompt_tokens=[17, 4, None][i % 3])  # an output's first only
+                    prompt_tokens=[17, 4, None][i % 3],  # an output's first only
+                    # an input's first output's first: its prompt (the first token null)
+                    prompt_text=t if i % 3 == 0 else None,
+                    prompt_logprobs=[None, *_logprobs(t, i)] if i in (0, 4) else None)
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]

@@ -28,7 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..schemas.codec import logprobs_json, token_ids_json, tool_calls_json, tool_chunks_json
+from ..schemas.codec import (
+    logprobs_json,
+    prompt_logprobs_json,
+    token_ids_json,
+    tool_calls_json,
+    tool_chunks_json,
+)
 from ..schemas.messages import Format
 from .inbox import StepDone
 from .runner import Failed, Final, Partial, Preempted
@@ -64,6 +70,7 @@ class StreamTo:
         calls = chunk.get("tool_calls")
         ids = chunk.get("token_ids")
         pieces = chunk.get("tool_call_chunks")
+        scored = chunk.get("prompt_logprobs")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
                         None if lps is None else logprobs_json(lps), self.life,
@@ -71,7 +78,8 @@ class StreamTo:
                         chunk.get("content"), chunk.get("reasoning_content"),
                         None if ids is None else token_ids_json(ids),
                         None if pieces is None else tool_chunks_json(pieces),
-                        chunk.get("prompt_tokens"))  # fmt: skip
+                        chunk.get("prompt_tokens"), chunk.get("prompt_text"),
+                        None if scored is None else prompt_logprobs_json(scored))  # fmt: skip
 
 
 class DeltaWriter:

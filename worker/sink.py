@@ -27,6 +27,7 @@ from ..schemas.codec import (
     encode_delta,
     end_fields,
     logprobs_json,
+    prompt_logprobs_json,
     token_ids_json,
     tool_calls_json,
     tool_chunks_json,
@@ -121,6 +122,10 @@ class Streamed:
     """The calls' pieces it wrote, as JSON text (None: none)."""
     prompt_tokens: int | None = None
     """Its output's prompt tokens (its first delta only)."""
+    prompt_text: str | None = None
+    """Its input's prompt text (the first delta of its first output, where asked)."""
+    prompt_logprobs: str | None = None
+    """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
@@ -128,11 +133,13 @@ class Streamed:
         calls = None if delta.tool_calls is None else tool_calls_json(delta.tool_calls)
         ids = None if delta.token_ids is None else token_ids_json(delta.token_ids)
         pieces = delta.tool_call_chunks
+        scored = delta.prompt_logprobs
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
                    delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
                    reasoning=delta.reasoning_content, token_ids=ids,
                    tool_call_chunks=None if pieces is None else tool_chunks_json(pieces),
-                   prompt_tokens=delta.prompt_tokens)  # fmt: skip
+                   prompt_tokens=delta.prompt_tokens, prompt_text=delta.prompt_text,
+                   prompt_logprobs=None if scored is None else prompt_logprobs_json(scored))  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -147,7 +154,9 @@ class Streamed:
                      text=self.text, tokens=self.tokens, logprobs=lps, tool_calls=calls,
                      content=self.content, reasoning_content=self.reasoning,
                      token_ids=ids, tool_call_chunks=pieces,
-                     prompt_tokens=self.prompt_tokens)  # fmt: skip
+                     prompt_tokens=self.prompt_tokens, prompt_text=self.prompt_text,
+                     prompt_logprobs=None if self.prompt_logprobs is None
+                     else json.loads(self.prompt_logprobs))  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -157,7 +166,8 @@ class Streamed:
         return TokenWrite(self.request_id, self.seq, ttl, self.text, self.input, self.tokens,
                           self.reply, self.fmt == "json", self.model, self.logprobs,
                           self.life, self.tool_calls, self.content, self.reasoning,
-                          self.token_ids, self.tool_call_chunks, self.prompt_tokens)  # fmt: skip
+                          self.token_ids, self.tool_call_chunks, self.prompt_tokens,
+                          self.prompt_text, self.prompt_logprobs)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,10 @@ class TokenWrite:
     """The calls' pieces it wrote, as JSON text (None: none)."""
     prompt_tokens: int | None = None
     """Its output's prompt tokens (in its first delta; None: the others)."""
+    prompt_text: str | None = None
+    """Its input's prompt text (the first delta of its first output, where asked)."""
+    prompt_logprobs: str | None = None
+    """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
@@ -118,6 +122,8 @@ class TokenWrite:
                 ("content", self.content, 0),
                 ("reasoning_content", self.reasoning, 0),
                 ("prompt_tokens", prompt, 1),
+                ("prompt_text", self.prompt_text, 0),
+                ("prompt_logprobs", self.prompt_logprobs, 1),
             )
             if value is not None
         ]

@@ -8,10 +8,11 @@ numbers them). ``finish_reason`` is batchfleet's (``stop``, ``length``, ``deadli
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Final
 
-from ...schemas.messages import Generation, Result, TokenLogprob, Usage
+from ...schemas.messages import Delta, Generation, Result, TokenLogprob, Usage
 from .endpoint import Answered
 from .openai_fields import prompts
 
@@ -66,21 +67,43 @@ def completion_logprobs(
     }
 
 
-def echoed(
-    prompt: str, g: Generation, first: Generation, logprobs: bool
-) -> tuple[str, dict[str, Any] | None]:
-    """A completion's text and ``logprobs`` with its ``prompt`` echoed before them: the
-    prompt's tokens first (their input's ``first`` output carries them), then ``g``'s.
-    The first prompt token's text is what the prompt holds before the second's (none
-    for a BOS that its text does not show)."""
-    if not logprobs:
-        return f"{prompt}{g.text}", None
-    if first.prompt_logprobs is None:  # a worker that did not score the prompt
-        return f"{prompt}{g.text}", completion_logprobs(g.logprobs, len(prompt))
-    scored = first.prompt_logprobs
+@dataclass(frozen=True)
+class Echo:
+    """An echoed prompt, as a completion's text and ``logprobs`` begin with it."""
+
+    text: str
+    logprobs: dict[str, Any] | None
+    """Its tokens' (the legacy shape), where asked and the worker scored the prompt."""
+    end: int
+    """The generated text's first character offset in ``text_offset`` terms."""
+
+
+def echo_of(prompt: str | list[int], first: Generation | Delta, logprobs: bool) -> Echo:
+    """The echo of one input's ``prompt`` (as sent; token ids: the worker's
+    ``prompt_text``) from its ``first`` output (``prompt_text``, ``prompt_logprobs``): a
+    whole answer's and a stream's (a delta carries the same fields)."""
+    text = prompt if isinstance(prompt, str) else first.prompt_text or ""
+    return scored_echo(text, first.prompt_logprobs if logprobs else None)
+
+
+def scored_echo(prompt: str, scored: Sequence[TokenLogprob | None] | None) -> Echo:
+    """The echo of ``prompt`` with its tokens' log-probabilities where ``scored``. The
+    first prompt token's text is what the prompt holds before the second's (none for a
+    BOS that its text does not show)."""
+    if scored is None:
+        return Echo(prompt, None, len(prompt))
     rest = "".join(t.text for t in scored[1:] if t is not None)
     head = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
-    return f"{prompt}{g.text}", completion_logprobs([*scored, *(g.logprobs or ())], head=head)
+    lps = completion_logprobs(scored, head=head)
+    assert lps is not None
+    return Echo(prompt, lps, sum(len(t) for t in lps["tokens"]))
+
+
+def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy ``logprobs`` one after the other (offsets already continuous)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: [*a[k], *b[k]] for k in a}
 
 
 def prompt_logprobs(lps: list[TokenLogprob | None] | None) -> list[Any] | None:
@@ -160,10 +183,11 @@ def completion_response(
     choices = []
     for i, g in enumerate(gens):
         if body.get("echo"):
-            first = gens[i - i % per_input]
-            prompt = texts[i // per_input]
-            echo = prompt if isinstance(prompt, str) else first.prompt_text or ""
-            text, logprobs = echoed(echo, g, first, body.get("logprobs") is not None)
+            scored = body.get("logprobs") is not None
+            echo = echo_of(texts[i // per_input], gens[i - i % per_input], scored)
+            text = echo.text + g.text
+            logprobs = joined(echo.logprobs, completion_logprobs(g.logprobs, echo.end))
+            logprobs = logprobs if scored else None
         else:
             text, logprobs = g.text, completion_logprobs(g.logprobs)
         choice: dict[str, Any] = {

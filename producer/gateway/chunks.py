@@ -2,7 +2,11 @@
 
 One :class:`Chunks` per HTTP stream owns what was sent; a worker's restart mid-stream is
 handled by :class:`~.replay.Replay` (repeated deltas skipped, :class:`Diverged` where the
-regeneration differs).
+regeneration differs). A completion's ``echo`` opens each choice with its prompt (vLLM's):
+its text, and with ``logprobs`` its tokens'; what only the worker knows of it (a token-id
+prompt's text, the prompt's log-probabilities) comes in the first delta of each input's
+first output, and a choice waits for it (its deltas held), or for the result where an
+older worker's delta has none, so the chunks add up to the whole answer.
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...producer.tokens import Restarted
-from ...schemas.messages import Delta, Result
-from .answers import chat_logprobs, completion_logprobs, finish_reason, usage
+from ...schemas.messages import Delta, Generation, Result
+from .answers import (
+    Echo,
+    chat_logprobs,
+    completion_logprobs,
+    echo_of,
+    finish_reason,
+    scored_echo,
+    usage,
+)
 from .endpoint import Answered
 from .openai_fields import prompts
 from .replay import Diverged, Replay
@@ -29,6 +41,8 @@ class _Choice:
     """Its prompt's tokens (its first delta tells them)."""
     tokens: int = 0
     """Tokens sent."""
+    held: list[Delta] | None = None
+    """An echoing choice's deltas held until its prompt's echo is known (None: open)."""
 
 
 class Chunks:
@@ -44,6 +58,16 @@ class Chunks:
         """vLLM's: every chunk carries its choice's usage so far."""
         self.choices: dict[int, _Choice] = {}
         self.replay = Replay()
+        self.echo = not chat and bool(body.get("echo"))
+        self.texts = prompts(body) if self.echo else []
+        self.n = body.get("n") or 1
+        self.scored = body.get("logprobs") is not None
+        """The echo has the prompt's tokens (their log-probabilities from the worker)."""
+        self.echoes: dict[int, Echo] = {
+            i: scored_echo(p, None)
+            for i, p in enumerate(self.texts) if isinstance(p, str) and not self.scored
+        }  # fmt: skip
+        """Per input, its prompt's echo, once known (a text's, unscored: at once)."""
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -72,14 +96,44 @@ class Chunks:
             delta = {"role": "assistant", "content": ""}
             return state, [self._chunk([{"index": index, "delta": delta, "logprobs": None,
                                          "finish_reason": None}])]  # fmt: skip
-        if self.body.get("echo"):
-            texts = prompts(self.body)
-            n = self.body.get("n") or 1
-            text = str(texts[index // n])
-            state.offset = len(text)
-            return state, [self._chunk([{"index": index, "text": text, "logprobs": None,
-                                         "finish_reason": None}])]  # fmt: skip
+        if self.echo:
+            state.held = []
+            return state, self._opened(index) if index // self.n in self.echoes else []
         return state, []
+
+    def _opened(self, index: int) -> list[dict[str, Any]]:
+        """An echoing choice's first chunk, its prompt's echo, then the deltas it held."""
+        state = self.choices[index]
+        echo = self.echoes[index // self.n]
+        held, state.held, state.offset = state.held or [], None, echo.end
+        out = [self._chunk([{"index": index, "text": echo.text, "logprobs": echo.logprobs,
+                             "finish_reason": None}])]  # fmt: skip
+        for d in held:
+            choice = self._delta_choice(d, state)
+            if choice is not None:
+                out.append(self._chunk([choice]))
+        return out
+
+    def _echoed(self, i: int, first: Generation | Delta) -> list[dict[str, Any]]:
+        """Input ``i``'s echo, known now from its ``first`` output (or delta): its choices
+        that wait for it are opened."""
+        self.echoes[i] = echo_of(self.texts[i], first, self.scored)
+        out: list[dict[str, Any]] = []
+        for k in range(i * self.n, (i + 1) * self.n):
+            if k in self.choices and self.choices[k].held is not None:
+                out += self._opened(k)
+        return out
+
+    def _learn(self, d: Delta) -> list[dict[str, Any]]:
+        """The echo of ``d``'s input where ``d`` is the first delta of its first output
+        and carries what the echo needs (an older worker's does not: the result tells)."""
+        i = d.input // self.n
+        if d.prompt_tokens is None or d.input % self.n or i in self.echoes:
+            return []
+        if (not isinstance(self.texts[i], str) and d.prompt_text is None) or (
+                self.scored and d.prompt_logprobs is None):  # fmt: skip
+            return []
+        return self._echoed(i, d)
 
     def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
         """The chunks one event of the token stream makes (maybe none)."""
@@ -87,9 +141,14 @@ class Chunks:
             self.replay.restart()
             return []
         state, out = self._choice(event.input, event.prompt_tokens)
+        if self.echo:
+            out += self._learn(event)
         if not self.replay.fresh(event):
             return out
         state.tokens += event.tokens
+        if state.held is not None:
+            state.held.append(event)
+            return out
         choice = self._delta_choice(event, state)
         if choice is not None:
             out.append(self._chunk([choice]))
@@ -125,7 +184,11 @@ class Chunks:
         """The last chunks: each choice's ``finish_reason`` (a choice that streamed nothing
         is opened first), then the usage if the request asked for it."""
         out: list[dict[str, Any]] = []
-        for i, g in enumerate(result.generations()):
+        gens = result.generations()
+        for i in range(len(self.texts)):
+            if i not in self.echoes and i * self.n < len(gens):
+                out += self._echoed(i, gens[i * self.n])
+        for i, g in enumerate(gens):
             state, opening = self._choice(i, g.prompt_tokens)
             state.tokens, state.prompt = g.completion_tokens, g.prompt_tokens
             out += opening

@@ -73,6 +73,15 @@ def common(body: Mapping[str, Any], prompt_only: bool = False) -> dict[str, Any]
     return out
 
 
+def special_tokens(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """vLLM's ``add_special_tokens`` as an option, sent only where it is not the default
+    (a text: true, a chat: false), so workers older than it serve the default."""
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise invalid("add_special_tokens must be a boolean", "add_special_tokens")
+    return {} if special is None or special is not chat else {"add_special_tokens": special}
+
+
 def model_of(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -86,7 +95,7 @@ def chat_submission(body: Mapping[str, Any]) -> Submission:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list", "messages")
-    options = common(body) | _options(body, CHAT_SAME_NAME)
+    options = common(body) | _options(body, CHAT_SAME_NAME) | special_tokens(body, chat=True)
     options["messages"] = [message(m, i) for i, m in enumerate(raw)]
     if body.get("logprobs"):
         options["logprobs"] = body.get("top_logprobs") or 0
@@ -142,7 +151,7 @@ def completion_submission(body: Mapping[str, Any]) -> Submission:
     if best_of is not None and best_of != (body.get("n") or 1):
         raise invalid("best_of other than n is not supported", "best_of")
     echo = bool(body.get("echo"))
-    options = common(body, prompt_only=echo)
+    options = common(body, prompt_only=echo) | special_tokens(body, chat=False)
     texts = prompts(body)
     if body.get("logprobs") is not None:
         options["logprobs"] = body["logprobs"]
@@ -150,10 +159,6 @@ def completion_submission(body: Mapping[str, Any]) -> Submission:
             options["prompt_logprobs"] = body["logprobs"]
     if echo and not all(isinstance(p, str) for p in texts):
         options["return_prompt_text"] = True  # the echo of token ids: the worker decodes
-    if echo and body.get("stream") and ("prompt_logprobs" in options
-                                        or "return_prompt_text" in options):  # fmt: skip
-        raise invalid("echo with logprobs or token-id prompts is not streamed: ask "
-                      "without stream", "echo")  # fmt: skip
     options["inputs"] = [p if isinstance(p, str) else TokenPrompt(prompt_token_ids=p)
                          for p in texts]  # fmt: skip
     return Submission(model, options)

@@ -3,7 +3,8 @@
 The gateway holds no tokenizer: each is a fleet request with ``max_new_tokens`` 0 (the
 prompt only, nothing generated), so the model's own worker tokenizes it exactly as it
 would for a generation (the same chat template, the same ids); the answer is read from
-its one output (``prompt_token_ids``, ``prompt_text``, ``prompt_tokens``).
+its one output (``prompt_token_ids``, ``prompt_token_strs``, ``prompt_text``,
+``prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ...schemas.messages import Generation, Result
 from . import anthropic_fields
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid
-from .openai_fields import chat_submission, model_of
+from .openai_fields import chat_submission, model_of, special_tokens
 
 CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
                "continue_final_message")  # fmt: skip
@@ -24,29 +25,25 @@ CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "add_generation_prom
 
 
 def tokenize_submission(body: Mapping[str, Any]) -> Submission:
-    """``{model, prompt}`` or ``{model, messages, ...}`` → the prompt's token ids.
-    ``add_special_tokens`` is honoured at its default only (a text: with them, BOS and the
-    like; a chat: the template's own), since the fleet tokenizes so; ``return_token_strs``
-    is refused (the fleet returns no token strings)."""
+    """``{model, prompt}`` or ``{model, messages, ...}`` → the prompt's token ids (and with
+    ``return_token_strs``, the tokenizer's strings of them); ``add_special_tokens`` as vLLM
+    takes it (default: a text's yes, a chat's no: its template has its own)."""
     model = model_of(body)
-    if body.get("return_token_strs"):
-        raise invalid("return_token_strs is not served: the fleet's workers return token ids, "
-                      "not the tokenizer's strings", "return_token_strs")  # fmt: skip
-    special = body.get("add_special_tokens")
-    if body.get("messages") is not None:
-        if special:
-            raise invalid("add_special_tokens with messages is not served: a chat has its "
-                          "template's special tokens only", "add_special_tokens")  # fmt: skip
-        chat = {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
-        options = chat_submission(chat | {"model": model}).options
+    strs = body.get("return_token_strs")
+    if strs is not None and not isinstance(strs, bool):
+        raise invalid("return_token_strs must be a boolean", "return_token_strs")
+    chat = body.get("messages") is not None
+    if chat:
+        fields = {k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}
+        options = chat_submission(fields | {"model": model}).options
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise invalid("prompt must be a non-empty text (or send messages)", "prompt")
-        if special is False:
-            raise invalid("add_special_tokens false is not served: a text is tokenized with "
-                          "its special tokens, as a completion's prompt is", "add_special_tokens")  # fmt: skip
         options = {"inputs": [prompt]}
+    options |= special_tokens(body, chat)
+    if strs:
+        options["return_token_strs"] = True
     return Submission(model, options | {"max_new_tokens": 0, "return_token_ids": True})
 
 
@@ -65,7 +62,9 @@ def tokenize_answer(body: Mapping[str, Any], result: Result, answered: Answered)
     where the model's workers did not publish it (ones older than ``bf:{model}:info``)."""
     ids = _first(result, "prompt_token_ids").prompt_token_ids or []
     known = {} if answered.max_model_len is None else {"max_model_len": answered.max_model_len}
-    return {"count": len(ids), **known, "tokens": ids, "token_strs": None}
+    strs = _first(result, "prompt_token_strs").prompt_token_strs if body.get(
+        "return_token_strs") else None  # fmt: skip
+    return {"count": len(ids), **known, "tokens": ids, "token_strs": strs}
 
 
 def detokenize_submission(body: Mapping[str, Any]) -> Submission:

@@ -126,6 +126,8 @@ class GenSpec:
     prompt_texts: tuple[str, ...] | None = None
     """Per input, its prompt's text as the model read it (``return_prompt_text``; None:
     not asked)."""
+    token_strs: bool = False
+    """Each input's first output carries its prompt's token strings (``return_token_strs``)."""
     compiling: Future[Constraint] | None = None
     """Its constraint, still being compiled (``sampling`` then has none yet; see
     :mod:`..generation.grammar`)."""
@@ -607,6 +609,7 @@ class TextGenerationRunner:
             )
             if req.return_prompt_text
             else None,
+            token_strs=bool(req.return_token_strs),
             compiling=compiling,
             lora=lora,
             lora_name=req.lora,
@@ -710,19 +713,22 @@ class TextGenerationRunner:
                 ),
             )
             turns = [_turn(m) for m in req.messages]
+            text = None
+            if req.return_prompt_text or req.add_special_tokens:  # as rendered
+                text = str(self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs))
+            if req.add_special_tokens:  # vLLM's: the tokenizer's own added to the template's
+                return [list(self.tokenizer(text)["input_ids"])], [text]
             ids = self.tokenizer.apply_chat_template(turns, tokenize=True, **kwargs)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            text = None
-            if req.return_prompt_text:  # as rendered, before tokenizing
-                text = str(self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs))
-            return [list(ids)], [text]
+            return [list(ids)], [text if req.return_prompt_text else None]
         prompts: list[list[int]] = []
         texts: list[str | None] = []
         for i, item in enumerate(req.inputs):
             texts.append(item if isinstance(item, str) else None)
             if isinstance(item, str):
-                prompts.append(list(self.tokenizer(item)["input_ids"]))
+                special = req.add_special_tokens is not False
+                prompts.append(list(self.tokenizer(item, add_special_tokens=special)["input_ids"]))
             elif isinstance(item, TokenPrompt):  # taken as they are
                 if (top := max(item.prompt_token_ids)) >= self.vocab_size:
                     raise PrepareError(f"inputs[{i}].prompt_token_ids: {top} is not a token of "
@@ -1071,15 +1077,21 @@ class TextGenerationRunner:
                 out["token_ids"] = list(s.text.tokens)
                 if k % r.spec.n == 0:  # the first completion of its prompt
                     out["prompt_token_ids"] = list(s.prompt)
+        if r.spec.token_strs:
+            for s, out in zip(r.seqs[:: r.spec.n], outputs[:: r.spec.n], strict=True):
+                strs = self.tokenizer.convert_ids_to_tokens(list(s.prompt))
+                out["prompt_token_strs"] = list(strs)
         for s, out in zip(r.seqs, outputs, strict=True):
-            if s.score is not None:  # the first token has none (vLLM's null)
-                out["prompt_logprobs"] = [
-                    None,
-                    *self._logprobs(self.engine.prompt_logprobs(s.name)),
-                ]
+            if s.score is not None:
+                out["prompt_logprobs"] = self._prompt_logprobs(s)
         for s in r.seqs:
             self.engine.forget(s.name)
         return Final(r.key, outputs)
+
+    def _prompt_logprobs(self, s: _Seq) -> list[dict[str, Any] | None]:
+        """A scored sequence's prompt log-probabilities; the first token has none (vLLM's
+        null)."""
+        return [None, *self._logprobs(self.engine.prompt_logprobs(s.name))]
 
     def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
         """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
@@ -1113,12 +1125,27 @@ class TextGenerationRunner:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if not sent[i]:  # its first delta
                     chunk["prompt_tokens"] = len(s.prompt)
+                    chunk |= self._prompt_echo(r, i)
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
                 if r.spec.token_ids:
                     chunk["token_ids"] = s.text.tokens[sent[i] : n]
                 out.append(Partial(r.key, chunk | parts))
                 sent[i] = n
+        return out
+
+    def _prompt_echo(self, r: _Req, i: int) -> dict[str, Any]:
+        """What the first delta of output ``i`` carries of its prompt for a stream to echo
+        it first: the first output of each input, its ``prompt_text`` and ``prompt_logprobs``
+        as asked (its prefill is done: it generated)."""
+        if i % r.spec.n:
+            return {}
+        out: dict[str, Any] = {}
+        if r.spec.prompt_texts is not None:
+            out["prompt_text"] = r.spec.prompt_texts[i // r.spec.n]
+        s = r.seqs[i]
+        if s.score is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(s)
         return out
 
     def _progress(self, r: _Req) -> Progress:
