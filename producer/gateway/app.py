@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -49,6 +49,9 @@ from .replies import DOWN, Replies
 from .split import merged, part_ids, split
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
+if TYPE_CHECKING:
+    from .lora_admin import LoraAdmin
+
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
@@ -69,8 +72,12 @@ class Gateway:
         priority: int | None = None,
         store_ttl_s: int = DEFAULT_TTL_S,
         store_max_bytes: int = DEFAULT_MAX_BYTES,
+        lora_admin: LoraAdmin | None = None,
     ) -> None:
         self.producer = producer
+        self.lora_admin = lora_admin
+        """Runtime LoRA updating (``--allow-runtime-lora-updating``): None, its routes are
+        not served."""
         self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
         """The Responses API's stored responses."""
         self.replies = Replies(producer)
@@ -161,6 +168,10 @@ class Gateway:
             known = None
         self._info[model] = (time.monotonic(), known)
         return known
+
+    def forget_info(self, model: str) -> None:
+        """Read ``model``'s info again when next asked (its workers changed it)."""
+        self._info.pop(model, None)
 
     async def adapters(self) -> dict[str, str]:
         """LoRA adapter name → its base model, over the models the fleet serves (vLLM's:
@@ -637,6 +648,11 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/metrics", Metrics, g),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
+    if gateway.lora_admin is not None:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        from .lora_admin import LoraRoute
+
+        routes += [(r"/v1/load_lora_adapter", LoraRoute, g | {"load": True}),
+                   (r"/v1/unload_lora_adapter", LoraRoute, g | {"load": False})]  # fmt: skip
     gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
@@ -664,6 +680,7 @@ async def serve(
     grace_s: float = 30.0,
     store_ttl_s: int = DEFAULT_TTL_S,
     store_max_bytes: int = DEFAULT_MAX_BYTES,
+    lora_admin: LoraAdmin | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -671,7 +688,8 @@ async def serve(
     request, give those in flight up to ``grace_s`` to end, and cancel those left, so the
     fleet stops generating for clients that will not be answered. ``ready`` is set once
     it listens and is subscribed to its reply channel. Responses API responses are stored
-    ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each."""
+    ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each. ``lora_admin``: serve
+    vLLM's routes that load and unload LoRA adapters (:mod:`.lora_admin`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -681,7 +699,8 @@ async def serve(
             handled.append(sig)
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
-                          store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes)  # fmt: skip
+                          store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
+                          lora_admin=lora_admin)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip
