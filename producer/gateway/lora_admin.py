@@ -42,9 +42,14 @@ class LoraAdmin:
     send: Send = send_to_all
 
     async def broadcast(self, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Hostname → reply of every worker that answered (off the event loop: it blocks)."""
-        return await asyncio.to_thread(self.send, self.broker_url, command, arguments,
-                                       timeout=self.timeout_s)  # fmt: skip
+        """Hostname → reply of every worker that answered (off the event loop: it blocks);
+        a 503 where the broker cannot be reached or refuses (its ACL user)."""
+        try:
+            return await asyncio.to_thread(self.send, self.broker_url, command, arguments,
+                                           timeout=self.timeout_s)  # fmt: skip
+        except Exception as exc:  # kombu's and redis' errors alike: the broker's side
+            raise ApiError(503, f"the broker failed: {type(exc).__name__}: {exc}",
+                           code="unavailable") from None  # fmt: skip
 
 
 def verdict(replies: Mapping[str, Any], base: str, name: str, load: bool) -> str:
@@ -101,9 +106,6 @@ class LoraRoute(Handler):
             return self.fail(exc)
         except BatchfleetError as exc:
             return self.fail(of_exception(exc))
-        except OSError as exc:  # the broker unreachable (kombu's errors are OSErrors)
-            return self.fail(ApiError(503, f"the broker is unreachable: {exc}",
-                                      code="unavailable"))  # fmt: skip
         self.set_header("Content-Type", "text/plain; charset=utf-8")
         self.finish(text)
 
