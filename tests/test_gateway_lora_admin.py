@@ -175,3 +175,27 @@ def test_adapters_are_loaded_and_unloaded_through_the_gateway(
         del other
     recorded = {b"chat": str(adapters["chat"]).encode(), b"sql": b""}
     assert r.hgetall(ModelKeys("gen").lora) == recorded
+
+
+def test_the_cli_turns_the_routes_on_with_the_fleet_s_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from batchfleet.producer.gateway import app
+
+    from batchfleet import cli
+
+    served: list[dict[str, Any]] = []
+
+    async def serve(url: str | None, **options: Any) -> None:
+        served.append(options)
+
+    monkeypatch.setattr(app, "serve", serve)
+    url = "redis://127.0.0.1:1/0"
+    assert cli.main(["gateway", "--redis-url", url]) == 0
+    assert served[-1]["lora_admin"] is None  # off by default
+    assert cli.main(["gateway", "--redis-url", url, "--allow-runtime-lora-updating",
+                     "--lora-timeout", "5"]) == 0  # fmt: skip
+    assert served[-1]["lora_admin"] == LoraAdmin(url, 5.0)
+    assert cli.main(["gateway", "--redis-url", url, "--allow-runtime-lora-updating",
+                     "--broker-url", "redis://control@127.0.0.1:1/1"]) == 0  # fmt: skip
+    assert served[-1]["lora_admin"] == LoraAdmin("redis://control@127.0.0.1:1/1", 30.0)
