@@ -271,6 +271,11 @@ def _gateway(args: argparse.Namespace) -> int:
     from .producer.gateway.app import serve
 
     key = args.api_key or os.environ.get("BATCHFLEET_API_KEY") or None
+    lora_admin = None
+    if args.allow_runtime_lora_updating:
+        from .producer.gateway.lora_admin import LoraAdmin
+
+        lora_admin = LoraAdmin(args.broker_url or _broker(args), args.lora_timeout)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
@@ -278,7 +283,8 @@ def _gateway(args: argparse.Namespace) -> int:
                           store_max_bytes=args.responses_max_bytes,
                           conversations={"ttl_s": args.conversations_ttl,
                                          "max_items": args.conversations_max_items,
-                                         "max_bytes": args.conversations_max_bytes}))  # fmt: skip
+                                         "max_bytes": args.conversations_max_bytes},
+                          lora_admin=lora_admin))  # fmt: skip
     return 0
 
 
@@ -521,6 +527,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4 * 1024 * 1024,  # conversations.DEFAULT_MAX_BYTES
         help="the most bytes a conversation's items hold, as JSON (more is refused with 400)",
+    )
+    gw.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a Celery "
+        "broadcast to the fleet's workers, as load-lora; off: 404)",
+    )
+    gw.add_argument(
+        "--broker-url",
+        help="where the workers listen for broadcasts, for those routes (default: --redis-url, "
+        "else the fleet file's broker)",
+    )
+    gw.add_argument(
+        "--lora-timeout",
+        type=float,
+        default=30.0,  # lora_admin.DEFAULT_TIMEOUT_S
+        help="seconds those routes wait for the workers' replies",
     )
     gw.set_defaults(func=_gateway)
 

@@ -60,14 +60,40 @@ def send(
     or bare worker names); returns hostname → reply."""
     with client_app(broker_url, "batchfleet-control") as app:
         hosts = resolve_destinations(app, destination, timeout) if destination else None
-        replies = app.control.broadcast(
-            command,
-            arguments=arguments or {},
-            destination=hosts,
-            limit=len(hosts) if hosts else None,
-            reply=True,
-            timeout=timeout,
-        )
+        return _broadcast(app, command, arguments, hosts, timeout)
+
+
+def send_to_all(
+    broker_url: str,
+    command: str,
+    arguments: dict[str, Any] | None = None,
+    *,
+    timeout: float = 30.0,
+    ping_s: float = 1.0,
+) -> dict[str, Any]:
+    """Send a control command to every worker answering a ping within ``ping_s``, and
+    return (hostname → reply) once they all replied, or after ``timeout``: no wait for
+    replies that cannot come, as :func:`send` to all has. Empty: no worker answered."""
+    with client_app(broker_url, "batchfleet-control") as app:
+        hosts = [h for reply in app.control.ping(timeout=ping_s) or [] for h in reply]
+        return _broadcast(app, command, arguments, hosts, timeout) if hosts else {}
+
+
+def _broadcast(
+    app: Celery,
+    command: str,
+    arguments: dict[str, Any] | None,
+    hosts: list[str] | None,
+    timeout: float,
+) -> dict[str, Any]:
+    replies = app.control.broadcast(
+        command,
+        arguments=arguments or {},
+        destination=hosts,
+        limit=len(hosts) if hosts else None,
+        reply=True,
+        timeout=timeout,
+    )
     return {host: reply for item in replies or [] for host, reply in item.items()}
 
 

@@ -26,6 +26,11 @@ def check_model_name(model: str) -> str:
     return model
 
 
+LORA_UNLOADED = ""
+"""The value of an adapter unloaded while the model serves in ``bf:{model}:lora`` (a
+tombstone: never a directory, as those recorded are absolute)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelKeys:
     """Names for one model's keys (all in the slot of ``{model}``)."""
@@ -97,8 +102,10 @@ class ModelKeys:
 
     @property
     def lora(self) -> str:
-        """Hash of the LoRA adapters loaded while the model serves (``bf_load_lora``): name
-        → adapter directory, written by workers; a worker that starts loads them too."""
+        """Hash of the LoRA adapters loaded and unloaded while the model serves
+        (``bf_load_lora``, ``bf_unload_lora``): name → absolute adapter directory, or
+        :data:`LORA_UNLOADED`; written by workers; a worker that starts loads the first and
+        unloads the second (a fleet file's adapter too)."""
         return f"{self.tag}:lora"
 
     @property

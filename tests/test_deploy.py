@@ -400,7 +400,7 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     streams.lora_loaded("sql", "/models/sql")  # LoRA adapters loaded while serving
     assert streams.loras() == {"sql": "/models/sql"}
     streams.lora_unloaded("sql")
-    assert streams.loras() == {}
+    assert streams.loras() == {"sql": None}  # recorded unloaded
     streams.append_tokens([TokenWrite("gen-1", 1, 60, "x", tokens=1, reply="bf:reply:x")])
     assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits
@@ -565,3 +565,65 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             forbidden()
     gw.close()
     worker.close()
+
+
+@pytest.mark.server
+def test_acl_control_user_broadcasts_the_gateway_s_lora_updates_and_no_more(
+    acl_redis: int, start_worker: Any, tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The gateway's runtime LoRA routes on the gateway user, broadcasting as the control
+    user to a real worker (data on the worker user, broker on the celery user's db 1, as
+    docker-compose.yml runs them); the control user is refused the fleet's keys."""
+    pytest.importorskip("peft")
+    from batchfleet.producer.gateway.lora_admin import LoraAdmin
+    from test_generation_lora import sql_and_chat, start_gen_worker
+    from tiny_models import make_causal_lm
+
+    base = f"redis://{{}}@127.0.0.1:{acl_redis}/{{}}"
+    worker = connect(base.format("worker:CHANGE_ME_worker", 0))
+    monkeypatch.setenv("BATCHFLEET_BROKER_URL", base.format("celery:CHANGE_ME_celery", 1))
+    lm = make_causal_lm(tmp_path_factory.mktemp("lm"))
+    adapters = sql_and_chat(lm, tmp_path_factory.mktemp("adapters"))
+    start_gen_worker(base.format("worker:CHANGE_ME_worker", 0), worker, lm, adapters["sql"],
+                     start_worker)  # fmt: skip
+    admin = LoraAdmin(base.format("control:CHANGE_ME_control", 1), timeout_s=30.0)
+
+    async def go() -> None:
+        url = base.format("gateway:CHANGE_ME_gateway", 0)
+        async with gateway_in_process(url, lora_admin=admin) as port:
+            # (the module's server holds other tests' models: the base is named)
+            load = {"model": "gen", "lora_name": "chat", "lora_path": str(adapters["chat"])}
+            status, body = await http(port, "POST", "/v1/load_lora_adapter", load)
+            assert status == 200, body
+            status, body = await http(port, "GET", "/v1/models")
+            assert "chat" in {m["id"] for m in json.loads(body)["data"]}
+            unload = {"model": "gen", "lora_name": "chat"}
+            status, body = await http(port, "POST", "/v1/unload_lora_adapter", unload)
+            assert status == 200, body
+        # the gateway user itself may not broadcast: a 503 saying so
+        as_gateway = LoraAdmin(base.format("gateway:CHANGE_ME_gateway", 1), timeout_s=5.0)
+        async with gateway_in_process(url, lora_admin=as_gateway) as port:
+            status, body = await http(port, "POST", "/v1/load_lora_adapter", load)
+            assert status == 503 and b"NoPermission" in body, body
+
+    try:
+        asyncio.run(go())
+    finally:
+        worker.close()
+    control = redis.Redis(port=acl_redis, db=1, username="control", password="CHANGE_ME_control")
+    keys = ModelKeys("gen")
+    for forbidden in (
+        lambda: control.get(keys.info),
+        lambda: control.hset(keys.lora, "x", "/x"),
+        lambda: control.xadd(keys.lane(0), {"a": "b"}),
+        lambda: control.publish("bf:reply:x", b"x"),
+        lambda: control.lpush("celery", b"x"),  # a task
+        lambda: control.set("other", b"x"),
+        lambda: control.keys("*"),
+        lambda: control.flushall(),
+        lambda: control.config_get("*"),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forbidden()
+    control.close()

@@ -4,7 +4,8 @@ device thread, put in the engine between two steps; a request already started un
 unloaded adapter ends under it, a new one naming it is an ``invalid_request``;
 ``max_loras`` bounds them; ``bf_load_lora`` / ``bf_unload_lora`` through a real Celery
 worker's remote control publish the model info again and record the adapter in
-``bf:{model}:lora``, which a worker started later loads; per-adapter gauges."""
+``bf:{model}:lora`` (absolute; unloaded ones too), which a worker started later loads (or
+unloads); per-adapter gauges."""
 
 from __future__ import annotations
 
@@ -241,23 +242,50 @@ def test_an_adapter_the_lean_forward_cannot_run_is_refused_while_it_serves(
     assert runner.lora_adapters == () and engine.lean is not None
 
 
+def _held(key: str, lora: str | None) -> Any:
+    """A request its loop read and holds, as the loop's scheduler keeps it."""
+    from batchfleet.batching.types import Waiting
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.answers import Held
+    from batchfleet.worker.runner import Prepared
+    from batchfleet.worker.streams import Entry
+
+    prep = Prepared(None, rows=1, tokens=4, prompts=(4,), max_new_tokens=8)
+    request = Request(id=key, model="gen", inputs=["x"], max_new_tokens=8, lora=lora)
+    return Held(Entry(0, key, {}), request, "msgpack", prep, Waiting(key, 0, 0.0, 4), 0.0)
+
+
 def test_the_metrics_show_each_adapter_s_requests(lm: Path, adapters: dict[str, Path]) -> None:
+    from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+    from batchfleet.worker.gen_scheduler import GenScheduler
     from batchfleet.worker.metrics import LoraCollector
     from prometheus_client import CollectorRegistry, generate_latest
 
     runner = _serving(lm, {"sql": adapters["sql"]})
+    scheduler = GenScheduler(GenerationPolicy(GenPolicy(kv_cache_tokens=2048, page_size=16,
+                                                        step_tokens=64, max_running=16)))  # fmt: skip
     registry = CollectorRegistry()
-    registry.register(LoraCollector(lambda: [SimpleNamespace(model="gen", runner=runner)]))
+    registry.register(LoraCollector(lambda: [SimpleNamespace(model="gen", runner=runner,
+                                                             scheduler=scheduler)]))  # fmt: skip
     d = Driver(runner)
     a, b, c = prepare(runner, _gen("a", 0, 8, "sql"), _gen("b", 1, 8, "sql"), _gen("c", 2, 8))
     d.step([("a", a), ("b", b), ("c", c)])
     d.step(preempt=["b"])
     runner.load_lora("chat", adapters["chat"])
+    # the loop holds b (preempted: the runner counts it), and has read d, e and f, not
+    # admitted yet (f: the base model's; g: an adapter not loaded here)
+    for key, lora in (("b", "sql"), ("d", "sql"), ("e", "chat"), ("f", None), ("g", "x")):
+        scheduler.admit(_held(key, lora))
     text = generate_latest(registry).decode()
     assert 'batchfleet_lora_requests_running{adapter="sql",model="gen"} 1.0' in text
-    assert 'batchfleet_lora_requests_waiting{adapter="sql",model="gen"} 1.0' in text
+    assert 'batchfleet_lora_requests_waiting{adapter="sql",model="gen"} 2.0' in text
     assert 'batchfleet_lora_requests_running{adapter="chat",model="gen"} 0.0' in text
+    assert 'batchfleet_lora_requests_waiting{adapter="chat",model="gen"} 1.0' in text
     assert 'batchfleet_lora_adapters_loaded{model="gen"} 2.0' in text
+    assert 'adapter="x"' not in text
+    scheduler.stop("d", "cancelled")
+    text = generate_latest(registry).decode()
+    assert 'batchfleet_lora_requests_waiting{adapter="sql",model="gen"} 1.0' in text
     runner.unload_lora("sql")
     text = generate_latest(registry).decode()
     assert 'adapter="sql"' not in text
@@ -315,6 +343,7 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     bad = _control(redis_url, dest, "bf_load_lora", model="gen", name="bad",
                    path=str(tmp_path / "nowhere"))  # fmt: skip
     assert "gen: adapter 'bad'" in bad["error"] and "adapter_config.json" in bad["error"]
+    assert bad["code"] == "refused"
     assert info().lora_adapters == ["sql", "chat"]
     from celery import Celery
 
@@ -343,7 +372,7 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
         res = producer.submit("gen", inputs=[PROMPTS[1]], lora="sql").result(timeout=60)
         assert res.error is not None and res.error.code == ErrorCode.INVALID_REQUEST
     unknown = _control(redis_url, dest, "bf_unload_lora", model="gen", name="sql")
-    assert "'sql' is not loaded" in unknown["error"]
+    assert "'sql' is not loaded" in unknown["error"] and unknown["code"] == "not_loaded"
     assert cli.main(["load-lora", "gen", "x", str(tmp_path), "--redis-url", redis_url,
                      "-d", dest]) == 1  # refused: exit 1  # fmt: skip
 
@@ -426,11 +455,15 @@ def test_a_worker_started_later_serves_what_was_loaded_and_not_what_was_unloaded
     keys = ModelKeys("gen")
     start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker)
     reference = _reference(lm, adapters, _serving(lm))
-    # When: chat is loaded while gen-1 serves
+    # When: chat is loaded while gen-1 serves, by a path relative to gen-1's directory
+    # (the test's, as it started gen-1)
+    relative = os.path.relpath(adapters["chat"])
     loaded = _control(redis_url, f"gen-1@{host}", "bf_load_lora", model="gen", name="chat",
-                      path=str(adapters["chat"]))  # fmt: skip
+                      path=relative)  # fmt: skip
     assert "lora_error" not in loaded and loaded["lora_adapters"] == {"gen": ["sql", "chat"]}
-    assert r.hgetall(keys.lora) == {b"chat": str(adapters["chat"]).encode()}
+    # Then: it is recorded absolute (a worker elsewhere reads the same directory)
+    assert loaded["path"] == os.path.abspath(relative) and os.path.isabs(loaded["path"])
+    assert r.hgetall(keys.lora) == {b"chat": os.path.abspath(relative).encode()}
     # Then: gen-2, started afterwards (gen-1 paused: gen-2 answers), serves it and lists it
     start_gen_worker(redis_url, r, lm, adapters["sql"], start_worker, name="gen-2")
     assert decode_model_info(r.get(keys.info) or b"").lora_adapters == ["sql", "chat"]
@@ -440,10 +473,50 @@ def test_a_worker_started_later_serves_what_was_loaded_and_not_what_was_unloaded
                               ignore_eos=True, return_token_ids=True)  # fmt: skip
         (out,) = job.result(timeout=60).generations()
         assert out.token_ids == reference("chat", PROMPTS[1], 6)
-    # When: chat is unloaded: gone from the hash; a runner started now does not load it
+    # When: chat is unloaded: recorded unloaded; a runner started now does not load it
     for dest in ("gen-1", "gen-2"):
         reply = _control(redis_url, f"{dest}@{host}", "bf_unload_lora", model="gen", name="chat")
         assert reply["lora_adapters"] == {"gen": ["sql"]}, reply
-    assert r.hgetall(keys.lora) == {}
+    assert r.hgetall(keys.lora) == {b"chat": b""}  # recorded unloaded
     runner, info = _started(r, lm, {"sql": adapters["sql"]})
     assert runner.lora_adapters == ("sql",) and info.lora_adapters == ["sql"]
+    # When: sql, of the fleet file, is unloaded: a worker started now does not serve it
+    for dest in ("gen-1", "gen-2"):
+        reply = _control(redis_url, f"{dest}@{host}", "bf_unload_lora", model="gen", name="sql")
+        assert reply["lora_adapters"] == {"gen": []}, reply
+    assert r.hgetall(keys.lora) == {b"chat": b"", b"sql": b""}
+    runner, info = _started(r, lm, {"sql": adapters["sql"]})
+    assert runner.lora_adapters == () and info.lora_adapters == []
+    with Producer(redis_url) as producer:
+        res = producer.submit("gen", inputs=[PROMPTS[1]], lora="sql").result(timeout=60)
+        assert res.error is not None and res.error.code == ErrorCode.INVALID_REQUEST
+    # When: loaded again (by gen-2): recorded loaded, and a worker started now serves it
+    reply = _control(redis_url, f"gen-2@{host}", "bf_load_lora", model="gen", name="sql",
+                     path=str(adapters["sql"]))  # fmt: skip
+    assert reply["lora_adapters"] == {"gen": ["sql"]}, reply
+    assert r.hget(keys.lora, "sql") == str(adapters["sql"]).encode()
+    runner, info = _started(r, lm, {"sql": adapters["sql"]})
+    assert runner.lora_adapters == ("sql",) and info.lora_adapters == ["sql"]
+
+
+def test_a_fleet_file_s_adapter_unloaded_while_serving_is_unloaded_by_a_worker_started_later(
+    r: redis.Redis, lm: Path, adapters: dict[str, Path]
+) -> None:
+    from batchfleet.worker.streams import ModelStreams
+
+    # Given: sql and chat unloaded while serving (sql of the fleet file, chat not)
+    streams = ModelStreams(r, "gen", 3, "w")
+    streams.lora_loaded("chat", str(adapters["chat"]))
+    streams.lora_unloaded("chat")
+    streams.lora_unloaded("sql")
+    assert streams.loras() == {"chat": None, "sql": None}
+    # Then: a worker started now serves neither, and serves the base model
+    runner, info = _started(r, lm, {"sql": adapters["sql"]})
+    assert runner.lora_adapters == () and info.lora_adapters == []
+    reference = _reference(lm, adapters, _serving(lm))
+    d = Driver(runner)
+    (a,) = prepare(runner, _gen("a", 0, 6))
+    d.step([("a", a)])
+    d.run()
+    assert _tokens(d, "a") == reference(None, PROMPTS[0], 6)
+    assert not runner._loras.pending

@@ -321,16 +321,19 @@ def bf_load_lora(state: Any, model: str, name: str, path: str) -> dict[str, Any]
     under ``name``: read and checked here as at startup (refused: the reply says why, and
     nothing changes), served from the next step on; the model's info is published again.
     vLLM's ``/v1/load_lora_adapter``. Each worker answers for itself, and records the
-    adapter in ``bf:{model}:lora``: a worker started later loads it too
-    (:func:`restore_loras`)."""
-    return _lora(state, model, "load_lora", name, path)
+    adapter (its directory made absolute here) in ``bf:{model}:lora``: a worker started
+    later loads it too (:func:`restore_loras`). A refusal's ``code``: ``already_loaded``,
+    or ``refused`` (anything else)."""
+    # as typed, a relative path would be read from each worker's own directory
+    return _lora(state, model, "load_lora", name, os.path.abspath(os.path.expanduser(path)))
 
 
 @control_command(args=[("model", str), ("name", str)], signature="model name")
 def bf_unload_lora(state: Any, model: str, name: str) -> dict[str, Any]:
     """Unload a LoRA adapter: a new request naming it is an ``invalid_request``; those that
     started under it end under it (vLLM's ``/v1/unload_lora_adapter``); a worker started
-    later does not load it (it leaves ``bf:{model}:lora``)."""
+    later does not serve it, even from its fleet file (``bf:{model}:lora`` records it
+    unloaded). A refusal's ``code``: ``not_loaded``, or ``refused``."""
     return _lora(state, model, "unload_lora", name)
 
 
@@ -341,6 +344,8 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
     if not loops:
         return {"ok": f"no loop for {model!r} here", "models": []}
     reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {}}
+    if what == "load_lora":
+        reply["path"] = args[1]
     for lp in loops:
         act = getattr(lp.runner, what, None)
         if act is None:
@@ -348,7 +353,7 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
         try:
             act(*args)
         except ValueError as exc:
-            return {"error": f"{lp.model}: {exc}"}
+            return {"error": f"{lp.model}: {exc}", "code": getattr(exc, "code", "refused")}
         logger.info("control: %s %s %s", what, lp.model, " ".join(args))
         reply["models"].append(lp.model)
         names = list(getattr(lp.runner, "lora_adapters", ()))
@@ -379,8 +384,9 @@ def _record_lora(loop: BatchLoop, what: str, name: str, path: str = "") -> None:
 def restore_loras(streams: ModelStreams, runner: Runner, model: str) -> None:
     """At startup, before the model info is published: load the adapters loaded while the
     model served (``bf:{model}:lora``) besides the fleet file's (which win on a name
-    clash). One this worker cannot load (a directory missing on this host, a refused
-    adapter, past ``max_loras``) is logged and skipped: the worker serves the rest."""
+    clash), and unload the fleet file's that were unloaded while it served. One this
+    worker cannot load (a directory missing on this host, a refused adapter, past
+    ``max_loras``) is logged and skipped: the worker serves the rest."""
     load = getattr(runner, "load_lora", None)
     if load is None:
         return
@@ -390,7 +396,13 @@ def restore_loras(streams: ModelStreams, runner: Runner, model: str) -> None:
         logger.warning("%s: the LoRA adapters loaded while serving were not read: %s", model, exc)
         return
     configured = set(getattr(runner, "lora_adapters", ()))
+    for name in sorted(n for n, path in recorded.items() if path is None and n in configured):
+        runner.unload_lora(name)  # type: ignore[attr-defined]
+        logger.info("%s: LoRA adapter %r of the fleet file was unloaded while serving "
+                    "(bf:{%s}:lora): not served", model, name, model)  # fmt: skip
     for name, path in sorted(recorded.items()):
+        if path is None:
+            continue
         if name in configured:
             logger.info("%s: LoRA adapter %r of bf:{%s}:lora is the fleet file's: kept the "
                         "fleet file's", model, name, model)  # fmt: skip

@@ -214,6 +214,11 @@ class GenScheduler:
         return (*(h.entry for h in self.held.values()),
                 *(r.held.entry for r in self.running.values() if not r.lost))  # fmt: skip
 
+    def adapters_waiting(self) -> list[tuple[str, str | None]]:
+        """Any thread (a metrics scrape): the key and LoRA adapter of each request waiting
+        here, new (read, not admitted yet) or preempted."""
+        return [(h.waiting.key, h.request.lora) for h in tuple(self.held.values())]
+
     @property
     def busy_since(self) -> float | None:
         """When the step on the device began (None: none is)."""

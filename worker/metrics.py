@@ -417,8 +417,8 @@ class LoraCollector(Collector):  # type: ignore[misc]
         )  # fmt: skip
         waiting = GaugeMetricFamily(
             "batchfleet_lora_requests_waiting",
-            "Generation: requests admitted under each LoRA adapter and not running (preempted, "
-            "or waiting for a constraint).", labels=["model", "adapter"],
+            "Generation: requests under each LoRA adapter waiting here: read and not admitted "
+            "yet, preempted, or waiting for a constraint.", labels=["model", "adapter"],
         )  # fmt: skip
         loaded = GaugeMetricFamily(
             "batchfleet_lora_adapters_loaded",
@@ -428,7 +428,8 @@ class LoraCollector(Collector):  # type: ignore[misc]
             counts = getattr(lp.runner, "lora_requests", None)
             if counts is None:
                 continue
-            by_adapter = counts()
+            waiting_here = getattr(getattr(lp, "scheduler", None), "adapters_waiting", None)
+            by_adapter = counts(waiting_here() if waiting_here is not None else ())
             loaded.add_metric([lp.model], len(by_adapter))
             for name, (run, wait) in sorted(by_adapter.items()):
                 running.add_metric([lp.model, name], run)

@@ -14,7 +14,7 @@ import redis
 from redis.commands.core import Script
 
 from ..connection import SyncClient
-from ..schemas.keys import GROUP, MODELS_KEY, ModelKeys
+from ..schemas.keys import GROUP, LORA_UNLOADED, MODELS_KEY, ModelKeys
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo, decode_model_info
 
@@ -211,12 +211,16 @@ class ModelStreams:
         self.client.hset(self.keys.lora, name, path)
 
     def lora_unloaded(self, name: str) -> None:
-        self.client.hdel(self.keys.lora, name)
+        """An adapter unloaded while the model serves: workers started later do not serve
+        it, not even from their fleet file (a tombstone, until it is loaded again)."""
+        self.client.hset(self.keys.lora, name, LORA_UNLOADED)
 
-    def loras(self) -> dict[str, str]:
-        """The adapters loaded while the model serves: name → directory."""
+    def loras(self) -> dict[str, str | None]:
+        """The adapters loaded (name → directory) and unloaded (name → None) while the
+        model serves."""
         raw = self.client.hgetall(self.keys.lora)
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {_text(k): _text(v) if _text(v) != LORA_UNLOADED else None
+                for k, v in raw.items()}  # fmt: skip
 
     def depths(self) -> tuple[list[int], list[int]]:
         """Entries in each lane stream, and how many of them are pending (being worked on)."""

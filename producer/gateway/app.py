@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -50,6 +50,9 @@ from .replies import DOWN, Replies
 from .split import merged, part_ids, split
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
+if TYPE_CHECKING:
+    from .lora_admin import LoraAdmin
+
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
@@ -71,8 +74,12 @@ class Gateway:
         store_ttl_s: int = DEFAULT_TTL_S,
         store_max_bytes: int = DEFAULT_MAX_BYTES,
         conversations: Mapping[str, int] | None = None,
+        lora_admin: LoraAdmin | None = None,
     ) -> None:
         self.producer = producer
+        self.lora_admin = lora_admin
+        """Runtime LoRA updating (``--allow-runtime-lora-updating``): None, its routes are
+        not served."""
         self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
         """The Responses API's stored responses."""
         self.conversations = ConversationStore(producer.client, **(conversations or {}))
@@ -166,6 +173,10 @@ class Gateway:
             known = None
         self._info[model] = (time.monotonic(), known)
         return known
+
+    def forget_info(self, model: str) -> None:
+        """Read ``model``'s info again when next asked (its workers changed it)."""
+        self._info.pop(model, None)
 
     async def adapters(self) -> dict[str, str]:
         """LoRA adapter name → its base model, over the models the fleet serves (vLLM's:
@@ -658,6 +669,11 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/metrics", Metrics, g),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
+    if gateway.lora_admin is not None:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        from .lora_admin import LoraRoute
+
+        routes += [(r"/v1/load_lora_adapter", LoraRoute, g | {"load": True}),
+                   (r"/v1/unload_lora_adapter", LoraRoute, g | {"load": False})]  # fmt: skip
     gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
@@ -686,6 +702,7 @@ async def serve(
     store_ttl_s: int = DEFAULT_TTL_S,
     store_max_bytes: int = DEFAULT_MAX_BYTES,
     conversations: Mapping[str, int] | None = None,
+    lora_admin: LoraAdmin | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -694,7 +711,9 @@ async def serve(
     fleet stops generating for clients that will not be answered. ``ready`` is set once
     it listens and is subscribed to its reply channel. Responses API responses are stored
     ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each; conversations as
-    ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments)."""
+    ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
+    ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
+    (:mod:`.lora_admin`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -705,7 +724,7 @@ async def serve(
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
                           store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
-                          conversations=conversations)  # fmt: skip
+                          conversations=conversations, lora_admin=lora_admin)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip

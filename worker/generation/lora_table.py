@@ -22,6 +22,18 @@ MAX_LORAS = 8
 with several adapters set more)."""
 
 
+class AdapterLoaded(ValueError):
+    """The name is loaded already (or being loaded)."""
+
+    code = "already_loaded"
+
+
+class AdapterNotLoaded(ValueError):
+    """The name is not loaded."""
+
+    code = "not_loaded"
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """An adapter added at ``label`` (with its lean layout), or (``adapter`` None) one
@@ -61,7 +73,7 @@ class AdapterTable:
             raise ValueError(f"lora name {name!r}: 1-128 characters")
         with self._lock:
             if name in self.labels or name in self._loading:
-                raise ValueError(f"adapter {name!r} is already loaded (unload it first)")
+                raise AdapterLoaded(f"adapter {name!r} is already loaded (unload it first)")
             if len(self.labels) + len(self._loading) >= self.max_loras:
                 raise ValueError(f"{len(self.labels)} adapters are loaded, max_loras "
                                  f"{self.max_loras}: unload one first")  # fmt: skip
@@ -88,7 +100,7 @@ class AdapterTable:
         with self._lock:
             if name not in self.labels:
                 known = ", ".join(self.labels) or "none"
-                raise ValueError(f"adapter {name!r} is not loaded (loaded: {known})")
+                raise AdapterNotLoaded(f"adapter {name!r} is not loaded (loaded: {known})")
             labels = dict(self.labels)
             label = labels.pop(name)
             self.labels = labels

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -880,12 +880,20 @@ class TextGenerationRunner:
         adapter), then its memory goes. A ``ValueError`` where it is not loaded."""
         self._loras.remove(name)
 
-    def lora_requests(self) -> dict[str, tuple[int, int]]:
+    def lora_requests(
+        self, queued: Iterable[tuple[str, str | None]] = ()
+    ) -> dict[str, tuple[int, int]]:
         """Any thread: per adapter a new request may name, its requests running and waiting
-        here (preempted, or waiting for a constraint); read at a metrics scrape."""
+        here (preempted, waiting for a constraint, or ``queued``: ``(key, adapter)`` of
+        those its loop read and has not admitted yet); read at a metrics scrape."""
         names = {label: name for name, label in self._loras.labels.items()}
         out = dict.fromkeys(names.values(), (0, 0))
-        for r in tuple(self._reqs.values()):
+        reqs = dict(self._reqs)
+        for key, lora in queued:
+            if lora in out and key not in reqs:  # (a preempted one: counted below)
+                running, waiting = out[lora]
+                out[lora] = (running, waiting + 1)
+        for r in reqs.values():
             name = names.get(r.spec.lora)
             if name is not None:
                 running, waiting = out[name]
