@@ -178,7 +178,8 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``parallel_tool_calls``, ``allowed_token_ids``, ``skip_special_tokens``,
         ``bad_words``, ``chat_template_kwargs``, ``add_generation_prompt``,
         ``continue_final_message``, ``return_token_ids``, ``return_prompt_text``,
-        ``cache_salt``, ``reasoning_effort``, ``lora`` (see :class:`SubmitOptions`). Raises
+        ``cache_salt``, ``reasoning_effort``, ``lora``, ``use_beam_search``,
+        ``length_penalty`` (see :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""
         return self._call(self.core.submit(model, inputs, options))
