@@ -39,26 +39,33 @@ def reference(
     runner: TextGenerationRunner, prompt: list[int], width: int, max_new: int,
     length_penalty: float = 1.0, ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
 ) -> list[Beam]:  # fmt: skip
-    """vLLM's beam search, each hypothesis scored by a full forward of its whole sequence
-    (no cache, no engine)."""
+    """vLLM's beam search written out plainly, each hypothesis scored by a full forward of
+    its whole sequence (no cache, no engine, none of the code under test)."""
     eos = frozenset() if ignore_eos else frozenset(runner.eos)
 
-    def ending(tokens: tuple[int, ...]) -> tuple[str, str | int | None] | None:
-        if tokens[-1] in eos:
-            return "stop", None
-        return ("stop", tokens[-1]) if tokens[-1] in stop_ids else None
+    def key(b: Beam) -> float:
+        n = len(prompt) + len(b.tokens) - (1 if b.tokens[-1] in eos else 0)
+        return b.logprob / float(n) ** length_penalty
 
-    search = BeamSearch(len(prompt), width, max_new, length_penalty, eos, ending)
-    while not search.done:
-        tops = []
-        for beam in search.live:
+    live, ended = [Beam((), 0.0)], []
+    for _ in range(max_new):
+        grown = []
+        for beam in live:
             ids = torch.tensor([[*prompt, *beam.tokens]], device=runner.torch_device)
             with torch.no_grad():
                 logits = runner.model(input_ids=ids).logits[0, -1].float()
             values, top = torch.topk(torch.log_softmax(logits, -1), 2 * width)
-            tops.append(list(zip(top.tolist(), values.tolist(), strict=True)))
-        search.advance(tops)
-    return search.best()
+            for t, v in zip(top.tolist(), values.tolist(), strict=True):
+                tokens, lp = (*beam.tokens, t), beam.logprob + v
+                if t in eos:
+                    ended.append(Beam(tokens, lp, "stop"))
+                elif t in stop_ids:
+                    ended.append(Beam(tokens, lp, "stop", t))
+                else:
+                    grown.append(Beam(tokens, lp))
+        live = sorted(grown, key=key, reverse=True)[:width]
+    ended += [Beam(b.tokens, b.logprob, "length") for b in live]
+    return sorted(ended, key=key, reverse=True)[:width]
 
 
 def ids_of(runner: TextGenerationRunner, text: str) -> list[int]:
