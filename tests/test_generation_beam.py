@@ -5,10 +5,12 @@ greedy; it runs beside plain requests, and ends early when cancelled or past a d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import WorkerProcess, fleet_toml
 from devices import DEVICE
 
 torch = pytest.importorskip("torch")
@@ -29,7 +31,9 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(params=["padded", "paged"])
-def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner:
+def runner(  # blocks of 4 tokens: each round's prefix-cache hit ends mid-beam
+    lm_dir: Path, request: pytest.FixtureRequest
+) -> TextGenerationRunner:
     opts = {"kv_cache_tokens": 2048, "page_size": 4, "step_tokens": 64, "max_running": 16,
             "engine": request.param}  # fmt: skip
     return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=opts)
@@ -90,6 +94,9 @@ def test_beam_search_gives_the_reference_beams(runner: TextGenerationRunner) -> 
             assert [o["text"] for o in got] == [
                 runner.tokenizer.decode(b.tokens, skip_special_tokens=True) for b in want
             ]
+    if runner.engine_kind == "padded":  # the rounds take the prompt's blocks from the cache
+        assert runner.engine.prefix is not None and runner.engine.prefix.hit_tokens > 0
+        assert outs[0]["cached_tokens"] > 0  # (the last search's first round found it too)
 
 
 def test_width_one_is_greedy(runner: TextGenerationRunner) -> None:
@@ -258,3 +265,30 @@ def test_beam_search_refuses_what_it_cannot_honour(fields: dict[str, Any], messa
     assert Request.model_validate(
         {"id": "r", "model": "lm", "inputs": ["x"], "use_beam_search": True, "temperature": 0.0}
     ).use_beam_search
+
+
+@pytest.mark.timeout(180)
+def test_beam_search_through_a_worker(
+    redis_url: str, r: Any, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    from test_generation_e2e import MODEL, result, submit
+
+    opts = {"kv_cache_tokens": 2048, "page_size": 4, "step_tokens": 64, "max_running": 16}
+    text = fleet_toml(redis_url, {MODEL: {"runner": "text-generation", "path": str(lm_dir),
+                                          "options": opts}})  # fmt: skip
+    start_worker(text, "gen-beam").wait_ready(r, MODEL)
+    rid = submit(r, inputs=PROMPTS, n=2, max_new_tokens=5, use_beam_search=True,
+                 length_penalty=0.5, return_token_ids=True)  # fmt: skip
+    plain = submit(r, inputs=PROMPTS[:1], max_new_tokens=5)
+    res = result(r, rid)
+    assert res["status"] == "ok" and len(res["outputs"]) == 4
+    local = TextGenerationRunner(lm_dir, device="cpu", dtype="float32", options=opts)
+    for i, p in enumerate(PROMPTS):
+        want = reference(local, ids_of(local, p), 2, 5, 0.5)
+        got = res["outputs"][i * 2 : i * 2 + 2]
+        assert [o["token_ids"] for o in got] == [list(b.tokens) for b in want]
+    assert result(r, plain)["outputs"][0]["text"] == greedy(local, PROMPTS[0], 5)
+    bad = submit(r, inputs=["x"], use_beam_search=True, stream=True)
+    err = result(r, bad)
+    assert err["status"] == "error" and err["error"]["code"] == "invalid_request"
+    assert "not streamed" in err["error"]["message"]
