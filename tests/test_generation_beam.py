@@ -292,3 +292,14 @@ def test_beam_search_through_a_worker(
     err = result(r, bad)
     assert err["status"] == "error" and err["error"]["code"] == "invalid_request"
     assert "not streamed" in err["error"]["message"]
+
+
+def test_the_model_info_tells_clients_the_workers_take_beam_search(lm_dir: Path) -> None:
+    from batchfleet.schemas.messages import DEFAULT_LIMITS
+    from batchfleet.schemas.model_info import decode_model_info
+    from batchfleet.worker.runner import model_info
+
+    gen = TextGenerationRunner(lm_dir, device="cpu", dtype="float32")
+    info = decode_model_info(model_info(gen, DEFAULT_LIMITS, 1).model_dump_json())
+    assert info.beam_search is True
+    assert decode_model_info('{"task": "text-generation"}').beam_search is None  # an old one

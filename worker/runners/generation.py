@@ -277,6 +277,8 @@ class TextGenerationRunner:
 
     name = "text-generation"
     continuous = True
+    beam_search = True
+    """It takes ``use_beam_search`` (published in the model info)."""
 
     def __init__(
         self,
