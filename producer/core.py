@@ -174,6 +174,10 @@ class GenerationOptions(TypedDict, total=False):
     lora: str | None
     """The model's LoRA adapter (a name of its info's ``lora_adapters``) the text comes
     from; none: the base model (vLLM's multi-LoRA)."""
+    use_beam_search: bool | None
+    """Beam search, ``n`` its width: each input's ``n`` best beams (vLLM's; not streamed)."""
+    length_penalty: float | None
+    """With ``use_beam_search``: beams ranked by log-probability over length to this power."""
 
 
 GENERATION_OPTIONS = tuple(GenerationOptions.__annotations__)

@@ -110,6 +110,14 @@ MAX_CHOICES: Final = 1_024
 MAX_STRUCTURES: Final = 128
 """The most structures (and triggers) a ``structural_tag`` lists."""
 
+BEAM_REFUSES: Final[dict[str, object]] = {
+    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "min_new_tokens": 0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "logprobs": None, "prompt_logprobs": None, "structured_outputs": None,
+    "response_format": None, "tools": None,
+}  # fmt: skip
+"""The fields ``use_beam_search`` does not take, but for their value that changes nothing."""
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
@@ -120,6 +128,7 @@ GENERATION_FIELDS: Final = (
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
     "reasoning_effort", "return_prompt_text", "lora",
     "add_special_tokens", "return_token_strs",
+    "use_beam_search", "length_penalty",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -490,6 +499,15 @@ class Request(_Strict):
     """Completions per input (OpenAI's and vLLM's ``n``; default 1): the outputs hold ``n``
     per input, input by input (input ``i``'s completion ``j`` is output ``i * n + j``).
     With a ``seed``, completion ``j`` draws from ``seed + j``."""
+    # --- beam search (vLLM's extra parameters) ---
+    use_beam_search: bool | None = None
+    """vLLM's: beam search instead of sampling, ``n`` (default 1) its width; each input's
+    outputs are its ``n`` best beams, best first. Greedy over the model's own
+    log-probabilities: not with ``stream`` nor the fields that change the logits or the
+    draw (see :data:`BEAM_REFUSES`)."""
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
+    """vLLM's, with ``use_beam_search``: beams are ranked by their cumulative
+    log-probability over their length (prompt included) to this power (default 1)."""
 
     @property
     def input_count(self) -> int:
@@ -552,6 +570,22 @@ class Request(_Strict):
             if self.messages[-1].role != "assistant" or self.messages[-1].content is None:
                 raise ValueError("continue_final_message continues a last assistant message "
                                  "with content")  # fmt: skip
+
+    def _check_beam(self) -> None:
+        if not self.use_beam_search:
+            if self.length_penalty is not None:
+                raise ValueError("length_penalty goes with use_beam_search")
+            return
+        if self.stream:
+            raise ValueError("use_beam_search is not streamed: its beams are known only at "
+                             "the end (ask without stream)")  # fmt: skip
+        if self.max_new_tokens == 0:
+            raise ValueError("use_beam_search generates: max_new_tokens at least 1")
+        for name, plain in BEAM_REFUSES.items():
+            value = getattr(self, name)
+            if value is not None and value != plain:
+                raise ValueError(f"use_beam_search ranks beams by the model's own "
+                                 f"log-probabilities: not with {name}")  # fmt: skip
 
     def generation_fields(self) -> list[str]:
         """The generation-only fields this request sets."""
@@ -638,6 +672,7 @@ class Request(_Strict):
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("a request sets structured_outputs or response_format, not both")
         self._check_template()
+        self._check_beam()
         check_tools(self.tools, self.tool_choice, self.messages is not None)
         use = self.tool_use
         if use is not None and use.kind != "auto" and self.constraint_set:

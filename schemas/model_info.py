@@ -36,6 +36,9 @@ class ModelInfo(_Answer):
     lora_adapters: list[str] = Field(default_factory=list)
     """A generating model: the LoRA adapters a request may name in its ``lora`` (the
     runner's ``lora_adapters`` option; empty: none)."""
+    beam_search: bool | None = None
+    """A generating model: its workers take ``use_beam_search`` (None: workers before it,
+    which refuse the field as ``invalid_request``)."""
     created: int = Field(0, ge=0)
     """Unix seconds when a worker first published the model's info (kept by later ones)."""
 

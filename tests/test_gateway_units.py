@@ -96,6 +96,23 @@ def test_completion_prompts() -> None:
         assert e.value.param == word
 
 
+def test_beam_search_fields_map_to_the_fleets_and_are_not_streamed() -> None:
+    beam = {"use_beam_search": True, "n": 3, "length_penalty": 0.5, "max_tokens": 8}
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]} | beam
+    for sub in (
+        chat_submission(chat),
+        completion_submission({"model": "lm", "prompt": "x"} | beam),
+    ):
+        request = built(sub)
+        assert request.use_beam_search and request.n == 3 and request.length_penalty == 0.5
+    with pytest.raises(ApiError) as e:
+        completion_submission({"model": "lm", "prompt": "x", "stream": True} | beam)
+    assert e.value.status == 400 and e.value.param == "use_beam_search"
+    with pytest.raises(RequestRejected, match="temperature"):  # the fleet's own check
+        built(chat_submission(chat | {"temperature": 0.8}))
+    assert built(chat_submission(chat | {"use_beam_search": False, "length_penalty": None})).n == 3
+
+
 def test_echo_with_logprobs_asks_the_prompts_score_and_max_tokens_0_only_with_echo() -> None:
     # lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0
     body = {"model": "lm", "prompt": "the cat", "echo": True, "logprobs": 1, "max_tokens": 0}

@@ -20,6 +20,7 @@ SAME_NAME = (
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "allowed_token_ids", "skip_special_tokens",
     "bad_words", "return_token_ids", "cache_salt", "priority", "deadline_ms",
+    "use_beam_search", "length_penalty",
 )  # fmt: skip
 """Fields batchfleet takes under the same name and meaning (vLLM's extras included;
 ``priority`` is the lane, 0 first, as vLLM's lower-first priority; ``deadline_ms`` is
@@ -69,6 +70,9 @@ def common(body: Mapping[str, Any], prompt_only: bool = False) -> dict[str, Any]
             raise invalid("one constraint at most (guided_* or structured_outputs)")
         out["structured_outputs"] = guided
     if body.get("stream"):
+        if body.get("use_beam_search"):  # (vLLM does not stream beams either)
+            raise invalid("use_beam_search is not streamed: its beams are known only at the "
+                          "end (ask without stream)", "use_beam_search")  # fmt: skip
         out["stream"] = True
     return out
 

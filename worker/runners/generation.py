@@ -55,8 +55,10 @@ from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation import harmony, strict_calls, struct_tag
+from ..generation.beam import BeamSearch, Ending
+from ..generation.beam_rounds import BeamRounds
 from ..generation.detok import Decode, TextStream
-from ..generation.engine import Engine
+from ..generation.engine import Engine, Output
 from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.lora_table import MAX_LORAS, AdapterTable
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
@@ -135,6 +137,9 @@ class GenSpec:
     """Its LoRA adapter's label in the runner's table (0: none;
     :mod:`..generation.lora_table`)."""
     lora_name: str | None = None
+    beam: bool = False
+    """Beam search (``use_beam_search``), ``n`` its width (:mod:`..generation.beam`)."""
+    length_penalty: float = 1.0
 
     def sampling_of(self, j: int) -> Sampling:
         """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
@@ -172,6 +177,8 @@ class _Req:
     sent: list[int] = field(default_factory=list)
     compiling: Future[Constraint] | None = None
     """Its constraint, until compiled: its sequences are not in the engine until then."""
+    beams: BeamRounds | None = None
+    """A beam search's rounds (its ``seqs`` then take the best beams at the end)."""
 
     @property
     def done(self) -> bool:
@@ -272,6 +279,8 @@ class TextGenerationRunner:
 
     name = "text-generation"
     continuous = True
+    beam_search = True
+    """It takes ``use_beam_search`` (published in the model info)."""
 
     def __init__(
         self,
@@ -430,6 +439,8 @@ class TextGenerationRunner:
         self._unsettled: StepReport | None = None
         """The last step's report, until its progress is filled in."""
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
+        self._beam_seqs: dict[str, _Req] = {}
+        """The beam searches' round sequences in the engine, and their requests."""
 
     def _adapters(self, opts: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
         """``options.lora_adapters`` loaded, checked against the model and engine (a
@@ -613,6 +624,8 @@ class TextGenerationRunner:
             compiling=compiling,
             lora=lora,
             lora_name=req.lora,
+            beam=bool(req.use_beam_search),
+            length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         # the KV cache holds per sequence its prompt, or nothing where it is answered when
@@ -782,6 +795,9 @@ class TextGenerationRunner:
             failure = f"{type(exc).__name__}: {exc}"
         if failure:  # handled out here, once the failed step's tensors are freed with it
             return self._out_of_memory(failure, events, report)
+        if self._beam_seqs:
+            outputs, beam_events = self._beam_step(outputs, produced)
+            events += beam_events
         # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
         by_seq = self._by_seq
@@ -936,6 +952,7 @@ class TextGenerationRunner:
         self.engine.forget_all()
         self._reqs.clear()
         self._by_seq.clear()
+        self._beam_seqs.clear()
         self._compiling.clear()
         self._unsettled = None
 
@@ -970,6 +987,8 @@ class TextGenerationRunner:
                     for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
                     for j in range(n)]  # fmt: skip
             r = _Req(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
+            if spec.beam:
+                r.beams = self._beam_rounds(key, spec)
             if r.done:
                 return r
             self._reqs[key] = r
@@ -993,8 +1012,90 @@ class TextGenerationRunner:
                 split.chunks = CallChunks(split.calls, use, self._calls_parser, spec.tool_types)
         return split
 
+    def _beam_rounds(self, key: str, spec: GenSpec) -> BeamRounds:
+        """A beam request's searches, one per prompt, before their first round."""
+        ending = self._ending(spec)
+        eos = frozenset() if spec.sampling.ignore_eos else frozenset(self.eos)
+        searches = [BeamSearch(len(p), spec.n, m, spec.length_penalty, eos, ending)
+                    for p, m in zip(spec.prompts, spec.max_new_tokens, strict=True)]  # fmt: skip
+        return BeamRounds(key, spec.prompts, searches, spec.cache_salt, spec.lora)
+
+    def _ending(self, spec: GenSpec) -> Ending:
+        """What ends a beam, as it ends a sampled text: an end-of-sequence token (unless
+        ``ignore_eos``), a stop token id, a stop string (looked for in the text of its last
+        tokens: an earlier one would have ended it before)."""
+        eos = frozenset() if spec.sampling.ignore_eos else frozenset(self.eos)
+        stop_ids, stops = spec.stop_ids, spec.stop
+        window = 2 * max(map(len, stops)) + 8 if stops else 0
+        decode = self._decode
+
+        def ending(tokens: tuple[int, ...]) -> tuple[str, str | int | None] | None:
+            last = tokens[-1]
+            if last in eos:
+                return "stop", None
+            if last in stop_ids:
+                return "stop", last
+            if stops:
+                text = decode(tokens[-window:])
+                for s in stops:
+                    if s in text:
+                        return "stop", s
+            return None
+
+        return ending
+
+    def _beam_step(
+        self, outputs: list[Output], produced: dict[str, int]
+    ) -> tuple[list[Output], list[StepEvent]]:
+        """The beam rounds' outputs taken (each search that advanced starts its next round,
+        or its request ends); the other outputs, and the ended requests' events."""
+        rest = []
+        advanced: dict[str, _Req] = {}
+        for out in outputs:
+            r = self._beam_seqs.pop(out.sequence, None)
+            if r is None:
+                rest.append(out)
+            elif r.beams is not None and r.beams.took(self.engine, out):
+                advanced[r.key] = r
+                produced[r.key] = produced.get(r.key, 0) + 1
+        events: list[StepEvent] = []
+        for r in advanced.values():
+            assert r.beams is not None
+            if r.beams.done:
+                self._beam_results(r)
+                events += self._finish(r)
+            else:
+                self._start(r, r.beams.lane)
+        return rest, events
+
+    def _beam_results(self, r: _Req) -> None:
+        """A beam request's outputs take its best beams (prompt by prompt, best first)."""
+        assert r.beams is not None
+        n = r.spec.n
+        best = [s.best() for s in r.beams.searches]
+        for k, seq in enumerate(r.seqs):
+            beams = best[k // n]
+            if k % n >= len(beams):  # ended before its first round
+                seq.finish = seq.finish or "length"
+                continue
+            beam = beams[k % n]
+            seq.text.extend(list(beam.tokens))
+            seq.finish, seq.stop_reason = beam.finish or "length", beam.stop_reason
+
+    def _beam_cancel(self, r: _Req) -> None:
+        """Take a beam request's round out of the engine."""
+        assert r.beams is not None
+        for name in r.beams.pending:
+            self._beam_seqs.pop(name, None)
+        r.beams.cancel(self.engine)
+
     def _start(self, r: _Req, lane: int) -> None:
         """Put a request's unfinished sequences in the engine."""
+        if r.beams is not None:
+            r.beams.lane = lane
+            for name in r.beams.start(self.engine):
+                self._beam_seqs[name] = r
+            return
         for seq in r.seqs:
             if seq.finish is not None:
                 continue
@@ -1036,6 +1137,11 @@ class TextGenerationRunner:
 
     def _park(self, r: _Req) -> Preempted:
         """Free a request's sequences and keep its tokens; it resumes when admitted again."""
+        if r.beams is not None:
+            self._beam_cancel(r)
+            r.parked = True
+            contexts, left = r.beams.contexts()
+            return Preempted(r.key, contexts, left)
         live = [s for s in r.seqs if s.finish is None]
         self._cancel(live)
         r.parked = True
@@ -1049,6 +1155,11 @@ class TextGenerationRunner:
         self.engine.cancel(s.name for s in live)
 
     def _end(self, r: _Req, reason: str) -> None:
+        if r.beams is not None:  # the best beams so far, ended for ``reason``
+            self._beam_cancel(r)
+            r.beams.stop(reason)
+            self._beam_results(r)
+            return
         live = [s for s in r.seqs if s.finish is None]
         self._cancel(live)
         for s in live:
@@ -1071,6 +1182,9 @@ class TextGenerationRunner:
         for s, out in zip(r.seqs, outputs, strict=True):
             if s.stop_reason is not None and s.finish == "stop":
                 out["stop_reason"] = s.stop_reason
+        if r.beams is not None and r.beams.cached:
+            for k, out in enumerate(outputs):
+                out["cached_tokens"] = max(r.beams.cached[k // r.spec.n], 0)
         if r.spec.prompt_texts is not None:
             for i, text in enumerate(r.spec.prompt_texts):
                 outputs[i * r.spec.n]["prompt_text"] = text
@@ -1157,6 +1271,9 @@ class TextGenerationRunner:
         return out
 
     def _progress(self, r: _Req) -> Progress:
+        if r.beams is not None:
+            ctx, left = r.beams.contexts()
+            return Progress(ctx, (0,) * len(ctx), left)
         contexts: list[int] = []
         prefill: list[int] = []
         for s in r.seqs:
@@ -1211,6 +1328,8 @@ class TextGenerationRunner:
         for r in running:  # the engine holds nothing now: nothing to cancel in it
             for seq in r.seqs:
                 self._by_seq.pop(seq.name, None)
+            if r.beams is not None:
+                self._beam_cancel(r)
         return running
 
     def _fail(

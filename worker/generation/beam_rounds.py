@@ -1,0 +1,111 @@
+"""A beam-search request's rounds in the engine (:mod:`.beam` holds the search itself).
+
+Each round, every live beam of each prompt is an engine sequence of one token (its prompt
+and the beam's tokens) that keeps its ``2 * width`` likeliest alternatives; once every beam
+of a prompt has its alternatives, that prompt's search advances and its next round is
+added. The engine runs these sequences like any other (continuous batching with the other
+requests, the prefix cache, the lane's priority), so its step loop does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .beam import Beam, BeamSearch
+from .engine import Engine, Output
+from .sampling import Sampling
+
+
+@dataclass(slots=True)
+class BeamRounds:
+    """One request's beam searches (one per prompt) and their round's engine sequences."""
+
+    key: str
+    prompts: tuple[tuple[int, ...], ...]
+    searches: list[BeamSearch]
+    salt: str | None = None
+    lora: int = 0
+    lane: int = 0
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """The round's engine sequences: (prompt, beam) by sequence name."""
+    tops: list[list[list[tuple[int, float]] | None]] = field(default_factory=list)
+    """Per prompt, per live beam, its alternatives once its sequence has run."""
+    cached: list[int] = field(default_factory=list)
+    """Per prompt, the prompt tokens its first round took from the prefix cache."""
+    added: int = 0
+    """Sequences added so far (their names' serial: a name is never used twice)."""
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.searches)
+
+    def start(self, engine: Engine) -> list[str]:
+        """Add the round of every prompt whose search goes on and has none running; the
+        names added."""
+        if not self.tops:
+            self.tops = [[] for _ in self.searches]
+            self.cached = [-1] * len(self.searches)
+        running = {i for i, _ in self.pending.values()}
+        names: list[str] = []
+        for i, search in enumerate(self.searches):
+            if search.done or i in running:
+                continue
+            self.tops[i] = [None] * len(search.live)
+            sampling = Sampling(logprobs=search.alternatives)
+            for k, beam in enumerate(search.live):
+                name = f"{self.key}#beam{i}.{self.added}"
+                self.added += 1
+                engine.add(name, [*self.prompts[i], *beam.tokens], 1, sampling,
+                           priority=self.lane, salt=self.salt, lora=self.lora)  # fmt: skip
+                self.pending[name] = (i, k)
+                names.append(name)
+        return names
+
+    def took(self, engine: Engine, out: Output) -> bool:
+        """A round's sequence ran (``out``): its alternatives kept, and its prompt's search
+        advanced where it was the last of the round; whether one advanced."""
+        i, k = self.pending.pop(out.sequence)
+        kept = engine.logprobs(out.sequence)
+        if self.cached[i] < 0:
+            self.cached[i] = engine.cached(out.sequence)
+        engine.forget(out.sequence)
+        if not out.finished:  # (one token always ends it)
+            engine.cancel([out.sequence])
+        if not kept:
+            raise RuntimeError(f"beam sequence {out.sequence}: the engine kept no alternatives")
+        _, _, ids, values = kept[0]
+        tops = self.tops[i]
+        tops[k] = list(zip(ids, values, strict=True))
+        if any(t is None for t in tops):
+            return False
+        self.searches[i].advance([t for t in tops if t is not None])
+        self.tops[i] = []
+        return True
+
+    def cancel(self, engine: Engine) -> None:
+        """Take the round's sequences out of the engine (their alternatives are lost: the
+        round runs again when :meth:`start` is called)."""
+        names = list(self.pending)
+        engine.cancel(names)
+        for name in names:
+            engine.forget(name)
+        self.pending.clear()
+        self.tops = [[] for _ in self.searches]
+
+    def stop(self, reason: str) -> None:
+        """End every search now (cancelled, past its deadline)."""
+        for s in self.searches:
+            if not s.done:
+                s.stop(reason)
+
+    def best(self) -> list[Beam]:
+        """The outputs: each prompt's ``width`` best beams, prompt by prompt."""
+        return [b for s in self.searches for b in s.best()]
+
+    def contexts(self) -> tuple[tuple[int, ...], int]:
+        """Per live beam, the tokens it holds in the KV cache when its round runs; and the
+        most rounds any search has left."""
+        ctx = tuple(len(self.prompts[i]) + len(b.tokens)
+                    for i, s in enumerate(self.searches) for b in s.live)  # fmt: skip
+        left = max((s.max_new - s.rounds for s in self.searches if not s.done), default=0)
+        return ctx, left
