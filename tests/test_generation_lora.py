@@ -211,7 +211,12 @@ def world(
 def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_tokens(
     world: tuple[TextGenerationRunner, Reference],
 ) -> None:
-    runner, reference = world
+    check_mixed_batch(*world)
+
+
+def check_mixed_batch(runner: TextGenerationRunner, reference: Reference) -> None:
+    """Requests for the base, ``sql`` and ``chat`` joining one running batch over steps give
+    their own models' greedy tokens (any engine)."""
     # Given: requests for the base, sql and chat, of different lengths, arriving over steps
     plan = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
             (None, 4, 8), ("chat", 0, 5)]  # fmt: skip

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_generation_lora import make_adapter, merged
+from test_generation_lora import check_mixed_batch, make_adapter, merged
 from test_generation_runner import Driver, prepare, req
 from tiny_models import make_causal_lm, make_gpt_oss
 
@@ -156,28 +156,7 @@ def test_prompt_logprobs_through_chunks_equal_the_whole_prompt_forward(
 def test_adapters_and_the_base_in_one_batch_give_the_merged_models_tokens(
     family: Any, runner: TextGenerationRunner
 ) -> None:
-    # Given: requests for the base, sql and chat, joining the running batch over steps
-    plan_ = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
-             (None, 1, 8), ("chat", 0, 5)]  # fmt: skip
-    reqs = [req(f"r{i}", inputs=[PROMPTS[p]], max_new_tokens=n, lora=lora, ignore_eos=True,
-                return_token_ids=True)
-            for i, (lora, p, n) in enumerate(plan_)]  # fmt: skip
-    preps = prepare(runner, *reqs)
-    d = Driver(runner)
-    d.step([("r0", preps[0]), ("r1", preps[1])])
-    d.step([("r2", preps[2])])
-    d.step()
-    d.step([("r3", preps[3]), ("r4", preps[4])])
-    d.step([("r5", preps[5]), ("r6", preps[6])])
-    d.run()
-    # Then: each gives its own model's greedy tokens
-    for i, (lora, p, n) in enumerate(plan_):
-        got = d.finals[f"r{i}"].outputs[0]["token_ids"]
-        assert got == _generate(family, runner, lora, PROMPTS[p], n), (i, lora)
-    # and the adapters change the text (else the test would prove nothing)
-    base = _generate(family, runner, None, PROMPTS[2], 12)
-    assert _generate(family, runner, "sql", PROMPTS[2], 12) != base
-    assert _generate(family, runner, "chat", PROMPTS[2], 12) != base
+    check_mixed_batch(runner, lambda lora, text, n: _generate(family, runner, lora, text, n))
 
 
 def test_a_prompt_scored_under_an_adapter_is_scored_by_the_merged_model(
