@@ -190,9 +190,10 @@ def test_a_request_preempted_under_an_adapter_resumes_under_it(
 
 
 def test_padded_step_inputs_take_the_adapters_and_scores_too(family: Any) -> None:
-    """transformers pads a step's inputs where it replays CUDA graphs (the forwards with an
-    adapter or a score then run eagerly, on those padded inputs): the labels cover the
-    padding, the scored rows are the real tokens'."""
+    """transformers pads a step's inputs where it replays CUDA graphs, and the forwards
+    with an adapter or a score run eagerly on those padded inputs: the labels cover the
+    padding, the scored rows are the real tokens', and no graph is made or replayed for
+    them."""
     runner = _runner(family)
     engine: Any = runner.engine
     engine.processor.model_runner.pad_inputs = True
@@ -207,6 +208,16 @@ def test_padded_step_inputs_take_the_adapters_and_scores_too(family: Any) -> Non
     assert a["token_ids"] == _generate(family, runner, "sql", LONG, 5)
     _check_scores(family, runner, "sql", LONG, a, 1)
     assert b["token_ids"] == _generate(family, runner, None, PROMPTS[2], 7)
+    # With its CUDA graphs on (none can be made on a CPU), steps with an adapter's token
+    # run eagerly all the same, and leave the graphs on for the others
+    model_runner = engine.processor.model_runner
+    model_runner.use_cuda_graph_varlen = model_runner.use_cuda_graph_decode = True
+    (c,) = prepare(runner, req("c", inputs=[PROMPTS[0]], max_new_tokens=4, lora="chat",
+                               ignore_eos=True, return_token_ids=True))  # fmt: skip
+    d.step([("c", c)])
+    d.run()
+    assert d.finals["c"].outputs[0]["token_ids"] == _generate(family, runner, "chat", PROMPTS[0], 4)
+    assert model_runner.use_cuda_graph_varlen and model_runner.use_cuda_graph_decode
 
 
 def test_an_adapter_loaded_while_serving_is_served_and_the_base_untouched(family: Any) -> None:
