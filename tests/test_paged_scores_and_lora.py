@@ -7,12 +7,17 @@ than their prompts, so the windowed path is the one that runs."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_generation_lora import check_mixed_batch, make_adapter, merged
+from test_generation_lora import (
+    check_mixed_batch,
+    check_preempted,
+    make_adapter,
+    make_other,
+    merged,
+)
 from test_generation_runner import Driver, prepare, req
 from tiny_models import make_causal_lm, make_gpt_oss
 
@@ -29,30 +34,6 @@ PROMPTS = ["the man was", LONG, "a b c d e f g h i j k the man was there", "it"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def make_mistral(path: Path, window: int = 8) -> Path:
-    """A tiny random Mistral (every layer a sliding window of ``window`` tokens) with
-    :func:`make_causal_lm`'s tokenizer; its queries and keys scaled up (peaked attention,
-    so that reading the wrong keys shows)."""
-    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
-
-    make_causal_lm(path)
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
-    cfg = MistralConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
-        max_position_embeddings=1024, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    model = MistralForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6.0)
-            layer.self_attn.k_proj.weight.mul_(6.0)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module", params=["mistral", "gpt-oss"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A sliding-window model and two adapters of it: ``sql`` (every projection it has as
@@ -62,8 +43,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp(request.param)
-    if request.param == "mistral":
-        base, every = make_mistral(root / "base"), "all-linear"
+    if request.param == "mistral":  # every layer a sliding window of 8 tokens
+        lm = make_causal_lm(root / "lm")
+        base, every = make_other(root / "base", lm, "mistral", sliding_window=8), "all-linear"
     else:  # its experts are not linear layers: attention only
         base, every = make_gpt_oss(root / "base", window=8), ATTENTION
     adapters = {
@@ -176,17 +158,7 @@ def test_a_prompt_scored_under_an_adapter_is_scored_by_the_merged_model(
 def test_a_request_preempted_under_an_adapter_resumes_under_it(
     family: Any, runner: TextGenerationRunner
 ) -> None:
-    (p,) = prepare(runner, req("pre", inputs=PROMPTS[1:3], max_new_tokens=12, lora="chat",
-                               ignore_eos=True, return_token_ids=True))  # fmt: skip
-    d = Driver(runner)
-    d.step([("pre", p)])
-    for _ in range(6):
-        d.step()
-    d.step(preempt=["pre"])
-    d.step([("pre", p)])
-    d.run()
-    got = [o["token_ids"] for o in d.finals["pre"].outputs]
-    assert got == [_generate(family, runner, "chat", t, 12) for t in PROMPTS[1:3]]
+    check_preempted(runner, lambda lora, text, n: _generate(family, runner, lora, text, n))
 
 
 def test_padded_step_inputs_take_the_adapters_and_scores_too(family: Any) -> None:
