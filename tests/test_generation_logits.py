@@ -471,10 +471,6 @@ def test_prompt_logprobs_with_max_new_tokens_0_are_those_of_max_1(
     texts = ["the man was", "a b c"]
     zero = req("z", inputs=texts, max_new_tokens=0, n=2, prompt_logprobs=2, stream=True,
                return_token_ids=True, logprobs=1)  # fmt: skip
-    if runner.engine_kind == "paged":  # refused, as any prompt_logprobs there
-        (refused,) = runner.prepare_many([zero])
-        assert isinstance(refused, PrepareError) and "prompt_logprobs" in str(refused)
-        return
     lengths = [len(runner.tokenizer(t).input_ids) for t in texts]
     preps = prepare(runner, zero, req("one", inputs=texts, max_new_tokens=1, prompt_logprobs=2),
                     req("plain", max_new_tokens=4))  # fmt: skip
@@ -506,10 +502,6 @@ def test_prompt_logprobs_score_each_prompt_in_its_first_output(
 ) -> None:
     want = req("p", inputs=["the man was", "a b c"], max_new_tokens=2, n=2, prompt_logprobs=2,
                temperature=0.8, seed=1)  # fmt: skip
-    if runner.engine_kind == "paged":  # the padded engine's alone: refused, clearly
-        (refused,) = runner.prepare_many([want])
-        assert isinstance(refused, PrepareError) and "prompt_logprobs" in str(refused)
-        return
     preps = prepare(runner, want, req("plain", max_new_tokens=4))
     d = Driver(runner)
     d.step([("p", preps[0]), ("plain", preps[1])])

@@ -116,9 +116,10 @@ def reference(lm: Path, adapters: dict[str, Path], runner: TextGenerationRunner)
     return _reference(lm, adapters, runner)
 
 
-def make_other(path: Path, lm: Path, family: str) -> Path:
-    """A tiny random ``family`` model (gpt2, qwen3, phi3, gemma) with ``lm``'s tokenizer,
-    saved like ``lm`` (its query and key weights scaled up: peaked attention)."""
+def make_other(path: Path, lm: Path, family: str, **config: Any) -> Path:
+    """A tiny random ``family`` model (gpt2, qwen3, phi3, gemma, mistral) with ``lm``'s
+    tokenizer, saved like ``lm`` (its query and key weights scaled up: peaked attention);
+    ``config``: more of a Llama-shaped family's config (a Mistral's ``sliding_window``)."""
     from transformers import (
         AutoTokenizer,
         GemmaConfig,
@@ -126,6 +127,8 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
         GenerationConfig,
         GPT2Config,
         GPT2LMHeadModel,
+        MistralConfig,
+        MistralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen3Config,
@@ -156,9 +159,10 @@ def make_other(path: Path, lm: Path, family: str) -> Path:
             for layer in model.model.layers:
                 layer.self_attn.qkv_proj.weight[:96].mul_(6.0)
     else:
-        kind, config = ((GemmaForCausalLM, GemmaConfig) if family == "gemma"
-                        else (Qwen3ForCausalLM, Qwen3Config))  # fmt: skip
-        model = kind(config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+        kind, make = {"gemma": (GemmaForCausalLM, GemmaConfig),
+                      "mistral": (MistralForCausalLM, MistralConfig)}.get(
+                          family, (Qwen3ForCausalLM, Qwen3Config))  # fmt: skip
+        model = kind(make(**config, vocab_size=vocab, hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, max_position_embeddings=1024, eos_token_id=eos,
                             pad_token_id=0, bos_token_id=eos, tie_word_embeddings=False))  # fmt: skip
@@ -211,7 +215,12 @@ def world(
 def test_adapters_and_the_base_in_one_continuous_batch_give_the_merged_models_tokens(
     world: tuple[TextGenerationRunner, Reference],
 ) -> None:
-    runner, reference = world
+    check_mixed_batch(*world)
+
+
+def check_mixed_batch(runner: TextGenerationRunner, reference: Reference) -> None:
+    """Requests for the base, ``sql`` and ``chat`` joining one running batch over steps give
+    their own models' greedy tokens (any engine)."""
     # Given: requests for the base, sql and chat, of different lengths, arriving over steps
     plan = [(None, 0, 6), ("sql", 1, 9), ("chat", 2, 12), ("sql", 0, 7), ("chat", 3, 10),
             (None, 4, 8), ("chat", 0, 5)]  # fmt: skip
@@ -362,7 +371,11 @@ def test_an_adapter_of_a_module_the_lean_forward_does_not_run_takes_transformers
 def test_a_request_preempted_under_an_adapter_resumes_under_it(
     world: tuple[TextGenerationRunner, Reference],
 ) -> None:
-    runner, reference = world
+    check_preempted(*world)
+
+
+def check_preempted(runner: TextGenerationRunner, reference: Reference) -> None:
+    """A request under ``chat`` preempted mid-generation resumes under it (any engine)."""
     (p,) = prepare(runner, req("pre", inputs=PROMPTS[2:4], max_new_tokens=12, lora="chat",
                                ignore_eos=True, return_token_ids=True))  # fmt: skip
     d = Driver(runner)
@@ -424,13 +437,9 @@ def test_adapters_that_are_not_served_are_refused_at_startup(
     (gone / "adapter_model.safetensors").unlink()
     refused(gone, "adapter_model.safetensors is missing")
     refused(tmp_path / "nowhere", "cannot read adapter_config.json")
-    # not the padded engine; a bound out of range
-    for why, opts in (
-        ("need the padded engine", {"engine": "paged"}),
-        ("max_lora_rank: 1024 is not 1 … 512", {"max_lora_rank": 1024}),
-    ):
-        with pytest.raises(ValueError, match=why):
-            _start(lm, adapters["sql"], **opts)
+    # a bound out of range
+    with pytest.raises(ValueError, match="max_lora_rank: 1024 is not 1 … 512"):
+        _start(lm, adapters["sql"], max_lora_rank=1024)
 
 
 def test_the_hooks_are_attached_for_a_forward_with_an_adapter_s_rows_alone(

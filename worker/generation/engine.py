@@ -5,6 +5,8 @@
 - :class:`~.paged.PagedEngine` (``engine = "paged"``): transformers' own paged
   continuous batching, stepped by us; it also serves sliding-window and hybrid models.
 
+Both serve LoRA adapters (:mod:`.lora`) and prompt log-probabilities.
+
 Either way the worker's scheduler decides which sequences join and leave; the engine
 runs exactly one step per call.
 """
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .lora import Adapter, Fused
 from .sampling import Logprob, Sampling
 
 
@@ -50,3 +53,6 @@ class Engine(Protocol):
     def logprobs(self, sequence: str) -> list[Logprob]: ...
     def prompt_logprobs(self, sequence: str) -> list[Logprob]: ...
     def cached(self, sequence: str) -> int: ...
+    def fuse_adapter(self, adapter: Adapter) -> Fused | None: ...
+    def set_adapter(self, label: int, adapter: Adapter | None,
+                    fused: Fused | None = None) -> None: ...  # fmt: skip

@@ -10,6 +10,10 @@ so a forward with no adapter row runs the modules as they are, with no hook to c
 base model's speed). Dimension 0 of a hooked module's input and output is the batch row;
 a module that flattens the tokens first still has one per row (a decode's one token), or
 one sequence's (a prefill chunk's).
+
+The paged engine's forward is one batch row of every sequence's tokens side by side: it
+gives a label per token (``tokens=True``), and the hooks index a module's input and
+output with their leading dimensions flattened (a linear layer's: one row a token).
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ class LoraHooks:
         self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
         """The current forward's rows by adapter (None: all its rows)."""
         self._rows = 0
+        self._tokens = False
+        """The labels are per token, not per batch row (module docstring)."""
 
     @contextmanager
-    def rows(self, labels: Sequence[int]) -> Iterator[None]:
-        """During the block, forward batch row ``i`` runs under adapter ``labels[i]`` (an
-        index into ``adapters`` plus one; 0: the base model). No adapter: nothing done."""
+    def rows(self, labels: Sequence[int], tokens: bool = False) -> Iterator[None]:
+        """During the block, forward batch row ``i`` (``tokens``: the forward's token ``i``,
+        batch and sequence flattened) runs under adapter ``labels[i]`` (an index into
+        ``adapters`` plus one; 0: the base model). No adapter: nothing done."""
         used = set(labels) - {0}
         if not used:
             yield
@@ -51,7 +58,7 @@ class LoraHooks:
         else:
             self._groups = [(a, at) for a, at in groups(labels, self.adapters, self.device)
                             if a is not None]  # fmt: skip
-        self._rows = len(labels)
+        self._rows, self._tokens = len(labels), tokens
         wanted = {where for a, _ in self._groups for where in a.modules}
         handles = [self._modules[where].register_forward_hook(self._hook(where))
                    for where in sorted(wanted)]  # fmt: skip
@@ -60,23 +67,25 @@ class LoraHooks:
         finally:
             for h in handles:
                 h.remove()
-            self._groups, self._rows = [], 0
+            self._groups, self._rows, self._tokens = [], 0, False
 
     def _hook(self, where: str) -> Any:
         def hook(module: Any, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-            x = args[0]
+            x, y = args[0], out
+            if self._tokens:  # one row a token: views of the same memory
+                x, y = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
             for adapter, at in self._groups:
                 update = adapter.modules.get(where)
                 if update is None:
                     continue
                 a, b = update
                 if at is None:
-                    out.add_((x @ a.T) @ b.T)
+                    y.add_((x @ a.T) @ b.T)
                     continue
-                if out.shape[0] != self._rows:
-                    raise RuntimeError(f"LoRA: {where}'s output has {out.shape[0]} rows, the "
+                if y.shape[0] != self._rows:
+                    raise RuntimeError(f"LoRA: {where}'s output has {y.shape[0]} rows, the "
                                        f"forward {self._rows}")  # fmt: skip
-                out.index_add_(0, at, (x.index_select(0, at) @ a.T) @ b.T)
+                y.index_add_(0, at, (x.index_select(0, at) @ a.T) @ b.T)
             return out
 
         return hook

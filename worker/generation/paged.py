@@ -12,12 +12,21 @@ itself to the machine's memory.
 It calls the engine's step methods (``prepare_next_batch``, ``_generation_step``,
 ``update_batch``), which are the body of the manager's own loop; ``tests/test_generation.py``
 pins their behaviour (greedy tokens equal ``generate``'s).
+
+A sequence may run under one of the engine's LoRA adapters (:mod:`.lora`), beside the base
+model's in the same step, and may have its prompt tokens' log-probabilities kept (``score``):
+a step whose forward has an adapter's token or a scored position runs it through
+:mod:`.paged_step` (hooks on the adapters' modules, a label per token; the scored
+positions' logits from the model's own head), eagerly where the engine replays CUDA graphs
+(a graph runs no hook); a step with neither runs as before. This engine shares no cached
+blocks between sequences, so keys and values computed under one adapter are never another's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +38,9 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .engine import Output, SeqState
+from .lora import Adapter, Fused
+from .lora_hooks import LoraHooks
+from .paged_step import Scored, ScoringForward, StepPlan, keep_scores, plan
 from .sampling import Logprob, Sampling, SeededSampler
 
 
@@ -46,7 +58,17 @@ class PagedEngine:
         step_tokens: int,
         max_running: int,
         cuda_graphs: bool = False,
+        adapters: tuple[Adapter, ...] = (),
     ) -> None:
+        self.model = model
+        self.adapters: tuple[Adapter | None, ...] = adapters
+        """The LoRA adapters its sequences may run under (:mod:`.lora`), by label less one
+        (None: a label whose adapter was taken away, :meth:`set_adapter`)."""
+        self._hooks = LoraHooks(model, adapters) if adapters else None
+        self._labels: dict[str, int] = {}
+        """Per sequence under an adapter, its label."""
+        self._scored: dict[str, Scored] = {}
+        """Per sequence that asked, its prompt tokens' log-probabilities so far."""
         self.sampler = SeededSampler(eos_token_ids)
         generation = GenerationConfig(
             do_sample=False, eos_token_id=eos_token_ids or -1, pad_token_id=pad_token_id,
@@ -91,18 +113,25 @@ class PagedEngine:
         lora: int = 0,
     ) -> None:
         """Queue a sequence; it joins at the next step (its own FIFO: ``priority`` unused).
-        ``score`` (prompt log-probabilities) and ``lora`` (LoRA adapters) are the padded
-        engine's alone: refused. ``salt`` is unused: this engine shares no prefix between
-        sequences."""
-        if score is not None:
-            raise ValueError("prompt log-probabilities need the padded engine")
+        ``score``: keep the log-probabilities of its tokens after the first
+        (:meth:`prompt_logprobs`), with that many likeliest tokens each (from its start
+        again if it was added before); with ``max_new_tokens`` 0 (its prompt only scored) it
+        still takes one token, which the runner drops. ``lora``: its adapter, an index into
+        ``adapters`` plus one (0: the base model). ``salt`` is unused: this engine shares
+        no prefix between sequences."""
+        if lora and not (lora <= len(self.adapters) and self.adapters[lora - 1] is not None):
+            raise ValueError(f"LoRA adapter {lora}: the engine does not have it")
+        self._labels.pop(sequence, None)
         if lora:
-            raise ValueError("LoRA adapters need the padded engine")
+            self._labels[sequence] = lora
+        self._scored.pop(sequence, None)
+        if score is not None:
+            self._scored[sequence] = Scored(list(tokens), score)
         self.sampler.add(sequence, sampling, tokens)
         self.manager.add_request(
             tokens,
             request_id=sequence,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max(1, max_new_tokens),
             streaming=True,
             eos_token_id=-1 if sampling.ignore_eos else None,  # -1: no token ends it
         )
@@ -115,6 +144,8 @@ class PagedEngine:
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
+        self._scored.pop(sequence, None)
+        self._labels.pop(sequence, None)
 
     def logprobs(self, sequence: str) -> list[Logprob]:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
@@ -125,20 +156,48 @@ class PagedEngine:
         return 0
 
     def prompt_logprobs(self, sequence: str) -> list[Logprob]:
-        """None here (see :meth:`add`)."""
-        return []
+        """The log-probabilities of a sequence's tokens after its first, as far as its
+        prefill has gone (it was added with ``score``; else empty)."""
+        s = self._scored.get(sequence)
+        return s.kept if s is not None else []
 
     def forget_all(self) -> None:
         """Drop every sequence and what the sampler keeps of them (the runner starts over)."""
         self.reset()
         self.sampler.clear()
+        self._scored.clear()
+        self._labels.clear()
+
+    def fuse_adapter(self, adapter: Adapter) -> Fused | None:
+        """None: this engine has no lean forward; any adapter :mod:`.lora` loads is served
+        through hooks."""
+        return None
+
+    def set_adapter(self, label: int, adapter: Adapter | None, fused: Fused | None = None) -> None:
+        """Between steps (the engine's owner): put ``adapter`` at ``label`` (an index into
+        ``adapters`` plus one, past the end: added); None: take that label's away (no
+        sequence of it may be left, but cancelled ones)."""
+        slots = list(self.adapters) + [None] * max(0, label - len(self.adapters))
+        slots[label - 1] = adapter
+        while slots and slots[-1] is None:
+            slots.pop()
+        self.adapters = tuple(slots)
+        self._hooks = LoraHooks(self.model, self.adapters) if self.adapters else None
 
     def step(self) -> list[Output]:
         """Run one step (admissions, cancellations, prefill chunks, one decode per running
         sequence); the outputs it produced."""
         with torch.inference_mode():
             if self.processor.prepare_next_batch():
-                self.manager._generation_step()
+                io = self.processor.inputs_and_outputs
+                extra = None
+                if self._labels or self._scored:
+                    extra = plan(io.requests_in_batch, io.num_q_tokens, self._labels,
+                                 self._scored)  # fmt: skip
+                if extra is None:
+                    self.manager._generation_step()
+                else:
+                    self._extended_step(extra)
                 self.processor.update_batch()
         out: list[Output] = []
         while True:
@@ -150,6 +209,30 @@ class PagedEngine:
                 raise RuntimeError(f"generation of {o.request_id} failed: {o.error}")
             out.append(Output(o.request_id, list(o.generated_tokens), o.is_finished()))
         return out
+
+    def _extended_step(self, extra: StepPlan) -> None:
+        """The step's forward with its adapters' tokens and scored positions
+        (:mod:`.paged_step`)."""
+        forward = ScoringForward(self.model, extra.positions) if extra.spans else None
+        hooks = self._hooks
+        adapted = hooks.rows(extra.labels, tokens=True) if hooks and extra.adapted else None
+        with self._eager(), adapted or contextlib.nullcontext():
+            self.processor._generation_step(forward or self.model)
+        if forward is not None:
+            assert forward.scored is not None
+            keep_scores(extra, forward.scored)
+
+    @contextlib.contextmanager
+    def _eager(self) -> Iterator[None]:
+        """During the block, the step runs its forward as Python (no CUDA graph replayed
+        nor captured: a graph would run no hook, and keep no scored logits)."""
+        runner = self.processor.model_runner
+        graphs = runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode
+        runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = False
+        try:
+            yield
+        finally:
+            runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode = graphs
 
     def state(self, sequence: str) -> SeqState | None:
         """Where a queued or running sequence stands (None: the engine no longer has it)."""

@@ -31,7 +31,7 @@ refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``compile_thread
 (default 1: threads that compile a constraint not compiled yet while the request waits,
 admitted, and the others run; 0: compiled when the request is read, on the loop thread;
 :mod:`..generation.grammar`), ``lora_adapters`` (``{name: path}``: PEFT LoRA adapters of
-this model, loaded at startup, that a request names in its ``lora``; padded engine, any
+this model, loaded at startup, that a request names in its ``lora``; either engine, any
 model family; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
 most 512: a higher-rank adapter is refused), ``max_loras`` (default 8: adapters loaded at
 once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_lora`).
@@ -413,6 +413,7 @@ class TextGenerationRunner:
                 step_tokens=self.step_tokens,
                 max_running=self.max_running,
                 cuda_graphs=_flag(opts.get("cuda_graphs", False), "cuda_graphs"),
+                adapters=adapters,
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'auto', 'padded' or "
@@ -460,9 +461,6 @@ class TextGenerationRunner:
                              "characters) to adapter directories")  # fmt: skip
         if not named:
             return (), ()
-        if self.engine_kind != "padded":
-            raise ValueError("options.lora_adapters: LoRA adapters need the padded engine, and "
-                             f"this model runs on {self.engine_kind!r}")  # fmt: skip
         loaded = tuple(load_adapter(k, v, self.model, rank) for k, v in named.items())
         return tuple(named), loaded
 
@@ -516,8 +514,6 @@ class TextGenerationRunner:
                 return PrepareError(f"lora {req.lora!r} is not one of this model's adapters "
                                     f"({known})")  # fmt: skip
             lora = labels[req.lora]
-        if req.prompt_logprobs is not None and self.engine_kind != "padded":
-            return PrepareError("prompt_logprobs needs the padded engine (options.engine)")
         use = req.tool_use
         if use is not None and use.kind == "auto" and self.tool_call_parser is None:
             return PrepareError("tool_choice auto (the default with tools) reads calls out of "
@@ -872,12 +868,6 @@ class TextGenerationRunner:
         then) and hand it to the device thread, which serves it from its next step on."""
         from ..generation.lora import load as load_adapter
 
-        if self.engine_kind != "padded":
-            raise ValueError(f"LoRA adapters need the padded engine, and this model runs on "
-                             f"{self.engine_kind!r}")  # fmt: skip
-        from ..generation.padded import PaddedEngine
-
-        assert isinstance(self.engine, PaddedEngine)
         self._loras.reserve(name)
         try:
             adapter = load_adapter(name, path, self.model, self.max_lora_rank)
@@ -922,10 +912,7 @@ class TextGenerationRunner:
     def _lora_changes(self) -> None:
         """Between steps: the adapters loaded since put in the engine, and those unloaded
         taken out of it once none of their requests is left."""
-        from ..generation.padded import PaddedEngine
-
         engine = self.engine
-        assert isinstance(engine, PaddedEngine)
         for change in self._loras.take():
             if change.adapter is not None:
                 engine.set_adapter(change.label, change.adapter, change.fused)
