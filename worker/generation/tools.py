@@ -96,11 +96,13 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
                   "internlm", "granite", "hunyuan_a13b", "minimax", "phi4_mini_json", "xlam",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
-                  "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32")  # fmt: skip
+                  "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
+                  "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
-                  "qwen3_xml": "qwen3_coder"}  # fmt: skip
+                  "qwen3_xml": "qwen3_coder", "granite4": "hermes", "step3p5": "qwen3_coder",
+                  "ling3": "glm45", "poolside_v1": "glm45"}  # fmt: skip
 """vLLM's names for another parser's format (as vLLM registers them, or the same format)."""
 TYPED: Final = tuple(p for p in PARSERS if ALIASES.get(p, p) in TYPED_ARGS)
 """The parsers that type values by the functions' schemas (``Types``)."""
@@ -115,20 +117,18 @@ _V32 = tuple(f"<{end}\uff5cDSML\uff5c{m}" for end, m in (
 parameter's start and end)."""
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
+_SOLAR = ("<|tool_call:start|>", "<|tool_call:end|>", "<|tool_arg:start|>", "<|tool_arg:value|>",
+          "<|tool_arg:end|>")  # fmt: skip
+"""Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
+_GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                      "</arg_value>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "pythonic": ("<|python_start|>", "<|python_end|>"),
     "qwen3_coder": ("<tool_call>", "</tool_call>"),
-    "glm45": (
-        "<tool_call>",
-        "</tool_call>",
-        "<arg_key>",
-        "</arg_key>",
-        "<arg_value>",
-        "</arg_value>",
-    ),
+    "glm45": _GLM,
     "deepseek_v3": _DS,
     "deepseek_v31": _DS,
     "kimi_k2": _KIMI,
@@ -151,6 +151,14 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "gigachat3": ("<|message_sep|>", "<|role_sep|>", "<|function_call|>"),
     "qwen3_xml": ("<tool_call>", "</tool_call>"),
     "deepseek_v32": _V32[:2],
+    "granite4": ("<tool_call>", "</tool_call>"),
+    "step3p5": ("<tool_call>", "</tool_call>"),
+    "ling3": _GLM,
+    "poolside_v1": _GLM,
+    "mimo": ("<tool_call>", "</tool_call>"),
+    "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
+    "solar_open2": _SOLAR,
+    "lfm2": (python_calls.LFM2_START, python_calls.LFM2_END),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -290,7 +298,7 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _marked(_SECTIONS[parser][0])
     if parser in _BLOCKS:
         return _marked(_BLOCKS[parser][0])
-    if parser in ("mistral", "granite", "olmo3"):
+    if parser in ("mistral", "granite", "olmo3", "lfm2"):
         return _marked(MARKERS[parser][0])
     if parser == "gigachat3":  # (vLLM's content: the text before <|message_sep|> or the call)
         return _marked("<|message_sep|>", "function call<|role_sep|>", "<|function_call|>")
@@ -473,6 +481,11 @@ def _kimi_k2_body(text: str, types: Types) -> tuple[str, dict[str, Any], str] | 
     return m.group(2), args, m.group(1)
 
 
+_HY_NAME = re.compile(r"\s*([^<\n]{1,64}?)\s*<tool_sep>")
+_SOLAR_NAME = re.compile(r"\s*([^\s<][^<\n]{0,63}?)[^\S\n]*\n")
+"""Solar Open 2's call header: the name, a line of its own (the rest of the start
+marker's, as the model writes it)."""
+
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
     "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "qwen3_coder")),
@@ -486,6 +499,9 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", _hermes_body),
     "step3": (_STEP[2], _STEP[3], _typed_body(_STEP3_INVOKE, "step3")),
     "deepseek_v32": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v32")),
+    "mimo": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "mimo")),
+    "hy_v3": ("<tool_call>", "</tool_call>", _typed_body(_HY_NAME, "hy_v3")),
+    "solar_open2": (_SOLAR[0], _SOLAR[1], _typed_body(_SOLAR_NAME, "solar_open2")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -497,6 +513,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "minimax": ("<tool_calls>", "</tool_calls>"),
     "step3": (_STEP[0], _STEP[1]),
     "deepseek_v32": (_V32[0], _V32[1]),
+    "hy_v3": ("<tool_calls>", "</tool_calls>"),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -604,6 +621,19 @@ def _python(read: Callable[[str], python_calls.Calls | None]) -> Scan:
     return scan
 
 
+def _lfm2(text: str, final: bool) -> list[_Found]:
+    """LFM2's list of calls in its first block, once closed (or the text whole); where the
+    model echoes the calls after it, capped by another end marker, the echo is the calls'
+    markup too (vLLM's leaves it out of the content)."""
+    got = python_calls.read_marked(text, final)
+    if got is None:
+        return []
+    start, end, calls = got
+    if final and (last := text.rfind(python_calls.LFM2_END)) >= end:
+        end = last + len(python_calls.LFM2_END)
+    return [_Found(start, end, name, args) for name, args in calls]
+
+
 def _openai(text: str, final: bool) -> list[_Found]:
     """Harmony messages to ``functions.NAME`` whose content is a JSON object, once ended
     (``<|call|>``, which ends the generation, is not in the text: the text's end)."""
@@ -628,6 +658,7 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "llama3_json": _llama3_json,
     "pythonic": _python(python_calls.read_list),
     "olmo3": _python(python_calls.read_lines),
+    "lfm2": _lfm2,
     "gigachat3": _gigachat3,
 }
 """The parsers that read the whole text each time."""
