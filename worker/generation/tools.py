@@ -57,9 +57,22 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ``<|DSML|invoke name="NAME"><|DSML|parameter name="KEY" string="true">VALUE
   </|DSML|parameter>...</|DSML|invoke>`` (DeepSeek-V3.2; its bars are U+FF5C), a
   ``string="true"`` value as written, another typed by the schema, JSON where untyped;
+- ``mimo``: ``qwen3_coder``'s blocks, each value a string as written (MiMo; vLLM's);
+- ``hy_v3``: in ``<tool_calls>`` ... ``</tool_calls>``, blocks ``<tool_call>NAME<tool_sep>
+  <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`` (Hunyuan Hy3), each
+  value typed by its schema as vLLM's ``hy_v3`` does;
+- ``solar_open2``: blocks ``<|tool_call:start|>NAME`` and a newline, then
+  ``<|tool_arg:start|>KEY<|tool_arg:value|>VALUE<|tool_arg:end|>``..., then
+  ``<|tool_call:end|>`` (Solar Open 2), each value coerced by its schema as vLLM's;
+- ``lfm2``: a ``pythonic`` list in the first ``<|tool_call_start|>`` ...
+  ``<|tool_call_end|>`` (LiquidAI LFM2); the model's echo of it after the block, capped by
+  another end marker, is the calls' markup too;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
-  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s);
+  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
+  ``granite4`` (``hermes``'s, IBM Granite 4), ``step3p5`` (``qwen3_coder``'s, Step-3.5),
+  ``ling3`` and ``poolside_v1`` (``glm45``'s, as GLM-4.7 writes it: no newline needed
+  after the name);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
