@@ -66,7 +66,7 @@ def test_hy_v3_values_are_typed_as_vllm_does() -> None:
     types = {"f": {"b": "boolean", "i": "integer", "n": "number", "m": "number", "x": "number",
                    "arr": "array", "obj": "object", "s": "string", "bad": "integer",
                    "flag": "boolean"}}  # fmt: skip
-    params = {"b": "True", "i": "-7", "n": "2.5", "m": "4", "x": "1e999", "arr": "[1, null]",
+    params = {"b": "TRUE", "i": "-7", "n": "2.5", "m": "4", "x": "1e999", "arr": "[1, null]",
               "obj": '{"k": "v"}', "s": "[1]", "bad": "many", "flag": "yes", "free": "42",
               "sp": " a b "}  # fmt: skip
     body = "".join(
@@ -129,6 +129,10 @@ def test_lfm2_reads_the_list_in_its_block_and_leaves_an_echo_out() -> None:
             "It is sunny.")  # fmt: skip
     calls = _streams_as_read("lfm2", text)
     assert _args(calls) == [("get_weather", {"location": "Paris", "days": 2}), ("get_time", {})]
+    # each call streams at its ")", before the list closes (vLLM's streams it so too)
+    _, steps = _stream(AUTO, "lfm2", text)
+    firsts = [k for k, s in enumerate(steps) for c in s if "id" in c]
+    assert len(firsts) == 2 and firsts[1] < text.index("]")
     reader = CallReader(AUTO, "lfm2")
     reader.read(text, final=True)
     assert reader.content == "Sure.It is sunny."
