@@ -131,6 +131,7 @@ ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
     ("jamba", "<tool_calls>", "</tool_calls>", True),  # hunyuan_a13b's format
     ("minimax", "<tool_calls>", "</tool_calls>", False),  # objects, not an array
     ("phi4_mini_json", "functools", "", False),  # its "functools[" opens the calls
+    ("apertus", "<|tools_prefix|>", "<|tools_suffix|>", True),  # {NAME: ARGUMENTS} objects
 ])  # fmt: skip
 def test_arrays_after_a_marker_are_held_too(
     parser: str, opening: str, closing: str, special: bool, tmp_path: Path
@@ -140,6 +141,9 @@ def test_arrays_after_a_marker_are_held_too(
     array, two = ARRAY, ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
     if parser == "minimax":  # MiniMax-M1: one object a line
         array, two = array[1:-1], two[1:-1].replace("}, {", "}\n{")
+    if parser == "apertus":
+        array = '[{"get_weather": {"unit": "f", "days": 1}}]'
+        two = array[:-1] + ', {"get_time": {"zone": "cet"}}]'
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     (prep,) = runner.prepare_many([chat("a", tools=_strict("get_weather"))])

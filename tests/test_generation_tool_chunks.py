@@ -145,7 +145,7 @@ STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen
             "phi4_mini_json", "xlam", "xlam_fenced", "xlam_marked", "xlam_tagged", "llama4_json",
             "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic", "olmo3", "gigachat3",
             "gigachat3_v31", "deepseek_v32", "granite4", "step3p5", "ling3", "poolside_v1",
-            "hy_v3", "solar_open2", "lfm2"}  # fmt: skip
+            "hy_v3", "solar_open2", "lfm2", "apertus"}  # fmt: skip
 """The formats whose calls stream before they are complete (all here)."""
 
 
@@ -234,13 +234,14 @@ def test_olmo3_calls_stream_before_their_block_closes() -> None:
 
 
 @pytest.mark.parametrize("fmt", ["xlam", "xlam_fenced", "xlam_marked", "xlam_tagged",
-                                 "phi4_mini_json", "jamba"])  # fmt: skip
+                                 "phi4_mini_json", "jamba", "apertus"])  # fmt: skip
 def test_arrays_of_calls_stream_each_call_as_written(fmt: str) -> None:
     # a next call in the array, or in a next wrapper, streams as the first did
     text, _ = FORMATS[fmt]
     text = text.replace('"b", "arguments": {}', '"b", "arguments": {"r": "x"}')
     text = text.replace('"b", "arguments": "{}"', '"b", "arguments": {"r": "x"}')
     text = text.replace('"b", "parameters": {}', '"b", "parameters": {"r": "x"}')
+    text = text.replace('{"b": {}}', '{"b": {"r": "x"}}')
     reader, steps = _stream(ToolUse("auto"), parser_of(fmt), text)
     assert _replay([c for s in steps for c in s]) == dict(enumerate(reader.calls))
     b = [c for s in steps for c in s if c["index"] == 1]

@@ -169,3 +169,20 @@ def test_a_runner_reads_the_new_formats_calls(parser: str, markup: str, call: st
     assert out["text"] == markup and out["content"] == ""
     (made,) = out["tool_calls"]  # hy_v3: days an integer (its schema's type)
     assert made["function"] == {"name": "get_weather", "arguments": call}
+
+
+def test_apertus_reads_keyed_calls_in_its_block() -> None:
+    start, end = "<|tools_prefix|>", "<|tools_suffix|>"
+    args = {"city": "Paris", "opts": {"days": [1, 2]}}
+    text = f'I will check. {start}[{json.dumps({"get_weather": args})}, {{"get_time": {{}}}}]{end}'
+    calls = _streams_as_read("apertus", text)
+    assert _args(calls) == [("get_weather", args), ("get_time", {})]
+    reader = CallReader(AUTO, "apertus")
+    reader.read(text, final=True)
+    assert reader.content == "I will check."
+    # not calls: an object of two keys, arguments not an object, an array not after the
+    # marker; an entry that is not a call is left out, the others read
+    mixed = f'{start}[{{"a": {{}}, "b": {{}}}}, {{"c": 3}}, {{"d": {{"x": 1}}}}]{end}'
+    assert _args(read_calls(AUTO, mixed, "apertus")) == [("d", {"x": 1})]
+    assert read_calls(AUTO, '[{"a": {}}]', "apertus") is None
+    assert CallReader(AUTO, "apertus").content_so_far("Sure.<|tools_pre") == "Sure."

@@ -365,6 +365,8 @@ FORMATS = {
                     "<|tool_arg:end|>\n<|tool_call:end|><|tool_call:start|>b\n<|tool_call:end|>",
                     "Sure."),
     "lfm2": ("Sure.<|tool_call_start|>[a(q=1), b()]<|tool_call_end|> Done.", "Sure. Done."),
+    "apertus": ('Sure. <|tools_prefix|>[{"a": {"q": 1}}, {"b": {}}]<|tools_suffix|> Done.',
+                "Sure.  Done."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -731,7 +733,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "minimax", "phi4_mini_json", "xlam", "longcat", "step3", "jamba",
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
                             "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
-                            "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2"}  # fmt: skip
+                            "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
+                            "apertus"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

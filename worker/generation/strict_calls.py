@@ -38,12 +38,13 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "minimax": ("<tool_calls>", "</tool_calls>", "several", "arguments"),
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
     "gigachat3": ("<|function_call|>", "", "one", "arguments"),  # 3.1's (3.0: _gigachat3)
+    "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "array", ""),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
 after another, or ``items``, an array's calls after its ``[`` (in the opening marker, so
 prose that writes ``functools`` stays free), and the key of a call's arguments (each call
-a JSON object ``{"name", key}``). ``gigachat3``: GigaChat 3.1's header, where it is a
+a JSON object ``{"name", key}``; "": ``{NAME: ARGUMENTS}``, Apertus's). ``gigachat3``: GigaChat 3.1's header, where it is a
 token (:func:`grammar`)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
@@ -417,7 +418,8 @@ left to write whitespace forever."""
 
 
 def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str) -> dict[str, Any]:
-    """One call's JSON Schema: ``{"name": ..., key: ...}`` of one of ``functions``."""
+    """One call's JSON Schema: ``{"name": ..., key: ...}`` of one of ``functions`` ("":
+    ``{NAME: ...}``)."""
     calls = [
         {
             "type": "object",
@@ -426,6 +428,13 @@ def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str
                 key: params if strict and params else {"type": "object"},
             },
             "required": ["name", key],
+            "additionalProperties": False,
+        }
+        if key
+        else {
+            "type": "object",
+            "properties": {name: params if strict and params else {"type": "object"}},
+            "required": [name],
             "additionalProperties": False,
         }
         for name, params, strict in functions

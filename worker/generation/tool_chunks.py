@@ -6,7 +6,7 @@ follows the call being written (the *open* call): where its format has put its n
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
 ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
-arrays and lists after a marker, ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
+arrays and lists after a marker (``apertus``'s ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``hy_v3``,
 ``solar_open2``, each typed by its schema, and ``mimo``'s strings), or, for ``pythonic``,
@@ -50,9 +50,12 @@ from .tools import (
     new_id,
 )
 
-_NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
+_STRING: Final = r'"((?:[^"\\\n]|\\.){1,128})"'
+_NAME: Final = r'"name"\s*:\s*' + _STRING
 _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 """A JSON call's start, up to its arguments' ``{`` (its name written first)."""
+_KEYED: Final = r"\{\s*" + _STRING + r"\s*:\s*(?=\{)"
+"""A keyed call's start (``{NAME: {...}}``, Apertus's), up to its arguments' ``{``."""
 _SEP: Final = re.escape(_DS[4])
 _FUNCTION_OPEN: Final = re.compile(r"\s*<function=([^>\n]{1,64})>")
 _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
@@ -87,6 +90,11 @@ _LISTED: Final[dict[str, tuple[str, re.Pattern[str], re.Pattern[str]]]] = {
     "hunyuan_a13b": ("<tool_calls>", re.compile(r"<tool_calls>\s*\[\s*" + _CALL), _IN_ARRAY),
     "minimax": ("<tool_calls>", re.compile(r"<tool_calls>\s*" + _CALL), re.compile(r"\s*" + _CALL)),
     "phi4_mini_json": ("functools", re.compile(r"functools\s*\[\s*" + _CALL), _IN_ARRAY),
+    "apertus": (
+        "<|tools_prefix|>",
+        re.compile(r"<\|tools_prefix\|>\s*\[\s*" + _KEYED),
+        re.compile(r"\s*,\s*" + _KEYED),
+    ),
 }
 """The parsers whose calls follow a marker, one after another: the marker, how the
 first call begins at it, and how a next one begins where the last ended."""

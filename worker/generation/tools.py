@@ -67,6 +67,8 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``lfm2``: a ``pythonic`` list in the first ``<|tool_call_start|>`` ...
   ``<|tool_call_end|>`` (LiquidAI LFM2); the model's echo of it after the block, capped by
   another end marker, is the calls' markup too;
+- ``apertus``: after ``<|tools_prefix|>``, a JSON array of ``{NAME: ARGUMENTS}`` objects,
+  then ``<|tools_suffix|>`` (Swiss AI Apertus);
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -110,7 +112,8 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "internlm", "granite", "hunyuan_a13b", "minimax", "phi4_mini_json", "xlam",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
-                  "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2")  # fmt: skip
+                  "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
+                  "apertus")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -133,6 +136,7 @@ _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_c
 _SOLAR = ("<|tool_call:start|>", "<|tool_call:end|>", "<|tool_arg:start|>", "<|tool_arg:value|>",
           "<|tool_arg:end|>")  # fmt: skip
 """Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
+_APERTUS = ("<|tools_prefix|>", "<|tools_suffix|>")
 _GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                       "</arg_value>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
@@ -172,6 +176,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
     "solar_open2": _SOLAR,
     "lfm2": (python_calls.LFM2_START, python_calls.LFM2_END),
+    "apertus": _APERTUS,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -527,6 +532,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "step3": (_STEP[0], _STEP[1]),
     "deepseek_v32": (_V32[0], _V32[1]),
     "hy_v3": ("<tool_calls>", "</tool_calls>"),
+    "apertus": _APERTUS,
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -562,6 +568,13 @@ def _after(marker: str, read: Callable[[str, int], list[_Found]]) -> Scan:
 def _array(text: str, i: int) -> list[_Found]:
     """The calls of a JSON array at ``i``."""
     return _closed(text, _entries(text, i + 1, ",", "]")) if text.startswith("[", i) else []
+
+
+def _keyed_array(text: str, i: int) -> list[_Found]:
+    """The calls of a JSON array at ``i`` of objects ``{NAME: ARGUMENTS}`` (Apertus's)."""
+    if not text.startswith("[", i):
+        return []
+    return _closed(text, _entries(text, i + 1, ",", "]", _keyed))
 
 
 def _mistral_calls(text: str, i: int) -> list[_Found]:
@@ -666,6 +679,7 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "hunyuan_a13b": _after("<tool_calls>", _array),
     "minimax": _after("<tool_calls>", lambda text, i: list(_entries(text, i, None, "<"))),
     "phi4_mini_json": _after("functools", _array),
+    "apertus": _after(_APERTUS[0], _keyed_array),
     "xlam": _xlam,
     "openai": _openai,
     "llama3_json": _llama3_json,
@@ -678,10 +692,12 @@ _SCANNERS: Final[dict[str, Scan]] = {
 assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
 
 
-def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[_Found]:
+def _entries(text: str, i: int, sep: str | None, close: str | None,
+             entry: Callable[[Any, int, int], _Found | None] | None = None) -> Iterator[_Found]:  # fmt: skip
     """Calls written as complete JSON objects from ``i`` on, separated by ``sep`` (None:
     whitespace only), up to ``close`` or the first that is not complete (or not a call:
-    left out, read on)."""
+    left out, read on); each read by ``entry`` (None: :func:`_entry`)."""
+    entry = entry or _entry
     n = len(text)
     while True:
         i = _skip(text, i)
@@ -691,7 +707,7 @@ def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[
         if got is None:
             return
         value, end = got
-        if (found := _entry(value, i, end)) is not None:
+        if (found := entry(value, i, end)) is not None:
             yield found
         i = _skip(text, end)
         if sep is None:
@@ -738,6 +754,14 @@ def _entry(value: Any, start: int, end: int) -> _Found | None:
     if not (isinstance(name, str) and name and isinstance(args, dict)):
         return None
     return _Found(start, end, name, args)
+
+
+def _keyed(value: Any, start: int, end: int) -> _Found | None:
+    """A call ``{NAME: {...}}`` (its one key the name); None if ``value`` is not one."""
+    if not (isinstance(value, dict) and len(value) == 1):
+        return None
+    ((name, args),) = value.items()
+    return _Found(start, end, name, args) if name and isinstance(args, dict) else None
 
 
 def _call(name: str, args: dict[str, Any], cid: str | None = None) -> dict[str, Any]:
