@@ -151,20 +151,24 @@ def opening(text: str, start: int) -> tuple[int, str, int] | None:
 def line_opening(text: str, start: int) -> tuple[int, str, int] | None:
     """:func:`opening` for OLMo 3's block: its first call, or one on a line of its own
     after the call that ended at ``start``, while the block is open."""
-    at = text.find(OPEN)
-    if at < 0 or 0 <= text.find(CLOSE, at) < start:
-        return None
-    m = _FIRST_LINE.match(text, at) if start <= at else _NEXT_LINE.match(text, start)
-    return None if m is None else (m.start(1), m.group(1), m.end())
+    return _block_opening(text, start, (OPEN, CLOSE), _FIRST_LINE, _NEXT_LINE)
 
 
 def marked_opening(text: str, start: int) -> tuple[int, str, int] | None:
     """:func:`opening` for LFM2's block: its list's first call, or the next one in it
     after the call that ended at ``start``, while the block is open."""
-    at = text.find(LFM2_START)
-    if at < 0 or 0 <= text.find(LFM2_END, at) < start:
+    return _block_opening(text, start, (LFM2_START, LFM2_END), _FIRST_MARKED, _NEXT)
+
+
+def _block_opening(text: str, start: int, block: tuple[str, str], first: re.Pattern[str],
+                   then: re.Pattern[str]) -> tuple[int, str, int] | None:  # fmt: skip
+    """:func:`opening` in the first ``block`` (its markers), while it is open: its first
+    call as ``first`` finds it at the block's start, or as ``then`` finds the next one
+    where the call before ended (``start``)."""
+    at = text.find(block[0])
+    if at < 0 or 0 <= text.find(block[1], at) < start:
         return None
-    m = _FIRST_MARKED.match(text, at) if start <= at else _NEXT.match(text, start)
+    m = first.match(text, at) if start <= at else then.match(text, start)
     return None if m is None else (m.start(1), m.group(1), m.end())
 
 

@@ -303,12 +303,9 @@ def _olmo3(
     """OLMo 3's calls: one ``<function_calls>`` block (the parser reads the first), a
     Python call a line (:func:`.strict_python.call_rules`). None: no function has a
     Python name."""
-    rules = strict_python.call_rules(functions)
-    if rules is None:
-        return None
     more = r" (/[ \t]*\n\s*/ pycall)*" if parallel else ""
-    return _around(python_calls.OPEN, python_calls.CLOSE, f"WS? pycall{more} WS?", rules,
-                   False, token)  # fmt: skip
+    block = (python_calls.OPEN, python_calls.CLOSE)
+    return _python_block(block, f"WS? pycall{more} WS?", functions, token)
 
 
 def _lfm2(
@@ -319,12 +316,23 @@ def _lfm2(
     """LFM2's calls: one ``<|tool_call_start|>`` block (the parser reads the first), a
     Python list of calls (:func:`.strict_python.call_rules`). None: no function has a
     Python name."""
+    more = ' ("," " "? pycall)*' if parallel else ""
+    block = (python_calls.LFM2_START, python_calls.LFM2_END)
+    return _python_block(block, f'WS? "[" pycall{more} "]" WS?', functions, token)
+
+
+def _python_block(
+    block: tuple[str, str],
+    body: str,
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    token: Callable[[str], str | None],
+) -> str | None:
+    """Python calls (``body``, of ``pycall`` rules) in one ``block`` (its markers: the
+    parsers read the first). None: no function has a Python name."""
     rules = strict_python.call_rules(functions)
     if rules is None:
         return None
-    more = ' ("," " "? pycall)*' if parallel else ""
-    return _around(python_calls.LFM2_START, python_calls.LFM2_END,
-                   f'WS? "[" pycall{more} "]" WS?', rules, False, token)  # fmt: skip
+    return _around(*block, body, rules, False, token)
 
 
 _FENCE: Final = r"```(json)?\s*\["
