@@ -155,6 +155,9 @@ def test_arrays_after_a_marker_are_held_too(
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
     assert not _accepts(runner, strict, f"{opening}{array.replace('1}', '8}')}{closing}")
     assert not _accepts(runner, strict, f"{opening}{'' if parser == 'minimax' else '[]'}{closing}")
+    assert not _accepts(
+        runner, strict, f"{opening}{'{}' if parser == 'minimax' else '[{}]'}{closing}"
+    )
     # prose that writes the marker stays free where the marker is text and opens an array
     prose = _accepts(runner, strict, f"{opening} not an array")
     assert prose == (parser == "phi4_mini_json")
