@@ -417,7 +417,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
         body = "".join(f'{v[4]} name="{k}" string="{str(not x.isdigit()).lower()}">{x}{v[5]}\n'
                        for k, x in items)  # fmt: skip
         return f'{v[2]} name="{name}">\n{body}{v[3]}\n'
-    if parser == "minimax_m2":
+    if parser in ("minimax_m2", "dots"):
         body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in items)
         return f'<invoke name="{name}">{body}</invoke>'
     if parser == "glm45":
@@ -435,7 +435,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
 
 
 @pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3",
-                                    "deepseek_v32", "hy_v3", "solar_open2"])  # fmt: skip
+                                    "deepseek_v32", "hy_v3", "solar_open2", "dots"])  # fmt: skip
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
@@ -444,7 +444,8 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
                         "step3": (ST[0], ST[1]),
                         "deepseek_v32": tools._V32[:2],
                         "hy_v3": ("<tool_calls>", "</tool_calls>"),
-                        "solar_open2": tools._SOLAR[:2]}[parser]  # fmt: skip
+                        "solar_open2": tools._SOLAR[:2],
+                        "dots": ("<dots_function_call>", "</dots_function_call>")}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
@@ -481,6 +482,7 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         "step3",
         "deepseek_v32",
         "hy_v3",
+        "dots",
     ):  # several calls a block, unless not parallel
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])

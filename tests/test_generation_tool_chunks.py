@@ -145,7 +145,7 @@ STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen
             "phi4_mini_json", "xlam", "xlam_fenced", "xlam_marked", "xlam_tagged", "llama4_json",
             "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic", "olmo3", "gigachat3",
             "gigachat3_v31", "deepseek_v32", "granite4", "step3p5", "ling3", "poolside_v1",
-            "hy_v3", "solar_open2", "lfm2", "apertus"}  # fmt: skip
+            "hy_v3", "solar_open2", "lfm2", "apertus", "dots"}  # fmt: skip
 """The formats whose calls stream before they are complete (all here)."""
 
 
@@ -155,7 +155,7 @@ def test_each_formats_chunks_add_up_to_the_results_calls(fmt: str, step: int) ->
     text, _ = FORMATS[fmt]
     parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    types = {"a": {"q": "integer"}}
+    types = {"a": {"q": "integer"}, "b": {}}
     reader, steps, whole = _streamed(use, parser, text, types, step)
     calls = _replay([c for s in steps for c in s])
     assert list(calls) == [0, 1]
@@ -333,7 +333,7 @@ def test_any_cut_and_any_pace_keeps_the_chunks_consistent(fmt: str) -> None:
     text, _ = FORMATS[fmt]
     parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    types = {"a": {"q": "integer"}}
+    types = {"a": {"q": "integer"}, "b": {}}
     rnd = random.Random(fmt)
     for _ in range(40):
         cut = text[: rnd.randint(0, len(text))]

@@ -186,3 +186,27 @@ def test_apertus_reads_keyed_calls_in_its_block() -> None:
     assert _args(read_calls(AUTO, mixed, "apertus")) == [("d", {"x": 1})]
     assert read_calls(AUTO, '[{"a": {}}]', "apertus") is None
     assert CallReader(AUTO, "apertus").content_so_far("Sure.<|tools_pre") == "Sure."
+
+
+def test_dots_values_are_typed_and_unknown_functions_left_out_as_vllm_does() -> None:
+    types = {"search": {"q": "string", "n": "integer", "x": "number", "ok": "boolean",
+                        "yes": "boolean", "opts": "object", "bad": "integer", "none": "string"},
+             "get_time": {}}  # fmt: skip
+    params = [("q", " weather in Shanghai\n"), ("n", "5"), ("x", "3.0"), ("ok", "1"),
+              ("yes", "yes"), ("opts", '{"a": [1]}'), ("bad", "five"), ("none", "NULL"),
+              ("free", "[1]")]  # fmt: skip
+    body = "".join(f'\n<parameter name="{k}">{v}</parameter>' for k, v in params)
+    text = ('Let me search.\n<dots_function_call>\n<invoke name="search">' + body +
+            "\n</invoke>\n<invoke name='nope'>\n</invoke>\n<invoke name=get_time>\n</invoke>\n"
+            "</dots_function_call>")  # fmt: skip
+    calls = _streams_as_read("dots", text, types)
+    assert [c["function"] for c in calls] == [  # (as text: 3 is not 3.0)
+        {"name": "search", "arguments": '{"q":"weather in Shanghai","n":5,"x":3,"ok":true,'
+                                        '"yes":false,"opts":{"a":[1]},"bad":"five",'
+                                        '"none":null,"free":"[1]"}'},
+        {"name": "get_time", "arguments": "{}"}]  # fmt: skip
+    reader = CallReader(AUTO, "dots", types)
+    reader.read(text, final=True)
+    assert reader.content == "Let me search."
+    # a function the request does not have is no call (nor any, without the request's)
+    assert read_calls(AUTO, text, "dots") is None

@@ -365,6 +365,8 @@ FORMATS = {
                     "<|tool_arg:end|>\n<|tool_call:end|><|tool_call:start|>b\n<|tool_call:end|>",
                     "Sure."),
     "lfm2": ("Sure.<|tool_call_start|>[a(q=1), b()]<|tool_call_end|> Done.", "Sure. Done."),
+    "dots": ('Sure.\n<dots_function_call>\n<invoke name="a">\n<parameter name="q">1</parameter>\n'
+             "</invoke>\n<invoke name=b>\n</invoke>\n</dots_function_call>", "Sure."),
     "apertus": ('Sure. <|tools_prefix|>[{"a": {"q": 1}}, {"b": {}}]<|tools_suffix|> Done.',
                 "Sure.  Done."),
 }  # fmt: skip
@@ -382,7 +384,7 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
     parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    types = {"a": {"q": "integer"}}  # qwen3_coder's (and others') values: typed by the schema
+    types = {"a": {"q": "integer"}, "b": {}}  # values typed by the schema (dots: its names)
     whole = CallReader(use, parser, types)
     whole.read(text, final=True)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
@@ -734,7 +736,7 @@ def test_parsers_read_only_their_own_format() -> None:
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
                             "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
-                            "apertus"}  # fmt: skip
+                            "apertus", "dots"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

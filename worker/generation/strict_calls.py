@@ -112,6 +112,8 @@ TYPED: Final[dict[str, Tagged]] = {
     "hy_v3": Tagged("<tool_calls>", "</tool_calls>", True, "<tool_call>{}<tool_sep>",
                     "</tool_call>", "<arg_key>{}</arg_key><arg_value>", "</arg_value>",
                     "[^<\\n]{1,128}"),
+    "dots": Tagged("<dots_function_call>", "</dots_function_call>", True, '<invoke name="{}">',
+                   "</invoke>", '<parameter name="{}">', "</parameter>"),
     "solar_open2": Tagged(_SOLAR[0], _SOLAR[1], False, "{}\n", "", _SOLAR[2] + "{}" + _SOLAR[3],
                           _SOLAR[4], "[^<\\n]{1,128}"),
 }  # fmt: skip

@@ -2,8 +2,9 @@
 function's JSON Schema (``qwen3_coder``, ``seed_oss``, ``glm45``, ``minimax_m2``,
 ``step3``, ``deepseek_v32``; vLLM's): a string stays as written, a number, boolean, object or array is read
 as JSON (then as a Python literal), ``null`` is null; a value that is not what its schema
-says stays as written. ``hy_v3`` and ``solar_open2`` type their values by vLLM's rules
-for each (:func:`_hy_v3`, :func:`_coerced`); ``mimo``'s are all strings, as written.
+says stays as written. ``hy_v3``, ``solar_open2`` and ``dots`` type their values by
+vLLM's rules for each (:func:`_hy_v3`, :func:`_coerced`, :func:`_dots`); ``mimo``'s are
+all strings, as written.
 :mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each parameter once its
 closing tag is written.
 """
@@ -208,9 +209,46 @@ def solar_open2_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     return Pairs(list(seen.items()))
 
 
+def _dots(value: str, kind: str | None) -> Any:
+    """A value as vLLM's ``dots`` reads it for its schema's ``kind`` (None: a string):
+    ``null`` (any case) null; a string as written; an integer, a number (an integer where
+    it is one; finite), a boolean (``true`` or ``1``, any case; else false), else JSON;
+    a value not of its type as written."""
+    if value.lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return value
+    if kind == "boolean":
+        return value.lower() in ("true", "1")
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number" and math.isfinite(number := float(value)):
+            return int(number) if number.is_integer() else number
+    except ValueError:
+        return value
+    if kind in ("integer", "number"):
+        return value  # (not finite)
+    ok, got = _json_value(value)
+    return got if ok else value
+
+
+_DOTS_PARAMETER = re.compile(r"""<parameter\s+name\s*=\s*["']?([^"'>\n]{1,128}?)["']?\s*>(.*?)</parameter>""",
+                             re.DOTALL)  # fmt: skip
+
+
+def dots_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, trimmed, typed by ``known``
+    as vLLM's ``dots`` does."""
+    return Pairs(
+        [(k, _dots(v.strip(), known.get(k))) for k, v in _DOTS_PARAMETER.findall(text, at)]
+    )
+
+
 TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "qwen3_coder": qwen3_coder_args, "seed_oss": qwen3_coder_args, "glm45": glm45_args,
     "minimax_m2": minimax_m2_args, "step3": step3_args, "deepseek_v32": deepseek_v32_args,
     "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
+    "dots": dots_args,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

@@ -37,6 +37,7 @@ from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
 from .tools import (
     _BLOCKS,
+    _DOTS_INVOKE,
     _DS,
     _GIGACHAT,
     _HY_NAME,
@@ -45,6 +46,7 @@ from .tools import (
     _STEP3_INVOKE,
     _V32_INVOKE,
     ALIASES,
+    KNOWN_ONLY,
     CallReader,
     _skip,
     new_id,
@@ -71,6 +73,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "mimo": _FUNCTION_OPEN,
     "hy_v3": _HY_NAME,
     "solar_open2": _SOLAR_NAME,
+    "dots": _DOTS_INVOKE,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
@@ -183,7 +186,8 @@ class CallChunks:
                 if not self.reader.may_call(text):
                     break
                 opening = _opening(self.use, self.parser, text, self._start(calls))
-                if opening is None:
+                if opening is None or (self.parser in KNOWN_ONLY and self.use.kind == "auto"
+                                       and opening.name not in self.types):  # fmt: skip
                     break
                 self._open = self._begin(opening, len(calls))
                 out.append({"index": self._open.index, "id": self._open.id, "type": "function",

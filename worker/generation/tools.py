@@ -69,6 +69,10 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   another end marker, is the calls' markup too;
 - ``apertus``: after ``<|tools_prefix|>``, a JSON array of ``{NAME: ARGUMENTS}`` objects,
   then ``<|tools_suffix|>`` (Swiss AI Apertus);
+- ``dots``: in ``<dots_function_call>`` ... ``</dots_function_call>``, blocks ``<invoke
+  name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`` (dots.llm), each value
+  trimmed, typed by its schema as vLLM's ``dots`` does; a call of a function the request
+  does not have is none;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -113,7 +117,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
-                  "apertus")  # fmt: skip
+                  "apertus", "dots")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -177,6 +181,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "solar_open2": _SOLAR,
     "lfm2": (python_calls.LFM2_START, python_calls.LFM2_END),
     "apertus": _APERTUS,
+    "dots": ("<dots_function_call>", "</dots_function_call>"),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -448,12 +453,14 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTAL
 
 def _typed_body(header: re.Pattern[str], parser: str) -> Body:
     """A typed format's block: a header naming the function (group 1), then its
-    parameters (group 2 where the header has one, else what follows it)."""
+    parameters (group 2 where the header has one, else what follows it); a call of a
+    function not among the request's is none where the parser says so (:data:`KNOWN_ONLY`)."""
     args = TYPED_ARGS[parser]
+    known = parser in KNOWN_ONLY
 
     def body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
         m = header.match(text)
-        if m is None:
+        if m is None or (known and m.group(1).strip() not in types):
             return None
         name = m.group(1).strip()
         inner, at = (m.group(2), 0) if header.groups >= 2 else (text, m.end())
@@ -466,6 +473,7 @@ _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
 
 
 _INVOKE = re.compile(r'\s*name="([^"\n]{1,64})"\s*>')
+_DOTS_INVOKE = re.compile(r"""\s+name\s*=\s*["']?([^"'>\n]{1,64}?)["']?\s*>""")
 _V32_INVOKE = re.compile(r'\s+name="([^"\n]{1,64})"\s*>')
 
 
@@ -504,6 +512,9 @@ _SOLAR_NAME = re.compile(r"\s*([^\s<][^<\n]{0,63}?)[^\S\n]*\n")
 """Solar Open 2's call header: the name, a line of its own (the rest of the start
 marker's, as the model writes it)."""
 
+KNOWN_ONLY: Final = frozenset({"dots"})
+"""The parsers for which a call of a function the request does not have is none (vLLM's
+``dots``)."""
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
     "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "qwen3_coder")),
@@ -520,6 +531,7 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "mimo": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "mimo")),
     "hy_v3": ("<tool_call>", "</tool_call>", _typed_body(_HY_NAME, "hy_v3")),
     "solar_open2": (_SOLAR[0], _SOLAR[1], _typed_body(_SOLAR_NAME, "solar_open2")),
+    "dots": ("<invoke", "</invoke>", _typed_body(_DOTS_INVOKE, "dots")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -533,6 +545,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v32": (_V32[0], _V32[1]),
     "hy_v3": ("<tool_calls>", "</tool_calls>"),
     "apertus": _APERTUS,
+    "dots": ("<dots_function_call>", "</dots_function_call>"),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
