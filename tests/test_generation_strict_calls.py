@@ -131,6 +131,7 @@ ARRAY = '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}]'
     ("jamba", "<tool_calls>", "</tool_calls>", True),  # hunyuan_a13b's format
     ("minimax", "<tool_calls>", "</tool_calls>", False),  # objects, not an array
     ("phi4_mini_json", "functools", "", False),  # its "functools[" opens the calls
+    ("apertus", "<|tools_prefix|>", "<|tools_suffix|>", True),  # {NAME: ARGUMENTS} objects
 ])  # fmt: skip
 def test_arrays_after_a_marker_are_held_too(
     parser: str, opening: str, closing: str, special: bool, tmp_path: Path
@@ -140,6 +141,9 @@ def test_arrays_after_a_marker_are_held_too(
     array, two = ARRAY, ARRAY[:-1] + ', {"name": "get_time", "arguments": {"zone": "cet"}}]'
     if parser == "minimax":  # MiniMax-M1: one object a line
         array, two = array[1:-1], two[1:-1].replace("}, {", "}\n{")
+    if parser == "apertus":
+        array = '[{"get_weather": {"unit": "f", "days": 1}}]'
+        two = array[:-1] + ', {"get_time": {"zone": "cet"}}]'
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     (prep,) = runner.prepare_many([chat("a", tools=_strict("get_weather"))])
@@ -151,6 +155,9 @@ def test_arrays_after_a_marker_are_held_too(
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]  # as read
     assert not _accepts(runner, strict, f"{opening}{array.replace('1}', '8}')}{closing}")
     assert not _accepts(runner, strict, f"{opening}{'' if parser == 'minimax' else '[]'}{closing}")
+    assert not _accepts(
+        runner, strict, f"{opening}{'{}' if parser == 'minimax' else '[{}]'}{closing}"
+    )
     # prose that writes the marker stays free where the marker is text and opens an array
     prose = _accepts(runner, strict, f"{opening} not an array")
     assert prose == (parser == "phi4_mini_json")
@@ -294,6 +301,27 @@ def test_olmo3_calls_are_a_python_call_a_line_in_one_block(special: bool, tmp_pa
 
 
 @pytest.mark.parametrize("special", [True, False])
+def test_lfm2_calls_are_a_python_list_in_one_block(special: bool, tmp_path: Path) -> None:
+    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
+    runner, strict = _held(tmp_path, "lfm2", (start, end) if special else ())
+    weather, time = 'get_weather(unit="c", days=3)', 'get_time(zone="x")'  # get_time: not strict
+    for text in (
+        "Plain.",
+        f"Sure.{start}[{weather}, {time}]{end} Done.",
+        f"{start}[{weather}]{end}",
+    ):
+        assert _accepts(runner, strict, text), text
+        if start in text:
+            assert read_calls(ToolUse("auto"), text, "lfm2"), text
+    for text in (f"{start}[get_weather(days=3)]{end}", f"{start}{weather}{end}",
+                 f"{start}[{weather}]{end} {start}[{time}]{end}", f"{start}sunny{end}"):  # fmt: skip
+        assert not _accepts(runner, strict, text), text
+    (prep,) = runner.prepare_many([chat("o", tools=_strict("get_weather"),
+                                        parallel_tool_calls=False)])  # fmt: skip
+    assert not _accepts(runner, compiled(prep), f"{start}[{weather}, {time}]{end}")
+
+
+@pytest.mark.parametrize("special", [True, False])
 def test_gigachat3_calls_follow_its_header(special: bool, tmp_path: Path) -> None:
     msg, sep = "<|message_sep|>", "<|role_sep|>"
     runner, strict = _held(tmp_path, "gigachat3", (msg, sep) if special else ())
@@ -389,26 +417,35 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
         body = "".join(f'{v[4]} name="{k}" string="{str(not x.isdigit()).lower()}">{x}{v[5]}\n'
                        for k, x in items)  # fmt: skip
         return f'{v[2]} name="{name}">\n{body}{v[3]}\n'
-    if parser == "minimax_m2":
+    if parser in ("minimax_m2", "dots"):
         body = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in items)
         return f'<invoke name="{name}">{body}</invoke>'
     if parser == "glm45":
         body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
                        for k, v in items)  # fmt: skip
         return f"{name}\n{body}"
+    if parser == "hy_v3":
+        body = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in items)
+        return f"<tool_call>{name}<tool_sep>{body}</tool_call>"
+    if parser == "solar_open2":
+        s = tools._SOLAR
+        return f"{name}\n" + "".join(f"{s[2]}{k}{s[3]}{v}{s[4]}\n" for k, v in items)
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in items)
     return f"<function={name}>\n{body}</function>"
 
 
 @pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3",
-                                    "deepseek_v32"])  # fmt: skip
+                                    "deepseek_v32", "hy_v3", "solar_open2", "dots"])  # fmt: skip
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
                         "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
                         "glm45": ("<tool_call>", "</tool_call>"),
                         "step3": (ST[0], ST[1]),
-                        "deepseek_v32": tools._V32[:2]}[parser]  # fmt: skip
+                        "deepseek_v32": tools._V32[:2],
+                        "hy_v3": ("<tool_calls>", "</tool_calls>"),
+                        "solar_open2": tools._SOLAR[:2],
+                        "dots": ("<dots_function_call>", "</dots_function_call>")}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
@@ -444,6 +481,8 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         "minimax_m2",
         "step3",
         "deepseek_v32",
+        "hy_v3",
+        "dots",
     ):  # several calls a block, unless not parallel
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])

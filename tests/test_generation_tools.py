@@ -350,6 +350,25 @@ FORMATS = {
     "deepseek_v32": (f'Sure.\n\n{V32[0]}\n{V32[2]} name="a">\n{V32[4]} name="q" string="false">1'
                      f'{V32[5]}\n{V32[3]}\n{V32[2]} name="b">\n{V32[3]}\n{V32[1]} Done.',
                      "Sure.\n\n Done."),
+    "granite4": ('Sure.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call>\n<tool_call>'
+                 '{"name": "b", "arguments": {}}</tool_call>', "Sure."),
+    "step3p5": ("Sure.<tool_call>\n<function=a>\n<parameter=q>\n1\n</parameter>\n</function>\n"
+                "</tool_call><tool_call>\n<function=b>\n</function>\n</tool_call>", "Sure."),
+    "ling3": ("Sure.<tool_call>a<arg_key>q</arg_key><arg_value>1</arg_value></tool_call>"
+              "<tool_call>b</tool_call>", "Sure."),  # GLM-4.7's, no newline after the name
+    "poolside_v1": ("Sure.\n<tool_call>a\n<arg_key>q</arg_key>\n<arg_value>1</arg_value>\n"
+                    "</tool_call>\n<tool_call>b\n</tool_call>", "Sure."),
+    "hy_v3": ("Sure.<tool_calls><tool_call>a<tool_sep><arg_key>q</arg_key><arg_value>1"
+              "</arg_value></tool_call><tool_call>b<tool_sep></tool_call></tool_calls> Done.",
+              "Sure. Done."),
+    "solar_open2": ("Sure.<|tool_call:start|>a\n<|tool_arg:start|>q<|tool_arg:value|>1"
+                    "<|tool_arg:end|>\n<|tool_call:end|><|tool_call:start|>b\n<|tool_call:end|>",
+                    "Sure."),
+    "lfm2": ("Sure.<|tool_call_start|>[a(q=1), b()]<|tool_call_end|> Done.", "Sure. Done."),
+    "dots": ('Sure.\n<dots_function_call>\n<invoke name="a">\n<parameter name="q">1</parameter>\n'
+             "</invoke>\n<invoke name=b>\n</invoke>\n</dots_function_call>", "Sure."),
+    "apertus": ('Sure. <|tools_prefix|>[{"a": {"q": 1}}, {"b": {}}]<|tools_suffix|> Done.',
+                "Sure.  Done."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -365,7 +384,7 @@ def test_each_format_is_read_whole_and_as_it_grows(fmt: str) -> None:
     text, content = FORMATS[fmt]
     parser = parser_of(fmt)
     use = ToolUse("required") if fmt == "required" else ToolUse("auto")
-    types = {"a": {"q": "integer"}}  # qwen3_coder's (and others') values: typed by the schema
+    types = {"a": {"q": "integer"}, "b": {}}  # values typed by the schema (dots: its names)
     whole = CallReader(use, parser, types)
     whole.read(text, final=True)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.calls
@@ -715,7 +734,9 @@ def test_parsers_read_only_their_own_format() -> None:
                             "seed_oss", "minimax_m2", "internlm", "granite", "hunyuan_a13b",
                             "minimax", "phi4_mini_json", "xlam", "longcat", "step3", "jamba",
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
-                            "qwen3_xml", "deepseek_v32"}  # fmt: skip
+                            "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
+                            "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
+                            "apertus", "dots"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

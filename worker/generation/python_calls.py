@@ -1,7 +1,8 @@
 """Tool calls written as a Python list of calls with keyword arguments (the ``pythonic``
 parser's format, Llama 3.2 and 4): ``[get_weather(city="Paris", days=2), get_time()]``,
 in an optional ``<|python_start|>`` … ``<|python_end|>``; or, ``olmo3``'s (OLMo 3), a
-call a line in ``<function_calls>`` … ``</function_calls>``.
+call a line in ``<function_calls>`` … ``</function_calls>``; or, ``lfm2``'s (LiquidAI
+LFM2), a list in ``<|tool_call_start|>`` … ``<|tool_call_end|>``, text around it.
 
 A whole list (or block) is read with :mod:`ast`: literals only (JSON's ``true``, ``false``
 and ``null`` too), nothing is evaluated (:func:`read_list`, :func:`read_lines`). As it is
@@ -22,11 +23,13 @@ from .json_compact import Pairs
 
 START, END = "<|python_start|>", "<|python_end|>"
 OPEN, CLOSE = "<function_calls>", "</function_calls>"
+LFM2_START, LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
 _NAME: Final = r"([A-Za-z_][\w.]{0,63})\s*\("
 _FIRST: Final = re.compile(r"\s*(?:" + re.escape(START) + r"\s*)?\[\s*" + _NAME)
 _NEXT: Final = re.compile(r"\s*,\s*" + _NAME)
 _FIRST_LINE: Final = re.compile(re.escape(OPEN) + r"\s*" + _NAME)
 _NEXT_LINE: Final = re.compile(r"[^\S\n]*\n\s*" + _NAME)
+_FIRST_MARKED: Final = re.compile(re.escape(LFM2_START) + r"\s*\[\s*" + _NAME)
 Calls = tuple[int, int, list[tuple[str, dict[str, Any]]]]
 """Where a text's calls begin and end, and each call's name and arguments."""
 _NAMES: Final[dict[str, Any]] = {"true": True, "false": False, "null": None,
@@ -62,6 +65,19 @@ def read_lines(text: str) -> Calls | None:
     lines = [line.strip() for line in text[start + len(OPEN) : end].splitlines()]
     calls = _calls("[" + ", ".join(line for line in lines if line) + "]")
     return (start, end + len(CLOSE), calls) if calls else None
+
+
+def read_marked(text: str, final: bool) -> Calls | None:
+    """LFM2's calls: the list in its first ``<|tool_call_start|>`` block, once the block is
+    closed (or, ``final``, the text is whole): where the block begins, where it ends, and
+    its calls (None: no such block, or one that is not a list of calls)."""
+    start = text.find(LFM2_START)
+    end = text.find(LFM2_END, start) if start >= 0 else -1
+    if start < 0 or (end < 0 and not final):
+        return None
+    body = text[start + len(LFM2_START) : len(text) if end < 0 else end].strip()
+    calls = _calls(body) if body.startswith("[") and body.endswith("]") else None
+    return (start, len(text) if end < 0 else end + len(LFM2_END), calls) if calls else None
 
 
 def _calls(source: str) -> list[tuple[str, dict[str, Any]]] | None:
@@ -135,10 +151,24 @@ def opening(text: str, start: int) -> tuple[int, str, int] | None:
 def line_opening(text: str, start: int) -> tuple[int, str, int] | None:
     """:func:`opening` for OLMo 3's block: its first call, or one on a line of its own
     after the call that ended at ``start``, while the block is open."""
-    at = text.find(OPEN)
-    if at < 0 or 0 <= text.find(CLOSE, at) < start:
+    return _block_opening(text, start, (OPEN, CLOSE), _FIRST_LINE, _NEXT_LINE)
+
+
+def marked_opening(text: str, start: int) -> tuple[int, str, int] | None:
+    """:func:`opening` for LFM2's block: its list's first call, or the next one in it
+    after the call that ended at ``start``, while the block is open."""
+    return _block_opening(text, start, (LFM2_START, LFM2_END), _FIRST_MARKED, _NEXT)
+
+
+def _block_opening(text: str, start: int, block: tuple[str, str], first: re.Pattern[str],
+                   then: re.Pattern[str]) -> tuple[int, str, int] | None:  # fmt: skip
+    """:func:`opening` in the first ``block`` (its markers), while it is open: its first
+    call as ``first`` finds it at the block's start, or as ``then`` finds the next one
+    where the call before ended (``start``)."""
+    at = text.find(block[0])
+    if at < 0 or 0 <= text.find(block[1], at) < start:
         return None
-    m = _FIRST_LINE.match(text, at) if start <= at else _NEXT_LINE.match(text, start)
+    m = first.match(text, at) if start <= at else then.match(text, start)
     return None if m is None else (m.start(1), m.group(1), m.end())
 
 

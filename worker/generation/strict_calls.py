@@ -14,8 +14,8 @@ after a marker (:data:`BLOCKS`); calls that are the whole text (:data:`LEADING`:
 that begins with ``{`` or the marker is held to calls, one that begins otherwise is
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
-(:mod:`.strict_python`) and OLMo 3's (:func:`_olmo3`); GigaChat 3's (:func:`_gigachat3`);
-and xLAM's (:func:`_xlam`): every format.
+(:mod:`.strict_python`), OLMo 3's (:func:`_olmo3`) and LFM2's (:func:`_lfm2`); GigaChat 3's
+(:func:`_gigachat3`); and xLAM's (:func:`_xlam`): every format.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import python_calls, strict_python
-from .tools import _DS, _KIMI, _STEP, _V32
+from .tools import _DS, _KIMI, _SOLAR, _STEP, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -38,12 +38,13 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "minimax": ("<tool_calls>", "</tool_calls>", "several", "arguments"),
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
     "gigachat3": ("<|function_call|>", "", "one", "arguments"),  # 3.1's (3.0: _gigachat3)
+    "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "array", ""),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
 after another, or ``items``, an array's calls after its ``[`` (in the opening marker, so
 prose that writes ``functools`` stays free), and the key of a call's arguments (each call
-a JSON object ``{"name", key}``). ``gigachat3``: GigaChat 3.1's header, where it is a
+a JSON object ``{"name", key}``; "": ``{NAME: ARGUMENTS}``, Apertus's). ``gigachat3``: GigaChat 3.1's header, where it is a
 token (:func:`grammar`)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
@@ -90,9 +91,11 @@ class Tagged:
     """A parameter's opening tag where its value is JSON, not text ("": ``param_open``)."""
 
 
+_QWEN3: Final = Tagged("<tool_call>", "</tool_call>", False, "<function={}>", "</function>",
+                       "<parameter={}>", "</parameter>")  # fmt: skip
 TYPED: Final[dict[str, Tagged]] = {
-    "qwen3_coder": Tagged("<tool_call>", "</tool_call>", False,
-                          "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
+    "qwen3_coder": _QWEN3,
+    "mimo": _QWEN3,  # (its values read as strings, whatever the schema: vLLM's)
     "seed_oss": Tagged("<seed:tool_call>", "</seed:tool_call>", False,
                        "<function={}>", "</function>", "<parameter={}>", "</parameter>"),
     "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", True, '<invoke name="{}">',
@@ -106,6 +109,13 @@ TYPED: Final[dict[str, Tagged]] = {
     "deepseek_v32": Tagged(_V32[0], _V32[1], True, _V32[2] + ' name="{}">', _V32[3],
                            _V32[4] + ' name="{}" string="true">', _V32[5],
                            json_open=_V32[4] + ' name="{}" string="false">'),
+    "hy_v3": Tagged("<tool_calls>", "</tool_calls>", True, "<tool_call>{}<tool_sep>",
+                    "</tool_call>", "<arg_key>{}</arg_key><arg_value>", "</arg_value>",
+                    "[^<\\n]{1,128}"),
+    "dots": Tagged("<dots_function_call>", "</dots_function_call>", True, '<invoke name="{}">',
+                   "</invoke>", '<parameter name="{}">', "</parameter>"),
+    "solar_open2": Tagged(_SOLAR[0], _SOLAR[1], False, "{}\n", "", _SOLAR[2] + "{}" + _SOLAR[3],
+                          _SOLAR[4], "[^<\\n]{1,128}"),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -138,6 +148,8 @@ def grammar(
         return _xlam(functions, parallel, token)
     if parser == "olmo3":
         return _olmo3(functions, parallel, token)
+    if parser == "lfm2":
+        return _lfm2(functions, parallel, token)
     if parser == "gigachat3" and token("<|function_call|>") is None:
         return _gigachat3(functions, parallel, token)
     markers = BLOCKS.get(parser)
@@ -293,12 +305,36 @@ def _olmo3(
     """OLMo 3's calls: one ``<function_calls>`` block (the parser reads the first), a
     Python call a line (:func:`.strict_python.call_rules`). None: no function has a
     Python name."""
+    more = r" (/[ \t]*\n\s*/ pycall)*" if parallel else ""
+    block = (python_calls.OPEN, python_calls.CLOSE)
+    return _python_block(block, f"WS? pycall{more} WS?", functions, token)
+
+
+def _lfm2(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str | None:
+    """LFM2's calls: one ``<|tool_call_start|>`` block (the parser reads the first), a
+    Python list of calls (:func:`.strict_python.call_rules`). None: no function has a
+    Python name."""
+    more = ' ("," " "? pycall)*' if parallel else ""
+    block = (python_calls.LFM2_START, python_calls.LFM2_END)
+    return _python_block(block, f'WS? "[" pycall{more} "]" WS?', functions, token)
+
+
+def _python_block(
+    block: tuple[str, str],
+    body: str,
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    token: Callable[[str], str | None],
+) -> str | None:
+    """Python calls (``body``, of ``pycall`` rules) in one ``block`` (its markers: the
+    parsers read the first). None: no function has a Python name."""
     rules = strict_python.call_rules(functions)
     if rules is None:
         return None
-    more = r" (/[ \t]*\n\s*/ pycall)*" if parallel else ""
-    return _around(python_calls.OPEN, python_calls.CLOSE, f"WS? pycall{more} WS?", rules,
-                   False, token)  # fmt: skip
+    return _around(*block, body, rules, False, token)
 
 
 _FENCE: Final = r"```(json)?\s*\["
@@ -392,7 +428,8 @@ left to write whitespace forever."""
 
 
 def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str) -> dict[str, Any]:
-    """One call's JSON Schema: ``{"name": ..., key: ...}`` of one of ``functions``."""
+    """One call's JSON Schema: ``{"name": ..., key: ...}`` of one of ``functions`` ("":
+    ``{NAME: ...}``)."""
     calls = [
         {
             "type": "object",
@@ -401,6 +438,13 @@ def _body(functions: Sequence[tuple[str, dict[str, Any] | None, bool]], key: str
                 key: params if strict and params else {"type": "object"},
             },
             "required": ["name", key],
+            "additionalProperties": False,
+        }
+        if key
+        else {
+            "type": "object",
+            "properties": {name: params if strict and params else {"type": "object"}},
+            "required": [name],
             "additionalProperties": False,
         }
         for name, params, strict in functions

@@ -2,14 +2,18 @@
 function's JSON Schema (``qwen3_coder``, ``seed_oss``, ``glm45``, ``minimax_m2``,
 ``step3``, ``deepseek_v32``; vLLM's): a string stays as written, a number, boolean, object or array is read
 as JSON (then as a Python literal), ``null`` is null; a value that is not what its schema
-says stays as written. :mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each
-parameter once its closing tag is written.
+says stays as written. ``hy_v3``, ``solar_open2`` and ``dots`` type their values by
+vLLM's rules for each (:func:`_hy_v3`, :func:`_coerced`, :func:`_dots`); ``mimo``'s are
+all strings, as written.
+:mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each parameter once its
+closing tag is written.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any, Final
@@ -121,8 +125,130 @@ def deepseek_v32_args(text: str, at: int, known: dict[str, str]) -> Pairs:
                   for k, string, v in _V32_PARAMETER.findall(text, at)])  # fmt: skip
 
 
+def mimo_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, each a string as written
+    (MiMo's, vLLM's: whatever the schema)."""
+    return Pairs([(k.strip(), v) for k, v in _PARAMETER.findall(text, at)])
+
+
+def _json_value(raw: str) -> tuple[bool, Any]:
+    """Whether ``raw`` is a JSON value (finite numbers only), and the value."""
+    try:
+        value = json.loads(raw)
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return False, None
+    return True, value
+
+
+def _hy_v3(value: str, kind: str | None) -> Any:
+    """A value as vLLM's ``hy_v3`` reads it for its schema's ``kind`` (None: a string):
+    ``true``/``false``, an integer, a number (an integer unless it has ``.`` or an
+    exponent), an object's or array's JSON; what is none of these, as JSON or a Python
+    literal, else as written."""
+    if kind in (None, "string"):
+        return value
+    if kind == "boolean" and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            number = float(value) if any(c in value for c in ".eE") else int(value)
+            if math.isfinite(number):
+                return number
+    except ValueError:
+        pass
+    ok, got = _json_value(value)
+    if ok:
+        return got
+    try:
+        got = ast.literal_eval(value)
+        json.dumps(got, allow_nan=False)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
+    return got
+
+
+def hy_v3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The arguments written whole in ``text`` from ``at`` (``glm45``'s tags), each as
+    written, typed by ``known`` as vLLM's ``hy_v3`` does."""
+    return Pairs([(k, _hy_v3(v, known.get(k))) for k, v in _GLM_ARG.findall(text, at)])
+
+
+def _coerced(value: str, kind: str | None) -> Any:
+    """A value as vLLM's ``coerce_to_schema_type`` reads it for its schema's ``kind``
+    (None: a string): an integer, a number (an integer where it is one), ``true``/``1``
+    or ``false``/``0``, an object's or array's JSON; else JSON, else as written."""
+    if kind in (None, "string"):
+        return value
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number" and math.isfinite(number := float(value)):
+            return int(number) if number == int(number) else number
+    except ValueError:
+        pass
+    flag = value.strip().lower()
+    if kind == "boolean" and flag in ("true", "1", "false", "0"):
+        return flag in ("true", "1")
+    ok, got = _json_value(value)
+    return got if ok else value
+
+
+_SOLAR_ARG = re.compile(r"<\|tool_arg:start\|>(.*?)<\|tool_arg:value\|>(.*?)<\|tool_arg:end\|>",
+                        re.DOTALL)  # fmt: skip
+
+
+def solar_open2_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The arguments written whole in ``text`` from ``at``, each value as written, typed
+    by ``known`` as vLLM's ``solar_open2`` does; a name written twice: its first."""
+    seen: dict[str, Any] = {}
+    for k, v in _SOLAR_ARG.findall(text, at):
+        seen.setdefault(k, _coerced(v, known.get(k)))
+    return Pairs(list(seen.items()))
+
+
+def _dots(value: str, kind: str | None) -> Any:
+    """A value as vLLM's ``dots`` reads it for its schema's ``kind`` (None: a string):
+    ``null`` (any case) null; a string as written; an integer, a number (an integer where
+    it is one; finite), a boolean (``true`` or ``1``, any case; else false), else JSON;
+    a value not of its type as written."""
+    if value.lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return value
+    if kind == "boolean":
+        return value.lower() in ("true", "1")
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number" and math.isfinite(number := float(value)):
+            return int(number) if number.is_integer() else number
+    except ValueError:
+        return value
+    if kind in ("integer", "number"):
+        return value  # (not finite)
+    ok, got = _json_value(value)
+    return got if ok else value
+
+
+_DOTS_PARAMETER = re.compile(r"""<parameter\s+name\s*=\s*["']?([^"'>\n]{1,128}?)["']?\s*>(.*?)</parameter>""",
+                             re.DOTALL)  # fmt: skip
+
+
+def dots_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at``, trimmed, typed by ``known``
+    as vLLM's ``dots`` does."""
+    return Pairs(
+        [(k, _dots(v.strip(), known.get(k))) for k, v in _DOTS_PARAMETER.findall(text, at)]
+    )
+
+
 TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "qwen3_coder": qwen3_coder_args, "seed_oss": qwen3_coder_args, "glm45": glm45_args,
     "minimax_m2": minimax_m2_args, "step3": step3_args, "deepseek_v32": deepseek_v32_args,
+    "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
+    "dots": dots_args,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

@@ -6,10 +6,11 @@ follows the call being written (the *open* call): where its format has put its n
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
 ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
-arrays and lists after a marker, ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
+arrays and lists after a marker (``apertus``'s ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
-``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, each typed by its
-schema), or, for ``pythonic`` and ``olmo3``, the keyword arguments written whole
+``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``hy_v3``,
+``solar_open2``, each typed by its schema, and ``mimo``'s strings), or, for ``pythonic``,
+``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
 list or block that holds it closes and is read). Calls written otherwise
 (``arguments`` before ``name``, or as a JSON string) come whole, once complete. A parser's
@@ -36,31 +37,43 @@ from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
 from .tools import (
     _BLOCKS,
+    _DOTS_INVOKE,
     _DS,
     _GIGACHAT,
+    _HY_NAME,
     _KIMI,
+    _SOLAR_NAME,
     _STEP3_INVOKE,
     _V32_INVOKE,
     ALIASES,
+    KNOWN_ONLY,
     CallReader,
     _skip,
     new_id,
 )
 
-_NAME: Final = r'"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"'
+_STRING: Final = r'"((?:[^"\\\n]|\\.){1,128})"'
+_NAME: Final = r'"name"\s*:\s*' + _STRING
 _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 """A JSON call's start, up to its arguments' ``{`` (its name written first)."""
+_KEYED: Final = r"\{\s*" + _STRING + r"\s*:\s*(?=\{)"
+"""A keyed call's start (``{NAME: {...}}``, Apertus's), up to its arguments' ``{``."""
 _SEP: Final = re.escape(_DS[4])
+_FUNCTION_OPEN: Final = re.compile(r"\s*<function=([^>\n]{1,64})>")
 _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "hermes": re.compile(r"\s*" + _CALL),
-    "qwen3_coder": re.compile(r"\s*<function=([^>\n]{1,64})>"),
-    "seed_oss": re.compile(r"\s*<function=([^>\n]{1,64})>"),
+    "qwen3_coder": _FUNCTION_OPEN,
+    "seed_oss": _FUNCTION_OPEN,
     "minimax_m2": re.compile(r'\s*name="([^"\n]{1,64})"\s*>'),
     "internlm": re.compile(r"\s*" + _CALL),
     "longcat": re.compile(r"\s*" + _CALL),
     "step3": _STEP3_INVOKE,
     "deepseek_v32": _V32_INVOKE,
     "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
+    "mimo": _FUNCTION_OPEN,
+    "hy_v3": _HY_NAME,
+    "solar_open2": _SOLAR_NAME,
+    "dots": _DOTS_INVOKE,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
@@ -80,6 +93,11 @@ _LISTED: Final[dict[str, tuple[str, re.Pattern[str], re.Pattern[str]]]] = {
     "hunyuan_a13b": ("<tool_calls>", re.compile(r"<tool_calls>\s*\[\s*" + _CALL), _IN_ARRAY),
     "minimax": ("<tool_calls>", re.compile(r"<tool_calls>\s*" + _CALL), re.compile(r"\s*" + _CALL)),
     "phi4_mini_json": ("functools", re.compile(r"functools\s*\[\s*" + _CALL), _IN_ARRAY),
+    "apertus": (
+        "<|tools_prefix|>",
+        re.compile(r"<\|tools_prefix\|>\s*\[\s*" + _KEYED),
+        re.compile(r"\s*,\s*" + _KEYED),
+    ),
 }
 """The parsers whose calls follow a marker, one after another: the marker, how the
 first call begins at it, and how a next one begins where the last ended."""
@@ -89,7 +107,8 @@ _XLAM: Final = re.compile(
 """How an ``xlam`` array's first call begins (at the text's start, a fence, a marker)."""
 _NEXT: Final = re.compile(r"\s*,\s*" + _CALL)
 _GIGACHAT_CALL: Final = re.compile(f"(?:{_GIGACHAT.pattern})\\s*" + _CALL)
-_PYTHON: Final = {"pythonic": python_calls.opening, "olmo3": python_calls.line_opening}
+_PYTHON: Final = {"pythonic": python_calls.opening, "olmo3": python_calls.line_opening,
+                   "lfm2": python_calls.marked_opening}  # fmt: skip
 """The formats of Python calls, and how a call being written begins."""
 
 
@@ -167,7 +186,8 @@ class CallChunks:
                 if not self.reader.may_call(text):
                     break
                 opening = _opening(self.use, self.parser, text, self._start(calls))
-                if opening is None:
+                if opening is None or (self.parser in KNOWN_ONLY and self.use.kind == "auto"
+                                       and opening.name not in self.types):  # fmt: skip
                     break
                 self._open = self._begin(opening, len(calls))
                 out.append({"index": self._open.index, "id": self._open.id, "type": "function",

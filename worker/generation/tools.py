@@ -57,9 +57,28 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ``<|DSML|invoke name="NAME"><|DSML|parameter name="KEY" string="true">VALUE
   </|DSML|parameter>...</|DSML|invoke>`` (DeepSeek-V3.2; its bars are U+FF5C), a
   ``string="true"`` value as written, another typed by the schema, JSON where untyped;
+- ``mimo``: ``qwen3_coder``'s blocks, each value a string as written (MiMo; vLLM's);
+- ``hy_v3``: in ``<tool_calls>`` ... ``</tool_calls>``, blocks ``<tool_call>NAME<tool_sep>
+  <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`` (Hunyuan Hy3), each
+  value typed by its schema as vLLM's ``hy_v3`` does;
+- ``solar_open2``: blocks ``<|tool_call:start|>NAME`` and a newline, then
+  ``<|tool_arg:start|>KEY<|tool_arg:value|>VALUE<|tool_arg:end|>``..., then
+  ``<|tool_call:end|>`` (Solar Open 2), each value coerced by its schema as vLLM's;
+- ``lfm2``: a ``pythonic`` list in the first ``<|tool_call_start|>`` ...
+  ``<|tool_call_end|>`` (LiquidAI LFM2); the model's echo of it after the block, capped by
+  another end marker, is the calls' markup too;
+- ``apertus``: after ``<|tools_prefix|>``, a JSON array of ``{NAME: ARGUMENTS}`` objects,
+  then ``<|tools_suffix|>`` (Swiss AI Apertus);
+- ``dots``: in ``<dots_function_call>`` ... ``</dots_function_call>``, blocks ``<invoke
+  name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`` (dots.llm), each value
+  trimmed, typed by its schema as vLLM's ``dots`` does; a call of a function the request
+  does not have is none;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
-  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s);
+  Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
+  ``granite4`` (``hermes``'s, IBM Granite 4), ``step3p5`` (``qwen3_coder``'s, Step-3.5),
+  ``ling3`` and ``poolside_v1`` (``glm45``'s, as GLM-4.7 writes it: no newline needed
+  after the name);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
@@ -96,11 +115,14 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
                   "internlm", "granite", "hunyuan_a13b", "minimax", "phi4_mini_json", "xlam",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
-                  "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32")  # fmt: skip
+                  "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
+                  "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
+                  "apertus", "dots")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
-                  "qwen3_xml": "qwen3_coder"}  # fmt: skip
+                  "qwen3_xml": "qwen3_coder", "granite4": "hermes", "step3p5": "qwen3_coder",
+                  "ling3": "glm45", "poolside_v1": "glm45"}  # fmt: skip
 """vLLM's names for another parser's format (as vLLM registers them, or the same format)."""
 TYPED: Final = tuple(p for p in PARSERS if ALIASES.get(p, p) in TYPED_ARGS)
 """The parsers that type values by the functions' schemas (``Types``)."""
@@ -115,20 +137,19 @@ _V32 = tuple(f"<{end}\uff5cDSML\uff5c{m}" for end, m in (
 parameter's start and end)."""
 _KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
+_SOLAR = ("<|tool_call:start|>", "<|tool_call:end|>", "<|tool_arg:start|>", "<|tool_arg:value|>",
+          "<|tool_arg:end|>")  # fmt: skip
+"""Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
+_APERTUS = ("<|tools_prefix|>", "<|tools_suffix|>")
+_GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                      "</arg_value>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
     "pythonic": ("<|python_start|>", "<|python_end|>"),
     "qwen3_coder": ("<tool_call>", "</tool_call>"),
-    "glm45": (
-        "<tool_call>",
-        "</tool_call>",
-        "<arg_key>",
-        "</arg_key>",
-        "<arg_value>",
-        "</arg_value>",
-    ),
+    "glm45": _GLM,
     "deepseek_v3": _DS,
     "deepseek_v31": _DS,
     "kimi_k2": _KIMI,
@@ -151,6 +172,16 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "gigachat3": ("<|message_sep|>", "<|role_sep|>", "<|function_call|>"),
     "qwen3_xml": ("<tool_call>", "</tool_call>"),
     "deepseek_v32": _V32[:2],
+    "granite4": ("<tool_call>", "</tool_call>"),
+    "step3p5": ("<tool_call>", "</tool_call>"),
+    "ling3": _GLM,
+    "poolside_v1": _GLM,
+    "mimo": ("<tool_call>", "</tool_call>"),
+    "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
+    "solar_open2": _SOLAR,
+    "lfm2": (python_calls.LFM2_START, python_calls.LFM2_END),
+    "apertus": _APERTUS,
+    "dots": ("<dots_function_call>", "</dots_function_call>"),
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -290,7 +321,7 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _marked(_SECTIONS[parser][0])
     if parser in _BLOCKS:
         return _marked(_BLOCKS[parser][0])
-    if parser in ("mistral", "granite", "olmo3"):
+    if parser in ("mistral", "granite", "olmo3", "lfm2"):
         return _marked(MARKERS[parser][0])
     if parser == "gigachat3":  # (vLLM's content: the text before <|message_sep|> or the call)
         return _marked("<|message_sep|>", "function call<|role_sep|>", "<|function_call|>")
@@ -422,12 +453,14 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>", re.DOTAL
 
 def _typed_body(header: re.Pattern[str], parser: str) -> Body:
     """A typed format's block: a header naming the function (group 1), then its
-    parameters (group 2 where the header has one, else what follows it)."""
+    parameters (group 2 where the header has one, else what follows it); a call of a
+    function not among the request's is none where the parser says so (:data:`KNOWN_ONLY`)."""
     args = TYPED_ARGS[parser]
+    known = parser in KNOWN_ONLY
 
     def body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
         m = header.match(text)
-        if m is None:
+        if m is None or (known and m.group(1).strip() not in types):
             return None
         name = m.group(1).strip()
         inner, at = (m.group(2), 0) if header.groups >= 2 else (text, m.end())
@@ -440,6 +473,7 @@ _GLM_NAME = re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>|$)")
 
 
 _INVOKE = re.compile(r'\s*name="([^"\n]{1,64})"\s*>')
+_DOTS_INVOKE = re.compile(r"""\s+name\s*=\s*["']?([^"'>\n]{1,64}?)["']?\s*>""")
 _V32_INVOKE = re.compile(r'\s+name="([^"\n]{1,64})"\s*>')
 
 
@@ -473,6 +507,14 @@ def _kimi_k2_body(text: str, types: Types) -> tuple[str, dict[str, Any], str] | 
     return m.group(2), args, m.group(1)
 
 
+_HY_NAME = re.compile(r"\s*([^<\n]{1,64}?)\s*<tool_sep>")
+_SOLAR_NAME = re.compile(r"\s*([^\s<][^<\n]{0,63}?)[^\S\n]*\n")
+"""Solar Open 2's call header: the name, a line of its own (the rest of the start
+marker's, as the model writes it)."""
+
+KNOWN_ONLY: Final = frozenset({"dots"})
+"""The parsers for which a call of a function the request does not have is none (vLLM's
+``dots``)."""
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
     "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "qwen3_coder")),
@@ -486,6 +528,10 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", _hermes_body),
     "step3": (_STEP[2], _STEP[3], _typed_body(_STEP3_INVOKE, "step3")),
     "deepseek_v32": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v32")),
+    "mimo": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "mimo")),
+    "hy_v3": ("<tool_call>", "</tool_call>", _typed_body(_HY_NAME, "hy_v3")),
+    "solar_open2": (_SOLAR[0], _SOLAR[1], _typed_body(_SOLAR_NAME, "solar_open2")),
+    "dots": ("<invoke", "</invoke>", _typed_body(_DOTS_INVOKE, "dots")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -497,6 +543,9 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "minimax": ("<tool_calls>", "</tool_calls>"),
     "step3": (_STEP[0], _STEP[1]),
     "deepseek_v32": (_V32[0], _V32[1]),
+    "hy_v3": ("<tool_calls>", "</tool_calls>"),
+    "apertus": _APERTUS,
+    "dots": ("<dots_function_call>", "</dots_function_call>"),
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -532,6 +581,13 @@ def _after(marker: str, read: Callable[[str, int], list[_Found]]) -> Scan:
 def _array(text: str, i: int) -> list[_Found]:
     """The calls of a JSON array at ``i``."""
     return _closed(text, _entries(text, i + 1, ",", "]")) if text.startswith("[", i) else []
+
+
+def _keyed_array(text: str, i: int) -> list[_Found]:
+    """The calls of a JSON array at ``i`` of objects ``{NAME: ARGUMENTS}`` (Apertus's)."""
+    if not text.startswith("[", i):
+        return []
+    return _closed(text, _entries(text, i + 1, ",", "]", _keyed))
 
 
 def _mistral_calls(text: str, i: int) -> list[_Found]:
@@ -604,6 +660,19 @@ def _python(read: Callable[[str], python_calls.Calls | None]) -> Scan:
     return scan
 
 
+def _lfm2(text: str, final: bool) -> list[_Found]:
+    """LFM2's list of calls in its first block, once closed (or the text whole); where the
+    model echoes the calls after it, capped by another end marker, the echo is the calls'
+    markup too (vLLM's leaves it out of the content)."""
+    got = python_calls.read_marked(text, final)
+    if got is None:
+        return []
+    start, end, calls = got
+    if final and (last := text.rfind(python_calls.LFM2_END)) >= end:
+        end = last + len(python_calls.LFM2_END)
+    return [_Found(start, end, name, args) for name, args in calls]
+
+
 def _openai(text: str, final: bool) -> list[_Found]:
     """Harmony messages to ``functions.NAME`` whose content is a JSON object, once ended
     (``<|call|>``, which ends the generation, is not in the text: the text's end)."""
@@ -623,21 +692,25 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "hunyuan_a13b": _after("<tool_calls>", _array),
     "minimax": _after("<tool_calls>", lambda text, i: list(_entries(text, i, None, "<"))),
     "phi4_mini_json": _after("functools", _array),
+    "apertus": _after(_APERTUS[0], _keyed_array),
     "xlam": _xlam,
     "openai": _openai,
     "llama3_json": _llama3_json,
     "pythonic": _python(python_calls.read_list),
     "olmo3": _python(python_calls.read_lines),
+    "lfm2": _lfm2,
     "gigachat3": _gigachat3,
 }
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
 
 
-def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[_Found]:
+def _entries(text: str, i: int, sep: str | None, close: str | None,
+             entry: Callable[[Any, int, int], _Found | None] | None = None) -> Iterator[_Found]:  # fmt: skip
     """Calls written as complete JSON objects from ``i`` on, separated by ``sep`` (None:
     whitespace only), up to ``close`` or the first that is not complete (or not a call:
-    left out, read on)."""
+    left out, read on); each read by ``entry`` (None: :func:`_entry`)."""
+    entry = entry or _entry
     n = len(text)
     while True:
         i = _skip(text, i)
@@ -647,7 +720,7 @@ def _entries(text: str, i: int, sep: str | None, close: str | None) -> Iterator[
         if got is None:
             return
         value, end = got
-        if (found := _entry(value, i, end)) is not None:
+        if (found := entry(value, i, end)) is not None:
             yield found
         i = _skip(text, end)
         if sep is None:
@@ -694,6 +767,14 @@ def _entry(value: Any, start: int, end: int) -> _Found | None:
     if not (isinstance(name, str) and name and isinstance(args, dict)):
         return None
     return _Found(start, end, name, args)
+
+
+def _keyed(value: Any, start: int, end: int) -> _Found | None:
+    """A call ``{NAME: {...}}`` (its one key the name); None if ``value`` is not one."""
+    if not (isinstance(value, dict) and len(value) == 1):
+        return None
+    ((name, args),) = value.items()
+    return _Found(start, end, name, args) if name and isinstance(args, dict) else None
 
 
 def _call(name: str, args: dict[str, Any], cid: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""The tool-call formats read as vLLM's parsers of the same name read them, where they go
+past the table-driven checks of ``test_generation_tools``: ``mimo``'s string values,
+``hy_v3``'s and ``solar_open2``'s typing by the schema, ``lfm2``'s block and its echo;
+each read whole, and streamed split at every character."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from devices import DEVICE
+
+pytest.importorskip("torch")
+pytest.importorskip("llguidance")
+
+from batchfleet.schemas.tools import ToolUse
+from batchfleet.worker.generation import tools
+from batchfleet.worker.generation.tools import CallReader, read_calls
+from batchfleet.worker.runners.generation import TextGenerationRunner
+from conftest import TINY_LM_OPTIONS
+from test_generation_runner import run
+from test_generation_tool_chunks import _replay, _stream
+from test_generation_tools import _literal, chat
+
+AUTO = ToolUse("auto")
+S = tools._SOLAR
+"""Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
+
+
+def _args(calls: list[dict[str, Any]] | None) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls or []]
+
+
+def _streams_as_read(parser: str, text: str, types: Any = None) -> list[dict[str, Any]]:
+    """The calls of ``text`` streamed a character at a time: they add up to the calls
+    read whole (ids included), which are returned."""
+    reader, steps = _stream(AUTO, parser, text, types)
+    assert _replay([c for s in steps for c in s]) == dict(enumerate(reader.calls))
+    whole = CallReader(AUTO, parser, types)
+    whole.read(text, final=True)
+    assert [c["function"] for c in reader.calls] == [c["function"] for c in whole.calls]
+    assert reader.content == whole.content
+    return reader.calls
+
+
+def test_mimo_values_are_strings_as_written_whatever_the_schema() -> None:
+    # vLLM's mimo: qwen3_coder's blocks, each value a string, newlines and all
+    text = ("I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+            "<parameter=days>3</parameter>\n<parameter=opts>\n{\"a\": 1}\n</parameter>\n"
+            "<parameter=none>null</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+            "<function=get_time>\n</function>\n</tool_call>")  # fmt: skip
+    types = {"get_weather": {"days": "integer", "opts": "object", "none": "string"}}
+    calls = _streams_as_read("mimo", text, types)
+    assert _args(calls) == [("get_weather", {"city": "Paris", "days": "3", "opts": '\n{"a": 1}\n',
+                                             "none": "null"}), ("get_time", {})]  # fmt: skip
+    reader = CallReader(AUTO, "mimo", types)
+    reader.read(text, final=True)
+    assert reader.content == "I'll look."
+    # the same text read as qwen3_coder: typed
+    assert _args(read_calls(AUTO, text, "qwen3_coder", types))[0][1]["days"] == 3
+
+
+def test_hy_v3_values_are_typed_as_vllm_does() -> None:
+    types = {"f": {"b": "boolean", "i": "integer", "n": "number", "m": "number", "x": "number",
+                   "arr": "array", "obj": "object", "s": "string", "bad": "integer",
+                   "flag": "boolean"}}  # fmt: skip
+    params = {"b": "TRUE", "i": "-7", "n": "2.5", "m": "4", "x": "1e999", "arr": "[1, null]",
+              "obj": '{"k": "v"}', "s": "[1]", "bad": "many", "flag": "yes", "free": "42",
+              "sp": " a b "}  # fmt: skip
+    body = "".join(
+        f"\n<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>" for k, v in params.items()
+    )
+    text = (f"Checking.<tool_calls>\n<tool_call>f<tool_sep>{body}\n</tool_call>\n"
+            "<tool_call>get_current_date<tool_sep>\n</tool_call>\n</tool_calls>")  # fmt: skip
+    calls = _streams_as_read("hy_v3", text, types)
+    assert [c["function"] for c in calls] == [  # (as text: 4 is not 4.0, nor 1 true)
+        {"name": "f", "arguments": '{"b":true,"i":-7,"n":2.5,"m":4,"x":"1e999","arr":[1,null],'
+                                   '"obj":{"k":"v"},"s":"[1]","bad":"many","flag":"yes",'
+                                   '"free":"42","sp":" a b "}'},
+        {"name": "get_current_date", "arguments": "{}"}]  # fmt: skip
+    reader = CallReader(AUTO, "hy_v3", types)
+    reader.read(text, final=True)
+    assert reader.content == "Checking."
+    # vLLM's tests: a zero-argument call inline, the calls' section only
+    inline = "<tool_calls><tool_call>get_current_date<tool_sep></tool_call></tool_calls>"
+    assert _args(read_calls(AUTO, inline, "hy_v3")) == [("get_current_date", {})]
+    assert read_calls(AUTO, "<tool_call>f</tool_call>", "hy_v3") is None  # no <tool_sep>
+    assert CallReader(AUTO, "hy_v3").content_so_far("Sure.<tool_cal") == "Sure."
+
+
+def _solar(name: str, params: list[tuple[str, str]]) -> str:
+    return f"{S[0]}{name}\n" + "".join(f"{S[2]}{k}{S[3]}{v}{S[4]}\n" for k, v in params) + S[1]
+
+
+def test_solar_open2_values_are_coerced_as_vllm_does() -> None:
+    types = {"do_all_types": {"s": "string", "i": "integer", "n": "number", "f": "number",
+                              "b": "boolean", "c": "boolean", "arr": "array", "obj": "object",
+                              "bad": "integer"}}  # fmt: skip
+    params = [("s", "007"), ("i", "42"), ("n", "3.0"), ("f", "2.5"), ("b", "1"), ("c", "FALSE"),
+              ("arr", "[1, 2]"), ("obj", '{"k": [true]}'), ("bad", "[3]"), ("s", "again"),
+              ("free", '{"key": "value"}')]  # fmt: skip
+    text = "Let me check." + _solar("do_all_types", params) + "\n" + _solar("get_time", [])
+    calls = _streams_as_read("solar_open2", text, types)
+    assert [c["function"] for c in calls] == [  # (as text: 3 is not 3.0, nor 1 true)
+        {"name": "do_all_types", "arguments": '{"s":"007","i":42,"n":3,"f":2.5,"b":true,'
+                                              '"c":false,"arr":[1,2],"obj":{"k":[true]},'
+                                              '"bad":[3],"free":"{\\"key\\": \\"value\\"}"}'},
+        {"name": "get_time", "arguments": "{}"}]  # fmt: skip
+    # vLLM's tests: without a schema, values are strings; the name is its line's
+    plain = _solar("search", [("query", "vLLM tutorial"), ("max_results", "5")])
+    assert _args(read_calls(AUTO, plain, "solar_open2")) == [
+        ("search", {"query": "vLLM tutorial", "max_results": "5"})]  # fmt: skip
+    typed = read_calls(AUTO, plain, "solar_open2", {"search": {"max_results": "integer"}})
+    assert _args(typed) == [("search", {"query": "vLLM tutorial", "max_results": 5})]
+    # a call cut by the end is read only when whole (the value may go on), a block
+    # without a name is none
+    cut = f"Let me check.{S[0]}search\n{S[2]}query{S[3]}Seo"
+    reader = CallReader(AUTO, "solar_open2")
+    reader.read(cut)
+    assert reader.calls == [] and reader.content_so_far(cut) == "Let me check."
+    assert read_calls(AUTO, f"{S[0]}{S[2]}a{S[3]}1{S[4]}{S[1]}", "solar_open2") is None
+
+
+def test_lfm2_reads_the_list_in_its_block_and_leaves_an_echo_out() -> None:
+    start, end = "<|tool_call_start|>", "<|tool_call_end|>"
+    text = (f'Sure.{start}[get_weather(location="Paris", days=2), get_time()]{end}'
+            "It is sunny.")  # fmt: skip
+    calls = _streams_as_read("lfm2", text)
+    assert _args(calls) == [("get_weather", {"location": "Paris", "days": 2}), ("get_time", {})]
+    # each call streams at its ")", before the list closes (vLLM's streams it so too)
+    _, steps = _stream(AUTO, "lfm2", text)
+    firsts = [k for k, s in enumerate(steps) for c in s if "id" in c]
+    assert len(firsts) == 2 and firsts[1] < text.index("]")
+    reader = CallReader(AUTO, "lfm2")
+    reader.read(text, final=True)
+    assert reader.content == "Sure.It is sunny."
+    # the model's echo of the calls after the block, capped by another end: not content
+    echo = f"{start}[f(a=1)]{end}[f(a=1)]{end} Done."
+    reader = CallReader(AUTO, "lfm2")
+    reader.read(echo, final=True)
+    assert _args(reader.calls) == [("f", {"a": 1})] and reader.content == "Done."
+    # a block the end cut is read once the text is whole (vLLM's), not while it may grow
+    open_block = f"{start}[f(a=1)]"
+    reader = CallReader(AUTO, "lfm2")
+    reader.read(open_block)
+    assert reader.calls == []
+    assert _args(read_calls(AUTO, open_block, "lfm2")) == [("f", {"a": 1})]
+    # not calls: a bare list (no block), a block that is not a list of calls
+    for bad in ["[f(a=1)]", f"{start}f(a=1){end}", f"{start}[1, 2]{end}", f"{start}[]{end}"]:
+        assert read_calls(AUTO, bad, "lfm2") is None, bad
+    assert CallReader(AUTO, "lfm2").content_so_far("Sure.<|tool_call_st") == "Sure."
+
+
+@pytest.mark.parametrize(("parser", "markup", "call"), [
+    ("hy_v3", "<tool_calls><tool_call>get_weather<tool_sep><arg_key>unit</arg_key><arg_value>f"
+              "</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call></tool_calls>",
+     '{"unit":"f","days":2}'),
+    ("lfm2", '<|tool_call_start|>[get_weather(unit="f", days=2)]<|tool_call_end|>',
+     '{"unit":"f","days":2}'),
+])  # fmt: skip
+def test_a_runner_reads_the_new_formats_calls(parser: str, markup: str, call: str,
+                                              tiny_lm: Path) -> None:  # fmt: skip
+    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
+    (out,) = run(runner, chat("x", structured_outputs={"regex": _literal(markup)},
+                              max_new_tokens=300))["x"]  # fmt: skip
+    assert out["text"] == markup and out["content"] == ""
+    (made,) = out["tool_calls"]  # hy_v3: days an integer (its schema's type)
+    assert made["function"] == {"name": "get_weather", "arguments": call}
+
+
+def test_apertus_reads_keyed_calls_in_its_block() -> None:
+    start, end = "<|tools_prefix|>", "<|tools_suffix|>"
+    args = {"city": "Paris", "opts": {"days": [1, 2]}}
+    text = f'I will check. {start}[{json.dumps({"get_weather": args})}, {{"get_time": {{}}}}]{end}'
+    calls = _streams_as_read("apertus", text)
+    assert _args(calls) == [("get_weather", args), ("get_time", {})]
+    reader = CallReader(AUTO, "apertus")
+    reader.read(text, final=True)
+    assert reader.content == "I will check."
+    # not calls: an object of two keys, arguments not an object, an array not after the
+    # marker; an entry that is not a call is left out, the others read
+    mixed = f'{start}[{{"a": {{}}, "b": {{}}}}, {{"c": 3}}, {{"d": {{"x": 1}}}}]{end}'
+    assert _args(read_calls(AUTO, mixed, "apertus")) == [("d", {"x": 1})]
+    assert read_calls(AUTO, '[{"a": {}}]', "apertus") is None
+    assert CallReader(AUTO, "apertus").content_so_far("Sure.<|tools_pre") == "Sure."
+
+
+def test_dots_values_are_typed_and_unknown_functions_left_out_as_vllm_does() -> None:
+    types = {"search": {"q": "string", "n": "integer", "x": "number", "ok": "boolean",
+                        "yes": "boolean", "opts": "object", "bad": "integer", "none": "string"},
+             "get_time": {}}  # fmt: skip
+    params = [("q", " weather in Shanghai\n"), ("n", "5"), ("x", "3.0"), ("ok", "1"),
+              ("yes", "yes"), ("opts", '{"a": [1]}'), ("bad", "five"), ("none", "NULL"),
+              ("free", "[1]")]  # fmt: skip
+    body = "".join(f'\n<parameter name="{k}">{v}</parameter>' for k, v in params)
+    text = ('Let me search.\n<dots_function_call>\n<invoke name="search">' + body +
+            "\n</invoke>\n<invoke name='nope'>\n</invoke>\n<invoke name=get_time>\n</invoke>\n"
+            "</dots_function_call>")  # fmt: skip
+    calls = _streams_as_read("dots", text, types)
+    assert [c["function"] for c in calls] == [  # (as text: 3 is not 3.0)
+        {"name": "search", "arguments": '{"q":"weather in Shanghai","n":5,"x":3,"ok":true,'
+                                        '"yes":false,"opts":{"a":[1]},"bad":"five",'
+                                        '"none":null,"free":"[1]"}'},
+        {"name": "get_time", "arguments": "{}"}]  # fmt: skip
+    reader = CallReader(AUTO, "dots", types)
+    reader.read(text, final=True)
+    assert reader.content == "Let me search."
+    # a function the request does not have is no call (nor any, without the request's)
+    assert read_calls(AUTO, text, "dots") is None
