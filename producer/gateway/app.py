@@ -56,8 +56,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
-OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
-"""Paths answered without the API key (probes and Prometheus, as vLLM's)."""
+OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/metrics", "/load"})
+"""Paths answered without the API key: what probes, load balancers and Prometheus poll
+(vLLM asks for its key on ``/v1`` paths only)."""
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 
@@ -104,6 +105,8 @@ class Gateway:
         """Submitted requests whose client is still being answered."""
         self.stopping = False
         """Shutting down: new requests are refused (503)."""
+        self.load = 0
+        """Requests to the fleet's routes being answered (vLLM's ``server_load``: ``/load``)."""
 
     async def models(self) -> list[str]:
         """The models the fleet serves: the set its workers announce them in (a SCAN of
@@ -234,6 +237,8 @@ class Handler(tornado.web.RequestHandler):
     """Shared by every route: the key check, OpenAI's error answers, the metrics."""
 
     gateway: Gateway
+    load_aware = False
+    """Its POST requests count in the gateway's :attr:`~Gateway.load` while answered."""
 
     def initialize(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -244,6 +249,8 @@ class Handler(tornado.web.RequestHandler):
         self.route = gateway.route_of(self.request.path)
         self._measured = False
         gateway.metrics.started(self.route)
+        self._loading = self.load_aware and self.request.method == "POST"
+        gateway.load += self._loading
 
     def prepare(self) -> None:
         if self.gateway.stopping and self.request.method == "POST":
@@ -328,6 +335,7 @@ class Handler(tornado.web.RequestHandler):
     def _measured_as(self, status: int) -> None:
         if not self._measured:
             self._measured = True
+            self.gateway.load -= self._loading
             self.gateway.metrics.ended(self.route, self.request.method or "", status,
                                        self.request.request_time())  # fmt: skip
 
@@ -422,6 +430,7 @@ class Unary(Handler):
     than a fleet request takes go as several (``split.py``), answered as one."""
 
     endpoint: Endpoint
+    load_aware = True
 
     def initialize(self, gateway: Gateway, endpoint: Endpoint) -> None:  # type: ignore[override]
         super().initialize(gateway)
@@ -492,8 +501,15 @@ class Generate(Handler):
     translations (:meth:`submission`, :meth:`answer`, :meth:`events`, :meth:`error_body`)
     and the stream's framing (:attr:`named`, :meth:`_write`, :meth:`_end`, :meth:`_end_with`)."""
 
+    load_aware = True
+
     def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
         super().initialize(gateway)
+        self.serves(chat)
+
+    def serves(self, chat: bool) -> None:
+        """What it answers: a chat (``chat``) or a text completion (``/invocations`` says
+        once it read the body)."""
         self.chat = chat
         self.prefix = "chatcmpl-" if chat else "cmpl-"
         """Of the response's id."""
@@ -631,7 +647,8 @@ class NotFound(Handler):
 def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
     """The tornado application: the generation routes (and their tokenizer's: vLLM's
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
-    → unary endpoint: the pooling ones by default), models and health."""
+    → unary endpoint: the pooling ones by default), models, health and vLLM's server
+    routes (:mod:`.server_routes`)."""
     from .conversation_routes import (
         ConversationItem,
         ConversationItems,
@@ -640,6 +657,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     )
     from .messages import CountTokens, Messages  # imported here, as they import this module
     from .respond import CancelResponse, InputItems, Responses, StoredResponse
+    from .server_routes import Invocations, Load, Ping, Version
     from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
 
     if endpoints is None:
@@ -664,8 +682,12 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/detokenize", Unary, g | {"endpoint": DETOKENIZE}),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
+        (r"/invocations", Invocations, g),
         (r"/health", Health, g),
         (r"/livez", Health, g | {"deep": False}),
+        (r"/ping", Ping, g),
+        (r"/load", Load, g),
+        (r"/version", Version, g),
         (r"/metrics", Metrics, g),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
