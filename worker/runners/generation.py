@@ -1133,6 +1133,8 @@ class TextGenerationRunner:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if not sent[i]:  # its first delta
                     chunk["prompt_tokens"] = len(s.prompt)
+                    if r.spec.token_ids:  # each choice's stream begins with them (vLLM's)
+                        chunk["prompt_token_ids"] = list(s.prompt)
                     chunk |= self._prompt_echo(r, i)
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
