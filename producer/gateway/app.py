@@ -51,6 +51,7 @@ from .split import merged, part_ids, split
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
 if TYPE_CHECKING:
+    from .dev_routes import DevAdmin
     from .lora_admin import LoraAdmin
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,14 @@ class Gateway:
         store_max_bytes: int = DEFAULT_MAX_BYTES,
         conversations: Mapping[str, int] | None = None,
         lora_admin: LoraAdmin | None = None,
+        dev_admin: DevAdmin | None = None,
     ) -> None:
         self.producer = producer
         self.lora_admin = lora_admin
         """Runtime LoRA updating (``--allow-runtime-lora-updating``): None, its routes are
         not served."""
+        self.dev_admin = dev_admin
+        """vLLM's development routes (``--server-dev-mode``): None, they are not served."""
         self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
         """The Responses API's stored responses."""
         self.conversations = ConversationStore(producer.client, **(conversations or {}))
@@ -696,6 +700,10 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
 
         routes += [(r"/v1/load_lora_adapter", LoraRoute, g | {"load": True}),
                    (r"/v1/unload_lora_adapter", LoraRoute, g | {"load": False})]  # fmt: skip
+    if gateway.dev_admin is not None:  # vLLM's VLLM_SERVER_DEV_MODE
+        from .dev_routes import ResetPrefixCache
+
+        routes.append((r"/reset_prefix_cache", ResetPrefixCache, g))
     gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
@@ -725,6 +733,7 @@ async def serve(
     store_max_bytes: int = DEFAULT_MAX_BYTES,
     conversations: Mapping[str, int] | None = None,
     lora_admin: LoraAdmin | None = None,
+    dev_admin: DevAdmin | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -735,7 +744,7 @@ async def serve(
     ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each; conversations as
     ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
     ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
-    (:mod:`.lora_admin`)."""
+    (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -746,7 +755,8 @@ async def serve(
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
                           store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
-                          conversations=conversations, lora_admin=lora_admin)  # fmt: skip
+                          conversations=conversations, lora_admin=lora_admin,
+                          dev_admin=dev_admin)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip
