@@ -565,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("policy", "change batch policy knobs live: policy MODEL key=value ..."),
         ("load-lora", "load a LoRA adapter while serving: load-lora MODEL NAME PATH"),
         ("unload-lora", "unload a LoRA adapter: unload-lora MODEL NAME"),
+        ("reset-prefix-cache", "empty the prefix caches of generating models"),
     ):
         c = sub.add_parser(name, help=text)
         where(c)

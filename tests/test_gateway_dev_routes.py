@@ -62,6 +62,8 @@ def test_reset_prefix_cache_empties_the_workers_caches(
 ) -> None:  # fmt: skip
     from tiny_models import make_causal_lm
 
+    from batchfleet import cli
+
     lm = make_causal_lm(tmp_path_factory.mktemp("lm"))
     spec = {"runner": "text-generation", "path": str(lm), "options": TINY_LM_OPTIONS}
     start_worker(fleet_toml(redis_url, {"gen": spec}), "gen-1").wait_ready(r, "gen")
@@ -90,6 +92,10 @@ def test_reset_prefix_cache_empties_the_workers_caches(
         assert (status, json.loads(raw)["error"]["code"]) == (503, "unavailable"), raw
         # and it asks for the key
         assert (await http(port, "POST", RESET, key=None))[0] == 401
+        # the CLI's reset-prefix-cache is the same broadcast
+        argv = ["reset-prefix-cache", "gen", "--redis-url", redis_url, "--timeout", "2"]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+        assert await cached(port) == 0
 
     async def run() -> None:
         async with gateway_in_process(redis_url, dev_admin=DevAdmin(redis_url)) as port:
