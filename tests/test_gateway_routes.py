@@ -25,17 +25,19 @@ def test_version_ping_load_and_which_paths_ask_for_the_key(redis_url: str) -> No
 
     async def go() -> None:
         async with gateway_in_process(redis_url) as port:
-            # /version is batchfleet's, behind the key
-            status, body = await http(port, "GET", "/version")
+            # /version is batchfleet's
+            status, body = await http(port, "GET", "/version", key=None)
             assert (status, json.loads(body)) == (200, {"version": batchfleet.__version__})
-            assert (await http(port, "GET", "/version", key=None))[0] == 401
-            # /ping (GET and POST, SageMaker's) and /load are open, as probes and balancers poll
+            # /ping (GET and POST, SageMaker's), /load and /version need no key (vLLM's
+            # PUBLIC_ENDPOINTS); the other routes do
             for method in ("GET", "POST"):
                 assert (await http(port, method, "/ping", key=None))[0] == 200
             assert (await http(port, "POST", "/health", key=None))[0] == 405  # as vLLM's
             status, body = await http(port, "GET", "/load", key=None)
             assert (status, json.loads(body)) == (200, {"server_load": 0})
-            assert (await http(port, "POST", "/invocations", CHAT, key=None))[0] == 401
+            for method, path in (("POST", "/invocations"), ("GET", "/v1/models"),
+                                 ("POST", "/tokenize")):  # fmt: skip
+                assert (await http(port, method, path, CHAT, key=None))[0] == 401, path
             # Given two requests to the fleet being answered, and a refused one
             chat = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions", CHAT))
             asked = await asyncio.to_thread(fake.take)

@@ -57,9 +57,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
-OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/metrics", "/load"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/load", "/version", "/metrics"})
 """Paths answered without the API key: what probes, load balancers and Prometheus poll
-(vLLM asks for its key on ``/v1`` paths only)."""
+(vLLM's ``PUBLIC_ENDPOINTS``, and ``/livez``)."""
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 

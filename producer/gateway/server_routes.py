@@ -25,7 +25,8 @@ SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"))
 
 
 class Version(Handler):
-    """``GET /version``: the gateway's batchfleet version (vLLM's shows vLLM's)."""
+    """``GET /version``: the gateway's batchfleet version (vLLM's shows vLLM's; open, as
+    vLLM's)."""
 
     def get(self) -> None:
         self.send_json({"version": __version__})
