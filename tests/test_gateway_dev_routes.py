@@ -21,7 +21,8 @@ RESET = "/reset_prefix_cache"
 DONE = {"ok": "reset_prefix_cache: gen", "models": ["gen"], "cleared": ["gen"]}
 NO_CACHE = {"ok": "reset_prefix_cache: no prefix cache here", "models": ["enc"], "cleared": []}
 ELSEWHERE = {"ok": "no loop for 'gen' here", "models": []}
-OLD_WORKER = {"error": "unknown command 'bf_reset_prefix_cache'"}
+OLD_WORKER = {"error": "KeyError('bf_reset_prefix_cache')"}
+"""What kombu replies from a worker that has no such command."""
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,7 @@ OLD_WORKER = {"error": "unknown command 'bf_reset_prefix_cache'"}
     [
         ({"a": DONE, "b": DONE, "c": ELSEWHERE}, "gen", 200, ""),
         ({"a": DONE, "b": NO_CACHE}, None, 200, ""),  # nothing to empty is no failure
-        ({"a": DONE, "b": OLD_WORKER}, "gen", 500, "reset by a but not by the others: b: unknown"),
+        ({"a": DONE, "b": OLD_WORKER}, "gen", 500, "reset by a but not by the others: b: KeyError"),
         ({"b": OLD_WORKER}, None, 500, "reset by none but not by the others"),
         ({"c": ELSEWHERE}, "gen", 503, "no worker of 'gen' replied"),
         ({"b": NO_CACHE}, "gen", 503, "no worker of 'gen' replied"),
