@@ -438,16 +438,14 @@ def test_a_streamed_echo_adds_up_to_the_whole_answer(
         assert all(out == [] for out in sent[:-1])
 
 
-@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+@pytest.mark.parametrize(("chat", "echo"), [(True, False), (False, False), (False, True)],
+                         ids=["chat", "completion", "completion-echo"])  # fmt: skip
 @pytest.mark.parametrize("worker_tells", [True, False], ids=["worker-tells", "older-worker"])
-@pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
 def test_streamed_prompt_token_ids_lead_each_choice_as_whole(
     chat: bool, worker_tells: bool, echo: bool
 ) -> None:
     """vLLM's ``return_token_ids``: each choice's first chunk carries its prompt's ids (a
     chat's on the chunk, a completion's in the choice), token ids add up to the whole's."""
-    if chat and echo:
-        pytest.skip("echo is a completion's")
     prompts = [[5]] if chat else [[1, 2], [1, 8, 9]]
     body: dict[str, Any] = {"n": 2, "return_token_ids": True, "echo": echo}
     body |= {"messages": []} if chat else {"prompt": ["the cat", "a dog"]}
