@@ -276,6 +276,11 @@ def _gateway(args: argparse.Namespace) -> int:
         from .producer.gateway.lora_admin import LoraAdmin
 
         lora_admin = LoraAdmin(args.broker_url or _broker(args), args.lora_timeout)
+    dev_admin = None
+    if args.server_dev_mode:
+        from .producer.gateway.dev_routes import DevAdmin
+
+        dev_admin = DevAdmin(args.broker_url or _broker(args))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
@@ -284,7 +289,7 @@ def _gateway(args: argparse.Namespace) -> int:
                           conversations={"ttl_s": args.conversations_ttl,
                                          "max_items": args.conversations_max_items,
                                          "max_bytes": args.conversations_max_bytes},
-                          lora_admin=lora_admin))  # fmt: skip
+                          lora_admin=lora_admin, dev_admin=dev_admin))  # fmt: skip
     return 0
 
 
@@ -535,6 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
         "broadcast to the fleet's workers, as load-lora; off: 404)",
     )
     gw.add_argument(
+        "--server-dev-mode",
+        action="store_true",
+        help="serve vLLM's development routes (its VLLM_SERVER_DEV_MODE): POST "
+        "/reset_prefix_cache, a Celery broadcast to the fleet's workers (off: 404)",
+    )
+    gw.add_argument(
         "--broker-url",
         help="where the workers listen for broadcasts, for those routes (default: --redis-url, "
         "else the fleet file's broker)",
@@ -554,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("policy", "change batch policy knobs live: policy MODEL key=value ..."),
         ("load-lora", "load a LoRA adapter while serving: load-lora MODEL NAME PATH"),
         ("unload-lora", "unload a LoRA adapter: unload-lora MODEL NAME"),
+        ("reset-prefix-cache", "empty the prefix caches of generating models"),
     ):
         c = sub.add_parser(name, help=text)
         where(c)

@@ -152,6 +152,9 @@ def parse_entry(keys: ModelKeys, request_id: str, fields: dict[Any, Any]) -> Del
             prompt_logprobs=json.loads(flat["prompt_logprobs"])
             if "prompt_logprobs" in flat
             else None,
+            prompt_token_ids=json.loads(flat["prompt_token_ids"])
+            if "prompt_token_ids" in flat
+            else None,
         )
     except (KeyError, ValueError):  # pydantic's ValidationError is a ValueError
         return None

@@ -361,6 +361,8 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
     if delta.prompt_logprobs is not None:
         body["prompt_logprobs"] = [None if lp is None else lp.model_dump()
                                    for lp in delta.prompt_logprobs]  # fmt: skip
+    if delta.prompt_token_ids is not None:
+        body["prompt_token_ids"] = delta.prompt_token_ids
     if fmt == "json":
         return json.dumps(body, separators=(",", ":")).encode()
     return pack(body)
@@ -371,8 +373,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
     ``logprobs``, where the request asked, ``tool_calls``, where the delta completed
     calls, ``tool_call_chunks``, where it wrote some, and ``token_ids``, where the request
     asked, as JSON text; ``content`` and ``reasoning_content`` where the output has them;
-    ``prompt_tokens`` in each output's first; ``prompt_text``, and ``prompt_logprobs`` as
-    JSON text, where the delta has them)."""
+    ``prompt_tokens`` in each output's first; ``prompt_text``, and ``prompt_logprobs`` and
+    ``prompt_token_ids`` as JSON text, where the delta has them)."""
     fields = {
         b"seq": str(delta.seq).encode(),
         b"input": str(delta.input).encode(),
@@ -397,6 +399,8 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
         fields[b"prompt_text"] = delta.prompt_text.encode()
     if delta.prompt_logprobs is not None:
         fields[b"prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs).encode()
+    if delta.prompt_token_ids is not None:
+        fields[b"prompt_token_ids"] = token_ids_json(delta.prompt_token_ids).encode()
     return fields
 
 

@@ -866,6 +866,11 @@ class Delta(_Answer):
     """With the request's ``prompt_logprobs`` and ``stream``, where ``prompt_text`` would
     be: the result's ``prompt_logprobs`` of that output; absent otherwise, and from workers
     before it was added."""
+    prompt_token_ids: list[int] | None = None
+    """With the request's ``return_token_ids`` and ``stream``, in the first delta of each
+    output (as ``prompt_tokens``): its prompt's tokens (the result's ``prompt_token_ids``
+    of its input), so a stream can give each choice its prompt's ids first (vLLM's); absent
+    otherwise, and from workers before it was added."""
     content: str | None = None
     """Where the output has a ``content`` (see :attr:`Generation.content`): what this
     delta adds to it (maybe empty); the deltas' pieces add up to the result's ``content``.

@@ -46,6 +46,7 @@ def test_non_model_commands_leave_torch_and_transformers_unimported(
         ["resume", *url, *fast, "-d", "nobody"],
         ["drain", "tiny", *url, *fast],
         ["policy", "tiny", "max_batch_size=4", *url, *fast],
+        ["reset-prefix-cache", *url, *fast],
         ["dlq", "list", "tiny", *url, "--json"],
         ["dlq", "replay", "tiny", "--all", *url],
         ["dlq", "purge", "tiny", "--all", *url],

@@ -237,6 +237,34 @@ def test_completions_prompts_n_echo_logprobs_and_tokens(fleet: Fleet) -> None:
     assert pieces == {0: expected[0], 1: expected[1]}
 
 
+def test_streamed_token_ids_lead_with_the_prompt_s_as_whole(fleet: Fleet) -> None:
+    """vLLM's ``return_token_ids`` streamed: each choice's first chunk carries its prompt's
+    ``prompt_token_ids`` (a chat's on the chunk, a completion's in the choice), and its
+    chunks' ``token_ids`` add up to the whole answer's."""
+    extra = {"extra_body": {"return_token_ids": True}}
+    chat = {"model": LM, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+            "n": 2}  # fmt: skip
+    text = {"model": LM, "prompt": [[9, 8], [5, 6, 7]], "max_tokens": 6, "n": 2}
+    for create, ask in ((fleet.client.chat.completions.create, chat),
+                        (fleet.client.completions.create, text)):  # fmt: skip
+        # Given the whole answer (greedy: n 2 gives each input's text twice)
+        whole = create(**ask, **extra).model_dump()  # type: ignore[operator]
+        # When it is streamed
+        chunks = [c.model_dump() for c in create(**ask, **extra, stream=True)]  # type: ignore[operator]
+        for w in whole["choices"]:
+            mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == w["index"]]
+            holders = [c if "messages" in ask else c["choices"][0] for c in mine]
+            # Then its first chunk, and no other, has the prompt's ids, the whole's
+            prompt = whole["prompt_token_ids"] if "messages" in ask else w["prompt_token_ids"]
+            assert holders[0]["prompt_token_ids"] == prompt, (ask, w["index"])
+            assert all(h.get("prompt_token_ids") is None for h in holders[1:])
+            assert [t for c in mine for t in c["choices"][0].get("token_ids") or []] == (
+                w["token_ids"])  # fmt: skip
+        if "prompt" in ask:
+            assert [w["prompt_token_ids"] for w in whole["choices"]] == [[9, 8]] * 2 + [
+                [5, 6, 7]] * 2  # fmt: skip
+
+
 def produced(fleet: Fleet, **options: Any) -> Any:
     """The first output of ``options`` asked of the fleet through the Python producer."""
     with Producer(fleet.url) as p:

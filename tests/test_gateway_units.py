@@ -453,3 +453,55 @@ def test_a_streamed_echo_adds_up_to_the_whole_answer(
         assert sent[1][0]["choices"][0]["logprobs"]["tokens"] == ["the", " cat"]
     elif max_tokens:  # an older worker's deltas do not tell: held until the result
         assert all(out == [] for out in sent[:-1])
+
+
+@pytest.mark.parametrize(("chat", "echo"), [(True, False), (False, False), (False, True)],
+                         ids=["chat", "completion", "completion-echo"])  # fmt: skip
+@pytest.mark.parametrize("worker_tells", [True, False], ids=["worker-tells", "older-worker"])
+def test_streamed_prompt_token_ids_lead_each_choice_as_whole(
+    chat: bool, worker_tells: bool, echo: bool
+) -> None:
+    """vLLM's ``return_token_ids``: each choice's first chunk carries its prompt's ids (a
+    chat's on the chunk, a completion's in the choice), token ids add up to the whole's."""
+    prompts = [[5]] if chat else [[1, 2], [1, 8, 9]]
+    body: dict[str, Any] = {"n": 2, "return_token_ids": True, "echo": echo}
+    body |= {"messages": []} if chat else {"prompt": ["the cat", "a dog"]}
+    outputs = [{"text": f"t{k}", "finish_reason": "stop", "token_ids": [k, k + 1],
+                "prompt_tokens": len(prompts[k // 2]), "completion_tokens": 2}
+               | ({"prompt_token_ids": prompts[k // 2]} if k % 2 == 0 else {})
+               for k in range(2 * len(prompts))]  # fmt: skip
+    res = result(outputs)
+    whole = (chat_response if chat else completion_response)(body, res, ANSWERED)
+    # Given the deltas: each output's first (its prompt's ids where the worker tells them),
+    # one with no text yet (part of a character) but a token, then the rest
+    deltas, seq = [], 0
+    for k, out in enumerate(outputs):
+        ids = prompts[k // 2] if worker_tells else None
+        for j, text in enumerate(("", out["text"])):
+            seq += 1
+            deltas.append(delta(seq, text, index=k, token_ids=[out["token_ids"][j]],
+                                **({"prompt_token_ids": ids} if j == 0 else {})))  # fmt: skip
+    c = Chunks(body | {"stream": True}, ANSWERED, "lm", chat=chat)
+    sent = [ch for d in deltas for ch in c.feed(d)] + c.finish(res)
+    for k in range(len(outputs)):
+        mine = [ch for ch in sent if ch["choices"] and ch["choices"][0]["index"] == k]
+        holders = [ch if chat else ch["choices"][0] for ch in mine]
+        with_ids = [i for i, h in enumerate(holders) if "prompt_token_ids" in h]
+        # Then one chunk of each choice carries its prompt's ids: its first where the worker
+        # told them, else its last (the result tells)
+        assert with_ids == [0 if worker_tells else len(mine) - 1], k
+        assert holders[with_ids[0]]["prompt_token_ids"] == prompts[k // 2]
+        ids = [t for ch in mine for t in ch["choices"][0].get("token_ids", [])]
+        expected = whole["choices"][k]["token_ids"]
+        assert ids == expected  # none lost with a chunk that shows no text
+    if chat:
+        assert whole["prompt_token_ids"] == prompts[0]
+    else:  # the whole answer gives every choice its prompt's (vLLM's)
+        assert [ch["prompt_token_ids"] for ch in whole["choices"]] == [
+            prompts[k // 2] for k in range(len(outputs))
+        ]
+    # without return_token_ids, none anywhere
+    plain = Chunks(body | {"return_token_ids": None}, ANSWERED, "lm", chat=chat)
+    quiet = [ch for d in deltas for ch in plain.feed(d)] + plain.finish(res)
+    assert not any("prompt_token_ids" in ch or any("prompt_token_ids" in x for x in ch["choices"])
+                   for ch in quiet)  # fmt: skip

@@ -77,9 +77,17 @@ def test_return_token_ids_in_outputs_and_deltas(runner: TextGenerationRunner) ->
         chunks = [c for c in d.partials["s"] if c["input"] == i]
         assert [t for c in chunks for t in c["token_ids"]] == ids
         assert all(len(c["token_ids"]) == c["tokens"] for c in chunks)
+        # each output's stream begins with its prompt's ids (vLLM's first chunk of a choice)
+        assert chunks[0]["prompt_token_ids"] == prompt
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
     # without it, none
     (plain,) = run(runner, req("p", max_new_tokens=4))["p"]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    (prep,) = prepare(runner, req("q", max_new_tokens=3, stream=True))
+    d = Driver(runner)
+    d.step([("q", prep)])
+    d.run()
+    assert d.partials["q"] and all("prompt_token_ids" not in c for c in d.partials["q"])
 
 
 def test_going_on_from_the_returned_tokens_continues_the_greedy_text(

@@ -269,3 +269,33 @@ def test_the_runner_option(tmp_path: Path) -> None:
         cached.append(out["cached_tokens"])
     assert hits[0] == hits[1] == 0 < hits[2]
     assert cached == [0, 0, hits[2]] and hits[2] % 16 == 0  # whole blocks
+
+
+def test_reset_prefix_cache_empties_it_before_the_next_step(tmp_path: Path) -> None:
+    """vLLM's ``reset_prefix_cache`` (``bf_reset_prefix_cache``): asked from any thread,
+    done by the device thread before its next step; a model without one says so."""
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+    from test_generation_runner import run
+
+    path = make_causal_lm(tmp_path / "lm")
+    runner = TextGenerationRunner(path, device="cpu", dtype="float32",
+                                  options={"prefix_cache_tokens": 1024, "page_size": 16})  # fmt: skip
+    words = " ".join(f"w{i}" for i in range(40))
+
+    def cached(rid: str) -> int:
+        request = Request(id=rid, model="lm", inputs=[words], max_new_tokens=2)
+        (out,) = run(runner, request)[rid]
+        return int(out["cached_tokens"])
+
+    # Given a prompt whose blocks the cache holds (the second time, taken from it)
+    assert cached("a") == 0 and cached("b") > 0
+    held = runner.info()["prefix_cache_tokens"]
+    # When the cache is reset: held until the next step, which empties it first
+    assert runner.reset_prefix_cache() is True
+    assert runner.info()["prefix_cache_tokens"] == held
+    # Then the same prompt is prefilled whole, and cached again after
+    assert cached("c") == 0 and cached("d") > 0
+    for options in ({"prefix_cache_tokens": 0}, {"engine": "paged"}):
+        other = TextGenerationRunner(path, device="cpu", options=options)
+        assert other.reset_prefix_cache() is False

@@ -170,7 +170,9 @@ def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
                     prompt_tokens=[17, 4, None][i % 3],  # an output's first only
                     # an input's first output's first: its prompt (the first token null)
                     prompt_text=t if i % 3 == 0 else None,
-                    prompt_logprobs=[None, *_logprobs(t, i)] if i in (0, 4) else None)
+                    prompt_logprobs=[None, *_logprobs(t, i)] if i in (0, 4) else None,
+                    # an output's first, with return_token_ids
+                    prompt_token_ids=list(range(5 * i, 6 * i + 1)) if i % 3 == 1 else None)
               for i, t in enumerate(texts)]  # fmt: skip
     # When the sink writes them (tokens.lua encodes the messages)
     harness.sink.stream([Streamed.of(d, 60, "chan", fmt) for d in deltas])  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """Remote control through Celery's own mechanism: pause, resume, drain, live batch policy,
-LoRA adapters loaded and unloaded while the model serves.
+LoRA adapters loaded and unloaded while the model serves, the prefix cache emptied.
 
 ``celery -A batchfleet.worker.app control bf_pause tiny`` (or ``batchfleet pause tiny``)
 reaches every worker that serves ``tiny``; leave the model out to act on all of a worker's
@@ -369,6 +369,25 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
         except redis.RedisError as exc:  # served all the same; the next change publishes it
             reply["info_error"] = f"{lp.model}: the model info was not published: {exc}"
     return reply
+
+
+@control_command(args=[("model", str)], signature="[model]")
+def bf_reset_prefix_cache(state: Any, model: str | None = None) -> dict[str, Any]:
+    """Empty the prefix cache of a generating model (all of this worker's, or one's) before
+    its next step: vLLM's ``/reset_prefix_cache`` (after new weights or adapters, or to
+    benchmark cold prompts). ``cleared``: the models that have one (the others: nothing
+    to empty)."""
+    loops = _loops(state, model)
+    if not loops:
+        return {"ok": f"no loop for {model!r} here", "models": []}
+    cleared = []
+    for lp in loops:
+        reset = getattr(lp.runner, "reset_prefix_cache", None)
+        if reset is not None and reset():
+            cleared.append(lp.model)
+            logger.info("control: reset_prefix_cache %s", lp.model)
+    return {"ok": f"reset_prefix_cache: {', '.join(cleared) or 'no prefix cache here'}",
+            "models": [lp.model for lp in loops], "cleared": cleared}  # fmt: skip
 
 
 def _record_lora(loop: BatchLoop, what: str, name: str, path: str = "") -> None:

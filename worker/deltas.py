@@ -71,6 +71,7 @@ class StreamTo:
         ids = chunk.get("token_ids")
         pieces = chunk.get("tool_call_chunks")
         scored = chunk.get("prompt_logprobs")
+        prompt_ids = chunk.get("prompt_token_ids")
         return Streamed(self.request_id, seq, chunk.get("text", ""), self.ttl_s, self.reply,
                         self.fmt, chunk.get("input", 0), chunk.get("tokens", 0), self.model,
                         None if lps is None else logprobs_json(lps), self.life,
@@ -79,7 +80,8 @@ class StreamTo:
                         None if ids is None else token_ids_json(ids),
                         None if pieces is None else tool_chunks_json(pieces),
                         chunk.get("prompt_tokens"), chunk.get("prompt_text"),
-                        None if scored is None else prompt_logprobs_json(scored))  # fmt: skip
+                        None if scored is None else prompt_logprobs_json(scored),
+                        None if prompt_ids is None else token_ids_json(prompt_ids))  # fmt: skip
 
 
 class DeltaWriter:

@@ -126,6 +126,8 @@ class Streamed:
     """Its input's prompt text (the first delta of its first output, where asked)."""
     prompt_logprobs: str | None = None
     """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
+    prompt_token_ids: str | None = None
+    """Its prompt's token ids as JSON text (its output's first delta, where asked)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
@@ -134,12 +136,15 @@ class Streamed:
         ids = None if delta.token_ids is None else token_ids_json(delta.token_ids)
         pieces = delta.tool_call_chunks
         scored = delta.prompt_logprobs
+        prompt_ids = delta.prompt_token_ids
         return cls(delta.id, delta.seq, delta.text, ttl_s, reply, fmt, delta.input,
                    delta.tokens, delta.model, lps, tool_calls=calls, content=delta.content,
                    reasoning=delta.reasoning_content, token_ids=ids,
                    tool_call_chunks=None if pieces is None else tool_chunks_json(pieces),
                    prompt_tokens=delta.prompt_tokens, prompt_text=delta.prompt_text,
-                   prompt_logprobs=None if scored is None else prompt_logprobs_json(scored))  # fmt: skip
+                   prompt_logprobs=None if scored is None else prompt_logprobs_json(scored),
+                   prompt_token_ids=None if prompt_ids is None
+                   else token_ids_json(prompt_ids))  # fmt: skip
 
     @property
     def delta(self) -> Delta | None:
@@ -156,7 +161,9 @@ class Streamed:
                      token_ids=ids, tool_call_chunks=pieces,
                      prompt_tokens=self.prompt_tokens, prompt_text=self.prompt_text,
                      prompt_logprobs=None if self.prompt_logprobs is None
-                     else json.loads(self.prompt_logprobs))  # fmt: skip
+                     else json.loads(self.prompt_logprobs),
+                     prompt_token_ids=None if self.prompt_token_ids is None
+                     else json.loads(self.prompt_token_ids))  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""
@@ -167,7 +174,8 @@ class Streamed:
                           self.reply, self.fmt == "json", self.model, self.logprobs,
                           self.life, self.tool_calls, self.content, self.reasoning,
                           self.token_ids, self.tool_call_chunks, self.prompt_tokens,
-                          self.prompt_text, self.prompt_logprobs)  # fmt: skip
+                          self.prompt_text, self.prompt_logprobs,
+                          self.prompt_token_ids)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

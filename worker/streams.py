@@ -104,6 +104,8 @@ class TokenWrite:
     """Its input's prompt text (the first delta of its first output, where asked)."""
     prompt_logprobs: str | None = None
     """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
+    prompt_token_ids: str | None = None
+    """Its prompt's token ids as JSON text (its output's first delta, where asked)."""
 
     def item(self) -> list[Any]:
         """The entry as ``tokens.lua`` takes it."""
@@ -124,6 +126,7 @@ class TokenWrite:
                 ("prompt_tokens", prompt, 1),
                 ("prompt_text", self.prompt_text, 0),
                 ("prompt_logprobs", self.prompt_logprobs, 1),
+                ("prompt_token_ids", self.prompt_token_ids, 1),
             )
             if value is not None
         ]

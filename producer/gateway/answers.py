@@ -201,8 +201,9 @@ def completion_response(
             choice["prompt_logprobs"] = prompt_logprobs(g.prompt_logprobs)
         if g.token_ids is not None:
             choice["token_ids"] = g.token_ids
-        if g.prompt_token_ids is not None:
-            choice["prompt_token_ids"] = g.prompt_token_ids
+        ids = gens[i - i % per_input].prompt_token_ids  # each choice its prompt's (vLLM's)
+        if ids is not None:
+            choice["prompt_token_ids"] = ids
         choices.append(choice)
     return {
         "id": answered.id,

@@ -51,13 +51,15 @@ from .split import merged, part_ids, split
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
 if TYPE_CHECKING:
+    from .dev_routes import DevAdmin
     from .lora_admin import LoraAdmin
 
 logger = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0
-OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
-"""Paths answered without the API key (probes and Prometheus, as vLLM's)."""
+OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/load", "/version", "/metrics"})
+"""Paths answered without the API key: what probes, load balancers and Prometheus poll
+(vLLM's ``PUBLIC_ENDPOINTS``, and ``/livez``)."""
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 
@@ -75,11 +77,14 @@ class Gateway:
         store_max_bytes: int = DEFAULT_MAX_BYTES,
         conversations: Mapping[str, int] | None = None,
         lora_admin: LoraAdmin | None = None,
+        dev_admin: DevAdmin | None = None,
     ) -> None:
         self.producer = producer
         self.lora_admin = lora_admin
         """Runtime LoRA updating (``--allow-runtime-lora-updating``): None, its routes are
         not served."""
+        self.dev_admin = dev_admin
+        """vLLM's development routes (``--server-dev-mode``): None, they are not served."""
         self.responses = ResponseStore(producer.client, store_ttl_s, store_max_bytes)
         """The Responses API's stored responses."""
         self.conversations = ConversationStore(producer.client, **(conversations or {}))
@@ -104,6 +109,8 @@ class Gateway:
         """Submitted requests whose client is still being answered."""
         self.stopping = False
         """Shutting down: new requests are refused (503)."""
+        self.load = 0
+        """Requests to the fleet's routes being answered (vLLM's ``server_load``: ``/load``)."""
 
     async def models(self) -> list[str]:
         """The models the fleet serves: the set its workers announce them in (a SCAN of
@@ -234,6 +241,8 @@ class Handler(tornado.web.RequestHandler):
     """Shared by every route: the key check, OpenAI's error answers, the metrics."""
 
     gateway: Gateway
+    load_aware = False
+    """Its POST requests count in the gateway's :attr:`~Gateway.load` while answered."""
 
     def initialize(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -244,6 +253,8 @@ class Handler(tornado.web.RequestHandler):
         self.route = gateway.route_of(self.request.path)
         self._measured = False
         gateway.metrics.started(self.route)
+        self._loading = self.load_aware and self.request.method == "POST"
+        gateway.load += self._loading
 
     def prepare(self) -> None:
         if self.gateway.stopping and self.request.method == "POST":
@@ -328,6 +339,7 @@ class Handler(tornado.web.RequestHandler):
     def _measured_as(self, status: int) -> None:
         if not self._measured:
             self._measured = True
+            self.gateway.load -= self._loading
             self.gateway.metrics.ended(self.route, self.request.method or "", status,
                                        self.request.request_time())  # fmt: skip
 
@@ -422,6 +434,7 @@ class Unary(Handler):
     than a fleet request takes go as several (``split.py``), answered as one."""
 
     endpoint: Endpoint
+    load_aware = True
 
     def initialize(self, gateway: Gateway, endpoint: Endpoint) -> None:  # type: ignore[override]
         super().initialize(gateway)
@@ -492,8 +505,15 @@ class Generate(Handler):
     translations (:meth:`submission`, :meth:`answer`, :meth:`events`, :meth:`error_body`)
     and the stream's framing (:attr:`named`, :meth:`_write`, :meth:`_end`, :meth:`_end_with`)."""
 
+    load_aware = True
+
     def initialize(self, gateway: Gateway, chat: bool) -> None:  # type: ignore[override]
         super().initialize(gateway)
+        self.serves(chat)
+
+    def serves(self, chat: bool) -> None:
+        """What it answers: a chat (``chat``) or a text completion (``/invocations`` says
+        once it read the body)."""
         self.chat = chat
         self.prefix = "chatcmpl-" if chat else "cmpl-"
         """Of the response's id."""
@@ -631,7 +651,8 @@ class NotFound(Handler):
 def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
     """The tornado application: the generation routes (and their tokenizer's: vLLM's
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
-    → unary endpoint: the pooling ones by default), models and health."""
+    → unary endpoint: the pooling ones by default), models, health and vLLM's server
+    routes (:mod:`.server_routes`)."""
     from .conversation_routes import (
         ConversationItem,
         ConversationItems,
@@ -640,6 +661,7 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
     )
     from .messages import CountTokens, Messages  # imported here, as they import this module
     from .respond import CancelResponse, InputItems, Responses, StoredResponse
+    from .server_routes import Invocations, Load, Ping, Version
     from .tokenization import COUNT_TOKENS, DETOKENIZE, TOKENIZE
 
     if endpoints is None:
@@ -664,8 +686,12 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
         (r"/detokenize", Unary, g | {"endpoint": DETOKENIZE}),
         (r"/v1/models", Models, g),
         (r"/v1/models/([^/]+)", Models, g),
+        (r"/invocations", Invocations, g),
         (r"/health", Health, g),
         (r"/livez", Health, g | {"deep": False}),
+        (r"/ping", Ping, g),
+        (r"/load", Load, g),
+        (r"/version", Version, g),
         (r"/metrics", Metrics, g),
     ]
     routes += [(path, Unary, g | {"endpoint": ep}) for path, ep in endpoints.items()]
@@ -674,6 +700,10 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
 
         routes += [(r"/v1/load_lora_adapter", LoraRoute, g | {"load": True}),
                    (r"/v1/unload_lora_adapter", LoraRoute, g | {"load": False})]  # fmt: skip
+    if gateway.dev_admin is not None:  # vLLM's VLLM_SERVER_DEV_MODE
+        from .dev_routes import ResetPrefixCache
+
+        routes.append((r"/reset_prefix_cache", ResetPrefixCache, g))
     gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
     return tornado.web.Application(routes, default_handler_class=NotFound,
                                    default_handler_args=g)  # fmt: skip
@@ -703,6 +733,7 @@ async def serve(
     store_max_bytes: int = DEFAULT_MAX_BYTES,
     conversations: Mapping[str, int] | None = None,
     lora_admin: LoraAdmin | None = None,
+    dev_admin: DevAdmin | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -713,7 +744,7 @@ async def serve(
     ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each; conversations as
     ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
     ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
-    (:mod:`.lora_admin`)."""
+    (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -724,7 +755,8 @@ async def serve(
     async with AsyncProducer(url) as producer:
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
                           store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
-                          conversations=conversations, lora_admin=lora_admin)  # fmt: skip
+                          conversations=conversations, lora_admin=lora_admin,
+                          dev_admin=dev_admin)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip

@@ -43,6 +43,10 @@ class _Choice:
     """Tokens sent."""
     held: list[Delta] | None = None
     """An echoing choice's deltas held until its prompt's echo is known (None: open)."""
+    ids: list[int] | None = None
+    """Its prompt's token ids (``return_token_ids``), once known."""
+    ids_sent: bool = False
+    """A chunk of it carried them (its first that could, as vLLM's)."""
 
 
 class Chunks:
@@ -62,6 +66,10 @@ class Chunks:
         self.texts = prompts(body) if self.echo else []
         self.n = body.get("n") or 1
         self.scored = body.get("logprobs") is not None
+        self.token_ids = bool(body.get("return_token_ids"))
+        """Each choice's first chunk has its prompt's ``prompt_token_ids`` (vLLM's: a chat's
+        on the chunk, a completion's in its choice), from its first delta (or, where an
+        older worker's has none, the result: then its last chunk)."""
         """The echo has the prompt's tokens (their log-probabilities from the worker)."""
         self.echoes: dict[int, Echo] = {
             i: scored_echo(p, None)
@@ -86,16 +94,19 @@ class Chunks:
         return out
 
     def _choice(
-        self, index: int, prompt: int | None = None
+        self, index: int, prompt: int | None = None, ids: list[int] | None = None
     ) -> tuple[_Choice, list[dict[str, Any]]]:
         """Its state, and the chunks that open it (chat: the role; echo: the prompt)."""
         if index in self.choices:
-            return self.choices[index], []
-        state = self.choices[index] = _Choice(prompt=prompt or 0)
+            state = self.choices[index]
+            state.ids = state.ids or ids
+            return state, []
+        state = self.choices[index] = _Choice(prompt=prompt or 0, ids=ids)
         if self.chat:
             delta = {"role": "assistant", "content": ""}
-            return state, [self._chunk([{"index": index, "delta": delta, "logprobs": None,
-                                         "finish_reason": None}])]  # fmt: skip
+            opening = self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                                    "finish_reason": None}])  # fmt: skip
+            return state, [self._with_ids(opening, state)]
         if self.echo:
             state.held = []
             return state, self._opened(index) if index // self.n in self.echoes else []
@@ -106,8 +117,9 @@ class Chunks:
         state = self.choices[index]
         echo = self.echoes[index // self.n]
         held, state.held, state.offset = state.held or [], None, echo.end
-        out = [self._chunk([{"index": index, "text": echo.text, "logprobs": echo.logprobs,
-                             "finish_reason": None}])]  # fmt: skip
+        opening = {"index": index, "text": echo.text, "logprobs": echo.logprobs,
+                   "finish_reason": None}  # fmt: skip
+        out = [self._chunk([self._with_ids(opening, state)])]
         for d in held:
             choice = self._delta_choice(d, state)
             if choice is not None:
@@ -140,7 +152,7 @@ class Chunks:
         if isinstance(event, Restarted):
             self.replay.restart()
             return []
-        state, out = self._choice(event.input, event.prompt_tokens)
+        state, out = self._choice(event.input, event.prompt_tokens, event.prompt_token_ids)
         if self.echo:
             out += self._learn(event)
         if not self.replay.fresh(event):
@@ -158,10 +170,11 @@ class Chunks:
         if not self.chat:
             logprobs = completion_logprobs(d.logprobs, state.offset)
             state.offset += len(d.text)
-            if not d.text and logprobs is None:
+            if not (d.text or logprobs or d.token_ids or self._ids_due(state)):
                 return None
             choice = {"index": d.input, "text": d.text, "logprobs": logprobs,
                       "finish_reason": None}  # fmt: skip
+            self._with_ids(choice, state)
         else:
             delta: dict[str, Any] = {}
             content = d.content if d.content is not None else d.text
@@ -172,13 +185,24 @@ class Chunks:
             if d.tool_call_chunks:
                 delta["tool_calls"] = [c.model_dump(exclude_none=True)
                                        for c in d.tool_call_chunks]  # fmt: skip
-            if not delta and d.logprobs is None:
+            if not delta and d.logprobs is None and not d.token_ids:
                 return None
             choice = {"index": d.input, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
                       "finish_reason": None}  # fmt: skip
         if d.token_ids is not None:
             choice["token_ids"] = d.token_ids
         return choice
+
+    def _ids_due(self, state: _Choice) -> bool:
+        """Whether the choice's next chunk is to carry its prompt's token ids."""
+        return self.token_ids and state.ids is not None and not state.ids_sent
+
+    def _with_ids(self, chunk: dict[str, Any], state: _Choice) -> dict[str, Any]:
+        """``chunk`` (a chat's chunk, a completion's choice) with the choice's prompt token
+        ids where they are due."""
+        if self._ids_due(state):
+            chunk["prompt_token_ids"], state.ids_sent = state.ids, True
+        return chunk
 
     def finish(self, result: Result) -> list[dict[str, Any]]:
         """The last chunks: each choice's ``finish_reason`` (a choice that streamed nothing
@@ -189,16 +213,18 @@ class Chunks:
             if i not in self.echoes and i * self.n < len(gens):
                 out += self._echoed(i, gens[i * self.n])
         for i, g in enumerate(gens):
-            state, opening = self._choice(i, g.prompt_tokens)
+            ids = gens[i - i % self.n].prompt_token_ids  # its input's first output has them
+            state, opening = self._choice(i, g.prompt_tokens, ids)
             state.tokens, state.prompt = g.completion_tokens, g.prompt_tokens
             out += opening
             end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish_reason(g),
                                    "stop_reason": g.stop_reason}  # fmt: skip
             if self.chat:
                 end["delta"] = {}
+                out.append(self._with_ids(self._chunk([end]), state))
             else:
                 end["text"] = ""
-            out.append(self._chunk([end]))
+                out.append(self._chunk([self._with_ids(end, state)]))
         if self.include_usage:
             last = self._chunk([])
             last["usage"] = usage(result.usage)

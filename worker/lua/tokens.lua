@@ -15,8 +15,8 @@
 --             (below); reply: the channel to publish the delta's message on ('': none);
 --             json: 1 (JSON message) or 0 (msgpack); more: the delta's optional fields
 --             (logprobs, tool_calls, token_ids, tool_call_chunks, content,
---             reasoning_content, prompt_tokens, prompt_text, prompt_logprobs: those it
---             has),
+--             reasoning_content, prompt_tokens, prompt_text, prompt_logprobs,
+--             prompt_token_ids: those it has),
 --             an array of {name, value, raw}: raw 1 where value is JSON text (an array),
 --             0 where it is a string
 --

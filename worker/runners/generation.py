@@ -384,6 +384,9 @@ class TextGenerationRunner:
         loaded and unloaded while it serves)."""
         self._draining_loras: set[int] = set()
         """Labels of adapters unloaded whose requests have not all ended (device thread)."""
+        self._reset_prefix = False
+        """An operator emptied the prefix cache (:meth:`reset_prefix_cache`): done before
+        the next step."""
         self.engine: Engine
         if self.engine_kind == "padded":
             from ..generation.padded import PaddedEngine
@@ -763,6 +766,9 @@ class TextGenerationRunner:
             self.engine.set_step_tokens(work.step_tokens)
         if self._loras.pending:  # an operator's adapter loaded or unloaded (bf_load_lora)
             self._lora_changes()
+        if self._reset_prefix:  # an operator's bf_reset_prefix_cache
+            self._reset_prefix = False
+            self._empty_prefix_cache()
         for key, reason in work.stop:
             r = self._reqs.get(key)
             if r is not None:
@@ -931,6 +937,23 @@ class TextGenerationRunner:
         """Whether a new request's adapter may start (not unloaded since it was read). One
         read with it was loaded before: before its step began, which put it in the engine."""
         return prep.payload.lora in self._loras.labels.values()
+
+    def reset_prefix_cache(self) -> bool:
+        """Any thread: empty the prefix cache before the next step (vLLM's
+        ``reset_prefix_cache``), so no prompt admitted after this call takes a block held
+        before it; running sequences keep their own keys and values (blocks are copies).
+        False: the model has no prefix cache (``prefix_cache_tokens`` 0, the paged engine)."""
+        if self.prefix_cache_tokens == 0:
+            return False
+        self._reset_prefix = True
+        return True
+
+    def _empty_prefix_cache(self) -> None:
+        from ..generation.padded import PaddedEngine
+
+        if isinstance(self.engine, PaddedEngine) and self.engine.prefix is not None:
+            logger.info("prefix cache emptied (%d tokens held)", self.engine.prefix.tokens)
+            self.engine.prefix.clear()
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
@@ -1234,6 +1257,8 @@ class TextGenerationRunner:
                 chunk: dict[str, Any] = {"input": i, "text": text, "tokens": n - sent[i]}
                 if not sent[i]:  # its first delta
                     chunk["prompt_tokens"] = len(s.prompt)
+                    if r.spec.token_ids:  # each choice's stream begins with them (vLLM's)
+                        chunk["prompt_token_ids"] = list(s.prompt)
                     chunk |= self._prompt_echo(r, i)
                 if r.spec.sampling.logprobs is not None:
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
