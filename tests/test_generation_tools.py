@@ -715,7 +715,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "seed_oss", "minimax_m2", "internlm", "granite", "hunyuan_a13b",
                             "minimax", "phi4_mini_json", "xlam", "longcat", "step3", "jamba",
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
-                            "qwen3_xml", "deepseek_v32"}  # fmt: skip
+                            "qwen3_xml", "deepseek_v32", "cohere_command3",
+                            "cohere_command4"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip
