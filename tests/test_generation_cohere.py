@@ -262,6 +262,11 @@ def test_a_command4_answer_begins_in_its_reasoning(cmd4: TextGenerationRunner) -
         assert "tool_calls" not in out
         for key in ("reasoning_content", "content"):
             assert "".join(c[key] for c in chunks) == out[key]
+        # the reasoning streams as it is written, before the answer's first piece
+        said = [(c["reasoning_content"], c["content"]) for c in chunks]
+        shown = next(k for k, (_, c) in enumerate(said) if c)
+        assert "".join(r for r, _ in said[:shown]) == out["reasoning_content"]
+        assert len([r for r, _ in said[:shown] if r]) > 8
     _, whole = generate(cmd4, "b", [*_tokens(text), "<|END_OF_TURN_TOKEN|>"], tools=None)
     assert (whole["reasoning_content"], whole["content"]) == ("Simple: Paris.", "It is Paris.")
 
@@ -277,6 +282,13 @@ def test_command_options(command: Path) -> None:
     assert r2.info()["reasoning_parser"] is None and r2._cohere is r._cohere
     split = OutputSplit(None, None, False, cohere=r2._cohere)
     assert split.result("x<|END_THINKING|><|START_TEXT|>y") == {"content": "y"}
+    # ... and its markers are kept in the text, the calls tool_choice asks for read as
+    # Command writes them
+    text = f"Weather.{END_THINK}{ACT}{CALL}{END_ACT}"
+    chunks, out = generate(r2, "t", [*_tokens(text), "<|END_OF_TURN_TOKEN|>"], stream=True,
+                           tool_choice="required")  # fmt: skip
+    assert out["text"] == text and out["tool_calls"] == [WEATHER] and out["content"] == ""
+    assert "reasoning_content" not in out and _added(chunks) == {0: WEATHER}
 
 
 def _accepts(runner: TextGenerationRunner, sampling: Any, text: str) -> bool:
