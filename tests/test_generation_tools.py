@@ -736,7 +736,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
                             "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
-                            "apertus", "dots"}  # fmt: skip
+                            "apertus", "dots", "cohere_command3",
+                            "cohere_command4"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

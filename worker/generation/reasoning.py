@@ -26,7 +26,8 @@ wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
 ``minimax_m2_append_think`` never split (:class:`WholeAnswer`): the whole text is the
 answer, the latter's content begun with the ``<think>`` its prompt opened.
 ``openai_gptoss`` reads gpt-oss's harmony messages instead (:class:`HarmonyReasoning`,
-:mod:`.harmony`): no tags, but channels.
+:mod:`.harmony`): no tags, but channels; ``cohere_command3`` and ``cohere_command4`` read
+Cohere Command's modes (:class:`CohereReasoning`, :mod:`.cohere`).
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
 (:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
@@ -61,7 +62,7 @@ import re
 from collections.abc import Iterable
 from typing import ClassVar, Final
 
-from . import harmony
+from . import cohere, harmony
 
 TAGS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_r1": ("<think>", "</think>"),
@@ -119,7 +120,7 @@ LABELS: Final[dict[str, str]] = {"gemma4": "thought\n"}
 PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<think>"}
 """The parsers that never split (:class:`WholeAnswer`), and what their content begins
 with."""
-REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss")
+REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss", *cohere.FORMATS)
 """The values of a model's ``reasoning_parser`` option."""
 _BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "hy_v4", "kimi_k2",
                             "kimi_k3", "minimax_m2", "nemotron_v3", "olmo3", "solar_open2",
@@ -324,11 +325,58 @@ class HarmonyReasoning(Reasoning):
         return harmony.content(answer)
 
 
+class CohereReasoning(Reasoning):
+    """Cohere Command's split (``cohere_command3``, ``cohere_command4``): the reasoning is
+    its reasoning parts, wherever they are (:attr:`interleaved`), and the answer is the
+    whole text, read by the mode machine (:mod:`.cohere`; its content and calls are the
+    answer's and calls' parts). The prompt's end tells the mode the text begins in (a
+    prompt ending ``<|START_THINKING|>``: the reasoning; one ending with the answer's
+    marker: the answer); else the format's own start. A constraint begins after the
+    answer's marker (``<|START_RESPONSE|>``; Command 4's ``<|START_TEXT|>``), as vLLM's
+    structural tag does."""
+
+    __slots__ = ("format",)
+
+    interleaved: ClassVar[bool] = True
+
+    def __init__(self, parser: str) -> None:
+        super().__init__(parser)  # no tags
+        self.format = cohere.FORMATS[parser]
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return self.format.tokens
+
+    @property
+    def answer_marker(self) -> tuple[str, str, str]:
+        return self.format.answer_tag, "", ""
+
+    def opens(self, prompt_end: str) -> bool | None:
+        tail = prompt_end.rstrip()
+        if tail.endswith(cohere.START_THINKING):
+            return True
+        answers = [m for m, mode in self.format.modes.items() if mode == cohere.ANSWER]
+        return False if tail.endswith(tuple(answers)) else None
+
+    def answer_start(self, text: str, final: bool, thinking: bool | None) -> int | None:
+        return 0
+
+    def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
+        mode = cohere.begins(self.format, thinking)
+        return cohere.reasoning(text, self.format, mode, True), text
+
+    def so_far(self, text: str, thinking: bool | None) -> str:
+        mode = cohere.begins(self.format, thinking)
+        return cohere.reasoning(text, self.format, mode, False) or ""
+
+
 def reasoning_for(parser: str, vocab: Iterable[str] | None = None) -> Reasoning:
     """The split a ``reasoning_parser`` names, for a tokenizer whose tokens are ``vocab``
     (None: its tags as :data:`TAGS` writes them)."""
     if parser == "openai_gptoss":
         return HarmonyReasoning(parser)
+    if parser in cohere.FORMATS:
+        return CohereReasoning(parser)
     return WholeAnswer(parser) if parser in PREFIXES else Reasoning(parser, vocab)
 
 

@@ -9,7 +9,9 @@ whole since the last delta, and the chunks of the calls being written
 :class:`~.reasoning.Reasoning` says, once it knows; less the tags some parsers wrap it
 in, :meth:`~.reasoning.Reasoning.answer`); calls are read in the answer only.
 gpt-oss's reasoning may follow the answer's start (``Reasoning.interleaved``), and its
-content is its harmony messages' (:mod:`.harmony`).
+content is its harmony messages' (:mod:`.harmony`); Cohere Command's text is all answer,
+read by its modes (:mod:`.cohere`): its content is its answer's parts, its reasoning its
+reasoning's, wherever they are.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import harmony
+from . import cohere, harmony
 from .reasoning import Reasoning
 from .tool_chunks import CallChunks
 from .tools import CallReader
@@ -44,6 +46,9 @@ class OutputSplit:
     """The characters of its ``reasoning_content`` and ``content`` streamed so far."""
     answer: dict[str, Any] | None = None
     """Its result's fields, once read at its end."""
+    cohere: cohere.Format | None = None
+    """The model writes Cohere Command's modes: an answer's content is its answer's
+    parts (the calls' parts are not), whatever its calls."""
 
     def __post_init__(self) -> None:
         if self.reasoning is None:
@@ -60,18 +65,22 @@ class OutputSplit:
                 reasoning, answer = self.reasoning.split(text, self.thinking)
                 if reasoning is not None:
                     out["reasoning_content"] = reasoning
-            out["content"] = self.content(answer)
+            out["content"] = self.content(answer, final=True)
             if (reader := self.calls) is not None:
                 reader.read(answer, final=True)
                 if reader.calls:
                     out["tool_calls"] = reader.calls
-                    out["content"] = reader.content
+                    if self.cohere is None:
+                        out["content"] = reader.content
             self.answer = out
         return self.answer
 
-    def content(self, answer: str) -> str:
-        """An answer's (so far) content, trimmed: all of it, or a harmony answer's final
-        messages and preambles."""
+    def content(self, answer: str, final: bool = False) -> str:
+        """An answer's (so far; ``final``: whole) content, trimmed: all of it, a harmony
+        answer's final messages and preambles, or a Command answer's answer parts."""
+        if self.cohere is not None:
+            mode = cohere.begins(self.cohere, self.thinking)
+            return cohere.content(answer, self.cohere, mode, final)
         return harmony.content(answer) if self.harmony else answer.strip()
 
     def delta(self, released: str, new: str, final: str | None) -> dict[str, Any]:
@@ -128,4 +137,5 @@ class OutputSplit:
         if reader.may_complete(new):
             reader.read(answer)
         chunks = [] if self.chunks is None else self.chunks.chunks(answer)  # before ids go
-        return reasoning, reader.content_so_far(answer), reader.unsent(), chunks
+        content = self.content(answer) if self.cohere else reader.content_so_far(answer)
+        return reasoning, content, reader.unsent(), chunks

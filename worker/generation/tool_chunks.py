@@ -5,8 +5,9 @@ A :class:`CallReader` finds a call once its text is complete; :class:`CallChunks
 follows the call being written (the *open* call): where its format has put its name and
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
-``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``, the
-arrays and lists after a marker (``apertus``'s ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
+``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``,
+Cohere Command's, the arrays and lists after a marker (``apertus``'s ``{NAME: {...}}``
+objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``hy_v3``,
 ``solar_open2``, each typed by its schema, and ``mimo``'s strings), or, for ``pythonic``,
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import harmony, python_calls
+from . import cohere, harmony, python_calls
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
@@ -265,6 +266,9 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
     name is written and its arguments begun."""
     if parser == "openai":  # harmony calls, whatever the tool choice
         return _harmony_call(text, start)
+    if parser in cohere.FORMATS:
+        opened = cohere.opening(text, start)
+        return None if opened is None else _Opening(*opened)
     if use.kind == "named":
         assert use.name is not None
         m = re.compile(r"\s*(?=\{)").match(text, start)

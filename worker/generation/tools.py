@@ -81,6 +81,9 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   after the name);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
+- ``cohere_command3``, ``cohere_command4``: Command's ``<|START_ACTION|>`` parts, each a
+  JSON list ``[{"tool_call_id", "tool_name", "parameters"}]`` (:mod:`.cohere`); the
+  call's id is the model's ``tool_call_id``; the content is the answer's parts;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
@@ -106,7 +109,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import harmony, python_calls
+from . import cohere, harmony, python_calls
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types
@@ -117,7 +120,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
-                  "apertus", "dots")  # fmt: skip
+                  "apertus", "dots", "cohere_command3", "cohere_command4")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -182,6 +185,8 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "lfm2": (python_calls.LFM2_START, python_calls.LFM2_END),
     "apertus": _APERTUS,
     "dots": ("<dots_function_call>", "</dots_function_call>"),
+    "cohere_command3": cohere.FORMATS["cohere_command3"].tokens,
+    "cohere_command4": cohere.FORMATS["cohere_command4"].tokens,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -315,6 +320,8 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
     follows (see the module docstring)."""
     if parser == "openai":
         return harmony.call_start
+    if parser in cohere.FORMATS:
+        return _marked(cohere.START_ACTION)
     if use.kind != "auto":  # the text is the calls
         return lambda text: 0
     if parser in _SECTIONS:
@@ -700,6 +707,8 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "olmo3": _python(python_calls.read_lines),
     "lfm2": _lfm2,
     "gigachat3": _gigachat3,
+    "cohere_command3": lambda text, final: [_Found(*c) for c in cohere.calls(text, final)],
+    "cohere_command4": lambda text, final: [_Found(*c) for c in cohere.calls(text, final)],
 }
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)

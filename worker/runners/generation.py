@@ -54,7 +54,7 @@ from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
-from ..generation import harmony, strict_calls, struct_tag
+from ..generation import cohere, harmony, strict_calls, struct_tag
 from ..generation.beam import BeamSearch, Ending
 from ..generation.beam_rounds import BeamRounds
 from ..generation.detok import Decode, TextStream
@@ -342,9 +342,19 @@ class TextGenerationRunner:
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
         )
         """The model writes harmony messages (gpt-oss): an answer's content is theirs."""
-        self._calls_parser = "openai" if self._harmony else self.tool_call_parser
-        """How calls are read: harmony calls for gpt-oss whatever the tool choice (the
-        calls it requires are constrained to them), else the model's parser's."""
+        self._cohere = cohere.FORMATS.get(self.reasoning_parser or "") or cohere.FORMATS.get(
+            self.tool_call_parser or ""
+        )
+        """The model writes Cohere Command's modes (its format): an answer's content is
+        its answer's parts, its calls are its calls' parts."""
+        self._calls_parser = (
+            "openai" if self._harmony
+            else self._cohere.name if self._cohere is not None
+            else self.tool_call_parser
+        )  # fmt: skip
+        """How calls are read: harmony calls for gpt-oss, Command's calls parts for Cohere,
+        whatever the tool choice (the calls it requires are constrained to them), else the
+        model's parser's."""
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -526,19 +536,29 @@ class TextGenerationRunner:
         constraint: Constraint | None = None
         compiling: Future[Constraint] | None = None
         # gpt-oss writes the calls tool_choice asks for as harmony calls, after its
-        # analysis (harmony.calls_grammar): the text is split, constrained from the first
-        harmony_calls = (
-            self._harmony and req.constraint is not None
+        # analysis (harmony.calls_grammar), Cohere Command as its calls part, after its
+        # reasoning (cohere.calls_grammar): the text is split, constrained from the first
+        own_calls = (
+            (self._harmony or self._cohere is not None) and req.constraint is not None
             and req.structured_outputs is None and req.response_format is None
         )  # fmt: skip
-        # gpt-oss under auto with strict functions: its messages held from the first
-        # (harmony.auto_grammar), the text split as ever
-        harmony_strict = (
-            self._harmony and use is not None and use.kind == "auto"
+        # a chat to a reasoning model is split; a constraint then begins after its
+        # reasoning, where </think> is one token (else it holds from the first: no split),
+        # or from the first token where the prompt closed the reasoning; gpt-oss's in its
+        # final message, Cohere's after its answer's marker, or, for calls, from the first
+        # token (the grammar frees the reasoning)
+        thinking = None
+        if self._reasoning is not None and req.messages is not None:
+            end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+            thinking = self._reasoning.opens(end)
+        # gpt-oss (Cohere Command) under auto with strict functions: its messages (modes)
+        # held from the first (harmony.auto_grammar, cohere.auto_grammar), split as ever
+        own_strict = (
+            (self._harmony or self._cohere is not None) and use is not None and use.kind == "auto"
             and req.constraint is None and any(t.function.strict for t in req.tools or ())
         )  # fmt: skip
         try:  # nothing generated (max_new_tokens 0): nothing to constrain
-            constrained = self._constraint(req, harmony_calls) if wanted else None
+            constrained = self._constraint(req, own_calls, thinking) if wanted else None
         except PrepareError as exc:
             return exc
         if constrained is not None:
@@ -549,21 +569,12 @@ class TextGenerationRunner:
                 except GrammarError as exc:
                     return PrepareError(str(exc))
         bias = {int(k): b for k, b in (req.logit_bias or {}).items()}
-        # a chat to a reasoning model is split; a constraint then begins after its
-        # reasoning, where </think> is one token (else it holds from the first: no split),
-        # or from the first token where the prompt closed the reasoning; gpt-oss's in its
-        # final message, or, for calls, from the first token (the grammar frees the
-        # analysis)
-        thinking = None
-        if self._reasoning is not None and req.messages is not None:
-            end = self.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
-            thinking = self._reasoning.opens(end)
-        think_end = None if harmony_calls or harmony_strict else self._think_end
+        think_end = None if own_calls or own_strict else self._think_end
         reasoning = (
             self._reasoning is not None
             and req.messages is not None
             and (constrained is None or thinking is False or think_end is not None
-                 or harmony_calls or harmony_strict)
+                 or own_calls or own_strict)
         )  # fmt: skip
         allowed = tuple(sorted(set(req.allowed_token_ids or ())))
         for name, ids in (("stop_token_ids", req.stop_token_ids or ()), ("logit_bias", bias),
@@ -645,18 +656,26 @@ class TextGenerationRunner:
                     out.append(ids)
         return tuple(out)
 
-    def _constraint(self, req: Request, harmony_calls: bool = False) -> Future[Constraint] | None:
+    def _constraint(
+        self, req: Request, own_calls: bool = False, thinking: bool | None = None
+    ) -> Future[Constraint] | None:
         """The request's ``structured_outputs`` (or ``response_format``, or the calls
-        its ``tool_choice`` asks for; ``harmony_calls``: as gpt-oss writes them; or, for
-        ``auto`` with ``strict`` functions, the calls in the model's format), compiled
-        for this tokenizer or being compiled (:meth:`Grammars.submit`); None: the text is
-        free."""
+        its ``tool_choice`` asks for; ``own_calls``: as gpt-oss or Cohere Command writes
+        them, ``thinking`` telling where Command's text begins; or, for ``auto`` with
+        ``strict`` functions, the calls in the model's format), compiled for this
+        tokenizer or being compiled (:meth:`Grammars.submit`); None: the text is free."""
         spec = req.constraint
         use = req.tool_use
         grammar: str | None = None
-        if harmony_calls:
+        if own_calls:
             assert use is not None and req.tools is not None
-            grammar = harmony.calls_grammar(called(req.tools, use))
+            fns = called(req.tools, use)
+            fmt = self._cohere
+            grammar = (
+                harmony.calls_grammar(fns)
+                if fmt is None
+                else cohere.calls_grammar(fmt, cohere.begins(fmt, thinking), fns, use.parallel)
+            )
         elif spec is not None and spec.structural_tag is not None:
             grammars = self._grammars
             if isinstance(grammars, str):
@@ -671,11 +690,17 @@ class TextGenerationRunner:
             parser = ALIASES.get(self._calls_parser or "", self._calls_parser)
             functions = [(t.function.name, t.function.parameters, bool(t.function.strict))
                          for t in req.tools]  # fmt: skip
-            grammar = (
-                harmony.auto_grammar(functions)
-                if self._harmony
-                else strict_calls.grammar(parser or "", functions, use.parallel, grammars.token)
-            )
+            if self._harmony:
+                grammar = harmony.auto_grammar(functions)
+            elif self._cohere is not None:  # its markers special tokens, else not enforced
+                held = all(grammars.token(m) is not None for m in self._cohere.tokens)
+                grammar = (
+                    cohere.auto_grammar(self._cohere, functions, use.parallel) if held else None
+                )
+            else:
+                grammar = strict_calls.grammar(
+                    parser or "", functions, use.parallel, grammars.token
+                )
             if grammar is None:
                 return None  # a format the grammars do not hold: strict not enforced
         if grammar is not None:
@@ -984,6 +1009,8 @@ class TextGenerationRunner:
             )
             if self._harmony and use is not None:  # harmony calls, whatever the choice
                 markers = harmony.TOKENS
+            if self._cohere is not None and use is not None:  # and Command's
+                markers = self._cohere.tokens
             tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
             decode = self._marked(markers + tags
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
@@ -1015,8 +1042,10 @@ class TextGenerationRunner:
         if not spec.reasoning and use is None:
             return None
         split = OutputSplit(self._reasoning if spec.reasoning else None, spec.thinking,
-                            self._harmony)  # fmt: skip
+                            self._harmony, cohere=self._cohere)  # fmt: skip
         if use is not None:
+            if self._cohere is not None:  # its calls parts, whatever the tool choice
+                use = replace(use, kind="auto", name=None)
             split.calls = CallReader(use, self._calls_parser, spec.tool_types)
             if spec.stream:
                 split.chunks = CallChunks(split.calls, use, self._calls_parser, spec.tool_types)
