@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import python_calls, strict_python
-from .tools import _DS, _KIMI, _SOLAR, _STEP, _V32
+from .tools import _DS, _GEMMA, _KIMI, _SOLAR, _STEP, _V4, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -39,6 +39,7 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
     "gigachat3": ("<|function_call|>", "", "one", "arguments"),  # 3.1's (3.0: _gigachat3)
     "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "array", ""),
+    "granite-20b-fc": ("<function_call>", "", "one", "arguments"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
@@ -89,6 +90,8 @@ class Tagged:
     """What a call writes before ``fn_open`` and after ``fn_close`` (in a section)."""
     json_open: str = ""
     """A parameter's opening tag where its value is JSON, not text ("": ``param_open``)."""
+    sep: str = ""
+    """What may come before a parameter (FunctionGemma's ``,``; "": nothing)."""
 
 
 _QWEN3: Final = Tagged("<tool_call>", "</tool_call>", False, "<function={}>", "</function>",
@@ -116,6 +119,11 @@ TYPED: Final[dict[str, Tagged]] = {
                    "</invoke>", '<parameter name="{}">', "</parameter>"),
     "solar_open2": Tagged(_SOLAR[0], _SOLAR[1], False, "{}\n", "", _SOLAR[2] + "{}" + _SOLAR[3],
                           _SOLAR[4], "[^<\\n]{1,128}"),
+    "deepseek_v4": Tagged(_V4[0], _V4[1], True, _V32[2] + ' name="{}">', _V32[3],
+                          _V32[4] + ' name="{}" string="true">', _V32[5],
+                          json_open=_V32[4] + ' name="{}" string="false">'),
+    "functiongemma": Tagged(_GEMMA[0], _GEMMA[1], False, "call:{}{{", "}", "{}:" + _GEMMA[2],
+                            _GEMMA[2], "[A-Za-z0-9_]{1,128}", sep=","),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -198,6 +206,7 @@ def _typed(
     its text up to the closing tag (only an ``enum`` held), another's JSON its schema
     allows; another function's are any names, their values text."""
     text_value = "/(.|\\n)*" + re.escape(f.param_close).replace("/", "\\/") + "/"
+    sep = f"{json.dumps(f.sep)}?" if f.sep else ""
     rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))),
              f"value[lazy]: {text_value}"]  # fmt: skip
     for k, (name, params, strict) in enumerate(functions):
@@ -210,7 +219,8 @@ def _typed(
             if f.json_open:  # either tag, its value text
                 suffix = f"({suffix} | {json.dumps(f.json_open.split('{}', 1)[1])})"
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
-                      f"param_{k}: {prefix} /{f.key}/ {suffix} value"]  # fmt: skip
+                      f"param_{k}: " + " ".join(p for p in (sep, prefix, f"/{f.key}/", suffix,
+                                                             "value") if p.strip('" '))]  # fmt: skip
             continue
         props = props if isinstance(props, dict) else {}
         names = list(props)
@@ -225,7 +235,7 @@ def _typed(
         for j, key in enumerate(names):
             value, is_json = _value(props[key], f.param_close)
             opened = f.json_open if is_json and f.json_open else f.param_open
-            rules.append(f"param_{k}_{j}: {json.dumps(opened.format(key))} {value}")
+            rules.append(f"param_{k}_{j}: {sep} {json.dumps(opened.format(key))} {value}")
     body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
     return _around(f.opening, f.closing, body, rules, parallel, token)
 
