@@ -1,8 +1,8 @@
 """The tool-call formats read as vLLM's parsers of the same name read them, where they go
 past the table-driven checks of ``test_generation_tools``: ``mimo``'s string values,
 ``hy_v3``'s and ``solar_open2``'s typing by the schema, ``lfm2``'s block and its echo,
-``deepseek_v4``'s section, ``granite-20b-fc``'s JSON and ``functiongemma``'s ``<escape>``
-values; each read whole, and streamed split at every character."""
+``deepseek_v4``'s section, ``granite-20b-fc``'s JSON, ``functiongemma``'s ``<escape>``
+values and ``gemma4``'s own syntax; each read whole, and streamed split at every character."""
 
 from __future__ import annotations
 
@@ -169,6 +169,8 @@ def test_lfm2_reads_the_list_in_its_block_and_leaves_an_echo_out() -> None:
                        '"days": 2}}', '{"unit":"f","days":2}'),
     ("functiongemma", "<start_function_call>call:get_weather{unit:<escape>f<escape>,"
                       "days:<escape>2<escape>}<end_function_call>", '{"unit":"f","days":2}'),
+    ("gemma4", '<|tool_call>call:get_weather{unit:<|"|>f<|"|>,days:2}<tool_call|>',
+     '{"unit":"f","days":2}'),
 ])  # fmt: skip
 def test_a_runner_reads_the_new_formats_calls(parser: str, markup: str, call: str,
                                               tiny_lm: Path) -> None:  # fmt: skip
@@ -295,3 +297,62 @@ def test_functiongemma_reads_escaped_values_as_vllm_does() -> None:
     assert read_calls(AUTO, f"{start}call:ns.f{{}}{end}", "functiongemma") is None
     assert read_calls(AUTO, "call:f{a:<escape>1<escape>}", "functiongemma") is None
     assert CallReader(AUTO, "functiongemma").content_so_far("Sure.<start_func") == "Sure."
+
+
+G4, Q = tools._GEMMA4, tools._GEMMA4[2]
+"""Gemma 4's markers (a call's start and end) and its strings' delimiter."""
+
+
+def test_gemma4_reads_its_own_value_syntax_as_vllm_does() -> None:
+    args = (f"location:{Q}Paris, France{Q},n:42,x:2.5,neg:-3,ok:true,no:false,z:null,w:None,"
+            f"bare: hi there ,e:1e5,big:1.5e999,nested:{{inner:{Q}a}}b{Q},c:[1,{Q}x{Q}]}},"
+            f"arr:[{{k:1}},[2,3],true],{Q}quoted{Q}:1")  # fmt: skip
+    calls_ = f"{G4[0]}call:get_weather{{{args}}}{G4[1]}{G4[0]}call:ns.get-time{{}}{G4[1]}"
+    text = f"Let me check. {calls_}"
+    calls = _streams_as_read("gemma4", text)
+    assert _args(calls) == [("get_weather", {
+        "location": "Paris, France", "n": 42, "x": 2.5, "neg": -3, "ok": True, "no": False,
+        "z": None, "w": None, "bare": "hi there", "e": "1e5", "big": "1.5e999",
+        "nested": {"inner": "a}b", "c": [1, "x"]}, "arr": [{"k": 1}, [2, 3], True],
+        "quoted": 1}), ("ns.get-time", {})]  # fmt: skip
+    reader = CallReader(AUTO, "gemma4")
+    reader.read(text, final=True)
+    assert reader.content == "Let me check."
+    # each pair streams once ended: a string at its closing delimiter, a bare value at the
+    # comma after it, an object or array once closed
+    _, steps = _stream(AUTO, "gemma4", text)
+    partial = "".join(c["function"]["arguments"] for s in steps[: text.index(",n:42") + 1]
+                      for c in s if c.get("index") == 0)  # fmt: skip
+    assert partial == '{"location":"Paris, France"'
+    # vLLM's reading of what the end cut: an unclosed string, object or array read as far as
+    # it goes (a bare value at an object's end left out), in a block whose "}" closes it
+    # a key written twice: its last value, in its first place (vLLM's dict)
+    twice = f"{G4[0]}call:f{{n:1,m:2,n:3}}{G4[1]}"
+    assert read_calls(AUTO, twice, "gemma4")[0]["function"]["arguments"] == '{"n":3,"m":2}'
+    cut = f"{G4[0]}call:f{{s:{Q}ab,c}}{G4[1]}"
+    assert _args(read_calls(AUTO, cut, "gemma4")) == [("f", {"s": "ab,c"})]
+    cut = f"{G4[0]}call:f{{o:{{a:1,b:2}}{G4[1]}"
+    assert _args(read_calls(AUTO, cut, "gemma4")) == [("f", {"o": {"a": 1}})]
+    # a block the end cuts after its "}" is read once the text is whole (as every block
+    # format's here; vLLM's: none), not while it may grow
+    reader = CallReader(AUTO, "gemma4")
+    reader.read(f"{G4[0]}call:f{{a:1}}")
+    assert reader.calls == [] and _args(read_calls(AUTO, f"{G4[0]}call:f{{a:1}}", "gemma4")) == [
+        ("f", {"a": 1})]  # fmt: skip
+    # not calls: no "}" before the end marker, no "call:" right after the start, no block
+    for bad in [f"{G4[0]}call:f{{a:1{G4[1]}", f"{G4[0]} call:f{{}}{G4[1]}", "call:f{a:1}"]:
+        assert read_calls(AUTO, bad, "gemma4") is None, bad
+    assert CallReader(AUTO, "gemma4").content_so_far("Sure.<|tool_") == "Sure."
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_gemma4_strict_calls_follow_the_schema_in_its_syntax(special: bool, tmp_path: Path) -> None:
+    runner, strict = _held(tmp_path, "gemma4", (*G4, Q) if special else ())
+    weather = f"{G4[0]}call:get_weather{{unit:{Q}c{Q},days:3}}{G4[1]}"
+    assert _accepts(runner, strict, "Plain.") and _accepts(runner, strict, f"Sure. {weather} ok")
+    assert _args(read_calls(AUTO, weather, "gemma4")) == [("get_weather", {"unit": "c", "days": 3})]
+    free = f"{G4[0]}call:get_time{{zone:{Q}a, b}}{Q},n:[1,{{x:true}}]}}{G4[1]}"
+    assert _accepts(runner, strict, free)  # not strict: any pairs
+    for bad in (f"unit:{Q}k{Q},days:3", f"unit:{Q}c{Q},days:9", f"days:3,unit:{Q}c{Q}",
+                f"unit:{Q}c{Q}", f"unit:{Q}c{Q},days:{Q}3{Q}", f"unit:{Q}c{Q}days:3"):  # fmt: skip
+        assert not _accepts(runner, strict, f"{G4[0]}call:get_weather{{{bad}}}{G4[1]}"), bad

@@ -378,6 +378,8 @@ FORMATS = {
                        '<function_call> {"name": "b", "arguments": {}}', "Sure."),
     "functiongemma": ("Sure.<start_function_call>call:a{q:<escape>1<escape>}<end_function_call>"
                       "<start_function_call>call:b{}<end_function_call> Done.", "Sure. Done."),
+    "gemma4": ("Sure.<|tool_call>call:a{q:1}<tool_call|><|tool_call>call:b{}<tool_call|>",
+               "Sure."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -746,7 +748,7 @@ def test_parsers_read_only_their_own_format() -> None:
                             "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                             "apertus", "dots", "deepseek_v4", "granite-20b-fc",
-                            "functiongemma"}  # fmt: skip
+                            "functiongemma", "gemma4"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

@@ -15,7 +15,7 @@ that begins with ``{`` or the marker is held to calls, one that begins otherwise
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
 (:mod:`.strict_python`), OLMo 3's (:func:`_olmo3`) and LFM2's (:func:`_lfm2`); GigaChat 3's
-(:func:`_gigachat3`); and xLAM's (:func:`_xlam`): every format.
+(:func:`_gigachat3`); Gemma 4's (:func:`_gemma4`); and xLAM's (:func:`_xlam`): every format.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import python_calls, strict_python
-from .tools import _DS, _GEMMA, _KIMI, _SOLAR, _STEP, _V4, _V32
+from .tools import _DS, _GEMMA, _GEMMA4, _KIMI, _SOLAR, _STEP, _V4, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -158,6 +158,8 @@ def grammar(
         return _olmo3(functions, parallel, token)
     if parser == "lfm2":
         return _lfm2(functions, parallel, token)
+    if parser == "gemma4":
+        return _gemma4(functions, parallel, token)
     if parser == "gigachat3" and token("<|function_call|>") is None:
         return _gigachat3(functions, parallel, token)
     markers = BLOCKS.get(parser)
@@ -305,6 +307,71 @@ def _gigachat3(
         r"WS: /[ \t\r\n]+/",
         *rules,
     ])  # fmt: skip
+
+
+def _gemma4(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str:
+    """Gemma 4's calls, ``call:NAME{KEY:VALUE,...}`` in a block each: a strict function's
+    parameters its properties, in the schema's order, the ``required`` ones always; a
+    string (an enum's strings held) between ``<|"|>`` delimiters, an integer, number,
+    boolean or null ``%json`` (bare, as Gemma writes them), another value (an object, an
+    array) any of Gemma's values, its schema not held; another function's pairs any."""
+    quote = _part("marker", _GEMMA4[2], token)
+    if quote == json.dumps(_GEMMA4[2]):  # text: a string ends where the quote is written
+        ended = re.escape(_GEMMA4[2]).replace("/", "\\/")
+        strings = [f"g4str: {quote} g4text", f"g4text[lazy]: /(.|\\n)*{ended}/"]
+    else:  # a token, which a string's text cannot write
+        strings = [f"g4str: {quote} G4TEXT {quote}", r"G4TEXT: /(.|\n)*/"]
+    rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))), *strings,
+             'g4value: g4str | "{" (g4pair ("," g4pair)*)? "}" | "[" (g4value ("," g4value)*)? "]" | G4BARE',
+             'g4pair: G4KEY ":" g4value', r"G4KEY: /[A-Za-z0-9_]{1,128}/",
+             r"G4BARE: /-?[0-9]{1,32}(\.[0-9]{1,32})?|true|false|null/"]  # fmt: skip
+    for k, (name, params, strict) in enumerate(functions):
+        head = json.dumps(f"call:{name}{{")
+        if not strict:
+            rules.append(f'fn_{k}: {head} (g4pair ("," g4pair)*)? "}}"')
+            continue
+        props = (params or {}).get("properties")
+        props = props if isinstance(props, dict) else {}
+        names = list(props)
+        needed = (params or {}).get("required")
+        needed = set(needed) if isinstance(needed, list) else set()
+        optional = [key not in needed for key in names]
+        m = len(names)
+
+        def ref(rule: str, j: int, optional: list[bool] = optional, m: int = m, k: int = k) -> str:
+            """Rule ``rule`` from parameter ``j`` on (nothing past the last; ``?`` where
+            all of them are optional)."""
+            return "" if j == m else f"{rule}_{k}_{j}" + "?" * all(optional[j:])
+
+        for j, key in enumerate(names):
+            rules.append(f"p_{k}_{j}: {json.dumps(key + ':')} {_gemma4_value(props[key], quote)}")
+            skip = optional[j] and j + 1 < m  # (where it is left out, the next begins)
+            first = [f"p_{k}_{j} {ref('r', j + 1)}"] + [f"s_{k}_{j + 1}"] * skip
+            then = [f'"," p_{k}_{j} {ref("r", j + 1)}'] + [f"r_{k}_{j + 1}"] * skip
+            rules += [f"s_{k}_{j}: {' | '.join(first)}", f"r_{k}_{j}: {' | '.join(then)}"]
+        rules.append(f'fn_{k}: {head} {ref("s", 0)} "}}"')
+    return _around(_GEMMA4[0], _GEMMA4[1], "entry", rules, parallel, token)
+
+
+def _gemma4_value(schema: Any, quote: str) -> str:
+    """A strict Gemma 4 parameter's value, as its ``schema`` allows (see :func:`_gemma4`)."""
+    if not isinstance(schema, dict):
+        return "g4value"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((t for t in kind if t != "null"), None)
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return f"{quote} ({' | '.join(json.dumps(e) for e in enum)}) {quote}"
+    if kind == "string":
+        return "g4str"
+    if kind in ("integer", "number", "boolean", "null"):
+        return f"%json {json.dumps({**schema, 'x-guidance': _WS})}"
+    return "g4value"
 
 
 def _olmo3(

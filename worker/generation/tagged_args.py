@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ...schemas.tools import Tool
+from . import gemma4_args
 from .json_compact import Pairs
 
 Types = dict[str, dict[str, str]]
@@ -265,5 +266,6 @@ TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
     "dots": dots_args,
     "deepseek_v4": deepseek_v32_args, "functiongemma": functiongemma_args,
+    "gemma4": gemma4_args.settled,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

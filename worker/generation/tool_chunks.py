@@ -9,8 +9,8 @@ begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 ``granite-20b-fc``'s, the arrays and lists after a marker (``apertus``'s ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``deepseek_v4``,
-``hy_v3``, ``solar_open2``, each typed by its schema, ``mimo``'s strings and
-``functiongemma``'s ``<escape>`` values), or, for ``pythonic``,
+``hy_v3``, ``solar_open2``, each typed by its schema, ``mimo``'s strings,
+``functiongemma``'s ``<escape>`` values and ``gemma4``'s pairs, each once ended), or, for ``pythonic``,
 ``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
 list or block that holds it closes and is read). Calls written otherwise
@@ -78,6 +78,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "dots": _DOTS_INVOKE,
     "deepseek_v4": _V32_INVOKE,
     "functiongemma": _GEMMA_CALL,
+    "gemma4": re.compile(r"call:([\w\-.]+)\{"),
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(

@@ -80,6 +80,8 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``functiongemma``: ``<start_function_call>call:NAME{KEY:<escape>VALUE<escape>,...}
   <end_function_call>`` (FunctionGemma), each value JSON, else a string; a value not in
   ``<escape>`` is not read (vLLM's);
+- ``gemma4``: ``<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>`` (Gemma 4), each value a
+  ``<|"|>`` string, a nested object or array, or a bare literal (:mod:`.gemma4_args`);
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -113,7 +115,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import harmony, python_calls
+from . import gemma4_args, harmony, python_calls
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types
@@ -125,6 +127,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                   "deepseek_v4", "granite-20b-fc", "functiongemma",
+                  "gemma4",
                   "apertus", "dots")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
@@ -153,6 +156,8 @@ _V4 = ("<\uff5cDSML\uff5ctool_calls>", "</\uff5cDSML\uff5ctool_calls>")
 """DeepSeek-V4's calls' markers (its blocks are DeepSeek-V3.2's)."""
 _GEMMA = ("<start_function_call>", "<end_function_call>", "<escape>")
 """FunctionGemma's markers (a call's start and end; a string value's quote)."""
+_GEMMA4 = ("<|tool_call>", "<tool_call|>", gemma4_args.DELIM)
+"""Gemma 4's markers (a call's start and end; a string value's delimiter)."""
 _GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                       "</arg_value>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
@@ -197,6 +202,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "deepseek_v4": _V4,
     "granite-20b-fc": ("<function_call>",),
     "functiongemma": _GEMMA,
+    "gemma4": _GEMMA4,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -530,6 +536,15 @@ marker's, as the model writes it)."""
 _GEMMA_CALL = re.compile(r"\s*call:(\w+)\{")
 """FunctionGemma's call header: ``call:NAME{`` (vLLM's: a name of word characters)."""
 
+_GEMMA4_CALL = re.compile(r"call:([\w\-.]+)\{(.*)\}\Z", re.DOTALL)
+"""A Gemma 4 call: ``call:NAME{ARGUMENTS}``, the block's whole text (vLLM's)."""
+
+
+def _gemma4_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    m = _GEMMA4_CALL.match(text)
+    return None if m is None else (m.group(1), gemma4_args.read(m.group(2)), None)
+
+
 KNOWN_ONLY: Final = frozenset({"dots"})
 """The parsers for which a call of a function the request does not have is none (vLLM's
 ``dots``)."""
@@ -552,6 +567,7 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "dots": ("<invoke", "</invoke>", _typed_body(_DOTS_INVOKE, "dots")),
     "deepseek_v4": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v4")),
     "functiongemma": (_GEMMA[0], _GEMMA[1], _typed_body(_GEMMA_CALL, "functiongemma")),
+    "gemma4": (_GEMMA4[0], _GEMMA4[1], _gemma4_body),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
