@@ -21,6 +21,7 @@ from batchfleet.worker.generation import tools
 from batchfleet.worker.generation.tools import CallReader, read_calls
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from conftest import TINY_LM_OPTIONS
+from test_generation_reasoning import compiled
 from test_generation_runner import run
 from test_generation_strict_calls import _accepts, _held
 from test_generation_tool_chunks import _replay, _stream
@@ -356,3 +357,13 @@ def test_gemma4_strict_calls_follow_the_schema_in_its_syntax(special: bool, tmp_
     for bad in (f"unit:{Q}k{Q},days:3", f"unit:{Q}c{Q},days:9", f"days:3,unit:{Q}c{Q}",
                 f"unit:{Q}c{Q}", f"unit:{Q}c{Q},days:{Q}3{Q}", f"unit:{Q}c{Q}days:3"):  # fmt: skip
         assert not _accepts(runner, strict, f"{G4[0]}call:get_weather{{{bad}}}{G4[1]}"), bad
+    # optional parameters may each be left out, the commas between those written only
+    opt = {"type": "function", "function": {"name": "opt", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                         "c": {"type": "boolean"}}}}}  # fmt: skip
+    (prep,) = runner.prepare_many([chat("o", tools=[opt])])
+    held = compiled(prep)
+    for args in ("", f"b:{Q}x{Q}", "a:1,c:true", f"a:1,b:{Q}x{Q},c:false", "c:true"):
+        assert _accepts(runner, held, f"{G4[0]}call:opt{{{args}}}{G4[1]}"), args
+    for args in (f"b:{Q}x{Q},a:1", f",b:{Q}x{Q}", "a:1,", "a:1c:true", "a:1,,c:true"):
+        assert not _accepts(runner, held, f"{G4[0]}call:opt{{{args}}}{G4[1]}"), args
