@@ -247,7 +247,7 @@ def test_the_parsers() -> None:
         "granite", "deepseek_v4", "ernie45", "gemma4", "glm47", "holo2", "hunyuan_a13b",
         "hy_v3", "hy_v4", "identity", "kimi_k2", "kimi_k3", "mimo", "minimax_m2",
         "minimax_m2_append_think", "minimax_m3", "nemotron_v3", "olmo3", "poolside_v1",
-        "solar_open2", "step3", "step3p5", "cohere_command3", "cohere_command4",
+        "solar_open2", "step3", "step3p5", "ling3", "cohere_command3", "cohere_command4",
     }  # fmt: skip
 
 

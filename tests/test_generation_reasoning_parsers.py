@@ -1,7 +1,7 @@
 """vLLM's other reasoning parsers, each read as vLLM's code and tests read it: their tags,
 whether a text begins in its reasoning without its opening tag, the tags some wrap the
 answer in (hunyuan_a13b's ``<answer>``, ernie45's ``<response>``), the markers that end
-the reasoning and begin the answer (kimi_k2's tool section), gemma4's ``thought`` label,
+the reasoning and begin the answer (kimi_k2's tool section, ling3's ``<tool_call>``), gemma4's ``thought`` label,
 and the parsers that never split (``identity``, ``minimax_m2_append_think``). Split whole
 and as the text grows (:func:`check_split`), and through the runner's own delta code with
 the tags as special tokens, where a constraint begins after the closing tag."""
@@ -44,6 +44,8 @@ SOLAR_CALL = (
     "<|tool_arg:start|>city<|tool_arg:value|>Seoul<|tool_arg:end|>\n<|tool_call:end|>"
 )
 """Solar-Open2's think markers and a tool call (vLLM's tests')."""
+LING_CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+"""A Ling 3 (GLM-4.7) tool call."""
 
 
 @pytest.mark.parametrize(
@@ -191,6 +193,17 @@ SOLAR_CALL = (
         ("hy_v4", IM, "abc</think>def", "abc", "def"),
         ("hy_v4", IM + "<think>", "cut", "cut", ""),
         ("hy_v4", IM + "<think></think>", "def", None, "def"),
+        # ling3: GLM-4.7's <think>, thinking on unless the prompt closed it; a <tool_call>
+        # written while thinking ends the reasoning and begins the answer (vLLM's stream;
+        # its whole-text read takes a text that never closes its reasoning, or closes it
+        # with nothing after, as all content: here, as streamed, reasoning)
+        ("ling3", "<|role_end|><role>ASSISTANT</role>", "hm</think>\nParis.", "hm", "\nParis."),
+        ("ling3", IM, "<think>hm</think>Paris.", "hm", "Paris."),
+        ("ling3", IM, f"plan{LING_CALL}", "plan", LING_CALL),
+        ("ling3", IM, f"<think>plan\n{LING_CALL}</think>ok", "plan", f"{LING_CALL}</think>ok"),
+        ("ling3", IM, "still thinking", "still thinking", ""),
+        ("ling3", IM, "all thought</think>", "all thought", ""),
+        ("ling3", IM + "<think></think>", f"Paris.{LING_CALL}", None, f"Paris.{LING_CALL}"),
         # gemma4: <|channel> ... <channel|>, its reasoning's "thought" label left out
         ("gemma4", "model\n", "<|channel>thought\nhm<channel|>Paris.", "hm", "Paris."),
         ("gemma4", "model\n", "<|channel>thoughtful<channel|>x", "thoughtful", "x"),
@@ -327,6 +340,19 @@ def test_kimi_k2s_tool_section_ends_its_reasoning_and_its_calls_are_read(tagged:
     ]
     assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]
     assert [c for ch in chunks for c in ch.get("tool_calls", ())] == out["tool_calls"]
+
+
+def test_ling3s_tool_call_ends_its_reasoning_and_is_read(tagged: Path) -> None:
+    # thinking on (the prompt silent), no </think>: the <tool_call> begins the answer,
+    # where ling3's tool parser (GLM-4.7's format) reads it
+    runner = runner_for(tagged, "ling3", tool_call_parser="ling3")
+    call = "get_time<arg_key>zone</arg_key><arg_value>cet</arg_value></tool_call>"
+    chunks, out = generate(runner, "l", ["I will", " call it", "<tool_call>", call], stream=True)
+    assert out["reasoning_content"] == "I will call it" and out["content"] == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
+        ("get_time", '{"zone":"cet"}')
+    ]
+    assert "".join(c["reasoning_content"] for c in chunks) == out["reasoning_content"]
 
 
 def test_kimi_k3s_channels_are_kept_in_the_text_and_split_on(tagged: Path) -> None:

@@ -413,7 +413,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     if parser == "step3":
         body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in items)
         return f'{ST[2]}function{ST[4]}<steptml:invoke name="{name}">{body}</steptml:invoke>{ST[3]}'
-    if parser == "deepseek_v32":  # a number's value JSON, another's text
+    if parser in ("deepseek_v32", "deepseek_v4"):  # a number's value JSON, another's text
         v = tools._V32
         body = "".join(f'{v[4]} name="{k}" string="{str(not x.isdigit()).lower()}">{x}{v[5]}\n'
                        for k, x in items)  # fmt: skip
@@ -428,6 +428,8 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     if parser == "hy_v3":
         body = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in items)
         return f"<tool_call>{name}<tool_sep>{body}</tool_call>"
+    if parser == "functiongemma":  # (a string's value too in <escape>: vLLM reads only those)
+        return f"call:{name}{{" + ",".join(f"{k}:<escape>{v}<escape>" for k, v in items) + "}"
     if parser == "solar_open2":
         s = tools._SOLAR
         return f"{name}\n" + "".join(f"{s[2]}{k}{s[3]}{v}{s[4]}\n" for k, v in items)
@@ -436,7 +438,8 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
 
 
 @pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3",
-                                    "deepseek_v32", "hy_v3", "solar_open2", "dots"])  # fmt: skip
+                                    "deepseek_v32", "hy_v3", "solar_open2", "dots",
+                                    "deepseek_v4", "functiongemma"])  # fmt: skip
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
@@ -446,7 +449,9 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
                         "deepseek_v32": tools._V32[:2],
                         "hy_v3": ("<tool_calls>", "</tool_calls>"),
                         "solar_open2": tools._SOLAR[:2],
-                        "dots": ("<dots_function_call>", "</dots_function_call>")}[parser]  # fmt: skip
+                        "dots": ("<dots_function_call>", "</dots_function_call>"),
+                        "deepseek_v4": tools._V4,
+                        "functiongemma": tools._GEMMA[:2]}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
@@ -484,6 +489,7 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         "deepseek_v32",
         "hy_v3",
         "dots",
+        "deepseek_v4",
     ):  # several calls a block, unless not parallel
         assert _accepts(runner, strict, block(weather, note))
         (prep,) = runner.prepare_many([chat("o", tools=tools_, parallel_tool_calls=False)])

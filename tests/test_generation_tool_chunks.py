@@ -145,7 +145,8 @@ STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen
             "phi4_mini_json", "xlam", "xlam_fenced", "xlam_marked", "xlam_tagged", "llama4_json",
             "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic", "olmo3", "gigachat3",
             "gigachat3_v31", "deepseek_v32", "granite4", "step3p5", "ling3", "poolside_v1",
-            "hy_v3", "solar_open2", "lfm2", "apertus", "dots"}  # fmt: skip
+            "hy_v3", "solar_open2", "lfm2", "apertus", "dots", "deepseek_v4", "granite-20b-fc",
+            "functiongemma", "gemma4"}  # fmt: skip
 """The formats whose calls stream before they are complete (all here)."""
 
 

@@ -1,7 +1,8 @@
 """The tool-call formats read as vLLM's parsers of the same name read them, where they go
 past the table-driven checks of ``test_generation_tools``: ``mimo``'s string values,
-``hy_v3``'s and ``solar_open2``'s typing by the schema, ``lfm2``'s block and its echo;
-each read whole, and streamed split at every character."""
+``hy_v3``'s and ``solar_open2``'s typing by the schema, ``lfm2``'s block and its echo,
+``deepseek_v4``'s section, ``granite-20b-fc``'s JSON, ``functiongemma``'s ``<escape>``
+values and ``gemma4``'s own syntax; each read whole, and streamed split at every character."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from batchfleet.worker.generation import tools
 from batchfleet.worker.generation.tools import CallReader, read_calls
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from conftest import TINY_LM_OPTIONS
+from test_generation_reasoning import compiled
 from test_generation_runner import run
+from test_generation_strict_calls import _accepts, _held
 from test_generation_tool_chunks import _replay, _stream
 from test_generation_tools import _literal, chat
 
 AUTO = ToolUse("auto")
 S = tools._SOLAR
+V32, V4 = tools._V32, tools._V4
 """Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
 
 
@@ -159,6 +163,15 @@ def test_lfm2_reads_the_list_in_its_block_and_leaves_an_echo_out() -> None:
      '{"unit":"f","days":2}'),
     ("lfm2", '<|tool_call_start|>[get_weather(unit="f", days=2)]<|tool_call_end|>',
      '{"unit":"f","days":2}'),
+    ("deepseek_v4", f'{V4[0]}{V32[2]} name="get_weather">{V32[4]} name="unit" string="true">f'
+                    f'{V32[5]}{V32[4]} name="days" string="false">2{V32[5]}{V32[3]}{V4[1]}',
+     '{"unit":"f","days":2}'),
+    ("granite-20b-fc", '<function_call> {"name": "get_weather", "arguments": {"unit": "f", '
+                       '"days": 2}}', '{"unit":"f","days":2}'),
+    ("functiongemma", "<start_function_call>call:get_weather{unit:<escape>f<escape>,"
+                      "days:<escape>2<escape>}<end_function_call>", '{"unit":"f","days":2}'),
+    ("gemma4", '<|tool_call>call:get_weather{unit:<|"|>f<|"|>,days:2}<tool_call|>',
+     '{"unit":"f","days":2}'),
 ])  # fmt: skip
 def test_a_runner_reads_the_new_formats_calls(parser: str, markup: str, call: str,
                                               tiny_lm: Path) -> None:  # fmt: skip
@@ -210,3 +223,147 @@ def test_dots_values_are_typed_and_unknown_functions_left_out_as_vllm_does() -> 
     assert reader.content == "Let me search."
     # a function the request does not have is no call (nor any, without the request's)
     assert read_calls(AUTO, text, "dots") is None
+
+
+def test_deepseek_v4_reads_v32s_blocks_in_its_own_section() -> None:
+    # vLLM's deepseek_v4: V3.2's DSML invokes, in a tool_calls section (V3.2: function_calls)
+    types = {"search": {"q": "string", "n": "integer", "opts": "object"}}
+    params = [("q", "true", "  42 apples"), ("n", "false", "5"), ("opts", "false", '{"a": [1]}'),
+              ("free", "false", "[true]"), ("s", "true", "[true]")]  # fmt: skip
+    body = "".join(f'{V32[4]} name="{k}" string="{t}">{v}{V32[5]}\n' for k, t, v in params)
+    text = (f'Let me search.\n\n{V4[0]}\n{V32[2]} name="search">\n{body}{V32[3]}\n'
+            f'{V32[2]} name="get_time">\n{V32[3]}\n{V4[1]}\nDone.')  # fmt: skip
+    calls = _streams_as_read("deepseek_v4", text, types)
+    assert _args(calls) == [("search", {"q": "  42 apples", "n": 5, "opts": {"a": [1]},
+                                        "free": [True], "s": "[true]"}), ("get_time", {})]  # fmt: skip
+    reader = CallReader(AUTO, "deepseek_v4", types)
+    reader.read(text, final=True)
+    assert reader.content == "Let me search.\n\n\nDone."  # the section's markers: markup
+    assert CallReader(AUTO, "deepseek_v4").content_so_far(f"Sure.{V4[0][:5]}") == "Sure."
+    # held strict as V3.2's, in V4's section
+    assert tools.MARKERS["deepseek_v4"] == V4
+
+
+def test_granite_20b_fc_reads_a_json_call_after_each_marker(tmp_path: Path) -> None:
+    # vLLM's tests: each <function_call> then one JSON object {"name", "arguments"}
+    args = {"string_field": "hello", "int_field": 42, "float_field": 3.14, "bool_field": True,
+            "null_field": None, "array_field": ["a", "b"], "object_field": {"nested": "v"},
+            "quoted": 'He said "hello"', "path": "C:\\Users\\file.txt", "unicode": "🎉"}  # fmt: skip
+    call = json.dumps({"name": "test", "arguments": args}, indent=2)
+    text = f'Let me check.\n<function_call> {call}\n<function_call> {{"name": "refresh", "arguments": {{}}}}'
+
+    calls = _streams_as_read("granite-20b-fc", text)
+    assert _args(calls) == [("test", args), ("refresh", {})]
+    reader = CallReader(AUTO, "granite-20b-fc")
+    reader.read(text, final=True)
+    assert reader.content == "Let me check."
+    for bad in ['<function_call> {"name": "func", "arguments": {',
+                '<function_call> [{"name": "func", "arguments": {}}]',
+                '{"name": "func", "arguments": {}}', '<function_call> {"name": 123}']:  # fmt: skip
+        assert read_calls(AUTO, bad, "granite-20b-fc") is None, bad
+    assert CallReader(AUTO, "granite-20b-fc").content_so_far("Sure.<function_") == "Sure."
+    # strict: a call after the marker follows its function's schema
+    runner, strict = _held(tmp_path, "granite-20b-fc", ())
+    good = '<function_call> {"name": "get_weather", "arguments": {"unit": "c", "days": 3}}'
+    assert _accepts(runner, strict, "Plain.") and _accepts(runner, strict, f"Sure. {good}")
+    assert not _accepts(runner, strict, f"Sure. {good.replace('3}', '9}')}")
+    assert not _accepts(runner, strict, "<function_call> sunny")
+
+
+def test_functiongemma_reads_escaped_values_as_vllm_does() -> None:
+    start, end = "<start_function_call>", "<end_function_call>"
+    text = (f"Let me check the weather for you. {start}call:get_weather{{location:<escape>San "
+            f"Francisco, CA<escape>,count:<escape>42<escape>,enabled:<escape>true<escape>,"
+            f"opts:<escape>{{\"a\": [1]}}<escape>,zip:<escape>007<escape>,note:<escape>a}}"
+            f"<escape>}}{end}{start}call:get_time{{}}{end} Done.")  # fmt: skip
+    calls = _streams_as_read("functiongemma", text)
+    assert _args(calls) == [("get_weather", {"location": "San Francisco, CA", "count": 42,
+                                             "enabled": True, "opts": {"a": [1]}, "zip": "007",
+                                             "note": "a}"}), ("get_time", {})]  # fmt: skip
+    reader = CallReader(AUTO, "functiongemma")
+    reader.read(text, final=True)
+    assert reader.content == "Let me check the weather for you.  Done."
+    # vLLM's streaming test: parameters with no commas between them
+    bare = f"{start}call:get_weather{{city:<escape>NYC<escape>unit:<escape>celsius<escape>}}{end}"
+    assert _args(_streams_as_read("functiongemma", bare)) == [
+        ("get_weather", {"city": "NYC", "unit": "celsius"})]  # fmt: skip
+    # a value not in <escape> is not read (vLLM's); a block cut by the end is read once the
+    # text is whole; a name not of word characters is no call
+    milk = f"{start}call:add_item{{name:<escape>milk<escape>,quantity:2}}{end}"
+    assert _args(read_calls(AUTO, milk, "functiongemma")) == [("add_item", {"name": "milk"})]
+    cut = f"{start}call:f{{a:<escape>1<escape>"
+    reader = CallReader(AUTO, "functiongemma")
+    reader.read(cut)
+    assert reader.calls == [] and _args(read_calls(AUTO, cut, "functiongemma")) == [("f", {"a": 1})]
+    assert read_calls(AUTO, f"{start}call:ns.f{{}}{end}", "functiongemma") is None
+    assert read_calls(AUTO, "call:f{a:<escape>1<escape>}", "functiongemma") is None
+    assert CallReader(AUTO, "functiongemma").content_so_far("Sure.<start_func") == "Sure."
+
+
+G4, Q = tools._GEMMA4, tools._GEMMA4[2]
+"""Gemma 4's markers (a call's start and end) and its strings' delimiter."""
+
+
+def test_gemma4_reads_its_own_value_syntax_as_vllm_does() -> None:
+    args = (f"location:{Q}Paris, France{Q},n:42,x:2.5,neg:-3,ok:true,no:false,z:null,w:None,"
+            f"bare: hi there ,e:1e5,big:1.5e999,nested:{{inner:{Q}a}}b{Q},c:[1,{Q}x{Q}]}},"
+            f"arr:[{{k:1}},[2,3],true],{Q}quoted{Q}:1")  # fmt: skip
+    calls_ = f"{G4[0]}call:get_weather{{{args}}}{G4[1]}{G4[0]}call:ns.get-time{{}}{G4[1]}"
+    text = f"Let me check. {calls_}"
+    calls = _streams_as_read("gemma4", text)
+    assert _args(calls) == [("get_weather", {
+        "location": "Paris, France", "n": 42, "x": 2.5, "neg": -3, "ok": True, "no": False,
+        "z": None, "w": None, "bare": "hi there", "e": "1e5", "big": "1.5e999",
+        "nested": {"inner": "a}b", "c": [1, "x"]}, "arr": [{"k": 1}, [2, 3], True],
+        "quoted": 1}), ("ns.get-time", {})]  # fmt: skip
+    reader = CallReader(AUTO, "gemma4")
+    reader.read(text, final=True)
+    assert reader.content == "Let me check."
+    # each pair streams once ended: a string at its closing delimiter, a bare value at the
+    # comma after it, an object or array once closed
+    _, steps = _stream(AUTO, "gemma4", text)
+    partial = "".join(c["function"]["arguments"] for s in steps[: text.index(",n:42") + 1]
+                      for c in s if c.get("index") == 0)  # fmt: skip
+    assert partial == '{"location":"Paris, France"'
+    # vLLM's reading of what the end cut: an unclosed string, object or array read as far as
+    # it goes (a bare value at an object's end left out), in a block whose "}" closes it
+    # a key written twice: its last value, in its first place (vLLM's dict)
+    twice = f"{G4[0]}call:f{{n:1,m:2,n:3}}{G4[1]}"
+    assert read_calls(AUTO, twice, "gemma4")[0]["function"]["arguments"] == '{"n":3,"m":2}'
+    cut = f"{G4[0]}call:f{{s:{Q}ab,c}}{G4[1]}"
+    assert _args(read_calls(AUTO, cut, "gemma4")) == [("f", {"s": "ab,c"})]
+    cut = f"{G4[0]}call:f{{o:{{a:1,b:2}}{G4[1]}"
+    assert _args(read_calls(AUTO, cut, "gemma4")) == [("f", {"o": {"a": 1}})]
+    # a block the end cuts after its "}" is read once the text is whole (as every block
+    # format's here; vLLM's: none), not while it may grow
+    reader = CallReader(AUTO, "gemma4")
+    reader.read(f"{G4[0]}call:f{{a:1}}")
+    assert reader.calls == [] and _args(read_calls(AUTO, f"{G4[0]}call:f{{a:1}}", "gemma4")) == [
+        ("f", {"a": 1})]  # fmt: skip
+    # not calls: no "}" before the end marker, no "call:" right after the start, no block
+    for bad in [f"{G4[0]}call:f{{a:1{G4[1]}", f"{G4[0]} call:f{{}}{G4[1]}", "call:f{a:1}"]:
+        assert read_calls(AUTO, bad, "gemma4") is None, bad
+    assert CallReader(AUTO, "gemma4").content_so_far("Sure.<|tool_") == "Sure."
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_gemma4_strict_calls_follow_the_schema_in_its_syntax(special: bool, tmp_path: Path) -> None:
+    runner, strict = _held(tmp_path, "gemma4", (*G4, Q) if special else ())
+    weather = f"{G4[0]}call:get_weather{{unit:{Q}c{Q},days:3}}{G4[1]}"
+    assert _accepts(runner, strict, "Plain.") and _accepts(runner, strict, f"Sure. {weather} ok")
+    assert _args(read_calls(AUTO, weather, "gemma4")) == [("get_weather", {"unit": "c", "days": 3})]
+    free = f"{G4[0]}call:get_time{{zone:{Q}a, b}}{Q},n:[1,{{x:true}}]}}{G4[1]}"
+    assert _accepts(runner, strict, free)  # not strict: any pairs
+    for bad in (f"unit:{Q}k{Q},days:3", f"unit:{Q}c{Q},days:9", f"days:3,unit:{Q}c{Q}",
+                f"unit:{Q}c{Q}", f"unit:{Q}c{Q},days:{Q}3{Q}", f"unit:{Q}c{Q}days:3"):  # fmt: skip
+        assert not _accepts(runner, strict, f"{G4[0]}call:get_weather{{{bad}}}{G4[1]}"), bad
+    # optional parameters may each be left out, the commas between those written only
+    opt = {"type": "function", "function": {"name": "opt", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                         "c": {"type": "boolean"}}}}}  # fmt: skip
+    (prep,) = runner.prepare_many([chat("o", tools=[opt])])
+    held = compiled(prep)
+    for args in ("", f"b:{Q}x{Q}", "a:1,c:true", f"a:1,b:{Q}x{Q},c:false", "c:true"):
+        assert _accepts(runner, held, f"{G4[0]}call:opt{{{args}}}{G4[1]}"), args
+    for args in (f"b:{Q}x{Q},a:1", f",b:{Q}x{Q}", "a:1,", "a:1c:true", "a:1,,c:true"):
+        assert not _accepts(runner, held, f"{G4[0]}call:opt{{{args}}}{G4[1]}"), args

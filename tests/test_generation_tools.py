@@ -278,6 +278,8 @@ ST = tools._STEP
 """Step-3's markers (the same order)."""
 V32 = tools._V32
 """DeepSeek-V3.2's DSML markers (calls begin and end, invoke's and parameter's start and end)."""
+V4 = tools._V4
+"""DeepSeek-V4's calls' markers (its blocks are V3.2's)."""
 FORMATS = {
     "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
                '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Let me look."),
@@ -369,6 +371,15 @@ FORMATS = {
              "</invoke>\n<invoke name=b>\n</invoke>\n</dots_function_call>", "Sure."),
     "apertus": ('Sure. <|tools_prefix|>[{"a": {"q": 1}}, {"b": {}}]<|tools_suffix|> Done.',
                 "Sure.  Done."),
+    "deepseek_v4": (f'Sure.\n\n{V4[0]}\n{V32[2]} name="a">\n{V32[4]} name="q" string="false">1'
+                    f'{V32[5]}\n{V32[3]}\n{V32[2]} name="b">\n{V32[3]}\n{V4[1]} Done.',
+                    "Sure.\n\n Done."),
+    "granite-20b-fc": ('Sure. <function_call> {"name": "a", "arguments": {"q": 1}}\n'
+                       '<function_call> {"name": "b", "arguments": {}}', "Sure."),
+    "functiongemma": ("Sure.<start_function_call>call:a{q:<escape>1<escape>}<end_function_call>"
+                      "<start_function_call>call:b{}<end_function_call> Done.", "Sure. Done."),
+    "gemma4": ("Sure.<|tool_call>call:a{q:1}<tool_call|><|tool_call>call:b{}<tool_call|>",
+               "Sure."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -736,7 +747,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "llama4_json", "llama4_pythonic", "ernie45", "olmo3", "gigachat3",
                             "qwen3_xml", "deepseek_v32", "granite4", "step3p5", "ling3",
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
-                            "apertus", "dots", "cohere_command3",
+                            "apertus", "dots", "deepseek_v4", "granite-20b-fc",
+                            "functiongemma", "gemma4", "cohere_command3",
                             "cohere_command4"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'

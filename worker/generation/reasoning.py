@@ -4,7 +4,8 @@ parsers, chosen by the model's ``reasoning_parser`` option).
 Each parser names the tags around the reasoning (:data:`TAGS`): ``<think>`` and
 ``</think>`` for most (``deepseek_r1``, ``qwen3``, ``glm45``, ``glm47``, ``deepseek_v3``,
 ``deepseek_v4``, ``ernie45``, ``holo2``, ``hunyuan_a13b``, ``hy_v3``, ``kimi_k2``,
-``mimo``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``poolside_v1``, ``step3p5``; and
+``mimo``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``poolside_v1``, ``step3p5``,
+``ling3``; and
 ``hy_v4``, whose tags end in the suffix its checkpoint's vocabulary tells, e.g.
 ``<think:6124c78e>``, :data:`SUFFIXES`), ``</think>`` alone for ``step3`` and
 ``<|think:end|>`` alone for ``solar_open2`` (no opening tag: one they write is reasoning
@@ -18,8 +19,8 @@ for ``mistral`` (Magistral),
 :data:`LABELS`), and the plain-text ``Here is my thought process:`` and ``Here is my
 response:`` for ``granite`` (Granite 3.2 with ``thinking`` on; ``Here's`` for ``Here is``
 too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``kimi_k2``'s tool
-section, ``deepseek_v4``'s DSML tool calls and ``solar_open2``'s ``<|tool_call:start|>``
-end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
+section, ``deepseek_v4``'s DSML tool calls, ``solar_open2``'s ``<|tool_call:start|>`` and
+``ling3``'s ``<tool_call>`` (GLM-4.7's calls) end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
 answer in ``<answer>`` … ``</answer>``, ``ernie45`` in ``<response>`` … ``</response>``,
 ``kimi_k3`` in its response channel (or they write it bare): the content is what they
 wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
@@ -36,8 +37,8 @@ MiniMax-M2, GLM-4.7, MiniMax-M3 with ``thinking_mode`` enabled, Solar-Open2 at a
 higher effort) begins it; one that closes it (Qwen3 with ``enable_thinking`` false,
 GLM-4.5 with thinking off, DeepSeek-V3.1 by default, Solar-Open2 at a low effort) does
 not. Otherwise ``deepseek_r1``, ``ernie45``, ``glm47``, ``holo2``, ``hy_v4``, ``kimi_k2``,
-``kimi_k3``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``solar_open2``, ``step3`` and
-``step3p5`` take the text to begin in its reasoning, as vLLM's
+``kimi_k3``, ``ling3``, ``minimax_m2``, ``nemotron_v3``, ``olmo3``, ``solar_open2``,
+``step3`` and ``step3p5`` take the text to begin in its reasoning, as vLLM's
 do (their models' prompts open it, or the models may leave the opening tag out; a leading
 one is left out), and the other parsers only where it begins with the opening tag; else
 it is all answer.
@@ -92,6 +93,7 @@ TAGS: Final[dict[str, tuple[str, str]]] = {
     "solar_open2": ("", "<|think:end|>"),
     "step3": ("", "</think>"),
     "step3p5": ("<think>", "</think>"),
+    "ling3": ("<think>", "</think>"),
 }
 """Each parser's opening and closing tags (``""``: it has no opening tag)."""
 SPELLINGS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
@@ -102,6 +104,7 @@ ENDS: Final[dict[str, tuple[str, ...]]] = {
     "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"),
     "deepseek_v4": ("<\uff5cDSML\uff5ctool_calls>",),
     "solar_open2": ("<|tool_call:start|>",),
+    "ling3": ("<tool_call>",),
 }
 """Markers that end a parser's reasoning as its closing tag does, but begin its answer
 (its tool calls' section, so they are read)."""
@@ -124,7 +127,8 @@ REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss", *cohere.FORMATS)
 """The values of a model's ``reasoning_parser`` option."""
 _BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "hy_v4", "kimi_k2",
                             "kimi_k3", "minimax_m2", "nemotron_v3", "olmo3", "solar_open2",
-                            "step3", "step3p5"})  # fmt: skip
+                            "step3", "step3p5",
+                            "ling3"})  # fmt: skip
 """The parsers whose texts begin in their reasoning unless the prompt closed it."""
 SUFFIXES: Final[dict[str, re.Pattern[str]]] = {
     "hy_v4": re.compile(r"<(?:think|tool_calls|tool_call|arg_key|arg_value)(:[^\s>]+)?>"),

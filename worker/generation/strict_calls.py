@@ -15,7 +15,7 @@ that begins with ``{`` or the marker is held to calls, one that begins otherwise
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
 (:mod:`.strict_python`), OLMo 3's (:func:`_olmo3`) and LFM2's (:func:`_lfm2`); GigaChat 3's
-(:func:`_gigachat3`); and xLAM's (:func:`_xlam`): every format.
+(:func:`_gigachat3`); Gemma 4's (:func:`_gemma4`); and xLAM's (:func:`_xlam`): every format.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import python_calls, strict_python
-from .tools import _DS, _KIMI, _SOLAR, _STEP, _V32
+from .tools import _DS, _GEMMA, _GEMMA4, _KIMI, _SOLAR, _STEP, _V4, _V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -39,6 +39,7 @@ BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "phi4_mini_json": ("functools[", "]", "items", "arguments"),
     "gigachat3": ("<|function_call|>", "", "one", "arguments"),  # 3.1's (3.0: _gigachat3)
     "apertus": ("<|tools_prefix|>", "<|tools_suffix|>", "array", ""),
+    "granite-20b-fc": ("<function_call>", "", "one", "arguments"),
 }
 """The parsers whose calls a grammar can hold: their opening and closing markers (""
 none), what a block holds: ``one`` call, an ``array`` of calls, ``several`` calls one
@@ -89,6 +90,8 @@ class Tagged:
     """What a call writes before ``fn_open`` and after ``fn_close`` (in a section)."""
     json_open: str = ""
     """A parameter's opening tag where its value is JSON, not text ("": ``param_open``)."""
+    sep: str = ""
+    """What may come before a parameter (FunctionGemma's ``,``; "": nothing)."""
 
 
 _QWEN3: Final = Tagged("<tool_call>", "</tool_call>", False, "<function={}>", "</function>",
@@ -116,6 +119,11 @@ TYPED: Final[dict[str, Tagged]] = {
                    "</invoke>", '<parameter name="{}">', "</parameter>"),
     "solar_open2": Tagged(_SOLAR[0], _SOLAR[1], False, "{}\n", "", _SOLAR[2] + "{}" + _SOLAR[3],
                           _SOLAR[4], "[^<\\n]{1,128}"),
+    "deepseek_v4": Tagged(_V4[0], _V4[1], True, _V32[2] + ' name="{}">', _V32[3],
+                          _V32[4] + ' name="{}" string="true">', _V32[5],
+                          json_open=_V32[4] + ' name="{}" string="false">'),
+    "functiongemma": Tagged(_GEMMA[0], _GEMMA[1], False, "call:{}{{", "}", "{}:" + _GEMMA[2],
+                            _GEMMA[2], "[A-Za-z0-9_]{1,128}", sep=","),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""
@@ -150,6 +158,8 @@ def grammar(
         return _olmo3(functions, parallel, token)
     if parser == "lfm2":
         return _lfm2(functions, parallel, token)
+    if parser == "gemma4":
+        return _gemma4(functions, parallel, token)
     if parser == "gigachat3" and token("<|function_call|>") is None:
         return _gigachat3(functions, parallel, token)
     markers = BLOCKS.get(parser)
@@ -198,6 +208,7 @@ def _typed(
     its text up to the closing tag (only an ``enum`` held), another's JSON its schema
     allows; another function's are any names, their values text."""
     text_value = "/(.|\\n)*" + re.escape(f.param_close).replace("/", "\\/") + "/"
+    sep = f"{json.dumps(f.sep)}?" if f.sep else ""
     rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))),
              f"value[lazy]: {text_value}"]  # fmt: skip
     for k, (name, params, strict) in enumerate(functions):
@@ -210,7 +221,8 @@ def _typed(
             if f.json_open:  # either tag, its value text
                 suffix = f"({suffix} | {json.dumps(f.json_open.split('{}', 1)[1])})"
             rules += [f"fn_{k}: {head} WS? (param_{k} WS?)* {tail}",
-                      f"param_{k}: {prefix} /{f.key}/ {suffix} value"]  # fmt: skip
+                      f"param_{k}: " + " ".join(p for p in (sep, prefix, f"/{f.key}/", suffix,
+                                                             "value") if p.strip('" '))]  # fmt: skip
             continue
         props = props if isinstance(props, dict) else {}
         names = list(props)
@@ -225,7 +237,7 @@ def _typed(
         for j, key in enumerate(names):
             value, is_json = _value(props[key], f.param_close)
             opened = f.json_open if is_json and f.json_open else f.param_open
-            rules.append(f"param_{k}_{j}: {json.dumps(opened.format(key))} {value}")
+            rules.append(f"param_{k}_{j}: {sep} {json.dumps(opened.format(key))} {value}")
     body = "WS? entry (WS? entry)* WS?" if f.several and parallel else "WS? entry WS?"
     return _around(f.opening, f.closing, body, rules, parallel, token)
 
@@ -295,6 +307,71 @@ def _gigachat3(
         r"WS: /[ \t\r\n]+/",
         *rules,
     ])  # fmt: skip
+
+
+def _gemma4(
+    functions: Sequence[tuple[str, dict[str, Any] | None, bool]],
+    parallel: bool,
+    token: Callable[[str], str | None],
+) -> str:
+    """Gemma 4's calls, ``call:NAME{KEY:VALUE,...}`` in a block each: a strict function's
+    parameters its properties, in the schema's order, the ``required`` ones always; a
+    string (an enum's strings held) between ``<|"|>`` delimiters, an integer, number,
+    boolean or null ``%json`` (bare, as Gemma writes them), another value (an object, an
+    array) any of Gemma's values, its schema not held; another function's pairs any."""
+    quote = _part("marker", _GEMMA4[2], token)
+    if quote == json.dumps(_GEMMA4[2]):  # text: a string ends where the quote is written
+        ended = re.escape(_GEMMA4[2]).replace("/", "\\/")
+        strings = [f"g4str: {quote} g4text", f"g4text[lazy]: /(.|\\n)*{ended}/"]
+    else:  # a token, which a string's text cannot write
+        strings = [f"g4str: {quote} G4TEXT {quote}", r"G4TEXT: /(.|\n)*/"]
+    rules = ["entry: " + " | ".join(f"fn_{k}" for k in range(len(functions))), *strings,
+             'g4value: g4str | "{" (g4pair ("," g4pair)*)? "}" | "[" (g4value ("," g4value)*)? "]" | G4BARE',
+             'g4pair: G4KEY ":" g4value', r"G4KEY: /[A-Za-z0-9_]{1,128}/",
+             r"G4BARE: /-?[0-9]{1,32}(\.[0-9]{1,32})?|true|false|null/"]  # fmt: skip
+    for k, (name, params, strict) in enumerate(functions):
+        head = json.dumps(f"call:{name}{{")
+        if not strict:
+            rules.append(f'fn_{k}: {head} (g4pair ("," g4pair)*)? "}}"')
+            continue
+        props = (params or {}).get("properties")
+        props = props if isinstance(props, dict) else {}
+        names = list(props)
+        needed = (params or {}).get("required")
+        needed = set(needed) if isinstance(needed, list) else set()
+        optional = [key not in needed for key in names]
+        m = len(names)
+
+        def ref(rule: str, j: int, optional: list[bool] = optional, m: int = m, k: int = k) -> str:
+            """Rule ``rule`` from parameter ``j`` on (nothing past the last; ``?`` where
+            all of them are optional)."""
+            return "" if j == m else f"{rule}_{k}_{j}" + "?" * all(optional[j:])
+
+        for j, key in enumerate(names):
+            rules.append(f"p_{k}_{j}: {json.dumps(key + ':')} {_gemma4_value(props[key], quote)}")
+            skip = optional[j] and j + 1 < m  # (where it is left out, the next begins)
+            first = [f"p_{k}_{j} {ref('r', j + 1)}"] + [f"s_{k}_{j + 1}"] * skip
+            then = [f'"," p_{k}_{j} {ref("r", j + 1)}'] + [f"r_{k}_{j + 1}"] * skip
+            rules += [f"s_{k}_{j}: {' | '.join(first)}", f"r_{k}_{j}: {' | '.join(then)}"]
+        rules.append(f'fn_{k}: {head} {ref("s", 0)} "}}"')
+    return _around(_GEMMA4[0], _GEMMA4[1], "entry", rules, parallel, token)
+
+
+def _gemma4_value(schema: Any, quote: str) -> str:
+    """A strict Gemma 4 parameter's value, as its ``schema`` allows (see :func:`_gemma4`)."""
+    if not isinstance(schema, dict):
+        return "g4value"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((t for t in kind if t != "null"), None)
+    enum = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return f"{quote} ({' | '.join(json.dumps(e) for e in enum)}) {quote}"
+    if kind == "string":
+        return "g4str"
+    if kind in ("integer", "number", "boolean", "null"):
+        return f"%json {json.dumps({**schema, 'x-guidance': _WS})}"
+    return "g4value"
 
 
 def _olmo3(

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ...schemas.tools import Tool
+from . import gemma4_args
 from .json_compact import Pairs
 
 Types = dict[str, dict[str, str]]
@@ -245,10 +246,26 @@ def dots_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     )
 
 
+_GEMMA_ARG = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)
+
+
+def functiongemma_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The arguments written whole in ``text`` from ``at`` (``KEY:<escape>VALUE<escape>``),
+    each JSON, else a string, whatever the schema (vLLM's ``functiongemma``; a key written
+    twice: its last value, in its first place)."""
+    seen: dict[str, Any] = {}
+    for k, v in _GEMMA_ARG.findall(text, at):
+        ok, got = _json_value(v)
+        seen[k] = got if ok else v
+    return Pairs(list(seen.items()))
+
+
 TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "qwen3_coder": qwen3_coder_args, "seed_oss": qwen3_coder_args, "glm45": glm45_args,
     "minimax_m2": minimax_m2_args, "step3": step3_args, "deepseek_v32": deepseek_v32_args,
     "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
     "dots": dots_args,
+    "deepseek_v4": deepseek_v32_args, "functiongemma": functiongemma_args,
+    "gemma4": gemma4_args.settled,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

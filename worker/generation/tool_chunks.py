@@ -6,11 +6,12 @@ follows the call being written (the *open* call): where its format has put its n
 begun its arguments (:func:`_opening`), its arguments so far, as compact JSON
 (:mod:`.json_compact`): a JSON object's settled text (``hermes``, ``llama3_json``,
 ``mistral``, ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``internlm``, ``longcat``,
-Cohere Command's, the arrays and lists after a marker (``apertus``'s ``{NAME: {...}}``
-objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
+Cohere Command's, ``granite-20b-fc``'s, the arrays and lists after a marker (``apertus``'s
+``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
-``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``hy_v3``,
-``solar_open2``, each typed by its schema, and ``mimo``'s strings), or, for ``pythonic``,
+``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``deepseek_v4``,
+``hy_v3``, ``solar_open2``, each typed by its schema, ``mimo``'s strings,
+``functiongemma``'s ``<escape>`` values and ``gemma4``'s pairs, each once ended), or, for ``pythonic``,
 ``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
 list or block that holds it closes and is read). Calls written otherwise
@@ -40,6 +41,7 @@ from .tools import (
     _BLOCKS,
     _DOTS_INVOKE,
     _DS,
+    _GEMMA_CALL,
     _GIGACHAT,
     _HY_NAME,
     _KIMI,
@@ -75,6 +77,9 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "hy_v3": _HY_NAME,
     "solar_open2": _SOLAR_NAME,
     "dots": _DOTS_INVOKE,
+    "deepseek_v4": _V32_INVOKE,
+    "functiongemma": _GEMMA_CALL,
+    "gemma4": re.compile(r"call:([\w\-.]+)\{"),
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
@@ -98,6 +103,11 @@ _LISTED: Final[dict[str, tuple[str, re.Pattern[str], re.Pattern[str]]]] = {
         "<|tools_prefix|>",
         re.compile(r"<\|tools_prefix\|>\s*\[\s*" + _KEYED),
         re.compile(r"\s*,\s*" + _KEYED),
+    ),
+    "granite-20b-fc": (
+        "<function_call>",
+        re.compile(r"<function_call>\s*" + _CALL),
+        re.compile(r"\s*<function_call>\s*" + _CALL),
     ),
 }
 """The parsers whose calls follow a marker, one after another: the marker, how the

@@ -73,6 +73,15 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`` (dots.llm), each value
   trimmed, typed by its schema as vLLM's ``dots`` does; a call of a function the request
   does not have is none;
+- ``deepseek_v4``: ``deepseek_v32``'s blocks in ``<|DSML|tool_calls>`` ...
+  ``</|DSML|tool_calls>`` (DeepSeek-V4; its bars are U+FF5C);
+- ``granite-20b-fc``: a JSON call ``{"name", "arguments"}`` after each
+  ``<function_call>`` (IBM granite-20b-functioncalling);
+- ``functiongemma``: ``<start_function_call>call:NAME{KEY:<escape>VALUE<escape>,...}
+  <end_function_call>`` (FunctionGemma), each value JSON, else a string; a value not in
+  ``<escape>`` is not read (vLLM's);
+- ``gemma4``: ``<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>`` (Gemma 4), each value a
+  ``<|"|>`` string, a nested object or array, or a bare literal (:mod:`.gemma4_args`);
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -109,7 +118,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, harmony, python_calls
+from . import cohere, gemma4_args, harmony, python_calls
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types
@@ -120,6 +129,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "longcat", "step3", "jamba", "llama4_json", "llama4_pythonic", "ernie45",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
+                  "deepseek_v4", "granite-20b-fc", "functiongemma", "gemma4",
                   "apertus", "dots", "cohere_command3", "cohere_command4")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
@@ -144,6 +154,12 @@ _SOLAR = ("<|tool_call:start|>", "<|tool_call:end|>", "<|tool_arg:start|>", "<|t
           "<|tool_arg:end|>")  # fmt: skip
 """Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
 _APERTUS = ("<|tools_prefix|>", "<|tools_suffix|>")
+_V4 = ("<\uff5cDSML\uff5ctool_calls>", "</\uff5cDSML\uff5ctool_calls>")
+"""DeepSeek-V4's calls' markers (its blocks are DeepSeek-V3.2's)."""
+_GEMMA = ("<start_function_call>", "<end_function_call>", "<escape>")
+"""FunctionGemma's markers (a call's start and end; a string value's quote)."""
+_GEMMA4 = ("<|tool_call>", "<tool_call|>", gemma4_args.DELIM)
+"""Gemma 4's markers (a call's start and end; a string value's delimiter)."""
 _GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                       "</arg_value>")  # fmt: skip
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
@@ -187,6 +203,10 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "dots": ("<dots_function_call>", "</dots_function_call>"),
     "cohere_command3": cohere.FORMATS["cohere_command3"].tokens,
     "cohere_command4": cohere.FORMATS["cohere_command4"].tokens,
+    "deepseek_v4": _V4,
+    "granite-20b-fc": ("<function_call>",),
+    "functiongemma": _GEMMA,
+    "gemma4": _GEMMA4,
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -328,7 +348,7 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return _marked(_SECTIONS[parser][0])
     if parser in _BLOCKS:
         return _marked(_BLOCKS[parser][0])
-    if parser in ("mistral", "granite", "olmo3", "lfm2"):
+    if parser in ("mistral", "granite", "olmo3", "lfm2", "granite-20b-fc"):
         return _marked(MARKERS[parser][0])
     if parser == "gigachat3":  # (vLLM's content: the text before <|message_sep|> or the call)
         return _marked("<|message_sep|>", "function call<|role_sep|>", "<|function_call|>")
@@ -519,6 +539,18 @@ _SOLAR_NAME = re.compile(r"\s*([^\s<][^<\n]{0,63}?)[^\S\n]*\n")
 """Solar Open 2's call header: the name, a line of its own (the rest of the start
 marker's, as the model writes it)."""
 
+_GEMMA_CALL = re.compile(r"\s*call:(\w+)\{")
+"""FunctionGemma's call header: ``call:NAME{`` (vLLM's: a name of word characters)."""
+
+_GEMMA4_CALL = re.compile(r"call:([\w\-.]+)\{(.*)\}\Z", re.DOTALL)
+"""A Gemma 4 call: ``call:NAME{ARGUMENTS}``, the block's whole text (vLLM's)."""
+
+
+def _gemma4_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    m = _GEMMA4_CALL.match(text)
+    return None if m is None else (m.group(1), gemma4_args.read(m.group(2)), None)
+
+
 KNOWN_ONLY: Final = frozenset({"dots"})
 """The parsers for which a call of a function the request does not have is none (vLLM's
 ``dots``)."""
@@ -539,6 +571,9 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hy_v3": ("<tool_call>", "</tool_call>", _typed_body(_HY_NAME, "hy_v3")),
     "solar_open2": (_SOLAR[0], _SOLAR[1], _typed_body(_SOLAR_NAME, "solar_open2")),
     "dots": ("<invoke", "</invoke>", _typed_body(_DOTS_INVOKE, "dots")),
+    "deepseek_v4": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v4")),
+    "functiongemma": (_GEMMA[0], _GEMMA[1], _typed_body(_GEMMA_CALL, "functiongemma")),
+    "gemma4": (_GEMMA4[0], _GEMMA4[1], _gemma4_body),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -553,6 +588,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "hy_v3": ("<tool_calls>", "</tool_calls>"),
     "apertus": _APERTUS,
     "dots": ("<dots_function_call>", "</dots_function_call>"),
+    "deepseek_v4": _V4,
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
@@ -595,6 +631,13 @@ def _keyed_array(text: str, i: int) -> list[_Found]:
     if not text.startswith("[", i):
         return []
     return _closed(text, _entries(text, i + 1, ",", "]", _keyed))
+
+
+def _one(text: str, i: int) -> list[_Found]:
+    """The call that is the JSON object at ``i``, if complete and a call."""
+    got = _decode(text, i)
+    found = None if got is None else _entry(got[0], i, got[1])
+    return [] if found is None else [found]
 
 
 def _mistral_calls(text: str, i: int) -> list[_Found]:
@@ -709,6 +752,7 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "gigachat3": _gigachat3,
     "cohere_command3": lambda text, final: [_Found(*c) for c in cohere.calls(text, final)],
     "cohere_command4": lambda text, final: [_Found(*c) for c in cohere.calls(text, final)],
+    "granite-20b-fc": _after("<function_call>", _one),
 }
 """The parsers that read the whole text each time."""
 assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
