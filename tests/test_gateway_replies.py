@@ -235,3 +235,22 @@ def test_a_silent_stream_ends_with_a_timeout(redis_url: str) -> None:
             await replies.close()
 
     asyncio.run(go())
+
+
+def test_a_reconnection_sweeps_every_waiter_at_once(redis_url: str, r: redis.Redis) -> None:
+    """A result stored while the subscription was away (its message lost) answers its
+    waiter once the subscription is back, not a ``sweep_s`` later."""
+
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p, sweep_s=600.0)
+            job = AsyncJob("away", "m", producer=p)
+            waiting = asyncio.ensure_future(replies.wait(job, 20))
+            while "away" not in replies.waiting:  # its stored result read once: none
+                await asyncio.sleep(0.01)
+            r.set(job.result_key, encode_result(result("away")))  # never published
+            r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            assert (await waiting).id == "away"
+            await replies.close()
+
+    asyncio.run(go())

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 SWEEP_S = 2.0
 RECONNECT_S = 0.5
+MIN_SWEEP_S = 0.1
+"""Sweeps are this far apart at least (a ``sweep_s`` of 0: every waiter, each time)."""
 DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -123,7 +125,7 @@ class Replies:
         """Subscribed now (``/health`` says so)."""
         self.subscribed = asyncio.Event()
         """Set once first subscribed."""
-        self.resweep = False
+        self.resweep = asyncio.Event()
         """Sweep every waiter now (the subscription came back)."""
         self._task: asyncio.Task[None] | None = None
 
@@ -258,12 +260,26 @@ class Replies:
         logger.warning("reply channel %s: reconnected; streams read their token streams",
                        self.producer.reply_channel)  # fmt: skip
         self._resync()
-        self.resweep = True
+        self.resweep.set()
+
+    async def _sweeping(self) -> None:
+        """Sweep every ``sweep_s``, and every waiter at once after a reconnection."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.resweep.wait(), max(self.sweep_s, MIN_SWEEP_S))
+            everyone = self.resweep.is_set()
+            self.resweep.clear()
+            try:
+                await self._sweep(0.0 if everyone else self.sweep_s)
+            except Exception as exc:  # Redis away (the subscription tells), a refusal (ACL)
+                logger.warning("reply channel %s: sweep failed: %s",
+                               self.producer.reply_channel, exc)  # fmt: skip
 
     async def _run(self) -> None:
         channel = self.producer.reply_channel
         while True:
             pubsub = self.producer.client.pubsub(ignore_subscribe_messages=True)
+            sweeper: asyncio.Task[None] | None = None
             try:
                 await pubsub.subscribe(channel)
                 assert pubsub.connection is not None
@@ -272,16 +288,13 @@ class Replies:
                 self.subscribed.set()
                 self._resync()
                 await self._sweep(0.0)
-                swept = time.monotonic()
-                while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                sweeper = asyncio.ensure_future(self._sweeping())
+                while True:  # blocking reads: no timer a message (the sweeps have their task)
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if msg is not None and msg.get("type") == "message":
                         message = decode_message(msg["data"])
                         if message is not None:
                             self._deliver(message)
-                    if self.resweep or time.monotonic() - swept >= self.sweep_s:
-                        await self._sweep(0.0 if self.resweep else self.sweep_s)
-                        self.resweep, swept = False, time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a refusal (ACL) as much as a lost connection
@@ -289,6 +302,8 @@ class Replies:
                 logger.log(level, "reply channel %s: %s; subscribing again", channel, exc)
                 await asyncio.sleep(RECONNECT_S)
             finally:
+                if sweeper is not None:
+                    sweeper.cancel()
                 self.live = False
                 with contextlib.suppress(*DOWN):
                     await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
