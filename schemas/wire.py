@@ -25,7 +25,10 @@ class _Answer(_Wire):
     @classmethod
     def _ignore_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, dict) and cls._from_wire(info):
-            return {k: v for k, v in data.items() if k in cls.model_fields}
+            fields = cls.__pydantic_fields__  # not model_fields: a property, slower per call
+            if data.keys() <= fields.keys():
+                return data  # the usual: nothing to drop (a delta per streamed token)
+            return {k: v for k, v in data.items() if k in fields}
         return data
 
     @staticmethod

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 from batchfleet.producer.aio import AsyncJob, AsyncProducer
-from batchfleet.producer.gateway.replies import Replies
+from batchfleet.producer.gateway.replies import Replies, Resync, _Stream
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.codec import delta_fields, encode_delta, encode_result, end_fields
 from batchfleet.schemas.errors import ResultTimeout
@@ -173,6 +173,84 @@ def test_a_stream_already_answered_is_read_from_its_token_stream(
             with replies.stream("m", "done"):
                 await follow(replies, job, events, 3)
             assert summary(events) == ["R", "x", "=x"]
+            await replies.close()
+
+    asyncio.run(go())
+
+
+def test_a_streams_wait_times_out_once_that_wait_lasted_the_timeout() -> None:
+    """One timer a stream, not one a delta: when it fires early (set during an earlier
+    wait), it checks again when the wait under way would time out (a virtual clock; the
+    timer's check called as the loop would)."""
+
+    async def go() -> None:
+        now = [0.0]
+        stream = _Stream("k", clock=lambda: now[0])
+        first, second = delta("k", 1, "a"), delta("k", 2, "b")
+        # Given an event there already: it is taken with no wait and no timer
+        stream.put(first)
+        assert await stream.get(5) is first and stream.timer is None
+        # When the reader waits from 0 and the event comes at 3
+        reading = asyncio.ensure_future(stream.get(5))
+        await asyncio.sleep(0)
+        assert stream.timer is not None
+        now[0] = 3.0
+        stream.put(second)
+        assert await reading is second
+        # Then a wait from 4 does not time out at 8 (9 - 4 < 5, though 8 - 0 > 5) ...
+        now[0] = 4.0
+        reading = asyncio.ensure_future(stream.get(5))
+        await asyncio.sleep(0)
+        now[0] = 8.0
+        stream._check(5)
+        await asyncio.sleep(0)
+        assert not reading.done() and stream.timer is not None
+        # ... but once it has lasted 5
+        now[0] = 9.0
+        stream._check(5)
+        with pytest.raises(asyncio.TimeoutError):
+            await reading
+        # and with no timeout, no timer: events are read as they come
+        stream.close()
+        stream.timer = None
+        reading = asyncio.ensure_future(stream.get(None))
+        await asyncio.sleep(0)
+        assert stream.timer is None
+        stream.put(Resync())
+        assert isinstance(await reading, Resync)
+        assert len(stream.pending) == 0
+
+    asyncio.run(go())
+
+
+def test_a_silent_stream_ends_with_a_timeout(redis_url: str) -> None:
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p)
+            job = AsyncJob("quiet", "m", producer=p, streaming=True)
+            with replies.stream("m", "quiet"), pytest.raises(ResultTimeout, match="quiet"):
+                async for _ in replies.events(job, 0.05):
+                    pass
+            assert replies.streams == {}
+            await replies.close()
+
+    asyncio.run(go())
+
+
+def test_a_reconnection_sweeps_every_waiter_at_once(redis_url: str, r: redis.Redis) -> None:
+    """A result stored while the subscription was away (its message lost) answers its
+    waiter once the subscription is back, not a ``sweep_s`` later."""
+
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            replies = await live(p, sweep_s=600.0)
+            job = AsyncJob("away", "m", producer=p)
+            waiting = asyncio.ensure_future(replies.wait(job, 20))
+            while "away" not in replies.waiting:  # its stored result read once: none
+                await asyncio.sleep(0.01)
+            r.set(job.result_key, encode_result(result("away")))  # never published
+            r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            assert (await waiting).id == "away"
             await replies.close()
 
     asyncio.run(go())

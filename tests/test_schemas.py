@@ -361,5 +361,12 @@ def test_a_delta_message_is_its_model_dump_and_decodes_back(
     assert decode_delta(body) == delta
     fields = delta_fields(delta)
     assert (b"logprobs" in fields) == (logprobs is not None)
+    # a later worker's fields, top-level and nested, are ignored
+    later = body | {"later": 1}
+    if logprobs is not None:
+        later["logprobs"] = [t | {"later": 2} for t in body["logprobs"]]
+    decoded, known = decode_delta(later), decode_delta(body)
+    assert decoded == delta and known is not None
+    assert decoded is not None and decoded.model_fields_set == known.model_fields_set
     if logprobs is not None:
         assert json.loads(fields[b"logprobs"]) == logprobs

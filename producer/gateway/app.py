@@ -233,8 +233,12 @@ class Gateway:
             logger.warning("could not cancel %s after its client left: %s", job.id, exc)
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""Made once: ``json.dumps`` with options makes one a call (one a streamed event)."""
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(obj)
 
 
 class Handler(tornado.web.RequestHandler):
@@ -609,8 +613,10 @@ class Generate(Handler):
     def _write(self, chunks: list[dict[str, Any]]) -> None:
         if self.gone:
             raise tornado.iostream.StreamClosedError()
-        named = "event: {type}\n" if self.named else ""
-        self.write("".join(f"{named.format_map(e)}data: {dumps(e)}\n\n" for e in chunks))
+        if self.named:
+            self.write("".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in chunks))
+        else:
+            self.write("".join(f"data: {dumps(e)}\n\n" for e in chunks))
 
     async def _flush(self) -> None:
         """Send what was written (once the stream's delivered events are all written)."""

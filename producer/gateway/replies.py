@@ -26,7 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 SWEEP_S = 2.0
 RECONNECT_S = 0.5
+MIN_SWEEP_S = 0.1
+"""Sweeps are this far apart at least (a ``sweep_s`` of 0: every waiter, each time)."""
 DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -60,16 +63,58 @@ Event = Delta | Result | Resync
 
 @dataclass
 class _Stream:
+    """One stream's events not read yet, and its reader's wait for the next (a future,
+    set as one comes; a timer checks it, once per ``timeout``, not once per event)."""
+
     key: str
     """Its result key."""
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    clock: Callable[[], float] = time.monotonic
+    pending: deque[Event] = field(default_factory=deque)
     heard: float = field(default_factory=time.monotonic)
     """When its last message came (or it began)."""
+    waiter: asyncio.Future[None] | None = None
+    since: float = 0.0
+    """When the reader began waiting (for ``waiter``)."""
+    timer: asyncio.TimerHandle | None = None
+
+    def put(self, event: Event) -> None:
+        self.pending.append(event)
+        self.heard = self.clock()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self, timeout: float | None) -> Event:
+        """The next event; :class:`asyncio.TimeoutError` after ``timeout`` seconds of
+        waiting for it."""
+        while not self.pending:
+            loop = asyncio.get_running_loop()
+            self.waiter, self.since = loop.create_future(), self.clock()
+            if timeout is not None and self.timer is None:
+                self.timer = loop.call_later(timeout, self._check, timeout)
+            await self.waiter
+        return self.pending.popleft()
+
+    def _check(self, timeout: float) -> None:
+        """The timer: fail the wait that has lasted ``timeout``, else check again when
+        the one under way would have."""
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait sets the timer again
+        left = self.since + timeout - self.clock()
+        if left > 0:
+            self.timer = asyncio.get_running_loop().call_later(left, self._check, timeout)
+        else:
+            waiter.set_exception(asyncio.TimeoutError())
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class Replies:
-    """Owns the waiters (request id → result key, future, since), the streams' queues
-    (request id → queue) and the subscription."""
+    """Owns the waiters (request id → result key, future, since), the streams (request
+    id → its events) and the subscription."""
 
     def __init__(self, producer: AsyncProducer, sweep_s: float = SWEEP_S) -> None:
         self.producer = producer
@@ -80,7 +125,7 @@ class Replies:
         """Subscribed now (``/health`` says so)."""
         self.subscribed = asyncio.Event()
         """Set once first subscribed."""
-        self.resweep = False
+        self.resweep = asyncio.Event()
         """Sweep every waiter now (the subscription came back)."""
         self._task: asyncio.Task[None] | None = None
 
@@ -116,10 +161,11 @@ class Replies:
     @contextlib.contextmanager
     def stream(self, model: str, request_id: str) -> Any:
         """Take the deltas and result of ``request_id`` (enter before submitting it)."""
-        self.streams[request_id] = _Stream(ModelKeys(model).result(request_id))
+        stream = self.streams[request_id] = _Stream(ModelKeys(model).result(request_id))
         try:
             yield
         finally:
+            stream.close()
             self.streams.pop(request_id, None)
 
     async def events(
@@ -128,19 +174,16 @@ class Replies:
         """``job``'s deltas (a :class:`Restarted` where another worker began it again),
         then its result; inside :meth:`stream`. :class:`ResultTimeout` after ``timeout``
         seconds without one."""
-        queue = self.streams[job.id].queue
+        stream = self.streams[job.id]
         last = 0
         texts: dict[int, list[str]] = {}
         if await self.producer.client.exists(job.result_key):
-            queue.put_nowait(Resync())  # answered already (its id sent before): replay
+            stream.put(Resync())  # answered already (its id sent before): replay
         while True:
-            if not queue.empty():
-                event = queue.get_nowait()  # no timer to set when it is there already
-            else:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    raise ResultTimeout(f"nothing from {job.id} within {timeout}s") from None
+            try:
+                event = await stream.get(timeout)
+            except asyncio.TimeoutError:
+                raise ResultTimeout(f"nothing from {job.id} within {timeout}s") from None
             whole = isinstance(event, Result) and (not event.ok or _texts(event) == {
                 i: "".join(pieces) for i, pieces in texts.items() if any(pieces)})  # fmt: skip
             if whole:
@@ -170,15 +213,14 @@ class Replies:
     def backlog(self, request_id: str) -> int:
         """Events of this stream delivered and not read yet (more to send before a flush)."""
         stream = self.streams.get(request_id)
-        return 0 if stream is None else stream.queue.qsize()
+        return 0 if stream is None else len(stream.pending)
 
     # --- the subscription ----------------------------------------------------------------
 
     def _deliver(self, message: Result | Delta) -> None:
         stream = self.streams.get(message.id)
         if stream is not None:
-            stream.queue.put_nowait(message)
-            stream.heard = time.monotonic()
+            stream.put(message)
             return
         entry = self.waiting.get(message.id)
         if isinstance(message, Result) and entry is not None and not entry[1].done():
@@ -211,20 +253,33 @@ class Replies:
         for rid in list(self.streams) if request_ids is None else request_ids:
             stream = self.streams.get(rid)
             if stream is not None:
-                stream.queue.put_nowait(Resync())
-                stream.heard = time.monotonic()
+                stream.put(Resync())
 
     def _reconnected(self, connection: Any) -> None:
         """redis-py's pub/sub connection came back (and subscribes again by itself)."""
         logger.warning("reply channel %s: reconnected; streams read their token streams",
                        self.producer.reply_channel)  # fmt: skip
         self._resync()
-        self.resweep = True
+        self.resweep.set()
+
+    async def _sweeping(self) -> None:
+        """Sweep every ``sweep_s``, and every waiter at once after a reconnection."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.resweep.wait(), max(self.sweep_s, MIN_SWEEP_S))
+            everyone = self.resweep.is_set()
+            self.resweep.clear()
+            try:
+                await self._sweep(0.0 if everyone else self.sweep_s)
+            except Exception as exc:  # Redis away (the subscription tells), a refusal (ACL)
+                logger.warning("reply channel %s: sweep failed: %s",
+                               self.producer.reply_channel, exc)  # fmt: skip
 
     async def _run(self) -> None:
         channel = self.producer.reply_channel
         while True:
             pubsub = self.producer.client.pubsub(ignore_subscribe_messages=True)
+            sweeper: asyncio.Task[None] | None = None
             try:
                 await pubsub.subscribe(channel)
                 assert pubsub.connection is not None
@@ -233,16 +288,13 @@ class Replies:
                 self.subscribed.set()
                 self._resync()
                 await self._sweep(0.0)
-                swept = time.monotonic()
-                while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                sweeper = asyncio.ensure_future(self._sweeping())
+                while True:  # blocking reads: no timer a message (the sweeps have their task)
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if msg is not None and msg.get("type") == "message":
                         message = decode_message(msg["data"])
                         if message is not None:
                             self._deliver(message)
-                    if self.resweep or time.monotonic() - swept >= self.sweep_s:
-                        await self._sweep(0.0 if self.resweep else self.sweep_s)
-                        self.resweep, swept = False, time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a refusal (ACL) as much as a lost connection
@@ -250,6 +302,8 @@ class Replies:
                 logger.log(level, "reply channel %s: %s; subscribing again", channel, exc)
                 await asyncio.sleep(RECONNECT_S)
             finally:
+                if sweeper is not None:
+                    sweeper.cancel()
                 self.live = False
                 with contextlib.suppress(*DOWN):
                     await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
