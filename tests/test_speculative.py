@@ -338,6 +338,13 @@ def _answers(runner: Any, requests: list[Any]) -> tuple[dict[str, Any], list[Any
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 6}},
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}  # fmt: skip
 
 
 def test_the_runner_s_answers_are_those_without_speculation(lm_dir: Any) -> None:
@@ -363,15 +370,18 @@ def test_the_runner_s_answers_are_those_without_speculation(lm_dir: Any) -> None
                     stream=True, return_token_ids=True),
             Request(id="ids", model="lm", inputs=[text], max_new_tokens=40,
                     stop_token_ids=[stop_id], return_token_ids=True),
+            Request(id="json", model="lm", inputs=[text], max_new_tokens=60,
+                    structured_outputs={"json": PERSON}, return_token_ids=True),
             Request(id="n", model="lm", inputs=[text], max_new_tokens=25, n=2,
                     temperature=0.5, seed=4, min_new_tokens=5, logprobs=1),
         ]  # fmt: skip
 
     plain, _, plain_streamed = _answers(plain_runner, requests())
     got, reports, streamed = _answers(spec_runner, requests())
-    for key in ("len", "stop", "ids"):
+    for key in ("len", "stop", "ids", "json"):
         for a, b in zip(got[key], plain[key], strict=True):
             lps_a, lps_b = a.pop("logprobs", []), b.pop("logprobs", [])
+            del a["cached_tokens"], b["cached_tokens"]  # (only the plain runner ran "f")
             assert a == b, key
             assert [x["token"] for x in lps_a] == [x["token"] for x in lps_b]
             for x, y in zip(lps_a, lps_b, strict=True):  # the verify forward's rounding
@@ -400,3 +410,51 @@ def test_the_runner_checks_the_option(lm_dir: Any) -> None:
     with pytest.raises(ValueError, match="padded engine"):
         _runner(lm_dir, speculative=SPEC, engine="paged")
     assert _runner(lm_dir).speculative is None
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_lora_rows_speculate_under_their_own_adapter(
+    lean: bool, lm_dir: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytest.importorskip("peft")
+    from test_generation_lora import sql_and_chat
+
+    from batchfleet.schemas.messages import Request
+
+    adapters = {k: str(v) for k, v in sql_and_chat(lm_dir, tmp_path_factory.mktemp("a")).items()}
+    runs = []
+    for spec in (None, SPEC):
+        runner = _runner(lm_dir, lora_adapters=adapters, lean_decode=lean, speculative=spec)
+        reqs = [Request(id=f"r{i}", model="lm", inputs=[p], max_new_tokens=30, lora=lora,
+                        ignore_eos=True, return_token_ids=True)
+                for i, (lora, p) in enumerate([(None, "a b c a b c a b"), ("sql", "a b c a b c"),
+                                               ("chat", "it was the time of the year"),
+                                               ("sql", "we can do all that we can do")])]  # fmt: skip
+        finals, reports, _ = _answers(runner, reqs)
+        runs.append(({k: v[0]["token_ids"] for k, v in finals.items()},
+                     sum(sum(r.accepted) for r in reports)))  # fmt: skip
+    (plain, _), (got, accepted) = runs
+    assert got == plain and accepted > 0
+
+
+def test_the_spec_decode_counters_add_up_the_steps() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from batchfleet.worker.metrics import Metrics, PrometheusObserver
+    from batchfleet.worker.observers import Generated
+
+    registry = CollectorRegistry()
+    obs = PrometheusObserver(Metrics(registry))
+    obs.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=9, drafted=(3, 10), accepted=(3, 2, 1)))
+    obs.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=3))  # no speculation: no change
+    obs.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=4, drafted=(1, 4), accepted=(1, 0, 0, 0)))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name + "_total", {"model": "m", **labels})
+
+    assert value("batchfleet_spec_decode_num_drafts") == 4
+    assert value("batchfleet_spec_decode_num_draft_tokens") == 14
+    assert value("batchfleet_spec_decode_num_accepted_tokens") == 7
+    per_pos = [value("batchfleet_spec_decode_num_accepted_tokens_per_pos", position=str(p))
+               for p in range(4)]  # fmt: skip
+    assert per_pos == [4, 2, 1, 0]
