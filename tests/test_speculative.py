@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the llama and gpt2 fixtures are imported from test_padded_engine)
 """N-gram speculative decoding in the padded engine: the proposer's matches; greedy
 tokens exactly those of the engine without speculation and of one-at-a-time ``generate``
 (prompts that repeat themselves, so drafts are proposed and both accepted and rejected),
@@ -23,30 +24,8 @@ from batchfleet.worker.generation.sampling import (  # noqa: E402
     judge,
 )
 from batchfleet.worker.generation.speculative import NgramConfig, ngram_drafts  # noqa: E402
+from test_padded_engine import EOS, _until_done, generate, gpt2, llama, run  # noqa: E402, F401  (fixtures)
 from tiny_models import make_causal_lm  # noqa: E402
-
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = make_causal_lm(tmp_path_factory.mktemp("llama"))
-    return AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=300, n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=EOS, eos_token_id=EOS)  # fmt: skip
-    path = tmp_path_factory.mktemp("gpt2")
-    GPT2LMHeadModel(config).save_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path).eval()
-
 
 # --- the proposer -------------------------------------------------------------------------
 
@@ -120,30 +99,9 @@ def _repetitive(model: Any, count: int, seed: int) -> list[tuple[str, list[int],
     return out
 
 
-def _run(engine: PaddedEngine, seqs: list[tuple[str, list[int], int]],
-         sampling: Sampling | None = None, stagger: bool = True) -> dict[str, list[int]]:  # fmt: skip
-    """Step until all finished; sequences arrive a few steps apart (``stagger``)."""
-    done: dict[str, list[int]] = {}
-    pending = list(seqs)
-    step = 0
-    while len(done) < len(seqs):
-        while pending and (not stagger or step % 3 == 0 or step > 40):
-            name, prompt, n = pending.pop(0)
-            engine.add(name, prompt, n, sampling or Sampling())
-            if stagger:
-                break
-        for o in engine.step():
-            if o.finished:
-                done[o.sequence] = o.tokens
-        step += 1
-        assert step < 3000
-    return done
-
-
-def generate(model: Any, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=EOS)  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
+def _run(engine: PaddedEngine, seqs: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+    """Step until all finished, the sequences arriving three steps apart."""
+    return run(engine, {3 * i: [s] for i, s in enumerate(seqs)})
 
 
 @pytest.mark.parametrize(
@@ -253,17 +211,6 @@ def _sampled(model: Any, spec: NgramConfig | None, seed: int, **kw: Any) -> dict
     for name, prompt, n in seqs:
         engine.add(name, prompt, n, Sampling(temperature=0.3, seed=seed + int(name[1:]), **kw))
     return _until_done(engine)
-
-
-def _until_done(engine: PaddedEngine) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    for _ in range(2000):
-        for o in engine.step():
-            if o.finished:
-                done[o.sequence] = o.tokens
-        if not engine.running and not engine._waiting:
-            return done
-    raise AssertionError("did not finish")
 
 
 def test_seeded_sampling_with_speculation_repeats(llama: Any) -> None:
@@ -417,9 +364,8 @@ def test_lora_rows_speculate_under_their_own_adapter(
     lean: bool, lm_dir: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     pytest.importorskip("peft")
-    from test_generation_lora import sql_and_chat
-
     from batchfleet.schemas.messages import Request
+    from test_generation_lora import sql_and_chat
 
     adapters = {k: str(v) for k, v in sql_and_chat(lm_dir, tmp_path_factory.mktemp("a")).items()}
     runs = []
@@ -438,10 +384,9 @@ def test_lora_rows_speculate_under_their_own_adapter(
 
 
 def test_the_spec_decode_counters_add_up_the_steps() -> None:
-    from prometheus_client import CollectorRegistry
-
     from batchfleet.worker.metrics import Metrics, PrometheusObserver
     from batchfleet.worker.observers import Generated
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     obs = PrometheusObserver(Metrics(registry))
