@@ -304,15 +304,18 @@ def test_the_runner_s_answers_are_those_without_speculation(lm_dir: Any) -> None
         [Request(id="f", model="lm", inputs=[text], max_new_tokens=40, return_token_ids=True)],
     )[0]["f"]
     ids, out = full[0]["token_ids"], full[0]["text"]
-    # a stop string and a stop token where a run ends: drafts run past them
+    # a stop string and a stop token where a run ends (where a draft is rejected)
     at = next(i for i in range(10, len(out)) if out[i] != out[i - 1])
     stop = out[at - 1 : at + 1]
+    inner = out[1:5]  # "b b ": inside the first run, where a step's drafts go past it
     stop_id = next(t for j, t in enumerate(ids) if j > 5 and t != ids[j - 1])
 
     def requests() -> list[Request]:
         return [
             Request(id="len", model="lm", inputs=[text, "what is this"], max_new_tokens=30,
                     logprobs=2, stream=True, return_token_ids=True),
+            Request(id="inner", model="lm", inputs=[text], max_new_tokens=40, stop=[inner],
+                    stream=True, return_token_ids=True),
             Request(id="stop", model="lm", inputs=[text], max_new_tokens=40, stop=[stop],
                     stream=True, return_token_ids=True),
             Request(id="ids", model="lm", inputs=[text], max_new_tokens=40,
@@ -325,7 +328,7 @@ def test_the_runner_s_answers_are_those_without_speculation(lm_dir: Any) -> None
 
     plain, _, plain_streamed = _answers(plain_runner, requests())
     got, reports, streamed = _answers(spec_runner, requests())
-    for key in ("len", "stop", "ids", "json"):
+    for key in ("len", "inner", "stop", "ids", "json"):
         for a, b in zip(got[key], plain[key], strict=True):
             lps_a, lps_b = a.pop("logprobs", []), b.pop("logprobs", [])
             del a["cached_tokens"], b["cached_tokens"]  # (only the plain runner ran "f")
@@ -336,6 +339,7 @@ def test_the_runner_s_answers_are_those_without_speculation(lm_dir: Any) -> None
     assert got["stop"][0]["finish_reason"] == "stop" and got["stop"][0]["stop_reason"] == stop
     assert streamed == plain_streamed
     assert streamed["stop/0"] == got["stop"][0]["text"] and got["stop"][0]["text"]
+    assert got["inner"][0]["stop_reason"] == inner and got["inner"][0]["completion_tokens"] == 3
     assert got["ids"][0]["token_ids"][-1] == stop_id and got["ids"][0]["finish_reason"] == "stop"
     for out in got["n"]:  # one log-probability per token
         assert len(out["logprobs"]) == out["completion_tokens"]
