@@ -407,3 +407,27 @@ def test_the_spec_decode_counters_add_up_the_steps() -> None:
     per_pos = [value("batchfleet_spec_decode_num_accepted_tokens_per_pos", position=str(p))
                for p in range(4)]  # fmt: skip
     assert per_pos == [4, 2, 1, 0]
+
+
+def test_the_worker_s_stats_and_batchfleet_status_show_the_acceptance() -> None:
+    from batchfleet.worker.observers import Generated
+    from batchfleet.worker.stats import LoopStats
+    from rich.console import Console
+
+    from batchfleet.status import FleetStatus, ModelStatus, render
+
+    stats = LoopStats("m", 3)
+    stats.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=3))
+    assert "spec_acceptance" not in stats.snapshot()["generation"]  # nothing proposed
+    stats.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=9, drafted=(3, 10), accepted=(3, 2, 1)))
+    stats.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=2, drafted=(1, 2), accepted=(0, 0)))
+    gen = stats.snapshot()["generation"]
+    assert (gen["spec_draft_tokens"], gen["spec_accepted_tokens"], gen["spec_acceptance"]) == (
+        12, 6, 0.5)  # fmt: skip
+    status = FleetStatus([ModelStatus("m", [], {"c1": 1.0}, 0)],
+                         {"w1": {"m": {"consumer": "c1", "generation": gen}}})  # fmt: skip
+    assert status.worker_rows()[0]["spec_acceptance"] == 0.5
+    console = Console(width=200, record=True)
+    console.print(render(status))
+    text = console.export_text()
+    assert "spec accept" in text and "50%" in text
