@@ -85,6 +85,7 @@ class FleetStatus:
                         "running": gen.get("running_sequences"),
                         "tokens_per_s": info.get("tokens_per_s"),
                         "kv_cache_usage": gen.get("kv_cache_usage"),
+                        "spec_acceptance": gen.get("spec_acceptance"),
                         "heartbeat_age_s": round(age, 3),
                     }
                 )
@@ -174,7 +175,7 @@ def render(status: FleetStatus) -> Group:
             )
     workers = Table(title="workers", title_justify="left")
     for col in ("worker", "model", "state", "req/s (1m)", "ok", "errors", "expired", "batches",
-                "mean rows", "running", "tok/s (1m)", "kv cache", "heartbeat"):  # fmt: skip
+                "mean rows", "running", "tok/s (1m)", "kv cache", "spec accept", "heartbeat"):  # fmt: skip
         workers.add_column(col, justify="left" if col in ("worker", "model", "state") else "right")
     for w in status.worker_rows():
         rate = w["requests_per_s"]
@@ -188,6 +189,7 @@ def render(status: FleetStatus) -> Group:
             "-" if w["running"] is None else str(w["running"]),
             "-" if w["tokens_per_s"] is None else f"{w['tokens_per_s']:.1f}",
             "-" if w["kv_cache_usage"] is None else f"{w['kv_cache_usage']:.0%}",
+            "-" if w["spec_acceptance"] is None else f"{w['spec_acceptance']:.0%}",
             _age(w["heartbeat_age_s"]) + " ago",
         )
     if not status.models:

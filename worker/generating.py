@@ -133,6 +133,8 @@ class Generating:
             gaps=gaps,
             compiling=done.report.compiling,
             compiled_s=done.report.compiled_s,
+            drafted=done.report.drafted,
+            accepted=done.report.accepted,
         )
 
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:

@@ -163,6 +163,26 @@ class Metrics:
             "Generation: prompt tokens of answered requests not prefilled (prefix cache hits).",
             ["model"],
         )
+        self.spec_drafts = counter(
+            "batchfleet_spec_decode_num_drafts",
+            "Speculative decoding: decode rows that proposed drafts (vLLM's num_drafts).",
+            ["model"],
+        )
+        self.spec_draft_tokens = counter(
+            "batchfleet_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens proposed.", ["model"],
+        )  # fmt: skip
+        self.spec_accepted = counter(
+            "batchfleet_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (accepted / draft tokens: the "
+            "acceptance rate; 1 + accepted / drafts: the mean tokens a row emits a step).",
+            ["model"],
+        )
+        self.spec_accepted_per_pos = counter(
+            "batchfleet_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position (0: the first).",
+            ["model", "position"],
+        )
         self.preemptions = counter(
             "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
             ["model"],
@@ -278,11 +298,20 @@ class PrometheusObserver:
                 self.m.step_tokens.labels(event.model).inc(event.tokens)
             if event.gaps:
                 self.m.inter_token.add(event.model, event.gaps)
+            if event.drafted[0]:
+                self._speculated(event.model, event.drafted, event.accepted)
             self.m.compiling.labels(event.model).set(event.compiling)
             if event.compiled_s:
                 compile_ = self.m.compile.labels(event.model)
                 for seconds in event.compiled_s:
                     compile_.observe(seconds)
+
+    def _speculated(self, model: str, drafted: tuple[int, int], accepted: tuple[int, ...]) -> None:
+        self.m.spec_drafts.labels(model).inc(drafted[0])
+        self.m.spec_draft_tokens.labels(model).inc(drafted[1])
+        self.m.spec_accepted.labels(model).inc(sum(accepted))
+        for position, n in enumerate(accepted):
+            self.m.spec_accepted_per_pos.labels(model, str(position)).inc(n)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
         self.m.batches.labels(model, batch.reason).inc()

@@ -117,6 +117,10 @@ class Generated:
     """Requests waiting for their constraints to compile."""
     compiled_s: tuple[float, ...] = ()
     """How long each constraint compiled since the last step took."""
+    drafted: tuple[int, int] = (0, 0)
+    """Speculative decoding: rows that proposed drafts, and the drafts proposed."""
+    accepted: tuple[int, ...] = ()
+    """Speculative decoding: per draft position, the drafts accepted."""
 
 
 LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged | Generated

@@ -165,6 +165,11 @@ class StepReport:
     """Generation: admitted requests waiting for their constraints to compile."""
     compiled_s: tuple[float, ...] = ()
     """Generation: the constraints compiled since the last step, how long each took."""
+    drafted: tuple[int, int] = (0, 0)
+    """Generation with speculative decoding: the rows that proposed drafts in the step,
+    and the drafts they proposed."""
+    accepted: tuple[int, ...] = ()
+    """Generation with speculative decoding: per draft position, the drafts accepted."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""

@@ -34,6 +34,10 @@ class LoopStats:
     """A generating model's state after its last step."""
     completion_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0
+    """Speculative decoding: drafts proposed so far."""
+    accepted_tokens: int = 0
+    """Speculative decoding: drafts accepted so far."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def received(self, lanes: Iterable[int]) -> None:
@@ -71,6 +75,8 @@ class LoopStats:
             with self._lock:
                 self.generation = event
                 self.preemptions += event.preempted
+                self.draft_tokens += event.drafted[1]
+                self.accepted_tokens += sum(event.accepted)
 
     def snapshot(self) -> dict[str, Any]:
         """Plain JSON-able numbers (Celery sends them through the broker)."""
@@ -100,5 +106,13 @@ class LoopStats:
         return {"generation": {
             "running_sequences": g.running, "waiting_requests": g.waiting,
             "kv_cache_usage": usage, "completion_tokens": self.completion_tokens,
-            "preemptions": self.preemptions,
+            "preemptions": self.preemptions, **self._speculation(),
         }}  # fmt: skip
+
+    def _speculation(self) -> dict[str, Any]:
+        """Speculative decoding's drafts and acceptance rate (none proposed: nothing)."""
+        if not self.draft_tokens:
+            return {}
+        return {"spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens,
+                "spec_acceptance": round(self.accepted_tokens / self.draft_tokens, 4)}  # fmt: skip

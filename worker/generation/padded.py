@@ -76,6 +76,7 @@ from .lora import Adapter, Fused, fuse, groups
 from .lora_hooks import LoraHooks
 from .prefix_cache import PrefixCache, Salt
 from .sampling import Logprob, Sampling, SeededSampler, logprob_rows
+from .speculative import NgramConfig
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +289,16 @@ class PaddedEngine:
         resident_tokens: int | None = None,
         prefix_cache: PrefixCache | None = None,
         adapters: tuple[Adapter, ...] = (),
+        speculative: NgramConfig | None = None,
     ) -> None:
         self.model = model
+        self.speculative = speculative
+        """Decoding rows propose n-gram drafts, verified in their decode's forward
+        (:mod:`.speculative`; None: one token a row and step)."""
+        self.drafted: list[int] = [0, 0]
+        """Speculation so far: the rows that proposed drafts, and the drafts proposed."""
+        self.accepted: list[int] = []
+        """Per draft position (the first draft first), the drafts accepted there so far."""
         self.adapters: tuple[Adapter | None, ...] = adapters
         """The LoRA adapters its sequences may run under (:mod:`.lora`), by label less one
         (None: a label whose adapter was taken away, :meth:`set_adapter`)."""
@@ -507,11 +516,13 @@ class PaddedEngine:
             if self.lean is not None:
                 outputs = self._lean_step()
             else:
-                joined, first = self._prefill(budget=self.step_tokens - len(self._rows))
+                drafts = {self._rows[i].name: d for i, d in self._propose().items()}
+                budget = self.step_tokens - len(self._rows) - sum(map(len, drafts.values()))
+                joined, first = self._prefill(budget=budget)
                 for seq in joined:
                     self._join(seq)
                 out = {o.sequence: o for o in first}
-                out.update((o.sequence, o) for o in self._decode())
+                out.update((o.sequence, o) for o in self._decode(drafts))
                 self._leave(lambda r: r.finished)
                 outputs = list(out.values())
             self._trim()
@@ -619,30 +630,35 @@ class PaddedEngine:
         chunks (:meth:`.LeanDecoder.forward`); the sequences whose prefill ends join the
         batch after it, with their first token, and decode from the next step."""
         assert self.lean is not None
-        chunks = [(seq, Chunk(tokens, seq.done, seq.cache))
-                  for seq, tokens in self._plan(self.step_tokens - len(self._rows), 0)]  # fmt: skip
+        drafts = self._propose()
+        chunks = [(seq, Chunk(tokens, seq.done, seq.cache)) for seq, tokens in self._plan(
+            self.step_tokens - len(self._rows) - sum(map(len, drafts.values())), 0)]  # fmt: skip
         rows = len(self._rows)
         padding = None
+        verify: list[tuple[_Seq, Chunk]] = []
         if rows:
-            positions, lengths = self._prepare_decode()
+            positions, lengths = self._prepare_decode(drafts)
             ids = torch.tensor([r.generated[-1] for r in self._rows], device=self.device)
             if not self.row_attention:
                 padding = padding_mask(positions, self._step.width)
+            verify = [(r, Chunk(drafts[i], r.context + 1, self._row_cache(i)))
+                      for i, r in enumerate(self._rows) if i in drafts]  # fmt: skip
         else:
             positions = torch.zeros(0, dtype=torch.long, device=self.device)
             ids, lengths = positions, np.zeros(0, dtype=np.int64)
         if not rows and not chunks:
             return []
-        every = [seq.score is not None for seq, _ in chunks]
-        lora = self._lora(chunks) if self.adapters else ()
+        every = [True] * len(verify) + [seq.score is not None for seq, _ in chunks]
+        lora = self._lora(verify + chunks) if self.adapters else ()
         logits = self.lean.forward(ids, positions, lengths, self._layers,
-                                   [c for _, c in chunks], padding, every, lora)  # fmt: skip
+                                   [c for _, c in verify + chunks], padding, every, lora)  # fmt: skip
         self._lean_ran = True
-        out = self._decoded(logits[:rows]) if rows else []
+        at = rows + sum(map(len, drafts.values()))
+        out = self._decoded(logits[:rows], drafts, logits[rows:at]) if rows else []
         ended = []
         last: list[int] = []
         """Per chunk, its last position's row of ``logits``."""
-        at = rows
+        every = every[len(verify) :]
         for k, (seq, chunk) in enumerate(chunks):
             n = len(chunk.tokens) if every[k] else 1
             if every[k]:
@@ -674,40 +690,116 @@ class PaddedEngine:
             return []
         return [(f, at) for f, at in groups(labels, self._fused, self.device) if f is not None]
 
-    def _prepare_decode(self) -> tuple[torch.Tensor, np.ndarray]:
-        """Room for every row's next token and the step's write positions set; each
-        row's position and key count (with its new token)."""
+    def _prepare_decode(self, drafts: dict[int, list[int]]) -> tuple[torch.Tensor, np.ndarray]:
+        """Room for every row's next token and its ``drafts`` (by row), and the step's
+        write positions set; each row's position and key count (with its new token)."""
         rows = len(self._rows)
         lengths = [r.context for r in self._rows]
+        ends = np.asarray(lengths) + 1
+        for i, d in drafts.items():
+            ends[i] += len(d)
         width = max(lengths)
-        if width + 1 > self._capacity()[1]:
-            grow_to = max(2 * self._capacity()[1], width + 1)
+        if int(ends.max()) > self._capacity()[1]:
+            grow_to = max(2 * self._capacity()[1], int(ends.max()))
             for layer in self._layers:
                 assert layer._k is not None
                 layer.reserve(layer._k[:1], rows, grow_to)
         if len(self._written):
             w = self._written[:rows]
-            np.maximum(w, np.asarray(lengths) + 1, out=w)  # the columns after this write
+            np.maximum(w, ends, out=w)  # the columns after this write
         positions = torch.tensor(lengths, device=self.device)
         st = self._step
         st.rows, st.width, st.positions, st.flat = rows, width, positions, None
         return positions, np.asarray(lengths, dtype=np.int64) + 1
 
-    def _decoded(self, logits: torch.Tensor) -> list[Output]:
-        """Each row's next token from its logits."""
-        tokens = self._pick(logits, self._rows)
+    def _decoded(self, logits: torch.Tensor, drafts: dict[int, list[int]] | None = None,
+                 verified: torch.Tensor | None = None) -> list[Output]:  # fmt: skip
+        """Each row's next tokens from its logits: one, or where the row ran ``drafts``
+        (by row), those its sampler accepts and one more (``verified``: the drafts'
+        logits, row by row in order)."""
+        if not drafts:
+            picked: list[list[int]] = [[t] for t in self._pick(logits, self._rows)]
+        else:
+            assert verified is not None
+            plain = [i for i in range(len(self._rows)) if i not in drafts]
+            picked = [[] for _ in self._rows]
+            if plain:
+                rows = [self._rows[i] for i in plain]
+                for i, t in zip(plain, self._pick(logits[plain], rows), strict=True):
+                    picked[i] = [t]
+            at = 0
+            for i, d in sorted(drafts.items()):
+                r = self._rows[i]
+                both = torch.cat([logits[i : i + 1], verified[at : at + len(d)]])
+                picked[i] = self.sampler.verify(r.name, both, d, r.eos)
+                at += len(d)
+                self._tally(d, picked[i])
         out = []
-        for r, t in zip(self._rows, tokens, strict=True):
-            r.generated.append(t)
-            r.finished = t in r.eos or len(r.generated) >= r.max_new
+        for r, tokens in zip(self._rows, picked, strict=True):
+            for t in tokens:
+                r.generated.append(t)
+                r.finished = t in r.eos or len(r.generated) >= r.max_new
+                if r.finished:
+                    break
             out.append(Output(r.name, list(r.generated), r.finished))
         return out
 
-    def _decode(self) -> list[Output]:
+    def _tally(self, drafts: list[int], emitted: list[int]) -> None:
+        """Count a row's speculation: its drafts, and those accepted, by position."""
+        accepted = 0
+        while (
+            accepted < min(len(drafts), len(emitted) - 1) and emitted[accepted] == drafts[accepted]
+        ):
+            accepted += 1
+        self.drafted[0] += 1
+        self.drafted[1] += len(drafts)
+        if len(self.accepted) < len(drafts):
+            self.accepted += [0] * (len(drafts) - len(self.accepted))
+        for j in range(accepted):
+            self.accepted[j] += 1
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Per running row that proposes drafts (by index), its n-gram drafts
+        (:mod:`.speculative`): at most what it may still generate after this step's
+        token, and all of them within what the step's budget leaves after one token a
+        row (half of that while sequences wait to prefill, so prefill goes on)."""
+        spec = self.speculative
+        if spec is None or not self._rows:
+            return {}
+        budget = self.step_tokens - len(self._rows)
+        if self._waiting:
+            budget //= 2
+        out: dict[int, list[int]] = {}
+        for i, r in enumerate(self._rows):
+            if budget <= 0:
+                break
+            left = min(r.max_new - len(r.generated) - 1, budget)
+            if left <= 0 or r.name in self._cancelled:
+                continue
+            d = spec.propose(r.tokens + r.generated, left)
+            if d:
+                out[i] = d
+                budget -= len(d)
+        return out
+
+    def _row_cache(self, row: int) -> Cache:
+        """Row ``row``'s KV as a cache for a chunk of drafts after its decode token: a
+        view of its buffer row, which the chunk's keys and values are written into."""
+        n = self._rows[row].context + 1
+        layers = []
+        for layer in self._layers:
+            assert layer._k is not None and layer._v is not None
+            layers.append(SlabLayer(layer._k[row : row + 1], layer._v[row : row + 1], n))
+        return _cache(layers)
+
+    def _decode(self, drafts: dict[str, list[int]]) -> list[Output]:
+        """One token for every row (and where a row proposed ``drafts``, by name, their
+        verification: a forward of its own after the decode's)."""
         if not self._rows:
             return []
         assert self._cache is not None
-        positions, lengths = self._prepare_decode()
+        by_row = {i: drafts[r.name] for i, r in enumerate(self._rows) if r.name in drafts}
+        positions, lengths = self._prepare_decode(by_row)
         mask = None  # the kernel reads each row's length; transformers builds no mask
         if not self.row_attention:
             width = self._step.width
@@ -721,7 +813,18 @@ class PaddedEngine:
                 input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
                 cache=self._cache, use_cache=True, logits_to_keep=1, **extra,
             ).logits[:, -1]  # fmt: skip
-        return self._decoded(logits)
+        if not by_row:
+            return self._decoded(logits)
+        verified = []
+        for i, d in sorted(by_row.items()):
+            r = self._rows[i]
+            at = torch.arange(r.context + 1, r.context + 1 + len(d), device=self.device)
+            with self._lora_rows([r.lora]):
+                verified.append(self.model(
+                    input_ids=torch.tensor([d], device=self.device), position_ids=at[None],
+                    cache=self._row_cache(i), use_cache=True, logits_to_keep=0,
+                ).logits[0])  # fmt: skip
+        return self._decoded(logits, by_row, torch.cat(verified))
 
     def _plan(self, budget: int, join_cost: int) -> list[tuple[_Seq, list[int]]]:
         """The prefill chunks that fit ``budget`` tokens (a sequence whose prefill ends

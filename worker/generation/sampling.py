@@ -323,13 +323,50 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         allowed = None if track.matcher is None else self._allowed([track], logits[None])[0]
         return self._draw(sequence, track, logits, allowed)
 
+    def verify(self, sequence: str, logits: torch.Tensor, drafts: Sequence[int],
+               stop: frozenset[int] = frozenset()) -> list[int]:  # fmt: skip
+        """The tokens a sequence emits after its ``drafts`` ran through the model:
+        ``logits`` has one row per position, the row before the first draft first and the
+        row after the last draft last. The drafts the sequence's own pick agrees with, in
+        order, then its own token where it first disagrees (or a bonus one after the
+        last); nothing after a token of ``stop``. Greedy: the argmax of each position's
+        processed logits, so exactly the tokens of one-at-a-time decoding. Sampled (vLLM's
+        rejection sampling for a draft of probability one): draft ``x`` is accepted with
+        probability ``p(x)`` under the processed distribution, else a token is drawn from
+        ``p`` without ``x``, renormalized; each position's rules, constraint and
+        log-probabilities see the tokens emitted before it."""
+        track = self._tracks.get(sequence)
+        if track is None:  # plain greedy: the argmax rows
+            picks: list[int] = logits.argmax(dim=-1).tolist()
+            out = []
+            for j, token in enumerate(picks):
+                out.append(token)
+                if j == len(drafts) or token != drafts[j] or token in stop:
+                    break
+            return out
+        out = []
+        for j in range(len(drafts) + 1):
+            row = logits[j]
+            allowed = None if track.matcher is None else self._allowed([track], row[None])[0]
+            draft = drafts[j] if j < len(drafts) else None
+            token = self._draw(sequence, track, row, allowed, draft)
+            out.append(token)
+            if token != draft or token in stop:
+                break
+        return out
+
     def _draw(self, sequence: str, track: _Track, logits: torch.Tensor,
-              allowed: torch.Tensor | None) -> int:  # fmt: skip
+              allowed: torch.Tensor | None, draft: int | None = None) -> int:  # fmt: skip
         s = track.sampling
         raw = logits
         if s.shaped:
             logits = self._shape(track, logits, allowed)
-        token = int(logits.argmax()) if track.gen is None else sample(logits, s, track.gen)
+        if track.gen is None:
+            token = int(logits.argmax())
+        elif draft is None:
+            token = sample(logits, s, track.gen)
+        else:
+            token = judge(logits, s, track.gen, draft)
         if s.logprobs is not None:
             track.logprobs.append(_logprob(raw, token, s.logprobs))
         if s.ruled:
@@ -465,6 +502,25 @@ def logprob_rows(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logp
 def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
     """One token from ``logits`` (1-D) by temperature, top-k, top-p and min-p (HF's order),
     drawn with ``gen``."""
+    return int(torch.multinomial(distribution(logits, sampling), 1, generator=gen).item())
+
+
+def judge(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator, draft: int) -> int:
+    """A proposed token ``draft`` kept with its probability under :func:`distribution`,
+    else a token drawn from that distribution without it (vLLM's rejection sampling of a
+    draft of probability one: what it emits is distributed as :func:`sample`'s)."""
+    probs = distribution(logits, sampling)
+    u = float(torch.rand(1, generator=gen).item())
+    if u < float(probs[draft]):
+        return draft
+    probs[draft] = 0.0
+    if float(probs.sum()) <= 0.0:  # rounding: nothing else is possible
+        return draft
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The probabilities :func:`sample` draws from (1-D, float32, on the CPU)."""
     x = logits.float().cpu() / max(sampling.temperature, 1e-5)
     if 0 < sampling.top_k < x.shape[0]:
         kth = torch.topk(x, sampling.top_k).values[-1]
@@ -478,4 +534,4 @@ def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> in
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     if sampling.min_p > 0.0:  # the likeliest token always stays
         probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return probs

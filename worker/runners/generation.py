@@ -43,7 +43,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,7 @@ from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.lora_table import MAX_LORAS, AdapterTable
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
+from ..generation.speculative import NgramConfig
 from ..generation.split import OutputSplit
 from ..generation.tagged_args import Types, param_types
 from ..generation.tool_chunks import CallChunks
@@ -384,6 +385,8 @@ class TextGenerationRunner:
         ):
             raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
                              "and only with engine 'padded')")  # fmt: skip
+        self.speculative = self._speculative(opts.get("speculative"), opts.get("engine"))
+        """N-gram speculative decoding (``options.speculative``; None: off)."""
         names, adapters = self._adapters(opts)
         self.max_lora_rank = int(opts.get("max_lora_rank", 64))
         max_loras = opts.get("max_loras", MAX_LORAS)
@@ -410,7 +413,8 @@ class TextGenerationRunner:
                                        lean=_flag(opts.get("lean_decode", True), "lean_decode"),
                                        max_context=self.context,
                                        resident_tokens=self.kv_cache_tokens,
-                                       prefix_cache=prefix, adapters=adapters)  # fmt: skip
+                                       prefix_cache=prefix, adapters=adapters,
+                                       speculative=self.speculative)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -455,6 +459,24 @@ class TextGenerationRunner:
         self._by_seq: dict[str, tuple[_Req, _Seq]] = {}
         self._beam_seqs: dict[str, _Req] = {}
         """The beam searches' round sequences in the engine, and their requests."""
+        self._spec_seen: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        """The engine's speculation counts at the last step's report."""
+
+    def _speculative(self, raw: Any, engine: Any) -> NgramConfig | None:
+        """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
+        it is not set, or the paged engine was picked for the model (it has no
+        speculation: a warning says so; naming that engine with it is an error)."""
+        if raw is None:
+            return None
+        config = NgramConfig.parse(raw)
+        if self.engine_kind == "padded":
+            return config
+        if engine == "paged":
+            raise ValueError("options.speculative needs the padded engine, and options.engine "
+                             "is 'paged'")  # fmt: skip
+        logger.warning("options.speculative is off: this model runs on the paged engine, "
+                       "which does not speculate")  # fmt: skip
+        return None
 
     def _adapters(self, opts: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
         """``options.lora_adapters`` loaded, checked against the model and engine (a
@@ -825,6 +847,8 @@ class TextGenerationRunner:
         if self._beam_seqs:
             outputs, beam_events = self._beam_step(outputs, produced)
             events += beam_events
+        if self.speculative is not None:
+            self._speculated(report)
         # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
         by_seq = self._by_seq
@@ -850,7 +874,14 @@ class TextGenerationRunner:
                     if t in stop_ids:  # kept, and nothing after it
                         new, ended = new[: k + 1], True
                         break
-            text.extend(new)
+            if text.stop and len(new) > 1:  # (speculation) no token after a stop string's
+                for k, t in enumerate(new):
+                    text.extend((t,))
+                    if text.stopped_at is not None:
+                        new = new[: k + 1]
+                        break
+            else:
+                text.extend(new)
             if new:
                 produced[r.key] = produced.get(r.key, 0) + len(new)
             if text.stopped_at is not None or ended:
@@ -881,6 +912,21 @@ class TextGenerationRunner:
         report.deferred = lambda: self._fill_progress(report)
         self._unsettled = report
         return report
+
+    def _speculated(self, report: StepReport) -> None:
+        """The step's speculation, in ``report``: the engine's counts since the last."""
+        from ..generation.padded import PaddedEngine
+
+        e = self.engine
+        assert isinstance(e, PaddedEngine)
+        rows, drafts = e.drafted
+        seen_rows, seen_drafts, seen = self._spec_seen
+        if rows == seen_rows:
+            return
+        report.drafted = (rows - seen_rows, drafts - seen_drafts)
+        report.accepted = tuple(n - (seen[j] if j < len(seen) else 0)
+                                for j, n in enumerate(e.accepted))  # fmt: skip
+        self._spec_seen = (rows, drafts, tuple(e.accepted))
 
     # --- LoRA adapters while it serves --------------------------------------------------
 
@@ -1438,7 +1484,7 @@ class TextGenerationRunner:
             **self._resident(),
         }  # fmt: skip
 
-    def _resident(self) -> dict[str, int]:
+    def _resident(self) -> dict[str, Any]:
         """The padded engine's prompt tokens run and taken from a twin's prefill (a
         request's ``n`` completions); with a prefix cache, the tokens it holds and those
         prompts found there; on CPU, tokens its KV rows hold written, bytes released."""
@@ -1447,7 +1493,11 @@ class TextGenerationRunner:
         e = self.engine
         if not isinstance(e, PaddedEngine):
             return {}
-        out = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
+        out: dict[str, Any] = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
+        if e.speculative is not None:
+            out.update(speculative={"method": "ngram", **asdict(e.speculative)},
+                       spec_decode_drafts=e.drafted[0], spec_decode_draft_tokens=e.drafted[1],
+                       spec_decode_accepted_tokens=sum(e.accepted))  # fmt: skip
         if e.prefix is not None:
             out.update(prefix_cache_tokens=e.prefix.tokens,
                        prefix_cache_hit_tokens=e.prefix.hit_tokens)  # fmt: skip
