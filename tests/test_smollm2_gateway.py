@@ -160,6 +160,12 @@ def test_a_streamed_echo_with_logprobs_adds_up_to_the_whole_answer(smol: Fleet) 
     assert lps is not None and lps.tokens is not None and lps.token_logprobs is not None
     assert lps.token_logprobs[0] is None and all(x < 0 for x in lps.token_logprobs[1:])
     assert "".join(lps.tokens) == whole.text and len(lps.tokens) == 5 + 6
+    # each position's likeliest hold its own token (OpenAI's legacy shape: a scorer reads
+    # a token's log-probability there), " capital" though it is not among the 2 likeliest
+    assert lps.top_logprobs is not None and len(lps.top_logprobs[1]) == 3
+    for token, logprob, top in zip(lps.tokens[1:], lps.token_logprobs[1:],
+                                   lps.top_logprobs[1:], strict=True):  # fmt: skip
+        assert top[token] == logprob and len(top) <= 3
     # and the stream's chunks add up to it: text, tokens, offsets, log-probabilities
     parts = [chunk.choices[0] for chunk in chunks]
     assert parts[0].text == ask["prompt"] and parts[-1].finish_reason == "length"
