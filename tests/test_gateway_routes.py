@@ -136,3 +136,46 @@ def test_invocations_answers_each_api_by_its_body(redis_url: str) -> None:
         asyncio.run(go())
     finally:
         client.close()
+
+
+def test_pooling_requests_to_a_generating_model_are_refused_before_submitting(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    generator = ScriptedWorker(client, "gen", info=ModelInfo(task="text-generation",
+                                                             chat_template=False))  # fmt: skip
+    embedder = ScriptedWorker(client, "emb", info=ModelInfo(task="embedding"))
+
+    async def go() -> None:
+        async with gateway_in_process(redis_url) as port:
+            # Given a model whose workers publish a generator's info (a worker would take an
+            # embedding's texts as prompts, and generate for each before it was refused)
+            for path, body in (("/v1/embeddings", {"input": ["a", "b"]}),
+                               ("/invocations", {"input": "a"}), ("/pooling", {"input": "a"}),
+                               ("/classify", {"input": "a"}),
+                               ("/score", {"text_1": "a", "text_2": "b"}),
+                               ("/rerank", {"query": "q", "documents": ["a"]})):  # fmt: skip
+                # When a pooling request names it, Then it is a 400 at once
+                status, raw = await http(port, "POST", path, body | {"model": "gen"})
+                error = json.loads(raw)["error"]
+                assert (status, error["param"]) == (400, "model"), (path, raw)
+                assert "generates text" in error["message"]
+            # and nothing was submitted: the next request its worker reads is a chat
+            chat = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions",
+                                              CHAT | {"model": "gen"}))  # fmt: skip
+            taken = await asyncio.to_thread(generator.take)
+            assert taken.request.messages is not None
+            await asyncio.to_thread(generator.ok, taken, ANSWER)
+            assert (await chat)[0] == 200
+            # an encoder's are asked as before
+            asked = asyncio.ensure_future(http(port, "POST", "/invocations",
+                                               {"model": "emb", "input": "a"}))  # fmt: skip
+            taken = await asyncio.to_thread(embedder.take)
+            await asyncio.to_thread(embedder.ok, taken, [[1.0, 0.0]])
+            status, raw = await asked
+            assert status == 200 and json.loads(raw)["data"][0]["embedding"] == [1.0, 0.0]
+
+    try:
+        asyncio.run(go())
+    finally:
+        client.close()

@@ -155,7 +155,8 @@ def test_echoed_prompt_scores_lead_the_logprobs() -> None:
     assert a["logprobs"] == {
         "tokens": ["the", " cat", " sat", "!"],
         "token_logprobs": [None, -2.0, -9999.0, -0.5],
-        "top_logprobs": [None, {"a": -0.25}, {"a": -0.25}, {"a": -0.25}],
+        "top_logprobs": [None, {" cat": -2.0, "a": -0.25}, {" sat": -9999.0, "a": -0.25},
+                         {"!": -0.5, "a": -0.25}],
         "text_offset": [0, 3, 7, 11],
     }  # fmt: skip
     # the input's second output: the same prompt (its first output's scores), its own text
@@ -208,6 +209,28 @@ def test_chat_answer() -> None:
     assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
                             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
     assert out["id"] == "x-1" and out["object"] == "chat.completion"
+
+
+def test_legacy_top_logprobs_hold_the_token_itself_as_openai_and_vllm() -> None:
+    # Given a sampled token outside the 2 likeliest, and one that is the likeliest
+    def lp(token: int, text: str, logprob: float, top: list[tuple[int, str, float]]) -> Any:
+        return {"token": token, "text": text, "logprob": logprob,
+                "top": [{"token": i, "text": t, "logprob": x} for i, t, x in top]}  # fmt: skip
+
+    tops = [(1, " a", -0.5), (2, " b", -1.0)]
+    lps = [lp(9, " z", -3.0, tops), lp(1, " a", -0.5, tops)]
+    res = result([{"text": " z a", "finish_reason": "length", "logprobs": lps}])
+    # When answered as a completion with logprobs 2, and as a chat with top_logprobs 2
+    legacy = completion_response({"prompt": "P", "logprobs": 2}, res, ANSWERED)
+    chat = chat_response({"messages": [], "logprobs": True, "top_logprobs": 2}, res, ANSWERED)
+    # Then each position's top_logprobs leads with its own token (up to logprobs + 1,
+    # OpenAI's rule for the legacy shape, which vLLM keeps), never twice
+    assert legacy["choices"][0]["logprobs"]["top_logprobs"] == [
+        {" z": -3.0, " a": -0.5, " b": -1.0}, {" a": -0.5, " b": -1.0}]  # fmt: skip
+    assert list(legacy["choices"][0]["logprobs"]["top_logprobs"][0]) == [" z", " a", " b"]
+    # and a chat's are the likeliest alone, as OpenAI's chat answers them
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [[" a", " b"]] * 2
 
 
 def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:

@@ -54,11 +54,14 @@ def completion_logprobs(
     """OpenAI's legacy ``logprobs``: tokens, their log-probabilities, the likeliest at each
     position, and each token's character offset (from ``offset``) in the text. A null
     entry (an echoed prompt's first token: nothing precedes it) reads as ``head``, its
-    log-probability and likeliest null, as vLLM writes it; -inf is -9999.0 (JSON)."""
+    log-probability and likeliest null, as vLLM writes it; -inf is -9999.0 (JSON). Each
+    position's ``top_logprobs`` leads with its own token, then the likeliest: "up to
+    logprobs+1 elements", OpenAI's rule, which vLLM keeps (its token is among them)."""
     if lps is None:
         return None
     texts = [head if t is None else t.text for t in lps]
-    tops = [None if t is None else {x.text: max(x.logprob, FLOOR) for x in t.top} for t in lps]
+    tops = [None if t is None else {x.text: max(x.logprob, FLOOR) for x in (t, *t.top)}
+            for t in lps]  # fmt: skip
     return {
         "tokens": texts,
         "token_logprobs": [None if t is None else max(t.logprob, FLOOR) for t in lps],

@@ -450,6 +450,8 @@ class Unary(Handler):
             body = self.body_json()
             sub, _ = await self.gateway.served(self.endpoint.submission(body))
             await self.gateway.check_model(sub.model)
+            if self.endpoint.encoder:
+                await self._refuse_generator(sub.model)
             parts = split(sub, *await self.gateway.limits(sub.model))
             base = self.request_id(body).get("request_id") or new_request_id()
             for part, rid in zip(parts, part_ids(base, len(parts)), strict=True):
@@ -470,6 +472,17 @@ class Unary(Handler):
         except BatchfleetError as exc:
             self._cancel_all()
             self.fail(of_exception(exc))
+
+    async def _refuse_generator(self, model: str) -> None:
+        """A 400 for a pooling request to a model its workers publish as generating (a
+        chat template or not, only a generator tells: ``ModelInfo.chat_template``), before
+        its worker takes the texts as prompts and generates its default answer for each;
+        a model with no info (workers older than it) is asked as before."""
+        info = await self.gateway.model_info(model)
+        if info is not None and info.chat_template is not None:
+            raise invalid(f"model {model!r} generates text (its workers run {info.task!r}): "
+                          "embeddings, scores, reranks and classifications are answered by "
+                          "encoder models", "model")  # fmt: skip
 
     async def _results(self) -> list[Result]:
         """Every part's ``ok`` result, in order; the first part that fails raises at once."""

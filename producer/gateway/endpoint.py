@@ -43,6 +43,10 @@ class Endpoint:
     answer: Callable[[Mapping[str, Any], Result, Answered], dict[str, Any]]
     id_prefix: str
     """Of the response's id."""
+    encoder: bool = False
+    """Answered by encoder models only (the pooling endpoints): a model whose workers
+    publish a generator's info is refused before anything is submitted, as its worker
+    would take the texts as prompts and generate for them."""
 
 
 class Events(Protocol):

@@ -358,11 +358,11 @@ def _classify_answer(body: Body, result: Result, answered: Answered) -> dict[str
     return _listing(answered, model, data, result)
 
 
-EMBEDDINGS = Endpoint(_embeddings_submission, _embeddings_answer, "embd")
-POOLING = Endpoint(_pooling_submission, _pooling_answer, "pool")
-SCORE = Endpoint(_score_submission, _score_answer, "score")
-RERANK = Endpoint(_rerank_submission, _rerank_answer, "rerank")
-CLASSIFY = Endpoint(_classify_submission, _classify_answer, "classify")
+EMBEDDINGS = Endpoint(_embeddings_submission, _embeddings_answer, "embd", encoder=True)
+POOLING = Endpoint(_pooling_submission, _pooling_answer, "pool", encoder=True)
+SCORE = Endpoint(_score_submission, _score_answer, "score", encoder=True)
+RERANK = Endpoint(_rerank_submission, _rerank_answer, "rerank", encoder=True)
+CLASSIFY = Endpoint(_classify_submission, _classify_answer, "classify", encoder=True)
 
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/embeddings": EMBEDDINGS,
