@@ -249,6 +249,24 @@ def test_shared_blocks_outlive_a_preempted_user_and_go_back_when_the_last_leaves
     assert engine.processor.cache.evict_cached_blocks() and _free(engine) == (total, 0)
 
 
+def test_a_preempted_sequence_taking_its_own_blocks_back_reports_none_cached(
+    model: Any,
+) -> None:
+    engine = _engine(model)
+    prompt = SYSTEM[:20]
+    engine.add("x", prompt, 8, GREEDY)
+    got: list[int] = []
+    for _ in range(3):
+        for o in engine.step():
+            got = o.tokens
+    engine.cancel(["x"])
+    engine.step()
+    engine.add("x", prompt + got, 8 - len(got), GREEDY)
+    engine.step()
+    assert engine.sharing.hit_tokens == 2 * PAGE  # its own two blocks came back
+    assert engine.cached("x") == 0
+
+
 def test_cached_blocks_give_way_when_a_sequence_needs_their_room(model: Any) -> None:
     # Given a cache of 12 blocks, 8 of them cached by an earlier prompt
     engine = _engine(model, blocks=12)

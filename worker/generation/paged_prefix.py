@@ -95,7 +95,8 @@ class SaltedSharing:
         self.unshared: set[str] = set()
         """Sequences that take no prefix (scored)."""
         self.taken: dict[str, int] = {}
-        """Per sequence that took a prefix when it first began, its length in tokens."""
+        """Per sequence begun, the prefix it took when it first began (a preempted one's own
+        blocks coming back do not count), in tokens."""
         self.hit_tokens = 0
         """Prompt tokens taken from shared blocks so far (each one a prefill token saved)."""
         cache.search_prefix_match = self._search
@@ -137,12 +138,12 @@ class SaltedSharing:
             return 0
         start = self._seed(sequence)
         found = {n: match(a, prompt, start) for n, a in self.cache.cache_allocators.items()}
-        tokens = min(len(b) * self.cache.cache_allocators[n].tokens_per_page
-                     for n, b in found.items())  # fmt: skip
+        tokens: int = min(len(b) * self.cache.cache_allocators[n].tokens_per_page
+                          for n, b in found.items())  # fmt: skip
+        self.taken.setdefault(sequence, tokens)  # when it first began: not its own coming back
         if tokens > 0:
             for n, blocks in found.items():
                 self.cache.cache_allocators[n].acquire_prefix_blocks(sequence, tokens, blocks)
-            self.taken.setdefault(sequence, tokens)
             self.hit_tokens += tokens
         return tokens
 
