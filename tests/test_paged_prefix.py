@@ -61,11 +61,16 @@ def _run(engine: PagedEngine, todo: dict[str, list[int]], new: int = 6,
          **kw: Any) -> dict[str, list[int]]:  # fmt: skip
     for name, tokens in todo.items():
         engine.add(name, tokens, new, GREEDY, **kw)
+    return _drain(engine, list(todo))
+
+
+def _drain(engine: PagedEngine, names: list[str]) -> dict[str, list[int]]:
+    """Step until these sequences ended; their tokens."""
     out: dict[str, list[int]] = {}
     for _ in range(200):
         for o in engine.step():
             out[o.sequence] = o.tokens
-        if all(engine.state(n) is None for n in todo):
+        if all(engine.state(n) is None for n in names):
             return out
     raise AssertionError("the engine did not finish")
 
@@ -169,18 +174,20 @@ def test_a_scored_prompt_takes_no_block_and_scores_every_position(model: Any) ->
         assert lp[1] == pytest.approx(float(logits[i, prompt[i + 1]]), abs=1e-4)
 
 
-def test_n_twins_prefill_once_and_draw_their_own_tokens(model: Any) -> None:
+@pytest.mark.parametrize("step", [16, 128])
+def test_n_twins_prefill_once_and_draw_their_own_tokens(model: Any, step: int) -> None:
     # Given a request's three completions, sampled, added together; a budget of 16 tokens a
-    # step: the prompt prefills in chunks
-    engine = _engine(model, step_tokens=16)
+    # step (the prompt prefills in chunks) or of 128 (all three would fit in the first)
+    engine = _engine(model, step_tokens=step)
     prompt = [*SYSTEM, 5, 6]
     draws = [Sampling(temperature=1.0, seed=s, logprobs=0) for s in (1, 2, 3)]
     for i, s in enumerate(draws):
         engine.add(f"n{i}", prompt, 5, s)
-    # While the first prefills, the others wait
+    # While the first prefills, the others wait (None: added, the engine takes them next)
     engine.step()
-    assert engine.state("n1") == engine.state("n2")
-    assert engine.state("n1") is not None and engine.state("n1").prefill_left == len(prompt)
+    for twin in ("n1", "n2"):
+        state = engine.state(twin)
+        assert state is None or (state.context, state.prefill_left) == (0, len(prompt))
     out: dict[str, list[int]] = {}
     for _ in range(50):
         for o in engine.step():
@@ -268,13 +275,59 @@ def test_a_preempted_sequence_taking_its_own_blocks_back_reports_none_cached(
 
 
 def test_cached_blocks_give_way_when_a_sequence_needs_their_room(model: Any) -> None:
-    # Given a cache of 12 blocks, 8 of them cached by an earlier prompt
-    engine = _engine(model, blocks=12)
+    # Given a cache of 20 blocks, 8 of them cached by an earlier prompt, and a sequence
+    # decoding in 1 more (half the cache free: over transformers' safety margin)
+    engine = _engine(model, blocks=20, step_tokens=128)
     _run(engine, {"a": list(range(100, 164))}, new=1)
-    assert _free(engine)[1] >= 8
-    # When a different prompt needs 10 blocks, it runs (the cached blocks are evicted)
-    other = list(range(200, 270))
-    assert _run(engine, {"b": other}, new=4)["b"] == _hf(model, other, 4)
+    engine.add("d", list(range(300, 308)), 30, GREEDY)
+    engine.step()
+    assert _free(engine) == (11, 8)
+    # When a prompt needing 12 blocks comes, it begins at once (the cached blocks go)
+    other = list(range(200, 290))
+    engine.add("b", other, 4, GREEDY)
+    engine.step()
+    state = engine.state("b")
+    assert state is not None and state.prefill_left == 0
+    assert _drain(engine, ["b"])["b"] == _hf(model, other, 4)
+
+
+def test_forgotten_blocks_are_found_no_more_and_go_back_when_their_user_leaves(
+    model: Any,
+) -> None:
+    engine = _engine(model)
+    total = _free(engine)[0]
+    _run(engine, {"a": [*SYSTEM, 5]}, new=1)
+    engine.add("b", [*SYSTEM, 6], 4, GREEDY)
+    engine.step()
+    assert engine.cached("b") == 4 * PAGE
+    assert engine.forget_blocks() == 4  # the four shared, b's holds them
+    _drain(engine, ["b"])
+    _run(engine, {"c": [*SYSTEM, 7]}, new=1)
+    assert engine.cached("c") == 0 and _free(engine)[0] + _free(engine)[1] == total
+    engine.forget_blocks()
+    assert _free(engine) == (total, 0)  # b's blocks were freed, not cached, when it left
+
+
+def test_the_runner_reports_cached_tokens_and_resets_the_shared_blocks(lm: Path) -> None:
+    from batchfleet.schemas.messages import Request
+    from batchfleet.worker.runners.generation import TextGenerationRunner
+    from test_generation_runner import run
+
+    runner = TextGenerationRunner(lm, device="cpu", dtype="float32",
+                                  options={"engine": "paged", "page_size": 16})  # fmt: skip
+    words = " ".join(f"w{i}" for i in range(40))
+
+    def cached(rid: str, n: int = 1) -> list[int]:
+        request = Request(id=rid, model="lm", inputs=[words], max_new_tokens=2, n=n)
+        return [int(o["cached_tokens"]) for o in run(runner, request)[rid]]
+
+    # Given a prompt run twice: the second time its whole blocks are taken
+    assert cached("a") == [0]
+    (hit,) = cached("b")
+    assert hit > 0 and hit % 16 == 0 and runner.info()["prefix_cache_hit_tokens"] == hit
+    # When the shared blocks are reset, the prompt is prefilled whole again, once for n 3
+    assert runner.reset_prefix_cache() is True
+    assert cached("c", n=3) == [0, hit, hit]
 
 
 def test_a_sliding_window_model_shares_nothing(tmp_path: Path) -> None:

@@ -230,6 +230,11 @@ class PagedEngine:
         self._labels.clear()
         self.sharing.clear()
 
+    def forget_blocks(self) -> int:
+        """Between steps: no prompt admitted from now on takes a block shared so far (vLLM's
+        ``reset_prefix_cache``); running sequences keep theirs. How many blocks were known."""
+        return self.sharing.forget_blocks()
+
     def fuse_adapter(self, adapter: Adapter) -> Fused | None:
         """None: this engine has no lean forward; any adapter :mod:`.lora` loads is served
         through hooks."""

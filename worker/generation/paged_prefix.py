@@ -129,6 +129,19 @@ class SaltedSharing:
         self.unshared.clear()
         self.taken.clear()
 
+    def forget_blocks(self) -> int:
+        """Forget every block's hash: no prompt finds one from now on. The cached ones go
+        back to the pool; the held ones stay with their users, then go back unhashed. How
+        many blocks were known."""
+        known = 0
+        for allocator in self.cache.cache_allocators.values():
+            known += len(allocator.ledger.block_to_hash)
+        self.cache.evict_cached_blocks()
+        for allocator in self.cache.cache_allocators.values():
+            allocator.ledger.hash_to_block.clear()
+            allocator.ledger.block_to_hash.clear()
+        return known
+
     def _seed(self, sequence: str) -> int | None:
         # transformers names a fork's children ``<parent>__child#i``: they share its salt
         return self.salts.get(sequence.split("__child#")[0])
