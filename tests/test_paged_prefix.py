@@ -15,6 +15,7 @@ from tiny_models import make_causal_lm
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.paged import PagedEngine  # noqa: E402
 from batchfleet.worker.generation.paged_prefix import seed  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
@@ -141,6 +142,17 @@ def test_salts_and_adapters_partition_the_blocks(
     assert engine.cached("b") == 0
     _run(engine, {"c": [*SYSTEM, 7]}, **second)  # the same salt and adapter share
     assert engine.cached("c") == 4 * PAGE
+
+
+def test_the_same_prompt_under_another_salt_is_no_twin_and_does_not_wait(model: Any) -> None:
+    engine = _engine(model, step_tokens=128)
+    prompt = [*SYSTEM, 5]
+    engine.add("a", prompt, 3, GREEDY, salt="tenant-1")
+    engine.add("b", prompt, 3, GREEDY, salt="tenant-2")
+    engine.step()  # both prefill in the first step
+    assert [engine.state(n) for n in "ab"] == [SeqState(len(prompt) + 1, prefill_left=0)] * 2
+    _drain(engine, ["a", "b"])
+    assert engine.cached("b") == 0
 
 
 def test_an_adapter_put_at_a_label_anew_finds_none_of_the_formers_blocks(
