@@ -1,5 +1,7 @@
 """``python -m bench.prefix_cache``: the padded engine with a prefix cache against none,
-engine alone, alternating in one process, on requests that share a system prompt.
+engine alone, alternating in one process, on requests that share a system prompt
+(``--engine paged``: the paged engine with its block sharing on and off, on a Llama: a
+model whose every layer attends to the whole context, the only ones it shares for).
 
 Each request is a long system prompt (``--system`` tokens, the same for all) followed
 by its own question (8-64 tokens) and asks for 8-64 new tokens; arrivals are Poisson at
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--prefix-cache-tokens", type=int, default=4096)
+    p.add_argument("--engine", choices=["padded", "paged"], default="padded")
     p.add_argument("--mixed", action="store_true",
                    help="the generation benchmark's mixed trace instead (nothing shared: "
                         "what the cache costs)")  # fmt: skip
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from batchfleet.worker.generation.prefix_cache import PrefixCache
 
-    options = {"engine": "padded", "kv_cache_tokens": 32768, "page_size": 32,
+    options = {"engine": args.engine, "kv_cache_tokens": 32768, "page_size": 32,
                "step_tokens": 512, "max_running": 64, "prefix_cache_tokens": 0}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         model, runner = g.engine_bench_runner(args.model, options, Path(tmp))
@@ -83,21 +86,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model.name}: {len(jobs)} requests at {args.rate}/s, prompts {prompt:.0f} tokens "
               f"on average ({shared}), one torch thread")  # fmt: skip
         engine = runner.engine
+        paged = args.engine == "paged"
         g.engine_alone(runner, jobs[:2], 0.0, "warm-up")
         for k in range(args.rounds):
             for arm in args.arms:
                 engine.reset()
-                engine.prefix = PrefixCache(args.prefix_cache_tokens, 32) if arm == "on" else None
-                ran = engine.prefilled
+                if paged:  # its cached blocks went with the reset
+                    engine.processor.cache.use_prefix_sharing = arm == "on"
+                    ran, hit0 = sum(len(j.prompt) for j in jobs), engine.sharing.hit_tokens
+                else:
+                    engine.prefix = (
+                        PrefixCache(args.prefix_cache_tokens, 32) if arm == "on" else None
+                    )
+                    ran = engine.prefilled
                 out = g.engine_alone(runner, jobs, args.rate, arm)
                 ttft = sorted((f - s) * 1e3 for f, s in zip(out.first, out.start, strict=True)
                               if f is not None and s is not None)  # fmt: skip
-                hit = engine.prefix.hit_tokens if engine.prefix is not None else 0
+                if paged:  # prompts' tokens (a preempted one's again not counted) less hits
+                    hit = engine.sharing.hit_tokens - hit0
+                    ran = ran - hit
+                else:
+                    hit = engine.prefix.hit_tokens if engine.prefix is not None else 0
+                    ran = engine.prefilled - ran
                 print(f"round {k + 1} {arm:3s} {out.tokens_per_s:7.1f} tokens/s, TTFT mean "
                       f"{statistics.mean(ttft):6.1f} ms, p90 {ttft[int(0.9 * len(ttft))]:6.1f} "
-                      f"ms, prompt tokens run {engine.prefilled - ran:,}, from the cache "
-                      f"{hit:,}", flush=True)  # fmt: skip
-        engine.prefix = None
+                      f"ms, prompt tokens run {ran:,}, from the cache {hit:,}",
+                      flush=True)  # fmt: skip
+        if not paged:
+            engine.prefix = None
     return 0
 
 

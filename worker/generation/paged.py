@@ -18,8 +18,15 @@ model's in the same step, and may have its prompt tokens' log-probabilities kept
 a step whose forward has an adapter's token or a scored position runs it through
 :mod:`.paged_step` (hooks on the adapters' modules, a label per token; the scored
 positions' logits from the model's own head), eagerly where the engine replays CUDA graphs
-(a graph runs no hook); a step with neither runs as before. This engine shares no cached
-blocks between sequences, so keys and values computed under one adapter are never another's.
+(a graph runs no hook); a step with neither runs as before.
+
+Prompts share cached blocks (:mod:`.paged_prefix`: transformers' block sharing, salted by
+``cache_salt`` and LoRA adapter) where the model's every layer attends to the whole
+context; a scored prompt takes none (a shared block has no logits). A request's ``n``
+completions (sequences added with the same tokens, salt and no scoring) prefill once: the
+first runs, the others wait until its prefill is done and then take its full blocks,
+prefilling only the rest (less than a page). Models with a sliding-window layer share
+nothing (its ring buffer is overwritten as a sequence goes on), and twins are not held.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .engine import Output, SeqState
 from .lora import Adapter, Fused
 from .lora_hooks import LoraHooks
+from .paged_prefix import Salt, SaltedSharing
 from .paged_step import Scored, ScoringForward, StepPlan, keep_scores, plan
 from .sampling import Logprob, Sampling, SeededSampler
 
@@ -59,6 +67,7 @@ class PagedEngine:
         max_running: int,
         cuda_graphs: bool = False,
         adapters: tuple[Adapter, ...] = (),
+        prefix_sharing: bool = True,
     ) -> None:
         self.model = model
         self.adapters: tuple[Adapter | None, ...] = adapters
@@ -79,7 +88,7 @@ class PagedEngine:
             page_size=page_size,
             max_batch_tokens=step_tokens,
             max_requests_per_batch=max_running,
-            allow_block_sharing=False,  # the scheduler counts each sequence's own blocks
+            allow_block_sharing=prefix_sharing,  # the scheduler counts shared blocks per user
             use_cuda_graph=cuda_graphs,  # replayed steps (CUDA only)
             use_async_batching=False,  # one step per call, its outputs read before the next
             scheduler_type="fifo",
@@ -96,6 +105,16 @@ class PagedEngine:
         self.processor = self.manager._create_batch_processor()
         self.manager.batch_processor = self.processor
         self._outputs: queue.Queue[Any] = self.manager.output_router.output_queue
+        self.sharing = SaltedSharing(self.processor.cache)
+        self._page = page_size
+        self._epochs: dict[int, int] = {}
+        """Per adapter label, how many times it was given an adapter (part of the salt:
+        a label given another adapter finds none of the former's blocks)."""
+        self._twins: dict[str, list[tuple[str, Any]]] = {}
+        """Per sequence prefilling for its twins, their names and what :meth:`add` was
+        given for them (added once its prefill is done)."""
+        self._keys: dict[str, tuple[Any, ...]] = {}
+        """Per sequence whose prefill twins may share, what a twin has the same."""
 
     @property
     def kv_blocks(self) -> int:
@@ -117,10 +136,27 @@ class PagedEngine:
         (:meth:`prompt_logprobs`), with that many likeliest tokens each (from its start
         again if it was added before); with ``max_new_tokens`` 0 (its prompt only scored) it
         still takes one token, which the runner drops. ``lora``: its adapter, an index into
-        ``adapters`` plus one (0: the base model). ``salt`` is unused: this engine shares
-        no prefix between sequences."""
+        ``adapters`` plus one (0: the base model). ``salt``: its request's ``cache_salt``
+        (it shares blocks only with sequences of the same salt and adapter)."""
         if lora and not (lora <= len(self.adapters) and self.adapters[lora - 1] is not None):
             raise ValueError(f"LoRA adapter {lora}: the engine does not have it")
+        shared: Salt = salt if not lora else (salt, lora, self._epochs.get(lora, 0))
+        self.sharing.add(sequence, shared, score is None)
+        self._drop_twin(sequence)
+        self._release(sequence)
+        key = (tuple(tokens), shared)
+        args = (tokens, max_new_tokens, sampling, score, lora)
+        if score is None and self.sharing.on:
+            leader = next((s for s, k in self._keys.items() if k == key), None)
+            if leader is not None:  # a twin: waits for the leader's prefill
+                self._twins.setdefault(leader, []).append((sequence, args))
+                return
+            if len(tokens) > self._page:  # a full block to share
+                self._keys[sequence] = key
+        self._add(sequence, *args)
+
+    def _add(self, sequence: str, tokens: list[int], max_new_tokens: int, sampling: Sampling,
+             score: int | None, lora: int) -> None:  # fmt: skip
         self._labels.pop(sequence, None)
         if lora:
             self._labels[sequence] = lora
@@ -139,21 +175,46 @@ class PagedEngine:
     def cancel(self, sequences: Iterable[str]) -> None:
         """Free these sequences (their KV blocks) before the next step."""
         for s in sequences:
-            self.manager.cancel_request(s)
+            if not self._drop_twin(s):
+                self.manager.cancel_request(s)
+                self._release(s)
+
+    def _drop_twin(self, sequence: str) -> bool:
+        """Whether ``sequence`` was a twin waiting (now dropped)."""
+        for twins in self._twins.values():
+            for i, (name, _) in enumerate(twins):
+                if name == sequence:
+                    del twins[i]
+                    return True
+        return False
+
+    def _release(self, leader: str) -> None:
+        """The leader's prefill is done (or it left): its twins are added."""
+        self._keys.pop(leader, None)
+        for name, args in self._twins.pop(leader, []):
+            self._add(name, *args)
+
+    def _release_prefilled(self) -> None:
+        for leader in list(self._keys):
+            st = self.state(leader)
+            if st is None or st.prefill_left == 0:
+                self._release(leader)
 
     def forget(self, sequence: str) -> None:
         """The sequence ended for good (its sampler's generator goes)."""
         self.sampler.forget(sequence)
         self._scored.pop(sequence, None)
         self._labels.pop(sequence, None)
+        self.sharing.forget(sequence)
 
     def logprobs(self, sequence: str) -> list[Logprob]:
         """What a sequence kept of its tokens' log-probabilities (its request asked)."""
         return self.sampler.logprobs(sequence)
 
     def cached(self, sequence: str) -> int:
-        """0: this engine shares no blocks (``allow_block_sharing`` off)."""
-        return 0
+        """Prompt tokens a sequence took, when it first began, from shared blocks instead
+        of prefilling them (OpenAI's ``cached_tokens``)."""
+        return self.sharing.taken.get(sequence, 0)
 
     def prompt_logprobs(self, sequence: str) -> list[Logprob]:
         """The log-probabilities of a sequence's tokens after its first, as far as its
@@ -167,6 +228,12 @@ class PagedEngine:
         self.sampler.clear()
         self._scored.clear()
         self._labels.clear()
+        self.sharing.clear()
+
+    def forget_blocks(self) -> int:
+        """Between steps: no prompt admitted from now on takes a block shared so far (vLLM's
+        ``reset_prefix_cache``); running sequences keep theirs. How many blocks were known."""
+        return self.sharing.forget_blocks()
 
     def fuse_adapter(self, adapter: Adapter) -> Fused | None:
         """None: this engine has no lean forward; any adapter :mod:`.lora` loads is served
@@ -179,6 +246,7 @@ class PagedEngine:
         sequence of it may be left, but cancelled ones)."""
         slots = list(self.adapters) + [None] * max(0, label - len(self.adapters))
         slots[label - 1] = adapter
+        self._epochs[label] = self._epochs.get(label, 0) + 1
         while slots and slots[-1] is None:
             slots.pop()
         self.adapters = tuple(slots)
@@ -199,6 +267,8 @@ class PagedEngine:
                 else:
                     self._extended_step(extra)
                 self.processor.update_batch()
+        if self._keys:
+            self._release_prefilled()
         out: list[Output] = []
         while True:
             try:
@@ -239,6 +309,10 @@ class PagedEngine:
         sched = self.processor.scheduler
         st = sched.active_requests.get(sequence) or sched.waiting_requests.get(sequence)
         if st is None:
+            for twins in self._twins.values():
+                for name, args in twins:
+                    if name == sequence:  # waits for a twin's prefill
+                        return SeqState(context=0, prefill_left=len(args[0]))
             return None
         left = len(st.remaining_prefill_tokens)
         return SeqState(
@@ -256,6 +330,9 @@ class PagedEngine:
     def reset(self) -> None:
         """Drop every sequence (after a failed step), keeping the samplers' state."""
         self.processor.reset()
+        self.processor.cache.evict_cached_blocks()  # what a failed step left is not trusted
+        self._twins.clear()  # the runner adds every sequence again
+        self._keys.clear()
         for q in (self.manager.input_queue, self.manager.cancel_queue, self._outputs):
             while not q.empty():
                 q.get_nowait()

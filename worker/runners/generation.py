@@ -1012,19 +1012,28 @@ class TextGenerationRunner:
     def reset_prefix_cache(self) -> bool:
         """Any thread: empty the prefix cache before the next step (vLLM's
         ``reset_prefix_cache``), so no prompt admitted after this call takes a block held
-        before it; running sequences keep their own keys and values (blocks are copies).
-        False: the model has no prefix cache (``prefix_cache_tokens`` 0, the paged engine)."""
-        if self.prefix_cache_tokens == 0:
+        before it; running sequences keep their own keys and values (blocks are copies;
+        the paged engine's shared blocks stay with their users). False: the model has no
+        prefix cache (``prefix_cache_tokens`` 0; the paged engine, a sliding-window model)."""
+        from ..generation.paged import PagedEngine
+
+        if isinstance(self.engine, PagedEngine):
+            if not self.engine.sharing.on:
+                return False
+        elif self.prefix_cache_tokens == 0:
             return False
         self._reset_prefix = True
         return True
 
     def _empty_prefix_cache(self) -> None:
         from ..generation.padded import PaddedEngine
+        from ..generation.paged import PagedEngine
 
         if isinstance(self.engine, PaddedEngine) and self.engine.prefix is not None:
             logger.info("prefix cache emptied (%d tokens held)", self.engine.prefix.tokens)
             self.engine.prefix.clear()
+        elif isinstance(self.engine, PagedEngine):
+            logger.info("shared blocks forgotten (%d blocks)", self.engine.forget_blocks())
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
@@ -1487,10 +1496,14 @@ class TextGenerationRunner:
     def _resident(self) -> dict[str, Any]:
         """The padded engine's prompt tokens run and taken from a twin's prefill (a
         request's ``n`` completions); with a prefix cache, the tokens it holds and those
-        prompts found there; on CPU, tokens its KV rows hold written, bytes released."""
+        prompts found there; on CPU, tokens its KV rows hold written, bytes released. The
+        paged engine's prompt tokens taken from shared blocks."""
         from ..generation.padded import PaddedEngine
+        from ..generation.paged import PagedEngine
 
         e = self.engine
+        if isinstance(e, PagedEngine):  # its shared blocks' hits
+            return {"prefix_cache_hit_tokens": e.sharing.hit_tokens} if e.sharing.on else {}
         if not isinstance(e, PaddedEngine):
             return {}
         out: dict[str, Any] = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
