@@ -530,6 +530,8 @@ def test_a_lean_engine_holds_each_adapter_s_weights_once(
 
     engine: Any = runner.engine
     assert engine.lean is not None
+    # the hooks read these adapters, not the ones read before they were laid out
+    assert all(h is a for h, a in zip(engine._hooks.adapters, engine.adapters, strict=True))
     for adapter, path in zip(engine.adapters, adapters.values(), strict=True):
         read = load(adapter.name, path, runner.model, 64)
         assert adapter.fused is not None and read.fused is None

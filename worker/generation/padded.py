@@ -340,9 +340,9 @@ class PaddedEngine:
         failed step does, and the next ones run transformers' forwards. Not taken where
         an adapter targets a module it does not run (:func:`.lora.fuse`)."""
         if adapters and self.lean is not None:
-            fused = [fuse(a, model) for a in adapters]
-            if all(f is not None for f in fused):
-                adapters = tuple(f for f in fused if f is not None)
+            laid = [fuse(a, model) for a in adapters]
+            if all(a is not None for a in laid):
+                adapters = tuple(a for a in laid if a is not None)
             else:
                 logger.info("a LoRA adapter targets modules the lean forward does not run: "
                             "this engine uses transformers' forwards")  # fmt: skip
@@ -446,12 +446,12 @@ class PaddedEngine:
         Any thread: it reads the model's layers, changes nothing."""
         if self.lean is None or adapter.fused is not None:
             return adapter
-        fused = fuse(adapter, self.model)
-        if fused is None:
+        laid = fuse(adapter, self.model)
+        if laid is None:
             raise ValueError(f"adapter {adapter.name!r} targets modules the lean forward does "
                              "not run: load it at startup (options.lora_adapters), or serve "
                              "the model with lean_decode false")  # fmt: skip
-        return fused
+        return laid
 
     def set_adapter(self, label: int, adapter: Adapter | None) -> None:
         """Between steps (the engine's owner): put ``adapter`` (as :meth:`fuse_adapter`
