@@ -493,8 +493,10 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     adapter = load("hand", path, runner.model, 64)
     assert set(adapter.modules) == {"model.layers.1.self_attn.q_proj",
                                     "model.layers.1.self_attn.v_proj"}  # fmt: skip
-    fused = fuse(adapter, runner.model)
-    assert fused is not None and fused[0] == {} and set(fused[1]) == {"qkv"}
+    laid = fuse(adapter, runner.model)
+    assert laid is not None and laid.fused is not None
+    fused = laid.fused
+    assert fused[0] == {} and set(fused[1]) == {"qkv"}
     a, b = fused[1]["qkv"]
     assert torch.equal(a, torch.cat([a_q, a_v]))
     want = torch.zeros(q.out_features + k_out + v.out_features, 4)
@@ -505,13 +507,49 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     every = load("all", make_adapter(tmp_path / "all", lm, targets="all-linear", alpha=4),
                  runner.model, 64)  # fmt: skip
     assert every.scale == 0.5
-    layers = fuse(every, runner.model)
-    assert layers is not None
-    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in layers)
+    laid = fuse(every, runner.model)
+    assert laid is not None and laid.fused is not None
+    assert all(set(layer) == {"qkv", "o", "gate_up", "down"} for layer in laid.fused)
     # B without its A is refused
     save_file({key.format("q_proj", "B"): b_q}, str(path / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="lora_A and lora_B are not both there"):
         load("hand", path, runner.model, 64)
+
+
+def test_a_lean_engine_holds_each_adapter_s_weights_once(
+    runner: TextGenerationRunner, lm: Path, adapters: dict[str, Path]
+) -> None:
+    """The lean engine's adapters keep their per-module updates (the hooks', where it falls
+    back to transformers' forwards) as views of their fused products: no second copy,
+    the same numbers as read; an engine without the lean forward keeps them as read and
+    lays out nothing. (Its tokens: the tests above, the hooks' fallback included.)"""
+    from batchfleet.worker.generation.lora import load, nbytes
+
+    def storages(tensors: list[Any]) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    engine: Any = runner.engine
+    assert engine.lean is not None
+    # the hooks read these adapters, not the ones read before they were laid out
+    assert all(h is a for h, a in zip(engine._hooks.adapters, engine.adapters, strict=True))
+    for adapter, path in zip(engine.adapters, adapters.values(), strict=True):
+        read = load(adapter.name, path, runner.model, 64)
+        assert adapter.fused is not None and read.fused is None
+        fused = storages([t for layer in adapter.fused for u in layer.values() for t in u])
+        # every module's A and B lie in a fused product's memory
+        assert storages([t for u in adapter.modules.values() for t in u]).keys() <= fused.keys()
+        assert nbytes(adapter) == sum(fused.values())
+        # the views hold the numbers read, module by module
+        assert adapter.modules.keys() == read.modules.keys()
+        for where, (a, b) in read.modules.items():
+            got_a, got_b = adapter.modules[where]
+            assert torch.equal(got_a, a) and torch.equal(got_b, b), where
+        # one copy: less than what was read and its fused layout kept side by side
+        assert nbytes(adapter) < nbytes(read) + sum(fused.values())
+    plain = _runner(lm, {"sql": adapters["sql"]}, lean_decode=False)
+    (only,) = plain.engine.adapters  # type: ignore[attr-defined]
+    assert only.fused is None
+    assert nbytes(only) == sum(t.nbytes for u in only.modules.values() for t in u)
 
 
 def start_gen_worker(redis_url: str, r: redis.Redis, lm: Path, sql: Path,

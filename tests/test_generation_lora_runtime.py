@@ -9,12 +9,14 @@ unloads); per-adapter gauges."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
 import subprocess
 import sys
 import urllib.request
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,13 +285,66 @@ def test_the_metrics_show_each_adapter_s_requests(lm: Path, adapters: dict[str, 
     assert 'batchfleet_lora_requests_waiting{adapter="chat",model="gen"} 1.0' in text
     assert 'batchfleet_lora_adapters_loaded{model="gen"} 2.0' in text
     assert 'adapter="x"' not in text
+    # the memory of each adapter in the engine (chat's from the step that takes it)
+    from batchfleet.worker.generation.lora import nbytes
+
+    def held(name: str, label: int) -> str:
+        size = nbytes(runner.engine.adapters[label - 1])  # type: ignore[arg-type]
+        return f'batchfleet_lora_adapter_bytes{{adapter="{name}",model="gen"}} {float(size)}'
+
+    assert held("sql", 1) in text
+    assert 'batchfleet_lora_adapter_bytes{adapter="chat"' not in text
+    d.step()
+    assert held("chat", 2) in generate_latest(registry).decode()
     scheduler.stop("d", "cancelled")
     text = generate_latest(registry).decode()
     assert 'batchfleet_lora_requests_waiting{adapter="sql",model="gen"} 1.0' in text
     runner.unload_lora("sql")
     text = generate_latest(registry).decode()
-    assert 'adapter="sql"' not in text
+    assert 'lora_requests_running{adapter="sql"' not in text
+    assert 'lora_requests_waiting{adapter="sql"' not in text
     assert 'batchfleet_lora_adapters_loaded{model="gen"} 1.0' in text
+    # its weights stay while its request runs (a below)
+    assert 'batchfleet_lora_adapter_bytes{adapter="sql",model="gen"}' in text
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_an_unloaded_adapter_s_memory_goes_once_its_last_request_ends(
+    lm: Path, adapters: dict[str, Path], forward: str
+) -> None:
+    from batchfleet.worker.generation.lora import nbytes
+    from batchfleet.worker.metrics import LoraCollector
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    # Given: sql loaded while serving, a request running under it
+    runner = _serving(lm, lean_decode=forward == "lean")
+    engine: Any = runner.engine
+    registry = CollectorRegistry()
+    registry.register(LoraCollector(lambda: [SimpleNamespace(model="gen", runner=runner)]))
+    runner.load_lora("sql", adapters["sql"])
+    d = Driver(runner)
+    d.step([("a", prepare(runner, _gen("a", 0, 8, "sql"))[0])])
+    adapter = engine.adapters[0]
+    assert (adapter.fused is not None) == (forward == "lean")
+    tensors = [t for u in adapter.modules.values() for t in u]
+    tensors += [t for layer in adapter.fused or () for u in layer.values() for t in u]
+    alive = [weakref.ref(t) for t in tensors]
+    gauge = 'batchfleet_lora_adapter_bytes{adapter="sql",model="gen"}'
+    assert f"{gauge} {float(nbytes(adapter))}" in generate_latest(registry).decode()
+    del adapter, tensors
+    # When: it is unloaded: its weights stay while its request runs, then go
+    runner.unload_lora("sql")
+    d.step()
+    gc.collect()
+    assert all(r() is not None for r in alive)
+    assert gauge in generate_latest(registry).decode()
+    d.run()
+    d.step()
+    gc.collect()
+    # Then: nothing holds any of its tensors; the gauge has no series for it
+    assert engine.adapters == ()
+    assert [r for r in alive if r() is not None] == []
+    assert gauge not in generate_latest(registry).decode()
 
 
 def _control(redis_url: str, dest: str, command: str, **arguments: str) -> dict[str, Any]:

@@ -434,7 +434,8 @@ def _device_memory() -> Iterator[GaugeMetricFamily]:
 class LoraCollector(Collector):  # type: ignore[misc]
     """Per LoRA adapter of each generating model of this worker, its requests running and
     waiting here (vLLM's ``vllm:lora_requests_info``, one series per adapter: as many as
-    ``max_loras`` at most), and the adapters loaded; read off the runners at each scrape."""
+    ``max_loras`` at most) and the memory its weights take, and the adapters loaded; read
+    off the runners at each scrape."""
 
     def __init__(self, loops: Callable[[], Sequence[Any]]) -> None:
         self._loops = loops
@@ -453,7 +454,15 @@ class LoraCollector(Collector):  # type: ignore[misc]
             "batchfleet_lora_adapters_loaded",
             "Generation: LoRA adapters a request may name.", labels=["model"],
         )  # fmt: skip
+        held = GaugeMetricFamily(
+            "batchfleet_lora_adapter_bytes",
+            "Generation: memory each LoRA adapter's weights take on the device (one that is "
+            "unloaded until its last request ends).", labels=["model", "adapter"],
+        )  # fmt: skip
         for lp in self._loops():
+            sizes = getattr(lp.runner, "lora_bytes", None)
+            for name, size in sorted((sizes() if sizes is not None else {}).items()):
+                held.add_metric([lp.model, name], size)
             counts = getattr(lp.runner, "lora_requests", None)
             if counts is None:
                 continue
@@ -466,6 +475,7 @@ class LoraCollector(Collector):  # type: ignore[misc]
         yield running
         yield waiting
         yield loaded
+        yield held
 
 
 def worker_loops(worker: Any) -> list[Any]:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .lora import Adapter, Fused
+from .lora import Adapter
 from .sampling import Logprob, Sampling
 
 
@@ -39,6 +39,9 @@ class SeqState:
 class Engine(Protocol):
     """One model's continuous batching, stepped by the caller."""
 
+    adapters: tuple[Adapter | None, ...]
+    """Its LoRA adapters by label less one (None: a label taken away)."""
+
     def add(self, sequence: str, tokens: list[int], max_new_tokens: int,
             sampling: Sampling, priority: int = 0,
             score: int | None = None, salt: str | None = None,
@@ -53,6 +56,5 @@ class Engine(Protocol):
     def logprobs(self, sequence: str) -> list[Logprob]: ...
     def prompt_logprobs(self, sequence: str) -> list[Logprob]: ...
     def cached(self, sequence: str) -> int: ...
-    def fuse_adapter(self, adapter: Adapter) -> Fused | None: ...
-    def set_adapter(self, label: int, adapter: Adapter | None,
-                    fused: Fused | None = None) -> None: ...  # fmt: skip
+    def fuse_adapter(self, adapter: Adapter) -> Adapter: ...
+    def set_adapter(self, label: int, adapter: Adapter | None) -> None: ...

@@ -21,7 +21,10 @@ that way, the projections' ``A`` concatenated along the rank and their ``B`` pla
 block-wise in one ``outputs x ranks`` matrix (zero where a projection is not targeted), so
 each product takes one low-rank update per adapter in a step (:func:`apply`). Any other
 model, or the same with ``lean_decode`` off, runs transformers' forwards, which
-:mod:`.lora_hooks` hooks.
+:mod:`.lora_hooks` hooks. A lean engine may fall back to those (its first step failed), so
+its adapter keeps both layouts, stored once: each module's ``A`` is a block of rows of its
+product's, its ``B`` the block of its product's ``B`` it fills (:func:`fuse`;
+:func:`nbytes` counts what is held).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,6 +80,9 @@ class Adapter:
     rank: int
     scale: float
     modules: dict[str, Update]
+    fused: Fused | None = None
+    """Its layout for the lean forward (:func:`fuse`; None: not laid out), which
+    ``modules`` are then views of."""
 
 
 def load(name: str, path: str | Path, model: Any, max_rank: int) -> Adapter:
@@ -169,46 +175,50 @@ def features(module: Any) -> tuple[int, int] | None:
     return None
 
 
-def fuse(adapter: Adapter, model: Any) -> Fused | None:
-    """``adapter`` laid out for the lean forward over ``model``'s layers (module docstring);
+def fuse(adapter: Adapter, model: Any) -> Adapter | None:
+    """``adapter`` laid out for the lean forward over ``model``'s layers (module docstring):
+    its ``fused`` products, per layer, and its ``modules`` views of them (no second copy);
     None where it targets a module that forward does not run as one of its products
     (anything but a decoder layer's seven projections)."""
     base = model.model.layers
-    by_layer: list[dict[str, Update]] = [{} for _ in base]
     for where in adapter.modules:
         m = _LEAN.fullmatch(where)
         if m is None or m.group(2) not in PROJECTIONS or int(m.group(1)) >= len(base):
             return None
+    by_layer: list[dict[str, Update]] = [{} for _ in base]
+    views: dict[str, Update] = {}
     for i, layer in enumerate(base):
         for product, projs in FUSED.items():
             paths = [f"model.layers.{i}.{_part(p)}.{p}" for p in projs]
-            if not any(p in adapter.modules for p in paths):
+            targeted = [(k, adapter.modules[p]) for k, p in enumerate(paths)
+                        if p in adapter.modules]  # fmt: skip
+            if not targeted:
                 continue
-            linears = [getattr(getattr(layer, _part(p)), p) for p in projs]
-            a_parts, b_parts = [], []
-            for k, path in enumerate(paths):
-                if path in adapter.modules:
-                    a, b = adapter.modules[path]
-                    a_parts.append(a)
-                    b_parts.append(_placed(b, k, linears))
-            by_layer[i][product] = (torch.cat(a_parts).contiguous(),
-                                    torch.cat(b_parts, dim=1).contiguous())  # fmt: skip
-    return tuple(by_layer)
+            sizes = [int(getattr(getattr(layer, _part(p)), p).out_features) for p in projs]
+            a0, b0 = targeted[0][1]
+            rank = a0.shape[0]
+            a = a0.new_empty((rank * len(targeted), a0.shape[1]))
+            b = b0.new_zeros((sum(sizes), rank * len(targeted)))
+            for n, (k, (a_k, b_k)) in enumerate(targeted):
+                rows, start = slice(n * rank, (n + 1) * rank), sum(sizes[:k])
+                a[rows] = a_k
+                b[start : start + sizes[k], rows] = b_k
+                views[paths[k]] = (a[rows], b[start : start + sizes[k], rows])
+            by_layer[i][product] = (a, b)
+    return replace(adapter, modules=views, fused=tuple(by_layer))
 
 
 def _part(proj: str) -> str:
     return "self_attn" if proj in FUSED["qkv"] or proj == "o_proj" else "mlp"
 
 
-def _placed(b: torch.Tensor, index: int, linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
-    """``b`` (projection ``index`` of the fused product's ``linears``) in its rows of an
-    ``outputs x rank`` block, zeros elsewhere: the fused ``B`` is these side by side, one
-    block per targeted projection."""
-    outputs = sum(int(lin.out_features) for lin in linears)
-    start = sum(int(lin.out_features) for lin in linears[:index])
-    out = b.new_zeros((outputs, b.shape[1]))
-    out[start : start + b.shape[0]] = b
-    return out
+def nbytes(adapter: Adapter) -> int:
+    """The memory ``adapter``'s weights hold: each storage its tensors use, once."""
+    tensors = [t for update in adapter.modules.values() for t in update]
+    for layer in adapter.fused or ():
+        tensors += [t for update in layer.values() for t in update]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def groups(labels: Sequence[int], adapters: Sequence[T],

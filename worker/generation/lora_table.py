@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .lora import Adapter, Fused
+from .lora import Adapter
 
 MAX_LORAS = 8
 """The default bound on adapters loaded at once (vLLM's ``max_loras`` is 1; its servers
@@ -36,12 +36,11 @@ class AdapterNotLoaded(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """An adapter added at ``label`` (with its lean layout), or (``adapter`` None) one
+    """An adapter added at ``label`` (as its engine serves it), or (``adapter`` None) one
     unloaded: its label takes no new request, and goes once none of its requests is left."""
 
     label: int
     adapter: Adapter | None
-    fused: Fused | None = None
 
 
 class AdapterTable:
@@ -84,13 +83,13 @@ class AdapterTable:
         with self._lock:
             self._loading.discard(name)
 
-    def add(self, name: str, adapter: Adapter, fused: Fused | None) -> int:
+    def add(self, name: str, adapter: Adapter) -> int:
         """A reserved name's adapter, read and checked: served from the next step on; its
         label."""
         with self._lock:
             self._loading.discard(name)
             label, self._next = self._next, self._next + 1
-            self._changes.append(Change(label, adapter, fused))
+            self._changes.append(Change(label, adapter))
             self.labels = {**self.labels, name: label}
             self.pending = True
         return label

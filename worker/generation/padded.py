@@ -299,11 +299,6 @@ class PaddedEngine:
         """Speculation so far: the rows that proposed drafts, and the drafts proposed."""
         self.accepted: list[int] = []
         """Per draft position (the first draft first), the drafts accepted there so far."""
-        self.adapters: tuple[Adapter | None, ...] = adapters
-        """The LoRA adapters its sequences may run under (:mod:`.lora`), by label less one
-        (None: a label whose adapter was taken away, :meth:`set_adapter`)."""
-        self._hooks = LoraHooks(model, adapters) if adapters else None
-        """The adapters on transformers' forwards (:mod:`.lora_hooks`)."""
         self.prefix = prefix_cache
         """Recent prompts' leading blocks (None: no prefix caching)."""
         self.device = next(model.parameters()).device
@@ -353,16 +348,20 @@ class PaddedEngine:
         first step fails (not for memory), it is dropped for good: that step fails as any
         failed step does, and the next ones run transformers' forwards. Not taken where
         an adapter targets a module it does not run (:func:`.lora.fuse`)."""
-        self._fused: tuple[Fused | None, ...] = ()
-        """The adapters laid out for the lean forward, as ``adapters``."""
         if adapters and self.lean is not None:
-            fused = [fuse(a, model) for a in adapters]
-            if all(f is not None for f in fused):
-                self._fused = tuple(fused)
+            laid = [fuse(a, model) for a in adapters]
+            if all(a is not None for a in laid):
+                adapters = tuple(a for a in laid if a is not None)
             else:
                 logger.info("a LoRA adapter targets modules the lean forward does not run: "
                             "this engine uses transformers' forwards")  # fmt: skip
                 self.lean = None
+        self.adapters: tuple[Adapter | None, ...] = adapters
+        """The LoRA adapters its sequences may run under (:mod:`.lora`), by label less one
+        (None: a label whose adapter was taken away, :meth:`set_adapter`); with a lean
+        forward, each laid out for it too (:meth:`fuse_adapter`), in the same memory."""
+        self._hooks = LoraHooks(model, adapters) if adapters else None
+        """The adapters on transformers' forwards (:mod:`.lora_hooks`)."""
         self._lean_ran = False
         self._prompt_lps: dict[str, list[Logprob]] = {}
         """Per sequence that asked, its prompt tokens' log-probabilities so far."""
@@ -448,32 +447,31 @@ class PaddedEngine:
             return SeqState(context=seq.cached, prefill_left=len(seq.tokens) - seq.cached)
         return SeqState(context=seq.context, prefill_left=len(seq.tokens) - seq.done)
 
-    def fuse_adapter(self, adapter: Adapter) -> Fused | None:
-        """``adapter`` laid out for this engine's lean forward (None: it has none); a
+    def fuse_adapter(self, adapter: Adapter) -> Adapter:
+        """``adapter`` as this engine serves it: laid out for its lean forward as well
+        (:func:`.lora.fuse`: one copy of the weights), or as it is where it has none; a
         ``ValueError`` where it targets a module that forward does not run (at startup the
         engine takes transformers' forwards then; while it serves, it does not change).
         Any thread: it reads the model's layers, changes nothing."""
-        if self.lean is None:
-            return None
-        fused = fuse(adapter, self.model)
-        if fused is None:
+        if self.lean is None or adapter.fused is not None:
+            return adapter
+        laid = fuse(adapter, self.model)
+        if laid is None:
             raise ValueError(f"adapter {adapter.name!r} targets modules the lean forward does "
                              "not run: load it at startup (options.lora_adapters), or serve "
                              "the model with lean_decode false")  # fmt: skip
-        return fused
+        return laid
 
-    def set_adapter(self, label: int, adapter: Adapter | None, fused: Fused | None = None) -> None:
-        """Between steps (the engine's owner): put ``adapter`` at ``label`` (an index into
-        ``adapters`` plus one, past the end: added), with its :meth:`fuse_adapter` layout;
-        None: take that label's away (no sequence of it may be left, but cancelled ones)."""
+    def set_adapter(self, label: int, adapter: Adapter | None) -> None:
+        """Between steps (the engine's owner): put ``adapter`` (as :meth:`fuse_adapter`
+        gave it) at ``label`` (an index into ``adapters`` plus one, past the end: added);
+        None: take that label's away and let its memory go (no sequence of it may be left,
+        but cancelled ones)."""
         slots = list(self.adapters) + [None] * max(0, label - len(self.adapters))
-        slots[label - 1] = adapter
-        fused_slots = list(self._fused) + [None] * max(0, len(slots) - len(self._fused))
-        fused_slots[label - 1] = fused if adapter is not None else None
+        slots[label - 1] = None if adapter is None else self.fuse_adapter(adapter)
         while slots and slots[-1] is None:
             slots.pop()
         self.adapters = tuple(slots)
-        self._fused = tuple(fused_slots[: len(slots)]) if self.lean is not None else ()
         self._hooks = LoraHooks(self.model, self.adapters) if self.adapters else None
 
     def set_step_tokens(self, tokens: int) -> None:
@@ -688,7 +686,8 @@ class PaddedEngine:
             labels += [seq.lora] * len(chunk.tokens)
         if not any(labels):
             return []
-        return [(f, at) for f, at in groups(labels, self._fused, self.device) if f is not None]
+        return [(a.fused, at) for a, at in groups(labels, self.adapters, self.device)
+                if a is not None and a.fused is not None]  # fmt: skip
 
     def _prepare_decode(self, drafts: dict[int, list[int]]) -> tuple[torch.Tensor, np.ndarray]:
         """Room for every row's next token and its ``drafts`` (by row), and the step's

@@ -45,7 +45,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .engine import Output, SeqState
-from .lora import Adapter, Fused
+from .lora import Adapter
 from .lora_hooks import LoraHooks
 from .paged_prefix import Salt, SaltedSharing
 from .paged_step import Scored, ScoringForward, StepPlan, keep_scores, plan
@@ -235,12 +235,12 @@ class PagedEngine:
         ``reset_prefix_cache``); running sequences keep theirs. How many blocks were known."""
         return self.sharing.forget_blocks()
 
-    def fuse_adapter(self, adapter: Adapter) -> Fused | None:
-        """None: this engine has no lean forward; any adapter :mod:`.lora` loads is served
-        through hooks."""
-        return None
+    def fuse_adapter(self, adapter: Adapter) -> Adapter:
+        """``adapter`` as it is: this engine has no lean forward; any adapter :mod:`.lora`
+        loads is served through hooks."""
+        return adapter
 
-    def set_adapter(self, label: int, adapter: Adapter | None, fused: Fused | None = None) -> None:
+    def set_adapter(self, label: int, adapter: Adapter | None) -> None:
         """Between steps (the engine's owner): put ``adapter`` at ``label`` (an index into
         ``adapters`` plus one, past the end: added); None: take that label's away (no
         sequence of it may be left, but cancelled ones)."""

@@ -947,15 +947,16 @@ class TextGenerationRunner:
 
         self._loras.reserve(name)
         try:
-            adapter = load_adapter(name, path, self.model, self.max_lora_rank)
-            fused = self.engine.fuse_adapter(adapter)
+            adapter = self.engine.fuse_adapter(
+                load_adapter(name, path, self.model, self.max_lora_rank)
+            )
         except ValueError as exc:
             self._loras.release(name)
             raise ValueError(str(exc).removeprefix("options.lora_adapters: ")) from None
         except BaseException:
             self._loras.release(name)
             raise
-        self._loras.add(name, adapter, fused)
+        self._loras.add(name, adapter)
 
     def unload_lora(self, name: str) -> None:
         """Any thread: no new request may name ``name`` (``invalid_request``); those
@@ -986,13 +987,25 @@ class TextGenerationRunner:
                     out[name] = (running + 1, waiting)
         return out
 
+    def lora_bytes(self) -> dict[str, int]:
+        """Any thread: per adapter the engine holds (an unloaded one until its requests
+        end), the memory its weights take (:func:`..generation.lora.nbytes`); read at a
+        metrics scrape."""
+        from ..generation.lora import nbytes
+
+        out: dict[str, int] = {}
+        for a in self.engine.adapters:
+            if a is not None:  # (a name reloaded while its old weights drain: both)
+                out[a.name] = out.get(a.name, 0) + nbytes(a)
+        return out
+
     def _lora_changes(self) -> None:
         """Between steps: the adapters loaded since put in the engine, and those unloaded
         taken out of it once none of their requests is left."""
         engine = self.engine
         for change in self._loras.take():
             if change.adapter is not None:
-                engine.set_adapter(change.label, change.adapter, change.fused)
+                engine.set_adapter(change.label, change.adapter)
                 logger.info("LoRA adapter %r loaded (label %d)", change.adapter.name, change.label)
             else:
                 self._draining_loras.add(change.label)
