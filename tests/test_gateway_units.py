@@ -250,6 +250,15 @@ def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:
     assert a["prompt_logprobs"] == [None, {
         "9": {"logprob": -2.0, "rank": 2, "decoded_token": "q"},
         "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}]  # fmt: skip
+    # a prompt token outside the likeliest: its rank as the worker sends it (old workers: none)
+    outside = {"token": 9, "text": "q", "logprob": -7.0, "top": prompt_lps[1]["top"][:1]}
+    for sent, rank in (({"rank": 57}, 57), ({}, None)):
+        res = result([{"text": "", "finish_reason": "length",
+                       "prompt_logprobs": [None, outside | sent]}])  # fmt: skip
+        scored = completion_response({"prompt": "P"}, res, ANSWERED)["choices"][0]
+        assert scored["prompt_logprobs"][1] == {
+            "9": {"logprob": -7.0, "rank": rank, "decoded_token": "q"},
+            "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}  # fmt: skip
 
 
 def delta(seq: int, text: str, index: int = 0, **more: Any) -> Delta:
