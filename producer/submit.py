@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -134,7 +135,21 @@ def build_request(
         code = ErrorCode.TOO_LARGE if "too_large" in msg else ErrorCode.INVALID_REQUEST
         if "empty_input" in msg:
             code = ErrorCode.EMPTY_INPUT
-        raise RequestRejected(msg, code) from None
+        raise RequestRejected(msg, code, _param(exc.errors()[0])) from None
+
+
+def _param(error: Any) -> str | None:
+    """The field a validation error is about: its ``loc`` (``messages[0].content``), or,
+    for a check of the whole request, the field its message begins with, if it does
+    (``length_penalty goes with use_beam_search``)."""
+    loc: tuple[int | str, ...] = tuple(error["loc"])
+    if not loc:
+        words = str(error["msg"]).removeprefix("Value error, ").split(": ", 1)
+        first = re.match(r"\w+", words[-1] if words[0] in ("too_large", "empty_input")
+                         else words[0])  # fmt: skip
+        name = first.group() if first else ""
+        return name if name in Request.model_fields else None
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).removeprefix(".")
 
 
 def _generation_fields(generation: Mapping[str, Any]) -> dict[str, Any]:

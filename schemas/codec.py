@@ -343,7 +343,7 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
         "seq": delta.seq, "input": delta.input, "text": delta.text, "tokens": delta.tokens,
     }  # fmt: skip
     if delta.logprobs is not None:
-        body["logprobs"] = [lp.model_dump() for lp in delta.logprobs]
+        body["logprobs"] = [lp.model_dump(exclude_none=True) for lp in delta.logprobs]
     if delta.tool_calls is not None:
         body["tool_calls"] = [c.model_dump() for c in delta.tool_calls]
     if delta.tool_call_chunks is not None:
@@ -359,7 +359,7 @@ def encode_delta(delta: Delta, fmt: Format = "msgpack") -> bytes:
     if delta.prompt_text is not None:
         body["prompt_text"] = delta.prompt_text
     if delta.prompt_logprobs is not None:
-        body["prompt_logprobs"] = [None if lp is None else lp.model_dump()
+        body["prompt_logprobs"] = [None if lp is None else lp.model_dump(exclude_none=True)
                                    for lp in delta.prompt_logprobs]  # fmt: skip
     if delta.prompt_token_ids is not None:
         body["prompt_token_ids"] = delta.prompt_token_ids
@@ -406,7 +406,9 @@ def delta_fields(delta: Delta) -> dict[bytes, bytes]:
 
 def logprobs_json(logprobs: Sequence[TokenLogprob] | Sequence[dict[str, Any]]) -> str:
     """A delta's ``logprobs`` as its token-stream field holds them (compact JSON)."""
-    plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
+    plain = [
+        lp.model_dump(exclude_none=True) if isinstance(lp, TokenLogprob) else lp for lp in logprobs
+    ]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -415,7 +417,9 @@ def prompt_logprobs_json(
 ) -> str:
     """A delta's ``prompt_logprobs`` as its token-stream field holds them (compact JSON; the
     first token's null kept)."""
-    plain = [lp.model_dump() if isinstance(lp, TokenLogprob) else lp for lp in logprobs]
+    plain = [
+        lp.model_dump(exclude_none=True) if isinstance(lp, TokenLogprob) else lp for lp in logprobs
+    ]
     return json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
 
 

@@ -52,6 +52,14 @@ class RequestRejected(BatchfleetError):
 
     code = ErrorCode.INVALID_REQUEST
 
+    def __init__(
+        self, message: str, code: ErrorCode | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message, code)
+        self.param = param
+        """The field at fault under batchfleet's name (``messages[0].content``), where one
+        is known: the gateway names it as its route does in OpenAI's ``param``."""
+
 
 class QueueFull(BatchfleetError):
     """The lane holds its maximum number of requests: back off and retry, or shed load."""

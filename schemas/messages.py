@@ -762,6 +762,9 @@ class TokenLogprob(TopLogprob):
 
     top: list[TopLogprob] = Field(default_factory=list)
     """The request's ``logprobs`` likeliest tokens, likeliest first."""
+    rank: int | None = None
+    """The token's rank at its position: 1 + the number of tokens strictly likelier
+    (vLLM's); None from workers older than it."""
 
 
 class Generation(_Answer):

@@ -451,6 +451,13 @@ def test_errors_are_openai_errors(fleet: Fleet) -> None:
         c.chat.completions.create(model=LM, messages=[{"role": "user", "content": "x"}],
                                   temperature=-1)  # fmt: skip
     assert bad.value.code == "invalid_request" and "temperature" in str(bad.value)
+    assert bad.value.param == "temperature"  # named, as OpenAI and vLLM do
+    for stream in (False, True):  # under the route's own name of the field
+        with pytest.raises(openai.BadRequestError) as bad:
+            out = c.chat.completions.create(model=LM, messages=[{"role": "user", "content": "x"}],
+                                            max_completion_tokens=-2, stream=stream)  # fmt: skip
+            list(out) if stream else None  # type: ignore[call-overload]
+        assert bad.value.param == "max_completion_tokens"
     # a refusal the worker answers (a prompt over its bound): 400, streamed or not
     long = "the cat " * 1200
     for stream in (False, True):

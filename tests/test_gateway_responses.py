@@ -496,7 +496,8 @@ def test_refusals_are_openai_errors(fleet: Fleet) -> None:
     c = fleet.client
     for extra, param in (({"background": True, "store": False}, "store"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-                         ({"temperature": -1}, None)):  # fmt: skip
+                         ({"max_output_tokens": -1}, "max_output_tokens"),
+                         ({"temperature": -1}, "temperature")):  # fmt: skip
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as bad:
                 out = c.responses.create(model=LM, input="x", stream=stream, **extra)

@@ -250,6 +250,15 @@ def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:
     assert a["prompt_logprobs"] == [None, {
         "9": {"logprob": -2.0, "rank": 2, "decoded_token": "q"},
         "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}]  # fmt: skip
+    # a prompt token outside the likeliest: its rank as the worker sends it (old workers: none)
+    outside = {"token": 9, "text": "q", "logprob": -7.0, "top": prompt_lps[1]["top"][:1]}
+    for sent, rank in (({"rank": 57}, 57), ({}, None)):
+        res = result([{"text": "", "finish_reason": "length",
+                       "prompt_logprobs": [None, outside | sent]}])  # fmt: skip
+        scored = completion_response({"prompt": "P"}, res, ANSWERED)["choices"][0]
+        assert scored["prompt_logprobs"][1] == {
+            "9": {"logprob": -7.0, "rank": rank, "decoded_token": "q"},
+            "3": {"logprob": -0.1, "rank": 1, "decoded_token": "z"}}  # fmt: skip
 
 
 def delta(seq: int, text: str, index: int = 0, **more: Any) -> Delta:
@@ -528,3 +537,43 @@ def test_streamed_prompt_token_ids_lead_each_choice_as_whole(
     quiet = [ch for d in deltas for ch in plain.feed(d)] + plain.finish(res)
     assert not any("prompt_token_ids" in ch or any("prompt_token_ids" in x for x in ch["choices"])
                    for ch in quiet)  # fmt: skip
+
+
+def rejected_param(body: dict[str, Any], chat: bool = True) -> str | None:
+    """The ``param`` of the 400 the fleet's own validation of ``body`` answers with."""
+    sub = (chat_submission if chat else completion_submission)(body)
+    with pytest.raises(RequestRejected) as e:
+        built(sub)
+    error = of_exception(e.value, body)
+    assert error.status == 400
+    return error.param
+
+
+def test_the_fleets_own_refusals_name_the_field_as_the_route_does() -> None:
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    text = {"model": "lm", "prompt": "x"}
+    assert rejected_param(chat | {"temperature": -1}) == "temperature"
+    assert rejected_param(text | {"top_p": 2}, chat=False) == "top_p"
+    # batchfleet's max_new_tokens is the name the client sent
+    assert rejected_param(chat | {"max_tokens": -3}) == "max_tokens"
+    assert rejected_param(chat | {"max_completion_tokens": -3}) == "max_completion_tokens"
+    assert rejected_param(text | {"max_tokens": -3}, chat=False) == "max_tokens"
+    assert rejected_param(chat | {"min_tokens": -1}) == "min_tokens"
+    assert rejected_param(chat | {"logprobs": True, "top_logprobs": 10**6}) == "top_logprobs"
+    assert rejected_param(text | {"logprobs": 10**6}, chat=False) == "logprobs"
+    assert rejected_param({**chat, "messages": [{"role": "user"}]}) == "messages[0]"
+    # a check of the whole request names the field its message begins with
+    beam = {"use_beam_search": True, "max_tokens": 4}
+    assert rejected_param(chat | beam | {"temperature": 0.8}) == "use_beam_search"
+    assert rejected_param(chat | {"length_penalty": 0.5}) == "length_penalty"
+    assert rejected_param(chat | {"stop_token_ids": [-1]}) == "stop_token_ids"
+    assert rejected_param(chat | {"continue_final_message": True}) == "continue_final_message"
+    # ...and none where it names none
+    assert rejected_param({**chat, "stop": ["x"] * 1000}) is None
+    # the Responses API's and a prompt's names
+    for param, body, name in (
+        ("max_new_tokens", {"max_output_tokens": -1}, "max_output_tokens"),
+        ("inputs[1]", {"prompt": ["a", ""]}, "prompt[1]"),
+        ("messages[0].content", {"input": []}, "input[0].content"),
+    ):
+        assert of_exception(RequestRejected("bad", param=param), body).param == name

@@ -614,3 +614,32 @@ def test_bad_words_give_generate_s_tokens_with_its_bad_words_ids(
     for bad in ([], [""], ["x" * 257], ["w"] * 129):
         with pytest.raises(ValueError):
             req("x", bad_words=bad)
+
+
+def test_logprob_ranks_are_the_vocabulary_ranks_of_the_model_s_logits(
+    runner: TextGenerationRunner,
+) -> None:
+    # Given a prompt scored and tokens drawn, neither only the likeliest
+    text = "the man was a b c"
+    preps = prepare(runner, req("r", inputs=[text], max_new_tokens=6, prompt_logprobs=1,
+                                logprobs=1, temperature=1.5, seed=3))  # fmt: skip
+    d = Driver(runner)
+    d.step([("r", preps[0])])
+    d.run()
+    out = d.finals["r"].outputs[0]
+    ids = runner.tokenizer(text).input_ids
+    drawn = [e["token"] for e in out["logprobs"]]
+    with torch.inference_mode():
+        x = torch.tensor([ids + drawn], device=runner.torch_device)
+        lp = torch.log_softmax(runner.model(x).logits[0].float().cpu(), dim=-1)
+
+    # Then each token's rank is 1 + the tokens strictly likelier (brute force, row by row)
+    def rank(row: int, token: int) -> int:
+        return 1 + sum(1 for v in lp[row].tolist() if v > float(lp[row, token]) + 1e-5)
+
+    scored = out["prompt_logprobs"][1:]
+    assert [e["rank"] for e in scored] == [rank(k, t) for k, t in enumerate(ids[1:])]
+    assert [e["rank"] for e in out["logprobs"]] == [
+        rank(len(ids) - 1 + k, t) for k, t in enumerate(drawn)
+    ]
+    assert any(e["rank"] > 1 for e in scored) and any(e["rank"] > 1 for e in out["logprobs"])

@@ -1,7 +1,7 @@
 """vLLM's other reasoning parsers, each read as vLLM's code and tests read it: their tags,
 whether a text begins in its reasoning without its opening tag, the tags some wrap the
 answer in (hunyuan_a13b's ``<answer>``, ernie45's ``<response>``), the markers that end
-the reasoning and begin the answer (kimi_k2's tool section, ling3's ``<tool_call>``), gemma4's ``thought`` label,
+the reasoning and begin the answer (kimi_k2's tool section, ling3's and glm47's ``<tool_call>``), gemma4's ``thought`` label,
 and the parsers that never split (``identity``, ``minimax_m2_append_think``). Split whole
 and as the text grows (:func:`check_split`), and through the runner's own delta code with
 the tags as special tokens, where a constraint begins after the closing tag."""
@@ -84,6 +84,16 @@ LING_CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_
         ("glm47", "<|assistant|>\n<think>", "hm</think>\nParis.", "hm", "\nParis."),
         ("glm47", "<|assistant|>\n", "<think>hm</think>Paris.", "hm", "Paris."),
         ("glm47", "<|assistant|>\n<think></think>", "Paris.", None, "Paris."),
+        # glm47: a <tool_call> ends its reasoning too and begins the answer (vLLM's)
+        ("glm47", "<|assistant|>\n<think>", f"plan{LING_CALL}", "plan", LING_CALL),
+        (
+            "glm47",
+            "<|assistant|>\n",
+            f"<think>a\n{LING_CALL}</think>ok",
+            "a",
+            f"{LING_CALL}</think>ok",
+        ),
+        ("glm47", "<|assistant|>\n<think></think>", f"ok{LING_CALL}", None, f"ok{LING_CALL}"),
         ("holo2", IM, "hm</think>Paris.", "hm", "Paris."),
         ("holo2", IM + "<think>\n\n</think>\n\n", "Paris.", None, "Paris."),
         ("nemotron_v3", IM, "hm</think>Paris.", "hm", "Paris."),
@@ -342,10 +352,13 @@ def test_kimi_k2s_tool_section_ends_its_reasoning_and_its_calls_are_read(tagged:
     assert [c for ch in chunks for c in ch.get("tool_calls", ())] == out["tool_calls"]
 
 
-def test_ling3s_tool_call_ends_its_reasoning_and_is_read(tagged: Path) -> None:
+@pytest.mark.parametrize("parser", ["ling3", "glm47"])
+def test_a_tool_call_ends_ling3s_and_glm47s_reasoning_and_is_read(
+    tagged: Path, parser: str
+) -> None:
     # thinking on (the prompt silent), no </think>: the <tool_call> begins the answer,
     # where ling3's tool parser (GLM-4.7's format) reads it
-    runner = runner_for(tagged, "ling3", tool_call_parser="ling3")
+    runner = runner_for(tagged, parser, tool_call_parser="ling3")
     call = "get_time<arg_key>zone</arg_key><arg_value>cet</arg_value></tool_call>"
     chunks, out = generate(runner, "l", ["I will", " call it", "<tool_call>", call], stream=True)
     assert out["reasoning_content"] == "I will call it" and out["content"] == ""

@@ -119,7 +119,7 @@ def prompt_logprobs(lps: list[TokenLogprob | None] | None) -> list[Any] | None:
         if t is None:
             out.append(None)
             continue
-        entry = {str(t.token): {"logprob": t.logprob, "rank": None, "decoded_token": t.text}}
+        entry = {str(t.token): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.text}}
         for rank, x in enumerate(t.top, 1):
             if str(x.token) in entry:
                 entry[str(x.token)]["rank"] = rank

@@ -446,6 +446,7 @@ class Unary(Handler):
         self.jobs: list[AsyncJob] = []
 
     async def post(self) -> None:
+        body: Mapping[str, Any] = {}
         try:
             body = self.body_json()
             sub, _ = await self.gateway.served(self.endpoint.submission(body))
@@ -471,7 +472,7 @@ class Unary(Handler):
             self.fail(exc)
         except BatchfleetError as exc:
             self._cancel_all()
-            self.fail(of_exception(exc))
+            self.fail(of_exception(exc, body))
 
     async def _refuse_generator(self, model: str) -> None:
         """A 400 for a pooling request to a model its workers publish as generating (a
@@ -565,6 +566,7 @@ class Generate(Handler):
 
     async def post(self) -> None:
         started = False
+        body: Mapping[str, Any] = {}
         try:
             body = await self.expand(self.body_json())
             sub, alias = await self.gateway.served(self.submission(body))
@@ -612,7 +614,7 @@ class Generate(Handler):
             self._left()
             self._end_with(ApiError(500, str(exc), code="stream_restarted"))
         except (ApiError, BatchfleetError) as exc:
-            error = exc if isinstance(exc, ApiError) else of_exception(exc)
+            error = exc if isinstance(exc, ApiError) else of_exception(exc, body)
             if not started:
                 return self.fail(error)
             self._end_with(error)

@@ -7,6 +7,7 @@ tell ``queue_full`` from ``too_large`` without reading the message.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ...schemas.errors import (
@@ -99,8 +100,32 @@ def of_result(result: Result) -> ApiError:
     return ApiError(STATUS_OF_CODE.get(code, 500), message, code=code)
 
 
-def of_exception(exc: BatchfleetError) -> ApiError:
-    """The error a producer exception answers with."""
+CLIENT_NAMES: dict[str, tuple[str, ...]] = {
+    "max_new_tokens": ("max_tokens", "max_completion_tokens", "max_output_tokens"),
+    "min_new_tokens": ("min_tokens",),
+    "inputs": ("prompt", "input"),
+    "messages": ("messages", "input"),
+    "logprobs": ("top_logprobs", "logprobs"),
+    "structured_outputs": ("structured_outputs", "guided_json", "guided_regex",
+                           "guided_choice", "guided_grammar"),
+}  # fmt: skip
+"""batchfleet's request fields that the routes name otherwise: the name a route took
+is the first of these its body holds (none: the first)."""
+
+
+def client_param(param: str | None, body: Mapping[str, Any]) -> str | None:
+    """A field at fault (batchfleet's name, :attr:`RequestRejected.param`) under the name
+    the client sent it as, for OpenAI's ``param``."""
+    if param is None:
+        return None
+    head = param.split(".", 1)[0].split("[", 1)[0]
+    names = CLIENT_NAMES.get(head, (head,))
+    return next((n for n in names if n in body), names[0]) + param[len(head) :]
+
+
+def of_exception(exc: BatchfleetError, body: Mapping[str, Any] | None = None) -> ApiError:
+    """The error a producer exception answers with; ``body``, the request as its client
+    sent it, names a refused field as the client did."""
     if isinstance(exc, JobFailed):
         return of_result(exc.result)
     if isinstance(exc, QueueFull):
@@ -110,5 +135,6 @@ def of_exception(exc: BatchfleetError) -> ApiError:
     if isinstance(exc, ResultTimeout):
         return ApiError(504, str(exc), code="timeout")
     if isinstance(exc, RequestRejected):
-        return ApiError(STATUS_OF_CODE.get(exc.code.value, 400), str(exc), code=exc.code.value)
+        return ApiError(STATUS_OF_CODE.get(exc.code.value, 400), str(exc), code=exc.code.value,
+                        param=client_param(exc.param, body or {}))  # fmt: skip
     return ApiError(500, str(exc), code=exc.code.value)

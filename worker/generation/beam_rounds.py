@@ -73,7 +73,7 @@ class BeamRounds:
             engine.cancel([out.sequence])
         if not kept:
             raise RuntimeError(f"beam sequence {out.sequence}: the engine kept no alternatives")
-        _, _, ids, values = kept[0]
+        _, _, ids, values, _ = kept[0]
         tops = self.tops[i]
         tops[k] = list(zip(ids, values, strict=True))
         if any(t is None for t in tops):

@@ -20,7 +20,8 @@ for ``mistral`` (Magistral),
 response:`` for ``granite`` (Granite 3.2 with ``thinking`` on; ``Here's`` for ``Here is``
 too, as quantized Granites write it, vLLM's :data:`SPELLINGS`). ``kimi_k2``'s tool
 section, ``deepseek_v4``'s DSML tool calls, ``solar_open2``'s ``<|tool_call:start|>`` and
-``ling3``'s ``<tool_call>`` (GLM-4.7's calls) end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
+``ling3``'s and ``glm47``'s ``<tool_call>`` (GLM-4.7's calls, vLLM's ``glm47`` parser's
+end of reasoning) end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
 answer in ``<answer>`` … ``</answer>``, ``ernie45`` in ``<response>`` … ``</response>``,
 ``kimi_k3`` in its response channel (or they write it bare): the content is what they
 wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
@@ -105,6 +106,7 @@ ENDS: Final[dict[str, tuple[str, ...]]] = {
     "deepseek_v4": ("<\uff5cDSML\uff5ctool_calls>",),
     "solar_open2": ("<|tool_call:start|>",),
     "ling3": ("<tool_call>",),
+    "glm47": ("<tool_call>",),
 }
 """Markers that end a parser's reasoning as its closing tag does, but begin its answer
 (its tool calls' section, so they are read)."""

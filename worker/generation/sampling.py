@@ -162,8 +162,9 @@ class Sampling:
         return self.greedy and not self.shaped and self.logprobs is None
 
 
-Logprob = tuple[int, float, list[int], list[float]]
-"""A generated token, its log-probability, and the likeliest tokens' ids and theirs."""
+Logprob = tuple[int, float, list[int], list[float], int]
+"""A generated token, its log-probability, the likeliest tokens' ids and theirs, and its
+rank (vLLM's: 1 + the number of tokens strictly likelier)."""
 
 
 @dataclass(slots=True)
@@ -480,23 +481,27 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
 def _logprob(logits: torch.Tensor, token: int, top: int) -> Logprob:
     """``token``'s log-probability under ``logits`` and the ``top`` likeliest tokens'."""
     lp = torch.log_softmax(logits.float(), dim=-1)
+    rank = int((lp > lp[token]).sum()) + 1
     if top:
         values, ids = torch.topk(lp, min(top, lp.shape[0]))
-        return token, float(lp[token]), ids.tolist(), values.tolist()
-    return token, float(lp[token]), [], []
+        return token, float(lp[token]), ids.tolist(), values.tolist(), rank
+    return token, float(lp[token]), [], [], rank
 
 
 def logprob_rows(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
     """Per row of ``logits`` (positions), the log-probability of ``tokens[row]`` and the
-    ``top`` likeliest tokens' (a prompt's tokens, each under the logits before it)."""
+    ``top`` likeliest tokens' and its rank (a prompt's tokens, each under the logits before
+    it)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     rows = torch.arange(len(tokens), device=lp.device)
-    chosen = lp[rows, torch.tensor(tokens, device=lp.device)].tolist()
+    picked = lp[rows, torch.tensor(tokens, device=lp.device)]
+    ranks = ((lp > picked[:, None]).sum(dim=-1) + 1).tolist()
+    chosen = picked.tolist()
     if not top:
-        return [(t, v, [], []) for t, v in zip(tokens, chosen, strict=True)]
+        return [(t, v, [], [], r) for t, v, r in zip(tokens, chosen, ranks, strict=True)]
     values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
-    return [(t, v, i, w) for t, v, i, w in zip(tokens, chosen, ids.tolist(), values.tolist(),
-                                              strict=True)]  # fmt: skip
+    return [(t, v, i, w, r) for t, v, i, w, r in zip(tokens, chosen, ids.tolist(),
+                                                    values.tolist(), ranks, strict=True)]  # fmt: skip
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:

@@ -1324,14 +1324,14 @@ class TextGenerationRunner:
 
     def _logprobs(self, kept: list[Logprob]) -> list[dict[str, Any]]:
         """A sequence's kept log-probabilities as ``TokenLogprob`` maps, tokens decoded."""
-        ids = sorted({t for token, _, top, _ in kept for t in (token, *top)})
+        ids = sorted({t for token, _, top, _, _ in kept for t in (token, *top)})
         texts = dict(zip(ids, self.tokenizer.batch_decode([[i] for i in ids],
                                                           skip_special_tokens=False), strict=True))  # fmt: skip
         return [
-            {"token": token, "text": texts[token], "logprob": lp,
+            {"token": token, "text": texts[token], "logprob": lp, "rank": rank,
              "top": [{"token": t, "text": texts[t], "logprob": v}
                      for t, v in zip(top, values, strict=True)]}
-            for token, lp, top, values in kept
+            for token, lp, top, values, rank in kept
         ]  # fmt: skip
 
     def _deltas(self, r: _Req, final: bool = False) -> list[StepEvent]:
