@@ -455,8 +455,8 @@ def test_prompt_logprobs_are_the_model_s_own_through_chunks(llama: Any, fused: b
     kept = engine.prompt_logprobs("s")
     assert [t for t, *_ in kept] == prompt[1:]
     want = [float(lp[i, t]) for i, t in enumerate(prompt[1:])]
-    assert [v for _, v, _, _ in kept] == pytest.approx(want, abs=1e-4)
-    for i, (_, _, ids, values) in enumerate(kept):
+    assert [v for _, v, *_ in kept] == pytest.approx(want, abs=1e-4)
+    for i, (_, _, ids, values, _) in enumerate(kept):
         assert values == pytest.approx(lp[i].topk(3).values.tolist(), abs=1e-4)
         assert values == pytest.approx(lp[i, ids].tolist(), abs=1e-4)
     assert got["s"] == got["twin"] == generate(llama, prompt, 4)

@@ -136,7 +136,7 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest(llama: Any, fused
     for name, prompt in prompts.items():
         assert got[name] == generate(llama, prompt, 8), name
         if name != "q0":
-            kept = [lp for _, lp, _, _ in engine.logprobs(name)]
+            kept = [lp for _, lp, *_ in engine.logprobs(name)]
             assert kept == pytest.approx(reference(llama, prompt, got[name]), abs=1e-4), name
     run = sum(len(p) for p in prompts.values()) - 4 * 64
     assert engine.prefilled == run and cache.hit_tokens == 4 * 64
@@ -230,7 +230,7 @@ def test_a_preempted_sequence_resumes_from_its_own_blocks(llama: Any) -> None:
     engine.add("r", prompt + tokens, 30 - len(tokens), Sampling(logprobs=0))
     more = _until_done(engine)["r"]
     assert tokens + more == want
-    kept = [lp for _, lp, _, _ in engine.logprobs("r")]
+    kept = [lp for _, lp, *_ in engine.logprobs("r")]
     assert kept == pytest.approx(reference(llama, prompt + tokens, more), abs=1e-4)
     assert engine.prefilled - before == len(prompt) + len(tokens) - 40  # the prompt's blocks
     assert engine.cached("r") == 0  # its own blocks, not the cache's when it began

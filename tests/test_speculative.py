@@ -240,7 +240,7 @@ def test_rules_and_logprobs_see_every_emitted_token(llama: Any) -> None:
     assert got == plain
     for name, tokens in got.items():
         assert [t for t, *_ in lps[name]] == tokens  # one entry per emitted token
-        for (_, a, ids_a, _), (_, b, ids_b, _) in zip(lps[name], plain_lps[name], strict=True):
+        for (_, a, ids_a, *_), (_, b, ids_b, *_) in zip(lps[name], plain_lps[name], strict=True):
             assert a == pytest.approx(b, abs=1e-4) and ids_a == ids_b
 
 
