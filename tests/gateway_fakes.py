@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,3 +121,24 @@ async def leave_mid_stream(port: int, fake: ScriptedWorker, body: dict[str, Any]
             return taken
         await asyncio.sleep(0.05)
     return None
+
+
+def gateway_cli(monkeypatch: Any) -> Callable[..., dict[str, Any]]:
+    """``batchfleet gateway ARGS`` run with ``serve`` replaced: each call gives the
+    options the command line would serve with (``monkeypatch``: pytest's)."""
+    from batchfleet.producer.gateway import app
+
+    from batchfleet import cli
+
+    served: list[dict[str, Any]] = []
+
+    async def serve(url: str | None, **options: Any) -> None:
+        served.append(options)
+
+    monkeypatch.setattr(app, "serve", serve)
+
+    def run(*args: str) -> dict[str, Any]:
+        assert cli.main(["gateway", *args]) == 0
+        return served[-1]
+
+    return run

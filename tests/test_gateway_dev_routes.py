@@ -15,7 +15,7 @@ from batchfleet.producer.gateway.dev_routes import DevAdmin, reset_verdict
 from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.schemas.model_info import ModelInfo
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
-from gateway_fakes import ScriptedWorker, gateway_in_process, http
+from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
 RESET = "/reset_prefix_cache"
 DONE = {"ok": "reset_prefix_cache: gen", "models": ["gen"], "cleared": ["gen"]}
@@ -111,21 +111,10 @@ def test_reset_prefix_cache_empties_the_workers_caches(
 def test_the_cli_turns_the_routes_on_with_the_fleet_s_broker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from batchfleet.producer.gateway import app
-
-    from batchfleet import cli
-
-    served: list[dict[str, Any]] = []
-
-    async def serve(url: str | None, **options: Any) -> None:
-        served.append(options)
-
-    monkeypatch.setattr(app, "serve", serve)
+    gateway = gateway_cli(monkeypatch)
     url = "redis://127.0.0.1:1/0"
-    assert cli.main(["gateway", "--redis-url", url]) == 0
-    assert served[-1]["dev_admin"] is None  # off by default
-    assert cli.main(["gateway", "--redis-url", url, "--server-dev-mode"]) == 0
-    assert served[-1]["dev_admin"] == DevAdmin(url)
-    assert cli.main(["gateway", "--redis-url", url, "--server-dev-mode",
-                     "--broker-url", "redis://control@127.0.0.1:1/1"]) == 0  # fmt: skip
-    assert served[-1]["dev_admin"] == DevAdmin("redis://control@127.0.0.1:1/1")
+    assert gateway("--redis-url", url)["dev_admin"] is None  # off by default
+    assert gateway("--redis-url", url, "--server-dev-mode")["dev_admin"] == DevAdmin(url)
+    on = gateway("--redis-url", url, "--server-dev-mode",
+                 "--broker-url", "redis://control@127.0.0.1:1/1")  # fmt: skip
+    assert on["dev_admin"] == DevAdmin("redis://control@127.0.0.1:1/1")

@@ -18,7 +18,7 @@ from batchfleet.producer.gateway.lora_admin import LoraAdmin, verdict
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.model_info import ModelInfo
 from conftest import WorkerProcess
-from gateway_fakes import ScriptedWorker, gateway_in_process, http
+from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 GEN = ModelInfo(task="text-generation", max_model_len=2048)
@@ -180,22 +180,11 @@ def test_adapters_are_loaded_and_unloaded_through_the_gateway(
 def test_the_cli_turns_the_routes_on_with_the_fleet_s_broker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from batchfleet.producer.gateway import app
-
-    from batchfleet import cli
-
-    served: list[dict[str, Any]] = []
-
-    async def serve(url: str | None, **options: Any) -> None:
-        served.append(options)
-
-    monkeypatch.setattr(app, "serve", serve)
+    gateway = gateway_cli(monkeypatch)
     url = "redis://127.0.0.1:1/0"
-    assert cli.main(["gateway", "--redis-url", url]) == 0
-    assert served[-1]["lora_admin"] is None  # off by default
-    assert cli.main(["gateway", "--redis-url", url, "--allow-runtime-lora-updating",
-                     "--lora-timeout", "5"]) == 0  # fmt: skip
-    assert served[-1]["lora_admin"] == LoraAdmin(url, 5.0)
-    assert cli.main(["gateway", "--redis-url", url, "--allow-runtime-lora-updating",
-                     "--broker-url", "redis://control@127.0.0.1:1/1"]) == 0  # fmt: skip
-    assert served[-1]["lora_admin"] == LoraAdmin("redis://control@127.0.0.1:1/1", 30.0)
+    assert gateway("--redis-url", url)["lora_admin"] is None  # off by default
+    on = gateway("--redis-url", url, "--allow-runtime-lora-updating", "--lora-timeout", "5")
+    assert on["lora_admin"] == LoraAdmin(url, 5.0)
+    on = gateway("--redis-url", url, "--allow-runtime-lora-updating",
+                 "--broker-url", "redis://control@127.0.0.1:1/1")  # fmt: skip
+    assert on["lora_admin"] == LoraAdmin("redis://control@127.0.0.1:1/1", 30.0)
