@@ -254,3 +254,26 @@ def test_a_reconnection_sweeps_every_waiter_at_once(redis_url: str, r: redis.Red
             await replies.close()
 
     asyncio.run(go())
+
+
+def test_closing_ends_every_task_of_the_subscription(redis_url: str, r: redis.Redis) -> None:
+    """After :meth:`Replies.close` nothing of it runs on: its sweeps end with it (a loop
+    left sweeping would outlive the gateway's event loop), after a reconnection too."""
+
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            before = asyncio.all_tasks()
+            replies = await live(p, sweep_s=600.0)
+            for _ in range(2):
+                r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                while not r.execute_command("CLIENT", "LIST", "TYPE", "pubsub"):
+                    await asyncio.sleep(0.01)  # subscribed again: its sweeps woken
+                await replies.close()
+                assert asyncio.all_tasks() == before
+                replies.start()
+                while not replies.live:
+                    await asyncio.sleep(0.01)
+            await replies.close()
+            assert asyncio.all_tasks() == before
+
+    asyncio.run(go())

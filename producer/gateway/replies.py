@@ -46,6 +46,8 @@ SWEEP_S = 2.0
 RECONNECT_S = 0.5
 MIN_SWEEP_S = 0.1
 """Sweeps are this far apart at least (a ``sweep_s`` of 0: every waiter, each time)."""
+SWEEP_END_S = 5.0
+"""The longest a closing subscription waits for its sweep in flight to end."""
 DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -262,11 +264,21 @@ class Replies:
         self._resync()
         self.resweep.set()
 
-    async def _sweeping(self) -> None:
-        """Sweep every ``sweep_s``, and every waiter at once after a reconnection."""
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.resweep.wait(), max(self.sweep_s, MIN_SWEEP_S))
+    async def _sweeping(self, stop: asyncio.Event) -> None:
+        """Sweep every ``sweep_s``, and every waiter at once after a reconnection, until
+        ``stop`` is set (a cancel alone may be swallowed on the way: by redis-py in a
+        sweep, by ``asyncio.wait_for`` before 3.12)."""
+        while not stop.is_set():
+            woken = asyncio.ensure_future(self.resweep.wait())
+            halted = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({woken, halted}, timeout=max(self.sweep_s, MIN_SWEEP_S),
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            finally:
+                woken.cancel()
+                halted.cancel()
+            if stop.is_set():
+                return
             everyone = self.resweep.is_set()
             self.resweep.clear()
             try:
@@ -280,6 +292,7 @@ class Replies:
         while True:
             pubsub = self.producer.client.pubsub(ignore_subscribe_messages=True)
             sweeper: asyncio.Task[None] | None = None
+            stop = asyncio.Event()
             try:
                 await pubsub.subscribe(channel)
                 assert pubsub.connection is not None
@@ -288,7 +301,7 @@ class Replies:
                 self.subscribed.set()
                 self._resync()
                 await self._sweep(0.0)
-                sweeper = asyncio.ensure_future(self._sweeping())
+                sweeper = asyncio.ensure_future(self._sweeping(stop))
                 while True:  # blocking reads: no timer a message (the sweeps have their task)
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if msg is not None and msg.get("type") == "message":
@@ -302,8 +315,10 @@ class Replies:
                 logger.log(level, "reply channel %s: %s; subscribing again", channel, exc)
                 await asyncio.sleep(RECONNECT_S)
             finally:
-                if sweeper is not None:
+                if sweeper is not None:  # ended before the subscription is let go
+                    stop.set()
                     sweeper.cancel()
+                    await asyncio.wait({sweeper}, timeout=SWEEP_END_S)
                 self.live = False
                 with contextlib.suppress(*DOWN):
                     await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
