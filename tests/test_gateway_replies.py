@@ -8,6 +8,7 @@ entries are written as a worker writes them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -273,6 +274,41 @@ def test_closing_ends_every_task_of_the_subscription(redis_url: str, r: redis.Re
                 replies.start()
                 while not replies.live:
                     await asyncio.sleep(0.01)
+            await replies.close()
+            assert asyncio.all_tasks() == before
+
+    asyncio.run(go())
+
+
+def test_a_cancel_swallowed_in_a_sweep_still_ends_the_sweeps(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep in flight when the subscription ends may swallow the cancel (redis-py does,
+    on the way through a command): the sweeps still end, by their stop event, and
+    :meth:`Replies.close` leaves nothing running."""
+    from batchfleet.producer.gateway import replies as module
+
+    monkeypatch.setattr(module, "SWEEP_END_S", 0.5)  # a mutant waits this long, then fails
+    entered = asyncio.Event()
+    calls = 0
+
+    async def swallowing(self: Replies, older_than: float) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the sweep at subscription, before the sweeps' task
+            return
+        entered.set()
+        with contextlib.suppress(asyncio.CancelledError):  # swallowed, as redis-py may
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(Replies, "_sweep", swallowing)
+
+    async def go() -> None:
+        async with AsyncProducer(redis_url) as p:
+            before = asyncio.all_tasks()
+            replies = await live(p, sweep_s=600.0)
+            replies.resweep.set()  # a sweep of every waiter now, as after a reconnection
+            await entered.wait()
             await replies.close()
             assert asyncio.all_tasks() == before
 
