@@ -10,7 +10,7 @@ Cohere Command's, ``granite-20b-fc``'s, the arrays and lists after a marker (``a
 ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``deepseek_v4``,
-``hy_v3``, ``solar_open2``, each typed by its schema, ``mimo``'s strings,
+``hy_v3``, ``solar_open2``, ``minicpm5``, each typed by its schema, ``mimo``'s strings,
 ``functiongemma``'s ``<escape>`` values and ``gemma4``'s pairs, each once ended), or, for ``pythonic``,
 ``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
@@ -45,6 +45,7 @@ from .tools import (
     _GIGACHAT,
     _HY_NAME,
     _KIMI,
+    _MINICPM5_NAME,
     _SOLAR_NAME,
     _STEP3_INVOKE,
     _V32_INVOKE,
@@ -80,6 +81,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "deepseek_v4": _V32_INVOKE,
     "functiongemma": _GEMMA_CALL,
     "gemma4": re.compile(r"call:([\w\-.]+)\{"),
+    "minicpm5": _MINICPM5_NAME,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
