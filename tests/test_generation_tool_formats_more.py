@@ -5,15 +5,21 @@ streamed split at every character."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
 from batchfleet.schemas.tools import ToolUse
+from batchfleet.worker.generation.reasoning import Reasoning
 from batchfleet.worker.generation.tools import CallReader, read_calls
+from test_generation_reasoning import generate
+from test_generation_reasoning_parsers import K3_END, K3_RESPONSE, K3_THINK, SPECIALS, runner_for
 from test_generation_tool_formats import _args, _streams_as_read
+from tiny_models import make_causal_lm
 
 AUTO = ToolUse("auto")
 
@@ -93,3 +99,63 @@ def test_dots_reads_a_section_that_is_one_json_call() -> None:
     assert growing.calls == []
     growing.read(cut, final=True)
     assert _args(growing.calls) == [("b", {})]
+
+
+def _k3_call(name: str, args: list[tuple[str, str, str]]) -> str:
+    return (f'<|open|>call tool="{name}" index="1"<|sep|>'
+            + "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>'
+                      for k, t, v in args)
+            + "<|close|>call<|sep|>")  # fmt: skip
+
+
+def test_kimi_k3_values_are_typed_as_the_model_writes_them() -> None:
+    args = [("s", "string", "[1]"), ("i", "integer", "7"), ("o", "object", '{"a": [1]}'),
+            ("bad", "number", "many"), ("q&quot;uote", "string", ' raw "x" ')]  # fmt: skip
+    text = ("<|open|>tools<|sep|>" + _k3_call("f", args) + _k3_call("a&amp;b", [])
+            + "<|close|>tools<|sep|>")  # fmt: skip
+    # the schema does not type them (vLLM's: the model's type attribute does)
+    calls = _streams_as_read("kimi_k3", text, {"f": {"s": "array", "i": "string"}})
+    assert _args(calls) == [
+        ("f", {"s": "[1]", "i": 7, "o": {"a": [1]}, "bad": "many", 'q"uote': ' raw "x" '}),
+        ("a&b", {})]  # fmt: skip
+    # a call without a tool is none
+    nameless = '<|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|>'
+    assert read_calls(AUTO, nameless, "kimi_k3") is None
+
+
+@pytest.fixture(scope="module")
+def tagged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_causal_lm(tmp_path_factory.mktemp("tiny-k3"), specials=SPECIALS)
+
+
+def test_kimi_k3s_tools_channel_follows_its_response_and_is_read(tagged: Path) -> None:
+    # the response channel wraps the content; the tools channel after it holds the calls
+    runner = runner_for(tagged, "kimi_k3", tool_call_parser="kimi_k3")
+    call = _k3_call("get_time", [("zone", "string", "cet")])
+    pieces = [K3_THINK[0], "hm", K3_THINK[1], K3_RESPONSE[0], "I will", " check.",
+              K3_RESPONSE[1], "<|open|>tools<|sep|>", call, "<|close|>tools<|sep|>", K3_END]  # fmt: skip
+    chunks, out = generate(runner, "k3", pieces, stream=True)
+    assert (out["reasoning_content"], out["content"]) == ("hm", "I will check.")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
+        ("get_time", '{"zone":"cet"}')
+    ]
+    for key in ("reasoning_content", "content"):
+        assert "".join(c[key] for c in chunks) == out[key]
+    assert [c for ch in chunks for c in ch.get("tool_calls", ())] == out["tool_calls"]
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [(f"{K3_RESPONSE[0]}Hi{K3_RESPONSE[1]}{K3_END}", "Hi"),
+     (f"{K3_RESPONSE[0]}Hi{K3_RESPONSE[1]}<|open|>tools<|sep|>X<|close|>tools<|sep|>{K3_END}",
+      "Hi<|open|>tools<|sep|>X<|close|>tools<|sep|>"),
+     (f"Hi{K3_RESPONSE[1]}<|open|>tools<|sep|>X", "Hi<|open|>tools<|sep|>X"),  # bare
+     ("<|open|>tools<|sep|>X", "<|open|>tools<|sep|>X")],
+)  # fmt: skip
+def test_kimi_k3s_answer_reads_on_into_its_tools_channel(text: str, answer: str) -> None:
+    split = Reasoning("kimi_k3")
+    assert split.answer(text) == answer
+    grown = [split.answer(text[:end]) for end in range(len(text) + 1)]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(grown))  # only grows
+    # others' wrapped answers end at their close
+    assert Reasoning("ernie45").answer("<response>Hi</response><|open|>tools<|sep|>") == "Hi"

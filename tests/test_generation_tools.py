@@ -385,6 +385,10 @@ FORMATS = {
                   " Done.", "Sure. Done."),  # vLLM's fallback: a section that is JSON
     "minicpm5": ('Sure.\n<function name="a">\n<param name="q">1</param>\n</function>\n'
                  "<function name='b'><arguments></arguments></function>", "Sure."),
+    "kimi_k3": ('Sure.<|open|>tools<|sep|><|open|>call tool="a" index="1"<|sep|><|open|>argument '
+                'key="q" type="integer"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+                '<|open|>call tool="b" index="2"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>',
+                "Sure."),  # (its response channel's markers: the reasoning parser's)
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -754,7 +758,7 @@ def test_parsers_read_only_their_own_format() -> None:
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                             "apertus", "dots", "deepseek_v4", "granite-20b-fc",
                             "functiongemma", "gemma4", "cohere_command3",
-                            "cohere_command4", "glm47", "minicpm5"}  # fmt: skip
+                            "cohere_command4", "glm47", "minicpm5", "kimi_k3"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

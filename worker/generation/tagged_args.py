@@ -20,7 +20,7 @@ from typing import Any, Final
 from xml.sax.saxutils import unescape
 
 from ...schemas.tools import Tool
-from . import gemma4_args
+from . import gemma4_args, xtml
 from .json_compact import Pairs
 
 Types = dict[str, dict[str, str]]
@@ -300,6 +300,6 @@ TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
     "dots": dots_args,
     "deepseek_v4": deepseek_v32_args, "functiongemma": functiongemma_args,
-    "gemma4": gemma4_args.settled, "minicpm5": minicpm5_args,
+    "gemma4": gemma4_args.settled, "minicpm5": minicpm5_args, "kimi_k3": xtml.args,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

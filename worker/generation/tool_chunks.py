@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, harmony, python_calls
+from . import cohere, harmony, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
@@ -82,6 +82,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "functiongemma": _GEMMA_CALL,
     "gemma4": re.compile(r"call:([\w\-.]+)\{"),
     "minicpm5": _MINICPM5_NAME,
+    "kimi_k3": xtml.HEADER,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
@@ -297,6 +298,8 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
             return None
         if parser == "kimi_k2":
             return _Opening(at, m.group(2), m.group(1), m.end())
+        if parser == "kimi_k3":
+            return _Opening(at, xtml.name(m), None, m.end()) if xtml.name(m) else None
         if parser in _JSON_BLOCKS:
             return _json_call(m, at)
         return _Opening(at, m.group(1).strip(), None, m.end())

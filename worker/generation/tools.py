@@ -98,6 +98,9 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``cohere_command3``, ``cohere_command4``: Command's ``<|START_ACTION|>`` parts, each a
   JSON list ``[{"tool_call_id", "tool_name", "parameters"}]`` (:mod:`.cohere`); the
   call's id is the model's ``tool_call_id``; the content is the answer's parts;
+- ``kimi_k3``: Kimi K3's XTML ``<|open|>call tool="NAME"<|sep|>`` blocks of typed
+  arguments in its ``tools`` channel (:mod:`.xtml`); the ``response`` channel's markers
+  around the content are the ``kimi_k3`` reasoning parser's to leave out;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
@@ -123,7 +126,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, gemma4_args, harmony, python_calls
+from . import cohere, gemma4_args, harmony, python_calls, xtml
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound
@@ -136,7 +139,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                   "deepseek_v4", "granite-20b-fc", "functiongemma", "gemma4",
                   "apertus", "dots", "cohere_command3", "cohere_command4", "glm47",
-                  "minicpm5")  # fmt: skip
+                  "minicpm5", "kimi_k3")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -203,6 +206,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "poolside_v1": _GLM,
     "glm47": _GLM,
     "minicpm5": ("<function", "</function>"),
+    "kimi_k3": xtml.MARKERS,
     "mimo": ("<tool_call>", "</tool_call>"),
     "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
     "solar_open2": _SOLAR,
@@ -628,6 +632,7 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "functiongemma": (_GEMMA[0], _GEMMA[1], _typed_body(_GEMMA_CALL, "functiongemma")),
     "gemma4": (_GEMMA4[0], _GEMMA4[1], _gemma4_body),
     "minicpm5": ("<function", "</function>", _minicpm5_body),
+    "kimi_k3": (*xtml.CALL, xtml.body),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -643,6 +648,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "apertus": _APERTUS,
     "dots": ("<dots_function_call>", "</dots_function_call>"),
     "deepseek_v4": _V4,
+    "kimi_k3": xtml.TOOLS,
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
