@@ -159,3 +159,39 @@ def test_kimi_k3s_answer_reads_on_into_its_tools_channel(text: str, answer: str)
     assert all(b.startswith(a) for a, b in itertools.pairwise(grown))  # only grows
     # others' wrapped answers end at their close
     assert Reasoning("ernie45").answer("<response>Hi</response><|open|>tools<|sep|>") == "Hi"
+
+
+NS = "]<]minimax[>["
+
+
+def _tag(key: str, body: str) -> str:
+    return f"{NS}<{key}>{body}{NS}</{key}>"
+
+
+def _m3(name: str, params: str) -> str:
+    return f'{NS}<invoke name="{name}">{params}{NS}</invoke>\n'
+
+
+def test_minimax_m3_values_are_typed_or_read_as_tags_as_vllm_does() -> None:
+    types = {"f": {"n": "integer", "s": "string", "items": "array", "nul": "string"}}
+    params = (_tag("n", "42") + _tag("s", "42") + _tag("free", "x y")
+              + _tag("items", _tag("item", _tag("k", "a")) + _tag("item", _tag("k", "b")))
+              + _tag("obj", _tag("x", "1") + _tag("x", "2") + _tag("y", "") + "tail")
+              + _tag("nest", _tag("item", "1")) + _tag("nul", ""))  # fmt: skip
+    text = f"Checking.{NS}<tool_call>\n" + _m3("f", params) + _m3("g", "") + f"{NS}</tool_call>"
+    calls = _streams_as_read("minimax_m3", text, types)
+    assert _args(calls) == [
+        ("f", {"n": 42, "s": "42", "free": "x y", "items": [{"k": "a"}, {"k": "b"}],
+               "obj": {"x": ["1", "2"], "y": "", "$text": "tail"},
+               "nest": {"item": "1"},  # an <item> without an array schema: an object's
+               "nul": ""}),
+        ("g", {})]  # fmt: skip
+    reader = CallReader(AUTO, "minimax_m3", types)
+    reader.read(text, final=True)
+    assert reader.content == "Checking."
+    # a parameter cut by the end is not read, nor is a call without its name
+    cut = f'{NS}<tool_call>{NS}<invoke name="f">{_tag("n", "1")}{NS}<s>abc'
+    growing = CallReader(AUTO, "minimax_m3", types)
+    growing.read(cut)
+    assert growing.calls == []
+    assert read_calls(AUTO, f"{NS}<tool_call>{NS}<invoke name=>{NS}</invoke>", "minimax_m3") is None

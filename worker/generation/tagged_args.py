@@ -20,7 +20,7 @@ from typing import Any, Final
 from xml.sax.saxutils import unescape
 
 from ...schemas.tools import Tool
-from . import gemma4_args, xtml
+from . import gemma4_args, minimax_m3, xtml
 from .json_compact import Pairs
 
 Types = dict[str, dict[str, str]]
@@ -280,6 +280,12 @@ def minicpm5_sound(text: str, at: int) -> bool:
     return _MINICPM5_NAMELESS.search(text, at) is None and len(set(keys)) == len(keys)
 
 
+def minimax_m3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at`` (:mod:`.minimax_m3`), their
+    text typed by ``known`` as ``qwen3_coder``'s."""
+    return minimax_m3.args(text, at, known, _typed)
+
+
 _GEMMA_ARG = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)
 
 
@@ -301,5 +307,6 @@ TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "dots": dots_args,
     "deepseek_v4": deepseek_v32_args, "functiongemma": functiongemma_args,
     "gemma4": gemma4_args.settled, "minicpm5": minicpm5_args, "kimi_k3": xtml.args,
+    "minimax_m3": minimax_m3_args,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

@@ -10,7 +10,7 @@ Cohere Command's, ``granite-20b-fc``'s, the arrays and lists after a marker (``a
 ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``deepseek_v4``,
-``hy_v3``, ``solar_open2``, ``minicpm5``, each typed by its schema, ``mimo``'s strings,
+``hy_v3``, ``solar_open2``, ``minicpm5``, ``minimax_m3``, each typed by its schema, ``mimo``'s strings,
 ``functiongemma``'s ``<escape>`` values and ``gemma4``'s pairs, each once ended), or, for ``pythonic``,
 ``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, harmony, python_calls, xtml
+from . import cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
@@ -83,6 +83,7 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "gemma4": re.compile(r"call:([\w\-.]+)\{"),
     "minicpm5": _MINICPM5_NAME,
     "kimi_k3": xtml.HEADER,
+    "minimax_m3": minimax_m3.HEADER,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(

@@ -98,6 +98,10 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``cohere_command3``, ``cohere_command4``: Command's ``<|START_ACTION|>`` parts, each a
   JSON list ``[{"tool_call_id", "tool_name", "parameters"}]`` (:mod:`.cohere`); the
   call's id is the model's ``tool_call_id``; the content is the answer's parts;
+- ``minimax_m3``: in ``]<]minimax[>[<tool_call>`` ... ``]<]minimax[>[</tool_call>``, blocks
+  ``]<]minimax[>[<invoke name="NAME">`` + a tag a parameter, ``]<]minimax[>[<KEY>VALUE
+  ]<]minimax[>[</KEY>`` + ``]<]minimax[>[</invoke>`` (MiniMax-M3; :mod:`.minimax_m3`), a
+  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags);
 - ``kimi_k3``: Kimi K3's XTML ``<|open|>call tool="NAME"<|sep|>`` blocks of typed
   arguments in its ``tools`` channel (:mod:`.xtml`); the ``response`` channel's markers
   around the content are the ``kimi_k3`` reasoning parser's to leave out;
@@ -126,7 +130,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, gemma4_args, harmony, python_calls, xtml
+from . import cohere, gemma4_args, harmony, minimax_m3, python_calls, xtml
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound
@@ -139,7 +143,7 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                   "deepseek_v4", "granite-20b-fc", "functiongemma", "gemma4",
                   "apertus", "dots", "cohere_command3", "cohere_command4", "glm47",
-                  "minicpm5", "kimi_k3")  # fmt: skip
+                  "minicpm5", "kimi_k3", "minimax_m3")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -207,6 +211,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "glm47": _GLM,
     "minicpm5": ("<function", "</function>"),
     "kimi_k3": xtml.MARKERS,
+    "minimax_m3": (minimax_m3.NS, *minimax_m3.SECTION, *minimax_m3.INVOKE),
     "mimo": ("<tool_call>", "</tool_call>"),
     "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
     "solar_open2": _SOLAR,
@@ -633,6 +638,7 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "gemma4": (_GEMMA4[0], _GEMMA4[1], _gemma4_body),
     "minicpm5": ("<function", "</function>", _minicpm5_body),
     "kimi_k3": (*xtml.CALL, xtml.body),
+    "minimax_m3": (*minimax_m3.INVOKE, _typed_body(minimax_m3.HEADER, "minimax_m3")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -649,6 +655,7 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "dots": ("<dots_function_call>", "</dots_function_call>"),
     "deepseek_v4": _V4,
     "kimi_k3": xtml.TOOLS,
+    "minimax_m3": minimax_m3.SECTION,
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
