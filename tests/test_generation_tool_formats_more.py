@@ -16,6 +16,9 @@ pytest.importorskip("torch")
 from batchfleet.schemas.tools import ToolUse
 from batchfleet.worker.generation.reasoning import Reasoning
 from batchfleet.worker.generation.tools import CallReader, read_calls
+from batchfleet.worker.runners.generation import TextGenerationRunner
+from conftest import TINY_LM_OPTIONS
+from devices import DEVICE
 from test_generation_reasoning import generate
 from test_generation_reasoning_parsers import K3_END, K3_RESPONSE, K3_THINK, SPECIALS, runner_for
 from test_generation_tool_formats import _args, _streams_as_read
@@ -142,6 +145,17 @@ def test_kimi_k3s_tools_channel_follows_its_response_and_is_read(tagged: Path) -
     for key in ("reasoning_content", "content"):
         assert "".join(c[key] for c in chunks) == out[key]
     assert [c for ch in chunks for c in ch.get("tool_calls", ())] == out["tool_calls"]
+
+
+def test_kimi_k3s_special_tokens_are_kept_for_its_tool_parser_alone(tagged: Path) -> None:
+    # no reasoning parser: the tool parser's markers' pieces are kept in the text
+    runner = TextGenerationRunner(tagged, device=DEVICE, dtype="float32",
+                                  options={**TINY_LM_OPTIONS, "tool_call_parser": "kimi_k3"})  # fmt: skip
+    call = _k3_call("get_time", [("zone", "string", "cet")])
+    pieces = ["Sure.", "<|open|>tools<|sep|>", call, "<|close|>tools<|sep|>"]
+    _, out = generate(runner, "k3", pieces, stream=True)
+    assert out["content"] == "Sure."
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["get_time"]
 
 
 @pytest.mark.parametrize(

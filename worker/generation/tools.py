@@ -209,7 +209,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "ling3": _GLM,
     "poolside_v1": _GLM,
     "glm47": _GLM,
-    "minicpm5": ("<function", "</function>"),
+    "minicpm5": ("<function", "</function>", "<param", "</param>"),
     "kimi_k3": xtml.MARKERS,
     "minimax_m3": (minimax_m3.NS, *minimax_m3.SECTION, *minimax_m3.INVOKE),
     "mimo": ("<tool_call>", "</tool_call>"),

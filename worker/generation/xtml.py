@@ -22,7 +22,9 @@ TOOLS: Final = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
 """The calls' channel's markers."""
 CALL: Final = ("<|open|>call", "<|close|>call<|sep|>")
 """A call's block's markers (its attributes and ``<|sep|>`` follow the first)."""
-MARKERS: Final = (*TOOLS, *CALL)
+PIECES: Final = ("<|open|>", "<|close|>", "<|sep|>")
+"""The special tokens the markers are written with (kept in the text the parser reads)."""
+MARKERS: Final = (*TOOLS, *CALL, *PIECES)
 
 _ATTRS: Final = r"((?:(?!<\|sep\|>)[^\n])*)<\|sep\|>"
 HEADER: Final = re.compile(r"\s+" + _ATTRS)
