@@ -1,6 +1,7 @@
 """More tool-call formats read as vLLM's parsers of the same name read them, past the
 table-driven checks of ``test_generation_tools``: ``minicpm5``'s parameters and the calls
-it refuses, ``dots``'s JSON fallback, ``kimi_k3``'s XTML channels; each read whole, and
+it refuses, ``dots``'s JSON fallback, ``kimi_k3``'s XTML channels (with its reasoning
+parser's answer, and its special tokens kept), ``minimax_m3``'s tags; each read whole, and
 streamed split at every character."""
 
 from __future__ import annotations
