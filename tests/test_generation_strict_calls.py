@@ -98,9 +98,12 @@ def test_a_strict_call_the_model_makes_follows_its_schema(tmp_path: Path) -> Non
 
 def test_every_format_holds_strict_calls(tiny_lm: Path) -> None:
     # (gpt-oss's: harmony.auto_grammar; Cohere Command's: cohere.auto_grammar)
-    for parser in set(tools.PARSERS) - {"openai", "cohere_command3", "cohere_command4"}:
+    held = set(tools.PARSERS) - {"openai", "cohere_command3", "cohere_command4"}
+    for parser in held - strict_calls.UNHELD:
         name = tools.ALIASES.get(parser, parser)
         assert strict_calls.grammar(name, [("f", WEATHER, True)], True, lambda m: None), parser
+    for parser in strict_calls.UNHELD:  # (not enforced: see UNHELD)
+        assert strict_calls.grammar(parser, [("f", WEATHER, True)], True, lambda m: None) is None
     # mistral's [TOOL_CALLS] where it is no token of its own (this tokenizer): text
     mistral = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                    options={**TINY_LM_OPTIONS, "tool_call_parser": "mistral"})  # fmt: skip
@@ -430,6 +433,8 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
         return f"<tool_call>{name}<tool_sep>{body}</tool_call>"
     if parser == "functiongemma":  # (a string's value too in <escape>: vLLM reads only those)
         return f"call:{name}{{" + ",".join(f"{k}:<escape>{v}<escape>" for k, v in items) + "}"
+    if parser == "minicpm5":
+        return f'name="{name}">' + "".join(f'<param name="{k}">{v}</param>' for k, v in items)
     if parser == "solar_open2":
         s = tools._SOLAR
         return f"{name}\n" + "".join(f"{s[2]}{k}{s[3]}{v}{s[4]}\n" for k, v in items)
@@ -439,7 +444,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
 
 @pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss", "minimax_m2", "glm45", "step3",
                                     "deepseek_v32", "hy_v3", "solar_open2", "dots",
-                                    "deepseek_v4", "functiongemma"])  # fmt: skip
+                                    "deepseek_v4", "functiongemma", "minicpm5"])  # fmt: skip
 def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path) -> None:
     opening, closing = {"qwen3_coder": ("<tool_call>", "</tool_call>"),
                         "seed_oss": ("<seed:tool_call>", "</seed:tool_call>"),
@@ -451,7 +456,8 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
                         "solar_open2": tools._SOLAR[:2],
                         "dots": ("<dots_function_call>", "</dots_function_call>"),
                         "deepseek_v4": tools._V4,
-                        "functiongemma": tools._GEMMA[:2]}[parser]  # fmt: skip
+                        "functiongemma": tools._GEMMA[:2],
+                        "minicpm5": ("<function", "</function>")}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip

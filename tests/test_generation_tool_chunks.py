@@ -146,7 +146,7 @@ STREAMED = {"hermes", "llama3_json", "mistral", "mistral_v11", "required", "qwen
             "longcat", "ernie45", "step3", "pythonic", "llama4_pythonic", "olmo3", "gigachat3",
             "gigachat3_v31", "deepseek_v32", "granite4", "step3p5", "ling3", "poolside_v1",
             "hy_v3", "solar_open2", "lfm2", "apertus", "dots", "deepseek_v4", "granite-20b-fc",
-            "functiongemma", "gemma4"}  # fmt: skip
+            "functiongemma", "gemma4", "minicpm5", "kimi_k3", "minimax_m3"}  # fmt: skip
 """The formats whose calls stream before they are complete (all here)."""
 
 
@@ -204,6 +204,15 @@ TAGGED = {
               " Paris "),
     "solar_open2": (f"{SO[0]}f\n{SO[2]}city{SO[3]}Paris{SO[4]}\n{SO[2]}days{SO[3]}3{SO[4]}\n"
                     f"{SO[1]}", "Paris"),
+    "minicpm5": ('<function name="f">\n<param name="city"> Paris </param>\n'
+                 '<param name="days">3</param>\n</function>', "Paris"),
+    "kimi_k3": ('<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>argument '
+                'key="city" type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument '
+                'key="days" type="integer"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
+                "<|close|>tools<|sep|>", "Paris"),
+    "minimax_m3": ('Sure.]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="f">]<]minimax[>[<city>'
+                   "Paris]<]minimax[>[</city>]<]minimax[>[<days>3]<]minimax[>[</days>]<]minimax[>["
+                   "</invoke>\n]<]minimax[>[</tool_call>", "Paris"),
 }  # fmt: skip
 """A call of ``f(city="Paris", days=3)`` in typed formats, and the city as read."""
 

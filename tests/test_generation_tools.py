@@ -380,6 +380,18 @@ FORMATS = {
                       "<start_function_call>call:b{}<end_function_call> Done.", "Sure. Done."),
     "gemma4": ("Sure.<|tool_call>call:a{q:1}<tool_call|><|tool_call>call:b{}<tool_call|>",
                "Sure."),
+    "dots_json": ('Sure.<dots_function_call>\n{"name": "a", "arguments": {"q": 1}}\n'
+                  '</dots_function_call><dots_function_call>{"name": "b"}</dots_function_call>'
+                  " Done.", "Sure. Done."),  # vLLM's fallback: a section that is JSON
+    "minicpm5": ('Sure.\n<function name="a">\n<param name="q">1</param>\n</function>\n'
+                 "<function name='b'><arguments></arguments></function>", "Sure."),
+    "kimi_k3": ('Sure.<|open|>tools<|sep|><|open|>call tool="a" index="1"<|sep|><|open|>argument '
+                'key="q" type="integer"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+                '<|open|>call tool="b" index="2"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>',
+                "Sure."),  # (its response channel's markers: the reasoning parser's)
+    "minimax_m3": ("Sure.]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name=\"a\">]<]minimax[>[<q>1"
+                   "]<]minimax[>[</q>]<]minimax[>[</invoke>\n]<]minimax[>[<invoke name=\"b\">"
+                   "]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call> Done.", "Sure. Done."),
 }  # fmt: skip
 """A text in each format calling ``a(q=1)`` then ``b()``, and its content (a format's
 variants: ``PARSER_VARIANT``)."""
@@ -749,7 +761,7 @@ def test_parsers_read_only_their_own_format() -> None:
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                             "apertus", "dots", "deepseek_v4", "granite-20b-fc",
                             "functiongemma", "gemma4", "cohere_command3",
-                            "cohere_command4"}  # fmt: skip
+                            "cohere_command4", "glm47", "minicpm5", "kimi_k3", "minimax_m3"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

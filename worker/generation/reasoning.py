@@ -24,7 +24,8 @@ section, ``deepseek_v4``'s DSML tool calls, ``solar_open2``'s ``<|tool_call:star
 end of reasoning) end the reasoning too, and begin the answer (:data:`ENDS`). ``hunyuan_a13b`` wraps its
 answer in ``<answer>`` … ``</answer>``, ``ernie45`` in ``<response>`` … ``</response>``,
 ``kimi_k3`` in its response channel (or they write it bare): the content is what they
-wrap (:data:`WRAPS`, :meth:`Reasoning.answer`). ``identity`` and
+wrap (:data:`WRAPS`, :meth:`Reasoning.answer`); ``kimi_k3``'s tools channel after it is
+read on, for its calls (:data:`SIBLINGS`). ``identity`` and
 ``minimax_m2_append_think`` never split (:class:`WholeAnswer`): the whole text is the
 answer, the latter's content begun with the ``<think>`` its prompt opened.
 ``openai_gptoss`` reads gpt-oss's harmony messages instead (:class:`HarmonyReasoning`,
@@ -117,6 +118,12 @@ WRAPS: Final[dict[str, tuple[str, str]]] = {
 }
 """The tags around a parser's answer, left out of its content: an answer that begins with
 the first is read up to the second."""
+SIBLINGS: Final[dict[str, tuple[str, str]]] = {
+    "kimi_k3": ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"),
+}
+"""A channel that may follow a parser's wrapped answer (Kimi-K3's tool calls), read on
+with it, to its close; a bare answer of these parsers (the prompt opened the wrapping
+channel) is read up to the wrapping's close too."""
 PIECES: Final[dict[str, tuple[str, ...]]] = {"kimi_k3": ("<|open|>", "<|close|>", "<|sep|>")}
 """The special tokens a parser's tags are written with, where a tag takes several (kept
 in the text, as a tag that is one token is)."""
@@ -239,11 +246,23 @@ class Reasoning:
             return rest
         open_, close = self.wrap
         head = rest.lstrip()
-        if not head.startswith(open_):
-            return "" if _begins((open_,), head) else rest
-        body = head[len(open_) :]
+        sibling = SIBLINGS.get(self.parser)
+        if head.startswith(open_):
+            body = head[len(open_) :]
+        elif _begins((open_,), head):
+            return ""
+        elif sibling is None:
+            return rest
+        else:
+            body = rest
         end = body.find(close)
-        return body[:end] if end >= 0 else body[: len(body) - held(body, close)]
+        if end < 0:
+            return body[: len(body) - held(body, close)]
+        after = body.find(sibling[0], end) if sibling else -1
+        if sibling is None or after < 0:
+            return body[:end]
+        stop = body.find(sibling[1], after)
+        return body[:end] + body[after : len(body) if stop < 0 else stop + len(sibling[1])]
 
     def _strayed(self, text: str, thinking: bool | None) -> bool:
         """Whether ``text`` begins with a stray closing tag, left out (:data:`_STRAYS`)."""

@@ -15,7 +15,8 @@ that begins with ``{`` or the marker is held to calls, one that begins otherwise
 free); named calls in a section (:data:`SECTIONS`); blocks with tagged parameters
 (:data:`TYPED`); Mistral's (:func:`_mistral`); ``pythonic`` lists of calls
 (:mod:`.strict_python`), OLMo 3's (:func:`_olmo3`) and LFM2's (:func:`_lfm2`); GigaChat 3's
-(:func:`_gigachat3`); Gemma 4's (:func:`_gemma4`); and xLAM's (:func:`_xlam`): every format.
+(:func:`_gigachat3`); Gemma 4's (:func:`_gemma4`); and xLAM's (:func:`_xlam`): every format
+but :data:`UNHELD`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ after another, or ``items``, an array's calls after its ``[`` (in the opening ma
 prose that writes ``functools`` stays free), and the key of a call's arguments (each call
 a JSON object ``{"name", key}``; "": ``{NAME: ARGUMENTS}``, Apertus's). ``gigachat3``: GigaChat 3.1's header, where it is a
 token (:func:`grammar`)."""
+UNHELD: Final = frozenset({"kimi_k3", "minimax_m3"})
+"""The formats no grammar here holds (strict functions are not enforced in them): their
+markers are written with several special tokens each (Kimi-K3's ``<|open|>``, ``<|sep|>``;
+MiniMax-M3's namespace token before each tag, and closing tags that name a parameter)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""
@@ -124,6 +129,8 @@ TYPED: Final[dict[str, Tagged]] = {
                           json_open=_V32[4] + ' name="{}" string="false">'),
     "functiongemma": Tagged(_GEMMA[0], _GEMMA[1], False, "call:{}{{", "}", "{}:" + _GEMMA[2],
                             _GEMMA[2], "[A-Za-z0-9_]{1,128}", sep=","),
+    "minicpm5": Tagged("<function", "</function>", False, 'name="{}">', "",
+                       '<param name="{}">', "</param>"),
 }  # fmt: skip
 """The parsers whose calls write each parameter in tags. A string parameter's value is
 its text; another's is JSON its schema allows."""

@@ -4,7 +4,7 @@ function's JSON Schema (``qwen3_coder``, ``seed_oss``, ``glm45``, ``minimax_m2``
 as JSON (then as a Python literal), ``null`` is null; a value that is not what its schema
 says stays as written. ``hy_v3``, ``solar_open2`` and ``dots`` type their values by
 vLLM's rules for each (:func:`_hy_v3`, :func:`_coerced`, :func:`_dots`); ``mimo``'s are
-all strings, as written.
+all strings, as written; ``minicpm5``'s strings as written, others loosely (:func:`_minicpm5`).
 :mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each parameter once its
 closing tag is written.
 """
@@ -17,9 +17,10 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any, Final
+from xml.sax.saxutils import unescape
 
 from ...schemas.tools import Tool
-from . import gemma4_args
+from . import gemma4_args, minimax_m3, xtml
 from .json_compact import Pairs
 
 Types = dict[str, dict[str, str]]
@@ -142,6 +143,19 @@ def _json_value(raw: str) -> tuple[bool, Any]:
     return True, value
 
 
+def _loose(value: str) -> Any:
+    """A value read as JSON, else as a Python literal (JSON's kinds only), else as written."""
+    ok, got = _json_value(value)
+    if ok:
+        return got
+    try:
+        got = ast.literal_eval(value)
+        json.dumps(got, allow_nan=False)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
+    return got
+
+
 def _hy_v3(value: str, kind: str | None) -> Any:
     """A value as vLLM's ``hy_v3`` reads it for its schema's ``kind`` (None: a string):
     ``true``/``false``, an integer, a number (an integer unless it has ``.`` or an
@@ -160,15 +174,7 @@ def _hy_v3(value: str, kind: str | None) -> Any:
                 return number
     except ValueError:
         pass
-    ok, got = _json_value(value)
-    if ok:
-        return got
-    try:
-        got = ast.literal_eval(value)
-        json.dumps(got, allow_nan=False)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return value
-    return got
+    return _loose(value)
 
 
 def hy_v3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
@@ -246,6 +252,40 @@ def dots_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     )
 
 
+_MINICPM5_PARAM = re.compile(r"""<param\s+name=['"]([^'"\n]{1,128})['"]>(.*?)</param>""", re.DOTALL)
+_MINICPM5_NAMELESS = re.compile(r"<param(?![^>]*\bname=)[^>]*>")
+_CDATA = re.compile(r"\A<!\[CDATA\[(.*)\]\]>\Z", re.DOTALL)
+
+
+def _minicpm5(raw: str, kind: str | None) -> Any:
+    """A value as vLLM's ``minicpm5`` reads it for its schema's ``kind``: a CDATA
+    section's text as written, another trimmed, its XML entities read; a string as it
+    is, another value JSON, else a Python literal, else as written."""
+    cdata = _CDATA.match(raw)
+    value = cdata.group(1) if cdata else unescape(raw.strip(), {"&quot;": '"', "&apos;": "'"})
+    return value if kind == "string" else _loose(value)
+
+
+def minicpm5_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The ``<param name="KEY">`` values written whole in ``text`` from ``at``, typed by
+    ``known`` as vLLM's ``minicpm5`` does."""
+    return Pairs([(k.strip(), _minicpm5(v, known.get(k.strip())))
+                  for k, v in _MINICPM5_PARAM.findall(text, at)])  # fmt: skip
+
+
+def minicpm5_sound(text: str, at: int) -> bool:
+    """Whether a MiniCPM5 call's parameters from ``at`` make a call (vLLM's): none
+    without its name, none written twice."""
+    keys = [k.strip() for k, _ in _MINICPM5_PARAM.findall(text, at)]
+    return _MINICPM5_NAMELESS.search(text, at) is None and len(set(keys)) == len(keys)
+
+
+def minimax_m3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The parameters written whole in ``text`` from ``at`` (:mod:`.minimax_m3`), their
+    text typed by ``known`` as ``qwen3_coder``'s."""
+    return minimax_m3.args(text, at, known, _typed)
+
+
 _GEMMA_ARG = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)
 
 
@@ -266,6 +306,7 @@ TYPED_ARGS: Final[dict[str, TypedArgs]] = {
     "mimo": mimo_args, "hy_v3": hy_v3_args, "solar_open2": solar_open2_args,
     "dots": dots_args,
     "deepseek_v4": deepseek_v32_args, "functiongemma": functiongemma_args,
-    "gemma4": gemma4_args.settled,
+    "gemma4": gemma4_args.settled, "minicpm5": minicpm5_args, "kimi_k3": xtml.args,
+    "minimax_m3": minimax_m3_args,
 }  # fmt: skip
 """Each typed format's parameters, as its blocks write them."""

@@ -10,7 +10,7 @@ Cohere Command's, ``granite-20b-fc``'s, the arrays and lists after a marker (``a
 ``{NAME: {...}}`` objects too), ``xlam``'s, ``gigachat3``'s, and ``tool_choice``
 ``required`` or a named function), or the parameters written whole (``qwen3_coder``,
 ``glm45``, ``seed_oss``, ``minimax_m2``, ``step3``, ``deepseek_v32``, ``deepseek_v4``,
-``hy_v3``, ``solar_open2``, each typed by its schema, ``mimo``'s strings,
+``hy_v3``, ``solar_open2``, ``minicpm5``, ``minimax_m3``, each typed by its schema, ``mimo``'s strings,
 ``functiongemma``'s ``<escape>`` values and ``gemma4``'s pairs, each once ended), or, for ``pythonic``,
 ``olmo3`` and ``lfm2``, the keyword arguments written whole
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, harmony, python_calls
+from . import cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
@@ -45,6 +45,7 @@ from .tools import (
     _GIGACHAT,
     _HY_NAME,
     _KIMI,
+    _MINICPM5_NAME,
     _SOLAR_NAME,
     _STEP3_INVOKE,
     _V32_INVOKE,
@@ -80,6 +81,9 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "deepseek_v4": _V32_INVOKE,
     "functiongemma": _GEMMA_CALL,
     "gemma4": re.compile(r"call:([\w\-.]+)\{"),
+    "minicpm5": _MINICPM5_NAME,
+    "kimi_k3": xtml.HEADER,
+    "minimax_m3": minimax_m3.HEADER,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
@@ -295,6 +299,8 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
             return None
         if parser == "kimi_k2":
             return _Opening(at, m.group(2), m.group(1), m.end())
+        if parser == "kimi_k3":
+            return _Opening(at, xtml.name(m), None, m.end()) if xtml.name(m) else None
         if parser in _JSON_BLOCKS:
             return _json_call(m, at)
         return _Opening(at, m.group(1).strip(), None, m.end())

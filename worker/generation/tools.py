@@ -71,8 +71,9 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   then ``<|tools_suffix|>`` (Swiss AI Apertus);
 - ``dots``: in ``<dots_function_call>`` ... ``</dots_function_call>``, blocks ``<invoke
   name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>`` (dots.llm), each value
-  trimmed, typed by its schema as vLLM's ``dots`` does; a call of a function the request
-  does not have is none;
+  trimmed, typed by its schema as vLLM's ``dots`` does, or (vLLM's fallback) a section that
+  is one JSON call ``{"name", "arguments"}``; a call of a function the request does not
+  have is none;
 - ``deepseek_v4``: ``deepseek_v32``'s blocks in ``<|DSML|tool_calls>`` ...
   ``</|DSML|tool_calls>`` (DeepSeek-V4; its bars are U+FF5C);
 - ``granite-20b-fc``: a JSON call ``{"name", "arguments"}`` after each
@@ -82,17 +83,28 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ``<escape>`` is not read (vLLM's);
 - ``gemma4``: ``<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>`` (Gemma 4), each value a
   ``<|"|>`` string, a nested object or array, or a bare literal (:mod:`.gemma4_args`);
+- ``minicpm5``: blocks ``<function name="NAME"><param name="KEY">VALUE</param>...
+  </function>`` (MiniCPM5; the parameters perhaps in an ``<arguments>`` element), each
+  value typed as vLLM's ``minicpm5`` does (:mod:`.tagged_args`); a call of a function the
+  request does not have, or with a parameter written twice or without its name, is none;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
   ``granite4`` (``hermes``'s, IBM Granite 4), ``step3p5`` (``qwen3_coder``'s, Step-3.5),
-  ``ling3`` and ``poolside_v1`` (``glm45``'s, as GLM-4.7 writes it: no newline needed
-  after the name);
+  ``ling3``, ``poolside_v1`` and ``glm47`` (``glm45``'s, as GLM-4.7 writes it: no newline
+  needed after the name);
 - ``openai``: gpt-oss's harmony messages to ``functions.NAME``, the arguments their
   content (:mod:`.harmony`); the content is the final messages and preambles;
 - ``cohere_command3``, ``cohere_command4``: Command's ``<|START_ACTION|>`` parts, each a
   JSON list ``[{"tool_call_id", "tool_name", "parameters"}]`` (:mod:`.cohere`); the
   call's id is the model's ``tool_call_id``; the content is the answer's parts;
+- ``minimax_m3``: in ``]<]minimax[>[<tool_call>`` ... ``]<]minimax[>[</tool_call>``, blocks
+  ``]<]minimax[>[<invoke name="NAME">`` + a tag a parameter, ``]<]minimax[>[<KEY>VALUE
+  ]<]minimax[>[</KEY>`` + ``]<]minimax[>[</invoke>`` (MiniMax-M3; :mod:`.minimax_m3`), a
+  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags);
+- ``kimi_k3``: Kimi K3's XTML ``<|open|>call tool="NAME"<|sep|>`` blocks of typed
+  arguments in its ``tools`` channel (:mod:`.xtml`); the ``response`` channel's markers
+  around the content are the ``kimi_k3`` reasoning parser's to leave out;
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
@@ -118,10 +130,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, gemma4_args, harmony, python_calls
+from . import cohere, gemma4_args, harmony, minimax_m3, python_calls, xtml
 from .json_compact import DECODER, compact
 from .reasoning import held
-from .tagged_args import TYPED_ARGS, Types
+from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound
 
 PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45",
                   "deepseek_v3", "deepseek_v31", "kimi_k2", "openai", "seed_oss", "minimax_m2",
@@ -130,12 +142,13 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "olmo3", "gigachat3", "qwen3_xml", "deepseek_v32", "granite4", "step3p5",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                   "deepseek_v4", "granite-20b-fc", "functiongemma", "gemma4",
-                  "apertus", "dots", "cohere_command3", "cohere_command4")  # fmt: skip
+                  "apertus", "dots", "cohere_command3", "cohere_command4", "glm47",
+                  "minicpm5", "kimi_k3", "minimax_m3")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
                   "qwen3_xml": "qwen3_coder", "granite4": "hermes", "step3p5": "qwen3_coder",
-                  "ling3": "glm45", "poolside_v1": "glm45"}  # fmt: skip
+                  "ling3": "glm45", "poolside_v1": "glm45", "glm47": "glm45"}  # fmt: skip
 """vLLM's names for another parser's format (as vLLM registers them, or the same format)."""
 TYPED: Final = tuple(p for p in PARSERS if ALIASES.get(p, p) in TYPED_ARGS)
 """The parsers that type values by the functions' schemas (``Types``)."""
@@ -195,6 +208,10 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "step3p5": ("<tool_call>", "</tool_call>"),
     "ling3": _GLM,
     "poolside_v1": _GLM,
+    "glm47": _GLM,
+    "minicpm5": ("<function", "</function>", "<param", "</param>"),
+    "kimi_k3": xtml.MARKERS,
+    "minimax_m3": (minimax_m3.NS, *minimax_m3.SECTION, *minimax_m3.INVOKE),
     "mimo": ("<tool_call>", "</tool_call>"),
     "hy_v3": ("<tool_calls>", "</tool_calls>", "<tool_sep>", *_GLM),
     "solar_open2": _SOLAR,
@@ -331,7 +348,8 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
         return _whole(_required)
     if parser in _BLOCKS:
         opening, closing, body = _BLOCKS[parser]
-        return _blocks(opening, closing, body, types)
+        blocks = _blocks(opening, closing, body, types)
+        return _with_dots_json(blocks, types) if parser == "dots" else blocks
     return _whole(_SCANNERS.get(parser or "", _none))
 
 
@@ -470,6 +488,38 @@ def _blocks(opening: str, closing: str, body: Body, types: Types) -> Resume:
     return scan
 
 
+def _with_dots_json(blocks: Resume, types: Types) -> Resume:
+    """``dots``'s blocks, and its sections that are a JSON call each (vLLM's fallback),
+    in the text's order."""
+
+    def resume(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
+        found = blocks(text, final, 0)[0] + _dots_json(text, final, types)
+        return sorted(found, key=lambda f: f.start), 0
+
+    return resume
+
+
+def _dots_json(text: str, final: bool, types: Types) -> list[_Found]:
+    """The ``dots`` sections that are one JSON object ``{"name", "arguments" (or
+    "parameters")}`` of a function the request has, once the section closes (or the
+    text, whole, ends)."""
+    begin, close = _SECTIONS["dots"]
+    out: list[_Found] = []
+    at = text.find(begin)
+    while at >= 0:
+        i = _skip(text, at + len(begin))
+        got = _decode(text, i) if text.startswith("{", i) else None
+        if got is not None and isinstance(got[0], dict):
+            after = _skip(text, got[1])
+            name = got[0].get("name")
+            args = got[0].get("arguments", got[0].get("parameters", {})) or {}
+            if ((text.startswith(close, after) or (final and after == len(text)))
+                    and isinstance(name, str) and name in types and isinstance(args, dict)):  # fmt: skip
+                out.append(_Found(at, got[1], name, args))
+        at = text.find(begin, at + len(begin))
+    return out
+
+
 def _hermes_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
     found = _entry(_json(text), 0, 0)
     return None if found is None else (found.name, found.args, None)
@@ -551,9 +601,21 @@ def _gemma4_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | 
     return None if m is None else (m.group(1), gemma4_args.read(m.group(2)), None)
 
 
-KNOWN_ONLY: Final = frozenset({"dots"})
+_MINICPM5_NAME = re.compile(r"""\s*name=['"]([^'"\n]{1,64})['"][^>]*>""")
+"""A MiniCPM5 call's header, after ``<function``: its name."""
+
+
+def _minicpm5_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    m = _MINICPM5_NAME.match(text)
+    name = "" if m is None else m.group(1).strip()
+    if m is None or name not in types or not minicpm5_sound(text, m.end()):
+        return None
+    return name, minicpm5_args(text, m.end(), types[name]), None
+
+
+KNOWN_ONLY: Final = frozenset({"dots", "minicpm5"})
 """The parsers for which a call of a function the request does not have is none (vLLM's
-``dots``)."""
+``dots`` and ``minicpm5``)."""
 _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
     "qwen3_coder": ("<tool_call>", "</tool_call>", _typed_body(_FUNCTION, "qwen3_coder")),
@@ -574,6 +636,9 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "deepseek_v4": (_V32[2], _V32[3], _typed_body(_V32_INVOKE, "deepseek_v4")),
     "functiongemma": (_GEMMA[0], _GEMMA[1], _typed_body(_GEMMA_CALL, "functiongemma")),
     "gemma4": (_GEMMA4[0], _GEMMA4[1], _gemma4_body),
+    "minicpm5": ("<function", "</function>", _minicpm5_body),
+    "kimi_k3": (*xtml.CALL, xtml.body),
+    "minimax_m3": (*minimax_m3.INVOKE, _typed_body(minimax_m3.HEADER, "minimax_m3")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
@@ -589,6 +654,8 @@ _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "apertus": _APERTUS,
     "dots": ("<dots_function_call>", "</dots_function_call>"),
     "deepseek_v4": _V4,
+    "kimi_k3": xtml.TOOLS,
+    "minimax_m3": minimax_m3.SECTION,
 }
 """The markers around a parser's calls, where it has them (its blocks', or its array's)."""
 
