@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from batchfleet.producer.core import GENERATION_OPTIONS
 from batchfleet.producer.gateway.answers import chat_response, completion_response
+from batchfleet.producer.gateway.anthropic_fields import submission as anthropic_submission
 from batchfleet.producer.gateway.chunks import Chunks, Diverged
 from batchfleet.producer.gateway.endpoint import Answered, Submission
 from batchfleet.producer.gateway.errors import ApiError, of_exception, of_result
@@ -123,8 +124,12 @@ def test_thinking_token_budget_reaches_the_fleet_from_each_route() -> None:
         chat_submission(chat | budget),
         completion_submission({"model": "lm", "prompt": "x"} | budget),
         response_submission({"model": "lm", "input": "x"} | budget),
+        anthropic_submission({"model": "lm", "max_tokens": 8, **chat} | budget),
     ):
         assert built(sub).thinking_token_budget == 0
+    # Anthropic's budget_tokens, a soft target clients send routinely, is not one
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 4096}
+    assert built(anthropic_submission(chat | thinking)).thinking_token_budget is None
     with pytest.raises(RequestRejected) as e:  # the fleet's own check, the field named
         built(chat_submission(chat | {"thinking_token_budget": -1}))
     assert e.value.param == "thinking_token_budget"
