@@ -179,7 +179,8 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``bad_words``, ``chat_template_kwargs``, ``add_generation_prompt``,
         ``continue_final_message``, ``return_token_ids``, ``return_prompt_text``,
         ``cache_salt``, ``reasoning_effort``, ``lora``, ``add_special_tokens``,
-        ``return_token_strs``, ``use_beam_search``, ``length_penalty`` (see
+        ``return_token_strs``, ``use_beam_search``, ``length_penalty``,
+        ``thinking_token_budget`` (see
         :class:`SubmitOptions`). Raises
         :class:`RequestRejected` before Redis, :class:`QueueFull`, or :class:`Unavailable`
         (with ``unknown_ids``) once Redis stayed unreachable for ``retry_for_s``."""

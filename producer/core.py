@@ -111,6 +111,9 @@ class GenerationOptions(TypedDict, total=False):
     """-2 to 2: taken off a token's logit per time the output holds it (OpenAI)."""
     min_new_tokens: int | None
     """No end-of-sequence before this many tokens."""
+    thinking_token_budget: int | None
+    """Reasoning tokens allowed per output, then the end of reasoning is forced (vLLM's;
+    a model with reasoning markers); workers older than it answer ``invalid_request``."""
     logprobs: int | None
     """0-20: each output carries its tokens' log-probabilities and this many alternatives'."""
     stop_token_ids: Sequence[int] | None

@@ -115,7 +115,7 @@ BEAM_REFUSES: Final[dict[str, object]] = {
     "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "min_new_tokens": 0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
     "logprobs": None, "prompt_logprobs": None, "structured_outputs": None,
-    "response_format": None, "tools": None,
+    "response_format": None, "tools": None, "thinking_token_budget": None,
 }  # fmt: skip
 """The fields ``use_beam_search`` does not take, but for their value that changes nothing."""
 GENERATION_FIELDS: Final = (
@@ -128,7 +128,7 @@ GENERATION_FIELDS: Final = (
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
     "reasoning_effort", "return_prompt_text", "lora",
     "add_special_tokens", "return_token_strs",
-    "use_beam_search", "length_penalty",
+    "use_beam_search", "length_penalty", "thinking_token_budget",
 )  # fmt: skip
 """Request fields only generation models take."""
 
@@ -421,6 +421,13 @@ class Request(_Strict):
     min_new_tokens: int | None = Field(None, ge=0)
     """End-of-sequence is not generated before this many tokens (a stop string still ends
     the text); at most ``max_new_tokens``."""
+    thinking_token_budget: int | None = Field(None, ge=0)
+    """vLLM's: reasoning tokens each output generates at most; then the model's end of
+    reasoning (``</think>``) is forced, token by token, and the answer follows (0: it
+    ends as soon as it opens). For a model with reasoning markers (its
+    ``reasoning_parser``'s tags or ``reasoning_config``), else ``invalid_request``; at
+    most the model's ``max_new_tokens`` bound; not with ``use_beam_search``. Workers
+    before it was added answer ``invalid_request``."""
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     """vLLM's: generation ends (``finish_reason`` ``stop``) once one of these tokens is
     generated; the token stays in the output (its text too, unless it is a special token)."""
@@ -658,6 +665,9 @@ class Request(_Strict):
                 raise ValueError(
                     f"min_new_tokens {self.min_new_tokens} > max_new_tokens {self.max_new_tokens}"
                 )
+        budget = self.thinking_token_budget
+        if budget is not None and budget > limits.max_new_tokens:
+            raise ValueError(f"too_large: thinking_token_budget {budget} > {limits.max_new_tokens}")
         if self.stop_token_ids is not None and any(not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids are token ids: 0 to 2**31 - 1")
         if self.allowed_token_ids is not None and any(

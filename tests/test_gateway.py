@@ -465,6 +465,16 @@ def test_errors_are_openai_errors(fleet: Fleet) -> None:
             out = c.completions.create(model=LM, prompt=long, max_tokens=4, stream=stream)
             list(out) if stream else None  # type: ignore[call-overload]
         assert ctx.value.code == "too_large" and "prompt tokens" in str(ctx.value)
+    # a field the worker checks against its model: a thinking budget, to a model without
+    # reasoning markers, reaches the worker and comes back refused
+    for ask in (lambda: c.chat.completions.create(
+                    model=LM, messages=[{"role": "user", "content": "x"}],
+                    extra_body={"thinking_token_budget": 4}),
+                lambda: c.completions.create(model=LM, prompt="x", max_tokens=4,
+                                             extra_body={"thinking_token_budget": 4})):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as ctx:
+            ask()
+        assert ctx.value.code == "invalid_request" and "reasoning markers" in str(ctx.value)
     with pytest.raises(openai.BadRequestError, match="image_url"):
         c.chat.completions.create(model=LM, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}])  # fmt: skip

@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 from batchfleet.producer.core import GENERATION_OPTIONS
 from batchfleet.producer.gateway.answers import chat_response, completion_response
+from batchfleet.producer.gateway.anthropic_fields import submission as anthropic_submission
 from batchfleet.producer.gateway.chunks import Chunks, Diverged
 from batchfleet.producer.gateway.endpoint import Answered, Submission
 from batchfleet.producer.gateway.errors import ApiError, of_exception, of_result
 from batchfleet.producer.gateway.openai_fields import chat_submission, completion_submission
+from batchfleet.producer.gateway.response_input import response_submission
 from batchfleet.producer.submit import build_request
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.errors import QueueFull, RequestRejected, ResultTimeout, Unavailable
@@ -111,6 +113,26 @@ def test_beam_search_fields_map_to_the_fleets_and_are_not_streamed() -> None:
     with pytest.raises(RequestRejected, match="temperature"):  # the fleet's own check
         built(chat_submission(chat | {"temperature": 0.8}))
     assert built(chat_submission(chat | {"use_beam_search": False, "length_penalty": None})).n == 3
+
+
+def test_thinking_token_budget_reaches_the_fleet_from_each_route() -> None:
+    # vLLM's extra field, under its own name, on chat completions, completions and (as a
+    # chat's extra) the Responses API
+    budget = {"thinking_token_budget": 0}
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    for sub in (
+        chat_submission(chat | budget),
+        completion_submission({"model": "lm", "prompt": "x"} | budget),
+        response_submission({"model": "lm", "input": "x"} | budget),
+        anthropic_submission({"model": "lm", "max_tokens": 8, **chat} | budget),
+    ):
+        assert built(sub).thinking_token_budget == 0
+    # Anthropic's budget_tokens, a soft target clients send routinely, is not one
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 4096}
+    assert built(anthropic_submission(chat | thinking)).thinking_token_budget is None
+    with pytest.raises(RequestRejected) as e:  # the fleet's own check, the field named
+        built(chat_submission(chat | {"thinking_token_budget": -1}))
+    assert e.value.param == "thinking_token_budget"
 
 
 def test_echo_with_logprobs_asks_the_prompts_score_and_max_tokens_0_only_with_echo() -> None:

@@ -20,7 +20,7 @@ SAME_NAME = (
     "include_stop_str_in_output", "truncate_prompt_tokens", "prompt_logprobs",
     "structured_outputs", "response_format", "allowed_token_ids", "skip_special_tokens",
     "bad_words", "return_token_ids", "cache_salt", "priority", "deadline_ms",
-    "use_beam_search", "length_penalty",
+    "use_beam_search", "length_penalty", "thinking_token_budget",
 )  # fmt: skip
 """Fields batchfleet takes under the same name and meaning (vLLM's extras included;
 ``priority`` is the lane, 0 first, as vLLM's lower-first priority; ``deadline_ms`` is

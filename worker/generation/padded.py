@@ -773,7 +773,8 @@ class PaddedEngine:
             if budget <= 0:
                 break
             left = min(r.max_new - len(r.generated) - 1, budget)
-            if left <= 0 or r.name in self._cancelled:
+            # a row whose next token is forced (a spent thinking budget) drafts nothing
+            if left <= 0 or r.name in self._cancelled or self.sampler.forcing(r.name):
                 continue
             d = spec.propose(r.tokens + r.generated, left)
             if d:

@@ -24,6 +24,9 @@ The rules, applied in this order before temperature (as HF ``generate`` and vLLM
 - ``structured_outputs`` (vLLM's, :mod:`.grammar`): tokens the sequence's constraint does
   not allow next are masked (it overrides ``min_new_tokens`` where the two leave nothing).
 
+A request with a ``thinking_token_budget`` (:mod:`.think_budget`) takes its reasoning's
+end tag, token by token, in place of its pick once the budget is spent.
+
 A request that asks for ``logprobs`` gets, per token, the chosen token's log-probability
 and the likeliest tokens' under the model's own logits (before the rules and temperature:
 vLLM's default), kept here until its end.
@@ -48,6 +51,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 
 from .grammar import Masks
+from .think_budget import BudgetState, ThinkBudget
 
 if TYPE_CHECKING:
     import llguidance
@@ -127,6 +131,9 @@ class Sampling:
     """With ``constraint_after``: the constraint holds from the first token unless that
     token is this one (a reasoning model's ``<think>``, where the prompt leaves it to the
     model whether to think), which the first token may also be."""
+    think: ThinkBudget | None = None
+    """Its reasoning's budget (``thinking_token_budget``, :mod:`.think_budget`): spent, the
+    end tag's tokens are forced (None: no cap)."""
 
     @property
     def greedy(self) -> bool:
@@ -154,12 +161,13 @@ class Sampling:
     def only_constrained(self) -> bool:
         """Greedy, no rule, nothing kept: the argmax of its constraint's tokens."""
         return (self.constraint is not None and self.greedy and not self.ruled
-                and self.logprobs is None)  # fmt: skip
+                and self.logprobs is None and self.think is None)  # fmt: skip
 
     @property
     def plain(self) -> bool:
-        """Greedy over the model's own logits, nothing kept: the engine's argmax alone."""
-        return self.greedy and not self.shaped and self.logprobs is None
+        """Greedy over the model's own logits, nothing kept, nothing forced: the engine's
+        argmax alone."""
+        return self.greedy and not self.shaped and self.logprobs is None and self.think is None
 
 
 Logprob = tuple[int, float, list[int], list[float], int]
@@ -196,6 +204,8 @@ class _Track:
     recent: list[int] = field(default_factory=list)
     """While its constraint waits for ``Sampling.constraint_after``: its last tokens (as
     many as the marker may take)."""
+    think: BudgetState | None = None
+    """Where it stands in its reasoning's budget (``Sampling.think``)."""
 
     def restart(self, tokens: list[int]) -> None:
         """Its prompt and output as the engine was given them (first add or a resume)."""
@@ -203,6 +213,8 @@ class _Track:
         self.counts = Counter(tokens[self.prompt :])
         self.generated = max(0, len(tokens) - self.prompt)
         del self.logprobs[self.generated :]  # drawn in a step that failed: not generated
+        if self.sampling.think is not None:
+            self.think = BudgetState.replay(self.sampling.think, tokens[self.prompt :])
         if self.sampling.bad_words:
             keep = max(len(w) for w in self.sampling.bad_words) - 1
             self.tail = tokens[self.prompt :][-keep:] if keep else []
@@ -269,7 +281,7 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
             track = _Track(sampling, gen, prompt=len(tokens or ()))
             self._tracks[sequence] = track
-        if sampling.shaped or sampling.logprobs is not None:
+        if sampling.shaped or sampling.logprobs is not None or sampling.think is not None:
             track.restart(list(tokens or ()))
 
     def forget(self, sequence: str) -> None:
@@ -314,6 +326,12 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
                 tokens[i] = self._draw(sequences[i], track, logits[i],
                                        None if k is None or allowed is None else allowed[k])  # fmt: skip
         return tokens
+
+    def forcing(self, sequence: str) -> bool:
+        """Whether a sequence's next token is forced (its reasoning's budget is spent):
+        drafts for it would all be refused."""
+        track = self._tracks.get(sequence)
+        return track is not None and track.think is not None and track.think.forced() is not None
 
     def draw(self, sequence: str, logits: torch.Tensor) -> int | None:
         """A registered sequence's next token from its ``logits`` row (None: plain greedy,
@@ -360,18 +378,26 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
               allowed: torch.Tensor | None, draft: int | None = None) -> int:  # fmt: skip
         s = track.sampling
         raw = logits
-        if s.shaped:
-            logits = self._shape(track, logits, allowed)
-        if track.gen is None:
-            token = int(logits.argmax())
-        elif draft is None:
-            token = sample(logits, s, track.gen)
+        # a spent budget forces its end tag (not where a constraint already holds: the
+        # constraint's text is not reasoning); its log-probability is still the model's
+        forced = None if track.think is None or track.matcher is not None else track.think.forced()
+        if forced is not None:
+            token = forced
         else:
-            token = judge(logits, s, track.gen, draft)
+            if s.shaped:
+                logits = self._shape(track, logits, allowed)
+            if track.gen is None:
+                token = int(logits.argmax())
+            elif draft is None:
+                token = sample(logits, s, track.gen)
+            else:
+                token = judge(logits, s, track.gen, draft)
         if s.logprobs is not None:
             track.logprobs.append(_logprob(raw, token, s.logprobs))
         if s.ruled:
             track.took(token)
+        if track.think is not None:
+            track.think.took(token)
         self._consume(sequence, track, token)
         return token
 

@@ -27,7 +27,10 @@ not wait for it between steps; see ``worker/gen_scheduler.py``), ``tool_call_par
 (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``qwen3_coder``, ``glm45``,
 ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``: how ``tool_choice`` ``auto``
 reads tool calls out of the text, :mod:`..generation.tools`; unset: such requests are
-refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``compile_threads``
+refused), ``reasoning_parser`` (:mod:`..generation.reasoning`), ``reasoning_config``
+(vLLM's ``--reasoning-config``: ``{reasoning_start_str, reasoning_end_str}``, the markers
+a ``thinking_token_budget`` counts within and forces the end of, :mod:`..generation.think_budget`;
+default: the reasoning parser's tags), ``compile_threads``
 (default 1: threads that compile a constraint not compiled yet while the request waits,
 admitted, and the others run; 0: compiled when the request is read, on the loop thread;
 :mod:`..generation.grammar`), ``lora_adapters`` (``{name: path}``: PEFT LoRA adapters of
@@ -66,6 +69,7 @@ from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.speculative import NgramConfig
 from ..generation.split import OutputSplit
 from ..generation.tagged_args import Types, param_types
+from ..generation.think_budget import Markers, ThinkBudget, markers
 from ..generation.tool_chunks import CallChunks
 from ..generation.tools import ALIASES, MARKERS, PARSERS, TYPED, CallReader
 from ..runner import (
@@ -141,13 +145,18 @@ class GenSpec:
     beam: bool = False
     """Beam search (``use_beam_search``), ``n`` its width (:mod:`..generation.beam`)."""
     length_penalty: float = 1.0
+    budgets: tuple[ThinkBudget, ...] = ()
+    """Per prompt, its reasoning's budget (``thinking_token_budget``; empty: none)."""
 
-    def sampling_of(self, j: int) -> Sampling:
-        """Completion ``j``'s sampling: with a seed, its own (``seed + j``)."""
-        seed = self.sampling.seed
+    def sampling_of(self, j: int, i: int = 0) -> Sampling:
+        """Prompt ``i``'s completion ``j``'s sampling: with a seed, its own (``seed + j``);
+        with a budget, its prompt's."""
+        sampling, seed = self.sampling, self.sampling.seed
+        if self.budgets:
+            sampling = replace(sampling, think=self.budgets[i])
         if j == 0 or seed is None:
-            return self.sampling
-        return replace(self.sampling, seed=(seed + j) % 2**63)
+            return sampling
+        return replace(sampling, seed=(seed + j) % 2**63)
 
 
 @dataclass(slots=True)
@@ -339,6 +348,14 @@ class TextGenerationRunner:
             if self.reasoning_parser is None
             else reasoning_for(self.reasoning_parser, self.tokenizer.get_vocab())
         )
+        split = self._reasoning
+        self._markers: Markers | None = markers(
+            opts.get("reasoning_config"),
+            None if split is None else (split.open, split.close),
+            () if split is None else split.enders,
+            lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)],
+        )
+        """The markers a ``thinking_token_budget`` counts within (None: it is refused)."""
         self._harmony = (
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
         )
@@ -579,6 +596,9 @@ class TextGenerationRunner:
             (self._harmony or self._cohere is not None) and use is not None and use.kind == "auto"
             and req.constraint is None and any(t.function.strict for t in req.tools or ())
         )  # fmt: skip
+        budgets = self._budgets(req, prompts, thinking)
+        if isinstance(budgets, PrepareError):
+            return budgets
         try:  # nothing generated (max_new_tokens 0): nothing to constrain
             constrained = self._constraint(req, own_calls, thinking) if wanted else None
         except PrepareError as exc:
@@ -658,6 +678,7 @@ class TextGenerationRunner:
             lora_name=req.lora,
             beam=bool(req.use_beam_search),
             length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+            budgets=budgets,
         )
         lengths = tuple(len(p) for p in prompts for _ in range(spec.n))
         # the KV cache holds per sequence its prompt, or nothing where it is answered when
@@ -667,6 +688,23 @@ class TextGenerationRunner:
                      for p in prompts for j in range(spec.n))  # fmt: skip
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=held,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
+
+    def _budgets(self, req: Request, prompts: Sequence[Sequence[int]],
+                 thinking: bool | None) -> tuple[ThinkBudget, ...] | PrepareError:  # fmt: skip
+        """Per prompt, its ``thinking_token_budget`` (empty: none asked). A chat's text
+        begins in its reasoning as its split tells (``thinking``), a prompt's (or a chat's
+        to a model without a reasoning parser) as its end's markers tell."""
+        budget, marks = req.thinking_token_budget, self._markers
+        if budget is None:
+            return ()
+        if marks is None:
+            return PrepareError("thinking_token_budget: this model has no reasoning markers "
+                                "(options.reasoning_parser with tags, or "
+                                "options.reasoning_config)")  # fmt: skip
+        if req.messages is not None and self._reasoning is not None:
+            return tuple(marks.budget(budget, thinking) for _ in prompts)
+        ends = (self.tokenizer.decode(list(p[-16:]), skip_special_tokens=False) for p in prompts)
+        return tuple(marks.budget(budget, marks.opens(end)) for end in ends)
 
     def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as written alone and after a space (vLLM's ``bad_words``)."""
@@ -1085,7 +1123,7 @@ class TextGenerationRunner:
             # nothing to generate (max_new_tokens 0): only a prompt to score runs, greedily
             # (its token is dropped); the other sequences end now, with no engine work
             seqs = [_Seq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
-                         spec.sampling_of(j) if m else Sampling(),
+                         spec.sampling_of(j, i) if m else Sampling(),
                          score=spec.prompt_logprobs if j == 0 else None, split=self._split(spec),
                          finish=None if m or (j == 0 and spec.prompt_logprobs is not None)
                          else "length")
@@ -1502,6 +1540,8 @@ class TextGenerationRunner:
             "structured_outputs": not isinstance(self._grammars, str),
             "tool_call_parser": self.tool_call_parser,
             "reasoning_parser": self.reasoning_parser,
+            "reasoning_markers": None if self._markers is None
+            else [self._markers.start_str, self._markers.end_str],
             "lora_adapters": list(self.lora_adapters), "max_loras": self.max_loras,
             **self._resident(),
         }  # fmt: skip

@@ -1,0 +1,217 @@
+"""A cap on a sequence's reasoning tokens (vLLM's ``thinking_token_budget``).
+
+Once a sequence has generated ``budget`` tokens inside its reasoning, the engine forces
+the end-of-reasoning tokens (``</think>``, one per step, overriding the pick) and the
+text goes on with its answer; 0 ends the reasoning as soon as it opens. Where the
+reasoning begins follows the reasoning split (:mod:`.reasoning`): from the first token
+where the prompt opened it (``thinking`` true), after an opening tag the text begins with
+(``thinking`` None), never where the prompt closed it. Its end tag, or one of the markers
+that end it as well (a tool-call section's, :data:`~.reasoning.ENDS`), written by the
+model itself ends it with no forcing. A leading opening tag (the model opening the
+reasoning its prompt had opened) does not count.
+
+:class:`BudgetState` is a pure function of the tokens generated (:meth:`BudgetState.replay`),
+so a sequence preempted and recomputed, or reclaimed by another worker, counts the same.
+Unlike vLLM, which counts the prompt's tokens after its last opening tag too, only
+generated tokens count here: the budget is the reasoning the request pays for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Final
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkBudget:
+    """A request's budget and the tokens of its model's reasoning markers."""
+
+    budget: int
+    """Reasoning tokens allowed before the end is forced (0: none)."""
+    end: tuple[int, ...]
+    """The end tag's tokens (forced, one per step); never empty."""
+    start: tuple[int, ...] = ()
+    """The opening tag's tokens (empty: the model has none)."""
+    thinking: bool | None = None
+    """The text begins in its reasoning (True), does not (False: the prompt closed it,
+    nothing is forced), or its own start tells (None: an opening tag first)."""
+    enders: tuple[tuple[int, ...], ...] = ()
+    """Other token sequences that end the reasoning when the model writes them."""
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ValueError(f"thinking_token_budget {self.budget} < 0")
+        if not self.end:
+            raise ValueError("a thinking budget needs the end tag's tokens")
+
+
+class Phase(Enum):
+    """Where a sequence stands in its reasoning."""
+
+    OPENING = "opening"
+    """Its opening tag may be being written (``thinking`` None)."""
+    THINKING = "thinking"
+    """In its reasoning, counting."""
+    FORCING = "forcing"
+    """Its budget spent: the end tag's tokens are forced."""
+    DONE = "done"
+    """Its reasoning ended (or never began): nothing more to do."""
+
+
+@dataclass(slots=True)
+class BudgetState:
+    """One sequence's progress through its budget (feed it each generated token)."""
+
+    rule: ThinkBudget
+    phase: Phase = Phase.DONE
+    taken: int = 0
+    """Tokens generated so far."""
+    count: int = 0
+    """Reasoning tokens counted so far."""
+    lead: int = 0
+    """How many leading tokens match the opening tag (thinking true: not counted once
+    they make it whole)."""
+    at: int = 0
+    """While forcing: the index of the end tag's next token."""
+    tail: list[int] = field(default_factory=list)
+    """The last tokens (as many as the longest marker), to spot a marker's end."""
+
+    @classmethod
+    def begin(cls, rule: ThinkBudget) -> BudgetState:
+        """The state before the first generated token."""
+        state = cls(rule)
+        if rule.thinking is True:
+            state._think()
+        elif rule.thinking is None and rule.start:
+            state.phase = Phase.OPENING
+        return state
+
+    @classmethod
+    def replay(cls, rule: ThinkBudget, out: Iterable[int]) -> BudgetState:
+        """The state after generating ``out`` (a resume: its output as the engine has it)."""
+        state = cls.begin(rule)
+        for token in out:
+            state.took(token)
+        return state
+
+    def forced(self) -> int | None:
+        """The token the sequence must take next (None: its own pick)."""
+        return self.rule.end[self.at] if self.phase is Phase.FORCING else None
+
+    def took(self, token: int) -> None:
+        """The sequence generated ``token`` (forced or its own)."""
+        rule = self.rule
+        self.taken += 1
+        self.tail.append(token)
+        del self.tail[: len(self.tail) - self._span()]
+        if self.phase is Phase.OPENING:
+            if rule.start[self.taken - 1] != token:
+                self.phase = Phase.DONE  # not an opening tag: all answer
+            elif self.taken == len(rule.start):
+                self._think()
+        elif self.phase is Phase.THINKING:
+            self.count += 1
+            start = rule.start
+            if self.lead == self.taken - 1 and self.lead < len(start) and start[self.lead] == token:
+                self.lead += 1
+                if self.lead == len(start):  # a leading opening tag: not reasoning
+                    self.count = 0
+            if self._ended():
+                self.phase = Phase.DONE
+            elif self.count >= rule.budget:
+                self._force()
+        elif self.phase is Phase.FORCING:
+            self.at = self.at + 1 if token == rule.end[self.at] else self._begun()
+            if self.at == len(rule.end):
+                self.phase = Phase.DONE
+
+    def _think(self) -> None:
+        self.phase = Phase.THINKING
+        self.count = 0
+        if self.rule.budget == 0:
+            self._force()
+
+    def _force(self) -> None:
+        """Spent: force the end tag, from where the text may already have begun it."""
+        self.phase = Phase.FORCING
+        self.at = self._begun()
+
+    def _begun(self) -> int:
+        """How many of the end tag's first tokens the text ends with (short of all)."""
+        end, tail = self.rule.end, self.tail
+        for n in range(min(len(end) - 1, len(tail)), 0, -1):
+            if tail[-n:] == list(end[:n]):
+                return n
+        return 0
+
+    def _ended(self) -> bool:
+        """The text ends with the end tag or another marker that ends the reasoning."""
+        tail = self.tail
+        return any(len(m) <= len(tail) and tail[-len(m) :] == list(m)
+                   for m in (self.rule.end, *self.rule.enders))  # fmt: skip
+
+    def _span(self) -> int:
+        return max(len(m) for m in (self.rule.end, *self.rule.enders))
+
+
+def opens(prompt_end: str, start: str, end: str) -> bool | None:
+    """Whether a text after a prompt ending ``prompt_end`` begins in its reasoning, read
+    off its markers alone (a completion's prompt, or a model without a reasoning parser):
+    it does after an opening tag, not after an end tag; None: the text's start tells."""
+    tail = prompt_end.rstrip()
+    if start and tail.endswith(start):
+        return True
+    if tail.endswith(end):
+        return False
+    return None
+
+
+CONFIG_KEYS: Final = ("reasoning_start_str", "reasoning_end_str")
+"""The keys of a model's ``reasoning_config`` option (vLLM's ``--reasoning-config``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    """A model's reasoning markers as text and as tokens (what a budget needs)."""
+
+    start_str: str
+    end_str: str
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    enders: tuple[tuple[int, ...], ...] = ()
+
+    def budget(self, budget: int, thinking: bool | None) -> ThinkBudget:
+        """A request's budget, for a text that begins as ``thinking`` tells."""
+        return ThinkBudget(budget, self.end, self.start, thinking, self.enders)
+
+    def opens(self, prompt_end: str) -> bool | None:
+        """:func:`opens` by these markers."""
+        return opens(prompt_end, self.start_str, self.end_str)
+
+
+def markers(config: Any, tags: tuple[str, str] | None, enders: tuple[str, ...],
+            encode: Callable[[str], list[int]]) -> Markers | None:  # fmt: skip
+    """A model's markers: its ``reasoning_config`` option (a table of
+    :data:`CONFIG_KEYS`), else its reasoning parser's tags (``tags``: opening, closing;
+    None: no parser) and the markers that end its reasoning too (``enders``), each
+    tokenized by ``encode``; None where neither gives an end tag. A malformed option is
+    refused."""
+    if config is not None:
+        if not isinstance(config, Mapping) or set(config) - set(CONFIG_KEYS):
+            raise ValueError(f"options.reasoning_config: a table of {', '.join(CONFIG_KEYS)}, "
+                             f"got {config!r}")  # fmt: skip
+        start, end = (config.get(k, "") for k in CONFIG_KEYS)
+        if not isinstance(start, str) or not isinstance(end, str) or not end:
+            raise ValueError("options.reasoning_config: reasoning_start_str is a string, "
+                             "reasoning_end_str a non-empty one")  # fmt: skip
+    elif tags is None or not tags[1]:
+        return None
+    else:
+        start, end = tags
+    end_ids = tuple(encode(end))
+    if not end_ids:
+        raise ValueError(f"options.reasoning_config: {end!r} has no tokens")
+    return Markers(start, end, tuple(encode(start)) if start else (), end_ids,
+                   tuple(t for m in enders if (t := tuple(encode(m)))))  # fmt: skip
