@@ -210,6 +210,13 @@ def test_temperature_draws_a_candidate_that_can_only_end_a_beam(
     assert warm["token_ids"] == plain["token_ids"]
 
 
+def test_each_round_s_draw_has_its_own_seed() -> None:
+    seeds = [draw_seed(7, p, r, b) for p in range(2) for r in range(3) for b in range(2)]
+    assert len(set(seeds)) == 12 and all(s is not None and 0 <= s < 2**63 for s in seeds)
+    assert draw_seed(7, 1, 2, 1) == draw_seed(7, 1, 2, 1) != draw_seed(8, 1, 2, 1)
+    assert draw_seed(None, 0, 0, 0) is None  # no seed: a random draw
+
+
 def test_length_penalty_orders_beams_of_different_lengths() -> None:
     def search(penalty: float) -> list[Beam]:
         s = BeamSearch(
