@@ -100,9 +100,10 @@ class BeamRounds:
             raise RuntimeError(f"beam sequence {out.sequence}: the engine kept no alternatives")
         drawn, logprob, ids, values, _ = kept[0]
         tops = self.tops[i]
-        tops[k] = list(zip(ids, values, strict=True))
+        alternatives = list(zip(ids, values, strict=True))
         if drawn not in ids:  # (sampled: it may be none of the likeliest)
-            tops[k].append((drawn, logprob))
+            alternatives.append((drawn, logprob))
+        tops[k] = alternatives
         if any(t is None for t in tops):
             return False
         self.searches[i].advance([t for t in tops if t is not None])
