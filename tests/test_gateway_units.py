@@ -265,6 +265,13 @@ def test_tokens_as_token_ids_whole_and_streamed() -> None:
         {"token_id:7": -2.0, "token_id:3": -0.25}, {"token_id:9": -1.0, "token_id:3": -0.25},
         {"token_id:3": -0.25}]  # fmt: skip
     assert text["logprobs"]["text_offset"] == [0, 3, 7, 8]
+    # (the gateway asks the prompt's ids for it, and shows them only where asked)
+    echo = {"model": "lm", "prompt": "the cat", "echo": True, "logprobs": 1}
+    assert built(completion_submission(echo | ids)).return_token_ids
+    assert not built(completion_submission(echo)).return_token_ids
+    assert "prompt_token_ids" not in text
+    shown = completion_response(echo | ids | {"return_token_ids": True}, res, ANSWERED)
+    assert shown["choices"][0]["prompt_token_ids"] == [5, 7]
     # and streamed, chat and completion alike
     c = Chunks({"logprobs": True} | ids, ANSWERED, "lm", chat=True)
     streamed = c.feed(delta(1, "\ufffd", logprobs=[lps[0]]))[-1]["choices"][0]["logprobs"]

@@ -220,6 +220,7 @@ def completion_response(
     texts = prompts(body)
     per_input = max(1, len(gens) // max(1, len(texts)))
     as_ids = as_token_ids(body)
+    shown_ids = bool(body.get("return_token_ids"))  # (asked by the gateway for an echo's)
     choices = []
     for i, g in enumerate(gens):
         if body.get("echo"):
@@ -240,10 +241,10 @@ def completion_response(
         }
         if g.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(g.prompt_logprobs)
-        if g.token_ids is not None:
-            choice["token_ids"] = g.token_ids
         ids = gens[i - i % per_input].prompt_token_ids  # each choice its prompt's (vLLM's)
-        if ids is not None:
+        if g.token_ids is not None and shown_ids:
+            choice["token_ids"] = g.token_ids
+        if ids is not None and shown_ids:
             choice["prompt_token_ids"] = ids
         choices.append(choice)
     return {

@@ -546,7 +546,7 @@ class Generate(Handler):
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
-        return make(body)
+        return make(self._defaulted(body))
 
     def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
         make = chat_response if self.chat else completion_response

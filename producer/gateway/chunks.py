@@ -178,7 +178,7 @@ class Chunks:
         if not self.chat:
             logprobs = completion_logprobs(d.logprobs, state.offset, as_ids=self.as_ids)
             state.offset += len(d.text)
-            if not (d.text or logprobs or d.token_ids or self._ids_due(state)):
+            if not (d.text or logprobs or (d.token_ids and self.token_ids) or self._ids_due(state)):
                 return None
             choice = {"index": d.input, "text": d.text, "logprobs": logprobs,
                       "finish_reason": None}  # fmt: skip
@@ -197,7 +197,7 @@ class Chunks:
                 return None
             choice = {"index": d.input, "delta": delta, "finish_reason": None,
                       "logprobs": chat_logprobs(d.logprobs, self.as_ids)}  # fmt: skip
-        if d.token_ids is not None:
+        if d.token_ids is not None and self.token_ids:
             choice["token_ids"] = d.token_ids
         return choice
 

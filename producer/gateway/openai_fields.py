@@ -215,6 +215,8 @@ def completion_submission(body: Mapping[str, Any]) -> Submission:
             options["prompt_logprobs"] = body["logprobs"]
     if echo and not all(isinstance(p, str) for p in texts):
         options["return_prompt_text"] = True  # the echo of token ids: the worker decodes
+    if echo and "logprobs" in options and body.get(TOKEN_IDS):
+        options["return_token_ids"] = True  # the echoed text's first token, by its id
     options["inputs"] = [p if isinstance(p, str) else TokenPrompt(prompt_token_ids=p)
                          for p in texts]  # fmt: skip
     return Submission(model, options)
