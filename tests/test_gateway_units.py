@@ -281,6 +281,14 @@ def test_tokens_as_token_ids_whole_and_streamed() -> None:
     assert chunk["choices"][0]["logprobs"]["tokens"] == ["token_id:9"]
     (chunk,) = t.feed(delta(2, " a", logprobs=[lps[1]]))
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [1]
+    # a streamed echo's ids (asked by the gateway) shown only where the client asked them
+    for asked in (False, True):
+        e = Chunks(echo | ids | {"return_token_ids": asked}, ANSWERED, "lm", chat=False)
+        sent = e.feed(delta(1, "!", logprobs=[lps[0]], token_ids=[9], prompt_tokens=2,
+                            prompt_token_ids=[5, 7], prompt_logprobs=res.generations()[0]
+                            .prompt_logprobs))  # fmt: skip
+        assert sent[0]["choices"][0]["logprobs"]["tokens"][0] == "token_id:5"
+        assert [("token_ids" in c["choices"][0]) for c in sent] == [False, asked]
 
 
 def test_vllm_fields_the_fleet_does_not_take_are_refused_by_name() -> None:
