@@ -289,7 +289,8 @@ def _gateway(args: argparse.Namespace) -> int:
                           conversations={"ttl_s": args.conversations_ttl,
                                          "max_items": args.conversations_max_items,
                                          "max_bytes": args.conversations_max_bytes},
-                          lora_admin=lora_admin, dev_admin=dev_admin))  # fmt: skip
+                          lora_admin=lora_admin, dev_admin=dev_admin,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids))  # fmt: skip
     return 0
 
 
@@ -544,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve vLLM's development routes (its VLLM_SERVER_DEV_MODE): POST "
         "/reset_prefix_cache, a Celery broadcast to the fleet's workers (off: 404)",
+    )
+    gw.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name each token 'token_id:{id}' (vLLM's flag): the default of the "
+        "chat and completion requests' return_tokens_as_token_ids",
     )
     gw.add_argument(
         "--broker-url",

@@ -111,13 +111,13 @@ MAX_STRUCTURES: Final = 128
 """The most structures (and triggers) a ``structural_tag`` lists."""
 
 BEAM_REFUSES: Final[dict[str, object]] = {
-    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "min_new_tokens": 0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
     "logprobs": None, "prompt_logprobs": None, "structured_outputs": None,
     "response_format": None, "tools": None, "thinking_token_budget": None,
 }  # fmt: skip
-"""The fields ``use_beam_search`` does not take, but for their value that changes nothing."""
+"""The fields ``use_beam_search`` does not take, but for their value that changes nothing
+(``temperature`` and ``seed`` it takes: each round draws a token, as vLLM's rounds do)."""
 GENERATION_FIELDS: Final = (
     "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_new_tokens", "logprobs",
@@ -509,9 +509,10 @@ class Request(_Strict):
     # --- beam search (vLLM's extra parameters) ---
     use_beam_search: bool | None = None
     """vLLM's: beam search instead of sampling, ``n`` (default 1) its width; each input's
-    outputs are its ``n`` best beams, best first. Greedy over the model's own
-    log-probabilities: not with ``stream`` nor the fields that change the logits or the
-    draw (see :data:`BEAM_REFUSES`)."""
+    outputs are its ``n`` best beams, best first. Ranked by the model's own
+    log-probabilities; each beam's round also draws a token at ``temperature`` (seeded by
+    ``seed``), a candidate too (vLLM's): it can only end a beam. Not with ``stream`` nor
+    the fields that change the logits (see :data:`BEAM_REFUSES`)."""
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
     """vLLM's, with ``use_beam_search``: beams are ranked by their cumulative
     log-probability over their length (prompt included) to this power (default 1)."""

@@ -604,6 +604,71 @@ def test_sigterm_lets_requests_in_flight_end_then_cancels_them(
     assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 4000
 
 
+def test_tokens_as_token_ids_by_request_and_by_the_gateway_s_flag(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # Given a chat and a completion with logprobs, and their tokens as the fleet has them
+    chat = {"model": LM, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    text = {"model": LM, "prompt": "the cat", "max_tokens": 6, "logprobs": 2}
+    fleet_ids = {
+        "chat": produced(fleet, messages=chat["messages"], max_new_tokens=6,
+                         return_token_ids=True).token_ids,
+        "text": produced(fleet, inputs="the cat", max_new_tokens=6,
+                         return_token_ids=True).token_ids,
+    }  # fmt: skip
+
+    def tokens(base: str, body: dict[str, Any], **more: Any) -> list[list[str]]:
+        """The completion's tokens (and each position's alternatives), whole and streamed;
+        the chat's too where ``body`` is one."""
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        ask = body | {"extra_body": more}
+        if "messages" in body:
+            whole = client.chat.completions.create(**ask).choices[0].logprobs
+            streamed = [t for c in client.chat.completions.create(**ask, stream=True)
+                        if c.choices and c.choices[0].logprobs
+                        for t in c.choices[0].logprobs.content or ()]  # fmt: skip
+            assert whole is not None and whole.content is not None
+            got = [[t.token for t in whole.content],
+                   [x.token for t in whole.content for x in t.top_logprobs]]  # fmt: skip
+            assert [[t.token for t in streamed],
+                    [x.token for t in streamed for x in t.top_logprobs]] == got  # fmt: skip
+            return got
+        lp = client.completions.create(**ask).choices[0].logprobs
+        streamed = [t for c in client.completions.create(**ask, stream=True)
+                    if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or ()]  # fmt: skip
+        assert lp is not None and lp.tokens is not None and streamed == lp.tokens
+        return [lp.tokens, sorted(k for top in lp.top_logprobs or () for k in top)]
+
+    # When asked of a plain gateway, then of one started with --return-tokens-as-token-ids
+    flagged, base = start_gateway(fleet.url, tmp_path, "--return-tokens-as-token-ids")
+    try:
+        for body in (chat, text):
+            # Then the plain gateway names tokens by their text unless a request asks ids
+            plain, asked = tokens(fleet.base, body), tokens(fleet.base, body,
+                                                            return_tokens_as_token_ids=True)  # fmt: skip
+            named = [f"token_id:{t}" for t in fleet_ids["chat" if body is chat else "text"]]
+            assert asked[0] == named and all(k.startswith("token_id:") for k in asked[1])
+            assert not any(t.startswith("token_id:") for t in plain[0] + plain[1])
+            # and the flagged one names them by id unless a request asks its text
+            assert tokens(base, body) == asked
+            assert tokens(base, body, return_tokens_as_token_ids=False) == plain
+    finally:
+        flagged.terminate()
+        flagged.wait(10)
+
+
+def test_beam_search_takes_temperature(fleet: Fleet) -> None:
+    # vLLM's beams take a temperature (each round draws a candidate that can only end a
+    # beam): a warm request is answered, not refused
+    ask = {"model": LM, "prompt": "the cat", "max_tokens": 5, "n": 2,
+           "extra_body": {"use_beam_search": True}}  # fmt: skip
+    cold = fleet.client.completions.create(**ask)
+    warm = fleet.client.completions.create(**ask, temperature=0.7, seed=5)
+    assert len(warm.choices) == 2 and all(c.text for c in warm.choices)
+    assert len(cold.choices) == 2
+
+
 def test_vllm_guided_fields_and_structured_outputs(fleet: Fleet) -> None:
     reply = fleet.client.chat.completions.create(
         model=LM, messages=[{"role": "user", "content": "pick"}], max_tokens=20,

@@ -110,8 +110,10 @@ def test_beam_search_fields_map_to_the_fleets_and_are_not_streamed() -> None:
     with pytest.raises(ApiError) as e:
         completion_submission({"model": "lm", "prompt": "x", "stream": True} | beam)
     assert e.value.status == 400 and e.value.param == "use_beam_search"
-    with pytest.raises(RequestRejected, match="temperature"):  # the fleet's own check
-        built(chat_submission(chat | {"temperature": 0.8}))
+    with pytest.raises(RequestRejected, match="top_p"):  # the fleet's own check
+        built(chat_submission(chat | {"top_p": 0.8}))
+    hot = built(chat_submission(chat | {"temperature": 0.8, "seed": 4}))  # each round's draw
+    assert hot.use_beam_search and hot.temperature == 0.8 and hot.seed == 4
     assert built(chat_submission(chat | {"use_beam_search": False, "length_penalty": None})).n == 3
 
 
@@ -130,8 +132,12 @@ def test_thinking_token_budget_reaches_the_fleet_from_each_route() -> None:
     # Anthropic's budget_tokens, a soft target clients send routinely, is not one
     thinking = {"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 4096}
     assert built(anthropic_submission(chat | thinking)).thinking_token_budget is None
-    with pytest.raises(RequestRejected) as e:  # the fleet's own check, the field named
-        built(chat_submission(chat | {"thinking_token_budget": -1}))
+    # -1 is vLLM's "no budget"; below that, the fleet's own check names the field
+    assert (
+        built(chat_submission(chat | {"thinking_token_budget": -1})).thinking_token_budget is None
+    )
+    with pytest.raises(RequestRejected) as e:
+        built(chat_submission(chat | {"thinking_token_budget": -2}))
     assert e.value.param == "thinking_token_budget"
 
 
@@ -253,6 +259,114 @@ def test_legacy_top_logprobs_hold_the_token_itself_as_openai_and_vllm() -> None:
     # and a chat's are the likeliest alone, as OpenAI's chat answers them
     content = chat["choices"][0]["logprobs"]["content"]
     assert [[t["token"] for t in c["top_logprobs"]] for c in content] == [[" a", " b"]] * 2
+
+
+def test_tokens_as_token_ids_whole_and_streamed() -> None:
+    # Given generated tokens, one not whole UTF-8 (its text U+FFFD), and a scored echo
+    def lp(token: int, text: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "text": text, "logprob": logprob,
+                "top": [{"token": 3, "text": " a", "logprob": -0.25}]}  # fmt: skip
+
+    lps = [lp(9, "\ufffd", -1.0), lp(3, " a", -0.25)]
+    res = result([{"text": "\ufffd a", "finish_reason": "length", "logprobs": lps,
+                   "prompt_logprobs": [None, lp(7, " cat", -2.0)], "prompt_token_ids": [5, 7]}])  # fmt: skip
+    ids = {"return_tokens_as_token_ids": True}
+    # When a chat asks its tokens as ids
+    chat = chat_response({"logprobs": True, "top_logprobs": 1} | ids, res, ANSWERED)
+    # Then each token reads token_id:{id}; the generated token's bytes stay its text's, an
+    # alternative's are its token's (vLLM's)
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert first == {"token": "token_id:9", "logprob": -1.0, "bytes": [239, 191, 189],
+                     "top_logprobs": [{"token": "token_id:3", "logprob": -0.25,
+                                       "bytes": list(b"token_id:3")}]}  # fmt: skip
+    assert chat_response({"logprobs": True}, res, ANSWERED)["choices"][0]["logprobs"][
+        "content"][0]["token"] == "\ufffd"  # fmt: skip
+    # and a completion's tokens and top_logprobs' keys too, the echoed prompt's first
+    # by its id, offsets still into the text
+    text = completion_response({"prompt": "the cat", "echo": True, "logprobs": 1} | ids, res,
+                               ANSWERED)["choices"][0]  # fmt: skip
+    assert text["text"] == "the cat\ufffd a"
+    assert text["logprobs"]["tokens"] == ["token_id:5", "token_id:7", "token_id:9", "token_id:3"]
+    assert text["logprobs"]["top_logprobs"][1:] == [
+        {"token_id:7": -2.0, "token_id:3": -0.25}, {"token_id:9": -1.0, "token_id:3": -0.25},
+        {"token_id:3": -0.25}]  # fmt: skip
+    assert text["logprobs"]["text_offset"] == [0, 3, 7, 8]
+    # (the gateway asks the prompt's ids for it, and shows them only where asked)
+    echo = {"model": "lm", "prompt": "the cat", "echo": True, "logprobs": 1}
+    assert built(completion_submission(echo | ids)).return_token_ids
+    assert not built(completion_submission(echo)).return_token_ids
+    assert "prompt_token_ids" not in text
+    shown = completion_response(echo | ids | {"return_token_ids": True}, res, ANSWERED)
+    assert shown["choices"][0]["prompt_token_ids"] == [5, 7]
+    # and streamed, chat and completion alike
+    c = Chunks({"logprobs": True} | ids, ANSWERED, "lm", chat=True)
+    streamed = c.feed(delta(1, "\ufffd", logprobs=[lps[0]]))[-1]["choices"][0]["logprobs"]
+    assert streamed["content"][0]["token"] == "token_id:9"
+    t = Chunks({"prompt": "P", "logprobs": 1} | ids, ANSWERED, "lm", chat=False)
+    (chunk,) = t.feed(delta(1, "\ufffd", logprobs=[lps[0]]))
+    assert chunk["choices"][0]["logprobs"]["tokens"] == ["token_id:9"]
+    (chunk,) = t.feed(delta(2, " a", logprobs=[lps[1]]))
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [1]
+    # a streamed echo's ids (asked by the gateway) shown only where the client asked them
+    for asked in (False, True):
+        e = Chunks(echo | ids | {"return_token_ids": asked}, ANSWERED, "lm", chat=False)
+        sent = e.feed(delta(1, "!", logprobs=[lps[0]], token_ids=[9], prompt_tokens=2,
+                            prompt_token_ids=[5, 7], prompt_logprobs=res.generations()[0]
+                            .prompt_logprobs))  # fmt: skip
+        assert sent[0]["choices"][0]["logprobs"]["tokens"][0] == "token_id:5"
+        assert [("token_ids" in c["choices"][0]) for c in sent] == [False, asked]
+
+
+def test_vllm_fields_the_fleet_does_not_take_are_refused_by_name() -> None:
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}]}
+    text = {"model": "lm", "prompt": "x"}
+    refused = {"prompt_embeds": "AAAA", "logprob_token_ids": [1],
+               "include_reasoning": False, "watermarking": True,
+               "spaces_between_special_tokens": False, "truncation_side": "right",
+               "documents": [{"text": "d"}], "chat_template": "{{ x }}",
+               "media_io_kwargs": {}, "mm_processor_kwargs": {"a": 1},
+               "routed_experts_prompt_start": 2, "kv_transfer_params": {},
+               "ec_transfer_params": {}, "vllm_xargs": {"a": 1},
+               "repetition_detection": {"max_pattern_size": 2}}  # fmt: skip
+    for name, value in refused.items():
+        for make, body in ((chat_submission, chat), (completion_submission, text)):
+            with pytest.raises(ApiError) as e:
+                make(body | {name: value})
+            assert e.value.status == 400 and e.value.param == name
+            assert f"{name} is not supported" in str(e.value)
+    with pytest.raises(ApiError, match="pickle") as e:
+        completion_submission(text | {"prompt_embeds": ["AAAA"]})
+    with pytest.raises(ApiError) as e:
+        chat_submission(chat | {"echo": True})
+    assert e.value.param == "echo"
+    # their values that change nothing (and null) are taken, as the default they are
+    plain = {"thinking_token_budget": -1, "include_reasoning": True, "watermarking": False,
+             "spaces_between_special_tokens": True, "truncation_side": "left",
+             "routed_experts_prompt_start": 0, "prompt_embeds": None, "echo": False,
+             "return_tokens_as_token_ids": True, "session_id": "s", "stream_interval": 4}  # fmt: skip
+    assert built(chat_submission(chat | plain)).messages
+    assert built(completion_submission(text | plain | {"echo": None})).inputs == ["x"]
+    with pytest.raises(ApiError) as e:  # a truthy 1 is not false
+        chat_submission(chat | {"watermarking": 0})
+    with pytest.raises(ApiError) as e:
+        chat_submission(chat | {"return_tokens_as_token_ids": "yes"})
+    assert e.value.param == "return_tokens_as_token_ids"
+
+
+def test_a_chat_returns_its_rendered_prompt_as_vllm() -> None:
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "x"}],
+            "return_prompt_text": True}  # fmt: skip
+    assert built(chat_submission(chat)).return_prompt_text
+    res = result([{"text": "hi", "finish_reason": "stop", "prompt_text": "<u>x</u>"}])
+    assert chat_response(chat, res, ANSWERED)["prompt_text"] == "<u>x</u>"
+    assert "prompt_text" not in chat_response(
+        chat, result([{"text": "hi", "finish_reason": "stop"}]), ANSWERED
+    )
+    c = Chunks(chat | {"stream": True}, ANSWERED, "lm", chat=True)
+    opening, more = c.feed(delta(1, "hi", prompt_text="<u>x</u>", prompt_tokens=3))
+    assert opening["prompt_text"] == "<u>x</u>" and "prompt_text" not in more
+    late = Chunks(chat, ANSWERED, "lm", chat=True).finish(res)  # nothing streamed before
+    assert late[0]["prompt_text"] == "<u>x</u>"
 
 
 def test_completion_answer_echo_offsets_and_prompt_logprobs() -> None:
@@ -586,7 +700,7 @@ def test_the_fleets_own_refusals_name_the_field_as_the_route_does() -> None:
     assert rejected_param({**chat, "messages": [{"role": "user"}]}) == "messages[0]"
     # a check of the whole request names the field its message begins with
     beam = {"use_beam_search": True, "max_tokens": 4}
-    assert rejected_param(chat | beam | {"temperature": 0.8}) == "use_beam_search"
+    assert rejected_param(chat | beam | {"top_k": 8}) == "use_beam_search"
     assert rejected_param(chat | {"length_penalty": 0.5}) == "length_penalty"
     assert rejected_param(chat | {"stop_token_ids": [-1]}) == "stop_token_ids"
     assert rejected_param(chat | {"continue_final_message": True}) == "continue_final_message"

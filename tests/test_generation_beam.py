@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.messages import Request  # noqa: E402
 from batchfleet.worker.generation.beam import Beam, BeamSearch, score  # noqa: E402
+from batchfleet.worker.generation.beam_rounds import draw_seed  # noqa: E402
 from batchfleet.worker.runner import Prepared  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from test_generation_runner import Driver, greedy, prepare, req, run  # noqa: E402
@@ -42,9 +43,12 @@ def runner(  # blocks of 4 tokens: each round's prefix-cache hit ends mid-beam
 def reference(
     runner: TextGenerationRunner, prompt: list[int], width: int, max_new: int,
     length_penalty: float = 1.0, ignore_eos: bool = False, stop_ids: frozenset[int] = frozenset(),
+    temperature: float = 0.0, seed: int = 0,
 ) -> list[Beam]:  # fmt: skip
     """vLLM's beam search written out plainly, each hypothesis scored by a full forward of
-    its whole sequence (no cache, no engine, none of the code under test)."""
+    its whole sequence (no cache, no engine, none of the code under test). Above 0
+    ``temperature``, each beam's round also draws a token from softmax(logits / T) with
+    its own seeded generator, a candidate too, scored by its plain log-probability."""
     eos = frozenset() if ignore_eos else frozenset(runner.eos)
 
     def key(b: Beam) -> float:
@@ -52,14 +56,22 @@ def reference(
         return b.logprob / float(n) ** length_penalty
 
     live, ended = [Beam((), 0.0)], []
-    for _ in range(max_new):
+    for rnd in range(max_new):
         grown = []
-        for beam in live:
+        for k, beam in enumerate(live):
             ids = torch.tensor([[*prompt, *beam.tokens]], device=runner.torch_device)
             with torch.no_grad():
                 logits = runner.model(input_ids=ids).logits[0, -1].float()
-            values, top = torch.topk(torch.log_softmax(logits, -1), 2 * width)
-            for t, v in zip(top.tolist(), values.tolist(), strict=True):
+            lp = torch.log_softmax(logits, -1)
+            values, top = torch.topk(lp, 2 * width)
+            candidates = list(zip(top.tolist(), values.tolist(), strict=True))
+            if temperature > 0:
+                gen = torch.Generator().manual_seed(draw_seed(seed, 0, rnd, k) or 0)
+                probs = torch.softmax(logits.cpu() / temperature, -1)
+                drawn = int(torch.multinomial(probs, 1, generator=gen))
+                if drawn not in top.tolist():
+                    candidates.append((drawn, float(lp[drawn])))
+            for t, v in candidates:
                 tokens, lp = (*beam.tokens, t), beam.logprob + v
                 if t in eos:
                     ended.append(Beam(tokens, lp, "stop"))
@@ -70,6 +82,11 @@ def reference(
         live = sorted(grown, key=key, reverse=True)[:width]
     ended += [Beam(b.tokens, b.logprob, "length") for b in live]
     return sorted(ended, key=key, reverse=True)[:width]
+
+
+def shown(b: Beam) -> list[int]:
+    """A beam's output ``token_ids``: an ending end-of-sequence token left out (vLLM's)."""
+    return list(b.tokens[:-1] if b.finish == "stop" and b.stop_reason is None else b.tokens)
 
 
 def ids_of(runner: TextGenerationRunner, text: str) -> list[int]:
@@ -89,7 +106,7 @@ def test_beam_search_gives_the_reference_beams(runner: TextGenerationRunner) -> 
         for i, text in enumerate(PROMPTS):
             want = reference(runner, ids_of(runner, text), 3, 7, penalty)
             got = outs[i * 3 : i * 3 + 3]
-            assert [o["token_ids"] for o in got] == [list(b.tokens) for b in want]
+            assert [o["token_ids"] for o in got] == [shown(b) for b in want]
             assert [o["finish_reason"] for o in got] == [b.finish for b in want]
             assert [o["text"] for o in got] == [
                 runner.tokenizer.decode(b.tokens, skip_special_tokens=True) for b in want
@@ -139,14 +156,65 @@ def test_a_token_that_ends_a_text_ends_a_beam(lm_dir: Path, as_eos: bool, penalt
     outs = beams(runner, inputs=[PROMPTS[0]], n=2, max_new_tokens=5, length_penalty=penalty, **kw)
     want = reference(runner, prompt, 2, 5, penalty, stop_ids=frozenset({stop}))
     # Then the beam that took it ended there, ranked by its length (less an eos)
-    assert [o["token_ids"] for o in outs] == [list(b.tokens) for b in want]
+    assert [o["token_ids"] for o in outs] == [shown(b) for b in want]
     assert [(o["finish_reason"], o.get("stop_reason")) for o in outs] == [
         (b.finish, b.stop_reason) for b in want
     ]
-    ended = [o for o in outs if o["token_ids"] == [stop]]
+    ended = [o for o in outs if o["token_ids"] == ([] if as_eos else [stop])]
     if penalty <= 1.0:  # (a high penalty ranks the short beam last)
         assert ended and ended[0]["finish_reason"] == "stop"
         assert ended[0].get("stop_reason") == (None if as_eos else stop)
+        assert ended[0]["completion_tokens"] == (0 if as_eos else 1)
+    # And include_stop_str_in_output keeps an ending end-of-sequence token (vLLM's)
+    kept = beams(runner, inputs=[PROMPTS[0]], n=2, max_new_tokens=5, length_penalty=penalty,
+                 include_stop_str_in_output=True, **kw)  # fmt: skip
+    assert [o["token_ids"] for o in kept] == [list(b.tokens) for b in want]
+    assert [o["completion_tokens"] for o in kept] == [len(b.tokens) for b in want]
+
+
+def test_temperature_draws_a_candidate_that_can_only_end_a_beam(
+    runner: TextGenerationRunner,
+) -> None:
+    # Given a hot, seeded beam request whose first round draws (for some seed) a token
+    # outside the 2 likeliest, which is a stop token id
+    prompt = ids_of(runner, PROMPTS[0])
+    with torch.no_grad():
+        logits = runner.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    likeliest = torch.topk(logits, 2).indices.tolist()
+    hot = 50.0
+    drawn = {}
+    for seed in range(50):
+        gen = torch.Generator().manual_seed(draw_seed(seed, 0, 0, 0) or 0)
+        token = int(torch.multinomial(torch.softmax(logits / hot, -1), 1, generator=gen))
+        if token not in likeliest:
+            drawn[seed] = token
+    seed, stop = next(iter(drawn.items()))
+    kw: dict[str, Any] = dict(max_new_tokens=5, length_penalty=0.0, stop_token_ids=[stop])
+    # When beams of width 1 run cold and hot
+    (cold,) = beams(runner, **kw)
+    hots = [beams(runner, rid=f"h{i}", temperature=hot, seed=seed, **kw) for i in range(2)]
+    # Then hot, the drawn stop token ended a beam of one token, which (summed, the penalty
+    # 0) beats the 5 tokens of the live one: not cold's beam
+    want = reference(runner, prompt, 1, 5, 0.0, stop_ids=frozenset({stop}), temperature=hot,
+                     seed=seed)  # fmt: skip
+    assert [o["token_ids"] for o in hots[0]] == [shown(b) for b in want] == [[stop]]
+    assert hots[0][0]["finish_reason"] == "stop" and hots[0][0]["stop_reason"] == stop
+    assert hots[1] == hots[0]  # the same seed, the same beams
+    assert cold["token_ids"] == shown(reference(runner, prompt, 1, 5, 0.0,
+                                                stop_ids=frozenset({stop}))[0]) != [stop]  # fmt: skip
+    # And a hot draw among the likeliest changes nothing: a seed whose draw is never a
+    # stop token gives the cold beams (ranked by the model's own log-probabilities)
+    (warm,) = beams(runner, rid="w", max_new_tokens=5, length_penalty=0.0, temperature=0.5,
+                    seed=seed)  # fmt: skip
+    (plain,) = beams(runner, rid="p", max_new_tokens=5, length_penalty=0.0)
+    assert warm["token_ids"] == plain["token_ids"]
+
+
+def test_each_round_s_draw_has_its_own_seed() -> None:
+    seeds = [draw_seed(7, p, r, b) for p in range(2) for r in range(3) for b in range(2)]
+    assert len(set(seeds)) == 12 and all(s is not None and 0 <= s < 2**63 for s in seeds)
+    assert draw_seed(7, 1, 2, 1) == draw_seed(7, 1, 2, 1) != draw_seed(8, 1, 2, 1)
+    assert draw_seed(None, 0, 0, 0) is None  # no seed: a random draw
 
 
 def test_length_penalty_orders_beams_of_different_lengths() -> None:
@@ -174,7 +242,7 @@ def test_a_beam_request_runs_beside_plain_requests(runner: TextGenerationRunner)
     assert out["g1"][0]["text"] == greedy(runner, "the man was", 9)
     assert out["g2"][0]["text"] == greedy(runner, PROMPTS[1], 9)
     want = reference(runner, ids_of(runner, "the man was"), 2, 6)
-    assert [o["token_ids"] for o in out["b"]] == [list(b.tokens) for b in want]
+    assert [o["token_ids"] for o in out["b"]] == [shown(b) for b in want]
     assert not runner._beam_seqs and not runner._reqs
 
 
@@ -252,7 +320,7 @@ def test_score_is_vllms() -> None:
     ("fields", "message"),
     [
         ({"stream": True}, "not streamed"),
-        ({"temperature": 0.7}, "temperature"),
+        ({"top_p": 0.7}, "top_p"),
         ({"logprobs": 2}, "logprobs"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty goes with"),
@@ -262,9 +330,10 @@ def test_beam_search_refuses_what_it_cannot_honour(fields: dict[str, Any], messa
     body = {"id": "r", "model": "lm", "inputs": ["x"], "use_beam_search": True} | fields
     with pytest.raises(ValueError, match=message):
         Request.model_validate(body)
-    assert Request.model_validate(
-        {"id": "r", "model": "lm", "inputs": ["x"], "use_beam_search": True, "temperature": 0.0}
-    ).use_beam_search
+    for taken in ({"temperature": 0.0}, {"temperature": 0.7, "seed": 3}):  # (each round's draw)
+        assert Request.model_validate(
+            {"id": "r", "model": "lm", "inputs": ["x"], "use_beam_search": True} | taken
+        ).use_beam_search
 
 
 @pytest.mark.timeout(180)
@@ -286,7 +355,7 @@ def test_beam_search_through_a_worker(
     for i, p in enumerate(PROMPTS):
         want = reference(local, ids_of(local, p), 2, 5, 0.5)
         got = res["outputs"][i * 2 : i * 2 + 2]
-        assert [o["token_ids"] for o in got] == [list(b.tokens) for b in want]
+        assert [o["token_ids"] for o in got] == [shown(b) for b in want]
     assert result(r, plain)["outputs"][0]["text"] == greedy(local, PROMPTS[0], 5)
     bad = submit(r, inputs=["x"], use_beam_search=True, stream=True)
     err = result(r, bad)

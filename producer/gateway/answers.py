@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Final
 
-from ...schemas.messages import Delta, Generation, Result, TokenLogprob, Usage
+from ...schemas.messages import Delta, Generation, Result, TokenLogprob, TopLogprob, Usage
 from .endpoint import Answered
 from .openai_fields import prompts
 
@@ -37,33 +37,59 @@ def usage(u: Usage | None) -> dict[str, Any]:
     return out
 
 
-def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+def as_token_ids(body: Mapping[str, Any]) -> bool:
+    """vLLM's ``return_tokens_as_token_ids`` (the gateway set its default in ``body``):
+    each logprobs token reads ``token_id:{id}``, so a client rebuilds a token that is not
+    whole UTF-8 from its id."""
+    return bool(body.get("return_tokens_as_token_ids"))
+
+
+def token_id(token: int) -> str:
+    """vLLM's ``format_token_id_placeholder``."""
+    return f"token_id:{token}"
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None, as_ids: bool = False) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+    ``as_ids``: each ``token`` is ``token_id:{id}``; the generated token's ``bytes`` stay
+    its text's, an alternative's are its ``token``'s (vLLM's, both)."""
     if lps is None:
         return None
 
-    def one(t: Any) -> dict[str, Any]:
-        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+    def one(t: TopLogprob, top: bool) -> dict[str, Any]:
+        token = token_id(t.token) if as_ids else t.text
+        return {"token": token, "logprob": t.logprob,
+                "bytes": list((token if top else t.text).encode())}  # fmt: skip
 
-    return {"content": [one(t) | {"top_logprobs": [one(x) for x in t.top]} for t in lps]}
+    return {"content": [one(t, False) | {"top_logprobs": [one(x, True) for x in t.top]}
+                        for t in lps]}  # fmt: skip
 
 
 def completion_logprobs(
-    lps: Sequence[TokenLogprob | None] | None, offset: int = 0, head: str = ""
-) -> dict[str, Any] | None:
+    lps: Sequence[TokenLogprob | None] | None, offset: int = 0, head: str = "",
+    as_ids: bool = False, head_id: int | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """OpenAI's legacy ``logprobs``: tokens, their log-probabilities, the likeliest at each
     position, and each token's character offset (from ``offset``) in the text. A null
     entry (an echoed prompt's first token: nothing precedes it) reads as ``head``, its
     log-probability and likeliest null, as vLLM writes it; -inf is -9999.0 (JSON). Each
     position's ``top_logprobs`` leads with its own token, then the likeliest: "up to
-    logprobs+1 elements", OpenAI's rule, which vLLM keeps (its token is among them)."""
+    logprobs+1 elements", OpenAI's rule, which vLLM keeps (its token is among them).
+    ``as_ids``: tokens (and ``top_logprobs``' keys) read ``token_id:{id}`` (the null
+    entry's where ``head_id`` is known), offsets still count the text's characters."""
     if lps is None:
         return None
     texts = [head if t is None else t.text for t in lps]
-    tops = [None if t is None else {x.text: max(x.logprob, FLOOR) for x in (t, *t.top)}
+
+    def name(t: TopLogprob) -> str:
+        return token_id(t.token) if as_ids else t.text
+
+    tokens = [name(t) if t is not None else token_id(head_id) if as_ids and head_id is not None
+              else head for t in lps]  # fmt: skip
+    tops = [None if t is None else {name(x): max(x.logprob, FLOOR) for x in (t, *t.top)}
             for t in lps]  # fmt: skip
     return {
-        "tokens": texts,
+        "tokens": tokens,
         "token_logprobs": [None if t is None else max(t.logprob, FLOOR) for t in lps],
         "top_logprobs": tops,
         "text_offset": [offset + o for o in accumulate((len(t) for t in texts), initial=0)][:-1],
@@ -81,15 +107,23 @@ class Echo:
     """The generated text's first character offset in ``text_offset`` terms."""
 
 
-def echo_of(prompt: str | list[int], first: Generation | Delta, logprobs: bool) -> Echo:
+def echo_of(
+    prompt: str | list[int], first: Generation | Delta, logprobs: bool, as_ids: bool = False
+) -> Echo:
     """The echo of one input's ``prompt`` (as sent; token ids: the worker's
     ``prompt_text``) from its ``first`` output (``prompt_text``, ``prompt_logprobs``): a
-    whole answer's and a stream's (a delta carries the same fields)."""
+    whole answer's and a stream's (a delta carries the same fields). ``as_ids``: its
+    tokens as ids (the first's known from token ids sent, or ``prompt_token_ids``)."""
     text = prompt if isinstance(prompt, str) else first.prompt_text or ""
-    return scored_echo(text, first.prompt_logprobs if logprobs else None)
+    ids = prompt if not isinstance(prompt, str) else first.prompt_token_ids
+    head = ids[0] if as_ids and ids else None
+    return scored_echo(text, first.prompt_logprobs if logprobs else None, as_ids, head)
 
 
-def scored_echo(prompt: str, scored: Sequence[TokenLogprob | None] | None) -> Echo:
+def scored_echo(
+    prompt: str, scored: Sequence[TokenLogprob | None] | None, as_ids: bool = False,
+    head_id: int | None = None,
+) -> Echo:  # fmt: skip
     """The echo of ``prompt`` with its tokens' log-probabilities where ``scored``. The
     first prompt token's text is what the prompt holds before the second's (none for a
     BOS that its text does not show)."""
@@ -97,9 +131,9 @@ def scored_echo(prompt: str, scored: Sequence[TokenLogprob | None] | None) -> Ec
         return Echo(prompt, None, len(prompt))
     rest = "".join(t.text for t in scored[1:] if t is not None)
     head = prompt[: len(prompt) - len(rest)] if prompt.endswith(rest) else ""
-    lps = completion_logprobs(scored, head=head)
+    lps = completion_logprobs(scored, head=head, as_ids=as_ids, head_id=head_id)
     assert lps is not None
-    return Echo(prompt, lps, sum(len(t) for t in lps["tokens"]))
+    return Echo(prompt, lps, len(head) + len(rest))
 
 
 def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -152,7 +186,7 @@ def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -
         choice: dict[str, Any] = {
             "index": i,
             "message": assistant_message(g),
-            "logprobs": chat_logprobs(g.logprobs),
+            "logprobs": chat_logprobs(g.logprobs, as_token_ids(body)),
             "finish_reason": finish_reason(g),
             "stop_reason": g.stop_reason,
         }
@@ -172,6 +206,8 @@ def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -
         out["prompt_logprobs"] = prompt_logprobs(gens[0].prompt_logprobs)
     if gens and gens[0].prompt_token_ids is not None:
         out["prompt_token_ids"] = gens[0].prompt_token_ids
+    if gens and gens[0].prompt_text is not None:  # return_prompt_text: the rendered chat
+        out["prompt_text"] = gens[0].prompt_text
     return out
 
 
@@ -183,16 +219,19 @@ def completion_response(
     gens = result.generations()
     texts = prompts(body)
     per_input = max(1, len(gens) // max(1, len(texts)))
+    as_ids = as_token_ids(body)
+    shown_ids = bool(body.get("return_token_ids"))  # (asked by the gateway for an echo's)
     choices = []
     for i, g in enumerate(gens):
         if body.get("echo"):
             scored = body.get("logprobs") is not None
-            echo = echo_of(texts[i // per_input], gens[i - i % per_input], scored)
+            echo = echo_of(texts[i // per_input], gens[i - i % per_input], scored, as_ids)
             text = echo.text + g.text
-            logprobs = joined(echo.logprobs, completion_logprobs(g.logprobs, echo.end))
+            logprobs = joined(echo.logprobs,
+                              completion_logprobs(g.logprobs, echo.end, as_ids=as_ids))  # fmt: skip
             logprobs = logprobs if scored else None
         else:
-            text, logprobs = g.text, completion_logprobs(g.logprobs)
+            text, logprobs = g.text, completion_logprobs(g.logprobs, as_ids=as_ids)
         choice: dict[str, Any] = {
             "index": i,
             "text": text,
@@ -202,10 +241,10 @@ def completion_response(
         }
         if g.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(g.prompt_logprobs)
-        if g.token_ids is not None:
-            choice["token_ids"] = g.token_ids
         ids = gens[i - i % per_input].prompt_token_ids  # each choice its prompt's (vLLM's)
-        if ids is not None:
+        if g.token_ids is not None and shown_ids:
+            choice["token_ids"] = g.token_ids
+        if ids is not None and shown_ids:
             choice["prompt_token_ids"] = ids
         choices.append(choice)
     return {

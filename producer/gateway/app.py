@@ -78,8 +78,12 @@ class Gateway:
         conversations: Mapping[str, int] | None = None,
         lora_admin: LoraAdmin | None = None,
         dev_admin: DevAdmin | None = None,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.producer = producer
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        """vLLM's ``--return-tokens-as-token-ids``: the default of the chat and completion
+        requests' ``return_tokens_as_token_ids`` (each may set its own)."""
         self.lora_admin = lora_admin
         """Runtime LoRA updating (``--allow-runtime-lora-updating``): None, its routes are
         not served."""
@@ -542,13 +546,21 @@ class Generate(Handler):
 
     def submission(self, body: Mapping[str, Any]) -> Submission:
         make = openai_fields.chat_submission if self.chat else openai_fields.completion_submission
-        return make(body)
+        return make(self._defaulted(body))
 
     def answer(self, body: Mapping[str, Any], result: Result, answered: Answered) -> Any:
-        return (chat_response if self.chat else completion_response)(body, result, answered)
+        make = chat_response if self.chat else completion_response
+        return make(self._defaulted(body), result, answered)
 
     def events(self, body: Mapping[str, Any], answered: Answered, model: str) -> Events:
-        return Chunks(body, answered, model, self.chat)
+        return Chunks(self._defaulted(body), answered, model, self.chat)
+
+    def _defaulted(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``body`` with the gateway's default ``return_tokens_as_token_ids`` where it sets
+        none."""
+        if body.get(openai_fields.TOKEN_IDS) is None and self.gateway.return_tokens_as_token_ids:
+            return {**body, openai_fields.TOKEN_IDS: True}
+        return body
 
     async def expand(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """The body to serve: as sent, here; the Responses API puts the stored
@@ -755,6 +767,7 @@ async def serve(
     conversations: Mapping[str, int] | None = None,
     lora_admin: LoraAdmin | None = None,
     dev_admin: DevAdmin | None = None,
+    return_tokens_as_token_ids: bool = False,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -765,7 +778,8 @@ async def serve(
     ``store_ttl_s`` (0: none), up to ``store_max_bytes`` each; conversations as
     ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
     ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
-    (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`)."""
+    (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`);
+    ``return_tokens_as_token_ids``: the default of the requests' field (vLLM's flag)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -777,7 +791,8 @@ async def serve(
         gateway = Gateway(producer, api_key=api_key, timeout_s=timeout_s, priority=priority,
                           store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
                           conversations=conversations, lora_admin=lora_admin,
-                          dev_admin=dev_admin)  # fmt: skip
+                          dev_admin=dev_admin,
+                          return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
         gateway.replies.start()
         server = make_app(gateway).listen(port, host, max_body_size=max_body,
                                           idle_connection_timeout=3600)  # fmt: skip

@@ -19,6 +19,7 @@ from ...producer.tokens import Restarted
 from ...schemas.messages import Delta, Generation, Result
 from .answers import (
     Echo,
+    as_token_ids,
     chat_logprobs,
     completion_logprobs,
     echo_of,
@@ -66,6 +67,7 @@ class Chunks:
         self.texts = prompts(body) if self.echo else []
         self.n = body.get("n") or 1
         self.scored = body.get("logprobs") is not None
+        self.as_ids = as_token_ids(body)
         self.token_ids = bool(body.get("return_token_ids"))
         """Each choice's first chunk has its prompt's ``prompt_token_ids`` (vLLM's: a chat's
         on the chunk, a completion's in its choice), from its first delta (or, where an
@@ -94,9 +96,12 @@ class Chunks:
         return out
 
     def _choice(
-        self, index: int, prompt: int | None = None, ids: list[int] | None = None
-    ) -> tuple[_Choice, list[dict[str, Any]]]:
-        """Its state, and the chunks that open it (chat: the role; echo: the prompt)."""
+        self, index: int, prompt: int | None = None, ids: list[int] | None = None,
+        text: str | None = None,
+    ) -> tuple[_Choice, list[dict[str, Any]]]:  # fmt: skip
+        """Its state, and the chunks that open it (chat: the role, and ``text``, the
+        rendered chat of ``return_prompt_text``, as vLLM's first chunk has it; echo: the
+        prompt)."""
         if index in self.choices:
             state = self.choices[index]
             state.ids = state.ids or ids
@@ -106,6 +111,8 @@ class Chunks:
             delta = {"role": "assistant", "content": ""}
             opening = self._chunk([{"index": index, "delta": delta, "logprobs": None,
                                     "finish_reason": None}])  # fmt: skip
+            if text is not None:
+                opening["prompt_text"] = text
             return state, [self._with_ids(opening, state)]
         if self.echo:
             state.held = []
@@ -129,7 +136,7 @@ class Chunks:
     def _echoed(self, i: int, first: Generation | Delta) -> list[dict[str, Any]]:
         """Input ``i``'s echo, known now from its ``first`` output (or delta): its choices
         that wait for it are opened."""
-        self.echoes[i] = echo_of(self.texts[i], first, self.scored)
+        self.echoes[i] = echo_of(self.texts[i], first, self.scored, self.as_ids)
         out: list[dict[str, Any]] = []
         for k in range(i * self.n, (i + 1) * self.n):
             if k in self.choices and self.choices[k].held is not None:
@@ -152,7 +159,8 @@ class Chunks:
         if isinstance(event, Restarted):
             self.replay.restart()
             return []
-        state, out = self._choice(event.input, event.prompt_tokens, event.prompt_token_ids)
+        state, out = self._choice(event.input, event.prompt_tokens, event.prompt_token_ids,
+                                  event.prompt_text)  # fmt: skip
         if self.echo:
             out += self._learn(event)
         if not self.replay.fresh(event):
@@ -168,9 +176,9 @@ class Chunks:
 
     def _delta_choice(self, d: Delta, state: _Choice) -> dict[str, Any] | None:
         if not self.chat:
-            logprobs = completion_logprobs(d.logprobs, state.offset)
+            logprobs = completion_logprobs(d.logprobs, state.offset, as_ids=self.as_ids)
             state.offset += len(d.text)
-            if not (d.text or logprobs or d.token_ids or self._ids_due(state)):
+            if not (d.text or logprobs or (d.token_ids and self.token_ids) or self._ids_due(state)):
                 return None
             choice = {"index": d.input, "text": d.text, "logprobs": logprobs,
                       "finish_reason": None}  # fmt: skip
@@ -187,9 +195,9 @@ class Chunks:
                                        for c in d.tool_call_chunks]  # fmt: skip
             if not delta and d.logprobs is None and not d.token_ids:
                 return None
-            choice = {"index": d.input, "delta": delta, "logprobs": chat_logprobs(d.logprobs),
-                      "finish_reason": None}  # fmt: skip
-        if d.token_ids is not None:
+            choice = {"index": d.input, "delta": delta, "finish_reason": None,
+                      "logprobs": chat_logprobs(d.logprobs, self.as_ids)}  # fmt: skip
+        if d.token_ids is not None and self.token_ids:
             choice["token_ids"] = d.token_ids
         return choice
 
@@ -214,7 +222,7 @@ class Chunks:
                 out += self._echoed(i, gens[i * self.n])
         for i, g in enumerate(gens):
             ids = gens[i - i % self.n].prompt_token_ids  # its input's first output has them
-            state, opening = self._choice(i, g.prompt_tokens, ids)
+            state, opening = self._choice(i, g.prompt_tokens, ids, g.prompt_text)
             state.tokens, state.prompt = g.completion_tokens, g.prompt_tokens
             out += opening
             end: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish_reason(g),

@@ -35,6 +35,34 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
           "guided_grammar": "grammar"}  # fmt: skip
 """vLLM's older constraint fields → ``structured_outputs`` keys."""
 
+TOKEN_IDS = "return_tokens_as_token_ids"
+"""vLLM's: logprobs name each token ``token_id:{id}`` (the gateway's answers read it)."""
+
+NOT_TAKEN: dict[str, tuple[tuple[object, ...], str]] = {
+    "prompt_embeds": ((), "prompt embeddings come as torch-serialized tensors (pickle), which "
+                      "this gateway never loads: send the prompt as text or token ids"),
+    "logprob_token_ids": ((), "log-probabilities are of the likeliest tokens "
+                          "(logprobs / top_logprobs), not of chosen ids"),
+    "include_reasoning": ((True,), "the reasoning is always returned (reasoning_content)"),
+    "watermarking": ((False,), "texts are not watermarked"),
+    "spaces_between_special_tokens": ((True,), "special tokens' text is decoded as the "
+                                      "tokenizer joins it"),
+    "truncation_side": (("left",), "truncate_prompt_tokens keeps a prompt's last tokens "
+                        "(left) only"),
+    "documents": ((), "chat templates are given no documents (put them in the messages)"),
+    "chat_template": ((), "the model's own chat template renders every chat"),
+    "media_io_kwargs": ((), "this gateway takes text only"),
+    "mm_processor_kwargs": ((), "this gateway takes text only"),
+    "routed_experts_prompt_start": ((0,), "no routed-expert data is returned"),
+    "kv_transfer_params": ((), "the fleet has no disaggregated prefill"),
+    "ec_transfer_params": ((), "the fleet has no disaggregated encoder cache"),
+    "vllm_xargs": ((), "no extension of the fleet reads them"),
+    "repetition_detection": ((), "repeated n-grams do not end a text: bound it with "
+                             "max_tokens or stop"),
+}  # fmt: skip
+"""vLLM's request fields batchfleet does not take, but for the values (and null) that
+change nothing: any other is a 400 that names the field, never silently ignored."""
+
 MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 ROLE_ALIASES = {"developer": "system"}
 """OpenAI's ``developer`` role is its ``system`` (chat templates know the latter)."""
@@ -44,10 +72,25 @@ def _options(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {k: body[k] for k in names if body.get(k) is not None}
 
 
+def refuse_not_taken(body: Mapping[str, Any], fields: Mapping[str, tuple[tuple[object, ...], str]]
+                     = NOT_TAKEN) -> None:  # fmt: skip
+    """A 400 naming the first of ``fields`` that ``body`` sets to a value that changes
+    something (:data:`NOT_TAKEN`)."""
+    for name, (plain, why) in fields.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(p) and value == p for p in plain):
+            raise invalid(f"{name} is not supported: {why}", name)
+
+
 def common(body: Mapping[str, Any], prompt_only: bool = False) -> dict[str, Any]:
     """The options both generation endpoints share. A ``max_tokens`` of 0 (the fleet's
     prompt only) is refused, as vLLM refuses it, unless ``prompt_only`` (an echo)."""
+    refuse_not_taken(body)
+    if not isinstance(body.get(TOKEN_IDS, False), bool | None):
+        raise invalid(f"{TOKEN_IDS} must be a boolean", TOKEN_IDS)
     out = _options(body, SAME_NAME)
+    if out.get("thinking_token_budget") == -1:  # vLLM's "no budget"
+        del out["thinking_token_budget"]
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     limit = body.get(param)
     if limit == 0 and not prompt_only and not isinstance(limit, bool):
@@ -93,14 +136,23 @@ def model_of(body: Mapping[str, Any]) -> str:
     return model
 
 
+CHAT_NOT_TAKEN: dict[str, tuple[tuple[object, ...], str]] = {
+    "echo": ((False,), "a chat's answer does not repeat its last message"),
+}
+"""A chat's own (:data:`NOT_TAKEN`): vLLM's chat ``echo``."""
+
+
 def chat_submission(body: Mapping[str, Any]) -> Submission:
     """``/v1/chat/completions``."""
     model = model_of(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages must be a non-empty list", "messages")
+    refuse_not_taken(body, CHAT_NOT_TAKEN)
     options = common(body) | _options(body, CHAT_SAME_NAME) | special_tokens(body, chat=True)
     options["messages"] = [message(m, i) for i, m in enumerate(raw)]
+    if body.get("return_prompt_text"):  # vLLM's: the rendered template, in the answer
+        options["return_prompt_text"] = True
     if body.get("logprobs"):
         options["logprobs"] = body.get("top_logprobs") or 0
     return Submission(model, options)
@@ -163,6 +215,8 @@ def completion_submission(body: Mapping[str, Any]) -> Submission:
             options["prompt_logprobs"] = body["logprobs"]
     if echo and not all(isinstance(p, str) for p in texts):
         options["return_prompt_text"] = True  # the echo of token ids: the worker decodes
+    if echo and "logprobs" in options and body.get(TOKEN_IDS):
+        options["return_token_ids"] = True  # the echoed text's first token, by its id
     options["inputs"] = [p if isinstance(p, str) else TokenPrompt(prompt_token_ids=p)
                          for p in texts]  # fmt: skip
     return Submission(model, options)

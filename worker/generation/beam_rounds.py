@@ -5,15 +5,35 @@ and the beam's tokens) that keeps its ``2 * width`` likeliest alternatives; once
 of a prompt has its alternatives, that prompt's search advances and its next round is
 added. The engine runs these sequences like any other (continuous batching with the other
 requests, the prefix cache, the lane's priority), so its step loop does not change.
+
+A round's sequence also draws its one token as a sampled sequence would, at the request's
+``temperature`` (greedy at 0), and that token joins the alternatives with its
+log-probability, as in vLLM, whose beam rounds keep the drawn token among their
+log-probabilities. The alternatives' log-probabilities are the model's own (before
+temperature, vLLM's default ``raw_logprobs``), so temperature changes no ranking: a drawn
+token outside the ``2 * width`` likeliest can only end a beam (an end-of-sequence or stop
+token: ``2 * width - 1`` likelier tokens of its own beam outrank it among the live ones).
+With the request's ``seed`` each draw has its own seed (:func:`draw_seed`), so the same
+request gives the same beams, after a preemption too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from .beam import Beam, BeamSearch
 from .engine import Engine, Output
 from .sampling import Sampling
+
+
+def draw_seed(seed: int | None, prompt: int, round_: int, beam: int) -> int | None:
+    """The seed of a round's draw: one per prompt, round and live beam, from the request's
+    ``seed`` (None: none, a random draw)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{prompt}:{round_}:{beam}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & (2**63 - 1)
 
 
 @dataclass(slots=True)
@@ -26,6 +46,10 @@ class BeamRounds:
     salt: str | None = None
     lora: int = 0
     lane: int = 0
+    temperature: float = 0.0
+    """Each round's draw (0: greedy, the likeliest token, already an alternative)."""
+    seed: int | None = None
+    """The request's: the draws' seeds (:func:`draw_seed`)."""
     pending: dict[str, tuple[int, int]] = field(default_factory=dict)
     """The round's engine sequences: (prompt, beam) by sequence name."""
     tops: list[list[list[tuple[int, float]] | None]] = field(default_factory=list)
@@ -51,8 +75,9 @@ class BeamRounds:
             if search.done or i in running:
                 continue
             self.tops[i] = [None] * len(search.live)
-            sampling = Sampling(logprobs=search.alternatives)
             for k, beam in enumerate(search.live):
+                seed = draw_seed(self.seed, i, search.rounds, k)
+                sampling = Sampling(self.temperature, seed=seed, logprobs=search.alternatives)
                 name = f"{self.key}#beam{i}.{self.added}"
                 self.added += 1
                 engine.add(name, [*self.prompts[i], *beam.tokens], 1, sampling,
@@ -73,9 +98,12 @@ class BeamRounds:
             engine.cancel([out.sequence])
         if not kept:
             raise RuntimeError(f"beam sequence {out.sequence}: the engine kept no alternatives")
-        _, _, ids, values, _ = kept[0]
+        drawn, logprob, ids, values, _ = kept[0]
         tops = self.tops[i]
-        tops[k] = list(zip(ids, values, strict=True))
+        alternatives = list(zip(ids, values, strict=True))
+        if drawn not in ids:  # (sampled: it may be none of the likeliest)
+            alternatives.append((drawn, logprob))
+        tops[k] = alternatives
         if any(t is None for t in tops):
             return False
         self.searches[i].advance([t for t in tops if t is not None])

@@ -1163,7 +1163,8 @@ class TextGenerationRunner:
         eos = frozenset() if spec.sampling.ignore_eos else frozenset(self.eos)
         searches = [BeamSearch(len(p), spec.n, m, spec.length_penalty, eos, ending)
                     for p, m in zip(spec.prompts, spec.max_new_tokens, strict=True)]  # fmt: skip
-        return BeamRounds(key, spec.prompts, searches, spec.cache_salt, spec.lora)
+        return BeamRounds(key, spec.prompts, searches, spec.cache_salt, spec.lora,
+                          temperature=spec.sampling.temperature, seed=spec.sampling.seed)  # fmt: skip
 
     def _ending(self, spec: GenSpec) -> Ending:
         """What ends a beam, as it ends a sampled text: an end-of-sequence token (unless
@@ -1214,17 +1215,21 @@ class TextGenerationRunner:
         return rest, events
 
     def _beam_results(self, r: _Req) -> None:
-        """A beam request's outputs take its best beams (prompt by prompt, best first)."""
+        """A beam request's outputs take its best beams (prompt by prompt, best first). A
+        beam an end-of-sequence token ended leaves it out (its ``token_ids``, its
+        ``completion_tokens``) unless ``include_stop_str_in_output``, as vLLM's beams do."""
         assert r.beams is not None
         n = r.spec.n
         best = [s.best() for s in r.beams.searches]
+        eos = frozenset(() if r.spec.sampling.ignore_eos or r.spec.keep_stop else self.eos)
         for k, seq in enumerate(r.seqs):
             beams = best[k // n]
             if k % n >= len(beams):  # ended before its first round
                 seq.finish = seq.finish or "length"
                 continue
             beam = beams[k % n]
-            seq.text.extend(list(beam.tokens))
+            ended = beam.finish == "stop" and beam.stop_reason is None and beam.tokens[-1] in eos
+            seq.text.extend(list(beam.tokens[:-1] if ended else beam.tokens))
             seq.finish, seq.stop_reason = beam.finish or "length", beam.stop_reason
 
     def _beam_cancel(self, r: _Req) -> None:
