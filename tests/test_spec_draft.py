@@ -110,6 +110,51 @@ def test_a_draft_identical_to_the_target_has_every_draft_accepted(
     assert engine.accepted[0] == rows  # (every row that proposed had its first accepted)
 
 
+def _greedy(model: Any, context: list[int], n: int) -> list[int]:
+    """``n`` argmax tokens after ``context``, each from a forward over all before it."""
+    tokens = list(context)
+    for _ in range(n):
+        tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(context) :]
+
+
+def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
+    target: Any, dirs: dict[str, Path]
+) -> None:
+    # Given: a draft the target often overrules, each of its proposals and forwards kept
+    draft = _proposer(dirs["small"], k=4, chunk=8)
+    proposed: list[tuple[list[int], list[int]]] = []
+    forwards: list[tuple[list[int], Any]] = []
+    propose, forward = draft.propose, draft._forward
+
+    def kept(context: Any, limit: int, sequence: str = "") -> list[int]:
+        out = propose(context, limit, sequence)
+        proposed.append((list(context), out))
+        return out
+
+    def ran(held: Any, tokens: list[int]) -> Any:
+        logits = forward(held, tokens)
+        forwards.append((list(held.tokens), logits.clone()))
+        return logits
+
+    draft.propose, draft._forward = kept, ran  # type: ignore[method-assign]
+    engine = _engine(target, draft, True, [EOS])
+    # When: sequences run with it
+    _run(engine, _seqs(6, seed=7))
+    # Then: every proposal is what the draft model alone says after that context, from
+    # scratch, and so is every forward's last logits: its cache held exactly the tokens
+    # it ran after, whatever the target rejected
+    assert sum(engine.accepted) < engine.drafted[1]
+    made = [(c, d) for c, d in proposed if d]
+    assert len(made) > 20
+    with torch.inference_mode():
+        for tokens, logits in forwards:
+            alone = draft.model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+        for context, drafts in made:
+            assert drafts == _greedy(draft.model, context, len(drafts)), context
+
+
 def test_sampled_rows_with_a_draft_repeat_with_their_seed(
     target: Any, dirs: dict[str, Path]
 ) -> None:
