@@ -125,19 +125,19 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     draft = _proposer(dirs["small"], k=4, chunk=8)
     proposed: list[tuple[list[int], list[int]]] = []
     forwards: list[tuple[list[int], Any]] = []
-    propose, forward = draft.propose, draft._forward
+    propose, decode = draft.propose, draft._decode
 
-    def kept(context: Any, limit: int, sequence: str = "") -> list[int]:
-        out = propose(context, limit, sequence)
-        proposed.append((list(context), out))
+    def kept(rows: Any, budget: int) -> list[list[int]]:
+        out = propose(rows, budget)
+        proposed.extend((list(c), d) for (_, c, _), d in zip(rows, out, strict=True))
         return out
 
-    def ran(held: Any, tokens: list[int]) -> Any:
-        logits = forward(held, tokens)
-        forwards.append((list(held.tokens), logits.clone()))
+    def ran(feed: dict[int, int]) -> Any:
+        logits = decode(feed)
+        forwards.extend((list(draft._held[row]), logits[row].clone()) for row in feed)
         return logits
 
-    draft.propose, draft._forward = kept, ran  # type: ignore[method-assign]
+    draft.propose, draft._decode = kept, ran  # type: ignore[method-assign]
     engine = _engine(target, draft, True, [EOS])
     # When: sequences run with it
     _run(engine, _seqs(6, seed=7))
@@ -146,7 +146,7 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     # it ran after, whatever the target rejected
     assert sum(engine.accepted) < engine.drafted[1]
     made = [(c, d) for c, d in proposed if d]
-    assert len(made) > 20
+    assert len(made) > 20 and len(forwards) > 60
     with torch.inference_mode():
         for tokens, logits in forwards:
             alone = draft.model(input_ids=torch.tensor([tokens])).logits[0, -1]
@@ -177,13 +177,13 @@ def test_a_cancelled_row_leaves_with_its_draft_cache(target: Any, dirs: dict[str
     engine.add("b", list(range(30, 41)), 40, Sampling())
     while engine.drafted[0] < 4:  # both decode and speculate
         engine.step()
-    assert set(draft._kept) == {"a", "b"}
+    assert draft._names == ["a", "b"]
     engine.cancel(["a"])
     engine.step()
     assert engine.running == 1 and [r.name for r in engine._rows] == ["b"]
-    assert set(draft._kept) == {"b"}  # its cache went in the step it left
+    assert draft._names == ["b"]  # its cache went in the step it left; "b" took its row
     _until_done(engine)
-    assert draft.tokens == 0 and not draft._kept
+    assert draft.tokens == 0 and not draft._names and not draft._layers
 
 
 def test_the_draft_cache_is_no_longer_than_the_rows_context(
@@ -215,10 +215,10 @@ def test_a_sequence_whose_context_changed_drafts_from_the_new_one(dirs: dict[str
     # the same name with another context (a preempted sequence added again, say): the
     # drafts are those of a fresh cache
     draft = _proposer(dirs["small"])
-    draft.propose([5, 6, 7, 8, 9, 10], 4, "s")
-    again = draft.propose([5, 6, 70, 80], 4, "s")
-    assert again == _proposer(dirs["small"]).propose([5, 6, 70, 80], 4, "t")
-    assert draft._kept["s"].tokens == [5, 6, 70, 80, *again[:-1]]
+    draft.propose([("s", [5, 6, 7, 8, 9, 10], 4)], 64)
+    (again,) = draft.propose([("s", [5, 6, 70, 80], 4)], 64)
+    assert [again] == _proposer(dirs["small"]).propose([("t", [5, 6, 70, 80], 4)], 64)
+    assert draft._held[0] == [5, 6, 70, 80, *again[:-1]]
 
 
 @pytest.mark.parametrize(

@@ -54,9 +54,11 @@ def test_ngram_drafts_follow_the_longest_earlier_match(
 
 def test_propose_caps_the_drafts_at_the_limit() -> None:
     spec = NgramConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
-    assert spec.propose([1, 2, 3, 4, 5, 1], 10) == [2, 3, 4]
-    assert spec.propose([1, 2, 3, 4, 5, 1], 2) == [2, 3]
-    assert spec.propose([1, 2, 3, 4, 5, 1], 0) == []
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 10) == [2, 3, 4]
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 2) == [2, 3]
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 0) == []
+    rows = [("a", [1, 2, 3, 4, 5, 1], 10), ("b", [5, 6], 9), ("c", [7, 8, 7], 9), ("d", [1, 1], 9)]
+    assert spec.propose(rows, 5) == [[2, 3, 4], [], [8, 7], []]  # the budget: 5 in all
 
 
 @pytest.mark.parametrize(

@@ -773,18 +773,11 @@ class PaddedEngine:
         budget = self.step_tokens - len(self._rows)
         if self._waiting:
             budget //= 2
-        out: dict[int, list[int]] = {}
-        for i, r in enumerate(self._rows):
-            if budget <= 0:
-                break
-            left = min(r.max_new - len(r.generated) - 1, budget)
-            if left <= 0 or r.name in self._cancelled:
-                continue
-            d = spec.propose(r.tokens + r.generated, left, r.name)
-            if d:
-                out[i] = d
-                budget -= len(d)
-        return out
+        asking = [(i, r) for i, r in enumerate(self._rows)
+                  if r.max_new - len(r.generated) > 1 and r.name not in self._cancelled]  # fmt: skip
+        drafts = spec.propose([(r.name, r.tokens + r.generated, r.max_new - len(r.generated) - 1)
+                               for _, r in asking], budget)  # fmt: skip
+        return {i: d for (i, _), d in zip(asking, drafts, strict=True) if d}
 
     def _row_cache(self, row: int) -> Cache:
         """Row ``row``'s KV as a cache for a chunk of drafts after its decode token: a

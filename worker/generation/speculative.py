@@ -25,12 +25,17 @@ METHODS = ("ngram", "draft_model")
 """The proposal methods served."""
 WHERE = "options.speculative"
 
+Row = tuple[str, Sequence[int], int]
+"""A decoding row asking for drafts: its sequence, its context (prompt and output), and
+the most drafts it may take (what it may still generate after the step's own token)."""
+
 
 class Proposer(Protocol):
     """What the padded engine asks of a speculative proposer, before each step."""
 
-    def propose(self, context: Sequence[int], limit: int, sequence: str = "") -> list[int]:
-        """At most ``limit`` drafts to follow sequence ``sequence``'s ``context``."""
+    def propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
+        """Per row, in order, its drafts: at most its limit, and at most ``budget`` in all
+        (the earlier rows first)."""
         ...
 
     def retain(self, sequences: Iterable[str]) -> None:
@@ -116,9 +121,19 @@ class NgramConfig:
                              f"prompt_lookup_max {spec.prompt_lookup_max}")  # fmt: skip
         return spec
 
-    def propose(self, context: Sequence[int], limit: int, sequence: str = "") -> list[int]:
+    def propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
+        """Each row's drafts (:meth:`drafts`), the earlier rows first while ``budget``
+        lasts."""
+        out: list[list[int]] = []
+        for _, context, limit in rows:
+            d = self.drafts(context, min(limit, budget)) if budget > 0 else []
+            budget -= len(d)
+            out.append(d)
+        return out
+
+    def drafts(self, context: Sequence[int], limit: int) -> list[int]:
         """At most ``min(limit, num_speculative_tokens)`` drafts to follow ``context``
-        (module docstring; empty: no match); any sequence alike."""
+        (module docstring; empty: no match)."""
         k = min(limit, self.num_speculative_tokens)
         n = len(context)
         if k <= 0 or n <= self.prompt_lookup_min:

@@ -470,7 +470,7 @@ class TextGenerationRunner:
             return self.speculative
         from ..generation import draft
 
-        return draft.load(self.speculative, self.model, self.step_tokens)
+        return draft.load(self.speculative, self.model, self.step_tokens, self.context)
 
     def _speculative(self, raw: Any, engine: Any) -> NgramConfig | DraftConfig | None:
         """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
