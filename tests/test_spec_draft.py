@@ -125,7 +125,8 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     draft = _proposer(dirs["small"], k=4, chunk=8)
     proposed: list[tuple[list[int], list[int]]] = []
     forwards: list[tuple[list[int], Any]] = []
-    propose, decode = draft.propose, draft._decode
+    prefilled: list[int] = []
+    propose, decode, prefill = draft.propose, draft._decode, draft._prefill
 
     def kept(rows: Any, budget: int) -> list[list[int]]:
         out = propose(rows, budget)
@@ -137,7 +138,11 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
         forwards.extend((list(draft._held[row]), logits[row].clone()) for row in feed)
         return logits
 
-    draft.propose, draft._decode = kept, ran  # type: ignore[method-assign]
+    def alone(row: int, tokens: list[int]) -> None:
+        prefilled.append(len(tokens))
+        prefill(row, tokens)
+
+    draft.propose, draft._decode, draft._prefill = kept, ran, alone  # type: ignore[method-assign]
     engine = _engine(target, draft, True, [EOS])
     # When: sequences run with it
     _run(engine, _seqs(6, seed=7))
@@ -147,6 +152,7 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     assert sum(engine.accepted) < engine.drafted[1]
     made = [(c, d) for c, d in proposed if d]
     assert len(made) > 20 and len(forwards) > 60
+    assert max(prefilled) == 8  # prompts go in 8 tokens a step at most
     with torch.inference_mode():
         for tokens, logits in forwards:
             alone = draft.model(input_ids=torch.tensor([tokens])).logits[0, -1]

@@ -25,7 +25,7 @@ among the drafts). A row leaving moves the last row into its hole (one row copie
 Memory: a row holds at most its context plus ``k - 1`` drafts, and the engine asks for no
 more drafts than the row may still generate, so it never holds more tokens than the
 target's row may; the buffer has a row per running sequence that proposed (at most
-``max_running``) and grows by doubling, its columns to the target's longest context
+``max_running``, rounded up to 8) and its columns grow by doubling, to the target's longest context
 (``max_context``) plus ``k``, and goes when no sequence is left (:meth:`retain`, after
 every step). Its bytes per column are the draft's own (layers x 2 x KV heads x head size x
 dtype); on CPU only the columns written take memory (:mod:`.reserve`); ``tokens`` counts
@@ -192,8 +192,9 @@ class DraftProposer:
         return row
 
     def _reserve(self, width: int) -> None:
-        """Room for every row and ``width`` columns (both grow by doubling, the columns
-        to the target's longest context, plus the drafts, unless more are needed)."""
+        """Room for every row (rows come 8 at a time) and ``width`` columns (they grow by
+        doubling, to the target's longest context plus the drafts, unless more are
+        needed)."""
         if not self._layers:
             self._layers = [SlotLayer(self._step) for _ in self._like]
             self._cache = Cache(layers=self._layers)
@@ -206,7 +207,7 @@ class DraftProposer:
             1 << 62 if self.max_context is None else self.max_context + self.num_speculative_tokens
         )
         if need > rows:
-            rows = max(need, min(2 * rows, need + 64))
+            rows = -(-need // 8) * 8
         if width > cols:
             cols = max(width, min(max(2 * cols, 64), most))
         for layer, like in zip(self._layers, self._like, strict=True):
