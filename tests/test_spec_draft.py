@@ -307,3 +307,14 @@ def test_the_runner_s_answers_are_those_without_speculation(dirs: dict[str, Path
     assert info["speculative"] == {"method": "draft_model", "model": str(dirs["small"]),
                                    "num_speculative_tokens": 3}  # fmt: skip
     assert info["draft_kv_tokens"] == 0 and info["spec_decode_accepted_tokens"] > 0
+
+
+def test_no_draft_goes_past_the_draft_model_s_context(dirs: dict[str, Path]) -> None:
+    draft = _proposer(dirs["small"], chunk=64)
+    draft.max_positions = 20
+    rows = [("a", list(range(3, 21)), 10), ("b", list(range(3, 23)), 10),
+            ("c", list(range(3, 24)), 10), ("d", [5, 6], 10)]  # fmt: skip
+    # the last token of 18 runs at position 17, the drafts after it at 18 and 19: 3 drafts
+    # (the third is read at 19); of 20, 1; of 21, none
+    assert [len(d) for d in draft.propose(rows, 64)] == [3, 1, 0, 4]
+    assert draft._names == ["a", "b", "d"]

@@ -34,7 +34,6 @@ those held (the runner's ``info()``: ``draft_kv_tokens``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,8 +42,6 @@ from transformers.cache_utils import Cache
 
 from .padded import SlabLayer, SlotLayer, _Step
 from .speculative import DraftConfig, Row
-
-logger = logging.getLogger(__name__)
 
 
 def vocab_size(model: Any) -> int:
@@ -242,7 +239,8 @@ class DraftProposer:
         st.rows, st.width, st.positions, st.flat = len(lengths), max(lengths), positions, None
         ids = torch.tensor([[feed.get(row, 0)] for row in range(len(lengths))], device=self.device)
         mask = torch.arange(st.width + 1, device=self.device)[None, :] <= positions[:, None]
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions[:, None],
+        at = positions.clamp(max=self.max_positions - 1)  # (a stand-in at the draft's end)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=at[:, None],
                             cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
         for row, token in feed.items():
             self._held[row].append(token)
