@@ -1,4 +1,5 @@
-"""``python bench/spec.py``: what n-gram speculative decoding gives a padded-engine run.
+"""``python bench/spec.py``: what n-gram and draft-model speculative decoding give a
+padded-engine run.
 
 The engine alone (no runner, no Redis), the benchmark's random 4-layer Llama (hidden 256,
 ``tests/tiny_models.py``), one torch thread. The workload copies: each prompt is a
@@ -12,9 +13,12 @@ that (a real model copying a real passage accepts at its own rate).
 Arms alternate, per round: ``--rows`` sequences at once (batched) and one at a time
 (``--one`` of them, in turn), each without speculation (``off``) and with
 ``{method = "ngram", num_speculative_tokens = --k, prompt_lookup_min = 1,
-prompt_lookup_max = 3}`` (``ngram``). Prints tokens/s per arm and round, each ngram arm's
-acceptance rate (accepted / proposed) and mean tokens a row emits per step it proposed
-in, and the medians; it checks that both arms generated the same tokens.
+prompt_lookup_max = 3}`` (``ngram``) and with ``{method = "draft_model",
+num_speculative_tokens = --k}`` (``draft``: a 1-layer Llama of the same hidden size drawn
+from the same seed, so its layer is the target's first). Prints tokens/s per arm and
+round, each speculating arm's acceptance rate (accepted / proposed) and mean tokens a row
+emits per step it proposed in, and the medians; it checks that the arms generated the
+same tokens.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from batchfleet.worker.generation.draft import DraftProposer
     from batchfleet.worker.generation.padded import PaddedEngine
-    from batchfleet.worker.generation.speculative import NgramConfig
+    from batchfleet.worker.generation.speculative import DraftConfig, NgramConfig
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -76,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         lm = Path(tmp) / "lm"
         tiny.make_causal_lm(lm, layers=4, hidden=256, sharp=1.0)
         model = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+        small = Path(tmp) / "draft"
+        tiny.make_causal_lm(small, layers=1, hidden=256, sharp=1.0)
+        draft = AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
         rng = random.Random(0)
         vocab = model.config.vocab_size
         prompts = []
@@ -86,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"eos_token_ids": [0], "step_tokens": 512, "max_running": args.rows,
               "max_context": 1024}  # fmt: skip
         spec = NgramConfig(args.k, 1, 3)
-        engines = {"off": PaddedEngine(model, **kw), "ngram": PaddedEngine(model, speculative=spec, **kw)}  # fmt: skip
+        proposer = DraftProposer(draft, DraftConfig(str(small), args.k), chunk=512)
+        engines = {"off": PaddedEngine(model, **kw), "ngram": PaddedEngine(model, speculative=spec, **kw),
+                   "draft": PaddedEngine(model, speculative=proposer, **kw)}  # fmt: skip
         print(f"llama ({'lean' if engines['off'].lean is not None else 'transformers'} forward), "
               f"96-token prompts, {args.new} new tokens each, k {args.k}, temperature "
               f"{args.temperature}, one torch thread")  # fmt: skip
-        run(engines["off"], prompts[:2], 8)  # warm-up
-        run(engines["ngram"], prompts[:2], 8)
+        for engine in engines.values():  # warm-up
+            run(engine, prompts[:2], 8)
         rates: dict[str, list[float]] = {}
         for k in range(args.rounds):
             for shape in ("batched", "one"):
@@ -111,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"{shape:7s} {arm:5s}"
                     rates.setdefault(name, []).append(tokens / seconds)
                     line = f"round {k + 1} {name} {tokens / seconds:8.1f} tokens/s"
-                    if arm == "ngram":
+                    if arm != "off":
                         rows = engine.drafted[0] - before[0][0]
                         drafts = engine.drafted[1] - before[0][1]
                         accepted = sum(engine.accepted) - before[1]
                         line += (f"  acceptance {accepted / max(drafts, 1):.2f}, "
                                  f"{1 + accepted / max(rows, 1):.2f} tokens a row-step")  # fmt: skip
                     print(line, flush=True)
-                if not args.temperature and outs["off"] != outs["ngram"]:
+                if not args.temperature and not outs["off"] == outs["ngram"] == outs["draft"]:
                     print(f"round {k + 1} {shape}: the arms' tokens differ", file=sys.stderr)
                     return 1
         for name, r in rates.items():

@@ -23,7 +23,7 @@ from batchfleet.worker.generation.sampling import (  # noqa: E402
     distribution,
     judge,
 )
-from batchfleet.worker.generation.speculative import NgramConfig, ngram_drafts  # noqa: E402
+from batchfleet.worker.generation.speculative import NgramConfig, ngram_drafts, parse  # noqa: E402
 from test_padded_engine import EOS, _until_done, generate, gpt2, llama, run  # noqa: E402, F401  (fixtures)
 from tiny_models import make_causal_lm  # noqa: E402
 
@@ -54,15 +54,17 @@ def test_ngram_drafts_follow_the_longest_earlier_match(
 
 def test_propose_caps_the_drafts_at_the_limit() -> None:
     spec = NgramConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
-    assert spec.propose([1, 2, 3, 4, 5, 1], 10) == [2, 3, 4]
-    assert spec.propose([1, 2, 3, 4, 5, 1], 2) == [2, 3]
-    assert spec.propose([1, 2, 3, 4, 5, 1], 0) == []
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 10) == [2, 3, 4]
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 2) == [2, 3]
+    assert spec.drafts([1, 2, 3, 4, 5, 1], 0) == []
+    rows = [("a", [1, 2, 3, 4, 5, 1], 10), ("b", [5, 6], 9), ("c", [7, 8, 7], 9), ("d", [1, 1], 9)]
+    assert spec.propose(rows, 5) == [[2, 3, 4], [], [8, 7], []]  # the budget: 5 in all
 
 
 @pytest.mark.parametrize(
     "raw,error",
     [
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
@@ -73,7 +75,7 @@ def test_propose_caps_the_drafts_at_the_limit() -> None:
 )
 def test_the_option_is_checked(raw: Any, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        NgramConfig.parse(raw)
+        parse(raw)
 
 
 def test_the_option_has_vllm_s_defaults() -> None:

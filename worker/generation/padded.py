@@ -76,7 +76,7 @@ from .lora import Adapter, Fused, fuse, groups
 from .lora_hooks import LoraHooks
 from .prefix_cache import PrefixCache, Salt
 from .sampling import Logprob, Sampling, SeededSampler, logprob_rows
-from .speculative import NgramConfig
+from .speculative import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -289,12 +289,13 @@ class PaddedEngine:
         resident_tokens: int | None = None,
         prefix_cache: PrefixCache | None = None,
         adapters: tuple[Adapter, ...] = (),
-        speculative: NgramConfig | None = None,
+        speculative: Proposer | None = None,
     ) -> None:
         self.model = model
         self.speculative = speculative
-        """Decoding rows propose n-gram drafts, verified in their decode's forward
-        (:mod:`.speculative`; None: one token a row and step)."""
+        """Decoding rows propose drafts (n-gram, :mod:`.speculative`, or a draft model's,
+        :mod:`.draft`), verified in their decode's forward (None: one token a row and
+        step)."""
         self.drafted: list[int] = [0, 0]
         """Speculation so far: the rows that proposed drafts, and the drafts proposed."""
         self.accepted: list[int] = []
@@ -488,6 +489,8 @@ class PaddedEngine:
         self._cache = None
         self._cancelled.clear()
         self._written = np.zeros(0, dtype=np.int64)
+        if self.speculative is not None:
+            self.speculative.retain(())
         if self.prefix is not None:  # after a failure (out of memory?), hold nothing
             self.prefix.clear()
 
@@ -524,6 +527,8 @@ class PaddedEngine:
                 self._leave(lambda r: r.finished)
                 outputs = list(out.values())
             self._trim()
+            if self.speculative is not None:  # what it keeps of rows that left goes
+                self.speculative.retain(self._running)
         return outputs
 
     # --- the batch ---------------------------------------------------------------------
@@ -758,8 +763,8 @@ class PaddedEngine:
             self.accepted[j] += 1
 
     def _propose(self) -> dict[int, list[int]]:
-        """Per running row that proposes drafts (by index), its n-gram drafts
-        (:mod:`.speculative`): at most what it may still generate after this step's
+        """Per running row that proposes drafts (by index), its drafts (n-gram or a draft
+        model's): at most what it may still generate after this step's
         token, and all of them within what the step's budget leaves after one token a
         row (half of that while sequences wait to prefill, so prefill goes on)."""
         spec = self.speculative
@@ -768,19 +773,13 @@ class PaddedEngine:
         budget = self.step_tokens - len(self._rows)
         if self._waiting:
             budget //= 2
-        out: dict[int, list[int]] = {}
-        for i, r in enumerate(self._rows):
-            if budget <= 0:
-                break
-            left = min(r.max_new - len(r.generated) - 1, budget)
-            # a row whose next token is forced (a spent thinking budget) drafts nothing
-            if left <= 0 or r.name in self._cancelled or self.sampler.forcing(r.name):
-                continue
-            d = spec.propose(r.tokens + r.generated, left)
-            if d:
-                out[i] = d
-                budget -= len(d)
-        return out
+        # a row whose next token is forced (a spent thinking budget) drafts nothing
+        asking = [(i, r) for i, r in enumerate(self._rows)
+                  if r.max_new - len(r.generated) > 1 and r.name not in self._cancelled
+                  and not self.sampler.forcing(r.name)]  # fmt: skip
+        drafts = spec.propose([(r.name, r.tokens + r.generated, r.max_new - len(r.generated) - 1)
+                               for _, r in asking], budget)  # fmt: skip
+        return {i: d for (i, _), d in zip(asking, drafts, strict=True) if d}
 
     def _row_cache(self, row: int) -> Cache:
         """Row ``row``'s KV as a cache for a chunk of drafts after its decode token: a

@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram lookup (vLLM's ``method = "ngram"``, prompt lookup).
+"""Speculative decoding's options, and its n-gram proposer (vLLM's ``method = "ngram"``,
+prompt lookup); the draft-model proposer (``method = "draft_model"``) is :mod:`.draft`.
 
 A decoding sequence whose context (prompt and output) ends with an n-gram seen earlier in
 it proposes the tokens that followed that earlier occurrence as drafts: summaries, edits
@@ -14,14 +15,86 @@ occurrence; the drafts are up to ``num_speculative_tokens`` tokens after it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 """The proposal methods served."""
+WHERE = "options.speculative"
+
+Row = tuple[str, Sequence[int], int]
+"""A decoding row asking for drafts: its sequence, its context (prompt and output), and
+the most drafts it may take (what it may still generate after the step's own token)."""
+
+
+class Proposer(Protocol):
+    """What the padded engine asks of a speculative proposer, before each step."""
+
+    def propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
+        """Per row, in order, its drafts: at most its limit, and at most ``budget`` in all
+        (the earlier rows first)."""
+        ...
+
+    def retain(self, sequences: Iterable[str]) -> None:
+        """Only these sequences still run: drop what is kept for any other."""
+        ...
+
+    def settings(self) -> dict[str, Any]:
+        """Its options as the runner's ``info()`` shows them (``method`` first)."""
+        ...
+
+
+def parse(raw: Any) -> NgramConfig | DraftConfig:
+    """The fleet file's ``options.speculative`` table, checked (a ``ValueError`` says what
+    is wrong). Without ``method``: ``draft_model`` where it names a ``model`` (as vLLM
+    infers it), else ``ngram``."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{WHERE}: a table such as {{method = \"ngram\", "
+                         "num_speculative_tokens = 4}")  # fmt: skip
+    method = raw.get("method", "draft_model" if "model" in raw else "ngram")
+    if method not in METHODS:
+        raise ValueError(f"{WHERE}.method: {method!r} is not one of {', '.join(METHODS)}")
+    return NgramConfig.parse(raw) if method == "ngram" else DraftConfig.parse(raw)
+
+
+def _known(raw: Mapping[str, Any], known: set[str]) -> None:
+    if unknown := sorted(set(raw) - known):
+        raise ValueError(f"{WHERE}: unknown keys {unknown} (known: {sorted(known)})")
+
+
+def _count(raw: Mapping[str, Any], name: str, default: int | None) -> int:
+    """Key ``name`` of ``raw`` (``default`` where absent; None: required), an integer
+    in 1 … 64."""
+    v = raw.get(name, default)
+    if v is None:
+        raise ValueError(f"{WHERE}.{name} is required")
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 64:
+        raise ValueError(f"{WHERE}.{name}: {v!r} is not an integer in 1 … 64")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """``options.speculative`` with ``method = "draft_model"``: a smaller causal LM of the
+    same vocabulary proposes the drafts (:mod:`.draft`)."""
+
+    model: str
+    """The draft model's directory (vLLM's ``model``)."""
+    num_speculative_tokens: int
+    """The most drafts a sequence proposes per step (vLLM's ``k``)."""
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> DraftConfig:
+        """The table, checked (a ``ValueError`` says what is wrong)."""
+        _known(raw, {"method", "model", "num_speculative_tokens"})
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{WHERE}.model: the draft model's directory is required "
+                             f"(got {model!r})")  # fmt: skip
+        return cls(model, _count(raw, "num_speculative_tokens", None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,35 +109,29 @@ class NgramConfig:
     """The longest n-gram matched (the longest found wins)."""
 
     @classmethod
-    def parse(cls, raw: Any) -> NgramConfig:
-        """The fleet file's table, checked (a ``ValueError`` says what is wrong)."""
-        where = "options.speculative"
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"{where}: a table such as {{method = \"ngram\", "
-                             "num_speculative_tokens = 4}")  # fmt: skip
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        if unknown := sorted(set(raw) - known):
-            raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
-        method = raw.get("method", "ngram")
-        if method not in METHODS:
-            raise ValueError(f"{where}.method: {method!r} is not one of {', '.join(METHODS)} "
-                             "(a draft model is not served)")  # fmt: skip
-        values = {}
-        for name, low, default in (("num_speculative_tokens", 1, None),
-                                   ("prompt_lookup_min", 1, 1),
-                                   ("prompt_lookup_max", 1, 4)):  # fmt: skip
-            v = raw.get(name, default)
-            if v is None:
-                raise ValueError(f"{where}.{name} is required")
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 64:
-                raise ValueError(f"{where}.{name}: {v!r} is not an integer in {low} … 64")
-            values[name] = v
-        if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
-            raise ValueError(f"{where}: prompt_lookup_min {values['prompt_lookup_min']} exceeds "
-                             f"prompt_lookup_max {values['prompt_lookup_max']}")  # fmt: skip
-        return cls(**values)
+    def parse(cls, raw: Mapping[str, Any]) -> NgramConfig:
+        """The table (its ``method`` ``ngram``, or none), checked (a ``ValueError`` says
+        what is wrong)."""
+        _known(raw, {"method", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max"})  # fmt: skip
+        spec = cls(_count(raw, "num_speculative_tokens", None),
+                   _count(raw, "prompt_lookup_min", 1), _count(raw, "prompt_lookup_max", 4))  # fmt: skip
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise ValueError(f"{WHERE}: prompt_lookup_min {spec.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max {spec.prompt_lookup_max}")  # fmt: skip
+        return spec
 
-    def propose(self, context: Sequence[int], limit: int) -> list[int]:
+    def propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
+        """Each row's drafts (:meth:`drafts`), the earlier rows first while ``budget``
+        lasts."""
+        out: list[list[int]] = []
+        for _, context, limit in rows:
+            d = self.drafts(context, min(limit, budget)) if budget > 0 else []
+            budget -= len(d)
+            out.append(d)
+        return out
+
+    def drafts(self, context: Sequence[int], limit: int) -> list[int]:
         """At most ``min(limit, num_speculative_tokens)`` drafts to follow ``context``
         (module docstring; empty: no match)."""
         k = min(limit, self.num_speculative_tokens)
@@ -73,6 +140,12 @@ class NgramConfig:
             return []
         return ngram_drafts(np.asarray(context, dtype=np.int64), self.prompt_lookup_min,
                             self.prompt_lookup_max, k)  # fmt: skip
+
+    def retain(self, sequences: Iterable[str]) -> None:
+        """Nothing is kept per sequence."""
+
+    def settings(self) -> dict[str, Any]:
+        return {"method": "ngram", **asdict(self)}
 
 
 def ngram_drafts(tokens: np.ndarray, low: int, high: int, k: int) -> list[int]:

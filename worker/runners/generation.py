@@ -46,7 +46,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +66,7 @@ from ..generation.grammar import Constraint, GrammarError, Grammars
 from ..generation.lora_table import MAX_LORAS, AdapterTable
 from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
-from ..generation.speculative import NgramConfig
+from ..generation.speculative import DraftConfig, NgramConfig, Proposer, parse
 from ..generation.split import OutputSplit
 from ..generation.tagged_args import Types, param_types
 from ..generation.think_budget import Markers, ThinkBudget, markers
@@ -403,7 +403,8 @@ class TextGenerationRunner:
             raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
                              "and only with engine 'padded')")  # fmt: skip
         self.speculative = self._speculative(opts.get("speculative"), opts.get("engine"))
-        """N-gram speculative decoding (``options.speculative``; None: off)."""
+        """Speculative decoding, n-gram or a draft model's (``options.speculative``;
+        None: off)."""
         names, adapters = self._adapters(opts)
         self.max_lora_rank = int(opts.get("max_lora_rank", 64))
         max_loras = opts.get("max_loras", MAX_LORAS)
@@ -431,7 +432,7 @@ class TextGenerationRunner:
                                        max_context=self.context,
                                        resident_tokens=self.kv_cache_tokens,
                                        prefix_cache=prefix, adapters=adapters,
-                                       speculative=self.speculative)  # fmt: skip
+                                       speculative=self._proposer())  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -479,13 +480,22 @@ class TextGenerationRunner:
         self._spec_seen: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         """The engine's speculation counts at the last step's report."""
 
-    def _speculative(self, raw: Any, engine: Any) -> NgramConfig | None:
+    def _proposer(self) -> Proposer | None:
+        """The padded engine's proposer: the n-gram config, or the draft model loaded
+        (:func:`.draft.load`: a ``ValueError`` where its vocabulary is not the model's)."""
+        if not isinstance(self.speculative, DraftConfig):
+            return self.speculative
+        from ..generation import draft
+
+        return draft.load(self.speculative, self.model, self.step_tokens, self.context)
+
+    def _speculative(self, raw: Any, engine: Any) -> NgramConfig | DraftConfig | None:
         """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
         it is not set, or the paged engine was picked for the model (it has no
         speculation: a warning says so; naming that engine with it is an error)."""
         if raw is None:
             return None
-        config = NgramConfig.parse(raw)
+        config = parse(raw)
         if self.engine_kind == "padded":
             return config
         if engine == "paged":
@@ -1556,6 +1566,7 @@ class TextGenerationRunner:
         request's ``n`` completions); with a prefix cache, the tokens it holds and those
         prompts found there; on CPU, tokens its KV rows hold written, bytes released. The
         paged engine's prompt tokens taken from shared blocks."""
+        from ..generation.draft import DraftProposer
         from ..generation.padded import PaddedEngine
         from ..generation.paged import PagedEngine
 
@@ -1566,7 +1577,9 @@ class TextGenerationRunner:
             return {}
         out: dict[str, Any] = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
         if e.speculative is not None:
-            out.update(speculative={"method": "ngram", **asdict(e.speculative)},
+            if isinstance(draft := e.speculative, DraftProposer):
+                out["draft_kv_tokens"] = draft.tokens
+            out.update(speculative=e.speculative.settings(),
                        spec_decode_drafts=e.drafted[0], spec_decode_draft_tokens=e.drafted[1],
                        spec_decode_accepted_tokens=sum(e.accepted))  # fmt: skip
         if e.prefix is not None:
