@@ -247,3 +247,11 @@ def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_l
     assert runner.speculative is not None and runner.default_new_tokens == 64
     # 2 MiB over 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32)
     assert runner.kv_cache_tokens == 2048 * 1024 // (2 * 2 * 2 * 16 * 4)
+
+
+def test_a_fleet_file_the_loader_refuses_is_not_written(tmp_path: Path) -> None:
+    from batchfleet.from_vllm import ConversionError, check
+
+    with pytest.raises(ConversionError, match="would not load"):
+        check('[models.x]\nrunner = "text-generation"\nlanes = 0\n')
+    check('[models.x]\nrunner = "text-generation"\nlanes = 2\n')
