@@ -27,6 +27,7 @@ from .vllm_flags import (
     Conversion,
     Line,
     SimpleOption,
+    lengths,
     simple_options,
 )
 
@@ -57,6 +58,7 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
             _one(flag, out, simple)
         except (ValueError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{flag.shown()}: {exc}") from None
+    lengths(out)
     _environment(env or {}, out)
     return out
 
@@ -129,6 +131,7 @@ def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
     if conv.adapters:
         out += ["", f"[models.{_key(conv.name)}.options.lora_adapters]"]
         out += map(_line, conv.adapters)
+    out += ["", f"[models.{_key(conv.name)}.limits]", *map(_line, conv.limits)]
     for title, items in (("Nothing needed here", conv.needless),
                          ("No equivalent (not carried over)", conv.unsupported),
                          ("Unknown to from-vllm (dropped: --keep-going)", conv.unknown)):  # fmt: skip

@@ -16,6 +16,9 @@ from .vllm_args import Flag
 
 MAX_LORA_RANK = 512  # worker.generation.lora.MAX_RANK (not imported: it imports torch)
 MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
+MAX_NEW_TOKENS = 1_000_000  # Limits.max_new_tokens' bound
+MAX_TEXT_CHARS = 1_000_000  # Limits.max_text_chars' bound
+MAX_ENTRY_BYTES = 8 * 1_048_576  # a request of MAX_TEXT_CHARS in UTF-8, and the rest
 SimpleOption = tuple[str, Callable[[str], Any]]
 """An option's name and how the flag's value becomes its value."""
 
@@ -132,6 +135,7 @@ class Conversion:
     model: list[Line] = field(default_factory=list)
     options: list[Line] = field(default_factory=list)
     adapters: list[Line] = field(default_factory=list)
+    limits: list[Line] = field(default_factory=list)
     gateway: list[tuple[str, ...]] = field(default_factory=list)
     needless: list[str] = field(default_factory=list)
     """``flag: why nothing is needed``."""
@@ -178,6 +182,23 @@ def _max_model_len(flag: Flag, out: Conversion) -> None:
     if n - 1 > MAX_TOKENS:
         why += f" (the fleet bounds prompts at {MAX_TOKENS} tokens)"
     out.model.append(Line("max_tokens", max(prompt, 1), f"{flag.shown()}: {why}"))
+    out.limits.append(Line("max_new_tokens", max(min(n - 1, MAX_NEW_TOKENS), 1),
+                           f"{flag.shown()}: a request asks for fewer new tokens"))  # fmt: skip
+
+
+def lengths(out: Conversion) -> None:
+    """What vLLM bounds only by the model's context, bounded here as loosely as the fleet
+    allows (the runner bounds each sequence by the context): prompt and new tokens, where
+    ``--max-model-len`` did not; and prompts' characters and bytes, which vLLM does not
+    count (the fleet's defaults refuse prompts past 20,000 characters)."""
+    if not any(ln.key == "max_tokens" for ln in out.model):
+        out.model.append(Line("max_tokens", MAX_TOKENS, "no --max-model-len: prompts up to "
+                              "the model's context, as vLLM's"))  # fmt: skip
+        out.limits.append(Line("max_new_tokens", MAX_TOKENS, "no --max-model-len: up to the "
+                               "model's context, as vLLM's"))  # fmt: skip
+    why = "prompts are bounded in tokens (max_tokens), as vLLM's: this only guards decoding"
+    out.limits.append(Line("max_text_chars", MAX_TEXT_CHARS, why))
+    out.limits.append(Line("max_entry_bytes", MAX_ENTRY_BYTES, why))
 
 
 def _served_names(flag: Flag, out: Conversion) -> None:

@@ -48,6 +48,8 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
          "--speculative-config", SPEC, "-tp", "2", "--dtype", "bfloat16",
          "--host", "10.0.0.5", "--port", "9000", "--disable-log-requests"],
         {"path": "/models/Qwen3-8B", "dtype": "bfloat16", "max_tokens": 8191,
+         "limits": {"max_new_tokens": 8191, "max_text_chars": 1_000_000,
+                    "max_entry_bytes": 8 * 1_048_576},
          "options": {"max_running": 32, "step_tokens": 2048, "tool_call_parser": "hermes",
                      "reasoning_parser": "qwen3", "max_loras": 4, "max_lora_rank": 32,
                      "speculative": json.loads(SPEC),
@@ -61,7 +63,9 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
         ["serve", "--model=/m/llama", "--no-enable-prefix-caching", "--block-size", "16",
          "--data-parallel-size", "4", "--return-tokens-as-token-ids", "--dtype", "float",
          "--override-generation-config", '{"max_new_tokens": 512, "temperature": 0.2}'],
-        {"path": "/m/llama", "dtype": "float32",
+        {"path": "/m/llama", "dtype": "float32", "max_tokens": 65_536,
+         "limits": {"max_new_tokens": 65_536, "max_text_chars": 1_000_000,
+                    "max_entry_bytes": 8 * 1_048_576},
          "options": {"prefix_cache_tokens": 0, "page_size": 16, "max_new_tokens": 512}},
         {"name": "llama", "host": "0.0.0.0", "port": 8000, "token_ids": True,
          "unsupported": ["--override-generation-config temperature"],
@@ -242,7 +246,7 @@ def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_l
     runner = resolve(cfg.runner)(cfg.resolved_path(), device="cpu", dtype=cfg.dtype,
                                  max_tokens=cfg.max_tokens, options=cfg.options)  # fmt: skip
     assert (runner.max_running, runner.step_tokens, runner.page_size) == (8, 64, 16)
-    assert runner.max_prompt_tokens == 511
+    assert runner.max_prompt_tokens == 511 and cfg.limits.max_new_tokens == 511
     assert runner.tool_call_parser == "hermes" and runner.reasoning_parser == "qwen3"
     assert runner.speculative is not None and runner.default_new_tokens == 64
     # 2 MiB over 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32)
