@@ -350,6 +350,8 @@ def _kv_cache_dtype(flag: Flag, out: Conversion) -> None:
 
 
 def _gateway_value(flag: Flag, out: Conversion) -> None:
+    if flag.name == "--port" and not 0 <= int(flag.value) <= 65_535:
+        raise ValueError("not a TCP port")
     out.gateway.append((flag.name, flag.value))
 
 

@@ -158,6 +158,8 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
     ("--max-lora-rank", "1024", "up to 512"),
     ("--max-num-seqs", "0", "positive"),
     ("--dtype", "fp8", "the fleet takes"),
+    ("--port", "http", "invalid literal"),
+    ("--port", "70000", "not a TCP port"),
 ])  # fmt: skip
 def test_values_the_fleet_would_refuse_are_refused_here(
     tmp_path: Path, flag: str, value: str, why: str
@@ -239,8 +241,8 @@ def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_l
             "--block-size", "16", "--kv-cache-memory-bytes", str(2048 * 1024),
             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
             "--speculative-config", SPEC, "--override-generation-config",
-            '{"max_new_tokens": 64}', "--device", "cpu"]  # fmt: skip
-    code, _, _, stderr = run(tmp_path, argv, keep_going=True)  # --device: not vLLM's today
+            '{"max_new_tokens": 64}']  # fmt: skip
+    code, _, _, stderr = run(tmp_path, argv)
     assert code == 0, stderr
     cfg = load_config(tmp_path / "fleet.toml").models["tiny"]
     runner = resolve(cfg.runner)(cfg.resolved_path(), device="cpu", dtype=cfg.dtype,
