@@ -98,12 +98,10 @@ def _model_path(model: str, flags: Mapping[str, Flag], out: Conversion) -> None:
         out.model.append(Line("path", model, "a hub id, kept as given: machines with "
                               "HF_HUB_OFFLINE=1 need a local directory here"))  # fmt: skip
     given = flags.get("--served-model-name")
-    if given is None and out.name != model:
-        out.needless.append(f"(model {model}): clients now name it {out.name!r} (a fleet's "
-                            "model name is letters, digits, '_', '.', '-')")  # fmt: skip
-    elif given is not None and given.values[0] != out.name:
-        out.needless.append(f"--served-model-name {given.values[0]}: clients now name it "
-                            f"{out.name!r} (a fleet's model name is letters, digits, '_', '.', '-')")  # fmt: skip
+    served = given.values[0] if given else model
+    if served != out.name:  # clients must change what they send: said on stderr too
+        out.unsupported.append(f"the model name {served!r}: a fleet's is letters, digits, "
+                               f"'_', '.', '-': clients send {out.name!r}")  # fmt: skip
 
 
 def _environment(env: Mapping[str, str], out: Conversion) -> None:
@@ -111,7 +109,8 @@ def _environment(env: Mapping[str, str], out: Conversion) -> None:
         if env.get(var, "").strip().lower() in ("1", "true"):
             out.gateway.append((flag,))
     if env.get("VLLM_API_KEY") and not any(a[0] == "--api-key" for a in out.gateway):
-        out.needless.append("env VLLM_API_KEY: set BATCHFLEET_API_KEY to it for the gateway")
+        out.unsupported.append("env VLLM_API_KEY: the gateway reads BATCHFLEET_API_KEY: set "
+                               "it to the same key")  # fmt: skip
     if not any(a[0] == "--host" for a in out.gateway):
         out.gateway.insert(0, ("--host", "0.0.0.0"))  # vLLM's default: every interface
 

@@ -81,6 +81,7 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
                                           "reasoning_end_str": "</think>"}}},
         {"name": "Qwen2.5-0.5B-Instruct", "host": "0.0.0.0", "port": 8000,
          "unsupported": ["--pipeline-parallel-size 2", "--quantization awq",
+                         "the model name 'Qwen/Qwen2.5-0.5B-Instruct': a fleet's",
                          "--gpu-memory-utilization 0.85"]},
     ),
     (
@@ -211,6 +212,8 @@ def test_vllm_environment_switches_and_the_api_key(tmp_path: Path) -> None:
     text = (tmp_path / "fleet.toml").read_text()
     assert "sk-secret" not in text  # a fleet file is no place for the key
     assert "BATCHFLEET_API_KEY" in text
+    _, _, _, stderr = run(tmp_path, ["/m/x"], env={"VLLM_API_KEY": "sk-env"})
+    assert "env VLLM_API_KEY: the gateway reads BATCHFLEET_API_KEY" in stderr
 
 
 def test_cli_writes_the_file_and_prints_the_commands(
