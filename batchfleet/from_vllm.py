@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .vllm_args import Flag, ServeArgs, VllmArgsError, read_serve
+from .vllm_args import SECRETS, Flag, ServeArgs, VllmArgsError, read_serve
 from .vllm_flags import (
     HANDLERS,
     NEEDLESS,
@@ -140,12 +140,13 @@ def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
 
 
 def _redacted(argv: Sequence[str]) -> list[str]:
-    """``argv`` without the API key's value."""
+    """``argv`` without secrets' values."""
     out = list(argv)
     for i, arg in enumerate(out):
-        if arg.startswith("--api-key="):
-            out[i] = "--api-key=***"
-        elif arg == "--api-key" and i + 1 < len(out):
+        name, eq, _ = arg.partition("=")
+        if name in SECRETS and eq:
+            out[i] = f"{name}=***"
+        elif name in SECRETS and i + 1 < len(out):
             out[i + 1] = "***"
     return out
 

@@ -42,6 +42,10 @@ ARITY: dict[str, int | str] = {**dict.fromkeys(SWITCHES, 0), **dict.fromkeys(LIS
 knows take one value, and a flag it does not know, those up to the next flag (none or more)."""
 
 
+SECRETS = frozenset({"--api-key", "--hf-token"})
+"""Flags whose values are never shown (a fleet file's comments, messages)."""
+
+
 class VllmArgsError(ValueError):
     """A ``vllm serve`` command line that cannot be read (a flag without its value, a
     bad ``--config`` file)."""
@@ -62,7 +66,8 @@ class Flag:
 
     def shown(self) -> str:
         """As a user would write it (cited in the fleet file's comments)."""
-        return " ".join((self.name, *self.values)).strip()
+        values = ["***"] * len(self.values) if self.name in SECRETS else self.values
+        return " ".join((self.name, *values)).strip()
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
 MAX_NEW_TOKENS = 1_000_000  # Limits.max_new_tokens' bound
 MAX_TEXT_CHARS = 1_000_000  # Limits.max_text_chars' bound
 MAX_ENTRY_BYTES = 8 * 1_048_576  # a request of MAX_TEXT_CHARS in UTF-8, and the rest
+
 SimpleOption = tuple[str, Callable[[str], Any]]
 """An option's name and how the flag's value becomes its value."""
 
@@ -63,6 +64,7 @@ NEEDLESS = {
     "--api-server-count": "run more gateways: any of them serves any request",
     "--load-format": "weights load through transformers (safetensors, else PyTorch files)",
     "--download-dir": "the fleet loads local directories; nothing is downloaded",
+    "--hf-token": "the fleet loads local directories; nothing is downloaded",
     "--max-log-len": "the gateway does not log prompts",
     "--use-tqdm-on-load": "no progress bar is shown while weights load",
     "--no-use-tqdm-on-load": "no progress bar is shown while weights load",

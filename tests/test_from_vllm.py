@@ -204,13 +204,16 @@ def test_kv_cache_bytes_become_tokens_from_the_models_config(tmp_path: Path) -> 
 
 def test_vllm_environment_switches_and_the_api_key(tmp_path: Path) -> None:
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
-    code, _, gateway, _ = run(tmp_path, ["/m/x", "--api-key", "sk-secret"], env=env)
+    argv = ["/m/x", "--api-key", "sk-secret", "--hf-token=hf_secret", "--whatever", "1"]
+    code, _, gateway, stderr = run(tmp_path, argv, env=env, keep_going=True)
     assert code == 0
     args = cli.build_parser().parse_args(shlex.split(gateway)[1:])
     assert args.allow_runtime_lora_updating and args.server_dev_mode
     assert args.api_key == "sk-secret"
     text = (tmp_path / "fleet.toml").read_text()
     assert "sk-secret" not in text  # a fleet file is no place for the key
+    assert "hf_secret" not in text and "hf_secret" not in stderr
+    assert "#   --hf-token ***: " in text
     assert "BATCHFLEET_API_KEY" in text
     _, _, _, stderr = run(tmp_path, ["/m/x"], env={"VLLM_API_KEY": "sk-env"})
     assert "env VLLM_API_KEY: the gateway reads BATCHFLEET_API_KEY" in stderr
