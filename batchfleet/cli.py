@@ -294,6 +294,17 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _from_vllm(args: argparse.Namespace) -> int:
+    from .from_vllm import from_vllm
+
+    argv = list(args.vllm_args)
+    code, out, err = from_vllm(argv[1:] if argv[:1] == ["--"] else argv, out=args.out,
+                               keep_going=args.keep_going)  # fmt: skip
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return code
+
+
 def _flower_options(given: list[str]) -> list[str]:
     """Flower's own options: ``--enable_events=False`` unless given. Workers send task
     events from the start, and Flower's default broadcasts ``enable_events`` every 5 s,
@@ -564,6 +575,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds those routes wait for the workers' replies",
     )
     gw.set_defaults(func=_gateway)
+
+    fv = sub.add_parser(
+        "from-vllm",
+        help="a `vllm serve` command line as a fleet file and a gateway command",
+        description="Reads a `vllm serve` command line (after --; `vllm serve` optional, "
+        "`--config FILE.yaml` read as vLLM reads it) and writes the fleet file serving the "
+        "model, each line citing its vLLM flag, and the `batchfleet gateway` command. Flags "
+        "with no equivalent are listed with why; unknown flags exit 2 unless --keep-going. "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING and VLLM_SERVER_DEV_MODE are read from the "
+        "environment, as vLLM reads them.",
+    )
+    fv.add_argument("--out", "-o", help="write the fleet file here (default: stdout)")
+    fv.add_argument("--keep-going", action="store_true",
+                    help="write the file without unknown flags (each named in a comment)")  # fmt: skip
+    fv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags]")
+    fv.set_defaults(func=_from_vllm)
 
     for name, text in (
         ("pause", "stop reading new requests (held ones are still answered)"),

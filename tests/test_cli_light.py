@@ -54,6 +54,19 @@ def test_non_model_commands_leave_torch_and_transformers_unimported(
         ["webhooks", "list-failed", "--config", str(fleet)],
         ["webhooks", "redeliver", "--all", "--config", str(fleet)],
         ["simulate", "--requests", "200", "--rate", "100"],
+        [
+            "from-vllm",
+            "--",
+            "vllm",
+            "serve",
+            "/m/x",
+            "--tool-call-parser",
+            "hermes",
+            "--speculative-config",
+            '{"num_speculative_tokens": 2}',
+            "--reasoning-parser",
+            "qwen3",
+        ],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER, json.dumps(commands)],
