@@ -248,6 +248,7 @@ def test_the_parsers() -> None:
         "hy_v3", "hy_v4", "identity", "kimi_k2", "kimi_k3", "mimo", "minimax_m2",
         "minimax_m2_append_think", "minimax_m3", "nemotron_v3", "olmo3", "poolside_v1",
         "solar_open2", "step3", "step3p5", "ling3", "cohere_command3", "cohere_command4",
+        "inkling", "muse_glimmer",
     }  # fmt: skip
 
 

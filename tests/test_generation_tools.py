@@ -761,7 +761,8 @@ def test_parsers_read_only_their_own_format() -> None:
                             "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                             "apertus", "dots", "deepseek_v4", "granite-20b-fc",
                             "functiongemma", "gemma4", "cohere_command3",
-                            "cohere_command4", "glm47", "minicpm5", "kimi_k3", "minimax_m3"}  # fmt: skip
+                            "cohere_command4", "glm47", "minicpm5", "kimi_k3", "minimax_m3",
+                            "hy_v4", "inkling", "muse_glimmer"}  # fmt: skip
     auto = ToolUse("auto")
     pythonic = ('[get_weather(city="SF", days=-2, opts={"a": [1, true, None], "b": (2.5,)}),'
                 " ns.f()]")  # fmt: skip

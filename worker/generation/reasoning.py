@@ -30,7 +30,8 @@ read on, for its calls (:data:`SIBLINGS`). ``identity`` and
 answer, the latter's content begun with the ``<think>`` its prompt opened.
 ``openai_gptoss`` reads gpt-oss's harmony messages instead (:class:`HarmonyReasoning`,
 :mod:`.harmony`): no tags, but channels; ``cohere_command3`` and ``cohere_command4`` read
-Cohere Command's modes (:class:`CohereReasoning`, :mod:`.cohere`).
+Cohere Command's modes (:class:`CohereReasoning`, :mod:`.cohere`); ``inkling`` and
+``muse_glimmer`` their message blocks (:class:`.blocks.BlocksReasoning`).
 
 Whether a text begins in its reasoning (``thinking``) is read off the prompt's end
 (:meth:`Reasoning.opens`): a prompt that leaves the opening tag open (DeepSeek-R1's
@@ -132,7 +133,9 @@ LABELS: Final[dict[str, str]] = {"gemma4": "thought\n"}
 PREFIXES: Final[dict[str, str]] = {"identity": "", "minimax_m2_append_think": "<think>"}
 """The parsers that never split (:class:`WholeAnswer`), and what their content begins
 with."""
-REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss", *cohere.FORMATS)
+BLOCKS: Final = ("inkling", "muse_glimmer")
+"""The message-block formats' parsers (:mod:`.blocks`)."""
+REASONING_PARSERS: Final = (*TAGS, "identity", "openai_gptoss", *cohere.FORMATS, *BLOCKS)
 """The values of a model's ``reasoning_parser`` option."""
 _BEGINS: Final = frozenset({"deepseek_r1", "ernie45", "glm47", "holo2", "hy_v4", "kimi_k2",
                             "kimi_k3", "minimax_m2", "nemotron_v3", "olmo3", "solar_open2",
@@ -402,6 +405,10 @@ def reasoning_for(parser: str, vocab: Iterable[str] | None = None) -> Reasoning:
         return HarmonyReasoning(parser)
     if parser in cohere.FORMATS:
         return CohereReasoning(parser)
+    if parser in BLOCKS:
+        from .blocks import BlocksReasoning  # it reads texts with this module's helpers
+
+        return BlocksReasoning(parser)
     return WholeAnswer(parser) if parser in PREFIXES else Reasoning(parser, vocab)
 
 
@@ -409,13 +416,19 @@ def _suffixed(parser: str, tags: tuple[str, str], vocab: Iterable[str]) -> tuple
     """A :data:`SUFFIXES` parser's tags with the suffix ``vocab``'s structural tokens end
     in; a vocabulary without them is refused."""
     tokens = list(vocab)
-    pattern = SUFFIXES[parser]
-    suffix = next((m.group(1) or "" for t in tokens if (m := pattern.fullmatch(t))), "")
+    suffix = suffix_of(parser, tokens)
     open_, close = (t[:-1] + suffix + t[-1] for t in tags)
     if not {open_, close} <= set(tokens):
         raise ValueError(f"reasoning_parser {parser!r}: the tokenizer has no {open_} and "
                          f"{close} tokens")  # fmt: skip
     return open_, close
+
+
+def suffix_of(parser: str, tokens: Iterable[str]) -> str:
+    """The suffix a :data:`SUFFIXES` parser's structural tokens end in, in ``tokens``
+    (the first such token's; "": none, or unsuffixed)."""
+    pattern = SUFFIXES[parser]
+    return next((m.group(1) or "" for t in tokens if (m := pattern.fullmatch(t))), "")
 
 
 def _begins(tags: tuple[str, ...], head: str) -> bool:

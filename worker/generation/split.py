@@ -11,7 +11,7 @@ in, :meth:`~.reasoning.Reasoning.answer`); calls are read in the answer only.
 gpt-oss's reasoning may follow the answer's start (``Reasoning.interleaved``), and its
 content is its harmony messages' (:mod:`.harmony`); Cohere Command's text is all answer,
 read by its modes (:mod:`.cohere`): its content is its answer's parts, its reasoning its
-reasoning's, wherever they are.
+reasoning's, wherever they are; a message-block format's (:mod:`.blocks`) likewise.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import cohere, harmony
+from .blocks import Format
 from .reasoning import Reasoning
 from .tool_chunks import CallChunks
 from .tools import CallReader
@@ -49,6 +50,9 @@ class OutputSplit:
     cohere: cohere.Format | None = None
     """The model writes Cohere Command's modes: an answer's content is its answer's
     parts (the calls' parts are not), whatever its calls."""
+    blocks: Format | None = None
+    """The model writes message blocks (:mod:`.blocks`): an answer's content is its
+    format's, whatever its calls."""
 
     def __post_init__(self) -> None:
         if self.reasoning is None:
@@ -70,7 +74,7 @@ class OutputSplit:
                 reader.read(answer, final=True)
                 if reader.calls:
                     out["tool_calls"] = reader.calls
-                    if self.cohere is None:
+                    if self.cohere is None and self.blocks is None:
                         out["content"] = reader.content
             self.answer = out
         return self.answer
@@ -81,6 +85,8 @@ class OutputSplit:
         if self.cohere is not None:
             mode = cohere.begins(self.cohere, self.thinking)
             return cohere.content(answer, self.cohere, mode, final)
+        if self.blocks is not None:
+            return self.blocks.content(answer, self.thinking, final)
         return harmony.content(answer) if self.harmony else answer.strip()
 
     def delta(self, released: str, new: str, final: str | None) -> dict[str, Any]:
@@ -137,5 +143,6 @@ class OutputSplit:
         if reader.may_complete(new):
             reader.read(answer)
         chunks = [] if self.chunks is None else self.chunks.chunks(answer)  # before ids go
-        content = self.content(answer) if self.cohere else reader.content_so_far(answer)
+        own = self.cohere is not None or self.blocks is not None
+        content = self.content(answer) if own else reader.content_so_far(answer)
         return reasoning, content, reader.unsent(), chunks

@@ -48,10 +48,12 @@ after another, or ``items``, an array's calls after its ``[`` (in the opening ma
 prose that writes ``functools`` stays free), and the key of a call's arguments (each call
 a JSON object ``{"name", key}``; "": ``{NAME: ARGUMENTS}``, Apertus's). ``gigachat3``: GigaChat 3.1's header, where it is a
 token (:func:`grammar`)."""
-UNHELD: Final = frozenset({"kimi_k3", "minimax_m3"})
+UNHELD: Final = frozenset({"kimi_k3", "minimax_m3", "inkling", "muse_glimmer"})
 """The formats no grammar here holds (strict functions are not enforced in them): their
 markers are written with several special tokens each (Kimi-K3's ``<|open|>``, ``<|sep|>``;
-MiniMax-M3's namespace token before each tag, and closing tags that name a parameter)."""
+MiniMax-M3's namespace token before each tag, and closing tags that name a parameter), or
+their calls are message blocks that vLLM holds to no grammar either (Inkling's,
+MuseGlimmer's)."""
 LEADING: Final[dict[str, str]] = {"llama3_json": "<|python_tag|>"}
 """The parsers whose calls are the whole text, after an optional marker: JSON objects
 ``{"name", "parameters"}`` separated by ``;`` (a text that begins otherwise is free)."""

@@ -156,7 +156,7 @@ def _loose(value: str) -> Any:
     return got
 
 
-def _hy_v3(value: str, kind: str | None) -> Any:
+def hy_v3_value(value: str, kind: str | None) -> Any:
     """A value as vLLM's ``hy_v3`` reads it for its schema's ``kind`` (None: a string):
     ``true``/``false``, an integer, a number (an integer unless it has ``.`` or an
     exponent), an object's or array's JSON; what is none of these, as JSON or a Python
@@ -180,7 +180,7 @@ def _hy_v3(value: str, kind: str | None) -> Any:
 def hy_v3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     """The arguments written whole in ``text`` from ``at`` (``glm45``'s tags), each as
     written, typed by ``known`` as vLLM's ``hy_v3`` does."""
-    return Pairs([(k, _hy_v3(v, known.get(k))) for k, v in _GLM_ARG.findall(text, at)])
+    return Pairs([(k, hy_v3_value(v, known.get(k))) for k, v in _GLM_ARG.findall(text, at)])
 
 
 def _coerced(value: str, kind: str | None) -> Any:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, harmony, minimax_m3, python_calls, xtml
+from . import blocks, cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, Types
@@ -280,8 +280,9 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
     name is written and its arguments begun."""
     if parser == "openai":  # harmony calls, whatever the tool choice
         return _harmony_call(text, start)
-    if parser in cohere.FORMATS:
-        opened = cohere.opening(text, start)
+    if parser in cohere.FORMATS or parser in blocks.FORMATS:
+        fmt = blocks.FORMATS.get(parser or "")
+        opened = cohere.opening(text, start) if fmt is None else fmt.opening(text, start)
         return None if opened is None else _Opening(*opened)
     if use.kind == "named":
         assert use.name is not None

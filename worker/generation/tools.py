@@ -130,7 +130,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ...schemas.tools import ToolUse
-from . import cohere, gemma4_args, harmony, minimax_m3, python_calls, xtml
+from . import blocks, cohere, gemma4_args, harmony, minimax_m3, python_calls, xtml
 from .json_compact import DECODER, compact
 from .reasoning import held
 from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound
@@ -143,7 +143,8 @@ PARSERS: Final = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                   "ling3", "poolside_v1", "mimo", "hy_v3", "solar_open2", "lfm2",
                   "deepseek_v4", "granite-20b-fc", "functiongemma", "gemma4",
                   "apertus", "dots", "cohere_command3", "cohere_command4", "glm47",
-                  "minicpm5", "kimi_k3", "minimax_m3")  # fmt: skip
+                  "minicpm5", "kimi_k3", "minimax_m3", "hy_v4", "inkling",
+                  "muse_glimmer")  # fmt: skip
 """The values of a model's ``tool_call_parser`` option."""
 ALIASES: Final = {"jamba": "hunyuan_a13b", "llama4_json": "llama3_json",
                   "llama4_pythonic": "pythonic", "ernie45": "hermes",
@@ -224,6 +225,7 @@ MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "granite-20b-fc": ("<function_call>",),
     "functiongemma": _GEMMA,
     "gemma4": _GEMMA4,
+    **{name: fmt.tokens for name, fmt in blocks.FORMATS.items()},
 }
 """Each parser's markers. Where a tokenizer makes one a special token (which decoding
 skips), the text of a request the parser reads keeps it (vLLM's parsers turn off
@@ -341,6 +343,9 @@ def read_calls(use: ToolUse, text: str, parser: str | None,
 def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
     if parser == "openai":  # harmony calls, whatever the tool choice (harmony.calls_grammar)
         return _whole(_openai)
+    if parser in blocks.FORMATS:  # its call blocks, whatever the tool choice
+        read, names = blocks.FORMATS[parser].read_calls, tuple(types)
+        return _whole(lambda text, final: [_Found(*c) for c in read(text, final, names)])
     if use.kind == "named":
         assert use.name is not None
         return _whole(_named(use.name))
@@ -348,8 +353,8 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
         return _whole(_required)
     if parser in _BLOCKS:
         opening, closing, body = _BLOCKS[parser]
-        blocks = _blocks(opening, closing, body, types)
-        return _with_dots_json(blocks, types) if parser == "dots" else blocks
+        scan = _blocks(opening, closing, body, types, parser not in CLOSED_ONLY)
+        return _with_dots_json(scan, types) if parser == "dots" else scan
     return _whole(_SCANNERS.get(parser or "", _none))
 
 
@@ -360,6 +365,8 @@ def _holder(use: ToolUse, parser: str | None) -> Callable[[str], int]:
         return harmony.call_start
     if parser in cohere.FORMATS:
         return _marked(cohere.START_ACTION)
+    if parser in blocks.FORMATS:
+        return blocks.FORMATS[parser].call_start
     if use.kind != "auto":  # the text is the calls
         return lambda text: 0
     if parser in _SECTIONS:
@@ -463,17 +470,17 @@ Body = Callable[[str, Types], "tuple[str, dict[str, Any], str | None] | None"]
 id), given the functions' types; None: not a call."""
 
 
-def _blocks(opening: str, closing: str, body: Body, types: Types) -> Resume:
+def _blocks(opening: str, closing: str, body: Body, types: Types, cut: bool = True) -> Resume:
     """Calls in blocks, each from an ``opening`` marker to the next ``closing`` one (a
-    block cut by the end read too, where the text is whole); settled after the last closed
-    block (the blocks are read apart)."""
+    block cut by the end read too, where the text is whole, unless not ``cut``); settled
+    after the last closed block (the blocks are read apart)."""
 
     def scan(text: str, final: bool, start: int) -> tuple[list[_Found], int]:
         out: list[_Found] = []
         i = text.find(opening, start)
         while i >= 0:
             j = text.find(closing, i + len(opening))
-            if j < 0 and not final:
+            if j < 0 and not (final and cut):
                 break
             end = len(text) if j < 0 else j + len(closing)
             got = body(text[i + len(opening) : len(text) if j < 0 else j], types)
@@ -641,6 +648,9 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "minimax_m3": (*minimax_m3.INVOKE, _typed_body(minimax_m3.HEADER, "minimax_m3")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
+CLOSED_ONLY: Final[set[str]] = set()
+"""The block parsers that read a block only once closed (vLLM's ``hy_v4``: one cut by the
+end is no call)."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v3": (_DS[0], _DS[1]),
     "deepseek_v31": (_DS[0], _DS[1]),
@@ -822,7 +832,10 @@ _SCANNERS: Final[dict[str, Scan]] = {
     "granite-20b-fc": _after("<function_call>", _one),
 }
 """The parsers that read the whole text each time."""
-assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) == set(PARSERS) == set(MARKERS)
+LATER: Final = frozenset({"hy_v4"})
+"""The parsers whose tables are filled at load, from the tokenizer (:mod:`.hy_v4`)."""
+assert set(_SCANNERS) | set(_BLOCKS) | set(ALIASES) | set(blocks.FORMATS) | LATER == set(PARSERS)
+assert set(MARKERS) | LATER == set(PARSERS)
 
 
 def _entries(text: str, i: int, sep: str | None, close: str | None,

@@ -57,7 +57,8 @@ from ...schemas.inputs import TokenPrompt
 from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
-from ..generation import cohere, harmony, strict_calls, struct_tag
+from ..generation import blocks as block_formats
+from ..generation import cohere, harmony, hy_v4, strict_calls, struct_tag
 from ..generation.beam import BeamSearch, Ending
 from ..generation.beam_rounds import BeamRounds
 from ..generation.detok import Decode, TextStream
@@ -68,10 +69,10 @@ from ..generation.reasoning import REASONING_PARSERS, Reasoning, reasoning_for
 from ..generation.sampling import Logprob, Marker, Sampling
 from ..generation.speculative import DraftConfig, NgramConfig, Proposer, parse
 from ..generation.split import OutputSplit
-from ..generation.tagged_args import Types, param_types
+from ..generation.tagged_args import TYPED_ARGS, Types, param_types
 from ..generation.think_budget import Markers, ThinkBudget, markers
 from ..generation.tool_chunks import CallChunks
-from ..generation.tools import ALIASES, MARKERS, PARSERS, TYPED, CallReader
+from ..generation.tools import ALIASES, MARKERS, PARSERS, CallReader
 from ..runner import (
     LOST,
     Failed,
@@ -365,14 +366,22 @@ class TextGenerationRunner:
         )
         """The model writes Cohere Command's modes (its format): an answer's content is
         its answer's parts, its calls are its calls' parts."""
+        self._blocks = block_formats.FORMATS.get(
+            self.reasoning_parser or ""
+        ) or block_formats.FORMATS.get(self.tool_call_parser or "")
+        """The model writes message blocks (its format): an answer's content is its
+        format's, its calls are its call blocks, whatever the tool choice."""
         self._calls_parser = (
             "openai" if self._harmony
             else self._cohere.name if self._cohere is not None
+            else self._blocks.name if self._blocks is not None
             else self.tool_call_parser
         )  # fmt: skip
         """How calls are read: harmony calls for gpt-oss, Command's calls parts for Cohere,
         whatever the tool choice (the calls it requires are constrained to them), else the
-        model's parser's."""
+        model's parser's (``hy_v4``'s with the tags its vocabulary ends in)."""
+        if self._calls_parser == hy_v4.PARSER:
+            self._calls_parser = hy_v4.parser_for(self.tokenizer.get_vocab())
         positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
         self.context = min(positions, self.kv_cache_tokens)
         """The longest sequence (prompt + generated) it serves."""
@@ -588,7 +597,8 @@ class TextGenerationRunner:
         # analysis (harmony.calls_grammar), Cohere Command as its calls part, after its
         # reasoning (cohere.calls_grammar): the text is split, constrained from the first
         own_calls = (
-            (self._harmony or self._cohere is not None) and req.constraint is not None
+            (self._harmony or self._cohere is not None or self._blocks is not None)
+            and req.constraint is not None
             and req.structured_outputs is None and req.response_format is None
         )  # fmt: skip
         # a chat to a reasoning model is split; a constraint then begins after its
@@ -671,7 +681,11 @@ class TextGenerationRunner:
             reasoning=reasoning,
             thinking=thinking,
             tool_types=param_types(req.tools)
-            if req.tools and self.tool_call_parser in TYPED
+            if req.tools
+            and (
+                self._blocks is not None
+                or ALIASES.get(self._calls_parser or "", self._calls_parser) in TYPED_ARGS
+            )
             else {},
             skip_special=req.skip_special_tokens is not False,
             token_ids=bool(req.return_token_ids),
@@ -737,6 +751,8 @@ class TextGenerationRunner:
         spec = req.constraint
         use = req.tool_use
         grammar: str | None = None
+        if own_calls and self._blocks is not None:
+            return None  # written natively, read as auto (as vLLM's parsers take them)
         if own_calls:
             assert use is not None and req.tools is not None
             fns = called(req.tools, use)
@@ -1121,12 +1137,14 @@ class TextGenerationRunner:
             n = spec.n
             use = spec.tools
             markers = (
-                MARKERS.get(self.tool_call_parser or "", ()) if use and use.kind == "auto" else ()
+                MARKERS.get(self._calls_parser or "", ()) if use and use.kind == "auto" else ()
             )
             if self._harmony and use is not None:  # harmony calls, whatever the choice
                 markers = harmony.TOKENS
             if self._cohere is not None and use is not None:  # and Command's
                 markers = self._cohere.tokens
+            if self._blocks is not None and use is not None:  # and the blocks'
+                markers = self._blocks.tokens
             tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
             decode = self._marked(markers + tags
                                   if spec.skip_special else _ALL_SPECIAL)  # fmt: skip
@@ -1158,9 +1176,9 @@ class TextGenerationRunner:
         if not spec.reasoning and use is None:
             return None
         split = OutputSplit(self._reasoning if spec.reasoning else None, spec.thinking,
-                            self._harmony, cohere=self._cohere)  # fmt: skip
+                            self._harmony, cohere=self._cohere, blocks=self._blocks)  # fmt: skip
         if use is not None:
-            if self._cohere is not None:  # its calls parts, whatever the tool choice
+            if self._cohere is not None or self._blocks is not None:  # whatever the choice
                 use = replace(use, kind="auto", name=None)
             split.calls = CallReader(use, self._calls_parser, spec.tool_types)
             if spec.stream:
