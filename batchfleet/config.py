@@ -148,6 +148,10 @@ class MetricsConfig(BaseModel):
     """0: any free port. If the port is taken (several workers on one host), a free one is
     used instead and logged; ``celery inspect stats`` shows each worker's ``metrics_url``."""
     address: str = "0.0.0.0"
+    vllm: bool = True
+    """Also export vLLM's metrics (``vllm:*``) for the generating models, so vLLM's Grafana
+    dashboard and alerts work on the workers' ``/metrics``: about 30 series and 12
+    histograms per generating model (no per-request labels); false leaves them out."""
 
 
 class EventsConfig(BaseModel):
