@@ -35,7 +35,8 @@ STEP_S = 0.010
 VLLM = {"model_name": MODEL, "engine": "0"}
 FAMILIES = {
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-    "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:time_per_output_token_seconds": "histogram", "vllm:prompt_tokens": "counter",
     "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
     "vllm:num_preemptions": "counter", "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter", "vllm:time_to_first_token_seconds": "histogram",
@@ -176,6 +177,13 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
         vllm("vllm:time_to_first_token_seconds_sum")
     )
     assert prefill > 0
+    per_token = 0.0
+    for res, g in per_out:
+        t = res.timings
+        assert t.first_token_ms is not None
+        decode = t.inference_ms - (t.first_token_ms - t.queued_ms - t.batch_wait_ms)
+        per_token += decode / 1000 / (g.completion_tokens - 1) if g.completion_tokens > 1 else 0
+    assert vllm("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(per_token)
     # n: once per input (two inputs with n=2, three with 1); max_tokens as asked, per output
     assert (vllm("vllm:request_params_n_count"), vllm("vllm:request_params_n_sum")) == (5, 7)
     assert vllm("vllm:request_params_max_tokens_sum") == 7 + 4 * 4 + 30 + 200
@@ -193,6 +201,12 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     assert vllm("vllm:inter_token_latency_seconds_bucket", le="0.01") == vllm(
         "vllm:inter_token_latency_seconds_count"
     )  # every gap is one 10 ms step
+    # the deprecated names vLLM's example dashboard plots: the same values
+    for s in ("count", "sum"):
+        assert vllm(f"vllm:time_per_output_token_seconds_{s}") == vllm(
+            f"vllm:inter_token_latency_seconds_{s}"
+        )
+    assert vllm("vllm:gpu_cache_usage_perc") == vllm("vllm:kv_cache_usage_perc")
 
     # scheduler state and speculative decoding: the twins' values
     for name, twin in (("num_requests_running", "batchfleet_generation_running_sequences"),

@@ -33,8 +33,12 @@ class TokenGaps(Collector):  # type: ignore[misc]
         "gap counts once).",
         labels: Sequence[str] = ("model", "lane"),
         buckets: Sequence[float] = ITL_BUCKETS,
+        aliases: Sequence[tuple[str, str]] = (),
     ) -> None:
-        self.name, self.doc, self.labels, self.buckets = name, doc, list(labels), tuple(buckets)
+        self.names = [(name, doc), *aliases]
+        """The family's name and documentation, then other (name, doc) the same series go
+        under (a deprecated name kept for dashboards that still query it)."""
+        self.labels, self.buckets = list(labels), tuple(buckets)
         self._lock = threading.Lock()
         self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
         """labels -> (count per bucket, the last one +Inf; [sum])"""
@@ -55,11 +59,12 @@ class TokenGaps(Collector):  # type: ignore[misc]
                 total[0] += seconds * n
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         with self._lock:
             series = [(k, list(c), t[0]) for k, (c, t) in self._series.items()]
         bounds = [str(float(b)) for b in self.buckets] + ["+Inf"]
-        for labels, counts, total in series:
-            cumulative = list(itertools.accumulate(counts))
-            family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
-        yield family
+        for name, doc in self.names:
+            family = HistogramMetricFamily(name, doc, labels=self.labels)
+            for labels, counts, total in series:
+                cumulative = list(itertools.accumulate(counts))
+                family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
+            yield family

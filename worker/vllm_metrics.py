@@ -81,6 +81,13 @@ class VllmMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")  # fmt: skip
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")  # fmt: skip
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")  # fmt: skip
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use "
+            "vllm:kv_cache_usage_perc instead.",
+        )
+        """Deprecated names (vLLM hides them since 0.11) that vLLM's example Grafana
+        dashboard still plots: the same values as their new names'."""
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -121,6 +128,9 @@ class VllmMetrics:
         self.inter_token = TokenGaps(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             LABELS, ITL_BUCKETS,
+            aliases=[("vllm:time_per_output_token_seconds",
+                      "Histogram of time per output token in seconds. DEPRECATED: Use "
+                      "vllm:inter_token_latency_seconds instead.")],
         )  # fmt: skip
         registry.register(self.inter_token)
         self.time_per_output_token = hist(
@@ -148,7 +158,8 @@ class VllmMetrics:
 
     def init_model(self, model: str) -> None:
         """Create a generating model's series at 0, as vLLM does at its start."""
-        for family in (self.running, self.waiting, self.kv_usage, self.prefix_queries,
+        for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage,
+                       self.prefix_queries,
                        self.prefix_hits, self.preemptions, self.prompt_tokens,
                        self.generation_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.params_n, self.params_max_tokens,
@@ -186,7 +197,9 @@ class VllmObserver:
         m, labels = self.m, (e.model, ENGINE)
         m.running.labels(*labels).set(e.running)
         m.waiting.labels(*labels).set(e.waiting)
-        m.kv_usage.labels(*labels).set(e.kv_tokens / max(1, e.kv_capacity))
+        usage = e.kv_tokens / max(1, e.kv_capacity)
+        m.kv_usage.labels(*labels).set(usage)
+        m.gpu_cache_usage.labels(*labels).set(usage)
         if e.preempted:
             m.preemptions.labels(*labels).inc(e.preempted)
         if e.tokens:
