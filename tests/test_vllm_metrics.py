@@ -32,6 +32,7 @@ from virtual_world import MODEL, T0, Rig, rig  # noqa: E402
 from batchfleet.config import FleetConfig  # noqa: E402
 
 STEP_S = 0.010
+LONG = "the man was here and we can do all that " * 4
 VLLM = {"model_name": MODEL, "engine": "0"}
 FAMILIES = {
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
@@ -77,17 +78,18 @@ def third_token(runner: TextGenerationRunner, text: str) -> int:
 def run_requests(runner: TextGenerationRunner) -> tuple[Rig, dict[str, Result]]:
     r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
     reqs = [
-        Request(id="len", model=MODEL, inputs=["the man was"], max_new_tokens=7, ignore_eos=True),
+        Request(id="len", model=MODEL, inputs=[LONG], max_new_tokens=7, ignore_eos=True),
+        Request(id="again", model=MODEL, inputs=[LONG], max_new_tokens=2, ignore_eos=True),
         Request(id="two", model=MODEL, inputs=["it was the time", "we can do"], n=2,
                 max_new_tokens=4, ignore_eos=True),
         Request(id="stop", model=MODEL, inputs=["the man was"], ignore_eos=True,
-                stop_token_ids=[third_token(runner, "the man was")], max_new_tokens=30),
+                stop_token_ids=[third_token(runner, "the man was")]),
         Request(id="late", model=MODEL, inputs=["all that we"], ignore_eos=True,
                 max_new_tokens=200, deadline_ms=60),
         Request.model_construct(id="bad", model=MODEL, inputs=["the man"], max_new_tokens=10**6),
     ]  # fmt: skip
-    for k, req in enumerate(reqs):
-        r.source.add(req, lane=k % 3, at=T0 + 0.003 * k)
+    for k, req in enumerate(reqs):  # "again" once "len" has ended: its prompt is cached
+        r.source.add(req, lane=k % 3, at=T0 + (0.5 if req.id == "again" else 0.003 * k))
     r.run()
     return r, r.results()
 
@@ -120,7 +122,7 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     ok = [res for res in results.values() if res.status == "ok"]
     outs = [g for res in ok for g in res.generations()]
     reasons = Counter(g.finish_reason for g in outs)
-    assert reasons == {"length": 5, "stop": 1, "deadline": 1}
+    assert reasons == {"length": 6, "stop": 1, "deadline": 1}
     assert results["bad"].status == "error"  # refused, as vLLM's frontend would: not counted
 
     # Then: each family has vLLM's name, type and labels
@@ -144,12 +146,12 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     assert ours("batchfleet_step_generated_tokens_total") == completion
     assert vllm("vllm:prompt_tokens_total") == prompts == ours("batchfleet_prompt_tokens_total")
     assert vllm("vllm:prefix_cache_queries_total") == prompts
-    assert vllm("vllm:prefix_cache_hits_total") == cached
+    assert vllm("vllm:prefix_cache_hits_total") == cached > 0
     assert cached == ours("batchfleet_prompt_cached_tokens_total")
 
     # success by vLLM's finished_reason: one per output (vLLM's engine requests)
     success = {k: vllm("vllm:request_success_total", finished_reason=k) for k in FINISHED_REASONS}
-    assert success == {"stop": 1, "length": 5, "abort": 1, "error": 0, "repetition": 0}
+    assert success == {"stop": 1, "length": 6, "abort": 1, "error": 0, "repetition": 0}
 
     # histograms: one observation per output, their sums the results'
     n_out = len(outs)
@@ -157,7 +159,7 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
                  "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "request_inference_time_seconds",
                  "request_time_per_output_token_seconds", "request_prompt_tokens",
-                 "request_generation_tokens", "request_params_max_tokens"):  # fmt: skip
+                 "request_generation_tokens"):  # fmt: skip
         assert vllm(f"vllm:{name}_count") == n_out, name
     per_out = [(res, g) for res in ok for g in res.generations()]
     assert vllm("vllm:request_generation_tokens_sum") == completion
@@ -184,9 +186,11 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
         decode = t.inference_ms - (t.first_token_ms - t.queued_ms - t.batch_wait_ms)
         per_token += decode / 1000 / (g.completion_tokens - 1) if g.completion_tokens > 1 else 0
     assert vllm("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(per_token)
-    # n: once per input (two inputs with n=2, three with 1); max_tokens as asked, per output
-    assert (vllm("vllm:request_params_n_count"), vllm("vllm:request_params_n_sum")) == (5, 7)
-    assert vllm("vllm:request_params_max_tokens_sum") == 7 + 4 * 4 + 30 + 200
+    # n: once per input (two inputs with n=2, four with 1); max_tokens where it was asked,
+    # per output ("stop" asked none)
+    assert (vllm("vllm:request_params_n_count"), vllm("vllm:request_params_n_sum")) == (6, 8)
+    assert vllm("vllm:request_params_max_tokens_count") == n_out - 1
+    assert vllm("vllm:request_params_max_tokens_sum") == 7 + 2 + 4 * 4 + 200
     # the same first-token times as the per-lane twin's (each request's, once per output)
     ttft_ours = sum(ours("batchfleet_time_to_first_token_seconds_sum", lane=str(k))
                     for k in range(3))  # fmt: skip
@@ -247,7 +251,7 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") == 6  # 2 inputs x 3
     assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 2)
-    assert value("vllm:kv_cache_usage_perc") == 0.25
+    assert value("vllm:kv_cache_usage_perc") == value("vllm:gpu_cache_usage_perc") == 0.25
     assert value("vllm:num_preemptions_total") == 1
     assert value("vllm:time_to_first_token_seconds_count") == 0
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
