@@ -150,8 +150,9 @@ class MetricsConfig(BaseModel):
     address: str = "0.0.0.0"
     vllm: bool = True
     """Also export vLLM's metrics (``vllm:*``) for the generating models, so vLLM's Grafana
-    dashboard and alerts work on the workers' ``/metrics``: about 30 series and 12
-    histograms per generating model (no per-request labels); false leaves them out."""
+    dashboard and alerts work on the workers' ``/metrics``: about 320 samples a scrape per
+    generating model (13 histograms; no per-request or per-lane label); false leaves them
+    out (docs/operations.md)."""
 
 
 class EventsConfig(BaseModel):
