@@ -150,8 +150,8 @@ class MetricsConfig(BaseModel):
     address: str = "0.0.0.0"
     vllm: bool = True
     """Also export vLLM's metrics (``vllm:*``) for the generating models, so vLLM's Grafana
-    dashboard and alerts work on the workers' ``/metrics``: about 320 samples a scrape per
-    generating model (13 histograms; no per-request or per-lane label); false leaves them
+    dashboard and alerts work on the workers' ``/metrics``: about 340 samples a scrape per
+    generating model (14 histograms; no per-request or per-lane label); false leaves them
     out (docs/operations.md)."""
 
 

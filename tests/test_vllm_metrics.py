@@ -50,6 +50,7 @@ FAMILIES = {
     "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
     "vllm:request_params_n": "histogram", "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
@@ -189,6 +190,10 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     # n: once per input (two inputs with n=2, four with 1); max_tokens where it was asked,
     # per output ("stop" asked none)
     assert (vllm("vllm:request_params_n_count"), vllm("vllm:request_params_n_sum")) == (6, 8)
+    # and the most tokens one of an input's completions took ("two": 4 each, two inputs)
+    most = sum(g.completion_tokens for g in outs) - 2 * 4
+    assert vllm("vllm:request_max_num_generation_tokens_count") == 6
+    assert vllm("vllm:request_max_num_generation_tokens_sum") == most
     assert vllm("vllm:request_params_max_tokens_count") == n_out - 1
     assert vllm("vllm:request_params_max_tokens_sum") == 7 + 2 + 4 * 4 + 200
     # the same first-token times as the per-lane twin's (each request's, once per output)
@@ -255,6 +260,31 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     assert value("vllm:num_preemptions_total") == 1
     assert value("vllm:time_to_first_token_seconds_count") == 0
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
+
+
+def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
+    from batchfleet.schemas.messages import Generation, Usage
+    from batchfleet.worker.observers import Reply
+
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    lengths = [3, 9, 5, 2]  # input 0: 3 and 9; input 1: 5 and 2
+    outs = [Generation(text="", finish_reason="stop", prompt_tokens=4, completion_tokens=k)
+            for k in lengths]  # fmt: skip
+    result = Result(id="r", model=MODEL, status="ok", outputs=outs,
+                    usage=Usage(prompt_tokens=8, completion_tokens=sum(lengths)))  # fmt: skip
+    request = Request(id="r", model=MODEL, inputs=["a", "b"], n=2)
+    obs.notify(Answered(MODEL, [Reply(0, request, result, True)]))
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, VLLM)
+
+    assert value("vllm:request_max_num_generation_tokens_count") == 2
+    assert value("vllm:request_max_num_generation_tokens_sum") == 9 + 5
+    assert value("vllm:request_generation_tokens_sum") == sum(lengths)
+    assert value("vllm:request_params_max_tokens_count") == 0  # none asked
+    assert value("vllm:time_to_first_token_seconds_count") == 0  # no first token: not timed
+    assert value("vllm:prompt_tokens_total") == 8  # each prompt once, as its usage says
 
 
 def test_cache_config_and_lora_info_are_read_off_the_runner(runner: TextGenerationRunner) -> None:

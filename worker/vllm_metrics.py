@@ -114,6 +114,13 @@ class VllmMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.",
             TOKEN_COUNT_BUCKETS,
         )  # fmt: skip
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        """Per input, the most tokens one of its ``n`` completions generated (vLLM's
+        parallel-sampling stat, despite its documentation)."""
         self.params_n = hist(
             "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
@@ -162,7 +169,8 @@ class VllmMetrics:
                        self.prefix_queries,
                        self.prefix_hits, self.preemptions, self.prompt_tokens,
                        self.generation_tokens, self.request_prompt_tokens,
-                       self.request_generation_tokens, self.params_n, self.params_max_tokens,
+                       self.request_generation_tokens, self.max_generation_tokens, self.params_n,
+                       self.params_max_tokens,
                        self.ttft, self.time_per_output_token, *self.phases.values()):  # fmt: skip
             family.labels(model, ENGINE)
         for reason in FINISHED_REASONS:
@@ -231,10 +239,11 @@ class VllmObserver:
             return
         outputs = res.generations()
         request = reply.request
-        if request is not None:
-            inputs = max(1, len(outputs) // max(1, request.n or 1))
-            for _ in range(inputs):
-                m.params_n.labels(*labels).observe(request.n or 1)
+        n = (request.n if request is not None else None) or 1
+        for first in range(0, len(outputs), n):  # an input's n completions
+            m.params_n.labels(*labels).observe(n)
+            most = max(g.completion_tokens for g in outputs[first : first + n])
+            m.max_generation_tokens.labels(*labels).observe(most)
         phases = _phases(res)
         for out in outputs:
             m.success.labels(*labels, ABORTED.get(out.finish_reason, out.finish_reason)).inc()
