@@ -329,3 +329,18 @@ def test_a_worker_serves_them_on_its_metrics_port_unless_turned_off(
     assert (line in text) is enabled
     assert ('model_name="emb"' in text) is False  # an encoder has none
     assert ("# TYPE vllm:time_to_first_token_seconds histogram" in text) is enabled
+
+
+@pytest.mark.parametrize(
+    ("top", "buckets"),
+    [
+        (1, (1,)),
+        (4, (1, 2)),
+        (100, (1, 2, 5, 10, 20, 50, 100)),
+        (4096, (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)),
+    ],
+)
+def test_token_count_buckets_are_vllm_s_1_2_5(top: int, buckets: tuple[int, ...]) -> None:
+    from batchfleet.worker.vllm_metrics import buckets_1_2_5
+
+    assert buckets_1_2_5(top) == buckets

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..schemas.errors import ErrorCode
-from ..schemas.messages import Generation, Result
+from ..schemas.messages import Result
 from .lora_metrics import adapter_requests
 from .observers import Answered, Generated, LoopEvent, Reply
 from .token_gaps import TokenGaps
@@ -166,12 +166,11 @@ class VllmMetrics:
     def init_model(self, model: str) -> None:
         """Create a generating model's series at 0, as vLLM does at its start."""
         for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage,
-                       self.prefix_queries,
-                       self.prefix_hits, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens, self.request_prompt_tokens,
-                       self.request_generation_tokens, self.max_generation_tokens, self.params_n,
-                       self.params_max_tokens,
-                       self.ttft, self.time_per_output_token, *self.phases.values()):  # fmt: skip
+                       self.prefix_queries, self.prefix_hits, self.preemptions,
+                       self.prompt_tokens, self.generation_tokens, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.max_generation_tokens,
+                       self.params_n, self.params_max_tokens, self.ttft,
+                       self.time_per_output_token, *self.phases.values()):  # fmt: skip
             family.labels(model, ENGINE)
         for reason in FINISHED_REASONS:
             self.success.labels(model, ENGINE, reason)
@@ -237,12 +236,12 @@ class VllmObserver:
         if res.status != "ok":  # expired: its deadline passed before it ran
             m.success.labels(*labels, "abort").inc(_outputs_asked(reply))
             return
-        outputs = res.generations()
+        outputs = [_counts(o) for o in res.outputs or ()]
         request = reply.request
         n = (request.n if request is not None else None) or 1
         for first in range(0, len(outputs), n):  # an input's n completions
             m.params_n.labels(*labels).observe(n)
-            most = max(g.completion_tokens for g in outputs[first : first + n])
+            most = max(out.completion_tokens for out in outputs[first : first + n])
             m.max_generation_tokens.labels(*labels).observe(most)
         phases = _phases(res)
         for out in outputs:
@@ -253,7 +252,7 @@ class VllmObserver:
                 m.params_max_tokens.labels(*labels).observe(request.max_new_tokens)
             self._timed(out, phases)
 
-    def _timed(self, out: Generation, phases: dict[str, float] | None) -> None:
+    def _timed(self, out: _Output, phases: dict[str, float] | None) -> None:
         """An output's latencies: its request's (they run, and are answered, together)."""
         if phases is None:
             return
@@ -264,6 +263,22 @@ class VllmObserver:
         tokens = out.completion_tokens
         per_token = phases["decode"] / (tokens - 1) if tokens > 1 else 0.0
         self.m.time_per_output_token.labels(*labels).observe(per_token)
+
+
+class _Output(NamedTuple):
+    """What the metrics read of one output."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _counts(output: Any) -> _Output:
+    """An output's finish reason and token counts, read off its map (the worker's) or its
+    :class:`Generation`, without validating the rest (its logprobs may be long)."""
+    get = output.get if isinstance(output, dict) else lambda k, d=None: getattr(output, k, d)
+    return _Output(str(get("finish_reason", "stop")), int(get("prompt_tokens", 0) or 0),
+                   int(get("completion_tokens", 0) or 0))  # fmt: skip
 
 
 def _phases(res: Result) -> dict[str, float] | None:
