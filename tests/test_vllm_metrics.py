@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.messages import Request, Result  # noqa: E402
 from batchfleet.worker.metrics import Metrics, PrometheusObserver, prometheus_metrics  # noqa: E402
-from batchfleet.worker.observers import Answered, Generated, NullObserver, Observers  # noqa: E402
+from batchfleet.worker.observers import Answered, Generated, Observers  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from batchfleet.worker.vllm_metrics import (  # noqa: E402
     FINISHED_REASONS,
@@ -318,7 +318,7 @@ def test_a_worker_serves_them_on_its_metrics_port_unless_turned_off(
     server = worker._batchfleet_metrics
     try:
         assert isinstance(gen, Observers if enabled else PrometheusObserver)
-        assert not isinstance(emb, NullObserver)
+        assert isinstance(emb, PrometheusObserver)  # an encoder: its own metrics only
         with urllib.request.urlopen(server.url.replace("0.0.0.0", "127.0.0.1"), timeout=5) as resp:
             text = resp.read().decode()
     finally:

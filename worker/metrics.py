@@ -48,6 +48,7 @@ from .observers import (
     Observers,
     Reply,
 )
+from .runners import BUILTIN
 from .token_gaps import TokenGaps
 from .vllm_metrics import VllmInfoCollector, VllmMetrics, VllmObserver
 
@@ -442,7 +443,8 @@ def prometheus_metrics(worker: Any, fleet: FleetConfig, model: str) -> LoopObser
             server.registry.register(VllmInfoCollector(lambda: worker_loops(worker)))
         worker._batchfleet_metrics = server
     observer = PrometheusObserver(server.metrics)
-    if server.vllm is None:
-        return observer
-    generating = fleet.models[model].runner == "text-generation"
+    runner = fleet.models[model].runner
+    if server.vllm is None or (runner in BUILTIN and runner != "text-generation"):
+        return observer  # an encoder: no vLLM metrics (a custom runner may generate)
+    generating = runner == "text-generation"
     return Observers([observer, VllmObserver(server.vllm, model, generating)])
