@@ -148,6 +148,11 @@ class MetricsConfig(BaseModel):
     """0: any free port. If the port is taken (several workers on one host), a free one is
     used instead and logged; ``celery inspect stats`` shows each worker's ``metrics_url``."""
     address: str = "0.0.0.0"
+    vllm: bool = True
+    """Also export vLLM's metrics (``vllm:*``) for the generating models, so vLLM's Grafana
+    dashboard and alerts work on the workers' ``/metrics``: about 340 samples a scrape per
+    generating model (14 histograms; no per-request or per-lane label); false leaves them
+    out (docs/operations.md)."""
 
 
 class EventsConfig(BaseModel):

@@ -10,14 +10,11 @@ Flower's own ``/metrics`` covers the task events (``flower_events_total`` …).
 
 from __future__ import annotations
 
-import bisect
 import errno
-import itertools
 import logging
 import sys
-import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -30,7 +27,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .. import fleetview
@@ -38,6 +35,7 @@ from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
 from ..connection import SyncClient, connect
 from ..schemas.errors import ErrorCode
+from .lora_metrics import LoraCollector
 from .observers import (
     Answered,
     BatchDone,
@@ -47,8 +45,12 @@ from .observers import (
     LoopEvent,
     LoopObserver,
     NullObserver,
+    Observers,
     Reply,
 )
+from .runners import BUILTIN
+from .token_gaps import TokenGaps
+from .vllm_metrics import VllmInfoCollector, VllmMetrics, VllmObserver
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,6 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = tuple(2**i for i in range(4, 18))
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-               0.3, 0.5, 0.75, 1, 2.5, 5)  # fmt: skip
-"""Inter-token latency: a step's length on a loaded GPU (a few ms) up to a preemption's gap."""
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 """A constraint's compile: one tool's schema (about 1 ms) to a large schema (tens of ms) and
 past (a big vocabulary)."""
@@ -229,48 +228,6 @@ class Metrics:
         self.cached_tokens.labels(model)
 
 
-class TokenGaps(Collector):  # type: ignore[misc]
-    """``batchfleet_inter_token_latency_seconds``: a histogram per model and lane, filled a
-    step at a time. A step closes one gap per running request, nearly all the same (the
-    step before ended them), so each distinct gap is counted once with its number,
-    rather than observed per token through ``Histogram`` (about 2 µs each, on the loop
-    thread, beside the device's Python)."""
-
-    NAME = "batchfleet_inter_token_latency_seconds"
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
-        """(model, lane) -> (count per bucket, the last one +Inf; [sum])"""
-
-    def add(self, model: str, gaps: Sequence[tuple[int, float]]) -> None:
-        """A step's gaps: (lane, seconds) per request."""
-        with self._lock:
-            for (lane, seconds), n in Tally(gaps).items():
-                key = (model, str(lane))
-                found = self._series.get(key)
-                if found is None:
-                    found = self._series[key] = ([0] * (len(ITL_BUCKETS) + 1), [0.0])
-                counts, total = found
-                counts[bisect.bisect_left(ITL_BUCKETS, seconds)] += n
-                total[0] += seconds * n
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(
-            self.NAME,
-            "Generation: time between a request's tokens (step to step; a preemption's gap "
-            "counts once).",
-            labels=["model", "lane"],
-        )
-        with self._lock:
-            series = [(k, list(c), t[0]) for k, (c, t) in self._series.items()]
-        for labels, counts, total in series:
-            cumulative = list(itertools.accumulate(counts))
-            bounds = [str(float(b)) for b in ITL_BUCKETS] + ["+Inf"]
-            family.add_metric(list(labels), list(zip(bounds, cumulative, strict=True)), total)
-        yield family
-
-
 class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
@@ -431,53 +388,6 @@ def _device_memory() -> Iterator[GaugeMetricFamily]:
     yield reserved
 
 
-class LoraCollector(Collector):  # type: ignore[misc]
-    """Per LoRA adapter of each generating model of this worker, its requests running and
-    waiting here (vLLM's ``vllm:lora_requests_info``, one series per adapter: as many as
-    ``max_loras`` at most) and the memory its weights take, and the adapters loaded; read
-    off the runners at each scrape."""
-
-    def __init__(self, loops: Callable[[], Sequence[Any]]) -> None:
-        self._loops = loops
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        running = GaugeMetricFamily(
-            "batchfleet_lora_requests_running",
-            "Generation: requests running under each LoRA adapter.", labels=["model", "adapter"],
-        )  # fmt: skip
-        waiting = GaugeMetricFamily(
-            "batchfleet_lora_requests_waiting",
-            "Generation: requests under each LoRA adapter waiting here: read and not admitted "
-            "yet, preempted, or waiting for a constraint.", labels=["model", "adapter"],
-        )  # fmt: skip
-        loaded = GaugeMetricFamily(
-            "batchfleet_lora_adapters_loaded",
-            "Generation: LoRA adapters a request may name.", labels=["model"],
-        )  # fmt: skip
-        held = GaugeMetricFamily(
-            "batchfleet_lora_adapter_bytes",
-            "Generation: memory each LoRA adapter's weights take on the device (one that is "
-            "unloaded until its last request ends).", labels=["model", "adapter"],
-        )  # fmt: skip
-        for lp in self._loops():
-            sizes = getattr(lp.runner, "lora_bytes", None)
-            for name, size in sorted((sizes() if sizes is not None else {}).items()):
-                held.add_metric([lp.model, name], size)
-            counts = getattr(lp.runner, "lora_requests", None)
-            if counts is None:
-                continue
-            waiting_here = getattr(getattr(lp, "scheduler", None), "adapters_waiting", None)
-            by_adapter = counts(waiting_here() if waiting_here is not None else ())
-            loaded.add_metric([lp.model], len(by_adapter))
-            for name, (run, wait) in sorted(by_adapter.items()):
-                running.add_metric([lp.model, name], run)
-                waiting.add_metric([lp.model, name], wait)
-        yield running
-        yield waiting
-        yield loaded
-        yield held
-
-
 def worker_loops(worker: Any) -> list[Any]:
     """The batch loops of a Celery worker (its blueprint steps')."""
     return [lp for step in getattr(worker, "steps", ()) for lp in getattr(step, "loops", ())]
@@ -491,6 +401,7 @@ class MetricsServer:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.metrics = Metrics(self.registry)
+        self.vllm = VllmMetrics(self.registry) if fleet.metrics.vllm else None
         for model, lanes in models.items():
             self.metrics.init_model(model, lanes)
         self.client = connect(fleet.redis_url, socket_timeout=5.0)
@@ -528,5 +439,12 @@ def prometheus_metrics(worker: Any, fleet: FleetConfig, model: str) -> LoopObser
         only = worker.app.batchfleet_models or list(fleet.models)
         server = MetricsServer(fleet, {m: fleet.models[m].lanes for m in only})
         server.registry.register(LoraCollector(lambda: worker_loops(worker)))
+        if server.vllm is not None:
+            server.registry.register(VllmInfoCollector(lambda: worker_loops(worker)))
         worker._batchfleet_metrics = server
-    return PrometheusObserver(server.metrics)
+    observer = PrometheusObserver(server.metrics)
+    runner = fleet.models[model].runner
+    if server.vllm is None or (runner in BUILTIN and runner != "text-generation"):
+        return observer  # an encoder: no vLLM metrics (a custom runner may generate)
+    generating = runner == "text-generation"
+    return Observers([observer, VllmObserver(server.vllm, model, generating)])

@@ -1,0 +1,346 @@
+"""vLLM's metrics (``vllm:*``) of a generating model: a tiny model's requests run through
+the loop in virtual time, the loop's events fed to the worker's observers, and each
+vLLM series checked against its ``batchfleet_*`` twin and against the results."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from devices import DEVICE
+
+torch = pytest.importorskip("torch")
+
+from batchfleet.schemas.messages import Request, Result  # noqa: E402
+from batchfleet.worker.metrics import Metrics, PrometheusObserver, prometheus_metrics  # noqa: E402
+from batchfleet.worker.observers import Answered, Generated, Observers  # noqa: E402
+from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from batchfleet.worker.vllm_metrics import (  # noqa: E402
+    FINISHED_REASONS,
+    TTFT_BUCKETS,
+    VllmInfoCollector,
+    VllmMetrics,
+    VllmObserver,
+)
+from prometheus_client import CollectorRegistry  # noqa: E402
+from virtual_world import MODEL, T0, Rig, rig  # noqa: E402
+
+from batchfleet.config import FleetConfig  # noqa: E402
+
+STEP_S = 0.010
+LONG = "the man was here and we can do all that " * 4
+VLLM = {"model_name": MODEL, "engine": "0"}
+FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:time_per_output_token_seconds": "histogram", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram", "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_lm: Path) -> TextGenerationRunner:
+    """n-gram speculative decoding: a tiny random model's greedy text repeats itself, so
+    steps propose drafts and some are accepted."""
+    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "engine": "padded", "prefix_cache_tokens": 512,
+            "speculative": {"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_max": 3}}  # fmt: skip
+    return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=opts)
+
+
+def third_token(runner: TextGenerationRunner, text: str) -> int:
+    """The greedy continuation's third token (a stop token that ends it with ``stop``)."""
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
+    out = runner.model.generate(ids, max_new_tokens=3, do_sample=False,
+                                pad_token_id=runner.eos[0])  # fmt: skip
+    return int(out[0, ids.shape[1] + 2])
+
+
+def run_requests(runner: TextGenerationRunner) -> tuple[Rig, dict[str, Result]]:
+    r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    reqs = [
+        Request(id="len", model=MODEL, inputs=[LONG], max_new_tokens=7, ignore_eos=True),
+        Request(id="again", model=MODEL, inputs=[LONG], max_new_tokens=2, ignore_eos=True),
+        Request(id="two", model=MODEL, inputs=["it was the time", "we can do"], n=2,
+                max_new_tokens=4, ignore_eos=True),
+        Request(id="stop", model=MODEL, inputs=["the man was"], ignore_eos=True,
+                stop_token_ids=[third_token(runner, "the man was")]),
+        Request(id="late", model=MODEL, inputs=["all that we"], ignore_eos=True,
+                max_new_tokens=200, deadline_ms=60),
+        Request.model_construct(id="bad", model=MODEL, inputs=["the man"], max_new_tokens=10**6),
+    ]  # fmt: skip
+    for k, req in enumerate(reqs):  # "again" once "len" has ended: its prompt is cached
+        r.source.add(req, lane=k % 3, at=T0 + (0.5 if req.id == "again" else 0.003 * k))
+    r.run()
+    return r, r.results()
+
+
+def observed(r: Rig, vllm: bool = True) -> CollectorRegistry:
+    """The run's loop events fed to a fresh registry's observers, as a worker feeds them."""
+    registry = CollectorRegistry()
+    observers: list[Any] = [PrometheusObserver(Metrics(registry))]
+    if vllm:
+        observers.append(VllmObserver(VllmMetrics(registry), MODEL, generating=True))
+    obs = Observers(observers)
+    for _, ev in r.recorder.events:
+        obs.notify(ev)
+    return registry
+
+
+def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerationRunner) -> None:
+    # Given: a run with every ending (length, stop, n=2 over two inputs, a deadline, a bad one)
+    r, results = run_requests(runner)
+    registry = observed(r)
+
+    def vllm(name: str, **labels: str) -> float:
+        v = registry.get_sample_value(name, {**VLLM, **labels})
+        assert v is not None, (name, labels)
+        return v
+
+    def ours(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
+
+    ok = [res for res in results.values() if res.status == "ok"]
+    outs = [g for res in ok for g in res.generations()]
+    reasons = Counter(g.finish_reason for g in outs)
+    assert reasons == {"length": 6, "stop": 1, "deadline": 1}
+    assert results["bad"].status == "error"  # refused, as vLLM's frontend would: not counted
+
+    # Then: each family has vLLM's name, type and labels
+    types = {m.name: m.type for m in registry.collect() if m.name.startswith("vllm:")}
+    assert types == FAMILIES
+    for metric in registry.collect():
+        for s in metric.samples:
+            if metric.name in ("vllm:spec_decode_num_accepted_tokens_per_pos",):
+                assert set(s.labels) == {"model_name", "engine", "position"}
+            elif metric.name == "vllm:request_success":
+                assert set(s.labels) == {"model_name", "engine", "finished_reason"}
+            elif metric.name.startswith("vllm:"):
+                assert set(s.labels) - {"le"} == {"model_name", "engine"}, s
+
+    # token counts: exact, and the twins'
+    completion = sum(g.completion_tokens for g in outs)
+    prompts = sum(res.usage.prompt_tokens for res in ok if res.usage)
+    cached = sum(res.usage.prompt_tokens_details.cached_tokens for res in ok
+                 if res.usage and res.usage.prompt_tokens_details)  # fmt: skip
+    assert vllm("vllm:generation_tokens_total") == completion
+    assert ours("batchfleet_step_generated_tokens_total") == completion
+    assert vllm("vllm:prompt_tokens_total") == prompts == ours("batchfleet_prompt_tokens_total")
+    assert vllm("vllm:prefix_cache_queries_total") == prompts
+    assert vllm("vllm:prefix_cache_hits_total") == cached > 0
+    assert cached == ours("batchfleet_prompt_cached_tokens_total")
+
+    # success by vLLM's finished_reason: one per output (vLLM's engine requests)
+    success = {k: vllm("vllm:request_success_total", finished_reason=k) for k in FINISHED_REASONS}
+    assert success == {"stop": 1, "length": 6, "abort": 1, "error": 0, "repetition": 0}
+
+    # histograms: one observation per output, their sums the results'
+    n_out = len(outs)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):  # fmt: skip
+        assert vllm(f"vllm:{name}_count") == n_out, name
+    per_out = [(res, g) for res in ok for g in res.generations()]
+    assert vllm("vllm:request_generation_tokens_sum") == completion
+    assert vllm("vllm:request_prompt_tokens_sum") == sum(g.prompt_tokens for g in outs)
+    assert vllm("vllm:time_to_first_token_seconds_sum") == pytest.approx(
+        sum(res.timings.first_token_ms / 1000 for res, _ in per_out if res.timings.first_token_ms)
+    )
+    assert vllm("vllm:e2e_request_latency_seconds_sum") == pytest.approx(
+        sum(res.timings.total_ms / 1000 for res, _ in per_out)
+    )
+    # the phases add up: inference = prefill + decode; queue + prefill = time to first token
+    inference = vllm("vllm:request_inference_time_seconds_sum")
+    prefill = vllm("vllm:request_prefill_time_seconds_sum")
+    assert inference == pytest.approx(prefill + vllm("vllm:request_decode_time_seconds_sum"))
+    assert inference == pytest.approx(sum(res.timings.inference_ms / 1000 for res, _ in per_out))
+    assert vllm("vllm:request_queue_time_seconds_sum") + prefill == pytest.approx(
+        vllm("vllm:time_to_first_token_seconds_sum")
+    )
+    assert prefill > 0
+    per_token = 0.0
+    for res, g in per_out:
+        t = res.timings
+        assert t.first_token_ms is not None
+        decode = t.inference_ms - (t.first_token_ms - t.queued_ms - t.batch_wait_ms)
+        per_token += decode / 1000 / (g.completion_tokens - 1) if g.completion_tokens > 1 else 0
+    assert vllm("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(per_token)
+    # n: once per input (two inputs with n=2, four with 1); max_tokens where it was asked,
+    # per output ("stop" asked none)
+    assert (vllm("vllm:request_params_n_count"), vllm("vllm:request_params_n_sum")) == (6, 8)
+    # and the most tokens one of an input's completions took ("two": 4 each, two inputs)
+    most = sum(g.completion_tokens for g in outs) - 2 * 4
+    assert vllm("vllm:request_max_num_generation_tokens_count") == 6
+    assert vllm("vllm:request_max_num_generation_tokens_sum") == most
+    assert vllm("vllm:request_params_max_tokens_count") == n_out - 1
+    assert vllm("vllm:request_params_max_tokens_sum") == 7 + 2 + 4 * 4 + 200
+    # the same first-token times as the per-lane twin's (each request's, once per output)
+    ttft_ours = sum(ours("batchfleet_time_to_first_token_seconds_sum", lane=str(k))
+                    for k in range(3))  # fmt: skip
+    two = results["two"].timings.first_token_ms
+    assert two is not None
+    assert vllm("vllm:time_to_first_token_seconds_sum") == pytest.approx(ttft_ours + 3 * two / 1000)
+    # inter-token latency: the twin's gaps, all lanes together, in vLLM's buckets
+    itl = [ours(f"batchfleet_inter_token_latency_seconds_{s}", lane=str(k))
+           for s in ("count", "sum") for k in range(3)]  # fmt: skip
+    assert vllm("vllm:inter_token_latency_seconds_count") == sum(itl[:3]) > 0
+    assert vllm("vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(itl[3:]))
+    assert vllm("vllm:inter_token_latency_seconds_bucket", le="0.01") == vllm(
+        "vllm:inter_token_latency_seconds_count"
+    )  # every gap is one 10 ms step
+    # the deprecated names vLLM's example dashboard plots: the same values
+    for s in ("count", "sum"):
+        assert vllm(f"vllm:time_per_output_token_seconds_{s}") == vllm(
+            f"vllm:inter_token_latency_seconds_{s}"
+        )
+    assert vllm("vllm:gpu_cache_usage_perc") == vllm("vllm:kv_cache_usage_perc")
+
+    # scheduler state and speculative decoding: the twins' values
+    for name, twin in (("num_requests_running", "batchfleet_generation_running_sequences"),
+                       ("num_requests_waiting", "batchfleet_generation_waiting_requests"),
+                       ("kv_cache_usage_perc", "batchfleet_kv_cache_usage_ratio"),
+                       ("num_preemptions_total", "batchfleet_preemptions_total"),
+                       ("spec_decode_num_drafts_total", "batchfleet_spec_decode_num_drafts_total"),
+                       ("spec_decode_num_draft_tokens_total",
+                        "batchfleet_spec_decode_num_draft_tokens_total"),
+                       ("spec_decode_num_accepted_tokens_total",
+                        "batchfleet_spec_decode_num_accepted_tokens_total")):  # fmt: skip
+        assert vllm(f"vllm:{name}") == ours(twin), name
+    assert vllm("vllm:spec_decode_num_accepted_tokens_total") > 0
+    for pos in range(3):
+        assert vllm("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == (
+            ours("batchfleet_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos))
+        )
+
+
+def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
+    from batchfleet.schemas.errors import ErrorCode
+    from batchfleet.schemas.messages import ErrorInfo
+    from batchfleet.worker.observers import Reply
+
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=False)
+    failed = Result(id="f", model=MODEL, status="error",
+                    error=ErrorInfo(code=ErrorCode.INFERENCE_FAILED, message="boom"))  # fmt: skip
+    request = Request(id="f", model=MODEL, inputs=["a", "b"], n=3)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {**VLLM, **labels})
+
+    # a custom runner's model is not known to generate until its first step
+    obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
+    assert value("vllm:request_success_total", finished_reason="error") is None
+    obs.notify(Generated(MODEL, 3, 2, 300, 1200, 1))
+    obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
+    assert value("vllm:request_success_total", finished_reason="error") == 6  # 2 inputs x 3
+    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 2)
+    assert value("vllm:kv_cache_usage_perc") == value("vllm:gpu_cache_usage_perc") == 0.25
+    assert value("vllm:num_preemptions_total") == 1
+    assert value("vllm:time_to_first_token_seconds_count") == 0
+    assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
+
+
+def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
+    from batchfleet.schemas.messages import Generation, Usage
+    from batchfleet.worker.observers import Reply
+
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    lengths = [3, 9, 5, 2]  # input 0: 3 and 9; input 1: 5 and 2
+    outs = [Generation(text="", finish_reason="stop", prompt_tokens=4, completion_tokens=k)
+            for k in lengths]  # fmt: skip
+    result = Result(id="r", model=MODEL, status="ok", outputs=outs,
+                    usage=Usage(prompt_tokens=8, completion_tokens=sum(lengths)))  # fmt: skip
+    request = Request(id="r", model=MODEL, inputs=["a", "b"], n=2)
+    obs.notify(Answered(MODEL, [Reply(0, request, result, True)]))
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, VLLM)
+
+    assert value("vllm:request_max_num_generation_tokens_count") == 2
+    assert value("vllm:request_max_num_generation_tokens_sum") == 9 + 5
+    assert value("vllm:request_generation_tokens_sum") == sum(lengths)
+    assert value("vllm:request_params_max_tokens_count") == 0  # none asked
+    assert value("vllm:time_to_first_token_seconds_count") == 0  # no first token: not timed
+    assert value("vllm:prompt_tokens_total") == 8  # each prompt once, as its usage says
+
+
+def test_cache_config_and_lora_info_are_read_off_the_runner(runner: TextGenerationRunner) -> None:
+    lora_runner = SimpleNamespace(lora_requests=lambda queued: {"chat": (0, 2), "sql": (1, 0)},
+                                  max_loras=4)  # fmt: skip
+    loops = [SimpleNamespace(model=MODEL, runner=runner),
+             SimpleNamespace(model="other", runner=lora_runner)]  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(VllmInfoCollector(lambda: loops))
+    families = {m.name: m for m in registry.collect()}
+    (cache,) = families["vllm:cache_config_info"].samples
+    assert cache.value == 1
+    assert cache.labels == {"block_size": "16", "cache_dtype": "float32", "num_gpu_blocks": "128",
+                            "enable_prefix_caching": "True", "engine": "0", "model_name": MODEL}  # fmt: skip
+    (lora,) = families["vllm:lora_requests_info"].samples
+    assert lora.labels == {"max_lora": "4", "running_lora_adapters": "sql",
+                           "waiting_lora_adapters": "chat", "model_name": "other"}  # fmt: skip
+    assert lora.value > 1.7e9  # when it was read (vLLM's: a timestamp)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_worker_serves_them_on_its_metrics_port_unless_turned_off(
+    redis_url: str, enabled: bool
+) -> None:
+    fleet = FleetConfig(redis_url=redis_url,
+                        models={MODEL: {"runner": "text-generation"}, "emb": {}},
+                        metrics={"port": 0, "address": "127.0.0.1", "vllm": enabled})  # fmt: skip
+    worker = SimpleNamespace(app=SimpleNamespace(batchfleet_models=[MODEL, "emb"]), steps=())
+    gen = prometheus_metrics(worker, fleet, MODEL)
+    emb = prometheus_metrics(worker, fleet, "emb")
+    server = worker._batchfleet_metrics
+    try:
+        assert isinstance(gen, Observers if enabled else PrometheusObserver)
+        assert isinstance(emb, PrometheusObserver)  # an encoder: its own metrics only
+        with urllib.request.urlopen(server.url.replace("0.0.0.0", "127.0.0.1"), timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        server.close()
+    line = (
+        f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 0.0'
+    )
+    assert (line in text) is enabled
+    assert ('model_name="emb"' in text) is False  # an encoder has none
+    assert ("# TYPE vllm:time_to_first_token_seconds histogram" in text) is enabled
+
+
+@pytest.mark.parametrize(
+    ("top", "buckets"),
+    [
+        (1, (1,)),
+        (4, (1, 2)),
+        (100, (1, 2, 5, 10, 20, 50, 100)),
+        (4096, (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)),
+    ],
+)
+def test_token_count_buckets_are_vllm_s_1_2_5(top: int, buckets: tuple[int, ...]) -> None:
+    from batchfleet.worker.vllm_metrics import buckets_1_2_5
+
+    assert buckets_1_2_5(top) == buckets

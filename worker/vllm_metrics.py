@@ -1,0 +1,340 @@
+"""vLLM's Prometheus metrics (``vllm:*``) for the generating models of a worker, so that
+vLLM's Grafana dashboard and alerts work on the fleet.
+
+Names, types, label names and buckets are those of vLLM's ``PrometheusStatLogger``
+(``vllm/v1/metrics/loggers.py``). Each series is fed by the same loop event as its
+``batchfleet_*`` twin in :mod:`.metrics` (:class:`VllmObserver` sits beside
+:class:`~.metrics.PrometheusObserver`), or read off the runners at scrape time
+(:class:`VllmInfoCollector`). ``model_name`` is the fleet's model name (what
+``/v1/models`` lists); ``engine`` is always ``"0"`` (one engine per model per worker;
+the scrape's ``instance`` tells workers apart). docs/operations.md lists the differences.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..schemas.errors import ErrorCode
+from ..schemas.messages import Result
+from .lora_metrics import adapter_requests
+from .observers import Answered, Generated, LoopEvent, Reply
+from .token_gaps import TokenGaps
+
+ENGINE = "0"
+LABELS = ("model_name", "engine")
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""vLLM's ``FINISH_REASON_STRINGS``: each ``vllm:request_success_total`` series exists
+from the start."""
+ABORTED = {"deadline": "abort", "cancelled": "abort"}
+"""Our ``finish_reason`` values vLLM names otherwise (``stop`` and ``length`` are the same)."""
+ENGINE_ERRORS = frozenset({ErrorCode.INFERENCE_FAILED, ErrorCode.POISONED, ErrorCode.INTERNAL})
+"""Error results vLLM would count as ``finished_reason="error"`` (a request that failed in
+the engine); a bad request is refused before vLLM's engine and is not counted."""
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+N_BUCKETS = (1, 2, 5, 10, 20)
+MAX_TOKEN_COUNT = 1_000_000
+"""vLLM's token-count buckets go 1, 2, 5, 10 ... up to ``max_model_len``; one family here
+serves every model of the worker, so they go up to this (the longest contexts)."""
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50 ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+TOKEN_COUNT_BUCKETS = buckets_1_2_5(MAX_TOKEN_COUNT)
+
+
+class VllmMetrics:
+    """The ``vllm:*`` families of one worker, in its registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = list(LABELS)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Any:
+            return Counter(name, doc, [*labels, *extra], registry=registry)
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")  # fmt: skip
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")  # fmt: skip
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")  # fmt: skip
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use "
+            "vllm:kv_cache_usage_perc instead.",
+        )
+        """Deprecated names (vLLM hides them since 0.11) that vLLM's example Grafana
+        dashboard still plots: the same values as their new names'."""
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.success = counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            ["finished_reason"],
+        )  # fmt: skip
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+            TOKEN_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            TOKEN_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        """Per input, the most tokens one of its ``n`` completions generated (vLLM's
+        parallel-sampling stat, despite its documentation)."""
+        self.params_n = hist(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            TOKEN_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )  # fmt: skip
+        self.inter_token = TokenGaps(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            LABELS, ITL_BUCKETS,
+            aliases=[("vllm:time_per_output_token_seconds",
+                      "Histogram of time per output token in seconds. DEPRECATED: Use "
+                      "vllm:inter_token_latency_seconds instead.")],
+        )  # fmt: skip
+        registry.register(self.inter_token)
+        self.time_per_output_token = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        phases = {
+            "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+            "queue": ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+            "inference": ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
+            "prefill": ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+            "decode": ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+        }  # fmt: skip
+        self.phases = {k: hist(n, d, REQUEST_LATENCY_BUCKETS) for k, (n, d) in phases.items()}
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")  # fmt: skip
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")  # fmt: skip
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.spec_accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", ["position"],
+        )  # fmt: skip
+
+    def init_model(self, model: str) -> None:
+        """Create a generating model's series at 0, as vLLM does at its start."""
+        for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage,
+                       self.prefix_queries, self.prefix_hits, self.preemptions,
+                       self.prompt_tokens, self.generation_tokens, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.max_generation_tokens,
+                       self.params_n, self.params_max_tokens, self.ttft,
+                       self.time_per_output_token, *self.phases.values()):  # fmt: skip
+            family.labels(model, ENGINE)
+        for reason in FINISHED_REASONS:
+            self.success.labels(model, ENGINE, reason)
+
+
+class VllmObserver:
+    """Feeds :class:`VllmMetrics` from the loop's events, for generating models only: one
+    whose fleet entry runs ``text-generation``, or any that reports a step."""
+
+    def __init__(self, metrics: VllmMetrics, model: str, generating: bool) -> None:
+        self.m = metrics
+        self.model = model
+        self.generating = False
+        if generating:
+            self._start()
+
+    def _start(self) -> None:
+        self.generating = True
+        self.m.init_model(self.model)
+
+    def notify(self, event: LoopEvent) -> None:
+        if isinstance(event, Generated):
+            if not self.generating:
+                self._start()
+            self._generated(event)
+        elif isinstance(event, Answered) and self.generating:
+            for reply in event.replies:
+                self._answered(reply)
+
+    def _generated(self, e: Generated) -> None:
+        m, labels = self.m, (e.model, ENGINE)
+        m.running.labels(*labels).set(e.running)
+        m.waiting.labels(*labels).set(e.waiting)
+        usage = e.kv_tokens / max(1, e.kv_capacity)
+        m.kv_usage.labels(*labels).set(usage)
+        m.gpu_cache_usage.labels(*labels).set(usage)
+        if e.preempted:
+            m.preemptions.labels(*labels).inc(e.preempted)
+        if e.tokens:
+            m.generation_tokens.labels(*labels).inc(e.tokens)
+        if e.gaps:
+            m.inter_token.add_keyed((labels, seconds) for _, seconds in e.gaps)
+        if e.drafted[0]:
+            m.spec_drafts.labels(*labels).inc(e.drafted[0])
+            m.spec_draft_tokens.labels(*labels).inc(e.drafted[1])
+            m.spec_accepted.labels(*labels).inc(sum(e.accepted))
+            for position, n in enumerate(e.accepted):
+                m.spec_accepted_per_pos.labels(*labels, str(position)).inc(n)
+
+    def _answered(self, reply: Reply) -> None:
+        m, labels, res = self.m, (self.model, ENGINE), reply.result
+        if res.usage is not None:
+            m.prompt_tokens.labels(*labels).inc(res.usage.prompt_tokens)
+            m.prefix_queries.labels(*labels).inc(res.usage.prompt_tokens)
+            details = res.usage.prompt_tokens_details
+            if details is not None:
+                m.prefix_hits.labels(*labels).inc(details.cached_tokens)
+        if res.status == "error":
+            code = res.error.code if res.error is not None else None
+            if code in ENGINE_ERRORS:
+                m.success.labels(*labels, "error").inc(_outputs_asked(reply))
+            return
+        if res.status != "ok":  # expired: its deadline passed before it ran
+            m.success.labels(*labels, "abort").inc(_outputs_asked(reply))
+            return
+        outputs = [_counts(o) for o in res.outputs or ()]
+        request = reply.request
+        n = (request.n if request is not None else None) or 1
+        for first in range(0, len(outputs), n):  # an input's n completions
+            m.params_n.labels(*labels).observe(n)
+            most = max(out.completion_tokens for out in outputs[first : first + n])
+            m.max_generation_tokens.labels(*labels).observe(most)
+        phases = _phases(res)
+        for out in outputs:
+            m.success.labels(*labels, ABORTED.get(out.finish_reason, out.finish_reason)).inc()
+            m.request_prompt_tokens.labels(*labels).observe(out.prompt_tokens)
+            m.request_generation_tokens.labels(*labels).observe(out.completion_tokens)
+            if request is not None and request.max_new_tokens is not None:
+                m.params_max_tokens.labels(*labels).observe(request.max_new_tokens)
+            self._timed(out, phases)
+
+    def _timed(self, out: _Output, phases: dict[str, float] | None) -> None:
+        """An output's latencies: its request's (they run, and are answered, together)."""
+        if phases is None:
+            return
+        labels = (self.model, ENGINE)
+        self.m.ttft.labels(*labels).observe(phases["ttft"])
+        for name, family in self.m.phases.items():
+            family.labels(*labels).observe(phases[name])
+        tokens = out.completion_tokens
+        per_token = phases["decode"] / (tokens - 1) if tokens > 1 else 0.0
+        self.m.time_per_output_token.labels(*labels).observe(per_token)
+
+
+class _Output(NamedTuple):
+    """What the metrics read of one output."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _counts(output: Any) -> _Output:
+    """An output's finish reason and token counts, read off its map (the worker's) or its
+    :class:`Generation`, without validating the rest (its logprobs may be long)."""
+    get = output.get if isinstance(output, dict) else lambda k, d=None: getattr(output, k, d)
+    return _Output(str(get("finish_reason", "stop")), int(get("prompt_tokens", 0) or 0),
+                   int(get("completion_tokens", 0) or 0))  # fmt: skip
+
+
+def _phases(res: Result) -> dict[str, float] | None:
+    """vLLM's phases of a request, in seconds, from its timings: queue (enqueued to first
+    scheduled: read, then admitted to a step), prefill (to its first token), decode (to
+    its last), inference (prefill + decode), e2e (to its result); None without a first
+    token (nothing generated)."""
+    t = res.timings
+    if t.first_token_ms is None:
+        return None
+    queue = (t.queued_ms + t.batch_wait_ms) / 1000
+    inference = t.inference_ms / 1000
+    prefill = min(max(0.0, t.first_token_ms / 1000 - queue), inference)
+    return {"ttft": t.first_token_ms / 1000, "e2e": t.total_ms / 1000, "queue": queue,
+            "inference": inference, "prefill": prefill, "decode": inference - prefill}  # fmt: skip
+
+
+def _outputs_asked(reply: Reply) -> int:
+    """The outputs a request asked for (inputs x ``n``): vLLM's engine requests."""
+    req = reply.request
+    return 1 if req is None else max(1, len(req.inputs)) * (req.n or 1)
+
+
+class VllmInfoCollector(Collector):  # type: ignore[misc]
+    """``vllm:lora_requests_info`` and ``vllm:cache_config_info``, read off the generating
+    runners at each scrape (a ``model_name`` label added: a worker may serve several)."""
+
+    def __init__(self, loops: Callable[[], Sequence[Any]]) -> None:
+        self._loops = loops
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "model_name"],
+        )  # fmt: skip
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
+                    "engine", "model_name"],
+        )  # fmt: skip
+        now = time.time()
+        for lp in self._loops():
+            runner = lp.runner
+            page = getattr(runner, "page_size", None)
+            kv_tokens = getattr(runner, "kv_cache_tokens", None)
+            if isinstance(page, int) and isinstance(kv_tokens, int) and page > 0:
+                prefix = bool(getattr(runner, "prefix_cache_tokens", 0))
+                dtype = str(getattr(runner, "dtype", "auto")).removeprefix("torch.")
+                blocks = -(-kv_tokens // page)
+                cache.add_metric([str(page), dtype, str(prefix), str(blocks), ENGINE, lp.model], 1)
+            by_adapter = adapter_requests(lp)
+            if not by_adapter:
+                continue
+            running = ",".join(n for n, (run, _) in sorted(by_adapter.items()) if run)
+            waiting = ",".join(n for n, (_, wait) in sorted(by_adapter.items()) if wait)
+            max_lora = str(getattr(runner, "max_loras", len(by_adapter)))
+            lora.add_metric([max_lora, waiting, running, lp.model], now)
+        yield lora
+        yield cache
