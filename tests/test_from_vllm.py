@@ -167,6 +167,8 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
     ("--dtype", "fp8", "the fleet takes"),
     ("--port", "http", "invalid literal"),
     ("--port", "70000", "not a TCP port"),
+    ("--override-generation-config", '{"top_p": 1.5}', "top_p: Input should be less than"),
+    ("--override-generation-config", '[1]', "a JSON object"),
 ])  # fmt: skip
 def test_values_the_fleet_would_refuse_are_refused_here(
     tmp_path: Path, flag: str, value: str, why: str

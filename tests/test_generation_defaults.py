@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import WorkerProcess, fleet_toml
 from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
 from batchfleet.producer.gateway.endpoint import Answered  # noqa: E402
 from batchfleet.producer.gateway.responses import echoed, settings  # noqa: E402
+from batchfleet.schemas.keys import ModelKeys  # noqa: E402
 from batchfleet.schemas.messages import Limits  # noqa: E402
 from batchfleet.worker.generation import defaults  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
 from batchfleet.worker.runner import model_info  # noqa: E402
 from batchfleet.worker.runners.generation import GenSpec, TextGenerationRunner  # noqa: E402
+from test_generation_e2e import MODEL, result, submit  # noqa: E402
 from test_generation_runner import greedy, prepare, req, run  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
@@ -123,9 +127,12 @@ def test_bad_options_are_refused_at_load(lm_dir: Path, opts: dict[str, Any], wor
 
 
 def test_a_bad_value_in_the_file_is_refused_at_load(tmp_path: Path, lm_dir: Path) -> None:
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -2}))
     with pytest.raises(ValueError, match=r"generation_config\.json: top_k"):
         runner(lm_dir, generation_config=str(tmp_path))
+    # vLLM's -1 (no limit) is the protocol's 0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": -1, "top_p": 0.5}))
+    assert defaults.load(lm_dir, str(tmp_path)).values == {"top_k": 0, "top_p": 0.5}
 
 
 def test_beam_search_takes_only_the_defaults_it_takes(lm_dir: Path) -> None:
@@ -167,3 +174,24 @@ def test_a_gguf_file_carries_no_defaults_for_auto(lm_dir: Path) -> None:
     assert defaults.load(lm_dir, "auto", {"top_k": 3}, gguf_file="m.gguf").values == {"top_k": 3}
     assert defaults.load(lm_dir, "auto").values == {k: v for k, v in FILE.items()
                                                     if k != "do_sample"}  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_a_direct_redis_client_s_request_takes_them_in_a_worker(
+    redis_url: str, r: Any, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
+) -> None:
+    """Through a real worker, a bare msgpack request on the lane stream: no gateway."""
+    # Given a worker whose model takes its generation_config.json (and publishes them)
+    text = fleet_toml(redis_url, {MODEL: {"runner": "text-generation", "path": str(lm_dir),
+                                          "options": OPTS | {"generation_config": "auto"}}})  # fmt: skip
+    start_worker(text, "gen-defaults").wait_ready(r, MODEL)
+    info = json.loads(r.get(ModelKeys(MODEL).info))
+    assert info["sampling_defaults"]["temperature"] == 1.5
+    # When a request sets nothing, and another sets the file's fields itself
+    plain = submit(r, inputs=["the man was"], seed=11, return_token_ids=True)
+    given = submit(r, inputs=["the man was"], seed=11, return_token_ids=True, **EXPLICIT)
+    greedy_ = submit(r, inputs=["the man was"], temperature=0, return_token_ids=True)
+    # Then both sample the same tokens, up to the file's max_new_tokens; temperature 0 not
+    (a,), (b,), (g,) = (result(r, rid)["outputs"] for rid in (plain, given, greedy_))
+    assert a["token_ids"] == b["token_ids"] and a["completion_tokens"] <= 9
+    assert a["token_ids"] != g["token_ids"]
