@@ -6,6 +6,7 @@ defaults it takes; model info and the Responses API's echo show them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Callable
@@ -22,10 +23,13 @@ from batchfleet.producer.gateway.endpoint import Answered  # noqa: E402
 from batchfleet.producer.gateway.responses import echoed, settings  # noqa: E402
 from batchfleet.schemas.keys import ModelKeys  # noqa: E402
 from batchfleet.schemas.messages import Limits  # noqa: E402
+from batchfleet.schemas.model_info import ModelInfo  # noqa: E402
 from batchfleet.worker.generation import defaults  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
 from batchfleet.worker.runner import model_info  # noqa: E402
 from batchfleet.worker.runners.generation import GenSpec, TextGenerationRunner  # noqa: E402
+from test_gateway_replies import Worker  # noqa: E402
+from test_gateway_responses import posted  # noqa: E402
 from test_generation_e2e import MODEL, result, submit  # noqa: E402
 from test_generation_runner import greedy, prepare, req, run  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
@@ -195,3 +199,25 @@ def test_a_direct_redis_client_s_request_takes_them_in_a_worker(
     (a,), (b,), (g,) = (result(r, rid)["outputs"] for rid in (plain, given, greedy_))
     assert a["token_ids"] == b["token_ids"] and a["completion_tokens"] <= 9
     assert a["token_ids"] != g["token_ids"]
+
+
+def test_the_gateway_echoes_the_published_defaults(redis_url: str, r: Any) -> None:
+    """A Responses API answer to a body without temperature or top_p echoes those the
+    model's workers published (its workers here: the test writes their info and result)."""
+    keys = ModelKeys("m")
+    r.set(keys.lanes_key, 3)
+    published = ModelInfo(task="text-generation", sampling_defaults={"temperature": 0.6,
+                                                                     "top_p": 0.95, "top_k": 20})  # fmt: skip
+    r.set(keys.info, published.model_dump_json())
+
+    async def go(body: dict[str, Any], rid: str) -> dict[str, Any]:
+        async with posted(redis_url, {"model": "m", "input": "x"} | body, rid) as (channel, reader):
+            Worker(r, channel, rid).finish("hi", 1)
+            answer = await reader.read()
+        out: dict[str, Any] = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        return out
+
+    got = asyncio.run(go({}, "rq-1"))
+    assert (got["status"], got["temperature"], got["top_p"]) == ("completed", 0.6, 0.95)
+    got = asyncio.run(go({"temperature": 0, "top_p": 0.5}, "rq-2"))
+    assert (got["temperature"], got["top_p"]) == (0, 0.5)

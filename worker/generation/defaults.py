@@ -75,6 +75,8 @@ def checked(raw: Any, where: str) -> dict[str, float | int]:
     if unknown:
         raise ValueError(f"{where}: {', '.join(map(str, unknown))} not taken (vLLM's keys: "
                          f"{', '.join(KEYS)})")  # fmt: skip
+    if raw.get("top_k") == -1:  # vLLM's "no limit" too (the protocol's 0)
+        raw = raw | {"top_k": 0}
     try:
         values = _Values.model_validate(raw).model_dump(exclude_none=True)
     except ValidationError as exc:
