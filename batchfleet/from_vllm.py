@@ -27,6 +27,7 @@ from .vllm_flags import (
     Conversion,
     Line,
     SimpleOption,
+    generation_defaults,
     lengths,
     simple_options,
 )
@@ -59,6 +60,7 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
         except (ValueError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{flag.shown()}: {exc}") from None
     lengths(out)
+    generation_defaults("--generation-config" in flags, out)
     _environment(env or {}, out)
     return out
 

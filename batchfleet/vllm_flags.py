@@ -302,22 +302,36 @@ def _kv_bytes_per_token(path: Path, out: Conversion) -> int | None:
 
 
 def _generation_config(flag: Flag, out: Conversion) -> None:
-    out.judged(flag, flag.value == "vllm", "requests' sampling defaults are vLLM's here"
-               if flag.value == "vllm" else "the fleet does not take sampling defaults from a "
-               "generation_config.json (requests' fields and vLLM's defaults apply; its end "
-               "tokens are read)")  # fmt: skip
+    """``auto`` (vLLM's default) and a folder: the option; ``vllm``: the fleet's default."""
+    if flag.value == "vllm":
+        out.needless.append(f"{flag.shown()}: no sampling defaults from a generation config "
+                            "(the fleet's default, generation_config = \"vllm\")")  # fmt: skip
+    else:
+        out.option(flag, "generation_config", flag.value)
+
+
+def generation_defaults(given: bool, out: Conversion) -> None:
+    """Without ``--generation-config``, vLLM takes the model's (``auto``): so does the fleet
+    file (the fleet's own default is ``vllm``: none)."""
+    if not given:
+        out.options.append(Line("generation_config", "auto", "no --generation-config: vLLM's "
+                                "default takes the model's sampling defaults"))  # fmt: skip
 
 
 def _override_generation(flag: Flag, out: Conversion) -> None:
+    """vLLM's keys (:data:`..worker.generation.defaults.KEYS`) to the option, checked as
+    the runner checks them; any other key vLLM ignores: listed as having no equivalent."""
+    from .worker.generation.defaults import KEYS, checked
+
     raw = json.loads(flag.value)
     if not isinstance(raw, dict):
         raise ValueError("a JSON object")
-    for key, value in raw.items():
-        if key in ("max_new_tokens", "max_tokens"):
-            out.option(flag, "max_new_tokens", _count(str(value)))
-        else:
-            out.unsupported.append(f"--override-generation-config {key}: the fleet has no "
-                                   "default for it (requests set it)")  # fmt: skip
+    taken = {k: v for k, v in raw.items() if k in KEYS}
+    for key in raw.keys() - taken.keys():
+        out.unsupported.append(f"--override-generation-config {key}: not a sampling default "
+                               f"vLLM takes ({', '.join(KEYS)})")  # fmt: skip
+    if taken:
+        out.option(flag, "override_generation_config", checked(taken, flag.name))
 
 
 def _parallel(flag: Flag, out: Conversion) -> None:

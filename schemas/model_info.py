@@ -27,6 +27,11 @@ class ModelInfo(_Answer):
     the context left after the prompt cuts it further)."""
     default_max_new_tokens: int | None = Field(None, ge=0)
     """A generating model: what a request that sets no ``max_new_tokens`` generates at most."""
+    sampling_defaults: dict[str, float | int] = Field(default_factory=dict)
+    """A generating model: what a request that leaves ``temperature``, ``top_p``,
+    ``top_k``, ``min_p`` or ``repetition_penalty`` unset samples with (the model's
+    ``generation_config`` and ``override_generation_config`` options, vLLM's names); a
+    field not here has the protocol's default (``temperature`` 0: greedy)."""
     chat_template: bool | None = None
     """A generating model: its tokenizer has a chat template (else chat requests are refused)."""
     tool_call_parser: str | None = None

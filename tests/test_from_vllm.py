@@ -52,33 +52,38 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
                     "max_entry_bytes": 8 * 1_048_576},
          "options": {"max_running": 32, "step_tokens": 2048, "tool_call_parser": "hermes",
                      "reasoning_parser": "qwen3", "max_loras": 4, "max_lora_rank": 32,
-                     "speculative": json.loads(SPEC),
+                     "speculative": json.loads(SPEC), "generation_config": "auto",
                      "lora_adapters": {"sql": "/loras/sql", "fr": "/loras/fr"}}},
         {"name": "qwen3", "host": "10.0.0.5", "port": 9000,
          "unsupported": ["--tensor-parallel-size 2"],
          "needless": ["--enable-auto-tool-choice", "--enable-lora", "--disable-log-requests"]},
     ),
     (
-        "serve prefix, --model=, prefix caching off, data parallel, defaults",
+        "serve prefix, --model=, prefix caching off, data parallel, defaults vLLM's",
         ["serve", "--model=/m/llama", "--no-enable-prefix-caching", "--block-size", "16",
          "--data-parallel-size", "4", "--return-tokens-as-token-ids", "--dtype", "float",
-         "--override-generation-config", '{"max_new_tokens": 512, "temperature": 0.2}'],
+         "--generation-config", "vllm", "--override-generation-config",
+         '{"max_new_tokens": 512, "temperature": 0.2, "top_k": 20, "do_sample": true}'],
         {"path": "/m/llama", "dtype": "float32", "max_tokens": 65_536,
          "limits": {"max_new_tokens": 65_536, "max_text_chars": 1_000_000,
                     "max_entry_bytes": 8 * 1_048_576},
-         "options": {"prefix_cache_tokens": 0, "page_size": 16, "max_new_tokens": 512}},
+         "options": {"prefix_cache_tokens": 0, "page_size": 16,
+                     "override_generation_config": {"max_new_tokens": 512, "temperature": 0.2,
+                                                    "top_k": 20}}},
         {"name": "llama", "host": "0.0.0.0", "port": 8000, "token_ids": True,
-         "unsupported": ["--override-generation-config temperature"],
-         "needless": ["--data-parallel-size 4: run 4 workers"]},
+         "unsupported": ["--override-generation-config do_sample"],
+         "needless": ["--data-parallel-size 4: run 4 workers", "--generation-config vllm"]},
     ),
     (
-        "hub id, GGUF-free, pipeline parallel refused, quantization refused",
+        "hub id, GGUF-free, pipeline parallel refused, quantization refused, defaults' folder",
         ["Qwen/Qwen2.5-0.5B-Instruct", "--pipeline-parallel-size", "2", "-q", "awq",
+         "--generation-config", "/cfg/qwen",
          "--gpu-memory-utilization", "0.85", "--reasoning-config",
          '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'],
         {"path": "Qwen/Qwen2.5-0.5B-Instruct",
          "options": {"reasoning_config": {"reasoning_start_str": "<think>",
-                                          "reasoning_end_str": "</think>"}}},
+                                          "reasoning_end_str": "</think>"},
+                     "generation_config": "/cfg/qwen"}},
         {"name": "Qwen2.5-0.5B-Instruct", "host": "0.0.0.0", "port": 8000,
          "unsupported": ["--pipeline-parallel-size 2", "--quantization awq",
                          "the model name 'Qwen/Qwen2.5-0.5B-Instruct': a fleet's",
@@ -88,7 +93,8 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
         "a GGUF file",
         ["vllm", "serve", "/w/smol/SmolLM2-135M-Instruct.Q4_1.gguf", "--quantization", "gguf",
          "--tokenizer", "/w/base-tokenizer"],
-        {"path": "/w/smol", "options": {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}},
+        {"path": "/w/smol", "options": {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                        "generation_config": "auto"}},
         {"name": "SmolLM2-135M-Instruct.Q4_1", "host": "0.0.0.0", "port": 8000,
          "needless": ["--quantization gguf"], "unsupported": ["--tokenizer /w/base-tokenizer"]},
     ),
@@ -142,7 +148,7 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
 
     code, fleet, _, stderr = run(tmp_path, argv, keep_going=True)
     assert code == 0
-    assert fleet["models"]["x"]["options"] == {"max_running": 8}
+    assert fleet["models"]["x"]["options"] == {"max_running": 8, "generation_config": "auto"}
     text = (tmp_path / "fleet.toml").read_text()
     assert "#   --frobnicate 3" in text and "#   --zap" in text
     assert "dropped (unknown): --frobnicate 3" in stderr
@@ -161,6 +167,8 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
     ("--dtype", "fp8", "the fleet takes"),
     ("--port", "http", "invalid literal"),
     ("--port", "70000", "not a TCP port"),
+    ("--override-generation-config", '{"top_p": 1.5}', "top_p: Input should be less than"),
+    ("--override-generation-config", '[1]', "a JSON object"),
 ])  # fmt: skip
 def test_values_the_fleet_would_refuse_are_refused_here(
     tmp_path: Path, flag: str, value: str, why: str
@@ -229,7 +237,7 @@ def test_cli_writes_the_file_and_prints_the_commands(
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"batchfleet worker --config {out}"
     assert printed[1] == f"batchfleet gateway --config {out} --host 0.0.0.0 --port 8100"
-    assert load_config(out).models["x"].options == {"max_running": 8}
+    assert load_config(out).models["x"].options == {"max_running": 8, "generation_config": "auto"}
 
     assert cli.main(["from-vllm", "--", "serve", "/m/x", "--what"]) == 2
     assert "--what" in capsys.readouterr().err
@@ -247,7 +255,7 @@ def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_l
             "--block-size", "16", "--kv-cache-memory-bytes", str(2048 * 1024),
             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
             "--speculative-config", SPEC, "--override-generation-config",
-            '{"max_new_tokens": 64}']  # fmt: skip
+            '{"max_new_tokens": 64, "temperature": 0.7}']  # fmt: skip
     code, _, _, stderr = run(tmp_path, argv)
     assert code == 0, stderr
     cfg = load_config(tmp_path / "fleet.toml").models["tiny"]
@@ -257,6 +265,7 @@ def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_l
     assert runner.max_prompt_tokens == 511 and cfg.limits.max_new_tokens == 511
     assert runner.tool_call_parser == "hermes" and runner.reasoning_parser == "qwen3"
     assert runner.speculative is not None and runner.default_new_tokens == 64
+    assert runner.sampling_defaults.sampling == {"temperature": 0.7}  # over the model's (none)
     # 2 MiB over 2 (K, V) x 2 layers x 2 KV heads x 16 dims x 4 bytes (float32)
     assert runner.kv_cache_tokens == 2048 * 1024 // (2 * 2 * 2 * 16 * 4)
 

@@ -10,10 +10,11 @@ chat sent through the Python producer (greedy: the same text)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import openai
@@ -266,6 +267,33 @@ def test_a_stream_of_reasoning_calls_and_a_late_text() -> None:
     assert final.output[2].content[0].logprobs[0].token == "hi"
 
 
+@contextlib.asynccontextmanager
+async def posted(
+    redis_url: str, body: Mapping[str, Any], rid: str
+) -> AsyncIterator[tuple[str, asyncio.StreamReader]]:
+    """``body`` POSTed to ``/v1/responses`` of a gateway on a free port as request ``rid``,
+    once submitted: the reply channel its workers publish on and the answer's reader."""
+    async with AsyncProducer(redis_url) as p:
+        gateway = Gateway(p)
+        gateway.replies.start()
+        await gateway.replies.subscribed.wait()
+        port = free_port()
+        server = make_app(gateway, {}).listen(port, "127.0.0.1")
+        raw = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/responses HTTP/1.0\r\nX-Request-Id: %s\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (rid.encode(), len(raw), raw))  # fmt: skip
+        while not gateway.inflight:  # submitted, its stream taken
+            await asyncio.sleep(0.01)
+        try:
+            yield p.reply_channel, reader
+        finally:
+            writer.close()
+            server.stop()
+            await gateway.replies.close()
+            await asyncio.gather(*gateway.pending)
+
+
 def test_a_stream_that_breaks_after_it_began_ends_with_an_error_event(
     redis_url: str, r: redis.Redis
 ) -> None:
@@ -273,29 +301,15 @@ def test_a_stream_that_breaks_after_it_began_ends_with_an_error_event(
     r.set(keys.lanes_key, 3)  # a worker of "m" started (none runs: its deltas are written here)
 
     async def go() -> list[tuple[str, dict[str, Any]]]:
-        async with AsyncProducer(redis_url) as p:
-            gateway = Gateway(p)
-            gateway.replies.start()
-            await gateway.replies.subscribed.wait()
-            port = free_port()
-            server = make_app(gateway, {}).listen(port, "127.0.0.1")
-            body = json.dumps({"model": "m", "input": "x", "stream": True}).encode()
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"POST /v1/responses HTTP/1.0\r\nX-Request-Id: rs-1\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-            while not gateway.inflight:  # submitted, its stream taken
-                await asyncio.sleep(0.01)
+        body = {"model": "m", "input": "x", "stream": True}
+        async with posted(redis_url, body, "rs-1") as (channel, reader):
             # Given a stream that began, When its worker dies and the heir writes other text
-            worker = Worker(r, p.reply_channel, "rs-1")
+            worker = Worker(r, channel, "rs-1")
             worker.delta(1, "Hel")
             while (line := await reader.readline()) and b"output_text.delta" not in line:
                 pass
             worker.delta(1, "Help")
             raw = await reader.read()
-            writer.close()
-            server.stop()
-            await gateway.replies.close()
-            await asyncio.gather(*gateway.pending)
             return [(e.split("\n")[0][7:], json.loads(e.split("\n")[1][6:]))
                     for e in raw.decode().split("\n\n") if e.startswith("event: ")]  # fmt: skip
 

@@ -445,12 +445,19 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         max_new_tokens=limits.max_new_tokens,
         default_max_new_tokens=_positive(getattr(runner, "default_new_tokens", None)),
         chat_template=bool(template),
+        sampling_defaults=_sampling(getattr(runner, "sampling_defaults", None)),
         tool_call_parser=_text(getattr(runner, "tool_call_parser", None)),
         reasoning_parser=_text(getattr(runner, "reasoning_parser", None)),
         lora_adapters=_names(getattr(runner, "lora_adapters", None)),
         beam_search=getattr(runner, "beam_search", None) is True or None,
         created=created,
     )
+
+
+def _sampling(defaults: object) -> dict[str, float | int]:
+    """A runner's sampling defaults (:class:`.generation.defaults.SamplingDefaults`'s)."""
+    values = getattr(defaults, "sampling", None)
+    return dict(values) if isinstance(values, dict) else {}
 
 
 def _positive(value: object) -> int | None:

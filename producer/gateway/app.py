@@ -185,6 +185,11 @@ class Gateway:
         self._info[model] = (time.monotonic(), known)
         return known
 
+    async def sampling(self, model: str) -> dict[str, float | int]:
+        """``model``'s sampling defaults, as its workers published them (none: greedy)."""
+        info = await self.model_info(model)
+        return {} if info is None else info.sampling_defaults
+
     def forget_info(self, model: str) -> None:
         """Read ``model``'s info again when next asked (its workers changed it)."""
         self._info.pop(model, None)
@@ -587,7 +592,11 @@ class Generate(Handler):
                 return
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
-                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
+                answered = Answered(
+                    f"{self.prefix}{self.job.id}",
+                    int(time.time()),
+                    sampling=await self.gateway.sampling(sub.model),
+                )
                 result = named(await self.gateway.replies.wait(self.job, self.gateway.timeout_s))
                 if self.gone:
                     return
@@ -600,7 +609,11 @@ class Generate(Handler):
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
-                answered = Answered(f"{self.prefix}{self.job.id}", int(time.time()))
+                answered = Answered(
+                    f"{self.prefix}{self.job.id}",
+                    int(time.time()),
+                    sampling=await self.gateway.sampling(sub.model),
+                )
                 chunks = self.events(body, answered, alias or self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):

@@ -29,7 +29,7 @@ from .app import Gateway
 from .endpoint import Answered
 from .errors import of_result
 from .replies import DOWN
-from .responses import response, settings
+from .responses import echoed, response, settings
 from .stored import Stored
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def final(found: Stored, result: Result) -> dict[str, Any]:
     if alias is not None:
         result = result.model_copy(update={"model": alias})
     was = found.response
-    answered = Answered(was["id"], was["created_at"])
+    answered = echoed(was)
     if was["status"] == "cancelled":
         if not result.ok:
             return was

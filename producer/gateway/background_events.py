@@ -32,11 +32,10 @@ from ...schemas.messages import Delta, Result
 from ..tokens import DeltaFollower, Restarted
 from .app import Gateway, Handler, dumps
 from .background import job, settled
-from .endpoint import Answered
 from .errors import ApiError, of_exception
 from .replay import Diverged
 from .replies import DOWN
-from .responses import ResponseEvents, settings
+from .responses import ResponseEvents, echoed, settings
 from .stored import Stored
 
 logger = logging.getLogger(__name__)
@@ -92,7 +91,7 @@ async def rebuilt(gateway: Gateway, found: Stored) -> AsyncGenerator[list[dict[s
     info, was = found.replay, found.response
     assert info is not None
     fleet = job(gateway, found)
-    events = BackgroundEvents(info["body"], Answered(was["id"], was["created_at"]),
+    events = BackgroundEvents(info["body"], echoed(was),
                               info["alias"] or fleet.model)  # fmt: skip
     yield events.opening()
     try:

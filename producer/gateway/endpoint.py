@@ -31,6 +31,9 @@ class Answered:
     """Unix seconds."""
     max_model_len: int | None = None
     """The model's, as its workers published it (``ModelInfo``); None: they did not."""
+    sampling: Mapping[str, float | int] = field(default_factory=dict)
+    """The model's sampling defaults (``ModelInfo.sampling_defaults``): what a request
+    that sets no ``temperature`` or ``top_p`` samples with, echoed as such."""
 
 
 @dataclass(frozen=True, slots=True)

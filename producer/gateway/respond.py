@@ -133,7 +133,10 @@ class Responses(Generate):
         options = sub.options | {"result_ttl_s": ttl, "stream": True}
         fleet = await self.submit(Submission(sub.model, options), body)
         self.gateway.inflight.discard(fleet)  # no client waits on it: a shutdown keeps it
-        whole = queued(body, Answered(f"resp_{fleet.id}", int(time.time())), alias or fleet.model)
+        answered = Answered(
+            f"resp_{fleet.id}", int(time.time()), sampling=await self.gateway.sampling(sub.model)
+        )
+        whole = queued(body, answered, alias or fleet.model)
         finishing = pending(fleet.model, alias, body)
         try:
             if self.continued is not None:  # added to it once settled

@@ -50,9 +50,17 @@ def status(g: Generation) -> tuple[str, dict[str, Any] | None]:
     return "completed", None
 
 
+def echoed(was: Mapping[str, Any]) -> Answered:
+    """A stored response's id, creation time and the sampling it echoed (a background
+    response's later forms echo what its first did)."""
+    sampling = {k: was[k] for k in ("temperature", "top_p") if was.get(k) is not None}
+    return Answered(was["id"], was["created_at"], sampling=sampling)
+
+
 def settings(body: Mapping[str, Any], answered: Answered, model: str) -> dict[str, Any]:
     """A response object in progress: its id, and the request's settings echoed (the
-    fleet's defaults where the request gave none: greedy, ``top_p`` 1)."""
+    model's sampling defaults where the request gave none, else the fleet's: greedy,
+    ``top_p`` 1)."""
     text: dict[str, Any] = {"format": {"type": "text"}}
     if isinstance(body.get("text"), Mapping):
         text |= {k: v for k, v in body["text"].items() if v is not None}
@@ -75,12 +83,12 @@ def settings(body: Mapping[str, Any], answered: Answered, model: str) -> dict[st
         "conversation": body.get("conversation"),  # {"id": ...}, as respond.py puts it
         "reasoning": dict(reasoning) if isinstance(reasoning, Mapping) else None,
         "store": body.get("store") is not False,
-        "temperature": body.get("temperature", 0.0),
+        "temperature": body.get("temperature", answered.sampling.get("temperature", 0.0)),
         "text": text,
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "top_logprobs": body.get("top_logprobs"),
-        "top_p": body.get("top_p", 1.0),
+        "top_p": body.get("top_p", answered.sampling.get("top_p", 1.0)),
         "truncation": body.get("truncation") or "disabled",
         "usage": None,
         "user": body.get("user"),

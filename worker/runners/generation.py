@@ -37,7 +37,12 @@ admitted, and the others run; 0: compiled when the request is read, on the loop 
 this model, loaded at startup, that a request names in its ``lora``; either engine, any
 model family; :mod:`..generation.lora`), ``max_lora_rank`` (default 64, at
 most 512: a higher-rank adapter is refused), ``max_loras`` (default 8: adapters loaded at
-once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_lora`).
+once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_lora`),
+``generation_config`` (vLLM's ``--generation-config``: ``vllm``, the default, no sampling
+defaults; ``auto``: those of the model's ``generation_config.json``; a folder: its file's)
+and ``override_generation_config`` (a table over them: ``temperature``, ``top_p``,
+``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``), applied to the fields
+a request leaves unset, :mod:`..generation.defaults`.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from ...schemas.messages import ChatMessage, Request, StructuredOutputs
 from ...schemas.tools import ToolUse, called
 from ..device import is_out_of_memory, pick_device, pick_dtype, release_cached_memory
 from ..generation import blocks as block_formats
-from ..generation import cohere, harmony, hy_v4, strict_calls, struct_tag
+from ..generation import cohere, defaults, harmony, hy_v4, strict_calls, struct_tag
 from ..generation.beam import BeamSearch, Ending
 from ..generation.beam_rounds import BeamRounds
 from ..generation.detok import Decode, TextStream
@@ -330,7 +335,22 @@ class TextGenerationRunner:
         self.compile_threads = int(opts.get("compile_threads", 1))
         if not 0 <= self.compile_threads <= 16:
             raise ValueError(f"options.compile_threads: {self.compile_threads} is not 0 … 16")
-        self.default_new_tokens = int(opts.get("max_new_tokens", 256))
+        self.sampling_defaults = defaults.load(
+            path,
+            opts.get("generation_config", "vllm"),
+            opts.get("override_generation_config"),
+            gguf,
+        )
+        """Sampling defaults for the fields a request leaves unset (``generation_config``,
+        ``override_generation_config``: :mod:`..generation.defaults`)."""
+        if "max_new_tokens" in opts and "max_new_tokens" in self.sampling_defaults.overridden:
+            raise ValueError("options.max_new_tokens and override_generation_config's "
+                             "max_new_tokens: set one")  # fmt: skip
+        self.default_new_tokens = int(
+            opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256)
+        )
+        """What a request that sets no ``max_new_tokens`` generates at most: the option,
+        else the generation config's, else 256."""
         self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
         self.tool_call_parser: str | None = opts.get("tool_call_parser")
@@ -552,6 +572,7 @@ class TextGenerationRunner:
         return [self._prepare(r) for r in requests]
 
     def _prepare(self, req: Request) -> Prepared | PrepareError:
+        req = self.sampling_defaults.apply(req)  # the model's, for the fields left unset
         try:
             prompts, texts = self._prompts(req)
         except PrepareError as exc:
@@ -1576,6 +1597,7 @@ class TextGenerationRunner:
             "reasoning_markers": None if self._markers is None
             else [self._markers.start_str, self._markers.end_str],
             "lora_adapters": list(self.lora_adapters), "max_loras": self.max_loras,
+            "sampling_defaults": self.sampling_defaults.sampling,
             **self._resident(),
         }  # fmt: skip
 
