@@ -154,6 +154,12 @@ class Metrics:
             "produced).",
             ["model"],
         )
+        self.step_prefill = counter(
+            "batchfleet_step_prefill_tokens",
+            "Generation: prompt tokens prefilled (cached ones left out), counted at the step "
+            "that ends a sequence's prefill (rate(): prefill tokens/s).",
+            ["model"],
+        )
         self.prompt_tokens = counter(
             "batchfleet_prompt_tokens", "Generation: prompt tokens of answered requests.", ["model"]
         )
@@ -224,6 +230,7 @@ class Metrics:
         self.compile.labels(model)
         self.generated_tokens.labels(model)
         self.step_tokens.labels(model)
+        self.step_prefill.labels(model)
         self.prompt_tokens.labels(model)
         self.cached_tokens.labels(model)
 
@@ -253,6 +260,8 @@ class PrometheusObserver:
                 self.m.preemptions.labels(event.model).inc(event.preempted)
             if event.tokens:
                 self.m.step_tokens.labels(event.model).inc(event.tokens)
+            if event.prefilled:
+                self.m.step_prefill.labels(event.model).inc(event.prefilled)
             if event.gaps:
                 self.m.inter_token.add(event.model, event.gaps)
             if event.drafted[0]:
