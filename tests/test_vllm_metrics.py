@@ -19,12 +19,12 @@ from batchfleet.schemas.messages import Request, Result  # noqa: E402
 from batchfleet.worker.metrics import Metrics, PrometheusObserver, prometheus_metrics  # noqa: E402
 from batchfleet.worker.observers import Answered, Generated, Observers  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from batchfleet.worker.vllm_info import VllmInfoCollector  # noqa: E402
 from batchfleet.worker.vllm_metrics import (  # noqa: E402
     FINISHED_REASONS,
     PROMPT_SOURCES,
     TTFT_BUCKETS,
     WAITING_REASONS,
-    VllmInfoCollector,
     VllmMetrics,
     VllmObserver,
 )

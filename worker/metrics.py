@@ -50,7 +50,8 @@ from .observers import (
 )
 from .runners import BUILTIN
 from .token_gaps import TokenGaps
-from .vllm_metrics import VllmInfoCollector, VllmMetrics, VllmObserver
+from .vllm_info import VllmInfoCollector
+from .vllm_metrics import VllmMetrics, VllmObserver
 
 logger = logging.getLogger(__name__)
 
