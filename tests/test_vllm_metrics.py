@@ -19,10 +19,12 @@ from batchfleet.schemas.messages import Request, Result  # noqa: E402
 from batchfleet.worker.metrics import Metrics, PrometheusObserver, prometheus_metrics  # noqa: E402
 from batchfleet.worker.observers import Answered, Generated, Observers  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from batchfleet.worker.vllm_info import VllmInfoCollector  # noqa: E402
 from batchfleet.worker.vllm_metrics import (  # noqa: E402
     FINISHED_REASONS,
+    PROMPT_SOURCES,
     TTFT_BUCKETS,
-    VllmInfoCollector,
+    WAITING_REASONS,
     VllmMetrics,
     VllmObserver,
 )
@@ -32,7 +34,8 @@ from virtual_world import MODEL, T0, Rig, rig  # noqa: E402
 from batchfleet.config import FleetConfig  # noqa: E402
 
 STEP_S = 0.010
-LONG = "the man was here and we can do all that " * 4
+LONG = ("the man was here and we can do all that " * 4).rstrip()
+"""65 tokens: repeated, all but its last are cached (4 pages of 16)."""
 VLLM = {"model_name": MODEL, "engine": "0"}
 FAMILIES = {
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
@@ -54,7 +57,15 @@ FAMILIES = {
     "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:num_requests_waiting_by_reason": "gauge", "vllm:prompt_tokens_by_source": "counter",
+    "vllm:prompt_tokens_cached": "counter", "vllm:prompt_tokens_recomputed": "counter",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
 }  # fmt: skip
+EXTRA_LABEL = {"vllm:spec_decode_num_accepted_tokens_per_pos": "position",
+               "vllm:request_success": "finished_reason",
+               "vllm:prompt_tokens_by_source": "source",
+               "vllm:num_requests_waiting_by_reason": "reason"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +141,10 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     types = {m.name: m.type for m in registry.collect() if m.name.startswith("vllm:")}
     assert types == FAMILIES
     for metric in registry.collect():
+        extra = {EXTRA_LABEL[metric.name]} if metric.name in EXTRA_LABEL else set()
         for s in metric.samples:
-            if metric.name in ("vllm:spec_decode_num_accepted_tokens_per_pos",):
-                assert set(s.labels) == {"model_name", "engine", "position"}
-            elif metric.name == "vllm:request_success":
-                assert set(s.labels) == {"model_name", "engine", "finished_reason"}
-            elif metric.name.startswith("vllm:"):
-                assert set(s.labels) - {"le"} == {"model_name", "engine"}, s
+            if metric.name.startswith("vllm:"):
+                assert set(s.labels) - {"le"} == {"model_name", "engine", *extra}, s
 
     # token counts: exact, and the twins'
     completion = sum(g.completion_tokens for g in outs)
@@ -149,6 +157,27 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
     assert vllm("vllm:prefix_cache_queries_total") == prompts
     assert vllm("vllm:prefix_cache_hits_total") == cached > 0
     assert cached == ours("batchfleet_prompt_cached_tokens_total")
+    # by source, as vLLM's: computed or cached, a fully cached prompt's last token in both
+    # ("again" repeats "len", cached but for its last token)
+    again = results["again"].generations()[0]
+    assert again.cached_tokens == again.prompt_tokens - 1
+    assert vllm("vllm:prompt_tokens_recomputed_total") == 1
+    by_source = {k: vllm("vllm:prompt_tokens_by_source_total", source=k) for k in PROMPT_SOURCES}
+    assert by_source == {"local_compute": prompts - cached, "local_cache_hit": cached + 1,
+                         "external_kv_transfer": 0}  # fmt: skip
+    assert vllm("vllm:prompt_tokens_cached_total") == cached
+    # per engine step: the prompt tokens it prefilled (whose prefill it ended, cached ones
+    # left out: every sequence's, n's twins too) and the tokens it generated
+    computed = sum(g.prompt_tokens - g.cached_tokens for g in outs)
+    steps = sum(isinstance(ev, Generated) for _, ev in r.recorder.events)
+    assert vllm("vllm:iteration_tokens_total_count") == steps
+    assert vllm("vllm:iteration_tokens_total_sum") == computed + completion
+    assert ours("batchfleet_step_prefill_tokens_total") == computed
+    # per output, the prompt tokens its sequence prefilled
+    assert vllm("vllm:request_prefill_kv_computed_tokens_count") == len(outs)
+    assert vllm("vllm:request_prefill_kv_computed_tokens_sum") == computed
+    # ("again", and the second completion of each of "two"'s inputs: its twin prefilled it)
+    assert vllm("vllm:request_prefill_kv_computed_tokens_bucket", le="1.0") == 3
 
     # success by vLLM's finished_reason: one per output (vLLM's engine requests)
     success = {k: vllm("vllm:request_success_total", finished_reason=k) for k in FINISHED_REASONS}
@@ -216,6 +245,11 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
             f"vllm:inter_token_latency_seconds_{s}"
         )
     assert vllm("vllm:gpu_cache_usage_perc") == vllm("vllm:kv_cache_usage_perc")
+    # why requests wait: for room (the waiting twin), or their constraint (none here)
+    assert vllm("vllm:num_requests_waiting_by_reason", reason="capacity") == ours(
+        "batchfleet_generation_waiting_requests"
+    )
+    assert vllm("vllm:num_requests_waiting_by_reason", reason="deferred") == 0
 
     # scheduler state and speculative decoding: the twins' values
     for name, twin in (("num_requests_running", "batchfleet_generation_running_sequences"),
@@ -235,6 +269,42 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
         )
 
 
+def test_the_paged_engine_reports_its_prefill_and_its_prefix_cache(tiny_lm: Path) -> None:
+    # Given: the paged engine (transformers' block sharing); a prompt, then it again once
+    # the first has ended, beside a short one
+    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "engine": "paged"}  # fmt: skip
+    paged = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=opts)
+    r = rig(paged, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    for k, (id_, text, at) in enumerate((("first", LONG, 0.0), ("short", "we can do", 0.001),
+                                         ("again", LONG, 0.5))):  # fmt: skip
+        r.source.add(Request(id=id_, model=MODEL, inputs=[text], max_new_tokens=5,
+                             ignore_eos=True), lane=k, at=T0 + at)  # fmt: skip
+    r.run()
+    results = r.results()
+    registry = observed(r)
+
+    def vllm(name: str, **labels: str) -> float:
+        v = registry.get_sample_value(name, {**VLLM, **labels})
+        assert v is not None, (name, labels)
+        return v
+
+    # Then: "again" took all of its prompt but the last token from the cache
+    outs = {k: res.generations()[0] for k, res in results.items()}
+    assert [g.completion_tokens for g in outs.values()] == [5, 5, 5]
+    assert (outs["first"].cached_tokens, outs["again"].cached_tokens) == (0, 64)
+    prompts = sum(g.prompt_tokens for g in outs.values())
+    computed = prompts - 64
+    assert vllm("vllm:prompt_tokens_cached_total") == 64
+    assert vllm("vllm:prompt_tokens_recomputed_total") == 1
+    assert vllm("vllm:prompt_tokens_by_source_total", source="local_compute") == computed
+    assert vllm("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 65
+    # each step's prefilled and generated tokens; each request's prefilled ones
+    assert vllm("vllm:iteration_tokens_total_sum") == computed + 15
+    assert vllm("vllm:request_prefill_kv_computed_tokens_sum") == computed
+    assert vllm("vllm:request_prefill_kv_computed_tokens_bucket", le="1.0") == 1
+
+
 def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     from batchfleet.schemas.errors import ErrorCode
     from batchfleet.schemas.messages import ErrorInfo
@@ -252,10 +322,15 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     # a custom runner's model is not known to generate until its first step
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") is None
-    obs.notify(Generated(MODEL, 3, 2, 300, 1200, 1))
+    obs.notify(Generated(MODEL, 3, 2, 300, 1200, 1, tokens=3, compiling=4, prefilled=20))
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") == 6  # 2 inputs x 3
     assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 2)
+    by_reason = [value("vllm:num_requests_waiting_by_reason", reason=k) for k in WAITING_REASONS]
+    assert by_reason == [2, 4]  # waiting for room; for their constraints
+    assert value("vllm:iteration_tokens_total_sum") == 23
+    assert value("vllm:iteration_tokens_total_bucket", le="16.0") == 0
+    assert value("vllm:iteration_tokens_total_bucket", le="32.0") == 1
     assert value("vllm:kv_cache_usage_perc") == value("vllm:gpu_cache_usage_perc") == 0.25
     assert value("vllm:num_preemptions_total") == 1
     assert value("vllm:time_to_first_token_seconds_count") == 0

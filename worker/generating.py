@@ -135,6 +135,7 @@ class Generating:
             compiled_s=done.report.compiled_s,
             drafted=done.report.drafted,
             accepted=done.report.accepted,
+            prefilled=done.report.prefilled,
         )
 
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:

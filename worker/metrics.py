@@ -50,7 +50,8 @@ from .observers import (
 )
 from .runners import BUILTIN
 from .token_gaps import TokenGaps
-from .vllm_metrics import VllmInfoCollector, VllmMetrics, VllmObserver
+from .vllm_info import VllmInfoCollector
+from .vllm_metrics import VllmMetrics, VllmObserver
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,12 @@ class Metrics:
             "produced).",
             ["model"],
         )
+        self.step_prefill = counter(
+            "batchfleet_step_prefill_tokens",
+            "Generation: prompt tokens prefilled (cached ones left out), counted at the step "
+            "that ends a sequence's prefill (rate(): prefill tokens/s).",
+            ["model"],
+        )
         self.prompt_tokens = counter(
             "batchfleet_prompt_tokens", "Generation: prompt tokens of answered requests.", ["model"]
         )
@@ -224,6 +231,7 @@ class Metrics:
         self.compile.labels(model)
         self.generated_tokens.labels(model)
         self.step_tokens.labels(model)
+        self.step_prefill.labels(model)
         self.prompt_tokens.labels(model)
         self.cached_tokens.labels(model)
 
@@ -253,6 +261,8 @@ class PrometheusObserver:
                 self.m.preemptions.labels(event.model).inc(event.preempted)
             if event.tokens:
                 self.m.step_tokens.labels(event.model).inc(event.tokens)
+            if event.prefilled:
+                self.m.step_prefill.labels(event.model).inc(event.prefilled)
             if event.gaps:
                 self.m.inter_token.add(event.model, event.gaps)
             if event.drafted[0]:

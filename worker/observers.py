@@ -121,6 +121,9 @@ class Generated:
     """Speculative decoding: rows that proposed drafts, and the drafts proposed."""
     accepted: tuple[int, ...] = ()
     """Speculative decoding: per draft position, the drafts accepted."""
+    prefilled: int = 0
+    """Prompt tokens computed (cached ones left out) by the sequences whose prefill the
+    step ended: with ``tokens``, vLLM's tokens per engine step."""
 
 
 LoopEvent = Dispatched | BatchDone | Expired | Answered | DeadLettered | StateChanged | Generated

@@ -170,6 +170,10 @@ class StepReport:
     and the drafts they proposed."""
     accepted: tuple[int, ...] = ()
     """Generation with speculative decoding: per draft position, the drafts accepted."""
+    prefilled: int = 0
+    """Generation: prompt tokens computed (not taken from a cache) by the sequences whose
+    prefill the step ended (their first token), counted in that step whatever chunks it
+    took (vLLM's per-iteration ``prompt_token_stats.computed``)."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""

@@ -5,24 +5,20 @@ Names, types, label names and buckets are those of vLLM's ``PrometheusStatLogger
 (``vllm/v1/metrics/loggers.py``). Each series is fed by the same loop event as its
 ``batchfleet_*`` twin in :mod:`.metrics` (:class:`VllmObserver` sits beside
 :class:`~.metrics.PrometheusObserver`), or read off the runners at scrape time
-(:class:`VllmInfoCollector`). ``model_name`` is the fleet's model name (what
+(:class:`~.vllm_info.VllmInfoCollector`). ``model_name`` is the fleet's model name (what
 ``/v1/models`` lists); ``engine`` is always ``"0"`` (one engine per model per worker;
 the scrape's ``instance`` tells workers apart). docs/operations.md lists the differences.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Result
-from .lora_metrics import adapter_requests
 from .observers import Answered, Generated, LoopEvent, Reply
 from .token_gaps import TokenGaps
 
@@ -43,6 +39,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+"""vLLM's ``PromptTokenStats.ALL_SOURCES`` (no KV transfer here: it stays 0)."""
+WAITING_REASONS = ("capacity", "deferred")
+"""vLLM's: ``capacity`` waits for room (KV cache, running slots, the step's budget);
+``deferred`` is blocked meanwhile (here: its structured-output constraint compiling)."""
 MAX_TOKEN_COUNT = 1_000_000
 """vLLM's token-count buckets go 1, 2, 5, 10 ... up to ``max_model_len``; one family here
 serves every model of the worker, so they go up to this (the longest contexts)."""
@@ -80,6 +82,14 @@ class VllmMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")  # fmt: skip
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")  # fmt: skip
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA "
+            "budget, KV transfer, blocked status). Sum of all reasons equals "
+            "vllm:num_requests_waiting.",
+            [*labels, "reason"], registry=registry,
+        )  # fmt: skip
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")  # fmt: skip
         self.gpu_cache_usage = gauge(
             "vllm:gpu_cache_usage_perc",
@@ -99,6 +109,16 @@ class VllmMetrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_by_source = counter(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"]
+        )
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        self.prompt_recomputed = counter(
+            "vllm:prompt_tokens_recomputed",
+            "Number of cached prompt tokens recomputed for forward pass.",
+        )
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -114,6 +134,15 @@ class VllmMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.",
             TOKEN_COUNT_BUCKETS,
         )  # fmt: skip
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_BUCKETS,
+        )  # fmt: skip
+        self.prefill_kv_computed = hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            TOKEN_COUNT_BUCKETS,
+        )
         self.max_generation_tokens = hist(
             "vllm:request_max_num_generation_tokens",
             "Histogram of maximum number of requested generation tokens.",
@@ -167,13 +196,19 @@ class VllmMetrics:
         """Create a generating model's series at 0, as vLLM does at its start."""
         for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache_usage,
                        self.prefix_queries, self.prefix_hits, self.preemptions,
-                       self.prompt_tokens, self.generation_tokens, self.request_prompt_tokens,
+                       self.prompt_tokens, self.prompt_cached, self.prompt_recomputed,
+                       self.generation_tokens, self.request_prompt_tokens,
                        self.request_generation_tokens, self.max_generation_tokens,
+                       self.iteration_tokens, self.prefill_kv_computed,
                        self.params_n, self.params_max_tokens, self.ttft,
                        self.time_per_output_token, *self.phases.values()):  # fmt: skip
             family.labels(model, ENGINE)
         for reason in FINISHED_REASONS:
             self.success.labels(model, ENGINE, reason)
+        for source in PROMPT_SOURCES:
+            self.prompt_by_source.labels(model, ENGINE, source)
+        for reason in WAITING_REASONS:
+            self.waiting_by_reason.labels(model, ENGINE, reason)
 
 
 class VllmObserver:
@@ -184,6 +219,7 @@ class VllmObserver:
         self.m = metrics
         self.model = model
         self.generating = False
+        self._steps: dict[str, _StepSeries] = {}
         if generating:
             self._start()
 
@@ -200,17 +236,35 @@ class VllmObserver:
             for reply in event.replies:
                 self._answered(reply)
 
+    def _step_series(self, model: str) -> _StepSeries:
+        """The series every step sets (looking a labelled child up costs about 1 µs)."""
+        series = self._steps.get(model)
+        if series is None:
+            m, labels = self.m, (model, ENGINE)
+            series = self._steps[model] = _StepSeries(
+                m.running.labels(*labels), m.waiting.labels(*labels),
+                m.waiting_by_reason.labels(*labels, "capacity"),
+                m.waiting_by_reason.labels(*labels, "deferred"),
+                m.kv_usage.labels(*labels), m.gpu_cache_usage.labels(*labels),
+                m.iteration_tokens.labels(*labels), m.generation_tokens.labels(*labels),
+            )  # fmt: skip
+        return series
+
     def _generated(self, e: Generated) -> None:
         m, labels = self.m, (e.model, ENGINE)
-        m.running.labels(*labels).set(e.running)
-        m.waiting.labels(*labels).set(e.waiting)
+        step = self._step_series(e.model)
+        step.running.set(e.running)
+        step.waiting.set(e.waiting)
+        step.capacity.set(e.waiting)
+        step.deferred.set(e.compiling)
+        step.iteration_tokens.observe(e.prefilled + e.tokens)
         usage = e.kv_tokens / max(1, e.kv_capacity)
-        m.kv_usage.labels(*labels).set(usage)
-        m.gpu_cache_usage.labels(*labels).set(usage)
+        step.kv_usage.set(usage)
+        step.gpu_cache_usage.set(usage)
         if e.preempted:
             m.preemptions.labels(*labels).inc(e.preempted)
         if e.tokens:
-            m.generation_tokens.labels(*labels).inc(e.tokens)
+            step.generation_tokens.inc(e.tokens)
         if e.gaps:
             m.inter_token.add_keyed((labels, seconds) for _, seconds in e.gaps)
         if e.drafted[0]:
@@ -226,8 +280,9 @@ class VllmObserver:
             m.prompt_tokens.labels(*labels).inc(res.usage.prompt_tokens)
             m.prefix_queries.labels(*labels).inc(res.usage.prompt_tokens)
             details = res.usage.prompt_tokens_details
-            if details is not None:
-                m.prefix_hits.labels(*labels).inc(details.cached_tokens)
+            cached = details.cached_tokens if details is not None else 0
+            m.prefix_hits.labels(*labels).inc(cached)
+            self._sources(res.usage.prompt_tokens, cached, _recomputed(reply))
         if res.status == "error":
             code = res.error.code if res.error is not None else None
             if code in ENGINE_ERRORS:
@@ -248,9 +303,21 @@ class VllmObserver:
             m.success.labels(*labels, ABORTED.get(out.finish_reason, out.finish_reason)).inc()
             m.request_prompt_tokens.labels(*labels).observe(out.prompt_tokens)
             m.request_generation_tokens.labels(*labels).observe(out.completion_tokens)
+            computed = out.prompt_tokens - max(out.cached_tokens, 0)
+            m.prefill_kv_computed.labels(*labels).observe(computed)
             if request is not None and request.max_new_tokens is not None:
                 m.params_max_tokens.labels(*labels).observe(request.max_new_tokens)
             self._timed(out, phases)
+
+    def _sources(self, prompt: int, cached: int, recomputed: int) -> None:
+        """A request's prompt tokens by source, as vLLM's ``PromptTokenStats``: computed
+        here, or cached (a fully cached prompt's last token, recomputed, counts in both)."""
+        m, labels = self.m, (self.model, ENGINE)
+        m.prompt_by_source.labels(*labels, "local_compute").inc(prompt - cached)
+        m.prompt_by_source.labels(*labels, "local_cache_hit").inc(cached + recomputed)
+        m.prompt_cached.labels(*labels).inc(cached)
+        if recomputed:
+            m.prompt_recomputed.labels(*labels).inc(recomputed)
 
     def _timed(self, out: _Output, phases: dict[str, float] | None) -> None:
         """An output's latencies: its request's (they run, and are answered, together)."""
@@ -265,12 +332,26 @@ class VllmObserver:
         self.m.time_per_output_token.labels(*labels).observe(per_token)
 
 
+class _StepSeries(NamedTuple):
+    """A model's labelled children that each step sets."""
+
+    running: Any
+    waiting: Any
+    capacity: Any
+    deferred: Any
+    kv_usage: Any
+    gpu_cache_usage: Any
+    iteration_tokens: Any
+    generation_tokens: Any
+
+
 class _Output(NamedTuple):
     """What the metrics read of one output."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int
 
 
 def _counts(output: Any) -> _Output:
@@ -278,7 +359,20 @@ def _counts(output: Any) -> _Output:
     :class:`Generation`, without validating the rest (its logprobs may be long)."""
     get = output.get if isinstance(output, dict) else lambda k, d=None: getattr(output, k, d)
     return _Output(str(get("finish_reason", "stop")), int(get("prompt_tokens", 0) or 0),
-                   int(get("completion_tokens", 0) or 0))  # fmt: skip
+                   int(get("completion_tokens", 0) or 0),
+                   int(get("cached_tokens", 0) or 0))  # fmt: skip
+
+
+def _recomputed(reply: Reply) -> int:
+    """A request's prompts (the first completion of each input, as its usage counts them)
+    cached but for their last token, which is prefilled again for its logits: vLLM's
+    ``recomputed_tokens`` (its rule, one token per such prompt)."""
+    req, outputs = reply.request, reply.result.outputs
+    if not outputs:
+        return 0
+    n = (req.n if req is not None else None) or 1
+    return sum(1 for o in outputs[::n]
+               if (c := _counts(o)).cached_tokens and c.cached_tokens + 1 == c.prompt_tokens)  # fmt: skip
 
 
 def _phases(res: Result) -> dict[str, float] | None:
@@ -300,41 +394,3 @@ def _outputs_asked(reply: Reply) -> int:
     """The outputs a request asked for (inputs x ``n``): vLLM's engine requests."""
     req = reply.request
     return 1 if req is None else max(1, len(req.inputs)) * (req.n or 1)
-
-
-class VllmInfoCollector(Collector):  # type: ignore[misc]
-    """``vllm:lora_requests_info`` and ``vllm:cache_config_info``, read off the generating
-    runners at each scrape (a ``model_name`` label added: a worker may serve several)."""
-
-    def __init__(self, loops: Callable[[], Sequence[Any]]) -> None:
-        self._loops = loops
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        lora = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running stats on lora requests.",
-            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "model_name"],
-        )  # fmt: skip
-        cache = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-            labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
-                    "engine", "model_name"],
-        )  # fmt: skip
-        now = time.time()
-        for lp in self._loops():
-            runner = lp.runner
-            page = getattr(runner, "page_size", None)
-            kv_tokens = getattr(runner, "kv_cache_tokens", None)
-            if isinstance(page, int) and isinstance(kv_tokens, int) and page > 0:
-                prefix = bool(getattr(runner, "prefix_cache_tokens", 0))
-                dtype = str(getattr(runner, "dtype", "auto")).removeprefix("torch.")
-                blocks = -(-kv_tokens // page)
-                cache.add_metric([str(page), dtype, str(prefix), str(blocks), ENGINE, lp.model], 1)
-            by_adapter = adapter_requests(lp)
-            if not by_adapter:
-                continue
-            running = ",".join(n for n, (run, _) in sorted(by_adapter.items()) if run)
-            waiting = ",".join(n for n, (_, wait) in sorted(by_adapter.items()) if wait)
-            max_lora = str(getattr(runner, "max_loras", len(by_adapter)))
-            lora.add_metric([max_lora, waiting, running, lp.model], now)
-        yield lora
-        yield cache

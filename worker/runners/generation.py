@@ -937,12 +937,15 @@ class TextGenerationRunner:
         # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
         by_seq = self._by_seq
+        prefilled = 0
         for out in outputs:
             found = by_seq.get(out.sequence)
             if found is None:
                 continue  # ended or parked meanwhile
             r, seq = found
             text = seq.text
+            if not text.tokens and out.tokens:  # its prefill ended (its first token)
+                prefilled += len(seq.prompt) - self.engine.cached(seq.name)
             if not seq.max_new:  # a prompt to score, and nothing to generate
                 if out.tokens or out.finished:  # scored: the token its prefill took is dropped
                     seq.finish = "length"
@@ -989,6 +992,7 @@ class TextGenerationRunner:
             elif r.spec.stream:
                 events += self._deltas(r)
         report.events = events
+        report.prefilled = prefilled
         report.compiling = len(self._compiling)
         if not isinstance(self._grammars, str) and self._grammars.took:
             took = self._grammars.took
