@@ -137,12 +137,16 @@ class Generating:
             accepted=done.report.accepted,
         )
 
+    def _ttl(self, held: Held) -> int:
+        """The TTL of a request's result, and of its token stream and ``started`` key."""
+        req = held.request
+        return min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
+
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:
         """Where a request's deltas go; ``seq``: the last one sent."""
         req = held.request
-        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
-        return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq,
-                        held.entry.deliveries)  # fmt: skip
+        return StreamTo(held.waiting.key, req.id, self.model, self._ttl(held), req.reply,
+                        held.fmt, seq, held.entry.deliveries)  # fmt: skip
 
     def attempt(self, answer: Outgoing, held: Held, seq: int) -> Outgoing:
         """``answer``, stored as this attempt's at the request (see ``finish.lua``) with
@@ -157,12 +161,15 @@ class Generating:
 
     def dispatching(self, step: Step) -> None:
         """A step is about to be submitted: tell the device thread where the deltas of the
-        streaming requests it admits go."""
+        streaming requests it admits go, and Redis which requests it starts (not those it
+        resumes after a preemption: started already), before their prefill runs."""
         assert self.scheduler is not None and self.parts.deltas is not None
         running = self.scheduler.running
         self.parts.deltas.expect(
             [self.stream_to(h, running[h.waiting.key].seq) for h in step.held if h.request.stream]
         )
+        fresh = [h for h in step.held if running[h.waiting.key].resumed is None]
+        self.parts.sink.started([(h.request.id, self._ttl(h)) for h in fresh])
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         """Clients cancelled these: a waiting request is answered now; a running (or
