@@ -140,7 +140,9 @@ class Generating:
     def _ttl(self, held: Held) -> int:
         """The TTL of a request's result, and of its token stream and ``started`` key."""
         req = held.request
-        return min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
+        return min(
+            req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
+        )
 
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:
         """Where a request's deltas go; ``seq``: the last one sent."""
