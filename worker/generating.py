@@ -163,14 +163,22 @@ class Generating:
 
     def dispatching(self, step: Step) -> None:
         """A step is about to be submitted: tell the device thread where the deltas of the
-        streaming requests it admits go, and Redis which requests it starts (not those it
-        resumes after a preemption: started already), before their prefill runs."""
+        streaming requests it admits go."""
         assert self.scheduler is not None and self.parts.deltas is not None
         running = self.scheduler.running
         self.parts.deltas.expect(
             [self.stream_to(h, running[h.waiting.key].seq) for h in step.held if h.request.stream]
         )
-        fresh = [h for h in step.held if running[h.waiting.key].resumed is None]
+
+    def began(self, step: Step) -> None:
+        """The device began a step (at its dispatch, or once the step before it ended where
+        it was queued behind it: one taken back before is not): tell Redis which requests
+        it starts, their prefill under way (``started`` keys; not those it resumes after a
+        preemption, started already)."""
+        assert self.scheduler is not None
+        running = self.scheduler.running
+        fresh = [h for h in step.held
+                 if (r := running.get(h.waiting.key)) is not None and r.resumed is None]  # fmt: skip
         self.parts.sink.started([(h.request.id, self._ttl(h)) for h in fresh])
 
     def cancel(self, request_ids: Sequence[str]) -> None:
