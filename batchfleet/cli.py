@@ -275,12 +275,12 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.allow_runtime_lora_updating:
         from .producer.gateway.lora_admin import LoraAdmin
 
-        lora_admin = LoraAdmin(args.broker_url or _broker(args), args.lora_timeout)
+        lora_admin = LoraAdmin(args.broker_url or _broker(args), args.control_timeout)
     dev_admin = None
     if args.server_dev_mode:
         from .producer.gateway.dev_routes import DevAdmin
 
-        dev_admin = DevAdmin(args.broker_url or _broker(args))
+        dev_admin = DevAdmin(args.broker_url or _broker(args), args.control_timeout)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
@@ -569,10 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else the fleet file's broker)",
     )
     gw.add_argument(
+        "--control-timeout",
         "--lora-timeout",
         type=float,
-        default=30.0,  # lora_admin.DEFAULT_TIMEOUT_S
-        help="seconds those routes wait for the workers' replies",
+        default=float(os.environ.get("BATCHFLEET_CONTROL_TIMEOUT") or 30.0),
+        help="seconds the LoRA and development routes wait for a reply from each live worker "
+        "of the model; one that does not reply within it is named in the answer (504). "
+        "Default $BATCHFLEET_CONTROL_TIMEOUT, else 30",
     )
     gw.set_defaults(func=_gateway)
 

@@ -8,9 +8,9 @@ themselves (``bf_pause`` …) are defined in :mod:`batchfleet.worker.control`.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from celery import Celery
@@ -24,7 +24,7 @@ SERIALIZERS: dict[str, Any] = {
 """What the workers' app accepts and sends (see ``batchfleet.worker.app.create_app``)."""
 
 
-@contextmanager
+@contextlib.contextmanager
 def client_app(broker_url: str, name: str = "batchfleet-client") -> Iterator[Celery]:
     """A Celery app on the fleet's broker for broadcasts, inspect and ``send_task``."""
     app = Celery(name, broker=broker_url, set_as_current=False)
@@ -63,20 +63,49 @@ def send(
         return _broadcast(app, command, arguments, hosts, timeout)
 
 
+class _AllReplied(Exception):
+    """Every worker waited for replied: ends the collection of replies early."""
+
+
+def replied_as(host: str, reply: Any, names: Collection[str]) -> str | None:
+    """Which of ``names`` (consumer names, as a model's heartbeats list them) the reply of
+    Celery worker ``host`` is from: its reply's ``consumer``, else (a worker older than
+    that field) its hostname, or the name before its ``@``; None: none of them."""
+    consumer = reply.get("consumer") if isinstance(reply, dict) else None
+    for name in (consumer, host, host.split("@", 1)[0]):
+        if name in names:
+            return name
+    return None
+
+
 def send_to_all(
     broker_url: str,
     command: str,
     arguments: dict[str, Any] | None = None,
     *,
     timeout: float = 30.0,
-    ping_s: float = 1.0,
+    expect: Collection[str] = (),
 ) -> dict[str, Any]:
-    """Send a control command to every worker answering a ping within ``ping_s``, and
-    return (hostname → reply) once they all replied, or after ``timeout``: no wait for
-    replies that cannot come, as :func:`send` to all has. Empty: no worker answered."""
-    with client_app(broker_url, "batchfleet-control") as app:
-        hosts = [h for reply in app.control.ping(timeout=ping_s) or [] for h in reply]
-        return _broadcast(app, command, arguments, hosts, timeout) if hosts else {}
+    """Broadcast a control command to every worker; return hostname → reply once each
+    worker of ``expect`` (consumer names: :func:`replied_as`) replied, else once no reply
+    came for ``timeout`` seconds. Celery's ``limit`` ends the wait after that many replies,
+    but from anyone: workers of other models, and other Celery workers on the broker, reply
+    too, so the wait here ends by name. None is sent to a ping's answerers only: a worker
+    too busy to answer a ping in time would not get the command at all."""
+    got: dict[str, Any] = {}
+    waiting = set(expect)
+
+    def collect(body: dict[str, Any]) -> None:
+        for host, reply in body.items():
+            got[host] = reply
+            waiting.discard(replied_as(host, reply, waiting) or "")
+        if expect and not waiting:
+            raise _AllReplied  # out of kombu's loop: its reply queue is dropped after
+
+    with client_app(broker_url, "batchfleet-control") as app, contextlib.suppress(_AllReplied):
+        app.control.broadcast(command, arguments=arguments or {}, reply=True,
+                              timeout=timeout, callback=collect)  # fmt: skip
+    return got
 
 
 def _broadcast(

@@ -59,6 +59,12 @@ class ModelKeys:
         """A generating request's token stream: its deltas, then an end entry (result TTL)."""
         return f"{self.tag}:tokens:{request_id}"
 
+    def started(self, request_id: str) -> str:
+        """Set by the worker that admits generating request ``request_id`` (its prefill
+        begins): its consumer name, with the result's TTL. Its absence says nothing (a
+        worker older than the key, or not admitted yet)."""
+        return f"{self.tag}:started:{request_id}"
+
     def cancel(self, request_id: str) -> str:
         """Set by a client (any value, with a TTL) to cancel request ``request_id``."""
         return f"{self.tag}:cancel:{request_id}"

@@ -95,6 +95,10 @@ class ScriptedWorker:
         self.answer(taken, Result(id=taken.id, model=self.model, status="ok", outputs=outputs,
                                   usage=usage))  # fmt: skip
 
+    def start(self, taken: Taken) -> None:
+        """Admit it, as a worker marks it when its prefill begins (before any token)."""
+        self.streams.mark_started([(taken.id, 60)])
+
     def delta(self, taken: Taken, seq: int, text: str | None = None) -> None:
         """Its token stream's entry ``seq``: ``text`` (one token), or the end (None)."""
         write = (TokenWrite(taken.id, seq, 60, text, tokens=1, reply=taken.reply)

@@ -402,6 +402,7 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     streams.lora_unloaded("sql")
     assert streams.loras() == {"sql": None}  # recorded unloaded
     streams.append_tokens([TokenWrite("gen-1", 1, 60, "x", tokens=1, reply="bf:reply:x")])
+    streams.mark_started([("gen-1", 60)])  # admitted: its prefill begins
     assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits
     scheduled = WebhookKeys().scheduled
@@ -489,7 +490,12 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
                     assert (await http(port, "POST", f"{path}/cancel"))[0] == 200
                     assert await asyncio.to_thread(fake.cancelled, taken)
                     continue
-                # in progress: XREAD of its token stream (a streamed fleet request)
+                # in progress: EXISTS of its started key (the worker admitted it), then
+                # (a worker older than that key) XREAD of its token stream
+                await asyncio.to_thread(fake.start, taken)
+                status, body = await http(port, "GET", path)
+                assert status == 200 and json.loads(body)["status"] == "in_progress"
+                worker.delete(keys.started(taken.id))
                 await asyncio.to_thread(fake.delta, taken, 1, "Hi")
                 status, body = await http(port, "GET", path)
                 assert status == 200 and json.loads(body)["status"] == "in_progress"
@@ -533,6 +539,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
 
     asyncio.run(go())
     gw = redis.Redis(port=acl_redis, username="gateway", password="CHANGE_ME_gateway")
+    # the control routes' live workers: the heartbeats (HGETALL) and the server's clock
+    ModelStreams(worker, model, 3, "w1").heartbeat(1)
+    assert gw.hgetall(keys.workers)[b"w1"] == b"1" and gw.time()
     forge = "return redis.call('SET', KEYS[1], 'x')"
     for forbidden in (
         lambda: gw.xreadgroup(GROUP, "x", {keys.lane(0): ">"}),
@@ -546,7 +555,7 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
         lambda: gw.set(keys.max_depth, b"1"),
         lambda: gw.get(keys.cancel("t")),
         lambda: gw.delete(keys.cancel("t")),
-        lambda: gw.hgetall(keys.workers),
+        lambda: gw.set(keys.started("t"), b"w"),  # started keys: read only
         lambda: gw.keys("*"),
         lambda: gw.scan(0, match="bf:*"),  # other requests' result keys
         lambda: gw.sadd(MODELS_KEY, "forged"),

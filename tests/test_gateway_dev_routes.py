@@ -13,6 +13,7 @@ import pytest
 import redis
 from batchfleet.producer.gateway.dev_routes import DevAdmin, reset_verdict
 from batchfleet.producer.gateway.errors import ApiError
+from batchfleet.producer.gateway.fleet_control import Replies
 from batchfleet.schemas.model_info import ModelInfo
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
@@ -26,24 +27,33 @@ OLD_WORKER = {"error": "KeyError('bf_reset_prefix_cache')"}
 
 
 @pytest.mark.parametrize(
-    ("replies", "model", "status", "says"),
+    ("replies", "missing", "model", "status", "says"),
     [
-        ({"a": DONE, "b": DONE, "c": ELSEWHERE}, "gen", 200, ""),
-        ({"a": DONE, "b": NO_CACHE}, None, 200, ""),  # nothing to empty is no failure
-        ({"a": DONE, "b": OLD_WORKER}, "gen", 500, "reset by a but not by the others: b: KeyError"),
-        ({"b": OLD_WORKER}, None, 500, "reset by none but not by the others"),
-        ({"c": ELSEWHERE}, "gen", 503, "no worker of 'gen' replied"),
-        ({"b": NO_CACHE}, "gen", 503, "no worker of 'gen' replied"),
-        ({}, None, 503, "no worker replied"),
+        ({"a": DONE, "b": DONE, "c": ELSEWHERE}, (), "gen", 200, ""),
+        ({"a": DONE, "b": NO_CACHE}, (), None, 200, ""),  # nothing to empty is no failure
+        ({"a": DONE, "b": OLD_WORKER}, (), "gen", 500,
+         "reset by a but not by the others: b: KeyError"),
+        ({"b": OLD_WORKER}, (), None, 500, "reset by none but not by the others"),
+        ({"c": ELSEWHERE}, (), "gen", 503, "no worker of 'gen' is live"),
+        ({"b": NO_CACHE}, (), "gen", 503, "no worker of 'gen' is live"),
+        ({}, (), None, 503, "no worker is live"),
+        # a live worker that did not reply in time is named, never taken for absent
+        ({"a": DONE}, ("b",), "gen", 504, "reset by a; b did not reply within 30 s"),
+        ({}, ("a",), None, 504, "reset by none; a did not reply within 30 s"),
+        ({"a": DONE, "b": OLD_WORKER}, ("d",), "gen", 500, "b: KeyError('bf_reset_prefix_cache'"
+         "); d did not reply within 30 s"),
     ],
 )  # fmt: skip
 def test_the_answer_comes_from_the_replies_of_the_model_s_workers(
-    replies: dict[str, Any], model: str | None, status: int, says: str
+    replies: dict[str, Any], missing: tuple[str, ...], model: str | None, status: int, says: str
 ) -> None:
+    expected = tuple(h for h in replies if h != "c" and (model is None or h != "b"
+                                                        or replies[h] is OLD_WORKER)) + missing  # fmt: skip
     try:
-        reset_verdict(replies, model)
+        reset_verdict(Replies(replies, expected, missing, 30.0), model)
     except ApiError as exc:
         assert (exc.status, says in exc.message) == (status, True), exc.message
+        assert exc.extra.get("missing_workers", []) == list(missing)
         return
     assert status == 200
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from batchfleet.producer.gateway.errors import ApiError
+from batchfleet.producer.gateway.fleet_control import Replies
 from batchfleet.producer.gateway.lora_admin import LoraAdmin, verdict
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.model_info import ModelInfo
@@ -37,31 +38,48 @@ OLD_WORKER = {"error": "gen: adapter 'x' (/a): cannot read adapter_config.json"}
 """A worker older than the reply's ``code``."""
 
 
+WEBHOOKS = {"error": "KeyError('bf_load_lora')"}
+"""A Celery worker on the broker that is no batchfleet worker (no heartbeat of the model)."""
+
+
 @pytest.mark.parametrize(
-    ("replies", "load", "status", "says"),
+    ("replies", "missing", "load", "status", "says"),
     [
-        ({"a": _ok("x"), "b": _ok("x"), "c": ELSEWHERE}, True, 200, "'x' added successfully"),
-        ({"a": _ok(), "b": ELSEWHERE}, False, 200, "'x' removed successfully"),
+        ({"a": _ok("x"), "b": _ok("x"), "c": ELSEWHERE}, (), True, 200, "'x' added successfully"),
+        ({"a": _ok(), "b": ELSEWHERE}, (), False, 200, "'x' removed successfully"),
         # unloaded where some had it: gone from every worker
-        ({"a": _ok(), "b": _no("not_loaded")}, False, 200, "'x' removed successfully"),
-        ({"a": _no("not_loaded"), "b": _no("not_loaded")}, False, 404, "cannot be found"),
-        ({"a": _no("already_loaded")}, True, 400, "has already been loaded. (a: gen: why)"),
-        ({"a": _no("refused", "bad dir"), "b": _no("refused", "x")}, True, 400, "a: gen: bad dir; b"),
-        ({"a": OLD_WORKER}, True, 400, "a: gen: adapter 'x' (/a): cannot read"),
-        ({"a": _ok("x"), "b": _no("refused", "no dir")}, True, 500, "loaded by a but not by"),
-        ({"a": _ok("x"), "b": _no("already_loaded")}, True, 500, "b: gen: why"),
-        ({"a": _ok(), "b": _no("refused")}, False, 500, "unloaded by a but not by"),
-        ({"c": ELSEWHERE}, True, 503, "no worker of 'gen' replied"),
-        ({}, False, 503, "no worker of 'gen' replied"),
+        ({"a": _ok(), "b": _no("not_loaded")}, (), False, 200, "'x' removed successfully"),
+        ({"a": _no("not_loaded"), "b": _no("not_loaded")}, (), False, 404, "cannot be found"),
+        ({"a": _no("already_loaded")}, (), True, 400, "has already been loaded. (a: gen: why)"),
+        ({"a": _no("refused", "bad dir"), "b": _no("refused", "x")}, (), True, 400,
+         "a: gen: bad dir; b"),
+        ({"a": OLD_WORKER}, (), True, 400, "a: gen: adapter 'x' (/a): cannot read"),
+        ({"a": _ok("x"), "b": _no("refused", "no dir")}, (), True, 500, "loaded by a but not by"),
+        ({"a": _ok("x"), "b": _no("already_loaded")}, (), True, 500, "b: gen: why"),
+        ({"a": _ok(), "b": _no("refused")}, (), False, 500, "unloaded by a but not by"),
+        ({"a": _ok("x"), "w": WEBHOOKS}, (), True, 200, "'x' added successfully"),  # not ours
+        ({"c": ELSEWHERE}, (), True, 503, "no worker of 'gen' is live"),
+        ({}, (), False, 503, "no worker of 'gen' is live"),
+        # a live worker that did not reply in time is named, never taken for absent
+        ({"a": _ok("x"), "c": ELSEWHERE}, ("b",), True, 504,
+         "loaded by a; b did not reply within 30 s"),
+        ({}, ("a", "b"), True, 504, "loaded by none; a, b did not reply within 30 s"),
+        ({"a": _ok(), "b": _no("not_loaded")}, ("d",), False, 504, "unloaded by a; d did not"),
+        ({"a": _no("already_loaded")}, ("b",), True, 504, "refused by a: gen: why; b did not"),
+        ({"a": _ok("x"), "b": _no("refused", "no dir")}, ("d",), True, 500,
+         "loaded by a but not by the others: b: gen: no dir; d did not reply within 30 s"),
     ],
 )  # fmt: skip
 def test_the_answer_comes_from_the_replies_of_the_model_s_workers(
-    replies: dict[str, Any], load: bool, status: int, says: str
+    replies: dict[str, Any], missing: tuple[str, ...], load: bool, status: int, says: str
 ) -> None:
+    # Given the live workers of the model: those that replied, and the missing ones
+    expected = tuple(h for h in replies if h not in ("c", "w")) + missing
     try:
-        text = verdict(replies, "gen", "x", load)
+        text = verdict(Replies(replies, expected, missing, 30.0), "gen", "x", load)
     except ApiError as exc:
         assert (exc.status, says in exc.message) == (status, True), exc.message
+        assert exc.extra.get("missing_workers", []) == list(missing)
         return
     assert status == 200 and says in text
 

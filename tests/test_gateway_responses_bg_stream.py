@@ -120,6 +120,49 @@ def test_a_background_response_is_in_progress_once_its_worker_began(
     run(redis_url, scenario)
 
 
+def test_a_background_response_is_in_progress_once_a_worker_admits_it_before_any_token(
+    redis_url: str, r: redis.Redis
+) -> None:
+    async def scenario(port: int, fake: ScriptedWorker) -> None:
+        # Given a background response, polled, and one streamed, both taken by a worker
+        # that holds them waiting for a free slot (a long prompt ahead of them)
+        _, polled = await call(port, "POST", "/v1/responses", ASK)
+        taken = await asyncio.to_thread(fake.take)
+        stream = await opened(port, "POST", "/v1/responses", STREAMED)
+        seen = await read(stream, lambda e: e["type"] == "response.queued")
+        streamed = await asyncio.to_thread(fake.take)
+        assert await get(port, polled["id"]) == polled  # taken is not started: queued
+        # When the worker admits them: their prompts are read, no token yet
+        await asyncio.to_thread(fake.start, taken)
+        await asyncio.to_thread(fake.start, streamed)
+        assert not r.exists(ModelKeys(MODEL).tokens(taken.id), ModelKeys(MODEL).tokens(streamed.id))
+        # Then every gateway answers the polled one in_progress
+        assert await get(port, polled["id"]) == polled | {"status": "in_progress"}
+        async with gateway_in_process(redis_url) as other:
+            assert (await get(other, polled["id"]))["status"] == "in_progress"
+        # and the streamed one says so, before any output
+        seen += await read(stream, lambda e: e["type"] == "response.in_progress")
+        created = seen[0]["response"]
+        assert [e["type"] for e in seen] == ["response.created", "response.queued",
+                                             "response.in_progress"]  # fmt: skip
+        assert seen[-1]["response"] == created | {"status": "in_progress"}
+        # and its first token opens the output, in_progress not said again
+        await worker(fake, streamed, "Hi")
+        seen += await read(stream, delta_is("Hi"))
+        assert [e["type"] for e in seen[3:]] == [
+            "response.output_item.added", "response.content_part.added",
+            "response.output_text.delta"]  # fmt: skip
+        await asyncio.to_thread(fake.ok, streamed, [{"text": "Hi", "finish_reason": "stop"}])
+        await worker(fake, streamed, None, first=2)
+        seen += await read(stream)
+        # and its events rebuilt from the start are the same, under the same numbers
+        path = f"/v1/responses/{created['id']}?stream=true"
+        assert await read(await opened(port, "GET", path)) == seen
+        assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+
+    run(redis_url, scenario)
+
+
 def test_a_streamed_background_response_resumes_on_another_gateway(
     redis_url: str, r: redis.Redis
 ) -> None:

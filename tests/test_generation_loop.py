@@ -332,6 +332,38 @@ def test_lane0_preempts_a_lower_lane_and_it_resumes_without_loss() -> None:
     assert [it.seq for it in r.sink.streamed["low"]] == list(range(1, 22))
 
 
+def test_a_request_is_marked_started_when_admitted_not_while_it_waits() -> None:
+    # Given room for one request at a time: "first" runs, "next" waits for its slot, and
+    # a lane-0 request later preempts "next", which resumes after it
+    runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=1)
+    r, _ = gen_rig(runner)
+    submit(r, "first", max_new_tokens=3, stream=True)
+    submit(r, "next", "w " * 20, lane=2, max_new_tokens=20, stream=True)
+    submit(r, "high", "w " * 40, lane=0, max_new_tokens=2, at=T0 + 0.062)
+    marked: list[tuple[str, bool, int]] = []
+    """(id, its deltas streamed yet, steps begun) at each mark"""
+    mark = r.sink.started
+
+    def started(items: Sequence[tuple[str, int]]) -> None:
+        for rid, ttl in items:
+            assert ttl == 3600  # the result's
+            marked.append((rid, rid in r.sink.streamed, len(runner.steps)))
+        mark(items)
+
+    r.sink.started = started  # type: ignore[method-assign]
+    # When the loop runs them all
+    r.run()
+    # Then each is marked once, when the step admitting it is dispatched: before its
+    # first token; "next" not while it waited, nor again when it resumed
+    assert [w.preempt for w in runner.steps if w.preempt]  # it was preempted
+    assert [(rid, streamed) for rid, streamed, _ in marked] == [
+        ("first", False), ("next", False), ("high", False)]  # fmt: skip
+    # (the device began the step that admits it: "first" step 1, "next" after first's 3)
+    assert [steps for *_, steps in marked][:2] == [1, 4] and marked[2][2] > 4
+    assert r.sink.started_ids == ["first", "next", "high"]
+    assert outputs(r, "next")["completion_tokens"] == 20
+
+
 def test_the_policy_sees_how_often_a_running_request_was_preempted() -> None:
     # (lane 0 may preempt a request that starvation promotion admitted once, not twice)
     runner = Tokens(kv_cache_tokens=64, page_size=16, max_running=4)

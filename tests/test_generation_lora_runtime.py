@@ -420,6 +420,8 @@ def test_adapters_are_loaded_and_unloaded_through_a_worker_s_remote_control(
     assert cli.main(["unload-lora", "gen", "sql", "--redis-url", redis_url, "-d", dest,
                      "--timeout", "10"]) == 0  # fmt: skip
     reply = json.loads(capsys.readouterr().out.split(": ", 1)[1])
+    # its name in the model's heartbeats, by which the gateway knows who replied
+    assert reply.pop("consumer") in {k.decode() for k in r.hkeys(ModelKeys("gen").workers)}
     assert reply == {"ok": "unload_lora sql: gen serves chat", "models": ["gen"],
                      "lora_adapters": {"gen": ["chat"]}}  # fmt: skip
     assert info().lora_adapters == ["chat"]

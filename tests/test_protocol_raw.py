@@ -174,6 +174,9 @@ def test_plain_client_generates_streams_and_cancels(
     assert result["usage"]["prompt_tokens"] == out["prompt_tokens"] > 0
     assert result["timings"]["first_token_ms"] > 0
     assert 0 < r.ttl(f"bf:{{gen}}:tokens:{rid}") <= 3600
+    # the worker that admitted it said so (its name in the heartbeats), for as long
+    started = f"bf:{{gen}}:started:{rid}"
+    assert r.get(started) in r.hkeys("bf:{gen}:workers") and 0 < r.ttl(started) <= 3600
 
     # the reply channel carried the same deltas (kind "delta"), then the result
     published: list[dict[str, object]] = []

@@ -150,6 +150,18 @@ def test_token_streams_and_dead_letters(harness: Harness) -> None:
     assert [e.code for e in harness.heard.events if isinstance(e, DeadLettered)] == ["malformed"]
 
 
+def test_requests_started_are_marked_with_the_worker_s_name_and_their_ttl(
+    r: redis.Redis,
+) -> None:
+    streams = ModelStreams(r, MODEL, 3, "gpu-0")
+    sink = RedisSink(streams, Observers(), lambda: None, dead_letter_maxlen=100)
+    sink.start()
+    sink.started([("a", 60), ("b", 7200)])
+    sink.close(5)  # everything handed over is written first
+    assert (r.get(KEYS.started("a")), r.get(KEYS.started("b"))) == (b"gpu-0", b"gpu-0")
+    assert 0 < r.ttl(KEYS.started("a")) <= 60 and 3600 < r.ttl(KEYS.started("b")) <= 7200
+
+
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
 def test_delta_messages_built_in_redis_decode_as_the_protocol_delta(
     harness: Harness, fmt: str

@@ -343,17 +343,20 @@ def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
     loops = _loops(state, model)
     if not loops:
         return {"ok": f"no loop for {model!r} here", "models": []}
-    reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {}}
+    reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {},
+                             "consumer": loops[0].consumer}  # fmt: skip
     if what == "load_lora":
         reply["path"] = args[1]
     for lp in loops:
         act = getattr(lp.runner, what, None)
         if act is None:
-            return {"error": f"{lp.model}: its runner serves no LoRA adapters"}
+            return {"error": f"{lp.model}: its runner serves no LoRA adapters",
+                    "consumer": lp.consumer}  # fmt: skip
         try:
             act(*args)
         except ValueError as exc:
-            return {"error": f"{lp.model}: {exc}", "code": getattr(exc, "code", "refused")}
+            return {"error": f"{lp.model}: {exc}", "code": getattr(exc, "code", "refused"),
+                    "consumer": lp.consumer}  # fmt: skip
         logger.info("control: %s %s %s", what, lp.model, " ".join(args))
         reply["models"].append(lp.model)
         names = list(getattr(lp.runner, "lora_adapters", ()))
@@ -387,7 +390,8 @@ def bf_reset_prefix_cache(state: Any, model: str | None = None) -> dict[str, Any
             cleared.append(lp.model)
             logger.info("control: reset_prefix_cache %s", lp.model)
     return {"ok": f"reset_prefix_cache: {', '.join(cleared) or 'no prefix cache here'}",
-            "models": [lp.model for lp in loops], "cleared": cleared}  # fmt: skip
+            "models": [lp.model for lp in loops], "cleared": cleared,
+            "consumer": loops[0].consumer}  # fmt: skip
 
 
 def _record_lora(loop: BatchLoop, what: str, name: str, path: str = "") -> None:

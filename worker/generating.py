@@ -138,12 +138,18 @@ class Generating:
             prefilled=done.report.prefilled,
         )
 
+    def _ttl(self, held: Held) -> int:
+        """The TTL of a request's result, and of its token stream and ``started`` key."""
+        req = held.request
+        return min(
+            req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s
+        )
+
     def stream_to(self, held: Held, seq: int = 0) -> StreamTo:
         """Where a request's deltas go; ``seq``: the last one sent."""
         req = held.request
-        ttl = min(req.result_ttl_s or self.config.result_ttl_s, self.config.limits.max_result_ttl_s)
-        return StreamTo(held.waiting.key, req.id, self.model, ttl, req.reply, held.fmt, seq,
-                        held.entry.deliveries)  # fmt: skip
+        return StreamTo(held.waiting.key, req.id, self.model, self._ttl(held), req.reply,
+                        held.fmt, seq, held.entry.deliveries)  # fmt: skip
 
     def attempt(self, answer: Outgoing, held: Held, seq: int) -> Outgoing:
         """``answer``, stored as this attempt's at the request (see ``finish.lua``) with
@@ -164,6 +170,17 @@ class Generating:
         self.parts.deltas.expect(
             [self.stream_to(h, running[h.waiting.key].seq) for h in step.held if h.request.stream]
         )
+
+    def began(self, step: Step) -> None:
+        """The device began a step (at its dispatch, or once the step before it ended where
+        it was queued behind it: one taken back before is not): tell Redis which requests
+        it starts, their prefill under way (``started`` keys; not those it resumes after a
+        preemption, started already)."""
+        assert self.scheduler is not None
+        running = self.scheduler.running
+        fresh = [h for h in step.held
+                 if (r := running.get(h.waiting.key)) is not None and r.resumed is None]  # fmt: skip
+        self.parts.sink.started([(h.request.id, self._ttl(h)) for h in fresh])
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         """Clients cancelled these: a waiting request is answered now; a running (or

@@ -460,6 +460,8 @@ class BatchLoop:
             self._announce(step, now)
 
     def _announce(self, step: Step, now: float) -> None:
+        if self.continuous:
+            self.generating.began(step)
         ids = tuple(h.request.id for h in step.held)
         self.observers.notify(Dispatched(self.model, step.batch, step.step_id, ids, now))
 

@@ -67,6 +67,11 @@ class ResultSink(Protocol):
         queued again, ahead of any later write."""
         ...
 
+    def started(self, items: Sequence[tuple[str, int]]) -> None:
+        """Requests admitted (their prefill begins), (id, TTL in seconds) each: marked
+        started in Redis (:meth:`~.streams.ModelStreams.mark_started`), in order."""
+        ...
+
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         """Move an entry to the dead-letter stream (it is acked there)."""
         ...
@@ -184,6 +189,11 @@ class _Tokens:
 
 
 @dataclass(frozen=True, slots=True)
+class _Started:
+    items: Sequence[tuple[str, int]]
+
+
+@dataclass(frozen=True, slots=True)
 class _Dead:
     entry: Entry
     code: str
@@ -195,7 +205,7 @@ class _Retire:
     items: Sequence[Retiring]
 
 
-_Job = _Finish | _Tokens | _Dead | _Retire
+_Job = _Finish | _Tokens | _Started | _Dead | _Retire
 
 
 TRANSIENT = (
@@ -271,6 +281,10 @@ class RedisSink:
             with self._lock:
                 self._tokens_queued += 1
             self._queue.put(_Tokens(items))
+
+    def started(self, items: Sequence[tuple[str, int]]) -> None:
+        if items:
+            self._queue.put(_Started(items))
 
     def stream_now(self, items: Sequence[Streamed]) -> None:
         if not items:
@@ -391,6 +405,8 @@ class RedisSink:
             self.observers.notify(Answered(self.streams.keys.model, replies))
         elif isinstance(job, _Tokens):
             self.streams.append_tokens([it.write() for it in job.items])
+        elif isinstance(job, _Started):
+            self.streams.mark_started(job.items)
         elif isinstance(job, _Retire):
             self.streams.retire(job.items)
         else:
@@ -425,6 +441,8 @@ class MemorySink:
     streamed: dict[str, list[Streamed]] = field(default_factory=dict)
     tokens: dict[str, list[dict[bytes, bytes]]] = field(default_factory=dict)
     """Token-stream entries, as Redis would hold them."""
+    started_ids: list[str] = field(default_factory=list)
+    """Requests marked started, in order (a request admitted again: again)."""
     dead: list[tuple[Entry, str, str]] = field(default_factory=list)
     acked: list[Entry] = field(default_factory=list)
     sent: list[list[Outgoing]] = field(default_factory=list)
@@ -479,6 +497,9 @@ class MemorySink:
             self.tokens.setdefault(it.request_id, []).append(delta_fields(delta))
             if it.reply:
                 self.published.setdefault(it.reply, []).append(encode_delta(delta, it.fmt))
+
+    def started(self, items: Sequence[tuple[str, int]]) -> None:
+        self.started_ids += [request_id for request_id, _ in items]
 
     def dead_letter(self, entry: Entry, code: str, reason: str) -> None:
         self.dead.append((entry, code, reason))

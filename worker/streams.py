@@ -472,6 +472,16 @@ class ModelStreams:
         """Load ``tokens.lua`` (after ``NOSCRIPT``: a restarted or flushed Redis)."""
         self.client.script_load(self._tokens.script)
 
+    def mark_started(self, items: Sequence[tuple[str, int]]) -> None:
+        """Say that this worker admitted these requests, (id, TTL in seconds) each: their
+        ``started`` keys hold its consumer name (docs/protocol.md, "Started")."""
+        if not items:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for request_id, ttl_s in items:
+            pipe.set(self.keys.started(request_id), self.consumer, ex=ttl_s)
+        pipe.execute()
+
     def cancelled(self, request_ids: Sequence[str]) -> list[str]:
         """Which of these requests a client asked to cancel."""
         if not request_ids:

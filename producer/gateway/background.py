@@ -3,12 +3,14 @@
 until final, or cancelled (``POST /v1/responses/{id}/cancel``).
 
 No gateway runs them: the fleet request is submitted (streamed, so that its token stream
-shows it began and holds its deltas) and the response stored ``queued`` with what
+holds its deltas) and the response stored ``queued`` with what
 finishing it takes (its fleet request's model, the name it is answered under and the
 request body). Any gateway that reads it settles it (:func:`settle`): where the fleet's
 result is there, it builds the final response as an answer waited for is built, and stores
-it in place of the pending one; where not, it is ``in_progress`` once its token stream has
-an entry (the worker generates it), else still ``queued``. A gateway that stops or
+it in place of the pending one; where not, it is ``in_progress`` once a worker admitted it
+(its ``started`` key: the worker reads its prompt, before any token; from workers older
+than that key, once its token stream has an entry), else still ``queued`` (waiting in a
+lane, or in a worker's hold for a free slot). A gateway that stops or
 restarts loses nothing.
 """
 
@@ -90,11 +92,20 @@ def job(gateway: Gateway, found: Stored) -> AsyncJob:
                     streaming=found.replay is not None)  # fmt: skip
 
 
+async def started(gateway: Gateway, fleet: AsyncJob) -> bool:
+    """Whether a worker admitted ``fleet`` (its prompt is being read, or generated from):
+    its ``started`` key (docs/protocol.md), which workers older than it do not write."""
+    return bool(await gateway.producer.client.exists(ModelKeys(fleet.model).started(fleet.id)))
+
+
 async def begun(gateway: Gateway, found: Stored) -> bool:
-    """Whether a pending response's fleet request has begun: its token stream has an entry
-    (a worker generated its first token). One submitted unstreamed (by a gateway older than
-    ``replay``) has none: False."""
+    """Whether a pending response's fleet request has begun: a worker admitted it
+    (:func:`started`), or, from a worker older than that signal, its token stream has an
+    entry (the first token). One submitted unstreamed (by a gateway older than ``replay``)
+    has no token stream."""
     fleet = job(gateway, found)
+    if await started(gateway, fleet):
+        return True
     if not fleet.streaming:
         return False
     stream = ModelKeys(fleet.model).tokens(fleet.id)

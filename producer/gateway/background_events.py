@@ -10,7 +10,9 @@ any gateway, with no gap and no repeat. Its connection closing ends only that st
 response goes on (``POST /v1/responses/{id}/cancel`` stops it).
 
 The events: ``response.created`` and ``response.queued`` (status ``queued``) at once,
-``response.in_progress`` with the first delta, then a foreground stream's
+``response.in_progress`` once a worker admitted the fleet request (its ``started`` key,
+looked for every ``STARTED_POLL_S`` until the first delta: a long prompt is read before
+any token comes; from workers older than that key, with the first delta), then a foreground stream's
 (:class:`~.responses.ResponseEvents`) up to the last, which carries the final response as
 stored: ``response.completed``, ``response.failed``, or ``response.incomplete`` (status
 ``incomplete`` or ``cancelled``).
@@ -31,7 +33,7 @@ from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Delta, Result
 from ..tokens import DeltaFollower, Restarted
 from .app import Gateway, Handler, dumps
-from .background import job, settled
+from .background import job, settled, started
 from .errors import ApiError, of_exception
 from .replay import Diverged
 from .replies import DOWN
@@ -40,6 +42,8 @@ from .stored import Stored
 
 logger = logging.getLogger(__name__)
 
+STARTED_POLL_S = 0.5
+"""How often a stream with no delta yet looks whether a worker admitted its request."""
 TERMINAL = {"completed": "response.completed", "failed": "response.failed"}
 """The last event's type, by the final response's status (else ``response.incomplete``)."""
 
@@ -58,6 +62,10 @@ class BackgroundEvents(ResponseEvents):
         self.begun = True
         begun = settings(self.body, self.answered, self.model)
         return [{"type": "response.in_progress", "response": begun}]
+
+    def started(self) -> list[dict[str, Any]]:
+        """``response.in_progress``, where not sent yet: a worker admitted the request."""
+        return [] if self.begun else self._numbered(self._begin())
 
     def feed(self, event: Delta | Restarted) -> list[dict[str, Any]]:
         """As :meth:`ResponseEvents.feed`; the first delta begins the response, text or not
@@ -94,9 +102,18 @@ async def rebuilt(gateway: Gateway, found: Stored) -> AsyncGenerator[list[dict[s
     events = BackgroundEvents(info["body"], echoed(was),
                               info["alias"] or fleet.model)  # fmt: skip
     yield events.opening()
+    deltas = gateway.producer.follow(fleet, DeltaFollower(), gateway.timeout_s)
+    first = asyncio.ensure_future(anext(deltas))
     try:
-        async for delta in gateway.producer.follow(fleet, DeltaFollower(), gateway.timeout_s):
-            yield events.feed(delta)
+        while not first.done() and not events.begun:  # in_progress before the first token
+            if await started(gateway, fleet):
+                yield events.started()
+            else:
+                await asyncio.wait((first,), timeout=STARTED_POLL_S)
+        with contextlib.suppress(StopAsyncIteration):  # no delta at all
+            yield events.feed(await first)
+            async for delta in deltas:
+                yield events.feed(delta)
         result = await gateway.replies.wait(fleet, gateway.timeout_s)
         now = await gateway.responses.get(was["id"])
     except Diverged as exc:
@@ -108,6 +125,8 @@ async def rebuilt(gateway: Gateway, found: Stored) -> AsyncGenerator[list[dict[s
     except (*DOWN, redis.ResponseError) as exc:
         yield events.error(ApiError(503, f"Redis unreachable: {exc}", code="unavailable"))
         return
+    finally:
+        first.cancel()  # the client left before the first delta (else: done, a no-op)
     if now is None:  # deleted meanwhile
         yield events.error(ApiError(404, f"Response with id '{was['id']}' not found.",
                                     code="not_found"))  # fmt: skip

@@ -3,52 +3,46 @@
 (``bf_reset_prefix_cache``) to every worker, each emptying its models' prefix caches.
 
 vLLM resets its one model's cache; a gateway resets every model's, or the one named in
-``?model=``. The answer is vLLM's, 200 with no body, where every worker that replied did
-it (a worker without a prefix cache has nothing to empty); 500 where some refused (a
-worker older than the command: each one's reason in the message); 503 where none of the
-model's replied; 404 for a model no worker serves.
+``?model=``. The answer is vLLM's, 200 with no body, where every live worker of the model
+(of any model) did it (``fleet_control.py``; a worker without a prefix cache has nothing
+to empty); 500 where some refused (a worker older than the command: each one's reason in
+the message); 504 where some did not reply in time (named in ``missing_workers``); 503
+where none of the model's is live; 404 for a model no worker serves.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ...schemas.errors import BatchfleetError
 from .app import Handler
 from .errors import ApiError, of_exception
-from .lora_admin import LoraAdmin
+from .fleet_control import ControlAdmin, Replies, live_workers
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 10.0
-"""How long replies are awaited (emptying a cache is quick: the workers answer at once)."""
-
 
 @dataclass(frozen=True, slots=True)
-class DevAdmin(LoraAdmin):
+class DevAdmin(ControlAdmin):
     """What the routes need: the fleet's broker, broadcast to as the LoRA routes do."""
 
-    timeout_s: float = DEFAULT_TIMEOUT_S
 
-
-def reset_verdict(replies: Mapping[str, Any], model: str | None) -> None:
-    """Nothing where every worker of ``model`` (None: every worker) that replied emptied
-    its caches; else raises the :class:`ApiError` the module docstring lists."""
-    mine = {h: r for h, r in replies.items() if isinstance(r, Mapping) and (
-        "error" in r or (r.get("models") and (model is None or model in r["models"])))}  # fmt: skip
+def reset_verdict(replies: Replies, model: str | None) -> None:
+    """Nothing where every live worker of ``model`` (None: every worker) emptied its
+    caches; else raises the :class:`ApiError` the module docstring lists."""
+    mine = replies.mine(lambda r: bool(r.get("models")) and model in (None, *r["models"]))
+    refused = {h: r for h, r in mine.items() if "error" in r}
+    done = ", ".join(sorted(set(mine) - set(refused))) or "none"
+    reasons = "; ".join(f"{h}: {r['error']}" for h, r in sorted(refused.items()))
+    if refused:
+        raise replies.partial(f"reset by {done} but not by the others: {reasons}")
+    if replies.missing:
+        raise replies.late(f"reset by {done}")
     if not mine:
         who = "worker" if model is None else f"worker of {model!r}"
-        raise ApiError(503, f"no {who} replied (none answered in time): nothing was reset",
-                       code="unavailable")  # fmt: skip
-    refused = {h: r for h, r in mine.items() if "error" in r}
-    if refused:
-        reasons = "; ".join(f"{h}: {r['error']}" for h, r in sorted(refused.items()))
-        done = ", ".join(sorted(set(mine) - set(refused))) or "none"
-        raise ApiError(500, f"reset by {done} but not by the others: {reasons}",
-                       code="partially_applied")  # fmt: skip
+        raise ApiError(503, f"no {who} is live (none has a recent heartbeat): nothing was "
+                            "reset", code="unavailable")  # fmt: skip
 
 
 class ResetPrefixCache(Handler):
@@ -62,12 +56,17 @@ class ResetPrefixCache(Handler):
             if model is not None and model not in await self.gateway.models():
                 raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                                code="model_not_found", param="model")  # fmt: skip
-            replies = await admin.broadcast("bf_reset_prefix_cache", {"model": model or ""})
+            served = [model] if model is not None else await self.gateway.models()
+            expect = await live_workers(self.gateway.producer.client, served)
+            replies = await admin.broadcast("bf_reset_prefix_cache", {"model": model or ""},
+                                            expect)  # fmt: skip
             reset_verdict(replies, model)
         except ApiError as exc:
             return self.fail(exc)
         except BatchfleetError as exc:
             return self.fail(of_exception(exc))
-        logger.info("prefix caches reset (%s) by %d workers", model or "every model", len(replies))
+        logger.info(
+            "prefix caches reset (%s) by %d workers", model or "every model", len(replies.got)
+        )
         self.set_status(200)
         self.finish()

@@ -59,6 +59,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         kind: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -68,6 +69,8 @@ class ApiError(Exception):
         self.kind = kind
         """The error's ``type`` where it is not its status's (OpenAI's 404s of the
         Responses API are ``invalid_request_error``)."""
+        self.extra = dict(extra or {})
+        """Fields of the error object besides OpenAI's (a route's own)."""
 
     @property
     def type(self) -> str:
@@ -81,6 +84,7 @@ class ApiError(Exception):
                 "type": self.type,
                 "param": self.param,
                 "code": self.code,
+                **self.extra,
             }
         }
 

@@ -121,9 +121,8 @@ class Responses(Generate):
             whole["store"] = False
 
     async def detached(self, sub: Submission, body: Mapping[str, Any], alias: str | None) -> bool:
-        """``background``: submitted streamed (its token stream shows it began and holds its
-        deltas), its fleet result kept as long as the response is (bounded by the fleet's
-        limit), stored ``queued`` and answered so at once (True), or with ``stream`` its
+        """``background``: submitted streamed (its token stream holds its deltas), its
+        fleet result kept as long as the response is (bounded by the fleet's limit), stored ``queued`` and answered so at once (True), or with ``stream`` its
         events streamed (the client leaving does not cancel it). A response not stored
         (over the size bound, Redis failing) is cancelled and refused: nothing could ever
         answer it."""
