@@ -36,7 +36,7 @@ from ...schemas.tools import ToolUse
 from . import blocks, cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
-from .tagged_args import TYPED_ARGS, Types
+from .tagged_args import TYPED_ARGS, TypedArgs, Types, properties
 from .tools import (
     _BLOCKS,
     _DOTS_INVOKE,
@@ -230,8 +230,19 @@ class CallChunks:
         auto = self.use.kind == "auto"
         if auto and self.parser in _PYTHON:
             return _Open(opening, index, cid, None, ArgsScanner(opening.args))
-        typed = auto and self.parser in TYPED_ARGS
+        typed = self._typed(opening.name) is not None
         return _Open(opening, index, cid, None if typed else Compactor())
+
+    def _typed(self, name: str) -> TypedArgs | None:
+        """How the call of ``name`` being written reads, where its parser types its
+        values (a block format: where the function's schema is known)."""
+        if self.use.kind != "auto":
+            return None
+        fmt = blocks.FORMATS.get(self.parser or "")
+        if fmt is not None:
+            typed = properties(self.types.get(name, {})) and fmt.typed_args
+            return typed or None
+        return TYPED_ARGS.get(self.parser or "")
 
     def _complete(self, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k``, just read whole: the rest of it where it was being streamed, else
@@ -258,7 +269,8 @@ class CallChunks:
         if o.json is not None:
             o.json.feed(text[o.opening.args :])
             return o.json.text
-        args = TYPED_ARGS[self.parser or ""]
+        args = self._typed(o.opening.name)
+        assert args is not None
         got = args(text, o.opening.args, self.types.get(o.opening.name, {}))
         return compact(got)[:-1]  # without the closing brace: more may come
 

@@ -344,8 +344,8 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
     if parser == "openai":  # harmony calls, whatever the tool choice (harmony.calls_grammar)
         return _whole(_openai)
     if parser in blocks.FORMATS:  # its call blocks, whatever the tool choice
-        read, names = blocks.FORMATS[parser].read_calls, tuple(types)
-        return _whole(lambda text, final: [_Found(*c) for c in read(text, final, names)])
+        read = blocks.FORMATS[parser].read_calls
+        return _whole(lambda text, final: [_Found(*c) for c in read(text, final, types)])
     if use.kind == "named":
         assert use.name is not None
         return _whole(_named(use.name))
@@ -615,7 +615,7 @@ _MINICPM5_NAME = re.compile(r"""\s*name=['"]([^'"\n]{1,64})['"][^>]*>""")
 def _minicpm5_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
     m = _MINICPM5_NAME.match(text)
     name = "" if m is None else m.group(1).strip()
-    if m is None or name not in types or not minicpm5_sound(text, m.end()):
+    if m is None or name not in types or not minicpm5_sound(text, m.end(), types[name]):
         return None
     return name, minicpm5_args(text, m.end(), types[name]), None
 
