@@ -46,11 +46,13 @@ from .tools import (
     _HY_NAME,
     _KIMI,
     _MINICPM5_NAME,
+    _SECTIONS,
     _SOLAR_NAME,
     _STEP3_INVOKE,
     _V32_INVOKE,
     ALIASES,
     KNOWN_ONLY,
+    SECTIONED,
     CallReader,
     _skip,
     new_id,
@@ -271,6 +273,9 @@ class CallChunks:
             return o.json.text
         args = self._typed(o.opening.name)
         assert args is not None
+        if self.parser in _BLOCKS:  # its block's parameters only (it may be read later)
+            cut = text.find(_BLOCKS[self.parser][1], o.opening.args)
+            text = text if cut < 0 else text[:cut]
         got = args(text, o.opening.args, self.types.get(o.opening.name, {}))
         return compact(got)[:-1]  # without the closing brace: more may come
 
@@ -280,6 +285,8 @@ class CallChunks:
         if self.use.kind != "auto" or self.parser not in _BLOCKS:
             return False
         opening, closing, _ = _BLOCKS[self.parser]
+        if self.parser in SECTIONED:  # its blocks count once their section closes
+            closing = _SECTIONS[self.parser][1]
         return text.find(closing, self._open.opening.at + len(opening)) >= 0
 
 

@@ -351,9 +351,11 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
         return _whole(_named(use.name))
     if use.kind == "required":
         return _whole(_required)
+    if parser in SECTIONED:
+        return _whole(_sectioned(parser or "", types))
     if parser in _BLOCKS:
         opening, closing, body = _BLOCKS[parser]
-        scan = _blocks(opening, closing, body, types, parser not in CLOSED_ONLY)
+        scan = _blocks(opening, closing, body, types)
         return _with_dots_json(scan, types) if parser == "dots" else scan
     return _whole(_SCANNERS.get(parser or "", _none))
 
@@ -491,6 +493,31 @@ def _blocks(opening: str, closing: str, body: Body, types: Types, cut: bool = Tr
             start = end
             i = text.find(opening, start)
         return out, start
+
+    return scan
+
+
+def _sectioned(parser: str, types: Types) -> Scan:
+    """A :data:`SECTIONED` parser's calls: the blocks of its first closed section, where
+    each is a sound call and nothing else is between its markers (else none)."""
+    opening, closing, body = _BLOCKS[parser]
+    begin, close = _SECTIONS[parser]
+    sound = SECTIONED[parser]
+
+    def scan(text: str, final: bool) -> list[_Found]:
+        at = text.find(begin)
+        end = text.find(close, at + len(begin)) if at >= 0 else -1
+        inner = text[at + len(begin) : end]
+        if end < 0 or inner.count(opening) != inner.count(closing):
+            return []
+        found = _blocks(opening, closing, body, types, cut=False)(inner, True, 0)[0]
+        blocks = [inner[f.start + len(opening) : f.end - len(closing)] for f in found]
+        if not found or len(found) != inner.count(opening) or not all(map(sound, blocks)):
+            return []
+        shift = at + len(begin)
+        out = [_Found(f.start + shift, f.end + shift, f.name, f.args, f.id) for f in found]
+        out[-1] = _Found(out[-1].start, len(text), out[-1].name, out[-1].args, out[-1].id)
+        return out
 
     return scan
 
@@ -648,9 +675,11 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "minimax_m3": (*minimax_m3.INVOKE, _typed_body(minimax_m3.HEADER, "minimax_m3")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
-CLOSED_ONLY: Final[set[str]] = set()
-"""The block parsers that read a block only once closed (vLLM's ``hy_v4``: one cut by the
-end is no call)."""
+SECTIONED: Final[dict[str, Callable[[str], bool]]] = {}
+"""The block parsers whose calls are their first section's blocks, once it closes, all or
+none (vLLM's ``hy_v4``, strict): each with whether a block's text (between its markers) is
+written soundly; the text after the section is the calls' too (the content is what
+precedes it)."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v3": (_DS[0], _DS[1]),
     "deepseek_v31": (_DS[0], _DS[1]),
