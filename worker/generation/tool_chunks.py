@@ -314,6 +314,8 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         at = text.rfind(marker, start)
         if at < 0 or text.find(closing, at) >= 0:
             return None
+        if parser in SECTIONED and not 0 <= text.find(_SECTIONS[parser][0]) < at:
+            return None  # a block outside its section is no call
         m = _AFTER_MARKER[parser].match(text, at + len(marker))
         if m is None:
             return None

@@ -53,7 +53,7 @@ def answer(text: str) -> str:
         close = text.find(TOOLS[1], t)
         tools = text[t : len(text) if close < 0 else close + len(TOOLS[1])]
     if not text.lstrip().startswith(PIECES[0][: len(text.lstrip())]):  # bare
-        stops = (RESPONSE[1], MESSAGE_END, PIECES[0])
+        stops: tuple[str, ...] = (RESPONSE[1], MESSAGE_END, PIECES[0])
     elif (o := before.find(RESPONSE[0])) >= 0:
         before, stops = before[o + len(RESPONSE[0]) :], (RESPONSE[1], MESSAGE_END)
     elif t >= 0:
