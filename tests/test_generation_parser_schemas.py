@@ -84,7 +84,7 @@ M3_TYPES = _types("f", {"properties": {
     "cfg": {"type": "object", "properties": {
         "ratio": {"type": "number"}, "ids": {"type": "array", "items": {"type": "integer"}},
         "code": {"type": "string"}, "opt": {"type": ["integer", "null"]},
-        "meta": {"type": "object"}}},
+        "meta": {"type": "object"}, "tags": {"type": "array"}}},
     "free": {"type": "object"}}})  # fmt: skip
 
 
@@ -92,13 +92,13 @@ def test_minimax_m3_types_nested_values_by_their_schemas() -> None:
     params = (_tag("items", _tag("item", _tag("k", "1") + _tag("on", "yes"))
                             + _tag("item", _tag("k", "x")))
               + _tag("cfg", _tag("ratio", "2.5") + _tag("ids", _tag("item", "3") + _tag("item", "4") + "5")
-                     + _tag("code", "007") + _tag("opt", "null") + _tag("meta", ""))
+                     + _tag("code", "007") + _tag("opt", "null") + _tag("meta", "") + _tag("tags", ""))
               + _tag("free", _tag("n", "5")))  # fmt: skip
     text = f'Sure.{NS}<tool_call>\n{NS}<invoke name="f">{params}{NS}</invoke>\n{NS}</tool_call>'
     calls = _streams_as_read("minimax_m3", text, M3_TYPES)
     assert _args(calls) == [("f", {
         "items": [{"k": 1, "on": True}, {"k": "x"}],  # not an integer: as written
-        "cfg": {"ratio": 2.5, "ids": [3, 4, 5], "code": "007", "opt": None, "meta": {}},
+        "cfg": {"ratio": 2.5, "ids": [3, 4, 5], "code": "007", "opt": None, "meta": {}, "tags": []},
         "free": {"n": "5"},  # no schema for n: as written
     })]  # fmt: skip
     got = _whole_and_streamed("minimax_m3", text, M3_TYPES)
