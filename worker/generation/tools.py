@@ -85,8 +85,10 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ``<|"|>`` string, a nested object or array, or a bare literal (:mod:`.gemma4_args`);
 - ``minicpm5``: blocks ``<function name="NAME"><param name="KEY">VALUE</param>...
   </function>`` (MiniCPM5; the parameters perhaps in an ``<arguments>`` element), each
-  value typed as vLLM's ``minicpm5`` does (:mod:`.tagged_args`); a call of a function the
-  request does not have, or with a parameter written twice or without its name, is none;
+  value typed as vLLM's ``minicpm5`` does (:mod:`.tagged_args`), a parameter the
+  function's schema does not list left out (a ``properties``/``arguments`` wrapper read
+  for those it lists); a call of a function the request does not have, with a parameter
+  written twice or without its name, or without a ``required`` one, is none;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -101,10 +103,12 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``minimax_m3``: in ``]<]minimax[>[<tool_call>`` ... ``]<]minimax[>[</tool_call>``, blocks
   ``]<]minimax[>[<invoke name="NAME">`` + a tag a parameter, ``]<]minimax[>[<KEY>VALUE
   ]<]minimax[>[</KEY>`` + ``]<]minimax[>[</invoke>`` (MiniMax-M3; :mod:`.minimax_m3`), a
-  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags);
+  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags),
+  each nested value typed by its own schema;
 - ``kimi_k3``: Kimi K3's XTML ``<|open|>call tool="NAME"<|sep|>`` blocks of typed
   arguments in its ``tools`` channel (:mod:`.xtml`); the ``response`` channel's markers
-  around the content are the ``kimi_k3`` reasoning parser's to leave out;
+  around the content are left out by the ``kimi_k3`` reasoning parser or, without it, by
+  the split (:func:`.xtml.answer`);
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``

@@ -7,7 +7,7 @@ then ``<|close|>call<|sep|>``; an attribute's value escapes ``&`` and ``"`` (``&
 ``&quot;``). A ``string`` value (or one without a type) is as written, another JSON (else
 as written): the model types its values, the schema does not. The answer is in the
 ``response`` channel before it, whose markers the ``kimi_k3`` reasoning parser leaves out
-(``reasoning.WRAPS``).
+(``reasoning.WRAPS``), or, without it, :func:`answer` as vLLM's tool parser does.
 """
 
 from __future__ import annotations
