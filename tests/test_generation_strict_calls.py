@@ -477,7 +477,10 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
         assert _accepts(runner, strict, text), text
         types = param_types([Tool.model_validate(t) for t in tools_ + TOOLS[1:]])
         calls = read_calls(ToolUse("auto"), text, parser, types) or []
-        assert len(calls) == (0 if text == "Plain." else 1)
+        # (minicpm5 drops the parameters get_time's schema lacks: its required zone is not
+        # given, so the block is no call, as vLLM's)
+        none = text == "Plain." or (parser == "minicpm5" and text == block(time))
+        assert len(calls) == (0 if none else 1)
     weather_calls = read_calls(ToolUse("auto"), block(weather), parser, types) or []
     assert json.loads(weather_calls[0]["function"]["arguments"]) == {"unit": "c", "days": 3}
     # each property at most once, in the schema's order, the required ones always

@@ -12,12 +12,13 @@ grammar for ``strict``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from . import inkling, muse_glimmer
 from .reasoning import Reasoning
+from .tagged_args import TypedArgs, Types
 
 Call = tuple[int, int, str, dict[str, Any], None]
 """A call read whole: where it lies, its function, its arguments, no id."""
@@ -32,8 +33,9 @@ class Format:
     """Its markers, kept in the texts it reads."""
     reasoning: Callable[[str, bool | None, bool], str | None]
     content: Callable[[str, bool | None, bool], str]
-    read_calls: Callable[[str, bool, Collection[str]], list[Call]]
-    """The calls complete in a text (``True``: whole), given the request's functions."""
+    read_calls: Callable[[str, bool, Types], list[Call]]
+    """The calls complete in a text (``True``: whole), given the request's functions'
+    types."""
     opening: Callable[[str, int], tuple[int, str, None, int] | None]
     """The call being written after an offset, once its arguments are begun (for
     streaming them; None: none, or calls come whole)."""
@@ -43,13 +45,16 @@ class Format:
     """Where a text begins, given its prompt's end."""
     answer_tag: str = ""
     """The marker an answer follows (where a response's constraint begins; "": none)."""
+    typed_args: TypedArgs | None = None
+    """How the call being written reads where its function's schema types its values
+    (streamed as settled; None: its arguments as written)."""
 
 
 FORMATS: Final = {
     "inkling": Format(
         "inkling", inkling.TOKENS, inkling.reasoning, inkling.content,
-        lambda text, final, names: inkling.calls(text, final),
-        inkling.opening, inkling.call_start, inkling.opens, inkling.TEXT,
+        inkling.calls,
+        inkling.opening, inkling.call_start, inkling.opens, inkling.TEXT, inkling.settled,
     ),
     "muse_glimmer": Format(
         "muse_glimmer", muse_glimmer.TOKENS,

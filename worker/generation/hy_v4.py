@@ -3,8 +3,11 @@
 ``<tool_calls>`` … ``</tool_calls>`` section, every tag ending in the suffix its
 checkpoint's vocabulary tells (``<tool_call:6124c78e>``, as its reasoning tags do:
 :data:`.reasoning.SUFFIXES`); each value typed by its schema as ``hy_v3``'s are
-(a value as written where the schema says a string or nothing); a block cut by the end is
-no call, and a text whose calls are none is all content.
+(a value as written where the schema says a string or nothing). As vLLM's (strict), the
+calls are the blocks of the first section, once it closes, and only where every block
+there is sound (a name, then whole key and value pairs; as many ends as openings): else
+none, and the text is all content; with calls, the content is the text before the
+section.
 
 The suffix is known only at load, so the tags are too: :func:`register` gives a
 checkpoint's calls their own parser name (``hy_v4`` and the suffix, e.g.
@@ -64,7 +67,19 @@ def register(suffix: str) -> str:
     tools._SECTIONS[name] = (section_open, section_close)
     header = re.compile(rf"\s*([^<\s][^<\n]{{0,63}}?)\s*(?={k_open}|$)")
     tools._BLOCKS[name] = (call_open, call_close, tools._typed_body(header, name))
-    tools.CLOSED_ONLY.add(name)
+
+    def sound(block: str) -> bool:
+        """Whether a block is written as vLLM's strict reading wants: a name, then only
+        whole key and value pairs."""
+        at = block.find(tags(suffix)[4])
+        rest = block[at:].strip() if at >= 0 else ""
+        k_tags, v_tags = tags(suffix)[4:6], tags(suffix)[6:]
+        return (bool((block[:at] if at >= 0 else block).strip())
+                and rest.count(k_tags[0]) == rest.count(k_tags[1])
+                and rest.count(v_tags[0]) == rest.count(v_tags[1])
+                and not pair.sub("", rest).strip())  # fmt: skip
+
+    tools.SECTIONED[name] = sound
     strict_calls.TYPED[name] = strict_calls.Tagged(
         section_open, section_close, True, call_open + "{}", call_close,
         f"<arg_key{suffix}>{{}}</arg_key{suffix}><arg_value{suffix}>", f"</arg_value{suffix}>",

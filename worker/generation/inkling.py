@@ -23,22 +23,27 @@ left it (:func:`opens`).
 - the reasoning is the reasoning blocks', each less its trailing whitespace, joined;
 - the content is the answer's text, joined; where calls were made, whitespace only is none;
 - a call is its block's JSON object ``{"name": …, "args": {…}}`` (``arguments`` or
-  ``parameters`` for ``args``; none: ``{}``), its values as written; a block that is no
-  such object is content (its text shown as written).
+  ``parameters`` for ``args``; none: ``{}``), its values coerced to the function's
+  schema as vLLM's engine does (:mod:`.coerce`: ``"5"`` where an integer is due is ``5``);
+  a block that is no such object is content (its text shown as written).
 
 Read so far, what may be a marker being written, a header not settled yet, a call block
-not closed yet (and the answer after it), the reasoning's trailing whitespace and an answer
+not closed yet (and the answer after it; its arguments stream a member at a time, once
+the next ``,`` or the closing ``}`` settles it, :func:`settled`), the reasoning's trailing whitespace and an answer
 that is whitespace only so far are held back, so that what is shown only grows.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .json_compact import DECODER
+from .coerce import coerce_args
+from .json_compact import DECODER, Pairs
 from .reasoning import held
+from .tagged_args import properties
 
 MESSAGE_MODEL: Final = "<|message_model|>"
 TEXT: Final = "<|content_text|>"
@@ -137,15 +142,43 @@ def content(text: str, thinking: bool | None, final: bool) -> str:
     return got
 
 
-def calls(text: str, final: bool) -> list[tuple[int, int, str, dict[str, Any], None]]:
+def calls(text: str, final: bool, types: Mapping[str, dict[str, str]] | None = None,
+          ) -> list[tuple[int, int, str, dict[str, Any], None]]:  # fmt: skip
     """The calls of the call blocks complete in ``text`` (where each object lies, its
-    function and arguments); their reading does not depend on where the text begins."""
+    function and arguments, coerced by its schema where ``types`` has it); their reading
+    does not depend on where the text begins."""
     out: list[tuple[int, int, str, dict[str, Any], None]] = []
     for p in parts(text, None, final):
         if p.mode == CALL and p.closed and (got := _call(text[p.start : p.end])) is not None:
             lead = len(text[p.start : p.end]) - len(text[p.start : p.end].lstrip())
-            out.append((p.start + lead, p.end, *got, None))
+            name, args = got
+            props = properties((types or {}).get(name, {}))
+            out.append((p.start + lead, p.end, name, coerce_args(args, props), None))
     return out
+
+
+def settled(text: str, at: int, known: dict[str, str]) -> Pairs:
+    """The members of the arguments object at ``at`` (its ``{``) written whole so far,
+    each followed by ``,`` or the closing ``}`` (a number may still grow before them),
+    coerced by the function's schema (``known``, its :data:`.tagged_args.Types` entry)."""
+    pairs: list[tuple[str, Any]] = []
+    i = _skip(text, at + 1)
+    while i < len(text) and text[i] != "}":
+        key = _decode(text, i)
+        if key is None or not isinstance(key[0], str):
+            break
+        i = _skip(text, key[1])
+        value = _decode(text, _skip(text, i + 1)) if text.startswith(":", i) else None
+        if value is None:
+            break
+        i = _skip(text, value[1])
+        if i >= len(text) or text[i] not in ",}":
+            break
+        pairs.append((key[0], value[0]))
+        if text[i] == "}":
+            break
+        i = _skip(text, i + 1)
+    return coerce_args(Pairs(pairs), properties(known))
 
 
 _OPENED: Final = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.){1,128})"\s*,\s*'
@@ -173,6 +206,20 @@ def call_start(text: str) -> int:
     """Where the first call block may begin (its marker; the text's end: none)."""
     at = text.find(TOOL_JSON)
     return at if at >= 0 else len(text) - _held(text, 0)
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _decode(text: str, i: int) -> tuple[Any, int] | None:
+    """The JSON value at ``i`` and where it ends (None: none complete there)."""
+    try:
+        return DECODER.raw_decode(text, i)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _call(body: str) -> tuple[str, dict[str, Any]] | None:

@@ -6,9 +6,9 @@ One ``NS<tool_call>`` ... ``NS</tool_call>`` section holds the calls, each
 after it, ``NS<KEY>VALUE NS</KEY>``. A value that is text is typed by the function's
 schema (as ``qwen3_coder``'s, :mod:`.tagged_args`); one that is tags is an object of them
 (a tag written twice: a list of its values; text beside tags: a ``$text`` member), or,
-where the schema says ``array`` and the first tag is ``<item>``, a list of the items.
-Nested values are text (vLLM's types them by the nested schemas, which the request's
-``Types`` do not hold).
+where the schema allows an array and the first tag is ``<item>``, a list of the items;
+each nested value typed by its own schema (a property's, an item's), as vLLM's
+(:mod:`.data_types`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from .data_types import DataType
 from .json_compact import Pairs
 
 Typed = Callable[[str, "str | None"], Any]
@@ -33,28 +34,35 @@ HEADER: Final = re.compile(r'"([^"\n]{1,64})">')
 _OPEN: Final = re.compile(r"\s*" + re.escape(NS) + r"<([^/>\s][^>\s]{0,127})>")
 
 
-def args(text: str, at: int, known: dict[str, str], typed: Typed) -> Pairs:
+def args(text: str, at: int, known: dict[str, str], typed: Typed,
+         schemas: dict[str, Any] | None = None) -> Pairs:  # fmt: skip
     """The parameters written whole in ``text`` from ``at`` (up to the first not closed
-    yet), their text typed by ``known`` with ``typed``."""
+    yet), their text typed by ``known`` with ``typed``, their tags by ``schemas`` (each
+    parameter's JSON Schema; none: its ``known`` type's, else untyped)."""
     out: list[tuple[str, Any]] = []
     while (m := _OPEN.match(text, at)) is not None:
         key = m.group(1)
         end = text.find(f"{NS}</{key}>", m.end())
         if end < 0:
             break
-        body, kind = text[m.end() : end], known.get(key)
-        out.append((key, typed(body, kind) if not body.startswith(NS + "<") else _tags(body, kind)))
+        body = text[m.end() : end]
+        if body.startswith(NS + "<"):
+            schema = (schemas or {}).get(key) or ({"type": known[key]} if key in known else None)
+            out.append((key, _tags(body, DataType.of(schema))))
+        else:
+            out.append((key, typed(body, known.get(key))))
         at = end + len(NS) + len(key) + 3
     return Pairs(out)
 
 
-def _tags(body: str, kind: str | None) -> Any:
-    """A parameter's value written as tags (vLLM's ``_parse_parameter``): a list where
-    ``kind`` says ``array`` and the first is ``<item>``, else an object."""
+def _tags(body: str, kind: DataType) -> Any:
+    """A parameter's value written as tags (vLLM's ``_parse_parameter``): a list where its
+    schema allows an array and the first tag is ``<item>``, else an object; each tag's
+    value typed by its schema (an object's property's, an array's item's)."""
     chunks = body.split(NS)
-    listed = kind == "array" and chunks[1].startswith("<item>")
-    stack = [_Item(None, [] if listed else {})]
-    for chunk in chunks[1:]:
+    listed = "array" in kind.kinds and chunks[1].startswith("<item>")
+    stack = [_Item(None, [] if listed else {}, kind)]
+    for i, chunk in enumerate(chunks[1:], 1):
         closing = chunk.startswith("</")
         tag, gt, rest = chunk[2 if closing else 1 :].partition(">")
         if closing:
@@ -66,7 +74,14 @@ def _tags(body: str, kind: str | None) -> Any:
             if gt and rest:
                 stack[-1].text(rest)
         elif chunk.startswith("<"):
-            stack.append(_Item(tag, None, [rest] if gt and rest else []))
+            sub = stack[-1].member(tag)
+            nxt = chunks[i + 1] if i + 1 < len(chunks) else ""
+            value: dict[str, Any] | list[Any] | None = None
+            if sub is not None and "array" in sub.kinds and nxt.startswith("<item>"):
+                value = []
+            elif sub is not None and "object" in sub.kinds:
+                value = {}
+            stack.append(_Item(tag, value, sub, [rest] if gt and rest else []))
         elif chunk:
             stack[-1].text(chunk)
     while len(stack) > 1:
@@ -77,21 +92,32 @@ def _tags(body: str, kind: str | None) -> Any:
 
 @dataclass(slots=True)
 class _Item:
-    """A tag being read: its value (None: text so far, no tags in it), its texts."""
+    """A tag being read: its value (None: text so far, no tags in it), its schema (None:
+    none known), its texts."""
 
     tag: str | None
     value: dict[str, Any] | list[Any] | None
+    kind: DataType | None
     texts: list[str] = field(default_factory=list)
 
     def value_of(self) -> Any:
         if self.value is None:
-            return "".join(self.texts)
+            text = "".join(self.texts)
+            return text if self.kind is None else self.kind.convert(text)
         if self.texts and isinstance(self.value, dict):
             key = "$text"
             while key in self.value:
                 key = "$" + key
             self.value[key] = "".join(self.texts)
         return self.value
+
+    def member(self, tag: str) -> DataType | None:
+        """The schema of a tag opened in this one: an item's, or a property's."""
+        if self.kind is None:
+            return None
+        if isinstance(self.value, list):
+            return self.kind.item(len(self.value))
+        return self.kind.property(tag) if isinstance(self.value, dict) else None
 
     def add(self, item: _Item) -> None:
         got = item.value_of()
@@ -107,6 +133,7 @@ class _Item:
 
     def text(self, value: str) -> None:
         if isinstance(self.value, list):
-            self.value.append(value)
+            kind = None if self.kind is None else self.kind.item(len(self.value))
+            self.value.append(value if kind is None else kind.convert(value))
         else:
             self.texts.append(value)

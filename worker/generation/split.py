@@ -12,6 +12,8 @@ gpt-oss's reasoning may follow the answer's start (``Reasoning.interleaved``), a
 content is its harmony messages' (:mod:`.harmony`); Cohere Command's text is all answer,
 read by its modes (:mod:`.cohere`): its content is its answer's parts, its reasoning its
 reasoning's, wherever they are; a message-block format's (:mod:`.blocks`) likewise.
+Kimi-K3's XTML channels, read by its tool parser alone, are unwrapped by it
+(:func:`.xtml.answer`) where its reasoning parser would.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import cohere, harmony
+from . import cohere, harmony, xtml
 from .blocks import Format
 from .reasoning import Reasoning
 from .tool_chunks import CallChunks
@@ -53,6 +55,10 @@ class OutputSplit:
     blocks: Format | None = None
     """The model writes message blocks (:mod:`.blocks`): an answer's content is its
     format's, whatever its calls."""
+    channels: bool = False
+    """The model writes Kimi-K3's XTML channels and no reasoning parser unwraps them
+    (:func:`.xtml.answer`): an answer's content is its response channel's, its calls are
+    its tools channel's."""
 
     def __post_init__(self) -> None:
         if self.reasoning is None:
@@ -64,7 +70,7 @@ class OutputSplit:
         read once."""
         if self.answer is None:
             out: dict[str, Any] = {}
-            answer = text
+            answer = xtml.answer(text) if self.channels and self.reasoning is None else text
             if self.reasoning is not None:
                 reasoning, answer = self.reasoning.split(text, self.thinking)
                 if reasoning is not None:
@@ -87,6 +93,8 @@ class OutputSplit:
             return cohere.content(answer, self.cohere, mode, final)
         if self.blocks is not None:
             return self.blocks.content(answer, self.thinking, final)
+        if self.channels and self.reasoning is None:  # the tools channel's text is not
+            return answer.split(xtml.TOOLS[0], 1)[0].strip()
         return harmony.content(answer) if self.harmony else answer.strip()
 
     def delta(self, released: str, new: str, final: str | None) -> dict[str, Any]:
@@ -137,6 +145,8 @@ class OutputSplit:
         answer = released[self.answer_at :]
         if split is not None:
             answer = split.answer(answer)
+        elif self.channels:
+            answer = xtml.answer(answer)
         reader = self.calls
         if reader is None:
             return reasoning, self.content(answer), [], []

@@ -21,18 +21,42 @@ from xml.sax.saxutils import unescape
 
 from ...schemas.tools import Tool
 from . import gemma4_args, minimax_m3, xtml
+from .coerce import coerce
 from .json_compact import Pairs
 
+
+class Kinds(dict[str, str]):
+    """One function's parameters' types (a parameter's name to its schema's ``type``),
+    with the schema they come from, for the parsers that read more of it (nested values,
+    ``required``)."""
+
+    __slots__ = ("schema",)
+
+    def __init__(self, kinds: dict[str, str] | None = None,
+                 schema: dict[str, Any] | None = None) -> None:  # fmt: skip
+        super().__init__(kinds or {})
+        self.schema: dict[str, Any] = schema or {}
+        """The function's ``parameters`` JSON Schema (``{}``: none)."""
+
+
 Types = dict[str, dict[str, str]]
-"""Each function's parameters' types (``param_types``)."""
+"""Each function's parameters' types (``param_types``: each a :class:`Kinds`)."""
+
+
+def properties(known: dict[str, str]) -> dict[str, Any]:
+    """A function's parameters' schemas, where ``known`` (its :data:`Types` entry) carries
+    them (``{}``: none)."""
+    props = known.schema.get("properties") if isinstance(known, Kinds) else None
+    return props if isinstance(props, dict) else {}
 
 
 def param_types(tools: list[Tool]) -> Types:
     """Each function's parameters' types, as its JSON Schema gives them (the first of a
-    list other than ``null``; none: written as is)."""
+    list other than ``null``; none: written as is), with the schema (:class:`Kinds`)."""
     out: Types = {}
     for tool in tools:
-        props = (tool.function.parameters or {}).get("properties")
+        params = tool.function.parameters or {}
+        props = params.get("properties")
         kinds: dict[str, str] = {}
         for key, schema in (props if isinstance(props, dict) else {}).items():
             kind = schema.get("type") if isinstance(schema, dict) else None
@@ -40,7 +64,7 @@ def param_types(tools: list[Tool]) -> Types:
                 kind = next((k for k in kind if isinstance(k, str) and k != "null"), None)
             if isinstance(kind, str):
                 kinds[key] = kind
-        out[tool.function.name] = kinds
+        out[tool.function.name] = Kinds(kinds, params)
     return out
 
 
@@ -185,22 +209,8 @@ def hy_v3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
 
 def _coerced(value: str, kind: str | None) -> Any:
     """A value as vLLM's ``coerce_to_schema_type`` reads it for its schema's ``kind``
-    (None: a string): an integer, a number (an integer where it is one), ``true``/``1``
-    or ``false``/``0``, an object's or array's JSON; else JSON, else as written."""
-    if kind in (None, "string"):
-        return value
-    try:
-        if kind == "integer":
-            return int(value)
-        if kind == "number" and math.isfinite(number := float(value)):
-            return int(number) if number == int(number) else number
-    except ValueError:
-        pass
-    flag = value.strip().lower()
-    if kind == "boolean" and flag in ("true", "1", "false", "0"):
-        return flag in ("true", "1")
-    ok, got = _json_value(value)
-    return got if ok else value
+    (None: a string; :func:`.coerce.coerce`)."""
+    return coerce(value, [kind or "string"])
 
 
 _SOLAR_ARG = re.compile(r"<\|tool_arg:start\|>(.*?)<\|tool_arg:value\|>(.*?)<\|tool_arg:end\|>",
@@ -257,33 +267,71 @@ _MINICPM5_NAMELESS = re.compile(r"<param(?![^>]*\bname=)[^>]*>")
 _CDATA = re.compile(r"\A<!\[CDATA\[(.*)\]\]>\Z", re.DOTALL)
 
 
-def _minicpm5(raw: str, kind: str | None) -> Any:
-    """A value as vLLM's ``minicpm5`` reads it for its schema's ``kind``: a CDATA
-    section's text as written, another trimmed, its XML entities read; a string as it
-    is, another value JSON, else a Python literal, else as written."""
+def _minicpm5_text(raw: str) -> str:
+    """A value's text: a CDATA section's as written, another's trimmed, its XML entities
+    read."""
     cdata = _CDATA.match(raw)
-    value = cdata.group(1) if cdata else unescape(raw.strip(), {"&quot;": '"', "&apos;": "'"})
-    return value if kind == "string" else _loose(value)
+    return cdata.group(1) if cdata else unescape(raw.strip(), {"&quot;": '"', "&apos;": "'"})
+
+
+def _minicpm5(value: Any, kind: str | None) -> Any:
+    """A value as vLLM's ``minicpm5`` reads it for its schema's ``kind``: a string as it
+    is (another value, a wrapper's, as JSON text), another value JSON, else a Python
+    literal, else as written."""
+    if kind == "string":
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return _loose(value) if isinstance(value, str) else value
+
+
+_WRAPPERS: Final = ("properties", "arguments")
+"""The parameters MiniCPM5 may wrap the others in (OpenAI's names), as an object."""
+
+
+def _minicpm5_read(text: str, at: int, known: dict[str, str]) -> tuple[list[tuple[str, Any]], bool]:
+    """The ``<param name="KEY">`` values written whole in ``text`` from ``at`` as vLLM's
+    ``minicpm5`` adds them, and whether they make a call: where the function's schema
+    lists its parameters, one it lacks is left out, and a wrapper (``properties`` or
+    ``arguments``, unless the schema has it) gives its object's members it has; none
+    written twice, a wrapper that is no object of them none (read up to the first fault)."""
+    props = properties(known)
+    out: dict[str, Any] = {}
+    for k, v in _MINICPM5_PARAM.findall(text, at):
+        key = k.strip()
+        if props and key not in props and key in _WRAPPERS:
+            wrapped = _loose(_minicpm5_text(v))
+            members = [(w, x) for w, x in (wrapped.items() if isinstance(wrapped, dict) else ())
+                       if w in props]  # fmt: skip
+            if not members or any(w in out for w, _ in members):
+                return list(out.items()), False
+            out.update((w, _minicpm5(x, known.get(w))) for w, x in members)
+        elif not props or key in props:
+            if key in out:
+                return list(out.items()), False
+            out[key] = _minicpm5(_minicpm5_text(v), known.get(key))
+    return list(out.items()), True
 
 
 def minicpm5_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     """The ``<param name="KEY">`` values written whole in ``text`` from ``at``, typed by
-    ``known`` as vLLM's ``minicpm5`` does."""
-    return Pairs([(k.strip(), _minicpm5(v, known.get(k.strip())))
-                  for k, v in _MINICPM5_PARAM.findall(text, at)])  # fmt: skip
+    ``known`` as vLLM's ``minicpm5`` does (:func:`_minicpm5_read`)."""
+    return Pairs(_minicpm5_read(text, at, known)[0])
 
 
-def minicpm5_sound(text: str, at: int) -> bool:
+def minicpm5_sound(text: str, at: int, known: dict[str, str]) -> bool:
     """Whether a MiniCPM5 call's parameters from ``at`` make a call (vLLM's): none
-    without its name, none written twice."""
-    keys = [k.strip() for k, _ in _MINICPM5_PARAM.findall(text, at)]
-    return _MINICPM5_NAMELESS.search(text, at) is None and len(set(keys)) == len(keys)
+    without its name, none of them at fault (:func:`_minicpm5_read`), the schema's
+    ``required`` all given."""
+    got, sound = _minicpm5_read(text, at, known)
+    required = known.schema.get("required") if isinstance(known, Kinds) else None
+    given = {k for k, _ in got}
+    needed = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    return sound and _MINICPM5_NAMELESS.search(text, at) is None and needed <= given
 
 
 def minimax_m3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
     """The parameters written whole in ``text`` from ``at`` (:mod:`.minimax_m3`), their
-    text typed by ``known`` as ``qwen3_coder``'s."""
-    return minimax_m3.args(text, at, known, _typed)
+    text typed by ``known`` as ``qwen3_coder``'s, their tags by its schema."""
+    return minimax_m3.args(text, at, known, _typed, properties(known))
 
 
 _GEMMA_ARG = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)

@@ -36,7 +36,7 @@ from ...schemas.tools import ToolUse
 from . import blocks, cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
-from .tagged_args import TYPED_ARGS, Types
+from .tagged_args import TYPED_ARGS, TypedArgs, Types, properties
 from .tools import (
     _BLOCKS,
     _DOTS_INVOKE,
@@ -46,11 +46,13 @@ from .tools import (
     _HY_NAME,
     _KIMI,
     _MINICPM5_NAME,
+    _SECTIONS,
     _SOLAR_NAME,
     _STEP3_INVOKE,
     _V32_INVOKE,
     ALIASES,
     KNOWN_ONLY,
+    SECTIONED,
     CallReader,
     _skip,
     new_id,
@@ -230,8 +232,19 @@ class CallChunks:
         auto = self.use.kind == "auto"
         if auto and self.parser in _PYTHON:
             return _Open(opening, index, cid, None, ArgsScanner(opening.args))
-        typed = auto and self.parser in TYPED_ARGS
+        typed = self._typed(opening.name) is not None
         return _Open(opening, index, cid, None if typed else Compactor())
+
+    def _typed(self, name: str) -> TypedArgs | None:
+        """How the call of ``name`` being written reads, where its parser types its
+        values (a block format: where the function's schema is known)."""
+        if self.use.kind != "auto":
+            return None
+        fmt = blocks.FORMATS.get(self.parser or "")
+        if fmt is not None:
+            typed = properties(self.types.get(name, {})) and fmt.typed_args
+            return typed or None
+        return TYPED_ARGS.get(self.parser or "")
 
     def _complete(self, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k``, just read whole: the rest of it where it was being streamed, else
@@ -258,7 +271,11 @@ class CallChunks:
         if o.json is not None:
             o.json.feed(text[o.opening.args :])
             return o.json.text
-        args = TYPED_ARGS[self.parser or ""]
+        args = self._typed(o.opening.name)
+        assert args is not None
+        if self.parser in _BLOCKS:  # its block's parameters only (it may be read later)
+            cut = text.find(_BLOCKS[self.parser][1], o.opening.args)
+            text = text if cut < 0 else text[:cut]
         got = args(text, o.opening.args, self.types.get(o.opening.name, {}))
         return compact(got)[:-1]  # without the closing brace: more may come
 
@@ -268,6 +285,8 @@ class CallChunks:
         if self.use.kind != "auto" or self.parser not in _BLOCKS:
             return False
         opening, closing, _ = _BLOCKS[self.parser]
+        if self.parser in SECTIONED:  # its blocks count once their section closes
+            closing = _SECTIONS[self.parser][1]
         return text.find(closing, self._open.opening.at + len(opening)) >= 0
 
 
@@ -295,6 +314,8 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
         at = text.rfind(marker, start)
         if at < 0 or text.find(closing, at) >= 0:
             return None
+        if parser in SECTIONED and not 0 <= text.find(_SECTIONS[parser][0]) < at:
+            return None  # a block outside its section is no call
         m = _AFTER_MARKER[parser].match(text, at + len(marker))
         if m is None:
             return None

@@ -85,8 +85,10 @@ With ``auto`` the text is free, and a parser for the model's own format (its
   ``<|"|>`` string, a nested object or array, or a bare literal (:mod:`.gemma4_args`);
 - ``minicpm5``: blocks ``<function name="NAME"><param name="KEY">VALUE</param>...
   </function>`` (MiniCPM5; the parameters perhaps in an ``<arguments>`` element), each
-  value typed as vLLM's ``minicpm5`` does (:mod:`.tagged_args`); a call of a function the
-  request does not have, or with a parameter written twice or without its name, is none;
+  value typed as vLLM's ``minicpm5`` does (:mod:`.tagged_args`), a parameter the
+  function's schema does not list left out (a ``properties``/``arguments`` wrapper read
+  for those it lists); a call of a function the request does not have, with a parameter
+  written twice or without its name, or without a ``required`` one, is none;
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),
@@ -101,10 +103,12 @@ With ``auto`` the text is free, and a parser for the model's own format (its
 - ``minimax_m3``: in ``]<]minimax[>[<tool_call>`` ... ``]<]minimax[>[</tool_call>``, blocks
   ``]<]minimax[>[<invoke name="NAME">`` + a tag a parameter, ``]<]minimax[>[<KEY>VALUE
   ]<]minimax[>[</KEY>`` + ``]<]minimax[>[</invoke>`` (MiniMax-M3; :mod:`.minimax_m3`), a
-  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags);
+  text value typed by its schema, a value of tags an object (or an array of ``<item>`` tags),
+  each nested value typed by its own schema;
 - ``kimi_k3``: Kimi K3's XTML ``<|open|>call tool="NAME"<|sep|>`` blocks of typed
   arguments in its ``tools`` channel (:mod:`.xtml`); the ``response`` channel's markers
-  around the content are the ``kimi_k3`` reasoning parser's to leave out;
+  around the content are left out by the ``kimi_k3`` reasoning parser or, without it, by
+  the split (:func:`.xtml.answer`);
 - ``kimi_k2``: in ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>``,
   blocks ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
   <|tool_call_end|>`` (Kimi K2); the call's id is the model's own ``functions.NAME:INDEX``
@@ -344,16 +348,18 @@ def _scanner(use: ToolUse, parser: str | None, types: Types) -> Resume:
     if parser == "openai":  # harmony calls, whatever the tool choice (harmony.calls_grammar)
         return _whole(_openai)
     if parser in blocks.FORMATS:  # its call blocks, whatever the tool choice
-        read, names = blocks.FORMATS[parser].read_calls, tuple(types)
-        return _whole(lambda text, final: [_Found(*c) for c in read(text, final, names)])
+        read = blocks.FORMATS[parser].read_calls
+        return _whole(lambda text, final: [_Found(*c) for c in read(text, final, types)])
     if use.kind == "named":
         assert use.name is not None
         return _whole(_named(use.name))
     if use.kind == "required":
         return _whole(_required)
+    if parser in SECTIONED:
+        return _whole(_sectioned(parser or "", types))
     if parser in _BLOCKS:
         opening, closing, body = _BLOCKS[parser]
-        scan = _blocks(opening, closing, body, types, parser not in CLOSED_ONLY)
+        scan = _blocks(opening, closing, body, types)
         return _with_dots_json(scan, types) if parser == "dots" else scan
     return _whole(_SCANNERS.get(parser or "", _none))
 
@@ -495,6 +501,31 @@ def _blocks(opening: str, closing: str, body: Body, types: Types, cut: bool = Tr
     return scan
 
 
+def _sectioned(parser: str, types: Types) -> Scan:
+    """A :data:`SECTIONED` parser's calls: the blocks of its first closed section, where
+    each is a sound call and nothing else is between its markers (else none)."""
+    opening, closing, body = _BLOCKS[parser]
+    begin, close = _SECTIONS[parser]
+    sound = SECTIONED[parser]
+
+    def scan(text: str, final: bool) -> list[_Found]:
+        at = text.find(begin)
+        end = text.find(close, at + len(begin)) if at >= 0 else -1
+        inner = text[at + len(begin) : end]
+        if end < 0 or inner.count(opening) != inner.count(closing):
+            return []
+        found = _blocks(opening, closing, body, types, cut=False)(inner, True, 0)[0]
+        blocks = [inner[f.start + len(opening) : f.end - len(closing)] for f in found]
+        if not found or len(found) != inner.count(opening) or not all(map(sound, blocks)):
+            return []
+        shift = at + len(begin)
+        out = [_Found(f.start + shift, f.end + shift, f.name, f.args, f.id) for f in found]
+        out[-1] = _Found(out[-1].start, len(text), out[-1].name, out[-1].args, out[-1].id)
+        return out
+
+    return scan
+
+
 def _with_dots_json(blocks: Resume, types: Types) -> Resume:
     """``dots``'s blocks, and its sections that are a JSON call each (vLLM's fallback),
     in the text's order."""
@@ -615,7 +646,7 @@ _MINICPM5_NAME = re.compile(r"""\s*name=['"]([^'"\n]{1,64})['"][^>]*>""")
 def _minicpm5_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
     m = _MINICPM5_NAME.match(text)
     name = "" if m is None else m.group(1).strip()
-    if m is None or name not in types or not minicpm5_sound(text, m.end()):
+    if m is None or name not in types or not minicpm5_sound(text, m.end(), types[name]):
         return None
     return name, minicpm5_args(text, m.end(), types[name]), None
 
@@ -648,9 +679,11 @@ _BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "minimax_m3": (*minimax_m3.INVOKE, _typed_body(minimax_m3.HEADER, "minimax_m3")),
 }
 """The parsers whose calls are blocks: their markers and how a block's text reads."""
-CLOSED_ONLY: Final[set[str]] = set()
-"""The block parsers that read a block only once closed (vLLM's ``hy_v4``: one cut by the
-end is no call)."""
+SECTIONED: Final[dict[str, Callable[[str], bool]]] = {}
+"""The block parsers whose calls are their first section's blocks, once it closes, all or
+none (vLLM's ``hy_v4``, strict): each with whether a block's text (between its markers) is
+written soundly; the text after the section is the calls' too (the content is what
+precedes it)."""
 _SECTIONS: Final[dict[str, tuple[str, str]]] = {
     "deepseek_v3": (_DS[0], _DS[1]),
     "deepseek_v31": (_DS[0], _DS[1]),

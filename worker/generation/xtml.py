@@ -7,7 +7,7 @@ then ``<|close|>call<|sep|>``; an attribute's value escapes ``&`` and ``"`` (``&
 ``&quot;``). A ``string`` value (or one without a type) is as written, another JSON (else
 as written): the model types its values, the schema does not. The answer is in the
 ``response`` channel before it, whose markers the ``kimi_k3`` reasoning parser leaves out
-(``reasoning.WRAPS``).
+(``reasoning.WRAPS``), or, without it, :func:`answer` as vLLM's tool parser does.
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ import re
 from typing import Any, Final
 
 from .json_compact import Pairs
+from .reasoning import held
 
 TOOLS: Final = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
 """The calls' channel's markers."""
+RESPONSE: Final = ("<|open|>response<|sep|>", "<|close|>response<|sep|>")
+"""The answer's channel's markers."""
+MESSAGE_END: Final = "<|close|>message<|sep|>"
 CALL: Final = ("<|open|>call", "<|close|>call<|sep|>")
 """A call's block's markers (its attributes and ``<|sep|>`` follow the first)."""
 PIECES: Final = ("<|open|>", "<|close|>", "<|sep|>")
@@ -33,6 +37,35 @@ _ARGUMENT: Final = re.compile(
     r"<\|open\|>argument\s+" + _ATTRS + r"(.*?)<\|close\|>argument<\|sep\|>", re.DOTALL
 )
 _ATTR: Final = re.compile(r'(\w+)="([^"]*)"')
+
+
+def answer(text: str) -> str:
+    """The answer of a text (so far) read without the ``kimi_k3`` reasoning parser, as
+    vLLM's tool parser reads it: the content, then the tools channel (to its close), if
+    any. A text that opens a channel first is read by its channels: the content is the
+    response channel's (to its close), or, with none, the text before the tools channel
+    less its closing markers (none shown before that channel opens, or the text ends); a
+    bare text's content runs to its first marker (the prompt opened the response)."""
+    t = text.find(TOOLS[0])
+    before = text if t < 0 else text[:t]
+    tools = ""
+    if t >= 0:
+        close = text.find(TOOLS[1], t)
+        tools = text[t : len(text) if close < 0 else close + len(TOOLS[1])]
+    if not text.lstrip().startswith(PIECES[0][: len(text.lstrip())]):  # bare
+        stops: tuple[str, ...] = (RESPONSE[1], MESSAGE_END, PIECES[0])
+    elif (o := before.find(RESPONSE[0])) >= 0:
+        before, stops = before[o + len(RESPONSE[0]) :], (RESPONSE[1], MESSAGE_END)
+    elif t >= 0:
+        return before.replace(RESPONSE[1], "").replace(MESSAGE_END, "") + tools
+    else:
+        return ""  # the response channel may still open
+    cut = min((at for m in stops if (at := before.find(m)) >= 0), default=-1)
+    if cut >= 0:
+        return before[:cut] + tools
+    if t >= 0:
+        return before + tools
+    return before[: len(before) - max(held(before, m) for m in (*stops, TOOLS[0]))]
 
 
 def attrs(text: str) -> dict[str, str]:

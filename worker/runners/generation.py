@@ -1200,9 +1200,15 @@ class TextGenerationRunner:
         use = spec.tools
         if not spec.reasoning and use is None:
             return None
-        split = OutputSplit(self._reasoning if spec.reasoning else None, spec.thinking,
-                            self._harmony, cohere=self._cohere, blocks=self._blocks)  # fmt: skip
+        reasoning = self._reasoning if spec.reasoning else None
+        if reasoning is None and self._blocks is not None and use is not None and spec.stream:
+            # vLLM's block tool parsers stream the reasoning blocks too (not in a whole
+            # result): a stream's deltas, and so its result, carry them
+            reasoning = reasoning_for(self._blocks.name)
+        split = OutputSplit(reasoning, spec.thinking, self._harmony, cohere=self._cohere,
+                            blocks=self._blocks)  # fmt: skip
         if use is not None:
+            split.channels = self._calls_parser == "kimi_k3"  # unwrapped where no split is
             if self._cohere is not None or self._blocks is not None:  # whatever the choice
                 use = replace(use, kind="auto", name=None)
             split.calls = CallReader(use, self._calls_parser, spec.tool_types)
