@@ -139,23 +139,29 @@ def test_newer_flags_reach_the_fleet_file(
         assert got[key] == value, key
 
 
-@pytest.mark.parametrize(("flags", "listed"), [
-    (["--no-trust-remote-code"], "#   --no-trust-remote-code: --trust-remote-code is off"),
-    (["--disable-sleep-mode"], "#   --disable-sleep-mode: --enable-sleep-mode is off, as here"),
-    (["--tokenizer-mode", "auto"], "#   --tokenizer-mode auto: the model directory's"),
-    (["--max-logprobs", "20"], "#   --max-logprobs 20: a token lists up to 20"),
-    (["--shutdown-timeout", "0"], "#   --shutdown-timeout 0: vLLM aborts"),
-    (["--num-gpu-blocks-override", "100"], "#   --num-gpu-blocks-override 100: the KV cache"),
-    (["--device-ids", "0,1"], "#   --device-ids 0,1: a worker serves a model on one device"),
-    (["--api-key", "k1", "k2"], "#   --api-key: 1 more keys"),
-    (["--tokenizer-mode", "mistral"], "#   --tokenizer-mode mistral: the tokenizer is the"),
+@pytest.mark.parametrize(("flags", "needless", "listed"), [
+    (["--no-trust-remote-code"], True, "--no-trust-remote-code: --trust-remote-code is off"),
+    (["--disable-sleep-mode"], True, "--disable-sleep-mode: --enable-sleep-mode is off, as here"),
+    (["--disable-auto-tool-choice"], True, '--disable-auto-tool-choice: tool_choice "auto" is'),
+    (["--tokenizer-mode", "auto"], True, "--tokenizer-mode auto: the model directory's"),
+    (["--tokenizer-mode", "mistral"], False, "--tokenizer-mode mistral: the tokenizer is the"),
+    (["--max-logprobs", "20"], True, "--max-logprobs 20: a token lists up to 20"),
+    (["--max-logprobs", "5"], False, "--max-logprobs 5: a token lists up to 20"),
+    (["--shutdown-timeout", "0"], True, "--shutdown-timeout 0: vLLM aborts"),
+    (["--num-gpu-blocks-override", "100"], False, "--num-gpu-blocks-override 100: the KV"),
+    (["--device-ids", "0,1"], False, "--device-ids 0,1: a worker serves a model on one device"),
+    (["--api-key", "k1", "k2"], False, "--api-key: 1 more keys"),
+    (["--max-model-len", "-1"], True, "--max-model-len -1: up to the model's context"),
 ])  # fmt: skip
 def test_flags_needing_nothing_or_without_equivalent_are_listed_with_why(
-    tmp_path: Path, flags: list[str], listed: str
+    tmp_path: Path, flags: list[str], needless: bool, listed: str
 ) -> None:
     code, _, _, stderr = run(tmp_path, ["serve", "/m/x", *flags])
     assert code == 0, stderr
-    assert listed in (tmp_path / "fleet.toml").read_text()
+    text = (tmp_path / "fleet.toml").read_text()
+    section = text.split("# No equivalent")[0 if needless else 1]
+    assert f"#   {listed}" in section
+    assert (f"no equivalent: {listed}" in stderr) is not needless
 
 
 @pytest.mark.parametrize(("argv", "flags"), [
