@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .vllm_catalog import ARITY, SHORT
+from .vllm_catalog import APPENDED, ARITY, SHORT
 
 SECRETS = frozenset({"--api-key", "--hf-token"})
 """Flags whose values are never shown (a fleet file's comments, messages)."""
@@ -56,9 +56,13 @@ class ServeArgs:
     flags: list[Flag] = field(default_factory=list)
 
     def last(self) -> dict[str, Flag]:
-        """Each flag's last occurrence, in the order they were first given."""
+        """Each flag's last occurrence (of one vLLM appends to, all its values), in the
+        order they were first given."""
         out: dict[str, Flag] = {}
         for f in self.flags:
+            before = out.get(f.name)
+            if before is not None and f.name in APPENDED:
+                f = Flag(f.name, before.values + f.values, f.origin)
             out[f.name] = f
         return out
 

@@ -141,9 +141,13 @@ SHORT = {
     "-dpe": "--data-parallel-external-lb", "-dpm": "--data-parallel-multi-port-external-lb",
     "-ep": "--enable-expert-parallel", "-sc": "--speculative-config",
     "-dc": "--diffusion-config", "-cc": "--compilation-config", "-ac": "--attention-config",
-    "-O": "--optimization-level", "--device-memory-utilization": "--gpu-memory-utilization",
+    "--device-memory-utilization": "--gpu-memory-utilization",
 }
-"""Aliases and their flags (``-O3``, ``-O=3`` and ``-O 3`` are read by :mod:`.vllm_args`)."""
+"""Aliases and their flags (``-O3``, ``-O=3`` and ``-O 3``, ``--optimization-level``'s, are
+read by :mod:`.vllm_args`)."""
+
+APPENDED = ("--middleware",)
+"""Flags whose values add up when given again (``action="append"``); the others' last wins."""
 
 OLDER = {"--calculate-kv-scales": 0, "--disable-frontend-multiprocessing": 0, "--enable-lora-bias": 0,
          "--kv-cache-memory": 1, "--max-seq-len-to-capture": 1, "--rope-scaling": 1, "--swap-space": 1}

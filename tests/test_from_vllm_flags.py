@@ -176,8 +176,8 @@ def test_flags_needing_nothing_or_without_equivalent_are_listed_with_why(
     (["m", "--compilation-config.pass_config.fuse", "true", "--x.l+", "a,b", "--x.l+=c"],
      [("--compilation-config", ('{"pass_config": {"fuse": true}}',)),
       ("--x", ('{"l": ["a", "b", "c"]}',))]),
-    (["m", "--api-key", "a", "b", "--offset", "-1", "--zap"],
-     [("--api-key", ("a", "b")), ("--offset", ("-1",)), ("--zap", ())]),
+    (["m", "--api-key", "a", "b", "--offset", "-1", "--zap", "-O", "decode"],
+     [("--api-key", ("a", "b")), ("--offset", ("-1",)), ("--zap", ()), ("-O", ("decode",))]),
 ])  # fmt: skip
 def test_the_command_line_is_split_as_vllms_parser_splits_it(
     argv: list[str], flags: list[tuple[str, tuple[str, ...]]]
@@ -195,6 +195,12 @@ def test_the_command_line_is_split_as_vllms_parser_splits_it(
 def test_what_vllms_parser_refuses_is_refused(argv: list[str]) -> None:
     with pytest.raises(VllmArgsError):
         read_serve(argv)
+
+
+def test_flags_vllm_appends_to_add_up() -> None:
+    argv = ["m", "--middleware", "a.b", "--port", "1", "--middleware", "c.d", "--port", "2"]
+    flags = read_serve(argv).last()
+    assert (flags["--middleware"].values, flags["--port"].values) == (("a.b", "c.d"), ("2",))
 
 
 def test_numbers_with_suffixes_read_as_vllms() -> None:
