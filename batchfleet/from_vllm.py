@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from .vllm_args import SECRETS, Flag, ServeArgs, VllmArgsError, long_name, read_serve
+from .vllm_conversion import Conversion, Line
 from .vllm_flags import (
     HANDLERS,
-    Conversion,
-    Line,
     SimpleOption,
     generation_defaults,
     judgement,

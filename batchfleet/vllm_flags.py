@@ -17,9 +17,6 @@ from .vllm_catalog import OFF
 from .vllm_conversion import Conversion, Line, count, token_count
 from .vllm_scheduling import SCHEDULING
 
-__all__ = ["HANDLERS", "Conversion", "Line", "SimpleOption", "generation_defaults",
-           "judgement", "lengths", "rank", "simple_options"]  # fmt: skip
-
 MAX_LORA_RANK = 512  # worker.generation.lora.MAX_RANK (not imported: it imports torch)
 MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
 MAX_NEW_TOKENS = 1_000_000  # Limits.max_new_tokens' bound
@@ -34,8 +31,12 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
 """vLLM's ``--dtype`` values and the fleet's."""
 
 NEEDLESS = {**vllm_engine_flags.NEEDLESS, **vllm_server_flags.NEEDLESS}
+"""Flags that change nothing here, and why."""
 UNSUPPORTED = {**vllm_engine_flags.UNSUPPORTED, **vllm_server_flags.UNSUPPORTED}
+"""Flags with no equivalent here, and why."""
 BY_VALUE = {**vllm_engine_flags.BY_VALUE, **vllm_server_flags.BY_VALUE}
+"""Flags whose values in the first part change nothing here (the second part says why),
+the others having no equivalent (the third part says why)."""
 
 ORDER = {"--dtype": -3, "--block-size": -2, "--speculative-config": -1,
          "--num-gpu-blocks-override": 1, "--max-num-active-seqs": 1}  # fmt: skip
