@@ -273,9 +273,11 @@ def _tokenizer(flag: Flag, out: Conversion) -> None:
 
 
 def _kv_cache_dtype(flag: Flag, out: Conversion) -> None:
-    auto = flag.value == "auto"
-    out.judged(flag, auto, "the KV cache has the model's dtype" + ("" if auto else
-               " (no quantized KV cache)"))  # fmt: skip
+    """``auto`` or the model's own dtype (``--dtype``) need nothing; another has none."""
+    dtype = out.setting("dtype")
+    same = flag.value == "auto" or (dtype is not None and DTYPES.get(flag.value) == dtype.value)
+    out.judged(flag, same, "the KV cache has the model's dtype" + ("" if same else
+               " (no quantized KV cache, none of another dtype)"))  # fmt: skip
 
 
 def _gateway_value(flag: Flag, out: Conversion) -> None:

@@ -152,6 +152,9 @@ def test_newer_flags_reach_the_fleet_file(
     (["--device-ids", "0,1"], False, "--device-ids 0,1: a worker serves a model on one device"),
     (["--api-key", "k1", "k2"], False, "--api-key: 1 more keys"),
     (["--max-model-len", "-1"], True, "--max-model-len -1: up to the model's context"),
+    (["--dtype", "half", "--kv-cache-dtype", "float16"], True, "--kv-cache-dtype float16: the"),
+    (["--kv-cache-dtype", "bfloat16"], False, "--kv-cache-dtype bfloat16: the KV cache has"),
+    (["--kv-cache-dtype", "fp8"], False, "--kv-cache-dtype fp8: the KV cache has the model's"),
 ])  # fmt: skip
 def test_flags_needing_nothing_or_without_equivalent_are_listed_with_why(
     tmp_path: Path, flags: list[str], needless: bool, listed: str
