@@ -3,6 +3,7 @@ of vLLM 0.34.0 (``EngineArgs.add_cli_args`` and the config dataclasses it expand
 ``entrypoints/common/cli_args.py``'s ``FrontendArgs`` and ``make_arg_parser``), so a command
 line is split into flags as vLLM splits it. What each flag means for a fleet is
 :mod:`.vllm_flags`'s, and a test checks that every flag here has a meaning there.
+``tools/vllm_catalog.py`` compares it with the parser of the vLLM installed where it runs.
 """
 
 from __future__ import annotations
