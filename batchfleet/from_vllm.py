@@ -19,18 +19,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .vllm_args import SECRETS, Flag, ServeArgs, VllmArgsError, read_serve
+from .vllm_args import SECRETS, Flag, ServeArgs, VllmArgsError, long_name, read_serve
+from .vllm_conversion import Conversion, Line
 from .vllm_flags import (
     HANDLERS,
-    NEEDLESS,
-    UNSUPPORTED,
-    Conversion,
-    Line,
     SimpleOption,
     generation_defaults,
+    judgement,
     lengths,
+    rank,
     simple_options,
 )
+from .vllm_scheduling import speculative
 
 ENV_SWITCHES = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "--allow-runtime-lora-updating",
                 "VLLM_SERVER_DEV_MODE": "--server-dev-mode"}  # fmt: skip
@@ -45,7 +45,7 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
     """``argv`` (a ``vllm serve`` command line, ``env`` its environment) converted; a
     :class:`ConversionError` where it names no model or a value would not start."""
     try:
-        serve = read_serve(argv, {*simple_options(), *HANDLERS, *NEEDLESS, *UNSUPPORTED})
+        serve = read_serve(argv)
     except VllmArgsError as exc:
         raise ConversionError(str(exc)) from None
     if not serve.model:
@@ -54,11 +54,15 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
     out = Conversion(_model_name(serve, flags))
     _model_path(serve.model, flags, out)
     simple = simple_options()
-    for flag in sorted(flags.values(), key=lambda f: f.name != "--dtype"):  # dtype sizes KV
+    for flag in sorted(flags.values(), key=rank):
         try:
             _one(flag, out, simple)
         except (ValueError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{flag.shown()}: {exc}") from None
+    try:
+        speculative(out)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     lengths(out)
     generation_defaults("--generation-config" in flags, out)
     _environment(env or {}, out)
@@ -72,8 +76,8 @@ def _one(flag: Flag, out: Conversion, simple: Mapping[str, SimpleOption]) -> Non
         out.option(flag, key, kind(flag.value))
     elif name in HANDLERS:
         HANDLERS[name](flag, out)
-    elif name in NEEDLESS or name in UNSUPPORTED:
-        out.judged(flag, name in NEEDLESS, NEEDLESS.get(name) or UNSUPPORTED[name])
+    elif (judged := judgement(name)) is not None:
+        out.judged(flag, *judged)
     else:
         out.unknown.append(flag.shown())
 
@@ -133,6 +137,8 @@ def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
         out += ["", f"[models.{_key(conv.name)}.options.lora_adapters]"]
         out += map(_line, conv.adapters)
     out += ["", f"[models.{_key(conv.name)}.limits]", *map(_line, conv.limits)]
+    if conv.worker:
+        out += ["", "[worker]", *map(_line, conv.worker)]
     for title, items in (("Nothing needed here", conv.needless),
                          ("No equivalent (not carried over)", conv.unsupported),
                          ("Unknown to from-vllm (dropped: --keep-going)", conv.unknown)):  # fmt: skip
@@ -142,14 +148,17 @@ def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
 
 
 def _redacted(argv: Sequence[str]) -> list[str]:
-    """``argv`` without secrets' values."""
+    """``argv`` without secrets' values (each value of ``--api-key k1 k2``)."""
     out = list(argv)
+    hiding = False
     for i, arg in enumerate(out):
+        if hiding and not arg.startswith("-"):
+            out[i] = "***"
+            continue
         name, eq, _ = arg.partition("=")
-        if name in SECRETS and eq:
+        hiding = long_name(name) in SECRETS and not eq
+        if long_name(name) in SECRETS and eq:
             out[i] = f"{name}=***"
-        elif name in SECRETS and i + 1 < len(out):
-            out[i + 1] = "***"
     return out
 
 

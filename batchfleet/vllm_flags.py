@@ -1,18 +1,21 @@
 """vLLM's ``serve`` flags as a fleet sees them: what each becomes (a model setting or
-option, a gateway flag), those that need nothing here, and those with no equivalent (and
-why), into a :class:`Conversion` that :mod:`.from_vllm` writes as a fleet file.
+option, a gateway flag: the handlers here and :mod:`.vllm_scheduling`'s), or why it needs
+nothing here or has no equivalent (:mod:`.vllm_engine_flags`, :mod:`.vllm_server_flags`),
+into a :class:`Conversion` that :mod:`.from_vllm` writes as a fleet file.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import vllm_engine_flags, vllm_server_flags
 from .vllm_args import Flag
+from .vllm_catalog import OFF
+from .vllm_conversion import Conversion, Line, count, token_count
+from .vllm_scheduling import SCHEDULING
 
 MAX_LORA_RANK = 512  # worker.generation.lora.MAX_RANK (not imported: it imports torch)
 MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
@@ -27,147 +30,46 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
           "float": "float32", "float32": "float32"}  # fmt: skip
 """vLLM's ``--dtype`` values and the fleet's."""
 
+NEEDLESS = {**vllm_engine_flags.NEEDLESS, **vllm_server_flags.NEEDLESS}
+"""Flags that change nothing here, and why."""
+UNSUPPORTED = {**vllm_engine_flags.UNSUPPORTED, **vllm_server_flags.UNSUPPORTED}
+"""Flags with no equivalent here, and why."""
+BY_VALUE = {**vllm_engine_flags.BY_VALUE, **vllm_server_flags.BY_VALUE}
+"""Flags whose values in the first part change nothing here (the second part says why),
+the others having no equivalent (the third part says why)."""
 
-def _count(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise ValueError(f"{value} is not a positive integer")
-    return n
+ORDER = {"--dtype": -3, "--block-size": -2, "--speculative-config": -1,
+         "--num-gpu-blocks-override": 1, "--max-num-active-seqs": 1}  # fmt: skip
+"""Flags read before the others (what those use: the dtype sizes a KV token) or after
+(what overrides another: vLLM's block count over its KV bytes)."""
+
+
+def rank(flag: Flag) -> int:
+    """Where ``flag`` is read among the others (a sort key: see :data:`ORDER`)."""
+    return ORDER.get(flag.name, 0)
 
 
 def simple_options() -> dict[str, SimpleOption]:
     """Flags that set one text-generation option."""
     return {
-        "--max-num-seqs": ("max_running", _count),
-        "--max-num-batched-tokens": ("step_tokens", _count),
-        "--block-size": ("page_size", _count),
-        "--max-loras": ("max_loras", _count),
+        "--max-num-seqs": ("max_running", count),
+        "--max-num-batched-tokens": ("step_tokens", token_count),
+        "--block-size": ("page_size", count),
+        "--max-loras": ("max_loras", count),
     }
 
 
-NEEDLESS = {
-    "--enable-prefix-caching": "prefix caching is on by default (prefix_cache_tokens, the "
-    "padded engine)",
-    "--enforce-eager": "steps run eagerly by default (options.cuda_graphs: the paged engine only)",
-    "--enable-auto-tool-choice": 'tool_choice "auto" is served where tool_call_parser is set',
-    "--enable-lora": "LoRA adapters are served where lora_adapters (or a runtime load) name them",
-    "--enable-chunked-prefill": "prompts are always prefilled in chunks of step_tokens",
-    "--async-scheduling": "each step is planned while the one before runs "
-    "(options.schedule_ahead, on by default)",
-    "--disable-log-requests": "vLLM's per-request log lines have no counterpart here",
-    "--enable-log-requests": "requests are followed by id: batchfleet trace MODEL ID",
-    "--disable-log-stats": "statistics are Prometheus metrics, not periodic log lines",
-    "--uvicorn-log-level": "the gateway is not uvicorn; its log level is the CLI's (INFO)",
-    "--disable-uvicorn-access-log": "the gateway is not uvicorn (no access log)",
-    "--disable-fastapi-docs": "the gateway serves no OpenAPI docs pages",
-    "--disable-frontend-multiprocessing": "the gateway is one process apart from the workers",
-    "--api-server-count": "run more gateways: any of them serves any request",
-    "--load-format": "weights load through transformers (safetensors, else PyTorch files)",
-    "--download-dir": "the fleet loads local directories; nothing is downloaded",
-    "--hf-token": "the fleet loads local directories; nothing is downloaded",
-    "--max-log-len": "the gateway does not log prompts",
-    "--use-tqdm-on-load": "no progress bar is shown while weights load",
-    "--no-use-tqdm-on-load": "no progress bar is shown while weights load",
-    "--swap-space": "preempted requests are recomputed, never swapped to the CPU",
-    "--enable-server-load-tracking": "the gateway's metrics show the requests in flight",
-}
-"""Flags that change nothing here, and why (a comment in the fleet file)."""
-
-UNSUPPORTED = {
-    "--gpu-memory-utilization": "no faithful conversion of a memory fraction: the KV cache "
-    "is sized in tokens (options.kv_cache_tokens, default 16384; the 'GPU KV cache size: N "
-    "tokens' of vLLM's startup log is the number to set)",
-    "--trust-remote-code": "the worker loads only architectures transformers ships",
-    "--chat-template": "the tokenizer's own chat template is used: put the template in "
-    "the model directory (chat_template.jinja)",
-    "--chat-template-content-format": "messages' content is passed as the template takes it",
-    "--seed": "no fleet-wide seed: a request's seed field seeds its sampling",
-    "--revision": "the fleet loads a local directory: download that revision there",
-    "--tokenizer-revision": "the tokenizer is the model directory's",
-    "--code-revision": "no remote code is run",
-    "--tokenizer-mode": "the model directory's (fast) tokenizer is used",
-    "--max-cpu-loras": "adapters are all kept on the device (options.max_loras)",
-    "--enable-lora-bias": "LoRA adapters with biases are not served",
-    "--fully-sharded-loras": "no tensor parallelism: nothing to shard",
-    "--lora-dtype": "adapters take the model's dtype",
-    "--enable-expert-parallel": "a worker serves a model on one device",
-    "--cpu-offload-gb": "the model's weights stay on its device",
-    "--enable-sleep-mode": "no sleep mode: drain and stop a worker instead",
-    "--kv-transfer-config": "no disaggregated prefill: a worker prefills and decodes",
-    "--kv-events-config": "KV-cache events are not published",
-    "--compilation-config": "no torch.compile or vLLM compilation config",
-    "--rope-scaling": "the model's config.json is used as it is: edit it there",
-    "--hf-overrides": "the model's config.json is used as it is: edit it there",
-    "--root-path": "the gateway serves at the root: strip a prefix in a proxy",
-    "--ssl-keyfile": "the gateway speaks plain HTTP: terminate TLS in front of it",
-    "--ssl-certfile": "the gateway speaks plain HTTP: terminate TLS in front of it",
-    "--ssl-ca-certs": "the gateway speaks plain HTTP: terminate TLS in front of it",
-    "--allowed-origins": "no CORS headers: add them in a proxy",
-    "--allowed-methods": "no CORS headers: add them in a proxy",
-    "--allowed-headers": "no CORS headers: add them in a proxy",
-    "--allow-credentials": "no CORS headers: add them in a proxy",
-    "--middleware": "the gateway takes no ASGI middleware",
-    "--tool-parser-plugin": "tool parsers are the fleet's built-in ones",
-    "--reasoning-parser-plugin": "reasoning parsers are the fleet's built-in ones",
-    "--limit-mm-per-prompt": "text generation takes text only",
-    "--distributed-executor-backend": "a worker serves a model on one device",
-    "--num-gpu-blocks-override": "the KV cache is sized in tokens (options.kv_cache_tokens)",
-    "--max-seq-len-to-capture": "no CUDA graphs of the padded engine",
-    "--enable-prompt-embeds": "prompts are text or token ids",
-    "--skip-tokenizer-init": "the worker detokenizes what it generates",
-    "--headless": "a worker has no HTTP front; the gateway is a separate process",
-}
-"""Flags with no equivalent here, and why (listed; the fleet file goes on without them)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Line:
-    """One ``key = value`` of the fleet file and the vLLM flag it came from."""
-
-    key: str
-    value: Any
-    source: str
-
-
-@dataclass(slots=True)
-class Conversion:
-    """What a ``vllm serve`` command line becomes."""
-
-    name: str
-    model: list[Line] = field(default_factory=list)
-    options: list[Line] = field(default_factory=list)
-    adapters: list[Line] = field(default_factory=list)
-    limits: list[Line] = field(default_factory=list)
-    gateway: list[tuple[str, ...]] = field(default_factory=list)
-    needless: list[str] = field(default_factory=list)
-    """``flag: why nothing is needed``."""
-    unsupported: list[str] = field(default_factory=list)
-    """``flag: why it has no equivalent``."""
-    unknown: list[str] = field(default_factory=list)
-
-    def option(self, flag: Flag, key: str, value: Any) -> None:
-        self.options = [ln for ln in self.options if ln.key != key]
-        self.options.append(Line(key, value, flag.shown()))
-
-    def judged(self, flag: Flag, needless: bool, why: str) -> None:
-        """``flag`` listed as needing nothing here (``needless``) or as having no
-        equivalent, with ``why``."""
-        (self.needless if needless else self.unsupported).append(f"{flag.shown()}: {why}")
-
-    def gateway_command(self, fleet_path: str, *, secret: bool) -> str:
-        """The ``batchfleet gateway`` command; without ``secret``, an API key is left to
-        ``$BATCHFLEET_API_KEY`` (a fleet file is no place for it)."""
-        argv = ["batchfleet", "gateway", "--config", fleet_path]
-        hidden = False
-        for args in self.gateway:
-            if args[0] == "--api-key" and not secret:
-                hidden = True
-            else:
-                argv += args
-        return shlex.join(argv) + (_ENV_KEY if hidden else "")
-
-
-_ENV_KEY = "  # and BATCHFLEET_API_KEY=<vLLM's --api-key> in its environment"
+def judgement(name: str) -> tuple[bool, str] | None:
+    """Whether flag ``name`` needs nothing here (True) or has no equivalent (False), and
+    why; None where neither (a flag that becomes a setting, or one not known). A switch's
+    off form not listed needs nothing where its switch has no equivalent (the fleet does
+    not do it either), and is judged as its switch where that needs nothing."""
+    if name in NEEDLESS or name in UNSUPPORTED:
+        return name in NEEDLESS, NEEDLESS.get(name) or UNSUPPORTED[name]
+    on = OFF.get(name, "")
+    if on in UNSUPPORTED:
+        return True, f"{on} is off, as here ({UNSUPPORTED[on]})"
+    return (True, NEEDLESS[on]) if on in NEEDLESS else None
 
 
 def _dtype(flag: Flag, out: Conversion) -> None:
@@ -177,7 +79,10 @@ def _dtype(flag: Flag, out: Conversion) -> None:
 
 
 def _max_model_len(flag: Flag, out: Conversion) -> None:
-    n = _count(flag.value)
+    if flag.value.strip().lower() in ("auto", "-1"):  # vLLM: as long as the KV cache fits
+        out.judged(flag, True, "up to the model's context, as here")
+        return
+    n = token_count(flag.value)
     prompt = min(n - 1, MAX_TOKENS)
     why = "prompts longer are refused, as vLLM's; a sequence's whole length is bounded by " \
           "the model's positions and kv_cache_tokens"  # fmt: skip
@@ -213,16 +118,6 @@ def _prefix_off(flag: Flag, out: Conversion) -> None:
     out.option(flag, "prefix_cache_tokens", 0)
 
 
-def _speculative(flag: Flag, out: Conversion) -> None:
-    raw = json.loads(flag.value)
-    if not isinstance(raw, dict):
-        raise ValueError("a JSON object")
-    from .worker.generation.speculative import parse
-
-    parse(raw)  # a ValueError names what the fleet does not take (method, keys)
-    out.option(flag, "speculative", raw)
-
-
 def _reasoning_config(flag: Flag, out: Conversion) -> None:
     raw = json.loads(flag.value)
     from .worker.generation.think_budget import markers
@@ -239,12 +134,30 @@ def _tool_parser(flag: Flag, out: Conversion) -> None:
     out.option(flag, "tool_call_parser", flag.value)
 
 
-def _reasoning_parser(flag: Flag, out: Conversion) -> None:
+def _reasoning_parser(flag: Flag, out: Conversion, parser: str | None = None) -> None:
     from .worker.generation.reasoning import REASONING_PARSERS
 
-    if flag.value not in REASONING_PARSERS:
+    parser = flag.value if parser is None else parser
+    if parser not in REASONING_PARSERS:
         raise ValueError(f"the fleet splits {', '.join(REASONING_PARSERS)}")
-    out.option(flag, "reasoning_parser", flag.value)
+    out.option(flag, "reasoning_parser", parser)
+
+
+def _structured_outputs(flag: Flag, out: Conversion) -> None:
+    """vLLM's ``StructuredOutputsConfig`` JSON: its ``reasoning_parser`` as the flag's;
+    its ``backend``: the worker's own grammar engine; any other key: listed."""
+    raw = json.loads(flag.value)
+    if not isinstance(raw, dict):
+        raise ValueError("a JSON object")
+    for key, value in raw.items():
+        if key == "reasoning_parser" and value:
+            _reasoning_parser(flag, out, str(value))
+        elif key in ("backend", "reasoning_parser"):
+            out.needless.append(f"{flag.name} {key}: structured outputs are constrained by "
+                                "the worker's own grammar engine")  # fmt: skip
+        else:
+            out.unsupported.append(f"{flag.name} {key}: structured outputs are constrained "
+                                   "by the worker's own grammar engine, as it is")  # fmt: skip
 
 
 def _lora_modules(flag: Flag, out: Conversion) -> None:
@@ -264,15 +177,15 @@ def _lora_modules(flag: Flag, out: Conversion) -> None:
 
 
 def _max_lora_rank(flag: Flag, out: Conversion) -> None:
-    rank = _count(flag.value)
-    if rank > MAX_LORA_RANK:
+    r = count(flag.value)
+    if r > MAX_LORA_RANK:
         raise ValueError(f"the fleet serves LoRA ranks up to {MAX_LORA_RANK}")
-    out.option(flag, "max_lora_rank", rank)
+    out.option(flag, "max_lora_rank", r)
 
 
 def _kv_cache_bytes(flag: Flag, out: Conversion) -> None:
     """KV-cache bytes to tokens, where the model's config.json is here to size a token."""
-    size = _count(flag.value)
+    size = token_count(flag.value)
     path = next((ln.value for ln in out.model if ln.key == "path"), "")
     per_token = _kv_bytes_per_token(Path(path), out)
     if per_token is None:
@@ -335,13 +248,13 @@ def _override_generation(flag: Flag, out: Conversion) -> None:
 
 
 def _parallel(flag: Flag, out: Conversion) -> None:
-    size = _count(flag.value)
+    size = count(flag.value)
     if size > 1 and flag.name == "--data-parallel-size":
         out.judged(flag, True, f"run {size} workers with this fleet file (each serves the "
                    "model; requests are shared through Redis)")  # fmt: skip
     else:
         out.judged(flag, size == 1, "one device per worker, as here" if size == 1 else
-                   "a worker serves a model on one device (no tensor or pipeline "
+                   "a worker serves a model on one device (no tensor, pipeline or context "
                    "parallelism); more workers add replicas")  # fmt: skip
 
 
@@ -360,9 +273,11 @@ def _tokenizer(flag: Flag, out: Conversion) -> None:
 
 
 def _kv_cache_dtype(flag: Flag, out: Conversion) -> None:
-    auto = flag.value == "auto"
-    out.judged(flag, auto, "the KV cache has the model's dtype" + ("" if auto else
-               " (no quantized KV cache)"))  # fmt: skip
+    """``auto`` or the model's own dtype (``--dtype``) need nothing; another has none."""
+    dtype = out.setting("dtype")
+    same = flag.value == "auto" or (dtype is not None and DTYPES.get(flag.value) == dtype.value)
+    out.judged(flag, same, "the KV cache has the model's dtype" + ("" if same else
+               " (no quantized KV cache, none of another dtype)"))  # fmt: skip
 
 
 def _gateway_value(flag: Flag, out: Conversion) -> None:
@@ -371,21 +286,42 @@ def _gateway_value(flag: Flag, out: Conversion) -> None:
     out.gateway.append((flag.name, flag.value))
 
 
+def _api_keys(flag: Flag, out: Conversion) -> None:
+    """vLLM takes several keys; the gateway one (the first)."""
+    out.gateway.append((flag.name, flag.values[0]))
+    if len(flag.values) > 1:
+        out.unsupported.append(f"--api-key: {len(flag.values) - 1} more keys: the gateway "
+                               "takes one (the first)")  # fmt: skip
+
+
 def _gateway_switch(flag: Flag, out: Conversion) -> None:
     out.gateway.append((flag.name,))
 
 
-HANDLERS = {
+def _by_value(flag: Flag, out: Conversion) -> None:
+    """:data:`BY_VALUE`'s flags: some values need nothing here, the others have no
+    equivalent."""
+    values, needless_why, unsupported_why = BY_VALUE[flag.name]
+    out.judged(flag, flag.value in values, needless_why if flag.value in values else
+               unsupported_why)  # fmt: skip
+
+
+HANDLERS: dict[str, Callable[[Flag, Conversion], None]] = {
     "--dtype": _dtype, "--max-model-len": _max_model_len,
     "--served-model-name": _served_names, "--no-enable-prefix-caching": _prefix_off,
-    "--speculative-config": _speculative, "--reasoning-config": _reasoning_config,
+    "--disable-prefix-caching": _prefix_off, "--reasoning-config": _reasoning_config,
     "--tool-call-parser": _tool_parser, "--reasoning-parser": _reasoning_parser,
+    "--structured-outputs-config": _structured_outputs,
     "--lora-modules": _lora_modules, "--max-lora-rank": _max_lora_rank,
     "--kv-cache-memory-bytes": _kv_cache_bytes, "--kv-cache-memory": _kv_cache_bytes,
     "--generation-config": _generation_config,
     "--override-generation-config": _override_generation,
     "--tensor-parallel-size": _parallel, "--pipeline-parallel-size": _parallel,
-    "--data-parallel-size": _parallel, "--quantization": _quantization,
-    "--tokenizer": _tokenizer, "--kv-cache-dtype": _kv_cache_dtype, "--host": _gateway_value, "--port": _gateway_value,
-    "--api-key": _gateway_value, "--return-tokens-as-token-ids": _gateway_switch,
+    "--data-parallel-size": _parallel, "--decode-context-parallel-size": _parallel,
+    "--prefill-context-parallel-size": _parallel, "--quantization": _quantization,
+    "--tokenizer": _tokenizer, "--kv-cache-dtype": _kv_cache_dtype, "--host": _gateway_value,
+    "--port": _gateway_value, "--api-key": _api_keys,
+    "--return-tokens-as-token-ids": _gateway_switch,
+    **dict.fromkeys(BY_VALUE, _by_value), **SCHEDULING,
 }  # fmt: skip
+"""Flags that become settings (or are judged by their value), and how."""

@@ -16,24 +16,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from vllm_commands import run, started_runner
+
 from batchfleet import cli
 from batchfleet.config import load_config
-from batchfleet.from_vllm import from_vllm
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
-
-
-def run(tmp_path: Path, argv: list[str], env: dict[str, str] | None = None,
-        keep_going: bool = False) -> tuple[int, dict[str, Any], str, str]:  # fmt: skip
-    """from-vllm into a file: exit code, the file as TOML (and loaded by the fleet loader),
-    the gateway command's argv after ``batchfleet``, stderr."""
-    out = tmp_path / "fleet.toml"
-    code, stdout, stderr = from_vllm(argv, out=str(out), keep_going=keep_going, env=env or {})
-    if code:
-        return code, {}, "", stderr
-    load_config(out)  # as `batchfleet worker --config` would
-    gateway = next(ln for ln in stdout.splitlines() if ln.startswith("batchfleet gateway"))
-    return code, tomllib.loads(out.read_text()), gateway, stderr
 
 
 CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
@@ -248,19 +236,13 @@ def test_cli_writes_the_file_and_prints_the_commands(
 def test_the_fleet_file_starts_the_text_generation_runner(tmp_path: Path, tiny_lm: Path) -> None:
     """The options written are those the runner takes: it starts with them (tiny Llama)."""
     pytest.importorskip("torch")
-    from batchfleet.worker.runners import resolve
-
     argv = ["vllm", "serve", str(tiny_lm), "--served-model-name", "tiny", "--dtype", "float32",
             "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
             "--block-size", "16", "--kv-cache-memory-bytes", str(2048 * 1024),
             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
             "--speculative-config", SPEC, "--override-generation-config",
             '{"max_new_tokens": 64, "temperature": 0.7}']  # fmt: skip
-    code, _, _, stderr = run(tmp_path, argv)
-    assert code == 0, stderr
-    cfg = load_config(tmp_path / "fleet.toml").models["tiny"]
-    runner = resolve(cfg.runner)(cfg.resolved_path(), device="cpu", dtype=cfg.dtype,
-                                 max_tokens=cfg.max_tokens, options=cfg.options)  # fmt: skip
+    runner, cfg = started_runner(tmp_path, argv, "tiny")
     assert (runner.max_running, runner.step_tokens, runner.page_size) == (8, 64, 16)
     assert runner.max_prompt_tokens == 511 and cfg.limits.max_new_tokens == 511
     assert runner.tool_call_parser == "hermes" and runner.reasoning_parser == "qwen3"
