@@ -118,6 +118,53 @@ def _greedy(model: Any, context: list[int], n: int) -> list[int]:
     return tokens[len(context) :]
 
 
+class _Watch:
+    """A draft proposer's proposals, forwards (the tokens each row held after one, and
+    its logits) and the context tokens each call ran, kept as it runs."""
+
+    def __init__(self, draft: DraftProposer, prompt: int = 0) -> None:
+        self.draft, self.prompt = draft, prompt
+        self.proposed: list[tuple[list[int], list[int]]] = []
+        self.forwards: list[tuple[list[int], Any]] = []
+        self.pieces: list[int] = []
+        self.ran = 0
+        """Tokens run at positions before ``prompt``."""
+        self._calls = draft.propose, draft._forward, draft._first
+        draft.propose, draft._forward, draft._first = self.propose, self.forward, self.first  # type: ignore[method-assign]
+
+    def propose(self, rows: Any, budget: int) -> list[list[int]]:
+        out = self._calls[0](rows, budget)
+        self.proposed.extend((list(c), d) for (_, c, _), d in zip(rows, out, strict=True) if d)
+        return out
+
+    def forward(self, feed: dict[int, int], chunks: dict[int, list[int]]) -> Any:
+        logits = self._calls[1](feed, chunks)
+        held, rows = self.draft._held, len(self.draft._held)
+        self.forwards.extend((list(held[row]), logits[row].clone()) for row in feed)
+        self.forwards.extend((list(held[row]), logits[rows + i].clone())
+                             for i, row in enumerate(chunks))  # fmt: skip
+        return logits
+
+    def first(self, pieces: dict[int, list[int]], asking: list[int]) -> list[int]:
+        for row, piece in pieces.items():
+            held = len(self.draft._held[row])
+            self.pieces.append(len(piece))
+            self.ran += max(0, min(held + len(piece), self.prompt) - held)
+        return self._calls[2](pieces, asking)  # type: ignore[no-any-return]
+
+    def check(self) -> None:
+        """Every proposal is what the draft model alone says after that context, from
+        scratch, and so is every forward's last logits: its cache held exactly the tokens
+        it ran after."""
+        model = self.draft.model
+        with torch.inference_mode():
+            for tokens, logits in self.forwards:
+                alone = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+                torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+            for context, drafts in self.proposed:
+                assert drafts == _greedy(model, context, len(drafts)), context
+
+
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
 def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     lean: bool, target: Any, dirs: dict[str, Path]
@@ -125,45 +172,16 @@ def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
     # Given: a draft the target often overrules, each of its proposals and forwards kept
     draft = _proposer(dirs["small"], k=4, chunk=8, lean=lean)
     assert (draft.lean is not None) == lean
-    proposed: list[tuple[list[int], list[int]]] = []
-    forwards: list[tuple[list[int], Any]] = []
-    pieces: list[int] = []
-    propose, forward, first = draft.propose, draft._forward, draft._first
-
-    def kept(rows: Any, budget: int) -> list[list[int]]:
-        out = propose(rows, budget)
-        proposed.extend((list(c), d) for (_, c, _), d in zip(rows, out, strict=True))
-        return out
-
-    def ran(feed: dict[int, int], chunks: dict[int, list[int]]) -> Any:
-        logits = forward(feed, chunks)
-        rows = len(draft._held)
-        forwards.extend((list(draft._held[row]), logits[row].clone()) for row in feed)
-        forwards.extend((list(draft._held[row]), logits[rows + i].clone())
-                        for i, row in enumerate(chunks))  # fmt: skip
-        return logits
-
-    def lined_up(run: dict[int, list[int]], asking: list[int]) -> list[int]:
-        pieces.extend(map(len, run.values()))
-        return first(run, asking)
-
-    draft.propose, draft._forward, draft._first = kept, ran, lined_up  # type: ignore[method-assign]
+    watch = _Watch(draft)
     engine = _engine(target, draft, True, [EOS])
     # When: sequences run with it
     _run(engine, _seqs(6, seed=7))
-    # Then: every proposal is what the draft model alone says after that context, from
-    # scratch, and so is every forward's last logits: its cache held exactly the tokens
-    # it ran after, whatever the target rejected
+    # Then: every proposal and forward is the draft's own from scratch, whatever the
+    # target rejected
     assert sum(engine.accepted) < engine.drafted[1]
-    made = [(c, d) for c, d in proposed if d]
-    assert len(made) > 20 and len(forwards) > 60
-    assert max(pieces) == 8  # prompts go in 8 tokens a step at most
-    with torch.inference_mode():
-        for tokens, logits in forwards:
-            alone = draft.model(input_ids=torch.tensor([tokens])).logits[0, -1]
-            torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
-        for context, drafts in made:
-            assert drafts == _greedy(draft.model, context, len(drafts)), context
+    assert len(watch.proposed) > 20 and len(watch.forwards) > 60
+    assert max(watch.pieces) == 8  # prompts go in 8 tokens a step at most
+    watch.check()
 
 
 @pytest.mark.parametrize("row_attention", [True, False], ids=["row-kernel", "sdpa"])
@@ -190,7 +208,7 @@ def test_the_lean_forward_proposes_what_transformers_forwards_propose(
         got = lean.propose(rows, budget)
         # Then: the same drafts
         assert got == plain.propose(rows, budget), call
-        for (name, c, _), d in zip(rows, got, strict=True):
+        for (_, c, _), d in zip(rows, got, strict=True):
             kept = rng.randint(0, len(d))
             made += len(d) > 0
             cut += kept < len(d) - 1
@@ -211,25 +229,17 @@ def test_n_completions_run_their_prompt_through_the_draft_once(
     # forward of the draft runs are counted
     prompt = [random.Random(2).randrange(3, 400) for _ in range(45)]
     draft = _proposer(dirs["small"], k=3, chunk=8)
-    ran: list[int] = []
-    first = draft._first
-
-    def counted(pieces: dict[int, list[int]], asking: list[int]) -> list[int]:
-        for row, piece in pieces.items():
-            held = len(draft._held[row])
-            ran.append(max(0, min(held + len(piece), len(prompt)) - held))
-        return first(pieces, asking)
-
-    draft._first = counted  # type: ignore[method-assign]
+    watch = _Watch(draft, len(prompt))
     engine = _engine(target, draft, True, [EOS])
     # When: they run, the fourth added three steps after the first three
     got = run(engine, {0: [(n, prompt, 20) for n in "abc"], 3: [("d", prompt, 20)]})
     # Then: each is the greedy text of n = 1, and the prompt went into the draft's cache
     # once: the other rows took it from that row's cache (the twins as it went in, with
-    # the greedy tokens they share)
+    # the greedy tokens they share), and propose from it what the draft alone says
     assert got == dict.fromkeys("abcd", generate(target, prompt, 20))
-    assert sum(ran) == len(prompt) and draft.shared > 3 * len(prompt)
-    assert sum(engine.accepted) > 0
+    assert watch.ran == len(prompt) and draft.shared > 3 * len(prompt)
+    assert sum(engine.accepted) > 0 and len(watch.proposed) > 10
+    watch.check()
 
 
 def test_sampled_rows_with_a_draft_repeat_with_their_seed(
