@@ -388,6 +388,7 @@ def test_the_runner_s_answers_are_those_without_speculation(dirs: dict[str, Path
     assert info["speculative"] == {"method": "draft_model", "model": str(dirs["small"]),
                                    "num_speculative_tokens": 3}  # fmt: skip
     assert info["draft_kv_tokens"] == 0 and info["spec_decode_accepted_tokens"] > 0
+    assert info["draft_prefill_tokens"] > 0 and info["draft_prefill_shared_tokens"] >= 0
 
 
 def test_no_draft_goes_past_the_draft_model_s_context(dirs: dict[str, Path]) -> None:

@@ -11,16 +11,26 @@ Its KV cache is a padded batch like the engine's (:class:`.padded.SlotLayer`): b
 of are kept beside it. Each proposal first lines a row up with its context: it keeps the
 longest prefix of the tokens it holds that the context starts with (the drafts the target
 accepted stay; those it rejected, and the last draft's column, are cut off: only the
-count changes, later writes go over them), then runs the rest of the context but its last
-token row by row (the prompt when the sequence first proposes, in chunks of at most
-``chunk`` tokens a step, proposing nothing until it is in; afterwards none, or the last
-draft when all were accepted) into a view of its buffer row. Then ``k`` forwards of the
-whole buffer, one token a row each at the row's own column under a padding mask, give
-every row's drafts at once: the first takes each row's last context token, the next ones
-the draft before. Rows that draft fewer (or none: not asked, out of budget) write a stand-in
-past what they hold, which is never counted. Tracking the tokens, not counts, keeps a row
-right whatever happened since (a sequence added again with other tokens, a stop token
-among the drafts). A row leaving moves the last row into its hole (one row copied).
+count changes, later writes go over them); the rest of the context (the prompt when the
+sequence first proposes, in chunks of at most ``chunk`` tokens a step, proposing nothing
+until it is in; afterwards the row's last token, or the last draft and it when all were
+accepted) runs in the first of ``k`` forwards of the whole buffer, whose logits at the
+context's last token give the first draft; the next forwards take one token a row (the
+draft before) at the row's own column, under a padding mask. Rows that draft fewer (or
+none: not asked, out of budget) write a stand-in past what they hold, which is never
+counted. Tracking the tokens, not counts, keeps a row right whatever happened since (a
+sequence added again with other tokens, a stop token among the drafts). A row leaving
+moves the last row into its hole (one row copied).
+
+The forwards: for the Llama-family layers :mod:`.lean_decode` knows, its lean forward
+(no transformers module stack; the first forward runs the rows' longer rests as prefill
+chunks beside the one-token rows, so lining up costs no forward of its own); else
+transformers' forwards, which run each row's rest but its last token alone first. Both
+give the same drafts (the same argmax; tested). A row with much of its context to run (a
+new sequence's prompt) first takes the longest prefix of it that another row holds, by
+copying those columns (a request's ``n`` completions, the same prompt sent again): where
+that row is running it in this proposal, the copy waits for it and the row proposes
+nothing this time, so the prompt goes through the draft once.
 
 Memory: a row holds at most its context plus ``k - 1`` drafts, and the engine asks for no
 more drafts than the row may still generate, so it never holds more tokens than the

@@ -1620,7 +1620,8 @@ class TextGenerationRunner:
         out: dict[str, Any] = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
         if e.speculative is not None:
             if isinstance(draft := e.speculative, DraftProposer):
-                out["draft_kv_tokens"] = draft.tokens
+                out.update(draft_kv_tokens=draft.tokens, draft_prefill_tokens=draft.prefilled,
+                           draft_prefill_shared_tokens=draft.shared)  # fmt: skip
             out.update(speculative=e.speculative.settings(),
                        spec_decode_drafts=e.drafted[0], spec_decode_draft_tokens=e.drafted[1],
                        spec_decode_accepted_tokens=sum(e.accepted))  # fmt: skip
