@@ -259,7 +259,10 @@ class DraftProposer:
         ``asking`` (its piece ends with its context's last token). The lean forward runs
         them all at once (a one-token piece as the row's decode token, the others as
         prefill chunks); transformers' forwards prefill the pieces row by row, all but an
-        asking row's last token, which the first decode forward takes."""
+        asking row's last token, which the first decode forward takes. Where at least half
+        the rows run two tokens (the last draft and the row's token: all were accepted),
+        the lean forward runs the first of them as one decode forward more: cheaper than as
+        that many chunks."""
         if self.lean is None:
             ask = set(asking)
             for row, piece in pieces.items():
@@ -267,6 +270,10 @@ class DraftProposer:
             feed = {row: pieces[row][-1] for row in asking}
             picked = self._forward(feed, {}).argmax(-1).tolist()
             return [picked[row] for row in asking]
+        pairs = [row for row in asking if len(pieces[row]) == 2]  # (all drafts accepted)
+        if 2 * len(pairs) >= len(self._held):  # one more decode costs less than the chunks
+            self._forward({row: pieces[row][0] for row in pairs}, {})
+            pieces = {**pieces, **{row: pieces[row][1:] for row in pairs}}
         feed = {row: pieces[row][0] for row in asking if len(pieces[row]) == 1}
         chunks = {row: piece for row, piece in pieces.items() if row not in feed}
         logits = self._forward(feed, chunks)
