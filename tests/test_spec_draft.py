@@ -139,7 +139,7 @@ class _Watch:
 
     def forward(self, feed: dict[int, int], chunks: dict[int, list[int]]) -> Any:
         logits = self._calls[1](feed, chunks)
-        held, rows = self.draft._held, len(self.draft._held)
+        held, rows = self.draft._held, logits.shape[0] - len(chunks)
         self.forwards.extend((list(held[row]), logits[row].clone()) for row in feed)
         self.forwards.extend((list(held[row]), logits[rows + i].clone())
                              for i, row in enumerate(chunks))  # fmt: skip

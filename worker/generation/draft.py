@@ -260,9 +260,9 @@ class DraftProposer:
         them all at once (a one-token piece as the row's decode token, the others as
         prefill chunks); transformers' forwards prefill the pieces row by row, all but an
         asking row's last token, which the first decode forward takes. Where at least half
-        the rows run two tokens (the last draft and the row's token: all were accepted),
-        the lean forward runs the first of them as one decode forward more: cheaper than as
-        that many chunks."""
+        the rows (and four) run two tokens (the last draft and the row's token: all were
+        accepted), the lean forward runs the first of them as one decode forward more:
+        cheaper than as that many chunks."""
         if self.lean is None:
             ask = set(asking)
             for row, piece in pieces.items():
@@ -271,13 +271,13 @@ class DraftProposer:
             picked = self._forward(feed, {}).argmax(-1).tolist()
             return [picked[row] for row in asking]
         pairs = [row for row in asking if len(pieces[row]) == 2]  # (all drafts accepted)
-        if 2 * len(pairs) >= len(self._held):  # one more decode costs less than the chunks
+        if len(pairs) >= 4 and 2 * len(pairs) >= len(self._held):  # costs less than chunks
             self._forward({row: pieces[row][0] for row in pairs}, {})
             pieces = {**pieces, **{row: pieces[row][1:] for row in pairs}}
         feed = {row: pieces[row][0] for row in asking if len(pieces[row]) == 1}
         chunks = {row: piece for row, piece in pieces.items() if row not in feed}
         logits = self._forward(feed, chunks)
-        at = {row: len(self._held) + i for i, row in enumerate(chunks)}
+        at = {row: logits.shape[0] - len(chunks) + i for i, row in enumerate(chunks)}
         picked = logits[[at.get(row, row) for row in asking]].argmax(-1).tolist()
         return [int(t) for t in picked]
 
@@ -339,8 +339,9 @@ class DraftProposer:
         """One forward of every buffer row: the rows in ``feed`` take their token after
         what they hold, the others a stand-in past it (never counted as held); with the
         lean forward, ``chunks`` (per row, tokens after what it holds) run in it too (a
-        chunk's row writes its stand-in where its chunk then goes). The logits of every
-        buffer row, then of each chunk's last token."""
+        chunk's row writes its stand-in where its chunk then goes; with no ``feed``, the
+        chunks alone run). The logits of every buffer row that ran, then of each chunk's
+        last token."""
         lengths = [len(h) for h in self._held]
         self._reserve(
             max([n + 1 for n in lengths] + [lengths[r] + len(c) for r, c in chunks.items()])
@@ -358,7 +359,10 @@ class DraftProposer:
         else:
             padding = None if self.row_attention else padding_mask(columns, st.width)
             parts = [Chunk(c, lengths[row], self._view(row)) for row, c in chunks.items()]
-            logits = self._lean(ids, at, np.asarray(lengths, dtype=np.int64) + 1, parts, padding)
+            rows = len(lengths) if feed or not chunks else 0
+            kept = np.asarray(lengths[:rows], dtype=np.int64) + 1
+            logits = self._lean(ids[:rows], at[:rows], kept, parts,
+                                None if padding is None else padding[:rows])  # fmt: skip
         for row, token in feed.items():
             self._held[row].append(token)
         for row, c in chunks.items():
