@@ -54,8 +54,8 @@ def target(dirs: dict[str, Path]) -> Any:
     return _model(dirs["target"])
 
 
-def _proposer(path: Path, k: int = 4, chunk: int = 8) -> DraftProposer:
-    return DraftProposer(_model(path), DraftConfig(str(path), k), chunk=chunk)
+def _proposer(path: Path, k: int = 4, chunk: int = 8, **kw: Any) -> DraftProposer:
+    return DraftProposer(_model(path), DraftConfig(str(path), k), chunk=chunk, **kw)
 
 
 def _seqs(count: int, seed: int) -> list[tuple[str, list[int], int]]:
@@ -118,47 +118,128 @@ def _greedy(model: Any, context: list[int], n: int) -> list[int]:
     return tokens[len(context) :]
 
 
-def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
-    target: Any, dirs: dict[str, Path]
-) -> None:
-    # Given: a draft the target often overrules, each of its proposals and forwards kept
-    draft = _proposer(dirs["small"], k=4, chunk=8)
-    proposed: list[tuple[list[int], list[int]]] = []
-    forwards: list[tuple[list[int], Any]] = []
-    prefilled: list[int] = []
-    propose, decode, prefill = draft.propose, draft._decode, draft._prefill
+class _Watch:
+    """A draft proposer's proposals, forwards (the tokens each row held after one, and
+    its logits) and the context tokens each call ran, kept as it runs."""
 
-    def kept(rows: Any, budget: int) -> list[list[int]]:
-        out = propose(rows, budget)
-        proposed.extend((list(c), d) for (_, c, _), d in zip(rows, out, strict=True))
+    def __init__(self, draft: DraftProposer, prompt: int = 0) -> None:
+        self.draft, self.prompt = draft, prompt
+        self.proposed: list[tuple[list[int], list[int]]] = []
+        self.forwards: list[tuple[list[int], Any]] = []
+        self.pieces: list[int] = []
+        self.ran = 0
+        """Tokens run at positions before ``prompt``."""
+        self._calls = draft.propose, draft._forward, draft._first
+        draft.propose, draft._forward, draft._first = self.propose, self.forward, self.first  # type: ignore[method-assign]
+
+    def propose(self, rows: Any, budget: int) -> list[list[int]]:
+        out = self._calls[0](rows, budget)
+        self.proposed.extend((list(c), d) for (_, c, _), d in zip(rows, out, strict=True) if d)
         return out
 
-    def ran(feed: dict[int, int]) -> Any:
-        logits = decode(feed)
-        forwards.extend((list(draft._held[row]), logits[row].clone()) for row in feed)
+    def forward(self, feed: dict[int, int], chunks: dict[int, list[int]]) -> Any:
+        logits = self._calls[1](feed, chunks)
+        held, rows = self.draft._held, logits.shape[0] - len(chunks)
+        self.forwards.extend((list(held[row]), logits[row].clone()) for row in feed)
+        self.forwards.extend((list(held[row]), logits[rows + i].clone())
+                             for i, row in enumerate(chunks))  # fmt: skip
         return logits
 
-    def alone(row: int, tokens: list[int]) -> None:
-        prefilled.append(len(tokens))
-        prefill(row, tokens)
+    def first(self, pieces: dict[int, list[int]], asking: list[int]) -> list[int]:
+        for row, piece in pieces.items():
+            held = len(self.draft._held[row])
+            self.pieces.append(len(piece))
+            self.ran += max(0, min(held + len(piece), self.prompt) - held)
+        return self._calls[2](pieces, asking)  # type: ignore[no-any-return]
 
-    draft.propose, draft._decode, draft._prefill = kept, ran, alone  # type: ignore[method-assign]
+    def check(self) -> None:
+        """Every proposal is what the draft model alone says after that context, from
+        scratch, and so is every forward's last logits: its cache held exactly the tokens
+        it ran after."""
+        model = self.draft.model
+        with torch.inference_mode():
+            for tokens, logits in self.forwards:
+                alone = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+                torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+            for context, drafts in self.proposed:
+                assert drafts == _greedy(model, context, len(drafts)), context
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_each_proposal_is_the_draft_s_greedy_text_after_rejections_too(
+    lean: bool, target: Any, dirs: dict[str, Path]
+) -> None:
+    # Given: a draft the target often overrules, each of its proposals and forwards kept
+    draft = _proposer(dirs["small"], k=4, chunk=8, lean=lean)
+    assert (draft.lean is not None) == lean
+    watch = _Watch(draft)
     engine = _engine(target, draft, True, [EOS])
     # When: sequences run with it
     _run(engine, _seqs(6, seed=7))
-    # Then: every proposal is what the draft model alone says after that context, from
-    # scratch, and so is every forward's last logits: its cache held exactly the tokens
-    # it ran after, whatever the target rejected
+    # Then: every proposal and forward is the draft's own from scratch, whatever the
+    # target rejected
     assert sum(engine.accepted) < engine.drafted[1]
-    made = [(c, d) for c, d in proposed if d]
-    assert len(made) > 20 and len(forwards) > 60
-    assert max(prefilled) == 8  # prompts go in 8 tokens a step at most
-    with torch.inference_mode():
-        for tokens, logits in forwards:
-            alone = draft.model(input_ids=torch.tensor([tokens])).logits[0, -1]
-            torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
-        for context, drafts in made:
-            assert drafts == _greedy(draft.model, context, len(drafts)), context
+    assert len(watch.proposed) > 20 and len(watch.forwards) > 60
+    assert max(watch.pieces) == 8  # prompts go in 8 tokens a step at most
+    watch.check()
+
+
+@pytest.mark.parametrize("row_attention", [True, False], ids=["row-kernel", "sdpa"])
+def test_the_lean_forward_proposes_what_transformers_forwards_propose(
+    row_attention: bool, dirs: dict[str, Path]
+) -> None:
+    # Given: the draft through its lean forward and through transformers' forwards, rows
+    # of prompts from 2 to 40 tokens (in 8-token chunks) arriving at different calls; after
+    # each proposal a row keeps a random number of its drafts and one token of its own
+    # (its cache is cut back past the rest), and rows leave
+    lean = _proposer(dirs["small"], k=4, chunk=8, row_attention=row_attention)
+    plain = _proposer(dirs["small"], k=4, chunk=8, lean=False)
+    assert lean.lean is not None and plain.lean is None
+    assert lean.row_attention == row_attention
+    rng = random.Random(1)
+    contexts: dict[str, list[int]] = {}
+    made = cut = 0
+    for call in range(40):
+        if call % 4 == 0 and len(contexts) < 6:
+            contexts[f"s{call}"] = [rng.randrange(3, 400) for _ in range(rng.randint(2, 40))]
+        rows = [(name, c, rng.randint(1, 5)) for name, c in contexts.items()]
+        # When: both propose for the same rows
+        budget = rng.choice([6, 64])  # (6: the later rows draft fewer, or none)
+        got = lean.propose(rows, budget)
+        # Then: the same drafts
+        assert got == plain.propose(rows, budget), call
+        for (_, c, _), d in zip(rows, got, strict=True):
+            kept = rng.randint(0, len(d))
+            made += len(d) > 0
+            cut += kept < len(d) - 1
+            c += [*d[:kept], rng.randrange(3, 400)]
+        if call % 7 == 6:
+            gone = next(iter(contexts))
+            del contexts[gone]
+            lean.retain(contexts), plain.retain(contexts)
+    assert made > 40 and cut > 20
+    assert lean.prefilled == plain.prefilled and lean.tokens == plain.tokens
+
+
+def test_n_completions_run_their_prompt_through_the_draft_once(
+    target: Any, dirs: dict[str, Path]
+) -> None:
+    # Given: a request's 3 greedy completions of a 45-token prompt (the draft takes it 8
+    # tokens a call), and the same prompt again while they run; the prompt's tokens each
+    # forward of the draft runs are counted
+    prompt = [random.Random(2).randrange(3, 400) for _ in range(45)]
+    draft = _proposer(dirs["small"], k=3, chunk=8)
+    watch = _Watch(draft, len(prompt))
+    engine = _engine(target, draft, True, [EOS])
+    # When: they run, the fourth added three steps after the first three
+    got = run(engine, {0: [(n, prompt, 20) for n in "abc"], 3: [("d", prompt, 20)]})
+    # Then: each is the greedy text of n = 1, and the prompt went into the draft's cache
+    # once: the other rows took it from that row's cache (the twins as it went in, with
+    # the greedy tokens they share), and propose from it what the draft alone says
+    assert got == dict.fromkeys("abcd", generate(target, prompt, 20))
+    assert watch.ran == len(prompt) and draft.shared > 3 * len(prompt)
+    assert sum(engine.accepted) > 0 and len(watch.proposed) > 10
+    watch.check()
 
 
 def test_sampled_rows_with_a_draft_repeat_with_their_seed(
@@ -307,13 +388,14 @@ def test_the_runner_s_answers_are_those_without_speculation(dirs: dict[str, Path
     assert info["speculative"] == {"method": "draft_model", "model": str(dirs["small"]),
                                    "num_speculative_tokens": 3}  # fmt: skip
     assert info["draft_kv_tokens"] == 0 and info["spec_decode_accepted_tokens"] > 0
+    assert info["draft_prefill_tokens"] > 0 and info["draft_prefill_shared_tokens"] >= 0
 
 
 def test_no_draft_goes_past_the_draft_model_s_context(dirs: dict[str, Path]) -> None:
     draft = _proposer(dirs["small"], chunk=64)
     draft.max_positions = 20
-    rows = [("a", list(range(3, 21)), 10), ("b", list(range(3, 23)), 10),
-            ("c", list(range(3, 24)), 10), ("d", [5, 6], 10)]  # fmt: skip
+    rows = [("a", list(range(3, 21)), 10), ("b", list(range(30, 50)), 10),
+            ("c", list(range(60, 81)), 10), ("d", [5, 6], 10)]  # fmt: skip
     # the last token of 18 runs at position 17, the drafts after it at 18 and 19: 3 drafts
     # (the third is read at 19); of 20, 1; of 21, none
     assert [len(d) for d in draft.propose(rows, 64)] == [3, 1, 0, 4]

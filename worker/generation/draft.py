@@ -11,16 +11,26 @@ Its KV cache is a padded batch like the engine's (:class:`.padded.SlotLayer`): b
 of are kept beside it. Each proposal first lines a row up with its context: it keeps the
 longest prefix of the tokens it holds that the context starts with (the drafts the target
 accepted stay; those it rejected, and the last draft's column, are cut off: only the
-count changes, later writes go over them), then runs the rest of the context but its last
-token row by row (the prompt when the sequence first proposes, in chunks of at most
-``chunk`` tokens a step, proposing nothing until it is in; afterwards none, or the last
-draft when all were accepted) into a view of its buffer row. Then ``k`` forwards of the
-whole buffer, one token a row each at the row's own column under a padding mask, give
-every row's drafts at once: the first takes each row's last context token, the next ones
-the draft before. Rows that draft fewer (or none: not asked, out of budget) write a stand-in
-past what they hold, which is never counted. Tracking the tokens, not counts, keeps a row
-right whatever happened since (a sequence added again with other tokens, a stop token
-among the drafts). A row leaving moves the last row into its hole (one row copied).
+count changes, later writes go over them); the rest of the context (the prompt when the
+sequence first proposes, in chunks of at most ``chunk`` tokens a step, proposing nothing
+until it is in; afterwards the row's last token, or the last draft and it when all were
+accepted) runs in the first of ``k`` forwards of the whole buffer, whose logits at the
+context's last token give the first draft; the next forwards take one token a row (the
+draft before) at the row's own column, under a padding mask. Rows that draft fewer (or
+none: not asked, out of budget) write a stand-in past what they hold, which is never
+counted. Tracking the tokens, not counts, keeps a row right whatever happened since (a
+sequence added again with other tokens, a stop token among the drafts). A row leaving
+moves the last row into its hole (one row copied).
+
+The forwards: for the Llama-family layers :mod:`.lean_decode` knows, its lean forward
+(no transformers module stack; the first forward runs the rows' longer rests as prefill
+chunks beside the one-token rows, so lining up costs no forward of its own); else
+transformers' forwards, which run each row's rest but its last token alone first. Both
+give the same drafts (the same argmax; tested). A row with much of its context to run (a
+new sequence's prompt) first takes the longest prefix of it that another row holds, by
+copying those columns (a request's ``n`` completions, the same prompt sent again): where
+that row is running it in this proposal, the copy waits for it and the row proposes
+nothing this time, so the prompt goes through the draft once.
 
 Memory: a row holds at most its context plus ``k - 1`` drafts, and the engine asks for no
 more drafts than the row may still generate, so it never holds more tokens than the
@@ -34,14 +44,21 @@ those held (the runner's ``info()``: ``draft_kv_tokens``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from ..device import is_out_of_memory
+from . import decode_attention
+from .lean_decode import Chunk, LeanDecoder, padding_mask
 from .padded import SlabLayer, SlotLayer, _Step
 from .speculative import DraftConfig, Row
+
+logger = logging.getLogger(__name__)
 
 
 def vocab_size(model: Any) -> int:
@@ -51,11 +68,12 @@ def vocab_size(model: Any) -> int:
 
 
 def load(
-    config: DraftConfig, target: Any, chunk: int, max_context: int | None = None
-) -> DraftProposer:
+    config: DraftConfig, target: Any, chunk: int, max_context: int | None = None,
+    lean: bool | None = None,
+) -> DraftProposer:  # fmt: skip
     """The draft model of ``config`` on ``target``'s device and dtype, checked: a
     ``ValueError`` where its vocabulary is not the target's (its token ids would mean
-    other tokens)."""
+    other tokens); ``lean``: False keeps transformers' forwards (``lean_decode``)."""
     from transformers import AutoModelForCausalLM
 
     param = next(target.parameters())
@@ -65,7 +83,7 @@ def load(
         raise ValueError(f"options.speculative.model: the draft model's vocabulary has "
                          f"{mine} tokens and the target's {theirs}: they must be the "
                          "same")  # fmt: skip
-    return DraftProposer(model.to(param.device).eval(), config, chunk, max_context)
+    return DraftProposer(model.to(param.device).eval(), config, chunk, max_context, lean)
 
 
 def common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -87,8 +105,21 @@ class DraftProposer:
     """Proposes drafts with a draft model (module docstring); one engine's, its thread's."""
 
     def __init__(self, model: Any, config: DraftConfig, chunk: int = 512,
-                 max_context: int | None = None) -> None:  # fmt: skip
+                 max_context: int | None = None, lean: bool | None = None,
+                 row_attention: bool | None = None) -> None:  # fmt: skip
         self.model = model
+        self.lean = LeanDecoder.build(model) if lean is not False else None
+        """The forward without transformers' module stack (:mod:`.lean_decode`) where the
+        draft's layers are a known shape (None: where possible); else its own forwards."""
+        self.row_attention = (self.lean is not None and row_attention is not False
+                              and decode_attention.usable(model))  # fmt: skip
+        """The lean forward's decode rows attend each over its own length (float32 on
+        CPU: :mod:`.decode_attention`); else sdpa over the padded buffer under a mask."""
+        self._lean_ran = False
+        self.prefilled = 0
+        """Context tokens run through the draft so far (its drafts not counted)."""
+        self.shared = 0
+        """Context tokens a row took from another row's cache so far (:meth:`_fork`)."""
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.chunk = max(1, chunk)
@@ -134,8 +165,9 @@ class DraftProposer:
             del self._rows[self._names[i]]
             last = len(self._names) - 1
             if i != last:
-                for layer in self._layers:
-                    layer.move(last, i, len(self._held[last]))
+                with torch.inference_mode():
+                    for layer in self._layers:
+                        layer.move(last, i, len(self._held[last]))
                 self._names[i], self._held[i] = self._names[last], self._held[last]
                 self._rows[self._names[i]] = i
             self._names.pop()
@@ -149,9 +181,18 @@ class DraftProposer:
         whose prompt is still going into its draft cache, or past the draft's longest
         context): each row's cache lined up with its context, then ``k`` forwards of all
         the buffer's rows (module docstring)."""
+        with torch.inference_mode():
+            return self._propose(rows, budget)
+
+    def _propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in rows]
-        asking: list[tuple[int, int, Sequence[int], int]] = []
-        """(Index in ``rows``, buffer row, context, drafts) of the rows that draft."""
+        asking: list[tuple[int, int, int]] = []
+        """(Index in ``rows``, buffer row, drafts) of the rows that draft."""
+        pieces: dict[int, list[int]] = {}
+        """Per buffer row that runs context tokens in this call's first forward, those."""
+        forks: list[tuple[int, int, int]] = []
+        """(Buffer row, source row, columns) to copy once this call's forwards ran."""
+        far = self.num_speculative_tokens + 1  # more context to run than a step adds
         for n, (name, context, limit) in enumerate(rows):
             k = min(limit, budget, self.num_speculative_tokens,
                     self.max_positions - len(context) + 1)  # fmt: skip
@@ -161,23 +202,84 @@ class DraftProposer:
             held = self._held[row]
             # the context's last token always runs: its logits give the first draft
             del held[min(common(held, context), len(context) - 1) :]
+            if len(context) - len(held) > far:  # a prompt: another row may hold it
+                source, length = self._source(row, context, pieces)
+                if source in pieces and length - len(held) > far:
+                    forks.append((row, source, length))
+                    continue  # it takes the prefix once the source ran it
+                if source not in pieces and length > len(held):
+                    self._fork(source, row, length)
             if len(context) - len(held) > self.chunk:
-                self._prefill(row, list(context[len(held) : len(held) + self.chunk]))
+                pieces[row] = list(context[len(held) : len(held) + self.chunk])
                 continue
-            asking.append((n, row, context, k))
+            pieces[row] = list(context[len(held) :])
+            asking.append((n, row, k))
             budget -= k
-        if not asking:
-            return out
-        for _, row, context, _ in asking:  # all but the last token, row by row
-            self._prefill(row, list(context[len(self._held[row]) : -1]))
-        for j in range(max(k for *_, k in asking)):
-            feed = {row: (context[-1] if j == 0 else out[n][-1])
-                    for n, row, context, k in asking if j < k}  # fmt: skip
-            picked = self._decode(feed).argmax(-1).tolist()
-            for n, row, _, k in asking:
+        if pieces:
+            self.prefilled += sum(map(len, pieces.values()))
+            picked = self._first(pieces, [row for _, row, _ in asking])
+            for (n, _, _), token in zip(asking, picked, strict=True):
+                out[n].append(token)
+        for j in range(1, max((k for *_, k in asking), default=0)):
+            feed = {row: out[n][-1] for n, row, k in asking if j < k}
+            picked = self._forward(feed, {}).argmax(-1).tolist()
+            for n, row, k in asking:
                 if j < k:
                     out[n].append(picked[row])
+        for row, source, length in forks:
+            self._fork(source, row, length)
         return out
+
+    def _source(
+        self, row: int, context: Sequence[int], pieces: dict[int, list[int]]
+    ) -> tuple[int, int]:
+        """The other buffer row holding the longest prefix of ``context`` (but its last
+        token), counting what it runs in this call (``pieces``), and that prefix's length
+        (``-1, 0``: none)."""
+        best, most = -1, 0
+        for other, held in enumerate(self._held):
+            if other != row:
+                length = common(held + pieces[other] if other in pieces else held, context)
+                if min(length, len(context) - 1) > most:
+                    best, most = other, min(length, len(context) - 1)
+        return best, most
+
+    def _fork(self, source: int, row: int, length: int) -> None:
+        """Buffer row ``row`` takes the first ``length`` columns ``source`` holds (the
+        prompt of a request's ``n`` completions runs once); it keeps the prefix it holds."""
+        start = common(self._held[row], self._held[source][:length])
+        self._reserve(length)
+        for layer in self._layers:
+            layer.move(source, row, length, start)
+        self._held[row] = self._held[source][:length]
+        self.shared += length - start
+
+    def _first(self, pieces: dict[int, list[int]], asking: list[int]) -> list[int]:
+        """Run each row's ``pieces`` after what it holds; the first draft of each row in
+        ``asking`` (its piece ends with its context's last token). The lean forward runs
+        them all at once (a one-token piece as the row's decode token, the others as
+        prefill chunks); transformers' forwards prefill the pieces row by row, all but an
+        asking row's last token, which the first decode forward takes. Where at least half
+        the rows (and four) run two tokens (the last draft and the row's token: all were
+        accepted), the lean forward runs the first of them as one decode forward more:
+        cheaper than as that many chunks."""
+        if self.lean is None:
+            ask = set(asking)
+            for row, piece in pieces.items():
+                self._prefill(row, piece[:-1] if row in ask else piece)
+            feed = {row: pieces[row][-1] for row in asking}
+            picked = self._forward(feed, {}).argmax(-1).tolist()
+            return [picked[row] for row in asking]
+        pairs = [row for row in asking if len(pieces[row]) == 2]  # (all drafts accepted)
+        if len(pairs) >= 4 and 2 * len(pairs) >= len(self._held):  # costs less than chunks
+            self._forward({row: pieces[row][0] for row in pairs}, {})
+            pieces = {**pieces, **{row: pieces[row][1:] for row in pairs}}
+        feed = {row: pieces[row][0] for row in asking if len(pieces[row]) == 1}
+        chunks = {row: piece for row, piece in pieces.items() if row not in feed}
+        logits = self._forward(feed, chunks)
+        at = {row: logits.shape[0] - len(chunks) + i for i, row in enumerate(chunks)}
+        picked = logits[[at.get(row, row) for row in asking]].argmax(-1).tolist()
+        return [int(t) for t in picked]
 
     def _row(self, name: str) -> int:
         """The buffer row of sequence ``name`` (a new one, holding nothing, at the end)."""
@@ -210,38 +312,76 @@ class DraftProposer:
         for layer, like in zip(self._layers, self._like, strict=True):
             layer.reserve(like, rows, cols)
 
-    def _prefill(self, row: int, tokens: list[int]) -> None:
-        """Run ``tokens`` after what buffer row ``row`` holds, alone (its cache: a view of
-        its buffer row, written in place)."""
-        if not tokens:
-            return
-        held = self._held[row]
-        start = len(held)
-        self._reserve(start + len(tokens))
+    def _view(self, row: int) -> Cache:
+        """Buffer row ``row`` as a sequence's own cache: what it holds, written in place
+        after it."""
         layers = []
         for layer in self._layers:
             assert layer._k is not None and layer._v is not None
-            layers.append(SlabLayer(layer._k[row : row + 1], layer._v[row : row + 1], start))
-        positions = torch.arange(start, start + len(tokens), device=self.device)
+            layers.append(SlabLayer(layer._k[row : row + 1], layer._v[row : row + 1],
+                                    len(self._held[row])))  # fmt: skip
+        return Cache(layers=layers)
+
+    def _prefill(self, row: int, tokens: list[int]) -> None:
+        """Run ``tokens`` after what buffer row ``row`` holds, alone, through transformers'
+        forward."""
+        if not tokens:
+            return
+        held = self._held[row]
+        self._reserve(len(held) + len(tokens))
+        positions = torch.arange(len(held), len(held) + len(tokens), device=self.device)
         self.model(input_ids=torch.tensor([tokens], device=self.device),
-                   position_ids=positions[None], cache=Cache(layers=layers), use_cache=True,
+                   position_ids=positions[None], cache=self._view(row), use_cache=True,
                    logits_to_keep=1)  # fmt: skip
         held += tokens
 
-    def _decode(self, feed: dict[int, int]) -> torch.Tensor:
+    def _forward(self, feed: dict[int, int], chunks: dict[int, list[int]]) -> torch.Tensor:
         """One forward of every buffer row: the rows in ``feed`` take their token after
-        what they hold, the others a stand-in past it (never counted as held); each
-        row's logits."""
+        what they hold, the others a stand-in past it (never counted as held); with the
+        lean forward, ``chunks`` (per row, tokens after what it holds) run in it too (a
+        chunk's row writes its stand-in where its chunk then goes; with no ``feed``, the
+        chunks alone run). The logits of every buffer row that ran, then of each chunk's
+        last token."""
         lengths = [len(h) for h in self._held]
-        self._reserve(max(lengths) + 1)
+        self._reserve(
+            max([n + 1 for n in lengths] + [lengths[r] + len(c) for r, c in chunks.items()])
+        )
         st = self._step
-        positions = torch.tensor(lengths, device=self.device)
-        st.rows, st.width, st.positions, st.flat = len(lengths), max(lengths), positions, None
-        ids = torch.tensor([[feed.get(row, 0)] for row in range(len(lengths))], device=self.device)
-        mask = torch.arange(st.width + 1, device=self.device)[None, :] <= positions[:, None]
-        at = positions.clamp(max=self.max_positions - 1)  # (a stand-in at the draft's end)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=at[:, None],
-                            cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
+        columns = torch.tensor(lengths, device=self.device)
+        st.rows, st.width, st.positions, st.flat = len(lengths), max(lengths), columns, None
+        ids = torch.tensor([feed.get(row, 0) for row in range(len(lengths))], device=self.device)
+        at = columns.clamp(max=self.max_positions - 1)  # (a stand-in at the draft's end)
+        if self.lean is None:
+            mask = torch.arange(st.width + 1, device=self.device)[None, :] <= columns[:, None]
+            logits = self.model(input_ids=ids[:, None], attention_mask=mask,
+                                position_ids=at[:, None], cache=self._cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]  # fmt: skip
+        else:
+            padding = None if self.row_attention else padding_mask(columns, st.width)
+            parts = [Chunk(c, lengths[row], self._view(row)) for row, c in chunks.items()]
+            rows = len(lengths) if feed or not chunks else 0
+            kept = np.asarray(lengths[:rows], dtype=np.int64) + 1
+            logits = self._lean(ids[:rows], at[:rows], kept, parts,
+                                None if padding is None else padding[:rows])  # fmt: skip
         for row, token in feed.items():
             self._held[row].append(token)
+        for row, c in chunks.items():
+            self._held[row] += c
+        return logits
+
+    def _lean(self, ids: torch.Tensor, positions: torch.Tensor, lengths: np.ndarray,
+              chunks: list[Chunk], padding: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """:meth:`.LeanDecoder.forward`, dropped for transformers' forwards where its first
+        run fails (not for memory): that call fails, as the engine's lean step does."""
+        assert self.lean is not None
+        try:
+            logits = self.lean.forward(ids, positions, lengths, self._layers, chunks, padding)
+        except Exception as exc:
+            if not self._lean_ran and not is_out_of_memory(exc):
+                logger.warning("the draft model's lean forward failed on its first run (%s: "
+                               "%s); it uses transformers' forwards from now on",
+                               type(exc).__name__, exc)  # fmt: skip
+                self.lean = None
+            raise
+        self._lean_ran = True
         return logits

@@ -197,11 +197,11 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
             self._v, row, start, width
         )
 
-    def move(self, src: int, dst: int, n: int) -> None:
-        """Row ``dst`` takes row ``src``'s first ``n`` columns."""
+    def move(self, src: int, dst: int, n: int, start: int = 0) -> None:
+        """Row ``dst`` takes row ``src``'s first ``n`` columns (those from ``start``)."""
         assert self._k is not None and self._v is not None
-        self._k[dst, :, :n] = self._k[src, :, :n]
-        self._v[dst, :, :n] = self._v[src, :, :n]
+        self._k[dst, :, start:n] = self._k[src, :, start:n]
+        self._v[dst, :, start:n] = self._v[src, :, start:n]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

@@ -455,13 +455,14 @@ class TextGenerationRunner:
             prefix = None
             if self.prefix_cache_tokens:
                 prefix = PrefixCache(self.prefix_cache_tokens, self.page_size)
+            lean = _flag(opts.get("lean_decode", True), "lean_decode")
             self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
                                        step_tokens=self.step_tokens, max_running=self.max_running,
-                                       lean=_flag(opts.get("lean_decode", True), "lean_decode"),
+                                       lean=lean,
                                        max_context=self.context,
                                        resident_tokens=self.kv_cache_tokens,
                                        prefix_cache=prefix, adapters=adapters,
-                                       speculative=self._proposer())  # fmt: skip
+                                       speculative=self._proposer(lean))  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -509,14 +510,15 @@ class TextGenerationRunner:
         self._spec_seen: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         """The engine's speculation counts at the last step's report."""
 
-    def _proposer(self) -> Proposer | None:
+    def _proposer(self, lean: bool) -> Proposer | None:
         """The padded engine's proposer: the n-gram config, or the draft model loaded
-        (:func:`.draft.load`: a ``ValueError`` where its vocabulary is not the model's)."""
+        (:func:`.draft.load`: a ``ValueError`` where its vocabulary is not the model's;
+        ``lean``: ``lean_decode``, for its forwards too)."""
         if not isinstance(self.speculative, DraftConfig):
             return self.speculative
         from ..generation import draft
 
-        return draft.load(self.speculative, self.model, self.step_tokens, self.context)
+        return draft.load(self.speculative, self.model, self.step_tokens, self.context, lean)
 
     def _speculative(self, raw: Any, engine: Any) -> NgramConfig | DraftConfig | None:
         """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
@@ -1628,7 +1630,8 @@ class TextGenerationRunner:
         out: dict[str, Any] = {"prefill_tokens": e.prefilled, "prefill_shared_tokens": e.shared}
         if e.speculative is not None:
             if isinstance(draft := e.speculative, DraftProposer):
-                out["draft_kv_tokens"] = draft.tokens
+                out.update(draft_kv_tokens=draft.tokens, draft_prefill_tokens=draft.prefilled,
+                           draft_prefill_shared_tokens=draft.shared)  # fmt: skip
             out.update(speculative=e.speculative.settings(),
                        spec_decode_drafts=e.drafted[0], spec_decode_draft_tokens=e.drafted[1],
                        spec_decode_accepted_tokens=sum(e.accepted))  # fmt: skip
