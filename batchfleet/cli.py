@@ -313,6 +313,14 @@ def _flower_options(given: list[str]) -> list[str]:
     return given if "enable_events" in names else ["--enable_events=False", *given]
 
 
+CONTROL_EPILOG = (
+    "Waits for a reply from each live worker concerned (heartbeat at most 6 s old), until "
+    "all replied or none came for --timeout. Exit status: 0 each did it; 1 one refused, none "
+    "is live, or Redis or the broker failed; 2 bad arguments; 3 some did not reply in time "
+    "(named; they may still do it)."
+)
+
+
 def _control(args: argparse.Namespace) -> int:
     """A control command, to each live worker of the model (of every model, where none is
     named; of those ``-d`` names): exit 0 where each did it, 1 where one refused or none
@@ -632,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("unload-lora", "unload a LoRA adapter: unload-lora MODEL NAME"),
         ("reset-prefix-cache", "empty the prefix caches of generating models"),
     ):
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.",
+                           epilog=CONTROL_EPILOG)  # fmt: skip
         where(c)
         named = name in ("policy", "load-lora", "unload-lora")
         c.add_argument("model", nargs=None if named else "?", help="model (default all)")
