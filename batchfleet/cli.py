@@ -313,8 +313,24 @@ def _flower_options(given: list[str]) -> list[str]:
     return given if "enable_events" in names else ["--enable_events=False", *given]
 
 
+CONTROL_EPILOG = (
+    "Waits for a reply from each live worker concerned (heartbeat at most 6 s old), until "
+    "all replied or none came for --timeout. Exit status: 0 each did it; 1 one refused, none "
+    "is live, or Redis or the broker failed; 2 bad arguments; 3 some did not reply in time "
+    "(named; they may still do it)."
+)
+
+
 def _control(args: argparse.Namespace) -> int:
-    from .remote import parse_settings, send
+    """A control command, to each live worker of the model (of every model, where none is
+    named; of those ``-d`` names): exit 0 where each did it, 1 where one refused or none
+    is live, 3 where some did not reply within ``--timeout`` (named; they may still do it)."""
+    import redis
+
+    from .connection import connect
+    from .control_wait import HEARTBEAT_WINDOW_MS, broadcast, live_workers, named
+    from .fleetview import discover_models
+    from .remote import parse_settings
 
     arguments: dict[str, object] = {"model": args.model}
     if args.command == "policy":
@@ -328,19 +344,38 @@ def _control(args: argparse.Namespace) -> int:
         arguments["name"] = args.name
     if args.command == "load-lora":
         arguments["path"] = args.path
-    replies = send(
-        _broker(args),
-        f"bf_{args.command.replace('-', '_')}",
-        arguments,
-        destination=args.destination,
-        timeout=args.timeout,
-    )
-    if not replies:
-        print("no worker answered", file=sys.stderr)
+    dest = args.destination or []
+    try:
+        client = connect(_url(args))
+        try:
+            live = live_workers(client, [args.model] if args.model else discover_models(client))
+        finally:
+            client.close()
+    except redis.RedisError as exc:
+        print(f"cannot read the workers' heartbeats: {exc}", file=sys.stderr)
         return 1
-    for host, reply in sorted(replies.items()):
+    expect = [c for c in live if not dest or named(c, dest)]
+    if not expect:
+        who = f"worker named {', '.join(dest)}" if dest else "worker"
+        print(f"no live {who} of {args.model or 'any model'} (none has a heartbeat within "
+              f"{HEARTBEAT_WINDOW_MS / 1000:g} s): nothing sent", file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        replies = broadcast(_broker(args), f"bf_{args.command.replace('-', '_')}", arguments,
+                            expect, timeout=args.timeout, destination=dest)  # fmt: skip
+    except Exception as exc:  # kombu's and redis' errors alike: the broker's side
+        print(f"the broker failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    mine = replies.mine(lambda r: bool(r.get("models")) and args.model in (None, *r["models"]))
+    for host, reply in sorted(mine.items()):
         print(f"{host}: {json.dumps(reply)}")
-    return 1 if any("error" in r for r in replies.values()) else 0
+    refused = [r for r in mine.values() if "error" in r]
+    if args.command == "unload-lora" and len(refused) < len(mine):
+        refused = [r for r in refused if r.get("code") != "not_loaded"]  # others unloaded it
+    if replies.missing:
+        print(f"{replies.late_note()} (busy, or stopped without a heartbeat yet): they may "
+              "still do it", file=sys.stderr)  # fmt: skip
+    return 1 if refused else 3 if replies.missing else 0
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -490,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("flower_args", nargs="*", help="passed to flower (after --)")
     fl.set_defaults(func=_flower)
 
+    control_timeout = float(os.environ.get("BATCHFLEET_CONTROL_TIMEOUT") or 30.0)
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/...)")
     where(gw)
     gw.add_argument("--host", default="127.0.0.1")
@@ -572,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--control-timeout",
         "--lora-timeout",
         type=float,
-        default=float(os.environ.get("BATCHFLEET_CONTROL_TIMEOUT") or 30.0),
+        default=control_timeout,
         help="seconds the LoRA and development routes wait for a reply from each live worker "
         "of the model; one that does not reply within it is named in the answer (504). "
         "Default $BATCHFLEET_CONTROL_TIMEOUT, else 30",
@@ -604,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("unload-lora", "unload a LoRA adapter: unload-lora MODEL NAME"),
         ("reset-prefix-cache", "empty the prefix caches of generating models"),
     ):
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}.",
+                           epilog=CONTROL_EPILOG)  # fmt: skip
         where(c)
         named = name in ("policy", "load-lora", "unload-lora")
         c.add_argument("model", nargs=None if named else "?", help="model (default all)")
@@ -616,8 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("path", help="its directory on the workers' hosts (PEFT's files)")
         c.add_argument("--destination", "-d", action="append",
                        help="only this worker: hostname (NAME@HOST) or name, as `status` shows")  # fmt: skip
-        c.add_argument("--timeout", type=float, default=30.0 if name == "load-lora" else 2.0,
-                       help="seconds to wait for replies")  # fmt: skip
+        c.add_argument("--timeout", type=float, default=control_timeout,
+                       help="seconds to wait for a reply from each live worker concerned (ended "
+                            "once all replied); default $BATCHFLEET_CONTROL_TIMEOUT, else 30")  # fmt: skip
         c.set_defaults(func=_control)
     return parser
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
@@ -35,34 +36,6 @@ def client_app(broker_url: str, name: str = "batchfleet-client") -> Iterator[Cel
         app.close()
 
 
-def resolve_destinations(app: Celery, names: Sequence[str], timeout: float) -> list[str]:
-    """Celery hostnames for ``names``: a name with ``@`` is one already; a bare worker name
-    (``--name``, as ``batchfleet status`` shows it) matches every answering ``name@host``."""
-    if all("@" in n for n in names):
-        return list(names)
-    hosts = [h for reply in app.control.ping(timeout=timeout) or [] for h in reply]
-    out: list[str] = []
-    for name in names:
-        found = [name] if "@" in name else [h for h in hosts if h.split("@", 1)[0] == name]
-        out += [h for h in found or [name] if h not in out]
-    return out
-
-
-def send(
-    broker_url: str,
-    command: str,
-    arguments: dict[str, Any] | None = None,
-    *,
-    destination: Sequence[str] | None = None,
-    timeout: float = 2.0,
-) -> dict[str, Any]:
-    """Broadcast a control command to the workers (or those in ``destination``: hostnames
-    or bare worker names); returns hostname → reply."""
-    with client_app(broker_url, "batchfleet-control") as app:
-        hosts = resolve_destinations(app, destination, timeout) if destination else None
-        return _broadcast(app, command, arguments, hosts, timeout)
-
-
 class _AllReplied(Exception):
     """Every worker waited for replied: ends the collection of replies early."""
 
@@ -85,13 +58,15 @@ def send_to_all(
     *,
     timeout: float = 30.0,
     expect: Collection[str] = (),
+    destination: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Broadcast a control command to every worker; return hostname → reply once each
-    worker of ``expect`` (consumer names: :func:`replied_as`) replied, else once no reply
-    came for ``timeout`` seconds. Celery's ``limit`` ends the wait after that many replies,
-    but from anyone: workers of other models, and other Celery workers on the broker, reply
-    too, so the wait here ends by name. None is sent to a ping's answerers only: a worker
-    too busy to answer a ping in time would not get the command at all."""
+    """Broadcast a control command to every worker (or those ``destination`` names:
+    :func:`destination_pattern`); return hostname → reply once each worker of ``expect``
+    (consumer names: :func:`replied_as`) replied, else once no reply came for ``timeout``
+    seconds. Celery's ``limit`` ends the wait after that many replies, but from anyone:
+    workers of other models, and other Celery workers on the broker, reply too, so the wait
+    here ends by name. None is sent to a ping's answerers only: a worker too busy to answer
+    a ping in time would not get the command at all."""
     got: dict[str, Any] = {}
     waiting = set(expect)
 
@@ -102,28 +77,20 @@ def send_to_all(
         if expect and not waiting:
             raise _AllReplied  # out of kombu's loop: its reply queue is dropped after
 
+    where = {"pattern": destination_pattern(destination), "matcher": "pcre"} if destination else {}
     with client_app(broker_url, "batchfleet-control") as app, contextlib.suppress(_AllReplied):
         app.control.broadcast(command, arguments=arguments or {}, reply=True,
-                              timeout=timeout, callback=collect)  # fmt: skip
+                              timeout=timeout, callback=collect, **where)  # fmt: skip
     return got
 
 
-def _broadcast(
-    app: Celery,
-    command: str,
-    arguments: dict[str, Any] | None,
-    hosts: list[str] | None,
-    timeout: float,
-) -> dict[str, Any]:
-    replies = app.control.broadcast(
-        command,
-        arguments=arguments or {},
-        destination=hosts,
-        limit=len(hosts) if hosts else None,
-        reply=True,
-        timeout=timeout,
-    )
-    return {host: reply for item in replies or [] for host, reply in item.items()}
+def destination_pattern(names: Sequence[str]) -> str:
+    """The Celery hostnames ``names`` stand for, as a regular expression (kombu's ``pcre``
+    matcher, which each worker applies to its own hostname): a name with ``@`` is one
+    hostname; a bare worker name (``--name``, as ``batchfleet status`` shows it) is that
+    name on every host. No ping resolves them first, so a busy worker still gets it."""
+    alternatives = [re.escape(n) + ("" if "@" in n else "(?:@.*)?") for n in names]
+    return f"(?:{'|'.join(alternatives)})\\Z"
 
 
 def inspect_stats(broker_url: str, timeout: float = 1.0) -> dict[str, dict[str, Any]]:

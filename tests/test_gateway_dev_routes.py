@@ -13,10 +13,11 @@ import pytest
 import redis
 from batchfleet.producer.gateway.dev_routes import DevAdmin, reset_verdict
 from batchfleet.producer.gateway.errors import ApiError
-from batchfleet.producer.gateway.fleet_control import Replies
 from batchfleet.schemas.model_info import ModelInfo
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
+
+from batchfleet.control_wait import Replies
 
 RESET = "/reset_prefix_cache"
 DONE = {"ok": "reset_prefix_cache: gen", "models": ["gen"], "cleared": ["gen"]}

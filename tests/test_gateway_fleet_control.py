@@ -6,56 +6,31 @@ rather than taken for absent. Replies are scripted (no Celery worker, no clock).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import redis
 from batchfleet.producer.gateway.dev_routes import DevAdmin
-from batchfleet.producer.gateway.fleet_control import HEARTBEAT_WINDOW_MS, live_workers
+from batchfleet.producer.gateway.fleet_control import live_workers
 from batchfleet.producer.gateway.lora_admin import LoraAdmin
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.model_info import ModelInfo
+from broker_fakes import Broker, scripted_broker
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
 from batchfleet import remote
 from batchfleet.connection import connect_async
+from batchfleet.control_wait import HEARTBEAT_WINDOW_MS
 
 GEN = ModelInfo(task="text-generation", max_model_len=2048)
 LOADED = {"ok": "…", "models": ["lm"], "lora_adapters": {"lm": ["x"]}}
 
 
-class Broker:
-    """Celery's broadcast as ``send_to_all`` sees it: each reply handed to its callback
-    in the order they come, until the callback stops the collection (or none is left:
-    kombu's wait for the next one timed out)."""
-
-    def __init__(self, replies: Sequence[dict[str, Any]]) -> None:
-        self.replies = replies
-        self.delivered = 0
-        self.control = self
-
-    def broadcast(self, command: str, *, callback: Callable[[Any], None], **kw: Any) -> None:
-        for reply in self.replies:
-            self.delivered += 1
-            callback(reply)
-
-
 @pytest.fixture
 def broker(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Broker]:
-    def make(*replies: dict[str, Any]) -> Broker:
-        app = Broker(replies)
-
-        @contextlib.contextmanager
-        def client_app(url: str, name: str = "") -> Iterator[Broker]:
-            yield app
-
-        monkeypatch.setattr(remote, "client_app", client_app)
-        return app
-
-    return make
+    return lambda *replies: scripted_broker(monkeypatch, *replies)
 
 
 def test_the_wait_ends_once_every_expected_worker_replied(broker: Callable[..., Broker]) -> None:

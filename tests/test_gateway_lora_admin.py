@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import redis
 from batchfleet.producer.gateway.errors import ApiError
-from batchfleet.producer.gateway.fleet_control import Replies
 from batchfleet.producer.gateway.lora_admin import LoraAdmin, verdict
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.model_info import ModelInfo
 from conftest import WorkerProcess
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
+
+from batchfleet.control_wait import Replies
 
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 GEN = ModelInfo(task="text-generation", max_model_len=2048)

@@ -305,6 +305,39 @@ def test_the_paged_engine_reports_its_prefill_and_its_prefix_cache(tiny_lm: Path
     assert vllm("vllm:request_prefill_kv_computed_tokens_bucket", le="1.0") == 1
 
 
+@pytest.mark.parametrize(("cache", "rounds"), [(0, [65, 66 + 66, 67 + 67]),
+                                               (512, [65, 66 - 64 + 66 - 64, 67 - 64 + 67 - 64])])  # fmt: skip
+def test_a_beam_search_s_rounds_count_their_prefill(
+    tiny_lm: Path, cache: int, rounds: list[int]
+) -> None:
+    # Given: a beam search of width 2 over 3 tokens, each round's beams a prompt of their
+    # own (the prompt and the beam's tokens, as vLLM's beam search makes them engine
+    # requests); with a prefix cache, the later rounds take the prompt's 4 whole pages
+    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
+            "engine": "padded", "prefix_cache_tokens": cache}  # fmt: skip
+    beams = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=opts)
+    r = rig(beams, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    r.source.add(Request(id="b", model=MODEL, inputs=[LONG], use_beam_search=True, n=2,
+                         max_new_tokens=3, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.run()
+    outs = r.results()["b"].generations()
+    assert [(g.prompt_tokens, g.cached_tokens, g.completion_tokens) for g in outs] == [
+        (65, 0, 3)
+    ] * 2
+    registry = observed(r)
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    # Then: each step counts the rounds' tokens it prefilled, cached ones left out
+    prefilled = sum(rounds)
+    generated = sample("batchfleet_step_generated_tokens_total", {"model": MODEL})
+    assert sample("batchfleet_step_prefill_tokens_total", {"model": MODEL}) == prefilled
+    assert sample("vllm:iteration_tokens_total_sum", VLLM) == prefilled + generated
+    # and each output its prompt's (its first round's)
+    assert sample("vllm:request_prefill_kv_computed_tokens_sum", VLLM) == 2 * 65
+
+
 def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     from batchfleet.schemas.errors import ErrorCode
     from batchfleet.schemas.messages import ErrorInfo

@@ -203,7 +203,7 @@ def _act(state: Any, model: str | None, what: str) -> dict[str, Any]:
     for lp in loops:
         getattr(lp, what)()
         logger.info("control: %s %s", what, lp.model)
-    return {"ok": what, "models": [lp.model for lp in loops]}
+    return {"ok": what, "models": [lp.model for lp in loops], "consumer": loops[0].consumer}
 
 
 @control_command(args=[("model", str)], signature="[model]")
@@ -287,19 +287,20 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
     """Change batch policy knobs live (max_batch_size, max_wait_ms, max_batch_tokens,
     lane_weights, preferred_batch_sizes, max_starvation_ms, adaptive); for a generating
     model, its budgets (:data:`GENERATION_KNOBS`)."""
-    try:
-        changes = parse_settings([s for s in settings if s != model])
-    except ValueError as exc:
-        return {"error": str(exc)}
     loops = _loops(state, model)
     if not loops:
         return {"ok": f"no loop for {model!r} here", "models": []}
+    me = {"consumer": loops[0].consumer}  # its name in the heartbeats: who replied
+    try:
+        changes = parse_settings([s for s in settings if s != model])
+    except ValueError as exc:
+        return {"error": str(exc), **me}
     for lp in loops:
         if lp.budgets is not None and lp.configured_budgets is not None:
             try:
                 budgets = generation_budgets(lp.budgets, lp.configured_budgets, changes)
             except ValueError as exc:
-                return {"error": f"{lp.model}: {exc}"}
+                return {"error": f"{lp.model}: {exc}", **me}
             lp.set_policy(budgets)
             logger.info("control: budgets of %s changed: %s", lp.model, changes)
             continue
@@ -307,11 +308,11 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
             batch = BatchConfig.model_validate({**lp.config.batch.model_dump(), **changes})
             policy = batch.policy(lp.config.lanes)
         except (ValidationError, ValueError) as exc:
-            return {"error": f"{lp.model}: {exc}"}
+            return {"error": f"{lp.model}: {exc}", **me}
         lp.config = lp.config.model_copy(update={"batch": batch})
         lp.set_policy(policy)
         logger.info("control: policy of %s changed: %s", lp.model, changes)
-    return {"ok": "policy", "models": [lp.model for lp in loops], "changes": changes}
+    return {"ok": "policy", "models": [lp.model for lp in loops], "changes": changes, **me}
 
 
 @control_command(args=[("model", str), ("name", str), ("path", str)],

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
 from .app import Handler
 from .errors import ApiError, of_exception
-from .fleet_control import ControlAdmin, Replies, live_workers
+from .fleet_control import ControlAdmin, late, live_workers, partial
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ def reset_verdict(replies: Replies, model: str | None) -> None:
     done = ", ".join(sorted(set(mine) - set(refused))) or "none"
     reasons = "; ".join(f"{h}: {r['error']}" for h, r in sorted(refused.items()))
     if refused:
-        raise replies.partial(f"reset by {done} but not by the others: {reasons}")
+        raise partial(replies, f"reset by {done} but not by the others: {reasons}")
     if replies.missing:
-        raise replies.late(f"reset by {done}")
+        raise late(replies, f"reset by {done}")
     if not mine:
         who = "worker" if model is None else f"worker of {model!r}"
         raise ApiError(503, f"no {who} is live (none has a recent heartbeat): nothing was "

@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
 from .app import Gateway, Handler
 from .errors import ApiError, invalid, of_exception
-from .fleet_control import ControlAdmin, Replies, live_workers
+from .fleet_control import ControlAdmin, late, live_workers, partial
 
 GENERATION = "text-generation"
 """The task of the models that serve LoRA adapters (their ``bf:{model}:info``)."""
@@ -46,7 +47,7 @@ def verdict(replies: Replies, base: str, name: str, load: bool) -> str:
         refused = {}  # gone from every worker that replied (some had not loaded it)
     did = "loaded" if load else "unloaded"
     if replies.missing and not (done and refused):
-        raise replies.late(f"{did} by {', '.join(done) or 'none'}"
+        raise late(replies, f"{did} by {', '.join(done) or 'none'}"
                            + "".join(f"; refused by {h}: {r['error']}"
                                      for h, r in sorted(refused.items())))  # fmt: skip
     if not mine:
@@ -62,7 +63,7 @@ def verdict(replies: Replies, base: str, name: str, load: bool) -> str:
         if codes == {"already_loaded"}:
             reasons = f"The lora adapter {name!r} has already been loaded. ({reasons})"
         raise invalid(reasons, "lora_name" if codes == {"already_loaded"} else None)
-    raise replies.partial(f"{did} by {', '.join(done)} but not by the others: {reasons}")
+    raise partial(replies, f"{did} by {', '.join(done)} but not by the others: {reasons}")
 
 
 class LoraRoute(Handler):

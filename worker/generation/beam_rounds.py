@@ -86,6 +86,16 @@ class BeamRounds:
                 names.append(name)
         return names
 
+    def prefilled(self, engine: Engine, out: Output) -> int:
+        """The prompt tokens a round's sequence prefilled, once its token came (``out``,
+        before :meth:`took` forgets it): its prompt and its beam's tokens, less those it
+        took from the prefix cache."""
+        if not out.tokens:
+            return 0
+        i, k = self.pending[out.sequence]
+        held = len(self.prompts[i]) + len(self.searches[i].live[k].tokens)
+        return held - engine.cached(out.sequence)
+
     def took(self, engine: Engine, out: Output) -> bool:
         """A round's sequence ran (``out``): its alternatives kept, and its prompt's search
         advanced where it was the last of the round; whether one advanced."""

@@ -931,15 +931,15 @@ class TextGenerationRunner:
             failure = f"{type(exc).__name__}: {exc}"
         if failure:  # handled out here, once the failed step's tensors are freed with it
             return self._out_of_memory(failure, events, report)
+        prefilled = 0
         if self._beam_seqs:
-            outputs, beam_events = self._beam_step(outputs, produced)
+            outputs, beam_events, prefilled = self._beam_step(outputs, produced)
             events += beam_events
         if self.speculative is not None:
             self._speculated(report)
         # per row and step (the deltas wait for it): kept lean
         touched: dict[str, _Req] = {}
         by_seq = self._by_seq
-        prefilled = 0
         for out in outputs:
             found = by_seq.get(out.sequence)
             if found is None:
@@ -1253,16 +1253,23 @@ class TextGenerationRunner:
 
     def _beam_step(
         self, outputs: list[Output], produced: dict[str, int]
-    ) -> tuple[list[Output], list[StepEvent]]:
+    ) -> tuple[list[Output], list[StepEvent], int]:
         """The beam rounds' outputs taken (each search that advanced starts its next round,
-        or its request ends); the other outputs, and the ended requests' events."""
+        or its request ends); the other outputs, the ended requests' events, and the
+        prompt tokens the rounds' sequences prefilled (each round is a prompt of its own,
+        as vLLM's beam search makes each an engine request)."""
         rest = []
         advanced: dict[str, _Req] = {}
+        prefilled = 0
         for out in outputs:
             r = self._beam_seqs.pop(out.sequence, None)
             if r is None:
                 rest.append(out)
-            elif r.beams is not None and r.beams.took(self.engine, out):
+                continue
+            if r.beams is None:
+                continue
+            prefilled += r.beams.prefilled(self.engine, out)
+            if r.beams.took(self.engine, out):
                 advanced[r.key] = r
                 produced[r.key] = produced.get(r.key, 0) + 1
         events: list[StepEvent] = []
@@ -1273,7 +1280,7 @@ class TextGenerationRunner:
                 events += self._finish(r)
             else:
                 self._start(r, r.beams.lane)
-        return rest, events
+        return rest, events, prefilled
 
     def _beam_results(self, r: _Req) -> None:
         """A beam request's outputs take its best beams (prompt by prompt, best first). A

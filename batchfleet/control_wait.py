@@ -1,0 +1,106 @@
+"""How a control broadcast waits for the fleet (the CLI's control commands and the
+gateway's LoRA and development routes alike): for each live worker of the models
+concerned, those whose heartbeat (``bf:{model}:workers``) is recent, until each replied or
+no reply came for the timeout. A busy worker that answers late is waited for (nothing
+ends the wait but its reply or the timeout), and one that does not answer in time is
+named (:attr:`Replies.missing`), never taken for one that does not serve the model.
+
+Torch-free, and free of the gateway's and the CLI's own code: both import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .connection import SyncClient
+from .remote import replied_as, send_to_all
+from .schemas.keys import ModelKeys
+
+DEFAULT_TIMEOUT_S = 30.0
+"""How long the workers' replies are awaited (reading an adapter takes a while)."""
+HEARTBEAT_WINDOW_MS = 6000
+"""A worker whose last heartbeat is this recent is waited for (the fleet's default
+``heartbeat_timeout_ms``: past it, the fleet takes the worker for dead)."""
+
+Send = Callable[..., dict[str, Any]]
+""":func:`~batchfleet.remote.send_to_all`'s signature: broker, command, arguments,
+``timeout``, ``expect`` (and ``destination``, where one is given)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replies:
+    """What a broadcast got: hostname → reply, the live workers of the models concerned
+    (``expected``, consumer names) and those of them that did not reply within
+    ``waited_s``."""
+
+    got: dict[str, Any]
+    expected: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    waited_s: float = DEFAULT_TIMEOUT_S
+
+    def mine(self, serves: Callable[[Mapping[str, Any]], bool]) -> dict[str, Mapping[str, Any]]:
+        """The replies of the workers concerned: those expected, and any other that
+        ``serves`` the model (its heartbeat older than the window). Others' are left out
+        (other models' workers, other Celery workers on the broker)."""
+        return {h: r for h, r in self.got.items() if isinstance(r, Mapping)
+                and (replied_as(h, r, self.expected) is not None or serves(r))}  # fmt: skip
+
+    def late_note(self) -> str:
+        """Who did not reply in time, in words ("" where none)."""
+        if not self.missing:
+            return ""
+        return f"{', '.join(self.missing)} did not reply within {self.waited_s:g} s"
+
+
+def live_among(redis_time: Sequence[Any], beats: Iterable[Mapping[Any, Any]]) -> list[str]:
+    """The consumer names among ``beats`` (heartbeat hashes: name → unix ms) whose last
+    heartbeat is within :data:`HEARTBEAT_WINDOW_MS` of ``redis_time`` (``TIME``'s
+    reply), sorted."""
+    seconds, micros = redis_time
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return sorted({(k.decode() if isinstance(k, bytes) else str(k))
+                   for hearts in beats for k, v in hearts.items()
+                   if now_ms - int(v) <= HEARTBEAT_WINDOW_MS})  # fmt: skip
+
+
+def live_workers(client: SyncClient, models: Sequence[str]) -> list[str]:
+    """:func:`live_among` the heartbeats of ``models``, in one round trip (the gateway's
+    asynchronous twin: :func:`batchfleet.producer.gateway.fleet_control.live_workers`)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for model in models:
+        pipe.hgetall(ModelKeys(model).workers)
+    now, *beats = pipe.execute()
+    return live_among(now, beats)
+
+
+def named(consumer: str, destination: Collection[str]) -> bool:
+    """Whether the worker of ``consumer`` (its ``--name``, or its Celery hostname where it
+    has none) is one that ``destination`` names: a hostname (``NAME@HOST``) or a bare
+    name, as :func:`~batchfleet.remote.send_to_all` matches them."""
+    return any(consumer in (d, d.split("@", 1)[0]) or consumer.split("@", 1)[0] == d
+               for d in destination)  # fmt: skip
+
+
+def broadcast(
+    broker_url: str,
+    command: str,
+    arguments: dict[str, Any],
+    expect: Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    destination: Sequence[str] = (),
+    send: Send = send_to_all,
+) -> Replies:
+    """Broadcast ``command`` (to the workers ``destination`` names, else to all), waiting
+    for the workers of ``expect``; none expected: nothing is sent. Blocks (the gateway
+    calls it off its event loop); the broker's errors are raised."""
+    if not expect:
+        return Replies({}, waited_s=timeout)
+    where = {"destination": list(destination)} if destination else {}
+    got = send(broker_url, command, arguments, timeout=timeout, expect=expect, **where)
+    answered = {replied_as(host, reply, expect) for host, reply in got.items()}
+    missing = tuple(n for n in expect if n not in answered)
+    return Replies(got, tuple(expect), missing, timeout)
