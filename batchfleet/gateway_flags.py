@@ -79,7 +79,8 @@ def _tls(args: argparse.Namespace) -> Tls | None:
         given = [f"--{n.replace('_', '-')}" for n in ("ssl_keyfile", "ssl_ca_certs",
                  "ssl_ciphers", "enable_ssl_refresh") if getattr(args, n)]  # fmt: skip
         if given or args.ssl_cert_reqs:
-            raise ValueError(f"{', '.join(given) or '--ssl-cert-reqs'} needs --ssl-certfile")
+            raise ValueError(f"{', '.join(given) or '--ssl-cert-reqs'} given without "
+                             "--ssl-certfile (TLS needs the certificate)")  # fmt: skip
         return None
     if args.ssl_cert_reqs not in (0, 1, 2):
         raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, not {args.ssl_cert_reqs}")
@@ -93,10 +94,10 @@ def _cors(args: argparse.Namespace) -> Cors | None:
     if args.allowed_origins is None:
         given = [f"--{n.replace('_', '-')}" for n in CORS_FLAGS if getattr(args, n)]
         if given:
-            raise ValueError(f"{', '.join(given)} needs --allowed-origins (the gateway "
-                             "allows no cross-origin request by default)")  # fmt: skip
+            raise ValueError(f"{', '.join(given)} given without --allowed-origins (the "
+                             "gateway allows no cross-origin request by default)")  # fmt: skip
         return None
     return Cors(json_list(args.allowed_origins),
-                json_list(args.allowed_methods) if args.allowed_methods else ["*"],
-                json_list(args.allowed_headers) if args.allowed_headers else ["*"],
+                json_list(args.allowed_methods) if args.allowed_methods else ("*",),
+                json_list(args.allowed_headers) if args.allowed_headers else ("*",),
                 args.allow_credentials)  # fmt: skip

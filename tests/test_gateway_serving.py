@@ -19,6 +19,8 @@ from batchfleet.producer.gateway.cors import Cors
 from batchfleet.producer.gateway.serving import Tls, listen
 from gateway_fakes import GATEWAY_KEY, gateway_in_process
 
+from batchfleet import cli
+from batchfleet.gateway_flags import serving_options
 from batchfleet.redis_server import free_port
 
 Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
@@ -166,7 +168,7 @@ def test_a_replaced_certificate_is_served_once_checked(tmp_path: Path) -> None:
 
 def test_cors_preflight_and_answers_for_listed_origins(redis_url: str) -> None:
     async def go() -> None:
-        async with gateway_in_process(redis_url, cors=Cors([ORIGIN])) as port:
+        async with gateway_in_process(redis_url, cors=Cors((ORIGIN,))) as port:
             asks = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
                     "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
             # a preflight needs no key (browsers send none), on any path
@@ -198,7 +200,7 @@ def test_cors_preflight_and_answers_for_listed_origins(redis_url: str) -> None:
 
 def test_cors_any_origin_with_credentials_echoes_the_origin(redis_url: str) -> None:
     async def go() -> None:
-        cors = Cors(["*"], methods=["GET", "POST"], headers=["Authorization"], credentials=True)
+        cors = Cors(("*",), ("GET", "POST"), ("Authorization",), credentials=True)
         async with gateway_in_process(redis_url, cors=cors) as port:
             asks = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
                     "Access-Control-Request-Headers": "Authorization"}  # fmt: skip
@@ -267,3 +269,37 @@ def test_unix_socket_is_served_and_removed_on_shutdown(redis_url: str, tmp_path:
         assert not sock.exists()
 
     asyncio.run(go())
+
+
+def test_gateway_flags_and_their_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    def options(*argv: str) -> dict[str, Any]:
+        return serving_options(cli.build_parser().parse_args(["gateway", *argv]))
+
+    assert options() == {"tls": None, "cors": None, "root_path": "", "uds": None}
+    got = options("--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2", "--allowed-origins",
+                  '["https://a"]', "--allow-credentials", "--root-path", "/llm/")  # fmt: skip
+    assert got["tls"] == Tls("c.pem", cert_reqs=2)
+    assert got["cors"] == Cors(("https://a",), credentials=True)
+    assert got["root_path"] == "/llm"
+    # each flag defaults to its BATCHFLEET_ variable
+    for name, value in (("SSL_CERTFILE", "e.pem"), ("ENABLE_SSL_REFRESH", "true"),
+                        ("ALLOWED_ORIGINS", '["*"]'), ("UDS", "/run/g.sock")):  # fmt: skip
+        monkeypatch.setenv(f"BATCHFLEET_{name}", value)
+    got = options()
+    assert got["tls"] == Tls("e.pem", refresh=True)
+    assert got["cors"] == Cors(("*",))
+    assert got["uds"] == "/run/g.sock"
+    monkeypatch.delenv("BATCHFLEET_SSL_CERTFILE")
+    monkeypatch.delenv("BATCHFLEET_ENABLE_SSL_REFRESH")
+    # a flag that needs another is refused (the command exits 2)
+    for argv, said in ((["--ssl-keyfile", "k"], r"^--ssl-keyfile given without --ssl-certfile"),
+                       (["--allowed-origins", "*"], "not a JSON list")):  # fmt: skip
+        with pytest.raises(ValueError, match=said):
+            options(*argv)
+    monkeypatch.setenv("BATCHFLEET_SSL_CERT_REQS", "5")  # as a flag, argparse refuses it
+    with pytest.raises(ValueError, match="0, 1 or 2"):
+        options("--ssl-certfile", "c")
+    monkeypatch.delenv("BATCHFLEET_SSL_CERT_REQS")
+    monkeypatch.delenv("BATCHFLEET_ALLOWED_ORIGINS")
+    with pytest.raises(ValueError, match=r"^--allow-credentials given without --allowed-origins"):
+        options("--allow-credentials")

@@ -10,7 +10,7 @@ that works against vLLM works here. Pure: headers in, headers out.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -21,7 +21,7 @@ MAX_AGE_S = 600
 """How long a browser may keep a preflight's answer (Starlette's default)."""
 
 
-def json_list(text: str) -> list[str]:
+def json_list(text: str) -> tuple[str, ...]:
     """A flag's value: a JSON list of strings, as vLLM's ``--allowed-origins`` takes."""
     try:
         value = json.loads(text)
@@ -29,7 +29,7 @@ def json_list(text: str) -> list[str]:
         raise ValueError(f"not a JSON list: {text!r} (e.g. '[\"https://app.example\"]')") from None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"not a JSON list of strings: {text!r}")
-    return value
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +46,9 @@ class Cors:
     """The CORS policy: the origins, methods and request headers allowed (``"*"``: any),
     and whether credentials (cookies, ``Authorization``) may be sent."""
 
-    origins: Sequence[str] = ()
-    methods: Sequence[str] = ("*",)
-    headers: Sequence[str] = ("*",)
+    origins: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
     credentials: bool = False
 
     @property
@@ -56,7 +56,7 @@ class Cors:
         return "*" in self.origins
 
     @property
-    def _methods(self) -> Sequence[str]:
+    def _methods(self) -> tuple[str, ...]:
         return ALL_METHODS if "*" in self.methods else self.methods
 
     def allows(self, origin: str) -> bool:
