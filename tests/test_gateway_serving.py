@@ -16,8 +16,9 @@ import pytest
 import tornado.web
 import trustme
 from batchfleet.producer.gateway.cors import Cors
-from batchfleet.producer.gateway.serving import Tls, listen
+from batchfleet.producer.gateway.serving import Rooted, Tls, listen
 from gateway_fakes import GATEWAY_KEY, gateway_in_process
+from tornado.httputil import HTTPHeaders, HTTPServerRequest, RequestStartLine
 
 from batchfleet import cli
 from batchfleet.gateway_flags import serving_options
@@ -303,3 +304,17 @@ def test_gateway_flags_and_their_environment(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("BATCHFLEET_ALLOWED_ORIGINS")
     with pytest.raises(ValueError, match=r"^--allow-credentials given without --allowed-origins"):
         options("--allow-credentials")
+
+
+@pytest.mark.parametrize(("root", "path", "routed"), [
+    ("/llm", "/llm/version", "/version"), ("/llm", "/version", "/version"),
+    ("/llm", "/llm", "/"), ("/llm", "/llmx/version", "/llmx/version"),
+    ("/ver", "/version", "/version"),  # a prefix of the letters only: not under it
+    ("/a/b", "/a/b/v1/models", "/v1/models"), ("", "/version", "/version"),
+])  # fmt: skip
+def test_root_path_strips_only_a_whole_prefix(root: str, path: str, routed: str) -> None:
+    app = Rooted([], root_path=root)
+    request = HTTPServerRequest(start_line=RequestStartLine("GET", path, "HTTP/1.1"),
+                                headers=HTTPHeaders({"Host": "gw"}))  # fmt: skip
+    app.find_handler(request)
+    assert request.path == routed
