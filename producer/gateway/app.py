@@ -857,8 +857,8 @@ async def serve(
         app = make_app(gateway, cors=cors, root_path=root_path)
         server = listen(app, host=host, port=port, uds=uds, tls=tls, max_body_size=max_body,
                         idle_connection_timeout=3600)  # fmt: skip
-        logger.info("OpenAI-compatible gateway on %s%s/v1 (fleet %s)", server.address,
-                    root_path, redacted(producer.url))  # fmt: skip
+        logger.info("OpenAI-compatible gateway on %s, its API at %s/v1 (fleet %s)",
+                    server.address, root_path, redacted(producer.url))  # fmt: skip
         try:
             if ready is not None:
                 await gateway.replies.subscribed.wait()

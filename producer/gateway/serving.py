@@ -161,7 +161,7 @@ class Listening:
 
     server: tornado.httpserver.HTTPServer
     address: str
-    """Where, for the log: ``https://host:port`` or ``unix:/path``."""
+    """Where, for the log: ``https://host:port`` or ``unix:/path (https)``."""
     uds: str | None = None
     refresher: CertRefresher | None = None
 
@@ -196,7 +196,7 @@ def listen(
     scheme = "https" if ctx is not None else "http"
     if uds is not None:
         server.add_socket(tornado.netutil.bind_unix_socket(uds, mode=UDS_MODE))
-        address = f"{scheme}+unix:{uds}"
+        address = f"unix:{uds} ({scheme})"
     else:
         server.listen(port, host)
         address = f"{scheme}://{host}:{port}"
