@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .gateway_flags import add_serving_flags
+
 
 def _worker(args: argparse.Namespace) -> int:
     from .config import load_config
@@ -268,9 +270,15 @@ def _flower(args: argparse.Namespace) -> int:
 def _gateway(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .gateway_flags import serving_options
     from .producer.gateway.app import serve
 
     key = args.api_key or os.environ.get("BATCHFLEET_API_KEY") or None
+    try:
+        serving = serving_options(args)
+    except ValueError as exc:
+        print(f"batchfleet gateway: {exc}", file=sys.stderr)
+        return 2
     lora_admin = None
     if args.allow_runtime_lora_updating:
         from .producer.gateway.lora_admin import LoraAdmin
@@ -290,7 +298,8 @@ def _gateway(args: argparse.Namespace) -> int:
                                          "max_items": args.conversations_max_items,
                                          "max_bytes": args.conversations_max_bytes},
                           lora_admin=lora_admin, dev_admin=dev_admin,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids))  # fmt: skip
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          **serving))  # fmt: skip
     return 0
 
 
@@ -613,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of the model; one that does not reply within it is named in the answer (504). "
         "Default $BATCHFLEET_CONTROL_TIMEOUT, else 30",
     )
+    add_serving_flags(gw)
     gw.set_defaults(func=_gateway)
 
     fv = sub.add_parser(

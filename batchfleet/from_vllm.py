@@ -31,6 +31,7 @@ from .vllm_flags import (
     simple_options,
 )
 from .vllm_scheduling import speculative
+from .vllm_serving import serving_defaults
 
 ENV_SWITCHES = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "--allow-runtime-lora-updating",
                 "VLLM_SERVER_DEV_MODE": "--server-dev-mode"}  # fmt: skip
@@ -65,6 +66,7 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
         raise ConversionError(str(exc)) from None
     lengths(out)
     generation_defaults("--generation-config" in flags, out)
+    serving_defaults(out)
     _environment(env or {}, out)
     return out
 

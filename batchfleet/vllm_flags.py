@@ -16,6 +16,7 @@ from .vllm_args import Flag
 from .vllm_catalog import OFF
 from .vllm_conversion import Conversion, Line, count, token_count
 from .vllm_scheduling import SCHEDULING
+from .vllm_serving import SERVING
 
 MAX_LORA_RANK = 512  # worker.generation.lora.MAX_RANK (not imported: it imports torch)
 MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
@@ -322,6 +323,6 @@ HANDLERS: dict[str, Callable[[Flag, Conversion], None]] = {
     "--tokenizer": _tokenizer, "--kv-cache-dtype": _kv_cache_dtype, "--host": _gateway_value,
     "--port": _gateway_value, "--api-key": _api_keys,
     "--return-tokens-as-token-ids": _gateway_switch,
-    **dict.fromkeys(BY_VALUE, _by_value), **SCHEDULING,
+    **dict.fromkeys(BY_VALUE, _by_value), **SCHEDULING, **SERVING,
 }  # fmt: skip
 """Flags that become settings (or are judged by their value), and how."""

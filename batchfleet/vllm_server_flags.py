@@ -1,16 +1,14 @@
-"""vLLM's server flags (``vllm serve``'s own and ``FrontendArgs``: HTTP, TLS, CORS, the
-OpenAI routes' defaults, logging) that need nothing in a fleet, and those with no
+"""vLLM's server flags (``vllm serve``'s own and ``FrontendArgs``: HTTP, the OpenAI
+routes' defaults, logging) that need nothing in a fleet, and those with no
 equivalent, each with why (the fleet file's comments say it).
 
 A switch's off form (``--no-x``, ``--disable-x``) that is not listed takes its switch's
 judgement: see :func:`.vllm_flags.judgement`. The flags that become a gateway flag are
-:mod:`.vllm_flags`'s.
+:mod:`.vllm_flags`'s (TLS, CORS, root path and Unix socket: :mod:`.vllm_serving`'s).
 """
 
 from __future__ import annotations
 
-TLS = "the gateway speaks plain HTTP: terminate TLS in front of it"
-CORS = "no CORS headers: add them in a proxy"
 UVICORN = "the gateway is not uvicorn (tornado: no access log, its own HTTP limits)"
 LOGS = "vLLM's per-request log lines have no counterpart here"
 HEALTH = "no data-parallel supervisor: each gateway answers /health for itself"
@@ -24,6 +22,9 @@ GRPC = "the gateway serves HTTP only"
 NEEDLESS = {
     "--enable-auto-tool-choice": 'tool_choice "auto" is served where tool_call_parser is set',
     "--no-return-tokens-as-token-ids": "the gateway's default",
+    "--no-allow-credentials": "the gateway's default",
+    "--no-enable-ssl-refresh": "the gateway's default",
+    "--disable-ssl-refresh": "the gateway's default",
     "--disable-log-requests": LOGS,
     "--enable-log-outputs": LOGS,
     "--enable-log-deltas": LOGS,
@@ -74,8 +75,6 @@ UNSUPPORTED = {
     "--anthropic-disabled-thinking-effort": "Anthropic's disabled thinking reaches the chat "
     "template as enable_thinking false",
     "--fingerprint-value": "system_fingerprint is always null",
-    "--uds": "the gateway listens on TCP (--host, --port)",
-    "--root-path": "the gateway serves at the root: strip a prefix in a proxy",
     "--middleware": "the gateway takes no ASGI middleware",
     "--headless": "a worker has no HTTP front; the gateway is a separate process",
     "--grpc": GRPC,
@@ -84,10 +83,6 @@ UNSUPPORTED = {
     "--enable-scale-out": TOKEN_ROUTES,
     "--cohere-is-reasoning-model": COHERE,
     "--cohere-format": COHERE,
-    **dict.fromkeys(["--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs",
-                     "--ssl-ciphers", "--enable-ssl-refresh"], TLS),
-    **dict.fromkeys(["--allowed-origins", "--allowed-methods", "--allowed-headers",
-                     "--allow-credentials"], CORS),
 }
 """Server flags with no equivalent here, and why (listed; the fleet file goes on without
 them)."""

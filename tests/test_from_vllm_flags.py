@@ -89,11 +89,13 @@ def test_a_production_command_line_converts_with_every_flag_accounted_for(
     assert fleet["worker"]["shutdown_grace_s"] == 20
     args = cli.build_parser().parse_args(shlex.split(gateway.split("  #")[0])[1:])
     assert (args.host, args.port, args.grace) == ("10.0.0.5", 8080, 20.0)
+    # TLS and CORS are the gateway's, as vLLM's
+    assert (args.ssl_certfile, args.ssl_keyfile) == ("/tls/cert.pem", "/tls/key.pem")
+    assert args.allowed_origins == '["*"]'
     # what has no equivalent is said on stderr
     for flag in (
         "--trust-remote-code",
         "--gpu-memory-utilization 0.92",
-        "--ssl-keyfile",
         "--otlp-traces-endpoint",
         "--enable-expert-parallel",
         "--limit-mm-per-prompt",

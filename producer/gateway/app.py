@@ -42,11 +42,13 @@ from . import openai_fields
 from .answers import chat_response, completion_response
 from .chunks import Chunks, Diverged
 from .conversations import ConversationStore
+from .cors import Cors
 from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .metrics import CLIENT_LEFT, GatewayMetrics
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .replies import DOWN, Replies
+from .serving import Rooted, Tls, listen
 from .split import merged, part_ids, split
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
@@ -269,11 +271,22 @@ class Handler(tornado.web.RequestHandler):
         self._loading = self.load_aware and self.request.method == "POST"
         gateway.load += self._loading
 
+    def set_default_headers(self) -> None:
+        """A cross-origin request's CORS headers (kept by :meth:`fail`'s ``clear``)."""
+        cors: Cors | None = self.application.settings.get("cors")
+        origin = self.request.headers.get("Origin")
+        if cors is not None and origin is not None:
+            for name, value in cors.simple(origin, self.request.headers).items():
+                self.set_header(name, value)
+
     def prepare(self) -> None:
+        if self._preflight():
+            return
         if self.gateway.stopping and self.request.method == "POST":
             return self.fail(ApiError(503, "the gateway is shutting down", code="unavailable"))
         key = self.gateway.api_key
-        if key is None or self.request.path in OPEN_PATHS:
+        # browsers send no key on a preflight: OPTIONS is not checked, as vLLM's
+        if key is None or self.request.path in OPEN_PATHS or self.request.method == "OPTIONS":
             return
         given = self.request.headers.get("Authorization", "")
         # Anthropic's clients send the key as x-api-key
@@ -282,6 +295,26 @@ class Handler(tornado.web.RequestHandler):
         if not hmac.compare_digest(token.encode(), key.encode()):
             self.fail(ApiError(401, "Incorrect API key: send Authorization: Bearer <key> "
                                "(or x-api-key: <key>)", code="invalid_api_key"))  # fmt: skip
+
+    def _preflight(self) -> bool:
+        """Answer a CORS preflight (on any path, before routing, as Starlette's middleware)
+        where the gateway allows cross-origin requests (True: answered)."""
+        cors: Cors | None = self.application.settings.get("cors")
+        headers = self.request.headers
+        method = headers.get("Access-Control-Request-Method")
+        if cors is None or self.request.method != "OPTIONS" or method is None:
+            return False
+        if "Origin" not in headers:
+            return False
+        answer = cors.preflight(headers["Origin"], method,
+                                headers.get("Access-Control-Request-Headers"))  # fmt: skip
+        self.clear()
+        for name, value in answer.headers.items():
+            self.set_header(name, value)
+        self.set_status(answer.status)
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.finish(answer.text)
+        return True
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         """The JSON of an error answer: OpenAI's error object (a route may have its own)."""
@@ -694,11 +727,18 @@ class NotFound(Handler):
                                code="not_found"))  # fmt: skip
 
 
-def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) -> Any:
+def make_app(
+    gateway: Gateway,
+    endpoints: Mapping[str, Endpoint] | None = None,
+    *,
+    cors: Cors | None = None,
+    root_path: str = "",
+) -> Any:
     """The tornado application: the generation routes (and their tokenizer's: vLLM's
     ``/tokenize`` and ``/detokenize``, Anthropic's ``count_tokens``), ``endpoints`` (path
     → unary endpoint: the pooling ones by default), models, health and vLLM's server
-    routes (:mod:`.server_routes`)."""
+    routes (:mod:`.server_routes`); cross-origin requests as ``cors`` allows (None: no CORS
+    headers), served at the root and under ``root_path`` (:class:`.serving.Rooted`)."""
     from .conversation_routes import (
         ConversationItem,
         ConversationItems,
@@ -751,8 +791,8 @@ def make_app(gateway: Gateway, endpoints: Mapping[str, Endpoint] | None = None) 
 
         routes.append((r"/reset_prefix_cache", ResetPrefixCache, g))
     gateway.routes = frozenset(path for path, *_ in routes if "(" not in path)
-    return tornado.web.Application(routes, default_handler_class=NotFound,
-                                   default_handler_args=g)  # fmt: skip
+    return Rooted(routes, root_path=root_path, cors=cors, default_handler_class=NotFound,
+                  default_handler_args=g)  # fmt: skip
 
 
 def redacted(url: str) -> str:
@@ -781,6 +821,10 @@ async def serve(
     lora_admin: LoraAdmin | None = None,
     dev_admin: DevAdmin | None = None,
     return_tokens_as_token_ids: bool = False,
+    uds: str | None = None,
+    tls: Tls | None = None,
+    cors: Cors | None = None,
+    root_path: str = "",
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
@@ -792,7 +836,10 @@ async def serve(
     ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
     ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
     (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`);
-    ``return_tokens_as_token_ids``: the default of the requests' field (vLLM's flag)."""
+    ``return_tokens_as_token_ids``: the default of the requests' field (vLLM's flag).
+    ``uds``: listen on this Unix socket instead of ``host:port``; ``tls``: speak HTTPS;
+    ``cors``: answer cross-origin requests; ``root_path``: served under it too
+    (:mod:`.serving`, :mod:`.cors`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     handled = []
@@ -807,17 +854,18 @@ async def serve(
                           dev_admin=dev_admin,
                           return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
         gateway.replies.start()
-        server = make_app(gateway).listen(port, host, max_body_size=max_body,
-                                          idle_connection_timeout=3600)  # fmt: skip
-        logger.info("OpenAI-compatible gateway on http://%s:%d/v1 (fleet %s)", host, port,
-                    redacted(producer.url))  # fmt: skip
+        app = make_app(gateway, cors=cors, root_path=root_path)
+        server = listen(app, host=host, port=port, uds=uds, tls=tls, max_body_size=max_body,
+                        idle_connection_timeout=3600)  # fmt: skip
+        logger.info("OpenAI-compatible gateway on %s, its API at %s/v1 (fleet %s)",
+                    server.address, root_path, redacted(producer.url))  # fmt: skip
         try:
             if ready is not None:
                 await gateway.replies.subscribed.wait()
                 ready.set()
             await stop.wait()
             gateway.stopping = True
-            server.stop()
+            server.stop_accepting()
             end = time.monotonic() + grace_s
             while gateway.inflight and time.monotonic() < end:
                 await asyncio.sleep(0.05)
@@ -827,7 +875,7 @@ async def serve(
             for job in list(gateway.inflight):
                 gateway.cancel(job)
         finally:
-            server.stop()
+            server.close()
             await asyncio.gather(*gateway.pending, return_exceptions=True)
             await gateway.replies.close()
             for sig in handled:

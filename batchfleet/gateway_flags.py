@@ -1,0 +1,103 @@
+"""`batchfleet gateway`'s flags for how it is served: TLS, CORS, root path, Unix socket.
+
+vLLM's names (``--ssl-keyfile`` ..., ``--allowed-origins`` ..., ``--root-path``,
+``--uds``), each defaulting to its ``BATCHFLEET_*`` environment variable (the flag's name
+in capitals, ``-`` as ``_``), so `batchfleet from-vllm`'s gateway command takes vLLM's
+flags as they are. Imports nothing heavy: the CLI stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .producer.gateway.cors import Cors
+    from .producer.gateway.serving import Tls
+
+TRUE = frozenset({"1", "true", "yes", "on"})
+CORS_FLAGS = ("allowed_methods", "allowed_headers", "allow_credentials")
+
+
+def _env(flag: str) -> str | None:
+    return os.environ.get("BATCHFLEET_" + flag.lstrip("-").replace("-", "_").upper()) or None
+
+
+def add_serving_flags(gw: argparse.ArgumentParser) -> None:
+    """The flags, on the gateway command's parser."""
+    tls = gw.add_argument_group("TLS (vLLM's --ssl-*; default $BATCHFLEET_<FLAG>)")
+    tls.add_argument("--ssl-certfile", default=_env("--ssl-certfile"),
+                     help="serve HTTPS with this certificate chain (PEM)")  # fmt: skip
+    tls.add_argument("--ssl-keyfile", default=_env("--ssl-keyfile"),
+                     help="its private key (PEM; default: in the certificate file)")  # fmt: skip
+    tls.add_argument("--ssl-ca-certs", default=_env("--ssl-ca-certs"),
+                     help="CA certificates a client certificate is checked against")  # fmt: skip
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2),
+                     default=_env("--ssl-cert-reqs") or "0",
+                     help="ask clients for a certificate, as Python's ssl.CERT_*: 0 no, 1 "
+                     "optional, 2 required (mutual TLS)")  # fmt: skip
+    tls.add_argument("--ssl-ciphers", default=_env("--ssl-ciphers"),
+                     help="the ciphers allowed (OpenSSL's cipher list syntax)")  # fmt: skip
+    tls.add_argument("--enable-ssl-refresh", action="store_true",
+                     default=(_env("--enable-ssl-refresh") or "").lower() in TRUE,
+                     help="read the certificate, key and CA files again when they change "
+                     "(new connections get the new certificate)")  # fmt: skip
+    cors = gw.add_argument_group("CORS (vLLM's; default $BATCHFLEET_<FLAG>)")
+    cors.add_argument("--allowed-origins", default=_env("--allowed-origins"),
+                      help="JSON list of the origins whose pages may call the gateway, e.g. "
+                      "'[\"https://app.example\"]' ('[\"*\"]': any, vLLM's default; default "
+                      "here: none, no CORS headers)")  # fmt: skip
+    cors.add_argument("--allowed-methods", default=_env("--allowed-methods"),
+                      help="JSON list of the methods allowed (default '[\"*\"]')")  # fmt: skip
+    cors.add_argument("--allowed-headers", default=_env("--allowed-headers"),
+                      help="JSON list of the request headers allowed (default '[\"*\"]')")  # fmt: skip
+    cors.add_argument("--allow-credentials", action="store_true",
+                      default=(_env("--allow-credentials") or "").lower() in TRUE,
+                      help="allow cookies and Authorization on cross-origin requests")  # fmt: skip
+    gw.add_argument("--root-path", default=_env("--root-path") or "",
+                    help="the path prefix a proxy serves the gateway under (e.g. /llm): "
+                    "paths are routed with it or without it (default $BATCHFLEET_ROOT_PATH)")  # fmt: skip
+    gw.add_argument("--uds", default=_env("--uds"),
+                    help="listen on this Unix socket instead of --host and --port (default "
+                    "$BATCHFLEET_UDS)")  # fmt: skip
+
+
+def serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve``'s ``tls``, ``cors``, ``root_path`` and ``uds`` of the parsed flags; a
+    ``ValueError`` says what is wrong with them."""
+    from .producer.gateway.serving import root_path
+
+    return {"tls": _tls(args), "cors": _cors(args), "root_path": root_path(args.root_path),
+            "uds": args.uds}  # fmt: skip
+
+
+def _tls(args: argparse.Namespace) -> Tls | None:
+    from .producer.gateway.serving import Tls
+
+    if args.ssl_certfile is None:
+        given = [f"--{n.replace('_', '-')}" for n in ("ssl_keyfile", "ssl_ca_certs",
+                 "ssl_ciphers", "enable_ssl_refresh") if getattr(args, n)]  # fmt: skip
+        if given or args.ssl_cert_reqs:
+            raise ValueError(f"{', '.join(given) or '--ssl-cert-reqs'} given without "
+                             "--ssl-certfile (TLS needs the certificate)")  # fmt: skip
+        return None
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, not {args.ssl_cert_reqs}")
+    return Tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs,
+               args.ssl_ciphers, args.enable_ssl_refresh)  # fmt: skip
+
+
+def _cors(args: argparse.Namespace) -> Cors | None:
+    from .producer.gateway.cors import Cors, json_list
+
+    if args.allowed_origins is None:
+        given = [f"--{n.replace('_', '-')}" for n in CORS_FLAGS if getattr(args, n)]
+        if given:
+            raise ValueError(f"{', '.join(given)} given without --allowed-origins (the "
+                             "gateway allows no cross-origin request by default)")  # fmt: skip
+        return None
+    return Cors(json_list(args.allowed_origins),
+                json_list(args.allowed_methods) if args.allowed_methods else ("*",),
+                json_list(args.allowed_headers) if args.allowed_headers else ("*",),
+                args.allow_credentials)  # fmt: skip
