@@ -24,8 +24,7 @@ PLAIN = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
 """A template of the option's (not the model's own ChatML)."""
 MOOD = "{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ mood }}|{{ size | default('-') }}"
 PARTS = (
-    "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}"
-    "{% endfor %}"
+    "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
 )
 """A template that loops over a message's parts (``auto`` reads ``openai`` off it)."""
 AS_IS = "{% for m in messages %}{{ m['content'] }};{% endfor %}"
