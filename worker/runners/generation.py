@@ -42,7 +42,10 @@ once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_l
 defaults; ``auto``: those of the model's ``generation_config.json``; a folder: its file's)
 and ``override_generation_config`` (a table over them: ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``), applied to the fields
-a request leaves unset, :mod:`..generation.defaults`.
+a request leaves unset, :mod:`..generation.defaults`; ``chat_template``,
+``default_chat_template_kwargs``, ``trust_request_chat_template`` and
+``chat_template_content_format`` (vLLM's flags of those names),
+:mod:`..generation.chat_template`.
 """
 
 from __future__ import annotations
