@@ -161,6 +161,20 @@ def _structured_outputs(flag: Flag, out: Conversion) -> None:
                                    "by the worker's own grammar engine, as it is")  # fmt: skip
 
 
+def _chat_template(flag: Flag, out: Conversion) -> None:
+    """The four chat template flags to their options (the template itself, a path or
+    inline, as vLLM reads it where the worker runs), checked as the runner checks them."""
+    from .worker.generation.chat_template import JINJA_CHARS, ChatTemplates
+
+    key = flag.name.removeprefix("--").replace("-", "_")
+    value: Any = True if flag.name == "--trust-request-chat-template" else flag.value
+    if flag.name == "--default-chat-template-kwargs":
+        value = json.loads(flag.value)
+    if flag.name != "--chat-template" or any(c in flag.value for c in JINJA_CHARS):
+        ChatTemplates.from_options({key: value})  # (a file is read where the worker runs)
+    out.option(flag, key, value)
+
+
 def _lora_modules(flag: Flag, out: Conversion) -> None:
     """``name=path`` or vLLM's JSON ``{"name", "path", "base_model_name"}``, each."""
     for item in flag.values:
@@ -314,6 +328,9 @@ HANDLERS: dict[str, Callable[[Flag, Conversion], None]] = {
     "--tool-call-parser": _tool_parser, "--reasoning-parser": _reasoning_parser,
     "--structured-outputs-config": _structured_outputs,
     "--lora-modules": _lora_modules, "--max-lora-rank": _max_lora_rank,
+    **dict.fromkeys(["--chat-template", "--default-chat-template-kwargs",
+                     "--trust-request-chat-template", "--chat-template-content-format"],
+                    _chat_template),
     "--kv-cache-memory-bytes": _kv_cache_bytes, "--kv-cache-memory": _kv_cache_bytes,
     "--generation-config": _generation_config,
     "--override-generation-config": _override_generation,

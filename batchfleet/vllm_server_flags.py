@@ -25,6 +25,8 @@ NEEDLESS = {
     "--no-allow-credentials": "the gateway's default",
     "--no-enable-ssl-refresh": "the gateway's default",
     "--disable-ssl-refresh": "the gateway's default",
+    "--no-trust-request-chat-template": "a request's chat_template is refused, as the "
+    "fleet's default (trust_request_chat_template = false)",
     "--disable-log-requests": LOGS,
     "--enable-log-outputs": LOGS,
     "--enable-log-deltas": LOGS,
@@ -54,11 +56,6 @@ NEEDLESS = {
 """Server flags that change nothing here, and why (a comment in the fleet file)."""
 
 UNSUPPORTED = {
-    "--chat-template": "the tokenizer's own chat template is used: put the template in "
-    "the model directory (chat_template.jinja)",
-    "--default-chat-template-kwargs": "no default chat_template_kwargs: a request sends its "
-    "own (or put them in the model's chat template)",
-    "--trust-request-chat-template": "a request's chat_template is refused (400)",
     "--trust-request-mm-kwargs": "a request's media_io_kwargs and mm_processor_kwargs are "
     "refused (400)",
     "--reasoning-effort-map": "a request's reasoning_effort reaches the chat template as sent",
@@ -88,9 +85,6 @@ UNSUPPORTED = {
 them)."""
 
 BY_VALUE = {
-    "--chat-template-content-format": (("auto",), "messages' content is passed as the "
-                                       "template takes it", "messages' content is passed "
-                                       "as the template takes it (auto)"),
     "--response-role": (("assistant",), "answers' role is assistant",
                         "answers' role is always assistant"),
     "--fingerprint-mode": (("none",), "system_fingerprint is null",

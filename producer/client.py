@@ -176,7 +176,7 @@ class Producer(ProducerShell[SyncClient, Job]):
         ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``prompt_logprobs``,
         ``structured_outputs``, ``response_format``, ``tools``, ``tool_choice``,
         ``parallel_tool_calls``, ``allowed_token_ids``, ``skip_special_tokens``,
-        ``bad_words``, ``chat_template_kwargs``, ``add_generation_prompt``,
+        ``bad_words``, ``chat_template_kwargs``, ``chat_template``, ``add_generation_prompt``,
         ``continue_final_message``, ``return_token_ids``, ``return_prompt_text``,
         ``cache_salt``, ``reasoning_effort``, ``lora``, ``add_special_tokens``,
         ``return_token_strs``, ``use_beam_search``, ``length_penalty``,

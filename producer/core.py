@@ -154,6 +154,9 @@ class GenerationOptions(TypedDict, total=False):
     """Words never generated (vLLM's)."""
     chat_template_kwargs: Mapping[str, Any] | None
     """More variables for the chat template, e.g. ``{"enable_thinking": False}`` (vLLM's)."""
+    chat_template: str | None
+    """A Jinja chat template for this chat in place of the model's (vLLM's); only a model
+    with ``trust_request_chat_template`` takes it, others answer ``invalid_request``."""
     add_generation_prompt: bool | None
     """False: the template does not open the assistant's turn (vLLM's)."""
     continue_final_message: bool | None

@@ -93,6 +93,8 @@ MAX_BAD_WORDS: Final = 128
 """The most words a request's ``bad_words`` lists (each 1 to 256 chars)."""
 MAX_TEMPLATE_KWARGS_CHARS: Final = 4_096
 """The most chars a request's ``chat_template_kwargs`` take as JSON."""
+MAX_CHAT_TEMPLATE_CHARS: Final = 65_536
+"""The longest chat template a request brings (``chat_template``)."""
 TEMPLATE_NAMES: Final = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -128,9 +130,16 @@ GENERATION_FIELDS: Final = (
     "add_generation_prompt", "continue_final_message", "return_token_ids", "cache_salt",
     "reasoning_effort", "return_prompt_text", "lora",
     "add_special_tokens", "return_token_strs",
-    "use_beam_search", "length_penalty", "thinking_token_budget",
+    "use_beam_search", "length_penalty", "thinking_token_budget", "chat_template",
 )  # fmt: skip
 """Request fields only generation models take."""
+
+
+class TextPart(_Strict):
+    """One part of a message's content, OpenAI's: ``{"type": "text", "text": ...}``."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Strict):
@@ -138,8 +147,10 @@ class ChatMessage(_Strict):
 
     role: str = Field(pattern=r"^[a-z_]{1,32}$")
     """``system``, ``user``, ``assistant``, ``tool`` (or another role the template knows)."""
-    content: str | None = None
-    """The text; null (or left out) only in an assistant turn that made ``tool_calls``."""
+    content: str | list[TextPart] | None = None
+    """The text, or its text parts (the template takes them joined by newlines, or as
+    parts: the model's ``chat_template_content_format``); null (or left out) only in an
+    assistant turn that made ``tool_calls``."""
     tool_calls: list[PastToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     """An assistant turn's calls of the request's tools (OpenAI's)."""
     tool_call_id: str | None = Field(None, min_length=1, max_length=128)
@@ -163,7 +174,12 @@ class ChatMessage(_Strict):
     def chars(self) -> int:
         """Its text's size: the content, the calls' arguments and the reasoning."""
         calls = sum(len(c.function.arguments) for c in self.tool_calls or ())
-        return len(self.content or "") + calls + len(self.reasoning_content or "")
+        text = (
+            sum(len(p.text) for p in self.content)
+            if isinstance(self.content, list)
+            else len(self.content or "")
+        )
+        return text + calls + len(self.reasoning_content or "")
 
 
 _ALIASED = ConfigDict(
@@ -369,6 +385,10 @@ class Request(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: more variables for the chat template (``{"enable_thinking": false}`` for
     Qwen3); JSON values, 4,096 chars in all, not the template call's own arguments."""
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    """vLLM's: a Jinja chat template that renders this chat in place of the model's
+    (sandboxed); only a model with ``trust_request_chat_template`` takes it, others answer
+    ``invalid_request``."""
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     """OpenAI's and vLLM's, with ``messages``: how hard a reasoning model thinks, given to
     the chat template as ``reasoning_effort`` (gpt-oss's writes it in its system message;
@@ -555,7 +575,7 @@ class Request(_Strict):
     def _check_template(self) -> None:
         chat = self.messages is not None
         for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                     "reasoning_effort"):  # fmt: skip
+                     "reasoning_effort", "chat_template"):  # fmt: skip
             if getattr(self, name) is not None and not chat:
                 raise ValueError(f"{name} goes with a chat (messages)")
         if self.chat_template_kwargs is not None:

@@ -157,6 +157,9 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
     ("--port", "70000", "not a TCP port"),
     ("--override-generation-config", '{"top_p": 1.5}', "top_p: Input should be less than"),
     ("--override-generation-config", '[1]', "a JSON object"),
+    ("--chat-template", "{% for m in messages %}", "does not compile"),
+    ("--chat-template-content-format", "parts", "not one of auto, string, openai"),
+    ("--default-chat-template-kwargs", '{"tools": []}', "may not set tools"),
 ])  # fmt: skip
 def test_values_the_fleet_would_refuse_are_refused_here(
     tmp_path: Path, flag: str, value: str, why: str

@@ -129,6 +129,14 @@ SHORT_OR_SAME = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
     (["--max-model-len", "32K"], "model", {"max_tokens": 32_767}),
     (["--max-model-len", "auto"], "model", {"max_tokens": 65_536}),
     (["--shutdown-timeout", "45"], "worker", {"shutdown_grace_s": 45}),
+    (["--chat-template", "/templates/chatml.jinja", "--trust-request-chat-template",
+      "--default-chat-template-kwargs", '{"enable_thinking": false}',
+      "--chat-template-content-format", "openai"], "options",
+     {"chat_template": "/templates/chatml.jinja", "trust_request_chat_template": True,
+      "default_chat_template_kwargs": {"enable_thinking": False},
+      "chat_template_content_format": "openai"}),
+    (["--chat-template", "{{ messages[0]['content'] }}"], "options",
+     {"chat_template": "{{ messages[0]['content'] }}"}),
 ])  # fmt: skip
 def test_newer_flags_reach_the_fleet_file(
     tmp_path: Path, flags: list[str], where: str, expect: dict[str, object]
@@ -157,6 +165,7 @@ def test_newer_flags_reach_the_fleet_file(
     (["--dtype", "half", "--kv-cache-dtype", "float16"], True, "--kv-cache-dtype float16: the"),
     (["--kv-cache-dtype", "bfloat16"], False, "--kv-cache-dtype bfloat16: the KV cache has"),
     (["--kv-cache-dtype", "fp8"], False, "--kv-cache-dtype fp8: the KV cache has the model's"),
+    (["--no-trust-request-chat-template"], True, "--no-trust-request-chat-template: a request's"),
 ])  # fmt: skip
 def test_flags_needing_nothing_or_without_equivalent_are_listed_with_why(
     tmp_path: Path, flags: list[str], needless: bool, listed: str
@@ -250,11 +259,16 @@ def test_the_newer_options_start_the_text_generation_runner(tmp_path: Path, tiny
     argv = ["vllm", "serve", str(tiny_lm), "--served-model-name", "tiny", "--dtype", "float32",
             "--max-num-seqs", "16", "--max-num-active-seqs", "6", "--block-size", "16",
             "--num-gpu-blocks-override", "64", "--no-async-scheduling", "--spec-tokens", "3",
-            "--max-model-len", "0.5k"]  # fmt: skip
+            "--max-model-len", "0.5k", "--chat-template", "{{ messages[0]['content'] }}|{{ x }}",
+            "--default-chat-template-kwargs", '{"x": 1}', "--trust-request-chat-template",
+            "--chat-template-content-format", "string"]  # fmt: skip
     runner, _ = started_runner(tmp_path, argv, "tiny")
     assert (runner.max_running, runner.page_size, runner.kv_cache_tokens) == (6, 16, 1024)
     assert runner.schedule_ahead is False
     assert runner.speculative is not None and runner.max_prompt_tokens == 499
+    assert runner.tokenizer.chat_template == "{{ messages[0]['content'] }}|{{ x }}"
+    assert (runner.templates.default_kwargs, runner.templates.trust_request) == ({"x": 1}, True)
+    assert runner.templates.content_format == "string"
 
 
 def test_secrets_are_never_shown(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ def test_tokenize_asks_the_prompt_only_with_its_token_ids() -> None:
         "model": MODEL, "messages": [{"role": "developer", "content": "be kind"}, *CHAT,
                                      {"role": "assistant", "content": "Hel"}],
         "tools": tools, "chat_template_kwargs": {"enable_thinking": False},
+        "chat_template": "{{ messages | length }}",
         "add_generation_prompt": False, "continue_final_message": True,
         "add_special_tokens": False}))  # fmt: skip
     assert chat.add_special_tokens is None
@@ -65,6 +66,7 @@ def test_tokenize_asks_the_prompt_only_with_its_token_ids() -> None:
     assert again.add_special_tokens is True
     assert [m.role for m in chat.messages] == ["system", "user", "assistant"] and chat.tools
     assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert chat.chat_template == "{{ messages | length }}"  # rendered as the chat route's
     assert (chat.add_generation_prompt, chat.continue_final_message) == (False, True)
     assert (chat.max_new_tokens, chat.return_token_ids) == (0, True)
 

@@ -59,8 +59,21 @@ def test_chat_fields_become_the_fleets() -> None:
     assert request.parallel_tool_calls is False and request.deadline_ms == 5000
     assert sub.options["priority"] == 0
     msgs = request.messages
-    assert msgs is not None and msgs[0].role == "system" and msgs[1].content == "a\nb"
+    assert msgs is not None and msgs[0].role == "system"
+    # text parts kept as parts: the model's chat_template_content_format joins them or not
+    assert [(p.type, p.text) for p in msgs[1].content or ()] == [("text", "a"), ("text", "b")]
     assert msgs[2].tool_calls is not None and msgs[4].reasoning_content == "hmm"
+    # one part goes as its text (as workers before parts take it)
+    one = chat_submission(body | {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}]}]})  # fmt: skip
+    assert one.options["messages"][0]["content"] == "a"
+
+
+def test_a_chat_s_template_goes_to_the_worker() -> None:
+    # vLLM's chat_template: the worker renders it where the model trusts request templates
+    body = {"model": "lm", "messages": [{"role": "user", "content": "x"}],
+            "chat_template": "{{ messages[0]['content'] }}"}  # fmt: skip
+    assert built(chat_submission(body)).chat_template == "{{ messages[0]['content'] }}"
 
 
 def test_guided_fields_and_their_refusals() -> None:
@@ -323,7 +336,7 @@ def test_vllm_fields_the_fleet_does_not_take_are_refused_by_name() -> None:
     refused = {"prompt_embeds": "AAAA", "logprob_token_ids": [1],
                "include_reasoning": False, "watermarking": True,
                "spaces_between_special_tokens": False, "truncation_side": "right",
-               "documents": [{"text": "d"}], "chat_template": "{{ x }}",
+               "documents": [{"text": "d"}],
                "media_io_kwargs": {}, "mm_processor_kwargs": {"a": 1},
                "routed_experts_prompt_start": 2, "kv_transfer_params": {},
                "ec_transfer_params": {}, "vllm_xargs": {"a": 1},

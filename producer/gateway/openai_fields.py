@@ -27,9 +27,11 @@ SAME_NAME = (
 batchfleet's own)."""
 
 CHAT_SAME_NAME = (
-    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "chat_template",
     "add_generation_prompt", "continue_final_message", "reasoning_effort",
 )  # fmt: skip
+"""A chat's own (``chat_template``: the worker renders it where the model trusts request
+templates, else answers ``invalid_request``, as vLLM)."""
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # fmt: skip
@@ -50,7 +52,6 @@ NOT_TAKEN: dict[str, tuple[tuple[object, ...], str]] = {
     "truncation_side": (("left",), "truncate_prompt_tokens keeps a prompt's last tokens "
                         "(left) only"),
     "documents": ((), "chat templates are given no documents (put them in the messages)"),
-    "chat_template": ((), "the model's own chat template renders every chat"),
     "media_io_kwargs": ((), "this gateway takes text only"),
     "mm_processor_kwargs": ((), "this gateway takes text only"),
     "routed_experts_prompt_start": ((0,), "no routed-expert data is returned"),
@@ -159,8 +160,10 @@ def chat_submission(body: Mapping[str, Any]) -> Submission:
 
 
 def message(m: Any, index: int) -> dict[str, Any]:
-    """One OpenAI message as batchfleet's :class:`ChatMessage` map: content parts joined,
-    fields batchfleet has no use for (``refusal``, ``audio``, ...) left out."""
+    """One OpenAI message as batchfleet's :class:`ChatMessage` map: content parts kept as
+    text parts (the model's ``chat_template_content_format`` joins them or not; one part
+    sent as its text, which every worker takes), fields batchfleet has no use for
+    (``refusal``, ``audio``, ...) left out."""
     param = f"messages[{index}]"
     if not isinstance(m, Mapping):
         raise invalid("each message must be an object", param)
@@ -172,7 +175,9 @@ def message(m: Any, index: int) -> dict[str, Any]:
         out["role"] = ROLE_ALIASES.get(role, role)
     content = out.get("content")
     if isinstance(content, list):
-        out["content"] = text_parts(content, f"{param}.content")
+        texts = part_texts(content, f"{param}.content")
+        out["content"] = texts[0] if len(texts) == 1 else [
+            {"type": "text", "text": t} for t in texts]  # fmt: skip
     calls = out.get("tool_calls")
     if isinstance(calls, list):
         out["tool_calls"] = [
@@ -185,6 +190,11 @@ def message(m: Any, index: int) -> dict[str, Any]:
 def text_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """OpenAI's content parts, of the text ``kinds`` only, joined by newlines (as vLLM
     does); ``param`` names the content in a refusal."""
+    return "\n".join(part_texts(parts, param, kinds))
+
+
+def part_texts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> list[str]:
+    """The texts of OpenAI's content parts, of the text ``kinds`` only (:func:`text_parts`)."""
     texts: list[str] = []
     for p in parts:
         if not isinstance(p, Mapping) or p.get("type") not in kinds:
@@ -195,7 +205,7 @@ def text_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",))
         if not isinstance(text, str):
             raise invalid("a text part's text must be a string", param)
         texts.append(text)
-    return "\n".join(texts)
+    return texts
 
 
 def completion_submission(body: Mapping[str, Any]) -> Submission:

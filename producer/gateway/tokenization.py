@@ -19,8 +19,8 @@ from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid
 from .openai_fields import chat_submission, model_of, special_tokens
 
-CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
-               "continue_final_message")  # fmt: skip
+CHAT_FIELDS = ("messages", "tools", "chat_template_kwargs", "chat_template",
+               "add_generation_prompt", "continue_final_message")  # fmt: skip
 """vLLM's ``TokenizeChatRequest`` fields the fleet honours (as the chat route takes them)."""
 
 

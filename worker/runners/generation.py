@@ -42,7 +42,10 @@ once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_l
 defaults; ``auto``: those of the model's ``generation_config.json``; a folder: its file's)
 and ``override_generation_config`` (a table over them: ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``), applied to the fields
-a request leaves unset, :mod:`..generation.defaults`.
+a request leaves unset, :mod:`..generation.defaults`; ``chat_template``,
+``default_chat_template_kwargs``, ``trust_request_chat_template`` and
+``chat_template_content_format`` (vLLM's flags of those names),
+:mod:`..generation.chat_template`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ from ..generation import blocks as block_formats
 from ..generation import cohere, defaults, harmony, hy_v4, strict_calls, struct_tag
 from ..generation.beam import BeamSearch, Ending
 from ..generation.beam_rounds import BeamRounds
+from ..generation.chat_template import ChatTemplates, ContentFormat, TemplateRefused
+from ..generation.chat_template import content as template_content
 from ..generation.detok import Decode, TextStream
 from ..generation.engine import Engine, Output
 from ..generation.grammar import Constraint, GrammarError, Grammars
@@ -204,10 +209,11 @@ class _Req:
         return all(s.finish is not None for s in seqs)
 
 
-def _turn(m: ChatMessage) -> dict[str, Any]:
-    """A chat message as chat templates take it: an earlier call's arguments as an object
-    where they parse (HF's convention; the text otherwise)."""
-    turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+def _turn(m: ChatMessage, fmt: ContentFormat = "string") -> dict[str, Any]:
+    """A chat message as chat templates take it: its content in the template's ``fmt``; an
+    earlier call's arguments as an object where they parse (HF's convention; the text
+    otherwise)."""
+    turn: dict[str, Any] = {"role": m.role, "content": template_content(m, fmt)}
     if m.tool_calls:
         turn["tool_calls"] = [
             {"id": c.id, "type": c.type,
@@ -316,6 +322,10 @@ class TextGenerationRunner:
         gguf = opts.get("gguf_file")
         extra = {"gguf_file": gguf} if gguf else {}
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        self.templates = ChatTemplates.from_options(opts)
+        """The chat template options (:mod:`..generation.chat_template`)."""
+        if self.templates.template is not None:  # replaces the tokenizer's own (all of them)
+            self.tokenizer.chat_template = self.templates.template
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self._backend_decode: Callable[..., str] | None = (
             backend.decode
@@ -843,22 +853,29 @@ class TextGenerationRunner:
         """Each input's prompt tokens, and its text where there is one: a text input's,
         a chat's rendered template (rendered only for ``return_prompt_text``)."""
         if req.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise PrepareError("this model has no chat template: send `inputs` (prompts)")
+            try:
+                template = self.templates.request_template(req.chat_template)
+            except TemplateRefused as exc:
+                raise PrepareError(str(exc)) from None
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            if template is None:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise PrepareError("this model has no chat template: send `inputs` (prompts), "
+                                       "or set its chat_template option")  # fmt: skip
+                template = self.tokenizer.get_chat_template(None, tools=tools)
             go_on = bool(req.continue_final_message)
+            variables = self.templates.kwargs(req.chat_template_kwargs)
+            if req.reasoning_effort is not None:  # over a default's
+                variables["reasoning_effort"] = req.reasoning_effort
             kwargs: dict[str, Any] = dict(
                 tools=tools,
                 add_generation_prompt=not go_on and req.add_generation_prompt is not False,
                 continue_final_message=go_on,
-                **(req.chat_template_kwargs or {}),
-                **(
-                    {}
-                    if req.reasoning_effort is None
-                    else {"reasoning_effort": req.reasoning_effort}
-                ),
+                chat_template=template,
+                **variables,
             )
-            turns = [_turn(m) for m in req.messages]
+            fmt = self.templates.format_for(template)
+            turns = [_turn(m, fmt) for m in req.messages]
             text = None
             if req.return_prompt_text or req.add_special_tokens:  # as rendered
                 text = str(self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs))
