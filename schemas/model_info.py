@@ -44,6 +44,10 @@ class ModelInfo(_Answer):
     beam_search: bool | None = None
     """A generating model: its workers take ``use_beam_search`` (None: workers before it,
     which refuse the field as ``invalid_request``)."""
+    content_parts: bool | None = None
+    """A generating model: its workers take a chat message's ``content`` as a list of text
+    parts (and join them or not as its ``chat_template_content_format`` says). None: workers
+    before it, which take text only: a gateway joins the parts by newlines for them."""
     created: int = Field(0, ge=0)
     """Unix seconds when a worker first published the model's info (kept by later ones)."""
 

@@ -59,7 +59,7 @@ def test_what_the_runners_say_of_their_model(tiny_lm: Path, tiny_embedder: Path)
     assert info == ModelInfo(task="text-generation", max_model_len=1024, max_prompt_tokens=600,
                              max_new_tokens=300, default_max_new_tokens=256,
                              chat_template=True, tool_call_parser="hermes", beam_search=True,
-                             created=7)  # fmt: skip
+                             content_parts=True, created=7)  # fmt: skip
     # the cache bounds it below the positions
     small = TextGenerationRunner(tiny_lm, device="cpu", dtype="float32",
                                  options=TINY_LM_OPTIONS | {"kv_cache_tokens": 512})  # fmt: skip

@@ -454,6 +454,7 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         reasoning_parser=_text(getattr(runner, "reasoning_parser", None)),
         lora_adapters=_names(getattr(runner, "lora_adapters", None)),
         beam_search=getattr(runner, "beam_search", None) is True or None,
+        content_parts=True,
         created=created,
     )
 

@@ -209,13 +209,30 @@ class Gateway:
 
     async def served(self, sub: Submission) -> tuple[Submission, str | None]:
         """``sub`` as the fleet takes it: naming a LoRA adapter (not a model), it goes to
-        the adapter's base model with ``lora``; and the adapter's name, to answer under."""
+        the adapter's base model with ``lora``; and the adapter's name, to answer under.
+        Its messages' text parts as the model's workers take them (:meth:`_parts`)."""
         if "lora" in sub.options or sub.model in await self.models():
-            return sub, None
+            return await self._parts(sub), None
         base = (await self.adapters()).get(sub.model)
         if base is None:
-            return sub, None
-        return Submission(base, sub.options | {"lora": sub.model}), sub.model
+            return await self._parts(sub), None
+        return await self._parts(Submission(base, sub.options | {"lora": sub.model})), sub.model
+
+    async def _parts(self, sub: Submission) -> Submission:
+        """``sub`` with its messages' text parts kept where the model's workers publish
+        that they take them (``ModelInfo.content_parts``), else joined by newlines: older
+        workers take text only, and it is the text a ``string``-format template renders."""
+        messages = sub.options.get("messages")
+        if not isinstance(messages, list) or not any(
+            isinstance(m, Mapping) and isinstance(m.get("content"), list) for m in messages
+        ):
+            return sub  # fmt: skip
+        info = await self.model_info(sub.model)
+        if info is not None and info.content_parts:
+            return sub
+        return Submission(
+            sub.model, sub.options | {"messages": [openai_fields.joined(m) for m in messages]}
+        )
 
     def route_of(self, path: str) -> str:
         """A request path's route label in the metrics (one per route: few labels)."""

@@ -187,6 +187,15 @@ def message(m: Any, index: int) -> dict[str, Any]:
     return out
 
 
+def joined(m: Any) -> Any:
+    """A :func:`message` map with its text parts joined by newlines (for workers that take
+    text only: ``ModelInfo.content_parts``)."""
+    content = m.get("content") if isinstance(m, Mapping) else None
+    if not isinstance(content, list):
+        return m
+    return {**m, "content": "\n".join(p["text"] for p in content)}
+
+
 def text_parts(parts: list[Any], param: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """OpenAI's content parts, of the text ``kinds`` only, joined by newlines (as vLLM
     does); ``param`` names the content in a refusal."""
