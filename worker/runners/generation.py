@@ -736,9 +736,10 @@ class TextGenerationRunner:
 
     def _budgets(self, req: Request, prompts: Sequence[Sequence[int]],
                  thinking: bool | None) -> tuple[ThinkBudget, ...] | PrepareError:  # fmt: skip
-        """Per prompt, its ``thinking_token_budget`` (empty: none asked). A chat's text
-        begins in its reasoning as its split tells (``thinking``), a prompt's (or a chat's
-        to a model without a reasoning parser) as its end's markers tell."""
+        """Per prompt, its ``thinking_token_budget`` (empty: none asked). A prompt whose
+        tokens leave the reasoning open begins in it, those tokens counted (vLLM's); else a
+        chat's text begins in its reasoning as its split tells (``thinking``), a prompt's
+        (or a chat's to a model without a reasoning parser) as its end's markers tell."""
         budget, marks = req.thinking_token_budget, self._markers
         if budget is None:
             return ()
@@ -747,9 +748,12 @@ class TextGenerationRunner:
                                 "(options.reasoning_parser with tags, or "
                                 "options.reasoning_config)")  # fmt: skip
         if req.messages is not None and self._reasoning is not None:
-            return tuple(marks.budget(budget, thinking) for _ in prompts)
-        ends = (self.tokenizer.decode(list(p[-16:]), skip_special_tokens=False) for p in prompts)
-        return tuple(marks.budget(budget, marks.opens(end)) for end in ends)
+            return tuple(marks.budget(budget, thinking, p) for p in prompts)
+        return tuple(
+            marks.budget(budget, marks.opens(self.tokenizer.decode(list(p[-16:]),
+                                                                   skip_special_tokens=False)), p)
+            for p in prompts
+        )  # fmt: skip
 
     def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as written alone and after a space (vLLM's ``bad_words``)."""
