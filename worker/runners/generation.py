@@ -346,11 +346,14 @@ class TextGenerationRunner:
         if "max_new_tokens" in opts and "max_new_tokens" in self.sampling_defaults.overridden:
             raise ValueError("options.max_new_tokens and override_generation_config's "
                              "max_new_tokens: set one")  # fmt: skip
-        self.default_new_tokens = int(
-            opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256)
+        self.new_tokens_cap = self.sampling_defaults.cap
+        """The most tokens any request generates, its own ``max_new_tokens`` cut to it
+        (the generation config's where vLLM makes it a bound: ``SamplingDefaults.cap``)."""
+        self.default_new_tokens = self._capped(
+            int(opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256))
         )
         """What a request that sets no ``max_new_tokens`` generates at most: the option,
-        else the generation config's, else 256."""
+        else the generation config's, else 256 (cut to the cap)."""
         self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
         self.tool_call_parser: str | None = opts.get("tool_call_parser")
@@ -594,7 +597,8 @@ class TextGenerationRunner:
                     ErrorCode.TOO_LARGE,
                 )
         # bounded by the limits; 0 (falsy) is the prompt only
-        wanted = self.default_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        wanted = (self.default_new_tokens if req.max_new_tokens is None
+                  else self._capped(req.max_new_tokens))  # fmt: skip
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
@@ -733,6 +737,12 @@ class TextGenerationRunner:
                      for p in prompts for j in range(spec.n))  # fmt: skip
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=held,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
+
+    def _capped(self, tokens: int) -> int:
+        """``tokens`` cut to :attr:`new_tokens_cap` (vLLM's ``get_max_tokens`` takes the
+        least of a request's ``max_tokens`` and the ``override_max_tokens``)."""
+        cap = self.new_tokens_cap
+        return tokens if cap is None else min(tokens, cap)
 
     def _budgets(self, req: Request, prompts: Sequence[Sequence[int]],
                  thinking: bool | None) -> tuple[ThinkBudget, ...] | PrepareError:  # fmt: skip
