@@ -450,6 +450,7 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         reasoning_parser=_text(getattr(runner, "reasoning_parser", None)),
         lora_adapters=_names(getattr(runner, "lora_adapters", None)),
         beam_search=getattr(runner, "beam_search", None) is True or None,
+        thinking_token_budget=_flag(getattr(runner, "thinking_budget", None)),
         created=created,
     )
 
@@ -458,6 +459,10 @@ def _sampling(defaults: object) -> dict[str, float | int]:
     """A runner's sampling defaults (:class:`.generation.defaults.SamplingDefaults`'s)."""
     values = getattr(defaults, "sampling", None)
     return dict(values) if isinstance(values, dict) else {}
+
+
+def _flag(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _positive(value: object) -> int | None:

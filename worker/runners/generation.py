@@ -380,6 +380,8 @@ class TextGenerationRunner:
             lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)],
         )
         """The markers a ``thinking_token_budget`` counts within (None: it is refused)."""
+        self.thinking_budget = self._markers is not None
+        """It takes a ``thinking_token_budget`` (published in the model info)."""
         self._harmony = (
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
         )
