@@ -42,7 +42,8 @@ once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_l
 defaults; ``auto``: those of the model's ``generation_config.json``; a folder: its file's)
 and ``override_generation_config`` (a table over them: ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``), applied to the fields
-a request leaves unset, :mod:`..generation.defaults`.
+a request leaves unset, :mod:`..generation.defaults`; the override's ``max_new_tokens``
+(a folder's file's) also cuts a request's own, as vLLM's ``override_max_tokens`` does.
 """
 
 from __future__ import annotations
