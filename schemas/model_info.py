@@ -38,6 +38,11 @@ class ModelInfo(_Answer):
     """How tool calls are read out of its text (the runner option; None: none)."""
     reasoning_parser: str | None = None
     """How reasoning is split from the answer (the runner option; None: none)."""
+    thinking_token_budget: bool | None = None
+    """A generating model: its workers take a ``thinking_token_budget`` (True: it has
+    reasoning markers, the ``reasoning_config`` option's or its reasoning parser's tags);
+    False: they refuse one (``invalid_request``), as a gateway then does before submitting;
+    None: workers before it (their own check tells)."""
     lora_adapters: list[str] = Field(default_factory=list)
     """A generating model: the LoRA adapters a request may name in its ``lora`` (the
     runner's ``lora_adapters`` option; empty: none)."""

@@ -465,8 +465,8 @@ def test_errors_are_openai_errors(fleet: Fleet) -> None:
             out = c.completions.create(model=LM, prompt=long, max_tokens=4, stream=stream)
             list(out) if stream else None  # type: ignore[call-overload]
         assert ctx.value.code == "too_large" and "prompt tokens" in str(ctx.value)
-    # a field the worker checks against its model: a thinking budget, to a model without
-    # reasoning markers, reaches the worker and comes back refused
+    # a field checked against the model: a thinking budget, to a model without reasoning
+    # markers, is refused (by the gateway, as its workers published they take none)
     for ask in (lambda: c.chat.completions.create(
                     model=LM, messages=[{"role": "user", "content": "x"}],
                     extra_body={"thinking_token_budget": 4}),

@@ -268,17 +268,30 @@ def test_a_stream_of_reasoning_calls_and_a_late_text() -> None:
 
 
 @contextlib.asynccontextmanager
-async def posted(
-    redis_url: str, body: Mapping[str, Any], rid: str
-) -> AsyncIterator[tuple[str, asyncio.StreamReader]]:
-    """``body`` POSTed to ``/v1/responses`` of a gateway on a free port as request ``rid``,
-    once submitted: the reply channel its workers publish on and the answer's reader."""
+async def live(redis_url: str) -> AsyncIterator[tuple[Gateway, str, int]]:
+    """A gateway listening on a free port, subscribed to its replies: it, the reply
+    channel its workers publish on, and its port."""
     async with AsyncProducer(redis_url) as p:
         gateway = Gateway(p)
         gateway.replies.start()
         await gateway.replies.subscribed.wait()
         port = free_port()
         server = make_app(gateway, {}).listen(port, "127.0.0.1")
+        try:
+            yield gateway, p.reply_channel, port
+        finally:
+            server.stop()
+            await gateway.replies.close()
+            await asyncio.gather(*gateway.pending)
+
+
+@contextlib.asynccontextmanager
+async def posted(
+    redis_url: str, body: Mapping[str, Any], rid: str
+) -> AsyncIterator[tuple[str, asyncio.StreamReader]]:
+    """``body`` POSTed to ``/v1/responses`` of a gateway on a free port as request ``rid``,
+    once submitted: the reply channel its workers publish on and the answer's reader."""
+    async with live(redis_url) as (gateway, channel, port):
         raw = json.dumps(body).encode()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/responses HTTP/1.0\r\nX-Request-Id: %s\r\n"
@@ -286,12 +299,9 @@ async def posted(
         while not gateway.inflight:  # submitted, its stream taken
             await asyncio.sleep(0.01)
         try:
-            yield p.reply_channel, reader
+            yield channel, reader
         finally:
             writer.close()
-            server.stop()
-            await gateway.replies.close()
-            await asyncio.gather(*gateway.pending)
 
 
 def test_a_stream_that_breaks_after_it_began_ends_with_an_error_event(

@@ -26,7 +26,7 @@ from batchfleet.schemas.messages import Limits  # noqa: E402
 from batchfleet.schemas.model_info import ModelInfo  # noqa: E402
 from batchfleet.worker.generation import defaults  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
-from batchfleet.worker.runner import model_info  # noqa: E402
+from batchfleet.worker.runner import PrepareError, model_info  # noqa: E402
 from batchfleet.worker.runners.generation import GenSpec, TextGenerationRunner  # noqa: E402
 from test_gateway_replies import Worker  # noqa: E402
 from test_gateway_responses import posted  # noqa: E402
@@ -112,6 +112,45 @@ def test_a_folder_s_file_and_the_override_over_it(lm_dir: Path, tmp_path: Path) 
     r = runner(lm_dir, override_generation_config={"top_k": 7})
     assert spec_of(r).sampling == Sampling(top_k=7)
     assert runner(lm_dir, generation_config="auto", max_new_tokens=4).default_new_tokens == 4
+
+
+@pytest.mark.parametrize(("source", "override", "cap"), [
+    ("auto", None, None),  # the file's 9: a default only (vLLM #34063)
+    ("vllm", None, None),
+    ("auto", {"max_new_tokens": 5}, 5),  # the override's bounds every request
+    ("vllm", {"max_new_tokens": 5}, 5),
+    ("auto", {"temperature": 0.5}, None),
+    ("folder", None, 9),  # a folder's file's bounds them too (vLLM's override_max_tokens)
+    ("folder", {"max_new_tokens": 12}, 12),  # the override's over it
+])  # fmt: skip
+def test_which_max_new_tokens_bounds_an_explicit_one(
+    lm_dir: Path, source: str, override: dict[str, Any] | None, cap: int | None
+) -> None:
+    got = defaults.load(lm_dir, str(lm_dir) if source == "folder" else source, override)
+    assert got.cap == cap
+
+
+def test_the_bound_cuts_a_request_s_own_max_new_tokens(lm_dir: Path) -> None:
+    # auto: the file's max_new_tokens (9) is the default, an explicit one goes past it
+    auto = runner(lm_dir, generation_config="auto")
+    assert spec_of(auto).max_new_tokens == (9,)
+    assert spec_of(auto, max_new_tokens=20).max_new_tokens == (20,)
+    # the override's bounds them all (the default, an explicit one, a beam search's)
+    for source in ("auto", "vllm"):
+        capped = runner(lm_dir, generation_config=source,
+                        override_generation_config={"max_new_tokens": 5})  # fmt: skip
+        assert [spec_of(capped, **kw).max_new_tokens for kw in (
+            {}, {"max_new_tokens": 20}, {"max_new_tokens": 3},
+            {"max_new_tokens": 20, "use_beam_search": True})] == [(5,), (5,), (3,), (5,)]  # fmt: skip
+        (out,) = run(capped, req("c", max_new_tokens=20, ignore_eos=True))["c"]
+        assert (out["completion_tokens"], out["finish_reason"]) == (5, "length")
+        # min_new_tokens past the bound is refused, as vLLM's min_tokens > max_tokens
+        (bad,) = capped.prepare_many([req("m", max_new_tokens=20, min_new_tokens=8)])
+        assert isinstance(bad, PrepareError) and "min_new_tokens 8 > max_new_tokens 5" in str(bad)
+    # a folder's file's bounds them, and the option's default too
+    folder = runner(lm_dir, generation_config=str(lm_dir), max_new_tokens=30)
+    assert folder.default_new_tokens == 9
+    assert spec_of(folder, max_new_tokens=20).max_new_tokens == (9,)
 
 
 @pytest.mark.parametrize(("opts", "words"), [

@@ -52,14 +52,16 @@ def test_what_the_runners_say_of_their_model(tiny_lm: Path, tiny_embedder: Path)
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     # a generator: its context (the tiny Llama's 1024 positions, within its 2048-token
-    # cache), its prompt bound, the limits' max_new_tokens, its chat template and parsers
+    # cache), its prompt bound, the limits' max_new_tokens, its chat template and parsers,
+    # a thinking budget refused (no reasoning markers)
     lm = TextGenerationRunner(tiny_lm, device="cpu", dtype="float32", max_tokens=600,
                               options=TINY_LM_OPTIONS | {"tool_call_parser": "hermes"})  # fmt: skip
     info = model_info(lm, Limits(max_new_tokens=300), 7)
     assert info == ModelInfo(task="text-generation", max_model_len=1024, max_prompt_tokens=600,
                              max_new_tokens=300, default_max_new_tokens=256,
                              chat_template=True, tool_call_parser="hermes", beam_search=True,
-                             content_parts=True, created=7)  # fmt: skip
+                             thinking_token_budget=False, content_parts=True,
+                             created=7)  # fmt: skip
     # the cache bounds it below the positions
     small = TextGenerationRunner(tiny_lm, device="cpu", dtype="float32",
                                  options=TINY_LM_OPTIONS | {"kv_cache_tokens": 512})  # fmt: skip

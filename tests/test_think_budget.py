@@ -23,11 +23,12 @@ from batchfleet.worker.generation.think_budget import (  # noqa: E402
     ThinkBudget,
     markers,
     opens,
+    prompt_open,
 )
 from batchfleet.worker.runner import PrepareError  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
-from test_generation_runner import run  # noqa: E402
+from test_generation_runner import Driver, prepare, run  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
 S, E = 7, 9  # <think>, </think>
@@ -47,6 +48,13 @@ X = 5  # any other token
         (ThinkBudget(3, (E,), (S,), True), [X, E], Phase.DONE, None),  # ended itself
         (ThinkBudget(3, (E,), (S,), True), [X, E, X, X, X], Phase.DONE, None),
         (ThinkBudget(0, (E,), (S,), True), [], Phase.FORCING, E),  # none at all
+        # the prompt holds reasoning tokens after its opening tag: they count (vLLM's)
+        (ThinkBudget(3, (E,), (S,), True, prior=2), [], Phase.THINKING, None),
+        (ThinkBudget(3, (E,), (S,), True, prior=2), [X], Phase.FORCING, E),
+        (ThinkBudget(3, (E,), (S,), True, prior=2), [X, E], Phase.DONE, None),
+        (ThinkBudget(3, (E,), (S,), True, prior=3), [], Phase.FORCING, E),  # all spent
+        (ThinkBudget(3, (E,), (S,), True, prior=7), [], Phase.FORCING, E),
+        (ThinkBudget(2, (E,), (S,), True, prior=1), [S, X], Phase.THINKING, None),  # again
         # a leading opening tag (the model opening what its prompt opened): not counted
         (ThinkBudget(1, (E,), (S,), True), [S], Phase.THINKING, None),
         (ThinkBudget(1, (E,), (S,), True), [S, X], Phase.FORCING, E),
@@ -90,6 +98,42 @@ def test_a_budget_needs_an_end_tag_and_no_negative_count() -> None:
         ThinkBudget(1, ())
     with pytest.raises(ValueError, match="< 0"):
         ThinkBudget(-1, (E,))
+    with pytest.raises(ValueError, match="< 0"):
+        ThinkBudget(1, (E,), (S,), True, prior=-1)
+    with pytest.raises(ValueError, match="opened"):
+        ThinkBudget(1, (E,), (S,), None, prior=1)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "start", "end", "held"),
+    [
+        ([1, 2, S], (S,), (E,), 0),  # ends with its opening tag
+        ([1, S, 2, 3], (S,), (E,), 2),
+        ([S, 1, E, 2, S, 3, 4, 5], (S,), (E,), 3),  # the last one counts
+        ([1, S, 2, E], (S,), (E,), None),  # closed
+        ([1, S, 2, E, 3], (S,), (E,), None),
+        ([1, 2, 3], (S,), (E,), None),  # never opened
+        ([1, 2, E], (S,), (E,), None),
+        ([1, S, X, 2, 3], (S, X), (E, 8), 2),  # tags of several tokens
+        ([1, S, X, 2, E, 3], (S, X), (E, 8), 3),  # not its whole end tag: still open
+        ([1, S, X, 2, E, 8], (S, X), (E, 8), None),
+        ([1, S, 2], (), (E,), None),  # a model without an opening tag
+    ],
+)
+def test_the_prompt_tokens_after_its_open_tag(prompt: list[int], start: tuple[int, ...],
+                                              end: tuple[int, ...], held: int | None) -> None:  # fmt: skip
+    assert prompt_open(prompt, start, end) == held
+
+
+def test_a_prompt_left_open_begins_the_budget_whatever_the_split_says() -> None:
+    marks = markers(None, ("<t>", "</t>"), (), lambda text: [S] if text == "<t>" else [E])
+    assert marks is not None
+    for thinking in (True, None, False):
+        assert marks.budget(4, thinking, [1, S, 2, 3]) == ThinkBudget(4, (E,), (S,), True,
+                                                                      prior=2)  # fmt: skip
+        # closed or never opened: as the split tells, nothing held
+        assert marks.budget(4, thinking, [1, S, 2, E]) == ThinkBudget(4, (E,), (S,), thinking)
+        assert marks.budget(4, thinking, [1, 2]) == ThinkBudget(4, (E,), (S,), thinking)
 
 
 @pytest.mark.parametrize(
@@ -139,6 +183,12 @@ def test_the_sampler_forces_the_end_and_a_resume_counts_again() -> None:
     sampler.add("s", Sampling(think=rule, logprobs=0), [1, 2, X, X, E])
     assert sampler.forcing("s")
     assert sampler.draw("s", logits) == 8 and not sampler.forcing("s")
+    # the prompt's reasoning counts, after a resume too: 3 of 4 in the prompt, 1 generated
+    held = Sampling(think=ThinkBudget(4, (E,), (S,), True, prior=3))
+    sampler.add("p", held, [1, S, 2, 2, 2])
+    assert sampler.draw("p", logits) == X and sampler.forcing("p")
+    sampler.add("p", held, [1, S, 2, 2, 2, X])  # preempted, back with its output
+    assert sampler.forcing("p") and sampler.draw("p", logits) == E
     # a draft the forced token disagrees with is refused, the forced token emitted
     sampler.add("v", Sampling(think=ThinkBudget(1, (E,), (S,), True)), [1])
     rows = logits.expand(3, -1)
@@ -163,7 +213,8 @@ def reasoner(reasoner_dir: Path, request: pytest.FixtureRequest) -> TextGenerati
 
 
 def chat(rid: str, **kw: Any) -> Request:
-    return Request(id=rid, model="lm", messages=CHAT, return_token_ids=True,
+    kw.setdefault("messages", CHAT)
+    return Request(id=rid, model="lm", return_token_ids=True,
                    max_new_tokens=kw.pop("max_new_tokens", 10), **kw)  # fmt: skip
 
 
@@ -194,6 +245,74 @@ def test_n_reasoning_tokens_then_the_end_then_the_answer(reasoner: TextGeneratio
     assert model_own["token"] == end
     assert lps[3]["logprob"] == pytest.approx(model_own["logprob"], abs=1e-4)
     assert lps[3]["rank"] == model_own["rank"] > 1  # not what the model would have picked
+
+
+def open_prompt(runner: TextGenerationRunner, held: int, close: bool = False) -> list[int]:
+    """A prompt that opened its reasoning and holds ``held`` tokens of it (``close``: then
+    closed it, and goes on a little)."""
+    think, end = (runner.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    words = runner.tokenizer.encode(" the man was", add_special_tokens=False)
+    ids = [*runner.tokenizer.encode("Question: why?\n", add_special_tokens=False), think]
+    ids += (words * held)[:held]
+    return [*ids, end, *words] if close else ids
+
+
+def tokens(runner: TextGenerationRunner, prompt: list[int], **kw: Any) -> list[int]:
+    got = run(runner, Request(id="t", model="lm", inputs=[TokenPrompt(prompt_token_ids=prompt)],
+                              max_new_tokens=10, return_token_ids=True, **kw))  # fmt: skip
+    ids: list[int] = got["t"][0]["token_ids"]
+    return ids
+
+
+def test_a_prompt_s_open_reasoning_counts_toward_the_budget(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # Given prompts that opened the reasoning and hold N tokens of it
+    end = reasoner.tokenizer.convert_tokens_to_ids("</think>")
+    for held, budget in ((2, 5), (1, 3), (4, 6)):
+        prompt = open_prompt(reasoner, held)
+        free = tokens(reasoner, prompt)
+        assert end not in free
+        # When the budget is B, Then the end is forced after B - N generated tokens
+        ids = tokens(reasoner, prompt, thinking_token_budget=budget)
+        n = budget - held
+        assert ids[:n] == free[:n] and ids[n] == end and end not in ids[:n], (held, budget)
+    # a prompt holding the whole budget (or more) has the end forced first
+    for held in (3, 4):
+        assert tokens(reasoner, open_prompt(reasoner, held), thinking_token_budget=3)[0] == end
+
+
+def test_a_prompt_that_closed_its_reasoning_has_nothing_forced(
+    reasoner: TextGenerationRunner,
+) -> None:
+    prompt = open_prompt(reasoner, 4, close=True)
+    assert tokens(reasoner, prompt, thinking_token_budget=0) == tokens(reasoner, prompt)
+
+
+def test_a_preempted_sequence_keeps_its_prompt_s_count(reasoner: TextGenerationRunner) -> None:
+    # Given a prompt holding 2 reasoning tokens and a budget of 6 (4 left to generate)
+    end = reasoner.tokenizer.convert_tokens_to_ids("</think>")
+    request = Request(id="pre", model="lm", max_new_tokens=10, return_token_ids=True,
+                      thinking_token_budget=6,
+                      inputs=[TokenPrompt(prompt_token_ids=open_prompt(reasoner, 2))])  # fmt: skip
+
+    def ids(preempt_at: int | None) -> list[int]:
+        (p,) = prepare(reasoner, request)
+        d = Driver(reasoner)
+        d.step([("pre", p)])
+        for i in range(3):
+            d.step(preempt=["pre"] if i == preempt_at else ())
+        if preempt_at is not None:  # When it is preempted mid-reasoning and resumed
+            assert "pre" in d.preempted
+            d.step([("pre", p)])
+        d.run()
+        got: list[int] = d.finals["pre"].outputs[0]["token_ids"]
+        return got
+
+    # Then its resumed state counts the prompt's tokens again: the end comes at 4, as ever
+    whole = ids(None)
+    assert whole[4] == end and end not in whole[:4]
+    assert ids(1) == whole
 
 
 def test_a_reasoning_ended_by_the_model_is_left_alone() -> None:
@@ -234,7 +353,11 @@ def test_reasoning_config_gives_the_markers_of_a_completion(tiny_lm: Path) -> No
     outs = run(lm, Request(id="p", model="lm", inputs=prompts, max_new_tokens=12,
                            thinking_token_budget=2, return_token_ids=True))  # fmt: skip
     opened, plain = (o["token_ids"] for o in outs["p"])
-    assert opened[2 : 2 + len(end)] == end
+    # the prompt's newline after <think> (one token) is one of the two (vLLM counts it)
+    start = lm.tokenizer.encode("<think>", add_special_tokens=False)
+    ids = lm.tokenizer.encode(prompts[0], add_special_tokens=False)
+    assert ids[-len(start) - 1 : -1] == start
+    assert opened[1 : 1 + len(end)] == end
     free = run(lm, Request(id="f", model="lm", inputs=prompts[1:], max_new_tokens=12,
                            return_token_ids=True))["f"][0]["token_ids"]  # fmt: skip
     assert plain == free  # the prompt did not open it: nothing forced
@@ -271,3 +394,24 @@ def test_the_request_field() -> None:
         chat("x", thinking_token_budget=10**9)
     with pytest.raises(ValueError, match="thinking_token_budget"):
         chat("x", thinking_token_budget=8, use_beam_search=True)
+
+
+def test_a_chat_continuing_its_reasoning_counts_what_it_holds(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # Given a chat whose last assistant message opened its reasoning and holds some of it
+    think, end = (reasoner.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    held = [*CHAT, {"role": "assistant", "content": "<think> the man was"}]
+
+    def out(**kw: Any) -> dict[str, Any]:
+        got = run(reasoner, chat("c", messages=held, continue_final_message=True,
+                                 add_generation_prompt=False, **kw))  # fmt: skip
+        return got["c"][0]
+
+    free = out()
+    prompt = free["prompt_token_ids"]
+    n = len(prompt) - prompt.index(think) - 1  # the reasoning tokens it holds
+    assert n >= 2 and end not in free["token_ids"]
+    # When its budget is n + 2, Then 2 tokens are generated before the end is forced
+    budgeted = out(thinking_token_budget=n + 2)["token_ids"]
+    assert budgeted[:2] == free["token_ids"][:2] and budgeted[2] == end

@@ -455,6 +455,7 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         lora_adapters=_names(getattr(runner, "lora_adapters", None)),
         beam_search=getattr(runner, "beam_search", None) is True or None,
         content_parts=True,
+        thinking_token_budget=_flag(getattr(runner, "thinking_budget", None)),
         created=created,
     )
 
@@ -463,6 +464,10 @@ def _sampling(defaults: object) -> dict[str, float | int]:
     """A runner's sampling defaults (:class:`.generation.defaults.SamplingDefaults`'s)."""
     values = getattr(defaults, "sampling", None)
     return dict(values) if isinstance(values, dict) else {}
+
+
+def _flag(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _positive(value: object) -> int | None:

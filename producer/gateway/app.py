@@ -383,6 +383,7 @@ class Handler(tornado.web.RequestHandler):
         self, sub: Submission, body: Mapping[str, Any], request_id: str | None = None
     ) -> AsyncJob:
         await self.gateway.check_model(sub.model)
+        await self._refuse_budget(sub)
         options = sub.options | self.request_id(body)
         if request_id is not None:
             options["request_id"] = request_id
@@ -392,6 +393,18 @@ class Handler(tornado.web.RequestHandler):
         self.gateway.inflight.add(job)
         self.set_header("X-Request-Id", job.id)
         return job
+
+    async def _refuse_budget(self, sub: Submission) -> None:
+        """A 400 for a ``thinking_token_budget`` to a model whose workers publish that they
+        refuse one (no reasoning markers: ``ModelInfo.thinking_token_budget``), before a
+        round trip to them; a model with no word on it (older workers) is asked as before."""
+        if sub.options.get("thinking_token_budget") is None:
+            return
+        info = await self.gateway.model_info(sub.model)
+        if info is not None and info.thinking_token_budget is False:
+            raise invalid(f"thinking_token_budget: model {sub.model!r} has no reasoning markers "
+                          "(its workers' reasoning_parser with tags, or reasoning_config)",
+                          "thinking_token_budget")  # fmt: skip
 
     def count_tokens(self, result: Result) -> None:
         """An ``ok`` result's tokens, in the metrics."""

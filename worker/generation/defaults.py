@@ -5,7 +5,10 @@ The fields a request leaves unset (None) take the model's defaults: those of its
 ``generation_config.json`` (``generation_config = "auto"``, or a folder holding one), then
 the operator's ``override_generation_config`` over them. vLLM takes six keys of the file,
 whatever its ``do_sample`` says (a file with ``do_sample: false`` and ``temperature: 0.6``
-samples at 0.6 in vLLM, and here); ``max_new_tokens`` is the default of a request's own.
+samples at 0.6 in vLLM, and here); ``max_new_tokens`` is the default of a request's own,
+and a bound on every request's (:attr:`SamplingDefaults.cap`) where vLLM's serving layer
+makes it one (its ``override_max_tokens``): the override's, or a folder's file's (the
+override's over it); ``auto``'s file's is a default only (vLLM #34063).
 Beam search takes only ``temperature`` and ``max_new_tokens`` of them, as vLLM's
 ``to_beam_search_params`` does: the others it does not take are not applied to it.
 """
@@ -44,6 +47,9 @@ class SamplingDefaults:
     values: dict[str, float | int]
     overridden: frozenset[str] = frozenset()
     """The keys the operator's ``override_generation_config`` set."""
+    cap: int | None = None
+    """The most tokens any request generates, its own ``max_new_tokens`` cut to it (vLLM's
+    ``override_max_tokens`` in ``get_max_tokens``); None: no such bound."""
 
     def apply(self, req: Request) -> Request:
         """``req`` with its unset fields set to the defaults (beam search: those it takes);
@@ -124,4 +130,8 @@ def load(path: str | Path, source: Any = "vllm", override: Any = None,
     if values:
         logger.info("sampling defaults for requests that set none: %s (generation_config %s)",
                     values, source)  # fmt: skip
-    return SamplingDefaults(values, frozenset(given))
+    # vLLM: a folder's max_new_tokens bounds every request, auto's (and none's) only the
+    # override's does: the file's is the default of a request that sets none
+    capped = values if source not in SOURCES else given
+    cap = capped.get("max_new_tokens")
+    return SamplingDefaults(values, frozenset(given), None if cap is None else int(cap))

@@ -1,24 +1,29 @@
 """A cap on a sequence's reasoning tokens (vLLM's ``thinking_token_budget``).
 
-Once a sequence has generated ``budget`` tokens inside its reasoning, the engine forces
-the end-of-reasoning tokens (``</think>``, one per step, overriding the pick) and the
-text goes on with its answer; 0 ends the reasoning as soon as it opens. Where the
-reasoning begins follows the reasoning split (:mod:`.reasoning`): from the first token
-where the prompt opened it (``thinking`` true), after an opening tag the text begins with
+Once a sequence's reasoning holds ``budget`` tokens, the engine forces the end-of-reasoning
+tokens (``</think>``, one per step, overriding the pick) and the text goes on with its
+answer; 0 ends the reasoning as soon as it opens. As in vLLM, a prompt whose last opening
+tag comes after its last end tag (by tokens) opened the reasoning, and its tokens after
+that tag count (:func:`prompt_open`): a prompt ending ``<think>\n`` has spent its newline's
+tokens of the budget, one holding ``budget`` tokens there or more has the end forced from
+the first generated token. Where the prompt's tokens show no open reasoning, where it begins
+follows the reasoning split (:mod:`.reasoning`): from the first token where the split
+says the prompt opened it (``thinking`` true: a parser whose text begins in its
+reasoning, which vLLM does not count), after an opening tag the text begins with
 (``thinking`` None), never where the prompt closed it. Its end tag, or one of the markers
 that end it as well (a tool-call section's, :data:`~.reasoning.ENDS`), written by the
 model itself ends it with no forcing. A leading opening tag (the model opening the
-reasoning its prompt had opened) does not count.
+reasoning its prompt had opened) starts the count again, as an opening tag in vLLM's
+output does.
 
-:class:`BudgetState` is a pure function of the tokens generated (:meth:`BudgetState.replay`),
-so a sequence preempted and recomputed, or reclaimed by another worker, counts the same.
-Unlike vLLM, which counts the prompt's tokens after its last opening tag too, only
-generated tokens count here: the budget is the reasoning the request pays for.
+:class:`BudgetState` is a pure function of the rule (the prompt's part included) and the
+tokens generated (:meth:`BudgetState.replay`), so a sequence preempted and recomputed, or
+reclaimed by another worker (which prepares the same prompt again), counts the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final
@@ -39,10 +44,17 @@ class ThinkBudget:
     nothing is forced), or its own start tells (None: an opening tag first)."""
     enders: tuple[tuple[int, ...], ...] = ()
     """Other token sequences that end the reasoning when the model writes them."""
+    prior: int = 0
+    """Reasoning tokens the prompt already holds (after its last opening tag; vLLM counts
+    them): what is left of the budget for the text is ``budget - prior``."""
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ValueError(f"thinking_token_budget {self.budget} < 0")
+        if self.prior < 0:
+            raise ValueError(f"a prompt's reasoning tokens {self.prior} < 0")
+        if self.prior and self.thinking is not True:
+            raise ValueError("a prompt's reasoning tokens count only where it opened it")
         if not self.end:
             raise ValueError("a thinking budget needs the end tag's tokens")
 
@@ -83,7 +95,7 @@ class BudgetState:
         """The state before the first generated token."""
         state = cls(rule)
         if rule.thinking is True:
-            state._think()
+            state._think(rule.prior)
         elif rule.thinking is None and rule.start:
             state.phase = Phase.OPENING
         return state
@@ -127,10 +139,11 @@ class BudgetState:
             if self.at == len(rule.end):
                 self.phase = Phase.DONE
 
-    def _think(self) -> None:
+    def _think(self, count: int = 0) -> None:
+        """In its reasoning, ``count`` tokens of it already (the prompt's)."""
         self.phase = Phase.THINKING
-        self.count = 0
-        if self.rule.budget == 0:
+        self.count = count
+        if count >= self.rule.budget:
             self._force()
 
     def _force(self) -> None:
@@ -168,6 +181,27 @@ def opens(prompt_end: str, start: str, end: str) -> bool | None:
     return None
 
 
+def prompt_open(prompt: Sequence[int], start: Sequence[int], end: Sequence[int]) -> int | None:
+    """How many of ``prompt``'s tokens follow its last opening tag (``start``'s tokens)
+    where no end tag (``end``'s) follows that tag; None where none is open (no opening tag,
+    or the prompt closed it). vLLM's ``_init_state_entry`` counts these into the budget."""
+    opened = _last(prompt, start)
+    if opened < 0 or _last(prompt[opened + 1 :], end) >= 0:
+        return None
+    return len(prompt) - opened - len(start)
+
+
+def _last(seq: Sequence[int], sub: Sequence[int]) -> int:
+    """Where ``sub`` last begins in ``seq`` (-1: nowhere, or ``sub`` empty)."""
+    if not sub:
+        return -1
+    n, first, want = len(sub), sub[0], tuple(sub)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i] == first and tuple(seq[i : i + n]) == want:
+            return i
+    return -1
+
+
 CONFIG_KEYS: Final = ("reasoning_start_str", "reasoning_end_str")
 """The keys of a model's ``reasoning_config`` option (vLLM's ``--reasoning-config``)."""
 
@@ -182,8 +216,14 @@ class Markers:
     end: tuple[int, ...]
     enders: tuple[tuple[int, ...], ...] = ()
 
-    def budget(self, budget: int, thinking: bool | None) -> ThinkBudget:
-        """A request's budget, for a text that begins as ``thinking`` tells."""
+    def budget(self, budget: int, thinking: bool | None,
+               prompt: Sequence[int] = ()) -> ThinkBudget:  # fmt: skip
+        """A request's budget for a text after ``prompt``: begun in its reasoning, with its
+        tokens there, where the prompt's tokens left it open (:func:`prompt_open`); else
+        as ``thinking`` (the split's word) tells."""
+        held = prompt_open(prompt, self.start, self.end)
+        if held is not None:
+            return ThinkBudget(budget, self.end, self.start, True, self.enders, held)
         return ThinkBudget(budget, self.end, self.start, thinking, self.enders)
 
     def opens(self, prompt_end: str) -> bool | None:

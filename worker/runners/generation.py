@@ -42,8 +42,9 @@ once, those of ``lora_adapters`` and those loaded while it serves, :meth:`load_l
 defaults; ``auto``: those of the model's ``generation_config.json``; a folder: its file's)
 and ``override_generation_config`` (a table over them: ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``), applied to the fields
-a request leaves unset, :mod:`..generation.defaults`; ``chat_template``,
-``default_chat_template_kwargs``, ``trust_request_chat_template`` and
+a request leaves unset, :mod:`..generation.defaults`; the override's ``max_new_tokens``
+(a folder's file's) also cuts a request's own, as vLLM's ``override_max_tokens`` does;
+``chat_template``, ``default_chat_template_kwargs``, ``trust_request_chat_template`` and
 ``chat_template_content_format`` (vLLM's flags of those names),
 :mod:`..generation.chat_template`.
 """
@@ -356,11 +357,14 @@ class TextGenerationRunner:
         if "max_new_tokens" in opts and "max_new_tokens" in self.sampling_defaults.overridden:
             raise ValueError("options.max_new_tokens and override_generation_config's "
                              "max_new_tokens: set one")  # fmt: skip
-        self.default_new_tokens = int(
-            opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256)
+        self.new_tokens_cap = self.sampling_defaults.cap
+        """The most tokens any request generates, its own ``max_new_tokens`` cut to it
+        (the generation config's where vLLM makes it a bound: ``SamplingDefaults.cap``)."""
+        self.default_new_tokens = self._capped(
+            int(opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256))
         )
         """What a request that sets no ``max_new_tokens`` generates at most: the option,
-        else the generation config's, else 256."""
+        else the generation config's, else 256 (cut to the cap)."""
         self.schedule_ahead = _flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
         self.tool_call_parser: str | None = opts.get("tool_call_parser")
@@ -387,6 +391,8 @@ class TextGenerationRunner:
             lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)],
         )
         """The markers a ``thinking_token_budget`` counts within (None: it is refused)."""
+        self.thinking_budget = self._markers is not None
+        """It takes a ``thinking_token_budget`` (published in the model info)."""
         self._harmony = (
             self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
         )
@@ -606,7 +612,8 @@ class TextGenerationRunner:
                     ErrorCode.TOO_LARGE,
                 )
         # bounded by the limits; 0 (falsy) is the prompt only
-        wanted = self.default_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        wanted = (self.default_new_tokens if req.max_new_tokens is None
+                  else self._capped(req.max_new_tokens))  # fmt: skip
         at_least = req.min_new_tokens or 0
         if at_least > wanted:
             return PrepareError(f"min_new_tokens {at_least} > max_new_tokens {wanted}")
@@ -746,11 +753,18 @@ class TextGenerationRunner:
         return Prepared(spec, rows=len(lengths), tokens=max(lengths), prompts=held,
                         max_new_tokens=max(spec.max_new_tokens))  # fmt: skip
 
+    def _capped(self, tokens: int) -> int:
+        """``tokens`` cut to :attr:`new_tokens_cap` (vLLM's ``get_max_tokens`` takes the
+        least of a request's ``max_tokens`` and the ``override_max_tokens``)."""
+        cap = self.new_tokens_cap
+        return tokens if cap is None else min(tokens, cap)
+
     def _budgets(self, req: Request, prompts: Sequence[Sequence[int]],
                  thinking: bool | None) -> tuple[ThinkBudget, ...] | PrepareError:  # fmt: skip
-        """Per prompt, its ``thinking_token_budget`` (empty: none asked). A chat's text
-        begins in its reasoning as its split tells (``thinking``), a prompt's (or a chat's
-        to a model without a reasoning parser) as its end's markers tell."""
+        """Per prompt, its ``thinking_token_budget`` (empty: none asked). A prompt whose
+        tokens leave the reasoning open begins in it, those tokens counted (vLLM's); else a
+        chat's text begins in its reasoning as its split tells (``thinking``), a prompt's
+        (or a chat's to a model without a reasoning parser) as its end's markers tell."""
         budget, marks = req.thinking_token_budget, self._markers
         if budget is None:
             return ()
@@ -759,9 +773,12 @@ class TextGenerationRunner:
                                 "(options.reasoning_parser with tags, or "
                                 "options.reasoning_config)")  # fmt: skip
         if req.messages is not None and self._reasoning is not None:
-            return tuple(marks.budget(budget, thinking) for _ in prompts)
-        ends = (self.tokenizer.decode(list(p[-16:]), skip_special_tokens=False) for p in prompts)
-        return tuple(marks.budget(budget, marks.opens(end)) for end in ends)
+            return tuple(marks.budget(budget, thinking, p) for p in prompts)
+        return tuple(
+            marks.budget(budget, marks.opens(self.tokenizer.decode(list(p[-16:]),
+                                                                   skip_special_tokens=False)), p)
+            for p in prompts
+        )  # fmt: skip
 
     def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as written alone and after a space (vLLM's ``bad_words``)."""
