@@ -64,6 +64,7 @@ BATCH = {"max_running": "max_batch_size", "step_tokens": "max_batch_tokens"}
 """What bounds a generating step and the same bound on an encoder's batch (vLLM's
 ``--max-num-seqs`` and ``--max-num-batched-tokens`` bound a pooling model's batches)."""
 MAX_TOKENS = 65_536  # ModelConfig.max_tokens' bound
+MAX_BATCH = 4_096  # BatchConfig.max_batch_size's bound
 
 
 def runner_line(model: str, flags: Mapping[str, Flag]) -> Line:
@@ -195,10 +196,14 @@ def _json(path: Path) -> Any:
         return None
 
 
+def _runner(out: Conversion) -> str:
+    line = out.setting("runner")
+    return GENERATE if line is None else str(line.value)
+
+
 def is_pooling(out: Conversion) -> bool:
     """Whether the model written is a pooling model (not ``text-generation``)."""
-    runner = out.setting("runner")
-    return runner is not None and runner.value != GENERATE
+    return _runner(out) != GENERATE
 
 
 def _runner_flag(flag: Flag, out: Conversion) -> None:
@@ -216,12 +221,12 @@ def _pooler_config(flag: Flag, out: Conversion) -> None:
     if not is_pooling(out):
         out.judged(flag, True, "a generative model: a pooler applies to pooling models")
         return
-    runner = str(out.setting("runner").value)  # type: ignore[union-attr]
+    runner = _runner(out)
     for key, value in raw.items():
         if value is None:
             continue
         shown = f"{flag.name} {key}={json.dumps(value)}"
-        sub = Flag(shown, ())
+        sub = Flag(shown, ())  # the key cited as a flag of its own
         if key in ("pooling_type", "seq_pooling_type"):
             _pooling_type(sub, str(value), runner, out)
         elif key in ("use_activation", "normalize", "softmax", "activation"):
@@ -272,7 +277,7 @@ def pooling_settings(model: str, out: Conversion) -> None:
     set them (the model's sentence-transformers pooling and normalisation, its context
     length, a cross-encoder's sigmoid); the generating bounds of a step as the batch's;
     what only text generation takes, listed."""
-    runner = str(out.setting("runner").value)  # type: ignore[union-attr]
+    runner = _runner(out)
     cfg = model_config(Path(model).expanduser())
     if runner == "embedding":
         _embedding_defaults(cfg, out)
@@ -288,7 +293,9 @@ def pooling_settings(model: str, out: Conversion) -> None:
     kept = {"embedding": ("pooling", "normalize"), "rerank": ("activation",)}.get(runner, ())
     for ln in list(out.options):
         if ln.key in BATCH:
-            out.batch.append(Line(BATCH[ln.key], ln.value, ln.source))
+            size = min(int(ln.value), MAX_BATCH) if ln.key == "max_running" else ln.value
+            cut = f" (the fleet's batches take up to {MAX_BATCH})" if size != ln.value else ""
+            out.batch.append(Line(BATCH[ln.key], size, ln.source + cut))
         elif ln.key not in kept:
             out.unsupported.append(f"{ln.source}: {ln.key} applies to text generation "
                                    f"(the {runner} runner)")  # fmt: skip

@@ -60,6 +60,8 @@ def test_runner_pooling_writes_an_embedding_model_that_embeds(
     # a BertModel without sentence-transformers modules: vLLM pools its CLS token
     assert model["options"] == {"pooling": "cls"}
     assert "limits" not in model and "max_new_tokens" not in text
+    many, _, _ = model_of(tmp_path, [*argv, "--max-num-seqs", "8192"])  # vLLM's bound is higher
+    assert many["batch"]["max_batch_size"] == 4096
     runner, cfg = started_runner(tmp_path, argv, "emb")
     assert runner.max_tokens == 64 and cfg.batch.max_batch_size == 16
     vectors = runner.run(runner.encode(TEXTS))
