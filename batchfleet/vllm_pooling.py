@@ -36,8 +36,8 @@ REFUSED = {
     "reward": "the fleet has no reward-model runner (a process reward model's scores)",
     "token": "token classification (a label per token) is not served: the "
     "text-classification runner labels whole texts",
-    "media": "audio and video classification are not served (images: write runner = "
-    '"image-classification" by hand)',
+    "media": "image, audio and video classification: from-vllm writes text models (an image "
+    'classifier: write runner = "image-classification" by hand)',
     "transcription": "speech-to-text is not served (the text-generation runner takes text)",
     "draft": "a draft model proposes tokens for another: give it to that model's "
     "--speculative-config",

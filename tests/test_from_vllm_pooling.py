@@ -234,6 +234,7 @@ def test_a_hub_id_is_generative_unless_the_flags_say_pooling(tmp_path: Path) -> 
     (["BertModel"], {}, ["--convert", "reward"], "no reward-model runner"),
     (["BertForTokenClassification"], {}, [], "token classification"),
     (["BertForTokenClassification"], {}, ["--runner", "pooling"], "token classification"),
+    (["ViTForImageClassification"], {}, [], 'write runner = "image-classification" by hand'),
     (["WhisperForConditionalGeneration"], {}, ["--task", "transcription"], "speech-to-text"),
     (["BertModel"], {}, ["--runner", "draft"], "--speculative-config"),
     (["BertModel"], {}, ["--runner", "encode"], "vLLM takes auto, generate, pooling"),
