@@ -270,3 +270,18 @@ def test_pooler_config_of_a_generative_model_needs_nothing(tmp_path: Path) -> No
     assert model["runner"] == "text-generation"
     assert "#   --runner generate: a generative model" in text.split("# No equivalent")[0]
     assert "#   --pooler-config" in text and "--pooler-config" not in stderr
+
+
+def test_a_generative_model_converted_to_embed_embeds_its_last_token(
+    tmp_path: Path, tiny_lm: Path
+) -> None:
+    """vLLM's ``--convert embed`` of a causal LM: its base model's states, last token pooled."""
+    pytest.importorskip("torch")
+    argv = ["serve", str(tiny_lm), "--convert", "embed", "--served-model-name", "lm-embed",
+            "--dtype", "float32", "--max-model-len", "128"]  # fmt: skip
+    model, _, _ = model_of(tmp_path, argv)
+    assert model["runner"] == "embedding" and model["options"] == {"pooling": "last"}
+    runner, _ = started_runner(tmp_path, argv, "lm-embed")
+    batch = runner.run(runner.encode(TEXTS))
+    alone = runner.run(runner.encode(["hi"]))[0]  # padding does not reach the last token
+    assert max(abs(a - b) for a, b in zip(alone, batch[1], strict=True)) < 1e-4
