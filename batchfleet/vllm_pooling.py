@@ -209,8 +209,11 @@ def is_pooling(out: Conversion) -> bool:
 def _runner_flag(flag: Flag, out: Conversion) -> None:
     """``--runner``, ``--convert``, ``--task``: cited by the runner line (read first,
     :func:`runner_line`), and needing nothing for a generative model."""
+    line = out.setting("runner")
     if not is_pooling(out) and flag.value in ("auto", "generate", "none"):
         out.judged(flag, True, "a generative model: runner = text-generation")
+    elif line is not None and flag.shown() not in line.source:  # --task auto
+        out.judged(flag, True, f"runner = {line.value}, as vLLM decides it")
 
 
 def _pooler_config(flag: Flag, out: Conversion) -> None:

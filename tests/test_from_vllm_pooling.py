@@ -206,14 +206,17 @@ def test_generation_only_flags_are_listed_as_not_applying(
     (["BertForSequenceClassification"], {}, ["--task", "classify"], "text-classification",
      None),
     (["BertModel"], {}, ["--runner", "generate"], "text-generation", None),
+    (["BertModel"], {}, ["--task", "auto", "--convert", "none"], "embedding", {"pooling": "cls"}),
 ])  # fmt: skip
 def test_the_runner_is_decided_as_vllm_decides_it(
     tmp_path: Path, architectures: list[str], config: dict[str, Any], flags: list[str],
     runner: str, options: dict[str, Any] | None,
 ) -> None:  # fmt: skip
     path = folder(tmp_path, "m", architectures, **config)
-    model, _, _ = model_of(tmp_path, ["serve", str(path), *flags])
+    model, text, _ = model_of(tmp_path, ["serve", str(path), *flags])
     assert model["runner"] == runner
+    for flag in (f for f in flags if f.startswith("--")):  # each cited, as every flag is
+        assert f"{flag} " in text.split("\n", 1)[1], flag
     if options is not None:
         assert model["options"] == options
 
