@@ -5,7 +5,8 @@ Each flag goes to a model setting or option (the fleet file's line cites it), to
 flag, to nothing (it changes nothing here: a comment says why), or is listed as having
 no equivalent, with why. A flag this converter does not know is an error unless
 ``keep_going`` (then a comment names it). The fleet file is checked by the fleet loader
-and the text-generation options by the runner's own tables before it is written.
+and the text-generation options by the runner's own tables before it is written. A
+pooling model (:mod:`.vllm_pooling`) becomes an embedding, classification or rerank model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .vllm_flags import (
     rank,
     simple_options,
 )
+from .vllm_pooling import is_pooling, pooling_settings, runner_line
 from .vllm_scheduling import speculative
 from .vllm_serving import serving_defaults
 
@@ -53,6 +55,10 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
         raise ConversionError("no model: give it as vLLM takes it (vllm serve MODEL ...)")
     flags = serve.last()
     out = Conversion(_model_name(serve, flags))
+    try:
+        out.model.append(runner_line(serve.model, flags))
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     _model_path(serve.model, flags, out)
     simple = simple_options()
     for flag in sorted(flags.values(), key=rank):
@@ -64,8 +70,11 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
         speculative(out)
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
-    lengths(out)
-    generation_defaults("--generation-config" in flags, out)
+    if is_pooling(out):
+        pooling_settings(serve.model, out)
+    else:
+        lengths(out)
+        generation_defaults("--generation-config" in flags, out)
     serving_defaults(out)
     _environment(env or {}, out)
     return out
@@ -95,7 +104,6 @@ def _model_name(serve: ServeArgs, flags: Mapping[str, Flag]) -> str:
 
 
 def _model_path(model: str, flags: Mapping[str, Flag], out: Conversion) -> None:
-    out.model.append(Line("runner", "text-generation", "vllm serve: a generative model"))
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         out.model.append(Line("path", str(path.parent), f"the GGUF file {model}'s directory"))
@@ -138,7 +146,9 @@ def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
     if conv.adapters:
         out += ["", f"[models.{_key(conv.name)}.options.lora_adapters]"]
         out += map(_line, conv.adapters)
-    out += ["", f"[models.{_key(conv.name)}.limits]", *map(_line, conv.limits)]
+    for table, lines in (("batch", conv.batch), ("limits", conv.limits)):
+        if lines:
+            out += ["", f"[models.{_key(conv.name)}.{table}]", *map(_line, lines)]
     if conv.worker:
         out += ["", "[worker]", *map(_line, conv.worker)]
     for title, items in (("Nothing needed here", conv.needless),

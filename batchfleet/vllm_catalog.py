@@ -151,7 +151,8 @@ APPENDED = ("--middleware",)
 """Flags whose values add up when given again (``action="append"``); the others' last wins."""
 
 OLDER = {"--calculate-kv-scales": 0, "--disable-frontend-multiprocessing": 0, "--enable-lora-bias": 0,
-         "--kv-cache-memory": 1, "--max-seq-len-to-capture": 1, "--rope-scaling": 1, "--swap-space": 1}
+         "--kv-cache-memory": 1, "--max-seq-len-to-capture": 1, "--rope-scaling": 1, "--swap-space": 1,
+         "--task": 1}
 """Flags of earlier vLLM releases (gone from 0.34) still read, and how many values each takes."""
 # fmt: on
 

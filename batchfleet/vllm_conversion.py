@@ -42,6 +42,8 @@ class Conversion:
     options: list[Line] = field(default_factory=list)
     adapters: list[Line] = field(default_factory=list)
     limits: list[Line] = field(default_factory=list)
+    batch: list[Line] = field(default_factory=list)
+    """The model's ``batch`` table (a pooling model's batch bounds)."""
     worker: list[Line] = field(default_factory=list)
     """The fleet file's ``[worker]`` table."""
     gateway: list[tuple[str, ...]] = field(default_factory=list)

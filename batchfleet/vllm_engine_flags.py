@@ -140,8 +140,7 @@ UNSUPPORTED = {
     "fused MoE experts",
     "--enable-moe-shared-loras": "adapters apply to linear layers (PEFT's), not to fused "
     "MoE experts",
-    "--max-lora-cls-labels": "from-vllm writes a text-generation model (no classification "
-    "adapters)",
+    "--max-lora-cls-labels": "the text-classification runner serves no LoRA adapters",
     "--cpu-offload-gb": OFFLOAD,
     "--enable-sleep-mode": SLEEP,
     "--kv-transfer-config": "no disaggregated prefill: a worker prefills and decodes",
@@ -154,8 +153,6 @@ UNSUPPORTED = {
     "--hf-overrides": "the model's config.json is used as it is: edit it there",
     "--model-class-overrides": "the model class is the one transformers picks for its "
     "config.json",
-    "--pooler-config": "from-vllm writes a text-generation model (pooling models: the "
-    "worker's embedding, classification and rerank runners, docs/worker.md)",
     "--quantization-config": "the worker loads weights through transformers, without "
     "vLLM's quantization kernels",
     "--calculate-kv-scales": "the KV cache has the model's dtype (no quantized KV cache)",
@@ -210,12 +207,6 @@ UNSUPPORTED = {
 them)."""
 
 BY_VALUE = {
-    "--runner": (("auto", "generate"), "a generative model: runner = text-generation",
-                 "from-vllm writes a text-generation model: write a pooling model's entry "
-                 "by hand (runner embedding, text-classification, rerank: docs/worker.md)"),
-    "--convert": (("auto", "none"), "the model generates as it is",
-                  "no conversion of a generative model: the worker's pooling runners load "
-                  "pooling models as they are"),
     "--tokenizer-mode": (("auto", "hf"), "the model directory's tokenizer, through transformers",
                          "the tokenizer is the model directory's, through transformers"),
     "--config-format": (("auto", "hf"), "the model directory's config.json",

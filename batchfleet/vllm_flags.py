@@ -15,6 +15,7 @@ from . import vllm_engine_flags, vllm_server_flags
 from .vllm_args import Flag
 from .vllm_catalog import OFF
 from .vllm_conversion import Conversion, Line, count, token_count
+from .vllm_pooling import POOLING_FLAGS, encoder_length, is_pooling
 from .vllm_scheduling import SCHEDULING
 from .vllm_serving import SERVING
 
@@ -82,6 +83,9 @@ def _dtype(flag: Flag, out: Conversion) -> None:
 def _max_model_len(flag: Flag, out: Conversion) -> None:
     if flag.value.strip().lower() in ("auto", "-1"):  # vLLM: as long as the KV cache fits
         out.judged(flag, True, "up to the model's context, as here")
+        return
+    if is_pooling(out):
+        encoder_length(flag, out)
         return
     n = token_count(flag.value)
     prompt = min(n - 1, MAX_TOKENS)
@@ -340,6 +344,6 @@ HANDLERS: dict[str, Callable[[Flag, Conversion], None]] = {
     "--tokenizer": _tokenizer, "--kv-cache-dtype": _kv_cache_dtype, "--host": _gateway_value,
     "--port": _gateway_value, "--api-key": _api_keys,
     "--return-tokens-as-token-ids": _gateway_switch,
-    **dict.fromkeys(BY_VALUE, _by_value), **SCHEDULING, **SERVING,
+    **dict.fromkeys(BY_VALUE, _by_value), **SCHEDULING, **SERVING, **POOLING_FLAGS,
 }  # fmt: skip
 """Flags that become settings (or are judged by their value), and how."""

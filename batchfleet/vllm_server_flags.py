@@ -46,8 +46,8 @@ NEEDLESS = {
     "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens "
     "wherever the worker reports it",
     "--enable-request-id-headers": "the gateway always answers with X-Request-Id",
-    "--enable-flash-late-interaction": "pooling scores are the workers' (from-vllm writes a "
-    "text-generation model)",
+    "--enable-flash-late-interaction": "late-interaction (ColBERT) scoring is not served: "
+    "scores are the rerank runner's",
     "--data-parallel-supervisor-port": HEALTH,
     "--dp-supervisor-probe-interval-s": HEALTH,
     "--dp-supervisor-probe-timeout-s": HEALTH,

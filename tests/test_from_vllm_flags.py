@@ -233,12 +233,12 @@ def test_off_forms_are_the_switches_own() -> None:
 
 
 def test_flags_not_in_vllm_still_exit_2(tmp_path: Path) -> None:
-    # --task left vllm serve; --max-num could be any of three flags (argparse refuses it)
-    argv = ["serve", "/m/x", "--task", "embed", "--max-num", "4", "--guided-decoding-backend",
+    # --worker-use-ray left vllm serve; --max-num could be any of three flags (argparse refuses it)
+    argv = ["serve", "/m/x", "--worker-use-ray", "--max-num", "4", "--guided-decoding-backend",
             "xgrammar", "--max-num-seq", "8"]  # fmt: skip
     code, _, _, stderr = run(tmp_path, argv)
     assert code == 2
-    for flag in ("--task embed", "--max-num 4", "--guided-decoding-backend xgrammar"):
+    for flag in ("--worker-use-ray", "--max-num 4", "--guided-decoding-backend xgrammar"):
         assert f"  {flag}\n" in stderr
     assert "--max-num-seq" not in stderr  # the one flag it begins: --max-num-seqs
 

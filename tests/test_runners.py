@@ -57,6 +57,30 @@ def test_embeddings_are_normalised(embedder: EmbeddingRunner) -> None:
         assert abs(sum(x * x for x in vec) - 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_embedding_pooling_option_pools_the_model_states(tiny_embedder: Path, pooling: str) -> None:
+    """Each row of a padded batch is pooled over its own tokens as the option says (the
+    first token, the last real one, the mean of the real ones), as the model alone gives."""
+    from transformers import AutoModel, AutoTokenizer
+
+    options = {"pooling": pooling, "normalize": False}
+    runner = EmbeddingRunner(tiny_embedder, device="cpu", dtype="float32", max_tokens=48,
+                             options=options)  # fmt: skip
+    got = runner.run(runner.encode(TEXTS))
+    model = AutoModel.from_pretrained(tiny_embedder).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_embedder)
+    for text, vec in zip(TEXTS, got, strict=True):
+        with torch.inference_mode():
+            states = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        want = {"mean": states.mean(dim=0), "cls": states[0], "last": states[-1]}[pooling]
+        assert _max_diff(vec, want.tolist()) <= 1e-4
+
+
+def test_embedding_pooling_option_is_checked(tiny_embedder: Path) -> None:
+    with pytest.raises(ValueError, match="option pooling must be one of"):
+        EmbeddingRunner(tiny_embedder, device="cpu", options={"pooling": "max"})
+
+
 def test_classification_outputs(classifier: ClassificationRunner) -> None:
     out = classifier.run(classifier.encode(["what a day"]))[0]
     assert set(out["scores"]) == set(LABELS.values())
