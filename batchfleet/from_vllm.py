@@ -66,7 +66,10 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
         raise ConversionError(str(exc)) from None
     lengths(out)
     generation_defaults("--generation-config" in flags, out)
-    serving_defaults(out)
+    try:
+        serving_defaults(out)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     _environment(env or {}, out)
     return out
 
