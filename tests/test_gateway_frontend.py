@@ -133,6 +133,11 @@ def test_a_stream_opens_with_the_role_and_ends_with_usage_and_metrics_when_force
     off = Chunks(CHAT, Answered("x-1", 1, frontend=Frontend(per_request_metrics=True)), "mm",
                  chat=True)  # fmt: skip
     assert all("usage" not in e and "metrics" not in e for e in off.finish(result(gen())))
+    # usage asked, metrics off: the usage chunk alone
+    asked = Chunks(CHAT | {"stream_options": {"include_usage": True}}, Answered("x-1", 1),
+                   "mm", chat=True)  # fmt: skip
+    last = asked.finish(result(gen()))[-1]
+    assert last["usage"]["completion_tokens"] == 5 and "metrics" not in last
 
 
 def test_tokenizer_info_is_vllm_s_body(tiny_lm: Path) -> None:
@@ -160,10 +165,12 @@ def test_the_switches_on_the_gateway(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     fake = ScriptedWorker(client, "mm")
 
-    async def ask(port: int, body: dict[str, Any]) -> tuple[Any, Any]:
+    async def ask(
+        port: int, body: dict[str, Any], path: str = "/v1/chat/completions"
+    ) -> tuple[Any, Any]:
         """``body`` answered with one output and TIMINGS: what the worker read, and the
         answer (a stream's events)."""
-        sent = asyncio.ensure_future(http(port, "POST", "/v1/chat/completions", body))
+        sent = asyncio.ensure_future(http(port, "POST", path, body))
         taken = await asyncio.to_thread(fake.take)
         if body.get("stream"):
             await asyncio.to_thread(fake.delta, taken, 1, "Hi!")
@@ -187,6 +194,16 @@ def test_the_switches_on_the_gateway(redis_url: str) -> None:
             assert answer["metrics"]["time_to_first_token_ms"] == 20.0
             request, _ = await ask(port, CHAT | {"tools": TOOLS, "tool_choice": "auto"})
             assert request.tools is not None and len(request.tools) == 1
+            # the Responses and Messages APIs' chats too
+            tool = {"type": "function", "name": "f", "parameters": {}}
+            request, _ = await ask(port, {"model": "mm", "input": "hi", "tools": [tool],
+                                          "tool_choice": "none"}, "/v1/responses")  # fmt: skip
+            assert request.tools is None and request.tool_choice == "none"
+            anthropic = {"model": "mm", "max_tokens": 5, "messages": CHAT["messages"],
+                         "tools": [{"name": "f", "input_schema": {"type": "object"}}]}  # fmt: skip
+            request, _ = await ask(port, anthropic | {"tool_choice": {"type": "none"}},
+                                   "/v1/messages")  # fmt: skip
+            assert request.tools is None and request.tool_choice == "none"
             # a stream that asks no usage ends with it, and the metrics
             _, events = await ask(port, CHAT | {"stream": True})
             assert events[0]["choices"][0]["delta"]["role"] == "bot"
@@ -291,9 +308,11 @@ def test_the_gateway_s_flags_and_their_environment_defaults(
     (["--response-role", ""], "must not be empty"),
 ])  # fmt: skip
 def test_flags_the_gateway_refuses(
-    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     from batchfleet import cli
 
+    gateway_cli(monkeypatch)  # (a regression serves nothing: it returns at once)
     assert cli.main(["gateway", "--redis-url", "redis://127.0.0.1:1/0", *flags]) == 2
     assert said in capsys.readouterr().err
