@@ -48,7 +48,9 @@ def _switch(flag: Flag, out: Conversion) -> None:
 def _response_role(flag: Flag, out: Conversion) -> None:
     if not flag.value:
         raise ValueError("the role must not be empty")
-    if flag.value != "assistant":  # the gateway's default
+    if flag.value == "assistant":
+        out.judged(flag, True, "answers' role is assistant, the gateway's default")
+    else:
         out.gateway.append((flag.name, flag.value))
 
 

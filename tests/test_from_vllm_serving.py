@@ -69,6 +69,8 @@ def test_fingerprints_the_gateway_has_no_counterpart_of(tmp_path: Path) -> None:
     for mode in ("full", "hash"):
         args, text = gateway_args(tmp_path, ["--fingerprint-mode", mode])
         assert args == [] and f"--fingerprint-mode {mode}: vLLM's own version" in text
+    args, text = gateway_args(tmp_path, ["--response-role", "assistant"])
+    assert args == [] and "--response-role assistant: answers' role is assistant" in text
     args, text = gateway_args(tmp_path, ["--fingerprint-value", "fp-7"])
     assert args == [] and "--fingerprint-value fp-7: read with --fingerprint-mode custom" in text
 
