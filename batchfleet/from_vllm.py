@@ -75,7 +75,10 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
     else:
         lengths(out)
         generation_defaults("--generation-config" in flags, out)
-    serving_defaults(out)
+    try:
+        serving_defaults(out)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     _environment(env or {}, out)
     return out
 

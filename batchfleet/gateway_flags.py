@@ -1,7 +1,8 @@
-"""`batchfleet gateway`'s flags for how it is served: TLS, CORS, root path, Unix socket.
+"""`batchfleet gateway`'s flags for how it is served (TLS, CORS, root path, Unix socket)
+and how it answers (vLLM's frontend switches: :mod:`.producer.gateway.frontend`).
 
 vLLM's names (``--ssl-keyfile`` ..., ``--allowed-origins`` ..., ``--root-path``,
-``--uds``), each defaulting to its ``BATCHFLEET_*`` environment variable (the flag's name
+``--uds``, ``--response-role`` ...), each defaulting to its ``BATCHFLEET_*`` environment variable (the flag's name
 in capitals, ``-`` as ``_``), so `batchfleet from-vllm`'s gateway command takes vLLM's
 flags as they are. Imports nothing heavy: the CLI stays light.
 """
@@ -14,14 +15,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .producer.gateway.cors import Cors
+    from .producer.gateway.frontend import Frontend
     from .producer.gateway.serving import Tls
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 CORS_FLAGS = ("allowed_methods", "allowed_headers", "allow_credentials")
+FINGERPRINT_MODES = ("none", "custom")
+"""vLLM's modes the gateway has (``full`` and ``hash`` describe a vLLM server)."""
 
 
 def _env(flag: str) -> str | None:
     return os.environ.get("BATCHFLEET_" + flag.lstrip("-").replace("-", "_").upper()) or None
+
+
+def _switch(group: Any, flag: str, help: str) -> None:
+    """An off-by-default switch whose default is its environment variable's (``1``,
+    ``true``, ``yes``, ``on``: on)."""
+    group.add_argument(flag, action="store_true", default=(_env(flag) or "").lower() in TRUE,
+                       help=help)  # fmt: skip
 
 
 def add_serving_flags(gw: argparse.ArgumentParser) -> None:
@@ -39,10 +50,12 @@ def add_serving_flags(gw: argparse.ArgumentParser) -> None:
                      "optional, 2 required (mutual TLS)")  # fmt: skip
     tls.add_argument("--ssl-ciphers", default=_env("--ssl-ciphers"),
                      help="the ciphers allowed (OpenSSL's cipher list syntax)")  # fmt: skip
-    tls.add_argument("--enable-ssl-refresh", action="store_true",
-                     default=(_env("--enable-ssl-refresh") or "").lower() in TRUE,
-                     help="read the certificate, key and CA files again when they change "
-                     "(new connections get the new certificate)")  # fmt: skip
+    _switch(
+        tls,
+        "--enable-ssl-refresh",
+        "read the certificate, key and CA files again when "
+        "they change (new connections get the new certificate)",
+    )
     cors = gw.add_argument_group("CORS (vLLM's; default $BATCHFLEET_<FLAG>)")
     cors.add_argument("--allowed-origins", default=_env("--allowed-origins"),
                       help="JSON list of the origins whose pages may call the gateway, e.g. "
@@ -52,24 +65,73 @@ def add_serving_flags(gw: argparse.ArgumentParser) -> None:
                       help="JSON list of the methods allowed (default '[\"*\"]')")  # fmt: skip
     cors.add_argument("--allowed-headers", default=_env("--allowed-headers"),
                       help="JSON list of the request headers allowed (default '[\"*\"]')")  # fmt: skip
-    cors.add_argument("--allow-credentials", action="store_true",
-                      default=(_env("--allow-credentials") or "").lower() in TRUE,
-                      help="allow cookies and Authorization on cross-origin requests")  # fmt: skip
+    _switch(cors, "--allow-credentials", "allow cookies and Authorization on cross-origin requests")
     gw.add_argument("--root-path", default=_env("--root-path") or "",
                     help="the path prefix a proxy serves the gateway under (e.g. /llm): "
                     "paths are routed with it or without it (default $BATCHFLEET_ROOT_PATH)")  # fmt: skip
     gw.add_argument("--uds", default=_env("--uds"),
                     help="listen on this Unix socket instead of --host and --port (default "
                     "$BATCHFLEET_UDS)")  # fmt: skip
+    _add_frontend_flags(gw)
+
+
+def _add_frontend_flags(gw: argparse.ArgumentParser) -> None:
+    answers = gw.add_argument_group("answers (vLLM's frontend flags; default $BATCHFLEET_<FLAG>)")
+    answers.add_argument("--response-role", default=_env("--response-role") or "assistant",
+                         help="a chat answer's role where the request adds the generation "
+                         "prompt (default assistant)")  # fmt: skip
+    answers.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES,
+                         default=_env("--fingerprint-mode") or "none",
+                         help="whole answers' system_fingerprint: none (null) or custom "
+                         "(--fingerprint-value)")  # fmt: skip
+    answers.add_argument("--fingerprint-value", default=_env("--fingerprint-value"),
+                         help="the system_fingerprint of --fingerprint-mode custom")  # fmt: skip
+    _switch(
+        answers,
+        "--enable-force-include-usage",
+        "every stream ends with its usage, as if stream_options.include_usage were set",
+    )
+    _switch(
+        answers,
+        "--exclude-tools-when-tool-choice-none",
+        "a request whose tool_choice is none reaches the chat template without its tools",
+    )
+    _switch(
+        answers,
+        "--enable-per-request-metrics",
+        "one-output chat and completion answers "
+        "carry vLLM's per-request timing metrics (streamed: in the usage chunk)",
+    )
+    _switch(
+        answers,
+        "--enable-tokenizer-info-endpoint",
+        "serve GET /tokenizer_info (the model's tokenizer configuration and chat template)",
+    )
 
 
 def serving_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``serve``'s ``tls``, ``cors``, ``root_path`` and ``uds`` of the parsed flags; a
-    ``ValueError`` says what is wrong with them."""
+    """``serve``'s ``tls``, ``cors``, ``root_path``, ``uds`` and ``frontend`` of the parsed
+    flags; a ``ValueError`` says what is wrong with them."""
     from .producer.gateway.serving import root_path
 
     return {"tls": _tls(args), "cors": _cors(args), "root_path": root_path(args.root_path),
-            "uds": args.uds}  # fmt: skip
+            "uds": args.uds, "frontend": _frontend(args)}  # fmt: skip
+
+
+def _frontend(args: argparse.Namespace) -> Frontend:
+    from .producer.gateway.frontend import Frontend
+
+    if not args.response_role:
+        raise ValueError("--response-role must not be empty")
+    if args.fingerprint_mode not in FINGERPRINT_MODES:  # from the environment
+        raise ValueError(f"--fingerprint-mode must be none or custom, not {args.fingerprint_mode}")
+    custom = args.fingerprint_mode == "custom"
+    if custom != bool(args.fingerprint_value):
+        raise ValueError("--fingerprint-mode custom needs --fingerprint-value" if custom else
+                         "--fingerprint-value given without --fingerprint-mode custom")  # fmt: skip
+    return Frontend(args.response_role, args.fingerprint_value,
+                    args.enable_force_include_usage, args.exclude_tools_when_tool_choice_none,
+                    args.enable_per_request_metrics, args.enable_tokenizer_info_endpoint)  # fmt: skip
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:

@@ -4,7 +4,8 @@ equivalent, each with why (the fleet file's comments say it).
 
 A switch's off form (``--no-x``, ``--disable-x``) that is not listed takes its switch's
 judgement: see :func:`.vllm_flags.judgement`. The flags that become a gateway flag are
-:mod:`.vllm_flags`'s (TLS, CORS, root path and Unix socket: :mod:`.vllm_serving`'s).
+:mod:`.vllm_flags`'s (TLS, CORS, root path, Unix socket and the answers' switches:
+:mod:`.vllm_serving`'s).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ NEEDLESS = {
     "--no-allow-credentials": "the gateway's default",
     "--no-enable-ssl-refresh": "the gateway's default",
     "--disable-ssl-refresh": "the gateway's default",
+    **dict.fromkeys(("--no-exclude-tools-when-tool-choice-none",
+                     "--no-enable-per-request-metrics", "--disable-per-request-metrics",
+                     "--no-enable-force-include-usage", "--disable-force-include-usage",
+                     "--no-enable-tokenizer-info-endpoint",
+                     "--disable-tokenizer-info-endpoint"), "the gateway's default"),
     "--no-trust-request-chat-template": "a request's chat_template is refused, as the "
     "fleet's default (trust_request_chat_template = false)",
     "--disable-log-requests": LOGS,
@@ -59,19 +65,12 @@ UNSUPPORTED = {
     "--trust-request-mm-kwargs": "a request's media_io_kwargs and mm_processor_kwargs are "
     "refused (400)",
     "--reasoning-effort-map": "a request's reasoning_effort reaches the chat template as sent",
-    "--exclude-tools-when-tool-choice-none": "a request's tools reach the chat template "
-    "whatever its tool_choice",
     "--tool-parser-plugin": "tool parsers are the fleet's built-in ones",
     "--tool-strict-level": "no server-wide floor: a request's tool_choice and its tools' "
     "strict decide what is constrained",
     "--tool-server": "no built-in tools or MCP tool servers",
-    "--enable-per-request-metrics": "answers carry no per-request timing metrics",
-    "--enable-force-include-usage": "usage is sent where a request asks for it "
-    "(stream_options.include_usage)",
-    "--enable-tokenizer-info-endpoint": "/tokenizer_info is not served (docs/gateway.md)",
     "--anthropic-disabled-thinking-effort": "Anthropic's disabled thinking reaches the chat "
     "template as enable_thinking false",
-    "--fingerprint-value": "system_fingerprint is always null",
     "--middleware": "the gateway takes no ASGI middleware",
     "--headless": "a worker has no HTTP front; the gateway is a separate process",
     "--grpc": GRPC,
@@ -85,10 +84,6 @@ UNSUPPORTED = {
 them)."""
 
 BY_VALUE = {
-    "--response-role": (("assistant",), "answers' role is assistant",
-                        "answers' role is always assistant"),
-    "--fingerprint-mode": (("none",), "system_fingerprint is null",
-                           "system_fingerprint is always null"),
     "--sse-keep-alive-interval": (("0",), "no keep-alive comments in streams, as vLLM's "
                                   "default", "streams send no keep-alive comments: raise "
                                   "the proxy's read timeout"),

@@ -1,6 +1,8 @@
-"""vLLM's flags of how its server is served (TLS, CORS, root path, Unix socket) as the
-gateway's flags of the same names (:mod:`.gateway_flags`), checked as the gateway checks
-them, so the command written starts."""
+"""vLLM's flags of how its server is served (TLS, CORS, root path, Unix socket) and of
+its answers' frontend switches (``--response-role``, ``--fingerprint-*``, usage, tools,
+metrics, ``/tokenizer_info``) as the gateway's flags of the same names
+(:mod:`.gateway_flags`), checked as the gateway checks them, so the command written
+starts."""
 
 from __future__ import annotations
 
@@ -43,21 +45,57 @@ def _switch(flag: Flag, out: Conversion) -> None:
     out.gateway.append((flag.name,))
 
 
+def _response_role(flag: Flag, out: Conversion) -> None:
+    if not flag.value:
+        raise ValueError("the role must not be empty")
+    if flag.value == "assistant":
+        out.judged(flag, True, "answers' role is assistant, the gateway's default")
+    else:
+        out.gateway.append((flag.name, flag.value))
+
+
+def _fingerprint_mode(flag: Flag, out: Conversion) -> None:
+    """``custom`` is the gateway's; ``none`` its default; ``full`` and ``hash`` describe a
+    vLLM server (its version, parallelism and config)."""
+    if flag.value == "custom":
+        out.gateway.append((flag.name, flag.value))
+    elif flag.value in ("full", "hash"):
+        out.judged(flag, False, "vLLM's own version and config hash: the gateway's "
+                   "system_fingerprint is null, or --fingerprint-mode custom's value")  # fmt: skip
+    elif flag.value == "none":
+        out.judged(flag, True, "system_fingerprint is null, the gateway's default")
+    else:
+        raise ValueError("full, hash, custom or none")
+
+
 SERVING: dict[str, Callable[[Flag, Conversion], None]] = {
     "--ssl-certfile": _value, "--ssl-keyfile": _value, "--ssl-ca-certs": _value,
     "--ssl-ciphers": _value, "--ssl-cert-reqs": _cert_reqs, "--enable-ssl-refresh": _switch,
     "--allowed-origins": _json_list, "--allowed-methods": _json_list,
     "--allowed-headers": _json_list, "--allow-credentials": _switch,
-    "--root-path": _root_path, "--uds": _value,
+    "--root-path": _root_path, "--uds": _value, "--response-role": _response_role,
+    "--fingerprint-mode": _fingerprint_mode, "--fingerprint-value": _value,
+    **dict.fromkeys(("--enable-force-include-usage", "--exclude-tools-when-tool-choice-none",
+                     "--enable-per-request-metrics", "--enable-tokenizer-info-endpoint"),
+                    _switch),
 }  # fmt: skip
-"""vLLM's serving flags and how each becomes the gateway's."""
+"""vLLM's serving and answer flags and how each becomes the gateway's."""
 
 
 def serving_defaults(out: Conversion) -> None:
     """What vLLM's defaults say of the flags given: CORS flags without
     ``--allowed-origins`` apply to any origin (vLLM's default; the gateway's is none), TLS
-    flags without ``--ssl-certfile`` to nothing (plain HTTP)."""
+    flags without ``--ssl-certfile`` to nothing (plain HTTP), ``--fingerprint-value``
+    without ``--fingerprint-mode custom`` to nothing (a ``ValueError``: custom without a
+    value)."""
     given = {args[0] for args in out.gateway}
+    if "--fingerprint-value" in given and "--fingerprint-mode" not in given:
+        value = next(a for a in out.gateway if a[0] == "--fingerprint-value")
+        out.gateway.remove(value)
+        out.needless.append(f"{' '.join(value)}: read with --fingerprint-mode custom only "
+                            "(as vLLM reads it)")  # fmt: skip
+    elif "--fingerprint-mode" in given and "--fingerprint-value" not in given:
+        raise ValueError("--fingerprint-mode custom needs --fingerprint-value")
     if given & set(CORS_FLAGS) and "--allowed-origins" not in given:
         at = min(i for i, args in enumerate(out.gateway) if args[0] in CORS_FLAGS)
         out.gateway.insert(at, ("--allowed-origins", ANY_ORIGIN))

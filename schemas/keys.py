@@ -107,6 +107,13 @@ class ModelKeys:
         return f"{self.tag}:info"
 
     @property
+    def tokenizer(self) -> str:
+        """A string holding the model's tokenizer configuration as JSON (vLLM's
+        ``/tokenizer_info`` body: ``worker/tokenizer_info.py``), written by workers that
+        have a tokenizer, for gateways."""
+        return f"{self.tag}:tokenizer"
+
+    @property
     def lora(self) -> str:
         """Hash of the LoRA adapters loaded and unloaded while the model serves
         (``bf_load_lora``, ``bf_unload_lora``): name → absolute adapter directory, or

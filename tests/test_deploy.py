@@ -21,6 +21,7 @@ import pytest
 import redis
 import yaml
 from batchfleet.producer import Producer
+from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo
@@ -427,9 +428,12 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
     # info are written
     info = ModelInfo(task="text-generation", max_model_len=2048, created=1700000000)
     fake = ScriptedWorker(worker, model, Limits(max_inputs=2), max_depth=100, info=info)
+    fake.streams.publish_tokenizer({"tokenizer_class": "T"})
+    frontend = Frontend(tokenizer_info=True)
 
     async def go() -> None:
-        async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway")) as port:
+        async with gateway_in_process(base.format("gateway:CHANGE_ME_gateway"),
+                                      frontend=frontend) as port:  # fmt: skip
             assert (await http(port, "GET", "/health"))[0] == 200  # PING
             # a model no worker serves: EXISTS on its lanes key
             assert (await http(port, "POST", "/v1/embeddings", {"model": "nope", "input": "x"})
@@ -464,6 +468,9 @@ def test_acl_gateway_user_can_do_its_job_and_no_more(acl_redis: int) -> None:
             status, body = await http(port, "GET", "/v1/models")
             cards = {m["id"]: m for m in json.loads(body)["data"]}
             assert status == 200 and cards[model]["max_model_len"] == 2048
+            # its tokenizer (/tokenizer_info): GET of bf:{m}:tokenizer
+            status, body = await http(port, "GET", f"/tokenizer_info?model={model}")
+            assert (status, json.loads(body)) == (200, {"tokenizer_class": "T"}), body
             # a client that leaves mid-stream: SET of the cancel key
             assert await leave_mid_stream(port, fake, chat) is not None
             # a stored response (SET with EX), continued (GET), read, deleted (DEL)

@@ -39,6 +39,16 @@ def gateway_args(tmp_path: Path, flags: list[str]) -> tuple[list[str], str]:
     (["--root-path", "/llm", "--uds", "/run/gw.sock"], ["--root-path", "/llm", "--uds",
                                                         "/run/gw.sock"]),
     (["--root-path", "/", "--no-allow-credentials", "--disable-ssl-refresh"], []),
+    # the answers' switches
+    (["--response-role", "bot", "--fingerprint-mode", "custom", "--fingerprint-value", "fp-7",
+      "--enable-force-include-usage", "--exclude-tools-when-tool-choice-none",
+      "--enable-per-request-metrics", "--enable-tokenizer-info-endpoint"],
+     ["--response-role", "bot", "--fingerprint-mode", "custom", "--fingerprint-value", "fp-7",
+      "--enable-force-include-usage", "--exclude-tools-when-tool-choice-none",
+      "--enable-per-request-metrics", "--enable-tokenizer-info-endpoint"]),
+    (["--response-role", "assistant", "--fingerprint-mode", "none",
+      "--no-enable-force-include-usage", "--disable-tokenizer-info-endpoint",
+      "--no-exclude-tools-when-tool-choice-none", "--disable-per-request-metrics"], []),
 ])  # fmt: skip
 def test_serving_flags_become_the_gateways(
     tmp_path: Path, flags: list[str], expect: list[str]
@@ -53,8 +63,23 @@ def test_tls_flags_without_a_certificate_are_plain_http_as_vllms(tmp_path: Path)
     assert "--ssl-keyfile /t/k.pem: no --ssl-certfile, so plain HTTP" in text
 
 
+def test_fingerprints_the_gateway_has_no_counterpart_of(tmp_path: Path) -> None:
+    # vLLM's own fingerprints (its version and config) are listed; a value without custom
+    # is read by nothing, as vLLM's
+    for mode in ("full", "hash"):
+        args, text = gateway_args(tmp_path, ["--fingerprint-mode", mode])
+        assert args == [] and f"--fingerprint-mode {mode}: vLLM's own version" in text
+    args, text = gateway_args(tmp_path, ["--response-role", "assistant"])
+    assert args == [] and "--response-role assistant: answers' role is assistant" in text
+    args, text = gateway_args(tmp_path, ["--fingerprint-value", "fp-7"])
+    assert args == [] and "--fingerprint-value fp-7: read with --fingerprint-mode custom" in text
+
+
 @pytest.mark.parametrize(("flags", "said"), [
     (["--ssl-certfile", "/c", "--ssl-cert-reqs", "3"], "--ssl-cert-reqs 3"),
+    (["--fingerprint-mode", "custom"], "needs --fingerprint-value"),
+    (["--fingerprint-mode", "sha"], "full, hash, custom or none"),
+    (["--response-role", ""], "must not be empty"),
     (["--allowed-origins", "https://a"], "not a JSON list"),
     (["--allowed-headers", '{"a": 1}'], "not a JSON list of strings"),
     (["--root-path", "llm"], "must start with '/'"),

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import redis
 
@@ -58,6 +59,7 @@ class Intake:
         sync_clock: Callable[[], None] | None = None,
         check_cancels: bool = False,
         info: ModelInfo | None = None,
+        tokenizer: Mapping[str, Any] | None = None,
         name: str = "intake",
     ) -> None:
         self.streams = streams
@@ -65,6 +67,8 @@ class Intake:
         self.limits = limits
         self.info = info
         """The model's info, published with the limits (``ModelStreams.publish_info``)."""
+        self.tokenizer = tokenizer
+        """Its tokenizer's configuration, published with them (``/tokenizer_info``)."""
         self._clock = clock
         self._post = post
         self._sync_clock = sync_clock
@@ -106,7 +110,7 @@ class Intake:
         if self._sync_clock is not None:
             self._sync_clock()
         self._max_depth = max_depth
-        self.streams.ensure_groups(max_depth, self.limits, self.info)
+        self.streams.ensure_groups(max_depth, self.limits, self.info, self.tokenizer)
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
         self._own = self.streams.own_pending()
@@ -206,7 +210,9 @@ class Intake:
                 else:  # the server lost its data (a restart without persistence): start over
                     logger.warning("consumer group gone (%s): creating it again", exc)
                     with contextlib.suppress(redis.RedisError):
-                        self.streams.ensure_groups(self._max_depth, self.limits, self.info)
+                        self.streams.ensure_groups(
+                            self._max_depth, self.limits, self.info, self.tokenizer
+                        )
                         continue
                 with self._cond:
                     self._cond.wait(1.0)

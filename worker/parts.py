@@ -23,6 +23,7 @@ from .observers import Observers
 from .runner import Runner, Work, is_continuous, model_info
 from .sink import RedisSink, ResultSink
 from .streams import Entry, ModelStreams, RedisClock
+from .tokenizer_info import tokenizer_info
 
 
 class Source(Protocol):
@@ -90,6 +91,7 @@ def redis_parts(
         streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
         check_cancels=is_continuous(runner), name=f"intake-{model}",
         info=model_info(runner, config.limits, int(time.time())),
+        tokenizer=tokenizer_info(runner),
     )  # fmt: skip
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -173,11 +174,12 @@ class ModelStreams:
 
     def ensure_groups(
         self, max_depth: int | None = None, limits: Limits | None = None,
-        info: ModelInfo | None = None,
+        info: ModelInfo | None = None, tokenizer: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         """Create the group on every lane (from the stream's start, so nothing queued before
         the first worker is missed) and publish the lane count, depth limit and request
-        limits for producers, and the model's info for gateways (:meth:`publish_info`)."""
+        limits for producers, and the model's info and ``tokenizer`` configuration for
+        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`)."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -190,6 +192,8 @@ class ModelStreams:
             self.client.set(self.keys.limits, limits.model_dump_json())
         if info is not None:
             self.publish_info(info)
+        if tokenizer is not None:
+            self.publish_tokenizer(tokenizer)
         if max_depth:
             self.client.set(self.keys.max_depth, max_depth)
         else:
@@ -207,6 +211,11 @@ class ModelStreams:
             if 0 < created < info.created or not info.created:
                 info = info.model_copy(update={"created": created})
         self.client.set(self.keys.info, info.model_dump_json())
+
+    def publish_tokenizer(self, config: Mapping[str, Any]) -> None:
+        """Write the model's tokenizer configuration (``/tokenizer_info``'s body; no TTL,
+        as the info: each worker writes it when it starts)."""
+        self.client.set(self.keys.tokenizer, json.dumps(config, separators=(",", ":")))
 
     def lora_loaded(self, name: str, path: str) -> None:
         """An adapter loaded while the model serves: workers started later load it too

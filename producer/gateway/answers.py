@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from ...schemas.messages import Delta, Generation, Result, TokenLogprob, TopLogprob, Usage
 from .endpoint import Answered
+from .frontend import chat_role, timing_metrics
 from .openai_fields import prompts
 
 FLOOR: Final = -9999.0
@@ -163,14 +164,14 @@ def prompt_logprobs(lps: list[TokenLogprob | None] | None) -> list[Any] | None:
     return out
 
 
-def assistant_message(g: Generation) -> dict[str, Any]:
+def assistant_message(g: Generation, role: str = "assistant") -> dict[str, Any]:
     """A choice's ``message``: the answer (``content``), the reasoning and the calls."""
     content: str | None = g.content if g.content is not None else g.text
     calls = [c.model_dump() for c in g.tool_calls or ()]
     if calls and not content:
         content = None
     return {
-        "role": "assistant",
+        "role": role,
         "content": content,
         "reasoning_content": g.reasoning_content,
         "reasoning": g.reasoning_content,
@@ -178,14 +179,24 @@ def assistant_message(g: Generation) -> dict[str, Any]:
     }
 
 
+def answered_extras(result: Result, answered: Answered) -> dict[str, Any]:
+    """A whole answer's ``system_fingerprint`` and, where the gateway adds them, its
+    per-request timing ``metrics``."""
+    out: dict[str, Any] = {"system_fingerprint": answered.frontend.system_fingerprint}
+    if answered.frontend.per_request_metrics:
+        out["metrics"] = timing_metrics(result)
+    return out
+
+
 def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -> dict[str, Any]:
     """``chat.completion``."""
     gens = result.generations()
+    role = chat_role(body, answered.frontend)
     choices = []
     for i, g in enumerate(gens):
         choice: dict[str, Any] = {
             "index": i,
-            "message": assistant_message(g),
+            "message": assistant_message(g, role),
             "logprobs": chat_logprobs(g.logprobs, as_token_ids(body)),
             "finish_reason": finish_reason(g),
             "stop_reason": g.stop_reason,
@@ -200,7 +211,7 @@ def chat_response(body: Mapping[str, Any], result: Result, answered: Answered) -
         "model": result.model,
         "choices": choices,
         "usage": usage(result.usage),
-        "system_fingerprint": None,
+        **answered_extras(result, answered),
     }
     if gens and gens[0].prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(gens[0].prompt_logprobs)
@@ -254,5 +265,5 @@ def completion_response(
         "model": result.model,
         "choices": choices,
         "usage": usage(result.usage),
-        "system_fingerprint": None,
+        **answered_extras(result, answered),
     }

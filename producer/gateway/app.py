@@ -45,6 +45,7 @@ from .conversations import ConversationStore
 from .cors import Cors
 from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
+from .frontend import Frontend, without_tools
 from .metrics import CLIENT_LEFT, GatewayMetrics
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .replies import DOWN, Replies
@@ -81,8 +82,11 @@ class Gateway:
         lora_admin: LoraAdmin | None = None,
         dev_admin: DevAdmin | None = None,
         return_tokens_as_token_ids: bool = False,
+        frontend: Frontend | None = None,
     ) -> None:
         self.producer = producer
+        self.frontend = frontend or Frontend()
+        """vLLM's frontend switches of the chat and completion answers (:mod:`.frontend`)."""
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         """vLLM's ``--return-tokens-as-token-ids``: the default of the chat and completion
         requests' ``return_tokens_as_token_ids`` (each may set its own)."""
@@ -210,7 +214,9 @@ class Gateway:
     async def served(self, sub: Submission) -> tuple[Submission, str | None]:
         """``sub`` as the fleet takes it: naming a LoRA adapter (not a model), it goes to
         the adapter's base model with ``lora``; and the adapter's name, to answer under.
-        Its messages' text parts as the model's workers take them (:meth:`_parts`)."""
+        Its messages' text parts as the model's workers take them (:meth:`_parts`); its
+        tools left out where the gateway leaves them out (:func:`.frontend.without_tools`)."""
+        sub = Submission(sub.model, without_tools(sub.options, self.frontend))
         if "lora" in sub.options or sub.model in await self.models():
             return await self._parts(sub), None
         base = (await self.adapters()).get(sub.model)
@@ -659,6 +665,7 @@ class Generate(Handler):
                     f"{self.prefix}{self.job.id}",
                     int(time.time()),
                     sampling=await self.gateway.sampling(sub.model),
+                    frontend=self.gateway.frontend,
                 )
                 result = named(await self.gateway.replies.wait(self.job, self.gateway.timeout_s))
                 if self.gone:
@@ -676,6 +683,7 @@ class Generate(Handler):
                     f"{self.prefix}{self.job.id}",
                     int(time.time()),
                     sampling=await self.gateway.sampling(sub.model),
+                    frontend=self.gateway.frontend,
                 )
                 chunks = self.events(body, answered, alias or self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
@@ -816,6 +824,10 @@ def make_app(
 
         routes += [(r"/v1/load_lora_adapter", LoraRoute, g | {"load": True}),
                    (r"/v1/unload_lora_adapter", LoraRoute, g | {"load": False})]  # fmt: skip
+    if gateway.frontend.tokenizer_info:  # vLLM's --enable-tokenizer-info-endpoint
+        from .tokenizer_info import TokenizerInfo
+
+        routes.append((r"/tokenizer_info", TokenizerInfo, g))
     if gateway.dev_admin is not None:  # vLLM's VLLM_SERVER_DEV_MODE
         from .dev_routes import ResetPrefixCache
 
@@ -851,6 +863,7 @@ async def serve(
     lora_admin: LoraAdmin | None = None,
     dev_admin: DevAdmin | None = None,
     return_tokens_as_token_ids: bool = False,
+    frontend: Frontend | None = None,
     uds: str | None = None,
     tls: Tls | None = None,
     cors: Cors | None = None,
@@ -866,7 +879,9 @@ async def serve(
     ``conversations`` says (:class:`~.conversations.ConversationStore`'s arguments).
     ``lora_admin``: serve vLLM's routes that load and unload LoRA adapters
     (:mod:`.lora_admin`); ``dev_admin``: its development routes (:mod:`.dev_routes`);
-    ``return_tokens_as_token_ids``: the default of the requests' field (vLLM's flag).
+    ``return_tokens_as_token_ids``: the default of the requests' field (vLLM's flag);
+    ``frontend``: vLLM's other switches of the answers, and ``/tokenizer_info``
+    (:mod:`.frontend`).
     ``uds``: listen on this Unix socket instead of ``host:port``; ``tls``: speak HTTPS;
     ``cors``: answer cross-origin requests; ``root_path``: served under it too
     (:mod:`.serving`, :mod:`.cors`)."""
@@ -882,7 +897,8 @@ async def serve(
                           store_ttl_s=store_ttl_s, store_max_bytes=store_max_bytes,
                           conversations=conversations, lora_admin=lora_admin,
                           dev_admin=dev_admin,
-                          return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
+                          return_tokens_as_token_ids=return_tokens_as_token_ids,
+                          frontend=frontend)  # fmt: skip
         gateway.replies.start()
         app = make_app(gateway, cors=cors, root_path=root_path)
         server = listen(app, host=host, port=port, uds=uds, tls=tls, max_body_size=max_body,

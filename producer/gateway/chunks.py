@@ -28,6 +28,7 @@ from .answers import (
     usage,
 )
 from .endpoint import Answered
+from .frontend import chat_role, stream_usage, timing_metrics
 from .openai_fields import prompts
 from .replay import Diverged, Replay
 
@@ -56,11 +57,10 @@ class Chunks:
 
     def __init__(self, body: Mapping[str, Any], answered: Answered, model: str, chat: bool):
         self.body, self.answered, self.model, self.chat = body, answered, model, chat
-        options = body.get("stream_options")
-        self.include_usage = bool(isinstance(options, Mapping) and options.get("include_usage"))
-        self.continuous_usage = bool(self.include_usage and isinstance(options, Mapping)
-                                     and options.get("continuous_usage_stats"))  # fmt: skip
-        """vLLM's: every chunk carries its choice's usage so far."""
+        self.include_usage, self.continuous_usage = stream_usage(body, answered.frontend)
+        """The stream ends with its usage (asked, or the gateway's force); vLLM's
+        ``continuous_usage_stats``: every chunk carries its choice's usage so far."""
+        self.role = chat_role(body, answered.frontend) if chat else ""
         self.choices: dict[int, _Choice] = {}
         self.replay = Replay()
         self.echo = not chat and bool(body.get("echo"))
@@ -108,7 +108,7 @@ class Chunks:
             return state, []
         state = self.choices[index] = _Choice(prompt=prompt or 0, ids=ids)
         if self.chat:
-            delta = {"role": "assistant", "content": ""}
+            delta = {"role": self.role, "content": ""}
             opening = self._chunk([{"index": index, "delta": delta, "logprobs": None,
                                     "finish_reason": None}])  # fmt: skip
             if text is not None:
@@ -236,5 +236,8 @@ class Chunks:
         if self.include_usage:
             last = self._chunk([])
             last["usage"] = usage(result.usage)
+            metrics = timing_metrics(result) if self.answered.frontend.per_request_metrics else None
+            if metrics is not None:  # its known fields (vLLM's chunks leave out nulls)
+                last["metrics"] = {k: v for k, v in metrics.items() if v is not None}
             out.append(last)
         return out

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from ...schemas.messages import Delta, Result
 from ..tokens import Restarted
+from .frontend import Frontend
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,8 @@ class Answered:
     sampling: Mapping[str, float | int] = field(default_factory=dict)
     """The model's sampling defaults (``ModelInfo.sampling_defaults``): what a request
     that sets no ``temperature`` or ``top_p`` samples with, echoed as such."""
+    frontend: Frontend = field(default_factory=Frontend)
+    """The gateway's switches of chat and completion answers (vLLM's frontend flags)."""
 
 
 @dataclass(frozen=True, slots=True)
