@@ -2,10 +2,8 @@
 and sections, the tables the readers (:mod:`.tools`, :mod:`.tool_chunks`,
 :mod:`.strict_calls`) look a parser up in.
 
-With ``tool_choice`` ``required`` or a named function the text was constrained to JSON
-(vLLM's schemas), so it parses unless generation stopped early (``length``, a deadline).
-With ``auto`` the text is free, and a parser for the model's own format (its
-``tool_call_parser`` option; vLLM's names) finds the calls:
+With ``tool_choice`` ``auto`` the text is free, and the parser for the model's own format
+finds the calls:
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes,
   Qwen 2.5 and 3, and other templates that render ``tools``);
@@ -144,8 +142,10 @@ TYPED: Final = tuple(p for p in PARSERS if ALIASES.get(p, p) in TYPED_ARGS)
 """The parsers that type values by the functions' schemas (``Types``)."""
 DS = tuple("<\uff5c" + m.replace(" ", "\u2581") + "\uff5c>" for m in (
     "tool calls begin", "tool calls end", "tool call begin", "tool call end", "tool sep"))  # fmt: skip
+"""DeepSeek-V3's markers (calls begin and end; a call's begin and end; the separator)."""
 STEP = tuple(f"<\uff5c{m}\uff5c>" for m in (
     "tool_calls_begin", "tool_calls_end", "tool_call_begin", "tool_call_end", "tool_sep"))  # fmt: skip
+"""Step-3's markers (calls begin and end; a call's begin and end; the separator)."""
 V32 = tuple(f"<{end}\uff5cDSML\uff5c{m}" for end, m in (
     ("", "function_calls>"), ("/", "function_calls>"), ("", "invoke"), ("/", "invoke>"),
     ("", "parameter"), ("/", "parameter>")))  # fmt: skip
@@ -153,10 +153,13 @@ V32 = tuple(f"<{end}\uff5cDSML\uff5c{m}" for end, m in (
 parameter's start and end)."""
 KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
          "<|tool_call_end|>", "<|tool_call_argument_begin|>")  # fmt: skip
+"""Kimi K2's markers (the section's begin and end; a call's begin and end; its arguments'
+begin)."""
 SOLAR = ("<|tool_call:start|>", "<|tool_call:end|>", "<|tool_arg:start|>", "<|tool_arg:value|>",
           "<|tool_arg:end|>")  # fmt: skip
 """Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
 APERTUS = ("<|tools_prefix|>", "<|tools_suffix|>")
+"""Apertus's markers (before and after its array of calls)."""
 V4 = ("<\uff5cDSML\uff5ctool_calls>", "</\uff5cDSML\uff5ctool_calls>")
 """DeepSeek-V4's calls' markers (its blocks are DeepSeek-V3.2's)."""
 GEMMA = ("<start_function_call>", "<end_function_call>", "<escape>")
@@ -165,6 +168,7 @@ GEMMA4 = ("<|tool_call>", "<tool_call|>", gemma4_args.DELIM)
 """Gemma 4's markers (a call's start and end; a string value's delimiter)."""
 GLM = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                       "</arg_value>")  # fmt: skip
+"""GLM-4.5's markers (a call's start and end; a key's; a value's)."""
 MARKERS: Final[dict[str, tuple[str, ...]]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
     "llama3_json": ("<|python_tag|>",),
