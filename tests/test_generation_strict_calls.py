@@ -16,9 +16,9 @@ from devices import DEVICE
 torch = pytest.importorskip("torch")
 
 from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
-from batchfleet.worker.generation import strict_calls, tools  # noqa: E402
+from batchfleet.worker.generation import strict_calls, tool_formats, tools  # noqa: E402
 from batchfleet.worker.generation.tagged_args import param_types  # noqa: E402
-from batchfleet.worker.generation.tools import _STEP as ST  # noqa: E402
+from batchfleet.worker.generation.tool_formats import STEP as ST  # noqa: E402
 from batchfleet.worker.generation.tools import read_calls  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
@@ -359,7 +359,7 @@ def test_a_pythonic_call_the_model_makes_follows_its_schema(tmp_path: Path) -> N
 
 
 def _section_call(parser: str, name: str, args: str) -> str:
-    ds, kimi = tools._DS, tools._KIMI
+    ds, kimi = tool_formats.DS, tool_formats.KIMI
     if parser == "deepseek_v31":
         return f"{ds[2]}{name}{ds[4]}{args}{ds[3]}"
     if parser == "deepseek_v3":
@@ -388,7 +388,7 @@ def test_gigachat31_calls_are_held_after_its_token(tmp_path: Path) -> None:
     ("deepseek_v31", True), ("deepseek_v3", True), ("kimi_k2", True), ("deepseek_v31", False),
 ])  # fmt: skip
 def test_sections_of_named_calls_are_held_too(parser: str, special: bool, tmp_path: Path) -> None:
-    markers = tools._KIMI if parser == "kimi_k2" else tools._DS
+    markers = tool_formats.KIMI if parser == "kimi_k2" else tool_formats.DS
     path = make_causal_lm(tmp_path / parser, specials=markers if special else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
@@ -417,7 +417,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
         body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in items)
         return f'{ST[2]}function{ST[4]}<steptml:invoke name="{name}">{body}</steptml:invoke>{ST[3]}'
     if parser in ("deepseek_v32", "deepseek_v4"):  # a number's value JSON, another's text
-        v = tools._V32
+        v = tool_formats.V32
         body = "".join(f'{v[4]} name="{k}" string="{str(not x.isdigit()).lower()}">{x}{v[5]}\n'
                        for k, x in items)  # fmt: skip
         return f'{v[2]} name="{name}">\n{body}{v[3]}\n'
@@ -436,7 +436,7 @@ def _typed_call(parser: str, name: str, params: dict[str, str] | list[tuple[str,
     if parser == "minicpm5":
         return f'name="{name}">' + "".join(f'<param name="{k}">{v}</param>' for k, v in items)
     if parser == "solar_open2":
-        s = tools._SOLAR
+        s = tool_formats.SOLAR
         return f"{name}\n" + "".join(f"{s[2]}{k}{s[3]}{v}{s[4]}\n" for k, v in items)
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in items)
     return f"<function={name}>\n{body}</function>"
@@ -451,12 +451,12 @@ def test_tagged_parameters_are_held_by_their_schemas(parser: str, tmp_path: Path
                         "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
                         "glm45": ("<tool_call>", "</tool_call>"),
                         "step3": (ST[0], ST[1]),
-                        "deepseek_v32": tools._V32[:2],
+                        "deepseek_v32": tool_formats.V32[:2],
                         "hy_v3": ("<tool_calls>", "</tool_calls>"),
-                        "solar_open2": tools._SOLAR[:2],
+                        "solar_open2": tool_formats.SOLAR[:2],
                         "dots": ("<dots_function_call>", "</dots_function_call>"),
-                        "deepseek_v4": tools._V4,
-                        "functiongemma": tools._GEMMA[:2],
+                        "deepseek_v4": tool_formats.V4,
+                        "functiongemma": tool_formats.GEMMA[:2],
                         "minicpm5": ("<function", "</function>")}[parser]  # fmt: skip
     path = make_causal_lm(tmp_path / parser, specials=ST if parser == "step3" else ())
     runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from batchfleet.schemas.tools import ToolUse
-from batchfleet.worker.generation import tools
+from batchfleet.worker.generation import tool_formats, tools
 from batchfleet.worker.generation.json_compact import DECODER, Compactor, compact
 from batchfleet.worker.generation.tool_chunks import CallChunks
 from batchfleet.worker.generation.tools import PARSERS, CallReader
@@ -189,7 +189,7 @@ def test_arguments_stream_piece_by_piece_and_the_id_stays() -> None:
     assert pieces[0]["id"] == call["id"] and call["id"].startswith("call_")
 
 
-ST, V, SO = tools._STEP, V32, tools._SOLAR
+ST, V, SO = tool_formats.STEP, V32, tool_formats.SOLAR
 TAGGED = {
     "qwen3_coder": ("<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "Paris"),

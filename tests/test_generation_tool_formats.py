@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 
 from batchfleet.schemas.tools import ToolUse
-from batchfleet.worker.generation import tools
+from batchfleet.worker.generation import tool_formats, tools
 from batchfleet.worker.generation.tools import CallReader, read_calls
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from conftest import TINY_LM_OPTIONS
@@ -28,8 +28,8 @@ from test_generation_tool_chunks import _replay, _stream
 from test_generation_tools import _literal, chat
 
 AUTO = ToolUse("auto")
-S = tools._SOLAR
-V32, V4 = tools._V32, tools._V4
+S = tool_formats.SOLAR
+V32, V4 = tool_formats.V32, tool_formats.V4
 """Solar Open 2's markers (a call's start and end; an argument's start, value and end)."""
 
 
@@ -300,7 +300,7 @@ def test_functiongemma_reads_escaped_values_as_vllm_does() -> None:
     assert CallReader(AUTO, "functiongemma").content_so_far("Sure.<start_func") == "Sure."
 
 
-G4, Q = tools._GEMMA4, tools._GEMMA4[2]
+G4, Q = tool_formats.GEMMA4, tool_formats.GEMMA4[2]
 """Gemma 4's markers (a call's start and end) and its strings' delimiter."""
 
 

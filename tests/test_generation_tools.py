@@ -22,7 +22,7 @@ pytest.importorskip("llguidance")
 from batchfleet.schemas.codec import decode_entry, encode_request  # noqa: E402
 from batchfleet.schemas.messages import Generation, Request  # noqa: E402
 from batchfleet.schemas.tools import Tool, ToolUse  # noqa: E402
-from batchfleet.worker.generation import tools  # noqa: E402
+from batchfleet.worker.generation import tool_blocks, tool_formats, tools  # noqa: E402
 from batchfleet.worker.generation.tagged_args import param_types  # noqa: E402
 from batchfleet.worker.generation.tools import PARSERS, CallReader, read_calls  # noqa: E402
 from batchfleet.worker.runner import PrepareError  # noqa: E402
@@ -272,13 +272,13 @@ def test_read_calls() -> None:
     assert read_calls(ToolUse("auto"), "no calls here", "hermes") is None
 
 
-DS = tools._DS
+DS = tool_formats.DS
 """DeepSeek's markers (calls begin, calls end, call begin, call end, sep)."""
-ST = tools._STEP
+ST = tool_formats.STEP
 """Step-3's markers (the same order)."""
-V32 = tools._V32
+V32 = tool_formats.V32
 """DeepSeek-V3.2's DSML markers (calls begin and end, invoke's and parameter's start and end)."""
-V4 = tools._V4
+V4 = tool_formats.V4
 """DeepSeek-V4's calls' markers (its blocks are V3.2's)."""
 FORMATS = {
     "hermes": ('Let me look.<tool_call>{"name": "a", "arguments": {"q": 1}}</tool_call> and '
@@ -465,8 +465,8 @@ def test_hermes_reads_on_from_its_last_closed_block(monkeypatch: pytest.MonkeyPa
     # each read parses only the blocks closed since the last (a long text of many calls, or
     # of opening tags, would otherwise cost every step more)
     parsed: list[str] = []
-    real = tools._json
-    monkeypatch.setattr(tools, "_json", lambda text: parsed.append(text) or real(text))
+    real = tool_blocks.parse_json
+    monkeypatch.setattr(tool_blocks, "parse_json", lambda text: parsed.append(text) or real(text))
     block = '<tool_call>{"name": "f", "arguments": {"i": %d}}</tool_call> '
     reader = CallReader(ToolUse("auto"), "hermes")
     text = "".join(block % i for i in range(50))

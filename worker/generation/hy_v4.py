@@ -11,9 +11,9 @@ section.
 
 The suffix is known only at load, so the tags are too: :func:`register` gives a
 checkpoint's calls their own parser name (``hy_v4`` and the suffix, e.g.
-``hy_v4:6124c78e``) in the tables the readers look a parser up in (:mod:`.tools`,
-:mod:`.tool_chunks`, :mod:`.tagged_args`), which then read and stream them as any other
-parser's. ``hy_v4`` itself is the unsuffixed tags'. Strict functions under ``auto`` are held as
+``hy_v4:6124c78e``) in the tables the readers look a parser up in (:mod:`.tool_formats`,
+:mod:`.tool_blocks`, :mod:`.tool_chunks`, :mod:`.tagged_args`), which then read and stream
+them as any other parser's. ``hy_v4`` itself is the unsuffixed tags'. Strict functions under ``auto`` are held as
 ``hy_v3``'s are (:mod:`.strict_calls`), in the suffixed tags.
 """
 
@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-from . import strict_calls, tagged_args, tool_chunks, tools
+from . import strict_calls, tagged_args, tool_blocks, tool_chunks, tool_formats
 from .json_compact import Pairs
 from .reasoning import suffix_of
 
@@ -52,7 +52,7 @@ def parser_for(vocab: Iterable[str]) -> str:
 def register(suffix: str) -> str:
     """The parser name of the calls whose tags end in ``suffix``, its tables filled (once)."""
     name = PARSER + suffix
-    if name in tools.MARKERS:
+    if name in tool_formats.MARKERS:
         return name
     k_open, k_close, v_open, v_close = map(re.escape, tags(suffix)[4:])
     pair = re.compile(f"{k_open}(.*?){k_close}{v_open}(.*?){v_close}", re.DOTALL)
@@ -63,10 +63,10 @@ def register(suffix: str) -> str:
 
     tagged_args.TYPED_ARGS[name] = args
     section_open, section_close, call_open, call_close, *_ = tags(suffix)
-    tools.MARKERS[name] = tags(suffix)
-    tools._SECTIONS[name] = (section_open, section_close)
+    tool_formats.MARKERS[name] = tags(suffix)
+    tool_formats.SECTIONS[name] = (section_open, section_close)
     header = re.compile(rf"\s*([^<\s][^<\n]{{0,63}}?)\s*(?={k_open}|$)")
-    tools._BLOCKS[name] = (call_open, call_close, tools._typed_body(header, name))
+    tool_blocks.BLOCKS[name] = (call_open, call_close, tool_blocks.typed_body(header, name))
 
     def sound(block: str) -> bool:
         """Whether a block is written as vLLM's strict reading wants: a name, then only
@@ -79,7 +79,7 @@ def register(suffix: str) -> str:
                 and rest.count(v_tags[0]) == rest.count(v_tags[1])
                 and not pair.sub("", rest).strip())  # fmt: skip
 
-    tools.SECTIONED[name] = sound
+    tool_blocks.SECTIONED[name] = sound
     strict_calls.TYPED[name] = strict_calls.Tagged(
         section_open, section_close, True, call_open + "{}", call_close,
         f"<arg_key{suffix}>{{}}</arg_key{suffix}><arg_value{suffix}>", f"</arg_value{suffix}>",

@@ -44,6 +44,7 @@ from .coerce import coerce_args
 from .json_compact import DECODER, Pairs
 from .reasoning import held
 from .tagged_args import properties
+from .tool_found import decode, skip
 
 MESSAGE_MODEL: Final = "<|message_model|>"
 TEXT: Final = "<|content_text|>"
@@ -162,22 +163,22 @@ def settled(text: str, at: int, known: dict[str, str]) -> Pairs:
     each followed by ``,`` or the closing ``}`` (a number may still grow before them),
     coerced by the function's schema (``known``, its :data:`.tagged_args.Types` entry)."""
     pairs: list[tuple[str, Any]] = []
-    i = _skip(text, at + 1)
+    i = skip(text, at + 1)
     while i < len(text) and text[i] != "}":
-        key = _decode(text, i)
+        key = decode(text, i)
         if key is None or not isinstance(key[0], str):
             break
-        i = _skip(text, key[1])
-        value = _decode(text, _skip(text, i + 1)) if text.startswith(":", i) else None
+        i = skip(text, key[1])
+        value = decode(text, skip(text, i + 1)) if text.startswith(":", i) else None
         if value is None:
             break
-        i = _skip(text, value[1])
+        i = skip(text, value[1])
         if i >= len(text) or text[i] not in ",}":
             break
         pairs.append((key[0], value[0]))
         if text[i] == "}":
             break
-        i = _skip(text, i + 1)
+        i = skip(text, i + 1)
     return coerce_args(Pairs(pairs), properties(known))
 
 
@@ -206,20 +207,6 @@ def call_start(text: str) -> int:
     """Where the first call block may begin (its marker; the text's end: none)."""
     at = text.find(TOOL_JSON)
     return at if at >= 0 else len(text) - _held(text, 0)
-
-
-def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
-
-
-def _decode(text: str, i: int) -> tuple[Any, int] | None:
-    """The JSON value at ``i`` and where it ends (None: none complete there)."""
-    try:
-        return DECODER.raw_decode(text, i)
-    except (ValueError, RecursionError):
-        return None
 
 
 def _call(body: str) -> tuple[str, dict[str, Any]] | None:

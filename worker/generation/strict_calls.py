@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import python_calls, strict_python
-from .tools import _DS, _GEMMA, _GEMMA4, _KIMI, _SOLAR, _STEP, _V4, _V32
+from .tool_formats import DS, GEMMA, GEMMA4, KIMI, SOLAR, STEP, V4, V32
 
 BLOCKS: Final[dict[str, tuple[str, str, str, str]]] = {
     "hermes": ("<tool_call>", "</tool_call>", "one", "arguments"),
@@ -64,14 +64,14 @@ tokenizer has none), ``("text", text)``, ``("regex", pattern)``, or ``("args", "
 (the arguments' JSON)."""
 _ARGS: Final[Part] = ("args", "")
 SECTIONS: Final[dict[str, tuple[str, str, Callable[[str], list[Part]]]]] = {
-    "deepseek_v31": (_DS[0], _DS[1], lambda name: [
-        ("marker", _DS[2]), ("text", name), ("marker", _DS[4]), _ARGS, ("marker", _DS[3])]),
-    "deepseek_v3": (_DS[0], _DS[1], lambda name: [
-        ("marker", _DS[2]), ("text", "function"), ("marker", _DS[4]),
-        ("text", f"{name}\n```json\n"), _ARGS, ("text", "\n```"), ("marker", _DS[3])]),
-    "kimi_k2": (_KIMI[0], _KIMI[1], lambda name: [
-        ("marker", _KIMI[2]), ("text", f"functions.{name}:"), ("regex", "[0-9]{1,6}"),
-        ("marker", _KIMI[4]), _ARGS, ("marker", _KIMI[3])]),
+    "deepseek_v31": (DS[0], DS[1], lambda name: [
+        ("marker", DS[2]), ("text", name), ("marker", DS[4]), _ARGS, ("marker", DS[3])]),
+    "deepseek_v3": (DS[0], DS[1], lambda name: [
+        ("marker", DS[2]), ("text", "function"), ("marker", DS[4]),
+        ("text", f"{name}\n```json\n"), _ARGS, ("text", "\n```"), ("marker", DS[3])]),
+    "kimi_k2": (KIMI[0], KIMI[1], lambda name: [
+        ("marker", KIMI[2]), ("text", f"functions.{name}:"), ("regex", "[0-9]{1,6}"),
+        ("marker", KIMI[4]), _ARGS, ("marker", KIMI[3])]),
 }  # fmt: skip
 """The parsers whose calls are blocks in a section: the section's markers, and how a call
 of a function is written."""
@@ -112,25 +112,25 @@ TYPED: Final[dict[str, Tagged]] = {
                          "</invoke>", '<parameter name="{}">', "</parameter>"),
     "glm45": Tagged("<tool_call>", "</tool_call>", False, "{}\n", "",
                     "<arg_key>{}</arg_key>\n<arg_value>", "</arg_value>", "[^<\\n]{1,128}"),
-    "step3": Tagged(_STEP[0], _STEP[1], True, '<steptml:invoke name="{}">', "</steptml:invoke>",
+    "step3": Tagged(STEP[0], STEP[1], True, '<steptml:invoke name="{}">', "</steptml:invoke>",
                     '<steptml:parameter name="{}">', "</steptml:parameter>",
-                    before=(("marker", _STEP[2]), ("text", "function"), ("marker", _STEP[4])),
-                    after=(("marker", _STEP[3]),)),
-    "deepseek_v32": Tagged(_V32[0], _V32[1], True, _V32[2] + ' name="{}">', _V32[3],
-                           _V32[4] + ' name="{}" string="true">', _V32[5],
-                           json_open=_V32[4] + ' name="{}" string="false">'),
+                    before=(("marker", STEP[2]), ("text", "function"), ("marker", STEP[4])),
+                    after=(("marker", STEP[3]),)),
+    "deepseek_v32": Tagged(V32[0], V32[1], True, V32[2] + ' name="{}">', V32[3],
+                           V32[4] + ' name="{}" string="true">', V32[5],
+                           json_open=V32[4] + ' name="{}" string="false">'),
     "hy_v3": Tagged("<tool_calls>", "</tool_calls>", True, "<tool_call>{}<tool_sep>",
                     "</tool_call>", "<arg_key>{}</arg_key><arg_value>", "</arg_value>",
                     "[^<\\n]{1,128}"),
     "dots": Tagged("<dots_function_call>", "</dots_function_call>", True, '<invoke name="{}">',
                    "</invoke>", '<parameter name="{}">', "</parameter>"),
-    "solar_open2": Tagged(_SOLAR[0], _SOLAR[1], False, "{}\n", "", _SOLAR[2] + "{}" + _SOLAR[3],
-                          _SOLAR[4], "[^<\\n]{1,128}"),
-    "deepseek_v4": Tagged(_V4[0], _V4[1], True, _V32[2] + ' name="{}">', _V32[3],
-                          _V32[4] + ' name="{}" string="true">', _V32[5],
-                          json_open=_V32[4] + ' name="{}" string="false">'),
-    "functiongemma": Tagged(_GEMMA[0], _GEMMA[1], False, "call:{}{{", "}", "{}:" + _GEMMA[2],
-                            _GEMMA[2], "[A-Za-z0-9_]{1,128}", sep=","),
+    "solar_open2": Tagged(SOLAR[0], SOLAR[1], False, "{}\n", "", SOLAR[2] + "{}" + SOLAR[3],
+                          SOLAR[4], "[^<\\n]{1,128}"),
+    "deepseek_v4": Tagged(V4[0], V4[1], True, V32[2] + ' name="{}">', V32[3],
+                          V32[4] + ' name="{}" string="true">', V32[5],
+                          json_open=V32[4] + ' name="{}" string="false">'),
+    "functiongemma": Tagged(GEMMA[0], GEMMA[1], False, "call:{}{{", "}", "{}:" + GEMMA[2],
+                            GEMMA[2], "[A-Za-z0-9_]{1,128}", sep=","),
     "minicpm5": Tagged("<function", "</function>", False, 'name="{}">', "",
                        '<param name="{}">', "</param>"),
 }  # fmt: skip
@@ -328,9 +328,9 @@ def _gemma4(
     string (an enum's strings held) between ``<|"|>`` delimiters, an integer, number,
     boolean or null ``%json`` (bare, as Gemma writes them), another value (an object, an
     array) any of Gemma's values, its schema not held; another function's pairs any."""
-    quote = _part("marker", _GEMMA4[2], token)
-    if quote == json.dumps(_GEMMA4[2]):  # text: a string ends where the quote is written
-        ended = re.escape(_GEMMA4[2]).replace("/", "\\/")
+    quote = _part("marker", GEMMA4[2], token)
+    if quote == json.dumps(GEMMA4[2]):  # text: a string ends where the quote is written
+        ended = re.escape(GEMMA4[2]).replace("/", "\\/")
         strings = [f"g4str: {quote} g4text", f"g4text[lazy]: /(.|\\n)*{ended}/"]
     else:  # a token, which a string's text cannot write
         strings = [f"g4str: {quote} G4TEXT {quote}", r"G4TEXT: /(.|\n)*/"]
@@ -363,7 +363,7 @@ def _gemma4(
             then = [f'"," p_{k}_{j} {ref("r", j + 1)}'] + [f"r_{k}_{j + 1}"] * skip
             rules += [f"s_{k}_{j}: {' | '.join(first)}", f"r_{k}_{j}: {' | '.join(then)}"]
         rules.append(f'fn_{k}: {head} {ref("s", 0)} "}}"')
-    return _around(_GEMMA4[0], _GEMMA4[1], "entry", rules, parallel, token)
+    return _around(GEMMA4[0], GEMMA4[1], "entry", rules, parallel, token)
 
 
 def _gemma4_value(schema: Any, quote: str) -> str:

@@ -5,7 +5,7 @@ as JSON (then as a Python literal), ``null`` is null; a value that is not what i
 says stays as written. ``hy_v3``, ``solar_open2`` and ``dots`` type their values by
 vLLM's rules for each (:func:`_hy_v3`, :func:`_coerced`, :func:`_dots`); ``mimo``'s are
 all strings, as written; ``minicpm5``'s strings as written, others loosely (:func:`_minicpm5`).
-:mod:`.tools` reads the blocks, :mod:`.tool_chunks` streams each parameter once its
+:mod:`.tool_blocks` reads the blocks, :mod:`.tool_chunks` streams each parameter once its
 closing tag is written.
 """
 

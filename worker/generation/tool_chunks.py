@@ -16,7 +16,7 @@ Cohere Command's, ``granite-20b-fc``'s, the arrays and lists after a marker (``a
 (:class:`.python_calls.ArgsScanner`: a call is streamed whole at its ``)``, before the
 list or block that holds it closes and is read). Calls written otherwise
 (``arguments`` before ``name``, or as a JSON string) come whole, once complete. A parser's
-other name (``tools.ALIASES``) streams as the parser.
+other name (``tool_formats.ALIASES``) streams as the parser.
 
 A call's chunks (``{"index", "id", "type", "function": {"name", "arguments"}}`` first,
 then ``{"index", "function": {"arguments"}}``) add up to the call the result holds: the
@@ -37,26 +37,22 @@ from . import blocks, cohere, harmony, minimax_m3, python_calls, xtml
 from .json_compact import Compactor, compact
 from .python_calls import ArgsScanner
 from .tagged_args import TYPED_ARGS, TypedArgs, Types, properties
-from .tools import (
-    _BLOCKS,
-    _DOTS_INVOKE,
-    _DS,
-    _GEMMA_CALL,
-    _GIGACHAT,
-    _HY_NAME,
-    _KIMI,
-    _MINICPM5_NAME,
-    _SECTIONS,
-    _SOLAR_NAME,
-    _STEP3_INVOKE,
-    _V32_INVOKE,
-    ALIASES,
+from .tool_blocks import (
+    BLOCKS,
+    DOTS_INVOKE,
+    GEMMA_CALL,
+    HY_NAME,
     KNOWN_ONLY,
+    MINICPM5_NAME,
     SECTIONED,
-    CallReader,
-    _skip,
-    new_id,
+    SOLAR_NAME,
+    STEP3_INVOKE,
+    V32_INVOKE,
 )
+from .tool_formats import ALIASES, DS, KIMI, SECTIONS
+from .tool_found import skip
+from .tool_scans import GIGACHAT
+from .tools import CallReader, new_id
 
 _STRING: Final = r'"((?:[^"\\\n]|\\.){1,128})"'
 _NAME: Final = r'"name"\s*:\s*' + _STRING
@@ -64,7 +60,7 @@ _CALL: Final = r"\{\s*" + _NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\
 """A JSON call's start, up to its arguments' ``{`` (its name written first)."""
 _KEYED: Final = r"\{\s*" + _STRING + r"\s*:\s*(?=\{)"
 """A keyed call's start (``{NAME: {...}}``, Apertus's), up to its arguments' ``{``."""
-_SEP: Final = re.escape(_DS[4])
+_SEP: Final = re.escape(DS[4])
 _FUNCTION_OPEN: Final = re.compile(r"\s*<function=([^>\n]{1,64})>")
 _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "hermes": re.compile(r"\s*" + _CALL),
@@ -73,23 +69,23 @@ _AFTER_MARKER: Final[dict[str, re.Pattern[str]]] = {
     "minimax_m2": re.compile(r'\s*name="([^"\n]{1,64})"\s*>'),
     "internlm": re.compile(r"\s*" + _CALL),
     "longcat": re.compile(r"\s*" + _CALL),
-    "step3": _STEP3_INVOKE,
-    "deepseek_v32": _V32_INVOKE,
+    "step3": STEP3_INVOKE,
+    "deepseek_v32": V32_INVOKE,
     "glm45": re.compile(r"\s*([^<\s][^<\n]{0,63}?)\s*(?=<arg_key>)"),
     "mimo": _FUNCTION_OPEN,
-    "hy_v3": _HY_NAME,
-    "solar_open2": _SOLAR_NAME,
-    "dots": _DOTS_INVOKE,
-    "deepseek_v4": _V32_INVOKE,
-    "functiongemma": _GEMMA_CALL,
+    "hy_v3": HY_NAME,
+    "solar_open2": SOLAR_NAME,
+    "dots": DOTS_INVOKE,
+    "deepseek_v4": V32_INVOKE,
+    "functiongemma": GEMMA_CALL,
     "gemma4": re.compile(r"call:([\w\-.]+)\{"),
-    "minicpm5": _MINICPM5_NAME,
+    "minicpm5": MINICPM5_NAME,
     "kimi_k3": xtml.HEADER,
     "minimax_m3": minimax_m3.HEADER,
     "deepseek_v3": re.compile(r"\s*\w*\s*" + _SEP + r"\s*([^\n]{1,64}?)\s*\n```(?:json)?\s*(?=\{)"),
     "deepseek_v31": re.compile(r"\s*([^\n<]{1,64}?)\s*" + _SEP + r"\s*(?=\{)"),
     "kimi_k2": re.compile(
-        r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*" + re.escape(_KIMI[4]) + r"\s*(?=\{)"
+        r"\s*((?:functions\.)?([^\s:<]{1,64}):\d{1,6})\s*" + re.escape(KIMI[4]) + r"\s*(?=\{)"
     ),
 }
 """How a block's call begins, after its opening marker (the name in group 1; ``kimi_k2``:
@@ -123,7 +119,7 @@ _XLAM: Final = re.compile(
 )
 """How an ``xlam`` array's first call begins (at the text's start, a fence, a marker)."""
 _NEXT: Final = re.compile(r"\s*,\s*" + _CALL)
-_GIGACHAT_CALL: Final = re.compile(f"(?:{_GIGACHAT.pattern})\\s*" + _CALL)
+_GIGACHAT_CALL: Final = re.compile(f"(?:{GIGACHAT.pattern})\\s*" + _CALL)
 _PYTHON: Final = {"pythonic": python_calls.opening, "olmo3": python_calls.line_opening,
                    "lfm2": python_calls.marked_opening}  # fmt: skip
 """The formats of Python calls, and how a call being written begins."""
@@ -273,8 +269,8 @@ class CallChunks:
             return o.json.text
         args = self._typed(o.opening.name)
         assert args is not None
-        if self.parser in _BLOCKS:  # its block's parameters only (it may be read later)
-            cut = text.find(_BLOCKS[self.parser][1], o.opening.args)
+        if self.parser in BLOCKS:  # its block's parameters only (it may be read later)
+            cut = text.find(BLOCKS[self.parser][1], o.opening.args)
             text = text if cut < 0 else text[:cut]
         got = args(text, o.opening.args, self.types.get(o.opening.name, {}))
         return compact(got)[:-1]  # without the closing brace: more may come
@@ -282,11 +278,11 @@ class CallChunks:
     def _abandoned(self, text: str) -> bool:
         """Whether the open call's block closed without making a call."""
         assert self._open is not None
-        if self.use.kind != "auto" or self.parser not in _BLOCKS:
+        if self.use.kind != "auto" or self.parser not in BLOCKS:
             return False
-        opening, closing, _ = _BLOCKS[self.parser]
+        opening, closing, _ = BLOCKS[self.parser]
         if self.parser in SECTIONED:  # its blocks count once their section closes
-            closing = _SECTIONS[self.parser][1]
+            closing = SECTIONS[self.parser][1]
         return text.find(closing, self._open.opening.at + len(opening)) >= 0
 
 
@@ -310,11 +306,11 @@ def _opening(use: ToolUse, parser: str | None, text: str, start: int) -> _Openin
     if use.kind == "required":
         return _json_call(_IN_ARRAY.match(text, start))
     if parser in _AFTER_MARKER:
-        marker, closing, _ = _BLOCKS[parser]
+        marker, closing, _ = BLOCKS[parser]
         at = text.rfind(marker, start)
         if at < 0 or text.find(closing, at) >= 0:
             return None
-        if parser in SECTIONED and not 0 <= text.find(_SECTIONS[parser][0]) < at:
+        if parser in SECTIONED and not 0 <= text.find(SECTIONS[parser][0]) < at:
             return None  # a block outside its section is no call
         m = _AFTER_MARKER[parser].match(text, at + len(marker))
         if m is None:
@@ -362,7 +358,7 @@ def _harmony_call(text: str, start: int) -> _Opening | None:
         if msg.body is None:
             return None
         if msg.call:
-            at = _skip(text, msg.body)
+            at = skip(text, msg.body)
             return _Opening(msg.at, msg.call, None, at) if text.startswith("{", at) else None
     return None
 
