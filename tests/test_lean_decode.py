@@ -125,7 +125,7 @@ def test_one_forward_of_decodes_and_prefill_chunks_gives_each_its_own_logits_and
     and the keys and values it appends are what transformers' prefill gives."""
     import numpy as np
     from batchfleet.worker.generation.lean_decode import Chunk
-    from batchfleet.worker.generation.padded import _cache
+    from batchfleet.worker.generation.padded_cache import _cache
     from transformers import DynamicCache
 
     model, lean, engine = _running(llama_dir, 3, lean=True)

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.worker.generation import decode_attention, reserve  # noqa: E402
 from batchfleet.worker.generation.engine import SeqState  # noqa: E402
-from batchfleet.worker.generation.padded import PaddedEngine, SlabLayer  # noqa: E402
+from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
+from batchfleet.worker.generation.padded_cache import SlabLayer  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 

@@ -6,7 +6,7 @@ a forward, as vLLM's draft proposer does (greedy drafts: the engine verifies the
 verifies n-gram ones, a draft of probability one, so greedy rows emit exactly their
 tokens without speculation and sampled rows keep the target's distribution).
 
-Its KV cache is a padded batch like the engine's (:class:`.padded.SlotLayer`): buffer row
+Its KV cache is a padded batch like the engine's (:class:`.padded_cache.SlotLayer`): buffer row
 ``i`` holds one running sequence's keys and values from column 0, and the tokens they are
 of are kept beside it. Each proposal first lines a row up with its context: it keeps the
 longest prefix of the tokens it holds that the context starts with (the drafts the target
@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache
 from ..device import is_out_of_memory
 from . import decode_attention
 from .lean_decode import Chunk, LeanDecoder, padding_mask
-from .padded import SlabLayer, SlotLayer, _Step
+from .padded_cache import SlabLayer, SlotLayer, _Step
 from .speculative import DraftConfig, Row
 
 logger = logging.getLogger(__name__)

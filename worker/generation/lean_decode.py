@@ -18,7 +18,7 @@ prefill chunks at once:
   when the decoder is built);
 - q, k and v in one matrix product, and gate and up in another (the weights
   concatenated once, at build), each over all the step's tokens;
-- the decode rows' keys and values written by the engine's :class:`~.padded.SlotLayer`
+- the decode rows' keys and values written by the engine's :class:`~.padded_cache.SlotLayer`
   and attended either by :func:`.decode_attention.attention` (each row over its own
   length: a float32 model on the CPU) or, on any other device or dtype, by transformers'
   ``sdpa`` function over the padded batch under a padding mask (as the engine's
