@@ -21,7 +21,7 @@ from .gen_state import GenReq, GenSpec
 class Beams(Outputs):
     """Beam requests' rounds in the engine."""
 
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # defined by .gen_requests.Requests, built on this
 
         def _start(self, r: GenReq, lane: int) -> None: ...
 
