@@ -502,7 +502,7 @@ def test_out_of_memory_releases_memory_after_the_failed_step_is_gone(
 ) -> None:
     import weakref
 
-    from batchfleet.worker.runners import generation
+    from batchfleet.worker.runners import gen_failures as generation
 
     class Activations:
         pass

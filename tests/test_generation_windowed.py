@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from batchfleet.worker.runners.generation import TextGenerationRunner, _windowed
+from batchfleet.worker.runners.gen_setup import why_windowed as _windowed
+from batchfleet.worker.runners.generation import TextGenerationRunner
 from devices import DEVICE
 from test_generation_runner import Driver, prepare, req
 from tiny_models import make_gpt_oss

@@ -1,0 +1,160 @@
+"""A text-generation request's life on the device thread: admitted (its sequences and
+their output splits made), started in the engine once its constraint is compiled,
+preempted (parked, its tokens kept) and resumed, and ended.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import replace
+
+from ...schemas.errors import ErrorCode
+from ..generation import harmony
+from ..generation.detok import TextStream
+from ..generation.grammar import GrammarError
+from ..generation.reasoning import reasoning_for
+from ..generation.sampling import Sampling
+from ..generation.split import OutputSplit
+from ..generation.tool_chunks import CallChunks
+from ..generation.tools import MARKERS, CallReader
+from ..runner import Failed, Preempted, Prepared, StepEvent
+from .gen_beams import Beams
+from .gen_state import ALL_SPECIAL, COMPILE_WAIT_S, GenReq, GenSeq, GenSpec
+
+
+class Requests(Beams):
+    """Requests admitted, started, parked and ended."""
+
+    def _admit(self, key: str, prep: Prepared, lane: int) -> GenReq | None:
+        """Take an admitted request (new, or resumed); a new one with nothing for the
+        engine to do is returned, to be answered at once."""
+        r = self._reqs.get(key)
+        if r is None:
+            spec: GenSpec = prep.payload
+            n = spec.n
+            use = spec.tools
+            markers = (
+                MARKERS.get(self._calls_parser or "", ()) if use and use.kind == "auto" else ()
+            )
+            if self._harmony and use is not None:  # harmony calls, whatever the choice
+                markers = harmony.TOKENS
+            if self._cohere is not None and use is not None:  # and Command's
+                markers = self._cohere.tokens
+            if self._blocks is not None and use is not None:  # and the blocks'
+                markers = self._blocks.tokens
+            tags = self._reasoning.tags if spec.reasoning and self._reasoning else ()
+            decode = self._marked(markers + tags
+                                  if spec.skip_special else ALL_SPECIAL)  # fmt: skip
+            # nothing to generate (max_new_tokens 0): only a prompt to score runs, greedily
+            # (its token is dropped); the other sequences end now, with no engine work
+            seqs = [GenSeq(f"{key}#{i * n + j}", p, m, TextStream(decode, spec.stop, spec.keep_stop),
+                         spec.sampling_of(j, i) if m else Sampling(),
+                         score=spec.prompt_logprobs if j == 0 else None, split=self._split(spec),
+                         finish=None if m or (j == 0 and spec.prompt_logprobs is not None)
+                         else "length")
+                    for i, (p, m) in enumerate(zip(spec.prompts, spec.max_new_tokens, strict=True))
+                    for j in range(n)]  # fmt: skip
+            r = GenReq(key, spec, seqs, sent=[0] * len(seqs), compiling=spec.compiling)
+            if spec.beam:
+                r.beams = self._beam_rounds(key, spec)
+            if r.done:
+                return r
+            self._reqs[key] = r
+        r.parked = False
+        if r.compiling is not None:  # it starts once its constraint is compiled
+            self._compiling[key] = (r, lane)
+            return None
+        self._start(r, lane)
+        return None
+
+    def _split(self, spec: GenSpec) -> OutputSplit | None:
+        """A new output's split (None: its text is not split)."""
+        use = spec.tools
+        if not spec.reasoning and use is None:
+            return None
+        reasoning = self._reasoning if spec.reasoning else None
+        if reasoning is None and self._blocks is not None and use is not None and spec.stream:
+            # vLLM's block tool parsers stream the reasoning blocks too (not in a whole
+            # result): a stream's deltas, and so its result, carry them
+            reasoning = reasoning_for(self._blocks.name)
+        split = OutputSplit(reasoning, spec.thinking, self._harmony, cohere=self._cohere,
+                            blocks=self._blocks)  # fmt: skip
+        if use is not None:
+            split.channels = self._calls_parser == "kimi_k3"  # unwrapped where no split is
+            if self._cohere is not None or self._blocks is not None:  # whatever the choice
+                use = replace(use, kind="auto", name=None)
+            split.calls = CallReader(use, self._calls_parser, spec.tool_types)
+            if spec.stream:
+                split.chunks = CallChunks(split.calls, use, self._calls_parser, spec.tool_types)
+        return split
+
+    def _start(self, r: GenReq, lane: int) -> None:
+        """Put a request's unfinished sequences in the engine."""
+        if r.beams is not None:
+            r.beams.lane = lane
+            for name in r.beams.start(self.engine):
+                self._beam_seqs[name] = r
+            return
+        for seq in r.seqs:
+            if seq.finish is not None:
+                continue
+            done = len(seq.text.tokens)
+            seq.base = done
+            # a prompt scored already (its prefill ended: it generated) is not scored again
+            self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
+                            seq.sampling, priority=lane, score=seq.score if not done else None,
+                            salt=r.spec.cache_salt, lora=r.spec.lora)  # fmt: skip
+            self._by_seq[seq.name] = (r, seq)
+
+    def _compiled(self, events: list[StepEvent]) -> None:
+        """Start the requests whose constraints are now compiled (with nothing else to
+        run, wait a while for one); a constraint llguidance refused fails its request."""
+        pending = [r.compiling for r, _ in self._compiling.values()
+                   if r.compiling is not None and not r.parked]  # fmt: skip
+        if pending and not self._by_seq:  # the device has nothing else to do
+            wait(pending, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+        for key, (r, lane) in list(self._compiling.items()):
+            fut = r.compiling
+            if self._reqs.get(key) is not r or r.parked or fut is None:
+                del self._compiling[key]  # ended, or preempted (admitted again later)
+            elif fut.done():
+                del self._compiling[key]
+                try:
+                    constraint = fut.result()
+                except Exception as exc:  # GrammarError: the request's own fault
+                    code = ErrorCode.INVALID_REQUEST if isinstance(exc, GrammarError) else (
+                        ErrorCode.INFERENCE_FAILED)  # fmt: skip
+                    events.append(Failed(key, str(exc), code))
+                    self._reqs.pop(key, None)
+                    for seq in r.seqs:
+                        self.engine.forget(seq.name)
+                    continue
+                r.compiling = None
+                for seq in r.seqs:
+                    seq.sampling = replace(seq.sampling, constraint=constraint)
+                self._start(r, lane)
+
+    def _park(self, r: GenReq) -> Preempted:
+        """Free a request's sequences and keep its tokens; it resumes when admitted again."""
+        if r.beams is not None:
+            self._beam_cancel(r)
+            r.parked = True
+            contexts, left = r.beams.contexts()
+            return Preempted(r.key, contexts, left)
+        live = [s for s in r.seqs if s.finish is None]
+        self._cancel(live)
+        r.parked = True
+        prompts = tuple(len(s.prompt) + len(s.text.tokens) for s in live)
+        left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
+        return Preempted(r.key, prompts, left)
+
+    def _end(self, r: GenReq, reason: str) -> None:
+        if r.beams is not None:  # the best beams so far, ended for ``reason``
+            self._beam_cancel(r)
+            r.beams.stop(reason)
+            self._beam_results(r)
+            return
+        live = [s for s in r.seqs if s.finish is None]
+        self._cancel(live)
+        for s in live:
+            s.finish = reason
