@@ -16,6 +16,7 @@ import pytest
 import tornado.web
 import trustme
 from batchfleet.producer.gateway.cors import Cors
+from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.producer.gateway.serving import Rooted, Tls, listen
 from gateway_fakes import GATEWAY_KEY, gateway_in_process
 from tornado.httputil import HTTPHeaders, HTTPServerRequest, RequestStartLine
@@ -276,7 +277,8 @@ def test_gateway_flags_and_their_environment(monkeypatch: pytest.MonkeyPatch) ->
     def options(*argv: str) -> dict[str, Any]:
         return serving_options(cli.build_parser().parse_args(["gateway", *argv]))
 
-    assert options() == {"tls": None, "cors": None, "root_path": "", "uds": None}
+    assert options() == {"tls": None, "cors": None, "root_path": "", "uds": None,
+                         "frontend": Frontend()}  # fmt: skip
     got = options("--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2", "--allowed-origins",
                   '["https://a"]', "--allow-credentials", "--root-path", "/llm/")  # fmt: skip
     assert got["tls"] == Tls("c.pem", cert_reqs=2)
