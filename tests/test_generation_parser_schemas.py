@@ -347,13 +347,16 @@ def test_inkling_values_are_coerced_to_their_schema() -> None:
     assert _args(read_calls(AUTO, other, "inkling", INK_TYPES))[0][1]["n"] == "5"
 
 
-# muse_glimmer (and inkling): the tool parser alone streams the reasoning blocks
+# muse_glimmer (and inkling): the tool parser alone streams the reasoning blocks (one
+# after the other), a whole result has none; the content and calls are the same
 
 MUSE_TEXT = (" to=self<|message|>Let me think.<|eom|><|start|>assistant to=f<|message|>"
              '<atem:invoke name="f"><atem:parameter name="n">1</atem:parameter></atem:invoke>'
-             "<|eom|><|start|>assistant to=user<|message|>Done.<|eot|>")  # fmt: skip
+             "<|eom|><|start|>assistant to=self<|message|>Still.<|eom|>"
+             "<|start|>assistant to=user<|message|>Done.<|eot|>")  # fmt: skip
 INK_TEXT = (f"{inkling.THINKING}Let me think.{inkling.END}{inkling.MESSAGE_MODEL}"
             f'{inkling.TOOL_JSON}{{"name": "f", "args": {{"n": 1}}}}{inkling.END}'
+            f"{inkling.MESSAGE_MODEL}{inkling.THINKING}Still. {inkling.END}"
             f"{inkling.MESSAGE_MODEL}{inkling.TEXT}Done.{inkling.END}")  # fmt: skip
 
 
@@ -370,11 +373,18 @@ def test_a_block_tool_parser_alone_streams_the_reasoning(blocky: Path, parser: s
     runner = TextGenerationRunner(blocky, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     chunks, out = generate(runner, f"{parser}s", [*_tokens(text), "<|end|>"], stream=True)
-    # streamed, as vLLM's stream it: reasoning pieces, which the result holds too
-    assert (out["reasoning_content"], out["content"]) == ("Let me think.", "Done.")
+    # streamed, as vLLM's stream it: reasoning pieces, which the result holds too (the
+    # blocks one after the other: muse_glimmer's reasoning parser would join them by "\n")
+    assert (out["reasoning_content"], out["content"]) == ("Let me think.Still.", "Done.")
     for key in ("reasoning_content", "content"):
         assert "".join(c[key] for c in chunks) == out[key]
     assert [json.loads(c["function"]["arguments"]) for c in out["tool_calls"]] == [{"n": 1}]
-    # whole, as vLLM's read it: no reasoning
-    _, out = generate(runner, f"{parser}w", [*_tokens(text), "<|end|>"])
-    assert out["content"] == "Done." and "reasoning_content" not in out
+    # whole, as vLLM's read it: no reasoning, the same content and calls
+    _, whole = generate(runner, f"{parser}w", [*_tokens(text), "<|end|>"])
+    assert "reasoning_content" not in whole and whole["content"] == "Done."
+    assert _args(whole["tool_calls"]) == _args(out["tool_calls"])
+    # with its reasoning parser too, a whole result holds the reasoning
+    both = _split(parser, {}, reasoning=True).result(text)
+    assert both["reasoning_content"] == {"muse_glimmer": "Let me think.\nStill."}.get(
+        parser, "Let me think.Still.")  # fmt: skip
+    assert (both["content"], _args(both["tool_calls"])) == ("Done.", _args(out["tool_calls"]))
