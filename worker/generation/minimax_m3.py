@@ -33,8 +33,8 @@ _OPEN: Final = re.compile(r"\s*" + re.escape(NS) + r"<([^/>\s][^>\s]{0,127})>")
 def args(text: str, at: int, known: dict[str, str],
          schemas: dict[str, Any] | None = None) -> Pairs:  # fmt: skip
     """The parameters written whole in ``text`` from ``at`` (up to the first not closed
-    yet), each read by its JSON Schema in ``schemas`` (none: its ``known`` type's, else
-    none: a text as written, tags untyped)."""
+    yet), each read by its JSON Schema in ``schemas``, else by its ``known`` type (neither:
+    a text as written, tags untyped)."""
     out: list[tuple[str, Any]] = []
     while (m := _OPEN.match(text, at)) is not None:
         key = m.group(1)
