@@ -105,6 +105,33 @@ def test_minimax_m3_types_nested_values_by_their_schemas() -> None:
     assert got["content"] == "Sure." and _args(got["tool_calls"]) == _args(calls)
 
 
+M3_CHECKED = _types("f", {"properties": {
+    "n": {"type": ["integer", "string"], "minimum": 10},  # 5 is too small: the string
+    "m": {"type": ["integer", "string"], "minimum": 10},  # 50 is allowed: the integer
+    "code": {"anyOf": [{"type": "integer", "maximum": 3}, {"type": "string", "pattern": "^[0-9]+$"}]},
+    "on": {"type": "boolean"}, "ratio": {"type": "number"},
+    "word": {"type": "string"}, "raw": {"type": "string"},
+    "bad": {"type": ["integer", "string"], "minimum": "ten"},  # an invalid schema
+    "rows": {"type": "array", "items": {"type": ["integer", "string"], "maximum": 9}},
+}})  # fmt: skip
+
+
+def test_minimax_m3_reads_each_value_as_its_whole_schema_allows() -> None:
+    # vLLM's M3 grammar converts a value by each of its schema's kinds and keeps the most
+    # confident reading, one jsonschema validates beating the others (not only its kind)
+    params = (_tag("n", "5") + _tag("m", "50") + _tag("code", "7") + _tag("on", "on")
+              + _tag("ratio", "3.0") + _tag("word", "null") + _tag("raw", "\nline\n")
+              + _tag("bad", "5") + _tag("rows", _tag("item", "4") + _tag("item", "12")))  # fmt: skip
+    text = f'{NS}<tool_call>\n{NS}<invoke name="f">{params}{NS}</invoke>\n{NS}</tool_call>'
+    calls = _streams_as_read("minimax_m3", text, M3_CHECKED)
+    assert _args(calls) == [("f", {
+        "n": "5", "m": 50, "code": "7", "on": True, "ratio": 3, "word": "null",
+        "raw": "\nline\n", "bad": 5, "rows": [4, "12"],
+    })]  # fmt: skip
+    got = _whole_and_streamed("minimax_m3", text, M3_CHECKED)
+    assert _args(got["tool_calls"]) == _args(calls)
+
+
 # minicpm5: a parameter the function's schema lacks is left out
 
 CPM_TYPES = _types("f", {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -142,6 +169,80 @@ def test_a_minicpm5_call_its_schema_refuses_is_none(params: str) -> None:
     assert read_calls(AUTO, text, "minicpm5", CPM_TYPES) is None
     got = _whole_and_streamed("minicpm5", text, CPM_TYPES)
     assert "tool_calls" not in got and got["content"] == text
+
+
+# minicpm5: the names it writes for tau2-bench's telecom functions, renamed as vLLM's
+
+TELECOM = {
+    **_types("get_customer_by_phone", {"properties": {"phone_number": {"type": "string"}},
+                                       "required": ["phone_number"]}),
+    **_types("get_customer_by_name", {"properties": {
+        "full_name": {"type": "string"}, "date_of_birth": {"type": "string"}},
+        "required": ["full_name", "date_of_birth"]}),
+    **_types("get_details_by_id", {"properties": {"id": {"type": "string"}}, "required": ["id"]}),
+    **_types("toggle_roaming", {"properties": {
+        "line_id": {"type": "string"}, "enabled": {"type": "boolean"}}}),
+    **_types("refuel_data", {"properties": {
+        "customer_id": {"type": "string"}, "line_id": {"type": "string"},
+        "amount_gb": {"type": "number"}}}),
+}  # fmt: skip
+
+
+def _cpm_call(function: str, /, **params: str) -> str:
+    return f'<function name="{function}">' + "".join(
+        f'<param name="{k}">{v}</param>' for k, v in params.items()) + "</function>"  # fmt: skip
+
+
+def test_minicpm5_renames_the_telecom_calls_it_writes_by_other_names() -> None:
+    text = ("Let me check.\n" + _cpm_call("get_details_by_phone", phone="+1 555 0100")
+            + _cpm_call("enable_roaming", line_id="L1") + _cpm_call("disable_roaming", id="L2")
+            + _cpm_call("get_line_status", line_id="L3", extra="x")
+            + _cpm_call("get_plan_details", plan_id="", id="P9")  # an empty one: the next name
+            + _cpm_call("add_data_to_line", customer_id="C1", id="L4", gb="2")
+            + _cpm_call("get_details_by_name", name="Ann Lee", dob="1990-01-02"))  # fmt: skip
+    calls = _streams_as_read("minicpm5", text, TELECOM)
+    assert _args(calls) == [
+        ("get_customer_by_phone", {"phone_number": "+1 555 0100"}),
+        ("toggle_roaming", {"line_id": "L1", "enabled": True}),
+        ("toggle_roaming", {"line_id": "L2", "enabled": False}),
+        ("get_details_by_id", {"id": "L3"}),
+        ("get_details_by_id", {"id": "P9"}),
+        ("refuel_data", {"customer_id": "C1", "line_id": "L4", "amount_gb": 2}),  # read untyped
+        ("get_customer_by_name", {"full_name": "Ann Lee", "date_of_birth": "1990-01-02",
+                                  "dob": "1990-01-02"}),
+    ]  # fmt: skip
+    got = _whole_and_streamed("minicpm5", text, TELECOM)
+    assert got["content"] == "Let me check." and _args(got["tool_calls"]) == _args(calls)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [_cpm_call("get_details_by_phone", number="1"),  # no phone: not renamed
+     _cpm_call("get_details_by_name", name="Ann"),  # renamed, but no date_of_birth (required)
+     '<function name="get_line_details"><param name="line_id">L1</param><param>1</param></function>',
+     '<function name="get_line_details"><param name="id">L1</param><param name="id">L2</param></function>',
+     _cpm_call("lookup_line", line_id="L1")],  # no such name
+)  # fmt: skip
+def test_a_minicpm5_call_it_cannot_rename_is_none(text: str) -> None:
+    # (a parameter without its name, or written twice, is a fault before any renaming)
+    assert read_calls(AUTO, text, "minicpm5", TELECOM) is None
+    got = _whole_and_streamed("minicpm5", text, TELECOM)
+    assert "tool_calls" not in got and got["content"] == text
+
+
+def test_minicpm5_keeps_a_name_the_request_has() -> None:
+    # the request has get_details_by_phone itself: its call, as written
+    types = {
+        **TELECOM,
+        **_types("get_details_by_phone", {"properties": {"phone": {"type": "string"}}}),
+    }
+    text = _cpm_call("get_details_by_phone", phone="555")
+    assert _args(read_calls(AUTO, text, "minicpm5", types)) == [
+        ("get_details_by_phone", {"phone": "555"})
+    ]
+    # and without the function a name stands for, it is none
+    rest = {k: v for k, v in TELECOM.items() if k != "get_customer_by_phone"}
+    assert read_calls(AUTO, text, "minicpm5", rest) is None
 
 
 # hy_v4: calls only in the first <tool_calls> section, once closed, all or none
@@ -246,13 +347,16 @@ def test_inkling_values_are_coerced_to_their_schema() -> None:
     assert _args(read_calls(AUTO, other, "inkling", INK_TYPES))[0][1]["n"] == "5"
 
 
-# muse_glimmer (and inkling): the tool parser alone streams the reasoning blocks
+# muse_glimmer (and inkling): the tool parser alone streams the reasoning blocks (one
+# after the other), a whole result has none; the content and calls are the same
 
 MUSE_TEXT = (" to=self<|message|>Let me think.<|eom|><|start|>assistant to=f<|message|>"
              '<atem:invoke name="f"><atem:parameter name="n">1</atem:parameter></atem:invoke>'
-             "<|eom|><|start|>assistant to=user<|message|>Done.<|eot|>")  # fmt: skip
+             "<|eom|><|start|>assistant to=self<|message|>Still.<|eom|>"
+             "<|start|>assistant to=user<|message|>Done.<|eot|>")  # fmt: skip
 INK_TEXT = (f"{inkling.THINKING}Let me think.{inkling.END}{inkling.MESSAGE_MODEL}"
             f'{inkling.TOOL_JSON}{{"name": "f", "args": {{"n": 1}}}}{inkling.END}'
+            f"{inkling.MESSAGE_MODEL}{inkling.THINKING}Still. {inkling.END}"
             f"{inkling.MESSAGE_MODEL}{inkling.TEXT}Done.{inkling.END}")  # fmt: skip
 
 
@@ -269,11 +373,18 @@ def test_a_block_tool_parser_alone_streams_the_reasoning(blocky: Path, parser: s
     runner = TextGenerationRunner(blocky, device=DEVICE, dtype="float32",
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     chunks, out = generate(runner, f"{parser}s", [*_tokens(text), "<|end|>"], stream=True)
-    # streamed, as vLLM's stream it: reasoning pieces, which the result holds too
-    assert (out["reasoning_content"], out["content"]) == ("Let me think.", "Done.")
+    # streamed, as vLLM's stream it: reasoning pieces, which the result holds too (the
+    # blocks one after the other: muse_glimmer's reasoning parser would join them by "\n")
+    assert (out["reasoning_content"], out["content"]) == ("Let me think.Still.", "Done.")
     for key in ("reasoning_content", "content"):
         assert "".join(c[key] for c in chunks) == out[key]
     assert [json.loads(c["function"]["arguments"]) for c in out["tool_calls"]] == [{"n": 1}]
-    # whole, as vLLM's read it: no reasoning
-    _, out = generate(runner, f"{parser}w", [*_tokens(text), "<|end|>"])
-    assert out["content"] == "Done." and "reasoning_content" not in out
+    # whole, as vLLM's read it: no reasoning, the same content and calls
+    _, whole = generate(runner, f"{parser}w", [*_tokens(text), "<|end|>"])
+    assert "reasoning_content" not in whole and whole["content"] == "Done."
+    assert _args(whole["tool_calls"]) == _args(out["tool_calls"])
+    # with its reasoning parser too, a whole result holds the reasoning
+    both = _split(parser, {}, reasoning=True).result(text)
+    assert both["reasoning_content"] == {"muse_glimmer": "Let me think.\nStill."}.get(
+        parser, "Let me think.Still.")  # fmt: skip
+    assert (both["content"], _args(both["tool_calls"])) == ("Done.", _args(out["tool_calls"]))

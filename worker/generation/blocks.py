@@ -48,6 +48,9 @@ class Format:
     typed_args: TypedArgs | None = None
     """How the call being written reads where its function's schema types its values
     (streamed as settled; None: its arguments as written)."""
+    alone: Callable[[str, bool | None, bool], str | None] | None = None
+    """The reasoning its tool parser alone streams, where not :attr:`reasoning` (vLLM's
+    ``muse_glimmer``: the bodies one after the other)."""
 
 
 FORMATS: Final = {
@@ -62,6 +65,7 @@ FORMATS: Final = {
         lambda text, thinking, final: muse_glimmer.content(text, final),
         muse_glimmer.calls, lambda text, start: None, muse_glimmer.call_start,
         lambda prompt_end: None,
+        alone=lambda text, thinking, final: muse_glimmer.reasoning(text, final, ""),
     ),
 }  # fmt: skip
 """The formats, by their parsers' names (vLLM's, for both its reasoning and tool
@@ -70,15 +74,17 @@ parsers)."""
 
 class BlocksReasoning(Reasoning):
     """A block format's split: the reasoning is its reasoning blocks', wherever they are
-    (:attr:`interleaved`); the answer is the whole text, read by the format."""
+    (:attr:`interleaved`); the answer is the whole text, read by the format. ``alone``:
+    the reasoning its tool parser alone streams (:attr:`Format.alone`)."""
 
-    __slots__ = ("format",)
+    __slots__ = ("_reasoning", "format")
 
     interleaved: ClassVar[bool] = True
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, alone: bool = False) -> None:
         super().__init__(parser)  # no tags
         self.format = FORMATS[parser]
+        self._reasoning = (alone and self.format.alone) or self.format.reasoning
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -95,7 +101,7 @@ class BlocksReasoning(Reasoning):
         return 0
 
     def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
-        return self.format.reasoning(text, thinking, True), text
+        return self._reasoning(text, thinking, True), text
 
     def so_far(self, text: str, thinking: bool | None) -> str:
-        return self.format.reasoning(text, thinking, False) or ""
+        return self._reasoning(text, thinking, False) or ""

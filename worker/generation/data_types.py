@@ -10,18 +10,23 @@ A schema's candidates are its ``type`` (a name or a list; ``str``, ``int``, ``li
 choices', and ``string`` where it tells none. A text is converted by each candidate
 (``null`` for ``none``; an integer; a number, an integer where it is one; a boolean,
 ``yes``/``on``/``1`` and ``no``/``off``/``0`` too; JSON for the others), the most
-confident reading winning, a reading the schema allows above any other; an empty text is
-``{}``, ``[]``, null or ``""`` as the candidates allow. (vLLM validates with
-``jsonschema``; here a reading is allowed where its kind is one the schema's ``type``,
-``enum``, ``const`` and choices allow.)
+confident reading winning, a reading the schema allows above any other (validated
+against the whole schema with ``jsonschema``, as vLLM's: ``minimum``, ``pattern``,
+``required``... count too; a schema that is itself invalid allows none above another); an
+empty text is ``{}``, ``[]``, null or ``""`` as the candidates allow.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Final
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
 
 _NAMES: Final = {
     "none": "null", "nil": "null", "null": "null", "str": "string", "string": "string",
@@ -129,7 +134,7 @@ class DataType:
         return max(readings, key=lambda r: r[0])[1]  # the first of the most confident
 
     def _allows(self, value: Any) -> bool:
-        return self.schema is not None and bool(self.schema) and _allows(self.schema, value)
+        return bool(self.schema) and allows(self.schema, value)
 
 
 def _property(schema: dict[str, Any], key: str) -> Any:
@@ -188,23 +193,24 @@ def _reading(kind: str, text: str) -> tuple[int, Any] | None:
         return None
 
 
-def _allows(schema: Any, value: Any) -> bool:
-    """Whether ``schema``'s ``type``, ``enum``, ``const`` and choices allow ``value``."""
-    if not isinstance(schema, dict):
-        return True
-    kind = kind_of(value)
-    if "const" in schema and schema["const"] != value:
+def allows(schema: Any, value: Any) -> bool:
+    """Whether ``value`` is valid against ``schema`` (``jsonschema.validate``'s draft: the
+    schema's ``$schema``, else 2020-12; formats not asserted). False where the schema is
+    invalid or cannot be checked (an unresolvable ``$ref``), as vLLM's reading counts it."""
+    try:
+        validator = _validator(json.dumps(schema, sort_keys=True))
+        return validator is not None and validator.is_valid(value)
+    except Exception:  # vLLM's reading: whatever fails is not valid
         return False
-    if isinstance(schema.get("enum"), list) and value not in schema["enum"]:
-        return False
-    t = schema.get("type")
-    names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
-    if names is not None:
-        ok = {"number", "integer"} if kind == "integer" else {kind}
-        if not ok & {n for n in names if isinstance(n, str)}:
-            return False
-    if isinstance(schema.get("allOf"), list) and not all(_allows(c, value)
-                                                         for c in schema["allOf"]):  # fmt: skip
-        return False
-    return all(any(_allows(c, value) for c in schema[f]) for f in ("anyOf", "oneOf")
-               if isinstance(schema.get(f), list) and schema[f])  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _validator(schema: str) -> Validator | None:
+    """A validator of a schema (its JSON text, a cache key); None: the schema is invalid."""
+    loaded = json.loads(schema)
+    cls = validator_for(loaded)
+    try:
+        cls.check_schema(loaded)
+    except SchemaError:
+        return None
+    return cls(loaded)

@@ -3,26 +3,22 @@
 
 One ``NS<tool_call>`` ... ``NS</tool_call>`` section holds the calls, each
 ``NS<invoke name="NAME">`` + its parameters + ``NS</invoke>``; a parameter is a tag named
-after it, ``NS<KEY>VALUE NS</KEY>``. A value that is text is typed by the function's
-schema (as ``qwen3_coder``'s, :mod:`.tagged_args`); one that is tags is an object of them
-(a tag written twice: a list of its values; text beside tags: a ``$text`` member), or,
-where the schema allows an array and the first tag is ``<item>``, a list of the items;
-each nested value typed by its own schema (a property's, an item's), as vLLM's
-(:mod:`.data_types`).
+after it, ``NS<KEY>VALUE NS</KEY>``. A value that is text is read by its parameter's
+schema (:mod:`.data_types`: the reading the whole schema allows, by ``jsonschema``; no
+schema: the text as written); one that is tags is an object of them (a tag written
+twice: a list of its values; text beside tags: a ``$text`` member), or, where the schema
+allows an array and the first tag is ``<item>``, a list of the items; each nested value
+read by its own schema (a property's, an item's), as vLLM's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from .data_types import DataType
 from .json_compact import Pairs
-
-Typed = Callable[[str, "str | None"], Any]
-"""How a text value is typed by its schema's kind (:mod:`.tagged_args`'s)."""
 
 NS: Final = "]<]minimax[>["
 """The namespace token that leads each of the format's tags."""
@@ -34,11 +30,11 @@ HEADER: Final = re.compile(r'"([^"\n]{1,64})">')
 _OPEN: Final = re.compile(r"\s*" + re.escape(NS) + r"<([^/>\s][^>\s]{0,127})>")
 
 
-def args(text: str, at: int, known: dict[str, str], typed: Typed,
+def args(text: str, at: int, known: dict[str, str],
          schemas: dict[str, Any] | None = None) -> Pairs:  # fmt: skip
     """The parameters written whole in ``text`` from ``at`` (up to the first not closed
-    yet), their text typed by ``known`` with ``typed``, their tags by ``schemas`` (each
-    parameter's JSON Schema; none: its ``known`` type's, else untyped)."""
+    yet), each read by its JSON Schema in ``schemas``, else by its ``known`` type (neither:
+    a text as written, tags untyped)."""
     out: list[tuple[str, Any]] = []
     while (m := _OPEN.match(text, at)) is not None:
         key = m.group(1)
@@ -46,11 +42,9 @@ def args(text: str, at: int, known: dict[str, str], typed: Typed,
         if end < 0:
             break
         body = text[m.end() : end]
-        if body.startswith(NS + "<"):
-            schema = (schemas or {}).get(key) or ({"type": known[key]} if key in known else None)
-            out.append((key, _tags(body, DataType.of(schema))))
-        else:
-            out.append((key, typed(body, known.get(key))))
+        schema = (schemas or {}).get(key) or ({"type": known[key]} if key in known else None)
+        kind = DataType.of(schema)
+        out.append((key, _tags(body, kind) if body.startswith(NS + "<") else kind.convert(body)))
         at = end + len(NS) + len(key) + 3
     return Pairs(out)
 

@@ -322,16 +322,20 @@ def minicpm5_sound(text: str, at: int, known: dict[str, str]) -> bool:
     without its name, none of them at fault (:func:`_minicpm5_read`), the schema's
     ``required`` all given."""
     got, sound = _minicpm5_read(text, at, known)
-    required = known.schema.get("required") if isinstance(known, Kinds) else None
     given = {k for k, _ in got}
-    needed = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
-    return sound and _MINICPM5_NAMELESS.search(text, at) is None and needed <= given
+    return sound and _MINICPM5_NAMELESS.search(text, at) is None and required(known) <= given
+
+
+def required(known: dict[str, str]) -> set[str]:
+    """The parameters a function's schema requires (its :data:`Types` entry's)."""
+    names = known.schema.get("required") if isinstance(known, Kinds) else None
+    return {r for r in names if isinstance(r, str)} if isinstance(names, list) else set()
 
 
 def minimax_m3_args(text: str, at: int, known: dict[str, str]) -> Pairs:
-    """The parameters written whole in ``text`` from ``at`` (:mod:`.minimax_m3`), their
-    text typed by ``known`` as ``qwen3_coder``'s, their tags by its schema."""
-    return minimax_m3.args(text, at, known, _typed, properties(known))
+    """The parameters written whole in ``text`` from ``at`` (:mod:`.minimax_m3`), each
+    read by its schema as vLLM's M3 grammar reads it."""
+    return minimax_m3.args(text, at, known, properties(known))
 
 
 _GEMMA_ARG = re.compile(r"(\w+):<escape>(.*?)<escape>", re.DOTALL)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from . import gemma4_args, minimax_m3, xtml
-from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound
+from .minicpm5_aliases import rename
+from .tagged_args import TYPED_ARGS, Types, minicpm5_args, minicpm5_sound, required
 from .tool_formats import DS, GEMMA, GEMMA4, KIMI, SECTIONS, SOLAR, STEP, V32
 from .tool_found import Found, Resume, Scan, decode, entry, parse_json, skip
 
@@ -188,16 +189,27 @@ MINICPM5_NAME = re.compile(r"""\s*name=['"]([^'"\n]{1,64})['"][^>]*>""")
 
 
 def _minicpm5_body(text: str, types: Types) -> tuple[str, dict[str, Any], None] | None:
+    """A MiniCPM5 block's call, sound as vLLM's reads it, of one of the request's
+    functions, or of a name it renames to one (:mod:`.minicpm5_aliases`: its parameters
+    read untyped, the renamed call's ``required`` given)."""
     m = MINICPM5_NAME.match(text)
     name = "" if m is None else m.group(1).strip()
-    if m is None or name not in types or not minicpm5_sound(text, m.end(), types[name]):
+    known = types.get(name, {})
+    if m is None or not name or not minicpm5_sound(text, m.end(), known):
         return None
-    return name, minicpm5_args(text, m.end(), types[name]), None
+    args = minicpm5_args(text, m.end(), known)
+    if name in types:
+        return name, args, None
+    name, renamed = rename(name, args, types)
+    if name not in types or not required(types[name]) <= renamed.keys():
+        return None
+    return name, renamed, None
 
 
 KNOWN_ONLY: Final = frozenset({"dots", "minicpm5"})
 """The parsers for which a call of a function the request does not have is none (vLLM's
-``dots`` and ``minicpm5``)."""
+``dots`` and ``minicpm5``, but for the names ``minicpm5`` renames to one it has: those
+calls come whole once their block closes)."""
 BLOCKS: Final[dict[str, tuple[str, str, Body]]] = {
     "hermes": ("<tool_call>", "</tool_call>", _hermes_body),
     "qwen3_coder": ("<tool_call>", "</tool_call>", typed_body(_FUNCTION, "qwen3_coder")),

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from ...schemas.errors import ErrorCode
 from ..generation import harmony
+from ..generation.blocks import BlocksReasoning
 from ..generation.detok import TextStream
 from ..generation.grammar import GrammarError
-from ..generation.reasoning import reasoning_for
 from ..generation.sampling import Sampling
 from ..generation.split import OutputSplit
 from ..generation.tool_chunks import CallChunks
@@ -75,8 +75,8 @@ class Requests(Beams):
         reasoning = self._reasoning if spec.reasoning else None
         if reasoning is None and self._blocks is not None and use is not None and spec.stream:
             # vLLM's block tool parsers stream the reasoning blocks too (not in a whole
-            # result): a stream's deltas, and so its result, carry them
-            reasoning = reasoning_for(self._blocks.name)
+            # result): a stream's deltas, and so its result, carry them as they stream them
+            reasoning = BlocksReasoning(self._blocks.name, alone=True)
         split = OutputSplit(reasoning, spec.thinking, self._harmony, cohere=self._cohere,
                             blocks=self._blocks)  # fmt: skip
         if use is not None:
