@@ -132,6 +132,18 @@ def test_list_content_in_each_format(tiny_lm: Path) -> None:
     assert "'text': 'a'" in rendered(forced, messages=chat)
 
 
+def test_a_named_template_s_format_is_read_off_its_text(tiny_lm: Path) -> None:
+    # Given a tokenizer with named templates, one of which takes parts
+    runner = load(tiny_lm, trust_request_chat_template=True)
+    runner.tokenizer.chat_template = {"default": AS_IS, "parts": PARTS}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]}]  # fmt: skip
+    # When a request names it, Then it renders with parts (read off its text, not its name)
+    assert rendered(runner, messages=chat, chat_template="parts") == "<a><b>"
+    assert rendered(runner, messages=chat) == "a\nb;"  # the default: joined
+    assert rendered(runner, messages=chat, chat_template=PARTS) == "<a><b>"  # a template
+
+
 DETECTED = [
     (AS_IS, "string"),
     (PARTS, "openai"),

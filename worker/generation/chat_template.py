@@ -10,7 +10,10 @@ Templates render in transformers' sandbox (``ImmutableSandboxedEnvironment``), w
 their source. ``chat_template_content_format`` says how a message's content reaches the
 template: ``string`` (text parts joined by newlines) or ``openai`` (a list of
 ``{"type": "text", "text": ...}`` parts); ``auto`` reads it off the template, as vLLM
-does: one that loops over a message's ``content`` takes parts.
+does: one that loops over a message's ``content`` takes parts. A request's
+``chat_template`` that names one of the tokenizer's templates (transformers' named
+templates: ``default``, ``tool_use``, ...) renders that one, its format read off its text
+(vLLM reads the name's own text, which never loops: always ``string``).
 """
 
 from __future__ import annotations
