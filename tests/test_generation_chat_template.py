@@ -13,6 +13,7 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.schemas.chat import UNTRUSTED_TEMPLATE  # noqa: E402
 from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
 from batchfleet.worker.generation.chat_template import ChatTemplates, detect_format  # noqa: E402
@@ -97,7 +98,7 @@ def test_a_request_s_reasoning_effort_wins_over_a_default(tiny_lm: Path) -> None
 
 def test_a_request_s_template_is_refused_unless_trusted(tiny_lm: Path) -> None:
     prep = refused(load(tiny_lm), chat_template=PLAIN)
-    assert prep.code == ErrorCode.INVALID_REQUEST and "trust_request_chat_template" in str(prep)
+    assert prep.code == ErrorCode.INVALID_REQUEST and str(prep) == UNTRUSTED_TEMPLATE
     trusting = load(tiny_lm, trust_request_chat_template=True)
     assert rendered(trusting, chat_template=PLAIN) == "[user]the man"
     assert rendered(trusting).startswith("<|im_start|>user\n")  # the model's, without one

@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 import jinja2
 import jinja2.nodes as nodes
 
+from ...schemas.chat import UNTRUSTED_TEMPLATE
 from ...schemas.messages import TEMPLATE_NAMES, ChatMessage
 
 ContentFormat = Literal["string", "openai"]
@@ -110,8 +111,7 @@ class ChatTemplates:
         if text is None:
             return None
         if not self.trust_request:
-            raise TemplateRefused("chat_template: this model renders its own chat template "
-                                  "only (its option trust_request_chat_template is off)")  # fmt: skip
+            raise TemplateRefused(UNTRUSTED_TEMPLATE)
         try:
             compile_template(text)
         except jinja2.TemplateError as exc:
