@@ -82,6 +82,7 @@ X = 5  # any other token
         (ThinkBudget(2, (E,), (S,), False), [X, S, X, E], Phase.DONE, None),  # ended itself
         (ThinkBudget(0, (E,), (S,), False), [S, E, X, S], Phase.DONE, None),  # once only
         (ThinkBudget(1, (E,), (S,), False), [S, X, E, S, X, X], Phase.DONE, None),
+        (ThinkBudget(2, (E,), (S,), False), [S, E, S, X, X], Phase.DONE, None),
         # an end tag of several tokens: forced one a step, from where the text began it
         (ThinkBudget(2, (E, 8), (S,), True), [X, X], Phase.FORCING, E),
         (ThinkBudget(2, (E, 8), (S,), True), [X, X, E], Phase.FORCING, 8),
@@ -299,7 +300,24 @@ def test_a_prompt_that_closed_its_reasoning_has_nothing_forced(
     reasoner: TextGenerationRunner,
 ) -> None:
     prompt = open_prompt(reasoner, 4, close=True)
-    assert tokens(reasoner, prompt, thinking_token_budget=0) == tokens(reasoner, prompt)
+    free = tokens(reasoner, prompt)
+    # (the model writes no opening tag of its own here: one would open the count)
+    assert reasoner.tokenizer.convert_tokens_to_ids("<think>") not in free
+    assert tokens(reasoner, prompt, thinking_token_budget=0) == free
+
+
+def test_an_opening_tag_the_model_writes_after_a_closed_prompt_opens_the_count(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # Given a prompt that closed its reasoning, and a model biased to write <think>
+    think, end = (reasoner.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    prompt = [*open_prompt(reasoner, 4), end]
+    bias = {str(think): 100.0}
+    assert tokens(reasoner, prompt, logit_bias=bias) == [think] * 10
+    # When its budget is 2, Then its first <think> opens the count: two more, then the end
+    # (forced over the bias), and a reasoning ended does not open again
+    ids = tokens(reasoner, prompt, logit_bias=bias, thinking_token_budget=2)
+    assert ids == [think, think, think, end] + [think] * 6
 
 
 def test_a_preempted_sequence_keeps_its_prompt_s_count(reasoner: TextGenerationRunner) -> None:
