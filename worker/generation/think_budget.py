@@ -16,8 +16,8 @@ answer; 0 ends the reasoning as soon as it opens. Where the reasoning is follows
 - one difference, kept on purpose: where the reasoning split says the text begins in its
   reasoning with no tag in the prompt (``thinking`` true: DeepSeek-R1's parser, whose
   reasoning needs no opening tag), the count starts at the first generated token, as the
-  split reports that text as reasoning (vLLM, seeing no tag, forces nothing and the budget
-  is silently spent); a leading opening tag the model writes restarts it (where vLLM's
+  split reports that text as reasoning (vLLM, seeing no tag, forces nothing: the budget
+  has no effect); a leading opening tag the model writes restarts it (where vLLM's
   count would start).
 
 The reasoning's end tag, or one of the markers that end it as well (a tool-call section's,
@@ -186,7 +186,8 @@ def _ends_with(tail: Sequence[int], marker: Sequence[int]) -> bool:
 def opens(prompt_end: str, start: str, end: str) -> bool | None:
     """Whether a text after a prompt ending ``prompt_end`` begins in its reasoning, read
     off its markers alone (a completion's prompt, or a model without a reasoning parser):
-    it does after an opening tag, not after an end tag; None: the text's start tells."""
+    it does after an opening tag, not after an end tag; None: no word (either way, an
+    opening tag the model writes then opens it)."""
     tail = prompt_end.rstrip()
     if start and tail.endswith(start):
         return True
