@@ -14,6 +14,12 @@ MAX_TEMPLATE_KWARGS_CHARS: Final = 4_096
 """The most chars a request's ``chat_template_kwargs`` take as JSON."""
 MAX_CHAT_TEMPLATE_CHARS: Final = 65_536
 """The longest chat template a request brings (``chat_template``)."""
+UNTRUSTED_TEMPLATE: Final = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+"""vLLM's words refusing a request's ``chat_template`` to a model that does not trust one
+(its ``trust_request_chat_template`` option off), as a worker and a gateway say them."""
 TEMPLATE_NAMES: Final = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",

@@ -43,6 +43,11 @@ class ModelInfo(_Answer):
     reasoning markers, the ``reasoning_config`` option's or its reasoning parser's tags);
     False: they refuse one (``invalid_request``), as a gateway then does before submitting;
     None: workers before it (their own check tells)."""
+    trust_request_chat_template: bool | None = None
+    """A generating model: its workers render a request's own ``chat_template`` (its
+    ``trust_request_chat_template`` option); False: they refuse one (``invalid_request``),
+    as a gateway then does before submitting; None: workers before it (their own check
+    tells)."""
     lora_adapters: list[str] = Field(default_factory=list)
     """A generating model: the LoRA adapters a request may name in its ``lora`` (the
     runner's ``lora_adapters`` option; empty: none)."""

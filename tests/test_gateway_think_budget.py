@@ -29,26 +29,27 @@ ROUTES = [
 ]
 
 
-def published(r: redis.Redis, takes: bool | None) -> ModelKeys:
-    """Model ``m``'s workers started and published whether they take a budget."""
+def published(r: redis.Redis, takes: bool | None, **info: Any) -> ModelKeys:
+    """Model ``m``'s workers started and published whether they take a budget (and
+    ``info``'s other fields)."""
     keys = ModelKeys("m")
     r.set(keys.lanes_key, LANES)
-    r.set(
-        keys.info, ModelInfo(task="text-generation", thinking_token_budget=takes).model_dump_json()
-    )
+    published = ModelInfo(task="text-generation", thinking_token_budget=takes, **info)
+    r.set(keys.info, published.model_dump_json())
     return keys
 
 
-async def answers(redis_url: str, r: redis.Redis,
-                  routes: list[tuple[str, dict[str, Any]]]) -> list[tuple[int, str]]:  # fmt: skip
-    """Each route's status and body for a budget of 4 to model ``m``: as the gateway
-    answers it, or, once submitted, as its worker (written here) does; and after them,
-    nothing left in flight."""
+async def answers(redis_url: str, r: redis.Redis, routes: list[tuple[str, dict[str, Any]]],
+                  ask: dict[str, Any] | None = None) -> list[tuple[int, str]]:  # fmt: skip
+    """Each route's status and body for ``ask`` (default: a budget of 4) to model ``m``: as
+    the gateway answers it, or, once submitted, as its worker (written here) does; and
+    after them, nothing left in flight."""
+    ask = {"thinking_token_budget": 4} if ask is None else ask
     out = []
     async with live(redis_url) as (gateway, channel, port):
         for i, (route, body) in enumerate(routes):
             rid = f"rq-{i}"
-            raw = json.dumps({"model": "m", "thinking_token_budget": 4} | body).encode()
+            raw = json.dumps({"model": "m"} | ask | body).encode()
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST %s HTTP/1.0\r\nX-Request-Id: %s\r\nContent-Length: %d\r\n"
                          b"\r\n%s" % (route.encode(), rid.encode(), len(raw), raw))  # fmt: skip
@@ -90,17 +91,21 @@ def test_a_budget_to_a_model_that_takes_one_or_says_nothing_is_submitted(
     assert sum(r.xlen(lane) for lane in keys.lanes(LANES)) == len(asked)
 
 
-def test_the_model_info_tells_whether_its_workers_take_a_budget(tiny_lm: Path) -> None:
+def info_of(tiny_lm: Path, **options: Any) -> ModelInfo:
+    """The model info a worker of the tiny model with ``options`` publishes, as read back."""
     from batchfleet.schemas.messages import Limits
     from batchfleet.worker.runner import model_info
     from batchfleet.worker.runners.generation import TextGenerationRunner
     from conftest import TINY_LM_OPTIONS
     from devices import DEVICE
 
-    for extra, takes in (({}, False), ({"reasoning_config": {"reasoning_end_str": "</s>"}}, True)):
-        lm = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
-                                  options=TINY_LM_OPTIONS | extra)  # fmt: skip
-        info = model_info(lm, Limits(), 0)
-        assert info.thinking_token_budget is takes
-        assert decode_model_info(info.model_dump_json()).thinking_token_budget is takes
+    lm = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                              options=TINY_LM_OPTIONS | options)  # fmt: skip
+    return decode_model_info(model_info(lm, Limits(), 0).model_dump_json())
+
+
+def test_the_model_info_tells_whether_its_workers_take_a_budget(tiny_lm: Path) -> None:
+    assert info_of(tiny_lm).thinking_token_budget is False
+    marked = info_of(tiny_lm, reasoning_config={"reasoning_end_str": "</s>"})
+    assert marked.thinking_token_budget is True
     assert decode_model_info('{"task": "text-generation"}').thinking_token_budget is None

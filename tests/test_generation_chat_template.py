@@ -13,6 +13,7 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.schemas.chat import UNTRUSTED_TEMPLATE  # noqa: E402
 from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
 from batchfleet.worker.generation.chat_template import ChatTemplates, detect_format  # noqa: E402
@@ -97,7 +98,7 @@ def test_a_request_s_reasoning_effort_wins_over_a_default(tiny_lm: Path) -> None
 
 def test_a_request_s_template_is_refused_unless_trusted(tiny_lm: Path) -> None:
     prep = refused(load(tiny_lm), chat_template=PLAIN)
-    assert prep.code == ErrorCode.INVALID_REQUEST and "trust_request_chat_template" in str(prep)
+    assert prep.code == ErrorCode.INVALID_REQUEST and str(prep) == UNTRUSTED_TEMPLATE
     trusting = load(tiny_lm, trust_request_chat_template=True)
     assert rendered(trusting, chat_template=PLAIN) == "[user]the man"
     assert rendered(trusting).startswith("<|im_start|>user\n")  # the model's, without one
@@ -130,6 +131,18 @@ def test_list_content_in_each_format(tiny_lm: Path) -> None:
     assert rendered(auto, messages=chat) == "<a><b>"
     forced = load(tiny_lm, chat_template=AS_IS, chat_template_content_format="openai")
     assert "'text': 'a'" in rendered(forced, messages=chat)
+
+
+def test_a_named_template_s_format_is_read_off_its_text(tiny_lm: Path) -> None:
+    # Given a tokenizer with named templates, one of which takes parts
+    runner = load(tiny_lm, trust_request_chat_template=True)
+    runner.tokenizer.chat_template = {"default": AS_IS, "parts": PARTS}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]}]  # fmt: skip
+    # When a request names it, Then it renders with parts (read off its text, not its name)
+    assert rendered(runner, messages=chat, chat_template="parts") == "<a><b>"
+    assert rendered(runner, messages=chat) == "a\nb;"  # the default: joined
+    assert rendered(runner, messages=chat, chat_template=PARTS) == "<a><b>"  # a template
 
 
 DETECTED = [

@@ -53,7 +53,7 @@ def test_what_the_runners_say_of_their_model(tiny_lm: Path, tiny_embedder: Path)
 
     # a generator: its context (the tiny Llama's 1024 positions, within its 2048-token
     # cache), its prompt bound, the limits' max_new_tokens, its chat template and parsers,
-    # a thinking budget refused (no reasoning markers)
+    # a thinking budget refused (no reasoning markers), a request's template untrusted
     lm = TextGenerationRunner(tiny_lm, device="cpu", dtype="float32", max_tokens=600,
                               options=TINY_LM_OPTIONS | {"tool_call_parser": "hermes"})  # fmt: skip
     info = model_info(lm, Limits(max_new_tokens=300), 7)
@@ -61,7 +61,7 @@ def test_what_the_runners_say_of_their_model(tiny_lm: Path, tiny_embedder: Path)
                              max_new_tokens=300, default_max_new_tokens=256,
                              chat_template=True, tool_call_parser="hermes", beam_search=True,
                              thinking_token_budget=False, content_parts=True,
-                             created=7)  # fmt: skip
+                             trust_request_chat_template=False, created=7)  # fmt: skip
     # the cache bounds it below the positions
     small = TextGenerationRunner(tiny_lm, device="cpu", dtype="float32",
                                  options=TINY_LM_OPTIONS | {"kv_cache_tokens": 512})  # fmt: skip

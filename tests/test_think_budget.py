@@ -40,7 +40,7 @@ X = 5  # any other token
 @pytest.mark.parametrize(
     ("rule", "out", "phase", "forced"),
     [
-        # the prompt opened the reasoning: counted from the first token
+        # the text begins in its reasoning: counted from the first token
         (ThinkBudget(3, (E,), (S,), True), [], Phase.THINKING, None),
         (ThinkBudget(3, (E,), (S,), True), [X, X], Phase.THINKING, None),
         (ThinkBudget(3, (E,), (S,), True), [X, X, X], Phase.FORCING, E),
@@ -54,23 +54,35 @@ X = 5  # any other token
         (ThinkBudget(3, (E,), (S,), True, prior=2), [X, E], Phase.DONE, None),
         (ThinkBudget(3, (E,), (S,), True, prior=3), [], Phase.FORCING, E),  # all spent
         (ThinkBudget(3, (E,), (S,), True, prior=7), [], Phase.FORCING, E),
-        (ThinkBudget(2, (E,), (S,), True, prior=1), [S, X], Phase.THINKING, None),  # again
-        # a leading opening tag (the model opening what its prompt opened): not counted
+        # an opening tag the model writes after the prompt opened it: counted (vLLM's)
+        (ThinkBudget(3, (E,), (S,), True, prior=1), [S], Phase.THINKING, None),
+        (ThinkBudget(3, (E,), (S,), True, prior=1), [S, X], Phase.FORCING, E),
+        (ThinkBudget(2, (E,), (S,), True, prior=0), [S, X], Phase.FORCING, E),
+        # the split's word alone (no tag in the prompt): counted from the first token, a
+        # leading opening tag the model writes restarting it (where vLLM's count starts)
         (ThinkBudget(1, (E,), (S,), True), [S], Phase.THINKING, None),
         (ThinkBudget(1, (E,), (S,), True), [S, X], Phase.FORCING, E),
         (ThinkBudget(1, (E,), (S,), True), [X, S], Phase.FORCING, E),  # not leading
-        # the text's start tells: an opening tag first, else all answer
-        (ThinkBudget(2, (E,), (S,), None), [], Phase.OPENING, None),
+        # no word (None), or the prompt closed it (False): the first opening tag the model
+        # writes, wherever, opens it (vLLM watches the generated tokens for one)
+        (ThinkBudget(2, (E,), (S,), None), [], Phase.WATCHING, None),
         (ThinkBudget(2, (E,), (S,), None), [S, X], Phase.THINKING, None),
         (ThinkBudget(2, (E,), (S,), None), [S, X, X], Phase.FORCING, E),
         (ThinkBudget(0, (E,), (S,), None), [S], Phase.FORCING, E),
-        (ThinkBudget(0, (E,), (S,), None), [X, S], Phase.DONE, None),
+        (ThinkBudget(0, (E,), (S,), None), [X, S], Phase.FORCING, E),
+        (ThinkBudget(1, (E,), (S,), None), [X, X, S, X], Phase.FORCING, E),
+        (ThinkBudget(1, (E,), (S,), None), [X, E, S], Phase.THINKING, None),  # end first
         (ThinkBudget(0, (E,), (), None), [], Phase.DONE, None),  # no opening tag at all
         (ThinkBudget(0, (E,), (S, X), None), [S, X], Phase.FORCING, E),  # two tokens
-        (ThinkBudget(0, (E,), (S, X), None), [S, S], Phase.DONE, None),
-        # the prompt closed it: nothing is forced
-        (ThinkBudget(0, (E,), (S,), False), [], Phase.DONE, None),
-        (ThinkBudget(0, (E,), (S,), False), [S, X], Phase.DONE, None),
+        (ThinkBudget(0, (E,), (S, X), None), [S, S], Phase.WATCHING, None),
+        (ThinkBudget(0, (E,), (S, X), None), [S, S, X], Phase.FORCING, E),
+        (ThinkBudget(0, (E,), (S,), False), [], Phase.WATCHING, None),
+        (ThinkBudget(0, (E,), (S,), False), [X, X], Phase.WATCHING, None),
+        (ThinkBudget(0, (E,), (S,), False), [X, S], Phase.FORCING, E),
+        (ThinkBudget(2, (E,), (S,), False), [X, S, X, E], Phase.DONE, None),  # ended itself
+        (ThinkBudget(0, (E,), (S,), False), [S, E, X, S], Phase.DONE, None),  # once only
+        (ThinkBudget(1, (E,), (S,), False), [S, X, E, S, X, X], Phase.DONE, None),
+        (ThinkBudget(2, (E,), (S,), False), [S, E, S, X, X], Phase.DONE, None),
         # an end tag of several tokens: forced one a step, from where the text began it
         (ThinkBudget(2, (E, 8), (S,), True), [X, X], Phase.FORCING, E),
         (ThinkBudget(2, (E, 8), (S,), True), [X, X, E], Phase.FORCING, 8),
@@ -102,6 +114,8 @@ def test_a_budget_needs_an_end_tag_and_no_negative_count() -> None:
         ThinkBudget(1, (E,), (S,), True, prior=-1)
     with pytest.raises(ValueError, match="opened"):
         ThinkBudget(1, (E,), (S,), None, prior=1)
+    with pytest.raises(ValueError, match="opened"):
+        ThinkBudget(1, (E,), (S,), False, prior=0)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +300,24 @@ def test_a_prompt_that_closed_its_reasoning_has_nothing_forced(
     reasoner: TextGenerationRunner,
 ) -> None:
     prompt = open_prompt(reasoner, 4, close=True)
-    assert tokens(reasoner, prompt, thinking_token_budget=0) == tokens(reasoner, prompt)
+    free = tokens(reasoner, prompt)
+    # (the model writes no opening tag of its own here: one would open the count)
+    assert reasoner.tokenizer.convert_tokens_to_ids("<think>") not in free
+    assert tokens(reasoner, prompt, thinking_token_budget=0) == free
+
+
+def test_an_opening_tag_the_model_writes_after_a_closed_prompt_opens_the_count(
+    reasoner: TextGenerationRunner,
+) -> None:
+    # Given a prompt that closed its reasoning, and a model biased to write <think>
+    think, end = (reasoner.tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    prompt = [*open_prompt(reasoner, 4), end]
+    bias = {str(think): 100.0}
+    assert tokens(reasoner, prompt, logit_bias=bias) == [think] * 10
+    # When its budget is 2, Then its first <think> opens the count: two more, then the end
+    # (forced over the bias), and a reasoning ended does not open again
+    ids = tokens(reasoner, prompt, logit_bias=bias, thinking_token_budget=2)
+    assert ids == [think, think, think, end] + [think] * 6
 
 
 def test_a_preempted_sequence_keeps_its_prompt_s_count(reasoner: TextGenerationRunner) -> None:
@@ -415,3 +446,19 @@ def test_a_chat_continuing_its_reasoning_counts_what_it_holds(
     # When its budget is n + 2, Then 2 tokens are generated before the end is forced
     budgeted = out(thinking_token_budget=n + 2)["token_ids"]
     assert budgeted[:2] == free["token_ids"][:2] and budgeted[2] == end
+
+
+def test_an_opening_tag_the_model_writes_after_a_closed_prompt_starts_the_count() -> None:
+    # Given a prompt that closed its reasoning and a budget of 1
+    rule = ThinkBudget(1, (E,), (S,), False)
+    answer, opens_it = torch.zeros(16), torch.zeros(16)
+    answer[X], opens_it[S] = 5.0, 5.0
+    sampler = SeededSampler()
+    sampler.add("s", Sampling(think=rule), [1])
+    # When the model writes an answer token, then <think>, then goes on
+    picks = [sampler.draw("s", logits) for logits in (answer, opens_it, answer, answer, answer)]
+    # Then one reasoning token after its tag, the end forced, and its answer after
+    assert picks == [X, S, X, E, X] and not sampler.forcing("s")
+    # a resume (its output replayed) stands where it stood: forcing after <think> and one
+    sampler.add("s", Sampling(think=rule), [1, X, S, X])
+    assert sampler.forcing("s") and sampler.draw("s", answer) == E

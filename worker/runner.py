@@ -456,6 +456,9 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         beam_search=getattr(runner, "beam_search", None) is True or None,
         content_parts=True,
         thinking_token_budget=_flag(getattr(runner, "thinking_budget", None)),
+        trust_request_chat_template=_flag(
+            getattr(getattr(runner, "templates", None), "trust_request", None)
+        ),
         created=created,
     )
 

@@ -24,6 +24,7 @@ import tornado.httputil
 import tornado.iostream
 import tornado.web
 
+from ...schemas.chat import UNTRUSTED_TEMPLATE
 from ...schemas.errors import BatchfleetError, ErrorCode
 from ...schemas.keys import (
     LANES_KEY_PATTERN,
@@ -389,7 +390,7 @@ class Handler(tornado.web.RequestHandler):
         self, sub: Submission, body: Mapping[str, Any], request_id: str | None = None
     ) -> AsyncJob:
         await self.gateway.check_model(sub.model)
-        await self._refuse_budget(sub)
+        await self._refuse_up_front(sub)
         options = sub.options | self.request_id(body)
         if request_id is not None:
             options["request_id"] = request_id
@@ -400,17 +401,25 @@ class Handler(tornado.web.RequestHandler):
         self.set_header("X-Request-Id", job.id)
         return job
 
-    async def _refuse_budget(self, sub: Submission) -> None:
-        """A 400 for a ``thinking_token_budget`` to a model whose workers publish that they
-        refuse one (no reasoning markers: ``ModelInfo.thinking_token_budget``), before a
-        round trip to them; a model with no word on it (older workers) is asked as before."""
-        if sub.options.get("thinking_token_budget") is None:
+    async def _refuse_up_front(self, sub: Submission) -> None:
+        """A 400, before a round trip to the workers, for what they publish that they refuse:
+        a ``thinking_token_budget`` without reasoning markers
+        (``ModelInfo.thinking_token_budget``), a request's own ``chat_template`` where they
+        do not trust one (``ModelInfo.trust_request_chat_template``: vLLM's words); a model
+        with no word on it (older workers) is asked as before."""
+        budget = sub.options.get("thinking_token_budget") is not None
+        template = sub.options.get("chat_template") is not None
+        if not budget and not template:
             return
         info = await self.gateway.model_info(sub.model)
-        if info is not None and info.thinking_token_budget is False:
+        if info is None:
+            return
+        if budget and info.thinking_token_budget is False:
             raise invalid(f"thinking_token_budget: model {sub.model!r} has no reasoning markers "
                           "(its workers' reasoning_parser with tags, or reasoning_config)",
                           "thinking_token_budget")  # fmt: skip
+        if template and info.trust_request_chat_template is False:
+            raise invalid(UNTRUSTED_TEMPLATE, "chat_template")
 
     def count_tokens(self, result: Result) -> None:
         """An ``ok`` result's tokens, in the metrics."""

@@ -10,7 +10,10 @@ Templates render in transformers' sandbox (``ImmutableSandboxedEnvironment``), w
 their source. ``chat_template_content_format`` says how a message's content reaches the
 template: ``string`` (text parts joined by newlines) or ``openai`` (a list of
 ``{"type": "text", "text": ...}`` parts); ``auto`` reads it off the template, as vLLM
-does: one that loops over a message's ``content`` takes parts.
+does: one that loops over a message's ``content`` takes parts. A request's
+``chat_template`` that names one of the tokenizer's templates (transformers' named
+templates: ``default``, ``tool_use``, ...) renders that one, its format read off its text
+(vLLM reads the name's own text, which never loops: always ``string``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Literal, cast
 import jinja2
 import jinja2.nodes as nodes
 
+from ...schemas.chat import UNTRUSTED_TEMPLATE
 from ...schemas.messages import TEMPLATE_NAMES, ChatMessage
 
 ContentFormat = Literal["string", "openai"]
@@ -107,8 +111,7 @@ class ChatTemplates:
         if text is None:
             return None
         if not self.trust_request:
-            raise TemplateRefused("chat_template: this model renders its own chat template "
-                                  "only (its option trust_request_chat_template is off)")  # fmt: skip
+            raise TemplateRefused(UNTRUSTED_TEMPLATE)
         try:
             compile_template(text)
         except jinja2.TemplateError as exc:

@@ -2,19 +2,27 @@
 
 Once a sequence's reasoning holds ``budget`` tokens, the engine forces the end-of-reasoning
 tokens (``</think>``, one per step, overriding the pick) and the text goes on with its
-answer; 0 ends the reasoning as soon as it opens. As in vLLM, a prompt whose last opening
-tag comes after its last end tag (by tokens) opened the reasoning, and its tokens after
-that tag count (:func:`prompt_open`): a prompt ending ``<think>\n`` has spent its newline's
-tokens of the budget, one holding ``budget`` tokens there or more has the end forced from
-the first generated token. Where the prompt's tokens show no open reasoning, where it begins
-follows the reasoning split (:mod:`.reasoning`): from the first token where the split
-says the prompt opened it (``thinking`` true: a parser whose text begins in its
-reasoning, which vLLM does not count), after an opening tag the text begins with
-(``thinking`` None), never where the prompt closed it. Its end tag, or one of the markers
-that end it as well (a tool-call section's, :data:`~.reasoning.ENDS`), written by the
-model itself ends it with no forcing. A leading opening tag (the model opening the
-reasoning its prompt had opened) starts the count again, as an opening tag in vLLM's
-output does.
+answer; 0 ends the reasoning as soon as it opens. Where the reasoning is follows vLLM's
+``ThinkingBudgetStateHolder`` (``vllm/v1/sample/thinking_budget_state.py``):
+
+- a prompt whose last opening tag comes after its last end tag (by tokens) opened it, and
+  its tokens after that tag count (:func:`prompt_open`): a prompt ending ``<think>\n`` has
+  spent its newline's tokens of the budget, one holding ``budget`` tokens there or more has
+  the end forced from the first generated token; every generated token counts from there,
+  an opening tag the model writes too (vLLM looks for none once the prompt opened it);
+- else (the prompt closed it, or shows no tag) the first opening tag the model writes,
+  wherever in its text, opens it, and the tokens after that tag count (vLLM watches the
+  generated tokens for it); before one, nothing is counted or forced;
+- one difference, kept on purpose: where the reasoning split says the text begins in its
+  reasoning with no tag in the prompt (``thinking`` true: DeepSeek-R1's parser, whose
+  reasoning needs no opening tag), the count starts at the first generated token, as the
+  split reports that text as reasoning (vLLM, seeing no tag, forces nothing: the budget
+  has no effect); a leading opening tag the model writes restarts it (where vLLM's
+  count would start).
+
+The reasoning's end tag, or one of the markers that end it as well (a tool-call section's,
+:data:`~.reasoning.ENDS`), written by the model ends it with no forcing; once ended it does
+not open again (vLLM's state machine takes one opening and one end).
 
 :class:`BudgetState` is a pure function of the rule (the prompt's part included) and the
 tokens generated (:meth:`BudgetState.replay`), so a sequence preempted and recomputed, or
@@ -40,20 +48,22 @@ class ThinkBudget:
     start: tuple[int, ...] = ()
     """The opening tag's tokens (empty: the model has none)."""
     thinking: bool | None = None
-    """The text begins in its reasoning (True), does not (False: the prompt closed it,
-    nothing is forced), or its own start tells (None: an opening tag first)."""
+    """The text begins in its reasoning (True: the prompt's tokens left it open, or the
+    split says so), or not (False: the prompt closed it; None: no word): then an opening
+    tag the model writes opens it."""
     enders: tuple[tuple[int, ...], ...] = ()
     """Other token sequences that end the reasoning when the model writes them."""
-    prior: int = 0
+    prior: int | None = None
     """Reasoning tokens the prompt already holds (after its last opening tag; vLLM counts
-    them): what is left of the budget for the text is ``budget - prior``."""
+    them): what is left of the budget for the text is ``budget - prior``. None: the
+    prompt's tokens did not open it (``thinking`` true: the split's word alone)."""
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ValueError(f"thinking_token_budget {self.budget} < 0")
-        if self.prior < 0:
+        if self.prior is not None and self.prior < 0:
             raise ValueError(f"a prompt's reasoning tokens {self.prior} < 0")
-        if self.prior and self.thinking is not True:
+        if self.prior is not None and self.thinking is not True:
             raise ValueError("a prompt's reasoning tokens count only where it opened it")
         if not self.end:
             raise ValueError("a thinking budget needs the end tag's tokens")
@@ -62,14 +72,15 @@ class ThinkBudget:
 class Phase(Enum):
     """Where a sequence stands in its reasoning."""
 
-    OPENING = "opening"
-    """Its opening tag may be being written (``thinking`` None)."""
+    WATCHING = "watching"
+    """Not in its reasoning yet: an opening tag the model writes opens it."""
     THINKING = "thinking"
     """In its reasoning, counting."""
     FORCING = "forcing"
     """Its budget spent: the end tag's tokens are forced."""
     DONE = "done"
-    """Its reasoning ended (or never began): nothing more to do."""
+    """Its reasoning ended (it does not open again), or cannot begin (the model has no
+    opening tag): nothing more to do."""
 
 
 @dataclass(slots=True)
@@ -83,8 +94,8 @@ class BudgetState:
     count: int = 0
     """Reasoning tokens counted so far."""
     lead: int = 0
-    """How many leading tokens match the opening tag (thinking true: not counted once
-    they make it whole)."""
+    """How many leading tokens match the opening tag (opened by the split's word alone:
+    not counted once they make it whole)."""
     at: int = 0
     """While forcing: the index of the end tag's next token."""
     tail: list[int] = field(default_factory=list)
@@ -95,9 +106,9 @@ class BudgetState:
         """The state before the first generated token."""
         state = cls(rule)
         if rule.thinking is True:
-            state._think(rule.prior)
-        elif rule.thinking is None and rule.start:
-            state.phase = Phase.OPENING
+            state._think(rule.prior or 0)
+        elif rule.start:
+            state.phase = Phase.WATCHING
         return state
 
     @classmethod
@@ -118,15 +129,14 @@ class BudgetState:
         self.taken += 1
         self.tail.append(token)
         del self.tail[: len(self.tail) - self._span()]
-        if self.phase is Phase.OPENING:
-            if rule.start[self.taken - 1] != token:
-                self.phase = Phase.DONE  # not an opening tag: all answer
-            elif self.taken == len(rule.start):
+        if self.phase is Phase.WATCHING:
+            if _ends_with(self.tail, rule.start):
                 self._think()
         elif self.phase is Phase.THINKING:
             self.count += 1
             start = rule.start
-            if self.lead == self.taken - 1 and self.lead < len(start) and start[self.lead] == token:
+            if (rule.prior is None and self.lead == self.taken - 1 and self.lead < len(start)
+                    and start[self.lead] == token):  # fmt: skip
                 self.lead += 1
                 if self.lead == len(start):  # a leading opening tag: not reasoning
                     self.count = 0
@@ -161,18 +171,23 @@ class BudgetState:
 
     def _ended(self) -> bool:
         """The text ends with the end tag or another marker that ends the reasoning."""
-        tail = self.tail
-        return any(len(m) <= len(tail) and tail[-len(m) :] == list(m)
-                   for m in (self.rule.end, *self.rule.enders))  # fmt: skip
+        return any(_ends_with(self.tail, m) for m in (self.rule.end, *self.rule.enders))
 
     def _span(self) -> int:
-        return max(len(m) for m in (self.rule.end, *self.rule.enders))
+        return max(len(m) for m in (self.rule.start, self.rule.end, *self.rule.enders))
+
+
+def _ends_with(tail: Sequence[int], marker: Sequence[int]) -> bool:
+    """``tail`` ends with ``marker``'s tokens (an empty marker: never)."""
+    n = len(marker)
+    return 0 < n <= len(tail) and list(tail[-n:]) == list(marker)
 
 
 def opens(prompt_end: str, start: str, end: str) -> bool | None:
     """Whether a text after a prompt ending ``prompt_end`` begins in its reasoning, read
     off its markers alone (a completion's prompt, or a model without a reasoning parser):
-    it does after an opening tag, not after an end tag; None: the text's start tells."""
+    it does after an opening tag, not after an end tag; None: no word (either way, an
+    opening tag the model writes then opens it)."""
     tail = prompt_end.rstrip()
     if start and tail.endswith(start):
         return True
@@ -220,7 +235,8 @@ class Markers:
                prompt: Sequence[int] = ()) -> ThinkBudget:  # fmt: skip
         """A request's budget for a text after ``prompt``: begun in its reasoning, with its
         tokens there, where the prompt's tokens left it open (:func:`prompt_open`); else
-        as ``thinking`` (the split's word) tells."""
+        as ``thinking`` (the split's word) tells (true: from the first token; else from an
+        opening tag the model writes)."""
         held = prompt_open(prompt, self.start, self.end)
         if held is not None:
             return ThinkBudget(budget, self.end, self.start, True, self.enders, held)

@@ -59,11 +59,12 @@ class ChatPrompts(RunnerState):
             except TemplateRefused as exc:
                 raise PrepareError(str(exc)) from None
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            if template is None:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise PrepareError("this model has no chat template: send `inputs` (prompts), "
-                                       "or set its chat_template option")  # fmt: skip
-                template = self.tokenizer.get_chat_template(None, tools=tools)
+            if template is None and not getattr(self.tokenizer, "chat_template", None):
+                raise PrepareError("this model has no chat template: send `inputs` (prompts), "
+                                   "or set its chat_template option")  # fmt: skip
+            # the template's text: the tokenizer's own (its named ``tool_use`` one for tools),
+            # or the one a request names, so the content format is read off the text
+            template = self.tokenizer.get_chat_template(template, tools=tools)
             go_on = bool(req.continue_final_message)
             variables = self.templates.kwargs(req.chat_template_kwargs)
             if req.reasoning_effort is not None:  # over a default's

@@ -207,7 +207,8 @@ class Preparing(ChatPrompts):
         """Per prompt, its ``thinking_token_budget`` (empty: none asked). A prompt whose
         tokens leave the reasoning open begins in it, those tokens counted (vLLM's); else a
         chat's text begins in its reasoning as its split tells (``thinking``), a prompt's
-        (or a chat's to a model without a reasoning parser) as its end's markers tell."""
+        (or a chat's to a model without a reasoning parser) as its end's markers tell; a
+        text not begun in it opens it with an opening tag the model writes."""
         budget, marks = req.thinking_token_budget, self._markers
         if budget is None:
             return ()
