@@ -445,6 +445,7 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         report.events = events
         report.prefilled = prefilled
         report.compiling = len(self._compiling)
+        report.compiling_sequences = self._compiling_sequences()
         if not isinstance(self._grammars, str) and self._grammars.took:
             took = self._grammars.took
             report.compiled_s = tuple(took.popleft() for _ in range(len(took)))
