@@ -29,6 +29,7 @@ from .vllm_flags import (
     judgement,
     lengths,
     rank,
+    seed_default,
     simple_options,
 )
 from .vllm_pooling import is_pooling, pooling_settings, runner_line
@@ -75,6 +76,7 @@ def convert(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Conver
     else:
         lengths(out)
         generation_defaults("--generation-config" in flags, out)
+        seed_default("--seed" in flags, out)
     try:
         serving_defaults(out)
     except ValueError as exc:

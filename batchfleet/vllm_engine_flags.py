@@ -127,7 +127,6 @@ UNSUPPORTED = {
     "is sized in tokens (options.kv_cache_tokens, default 16384; the 'GPU KV cache size: N "
     "tokens' of vLLM's startup log is the number to set)",
     "--trust-remote-code": "the worker loads only architectures transformers ships",
-    "--seed": "no fleet-wide seed: a request's seed field seeds its sampling",
     "--revision": "the fleet loads a local directory: download that revision there",
     "--tokenizer-revision": "the tokenizer is the model directory's",
     "--code-revision": "no remote code is run",

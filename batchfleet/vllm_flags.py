@@ -250,6 +250,26 @@ def generation_defaults(given: bool, out: Conversion) -> None:
                                 "default takes the model's sampling defaults"))  # fmt: skip
 
 
+def _seed(flag: Flag, out: Conversion) -> None:
+    """The seed of the sampling of requests without one (``options.seed``); a pooling
+    model samples nothing."""
+    if is_pooling(out):
+        out.judged(flag, True, "a pooling model samples nothing")
+        return
+    seed = int(flag.value)
+    if not 0 <= seed < 2**63:
+        raise ValueError("the fleet takes seeds 0 … 2**63 - 1")
+    out.option(flag, "seed", seed)
+
+
+def seed_default(given: bool, out: Conversion) -> None:
+    """Without ``--seed``, vLLM seeds with 0: so does the fleet file (the fleet's own
+    default is none: a random seed per sampled request without one)."""
+    if not given:
+        out.options.append(Line("seed", 0, "no --seed: vLLM's default seeds the sampling of "
+                                "requests without a seed with 0"))  # fmt: skip
+
+
 def _override_generation(flag: Flag, out: Conversion) -> None:
     """vLLM's keys (:data:`..worker.generation.defaults.KEYS`) to the option, checked as
     the runner checks them; any other key vLLM ignores: listed as having no equivalent."""
@@ -336,7 +356,7 @@ HANDLERS: dict[str, Callable[[Flag, Conversion], None]] = {
                      "--trust-request-chat-template", "--chat-template-content-format"],
                     _chat_template),
     "--kv-cache-memory-bytes": _kv_cache_bytes, "--kv-cache-memory": _kv_cache_bytes,
-    "--generation-config": _generation_config,
+    "--generation-config": _generation_config, "--seed": _seed,
     "--override-generation-config": _override_generation,
     "--tensor-parallel-size": _parallel, "--pipeline-parallel-size": _parallel,
     "--data-parallel-size": _parallel, "--decode-context-parallel-size": _parallel,

@@ -13,6 +13,13 @@ from typing import Any
 
 from .vllm_args import Flag
 from .vllm_conversion import Conversion, Line, token_count
+from .vllm_pooling_defaults import (
+    POOLINGS,
+    ST_NORMALIZE,
+    ST_POOLING,
+    architecture_pooling,
+    st_pooling,
+)
 
 GENERATE = "text-generation"
 RUNNERS = {"embed": "embedding", "classify": "text-classification", "score": "rerank"}
@@ -44,11 +51,6 @@ REFUSED = {
 }
 """What vLLM serves and the fleet does not, by task."""
 
-POOLINGS = {"MEAN": "mean", "CLS": "cls", "LAST": "last"}
-"""vLLM's sequence pooling types and the embedding runner's ``pooling``."""
-ST_MODES = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS",
-            "pooling_mode_lasttoken": "LAST"}  # fmt: skip
-"""sentence-transformers' pooling modes vLLM reads (``get_pooling_config``)."""
 SHORT_INPUTS = "inputs are cut to the model's max_tokens (vLLM refuses longer ones)"
 POOLER_UNSUPPORTED = {
     "dimensions": "vectors are not shortened (a request's dimensions must be the model's size)",
@@ -176,15 +178,14 @@ def model_config(path: Path) -> dict[str, Any] | None:
         return None
     modules = _json(path / "modules.json")
     if isinstance(modules, list):
-        types = {str(m.get("type", "")): m for m in modules if isinstance(m, dict)}
-        pooling = types.get("sentence_transformers.models.Pooling")
+        found = [m for m in modules if isinstance(m, dict)]
+        pooling = next((m for m in found if m.get("type") in ST_POOLING), None)
         if pooling is not None:
             modes = _json(path / str(pooling.get("path", "")) / "config.json")
-            modes = modes if isinstance(modes, dict) else {}
-            kind = next((t for key, t in ST_MODES.items() if modes.get(key) is True), "")
+            kind = st_pooling(modes if isinstance(modes, dict) else {})
             cfg["_sentence_transformers_pooling"] = kind or "unread"
-            cfg["_sentence_transformers_normalize"] = (
-                "sentence_transformers.models.Normalize" in types
+            cfg["_sentence_transformers_normalize"] = any(
+                m.get("type") in ST_NORMALIZE for m in found
             )
     return cfg
 
@@ -312,20 +313,18 @@ def pooling_settings(model: str, out: Conversion) -> None:
 
 def _embedding_defaults(cfg: dict[str, Any] | None, out: Conversion) -> None:
     """vLLM's pooling and normalisation where ``--pooler-config`` left them: the model's
-    sentence-transformers modules, else the architecture's (CLS for an encoder, LAST for
-    a generative model's states)."""
+    sentence-transformers modules, else the architecture's
+    (:func:`.vllm_pooling_defaults.architecture_pooling`)."""
     st = (cfg or {}).get("_sentence_transformers_pooling")
     if out.setting("pooling") is None and cfg is not None:
         if st in POOLINGS:
             why = "the model's sentence-transformers pooling (1_Pooling/config.json), as vLLM's"
             out.options.append(Line("pooling", POOLINGS[st], why))
         else:
-            generative = any(a.endswith(s) for a in _architectures(cfg)
-                             for s, k in SUFFIXES if k == "generate")  # fmt: skip
-            why = ("vLLM's default for a generative model's states" if generative else
-                   "vLLM's default for a BERT-style encoder without sentence-transformers "
-                   "modules")  # fmt: skip
-            out.options.append(Line("pooling", "last" if generative else "cls", why))
+            kind, why = architecture_pooling(cfg)
+            if st:
+                why += " (its sentence-transformers pooling is none vLLM pools by)"
+            out.options.append(Line("pooling", POOLINGS[kind], why))
     elif out.setting("pooling") is None:
         out.unsupported.append("the model's pooling: its folder is not here to read "
                                "(sentence-transformers' modules.json, which vLLM reads): "

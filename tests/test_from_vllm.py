@@ -40,7 +40,7 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
                     "max_entry_bytes": 8 * 1_048_576},
          "options": {"max_running": 32, "step_tokens": 2048, "tool_call_parser": "hermes",
                      "reasoning_parser": "qwen3", "max_loras": 4, "max_lora_rank": 32,
-                     "speculative": json.loads(SPEC), "generation_config": "auto",
+                     "speculative": json.loads(SPEC), "generation_config": "auto", "seed": 0,
                      "lora_adapters": {"sql": "/loras/sql", "fr": "/loras/fr"}}},
         {"name": "qwen3", "host": "10.0.0.5", "port": 9000,
          "unsupported": ["--tensor-parallel-size 2"],
@@ -57,7 +57,8 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
                     "max_entry_bytes": 8 * 1_048_576},
          "options": {"prefix_cache_tokens": 0, "page_size": 16,
                      "override_generation_config": {"max_new_tokens": 512, "temperature": 0.2,
-                                                    "top_k": 20}}},
+                                                    "top_k": 20},
+                     "seed": 0}},
         {"name": "llama", "host": "0.0.0.0", "port": 8000, "token_ids": True,
          "unsupported": ["--override-generation-config do_sample"],
          "needless": ["--data-parallel-size 4: run 4 workers", "--generation-config vllm"]},
@@ -71,7 +72,7 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
         {"path": "Qwen/Qwen2.5-0.5B-Instruct",
          "options": {"reasoning_config": {"reasoning_start_str": "<think>",
                                           "reasoning_end_str": "</think>"},
-                     "generation_config": "/cfg/qwen"}},
+                     "generation_config": "/cfg/qwen", "seed": 0}},
         {"name": "Qwen2.5-0.5B-Instruct", "host": "0.0.0.0", "port": 8000,
          "unsupported": ["--pipeline-parallel-size 2", "--quantization awq",
                          "the model name 'Qwen/Qwen2.5-0.5B-Instruct': a fleet's",
@@ -82,7 +83,7 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
         ["vllm", "serve", "/w/smol/SmolLM2-135M-Instruct.Q4_1.gguf", "--quantization", "gguf",
          "--tokenizer", "/w/base-tokenizer"],
         {"path": "/w/smol", "options": {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                        "generation_config": "auto"}},
+                                        "generation_config": "auto", "seed": 0}},
         {"name": "SmolLM2-135M-Instruct.Q4_1", "host": "0.0.0.0", "port": 8000,
          "needless": ["--quantization gguf"], "unsupported": ["--tokenizer /w/base-tokenizer"]},
     ),
@@ -136,7 +137,11 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
 
     code, fleet, _, stderr = run(tmp_path, argv, keep_going=True)
     assert code == 0
-    assert fleet["models"]["x"]["options"] == {"max_running": 8, "generation_config": "auto"}
+    assert fleet["models"]["x"]["options"] == {
+        "max_running": 8,
+        "generation_config": "auto",
+        "seed": 0,
+    }
     text = (tmp_path / "fleet.toml").read_text()
     assert "#   --frobnicate 3" in text and "#   --zap" in text
     assert "dropped (unknown): --frobnicate 3" in stderr
@@ -228,7 +233,11 @@ def test_cli_writes_the_file_and_prints_the_commands(
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"batchfleet worker --config {out}"
     assert printed[1] == f"batchfleet gateway --config {out} --host 0.0.0.0 --port 8100"
-    assert load_config(out).models["x"].options == {"max_running": 8, "generation_config": "auto"}
+    assert load_config(out).models["x"].options == {
+        "max_running": 8,
+        "generation_config": "auto",
+        "seed": 0,
+    }
 
     assert cli.main(["from-vllm", "--", "serve", "/m/x", "--what"]) == 2
     assert "--what" in capsys.readouterr().err

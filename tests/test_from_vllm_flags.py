@@ -53,7 +53,7 @@ vllm serve /models/Qwen3-30B-A3B --served-model-name qwen3 --host 10.0.0.5 --por
   --device-ids 1 --otlp-traces-endpoint http://otel:4317 --collect-detailed-traces all
   --limit-mm-per-prompt '{"image": 0}' --tokenizer-mode auto --scheduling-policy priority
   --allowed-origins '["*"]' --ssl-keyfile /tls/key.pem --ssl-certfile /tls/cert.pem
-  --enable-log-outputs --no-enable-log-deltas --seed 0 --max-logprobs 20
+  --enable-log-outputs --no-enable-log-deltas --seed 7 --max-logprobs 20
   --logprobs-mode raw_logprobs --no-trust-request-chat-template --language-model-only
   --enable-expert-parallel --enable-eplb --disable-custom-all-reduce --enforce-eager
 """)
@@ -101,7 +101,7 @@ def test_a_production_command_line_converts_with_every_flag_accounted_for(
         "--limit-mm-per-prompt",
     ):
         assert f"no equivalent: {flag}" in stderr
-    assert "no equivalent: --seed 0" in stderr
+    assert opts["seed"] == 7
     assert "#   --max-num-seqs 256: --max-num-active-seqs sets max_running over it" in text
 
 
@@ -129,6 +129,8 @@ SHORT_OR_SAME = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size",
     (["--max-model-len", "32K"], "model", {"max_tokens": 32_767}),
     (["--max-model-len", "auto"], "model", {"max_tokens": 65_536}),
     (["--shutdown-timeout", "45"], "worker", {"shutdown_grace_s": 45}),
+    (["--seed", "42"], "options", {"seed": 42}),
+    ([], "options", {"seed": 0}),  # vLLM's default seed
     (["--chat-template", "/templates/chatml.jinja", "--trust-request-chat-template",
       "--default-chat-template-kwargs", '{"enable_thinking": false}',
       "--chat-template-content-format", "openai"], "options",
@@ -166,6 +168,7 @@ def test_newer_flags_reach_the_fleet_file(
     (["--kv-cache-dtype", "bfloat16"], False, "--kv-cache-dtype bfloat16: the KV cache has"),
     (["--kv-cache-dtype", "fp8"], False, "--kv-cache-dtype fp8: the KV cache has the model's"),
     (["--no-trust-request-chat-template"], True, "--no-trust-request-chat-template: a request's"),
+    (["--runner", "pooling", "--seed", "3"], True, "--seed 3: a pooling model samples nothing"),
 ])  # fmt: skip
 def test_flags_needing_nothing_or_without_equivalent_are_listed_with_why(
     tmp_path: Path, flags: list[str], needless: bool, listed: str

@@ -288,3 +288,64 @@ def test_a_generative_model_converted_to_embed_embeds_its_last_token(
     batch = runner.run(runner.encode(TEXTS))
     alone = runner.run(runner.encode(["hi"]))[0]  # padding does not reach the last token
     assert max(abs(a - b) for a, b in zip(alone, batch[1], strict=True)) < 1e-4
+
+
+def st_folder(tmp_path: Path, architectures: list[str], modes: dict[str, Any] | None,
+              new_types: bool = False, **config: Any) -> Path:  # fmt: skip
+    """A config-only model folder with a sentence-transformers Pooling module whose
+    ``config.json`` is ``modes`` (None: no modules), and a Normalize module
+    (``new_types``: sentence-transformers 5's module types)."""
+    path = folder(tmp_path, "m", architectures, **config)
+    if modes is not None:
+        pool, norm = (("sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+                       "sentence_transformers.base.modules.normalize.Normalize") if new_types
+                      else ("sentence_transformers.models.Pooling",
+                            "sentence_transformers.models.Normalize"))  # fmt: skip
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "x.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": pool},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": norm}]  # fmt: skip
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    return path
+
+
+@pytest.mark.parametrize(("architectures", "config", "modes", "pooling"), [
+    # no sentence-transformers pooling: the architecture's default, as vLLM's classes
+    (["Qwen2Model"], {}, None, "last"),  # served as Qwen2ForCausalLM
+    (["Gemma3TextModel"], {"model_type": "gemma3_text"}, None, "last"),
+    (["LlamaModel"], {"model_type": "llama"}, None, "last"),
+    (["MistralModel"], {}, None, "last"),
+    (["ModernBertModel"], {"model_type": "modernbert"}, None, "cls"),
+    (["XLMRobertaModel"], {"model_type": "xlm-roberta"}, None, "cls"),
+    (["ElectraModel"], {}, None, "cls"),  # through vLLM's Transformers backend
+    (["GritLM"], {"model_type": "mistral"}, None, "mean"),
+    # sentence-transformers' Pooling config as vLLM reads it
+    (["BertModel"], {}, {"pooling_mode": "lasttoken"}, "last"),  # sentence-transformers 5
+    (["BertModel"], {}, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},
+     "mean"),  # the last set in the file wins
+    (["BertModel"], {}, {"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True},
+     "cls"),
+    (["BertModel"], {}, {"pooling_mode_mean_sqrt_len_tokens": True}, "mean"),
+    # none vLLM pools by: the architecture's (``*`` marks it)
+    (["BertModel"], {}, {"pooling_mode_max_tokens": True, "include_prompt": True}, "cls*"),
+    (["Qwen2Model"], {}, {"pooling_mode_weightedmean_tokens": True}, "last*"),
+    (["BertModel"], {}, {"pooling_mode": ["mean", "max"]}, "cls*"),
+])  # fmt: skip
+def test_the_default_pooling_is_vllms_for_the_architecture_and_modules(
+    tmp_path: Path, architectures: list[str], config: dict[str, Any],
+    modes: dict[str, Any] | None, pooling: str,
+) -> None:  # fmt: skip
+    path = st_folder(tmp_path, architectures, modes, **config)
+    model, text, _ = model_of(tmp_path, ["serve", str(path), "--runner", "pooling"])
+    assert model["runner"] == "embedding"
+    assert model["options"]["pooling"] == pooling.rstrip("*")
+    assert ("normalize" in model["options"]) is (modes is not None)
+    assert ("none vLLM pools by" in text) is pooling.endswith("*")
+
+
+def test_sentence_transformers_5_module_types_are_read(tmp_path: Path) -> None:
+    path = st_folder(tmp_path, ["BertModel"], {"pooling_mode": "mean"}, new_types=True)
+    model, _, _ = model_of(tmp_path, ["serve", str(path)])
+    assert model["runner"] == "embedding"
+    assert model["options"] == {"pooling": "mean", "normalize": True}

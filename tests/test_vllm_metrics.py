@@ -4,6 +4,7 @@ vLLM series checked against its ``batchfleet_*`` twin and against the results.""
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -355,12 +356,14 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     # a custom runner's model is not known to generate until its first step
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") is None
-    obs.notify(Generated(MODEL, 3, 2, 300, 1200, 1, tokens=3, compiling=4, prefilled=20))
+    obs.notify(Generated(MODEL, 5, 2, 300, 1200, 1, tokens=3, compiling=1, deferred=2,
+                         prefilled=20))  # fmt: skip
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") == 6  # 2 inputs x 3
-    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 2)
+    # the sequences whose constraint compiles wait, as in vLLM's scheduler (deferred)
+    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 4)
     by_reason = [value("vllm:num_requests_waiting_by_reason", reason=k) for k in WAITING_REASONS]
-    assert by_reason == [2, 4]  # waiting for room; for their constraints
+    assert by_reason == [2, 2]  # waiting for room; for their constraints
     assert value("vllm:iteration_tokens_total_sum") == 23
     assert value("vllm:iteration_tokens_total_bucket", le="16.0") == 0
     assert value("vllm:iteration_tokens_total_bucket", le="32.0") == 1
@@ -368,6 +371,60 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     assert value("vllm:num_preemptions_total") == 1
     assert value("vllm:time_to_first_token_seconds_count") == 0
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
+
+
+def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(tiny_lm: Path) -> None:
+    # Given a plain request and a constrained one with two completions whose constraint
+    # compiles until the runner has stepped five times (held: no sleeps)
+    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                  options={"kv_cache_tokens": 2048, "page_size": 16,
+                                           "step_tokens": 64, "max_running": 16})  # fmt: skip
+    gate, real_compile, real_step = threading.Event(), runner._grammars._compile, runner.step  # type: ignore[union-attr]
+    steps = 0
+
+    def held(spec: Any) -> Any:
+        assert gate.wait(60)
+        return real_compile(spec)
+
+    def step(work: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps == 5:
+            gate.set()
+        return real_step(work)
+
+    runner._grammars._compile = held  # type: ignore[union-attr,method-assign]
+    runner.step = step  # type: ignore[method-assign]
+    r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    r.source.add(Request(id="plain", model=MODEL, inputs=["the man was"], max_new_tokens=12,
+                         ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.source.add(Request(id="shaped", model=MODEL, inputs=["a b c"], n=2, max_new_tokens=6,
+                         structured_outputs={"regex": "[0-9]{4}"}), lane=0, at=T0)  # fmt: skip
+
+    # When it runs, each step's state feeding vLLM's gauges
+    r.run()
+    assert r.results()["shaped"].status == "ok"
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    seen = []
+    for _, ev in r.recorder.of(Generated):
+        obs.notify(ev)
+        get = registry.get_sample_value
+        running, waiting = (
+            get("vllm:num_requests_running", VLLM),
+            get("vllm:num_requests_waiting", VLLM),
+        )
+        capacity, deferred = (get("vllm:num_requests_waiting_by_reason", {**VLLM, "reason": k})
+                              for k in WAITING_REASONS)  # fmt: skip
+        assert capacity is not None and deferred is not None
+        assert capacity + deferred == waiting  # vLLM's: the reasons add up to waiting
+        seen.append((ev.compiling, (running, waiting, deferred)))
+
+    # Then while its constraint compiles its two sequences wait (deferred), not running;
+    # once compiled all three run
+    compiling = [gauges for n, gauges in seen if n]
+    assert len(compiling) >= 3 and set(compiling) == {(1, 2, 2)}
+    assert (3, 0, 0) in [gauges for n, gauges in seen if not n]
 
 
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:

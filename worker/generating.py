@@ -132,6 +132,7 @@ class Generating:
             tokens=sum((done.report.produced or {}).values()),
             gaps=gaps,
             compiling=done.report.compiling,
+            deferred=done.report.compiling_sequences,
             compiled_s=done.report.compiled_s,
             drafted=done.report.drafted,
             accepted=done.report.accepted,

@@ -100,7 +100,8 @@ class Generated:
 
     model: str
     running: int
-    """Sequences in the KV cache."""
+    """Sequences admitted: in the KV cache, or waiting for their constraints to compile
+    (``deferred``)."""
     waiting: int
     """Requests read and not running (new or preempted)."""
     kv_tokens: int
@@ -115,6 +116,9 @@ class Generated:
     request the step gave tokens that had some before."""
     compiling: int = 0
     """Requests waiting for their constraints to compile."""
+    deferred: int = 0
+    """Their sequences (counted in ``running``; vLLM counts them as waiting,
+    ``deferred``)."""
     compiled_s: tuple[float, ...] = ()
     """How long each constraint compiled since the last step took."""
     drafted: tuple[int, int] = (0, 0)

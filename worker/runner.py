@@ -163,6 +163,9 @@ class StepReport:
     (filling ``progress``); :meth:`settle` does it, before the runner steps again."""
     compiling: int = 0
     """Generation: admitted requests waiting for their constraints to compile."""
+    compiling_sequences: int = 0
+    """Generation: their sequences (each one of vLLM's requests, deferred while its
+    constraint compiles)."""
     compiled_s: tuple[float, ...] = ()
     """Generation: the constraints compiled since the last step, how long each took."""
     drafted: tuple[int, int] = (0, 0)

@@ -253,10 +253,12 @@ class VllmObserver:
     def _generated(self, e: Generated) -> None:
         m, labels = self.m, (e.model, ENGINE)
         step = self._step_series(e.model)
-        step.running.set(e.running)
-        step.waiting.set(e.waiting)
+        # vLLM's scheduler keeps a request whose constraint compiles waiting (skipped):
+        # counted in num_requests_waiting, by the reason "deferred", not as running
+        step.running.set(e.running - e.deferred)
+        step.waiting.set(e.waiting + e.deferred)
         step.capacity.set(e.waiting)
-        step.deferred.set(e.compiling)
+        step.deferred.set(e.deferred)
         step.iteration_tokens.observe(e.prefilled + e.tokens)
         usage = e.kv_tokens / max(1, e.kv_capacity)
         step.kv_usage.set(usage)

@@ -99,6 +99,7 @@ class PaddedEngine(_Lean):
         prefix_cache: PrefixCache | None = None,
         adapters: tuple[Adapter, ...] = (),
         speculative: Proposer | None = None,
+        seed: int | None = None,
     ) -> None:
         self.model = model
         self.speculative = speculative
@@ -113,7 +114,7 @@ class PaddedEngine(_Lean):
         self.resident_tokens = resident_tokens if self.max_context is not None else None
         self._written = np.zeros(0, dtype=np.int64)
         self.released_bytes = 0
-        self.sampler = SeededSampler(self.eos)
+        self.sampler = SeededSampler(self.eos, seed)
         self._waiting = {}
         self._rows = []
         self._running = {}

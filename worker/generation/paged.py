@@ -68,6 +68,7 @@ class PagedEngine:
         cuda_graphs: bool = False,
         adapters: tuple[Adapter, ...] = (),
         prefix_sharing: bool = True,
+        seed: int | None = None,
     ) -> None:
         self.model = model
         self.adapters: tuple[Adapter | None, ...] = adapters
@@ -78,7 +79,7 @@ class PagedEngine:
         """Per sequence under an adapter, its label."""
         self._scored: dict[str, Scored] = {}
         """Per sequence that asked, its prompt tokens' log-probabilities so far."""
-        self.sampler = SeededSampler(eos_token_ids)
+        self.sampler = SeededSampler(eos_token_ids, seed)
         generation = GenerationConfig(
             do_sample=False, eos_token_id=eos_token_ids or -1, pad_token_id=pad_token_id,
             max_new_tokens=16,

@@ -7,8 +7,9 @@ applies the request's rules, then picks a token (argmax, or a draw with that req
 own generator after temperature, top-k and top-p), and leaves only that token's logit
 finite — the engine's argmax then picks it. Plain greedy rows (no rule, no temperature)
 pass through untouched and cost nothing. The same request with the same seed therefore
-gives the same tokens whatever else runs beside it. The padded engine calls
-:meth:`SeededSampler.draw` per row instead.
+gives the same tokens whatever else runs beside it. A sampled request without a seed
+takes the next one of the worker's ``seed`` stream (vLLM's ``--seed``), else a random one.
+The padded engine calls :meth:`SeededSampler.draw` per row instead.
 
 The rules, applied in this order before temperature (as HF ``generate`` and vLLM do):
 
@@ -250,6 +251,11 @@ class _Track:
                 if len(w) <= len(tail) + 1 and tail[len(tail) - len(w) + 1 :] == list(w[:-1])]  # fmt: skip
 
 
+def _seed_source(seed: int | None) -> torch.Generator | None:
+    """A generator seeded with ``seed`` (None: none)."""
+    return None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+
+
 class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
     """Picks each registered sequence's token by its own rules and generator (see the
     module docstring)."""
@@ -257,12 +263,16 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
     supported_kwargs: dict[str, type] = {}  # rows are known by request id
     ignored_kwargs: tuple[str, ...] = ()
 
-    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, eos_token_ids: Iterable[int] = (), seed: int | None = None) -> None:
         self._tracks: dict[str, _Track] = {}
         self._rows: list[str] = []
         self._eos = sorted(set(eos_token_ids))
         self._masks: Masks | None = None
         """The constrained rows' bitmasks (made at the first)."""
+        self._seed = seed
+        self._seeds = _seed_source(seed)
+        """Where the sampled sequences without a seed of their own take one (vLLM's
+        ``--seed``; None: the OS's randomness)."""
 
     def add(self, sequence: str, sampling: Sampling, tokens: list[int] | None = None) -> None:
         """Register a sequence before it is scheduled, with what it prefills (``tokens``:
@@ -276,7 +286,7 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
             if not sampling.greedy:
                 seed = sampling.seed
                 if seed is None:
-                    seed = int.from_bytes(os.urandom(8), "little")
+                    seed = self._unseeded()
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
             track = _Track(sampling, gen, prompt=len(tokens or ()))
@@ -294,8 +304,18 @@ class SeededSampler(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
         return [] if track is None else track.logprobs
 
     def clear(self) -> None:
-        """Forget every sequence (the runner starts over)."""
+        """Forget every sequence (the runner starts over, as a fresh worker: the sequences
+        without a seed take theirs from the start of ``seed``'s stream again)."""
         self._tracks.clear()
+        self._seeds = _seed_source(self._seed)
+
+    def _unseeded(self) -> int:
+        """A seed for a sampled sequence without one: the next of ``seed``'s stream, so a
+        fresh worker given the same requests in the same order draws the same tokens
+        (vLLM seeds its global generator so), else the OS's randomness."""
+        if self._seeds is None:
+            return int.from_bytes(os.urandom(8), "little")
+        return int(torch.randint(0, 2**63 - 1, (1,), generator=self._seeds).item())
 
     def pick(self, sequences: Sequence[str], logits: torch.Tensor) -> list[int]:
         """Each row's next token: its sequence's own (registered), else the argmax. The

@@ -106,6 +106,11 @@ class Requests(Beams):
                             salt=r.spec.cache_salt, lora=r.spec.lora)  # fmt: skip
             self._by_seq[seq.name] = (r, seq)
 
+    def _compiling_sequences(self) -> int:
+        """The unfinished sequences of the requests waiting for their constraints."""
+        return sum(sum(s.finish is None for s in r.seqs)
+                   for r, _ in self._compiling.values() if not r.parked)  # fmt: skip
+
     def _compiled(self, events: list[StepEvent]) -> None:
         """Start the requests whose constraints are now compiled (with nothing else to
         run, wait a while for one); a constraint llguidance refused fails its request."""

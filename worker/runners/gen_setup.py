@@ -77,6 +77,16 @@ def flag(value: Any, name: str) -> bool:
     return value
 
 
+def seed_option(value: Any) -> int | None:
+    """``options.seed`` checked (vLLM's ``--seed``): the seed of the stream sampled
+    requests without a seed of their own take theirs from (None: unset, random)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise ValueError(f"options.seed: {value!r} is not an integer 0 … 2**63 - 1")
+    return value
+
+
 class Setup(RunnerState):
     """The runner's pieces built from its options at startup."""
 

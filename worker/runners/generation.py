@@ -73,7 +73,7 @@ from ..runner import LOST, Failed, StepEvent, StepReport, Work
 from .gen_failures import Failures
 from .gen_info import Info
 from .gen_prepare import Preparing
-from .gen_setup import Setup, answer_marker, flag, single_token, why_windowed
+from .gen_setup import Setup, answer_marker, flag, seed_option, single_token, why_windowed
 from .gen_state import GenReq, GenSeq, GenSpec
 
 if TYPE_CHECKING:
@@ -255,6 +255,8 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         self._reset_prefix = False
         """An operator emptied the prefix cache (:meth:`reset_prefix_cache`): done before
         the next step."""
+        self.seed = seed_option(opts.get("seed"))
+        """Seeds the sampling of requests without a seed (vLLM's ``--seed``; None: random)."""
         self.engine: Engine
         if self.engine_kind == "padded":
             from ..generation.padded import PaddedEngine
@@ -270,7 +272,8 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
                                        max_context=self.context,
                                        resident_tokens=self.kv_cache_tokens,
                                        prefix_cache=prefix, adapters=adapters,
-                                       speculative=self._proposer(lean))  # fmt: skip
+                                       speculative=self._proposer(lean),
+                                       seed=self.seed)  # fmt: skip
         elif self.engine_kind == "paged":
             from ..generation.paged import PagedEngine
 
@@ -287,6 +290,7 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
                 max_running=self.max_running,
                 cuda_graphs=flag(opts.get("cuda_graphs", False), "cuda_graphs"),
                 adapters=adapters,
+                seed=self.seed,
             )
         else:
             raise ValueError(f"options.engine: {self.engine_kind!r} is not 'auto', 'padded' or "
@@ -441,6 +445,7 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         report.events = events
         report.prefilled = prefilled
         report.compiling = len(self._compiling)
+        report.compiling_sequences = self._compiling_sequences()
         if not isinstance(self._grammars, str) and self._grammars.took:
             took = self._grammars.took
             report.compiled_s = tuple(took.popleft() for _ in range(len(took)))
