@@ -396,9 +396,12 @@ class Intake:
         return self.streams.cancelled(ids)
 
     def _answered(self, entries: list[Entry]) -> list[Retiring]:
+        """The redelivered entries whose request has a result already; the others wait
+        again here, so their ``started`` keys (a previous holder's) go until admitted."""
         again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
         known = [Retiring(e, env.id, env.reply) for e, env in again if env.id is not None]
         if not known:
             return []
         have = self.streams.have_results([k.request_id for k in known])
+        self.streams.requeued([k.request_id for k, h in zip(known, have, strict=True) if not h])
         return [k for k, h in zip(known, have, strict=True) if h]

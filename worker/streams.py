@@ -491,6 +491,13 @@ class ModelStreams:
             pipe.set(self.keys.started(request_id), self.consumer, ex=ttl_s)
         pipe.execute()
 
+    def requeued(self, request_ids: Sequence[str]) -> None:
+        """Say that these requests wait again (taken over from a worker that died, or one
+        that stopped refreshing them): their ``started`` keys go, until a worker admits
+        them again (docs/protocol.md, "Started")."""
+        if request_ids:
+            self.client.delete(*(self.keys.started(r) for r in request_ids))
+
     def cancelled(self, request_ids: Sequence[str]) -> list[str]:
         """Which of these requests a client asked to cancel."""
         if not request_ids:
