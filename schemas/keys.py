@@ -127,6 +127,13 @@ class ModelKeys:
         return f"{self.tag}:workers"
 
     @property
+    def heartbeat_timeout(self) -> str:
+        """A string holding the fleet's ``heartbeat_timeout_ms`` (past it, a worker whose
+        heartbeat stopped is taken for dead), written by workers as they start, for the
+        gateway's and the CLI's control commands: whom to wait for."""
+        return f"{self.tag}:heartbeat_timeout_ms"
+
+    @property
     def lanes_key(self) -> str:
         """A string holding the model's lane count, written by workers for producers."""
         return f"{self.tag}:lanes"

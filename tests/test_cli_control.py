@@ -14,7 +14,7 @@ from kombu.matcher import match
 
 from batchfleet import cli
 from batchfleet.control_wait import HEARTBEAT_WINDOW_MS, named
-from batchfleet.remote import destination_pattern
+from batchfleet.remote import destination_pattern, replied_as
 
 LOADED = {"ok": "load_lora x: gen serves x", "models": ["gen"], "lora_adapters": {"gen": ["x"]}}
 OTHER = {"ok": "no loop for 'gen' here", "models": []}
@@ -153,3 +153,40 @@ def test_a_destination_is_a_hostname_or_a_name_on_every_host(
     assert named(hostname, names) is reached  # a worker without --name: its hostname
     if reached:  # a worker with --name: its consumer name is that name
         assert named(hostname.split("@")[0], names)
+
+
+def test_the_heartbeat_window_is_what_the_workers_published_unless_given(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Given gen's workers, which published a 20 s heartbeat timeout; w2 silent for 10 s
+    beats(r, "gen", "w1")
+    seconds, _ = r.time()
+    r.hset(ModelKeys("gen").workers, "w2", seconds * 1000 - 10_000)
+    r.set(ModelKeys("gen").heartbeat_timeout, 20_000)
+    paused = {"ok": "pause", "models": ["gen"], "consumer": "w1"}
+    # When gen is paused and only w1 replies
+    scripted_broker(monkeypatch, {"w1@h": paused})
+    code, _, err = run(capsys, redis_url, "pause", "gen", "--timeout", "2")
+    # Then w2 was waited for (live within the fleet's 20 s) and is named
+    assert code == 3 and "w2 did not reply within 2 s" in err
+    # but not where the operator's window is shorter than its silence
+    scripted_broker(monkeypatch, {"w1@h": paused})
+    assert run(capsys, redis_url, "pause", "gen", "--heartbeat-window", "5")[:2] == (
+        0, 'w1@h: {"ok": "pause", "models": ["gen"], "consumer": "w1"}\n')  # fmt: skip
+    # and where no worker is live, the message says which window was applied
+    broker = scripted_broker(monkeypatch)
+    r.hset(ModelKeys("gen").workers, "w1", seconds * 1000 - 1000)
+    monkeypatch.setenv("BATCHFLEET_HEARTBEAT_WINDOW", "0.001")
+    code, _, err = run(capsys, redis_url, "pause", "gen")
+    assert (code, broker.sent) == (1, []) and "within 0.001 s" in err
+
+
+def test_a_reply_that_names_its_consumer_is_known_by_it_alone() -> None:
+    # a worker named w1 in its fleet file, under plain `celery worker -n w2@h`
+    assert replied_as("w2@h", {"consumer": "w1"}, ["w1", "w2"]) == "w1"
+    assert replied_as("w2@h", {"consumer": "w1"}, ["w2"]) is None  # not w2's reply
+    # a worker older than `consumer`: its hostname, or the name before its @
+    assert replied_as("w2@h", {"ok": "pause"}, ["w2@h"]) == "w2@h"
+    assert replied_as("w2@h", {"ok": "pause"}, ["w2"]) == "w2"
+    assert replied_as("w2@h", {"ok": "pause"}, ["w1"]) is None

@@ -110,7 +110,8 @@ class Intake:
         if self._sync_clock is not None:
             self._sync_clock()
         self._max_depth = max_depth
-        self.streams.ensure_groups(max_depth, self.limits, self.info, self.tokenizer)
+        self.streams.ensure_groups(max_depth, self.limits, self.info, self.tokenizer,
+                                   self.worker.heartbeat_timeout_ms)  # fmt: skip
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
         self._own = self.streams.own_pending()
@@ -211,8 +212,9 @@ class Intake:
                     logger.warning("consumer group gone (%s): creating it again", exc)
                     with contextlib.suppress(redis.RedisError):
                         self.streams.ensure_groups(
-                            self._max_depth, self.limits, self.info, self.tokenizer
-                        )
+                            self._max_depth, self.limits, self.info, self.tokenizer,
+                            self.worker.heartbeat_timeout_ms,
+                        )  # fmt: skip
                         continue
                 with self._cond:
                     self._cond.wait(1.0)

@@ -175,11 +175,13 @@ class ModelStreams:
     def ensure_groups(
         self, max_depth: int | None = None, limits: Limits | None = None,
         info: ModelInfo | None = None, tokenizer: Mapping[str, Any] | None = None,
+        heartbeat_timeout_ms: int | None = None,
     ) -> None:  # fmt: skip
         """Create the group on every lane (from the stream's start, so nothing queued before
         the first worker is missed) and publish the lane count, depth limit and request
         limits for producers, and the model's info and ``tokenizer`` configuration for
-        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`)."""
+        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`), and the heartbeat
+        timeout for control commands."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -194,6 +196,8 @@ class ModelStreams:
             self.publish_info(info)
         if tokenizer is not None:
             self.publish_tokenizer(tokenizer)
+        if heartbeat_timeout_ms is not None:
+            self.client.set(self.keys.heartbeat_timeout, heartbeat_timeout_ms)
         if max_depth:
             self.client.set(self.keys.max_depth, max_depth)
         else:
