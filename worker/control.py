@@ -457,7 +457,7 @@ def publish_info(loop: BatchLoop) -> None:
     gateways' ``/v1/models``; also what its intake publishes when it reconnects."""
     if loop.streams is None:
         return
-    info = model_info(loop.runner, loop.config.limits, int(time.time()))
+    info = model_info(loop.runner, loop.config.limits, int(time.time()), loop.config)
     if hasattr(loop.parts.source, "info"):
         loop.parts.source.info = info
     loop.streams.publish_info(info)
