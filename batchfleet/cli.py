@@ -342,7 +342,7 @@ def _control(args: argparse.Namespace) -> int:
     import redis
 
     from .connection import connect
-    from .control_wait import broadcast, live_workers, named
+    from .control_wait import addressed, broadcast, hostnames, live_workers
     from .fleetview import discover_models
     from .remote import parse_settings
 
@@ -364,12 +364,13 @@ def _control(args: argparse.Namespace) -> int:
         try:
             models = [args.model] if args.model else discover_models(client)
             live, window = live_workers(client, models, _window_ms(args.heartbeat_window))
+            hosts = hostnames(client, models) if dest else {}
         finally:
             client.close()
     except redis.RedisError as exc:
         print(f"cannot read the workers' heartbeats: {exc}", file=sys.stderr)
         return 1
-    expect = [c for c in live if not dest or named(c, dest)]
+    expect, dest = addressed(live, hosts, dest) if dest else (live, dest)
     if not expect:
         who = f"worker named {', '.join(dest)}" if dest else "worker"
         print(f"no live {who} of {args.model or 'any model'} (none has a heartbeat within "

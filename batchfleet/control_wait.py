@@ -101,6 +101,31 @@ def live_workers(
     return live_among(now, replies[0::2], windows), max(windows, default=window_ms(None, given_ms))
 
 
+def hostnames(client: SyncClient, models: Sequence[str]) -> dict[str, str]:
+    """The Celery hostnames the workers of ``models`` published: consumer name → hostname
+    (``bf:{model}:hostnames``; none from workers older than it)."""
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.hgetall(ModelKeys(model).hostnames)
+    return {_text(k): _text(v) for found in pipe.execute() for k, v in found.items()}
+
+
+def addressed(
+    live: Sequence[str], hosts: Mapping[str, str], destination: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """The live consumers ``destination`` names (each by its consumer name or its Celery
+    hostname, ``hosts``), and the destination that reaches each of them: ``destination``
+    with their hostnames (a worker named in its fleet file but started as ``celery worker
+    -n OTHER``: its name does not match its hostname)."""
+    chosen = [c for c in live if named(c, destination) or named(hosts.get(c, c), destination)]
+    extra = [hosts[c] for c in chosen if c in hosts and hosts[c] not in destination]
+    return chosen, [*destination, *extra]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def named(consumer: str, destination: Collection[str]) -> bool:
     """Whether the worker of ``consumer`` (its ``--name``, or its Celery hostname where it
     has none) is one that ``destination`` names: a hostname (``NAME@HOST``) or a bare

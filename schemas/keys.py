@@ -127,6 +127,12 @@ class ModelKeys:
         return f"{self.tag}:workers"
 
     @property
+    def hostnames(self) -> str:
+        """Hash of the model's workers' Celery hostnames: consumer name → hostname (where
+        control broadcasts reach it), written by each worker when it starts."""
+        return f"{self.tag}:hostnames"
+
+    @property
     def heartbeat_timeout(self) -> str:
         """A string holding the fleet's ``heartbeat_timeout_ms`` (past it, a worker whose
         heartbeat stopped is taken for dead), written by workers as they start, for the

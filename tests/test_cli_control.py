@@ -13,7 +13,7 @@ from broker_fakes import scripted_broker
 from kombu.matcher import match
 
 from batchfleet import cli
-from batchfleet.control_wait import HEARTBEAT_WINDOW_MS, named
+from batchfleet.control_wait import HEARTBEAT_WINDOW_MS, addressed, named
 from batchfleet.remote import destination_pattern, replied_as
 
 LOADED = {"ok": "load_lora x: gen serves x", "models": ["gen"], "lora_adapters": {"gen": ["x"]}}
@@ -190,3 +190,23 @@ def test_a_reply_that_names_its_consumer_is_known_by_it_alone() -> None:
     assert replied_as("w2@h", {"ok": "pause"}, ["w2@h"]) == "w2@h"
     assert replied_as("w2@h", {"ok": "pause"}, ["w2"]) == "w2"
     assert replied_as("w2@h", {"ok": "pause"}, ["w1"]) is None
+
+
+def test_destination_finds_a_worker_whose_hostname_is_not_its_name(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Given w4, named in its fleet file but started as `celery worker -n c4@h` (its
+    # hostname published), and w1 (by --name: w1@h)
+    beats(r, "gen", "w1", "w4")
+    r.hset(ModelKeys("gen").hostnames, mapping={"w4": "c4@h", "w1": "w1@h"})
+    replies = ({"w1@h": {"ok": "drain", "models": ["gen"], "consumer": "w1"}},
+               {"c4@h": {"ok": "drain", "models": ["gen"], "consumer": "w4"}})  # fmt: skip
+    for name in ("w4", "c4", "c4@h"):
+        # When it is drained by its name, or its hostname
+        broker = scripted_broker(monkeypatch, *replies)
+        code, out, err = run(capsys, redis_url, "drain", "gen", "-d", name)
+        # Then it alone got it, and was waited for
+        assert (code, err, broker.delivered) == (0, "", 1), name
+        assert out.startswith("c4@h: ")
+    assert addressed(["w1", "w4"], {"w4": "c4@h"}, ["w4"]) == (["w4"], ["w4", "c4@h"])

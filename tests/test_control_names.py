@@ -22,15 +22,16 @@ MODEL = "emb"
 
 
 @pytest.fixture
-def plain_celery(tmp_path: Path) -> Iterator[Callable[[str, str], WorkerProcess]]:
+def plain_celery(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """A worker started as ``celery -A batchfleet.worker.app worker -n NAME@%h``."""
     started: list[WorkerProcess] = []
 
-    def start(config_text: str, node: str) -> WorkerProcess:
+    def start(config_text: str, node: str, name: str | None = None) -> WorkerProcess:
+        """``name``: its fleet file's ``[worker] name`` (None: it has none)."""
         config = tmp_path / f"{node}.toml"
         config.write_text(config_text)
         w = WorkerProcess.__new__(WorkerProcess)
-        w.name, w.log = f"{node}@{socket.gethostname()}", tmp_path / f"{node}.log"
+        w.name, w.log = name or f"{node}@{socket.gethostname()}", tmp_path / f"{node}.log"
         here = str(Path(__file__).parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
@@ -58,11 +59,12 @@ def control(capsys: pytest.CaptureFixture[str], redis_url: str, *argv: str) -> t
 def test_workers_named_every_way_are_waited_for_and_reached_by_name(
     redis_url: str, r: redis.Redis, tiny_embedder: Path,
     start_worker: Callable[..., WorkerProcess],
-    plain_celery: Callable[[str, str], WorkerProcess],
+    plain_celery: Callable[..., WorkerProcess],
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    # Given three workers of one model: "w1" by --name, "w2" by its fleet file alone (whose
-    # heartbeat timeout is 9 s), and one under plain celery, named by its hostname only
+    # Given four workers of one model: "w1" by --name, "w2" by its fleet file alone, and two
+    # under plain celery: one named by its hostname only, "w4" by its fleet file (its
+    # hostname c4@...); their fleet files' heartbeat timeout is 9 s
     models = {MODEL: {"runner": "embedding", "path": str(tiny_embedder), "max_tokens": 32}}
     beat = {"heartbeat_timeout_ms": 9000}
     host = socket.gethostname()
@@ -70,6 +72,7 @@ def test_workers_named_every_way_are_waited_for_and_reached_by_name(
         start_worker(fleet_toml(redis_url, models, beat), "w1"),
         start_worker(fleet_toml(redis_url, models, beat | {"name": "w2"}), "w2", named=False),
         plain_celery(fleet_toml(redis_url, models, beat), "c3"),
+        plain_celery(fleet_toml(redis_url, models, beat | {"name": "w4"}), "c4", "w4"),
     ]
     for w in workers:
         w.wait_ready(r, MODEL)
@@ -81,14 +84,15 @@ def test_workers_named_every_way_are_waited_for_and_reached_by_name(
     # Then each replied, known by its name: nobody is missing
     assert (code, err) == (0, "")
     replied = sorted(line.split(": ", 1)[0] for line in out.splitlines())
-    assert replied == [f"c3@{host}", f"w1@{host}", f"w2@{host}"]
+    assert replied == [f"c3@{host}", f"c4@{host}", f"w1@{host}", f"w2@{host}"]
 
     # When the worker named in its fleet file alone is resumed by that name
     code, out, err = control(capsys, redis_url, "resume", MODEL, "-d", "w2")
     # Then it alone got it, and replied
     assert (code, err) == (0, "")
     assert [line.split(": ", 1)[0] for line in out.splitlines()] == [f"w2@{host}"]
-    # and so is the plain celery worker, by its hostname or the name before its @
-    for name in ("c3", f"c3@{host}"):
+    # and so are the plain celery workers, by their hostname or the name before its @,
+    # and the one named in its fleet file by that name too
+    for name, node in (("c3", "c3"), (f"c3@{host}", "c3"), ("w4", "c4"), ("c4", "c4")):
         code, out, err = control(capsys, redis_url, "resume", MODEL, "-d", name)
-        assert (code, err, out.split(": ", 1)[0]) == (0, "", f"c3@{host}")
+        assert (code, err, out.split(": ", 1)[0]) == (0, "", f"{node}@{host}"), name
