@@ -210,3 +210,20 @@ def test_destination_finds_a_worker_whose_hostname_is_not_its_name(
         assert (code, err, broker.delivered) == (0, "", 1), name
         assert out.startswith("c4@h: ")
     assert addressed(["w1", "w4"], {"w4": "c4@h"}, ["w4"]) == (["w4"], ["w4", "c4@h"])
+
+
+def test_init_groups_publishes_the_fleet_s_heartbeat_timeout(
+    redis_url: str, r: redis.Redis
+) -> None:
+    from batchfleet.config import FleetConfig, ModelConfig, WorkerConfig
+    from batchfleet.control_wait import live_workers
+    from batchfleet.groups import init_groups
+
+    # Given a fleet file whose workers are taken for dead after 15 s of silence, deployed
+    fleet = FleetConfig(redis_url=redis_url, models={"gen": ModelConfig()},
+                        worker=WorkerConfig(heartbeat_timeout_ms=15_000))  # fmt: skip
+    init_groups(fleet)
+    # Then a worker silent for 10 s is still waited for, before any worker started
+    seconds, _ = r.time()
+    r.hset(ModelKeys("gen").workers, "w1", seconds * 1000 - 10_000)
+    assert live_workers(r, ["gen"]) == (["w1"], 15_000)
