@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from batchfleet.producer.gateway.fingerprint import fingerprint
+from batchfleet.producer.gateway.fingerprint import Fingerprints, fingerprint
 from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Result
@@ -20,6 +20,7 @@ from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
 from batchfleet import __version__
 from batchfleet.config import ModelConfig
+from batchfleet.connection import connect_async
 
 HASH = "0123456789abcdef" * 4
 INFO = ModelInfo(task="text-generation", version="1.2.3", config_hash=HASH)
@@ -108,3 +109,30 @@ def test_the_mode_is_a_gateway_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (on.fingerprint_mode, on.system_fingerprint) == ("hash", None)
     monkeypatch.setenv("BATCHFLEET_FINGERPRINT_MODE", "none")
     assert gateway("--redis-url", url)["frontend"].fingerprint_mode == "none"
+
+
+def test_live_workers_are_counted_again_after_the_cache_and_kept_where_redis_fails(
+    redis_url: str, r: redis.Redis
+) -> None:
+    seconds, _ = r.time()
+    workers = ModelKeys("mm").workers
+    r.hset(workers, mapping={"w1": seconds * 1000, "w2": seconds * 1000})
+
+    async def go() -> None:
+        client = connect_async(redis_url)
+        fps = Fingerprints(Frontend(), client, lambda m: asyncio.sleep(0, INFO), cache_s=60.0)
+        try:
+            assert await fps.of("mm") == "batchfleet-1.2.3-dp2-01234567"
+            # a third worker starts: seen once the count is due again
+            r.hset(workers, "w3", seconds * 1000)
+            assert await fps.of("mm") == "batchfleet-1.2.3-dp2-01234567"
+            fps.cache_s = 0.0
+            assert await fps.of("mm") == "batchfleet-1.2.3-dp3-01234567"
+            # Redis unreachable: the answer keeps the last count rather than failing
+            fps.client = connect_async("redis://127.0.0.1:1/0")
+            assert await fps.of("mm") == "batchfleet-1.2.3-dp3-01234567"
+            await fps.client.aclose()
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
