@@ -22,7 +22,9 @@ def _worker(args: argparse.Namespace) -> int:
     if args.name:
         fleet.worker.name = args.name
     app = create_app(fleet, models=args.model or None, burst=args.burst)
-    name = args.name or f"batchfleet-{os.getpid()}"
+    # The Celery hostname carries the consumer name (`--name`, else the fleet file's
+    # `[worker] name`): control replies, `-d` and `status` then know the worker by one name.
+    name = fleet.worker.name or f"batchfleet-{os.getpid()}"
     hostname = name if "@" in name else f"{name}@%h"
     argv = [
         "worker",
@@ -283,12 +285,14 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.allow_runtime_lora_updating:
         from .producer.gateway.lora_admin import LoraAdmin
 
-        lora_admin = LoraAdmin(args.broker_url or _broker(args), args.control_timeout)
+        lora_admin = LoraAdmin(args.broker_url or _broker(args), args.control_timeout,
+                               heartbeat_window_ms=_window_ms(args.heartbeat_window))  # fmt: skip
     dev_admin = None
     if args.server_dev_mode:
         from .producer.gateway.dev_routes import DevAdmin
 
-        dev_admin = DevAdmin(args.broker_url or _broker(args), args.control_timeout)
+        dev_admin = DevAdmin(args.broker_url or _broker(args), args.control_timeout,
+                             heartbeat_window_ms=_window_ms(args.heartbeat_window))  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(_url(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
@@ -323,8 +327,9 @@ def _flower_options(given: list[str]) -> list[str]:
 
 
 CONTROL_EPILOG = (
-    "Waits for a reply from each live worker concerned (heartbeat at most 6 s old), until "
-    "all replied or none came for --timeout. Exit status: 0 each did it; 1 one refused, none "
+    "Waits for a reply from each live worker concerned (its heartbeat within the fleet's "
+    "heartbeat_timeout_ms, as its workers publish it, else 6 s; --heartbeat-window "
+    "overrides), until all replied or none came for --timeout. Exit status: 0 each did it; 1 one refused, none "
     "is live, or Redis or the broker failed; 2 bad arguments; 3 some did not reply in time "
     "(named; they may still do it)."
 )
@@ -337,7 +342,7 @@ def _control(args: argparse.Namespace) -> int:
     import redis
 
     from .connection import connect
-    from .control_wait import HEARTBEAT_WINDOW_MS, broadcast, live_workers, named
+    from .control_wait import addressed, broadcast, hostnames, live_workers
     from .fleetview import discover_models
     from .remote import parse_settings
 
@@ -357,17 +362,19 @@ def _control(args: argparse.Namespace) -> int:
     try:
         client = connect(_url(args))
         try:
-            live = live_workers(client, [args.model] if args.model else discover_models(client))
+            models = [args.model] if args.model else discover_models(client)
+            live, window = live_workers(client, models, _window_ms(args.heartbeat_window))
+            hosts = hostnames(client, models) if dest else {}
         finally:
             client.close()
     except redis.RedisError as exc:
         print(f"cannot read the workers' heartbeats: {exc}", file=sys.stderr)
         return 1
-    expect = [c for c in live if not dest or named(c, dest)]
+    expect, dest = addressed(live, hosts, dest) if dest else (live, dest)
     if not expect:
         who = f"worker named {', '.join(dest)}" if dest else "worker"
         print(f"no live {who} of {args.model or 'any model'} (none has a heartbeat within "
-              f"{HEARTBEAT_WINDOW_MS / 1000:g} s): nothing sent", file=sys.stderr)  # fmt: skip
+              f"{window / 1000:g} s): nothing sent", file=sys.stderr)  # fmt: skip
         return 1
     try:
         replies = broadcast(_broker(args), f"bf_{args.command.replace('-', '_')}", arguments,
@@ -385,6 +392,11 @@ def _control(args: argparse.Namespace) -> int:
         print(f"{replies.late_note()} (busy, or stopped without a heartbeat yet): they may "
               "still do it", file=sys.stderr)  # fmt: skip
     return 1 if refused else 3 if replies.missing else 0
+
+
+def _window_ms(seconds: float | None) -> int | None:
+    """``--heartbeat-window`` (seconds) in ms; None: the workers' published timeout."""
+    return None if seconds is None else max(1, round(seconds * 1000))
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -535,6 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
     fl.set_defaults(func=_flower)
 
     control_timeout = float(os.environ.get("BATCHFLEET_CONTROL_TIMEOUT") or 30.0)
+    window = os.environ.get("BATCHFLEET_HEARTBEAT_WINDOW") or None
+    window_help = (
+        "seconds since its last heartbeat within which a worker is live, and waited for "
+        "(default $BATCHFLEET_HEARTBEAT_WINDOW, else each model's heartbeat_timeout_ms as "
+        "its workers publish it from their fleet file, else 6)"
+    )
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/...)")
     where(gw)
     gw.add_argument("--host", default="127.0.0.1")
@@ -622,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of the model; one that does not reply within it is named in the answer (504). "
         "Default $BATCHFLEET_CONTROL_TIMEOUT, else 30",
     )
+    gw.add_argument("--heartbeat-window", type=float, default=window, help=window_help)
     add_serving_flags(gw)
     gw.set_defaults(func=_gateway)
 
@@ -666,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--timeout", type=float, default=control_timeout,
                        help="seconds to wait for a reply from each live worker concerned (ended "
                             "once all replied); default $BATCHFLEET_CONTROL_TIMEOUT, else 30")  # fmt: skip
+        c.add_argument("--heartbeat-window", type=float, default=window, help=window_help)
         c.set_defaults(func=_control)
     return parser
 

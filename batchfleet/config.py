@@ -18,8 +18,10 @@ Environment: ``REDIS_URL`` or ``BATCHFLEET_REDIS_URL``; nested keys with ``__``,
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +71,10 @@ class BatchConfig(BaseModel):
         )
 
 
+SERVING_FIELDS = {"runner", "path", "device", "dtype", "max_tokens", "options"}
+"""The fields of a model's entry that :meth:`ModelConfig.serving_hash` covers."""
+
+
 class ModelConfig(BaseModel):
     """One served model."""
 
@@ -98,6 +104,16 @@ class ModelConfig(BaseModel):
         if self.limits.max_inputs > self.batch.max_batch_size:
             self.limits = self.limits.model_copy(update={"max_inputs": self.batch.max_batch_size})
         return self
+
+    def serving_hash(self, version: str) -> str:
+        """SHA-256 (hex) of what decides the model's answers: batchfleet's ``version`` and
+        the runner, weights, device, dtype, token bound and runner options (vLLM's
+        ``VllmConfig.compute_hash``, behind its ``system_fingerprint``); what only queues
+        and schedules (lanes, batch policy, limits, TTLs) is left out, so a live policy
+        change keeps it."""
+        chosen = self.model_dump(mode="json", include=SERVING_FIELDS)
+        text = json.dumps({"batchfleet": version, **chosen}, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def resolved_path(self) -> Path | None:
         return None if self.path is None else resolve_model_path(self.path)

@@ -21,8 +21,9 @@ from .schemas.keys import ModelKeys
 DEFAULT_TIMEOUT_S = 30.0
 """How long the workers' replies are awaited (reading an adapter takes a while)."""
 HEARTBEAT_WINDOW_MS = 6000
-"""A worker whose last heartbeat is this recent is waited for (the fleet's default
-``heartbeat_timeout_ms``: past it, the fleet takes the worker for dead)."""
+"""A worker whose last heartbeat is this recent is waited for, where its model's workers
+published no ``heartbeat_timeout_ms`` (older workers) and none is given: the fleet's
+default (past it, the fleet takes the worker for dead)."""
 
 Send = Callable[..., dict[str, Any]]
 """:func:`~batchfleet.remote.send_to_all`'s signature: broker, command, arguments,
@@ -54,26 +55,75 @@ class Replies:
         return f"{', '.join(self.missing)} did not reply within {self.waited_s:g} s"
 
 
-def live_among(redis_time: Sequence[Any], beats: Iterable[Mapping[Any, Any]]) -> list[str]:
-    """The consumer names among ``beats`` (heartbeat hashes: name → unix ms) whose last
-    heartbeat is within :data:`HEARTBEAT_WINDOW_MS` of ``redis_time`` (``TIME``'s
-    reply), sorted."""
+def window_ms(published: Any, given_ms: int | None = None) -> int:
+    """How recent a heartbeat must be for its worker to be waited for: ``given_ms`` (the
+    operator's ``--heartbeat-window``), else what the model's workers published (their
+    fleet file's ``heartbeat_timeout_ms``: ``bf:{model}:heartbeat_timeout_ms``), else
+    :data:`HEARTBEAT_WINDOW_MS`."""
+    if given_ms is not None:
+        return given_ms
+    try:
+        return max(1, int(published))
+    except (TypeError, ValueError):  # none published (older workers), or not a number
+        return HEARTBEAT_WINDOW_MS
+
+
+def live_among(
+    redis_time: Sequence[Any], beats: Iterable[Mapping[Any, Any]], windows: Iterable[int] = ()
+) -> list[str]:
+    """The consumer names among ``beats`` (heartbeat hashes: name → unix ms, one a model)
+    whose last heartbeat is within its model's window (``windows``, in the same order;
+    :data:`HEARTBEAT_WINDOW_MS` where none is given) of ``redis_time`` (``TIME``'s reply),
+    sorted."""
     seconds, micros = redis_time
     now_ms = int(seconds) * 1000 + int(micros) // 1000
+    hearts = list(beats)
+    limits = [*windows, *[HEARTBEAT_WINDOW_MS] * len(hearts)]
     return sorted({(k.decode() if isinstance(k, bytes) else str(k))
-                   for hearts in beats for k, v in hearts.items()
-                   if now_ms - int(v) <= HEARTBEAT_WINDOW_MS})  # fmt: skip
+                   for h, limit in zip(hearts, limits, strict=False) for k, v in h.items()
+                   if now_ms - int(v) <= limit})  # fmt: skip
 
 
-def live_workers(client: SyncClient, models: Sequence[str]) -> list[str]:
-    """:func:`live_among` the heartbeats of ``models``, in one round trip (the gateway's
-    asynchronous twin: :func:`batchfleet.producer.gateway.fleet_control.live_workers`)."""
+def live_workers(
+    client: SyncClient, models: Sequence[str], given_ms: int | None = None
+) -> tuple[list[str], int]:
+    """:func:`live_among` the heartbeats of ``models``, each model's window as
+    :func:`window_ms` says, in one round trip; and the longest window applied (for a
+    message). The gateway's asynchronous twin:
+    :func:`batchfleet.producer.gateway.fleet_control.live_workers`."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
     for model in models:
         pipe.hgetall(ModelKeys(model).workers)
-    now, *beats = pipe.execute()
-    return live_among(now, beats)
+        pipe.get(ModelKeys(model).heartbeat_timeout)
+    now, *replies = pipe.execute()
+    windows = [window_ms(p, given_ms) for p in replies[1::2]]
+    return live_among(now, replies[0::2], windows), max(windows, default=window_ms(None, given_ms))
+
+
+def hostnames(client: SyncClient, models: Sequence[str]) -> dict[str, str]:
+    """The Celery hostnames the workers of ``models`` published: consumer name → hostname
+    (``bf:{model}:hostnames``; none from workers older than it)."""
+    pipe = client.pipeline(transaction=False)
+    for model in models:
+        pipe.hgetall(ModelKeys(model).hostnames)
+    return {_text(k): _text(v) for found in pipe.execute() for k, v in found.items()}
+
+
+def addressed(
+    live: Sequence[str], hosts: Mapping[str, str], destination: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """The live consumers ``destination`` names (each by its consumer name or its Celery
+    hostname, ``hosts``), and the destination that reaches each of them: ``destination``
+    with their hostnames (a worker named in its fleet file but started as ``celery worker
+    -n OTHER``: its name does not match its hostname)."""
+    chosen = [c for c in live if named(c, destination) or named(hosts.get(c, c), destination)]
+    extra = [hosts[c] for c in chosen if c in hosts and hosts[c] not in destination]
+    return chosen, [*destination, *extra]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def named(consumer: str, destination: Collection[str]) -> bool:

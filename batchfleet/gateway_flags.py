@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 CORS_FLAGS = ("allowed_methods", "allowed_headers", "allow_credentials")
-FINGERPRINT_MODES = ("none", "custom")
-"""vLLM's modes the gateway has (``full`` and ``hash`` describe a vLLM server)."""
+FINGERPRINT_MODES = ("full", "hash", "custom", "none")
+"""vLLM's ``--fingerprint-mode`` values (:mod:`.producer.gateway.fingerprint`)."""
 
 
 def _env(flag: str) -> str | None:
@@ -81,9 +81,10 @@ def _add_frontend_flags(gw: argparse.ArgumentParser) -> None:
                          help="a chat answer's role where the request adds the generation "
                          "prompt (default assistant)")  # fmt: skip
     answers.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES,
-                         default=_env("--fingerprint-mode") or "none",
-                         help="whole answers' system_fingerprint: none (null) or custom "
-                         "(--fingerprint-value)")  # fmt: skip
+                         default=_env("--fingerprint-mode") or "full",
+                         help="whole answers' system_fingerprint: full (default: "
+                         "batchfleet-VERSION[-dpN]-HASH8 of the model's workers), hash "
+                         "(without dpN), custom (--fingerprint-value) or none (null)")  # fmt: skip
     answers.add_argument("--fingerprint-value", default=_env("--fingerprint-value"),
                          help="the system_fingerprint of --fingerprint-mode custom")  # fmt: skip
     _switch(
@@ -124,14 +125,16 @@ def _frontend(args: argparse.Namespace) -> Frontend:
     if not args.response_role:
         raise ValueError("--response-role must not be empty")
     if args.fingerprint_mode not in FINGERPRINT_MODES:  # from the environment
-        raise ValueError(f"--fingerprint-mode must be none or custom, not {args.fingerprint_mode}")
+        raise ValueError(f"--fingerprint-mode must be one of {', '.join(FINGERPRINT_MODES)}, "
+                         f"not {args.fingerprint_mode}")  # fmt: skip
     custom = args.fingerprint_mode == "custom"
     if custom != bool(args.fingerprint_value):
         raise ValueError("--fingerprint-mode custom needs --fingerprint-value" if custom else
                          "--fingerprint-value given without --fingerprint-mode custom")  # fmt: skip
     return Frontend(args.response_role, args.fingerprint_value,
                     args.enable_force_include_usage, args.exclude_tools_when_tool_choice_none,
-                    args.enable_per_request_metrics, args.enable_tokenizer_info_endpoint)  # fmt: skip
+                    args.enable_per_request_metrics, args.enable_tokenizer_info_endpoint,
+                    args.fingerprint_mode)  # fmt: skip
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:

@@ -29,7 +29,8 @@ def init_groups(fleet: FleetConfig, models: list[str] | None = None) -> dict[str
         for name in names:
             cfg = fleet.models[name]
             streams = ModelStreams(client, name, cfg.lanes, consumer="init-groups")
-            streams.ensure_groups(cfg.max_queue_depth, cfg.limits)
+            streams.ensure_groups(cfg.max_queue_depth, cfg.limits,
+                                  heartbeat_timeout_ms=fleet.worker.heartbeat_timeout_ms)  # fmt: skip
             created[name] = streams.streams
             logger.info("model %s: group ready on %s", name, ", ".join(streams.streams))
         return created

@@ -42,10 +42,14 @@ class _AllReplied(Exception):
 
 def replied_as(host: str, reply: Any, names: Collection[str]) -> str | None:
     """Which of ``names`` (consumer names, as a model's heartbeats list them) the reply of
-    Celery worker ``host`` is from: its reply's ``consumer``, else (a worker older than
-    that field) its hostname, or the name before its ``@``; None: none of them."""
+    Celery worker ``host`` is from: its reply's ``consumer`` where it has one (exactly:
+    a worker's consumer name need not be its hostname's, under plain ``celery worker -n``),
+    else (a worker older than that field) its hostname, or the name before its ``@``;
+    None: none of them."""
     consumer = reply.get("consumer") if isinstance(reply, dict) else None
-    for name in (consumer, host, host.split("@", 1)[0]):
+    if isinstance(consumer, str):
+        return consumer if consumer in names else None
+    for name in (host, host.split("@", 1)[0]):
         if name in names:
             return name
     return None

@@ -55,15 +55,14 @@ def _response_role(flag: Flag, out: Conversion) -> None:
 
 
 def _fingerprint_mode(flag: Flag, out: Conversion) -> None:
-    """``custom`` is the gateway's; ``none`` its default; ``full`` and ``hash`` describe a
-    vLLM server (its version, parallelism and config)."""
-    if flag.value == "custom":
+    """``full`` is vLLM's default and the gateway's (its workers' version, live workers as
+    ``dp`` and serving hash in place of vLLM's); ``hash``, ``custom`` and ``none`` are the
+    gateway's flag of the same value."""
+    if flag.value == "full":
+        out.judged(flag, True, "the gateway's default: batchfleet-VERSION[-dpN]-HASH8 of "
+                   "the model's workers (their serving hash in place of vLLM's config's)")  # fmt: skip
+    elif flag.value in ("hash", "custom", "none"):
         out.gateway.append((flag.name, flag.value))
-    elif flag.value in ("full", "hash"):
-        out.judged(flag, False, "vLLM's own version and config hash: the gateway's "
-                   "system_fingerprint is null, or --fingerprint-mode custom's value")  # fmt: skip
-    elif flag.value == "none":
-        out.judged(flag, True, "system_fingerprint is null, the gateway's default")
     else:
         raise ValueError("full, hash, custom or none")
 
@@ -89,12 +88,13 @@ def serving_defaults(out: Conversion) -> None:
     without ``--fingerprint-mode custom`` to nothing (a ``ValueError``: custom without a
     value)."""
     given = {args[0] for args in out.gateway}
-    if "--fingerprint-value" in given and "--fingerprint-mode" not in given:
+    custom = ("--fingerprint-mode", "custom") in out.gateway
+    if "--fingerprint-value" in given and not custom:
         value = next(a for a in out.gateway if a[0] == "--fingerprint-value")
         out.gateway.remove(value)
         out.needless.append(f"{' '.join(value)}: read with --fingerprint-mode custom only "
                             "(as vLLM reads it)")  # fmt: skip
-    elif "--fingerprint-mode" in given and "--fingerprint-value" not in given:
+    elif custom and "--fingerprint-value" not in given:
         raise ValueError("--fingerprint-mode custom needs --fingerprint-value")
     if given & set(CORS_FLAGS) and "--allowed-origins" not in given:
         at = min(i for i, args in enumerate(out.gateway) if args[0] in CORS_FLAGS)

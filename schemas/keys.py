@@ -127,6 +127,19 @@ class ModelKeys:
         return f"{self.tag}:workers"
 
     @property
+    def hostnames(self) -> str:
+        """Hash of the model's workers' Celery hostnames: consumer name → hostname (where
+        control broadcasts reach it), written by each worker when it starts."""
+        return f"{self.tag}:hostnames"
+
+    @property
+    def heartbeat_timeout(self) -> str:
+        """A string holding the fleet's ``heartbeat_timeout_ms`` (past it, a worker whose
+        heartbeat stopped is taken for dead), written by workers as they start, for the
+        gateway's and the CLI's control commands: whom to wait for."""
+        return f"{self.tag}:heartbeat_timeout_ms"
+
+    @property
     def lanes_key(self) -> str:
         """A string holding the model's lane count, written by workers for producers."""
         return f"{self.tag}:lanes"

@@ -58,6 +58,13 @@ class ModelInfo(_Answer):
     """A generating model: its workers take a chat message's ``content`` as a list of text
     parts (and join them or not as its ``chat_template_content_format`` says). None: workers
     before it, which take text only: a gateway joins the parts by newlines for them."""
+    version: str | None = Field(None, max_length=64)
+    """The batchfleet version of the worker that published it (None: workers before it)."""
+    config_hash: str | None = Field(None, pattern=r"^[0-9a-f]{8,64}$")
+    """SHA-256 (hex) of the worker's serving configuration of the model (its version, and
+    its fleet-file entry's runner, weights, device, dtype and runner options: what decides
+    answers, not how they are scheduled): a gateway's ``system_fingerprint`` (vLLM's
+    ``--fingerprint-mode full`` and ``hash``). None: workers before it."""
     created: int = Field(0, ge=0)
     """Unix seconds when a worker first published the model's info (kept by later ones)."""
 

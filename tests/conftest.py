@@ -152,16 +152,17 @@ def fleet_toml(
 class WorkerProcess:
     """A real `batchfleet worker` (Celery worker) process."""
 
-    def __init__(self, config: Path, name: str, log: Path, *extra: str) -> None:
+    def __init__(self, config: Path, name: str, log: Path, *extra: str, named: bool = True) -> None:
         self.name = name
-        """Its consumer name in the groups."""
+        """Its consumer name in the groups (given as ``--name`` where ``named``; else the
+        fleet file's ``[worker] name``)."""
         self.log = log
         here = str(Path(__file__).parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "batchfleet", "worker", "--config", str(config),
-             "--name", name, "--loglevel", "INFO", *extra],
+             *(["--name", name] if named else []), "--loglevel", "INFO", *extra],
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
             env=env,
@@ -201,10 +202,10 @@ class WorkerProcess:
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def start(config_text: str, name: str, *extra: str) -> WorkerProcess:
+    def start(config_text: str, name: str, *extra: str, named: bool = True) -> WorkerProcess:
         config = tmp_path / f"{name}.toml"
         config.write_text(config_text)
-        w = WorkerProcess(config, name, tmp_path / f"{name}.log", *extra)
+        w = WorkerProcess(config, name, tmp_path / f"{name}.log", *extra, named=named)
         started.append(w)
         return w
 

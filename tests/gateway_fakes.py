@@ -96,8 +96,15 @@ class ScriptedWorker:
                                   usage=usage))  # fmt: skip
 
     def start(self, taken: Taken) -> None:
-        """Admit it, as a worker marks it when its prefill begins (before any token)."""
+        """Admit it, as a worker marks it when its prefill begins (before any token); a
+        live worker (its heartbeat now)."""
+        self.beat()
         self.streams.mark_started([(taken.id, 60)])
+
+    def beat(self, age_ms: int = 0) -> None:
+        """Its heartbeat, ``age_ms`` ago by the Redis clock."""
+        seconds, micros = self.streams.client.time()
+        self.streams.heartbeat(seconds * 1000 + micros // 1000 - age_ms)
 
     def delta(self, taken: Taken, seq: int, text: str | None = None) -> None:
         """Its token stream's entry ``seq``: ``text`` (one token), or the end (None)."""

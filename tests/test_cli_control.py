@@ -13,8 +13,8 @@ from broker_fakes import scripted_broker
 from kombu.matcher import match
 
 from batchfleet import cli
-from batchfleet.control_wait import HEARTBEAT_WINDOW_MS, named
-from batchfleet.remote import destination_pattern
+from batchfleet.control_wait import HEARTBEAT_WINDOW_MS, addressed, named
+from batchfleet.remote import destination_pattern, replied_as
 
 LOADED = {"ok": "load_lora x: gen serves x", "models": ["gen"], "lora_adapters": {"gen": ["x"]}}
 OTHER = {"ok": "no loop for 'gen' here", "models": []}
@@ -153,3 +153,77 @@ def test_a_destination_is_a_hostname_or_a_name_on_every_host(
     assert named(hostname, names) is reached  # a worker without --name: its hostname
     if reached:  # a worker with --name: its consumer name is that name
         assert named(hostname.split("@")[0], names)
+
+
+def test_the_heartbeat_window_is_what_the_workers_published_unless_given(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Given gen's workers, which published a 20 s heartbeat timeout; w2 silent for 10 s
+    beats(r, "gen", "w1")
+    seconds, _ = r.time()
+    r.hset(ModelKeys("gen").workers, "w2", seconds * 1000 - 10_000)
+    r.set(ModelKeys("gen").heartbeat_timeout, 20_000)
+    paused = {"ok": "pause", "models": ["gen"], "consumer": "w1"}
+    # When gen is paused and only w1 replies
+    scripted_broker(monkeypatch, {"w1@h": paused})
+    code, _, err = run(capsys, redis_url, "pause", "gen", "--timeout", "2")
+    # Then w2 was waited for (live within the fleet's 20 s) and is named
+    assert code == 3 and "w2 did not reply within 2 s" in err
+    # but not where the operator's window is shorter than its silence
+    scripted_broker(monkeypatch, {"w1@h": paused})
+    assert run(capsys, redis_url, "pause", "gen", "--heartbeat-window", "5")[:2] == (
+        0, 'w1@h: {"ok": "pause", "models": ["gen"], "consumer": "w1"}\n')  # fmt: skip
+    # and where no worker is live, the message says which window was applied
+    broker = scripted_broker(monkeypatch)
+    r.hset(ModelKeys("gen").workers, "w1", seconds * 1000 - 1000)
+    monkeypatch.setenv("BATCHFLEET_HEARTBEAT_WINDOW", "0.001")
+    code, _, err = run(capsys, redis_url, "pause", "gen")
+    assert (code, broker.sent) == (1, []) and "within 0.001 s" in err
+
+
+def test_a_reply_that_names_its_consumer_is_known_by_it_alone() -> None:
+    # a worker named w1 in its fleet file, under plain `celery worker -n w2@h`
+    assert replied_as("w2@h", {"consumer": "w1"}, ["w1", "w2"]) == "w1"
+    assert replied_as("w2@h", {"consumer": "w1"}, ["w2"]) is None  # not w2's reply
+    # a worker older than `consumer`: its hostname, or the name before its @
+    assert replied_as("w2@h", {"ok": "pause"}, ["w2@h"]) == "w2@h"
+    assert replied_as("w2@h", {"ok": "pause"}, ["w2"]) == "w2"
+    assert replied_as("w2@h", {"ok": "pause"}, ["w1"]) is None
+
+
+def test_destination_finds_a_worker_whose_hostname_is_not_its_name(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # Given w4, named in its fleet file but started as `celery worker -n c4@h` (its
+    # hostname published), and w1 (by --name: w1@h)
+    beats(r, "gen", "w1", "w4")
+    r.hset(ModelKeys("gen").hostnames, mapping={"w4": "c4@h", "w1": "w1@h"})
+    replies = ({"w1@h": {"ok": "drain", "models": ["gen"], "consumer": "w1"}},
+               {"c4@h": {"ok": "drain", "models": ["gen"], "consumer": "w4"}})  # fmt: skip
+    for name in ("w4", "c4", "c4@h"):
+        # When it is drained by its name, or its hostname
+        broker = scripted_broker(monkeypatch, *replies)
+        code, out, err = run(capsys, redis_url, "drain", "gen", "-d", name)
+        # Then it alone got it, and was waited for
+        assert (code, err, broker.delivered) == (0, "", 1), name
+        assert out.startswith("c4@h: ")
+    assert addressed(["w1", "w4"], {"w4": "c4@h"}, ["w4"]) == (["w4"], ["w4", "c4@h"])
+
+
+def test_init_groups_publishes_the_fleet_s_heartbeat_timeout(
+    redis_url: str, r: redis.Redis
+) -> None:
+    from batchfleet.config import FleetConfig, ModelConfig, WorkerConfig
+    from batchfleet.control_wait import live_workers
+    from batchfleet.groups import init_groups
+
+    # Given a fleet file whose workers are taken for dead after 15 s of silence, deployed
+    fleet = FleetConfig(redis_url=redis_url, models={"gen": ModelConfig()},
+                        worker=WorkerConfig(heartbeat_timeout_ms=15_000))  # fmt: skip
+    init_groups(fleet)
+    # Then a worker silent for 10 s is still waited for, before any worker started
+    seconds, _ = r.time()
+    r.hset(ModelKeys("gen").workers, "w1", seconds * 1000 - 10_000)
+    assert live_workers(r, ["gen"]) == (["w1"], 15_000)

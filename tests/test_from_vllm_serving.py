@@ -46,9 +46,11 @@ def gateway_args(tmp_path: Path, flags: list[str]) -> tuple[list[str], str]:
      ["--response-role", "bot", "--fingerprint-mode", "custom", "--fingerprint-value", "fp-7",
       "--enable-force-include-usage", "--exclude-tools-when-tool-choice-none",
       "--enable-per-request-metrics", "--enable-tokenizer-info-endpoint"]),
-    (["--response-role", "assistant", "--fingerprint-mode", "none",
+    (["--response-role", "assistant", "--fingerprint-mode", "full",
       "--no-enable-force-include-usage", "--disable-tokenizer-info-endpoint",
       "--no-exclude-tools-when-tool-choice-none", "--disable-per-request-metrics"], []),
+    (["--fingerprint-mode", "hash"], ["--fingerprint-mode", "hash"]),
+    (["--fingerprint-mode", "none"], ["--fingerprint-mode", "none"]),
 ])  # fmt: skip
 def test_serving_flags_become_the_gateways(
     tmp_path: Path, flags: list[str], expect: list[str]
@@ -63,16 +65,18 @@ def test_tls_flags_without_a_certificate_are_plain_http_as_vllms(tmp_path: Path)
     assert "--ssl-keyfile /t/k.pem: no --ssl-certfile, so plain HTTP" in text
 
 
-def test_fingerprints_the_gateway_has_no_counterpart_of(tmp_path: Path) -> None:
-    # vLLM's own fingerprints (its version and config) are listed; a value without custom
-    # is read by nothing, as vLLM's
-    for mode in ("full", "hash"):
-        args, text = gateway_args(tmp_path, ["--fingerprint-mode", mode])
-        assert args == [] and f"--fingerprint-mode {mode}: vLLM's own version" in text
+def test_fingerprints_as_vllm_reads_them(tmp_path: Path) -> None:
+    # full is vLLM's default and the gateway's; a value without custom is read by nothing,
+    # as vLLM's
+    args, text = gateway_args(tmp_path, ["--fingerprint-mode", "full"])
+    assert args == [] and "--fingerprint-mode full: the gateway's default" in text
     args, text = gateway_args(tmp_path, ["--response-role", "assistant"])
     assert args == [] and "--response-role assistant: answers' role is assistant" in text
-    args, text = gateway_args(tmp_path, ["--fingerprint-value", "fp-7"])
-    assert args == [] and "--fingerprint-value fp-7: read with --fingerprint-mode custom" in text
+    for flags in (["--fingerprint-value", "fp-7"],
+                  ["--fingerprint-mode", "hash", "--fingerprint-value", "fp-7"]):  # fmt: skip
+        args, text = gateway_args(tmp_path, flags)
+        assert "--fingerprint-value" not in args
+        assert "--fingerprint-value fp-7: read with --fingerprint-mode custom" in text
 
 
 @pytest.mark.parametrize(("flags", "said"), [

@@ -68,6 +68,36 @@ def test_the_workers_waited_for_are_those_of_the_model_with_a_recent_heartbeat(
     asyncio.run(go())
 
 
+def test_the_window_is_the_fleet_s_heartbeat_timeout_as_workers_publish_it_or_the_option(
+    redis_url: str, r: redis.Redis
+) -> None:
+    # Given lm's workers, which published a 20 s heartbeat timeout (their fleet file's),
+    # one of them silent for 10 s; and enc's, whose workers published none (older ones)
+    seconds, micros = r.time()
+    now = seconds * 1000 + micros // 1000
+    r.set(ModelKeys("lm").heartbeat_timeout, 20_000)
+    r.hset(ModelKeys("lm").workers, mapping={"w1": now, "slow": now - 10_000})
+    r.hset(ModelKeys("enc").workers, mapping={"e1": now, "e2": now - 10_000})
+    r.set(ModelKeys("odd").heartbeat_timeout, "soon")
+    r.hset(ModelKeys("odd").workers, mapping={"o1": now - HEARTBEAT_WINDOW_MS + 500})
+
+    async def go() -> None:
+        client = connect_async(redis_url)
+        try:
+            # Then the one silent for 10 s is live for lm (its 20 s), not for enc (6 s)
+            assert await live_workers(client, ["lm", "enc"]) == ["e1", "slow", "w1"]
+            # an unreadable value is the default's
+            assert await live_workers(client, ["odd"]) == ["o1"]
+            # and the gateway's option wins over what workers published
+            admin = LoraAdmin("redis://b", heartbeat_window_ms=30_000)
+            assert await admin.live(client, ["enc"]) == ["e1", "e2"]
+            assert await live_workers(client, ["lm"], 5_000) == ["w1"]
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+
+
 def test_a_worker_that_replies_after_the_wait_is_named_not_taken_for_absent(
     redis_url: str, r: redis.Redis
 ) -> None:
@@ -121,3 +151,9 @@ def test_the_wait_is_a_gateway_setting_for_both_routes(monkeypatch: pytest.Monke
     monkeypatch.setenv("BATCHFLEET_CONTROL_TIMEOUT", "45")
     on = gateway("--redis-url", url, "--server-dev-mode")
     assert on["dev_admin"] == DevAdmin(url, 45.0)
+    # the heartbeat window: none given, the workers' published timeout; else in seconds
+    on = gateway("--redis-url", url, "--server-dev-mode", "--heartbeat-window", "12.5")
+    assert on["dev_admin"] == DevAdmin(url, 45.0, heartbeat_window_ms=12_500)
+    monkeypatch.setenv("BATCHFLEET_HEARTBEAT_WINDOW", "20")
+    on = gateway("--redis-url", url, "--allow-runtime-lora-updating")
+    assert on["lora_admin"] == LoraAdmin(url, 45.0, heartbeat_window_ms=20_000)

@@ -1,5 +1,5 @@
 """vLLM's frontend switches on the gateway (``--response-role``, ``--fingerprint-mode
-custom``, ``--enable-force-include-usage``, ``--exclude-tools-when-tool-choice-none``,
+custom`` (its other modes: ``test_gateway_fingerprint.py``), ``--enable-force-include-usage``, ``--exclude-tools-when-tool-choice-none``,
 ``--enable-per-request-metrics``, ``--enable-tokenizer-info-endpoint``): the rules as
 functions, then the gateway in-process against a real Redis with the test playing the
 worker, a real worker publishing its tokenizer, and the command line."""
@@ -36,7 +36,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 TIMINGS = Timings(queued_ms=5.0, batch_wait_ms=15.0, inference_ms=100.0, total_ms=121.0,
                   first_token_ms=40.0)  # fmt: skip
 """Scheduled 20 ms after enqueue, first token at 40, last at 120."""
-ALL_ON = Frontend("bot", "fp-7", True, True, True, True)
+ALL_ON = Frontend("bot", "fp-7", True, True, True, True, "custom")
 
 
 def gen(text: str = "Hi!", tokens: int = 5) -> dict[str, Any]:
@@ -104,7 +104,7 @@ def test_timing_metrics_are_vllm_s_from_the_fleet_s_timings() -> None:
 
 
 def test_whole_answers_carry_the_role_fingerprint_and_metrics() -> None:
-    answered = Answered("x-1", 1700000000, frontend=ALL_ON)
+    answered = Answered("x-1", 1700000000, frontend=ALL_ON, system_fingerprint="fp-7")
     chat = chat_response(CHAT, result(gen()), answered)
     assert chat["choices"][0]["message"]["role"] == "bot"
     assert chat["system_fingerprint"] == "fp-7"
@@ -209,10 +209,11 @@ def test_the_switches_on_the_gateway(redis_url: str) -> None:
             assert events[0]["choices"][0]["delta"]["role"] == "bot"
             assert events[-1]["usage"]["total_tokens"] == 8
             assert events[-1]["metrics"]["queue_time_ms"] == 20.0
-        async with gateway_in_process(redis_url) as port:  # off: vLLM's defaults
+        async with gateway_in_process(redis_url) as port:  # vLLM's defaults (fingerprint: full)
             request, answer = await ask(port, CHAT | {"tools": TOOLS, "tool_choice": "none"})
             assert request.tools is not None
             assert answer["choices"][0]["message"]["role"] == "assistant"
+            # its workers publish no serving hash: the fingerprint is not known
             assert answer["system_fingerprint"] is None and "metrics" not in answer
             _, events = await ask(port, CHAT | {"stream": True})
             assert all("usage" not in e for e in events)
@@ -299,7 +300,7 @@ def test_the_gateway_s_flags_and_their_environment_defaults(
     monkeypatch.setenv("BATCHFLEET_ENABLE_FORCE_INCLUDE_USAGE", "true")
     monkeypatch.setenv("BATCHFLEET_FINGERPRINT_MODE", "custom")
     monkeypatch.setenv("BATCHFLEET_FINGERPRINT_VALUE", "fp-env")
-    assert gateway(*url)["frontend"] == Frontend("bot", "fp-env", True)
+    assert gateway(*url)["frontend"] == Frontend("bot", "fp-env", True, fingerprint_mode="custom")
 
 
 @pytest.mark.parametrize(("flags", "said"), [

@@ -163,6 +163,29 @@ def test_a_background_response_is_in_progress_once_a_worker_admits_it_before_any
     run(redis_url, scenario)
 
 
+def test_a_background_response_whose_worker_died_is_queued_again(
+    redis_url: str, r: redis.Redis
+) -> None:
+    async def scenario(port: int, fake: ScriptedWorker) -> None:
+        # Given a background response admitted by a worker: in_progress
+        _, polled = await call(port, "POST", "/v1/responses", ASK)
+        taken = await asyncio.to_thread(fake.take)
+        await asyncio.to_thread(fake.start, taken)
+        assert (await get(port, polled["id"]))["status"] == "in_progress"
+        # When the worker dies (its heartbeat stops; no worker took its request over yet)
+        await asyncio.to_thread(fake.beat, 60_000)
+        # Then the response is queued again, on every gateway (its started key stands)
+        assert await get(port, polled["id"]) == polled
+        assert r.get(ModelKeys(MODEL).started(taken.id)) == b"w1"
+        # and in progress again once a live worker admits it
+        heir = ScriptedWorker(r, MODEL)
+        heir.streams.consumer = "w2"
+        await asyncio.to_thread(heir.start, taken)
+        assert (await get(port, polled["id"]))["status"] == "in_progress"
+
+    run(redis_url, scenario)
+
+
 def test_a_streamed_background_response_resumes_on_another_gateway(
     redis_url: str, r: redis.Redis
 ) -> None:

@@ -70,6 +70,22 @@ def test_a_dead_workers_entries_are_taken_over_once_its_heartbeat_stops(
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
 
 
+def test_a_request_taken_over_from_a_dead_worker_is_no_longer_started(
+    r: redis.Redis, runner: EmbeddingRunner
+) -> None:
+    # Given a request a worker admitted (its started key names it) before it died
+    held_by(r, "dead", Request(id="orphan", model=MODEL, inputs=["the dog"]), 10_000)
+    r.set(KEYS.started("orphan"), "dead", ex=60)
+    r.set(KEYS.started("other"), "dead", ex=60)  # another request: not this entry's
+    time.sleep(0.3)
+    # When a live worker takes it over (an embedding loop: it never marks one started)
+    run_loop(r, runner, heartbeat_timeout_ms=200, block_ms=300)
+    # Then its started key went with the takeover: it waited again, not "in progress"
+    assert decode_result(r.get(KEYS.result("orphan"))).ok
+    assert not r.exists(KEYS.started("orphan"))
+    assert r.get(KEYS.started("other")) == b"dead"
+
+
 def test_a_live_workers_long_batch_is_not_taken(r: redis.Redis, runner: EmbeddingRunner) -> None:
     # Given a worker computing a request for a long time, still beating
     held_by(r, "busy", Request(id="long", model=MODEL, inputs=["the dog"]), 0)

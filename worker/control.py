@@ -195,11 +195,22 @@ def _loops(state: Any, model: str | None) -> list[BatchLoop]:
     return [lp for lp in loops if model in (None, "", lp.model)]
 
 
+def _elsewhere(state: Any, model: str | None) -> dict[str, Any]:
+    """The reply of a worker that does not serve ``model`` (not an error: a broadcast
+    reaches every worker), with its consumer name where it has one: who replied."""
+    reply: dict[str, Any] = {"ok": f"no loop for {model!r} here", "models": []}
+    return reply | _me(_loops(state, None))
+
+
+def _me(loops: Sequence[BatchLoop]) -> dict[str, Any]:
+    """Who replies: its consumer name (the heartbeats'), not always its Celery hostname."""
+    return {"consumer": loops[0].consumer} if loops else {}
+
+
 def _act(state: Any, model: str | None, what: str) -> dict[str, Any]:
     loops = _loops(state, model)
     if not loops:
-        # Not an error: a broadcast reaches workers that do not serve this model.
-        return {"ok": f"no loop for {model!r} here", "models": []}
+        return _elsewhere(state, model)
     for lp in loops:
         getattr(lp, what)()
         logger.info("control: %s %s", what, lp.model)
@@ -289,8 +300,8 @@ def bf_policy(state: Any, model: str, settings: Sequence[str] = ()) -> dict[str,
     model, its budgets (:data:`GENERATION_KNOBS`)."""
     loops = _loops(state, model)
     if not loops:
-        return {"ok": f"no loop for {model!r} here", "models": []}
-    me = {"consumer": loops[0].consumer}  # its name in the heartbeats: who replied
+        return _elsewhere(state, model)
+    me = _me(loops)
     try:
         changes = parse_settings([s for s in settings if s != model])
     except ValueError as exc:
@@ -340,10 +351,10 @@ def bf_unload_lora(state: Any, model: str, name: str) -> dict[str, Any]:
 
 def _lora(state: Any, model: str, what: str, *args: str) -> dict[str, Any]:
     if not model:
-        return {"error": "name the model"}
+        return {"error": "name the model", **_me(_loops(state, None))}
     loops = _loops(state, model)
     if not loops:
-        return {"ok": f"no loop for {model!r} here", "models": []}
+        return _elsewhere(state, model)
     reply: dict[str, Any] = {"ok": "", "models": [], "lora_adapters": {},
                              "consumer": loops[0].consumer}  # fmt: skip
     if what == "load_lora":
@@ -383,7 +394,7 @@ def bf_reset_prefix_cache(state: Any, model: str | None = None) -> dict[str, Any
     to empty)."""
     loops = _loops(state, model)
     if not loops:
-        return {"ok": f"no loop for {model!r} here", "models": []}
+        return _elsewhere(state, model)
     cleared = []
     for lp in loops:
         reset = getattr(lp.runner, "reset_prefix_cache", None)
@@ -446,7 +457,7 @@ def publish_info(loop: BatchLoop) -> None:
     gateways' ``/v1/models``; also what its intake publishes when it reconnects."""
     if loop.streams is None:
         return
-    info = model_info(loop.runner, loop.config.limits, int(time.time()))
+    info = model_info(loop.runner, loop.config.limits, int(time.time()), loop.config)
     if hasattr(loop.parts.source, "info"):
         loop.parts.source.info = info
     loop.streams.publish_info(info)

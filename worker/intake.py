@@ -110,7 +110,8 @@ class Intake:
         if self._sync_clock is not None:
             self._sync_clock()
         self._max_depth = max_depth
-        self.streams.ensure_groups(max_depth, self.limits, self.info, self.tokenizer)
+        self.streams.ensure_groups(max_depth, self.limits, self.info, self.tokenizer,
+                                   self.worker.heartbeat_timeout_ms)  # fmt: skip
         # A fresh loop holds nothing: whatever is pending under this name was left by an
         # earlier process of the same name (a container restarted in place).
         self._own = self.streams.own_pending()
@@ -211,8 +212,9 @@ class Intake:
                     logger.warning("consumer group gone (%s): creating it again", exc)
                     with contextlib.suppress(redis.RedisError):
                         self.streams.ensure_groups(
-                            self._max_depth, self.limits, self.info, self.tokenizer
-                        )
+                            self._max_depth, self.limits, self.info, self.tokenizer,
+                            self.worker.heartbeat_timeout_ms,
+                        )  # fmt: skip
                         continue
                 with self._cond:
                     self._cond.wait(1.0)
@@ -396,9 +398,12 @@ class Intake:
         return self.streams.cancelled(ids)
 
     def _answered(self, entries: list[Entry]) -> list[Retiring]:
+        """The redelivered entries whose request has a result already; the others wait
+        again here, so their ``started`` keys (a previous holder's) go until admitted."""
         again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
         known = [Retiring(e, env.id, env.reply) for e, env in again if env.id is not None]
         if not known:
             return []
         have = self.streams.have_results([k.request_id for k in known])
+        self.streams.requeued([k.request_id for k, h in zip(known, have, strict=True) if not h])
         return [k for k, h in zip(known, have, strict=True) if h]

@@ -90,7 +90,7 @@ def redis_parts(
     source = Intake(
         streams, worker, config.limits, clock, inbox.put, sync_clock=clock.sync,
         check_cancels=is_continuous(runner), name=f"intake-{model}",
-        info=model_info(runner, config.limits, int(time.time())),
+        info=model_info(runner, config.limits, int(time.time()), config),
         tokenizer=tokenizer_info(runner),
     )  # fmt: skip
     sink = RedisSink(

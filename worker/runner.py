@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from .. import __version__
+from ..config import ModelConfig
 from ..schemas.errors import BatchfleetError, ErrorCode
 from ..schemas.inputs import AnyInput, Kind, Ranking, kind_of
 from ..schemas.messages import Limits, Request
@@ -435,15 +437,22 @@ def _truncated(inputs: Sequence[AnyInput], rows: Sequence[Any]) -> tuple[bool, .
     return tuple(out)
 
 
-def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
+def model_info(
+    runner: Runner, limits: Limits, created: int, config: ModelConfig | None = None
+) -> ModelInfo:
     """What clients need to know of the model ``runner`` serves, published for gateways: a
     generator's context (``context``, ``max_prompt_tokens``), an encoder's tokens per input
     (``max_tokens``); read off the attributes the built-in runners have, so a custom runner
-    with the same ones is described too (one without them: its ``name`` alone)."""
+    with the same ones is described too (one without them: its ``name`` alone). With its
+    fleet-file entry ``config``: the version and the serving hash behind a gateway's
+    ``system_fingerprint``."""
     task = str(getattr(runner, "name", "") or "custom")[:128]
+    served: dict[str, Any] = {"created": created}
+    if config is not None:
+        served |= {"version": __version__, "config_hash": config.serving_hash(__version__)}
     if not is_continuous(runner):
         tokens = getattr(runner, "max_tokens", None)
-        return ModelInfo(task=task, max_model_len=_positive(tokens), created=created)
+        return ModelInfo(task=task, max_model_len=_positive(tokens), **served)
     template = getattr(getattr(runner, "tokenizer", None), "chat_template", None)
     return ModelInfo(
         task=task,
@@ -462,7 +471,7 @@ def model_info(runner: Runner, limits: Limits, created: int) -> ModelInfo:
         trust_request_chat_template=_flag(
             getattr(getattr(runner, "templates", None), "trust_request", None)
         ),
-        created=created,
+        **served,
     )
 
 

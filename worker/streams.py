@@ -175,11 +175,13 @@ class ModelStreams:
     def ensure_groups(
         self, max_depth: int | None = None, limits: Limits | None = None,
         info: ModelInfo | None = None, tokenizer: Mapping[str, Any] | None = None,
+        heartbeat_timeout_ms: int | None = None,
     ) -> None:  # fmt: skip
         """Create the group on every lane (from the stream's start, so nothing queued before
         the first worker is missed) and publish the lane count, depth limit and request
         limits for producers, and the model's info and ``tokenizer`` configuration for
-        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`)."""
+        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`), and the heartbeat
+        timeout for control commands."""
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -194,6 +196,8 @@ class ModelStreams:
             self.publish_info(info)
         if tokenizer is not None:
             self.publish_tokenizer(tokenizer)
+        if heartbeat_timeout_ms is not None:
+            self.client.set(self.keys.heartbeat_timeout, heartbeat_timeout_ms)
         if max_depth:
             self.client.set(self.keys.max_depth, max_depth)
         else:
@@ -490,6 +494,13 @@ class ModelStreams:
         for request_id, ttl_s in items:
             pipe.set(self.keys.started(request_id), self.consumer, ex=ttl_s)
         pipe.execute()
+
+    def requeued(self, request_ids: Sequence[str]) -> None:
+        """Say that these requests wait again (taken over from a worker that died, or one
+        that stopped refreshing them): their ``started`` keys go, until a worker admits
+        them again (docs/protocol.md, "Started")."""
+        if request_ids:
+            self.client.delete(*(self.keys.started(r) for r in request_ids))
 
     def cancelled(self, request_ids: Sequence[str]) -> list[str]:
         """Which of these requests a client asked to cancel."""

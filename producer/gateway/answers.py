@@ -182,7 +182,7 @@ def assistant_message(g: Generation, role: str = "assistant") -> dict[str, Any]:
 def answered_extras(result: Result, answered: Answered) -> dict[str, Any]:
     """A whole answer's ``system_fingerprint`` and, where the gateway adds them, its
     per-request timing ``metrics``."""
-    out: dict[str, Any] = {"system_fingerprint": answered.frontend.system_fingerprint}
+    out: dict[str, Any] = {"system_fingerprint": answered.system_fingerprint}
     if answered.frontend.per_request_metrics:
         out["metrics"] = timing_metrics(result)
     return out

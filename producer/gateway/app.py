@@ -46,6 +46,7 @@ from .conversations import ConversationStore
 from .cors import Cors
 from .endpoint import Answered, Endpoint, Events, Submission
 from .errors import ApiError, invalid, of_exception, of_result
+from .fingerprint import Fingerprints
 from .frontend import Frontend, without_tools
 from .metrics import CLIENT_LEFT, GatewayMetrics
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -88,6 +89,9 @@ class Gateway:
         self.producer = producer
         self.frontend = frontend or Frontend()
         """vLLM's frontend switches of the chat and completion answers (:mod:`.frontend`)."""
+        self.fingerprints = Fingerprints(self.frontend, producer.client, self.model_info,
+                                         MODELS_CACHE_S)  # fmt: skip
+        """Each model's ``system_fingerprint`` (:mod:`.fingerprint`)."""
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         """vLLM's ``--return-tokens-as-token-ids``: the default of the chat and completion
         requests' ``return_tokens_as_token_ids`` (each may set its own)."""
@@ -675,6 +679,7 @@ class Generate(Handler):
                     int(time.time()),
                     sampling=await self.gateway.sampling(sub.model),
                     frontend=self.gateway.frontend,
+                    system_fingerprint=await self.gateway.fingerprints.of(sub.model),
                 )
                 result = named(await self.gateway.replies.wait(self.job, self.gateway.timeout_s))
                 if self.gone:
@@ -693,6 +698,7 @@ class Generate(Handler):
                     int(time.time()),
                     sampling=await self.gateway.sampling(sub.model),
                     frontend=self.gateway.frontend,
+                    system_fingerprint=await self.gateway.fingerprints.of(sub.model),
                 )
                 chunks = self.events(body, answered, alias or self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):

@@ -7,10 +7,10 @@ holds its deltas) and the response stored ``queued`` with what
 finishing it takes (its fleet request's model, the name it is answered under and the
 request body). Any gateway that reads it settles it (:func:`settle`): where the fleet's
 result is there, it builds the final response as an answer waited for is built, and stores
-it in place of the pending one; where not, it is ``in_progress`` once a worker admitted it
-(its ``started`` key: the worker reads its prompt, before any token; from workers older
-than that key, once its token stream has an entry), else still ``queued`` (waiting in a
-lane, or in a worker's hold for a free slot). A gateway that stops or
+it in place of the pending one; where not, it is ``in_progress`` once a live worker
+admitted it (its ``started`` key: the worker reads its prompt, before any token; from
+workers older than that key, once its token stream has an entry), else still ``queued``
+(waiting in a lane, in a worker's hold for a free slot, or again after its worker died). A gateway that stops or
 restarts loses nothing.
 """
 
@@ -30,6 +30,7 @@ from . import continued
 from .app import Gateway
 from .endpoint import Answered
 from .errors import of_result
+from .fleet_control import live_workers
 from .replies import DOWN
 from .responses import echoed, response, settings
 from .stored import Stored
@@ -93,9 +94,17 @@ def job(gateway: Gateway, found: Stored) -> AsyncJob:
 
 
 async def started(gateway: Gateway, fleet: AsyncJob) -> bool:
-    """Whether a worker admitted ``fleet`` (its prompt is being read, or generated from):
-    its ``started`` key (docs/protocol.md), which workers older than it do not write."""
-    return bool(await gateway.producer.client.exists(ModelKeys(fleet.model).started(fleet.id)))
+    """Whether a worker admitted ``fleet`` (its prompt is being read, or generated from)
+    and is alive: its ``started`` key (docs/protocol.md; workers older than it do not write
+    it) names a worker whose heartbeat is recent. One that died with it waits again (the
+    worker that takes it over deletes the key; until then, or where none is left to, the
+    dead one's name stands in it)."""
+    client = gateway.producer.client
+    holder = await client.get(ModelKeys(fleet.model).started(fleet.id))
+    if holder is None:
+        return False
+    name = holder.decode() if isinstance(holder, bytes) else str(holder)
+    return name in await live_workers(client, [fleet.model])
 
 
 async def begun(gateway: Gateway, found: Stored) -> bool:

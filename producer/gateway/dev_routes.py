@@ -19,7 +19,7 @@ from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
 from .app import Handler
 from .errors import ApiError, of_exception
-from .fleet_control import ControlAdmin, late, live_workers, partial
+from .fleet_control import ControlAdmin, late, partial
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class ResetPrefixCache(Handler):
                 raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                                code="model_not_found", param="model")  # fmt: skip
             served = [model] if model is not None else await self.gateway.models()
-            expect = await live_workers(self.gateway.producer.client, served)
+            expect = await admin.live(self.gateway.producer.client, served)
             replies = await admin.broadcast("bf_reset_prefix_cache", {"model": model or ""},
                                             expect)  # fmt: skip
             reset_verdict(replies, model)

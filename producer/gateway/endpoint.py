@@ -37,6 +37,8 @@ class Answered:
     that sets no ``temperature`` or ``top_p`` samples with, echoed as such."""
     frontend: Frontend = field(default_factory=Frontend)
     """The gateway's switches of chat and completion answers (vLLM's frontend flags)."""
+    system_fingerprint: str | None = None
+    """A whole chat or completion answer's (:mod:`.fingerprint`: the model's)."""
 
 
 @dataclass(frozen=True, slots=True)

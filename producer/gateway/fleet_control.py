@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...connection import AsyncClient
-from ...control_wait import DEFAULT_TIMEOUT_S, Replies, Send, broadcast, live_among
+from ...control_wait import DEFAULT_TIMEOUT_S, Replies, Send, broadcast, live_among, window_ms
 from ...remote import send_to_all
 from ...schemas.keys import ModelKeys
 from .errors import ApiError
@@ -34,22 +34,33 @@ def partial(replies: Replies, message: str) -> ApiError:
                     extra={"missing_workers": list(replies.missing)})  # fmt: skip
 
 
-async def live_workers(client: AsyncClient, models: Iterable[str]) -> list[str]:
+async def live_workers(
+    client: AsyncClient, models: Iterable[str], given_ms: int | None = None
+) -> list[str]:
     """The consumer names of the workers of ``models`` whose last heartbeat is recent
-    (:func:`~batchfleet.control_wait.live_among`), sorted."""
+    (:func:`~batchfleet.control_wait.live_among`; each model's window:
+    :func:`~batchfleet.control_wait.window_ms`), sorted."""
+    keys = [ModelKeys(m) for m in models]
     now = await client.time()
-    beats = await asyncio.gather(*(client.hgetall(ModelKeys(m).workers) for m in models))
-    return live_among(now, beats)
+    beats = await asyncio.gather(*(client.hgetall(k.workers) for k in keys))
+    published = await asyncio.gather(*(client.get(k.heartbeat_timeout) for k in keys))
+    return live_among(now, beats, [window_ms(p, given_ms) for p in published])
 
 
 @dataclass(frozen=True, slots=True)
 class ControlAdmin:
-    """The fleet's broker (where workers listen for broadcasts) and how long replies are
-    awaited."""
+    """The fleet's broker (where workers listen for broadcasts), how long replies are
+    awaited, and how recent a heartbeat must be for its worker to be waited for (None:
+    what the workers published, :func:`~batchfleet.control_wait.window_ms`)."""
 
     broker_url: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     send: Send = send_to_all
+    heartbeat_window_ms: int | None = None
+
+    async def live(self, client: AsyncClient, models: Iterable[str]) -> list[str]:
+        """The live workers of ``models``, as :func:`live_workers` with this window."""
+        return await live_workers(client, models, self.heartbeat_window_ms)
 
     async def broadcast(
         self, command: str, arguments: dict[str, Any], expect: Sequence[str]

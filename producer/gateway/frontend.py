@@ -1,6 +1,6 @@
 """vLLM's frontend switches of the chat and completion answers, as the gateway serves
 them: the chat answer's role (``--response-role``), ``system_fingerprint``
-(``--fingerprint-mode custom --fingerprint-value``), usage in every stream
+(``--fingerprint-mode``, ``--fingerprint-value``: :mod:`.fingerprint`), usage in every stream
 (``--enable-force-include-usage``), tools kept out of the chat template where
 ``tool_choice`` is none (``--exclude-tools-when-tool-choice-none``) and per-request
 timing metrics (``--enable-per-request-metrics``); and whether ``/tokenizer_info`` is
@@ -22,8 +22,8 @@ class Frontend:
     response_role: str = "assistant"
     """A chat answer's role where the request adds the generation prompt (its default)."""
     system_fingerprint: str | None = None
-    """Whole answers' ``system_fingerprint`` (None: null; streamed chunks never carry it,
-    as vLLM's)."""
+    """``--fingerprint-value``: whole answers' ``system_fingerprint`` in ``custom`` mode
+    (streamed chunks never carry one, as vLLM's)."""
     force_include_usage: bool = False
     """Every stream ends with the usage chunk, as if ``stream_options.include_usage``."""
     exclude_tools_when_tool_choice_none: bool = False
@@ -32,6 +32,9 @@ class Frontend:
     """One-output answers carry ``metrics`` (streamed: in the usage chunk)."""
     tokenizer_info: bool = False
     """``GET /tokenizer_info`` is served (it shows the chat template)."""
+    fingerprint_mode: str = "full"
+    """vLLM's ``--fingerprint-mode``: ``full``, ``hash``, ``custom`` or ``none``
+    (:mod:`.fingerprint`)."""
 
 
 def chat_role(body: Mapping[str, Any], frontend: Frontend) -> str:

@@ -25,7 +25,7 @@ from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
 from .app import Gateway, Handler
 from .errors import ApiError, invalid, of_exception
-from .fleet_control import ControlAdmin, late, live_workers, partial
+from .fleet_control import ControlAdmin, late, partial
 
 GENERATION = "text-generation"
 """The task of the models that serve LoRA adapters (their ``bf:{model}:info``)."""
@@ -84,7 +84,7 @@ class LoraRoute(Handler):
                 arguments["path"] = _field(body, "lora_path", 4096)
             base = await self._base(body.get("model"))
             command = "bf_load_lora" if self.load else "bf_unload_lora"
-            expect = await live_workers(self.gateway.producer.client, [base])
+            expect = await admin.live(self.gateway.producer.client, [base])
             replies = await admin.broadcast(command, arguments | {"model": base}, expect)
             self.gateway.forget_info(base)  # its workers published it again
             text = verdict(replies, base, name, self.load)
