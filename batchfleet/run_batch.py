@@ -181,8 +181,9 @@ async def run_batch(
                 await asyncio.gather(*tasks)
         finally:
             reporter.cancel()
-            for task in tasks:
-                task.cancel()
+            for task in tasks:  # (a task cancelled once is cancelling its jobs: not twice)
+                if not task.cancelling():
+                    task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # (their jobs cancelled)
             await gateway.replies.close()
     summary.failed = writer.failed
@@ -233,7 +234,8 @@ def run(
     tmp_dir: str | None = None,
 ) -> int:
     """``batchfleet run-batch``: exit 0 where every line was answered (200), 1 where some
-    are error lines (or the fleet or the upload failed), 2 where the input is unreadable."""
+    are error lines (or the fleet or the upload failed), 2 where the input is unreadable,
+    130 where it was stopped (Ctrl-C)."""
     import redis
 
     from .batch_files import UploadFailed, lines_of, open_input, output
@@ -246,6 +248,10 @@ def run(
     try:
         with stream, output(destination, tmp_dir) as out:
             summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings))
+    except KeyboardInterrupt:
+        print("batchfleet run-batch: stopped; the lines in flight were cancelled, those "
+              "written are kept", file=sys.stderr)  # fmt: skip
+        return 130
     except UploadFailed as exc:
         print(f"batchfleet run-batch: {exc}", file=sys.stderr)
         return 1

@@ -176,6 +176,35 @@ def test_model_names_are_mapped_and_answered_as_the_file_names_them(
     assert plain["response"]["body"]["object"] == "text_completion"
 
 
+def test_a_line_past_its_timeout_is_answered_504_and_cancelled_in_the_fleet(
+    redis_url: str, fake: ScriptedWorker
+) -> None:
+    async def go() -> list[dict[str, Any]]:
+        out: list[str] = []
+        settings = Settings(progress_s=0, timeout_s=0.05)  # never answered: it times out
+        await run_batch(redis_url, feed(chat("late")), out.append, settings)
+        return [json.loads(line) for line in out]
+
+    (line,) = asyncio.run(go())
+    assert line["response"]["status_code"] == 504 and line["error"]["error"]["code"] == "timeout"
+    taken = fake.take()
+    assert taken.id == line["response"]["request_id"] and fake.cancelled(taken)
+
+
+def test_a_stopped_run_cancels_its_lines_in_the_fleet(redis_url: str, fake: ScriptedWorker) -> None:
+    async def go() -> list[str]:
+        out: list[str] = []
+        batch = asyncio.ensure_future(run_batch(redis_url, feed(chat("a")), out.append, QUIET))
+        taken = await asyncio.to_thread(fake.take)
+        batch.cancel()  # as Ctrl-C does
+        with contextlib.suppress(asyncio.CancelledError):
+            await batch
+        assert await asyncio.to_thread(fake.cancelled, taken)
+        return out
+
+    assert asyncio.run(go()) == []
+
+
 def test_a_full_queue_is_waited_out_not_failed(redis_url: str) -> None:
     # Given a model whose lanes take one request, and one request already waiting
     with scripted(redis_url, max_depth=1, limits=Limits()) as fake:

@@ -61,18 +61,31 @@ async def answer(
         error = exc if isinstance(exc, ApiError) else of_exception(exc, body)
         return Outcome(sent.id, error.status, error=error.body())
     finally:
-        if sent.jobs and not sent.ended:  # timed out, a part failed, or run-batch stopped
-            await asyncio.gather(*(job.cancel() for job in sent.jobs), return_exceptions=True)
+        if sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
+            cancels = asyncio.gather(*(gateway.producer.cancel(rid, model=model)
+                                       for model, rid in sent.sent), return_exceptions=True)  # fmt: skip
+            await asyncio.shield(cancels)  # (run-batch stopped: they are sent all the same)
 
 
 @dataclass(slots=True)
 class _Sent:
-    """What one body became in the fleet: its request id, its jobs, and whether they all
-    ended (else they are cancelled: nobody reads their results)."""
+    """What one body became in the fleet: its request id, the (model, request id) of each
+    fleet request sent, and whether they all ended (else they are cancelled: nobody reads
+    their results)."""
 
     id: str
-    jobs: list[AsyncJob] = field(default_factory=list)
+    sent: list[tuple[str, str]] = field(default_factory=list)
     ended: bool = False
+
+    async def submit(self, gateway: Gateway, sub: Submission, request_id: str) -> AsyncJob:
+        """Submit ``sub`` as ``request_id``; counted as sent from the start, so a run
+        stopped while it is submitted still cancels it; not where it is refused."""
+        self.sent.append((sub.model, request_id))
+        try:
+            return await gateway.submit(sub, request_id)
+        except (ApiError, BatchfleetError):
+            self.sent.pop()
+            raise
 
 
 def _mapped(sub: Submission, models: Mapping[str, str]) -> Submission:
@@ -90,8 +103,7 @@ async def _generation(
     body = gateway.token_ids_default(body)
     make = openai_fields.chat_submission if chat else openai_fields.completion_submission
     sub, alias = await gateway.served(_mapped(make(body), models))
-    job = await gateway.submit(sub, sent.id)
-    sent.jobs.append(job)
+    job = await sent.submit(gateway, sub, sent.id)
     answered = Answered(f"{'chatcmpl-' if chat else 'cmpl-'}{job.id}", int(time.time()),
                         sampling=await gateway.sampling(sub.model),
                         frontend=gateway.frontend)  # fmt: skip
@@ -113,9 +125,9 @@ async def _unary(
     if endpoint.encoder:
         await gateway.refuse_generator(sub.model)
     parts = split(sub, *await gateway.limits(sub.model))
-    for part, part_id in zip(parts, part_ids(sent.id, len(parts)), strict=True):
-        sent.jobs.append(await gateway.submit(part, part_id))
-    results = await gateway.results(sent.jobs)  # (a part that fails: the others cancelled)
+    jobs = [await sent.submit(gateway, part, part_id)
+            for part, part_id in zip(parts, part_ids(sent.id, len(parts)), strict=True)]  # fmt: skip
+    results = await gateway.results(jobs)  # (a part that fails: the others cancelled)
     sent.ended = True
     info = await gateway.model_info(sub.model)
     answered = Answered(f"{endpoint.id_prefix}-{sent.id}", int(time.time()),
