@@ -182,7 +182,7 @@ async def run_batch(
         finally:
             reporter.cancel()
             for task in tasks:  # (a task cancelled once is cancelling its jobs: not twice)
-                if not task.cancelling():
+                if not getattr(task, "cancelling", lambda: 0)():  # (Python 3.11+)
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # (their jobs cancelled)
             await gateway.replies.close()
