@@ -324,6 +324,8 @@ def check_batch(lines: list[dict[str, Any]]) -> None:
                      "embed-llm": (400, "invalid_request")}  # fmt: skip
     assert "/v1/chat/completions" in by_id["odd-url"]["error"]["error"]["message"]
     assert "not JSON" in lines[3]["error"]["error"]["message"]
+    # refused before a worker is asked (it would generate for the texts)
+    assert "generates text" in by_id["embed-llm"]["error"]["error"]["message"]
 
 
 def test_the_command_line_answers_a_file(fleet_url: str, tmp_path: Path) -> None:
