@@ -153,7 +153,12 @@ async def run_batch(
 
         async def one(index: int, line: Line) -> None:
             try:
-                outcome = await _answer_line(gateway, line, settings, sleep)
+                try:
+                    outcome = await _answer_line(gateway, line, settings, sleep)
+                except Exception as exc:  # a fault of this program: that line says so
+                    logger.exception("run-batch: line %r failed", line.custom_id)
+                    outcome = _refused(ApiError(500, f"internal error: {type(exc).__name__}: "
+                                                f"{exc}", code=ErrorCode.INTERNAL.value))  # fmt: skip
                 writer.add(index, output_line(line.custom_id, outcome))
             finally:
                 summary.in_flight -= 1

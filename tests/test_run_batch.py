@@ -176,6 +176,37 @@ def test_model_names_are_mapped_and_answered_as_the_file_names_them(
     assert plain["response"]["body"]["object"] == "text_completion"
 
 
+def test_a_line_that_breaks_the_program_is_an_error_line_and_the_others_go_on(
+    redis_url: str, fake: ScriptedWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet import run_batch as module
+
+    async def answer(gateway: Any, url: str, body: Any, models: Any) -> Any:
+        if body["messages"][0]["content"] == "boom":
+            raise RuntimeError("a bug")
+        return await real(gateway, url, body, models)
+
+    real = module.answer
+    monkeypatch.setattr(module, "answer", answer)
+    boom = json.dumps({"custom_id": "boom", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "mm", "messages": [{"role": "user", "content": "boom"}]}})  # fmt: skip
+
+    async def go() -> list[dict[str, Any]]:
+        out: list[str] = []
+        batch = asyncio.ensure_future(run_batch(redis_url, feed(boom, chat("ok")), out.append,
+                                                QUIET))  # fmt: skip
+        taken = await asyncio.to_thread(fake.take)
+        await asyncio.to_thread(fake.ok, taken, [gen()])
+        await batch
+        return [json.loads(line) for line in out]
+
+    broken, fine = asyncio.run(go())
+    assert broken["response"]["status_code"] == 500
+    assert broken["error"]["error"]["code"] == "internal"
+    assert "RuntimeError: a bug" in broken["error"]["error"]["message"]
+    assert fine["response"]["status_code"] == 200
+
+
 def test_a_line_past_its_timeout_is_answered_504_and_cancelled_in_the_fleet(
     redis_url: str, fake: ScriptedWorker
 ) -> None:

@@ -20,6 +20,7 @@ from .app import Gateway, chosen_request_id
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
 from .pooling import ENDPOINTS
+from .replies import DOWN
 from .split import merged, part_ids, split
 
 GENERATION: Final[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -59,6 +60,9 @@ async def answer(
         return Outcome(sent.id, 200, out)
     except (ApiError, BatchfleetError) as exc:
         error = exc if isinstance(exc, ApiError) else of_exception(exc, body)
+        return Outcome(sent.id, error.status, error=error.body())
+    except DOWN as exc:  # a call outside the producer's retries (as the gateway's 503)
+        error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
         return Outcome(sent.id, error.status, error=error.body())
     finally:
         if sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
