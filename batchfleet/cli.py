@@ -318,6 +318,25 @@ def _from_vllm(args: argparse.Namespace) -> int:
     return code
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    from .run_batch import Settings, run
+
+    models: dict[str, str] = {}
+    for pair in args.model_map or []:
+        name, sep, model = pair.partition("=")
+        if not (sep and name and model):
+            print(f"--model-map takes NAME=MODEL, not {pair!r}", file=sys.stderr)
+            return 2
+        models[name] = model
+    if args.max_in_flight < 1:
+        print("--max-in-flight must be at least 1", file=sys.stderr)
+        return 2
+    settings = Settings(max_in_flight=args.max_in_flight, timeout_s=args.timeout or None,
+                        priority=args.priority, models=models, default_model=args.model,
+                        response_role=args.response_role, progress_s=args.progress_interval)  # fmt: skip
+    return run(args.input_file, args.output_file, _url(args), settings, args.output_tmp_dir)
+
+
 def _flower_options(given: list[str]) -> list[str]:
     """Flower's own options: ``--enable_events=False`` unless given. Workers send task
     events from the start, and Flower's default broadcasts ``enable_events`` every 5 s,
@@ -643,6 +662,45 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--heartbeat-window", type=float, default=window, help=window_help)
     add_serving_flags(gw)
     gw.set_defaults(func=_gateway)
+
+    rb = sub.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests through the fleet (vLLM's run-batch)",
+        description="Reads OpenAI's batch file format (one JSON request a line: custom_id, "
+        "method POST, url, body), answers each line as the gateway answers its url "
+        "(/v1/chat/completions, /v1/completions, /v1/embeddings, /pooling, /score, /rerank, "
+        "/classify, ...), and writes one line per input line, in input order: {id, custom_id, "
+        "response: {status_code, request_id, body}, error}. A bad line, an unknown url or "
+        "model, a failed result: an error line, never a stopped run.",
+        epilog="Exit status: 0 every line answered; 1 some lines are error lines, or Redis "
+        "or the upload failed; 2 bad arguments or an unreadable input.",
+    )
+    where(rb)
+    rb.add_argument("-i", "--input-file", required=True,
+                    help="a local file, - (stdin), or an http(s) URL (read with GET)")  # fmt: skip
+    rb.add_argument("-o", "--output-file", required=True,
+                    help="a local file, - (stdout), or an http(s) URL (uploaded with PUT "
+                         "once whole)")  # fmt: skip
+    rb.add_argument("--output-tmp-dir", default=None,
+                    help="where an output for a URL is written before its upload (default: "
+                         "the system's temporary directory)")  # fmt: skip
+    rb.add_argument("--model-map", action="append", metavar="NAME=MODEL",
+                    help="lines naming model NAME go to the fleet's MODEL (answers still name "
+                         "NAME); repeatable")  # fmt: skip
+    rb.add_argument("--model", default=None, help="the model of lines whose body names none")
+    rb.add_argument("--max-in-flight", type=int, default=64,
+                    help="lines being answered at once (default 64)")  # fmt: skip
+    rb.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds a line waits for its result (0: no limit); then it is "
+                         "cancelled and answered 504")  # fmt: skip
+    rb.add_argument("--priority", type=int, default=None,
+                    help="lane of lines that set no priority (default: the producer's, 1; "
+                         "e.g. 2 so interactive requests go first)")  # fmt: skip
+    rb.add_argument("--response-role", default="assistant",
+                    help="a chat answer's role (vLLM's flag)")  # fmt: skip
+    rb.add_argument("--progress-interval", type=float, default=5.0,
+                    help="seconds between progress lines on stderr (0: none)")  # fmt: skip
+    rb.set_defaults(func=_run_batch)
 
     fv = sub.add_parser(
         "from-vllm",

@@ -245,6 +245,70 @@ class Gateway:
             sub.model, sub.options | {"messages": [openai_fields.joined(m) for m in messages]}
         )
 
+    def token_ids_default(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``body`` with the gateway's default ``return_tokens_as_token_ids`` where it sets
+        none."""
+        if body.get(openai_fields.TOKEN_IDS) is None and self.return_tokens_as_token_ids:
+            return {**body, openai_fields.TOKEN_IDS: True}
+        return body
+
+    async def submit(self, sub: Submission, request_id: str | None = None) -> AsyncJob:
+        """``sub`` into the fleet, as every route submits (and ``batchfleet run-batch``): a
+        404 for a model no worker serves, a 400 for what its workers publish that they refuse, the
+        gateway's default lane where it names none; ``request_id``: the fleet's id."""
+        await self.check_model(sub.model)
+        await self._refuse_up_front(sub)
+        options = dict(sub.options)
+        if request_id is not None:
+            options["request_id"] = request_id
+        if "priority" not in options and self.priority is not None:
+            options["priority"] = self.priority
+        return await self.producer.submit(sub.model, **options)
+
+    async def _refuse_up_front(self, sub: Submission) -> None:
+        """A 400, before a round trip to the workers, for what they publish that they refuse:
+        a ``thinking_token_budget`` without reasoning markers
+        (``ModelInfo.thinking_token_budget``), a request's own ``chat_template`` where they
+        do not trust one (``ModelInfo.trust_request_chat_template``: vLLM's words); a model
+        with no word on it (older workers) is asked as before."""
+        budget = sub.options.get("thinking_token_budget") is not None
+        template = sub.options.get("chat_template") is not None
+        if not budget and not template:
+            return
+        info = await self.model_info(sub.model)
+        if info is None:
+            return
+        if budget and info.thinking_token_budget is False:
+            raise invalid(f"thinking_token_budget: model {sub.model!r} has no reasoning markers "
+                          "(its workers' reasoning_parser with tags, or reasoning_config)",
+                          "thinking_token_budget")  # fmt: skip
+        if template and info.trust_request_chat_template is False:
+            raise invalid(UNTRUSTED_TEMPLATE, "chat_template")
+
+    async def refuse_generator(self, model: str) -> None:
+        """A 400 for a pooling request to a model its workers publish as generating (a
+        chat template or not, only a generator tells: ``ModelInfo.chat_template``), before
+        its worker takes the texts as prompts and generates its default answer for each;
+        a model with no info (workers older than it) is asked as before."""
+        info = await self.model_info(model)
+        if info is not None and info.chat_template is not None:
+            raise invalid(f"model {model!r} generates text (its workers run {info.task!r}): "
+                          "embeddings, scores, reranks and classifications are answered by "
+                          "encoder models", "model")  # fmt: skip
+
+    async def results(self, jobs: list[AsyncJob]) -> list[Result]:
+        """Every job's ``ok`` result, in order (a unary request's parts); the first that
+        fails raises at once."""
+        waits = [asyncio.ensure_future(self.replies.wait(job, self.timeout_s)) for job in jobs]
+        try:
+            for done in asyncio.as_completed(waits):
+                if not (result := await done).ok:
+                    raise of_result(result)
+            return [wait.result() for wait in waits]
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     def route_of(self, path: str) -> str:
         """A request path's route label in the metrics (one per route: few labels)."""
         if path in self.routes:
@@ -278,6 +342,16 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 def dumps(obj: Any) -> str:
     return _ENCODER.encode(obj)
+
+
+def chosen_request_id(rid: object) -> dict[str, Any]:
+    """A fleet request id a client chose, as submit options (none: empty); a 400 where it
+    is not one."""
+    if rid is None:
+        return {}
+    if not isinstance(rid, str) or not REQUEST_ID.match(rid):
+        raise invalid("a request id has 1-128 of letters, digits and _.:-", "request_id")
+    return {"request_id": rid}
 
 
 class Handler(tornado.web.RequestHandler):
@@ -383,47 +457,16 @@ class Handler(tornado.web.RequestHandler):
     def request_id(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The fleet request id the client chose (``X-Request-Id`` or vLLM's ``request_id``):
         resubmitted, the same id gets the same single result."""
-        rid = self.request.headers.get("X-Request-Id") or body.get("request_id")
-        if rid is None:
-            return {}
-        if not isinstance(rid, str) or not REQUEST_ID.match(rid):
-            raise invalid("a request id has 1-128 of letters, digits and _.:-", "request_id")
-        return {"request_id": rid}
+        return chosen_request_id(self.request.headers.get("X-Request-Id") or body.get("request_id"))
 
     async def submit(
         self, sub: Submission, body: Mapping[str, Any], request_id: str | None = None
     ) -> AsyncJob:
-        await self.gateway.check_model(sub.model)
-        await self._refuse_up_front(sub)
-        options = sub.options | self.request_id(body)
-        if request_id is not None:
-            options["request_id"] = request_id
-        if "priority" not in options and self.gateway.priority is not None:
-            options["priority"] = self.gateway.priority
-        job = await self.gateway.producer.submit(sub.model, **options)
+        chosen = self.request_id(body).get("request_id")
+        job = await self.gateway.submit(sub, chosen if request_id is None else request_id)
         self.gateway.inflight.add(job)
         self.set_header("X-Request-Id", job.id)
         return job
-
-    async def _refuse_up_front(self, sub: Submission) -> None:
-        """A 400, before a round trip to the workers, for what they publish that they refuse:
-        a ``thinking_token_budget`` without reasoning markers
-        (``ModelInfo.thinking_token_budget``), a request's own ``chat_template`` where they
-        do not trust one (``ModelInfo.trust_request_chat_template``: vLLM's words); a model
-        with no word on it (older workers) is asked as before."""
-        budget = sub.options.get("thinking_token_budget") is not None
-        template = sub.options.get("chat_template") is not None
-        if not budget and not template:
-            return
-        info = await self.gateway.model_info(sub.model)
-        if info is None:
-            return
-        if budget and info.thinking_token_budget is False:
-            raise invalid(f"thinking_token_budget: model {sub.model!r} has no reasoning markers "
-                          "(its workers' reasoning_parser with tags, or reasoning_config)",
-                          "thinking_token_budget")  # fmt: skip
-        if template and info.trust_request_chat_template is False:
-            raise invalid(UNTRUSTED_TEMPLATE, "chat_template")
 
     def count_tokens(self, result: Result) -> None:
         """An ``ok`` result's tokens, in the metrics."""
@@ -543,13 +586,13 @@ class Unary(Handler):
             sub, _ = await self.gateway.served(self.endpoint.submission(body))
             await self.gateway.check_model(sub.model)
             if self.endpoint.encoder:
-                await self._refuse_generator(sub.model)
+                await self.gateway.refuse_generator(sub.model)
             parts = split(sub, *await self.gateway.limits(sub.model))
             base = self.request_id(body).get("request_id") or new_request_id()
             for part, rid in zip(parts, part_ids(base, len(parts)), strict=True):
                 self.jobs.append(await self.submit(part, body, rid))
             self.set_header("X-Request-Id", base)
-            results = await self._results()
+            results = await self.gateway.results(self.jobs)
             if self.gone:
                 return  # the client left (its request was cancelled)
             info = await self.gateway.model_info(sub.model)
@@ -564,32 +607,6 @@ class Unary(Handler):
         except BatchfleetError as exc:
             self._cancel_all()
             self.fail(of_exception(exc, body))
-
-    async def _refuse_generator(self, model: str) -> None:
-        """A 400 for a pooling request to a model its workers publish as generating (a
-        chat template or not, only a generator tells: ``ModelInfo.chat_template``), before
-        its worker takes the texts as prompts and generates its default answer for each;
-        a model with no info (workers older than it) is asked as before."""
-        info = await self.gateway.model_info(model)
-        if info is not None and info.chat_template is not None:
-            raise invalid(f"model {model!r} generates text (its workers run {info.task!r}): "
-                          "embeddings, scores, reranks and classifications are answered by "
-                          "encoder models", "model")  # fmt: skip
-
-    async def _results(self) -> list[Result]:
-        """Every part's ``ok`` result, in order; the first part that fails raises at once."""
-        waits = [
-            asyncio.ensure_future(self.gateway.replies.wait(job, self.gateway.timeout_s))
-            for job in self.jobs
-        ]
-        try:
-            for done in asyncio.as_completed(waits):
-                if not (result := await done).ok:
-                    raise of_result(result)
-            return [wait.result() for wait in waits]
-        finally:
-            for wait in waits:
-                wait.cancel()
 
     def _cancel_all(self) -> None:
         """A part failed or the client left: the other parts are answered to nobody."""
@@ -643,11 +660,7 @@ class Generate(Handler):
         return Chunks(self._defaulted(body), answered, model, self.chat)
 
     def _defaulted(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``body`` with the gateway's default ``return_tokens_as_token_ids`` where it sets
-        none."""
-        if body.get(openai_fields.TOKEN_IDS) is None and self.gateway.return_tokens_as_token_ids:
-            return {**body, openai_fields.TOKEN_IDS: True}
-        return body
+        return self.gateway.token_ids_default(body)
 
     async def expand(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """The body to serve: as sent, here; the Responses API puts the stored

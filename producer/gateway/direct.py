@@ -1,0 +1,139 @@
+"""OpenAI request bodies answered without HTTP, as the gateway's routes answer them: the
+same translation (:mod:`.openai_fields`, :mod:`.pooling`), checks and submission
+(:class:`~.app.Gateway`) and answers (:mod:`.answers`), for ``batchfleet run-batch``
+(vLLM's ``run-batch``). Whole answers only: a batch line is not streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ...schemas.errors import BatchfleetError
+from ..aio import AsyncJob
+from ..submit import new_request_id
+from . import openai_fields
+from .answers import chat_response, completion_response
+from .app import Gateway, chosen_request_id
+from .endpoint import Answered, Endpoint, Submission
+from .errors import ApiError, invalid, of_exception, of_result
+from .pooling import ENDPOINTS
+from .replies import DOWN
+from .split import merged, part_ids, split
+
+GENERATION: Final[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/completions": False}
+"""The generation URLs, each a chat (True) or a text completion."""
+URLS: Final = (*GENERATION, *ENDPOINTS)
+"""Every URL a body may be sent to: the gateway's generation and pooling routes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One body's answer: the fleet request id it went as (a fresh one where it never got
+    that far), the HTTP status the gateway would have answered with, and the answer's
+    JSON (status 200) or OpenAI's error object."""
+
+    request_id: str
+    status: int
+    body: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+async def answer(
+    gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str] | None = None
+) -> Outcome:
+    """``body`` sent to ``url``, answered as the gateway answers it (never raises for the
+    request's own faults: they are the outcome's ``error``). ``models`` maps a model the
+    body names to the fleet's model that serves it; the answer names the body's."""
+    sent = _Sent(new_request_id())
+    try:
+        sent.id = chosen_request_id(body.get("request_id")).get("request_id") or sent.id
+        if url in GENERATION:
+            out = await _generation(gateway, GENERATION[url], body, models or {}, sent)
+        elif url in ENDPOINTS:
+            out = await _unary(gateway, ENDPOINTS[url], body, models or {}, sent)
+        else:
+            raise ApiError(404, f"URL {url!r} is not served; the supported URLs: "
+                           f"{', '.join(URLS)}", code="not_found", param="url")  # fmt: skip
+        return Outcome(sent.id, 200, out)
+    except (ApiError, BatchfleetError) as exc:
+        error = exc if isinstance(exc, ApiError) else of_exception(exc, body)
+        return Outcome(sent.id, error.status, error=error.body())
+    except DOWN as exc:  # a call outside the producer's retries (as the gateway's 503)
+        error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
+        return Outcome(sent.id, error.status, error=error.body())
+    finally:
+        if sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
+            cancels = asyncio.gather(*(gateway.producer.cancel(rid, model=model)
+                                       for model, rid in sent.sent), return_exceptions=True)  # fmt: skip
+            await asyncio.shield(cancels)  # (run-batch stopped: they are sent all the same)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What one body became in the fleet: its request id, the (model, request id) of each
+    fleet request sent, and whether they all ended (else they are cancelled: nobody reads
+    their results)."""
+
+    id: str
+    sent: list[tuple[str, str]] = field(default_factory=list)
+    ended: bool = False
+
+    async def submit(self, gateway: Gateway, sub: Submission, request_id: str) -> AsyncJob:
+        """Submit ``sub`` as ``request_id``; counted as sent from the start, so a run
+        stopped while it is submitted still cancels it; not where it is refused."""
+        self.sent.append((sub.model, request_id))
+        try:
+            return await gateway.submit(sub, request_id)
+        except (ApiError, BatchfleetError):
+            self.sent.pop()
+            raise
+
+
+def _mapped(sub: Submission, models: Mapping[str, str]) -> Submission:
+    return Submission(models.get(sub.model, sub.model), sub.options)
+
+
+async def _generation(
+    gateway: Gateway, chat: bool, body: Mapping[str, Any], models: Mapping[str, str],
+    sent: _Sent,
+) -> dict[str, Any]:  # fmt: skip
+    """``/v1/chat/completions`` or ``/v1/completions``, whole (as ``Generate`` answers it)."""
+    if body.get("stream"):
+        raise invalid("a batch line is answered whole: stream must be false (as vLLM's "
+                      "run-batch)", "stream")  # fmt: skip
+    body = gateway.token_ids_default(body)
+    make = openai_fields.chat_submission if chat else openai_fields.completion_submission
+    sub, alias = await gateway.served(_mapped(make(body), models))
+    job = await sent.submit(gateway, sub, sent.id)
+    answered = Answered(f"{'chatcmpl-' if chat else 'cmpl-'}{job.id}", int(time.time()),
+                        sampling=await gateway.sampling(sub.model),
+                        frontend=gateway.frontend)  # fmt: skip
+    result = await gateway.replies.wait(job, gateway.timeout_s)
+    sent.ended = True
+    if not result.ok:
+        raise of_result(result)
+    result = result.model_copy(update={"model": alias or openai_fields.model_of(body)})
+    return (chat_response if chat else completion_response)(body, result, answered)
+
+
+async def _unary(
+    gateway: Gateway, endpoint: Endpoint, body: Mapping[str, Any], models: Mapping[str, str],
+    sent: _Sent,
+) -> dict[str, Any]:  # fmt: skip
+    """A pooling endpoint (as ``Unary`` answers it: split into parts, merged back)."""
+    sub, _ = await gateway.served(_mapped(endpoint.submission(body), models))
+    await gateway.check_model(sub.model)
+    if endpoint.encoder:
+        await gateway.refuse_generator(sub.model)
+    parts = split(sub, *await gateway.limits(sub.model))
+    jobs = [await sent.submit(gateway, part, part_id)
+            for part, part_id in zip(parts, part_ids(sent.id, len(parts)), strict=True)]  # fmt: skip
+    results = await gateway.results(jobs)  # (a part that fails: the others cancelled)
+    sent.ended = True
+    info = await gateway.model_info(sub.model)
+    answered = Answered(f"{endpoint.id_prefix}-{sent.id}", int(time.time()),
+                        info.max_model_len if info is not None else None)  # fmt: skip
+    return endpoint.answer(body, merged(results), answered)
