@@ -147,7 +147,48 @@ def connect_async(
         opts.pop("health_check_interval")
         return aioredis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
     opts = {"max_connections": ASYNC_MAX_CONNECTIONS, **_options(socket_timeout, extra)}
-    return aioredis.Redis.from_pool(_WaitingPool.from_url(url, retry=retry, **opts))
+    return _CancelSafeRedis.from_pool(_WaitingPool.from_url(url, retry=retry, **opts))
+
+
+def _cancels(task: asyncio.Task[Any] | None) -> int:
+    """The cancellations asked of ``task`` and not withdrawn (0 before Python 3.11)."""
+    return task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
+
+
+async def _not_lost(call: Any) -> Any:
+    """``call``'s reply, or :class:`asyncio.CancelledError` where its task was cancelled
+    while it ran and redis-py returned the reply all the same (redis 8.2's asyncio client
+    does, for a cancellation that lands between sending and reading: the caller went on
+    as if not cancelled, into its next wait, which a ``wait_for``, a shutdown or
+    ``run-batch``'s Ctrl-C then waited out)."""
+    task = asyncio.current_task()
+    asked = _cancels(task)
+    reply = await call
+    if _cancels(task) > asked:
+        raise asyncio.CancelledError
+    return reply
+
+
+class _CancelSafePipeline(aioredis.client.Pipeline):
+    """A pipeline whose ``execute`` keeps a cancellation (:func:`_not_lost`)."""
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        return await _not_lost(super().execute(raise_on_error))  # type: ignore[no-any-return]
+
+
+class _CancelSafeRedis(aioredis.Redis):
+    """redis-py's asyncio client, but a cancellation during a command is never lost
+    (:func:`_not_lost`), on commands and pipelines."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        return await _not_lost(super().execute_command(*args, **options))  # type: ignore[no-untyped-call]
+
+    def pipeline(
+        self, transaction: bool = True, shard_hint: str | None = None
+    ) -> aioredis.client.Pipeline:
+        return _CancelSafePipeline(
+            self.connection_pool, self.response_callbacks, transaction, shard_hint
+        )
 
 
 class _WaitingPool(aioredis.ConnectionPool):

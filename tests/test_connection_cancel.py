@@ -1,0 +1,70 @@
+"""A task cancelled while its Redis command runs is cancelled: redis-py's asyncio client
+(8.2) can return the command's reply to a task whose cancellation landed mid-command, and
+the task then went on into its next wait (``run-batch``'s Ctrl-C waited out an hour)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from batchfleet.connection import connect_async
+
+TRIES = 400  # each lands the cancellation a few event-loop turns later than the last
+
+
+def lost_cancellations(redis_url: str, command: Callable[[Any], Awaitable[Any]]) -> dict[str, int]:
+    """Cancel ``command`` after 0, 1, 2 ... loop turns, ``TRIES`` times: how each ended."""
+
+    async def go() -> dict[str, int]:
+        client = connect_async(redis_url)
+        await client.set("k", "v")
+        ends = {"cancelled": 0, "done before": 0, "lost": 0}
+
+        async def run() -> int:
+            await command(client)
+            task = asyncio.current_task()
+            assert task is not None
+            return task.cancelling()
+
+        for n in range(TRIES):
+            task = asyncio.ensure_future(run())
+            for _ in range(n % 40):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                ends["lost" if await task else "done before"] += 1
+            except asyncio.CancelledError:
+                ends["cancelled"] += 1
+        await client.aclose()
+        return ends
+
+    return asyncio.run(go())
+
+
+async def _get(client: Any) -> Any:
+    return await client.get("k")
+
+
+async def _pipeline(client: Any) -> Any:
+    pipe = client.pipeline(transaction=False)
+    pipe.get("k")
+    pipe.get("k")
+    return await pipe.execute()
+
+
+async def _transaction(client: Any) -> Any:
+    pipe = client.pipeline()
+    pipe.incr("n")
+    return await pipe.execute()
+
+
+@pytest.mark.parametrize("command", [_get, _pipeline, _transaction], ids=lambda c: c.__name__)
+def test_a_cancellation_during_a_command_is_never_lost(
+    redis_url: str, command: Callable[[Any], Awaitable[Any]]
+) -> None:
+    ends = lost_cancellations(redis_url, command)
+    assert ends["lost"] == 0, ends
+    assert ends["cancelled"] > 0, ends  # (the cancellations did land mid-command)
