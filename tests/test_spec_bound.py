@@ -339,3 +339,22 @@ def test_the_skipped_rows_counter_adds_up_the_steps() -> None:
     obs.notify(Generated("m", 4, 0, 100, 1000, 0, tokens=4, spec_skipped=4))
     got = registry.get_sample_value("batchfleet_spec_decode_num_skipped_rows_total", {"model": "m"})
     assert got == 13
+
+
+def test_a_draft_s_max_model_len_ends_its_drafts_and_is_checked_at_load(llama: Any) -> None:
+    from batchfleet.worker.generation.draft import load, positions
+
+    path = llama.name_or_path
+    context = list(range(3, 23))  # 20 tokens
+    for most, want in ((30, 3), (21, 2), (19, 0)):  # no draft past max_model_len
+        proposer = load(DraftConfig(path, 3, max_model_len=most), llama, 16, max_context=64)
+        assert proposer.settings()["max_model_len"] == most
+        for _ in range(3):  # (its prompt goes into the draft's cache 16 tokens a call)
+            if drafts := proposer.propose([("a", context, 3)], 8)[0]:
+                break
+        assert len(drafts) == want
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        load(DraftConfig(path, 3, max_model_len=65), llama, 16, max_context=64)
+    over = positions(llama) + 1
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load(DraftConfig(path, 3, max_model_len=over), llama, 16, max_context=None)

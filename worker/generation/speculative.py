@@ -11,6 +11,11 @@ up to ``num_speculative_tokens + 1`` tokens for the cost of a slightly wider for
 The match (vLLM's ``NgramProposer``): the longest n-gram between ``prompt_lookup_min``
 and ``prompt_lookup_max`` that ends the context and occurs earlier in it, at its first
 occurrence; the drafts are up to ``num_speculative_tokens`` tokens after it.
+
+Either proposer drafts fewer, or none, in steps where many sequences run (vLLM's
+``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: :mod:`.spec_bound`);
+vLLM's other ``SpeculativeConfig`` keys are taken as they are or refused with why
+(:mod:`.spec_keys`).
 """
 
 from __future__ import annotations
