@@ -120,7 +120,7 @@ def test_keys_that_change_nothing_here_are_taken(
         (NGRAM, {"disable_padded_drafter_batch": "yes"}, "disable_padded_drafter_batch"),
         (NGRAM, {"enforce_eager": 1}, "enforce_eager"),
         (NGRAM, {"suffix_decoding_max_tree_depth": 24}, "suffix decoding"),
-        (NGRAM, {"synthetic_acceptance_length": 2.0}, "synthetic"),
+        (NGRAM, {"synthetic_acceptance_length": 2.0}, "synthetic rejection sampling"),
         (NGRAM, {"target_model_config": {}}, "not a user setting"),
         (NGRAM, {"max_model_len": 64}, "ngram method has none"),
         (DRAFT, {"max_model_len": 0}, "positive integer"),
