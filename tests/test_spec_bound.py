@@ -341,6 +341,20 @@ def test_the_skipped_rows_counter_adds_up_the_steps() -> None:
     assert got == 13
 
 
+def test_the_worker_s_stats_count_the_rows_that_skipped() -> None:
+    from batchfleet.worker.observers import Generated
+    from batchfleet.worker.stats import LoopStats
+
+    stats = LoopStats("m", 3)
+    stats.notify(Generated("m", 3, 0, 100, 1000, 0, tokens=3))
+    assert "spec_skipped_rows" not in stats.snapshot()["generation"]
+    stats.notify(Generated("m", 9, 0, 100, 1000, 0, tokens=9, spec_skipped=9))
+    assert stats.snapshot()["generation"]["spec_skipped_rows"] == 9
+    stats.notify(Generated("m", 2, 0, 100, 1000, 0, tokens=4, drafted=(2, 6), accepted=(1,)))
+    gen = stats.snapshot()["generation"]
+    assert (gen["spec_skipped_rows"], gen["spec_draft_tokens"]) == (9, 6)
+
+
 def test_a_draft_s_max_model_len_ends_its_drafts_and_is_checked_at_load(llama: Any) -> None:
     from batchfleet.worker.generation.draft import load, positions
 
