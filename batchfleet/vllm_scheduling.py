@@ -17,10 +17,12 @@ SPEC_KEYS = {"--spec-method": "method", "--spec-model": "model",
 
 
 def _speculative_config(flag: Flag, out: Conversion) -> None:
+    """The JSON's keys (a null is vLLM's default: the key left out, as TOML has no null)."""
     raw = json.loads(flag.value)
     if not isinstance(raw, dict):
         raise ValueError("a JSON object")
-    out.option(flag, "speculative", {str(k).replace("-", "_"): v for k, v in raw.items()})
+    out.option(flag, "speculative",
+               {str(k).replace("-", "_"): v for k, v in raw.items() if v is not None})  # fmt: skip
 
 
 def _spec_key(flag: Flag, out: Conversion) -> None:

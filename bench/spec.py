@@ -18,7 +18,9 @@ num_speculative_tokens = --k}`` (``draft``: a 1-layer Llama of the same hidden s
 from the same seed, so its layer is the target's first). Prints tokens/s per arm and
 round, each speculating arm's acceptance rate (accepted / proposed) and mean tokens a row
 emits per step it proposed in, and the medians; it checks that the arms generated the
-same tokens.
+same tokens. With ``--disable-by-batch-size N``, two arms more: ``ngram+b`` and
+``draft+b``, the same with vLLM's ``disable_by_batch_size = N`` (no drafts in a step where
+``N`` or more sequences run: the batched arm runs ``--rows`` at once).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample (seeded; rejection sampling) instead of greedy")  # fmt: skip
+    p.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="add the ngram+b and draft+b arms: no drafts where N or more run")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import random
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from batchfleet.worker.generation.draft import DraftProposer
     from batchfleet.worker.generation.padded import PaddedEngine
+    from batchfleet.worker.generation.spec_bound import BatchBound
     from batchfleet.worker.generation.speculative import DraftConfig, NgramConfig
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         proposer = DraftProposer(draft, DraftConfig(str(small), args.k), chunk=512)
         engines = {"off": PaddedEngine(model, **kw), "ngram": PaddedEngine(model, speculative=spec, **kw),
                    "draft": PaddedEngine(model, speculative=proposer, **kw)}  # fmt: skip
+        if args.disable_by_batch_size is not None:
+            bound = BatchBound(disable_by_batch_size=args.disable_by_batch_size)
+            bounded = DraftProposer(draft, DraftConfig(str(small), args.k, bound), chunk=512)
+            engines["ngram+b"] = PaddedEngine(
+                model, speculative=NgramConfig(args.k, 1, 3, bound), **kw
+            )
+            engines["draft+b"] = PaddedEngine(model, speculative=bounded, **kw)
         print(f"llama ({'lean' if engines['off'].lean is not None else 'transformers'} forward), "
               f"96-token prompts, {args.new} new tokens each, k {args.k}, temperature "
               f"{args.temperature}, one torch thread")  # fmt: skip
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                             seconds += s
                             tokens += args.new
                             outs[arm][f"{i}"] = o["s0"]
-                    name = f"{shape:7s} {arm:5s}"
+                    name = f"{shape:7s} {arm:7s}"
                     rates.setdefault(name, []).append(tokens / seconds)
                     line = f"round {k + 1} {name} {tokens / seconds:8.1f} tokens/s"
                     if arm != "off":
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                         line += (f"  acceptance {accepted / max(drafts, 1):.2f}, "
                                  f"{1 + accepted / max(rows, 1):.2f} tokens a row-step")  # fmt: skip
                     print(line, flush=True)
-                if not args.temperature and not outs["off"] == outs["ngram"] == outs["draft"]:
+                if not args.temperature and any(o != outs["off"] for o in outs.values()):
                     print(f"round {k + 1} {shape}: the arms' tokens differ", file=sys.stderr)
                     return 1
         for name, r in rates.items():

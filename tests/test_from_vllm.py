@@ -153,6 +153,10 @@ def test_unknown_flags_exit_2_unless_keep_going(tmp_path: Path) -> None:
     ("--speculative-config", '{"method": "eagle", "model": "x"}', "method"),
     ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "k": 1}',
      "unknown keys"),
+    ("--speculative-config", '{"model": "/m/s", "num_speculative_tokens": 4, "revision": "v2"}',
+     "revision is not served: the draft model is a local directory"),
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+     '"disable_by_batch_size": 1}', "at least 2"),
     ("--reasoning-config", '{"reasoning_end_str": ""}', "reasoning_end_str"),
     ("--lora-modules", "no-path", "name=path"),
     ("--max-lora-rank", "1024", "up to 512"),
@@ -172,6 +176,19 @@ def test_values_the_fleet_would_refuse_are_refused_here(
     code, _, _, stderr = run(tmp_path, ["serve", "/m/x", flag, value])
     assert code == 2
     assert flag in stderr and why in stderr
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8,
+     "disable_padded_drafter_batch": True, "enforce_eager": True},
+    {"model": "/m/small", "num_speculative_tokens": 3, "max_model_len": 2048,
+     "num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 1], [33, 256, 0]],
+     "draft_tensor_parallel_size": 1, "rejection_sample_method": "standard"},
+])  # fmt: skip
+def test_the_speculative_keys_served_pass_through(tmp_path: Path, spec: dict[str, Any]) -> None:
+    given = {**spec, "quantization": None}  # a null is vLLM's default: left out
+    code, fleet, _, _ = run(tmp_path, ["serve", "/m/x", "--speculative-config", json.dumps(given)])
+    assert code == 0 and fleet["models"]["x"]["options"]["speculative"] == spec
 
 
 def test_config_yaml_is_read_and_the_command_line_wins(tmp_path: Path) -> None:

@@ -313,8 +313,8 @@ def test_a_sequence_whose_context_changed_drafts_from_the_new_one(dirs: dict[str
     [
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative\.model"),
         ({"method": "draft_model", "model": "/m"}, "num_speculative_tokens is required"),
-        ({"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
-         "unknown keys"),
+        ({"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+         "one device"),
         ({"model": "/m", "num_speculative_tokens": 65}, "num_speculative_tokens"),
         ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "unknown keys"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),

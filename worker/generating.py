@@ -136,6 +136,7 @@ class Generating:
             compiled_s=done.report.compiled_s,
             drafted=done.report.drafted,
             accepted=done.report.accepted,
+            spec_skipped=done.report.spec_skipped,
             prefilled=done.report.prefilled,
         )
 

@@ -189,6 +189,13 @@ class Metrics:
             "Speculative decoding: draft tokens accepted at each draft position (0: the first).",
             ["model", "position"],
         )
+        self.spec_skipped = counter(
+            "batchfleet_spec_decode_num_skipped_rows",
+            "Speculative decoding: decode rows that proposed no drafts because the step's "
+            "batch size turned speculation off (disable_by_batch_size, or a k = 0 range of "
+            "num_speculative_tokens_per_batch_size).",
+            ["model"],
+        )
         self.preemptions = counter(
             "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
             ["model"],
@@ -267,6 +274,8 @@ class PrometheusObserver:
                 self.m.inter_token.add(event.model, event.gaps)
             if event.drafted[0]:
                 self._speculated(event.model, event.drafted, event.accepted)
+            if event.spec_skipped:
+                self.m.spec_skipped.labels(event.model).inc(event.spec_skipped)
             self.m.compiling.labels(event.model).set(event.compiling)
             if event.compiled_s:
                 compile_ = self.m.compile.labels(event.model)

@@ -125,6 +125,9 @@ class Generated:
     """Speculative decoding: rows that proposed drafts, and the drafts proposed."""
     accepted: tuple[int, ...] = ()
     """Speculative decoding: per draft position, the drafts accepted."""
+    spec_skipped: int = 0
+    """Speculative decoding: rows that proposed nothing because the step's batch size
+    turned speculation off (``disable_by_batch_size``, or a range of k 0)."""
     prefilled: int = 0
     """Prompt tokens computed (cached ones left out) by the sequences whose prefill the
     step ended: with ``tokens``, vLLM's tokens per engine step."""

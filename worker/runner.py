@@ -175,6 +175,9 @@ class StepReport:
     and the drafts they proposed."""
     accepted: tuple[int, ...] = ()
     """Generation with speculative decoding: per draft position, the drafts accepted."""
+    spec_skipped: int = 0
+    """Generation with speculative decoding: rows that proposed no drafts in the step
+    because its batch size turned speculation off (:mod:`.generation.spec_bound`)."""
     prefilled: int = 0
     """Generation: prompt tokens computed (not taken from a cache) by the sequences whose
     prefill the step ended (their first token), counted in that step whatever chunks it

@@ -38,6 +38,9 @@ class LoopStats:
     """Speculative decoding: drafts proposed so far."""
     accepted_tokens: int = 0
     """Speculative decoding: drafts accepted so far."""
+    skipped_rows: int = 0
+    """Speculative decoding: rows that proposed nothing because a step's batch size turned
+    speculation off, so far."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def received(self, lanes: Iterable[int]) -> None:
@@ -77,6 +80,7 @@ class LoopStats:
                 self.preemptions += event.preempted
                 self.draft_tokens += event.drafted[1]
                 self.accepted_tokens += sum(event.accepted)
+                self.skipped_rows += event.spec_skipped
 
     def snapshot(self) -> dict[str, Any]:
         """Plain JSON-able numbers (Celery sends them through the broker)."""
@@ -110,9 +114,11 @@ class LoopStats:
         }}  # fmt: skip
 
     def _speculation(self) -> dict[str, Any]:
-        """Speculative decoding's drafts and acceptance rate (none proposed: nothing)."""
+        """Speculative decoding's drafts and acceptance rate (none proposed: nothing), and
+        the rows that skipped it (none: nothing)."""
+        out: dict[str, Any] = {"spec_skipped_rows": self.skipped_rows} if self.skipped_rows else {}
         if not self.draft_tokens:
-            return {}
+            return out
         return {"spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted_tokens,
-                "spec_acceptance": round(self.accepted_tokens / self.draft_tokens, 4)}  # fmt: skip
+                "spec_acceptance": round(self.accepted_tokens / self.draft_tokens, 4), **out}  # fmt: skip

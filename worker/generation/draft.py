@@ -83,7 +83,19 @@ def load(
         raise ValueError(f"options.speculative.model: the draft model's vocabulary has "
                          f"{mine} tokens and the target's {theirs}: they must be the "
                          "same")  # fmt: skip
+    most = config.max_model_len
+    if most is not None and most > positions(model):
+        raise ValueError(f"options.speculative.max_model_len: {most} exceeds the draft "
+                         f"model's max_position_embeddings ({positions(model)})")  # fmt: skip
+    if most is not None and max_context is not None and most > max_context:
+        raise ValueError(f"options.speculative.max_model_len: {most} exceeds the model's "
+                         f"context ({max_context})")  # fmt: skip
     return DraftProposer(model.to(param.device).eval(), config, chunk, max_context, lean)
+
+
+def positions(model: Any) -> int:
+    """A causal LM's longest context: its ``max_position_embeddings`` (none: no bound)."""
+    return int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 1 << 62)
 
 
 def common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -125,10 +137,9 @@ class DraftProposer:
         self.chunk = max(1, chunk)
         """The most context tokens a sequence's draft cache takes in one step."""
         self.device = next(model.parameters()).device
-        self.max_positions = int(
-            getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 1 << 62
-        )
-        """The draft's longest context: no draft is proposed past it."""
+        self.max_positions = min(positions(model), config.max_model_len or 1 << 62)
+        """The draft's longest context (its ``max_position_embeddings``, or the config's
+        ``max_model_len``): no draft is proposed past it."""
         self.max_context = max_context
         """The target's longest context (None: unknown): the buffer's columns grow to
         no more than it, plus the drafts, unless a row needs them."""
@@ -152,8 +163,13 @@ class DraftProposer:
         return sum(map(len, self._held))
 
     def settings(self) -> dict[str, Any]:
+        most = {} if self.config.max_model_len is None else {"max_model_len": self.max_positions}
         return {"method": "draft_model", "model": self.config.model,
-                "num_speculative_tokens": self.num_speculative_tokens}  # fmt: skip
+                "num_speculative_tokens": self.num_speculative_tokens, **most,
+                **self.config.bound.settings()}  # fmt: skip
+
+    def limit(self, running: int) -> int:
+        return self.config.bound.limit(running, self.num_speculative_tokens)
 
     def retain(self, sequences: Iterable[str]) -> None:
         """Drop the draft caches of every sequence but these (the running ones): the

@@ -105,6 +105,7 @@ class PaddedEngine(_Lean):
         self.speculative = speculative
         self.drafted = [0, 0]
         self.accepted = []
+        self.spec_skipped = 0
         self.prefix = prefix_cache
         self.device = next(model.parameters()).device
         self.eos = frozenset(eos_token_ids)

@@ -83,6 +83,9 @@ class _State:
     """Speculation so far: the rows that proposed drafts, and the drafts proposed."""
     accepted: list[int]
     """Per draft position (the first draft first), the drafts accepted there so far."""
+    spec_skipped: int
+    """Rows that would have proposed drafts in a step whose running count the batch-size
+    bound allowed none (:mod:`.spec_bound`), so far."""
     prefix: PrefixCache | None
     """Recent prompts' leading blocks (None: no prefix caching)."""
     device: torch.device

@@ -11,15 +11,24 @@ up to ``num_speculative_tokens + 1`` tokens for the cost of a slightly wider for
 The match (vLLM's ``NgramProposer``): the longest n-gram between ``prompt_lookup_min``
 and ``prompt_lookup_max`` that ends the context and occurs earlier in it, at its first
 occurrence; the drafts are up to ``num_speculative_tokens`` tokens after it.
+
+Either proposer drafts fewer, or none, in steps where many sequences run (vLLM's
+``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: :mod:`.spec_bound`);
+vLLM's other ``SpeculativeConfig`` keys are taken as they are or refused with why
+(:mod:`.spec_keys`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from . import spec_keys
+from .spec_bound import KEYS as BOUND_KEYS
+from .spec_bound import NO_BOUND, BatchBound
 
 METHODS = ("ngram", "draft_model")
 """The proposal methods served."""
@@ -46,6 +55,11 @@ class Proposer(Protocol):
         """Its options as the runner's ``info()`` shows them (``method`` first)."""
         ...
 
+    def limit(self, running: int) -> int:
+        """The most drafts a row may propose in a step where ``running`` sequences run
+        (0: none; :mod:`.spec_bound`)."""
+        ...
+
 
 def parse(raw: Any) -> NgramConfig | DraftConfig:
     """The fleet file's ``options.speculative`` table, checked (a ``ValueError`` says what
@@ -60,9 +74,13 @@ def parse(raw: Any) -> NgramConfig | DraftConfig:
     return NgramConfig.parse(raw) if method == "ngram" else DraftConfig.parse(raw)
 
 
-def _known(raw: Mapping[str, Any], known: set[str]) -> None:
+def _known(raw: Mapping[str, Any], own: set[str]) -> BatchBound:
+    """Refuse a key no method takes, or another method's (vLLM's other keys are judged by
+    :func:`.spec_keys.check`); the batch-size bound (:class:`.BatchBound`)."""
+    known = own | {"method", "num_speculative_tokens", *BOUND_KEYS, *spec_keys.check(raw)}
     if unknown := sorted(set(raw) - known):
         raise ValueError(f"{WHERE}: unknown keys {unknown} (known: {sorted(known)})")
+    return BatchBound.parse(raw)
 
 
 def _count(raw: Mapping[str, Any], name: str, default: int | None) -> int:
@@ -85,16 +103,25 @@ class DraftConfig:
     """The draft model's directory (vLLM's ``model``)."""
     num_speculative_tokens: int
     """The most drafts a sequence proposes per step (vLLM's ``k``)."""
+    bound: BatchBound = NO_BOUND
+    """Fewer drafts, or none, in steps where many sequences run."""
+    max_model_len: int | None = None
+    """No drafts past this many tokens of context (vLLM's: at most the draft's
+    ``max_position_embeddings`` and the target's context, checked at load; None: the
+    draft's ``max_position_embeddings``)."""
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> DraftConfig:
         """The table, checked (a ``ValueError`` says what is wrong)."""
-        _known(raw, {"method", "model", "num_speculative_tokens"})
+        bound = _known(raw, {"model", "max_model_len"})
         model = raw.get("model")
         if not isinstance(model, str) or not model:
             raise ValueError(f"{WHERE}.model: the draft model's directory is required "
                              f"(got {model!r})")  # fmt: skip
-        return cls(model, _count(raw, "num_speculative_tokens", None))
+        most = raw.get("max_model_len")
+        if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+            raise ValueError(f"{WHERE}.max_model_len: {most!r} is not a positive integer")
+        return cls(model, _count(raw, "num_speculative_tokens", None), bound, most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +134,20 @@ class NgramConfig:
     """The shortest n-gram matched."""
     prompt_lookup_max: int = 4
     """The longest n-gram matched (the longest found wins)."""
+    bound: BatchBound = NO_BOUND
+    """Fewer drafts, or none, in steps where many sequences run."""
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> NgramConfig:
         """The table (its ``method`` ``ngram``, or none), checked (a ``ValueError`` says
         what is wrong)."""
-        _known(raw, {"method", "num_speculative_tokens", "prompt_lookup_min",
-                     "prompt_lookup_max"})  # fmt: skip
+        if "max_model_len" in raw:
+            raise ValueError(f"{WHERE}.max_model_len bounds a draft model's context, and the "
+                             "ngram method has none (vLLM ignores it there)")  # fmt: skip
+        bound = _known(raw, {"prompt_lookup_min", "prompt_lookup_max"})
         spec = cls(_count(raw, "num_speculative_tokens", None),
-                   _count(raw, "prompt_lookup_min", 1), _count(raw, "prompt_lookup_max", 4))  # fmt: skip
+                   _count(raw, "prompt_lookup_min", 1), _count(raw, "prompt_lookup_max", 4),
+                   bound)  # fmt: skip
         if spec.prompt_lookup_min > spec.prompt_lookup_max:
             raise ValueError(f"{WHERE}: prompt_lookup_min {spec.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max {spec.prompt_lookup_max}")  # fmt: skip
@@ -145,7 +177,12 @@ class NgramConfig:
         """Nothing is kept per sequence."""
 
     def settings(self) -> dict[str, Any]:
-        return {"method": "ngram", **asdict(self)}
+        return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max, **self.bound.settings()}  # fmt: skip
+
+    def limit(self, running: int) -> int:
+        return self.bound.limit(running, self.num_speculative_tokens)
 
 
 def ngram_drafts(tokens: np.ndarray, low: int, high: int, k: int) -> list[int]:

@@ -54,7 +54,8 @@ class Info(Controls):
                            draft_prefill_shared_tokens=draft.shared)  # fmt: skip
             out.update(speculative=e.speculative.settings(),
                        spec_decode_drafts=e.drafted[0], spec_decode_draft_tokens=e.drafted[1],
-                       spec_decode_accepted_tokens=sum(e.accepted))  # fmt: skip
+                       spec_decode_accepted_tokens=sum(e.accepted),
+                       spec_decode_skipped_rows=e.spec_skipped)  # fmt: skip
         if e.prefix is not None:
             out.update(prefix_cache_tokens=e.prefix.tokens,
                        prefix_cache_hit_tokens=e.prefix.hit_tokens)  # fmt: skip
@@ -69,10 +70,11 @@ class Info(Controls):
         e = self.engine
         assert isinstance(e, PaddedEngine)
         rows, drafts = e.drafted
-        seen_rows, seen_drafts, seen = self._spec_seen
-        if rows == seen_rows:
+        seen_rows, seen_drafts, seen, skipped = self._spec_seen
+        if rows == seen_rows and e.spec_skipped == skipped:
             return
         report.drafted = (rows - seen_rows, drafts - seen_drafts)
         report.accepted = tuple(n - (seen[j] if j < len(seen) else 0)
                                 for j, n in enumerate(e.accepted))  # fmt: skip
-        self._spec_seen = (rows, drafts, tuple(e.accepted))
+        report.spec_skipped = e.spec_skipped - skipped
+        self._spec_seen = (rows, drafts, tuple(e.accepted), e.spec_skipped)

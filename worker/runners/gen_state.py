@@ -201,4 +201,4 @@ class RunnerState:
     _unsettled: StepReport | None
     _by_seq: dict[str, tuple[GenReq, GenSeq]]
     _beam_seqs: dict[str, GenReq]
-    _spec_seen: tuple[int, int, tuple[int, ...]]
+    _spec_seen: tuple[int, int, tuple[int, ...], int]

@@ -319,7 +319,7 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         self._by_seq: dict[str, tuple[GenReq, GenSeq]] = {}
         self._beam_seqs: dict[str, GenReq] = {}
         """The beam searches' round sequences in the engine, and their requests."""
-        self._spec_seen: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        self._spec_seen: tuple[int, int, tuple[int, ...], int] = (0, 0, (), 0)
         """The engine's speculation counts at the last step's report."""
 
     # --- the loop's side ---------------------------------------------------------------
