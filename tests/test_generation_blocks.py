@@ -93,6 +93,12 @@ MUSE = [
     (None, f" to=self<|message|>set flag to=5 and send it to=alice{E}{S}assistant"
      f" to=user<|message|>done{Q}", "set flag to=5 and send it to=alice", "done", []),
     (None, f" <|message|>public text{Q}", None, "public text", []),
+    # vLLM's engine tests: a reasoning cut short keeps the call it echoes, and makes none;
+    # one left open before a bare tool header does not swallow the call
+    (None, ' to=self<|message|>Maybe <atem:invoke name="f"></atem:invoke> but wait',
+     'Maybe <atem:invoke name="f"></atem:invoke> but wait', "", []),
+    (None, " to=self<|message|>calling now to=weather.get<|message|>"
+     + INVOKE.format(name="weather.get"), "calling now", "", [("weather.get", M_ARGS)]),
     # a reasoning block left open does not swallow the call after it
     (None, f" to=self<|message|>hmm{S}assistant to=f.g<|message|>"
      '<atem:invoke name="f.g"></atem:invoke>' + E, "hmm", "", [("f.g", "{}")]),
