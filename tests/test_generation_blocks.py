@@ -80,12 +80,25 @@ MUSE = [
      + INVOKE.format(name="get_weather.get_weather") + f"{E}{S}assistant to=user<|message|>"
      f"Here.{Q}", "Think.", "Here.", [("get_weather", M_ARGS)]),
     (None, "Just text, no framing.", None, "Just text, no framing.", []),
-    # reasoning blocks joined by a newline; the answer's too, as written
+    # reasoning blocks one after the other, as vLLM's engine-based parser joins them whole
+    # and streamed; the answer's too, as written
     (None, f" to=self<|message|>one{E}{S}assistant to=self<|message|>two{E}{S}assistant"
-     f" to=user<|message|>A {E}{S}assistant<|message|>B{Q}", "one\ntwo", "A B", []),
+     f" to=user<|message|>A {E}{S}assistant<|message|>B{Q}", "onetwo", "A B", []),
+    (None, f" to=self<|message|>A{E}{S}assistant to=self<|message|>B{E}{S}assistant"
+     f" to=user<|message|>C{Q}", "AB", "C", []),  # vLLM's test, the same
     # a header may follow a body with no end marker (its spaces and recipient held back)
-    (None, " to=self<|message|>one to=user<|message|>two\nto=self<|message|>three", "one\nthree",
+    (None, " to=self<|message|>one to=user<|message|>two\nto=self<|message|>three", "onethree",
      "two\n", []),
+    # a "to=" in prose is no header (vLLM's tests); a bare header's body is content
+    (None, f" to=self<|message|>set flag to=5 and send it to=alice{E}{S}assistant"
+     f" to=user<|message|>done{Q}", "set flag to=5 and send it to=alice", "done", []),
+    (None, f" <|message|>public text{Q}", None, "public text", []),
+    # vLLM's engine tests: a reasoning cut short keeps the call it echoes, and makes none;
+    # one left open before a bare tool header does not swallow the call
+    (None, ' to=self<|message|>Maybe <atem:invoke name="f"></atem:invoke> but wait',
+     'Maybe <atem:invoke name="f"></atem:invoke> but wait', "", []),
+    (None, " to=self<|message|>calling now to=weather.get<|message|>"
+     + INVOKE.format(name="weather.get"), "calling now", "", [("weather.get", M_ARGS)]),
     # a reasoning block left open does not swallow the call after it
     (None, f" to=self<|message|>hmm{S}assistant to=f.g<|message|>"
      '<atem:invoke name="f.g"></atem:invoke>' + E, "hmm", "", [("f.g", "{}")]),

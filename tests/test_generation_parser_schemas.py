@@ -245,6 +245,60 @@ def test_minicpm5_keeps_a_name_the_request_has() -> None:
     assert read_calls(AUTO, text, "minicpm5", rest) is None
 
 
+# minicpm5: its text cleaned up as vLLM's tool parser cleans it (its tests' texts)
+
+WEATHER = _types("get_weather", {"properties": {"city": {"type": "string"},
+                                                "date": {"type": "string"}}, "required": ["city"]})  # fmt: skip
+SHANGHAI = [("get_weather", {"city": "上海", "date": "2024-06-27"})]
+_G = "\u0120"  # Ġ: a space, as a byte-level BPE tokenizer's vocabulary writes it
+
+
+@pytest.mark.parametrize("head", [f"<function{_G}name=", "<functionname="])
+@pytest.mark.parametrize("param", [f"<param{_G}name=", "<paramname="])
+def test_minicpm5_reads_tags_spaced_by_the_tokenizer_or_run_together(head: str,
+                                                                     param: str) -> None:  # fmt: skip
+    text = (f'{head}"get_weather">{param}"city">上海</param>{param}"date">2024-06-27</param>'
+            "</function>\n")  # fmt: skip
+    assert _args(read_calls(AUTO, text, "minicpm5", WEATHER)) == SHANGHAI
+    got = _whole_and_streamed("minicpm5", text, WEATHER)
+    assert _args(got["tool_calls"]) == SHANGHAI and got["content"] == ""
+    # only where its tool parser reads the text: tool_choice required asks for JSON
+    assert CallReader(ToolUse("required"), "minicpm5", WEATHER).clean(text, True) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [(f"\u010aFirst,{_G}I{_G}need{_G}to{_G}check{_G}the{_G}weather.",
+      "First, I need to check the weather."),
+     # (a tag run together held back while written: the pieces add up)
+     ('Write <paramname="x">, or <functionname="nope"></function>',
+      'Write <param name="x">, or <function name="nope"></function>')],
+)  # fmt: skip
+def test_minicpm5_content_is_cleaned_up_too(text: str, content: str) -> None:
+    assert _whole_and_streamed("minicpm5", text, WEATHER) == {"content": content}
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [("<think>\nThe user wants the weather.\n</think>\n\nIt is sunny.", "It is sunny."),
+     ('<think>Call it? <function name="get_weather"></function></think>\nSure.\n'
+      '<function name="get_weather"><param name="city">Paris</param></function>', "Sure."),
+     ("<think>only thinking</think>", "<think>only thinking</think>"),  # nothing follows
+     ("<think>cut short", "<think>cut short"),  # never closed
+     # not led by its thinking: as written (vLLM's strips to the last </think> wherever
+     # it stands, which no stream can know before the end)
+     ("Hm.</think>It is sunny.", "Hm.</think>It is sunny.")],
+)  # fmt: skip
+def test_minicpm5_content_is_what_follows_the_thinking_it_begins_with(text: str,
+                                                                      content: str) -> None:  # fmt: skip
+    got = _whole_and_streamed("minicpm5", text, WEATHER)
+    assert got["content"] == content
+    # streamed once the thinking ends, not held to the end
+    deltas, _ = _stream(_split("minicpm5", WEATHER), list(text))
+    if content == "It is sunny.":
+        assert "".join(d["content"] for d in deltas[:-1]) == "It is sunny."
+
+
 # hy_v4: calls only in the first <tool_calls> section, once closed, all or none
 
 HY = hy_v4.tags("")
@@ -374,7 +428,7 @@ def test_a_block_tool_parser_alone_streams_the_reasoning(blocky: Path, parser: s
                                   options={**TINY_LM_OPTIONS, "tool_call_parser": parser})  # fmt: skip
     chunks, out = generate(runner, f"{parser}s", [*_tokens(text), "<|end|>"], stream=True)
     # streamed, as vLLM's stream it: reasoning pieces, which the result holds too (the
-    # blocks one after the other: muse_glimmer's reasoning parser would join them by "\n")
+    # blocks one after the other, as its reasoning parser reads them)
     assert (out["reasoning_content"], out["content"]) == ("Let me think.Still.", "Done.")
     for key in ("reasoning_content", "content"):
         assert "".join(c[key] for c in chunks) == out[key]
@@ -385,6 +439,5 @@ def test_a_block_tool_parser_alone_streams_the_reasoning(blocky: Path, parser: s
     assert _args(whole["tool_calls"]) == _args(out["tool_calls"])
     # with its reasoning parser too, a whole result holds the reasoning
     both = _split(parser, {}, reasoning=True).result(text)
-    assert both["reasoning_content"] == {"muse_glimmer": "Let me think.\nStill."}.get(
-        parser, "Let me think.Still.")  # fmt: skip
+    assert both["reasoning_content"] == out["reasoning_content"]
     assert (both["content"], _args(both["tool_calls"])) == ("Done.", _args(out["tool_calls"]))

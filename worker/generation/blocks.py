@@ -48,9 +48,6 @@ class Format:
     typed_args: TypedArgs | None = None
     """How the call being written reads where its function's schema types its values
     (streamed as settled; None: its arguments as written)."""
-    alone: Callable[[str, bool | None, bool], str | None] | None = None
-    """The reasoning its tool parser alone streams, where not :attr:`reasoning` (vLLM's
-    ``muse_glimmer``: the bodies one after the other)."""
 
 
 FORMATS: Final = {
@@ -65,7 +62,6 @@ FORMATS: Final = {
         lambda text, thinking, final: muse_glimmer.content(text, final),
         muse_glimmer.calls, lambda text, start: None, muse_glimmer.call_start,
         lambda prompt_end: None,
-        alone=lambda text, thinking, final: muse_glimmer.reasoning(text, final, ""),
     ),
 }  # fmt: skip
 """The formats, by their parsers' names (vLLM's, for both its reasoning and tool
@@ -74,17 +70,16 @@ parsers)."""
 
 class BlocksReasoning(Reasoning):
     """A block format's split: the reasoning is its reasoning blocks', wherever they are
-    (:attr:`interleaved`); the answer is the whole text, read by the format. ``alone``:
-    the reasoning its tool parser alone streams (:attr:`Format.alone`)."""
+    (:attr:`interleaved`); the answer is the whole text, read by the format (its tool
+    parser alone streams the same reasoning, as vLLM's)."""
 
-    __slots__ = ("_reasoning", "format")
+    __slots__ = ("format",)
 
     interleaved: ClassVar[bool] = True
 
-    def __init__(self, parser: str, alone: bool = False) -> None:
+    def __init__(self, parser: str) -> None:
         super().__init__(parser)  # no tags
         self.format = FORMATS[parser]
-        self._reasoning = (alone and self.format.alone) or self.format.reasoning
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -101,7 +96,7 @@ class BlocksReasoning(Reasoning):
         return 0
 
     def split(self, text: str, thinking: bool | None) -> tuple[str | None, str]:
-        return self._reasoning(text, thinking, True), text
+        return self.format.reasoning(text, thinking, True), text
 
     def so_far(self, text: str, thinking: bool | None) -> str:
-        return self._reasoning(text, thinking, False) or ""
+        return self.format.reasoning(text, thinking, False) or ""

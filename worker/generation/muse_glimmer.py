@@ -12,9 +12,10 @@ MuseGlimmer writes messages, each a header naming who it is for, then its body u
 (the prompt ends with ``<|start|>assistant``, so the first header may lack it). A
 message's body also ends where the next header begins (a reasoning message the model left
 open does not swallow the call after it), and never holds ``<|start|>``. The messages *to*
-``self`` are the reasoning (their bodies joined by a newline; by nothing where the tool
-parser alone streams them, as vLLM's); those to ``user``, or with
-no recipient, the content (joined); the others are tool channels, where the calls are
+``self`` are the reasoning (their bodies one after the other, as vLLM's reasoning parser
+streams them and its engine-based one reads them whole or streamed: its older one joined
+them by a newline only in a whole result); those to ``user``, or with no recipient, the
+content (joined); the others are tool channels, where the calls are
 (vLLM's tool parser *selects* their bodies, so a call echoed in the reasoning or the
 answer is none):
 
@@ -88,11 +89,10 @@ def _bodies(text: str, final: bool, want: Collection[str | None]) -> list[str]:
     return out
 
 
-def reasoning(text: str, final: bool, sep: str = "\n") -> str | None:
-    """The reasoning a text (so far) shows, its bodies joined by ``sep`` (None: none): a
-    newline, as vLLM's reasoning parser joins them; vLLM's tool parser alone streams them
-    one after the other (``""``)."""
-    return sep.join(_bodies(text, final, (SELF,))) or None
+def reasoning(text: str, final: bool) -> str | None:
+    """The reasoning a text (so far) shows, its bodies one after the other (None: none),
+    so a stream's pieces add up to the whole text's."""
+    return "".join(_bodies(text, final, (SELF,))) or None
 
 
 def content(text: str, final: bool) -> str:

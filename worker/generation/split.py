@@ -75,6 +75,8 @@ class OutputSplit:
                 reasoning, answer = self.reasoning.split(text, self.thinking)
                 if reasoning is not None:
                     out["reasoning_content"] = reasoning
+            if self.calls is not None:
+                answer = self.calls.clean(answer, True)
             out["content"] = self.content(answer, final=True)
             if (reader := self.calls) is not None:
                 reader.read(answer, final=True)
@@ -95,7 +97,9 @@ class OutputSplit:
             return self.blocks.content(answer, self.thinking, final)
         if self.channels and self.reasoning is None:  # the tools channel's text is not
             return answer.split(xtml.TOOLS[0], 1)[0].strip()
-        return harmony.content(answer) if self.harmony else answer.strip()
+        if self.harmony:
+            return harmony.content(answer)
+        return answer.strip() if self.calls is None else self.calls.shown(answer.strip(), final)
 
     def delta(self, released: str, new: str, final: str | None) -> dict[str, Any]:
         """A delta's fields, given the text released so far and ``new``, the part just
@@ -150,6 +154,7 @@ class OutputSplit:
         reader = self.calls
         if reader is None:
             return reasoning, self.content(answer), [], []
+        answer = reader.clean(answer, False)
         if reader.may_complete(new):
             reader.read(answer)
         chunks = [] if self.chunks is None else self.chunks.chunks(answer)  # before ids go

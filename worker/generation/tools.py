@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...schemas.tools import ToolUse
-from . import blocks, cohere, harmony
+from . import blocks, cohere, harmony, minicpm5_text
 from .json_compact import compact
 from .reasoning import held
 from .tagged_args import Types
@@ -42,11 +42,14 @@ assert set(SCANNERS) | set(BLOCKS) | set(ALIASES) | set(blocks.FORMATS) | LATER 
 class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
-    __slots__ = ("_at", "_harmony", "_hold", "_scan", "_section", "_settled", "calls",
-                 "content", "end", "limit", "sent")  # fmt: skip
+    __slots__ = ("_at", "_harmony", "_hold", "_scan", "_section", "_settled", "_tidy",
+                 "calls", "content", "end", "limit", "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         parser = ALIASES.get(parser or "", parser)
+        self._tidy = parser == "minicpm5" and use.kind == "auto"
+        """Its text is cleaned up, and its content shown, as vLLM's tool parser does
+        (:mod:`.minicpm5_text`)."""
         self._scan = _scanner(use, parser, types or {})
         self._hold = _holder(use, parser)
         self._section = SECTIONS.get(parser or "") if use.kind == "auto" else None
@@ -89,7 +92,9 @@ class CallReader:
                 if text.startswith(close, skip(text, end)):
                     end = skip(text, end) + len(close)
             self.content = (
-                harmony.content(text) if self._harmony else (text[:start] + text[end:]).strip()
+                harmony.content(text)
+                if self._harmony
+                else self.shown((text[:start] + text[end:]).strip(), True)
             )
 
     def content_so_far(self, text: str) -> str:
@@ -98,7 +103,17 @@ class CallReader:
         final messages' and preambles')."""
         if self._harmony:
             return harmony.content(text)
-        return text[: self._hold(text)].strip()
+        return self.shown(text[: self._hold(text)].strip(), False)
+
+    def clean(self, text: str, final: bool) -> str:
+        """The text (so far; ``final``: whole) its parser reads: as written, or cleaned
+        up (:func:`.minicpm5_text.clean`)."""
+        return minicpm5_text.clean(text, final) if self._tidy else text
+
+    def shown(self, text: str, final: bool) -> str:
+        """The content a trimmed text outside the calls (so far) shows: all of it, or
+        what follows the thinking it begins with (:func:`.minicpm5_text.shown`)."""
+        return minicpm5_text.shown(text, final) if self._tidy else text
 
     def may_call(self, text: str) -> bool:
         """Whether a call may have begun in a text so far."""
@@ -121,7 +136,7 @@ def read_calls(use: ToolUse, text: str, parser: str | None,
                types: Types | None = None) -> list[dict[str, Any]] | None:  # fmt: skip
     """The calls a whole ``text`` makes, as a result's ``tool_calls`` (None: none)."""
     reader = CallReader(use, parser, types)
-    reader.read(text, final=True)
+    reader.read(reader.clean(text, True), final=True)
     return reader.calls or None
 
 

@@ -76,7 +76,7 @@ class Requests(Beams):
         if reasoning is None and self._blocks is not None and use is not None and spec.stream:
             # vLLM's block tool parsers stream the reasoning blocks too (not in a whole
             # result): a stream's deltas, and so its result, carry them as they stream them
-            reasoning = BlocksReasoning(self._blocks.name, alone=True)
+            reasoning = BlocksReasoning(self._blocks.name)
         split = OutputSplit(reasoning, spec.thinking, self._harmony, cohere=self._cohere,
                             blocks=self._blocks)  # fmt: skip
         if use is not None:
