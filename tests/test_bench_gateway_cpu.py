@@ -22,4 +22,4 @@ def test_every_route_streams_and_is_reported_with_a_profile(tmp_path: Path) -> N
           "--out", str(tmp_path)])  # fmt: skip
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {route} |" in report for route in ROUTES)
-    assert "producer/gateway/app.py" in (tmp_path / "profile.txt").read_text()
+    assert "producer/gateway/generate.py" in (tmp_path / "profile.txt").read_text()

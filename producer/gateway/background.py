@@ -27,12 +27,12 @@ from ...schemas.keys import ModelKeys
 from ...schemas.messages import Result
 from ..aio import AsyncJob
 from . import continued
-from .app import Gateway
 from .endpoint import Answered
 from .errors import of_result
 from .fleet_control import live_workers
 from .replies import DOWN
 from .responses import echoed, response, settings
+from .state import Gateway
 from .stored import Stored
 
 logger = logging.getLogger(__name__)

@@ -32,12 +32,13 @@ import tornado.iostream
 from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Delta, Result
 from ..tokens import DeltaFollower, Restarted
-from .app import Gateway, Handler, dumps
 from .background import job, settled, started
 from .errors import ApiError, of_exception
+from .handler import Handler, dumps
 from .replay import Diverged
 from .replies import DOWN
 from .responses import ResponseEvents, echoed, settings
+from .state import Gateway
 from .stored import Stored
 
 logger = logging.getLogger(__name__)

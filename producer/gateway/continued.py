@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from .app import Gateway
 from .conversation_routes import conversation_not_found, stored_item
 from .conversations import ConversationGone, DuplicateItem, ItemsRefused
 from .errors import ApiError, invalid
 from .replies import DOWN
+from .state import Gateway
 from .stored import Stored
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from .app import Handler
 from .conversations import Conversation, ConversationGone, ItemsRefused
 from .errors import ApiError, invalid
+from .handler import Handler
 from .response_input import ITEM_PREFIX, LOGPROBS, input_messages
 
 MAX_ADDED = 20

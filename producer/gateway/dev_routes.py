@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
-from .app import Handler
 from .errors import ApiError, of_exception
 from .fleet_control import ControlAdmin, late, partial
+from .handler import Handler
 
 logger = logging.getLogger(__name__)
 

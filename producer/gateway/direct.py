@@ -1,6 +1,6 @@
 """OpenAI request bodies answered without HTTP, as the gateway's routes answer them: the
 same translation (:mod:`.openai_fields`, :mod:`.pooling`), checks and submission
-(:class:`~.app.Gateway`) and answers (:mod:`.answers`), for ``batchfleet run-batch``
+(:class:`~.state.Gateway`) and answers (:mod:`.answers`), for ``batchfleet run-batch``
 (vLLM's ``run-batch``). Whole answers only: a batch line is not streamed."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from ..aio import AsyncJob
 from ..submit import new_request_id
 from . import openai_fields
 from .answers import chat_response, completion_response
-from .app import Gateway, chosen_request_id
 from .endpoint import Answered, Endpoint, Submission
 from .errors import ApiError, invalid, of_exception, of_result
+from .handler import chosen_request_id
 from .pooling import ENDPOINTS
 from .replies import DOWN
 from .split import merged, part_ids, split
+from .state import Gateway
 
 GENERATION: Final[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/completions": False}
 """The generation URLs, each a chat (True) or a text completion."""

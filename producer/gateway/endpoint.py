@@ -1,5 +1,5 @@
 """What an endpoint is made of: the request it submits and the answer it builds from the
-result (or, streamed, the events it builds from the deltas). The HTTP side (``app.py``)
+result (or, streamed, the events it builds from the deltas). The HTTP side (:mod:`.handler`)
 does the rest: JSON in, submit, wait, errors, JSON or server-sent events out."""
 
 from __future__ import annotations

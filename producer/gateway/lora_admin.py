@@ -23,9 +23,10 @@ from typing import Any
 
 from ...control_wait import Replies
 from ...schemas.errors import BatchfleetError
-from .app import Gateway, Handler
 from .errors import ApiError, invalid, of_exception
 from .fleet_control import ControlAdmin, late, partial
+from .handler import Handler
+from .state import Gateway
 
 GENERATION = "text-generation"
 """The task of the models that serve LoRA adapters (their ``bf:{model}:info``)."""

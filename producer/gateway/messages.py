@@ -15,9 +15,11 @@ from typing import Any
 from ...schemas.messages import Result
 from . import anthropic_answers, anthropic_fields
 from .anthropic_events import MessageEvents
-from .app import Gateway, Generate, Unary
 from .endpoint import Answered, Events, Submission
 from .errors import ApiError
+from .generate import Generate
+from .state import Gateway
+from .unary import Unary
 
 
 class Messages(Generate):

@@ -1,4 +1,4 @@
-"""``/v1/responses``: OpenAI's Responses API, served as :class:`~.app.Generate` serves
+"""``/v1/responses``: OpenAI's Responses API, served as :class:`~.generate.Generate` serves
 chat (the same submission, waiting, disconnects and restarts), with the Responses API's
 objects and its semantic server-sent events (``event: <type>`` then ``data: <json>``).
 
@@ -22,15 +22,17 @@ import redis
 
 from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Result
-from .app import Gateway, Generate, Handler
 from .background import PENDING, job, pending, queued, settle
 from .background_events import send
 from .continued import Continued, continued
 from .endpoint import Answered, Events, Submission
 from .errors import ApiError, invalid, of_exception
+from .generate import Generate
+from .handler import Handler
 from .replies import DOWN
 from .response_input import ITEM_PREFIX, input_items, input_messages, response_submission
 from .responses import ResponseEvents, response
+from .state import Gateway
 from .stored import Stored
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ... import __version__
-from .app import Gateway, Generate, Handler, Health, Unary
 from .endpoint import Endpoint
 from .errors import ApiError, invalid
+from .generate import Generate
+from .handler import Handler
+from .info_routes import Health
 from .pooling import CLASSIFY, EMBEDDINGS, RERANK, SCORE
+from .state import Gateway
+from .unary import Unary
 
 CLASSIFIER = "text-classification"
 """The task (``bf:{model}:info``) whose ``input`` is a classification, not an embedding."""

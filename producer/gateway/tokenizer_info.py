@@ -10,8 +10,8 @@ import json
 
 from ...schemas.errors import BatchfleetError
 from ...schemas.keys import ModelKeys
-from .app import Handler
 from .errors import ApiError, invalid, of_exception
+from .handler import Handler
 
 
 class TokenizerInfo(Handler):
