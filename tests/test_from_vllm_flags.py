@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from batchfleet.worker.generation.speculative import NgramConfig, parse
 from vllm_commands import run, started_runner
 
 from batchfleet import cli
@@ -22,7 +23,6 @@ from batchfleet.vllm_flags import (
     judgement,
     simple_options,
 )
-from batchfleet.worker.generation.speculative import NgramConfig, parse
 
 
 def test_every_flag_of_vllm_serve_has_a_meaning_here() -> None:

@@ -68,8 +68,10 @@ def test_propose_caps_the_drafts_at_the_limit() -> None:
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-        ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
-         r"prompt_lookup_min=3 must be <= prompt_lookup_max=2"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_min=3 must be <= prompt_lookup_max=2",
+        ),
         ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max: 0"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min: '3'"),
         ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
@@ -302,8 +304,12 @@ def _answers(runner: Any, requests: list[Any]) -> tuple[dict[str, Any], list[Any
     raise AssertionError("did not finish")
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 8},
