@@ -704,10 +704,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     fv = sub.add_parser(
         "from-vllm",
-        help="a `vllm serve` command line as a fleet file and a gateway command",
+        help="a `vllm serve` (or `vllm run-batch`) command line as a fleet file and a "
+        "gateway (or run-batch) command",
         description="Reads a `vllm serve` command line (after --; `vllm serve` optional, "
         "`--config FILE.yaml` read as vLLM reads it) and writes the fleet file serving the "
-        "model, each line citing its vLLM flag, and the `batchfleet gateway` command. Flags "
+        "model, each line citing its vLLM flag, and the `batchfleet gateway` command; a "
+        "`vllm run-batch` command line gives the `batchfleet run-batch` command. Flags "
         "with no equivalent are listed with why; unknown flags exit 2 unless --keep-going. "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING and VLLM_SERVER_DEV_MODE are read from the "
         "environment, as vLLM reads them.",
@@ -715,7 +717,11 @@ def build_parser() -> argparse.ArgumentParser:
     fv.add_argument("--out", "-o", help="write the fleet file here (default: stdout)")
     fv.add_argument("--keep-going", action="store_true",
                     help="write the file without unknown flags (each named in a comment)")  # fmt: skip
-    fv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [flags]")
+    fv.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="-- vllm serve MODEL [flags] | -- vllm run-batch -i IN -o OUT --model MODEL [flags]",
+    )
     fv.set_defaults(func=_from_vllm)
 
     for name, text in (

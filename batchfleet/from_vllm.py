@@ -1,5 +1,6 @@
 """``batchfleet from-vllm``: a ``vllm serve`` command line turned into a fleet file and the
-``batchfleet gateway`` command serving the same API.
+``batchfleet gateway`` command serving the same API; a ``vllm run-batch`` one into the
+fleet file and the ``batchfleet run-batch`` command (:mod:`.vllm_run_batch`).
 
 Each flag goes to a model setting or option (the fleet file's line cites it), to a gateway
 flag, to nothing (it changes nothing here: a comment says why), or is listed as having
@@ -33,6 +34,7 @@ from .vllm_flags import (
     simple_options,
 )
 from .vllm_pooling import is_pooling, pooling_settings, runner_line
+from .vllm_run_batch import RunBatchArgs, command, is_run_batch, read_run_batch, settle
 from .vllm_scheduling import speculative
 from .vllm_serving import serving_defaults
 
@@ -136,13 +138,14 @@ def _environment(env: Mapping[str, str], out: Conversion) -> None:
         out.gateway.insert(0, ("--host", "0.0.0.0"))  # vLLM's default: every interface
 
 
-def render(conv: Conversion, argv: Sequence[str], fleet_path: str) -> str:
-    """The fleet file's text: each line cites the vLLM flag it came from."""
+def render(conv: Conversion, argv: Sequence[str], fleet_path: str, run: str | None = None) -> str:
+    """The fleet file's text: each line cites the vLLM flag it came from; ``run`` is the
+    command shown after the worker's (default: the gateway's)."""
     given = shlex.join(_redacted(argv))
-    gateway = conv.gateway_command(fleet_path, secret=False)
+    then = run or conv.gateway_command(fleet_path, secret=False)
     out = [f"# From `batchfleet from-vllm`: {given}",
            f"# Run:  batchfleet worker --config {fleet_path}",
-           f"#       {gateway}",
+           f"#       {then}",
            'redis_url = "redis://127.0.0.1:6379/0"  # the fleet\'s Redis: set yours', "",
            f"[models.{_key(conv.name)}]"]  # fmt: skip
     out += [_line(ln) for ln in conv.model]
@@ -220,16 +223,22 @@ def from_vllm(argv: Sequence[str], *, out: str | None = None, keep_going: bool =
     """The command: ``(exit code, stdout, stderr)``. The fleet file goes to ``out`` (then
     stdout shows the commands) or to stdout. 2: unknown flags (without ``keep_going``)
     or a command line that cannot be converted."""
+    job: RunBatchArgs | None = None
     try:
-        conv = convert(argv, os.environ if env is None else env)
-    except ConversionError as exc:
+        if is_run_batch(argv):
+            job = read_run_batch(argv)
+        conv = convert(job.engine if job else argv, os.environ if env is None else env)
+    except (ConversionError, VllmArgsError) as exc:
         return 2, "", f"from-vllm: {exc}\n"
+    if job:
+        settle(job, conv)
     if conv.unknown and not keep_going:
         listed = "".join(f"  {u}\n" for u in conv.unknown)
         return 2, "", (f"from-vllm: flags it does not know (--keep-going writes the file "
                        f"without them, each named in a comment):\n{listed}")  # fmt: skip
     fleet_path = out or "fleet.toml"
-    text = render(conv, argv, fleet_path)
+    run = command(job, conv, fleet_path) if job else None
+    text = render(conv, argv, fleet_path, run)
     try:
         check(text)
     except ConversionError as exc:
@@ -239,5 +248,6 @@ def from_vllm(argv: Sequence[str], *, out: str | None = None, keep_going: bool =
     if out is None:
         return 0, text, notes
     Path(out).write_text(text, encoding="utf-8")
-    commands = f"batchfleet worker --config {out}\n{conv.gateway_command(out, secret=True)}\n"
+    then = run or conv.gateway_command(out, secret=True)
+    commands = f"batchfleet worker --config {out}\n{then}\n"
     return 0, commands, f"from-vllm: wrote {out}\n" + notes

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from batchfleet.worker.generation.speculative import NgramConfig, parse
 from vllm_commands import run, started_runner
 
 from batchfleet import cli
@@ -152,6 +153,31 @@ def test_newer_flags_reach_the_fleet_file(
            "worker": fleet.get("worker", {})}[where]  # fmt: skip
     for key, value in expect.items():
         assert got[key] == value, key
+
+
+@pytest.mark.parametrize(("flags", "bounds"), [
+    (["--speculative-config.method", "ngram"], (5, 5)),  # neither: vLLM's 5 and 5
+    (["--spec-method", "ngram", "--speculative-config.prompt_lookup_max", "3"], (3, 3)),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 2}'], (2, 2)),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_min": 2, '
+      '"prompt_lookup_max": 4}'], (2, 4)),
+])  # fmt: skip
+def test_ngram_lookup_bounds_are_vllm_s_when_not_given(
+    tmp_path: Path, flags: list[str], bounds: tuple[int, int]
+) -> None:
+    code, fleet, _, stderr = run(tmp_path, ["serve", "/m/x", "--spec-tokens", "3", *flags])
+    assert code == 0, stderr
+    spec = parse(fleet["models"]["x"]["options"]["speculative"])
+    assert isinstance(spec, NgramConfig)
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == bounds
+
+
+def test_ngram_lookup_min_above_max_is_refused_with_vllm_s_words(tmp_path: Path) -> None:
+    spec = '{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}'
+    code, _, _, stderr = run(tmp_path, ["serve", "/m/x", "--spec-tokens", "3",
+                                        "--speculative-config", spec])  # fmt: skip
+    assert code != 0
+    assert "prompt_lookup_min=4 must be <= prompt_lookup_max=2" in stderr
 
 
 @pytest.mark.parametrize(("flags", "needless", "listed"), [

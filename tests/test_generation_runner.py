@@ -45,6 +45,7 @@ def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner
                             "max_running": 16, "engine": request.param}  # fmt: skip
     if request.param == "speculative":
         opts.update(engine="padded", speculative={"method": "ngram", "num_speculative_tokens": 4,
+                                                  "prompt_lookup_min": 1,
                                                   "prompt_lookup_max": 3})  # fmt: skip
     return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=opts)
 

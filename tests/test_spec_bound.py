@@ -138,8 +138,8 @@ def test_keys_with_no_equivalent_are_refused_with_why(
 def test_the_settings_show_the_bound_and_the_draft_s_context() -> None:
     spec = parse({**NGRAM, "disable_by_batch_size": 6})
     assert isinstance(spec, NgramConfig) and spec.settings() == {
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 4, "disable_by_batch_size": 6}  # fmt: skip
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+        "prompt_lookup_max": 5, "disable_by_batch_size": 6}  # fmt: skip
     draft = parse({**DRAFT, "max_model_len": 64,
                    "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 64, 0]]})  # fmt: skip
     assert draft == DraftConfig("/m/small", 2, BatchBound(None, ((1, 4, 2), (5, 64, 0))), 64)

@@ -68,7 +68,12 @@ def test_propose_caps_the_drafts_at_the_limit() -> None:
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-        ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "exceeds"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_min=3 must be <= prompt_lookup_max=2",
+        ),
+        ({"num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max: 0"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min: '3'"),
         ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
         ("ngram", "a table"),
     ],
@@ -78,9 +83,22 @@ def test_the_option_is_checked(raw: Any, error: str) -> None:
         parse(raw)
 
 
-def test_the_option_has_vllm_s_defaults() -> None:
-    spec = NgramConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
-    assert spec == NgramConfig(3, 1, 4)
+@pytest.mark.parametrize(
+    "given,low,high",
+    [
+        ({}, 5, 5),  # neither: vLLM's 5 and 5
+        ({"prompt_lookup_min": None, "prompt_lookup_max": None}, 5, 5),  # JSON nulls: unset
+        ({"prompt_lookup_min": 2}, 2, 2),  # only min: max = min
+        ({"prompt_lookup_min": 7}, 7, 7),
+        ({"prompt_lookup_max": 3}, 3, 3),  # only max: min = max
+        ({"prompt_lookup_max": 8, "prompt_lookup_min": None}, 8, 8),
+        ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, 1, 4),  # both: as given
+    ],
+)
+def test_the_lookup_bounds_default_as_vllm_s(given: dict[str, Any], low: int, high: int) -> None:
+    spec = NgramConfig.parse({"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (low, high)
+    assert spec == NgramConfig(3, low, high)
 
 
 # --- greedy: exactly the tokens without speculation ------------------------------------
@@ -286,7 +304,12 @@ def _answers(runner: Any, requests: list[Any]) -> tuple[dict[str, Any], list[Any
     raise AssertionError("did not finish")
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 8},

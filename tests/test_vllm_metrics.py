@@ -76,7 +76,7 @@ def runner(tiny_lm: Path) -> TextGenerationRunner:
     opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "engine": "padded", "prefix_cache_tokens": 512,
             "speculative": {"method": "ngram", "num_speculative_tokens": 3,
-                            "prompt_lookup_max": 3}}  # fmt: skip
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}}  # fmt: skip
     return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32", options=opts)
 
 

@@ -33,6 +33,9 @@ from .spec_bound import NO_BOUND, BatchBound
 METHODS = ("ngram", "draft_model")
 """The proposal methods served."""
 WHERE = "options.speculative"
+LOOKUP_DEFAULT = 5
+"""``prompt_lookup_min`` and ``prompt_lookup_max`` where neither is given (vLLM's)."""
+LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 
 Row = tuple[str, Sequence[int], int]
 """A decoding row asking for drafts: its sequence, its context (prompt and output), and
@@ -130,9 +133,10 @@ class NgramConfig:
 
     num_speculative_tokens: int
     """The most drafts a sequence proposes per step (vLLM's ``k``)."""
-    prompt_lookup_min: int = 1
-    """The shortest n-gram matched."""
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5
+    """The shortest n-gram matched (vLLM's default where neither bound is given:
+    :data:`LOOKUP_DEFAULT`)."""
+    prompt_lookup_max: int = 5
     """The longest n-gram matched (the longest found wins)."""
     bound: BatchBound = NO_BOUND
     """Fewer drafts, or none, in steps where many sequences run."""
@@ -144,14 +148,17 @@ class NgramConfig:
         if "max_model_len" in raw:
             raise ValueError(f"{WHERE}.max_model_len bounds a draft model's context, and the "
                              "ngram method has none (vLLM ignores it there)")  # fmt: skip
-        bound = _known(raw, {"prompt_lookup_min", "prompt_lookup_max"})
-        spec = cls(_count(raw, "num_speculative_tokens", None),
-                   _count(raw, "prompt_lookup_min", 1), _count(raw, "prompt_lookup_max", 4),
-                   bound)  # fmt: skip
-        if spec.prompt_lookup_min > spec.prompt_lookup_max:
-            raise ValueError(f"{WHERE}: prompt_lookup_min {spec.prompt_lookup_min} exceeds "
-                             f"prompt_lookup_max {spec.prompt_lookup_max}")  # fmt: skip
-        return spec
+        bound = _known(raw, set(LOOKUP_KEYS))
+        tokens = _count(raw, "num_speculative_tokens", None)
+        # vLLM's SpeculativeConfig: both LOOKUP_DEFAULT where neither is given, else the
+        # one given stands for the other
+        given = {k: _count(raw, k, None) for k in LOOKUP_KEYS if raw.get(k) is not None}
+        low = given.get("prompt_lookup_min", given.get("prompt_lookup_max", LOOKUP_DEFAULT))
+        high = given.get("prompt_lookup_max", low)
+        if low > high:
+            raise ValueError(f"{WHERE}: prompt_lookup_min={low} must be <= "
+                             f"prompt_lookup_max={high}")  # fmt: skip
+        return cls(tokens, low, high, bound)
 
     def propose(self, rows: Sequence[Row], budget: int) -> list[list[int]]:
         """Each row's drafts (:meth:`drafts`), the earlier rows first while ``budget``
