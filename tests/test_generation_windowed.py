@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from batchfleet.worker.runners.gen_setup import why_windowed as _windowed
+from batchfleet.worker.runners.gen_engine import why_windowed as _windowed
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from devices import DEVICE
 from test_generation_runner import Driver, prepare, req

@@ -1,7 +1,7 @@
-"""What the text-generation runner's constructor reads off the model and its options: a
-reasoning parser's markers as tokens, whether every layer attends to the whole context
-(which engine serves it), boolean options, and the pieces it builds from options
-(speculation, LoRA adapters, the structured-output compiler).
+"""What the text-generation runner's constructor loads and reads off the model: its
+tokenizer (with the chat template options) and weights, the context and end-of-sequence
+tokens, a reasoning parser's markers as tokens, the LoRA adapters of its options, and the
+structured-output compiler.
 
 Startup only: nothing here runs per request or per step.
 """
@@ -9,13 +9,17 @@ Startup only: nothing here runs per request or per step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..generation.chat_template import ChatTemplates
 from ..generation.grammar import Grammars
+from ..generation.lora_table import MAX_LORAS, AdapterTable
 from ..generation.reasoning import Reasoning
 from ..generation.sampling import Marker
-from ..generation.speculative import DraftConfig, NgramConfig, Proposer, parse
 from .gen_state import RunnerState
 
 if TYPE_CHECKING:
@@ -51,70 +55,70 @@ MARKER_GAP = 20
 ``<|constrain|>json`` there)."""
 
 
-def why_windowed(config: Any, context: int) -> str | None:
-    """Why some of a model's layers do not attend to the whole context (up to ``context``
-    tokens): a sliding window shorter than it, or another kind of layer (linear
-    attention, state spaces); None: every layer does. The padded engine serves only the
-    latter: its step is built for full attention and does not give sliding layers the
-    masks transformers builds for them (on a tiny gpt-oss with a window of 8, its greedy
-    tokens left ``generate``'s by the 4th generated token); transformers' paged engine
-    follows the model's layer kinds."""
-    kinds = set(getattr(config, "layer_types", None) or ())
-    other = sorted(kinds - {"full_attention", "sliding_attention"})
-    if other:
-        return f"has {', '.join(other)} layers"
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in kinds or (not kinds and window is not None)
-    if sliding and (not isinstance(window, int) or window < context):
-        return f"has a sliding window of {window} tokens, shorter than its context ({context})"
-    return None
-
-
-def flag(value: Any, name: str) -> bool:
-    """A boolean option (TOML gives a bool; anything else is refused, not guessed)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"options.{name}: {value!r} is not true or false")
-    return value
-
-
-def seed_option(value: Any) -> int | None:
-    """``options.seed`` checked (vLLM's ``--seed``): the seed of the stream sampled
-    requests without a seed of their own take theirs from (None: unset, random)."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-        raise ValueError(f"options.seed: {value!r} is not an integer 0 … 2**63 - 1")
-    return value
+def gguf_args(opts: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained``'s arguments for ``options.gguf_file`` (none where unset)."""
+    gguf = opts.get("gguf_file")
+    return {"gguf_file": gguf} if gguf else {}
 
 
 class Setup(RunnerState):
-    """The runner's pieces built from its options at startup."""
+    """The runner's model, tokenizer and the pieces built from them at startup."""
 
-    def _proposer(self, lean: bool) -> Proposer | None:
-        """The padded engine's proposer: the n-gram config, or the draft model loaded
-        (:func:`.draft.load`: a ``ValueError`` where its vocabulary is not the model's;
-        ``lean``: ``lean_decode``, for its forwards too)."""
-        if not isinstance(self.speculative, DraftConfig):
-            return self.speculative
-        from ..generation import draft
+    def _load_tokenizer(self, path: str | Path, opts: dict[str, Any]) -> None:
+        """The tokenizer (``gguf_file``: from that file in ``path``), with the chat
+        template options applied: read and checked before the weights load."""
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), **gguf_args(opts))
+        self.templates = ChatTemplates.from_options(opts)
+        """The chat template options (:mod:`..generation.chat_template`)."""
+        if self.templates.template is not None:  # replaces the tokenizer's own (all of them)
+            self.tokenizer.chat_template = self.templates.template
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._backend_decode: Callable[..., str] | None = (
+            backend.decode
+            if backend is not None
+            and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+            else None
+        )
+        """The fast tokenizer's own decode: what ``tokenizer.decode`` returns without its
+        cleanup (off here), at a quarter of the cost; a step decodes two windows per token."""
 
-        return draft.load(self.speculative, self.model, self.step_tokens, self.context, lean)
+    def _load_model(self, path: str | Path, opts: dict[str, Any]) -> None:
+        """The weights (``gguf_file``: from that file), in :attr:`dtype` on
+        :attr:`torch_device`, in eval mode."""
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype,
+                                                     **gguf_args(opts))  # fmt: skip
+        self.model = model.to(self.torch_device).eval()
 
-    def _speculative(self, raw: Any, engine: Any) -> NgramConfig | DraftConfig | None:
-        """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
-        it is not set, or the paged engine was picked for the model (it has no
-        speculation: a warning says so; naming that engine with it is an error)."""
-        if raw is None:
-            return None
-        config = parse(raw)
-        if self.engine_kind == "padded":
-            return config
-        if engine == "paged":
-            raise ValueError("options.speculative needs the padded engine, and options.engine "
-                             "is 'paged'")  # fmt: skip
-        logger.warning("options.speculative is off: this model runs on the paged engine, "
-                       "which does not speculate")  # fmt: skip
-        return None
+    def _read_limits(self, cfg: Any, max_tokens: int) -> None:
+        """The context (the model's positions, at most ``kv_cache_tokens``), the longest
+        prompt (``max_tokens``, 0: the context's), the vocabulary and the end-of-sequence
+        tokens (the generation config's and the tokenizer's)."""
+        positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
+        self.context = min(positions, self.kv_cache_tokens)
+        """The longest sequence (prompt + generated) it serves."""
+        self.max_prompt_tokens = (
+            min(max_tokens, self.context - 1) if max_tokens else self.context - 1
+        )
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))
+        eos = self.model.generation_config.eos_token_id
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
+            self.eos.append(int(self.tokenizer.eos_token_id))
+
+    def _load_loras(self, opts: dict[str, Any]) -> tuple[Adapter, ...]:
+        """``lora_adapters`` loaded (:meth:`_adapters`) and the table of adapters requests
+        may name, ``max_loras`` at once: the adapters, for the engine."""
+        names, adapters = self._adapters(opts)
+        self.max_lora_rank = int(opts.get("max_lora_rank", 64))
+        max_loras = opts.get("max_loras", MAX_LORAS)
+        if not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 1:
+            raise ValueError(f"options.max_loras: {max_loras!r} is not a positive integer")
+        self._loras = AdapterTable(names, max_loras)
+        """The LoRA adapters requests may ask for (``options.lora_adapters``, then those
+        loaded and unloaded while it serves)."""
+        self._draining_loras: set[int] = set()
+        """Labels of adapters unloaded whose requests have not all ended (device thread)."""
+        return adapters
 
     def _adapters(self, opts: dict[str, Any]) -> tuple[tuple[str, ...], tuple[Adapter, ...]]:
         """``options.lora_adapters`` loaded, checked against the model and engine (a
@@ -136,6 +140,21 @@ class Setup(RunnerState):
             return (), ()
         loaded = tuple(load_adapter(k, v, self.model, rank) for k, v in named.items())
         return tuple(named), loaded
+
+    def _read_think_tokens(self) -> None:
+        """The reasoning parser's tags as this tokenizer's tokens, where a chat's
+        constraint begins (none without a reasoning parser)."""
+        self._think_end = (
+            None if self._reasoning is None else answer_marker(self.tokenizer, self._reasoning)
+        )
+        """The tokens after which a reasoning chat's constraint begins (``</think>``;
+        gpt-oss's ``<|channel|>final`` … ``<|message|>``; None: its tags are not tokens
+        of their own, or no reasoning parser)."""
+        self._think_open = (
+            None if self._reasoning is None else single_token(self.tokenizer, self._reasoning.open)
+        )
+        """The opening tag's token: where the prompt leaves it to the model whether to
+        think, a constraint holds from the first token unless that is this one."""
 
     def _make_grammars(self) -> Grammars | str:
         """The compiler for this tokenizer, or why there is none."""

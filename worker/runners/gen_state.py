@@ -174,6 +174,7 @@ class RunnerState:
     compile_threads: int
     prefix_cache_tokens: int
     max_lora_rank: int
+    seed: int | None
     engine_kind: str
     engine: Engine
     speculative: NgramConfig | DraftConfig | None

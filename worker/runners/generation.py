@@ -52,28 +52,19 @@ a request leaves unset, :mod:`..generation.defaults`; the override's ``max_new_t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from ...schemas.errors import ErrorCode
 from ..device import is_out_of_memory, pick_device, pick_dtype
-from ..generation import blocks as block_formats
-from ..generation import cohere, defaults, hy_v4
-from ..generation.chat_template import ChatTemplates
 from ..generation.detok import Decode
-from ..generation.engine import Engine
-from ..generation.lora_table import MAX_LORAS, AdapterTable
-from ..generation.reasoning import REASONING_PARSERS, reasoning_for
-from ..generation.think_budget import Markers, markers
-from ..generation.tools import PARSERS
 from ..runner import LOST, Failed, StepEvent, StepReport, Work
+from .gen_engine import EngineSetup
 from .gen_failures import Failures
 from .gen_info import Info
+from .gen_options import Options, flag, seed_option
 from .gen_prepare import Preparing
-from .gen_setup import Setup, answer_marker, flag, seed_option, single_token, why_windowed
+from .gen_setup import Setup
 from .gen_state import GenReq, GenSeq, GenSpec
 
 if TYPE_CHECKING:
@@ -84,11 +75,12 @@ __all__ = ["GenSpec", "TextGenerationRunner"]
 logger = logging.getLogger(__name__)
 
 
-class TextGenerationRunner(Failures, Preparing, Info, Setup):
+class TextGenerationRunner(Failures, Preparing, Info, Setup, EngineSetup, Options):
     """A causal LM served with continuous batching (see the module docstring).
 
     Its parts, one module each: :mod:`.gen_state` (the state they share),
-    :mod:`.gen_setup`, :mod:`.gen_chat`, :mod:`.gen_prepare` (the loop's side),
+    :mod:`.gen_setup`, :mod:`.gen_options`, :mod:`.gen_engine` (startup),
+    :mod:`.gen_chat`, :mod:`.gen_prepare` (the loop's side),
     :mod:`.gen_requests`, :mod:`.gen_beams`, :mod:`.gen_outputs`, :mod:`.gen_failures`
     (the device's side), :mod:`.gen_controls` and :mod:`.gen_info` (operators')."""
 
@@ -106,52 +98,20 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         max_tokens: int = 512,
         options: dict[str, Any] | None = None,
     ) -> None:
+        """Load the tokenizer and the model, read the options, build the engine: in this
+        order, so that an option is refused where it was before (the chat template's
+        before the weights load; the engine's once the model's config is known)."""
         if path is None:
             raise ValueError("the text-generation runner needs `path`: a model directory")
         opts = dict(options or {})
         self.torch_device = pick_device(device)
         self.device = str(self.torch_device)
         self.dtype = pick_dtype(dtype, self.torch_device)
-        gguf = opts.get("gguf_file")
-        extra = {"gguf_file": gguf} if gguf else {}
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
-        self.templates = ChatTemplates.from_options(opts)
-        """The chat template options (:mod:`..generation.chat_template`)."""
-        if self.templates.template is not None:  # replaces the tokenizer's own (all of them)
-            self.tokenizer.chat_template = self.templates.template
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        self._backend_decode: Callable[..., str] | None = (
-            backend.decode
-            if backend is not None
-            and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
-            else None
-        )
-        """The fast tokenizer's own decode: what ``tokenizer.decode`` returns without its
-        cleanup (off here), at a quarter of the cost; a step decodes two windows per token."""
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, **extra)
-        self.model = model.to(self.torch_device).eval()
+        self._load_tokenizer(path, opts)
+        self._load_model(path, opts)
         cfg = self.model.config.get_text_config()
-        self.page_size = int(opts.get("page_size", 32))
-        self.kv_cache_tokens = int(opts.get("kv_cache_tokens", 16384))
-        self.step_tokens = int(opts.get("step_tokens", 512))
-        self.max_running = int(opts.get("max_running", 64))
-        self.compile_threads = int(opts.get("compile_threads", 1))
-        if not 0 <= self.compile_threads <= 16:
-            raise ValueError(f"options.compile_threads: {self.compile_threads} is not 0 … 16")
-        self.sampling_defaults = defaults.load(
-            path,
-            opts.get("generation_config", "vllm"),
-            opts.get("override_generation_config"),
-            gguf,
-        )
-        """Sampling defaults for the fields a request leaves unset (``generation_config``,
-        ``override_generation_config``: :mod:`..generation.defaults`)."""
-        if "max_new_tokens" in opts and "max_new_tokens" in self.sampling_defaults.overridden:
-            raise ValueError("options.max_new_tokens and override_generation_config's "
-                             "max_new_tokens: set one")  # fmt: skip
-        self.new_tokens_cap = self.sampling_defaults.cap
-        """The most tokens any request generates, its own ``max_new_tokens`` cut to it
-        (the generation config's where vLLM makes it a bound: ``SamplingDefaults.cap``)."""
+        self._read_budgets(opts)
+        self._read_defaults(path, opts)
         self.default_new_tokens = self._capped(
             int(opts.get("max_new_tokens", self.sampling_defaults.max_new_tokens or 256))
         )
@@ -159,153 +119,21 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup):
         else the generation config's, else 256 (cut to the cap)."""
         self.schedule_ahead = flag(opts.get("schedule_ahead", True), "schedule_ahead")
         """The loop plans each step while the one before runs (``gen_scheduler.py``)."""
-        self.tool_call_parser: str | None = opts.get("tool_call_parser")
-        """How ``tool_choice`` ``auto`` reads calls out of this model's text (None: it
-        does not; such requests are refused)."""
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(f"options.tool_call_parser: {self.tool_call_parser!r} is not one "
-                             f"of {', '.join(PARSERS)}")  # fmt: skip
-        self.reasoning_parser: str | None = opts.get("reasoning_parser")
-        """How a chat's text is split into reasoning and answer (None: it is not)."""
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"options.reasoning_parser: {self.reasoning_parser!r} is not one "
-                             f"of {', '.join(REASONING_PARSERS)}")  # fmt: skip
-        self._reasoning = (
-            None
-            if self.reasoning_parser is None
-            else reasoning_for(self.reasoning_parser, self.tokenizer.get_vocab())
-        )
-        split = self._reasoning
-        self._markers: Markers | None = markers(
-            opts.get("reasoning_config"),
-            None if split is None else (split.open, split.close),
-            () if split is None else split.enders,
-            lambda text: [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)],
-        )
-        """The markers a ``thinking_token_budget`` counts within (None: it is refused)."""
-        self.thinking_budget = self._markers is not None
-        """It takes a ``thinking_token_budget`` (published in the model info)."""
-        self._harmony = (
-            self.reasoning_parser == "openai_gptoss" or self.tool_call_parser == "openai"
-        )
-        """The model writes harmony messages (gpt-oss): an answer's content is theirs."""
-        self._cohere = cohere.FORMATS.get(self.reasoning_parser or "") or cohere.FORMATS.get(
-            self.tool_call_parser or ""
-        )
-        """The model writes Cohere Command's modes (its format): an answer's content is
-        its answer's parts, its calls are its calls' parts."""
-        self._blocks = block_formats.FORMATS.get(
-            self.reasoning_parser or ""
-        ) or block_formats.FORMATS.get(self.tool_call_parser or "")
-        """The model writes message blocks (its format): an answer's content is its
-        format's, its calls are its call blocks, whatever the tool choice."""
-        self._calls_parser = (
-            "openai" if self._harmony
-            else self._cohere.name if self._cohere is not None
-            else self._blocks.name if self._blocks is not None
-            else self.tool_call_parser
-        )  # fmt: skip
-        """How calls are read: harmony calls for gpt-oss, Command's calls parts for Cohere,
-        whatever the tool choice (the calls it requires are constrained to them), else the
-        model's parser's (``hy_v4``'s with the tags its vocabulary ends in)."""
-        if self._calls_parser == hy_v4.PARSER:
-            self._calls_parser = hy_v4.parser_for(self.tokenizer.get_vocab())
-        positions = int(getattr(cfg, "max_position_embeddings", 0) or self.kv_cache_tokens)
-        self.context = min(positions, self.kv_cache_tokens)
-        """The longest sequence (prompt + generated) it serves."""
-        self.max_prompt_tokens = (
-            min(max_tokens, self.context - 1) if max_tokens else self.context - 1
-        )
-        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or len(self.tokenizer))
-        eos = self.model.generation_config.eos_token_id
-        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
-            self.eos.append(int(self.tokenizer.eos_token_id))
-        pad = self.tokenizer.pad_token_id
-        windowed = why_windowed(cfg, self.context)
-        self.engine_kind = str(opts.get("engine", "auto"))
-        if self.engine_kind == "auto":  # the padded engine where it serves the model
-            self.engine_kind = "paged" if windowed else "padded"
-        elif self.engine_kind == "padded" and windowed:
-            raise ValueError(f"options.engine: 'padded' serves models whose layers attend to "
-                             f"the whole context, and this one {windowed}: use 'paged' (or "
-                             "leave engine out)")  # fmt: skip
-        padded = self.engine_kind == "padded"
-        self.prefix_cache_tokens = int(
-            opts.get("prefix_cache_tokens", self.kv_cache_tokens // 8 if padded else 0)
-        )
-        if self.prefix_cache_tokens < 0 or (
-            self.prefix_cache_tokens and self.engine_kind != "padded"
-        ):
-            raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
-                             "and only with engine 'padded')")  # fmt: skip
+        self._read_parsers(opts)
+        self._read_formats()
+        self._read_limits(cfg, max_tokens)
+        self._pick_engine(cfg, opts)
         self.speculative = self._speculative(opts.get("speculative"), opts.get("engine"))
         """Speculative decoding, n-gram or a draft model's (``options.speculative``;
         None: off)."""
-        names, adapters = self._adapters(opts)
-        self.max_lora_rank = int(opts.get("max_lora_rank", 64))
-        max_loras = opts.get("max_loras", MAX_LORAS)
-        if not isinstance(max_loras, int) or isinstance(max_loras, bool) or max_loras < 1:
-            raise ValueError(f"options.max_loras: {max_loras!r} is not a positive integer")
-        self._loras = AdapterTable(names, max_loras)
-        """The LoRA adapters requests may ask for (``options.lora_adapters``, then those
-        loaded and unloaded while it serves)."""
-        self._draining_loras: set[int] = set()
-        """Labels of adapters unloaded whose requests have not all ended (device thread)."""
+        adapters = self._load_loras(opts)
         self._reset_prefix = False
         """An operator emptied the prefix cache (:meth:`reset_prefix_cache`): done before
         the next step."""
         self.seed = seed_option(opts.get("seed"))
         """Seeds the sampling of requests without a seed (vLLM's ``--seed``; None: random)."""
-        self.engine: Engine
-        if self.engine_kind == "padded":
-            from ..generation.padded import PaddedEngine
-            from ..generation.prefix_cache import PrefixCache
-
-            prefix = None
-            if self.prefix_cache_tokens:
-                prefix = PrefixCache(self.prefix_cache_tokens, self.page_size)
-            lean = flag(opts.get("lean_decode", True), "lean_decode")
-            self.engine = PaddedEngine(self.model, eos_token_ids=self.eos,
-                                       step_tokens=self.step_tokens, max_running=self.max_running,
-                                       lean=lean,
-                                       max_context=self.context,
-                                       resident_tokens=self.kv_cache_tokens,
-                                       prefix_cache=prefix, adapters=adapters,
-                                       speculative=self._proposer(lean),
-                                       seed=self.seed)  # fmt: skip
-        elif self.engine_kind == "paged":
-            from ..generation.paged import PagedEngine
-
-            blocks = -(-self.kv_cache_tokens // self.page_size)
-            self.engine = PagedEngine(
-                self.model,
-                eos_token_ids=self.eos,
-                pad_token_id=int(pad if pad is not None else (self.eos[0] if self.eos else 0)),
-                # One spare block per sequence beyond the scheduler's budget: the engine
-                # takes a sequence's next block a little ahead of its use.
-                kv_blocks=blocks + self.max_running,
-                page_size=self.page_size,
-                step_tokens=self.step_tokens,
-                max_running=self.max_running,
-                cuda_graphs=flag(opts.get("cuda_graphs", False), "cuda_graphs"),
-                adapters=adapters,
-                seed=self.seed,
-            )
-        else:
-            raise ValueError(f"options.engine: {self.engine_kind!r} is not 'auto', 'padded' or "
-                             "'paged'")  # fmt: skip
-        self._think_end = (
-            None if self._reasoning is None else answer_marker(self.tokenizer, self._reasoning)
-        )
-        """The tokens after which a reasoning chat's constraint begins (``</think>``;
-        gpt-oss's ``<|channel|>final`` … ``<|message|>``; None: its tags are not tokens
-        of their own, or no reasoning parser)."""
-        self._think_open = (
-            None if self._reasoning is None else single_token(self.tokenizer, self._reasoning.open)
-        )
-        """The opening tag's token: where the prompt leaves it to the model whether to
-        think, a constraint holds from the first token unless that is this one."""
+        self.engine = self._make_engine(opts, adapters)
+        self._read_think_tokens()
         self._decodes: dict[tuple[str, ...], Decode] = {}
         """How the texts that parsers read are decoded, by the markers they look for
         (kept where this tokenizer makes them special tokens)."""
