@@ -442,11 +442,15 @@ def test_the_info_published_again_is_also_what_the_intake_publishes_on_a_reconne
     runner = _serving(lm)
     runner.load_lora("sql", adapters["sql"])
     published: list[Any] = []
-    loop = SimpleNamespace(runner=runner, config=SimpleNamespace(limits=Limits()),
+    from batchfleet.config import ModelConfig
+
+    config = ModelConfig.model_validate({"runner": "text-generation", "path": str(lm)})
+    loop = SimpleNamespace(runner=runner, config=config,
                            parts=SimpleNamespace(source=SimpleNamespace(info=None)),
                            streams=SimpleNamespace(publish_info=published.append))  # fmt: skip
     publish_info(loop)  # type: ignore[arg-type]
     assert published[0].lora_adapters == ["sql"] and loop.parts.source.info is published[0]
+    assert published[0].config_hash == config.serving_hash(published[0].version)
 
 
 # --- adapters loaded while serving are fleet-wide state (bf:{model}:lora) ------------------
