@@ -156,7 +156,7 @@ class _CancelSafePipeline(aioredis.client.Pipeline):
     """A pipeline whose ``execute`` keeps a cancellation (:func:`.cancels.not_lost`)."""
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        return await not_lost(super().execute(raise_on_error))  # type: ignore[no-any-return]
+        return await not_lost(super().execute(raise_on_error))
 
 
 class _CancelSafePubSub(aioredis.client.PubSub):
@@ -165,10 +165,10 @@ class _CancelSafePubSub(aioredis.client.PubSub):
     (:func:`.cancels.not_lost`): redis-py 8.2 loses about one in six landing mid-``subscribe``."""
 
     async def execute_command(self, *args: Any) -> Any:
-        return await not_lost(super().execute_command(*args))  # type: ignore[no-untyped-call]
+        return await not_lost(super().execute_command(*args))
 
     async def parse_response(self, block: bool = True, timeout: float = 0) -> Any:
-        return await not_lost(super().parse_response(block, timeout))  # type: ignore[no-untyped-call]
+        return await not_lost(super().parse_response(block, timeout))
 
 
 class _CancelSafeRedis(aioredis.Redis):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Generator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -103,7 +103,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
             self._closing = asyncio.Event()
         return self._closing
 
-    async def _unless_closed(self, call: Coroutine[Any, Any, T]) -> T:
+    async def _unless_closed(self, call: Awaitable[T]) -> T:
         """``call``'s reply, or :class:`ProducerClosed` where the producer closes first. A
         blocking read is cut short so: redis-py retries one whose connection the close
         broke, on a new connection, and a ``results()`` would wait on to its timeout."""

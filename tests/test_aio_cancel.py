@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import redis
-from gateway_fakes import ScriptedWorker
-
 from batchfleet.producer import AsyncJob, AsyncProducer, ProducerClosed, ResultTimeout
+from gateway_fakes import ScriptedWorker
 
 TRIES = 120  # each lands the cancel a few event-loop turns later than the last
 TURNS = 100  # event-loop turns a blocking read takes to end once the producer closes
