@@ -3,6 +3,7 @@
 from ..schemas.errors import (
     JobFailed,
     NotStreamed,
+    ProducerClosed,
     RequestRejected,
     ResultTimeout,
     StreamRestarted,
@@ -22,6 +23,7 @@ __all__ = [
     "JobFailed",
     "NotStreamed",
     "Producer",
+    "ProducerClosed",
     "RequestRejected",
     "Restarted",
     "Result",

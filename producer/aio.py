@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -15,7 +15,9 @@ import redis
 from redis.asyncio.client import PubSub
 from typing_extensions import Unpack
 
+from ..cancels import cancels
 from ..connection import AsyncClient, connect_async, run_script_calls_async
+from ..schemas.errors import ProducerClosed
 from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
@@ -85,8 +87,38 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     def _job(self, request: Request) -> AsyncJob:
         return AsyncJob.of(request, producer=self)  # type: ignore[no-any-return]
 
+    _closing: asyncio.Event | None = None
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: waits under way end with :class:`ProducerClosed`."""
+        return self._closing is not None and self._closing.is_set()
+
     async def close(self) -> None:
+        self._on_close().set()
         await self.client.aclose()
+
+    def _on_close(self) -> asyncio.Event:
+        if self._closing is None:
+            self._closing = asyncio.Event()
+        return self._closing
+
+    async def _unless_closed(self, call: Awaitable[T]) -> T:
+        """``call``'s reply, or :class:`ProducerClosed` where the producer closes first. A
+        blocking read is cut short so: redis-py retries one whose connection the close
+        broke, on a new connection, and a ``results()`` would wait on to its timeout."""
+        work = asyncio.ensure_future(call)
+        closing = asyncio.ensure_future(self._on_close().wait())
+        try:
+            await asyncio.wait((work, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.wait((work,))  # (let go of its connection before going on)
+        if work.cancelled() or (self.closed and work.exception() is not None):
+            raise ProducerClosed("the producer was closed")
+        return work.result()
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -98,14 +130,16 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
 
     async def _drive(self, runner: Runner[Any]) -> AsyncIterator[Result]:
         """Await each of ``runner``'s operations; results it emits go to the caller."""
-        cancels = _cancels()
+        asked = cancels()
         async with contextlib.aclosing(_Subscription(self.client)) as subscription:
             for op in runner:
                 if isinstance(op, ops.Emit):
                     yield op.item
+                elif self.closed:
+                    raise ProducerClosed("the producer was closed")
                 else:
                     runner.reply = await self._do(op, subscription)
-                    if _cancels() > cancels:  # swallowed on the way: see _cancels
+                    if cancels() > asked:  # swallowed on the way (see batchfleet.cancels)
                         raise asyncio.CancelledError()
 
     async def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
@@ -121,7 +155,8 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
             if isinstance(op, ops.RunScript):
                 return await run_script_calls_async(self.client, self._submit, op.calls)
             if isinstance(op, ops.XRead):
-                reply = await self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
+                read = self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
+                reply = await (read if op.block_s is None else self._unless_closed(read))
                 return ops.stream_entries(reply)
             if isinstance(op, ops.SetEx):
                 return await self.client.set(op.key, op.value, ex=op.ttl_s)
@@ -132,7 +167,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
             if isinstance(op, ops.Unsubscribe):
                 return await subscription.aclose()
             if isinstance(op, ops.Listen):
-                return await subscription.listen(op.timeout)
+                return await self._unless_closed(subscription.listen(op.timeout))
         except ops.DOWN as exc:
             return exc
         raise TypeError(f"cannot carry out {op!r}")
@@ -196,18 +231,6 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     ) -> None:
         """:meth:`Producer.cancel <batchfleet.producer.Producer.cancel>`, awaitable."""
         await self._call(self.core.cancel(*self._target(job, model), ttl_s))
-
-
-def _cancels() -> int:
-    """Cancellations this task was asked for and has not handled. Python < 3.12's
-    ``asyncio.wait_for``, which redis-py sends each command through, returns the command's
-    reply and drops a cancellation that arrives as the command ends; a task cancelled so
-    (hundreds of ``result()`` waits at once) polled on until its timeout. Where the
-    counter went up across an operation, the cancellation is raised again, once the
-    operation is whole (its reply read: the connection stays in step)."""
-    task = asyncio.current_task()
-    count = getattr(task, "cancelling", None)  # Python 3.11+
-    return count() if count is not None else 0
 
 
 class _Subscription:

@@ -87,6 +87,11 @@ class Unavailable(BatchfleetError):
         self.accepted: list[Any] = []
 
 
+class ProducerClosed(BatchfleetError, RuntimeError):
+    """The :class:`AsyncProducer` was closed: a call made after, or one waiting (for a
+    result, a token stream) when it closed, ends with this rather than waiting on."""
+
+
 class ConfigError(BatchfleetError, ValueError):
     """The fleet configuration is invalid (a ``ValueError`` too, so pydantic validators
     report it as a validation error)."""

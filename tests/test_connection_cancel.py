@@ -61,7 +61,30 @@ async def _transaction(client: Any) -> Any:
     return await pipe.execute()
 
 
-@pytest.mark.parametrize("command", [_get, _pipeline, _transaction], ids=lambda c: c.__name__)
+async def _subscribe(client: Any) -> Any:
+    pubsub = client.pubsub()
+    try:
+        await pubsub.subscribe("c")
+        await pubsub.ping()
+        return await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+    finally:
+        await pubsub.aclose()
+
+
+async def _listen(client: Any) -> Any:
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        await pubsub.subscribe("c")
+        await client.publish("c", "m")
+        async for message in pubsub.listen():
+            return message
+    finally:
+        await pubsub.aclose()
+
+
+@pytest.mark.parametrize(
+    "command", [_get, _pipeline, _transaction, _subscribe, _listen], ids=lambda c: c.__name__
+)
 def test_a_cancellation_during_a_command_is_never_lost(
     redis_url: str, command: Callable[[Any], Awaitable[Any]]
 ) -> None:

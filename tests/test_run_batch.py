@@ -236,6 +236,35 @@ def test_a_stopped_run_cancels_its_lines_in_the_fleet(redis_url: str, fake: Scri
     assert asyncio.run(go()) == []
 
 
+def test_a_run_stopped_at_any_point_ends_stopped(redis_url: str, fake: ScriptedWorker) -> None:
+    """Stopped at 0, 3, 6 ... event-loop turns from its start (connecting, subscribing,
+    sending the line, waiting for it), a run ends cancelled; one that lost the stop would
+    go on to answer its line (a 504 at its timeout)."""
+
+    async def go() -> dict[str, int]:
+        ends = {"cancelled": 0, "went on": 0}
+        settings = Settings(progress_s=0, timeout_s=5)
+        for n in range(0, 240, 3):
+            batch = asyncio.ensure_future(run_batch(redis_url, feed(chat("a")), [].append,
+                                                    settings))  # fmt: skip
+            for _ in range(n):
+                await asyncio.sleep(0)
+            batch.cancel()  # as Ctrl-C does
+            await asyncio.wait({batch}, timeout=60)  # (a hang guard, far past its 5 s)
+            if not batch.done():
+                raise AssertionError(f"stopped after {n} turns, it hangs")
+            try:
+                await batch
+                ends["went on"] += 1
+            except asyncio.CancelledError:
+                ends["cancelled"] += 1
+        return ends
+
+    assert asyncio.run(go()) == {"cancelled": 80, "went on": 0}
+    sent = sum(fake.streams.client.xlen(lane) for lane in fake.streams.streams)
+    assert 0 < sent < 80, sent  # (the stops landed before sending and while waiting)
+
+
 def test_a_full_queue_is_waited_out_not_failed(redis_url: str) -> None:
     # Given a model whose lanes take one request, and one request already waiting
     with scripted(redis_url, max_depth=1, limits=Limits()) as fake:

@@ -29,6 +29,7 @@ from typing import Any
 import redis
 import tornado.iostream
 
+from ...cancels import stop
 from ...schemas.errors import BatchfleetError
 from ...schemas.messages import Delta, Result
 from ..tokens import DeltaFollower, Restarted
@@ -152,9 +153,7 @@ async def send(handler: Handler, found: Stored, after: int = -1) -> None:
                 batch = asyncio.ensure_future(anext(batches))
                 await asyncio.wait((batch, left), return_when=asyncio.FIRST_COMPLETED)
                 if not batch.done():  # the client left while the fleet was quiet
-                    batch.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await batch
+                    await stop(batch)
                     return
                 try:
                     events = [e for e in batch.result() if e["sequence_number"] > after]

@@ -33,6 +33,7 @@ from typing import Any
 
 import redis
 
+from ...cancels import not_lost, stop
 from ...schemas.codec import decode_message, decode_result
 from ...schemas.errors import ResultTimeout
 from ...schemas.keys import ModelKeys
@@ -137,9 +138,7 @@ class Replies:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop(self._task)
 
     # --- whole results -------------------------------------------------------------------
 
@@ -152,7 +151,7 @@ class Replies:
                 raw = await self.producer.client.get(job.result_key)
                 if raw is not None:
                     return decode_result(raw)
-            return await asyncio.wait_for(future, timeout)
+            return await not_lost(asyncio.wait_for(future, timeout))  # (3.11's keeps no cancel)
         except asyncio.TimeoutError:
             raise ResultTimeout(f"no result for {job.id} within {timeout}s") from None
         finally:
