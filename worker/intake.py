@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from ..config import WorkerConfig
+from ..redis_errors import UNREACHABLE
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo
@@ -208,7 +209,7 @@ class Intake:
                 if counts:
                     self._read(counts, suspects)
                 backoff = RETRY_FIRST_S
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except UNREACHABLE as exc:
                 # Heartbeats written meanwhile were lost too: judge none until connected
                 # for a whole timeout again (or a Redis restart looks like every worker died).
                 self._connected_since = self._clock() + backoff
@@ -385,7 +386,7 @@ class Intake:
         for attempt in range(BLOB_READ_TRIES):
             try:
                 return fetch_referenced(entries, self.streams, self.limits)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except UNREACHABLE as exc:
                 error = exc
                 if attempt + 1 < BLOB_READ_TRIES:
                     self._pause(0.05 * 4**attempt)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import redis
 
+from ..redis_errors import UNREACHABLE
 from ..schemas.codec import (
     delta_fields,
     encode_delta,
@@ -208,8 +209,7 @@ _Job = _Finish | _Tokens | _Started | _Dead | _Retire
 
 
 TRANSIENT = (
-    redis.ConnectionError,
-    redis.TimeoutError,
+    *UNREACHABLE,
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.BusyLoadingError,
