@@ -2,9 +2,10 @@
 
 redis-py 8.2's cluster client has the single-node client's hole (see
 :mod:`batchfleet.cancels`): a task cancelled while its command runs can get the reply back
-instead of :class:`asyncio.CancelledError` (about one ``GET`` in fourteen, and a third of the
-``subscribe``/``get_message`` calls, when the cancel lands mid-command), and goes on into its
-next wait. Commands, pipelines and pub/sub are wrapped with :func:`.cancels.not_lost`.
+instead of :class:`asyncio.CancelledError`, and goes on into its next wait (of 400 tasks
+cancelled 0 to 39 event-loop turns into their call, 28 ``GET``, 128 ``subscribe`` and 174
+``listen`` calls returned normally; pipelines lost none). Commands, pipelines and pub/sub
+are wrapped with :func:`.cancels.not_lost`.
 """
 
 from __future__ import annotations
