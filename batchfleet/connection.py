@@ -147,7 +147,9 @@ def connect_async(
         opts = _options(socket_timeout, extra)
         opts.pop("retry_on_error")
         opts.pop("health_check_interval")
-        return aioredis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
+        from .cluster_cancel import CancelSafeRedisCluster  # (it builds on this module)
+
+        return CancelSafeRedisCluster.from_url(plain_url(url), retry=retry, **opts)
     opts = {"max_connections": ASYNC_MAX_CONNECTIONS, **_options(socket_timeout, extra)}
     return _CancelSafeRedis.from_pool(_WaitingPool.from_url(url, retry=retry, **opts))
 

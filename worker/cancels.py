@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from ..redis_errors import FAILED_CALL
 from .inbox import Cancel, Event
 from .streams import ModelStreams
 
@@ -124,7 +125,7 @@ class CancelWatch:
                 ids = [i for i in self._ids if i not in self._posted]
             try:
                 found = self._poll.cancelled(ids)
-            except redis.RedisError as exc:
+            except FAILED_CALL as exc:  # (a cluster's unreachable too: see redis_errors)
                 logger.warning("reading cancel keys failed: %s", exc)
                 found = []
             if found:

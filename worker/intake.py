@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from ..config import WorkerConfig
+from ..redis_errors import UNREACHABLE
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo
@@ -40,6 +41,11 @@ reserve while lower lanes fill its hold)."""
 RECLAIM_EVERY_S = 1.0
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+"""A read or heartbeat that cannot reach Redis is tried again this long after, doubling."""
+ERROR_PAUSE_S = 1.0
+"""The pause after any other failure of the intake's pass."""
 BLOB_READ_TRIES = 3
 """Tries of a read of the inputs entries reference (50 ms, then 200 ms apart); if all fail,
 those entries are handed back to the fleet, never answered as if the input were missing."""
@@ -179,8 +185,15 @@ class Intake:
 
     # --- the thread ---------------------------------------------------------------------
 
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or less where stopped: a stop that came while a Redis call
+        failed (its notify gone before this wait) is not waited out."""
+        with self._cond:
+            if not self._stop:
+                self._cond.wait(seconds)
+
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = RETRY_FIRST_S
         while True:
             with self._cond:
                 if self._stop:
@@ -195,16 +208,15 @@ class Intake:
                 self._refresh()
                 if counts:
                     self._read(counts, suspects)
-                backoff = 0.05
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                backoff = RETRY_FIRST_S
+            except UNREACHABLE as exc:
                 # Heartbeats written meanwhile were lost too: judge none until connected
                 # for a whole timeout again (or a Redis restart looks like every worker died).
                 self._connected_since = self._clock() + backoff
                 self._judged = False
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
-                with self._cond:
-                    self._cond.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._pause(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
             except redis.ResponseError as exc:
                 if not str(exc).startswith("NOGROUP"):
                     logger.exception("intake of %s failed; retrying", self.streams.keys.model)
@@ -216,12 +228,10 @@ class Intake:
                             self.worker.heartbeat_timeout_ms,
                         )  # fmt: skip
                         continue
-                with self._cond:
-                    self._cond.wait(1.0)
+                self._pause(ERROR_PAUSE_S)
             except Exception:
                 logger.exception("intake of %s failed; retrying", self.streams.keys.model)
-                with self._cond:
-                    self._cond.wait(1.0)
+                self._pause(ERROR_PAUSE_S)
 
     def _beat(self, force: bool = False) -> None:
         now = self._clock()
@@ -376,11 +386,10 @@ class Intake:
         for attempt in range(BLOB_READ_TRIES):
             try:
                 return fetch_referenced(entries, self.streams, self.limits)
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except UNREACHABLE as exc:
                 error = exc
                 if attempt + 1 < BLOB_READ_TRIES:
-                    with self._cond:
-                        self._cond.wait(0.05 * 4**attempt)
+                    self._pause(0.05 * 4**attempt)
         keys, limits = self.streams.keys, self.limits
         unread = [e for e in entries if referenced_keys(e, keys, limits)]
         logger.warning(

@@ -21,14 +21,13 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-import redis
-
 from ..batching.engine import Engine
 from ..batching.generation import GenerationPolicy, GenPolicy
 from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig
 from ..connection import SyncClient
+from ..redis_errors import FAILED_CALL
 from ..schemas.codec import EntryRejected, decode_entry, envelope_of
 from ..schemas.errors import ErrorCode
 from ..schemas.messages import Format, Request
@@ -289,7 +288,7 @@ class BatchLoop:
     def _release(self, entries: list[Entry]) -> None:
         try:
             self.parts.source.release(entries)
-        except redis.RedisError as exc:  # they stay pending and are reclaimed later
+        except FAILED_CALL as exc:  # they stay pending and are reclaimed later
             logger.warning("could not release %d requests: %s", len(entries), exc)
 
     def _done(self) -> bool:
@@ -372,7 +371,7 @@ class BatchLoop:
         if "threads" in started:
             parts.sink.close(grace)
         if "source" in started:
-            with contextlib.suppress(redis.RedisError):
+            with contextlib.suppress(*FAILED_CALL):
                 parts.source.unregister()
         self._stopped.set()
         logger.info("batch loop for %s stopped", self.model)

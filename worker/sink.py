@@ -15,13 +15,13 @@ import json
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import redis
 
+from ..redis_errors import UNREACHABLE
 from ..schemas.codec import (
     delta_fields,
     encode_delta,
@@ -209,8 +209,7 @@ _Job = _Finish | _Tokens | _Started | _Dead | _Retire
 
 
 TRANSIENT = (
-    redis.ConnectionError,
-    redis.TimeoutError,
+    *UNREACHABLE,
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.BusyLoadingError,
@@ -220,6 +219,10 @@ TRANSIENT = (
 )
 """Errors of a Redis that cannot write for now (out of memory under noeviction, a replica
 during failover, loading...): retried like a lost connection, never dropping a result."""
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+"""Such a write is tried again this long after, doubling (until :meth:`RedisSink.close`
+gives up on it)."""
 
 
 def _transient(exc: Exception) -> bool:
@@ -358,7 +361,7 @@ class RedisSink:
                     self._tokens_queued -= 1
 
     def _write_once(self, job: _Job) -> None:
-        backoff = 0.05
+        backoff = RETRY_FIRST_S
         while True:
             try:
                 self._do(job)
@@ -373,8 +376,8 @@ class RedisSink:
                     return
                 # Kept until written, in order, so a Redis outage loses no result.
                 logger.warning("redis cannot write (%s); retrying in %.2fs", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._closing.wait(backoff)  # (close ends the wait: one last try, then done)
+                backoff = min(backoff * 2, RETRY_MAX_S)
 
     def _failed(self, job: _Job, exc: Exception) -> None:
         """A write Redis refuses for good: hand the entries back (their delivery counted),
