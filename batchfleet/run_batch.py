@@ -171,10 +171,10 @@ async def run_batch(
                     logger.exception("run-batch: line %r failed", line.custom_id)
                     outcome = _refused(ApiError(500, f"internal error: {type(exc).__name__}: "
                                                 f"{exc}", code=ErrorCode.INTERNAL.value))  # fmt: skip
-                written(index, line.custom_id, outcome)
             finally:
                 summary.in_flight -= 1
                 room.release()
+            written(index, line.custom_id, outcome)  # (no longer in flight once counted)
 
         try:
             await producer.client.ping()  # unreachable: fail now, not at every line

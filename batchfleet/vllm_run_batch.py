@@ -79,15 +79,18 @@ def read_run_batch(argv: Sequence[str]) -> RunBatchArgs:
 def own_name(name: str) -> str:
     """``name`` as run-batch's own flag it stands for (``-i``; ``_`` for ``-``; a prefix
     of one flag only, as argparse matches it among run-batch's and the engine's flags:
-    ``--output-tmp`` for ``--output-tmp-dir``), else as given (an engine flag's)."""
+    ``--output-tmp`` for ``--output-tmp-dir``), else as given (an engine flag's); a
+    :class:`VllmArgsError` where it begins several, in argparse's words."""
     if not name.startswith("--"):
         return SHORT.get(name, name)
     name = re.sub(r"(?<=\w)_", "-", name)
-    if name in ARITY:
+    names = {*ARITY, *ENGINE_ARITY, *ENGINE_SHORT.values(), "--model", "--config"}
+    matches = sorted(n for n in names if n.startswith(name))
+    if name in names or not matches:
         return name
-    matches = {n for n in (*ARITY, *ENGINE_ARITY, *ENGINE_SHORT.values(), "--model", "--config")
-               if n.startswith(name)}  # fmt: skip
-    return matches.pop() if len(matches) == 1 else name  # (an engine flag's: left to it)
+    if len(matches) > 1:
+        raise VllmArgsError(f"ambiguous option: {name} could match {', '.join(matches)}")
+    return matches[0]  # (an engine flag's: left to the engine's reader)
 
 
 def settle(job: RunBatchArgs, conv: Conversion) -> None:

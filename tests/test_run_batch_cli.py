@@ -5,6 +5,7 @@ metric scraped), each with a hang guard far past it; nothing is timed."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import queue
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -44,7 +46,7 @@ def gen() -> dict[str, Any]:
 class RunBatch:
     """``python -m batchfleet run-batch ...``; its stderr read line by line as it comes."""
 
-    def __init__(self, redis_url: str, source: Path, target: Path, *flags: str) -> None:
+    def __init__(self, redis_url: str, source: Path, target: Path | str, *flags: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "batchfleet", "run-batch", "--redis-url", redis_url, "-i",
              str(source), "-o", str(target), *flags],
@@ -92,9 +94,10 @@ def fake(redis_url: str) -> Iterator[ScriptedWorker]:
 def start(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunBatch]]:
     runs: list[RunBatch] = []
 
-    def run(lines: list[str], *flags: str) -> RunBatch:
+    def run(lines: list[str], *flags: str, target: str | None = None) -> RunBatch:
         (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-        runs.append(RunBatch(redis_url, tmp_path / "in.jsonl", tmp_path / "out.jsonl", *flags))
+        runs.append(RunBatch(redis_url, tmp_path / "in.jsonl", target or tmp_path / "out.jsonl",
+                             *flags))  # fmt: skip
         return runs[-1]
 
     yield run
@@ -139,6 +142,49 @@ def test_ctrl_c_cancels_the_lines_in_flight_and_keeps_those_written_whole(
     assert (line["custom_id"], line["response"]["status_code"]) == ("line-a", 200)
 
 
+class Uploads(http.server.BaseHTTPRequestHandler):
+    """Counts the PUTs it takes (answered 200)."""
+
+    puts = 0
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Uploads.puts += 1
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_ctrl_c_with_an_output_url_uploads_nothing_and_keeps_what_was_written(
+    fake: ScriptedWorker, start: Callable[..., RunBatch], tmp_path: Path
+) -> None:
+    # Given a run writing to a URL, one line answered and one in flight
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Uploads)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Uploads.puts = 0
+    url = f"http://127.0.0.1:{server.server_port}/out.jsonl"
+    (tmp_path / "tmp").mkdir()
+    run = start([chat("line-a"), chat("line-b")], "--progress-interval", "0.05",
+                "--output-tmp-dir", str(tmp_path / "tmp"), target=url)  # fmt: skip
+    taken = {t.id: t for t in (take(fake), take(fake))}
+    fake.ok(taken["line-a"], [gen()])
+    run.wait_for(r"run-batch: 2 lines read, 1 written")
+    # When it is stopped with Ctrl-C
+    run.proc.send_signal(signal.SIGINT)
+    code, stderr = run.end()
+    server.shutdown()
+    server.server_close()
+    # Then nothing is uploaded (a part would pass for the whole); the part is kept, named
+    assert code == 130, stderr
+    assert Uploads.puts == 0 and fake.cancelled(taken["line-b"])
+    (kept,) = (tmp_path / "tmp").iterdir()
+    assert f"not uploaded to {url}; the output so far is kept in {kept}" in stderr
+    (line,) = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert line["custom_id"] == "line-a"
+
+
 @pytest.mark.parametrize(("interval", "last"), [("3600", True), ("0", False)])
 def test_a_run_shorter_than_the_progress_interval_prints_its_last_progress_line(
     fake: ScriptedWorker, start: Callable[..., RunBatch], interval: str, last: bool
@@ -178,10 +224,9 @@ def test_enable_metrics_serves_the_run_s_metrics_while_it_lasts(
     fake.ok(taken["line-a"], [gen()])
     # When it is scraped once the answered line is counted
     ok = 'batchfleet_run_batch_lines_answered_total{code="",status="200"}'
-    for _ in range(1000):
-        metrics = scrape(port)
-        if metrics.get(ok) == 1:
-            break
+    guard = time.monotonic() + GUARD_S
+    while (metrics := scrape(port)).get(ok) != 1:
+        assert time.monotonic() < guard, metrics
     # Then it shows the lines read, answered by status and code, and in flight
     assert metrics["batchfleet_run_batch_lines_read_total"] == 3
     assert metrics[ok] == 1
