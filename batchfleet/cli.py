@@ -331,6 +331,9 @@ def _run_batch(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1:
         print("--max-in-flight must be at least 1", file=sys.stderr)
         return 2
+    if not 0 <= args.port <= 65535:
+        print(f"--port must be 0 to 65535, not {args.port}", file=sys.stderr)
+        return 2
     settings = Settings(max_in_flight=args.max_in_flight, timeout_s=args.timeout or None,
                         priority=args.priority, models=models, default_model=args.model,
                         response_role=args.response_role, progress_s=args.progress_interval)  # fmt: skip

@@ -258,3 +258,15 @@ def test_metrics_that_cannot_be_served_stop_the_run_before_it_starts(
     assert code == 2, stderr
     assert f"cannot serve metrics at ('127.0.0.1', {port})" in stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_port_out_of_range_is_refused_as_a_bad_argument(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from batchfleet import cli
+
+    code = cli.main(["run-batch", "--redis-url", "redis://127.0.0.1:1/0", "-i", "x", "-o",
+                     str(tmp_path / "out.jsonl"), "--enable-metrics", "--port", "70000"])  # fmt: skip
+    assert code == 2
+    assert "--port must be 0 to 65535, not 70000" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
