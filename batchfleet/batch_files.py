@@ -58,7 +58,8 @@ async def lines_of(stream: IO[str]) -> AsyncIterator[str]:
 def output(destination: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
     """A text stream for the output lines: stdout (``-``), the file (truncated), or, for a
     URL, a temporary file in ``tmp_dir`` uploaded with PUT when the block ends, then
-    removed (kept where the upload fails: :class:`UploadFailed` names it)."""
+    removed (kept where the upload fails: :class:`UploadFailed` names it; kept and not
+    uploaded where the block raises, as a stopped run does: the log names it)."""
     if destination == "-":
         yield sys.stdout
         sys.stdout.flush()
@@ -69,7 +70,12 @@ def output(destination: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
         return
     fd, path = tempfile.mkstemp(prefix="tmp_batch_output_", suffix=".jsonl", dir=tmp_dir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        yield f
+        try:
+            yield f
+        except BaseException:  # stopped (Ctrl-C) or failed: nothing is uploaded
+            logger.warning("run-batch: not uploaded to %s; the output so far is kept in %s",
+                           destination, path)  # fmt: skip
+            raise
     upload(destination, path)
     os.unlink(path)
 

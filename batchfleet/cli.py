@@ -331,10 +331,15 @@ def _run_batch(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1:
         print("--max-in-flight must be at least 1", file=sys.stderr)
         return 2
+    if not 0 <= args.port <= 65535:
+        print(f"--port must be 0 to 65535, not {args.port}", file=sys.stderr)
+        return 2
     settings = Settings(max_in_flight=args.max_in_flight, timeout_s=args.timeout or None,
                         priority=args.priority, models=models, default_model=args.model,
                         response_role=args.response_role, progress_s=args.progress_interval)  # fmt: skip
-    return run(args.input_file, args.output_file, _url(args), settings, args.output_tmp_dir)
+    metrics_at = (args.url, args.port) if args.enable_metrics else None
+    return run(args.input_file, args.output_file, _url(args), settings, args.output_tmp_dir,
+               metrics_at)  # fmt: skip
 
 
 def _flower_options(given: list[str]) -> list[str]:
@@ -663,6 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serving_flags(gw)
     gw.set_defaults(func=_gateway)
 
+    from .run_batch_metrics import DEFAULT_PORT, DEFAULT_URL
+
     rb = sub.add_parser(
         "run-batch",
         help="answer a file of OpenAI batch requests through the fleet (vLLM's run-batch)",
@@ -673,7 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
         "response: {status_code, request_id, body}, error}. A bad line, an unknown url or "
         "model, a failed result: an error line, never a stopped run.",
         epilog="Exit status: 0 every line answered; 1 some lines are error lines, or Redis "
-        "or the upload failed; 2 bad arguments or an unreadable input.",
+        "or the upload failed; 2 bad arguments, an unreadable input, or metrics that cannot "
+        "be served; 130 stopped (Ctrl-C: the lines in flight cancelled in the fleet, the "
+        "output holds the lines answered before, each whole).",
     )
     where(rb)
     rb.add_argument("-i", "--input-file", required=True,
@@ -699,7 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--response-role", default="assistant",
                     help="a chat answer's role (vLLM's flag)")  # fmt: skip
     rb.add_argument("--progress-interval", type=float, default=5.0,
-                    help="seconds between progress lines on stderr (0: none)")  # fmt: skip
+                    help="seconds between progress lines on stderr, and one when the run "
+                         "ends (0: none)")  # fmt: skip
+    rb.add_argument("--enable-metrics", action="store_true",
+                    help="serve run-batch's Prometheus metrics at --url:--port while the run "
+                         "lasts (vLLM's flag)")  # fmt: skip
+    rb.add_argument("--url", default=DEFAULT_URL,
+                    help=f"the metrics server's address (default {DEFAULT_URL})")  # fmt: skip
+    rb.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help=f"the metrics server's port (default {DEFAULT_PORT})")  # fmt: skip
     rb.set_defaults(func=_run_batch)
 
     fv = sub.add_parser(

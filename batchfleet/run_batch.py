@@ -24,6 +24,7 @@ from .producer.gateway.direct import Outcome, answer
 from .producer.gateway.errors import ApiError, invalid
 from .producer.gateway.frontend import Frontend
 from .producer.submit import new_request_id
+from .run_batch_metrics import RunBatchMetrics
 from .schemas.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -136,13 +137,22 @@ async def run_batch(
     write: Callable[[str], object],
     settings: Settings | None = None,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    metrics: RunBatchMetrics | None = None,
 ) -> Summary:
     """Answer every line of ``lines`` through the fleet at ``redis_url``; ``write`` takes
     each output line (with its newline), in input order. Blank lines are skipped, as
-    vLLM's. ``sleep``: how a ``queue_full`` line waits before it is sent again."""
+    vLLM's. ``sleep``: how a ``queue_full`` line waits before it is sent again;
+    ``metrics``: counted there as the run goes (``--enable-metrics``)."""
     settings = settings or Settings()
     summary = Summary()
     writer = OrderedWriter(write)
+    metrics = metrics or RunBatchMetrics()
+    metrics.in_flight.set_function(lambda: summary.in_flight)
+
+    def written(index: int, custom_id: str | None, outcome: Outcome) -> None:
+        metrics.line(outcome.status, outcome.error)
+        writer.add(index, output_line(custom_id, outcome))
+
     async with AsyncProducer(redis_url) as producer:
         gateway = Gateway(producer, timeout_s=settings.timeout_s, priority=settings.priority,
                           frontend=Frontend(response_role=settings.response_role))  # fmt: skip
@@ -154,15 +164,17 @@ async def run_batch(
         async def one(index: int, line: Line) -> None:
             try:
                 try:
-                    outcome = await _answer_line(gateway, line, settings, sleep)
+                    with metrics.duration.time():
+                        outcome = await _answer_line(gateway, line, settings, sleep,
+                                                     metrics.retries.inc)  # fmt: skip
                 except Exception as exc:  # a fault of this program: that line says so
                     logger.exception("run-batch: line %r failed", line.custom_id)
                     outcome = _refused(ApiError(500, f"internal error: {type(exc).__name__}: "
                                                 f"{exc}", code=ErrorCode.INTERNAL.value))  # fmt: skip
-                writer.add(index, output_line(line.custom_id, outcome))
             finally:
                 summary.in_flight -= 1
                 room.release()
+            written(index, line.custom_id, outcome)  # (no longer in flight once counted)
 
         try:
             await producer.client.ping()  # unreachable: fail now, not at every line
@@ -173,9 +185,10 @@ async def run_batch(
                 if not text.strip():
                     continue
                 index, summary.lines = summary.lines, summary.lines + 1
+                metrics.read.inc()
                 line = parse_line(text, number)
                 if line.error is not None:
-                    writer.add(index, output_line(line.custom_id, _refused(line.error)))
+                    written(index, line.custom_id, _refused(line.error))
                     continue
                 await room.acquire()
                 summary.in_flight += 1
@@ -185,11 +198,12 @@ async def run_batch(
             if tasks:
                 await asyncio.gather(*tasks)
         finally:
-            reporter.cancel()
             for task in tasks:  # (a task cancelled once is cancelling its jobs: not twice)
                 if not getattr(task, "cancelling", lambda: 0)():  # (Python 3.11+)
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # (their jobs cancelled)
+            reporter.cancel()  # (its last line: what was written)
+            await asyncio.gather(reporter, return_exceptions=True)
             await gateway.replies.close()
     summary.failed = writer.failed
     return summary
@@ -200,10 +214,12 @@ def _refused(error: ApiError) -> Outcome:
 
 
 async def _answer_line(
-    gateway: Gateway, line: Line, settings: Settings, sleep: Callable[[float], Awaitable[object]]
-) -> Outcome:
+    gateway: Gateway, line: Line, settings: Settings,
+    sleep: Callable[[float], Awaitable[object]], retried: Callable[[], object],
+) -> Outcome:  # fmt: skip
     """``line`` answered; sent again while the fleet's lanes are full (nothing of it was
-    taken: each time under a new request id, unless the body chose one)."""
+    taken: each time under a new request id, unless the body chose one); ``retried``
+    called at each."""
     body = line.body
     if "model" not in body and settings.default_model is not None:
         body = {**body, "model": settings.default_model}
@@ -214,21 +230,30 @@ async def _answer_line(
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):
             return outcome
+        retried()
         await sleep(wait)
         waited += wait
         wait = min(wait * 2, QUEUE_FULL_BACKOFF_S[1])
 
 
 async def _report(summary: Summary, writer: OrderedWriter, every_s: float) -> None:
-    """A progress line every ``every_s`` seconds (vLLM's progress bar, as log lines)."""
+    """A progress line every ``every_s`` seconds, and a last one when the run ends,
+    however short (vLLM's progress bar, as log lines: tqdm prints its bar at its close)."""
     if every_s <= 0:
         return
     started = time.monotonic()
-    while True:
-        await asyncio.sleep(every_s)
-        logger.info("run-batch: %d lines read, %d written (%d failed), %d in flight, %.0f s",
-                    summary.lines, writer.next, writer.failed, summary.in_flight,
-                    time.monotonic() - started)  # fmt: skip
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            _progress(summary, writer, started, "")
+    finally:
+        _progress(summary, writer, started, "end: ")
+
+
+def _progress(summary: Summary, writer: OrderedWriter, started: float, what: str) -> None:
+    logger.info("run-batch: %s%d lines read, %d written (%d failed), %d in flight, %.0f s",
+                what, summary.lines, writer.next, writer.failed, summary.in_flight,
+                time.monotonic() - started)  # fmt: skip
 
 
 def run(
@@ -237,10 +262,32 @@ def run(
     redis_url: str,
     settings: Settings | None = None,
     tmp_dir: str | None = None,
+    metrics_at: tuple[str, int] | None = None,
 ) -> int:
     """``batchfleet run-batch``: exit 0 where every line was answered (200), 1 where some
-    are error lines (or the fleet or the upload failed), 2 where the input is unreadable,
-    130 where it was stopped (Ctrl-C)."""
+    are error lines (or the fleet or the upload failed), 2 where the input is unreadable
+    or the metrics cannot be served at ``metrics_at`` (address, port), 130 where it was
+    stopped (Ctrl-C)."""
+    from .run_batch_metrics import MetricsServer
+
+    metrics = RunBatchMetrics()
+    try:
+        server = MetricsServer(metrics, *metrics_at) if metrics_at else None
+    except OSError as exc:
+        print(f"batchfleet run-batch: cannot serve metrics at {metrics_at}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return _run(source, destination, redis_url, settings, tmp_dir, metrics)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run(
+    source: str, destination: str, redis_url: str, settings: Settings | None,
+    tmp_dir: str | None, metrics: RunBatchMetrics,
+) -> int:  # fmt: skip
     import redis
 
     from .batch_files import UploadFailed, lines_of, open_input, output
@@ -252,7 +299,8 @@ def run(
         return 2
     try:
         with stream, output(destination, tmp_dir) as out:
-            summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings))
+            summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings,
+                                            metrics=metrics))  # fmt: skip
     except KeyboardInterrupt:
         print("batchfleet run-batch: stopped; the lines in flight were cancelled, those "
               "written are kept", file=sys.stderr)  # fmt: skip

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .vllm_args import Flag, VllmArgsError, read_serve
+from .vllm_catalog import ARITY as ENGINE_ARITY
+from .vllm_catalog import SHORT as ENGINE_SHORT
 from .vllm_conversion import Conversion
 
 ARITY = {"--input-file": 1, "--output-file": 1, "--output-tmp-dir": 1, "--response-role": 1,
@@ -19,17 +21,16 @@ ARITY = {"--input-file": 1, "--output-file": 1, "--output-tmp-dir": 1, "--respon
          "--enable-prompt-tokens-details": 0, "--enable-force-include-usage": 0}  # fmt: skip
 """The flags vLLM's run-batch adds to its engine flags, and how many values each takes."""
 SHORT = {"-i": "--input-file", "-o": "--output-file"}
-CARRIED = ("--input-file", "--output-file", "--output-tmp-dir", "--response-role")
-"""Taken by ``batchfleet run-batch`` under the same name, with the same meaning."""
-METRICS = ("the Prometheus server vLLM's run-batch starts (--enable-metrics, at --url and "
-           "--port): the fleet's metrics are its workers' and its gateway's /metrics")  # fmt: skip
+CARRIED = ("--input-file", "--output-file", "--output-tmp-dir", "--response-role",
+           "--enable-metrics", "--url", "--port")  # fmt: skip
+"""Taken by ``batchfleet run-batch`` under the same name, with the same meaning (the
+metrics served are run-batch's own: :mod:`.run_batch_metrics`)."""
 NEEDLESS = {
     "--max-log-len": "batchfleet run-batch does not log prompts",
     "--enable-prompt-tokens-details": "usage carries prompt_tokens_details.cached_tokens "
     "wherever the worker reports it",
     "--enable-force-include-usage": "a batch line's answer is whole, and carries its usage",
 }
-UNSUPPORTED = {"--enable-metrics": METRICS, "--url": METRICS, "--port": METRICS}
 
 
 def is_run_batch(argv: Sequence[str]) -> bool:
@@ -45,10 +46,6 @@ class RunBatchArgs:
     flags: dict[str, Flag] = field(default_factory=dict)
     engine: list[str] = field(default_factory=list)
 
-    def value(self, name: str) -> str | None:
-        given = self.flags.get(name)
-        return given.value if given else None
-
 
 def read_run_batch(argv: Sequence[str]) -> RunBatchArgs:
     """``argv`` split into run-batch's flags and the engine's (a :class:`VllmArgsError`
@@ -59,7 +56,7 @@ def read_run_batch(argv: Sequence[str]) -> RunBatchArgs:
     while i < len(args):
         token = args[i]
         name, eq, inline = token.partition("=")
-        name = SHORT.get(name, re.sub(r"(?<=\w)_", "-", name) if name.startswith("--") else name)
+        name = own_name(name)
         if name not in ARITY:
             out.engine.append(token)
             i += 1
@@ -79,14 +76,29 @@ def read_run_batch(argv: Sequence[str]) -> RunBatchArgs:
     return out
 
 
+def own_name(name: str) -> str:
+    """``name`` as run-batch's own flag it stands for (``-i``; ``_`` for ``-``; a prefix
+    of one flag only, as argparse matches it among run-batch's and the engine's flags:
+    ``--output-tmp`` for ``--output-tmp-dir``), else as given (an engine flag's); a
+    :class:`VllmArgsError` where it begins several, in argparse's words."""
+    if not name.startswith("--"):
+        return SHORT.get(name, name)
+    name = re.sub(r"(?<=\w)_", "-", name)
+    names = {*ARITY, *ENGINE_ARITY, *ENGINE_SHORT.values(), "--model", "--config"}
+    matches = sorted(n for n in names if n.startswith(name))
+    if name in names or not matches:
+        return name
+    if len(matches) > 1:
+        raise VllmArgsError(f"ambiguous option: {name} could match {', '.join(matches)}")
+    return matches[0]  # (an engine flag's: left to the engine's reader)
+
+
 def settle(job: RunBatchArgs, conv: Conversion) -> None:
     """Run-batch's own flags listed where they need nothing or have no equivalent; the
     notes on model names other than the fleet's dropped (:func:`command` maps them)."""
     for name, flag in job.flags.items():
         if name in NEEDLESS:
             conv.judged(flag, True, NEEDLESS[name])
-        elif name in UNSUPPORTED:
-            conv.judged(flag, False, UNSUPPORTED[name])
     mapped = ("the model name ", "--served-model-name")
     conv.unsupported = [u for u in conv.unsupported if not u.startswith(mapped)]
     for args in conv.gateway:
@@ -101,8 +113,9 @@ def command(job: RunBatchArgs, conv: Conversion, fleet_path: str) -> str:
     fleet's model."""
     argv = ["batchfleet", "run-batch", "--config", fleet_path]
     for name in CARRIED:
-        if (value := job.value(name)) is not None:
-            argv += [name, value]
+        if name not in job.flags:
+            continue
+        argv += [name, *job.flags[name].values]  # (--enable-metrics: none)
     argv += ["--model", conv.name]
     for served in served_names(job):
         if served != conv.name:

@@ -13,7 +13,7 @@ from vllm_commands import tomllib
 from batchfleet import cli
 from batchfleet.config import load_config
 from batchfleet.from_vllm import from_vllm
-from batchfleet.vllm_run_batch import ARITY, CARRIED, NEEDLESS, UNSUPPORTED
+from batchfleet.vllm_run_batch import ARITY, CARRIED, NEEDLESS
 
 
 def _run(tmp_path: Path, argv: list[str]) -> tuple[int, str, str]:
@@ -26,7 +26,7 @@ def _command(stdout: str) -> list[str]:
 
 
 def test_every_flag_of_vllm_run_batch_has_a_meaning_here() -> None:
-    assert sorted(ARITY) == sorted({*CARRIED, *NEEDLESS, *UNSUPPORTED})
+    assert sorted(ARITY) == sorted({*CARRIED, *NEEDLESS})
 
 
 def test_a_run_batch_command_line_becomes_a_fleet_file_and_the_run_batch_command(
@@ -56,10 +56,11 @@ def test_a_run_batch_command_line_becomes_a_fleet_file_and_the_run_batch_command
     assert (args.model, args.model_map) == ("qwen3", ["Qwen/Qwen3-8B=qwen3"])
     assert args.response_role == "bot"
     assert args.config == str(tmp_path / "fleet.toml")
-    # and what has no equivalent, or needs nothing, is said, not the serve-only notes
+    # and its Prometheus server where vLLM's was
+    assert (args.enable_metrics, args.url, args.port) == (True, "127.0.0.1", 9100)
+    # and what needs nothing is said, not the serve-only notes
     text = (tmp_path / "fleet.toml").read_text()
-    for flag in ("--enable-metrics", "--url 127.0.0.1", "--port 9100"):
-        assert f"from-vllm: no equivalent: {flag}: the Prometheus server" in stderr
+    assert "no equivalent" not in stderr
     for flag in ("--max-log-len 100", "--enable-force-include-usage",
                  "--enable-prompt-tokens-details"):  # fmt: skip
         assert f"#   {flag}: " in text
@@ -83,6 +84,37 @@ def test_the_names_lines_give_reach_the_fleet_s_model(
     assert (args.model_map or []) == maps
     assert args.model in tomllib.loads((tmp_path / "fleet.toml").read_text())["models"]
     assert args.response_role == "assistant"  # vLLM's default, not given
+    assert (args.enable_metrics, args.url, args.port) == (False, "0.0.0.0", 8000)  # vLLM's
+
+
+@pytest.mark.parametrize(("given", "meant"), [
+    (["--output-tmp", "/s"], ("output_tmp_dir", "/s")),
+    (["--output_tmp=/s"], ("output_tmp_dir", "/s")),
+    (["--response", "bot"], ("response_role", "bot")),
+    (["--enable-met"], ("enable_metrics", True)),
+    (["--ur", "10.0.0.1"], ("url", "10.0.0.1")),
+    (["--input", "x.jsonl"], ("input_file", "x.jsonl")),
+])  # fmt: skip
+def test_run_batch_flags_may_be_abbreviated_as_vllm_s_parser_allows(
+    tmp_path: Path, given: list[str], meant: tuple[str, object]
+) -> None:
+    code, stdout, stderr = _run(tmp_path, ["run-batch", "-i", "a", "-o", "b", "--model", "m",
+                                           *given])  # fmt: skip
+    assert code == 0, stderr
+    args = cli.build_parser().parse_args(_command(stdout))
+    assert getattr(args, meant[0]) == meant[1]
+
+
+@pytest.mark.parametrize("given", [
+    ["--out", "x"],  # --output-file or --output-tmp-dir
+    ["--po", "1"],  # --port or the engine's --pooler-config
+    ["--max-log", "5"],  # --max-log-len or the engine's --max-logprobs
+])  # fmt: skip
+def test_an_ambiguous_abbreviation_is_refused(tmp_path: Path, given: list[str]) -> None:
+    code, stdout, stderr = _run(tmp_path, ["run-batch", "-i", "a", "-o", "b", "--model", "m",
+                                           *given])  # fmt: skip
+    assert (code, stdout) == (2, ""), stderr
+    assert f"ambiguous option: {given[0]} could match --" in stderr
 
 
 @pytest.mark.parametrize(("argv", "error"), [

@@ -24,6 +24,7 @@ from gateway_fakes import ScriptedWorker
 
 from batchfleet import cli
 from batchfleet.run_batch import OrderedWriter, Settings, output_line, parse_line, run_batch
+from batchfleet.run_batch_metrics import RunBatchMetrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,6 +150,34 @@ def test_a_failed_result_is_an_error_line_and_order_is_kept(
     assert body["choices"][0]["message"]["content"] == "second"
     # the response's request_id is the fleet's: the answer's id is made of it
     assert body["id"] == f"chatcmpl-{good['response']['request_id']}"
+
+
+def test_a_line_written_is_no_longer_in_flight_in_the_metrics(
+    redis_url: str, fake: ScriptedWorker
+) -> None:
+    """A scrape (another thread) that sees a line answered sees it out of flight: the
+    gauge drops before the line is counted and written."""
+    metrics = RunBatchMetrics()
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"batchfleet_run_batch_{name}")
+
+    at_write: list[tuple[float | None, ...]] = []
+
+    def write(text: str) -> None:
+        at_write.append((sample("lines_in_flight"), sample("line_duration_seconds_count")))
+
+    async def go() -> None:
+        batch = asyncio.ensure_future(run_batch(redis_url, feed(chat("a")), write, QUIET,
+                                                metrics=metrics))  # fmt: skip
+        await asyncio.to_thread(fake.ok, await asyncio.to_thread(fake.take), [gen()])
+        await batch
+
+    asyncio.run(go())
+    assert at_write == [(0.0, 1.0)]
+    labels = {"status": "200", "code": ""}
+    assert metrics.registry.get_sample_value(
+        "batchfleet_run_batch_lines_answered_total", labels) == 1  # fmt: skip
 
 
 def test_model_names_are_mapped_and_answered_as_the_file_names_them(
@@ -284,11 +313,13 @@ def test_a_full_queue_is_waited_out_not_failed(redis_url: str) -> None:
                 await asyncio.to_thread(fake.ok, held, [gen()])
                 freed.set()
 
+        metrics = RunBatchMetrics()
+
         async def go() -> list[dict[str, Any]]:
             out: list[str] = []
             # When the line is refused as queue_full, then room is made
             batch = asyncio.ensure_future(run_batch(redis_url, feed(chat("a")), out.append,
-                                                    QUIET, sleep=sleep))  # fmt: skip
+                                                    QUIET, sleep=sleep, metrics=metrics))  # fmt: skip
             room = asyncio.ensure_future(freed.wait())
             await asyncio.wait({room, batch}, return_when=asyncio.FIRST_COMPLETED)
             if not batch.done():  # (else it gave up: the line says how)
@@ -302,6 +333,9 @@ def test_a_full_queue_is_waited_out_not_failed(redis_url: str) -> None:
         # Then it was sent again, backing off, and answered
         assert waits == [0.1, 0.2]
         assert line["response"]["status_code"] == 200, line
+        # and --enable-metrics counts each time it was sent again
+        assert metrics.registry.get_sample_value(
+            "batchfleet_run_batch_queue_full_retries_total") == len(waits)  # fmt: skip
 
 
 # --- the command line against a real worker --------------------------------------------------
