@@ -335,7 +335,7 @@ def _embedding_defaults(cfg: dict[str, Any] | None, out: Conversion) -> None:
         out.unsupported.append("the model's pooling: its folder is not here to read "
                                "(sentence-transformers' modules.json, which vLLM reads): "
                                "the embedding runner mean-pools unless options.pooling "
-                               "says cls or last")  # fmt: skip
+                               "says cls, last or gritlm (a GritLM)")  # fmt: skip
     if out.setting("normalize") is None and st:
         normalize = bool((cfg or {}).get("_sentence_transformers_normalize"))
         out.options.append(Line("normalize", normalize, "the model's sentence-transformers "
