@@ -14,10 +14,13 @@ from typing import Any
 from .vllm_args import Flag
 from .vllm_conversion import Conversion, Line, token_count
 from .vllm_pooling_defaults import (
+    GRITLM_POOLING,
     POOLINGS,
     ST_NORMALIZE,
     ST_POOLING,
     architecture_pooling,
+    architectures,
+    is_gritlm,
     st_pooling,
 )
 
@@ -133,7 +136,9 @@ def _auto_runner(cfg: dict[str, Any] | None, why: str) -> tuple[str, str]:
                            "reads its config; give --runner pooling for a pooling model):"  # fmt: skip
     if cfg.get("_sentence_transformers_pooling"):
         return "pooling", f"{why} sentence-transformers' modules.json:"
-    for arch in _architectures(cfg):
+    if is_gritlm(cfg):
+        return "pooling", f"{why} config.json's GritLM (a pooling model's class in vLLM):"
+    for arch in architectures(cfg):
         kind = next((k for suffix, k in SUFFIXES if arch.endswith(suffix)), None)
         if kind is not None:
             runner = "generate" if kind == "generate" else "pooling"
@@ -144,17 +149,12 @@ def _auto_runner(cfg: dict[str, Any] | None, why: str) -> tuple[str, str]:
 def _pooling_task(cfg: dict[str, Any] | None) -> str:
     """vLLM's default conversion for ``--runner pooling``: by the architectures' pooling
     suffixes, else ``embed`` (a generative model's states pooled)."""
-    for arch in _architectures(cfg or {}):
+    for arch in architectures(cfg or {}):
         kind = next((k for suffix, k in SUFFIXES if arch.endswith(suffix) and
                      k != "generate"), None)  # fmt: skip
         if kind is not None:
             return kind
     return "embed"
-
-
-def _architectures(cfg: Mapping[str, Any]) -> list[str]:
-    archs = cfg.get("architectures") or []
-    return [str(a) for a in archs] if isinstance(archs, list) else []
 
 
 def _labels(cfg: Mapping[str, Any] | None) -> int | None:
@@ -316,7 +316,13 @@ def _embedding_defaults(cfg: dict[str, Any] | None, out: Conversion) -> None:
     sentence-transformers modules, else the architecture's
     (:func:`.vllm_pooling_defaults.architecture_pooling`)."""
     st = (cfg or {}).get("_sentence_transformers_pooling")
-    if out.setting("pooling") is None and cfg is not None:
+    if is_gritlm(cfg):
+        for ln in (ln for ln in out.options if ln.key == "pooling"):
+            out.needless.append(f"{ln.source}: vLLM's GritLM pools by its own pooler, "
+                                "whatever the pooling type")  # fmt: skip
+        out.options = [ln for ln in out.options if ln.key != "pooling"]
+        out.options.append(Line("pooling", *GRITLM_POOLING))
+    elif out.setting("pooling") is None and cfg is not None:
         if st in POOLINGS:
             why = "the model's sentence-transformers pooling (1_Pooling/config.json), as vLLM's"
             out.options.append(Line("pooling", POOLINGS[st], why))
@@ -329,7 +335,7 @@ def _embedding_defaults(cfg: dict[str, Any] | None, out: Conversion) -> None:
         out.unsupported.append("the model's pooling: its folder is not here to read "
                                "(sentence-transformers' modules.json, which vLLM reads): "
                                "the embedding runner mean-pools unless options.pooling "
-                               "says cls or last")  # fmt: skip
+                               "says cls, last or gritlm (a GritLM)")  # fmt: skip
     if out.setting("normalize") is None and st:
         normalize = bool((cfg or {}).get("_sentence_transformers_normalize"))
         out.options.append(Line("normalize", normalize, "the model's sentence-transformers "

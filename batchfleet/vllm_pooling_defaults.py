@@ -10,7 +10,10 @@ vLLM's classes, by the architectures the worker loads (transformers' own):
 - a generative model's (``*ForCausalLM``, and a ``*Model`` of a decoder-only family such
   as ``Qwen2Model`` or ``Gemma3TextModel``, which vLLM serves as the family's
   ``*ForCausalLM``, ``_normalize_arch``) states: ``LAST`` (``as_embedding_model``);
-- ``GritLM``: ``MEAN``.
+- ``GritLM``: its own pooler whatever the pooling type (``GritLMPooler``: the mean after
+  the prompt's instruction, the embedding runner's ``gritlm``), its attention
+  bidirectional; vLLM serves it as a pooling model with ``--runner auto`` (its class is a
+  pooling model's).
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ ST_NORMALIZE = ("sentence_transformers.models.Normalize",
 """Its Normalize module types (``_ST_NORMALIZE_MODULE_TYPES``)."""
 GENERATIVE = ("ForCausalLM", "ForConditionalGeneration", "ChatModel", "LMHeadModel")
 """vLLM's generative architecture suffixes."""
-MEAN_ARCHITECTURES = ("GritLM",)
-"""Architectures vLLM pools by the mean by default (``@default_pooling_type``)."""
+GRITLM = ("GritLM",)
+"""Architectures vLLM embeds with its GritLM pooler (``GritLMMeanPool``)."""
+GRITLM_POOLING = ("gritlm", "vLLM's GritLM pooler (GritLMMeanPool): the mean after the "
+                  "prompt's instruction, the attention bidirectional")  # fmt: skip
+"""The embedding runner's ``pooling`` for them, and why."""
 
 
 def st_pooling(modes: Mapping[str, Any]) -> str | None:
@@ -64,10 +70,7 @@ def _parse(name: str) -> str:
 def architecture_pooling(cfg: Mapping[str, Any]) -> tuple[str, str]:
     """vLLM's default pooling type for the model ``cfg`` (its ``config.json``) describes,
     and why."""
-    archs = [str(a) for a in cfg.get("architectures") or [] if isinstance(a, str)]
-    for arch in archs:
-        if arch in MEAN_ARCHITECTURES:
-            return "MEAN", f"vLLM's default for {arch}"
+    archs = architectures(cfg)
     for arch in archs:
         if arch.endswith(GENERATIVE):
             return "LAST", f"vLLM's default for a generative model's states ({arch})"
@@ -76,6 +79,17 @@ def architecture_pooling(cfg: Mapping[str, Any]) -> tuple[str, str]:
         return "LAST", (f"vLLM's default for a generative model's states ({archs[0]} is "
                         "served as its family's causal LM)")  # fmt: skip
     return "CLS", "vLLM's default for an encoder without sentence-transformers pooling"
+
+
+def architectures(cfg: Mapping[str, Any]) -> list[str]:
+    """``config.json``'s architectures (its strings)."""
+    archs = cfg.get("architectures") or []
+    return [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+
+
+def is_gritlm(cfg: Mapping[str, Any] | None) -> bool:
+    """Whether vLLM serves the model as GritLM (its pooler, not a pooling type's)."""
+    return cfg is not None and any(a in GRITLM for a in architectures(cfg))
 
 
 def _decoder_only(model_type: Any, arch: str) -> bool:

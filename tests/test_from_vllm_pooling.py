@@ -319,7 +319,7 @@ def st_folder(tmp_path: Path, architectures: list[str], modes: dict[str, Any] | 
     (["ModernBertModel"], {"model_type": "modernbert"}, None, "cls"),
     (["XLMRobertaModel"], {"model_type": "xlm-roberta"}, None, "cls"),
     (["ElectraModel"], {}, None, "cls"),  # through vLLM's Transformers backend
-    (["GritLM"], {"model_type": "mistral"}, None, "mean"),
+    (["GritLM"], {"model_type": "mistral"}, None, "gritlm"),  # its own pooler
     # sentence-transformers' Pooling config as vLLM reads it
     (["BertModel"], {}, {"pooling_mode": "lasttoken"}, "last"),  # sentence-transformers 5
     (["BertModel"], {}, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},

@@ -278,25 +278,41 @@ def test_minicpm5_content_is_cleaned_up_too(text: str, content: str) -> None:
     assert _whole_and_streamed("minicpm5", text, WEATHER) == {"content": content}
 
 
+SUNNY = "<think>\nThe user wants the weather.\n</think>\n\nIt is sunny."
+PARIS = '<function name="get_weather"><param name="city">Paris</param></function>'
+
+
 @pytest.mark.parametrize(
-    ("text", "content"),
-    [("<think>\nThe user wants the weather.\n</think>\n\nIt is sunny.", "It is sunny."),
-     ('<think>Call it? <function name="get_weather"></function></think>\nSure.\n'
-      '<function name="get_weather"><param name="city">Paris</param></function>', "Sure."),
-     ("<think>only thinking</think>", "<think>only thinking</think>"),  # nothing follows
-     ("<think>cut short", "<think>cut short"),  # never closed
-     # not led by its thinking: as written (vLLM's strips to the last </think> wherever
-     # it stands, which no stream can know before the end)
-     ("Hm.</think>It is sunny.", "Hm.</think>It is sunny.")],
+    ("text", "content", "streamed"),
+    [(SUNNY, "It is sunny.", SUNNY),
+     # the last </think>, wherever it stands and whether or not the text opened it
+     ("Hm.</think>It is sunny.", "It is sunny.", "Hm.</think>It is sunny."),
+     ("<think>a</think>b</think>\n c", "c", "<think>a</think>b</think>\n c"),
+     # a block that is no call (get_weather needs its city) stays content, thinking too
+     ('<think>Call it? <function name="get_weather"></function></think>\nSure.\n' + PARIS,
+      "Sure.", '<think>Call it? <function name="get_weather"></function></think>\nSure.'),
+     # nothing after it, or none: the whole text
+     ("<think>only thinking</think>", "<think>only thinking</think>",
+      "<think>only thinking</think>"),
+     ("<think>cut short", "<think>cut short", "<think>cut short")],
 )  # fmt: skip
-def test_minicpm5_content_is_what_follows_the_thinking_it_begins_with(text: str,
-                                                                      content: str) -> None:  # fmt: skip
-    got = _whole_and_streamed("minicpm5", text, WEATHER)
-    assert got["content"] == content
-    # streamed once the thinking ends, not held to the end
+def test_minicpm5_content_is_what_follows_the_last_think_end_unless_streamed(
+    text: str, content: str, streamed: str
+) -> None:
+    """vLLM's tool parser strips the thinking from the whole text's content, up to its
+    last ``</think>``; its stream strips nothing, and neither does this one's."""
+    calls = [("get_weather", {"city": "Paris"})] if PARIS in text else []
+    got = _split("minicpm5", WEATHER).result(text)
+    assert (got["content"], _args(got.get("tool_calls"))) == (content, calls)
+    for pieces in (list(text), _tokens(text)):
+        deltas, whole = _stream(_split("minicpm5", WEATHER), pieces)
+        assert (whole["content"], _args(whole.get("tool_calls"))) == (content, calls)
+        assert "".join(d["content"] for d in deltas) == streamed
+        assert [c for d in deltas for c in d.get("tool_calls", ())] == whole.get("tool_calls", [])
+    # streamed as it comes, not held to the end
     deltas, _ = _stream(_split("minicpm5", WEATHER), list(text))
-    if content == "It is sunny.":
-        assert "".join(d["content"] for d in deltas[:-1]) == "It is sunny."
+    if text == SUNNY:
+        assert "".join(d["content"] for d in deltas[:-1]) == SUNNY
 
 
 # hy_v4: calls only in the first <tool_calls> section, once closed, all or none

@@ -7,15 +7,15 @@ it (``_normalize_model_output``, ``_strip_thinking_content``), for ``tool_choice
   call);
 - tags written run together, ``<functionname=`` and ``<paramname=``, are
   ``<function name=`` and ``<param name=``;
-- the content is what follows the model's thinking: a text that begins with ``<think>``
-  shows what follows its ``</think>`` (nothing while it thinks); where nothing follows,
-  or the thinking never closes, the whole text, as vLLM's.
+- the content of the whole text is what follows its last ``</think>``, wherever it
+  stands and whether or not the text opened it (``_strip_thinking_content``), trimmed at
+  its start; where nothing follows, or there is none, the whole text.
 
-Streamed, the pieces add up to the whole text's: a tag run together is held back while it
-is being written, and so is a text while it thinks. Differences, on purpose: vLLM's
-strips up to the *last* ``</think>``, wherever it stands and whether or not the text
-opened it, which a stream cannot know before its end (vLLM's own stream strips nothing);
-here only a thinking the text begins with, up to its first ``</think>``.
+Streamed, the pieces add up to the whole text's, a tag run together held back while it is
+being written; the thinking is not taken out of the stream: vLLM's stream
+(``extract_tool_calls_streaming``) strips none, and none could be stripped before the
+text's end, where its last ``</think>`` is known. So, as vLLM's, a streamed reply's
+``content`` keeps the thinking that the same reply's unstreamed ``content`` leaves out.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Final
 
 from .reasoning import held
 
-THINK, THINK_END = "<think>", "</think>"
+THINK_END: Final = "</think>"
 _BPE: Final = str.maketrans({"\u0120": " ", "\u010a": "\n"})
 _RUN_TOGETHER: Final = {"<functionname=": "<function name=", "<paramname=": "<param name="}
 
@@ -42,11 +42,9 @@ def clean(text: str, final: bool) -> str:
 
 
 def shown(text: str, final: bool) -> str:
-    """The content a trimmed text (so far; ``final``: whole) shows: what follows a
-    leading ``<think>``'s ``</think>``, trimmed (so far, nothing before it is written);
-    the whole text where no thinking leads it, or none follows it at the end."""
-    if not text.startswith(THINK):
-        return "" if not final and THINK.startswith(text) else text
-    at = text.find(THINK_END)
-    rest = "" if at < 0 else text[at + len(THINK_END) :].lstrip()
-    return rest if rest or not final else text
+    """The content a trimmed text (so far; ``final``: whole) shows: the whole text's, what
+    follows its last ``</think>``, trimmed (the whole text where nothing follows it); so
+    far, the text as it is, as vLLM's stream."""
+    if not final or THINK_END not in text:
+        return text
+    return text.rsplit(THINK_END, 1)[1].lstrip() or text

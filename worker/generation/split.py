@@ -2,8 +2,9 @@
 calls (a chat to a model with a ``reasoning_parser``, or a request with ``tools``).
 
 Streamed, each delta carries the pieces of ``reasoning_content`` and ``content`` not sent
-yet (each so far a start of the result's, so the pieces add up to it), the calls read
-whole since the last delta, and the chunks of the calls being written
+yet (each so far a start of the result's, so the pieces add up to it; but ``minicpm5``'s
+stream keeps the thinking its result leaves out, as vLLM's, :attr:`OutputSplit.streamed`),
+the calls read whole since the last delta, and the chunks of the calls being written
 (:mod:`.tool_chunks`); at the end the whole text is read once more for the result
 (:meth:`OutputSplit.result`). The answer begins after the reasoning (where
 :class:`~.reasoning.Reasoning` says, once it knows; less the tags some parsers wrap it
@@ -49,6 +50,9 @@ class OutputSplit:
     """The characters of its ``reasoning_content`` and ``content`` streamed so far."""
     answer: dict[str, Any] | None = None
     """Its result's fields, once read at its end."""
+    streamed: str | None = None
+    """The ``content`` its stream ends with, where it is not the result's: the thinking
+    ``minicpm5``'s whole read leaves out stays in its stream, as in vLLM's."""
     cohere: cohere.Format | None = None
     """The model writes Cohere Command's modes: an answer's content is its answer's
     parts (the calls' parts are not), whatever its calls."""
@@ -84,6 +88,8 @@ class OutputSplit:
                     out["tool_calls"] = reader.calls
                     if self.cohere is None and self.blocks is None:
                         out["content"] = reader.content
+                if reader.streams_thinking:
+                    self.streamed = reader.outside if reader.calls else answer.strip()
             self.answer = out
         return self.answer
 
@@ -110,7 +116,8 @@ class OutputSplit:
         calls: list[dict[str, Any]] = []
         if final is not None:
             got = self.result(final)
-            said = (got.get("reasoning_content", ""), got["content"])
+            content = got["content"] if self.streamed is None else self.streamed
+            said = (got.get("reasoning_content", ""), content)
             if self.chunks is not None:  # the calls a final read found (ids set before)
                 chunks = self.chunks.chunks("", final=True)
             calls = self.calls.unsent() if self.calls is not None else []

@@ -89,8 +89,8 @@ finds the calls:
   function's schema does not list left out (a ``properties``/``arguments`` wrapper read
   for those it lists); a call of a function the request does not have, with a parameter
   written twice or without its name, or without a ``required`` one, is none; its text
-  cleaned up first (tokenizer artefacts, tags run together) and its content what follows
-  the thinking it begins with (:mod:`.minicpm5_text`);
+  cleaned up first (tokenizer artefacts, tags run together) and its whole text's content
+  what follows its last ``</think>`` (:mod:`.minicpm5_text`);
 - vLLM's other names for these formats (:data:`ALIASES`): ``jamba`` (``hunyuan_a13b``'s,
   AI21 Jamba), ``llama4_json`` (``llama3_json``'s), ``llama4_pythonic`` (``pythonic``'s,
   Llama 4), ``ernie45`` (``hermes``'s, ERNIE 4.5), ``qwen3_xml`` (``qwen3_coder``'s),

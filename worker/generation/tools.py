@@ -43,7 +43,7 @@ class CallReader:
     """One output's tool calls, read as its text grows (see the module docstring)."""
 
     __slots__ = ("_at", "_harmony", "_hold", "_scan", "_section", "_settled", "_tidy",
-                 "calls", "content", "end", "limit", "sent")  # fmt: skip
+                 "calls", "content", "end", "limit", "outside", "sent")  # fmt: skip
 
     def __init__(self, use: ToolUse, parser: str | None, types: Types | None = None) -> None:
         parser = ALIASES.get(parser or "", parser)
@@ -68,6 +68,8 @@ class CallReader:
         self.content: str | None = None
         """After a final read that found calls: the text outside them (OpenAI's message
         ``content``), trimmed."""
+        self.outside: str | None = None
+        """...and that text as it is (``content`` less what :meth:`shown` leaves out)."""
         self.end = 0
         """Where the last call read ends in the text (0: none read)."""
 
@@ -91,10 +93,9 @@ class CallReader:
                     start = at
                 if text.startswith(close, skip(text, end)):
                     end = skip(text, end) + len(close)
+            self.outside = (text[:start] + text[end:]).strip()
             self.content = (
-                harmony.content(text)
-                if self._harmony
-                else self.shown((text[:start] + text[end:]).strip(), True)
+                harmony.content(text) if self._harmony else self.shown(self.outside, True)
             )
 
     def content_so_far(self, text: str) -> str:
@@ -112,8 +113,14 @@ class CallReader:
 
     def shown(self, text: str, final: bool) -> str:
         """The content a trimmed text outside the calls (so far) shows: all of it, or
-        what follows the thinking it begins with (:func:`.minicpm5_text.shown`)."""
+        the whole text's less its thinking (:func:`.minicpm5_text.shown`)."""
         return minicpm5_text.shown(text, final) if self._tidy else text
+
+    @property
+    def streams_thinking(self) -> bool:
+        """Whether a stream's content keeps the thinking the whole text's leaves out
+        (``minicpm5``'s, as vLLM's stream keeps it)."""
+        return self._tidy
 
     def may_call(self, text: str) -> bool:
         """Whether a call may have begun in a text so far."""

@@ -94,7 +94,9 @@ class Outputs(RunnerState):
         end-of-sequence token), so a stream's first delta is its first token and the deltas'
         tokens and log-probabilities add up to the result's. A split output's deltas carry
         its ``content`` (and a reasoning one's ``reasoning_content``) piece by piece, which
-        add up to the result's, and each tool call once, in the delta that completes it."""
+        add up to the result's (``minicpm5``'s thinking aside, which its stream keeps,
+        :attr:`.OutputSplit.streamed`), and each tool call once, in the delta that
+        completes it."""
         out: list[StepEvent] = []
         sent = r.sent
         for i, s in enumerate(r.seqs):

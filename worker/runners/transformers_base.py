@@ -81,6 +81,11 @@ class TransformersRunner(ModelDirRunner):
     def _outputs(self, model_out: Any, mask: torch.Tensor) -> list[Any]:
         raise NotImplementedError
 
+    def _pooled_mask(self, rows: Sequence[Encoded], mask: torch.Tensor) -> torch.Tensor:
+        """The tokens ``_outputs`` pools over: the real ones (a subclass may leave some
+        out, as GritLM's instruction)."""
+        return mask
+
     def encode(self, inputs: Sequence[AnyInput]) -> list[Encoded]:
         """Texts, and text pairs (a ranking as one pair per document) encoded together."""
         texts: list[Any] = list(inputs)
@@ -119,7 +124,7 @@ class TransformersRunner(ModelDirRunner):
         inputs = self.collate(rows)
         with torch.inference_mode():
             out = self.model(**inputs)
-            return self._outputs(out, inputs["attention_mask"])
+            return self._outputs(out, self._pooled_mask(rows, inputs["attention_mask"]))
 
     def info(self) -> dict[str, Any]:
         return {
