@@ -4,7 +4,8 @@
 bound's table by running count; in the padded engine, no drafts (and no proposer call)
 in a step where the bound allows none, drafts where it allows them, switching as
 sequences join and leave, greedy tokens exactly those without speculation (n-gram and a
-draft model); the running count takes the sequences whose prefill has begun; the
+draft model); the running count is vLLM V1's, the sequences the step before ran (its
+new prefills, and a request's ``n`` completions waiting on one prefill, too); the
 runner's ``info()`` and the Prometheus counter of rows that skipped; the keys taken,
 taken as they are, and refused."""
 
@@ -287,14 +288,57 @@ def test_a_draft_model_lines_up_again_after_skipped_steps(
     assert sum(engine.accepted) == engine.drafted[1] and proposer.tokens == 0  # (all gone)
 
 
-def test_the_running_count_takes_the_sequences_whose_prefill_has_begun(llama: Any) -> None:
-    engine = _engine(llama, NgramConfig(2), step_tokens=8)
-    engine.add("short", [5, 6, 7], 20, Sampling())
+def _decoding(llama: Any, lean: bool, **kw: Any) -> tuple[PaddedEngine, Recording]:
+    """An engine with one row decoding ("a", prefilled in the first of two steps), prefill
+    chunks of at most about 20 tokens a step, and the running counts its steps ask about."""
+    spec = Recording(NgramConfig(2))
+    engine = _engine(llama, spec, lean=lean, step_tokens=24, **kw)
+    engine.add("a", [5, 6, 7], 30, Sampling(ignore_eos=True))
     engine.step()
-    engine.add("long", list(range(3, 60)), 20, Sampling())
-    engine.add("queued", list(range(3, 60)), 20, Sampling(), priority=1)
-    engine.step()  # "long" takes its first chunk; "queued" has not begun
-    assert len(engine._rows) == 1 and engine.batch_size == 2
+    engine.step()
+    return engine, spec
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_the_running_count_is_the_sequences_the_step_before_ran(llama: Any, lean: bool) -> None:
+    # Given: one row decoding, then two prompts that end with their first token, a
+    # 40-token prompt (its prefill takes more than a step) and one in a later lane
+    engine, spec = _decoding(llama, lean)
+    engine.add("b", [8, 9], 1, Sampling())
+    engine.add("c", [10, 11], 1, Sampling())
+    engine.add("long", list(range(3, 43)), 5, Sampling())
+    engine.add("queued", list(range(50, 60)), 5, Sampling(), priority=1)
+    # When: a step begins the three lane-0 prefills ("queued" waits: "long" takes the
+    # rest of the budget), and "b" and "c" end in it
+    engine.step()
+    assert [s.name for s in engine._rows] == ["a"] and engine._waiting["long"].done > 0
+    assert engine._waiting["queued"].cache is None
+    # Then: that step's row proposed by the count of the step before (vLLM's drafts then
+    # were sized before these were scheduled), and the next step's by the four it ran
+    # (vLLM V1's ``len(num_scheduled_tokens)``): "b" and "c" too, not "queued"
+    assert engine.batch_size == 4
+    engine.step()
+    assert [n for n, _ in spec.steps[-2:]] == [1, 4]
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+@pytest.mark.parametrize("max_running,want", [(8, 4), (3, 3)])
+def test_the_running_count_takes_the_n_completions_waiting_on_one_prefill(
+    llama: Any, lean: bool, max_running: int, want: int
+) -> None:
+    # Given: one row decoding, then a request's 3 completions of a 40-token prompt: the
+    # first prefills (in two steps), the others wait to take its prefill
+    engine, spec = _decoding(llama, lean, max_running=max_running)
+    for i in range(3):
+        engine.add(f"n{i}", list(range(3, 43)), 5, Sampling())
+    # When: a step runs the prompt's first chunk
+    engine.step()
+    assert engine._waiting["n0"].done > 0 and engine._waiting["n1"].cache is None
+    # Then: the three count (vLLM schedules each completion as a request of its own), as
+    # far as max_running lets them run; the next step's rows propose by that count
+    assert engine.batch_size == want
+    engine.step()
+    assert spec.steps[-1][0] == want
 
 
 # --- the runner and its counters --------------------------------------------------------

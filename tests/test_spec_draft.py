@@ -4,7 +4,9 @@ steps with prompts of different lengths (prefilled into the draft's cache in chu
 through the lean fused step and transformers' forwards; a draft model identical to the
 target has every draft accepted (its cache stays lined up with each row's context); the
 option, the vocabulary check and the paged engine's refusal; a cancelled row's draft cache
-goes; the runner's answers and ``info()``."""
+goes; the runner's answers and ``info()``; a draft of a family the lean forward does not
+run (Qwen3) through transformers' forwards; LoRA rows verifying a base draft's drafts under
+their adapter."""
 
 from __future__ import annotations
 
@@ -400,3 +402,85 @@ def test_no_draft_goes_past_the_draft_model_s_context(dirs: dict[str, Path]) -> 
     # (the third is read at 19); of 20, 1; of 21, none
     assert [len(d) for d in draft.propose(rows, 64)] == [3, 1, 0, 4]
     assert draft._names == ["a", "b", "d"]
+
+
+# --- a draft the lean forward does not run, and LoRA rows ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(dirs: dict[str, Path]) -> Path:
+    """A tiny random Qwen3 of the target's vocabulary: per-head q and k norms, a family
+    the lean forward does not run, as a Qwen3-0.6B drafting for a Llama-vocabulary target
+    would be. Its norms' scales are raised so its attention is peaked (a key read from the
+    wrong column changes its picks)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = _model(dirs["target"]).config.vocab_size
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(4)
+            layer.self_attn.k_norm.weight.mul_(4)
+    path = dirs["small"].parent / "qwen3"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_a_draft_the_lean_forward_refuses_drafts_through_transformers_forwards(
+    lean: bool, target: Any, qwen3: Path
+) -> None:
+    from batchfleet.worker.generation.lean_decode import LeanDecoder
+
+    # Given: the Qwen3 draft, loaded as the runner loads it, beside a target whose engine
+    # runs the lean step (or transformers' forwards)
+    draft = load(DraftConfig(str(qwen3), 3), target, 8)
+    assert LeanDecoder.build(draft.model) is None and draft.lean is None
+    assert not draft.row_attention
+    watch = _Watch(draft)
+    seqs = _seqs(8, seed=11)
+    engine = _engine(target, draft, lean, [EOS])
+    # When: sequences run with it, arriving at different steps
+    got = _run(engine, seqs)
+    # Then: the greedy tokens are those without speculation, and every proposal and
+    # forward is the draft's own from scratch (its cache held each row's context)
+    assert got == _run(_engine(target, None, lean, [EOS]), seqs)
+    assert engine.drafted[1] > 30 and len(watch.proposed) > 10
+    watch.check()
+    assert draft.tokens == 0
+
+
+def test_lora_rows_verify_a_base_draft_s_drafts_under_their_adapter(
+    dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytest.importorskip("peft")
+    from batchfleet.schemas.messages import Request
+    from test_generation_lora import sql_and_chat
+    from test_speculative import _answers
+
+    # Given: two adapters of the target, and the target's own weights as the draft (no
+    # adapter: vLLM applies LoRA to the target only), so a base row's drafts are all
+    # accepted and a LoRA row's only where its adapter agrees with the base model
+    adapters = sql_and_chat(dirs["target"], tmp_path_factory.mktemp("lora-draft"))
+    spec = {"method": "draft_model", "model": str(dirs["target"]), "num_speculative_tokens": 3}
+    runs = []
+    for speculative in (None, spec):
+        runner = _runner(dirs["target"], lora_adapters={k: str(v) for k, v in adapters.items()},
+                         speculative=speculative)  # fmt: skip
+        reqs = [Request(id=f"r{i}", model="lm", inputs=[p], max_new_tokens=30, lora=lora,
+                        ignore_eos=True, return_token_ids=True)
+                for i, (lora, p) in enumerate([(None, "a b c a b c a b"), ("sql", "a b c a b c"),
+                                               ("chat", "it was the time of the year"),
+                                               (None, "a b c a b c")])]  # fmt: skip
+        finals, reports, _ = _answers(runner, reqs)
+        runs.append(({k: v[0]["token_ids"] for k, v in finals.items()},
+                     sum(r.drafted[1] for r in reports), sum(sum(r.accepted) for r in reports)))  # fmt: skip
+    (plain, _, _), (got, drafted, accepted) = runs
+    # Then: each row's tokens are those of its adapter without speculation (the adapters
+    # change them), and the LoRA rows rejected drafts the base draft proposed
+    assert got == plain and plain["r1"] != plain["r3"]
+    assert 0 < accepted < drafted

@@ -106,6 +106,7 @@ class PaddedEngine(_Lean):
         self.drafted = [0, 0]
         self.accepted = []
         self.spec_skipped = 0
+        self.batch_size = 0
         self.prefix = prefix_cache
         self.device = next(model.parameters()).device
         self.eos = frozenset(eos_token_ids)
@@ -264,6 +265,7 @@ class PaddedEngine(_Lean):
         self._cache = None
         self._cancelled.clear()
         self._written = np.zeros(0, dtype=np.int64)
+        self.batch_size = 0
         if self.speculative is not None:
             self.speculative.retain(())
         if self.prefix is not None:  # after a failure (out of memory?), hold nothing

@@ -73,8 +73,9 @@ class _Decode(_Batch, _Prefill):
     def _propose(self) -> dict[int, list[int]]:
         """Per running row that proposes drafts (by index), its drafts (n-gram or a draft
         model's): at most what it may still generate after this step's token and what
-        the batch-size bound allows for the step's running count (:mod:`.spec_bound`:
-        none, and no proposer call, where it allows none; those rows are counted in
+        the batch-size bound allows for the sequences the last step ran (``batch_size``,
+        as vLLM V1 sizes the drafts a step's end proposes: :mod:`.spec_bound`; none, and
+        no proposer call, where it allows none; those rows are counted in
         ``spec_skipped``), and all of them within what the step's budget leaves after one
         token a row (half of that while sequences wait to prefill, so prefill goes on)."""
         spec = self.speculative
@@ -95,13 +96,6 @@ class _Decode(_Batch, _Prefill):
                                 min(most, r.max_new - len(r.generated) - 1))
                                for _, r in asking], budget)  # fmt: skip
         return {i: d for (i, _), d in zip(asking, drafts, strict=True) if d}
-
-    @property
-    def batch_size(self) -> int:
-        """The sequences running, as the batch-size bound counts them: the decoding rows
-        and the sequences whose prefill has begun (vLLM V0's running queue)."""
-        begun = sum(1 for s in self._waiting.values() if s.cache is not None)
-        return len(self._rows) - len(self._cancelled) + begun
 
     def _decode(self, drafts: dict[str, list[int]]) -> list[Output]:
         """One token for every row (and where a row proposed ``drafts``, by name, their

@@ -30,7 +30,9 @@ class _Prefill(_State):
         costs ``join_cost`` more) and the free rows, in prefill order (lane, then
         arrival): each waiting sequence's next tokens, the last one cut where the budget
         ends. Where a lane-0 prompt ends, no lower lane's chunk follows: that step, and
-        so its first token, is not held up by prefill work that can wait a step."""
+        so its first token, is not held up by prefill work that can wait a step. Sets
+        ``batch_size``: the running rows, the planned sequences and their twins
+        (:meth:`_count`)."""
         plan: list[tuple[_Seq, list[int]]] = []
         room = self.max_running - len(self._rows)
         urgent = False
@@ -55,7 +57,24 @@ class _Prefill(_State):
             room -= 1
             budget -= join_cost
             urgent = urgent or seq.order[0] <= 0
+        self.batch_size = self._count(plan)
         return plan
+
+    def _count(self, plan: list[tuple[_Seq, list[int]]]) -> int:
+        """The sequences a step with this prefill ``plan`` runs, as vLLM V1's scheduler
+        counts the requests it schedules (``len(num_scheduled_tokens)``, which sizes the
+        drafts proposed at the step's end: :mod:`.spec_bound`): the running rows, the
+        planned sequences (a prefill that ends in the step or not), and, up to
+        ``max_running``, the waiting twins of a planned sequence, which take its prefill
+        when it ends (:meth:`_share`; vLLM schedules each of a request's ``n`` completions
+        as a request of its own)."""
+        planned = {id(seq) for seq, _ in plan}
+        sharing = {seq.key: seq for seq, _ in plan}
+        twins = sum(1 for w in self._waiting.values()
+                    if w.cache is None and id(w) not in planned
+                    and (t := sharing.get(w.key)) is not None and _same(t, w))  # fmt: skip
+        ran = len(self._rows) + len(plan)
+        return ran + max(0, min(twins, self.max_running - ran))
 
     def _reuse(self, seq: _Seq) -> None:
         """A sequence about to prefill takes the longest prefix of its tokens that the

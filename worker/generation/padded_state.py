@@ -86,6 +86,11 @@ class _State:
     spec_skipped: int
     """Rows that would have proposed drafts in a step whose running count the batch-size
     bound allowed none (:mod:`.spec_bound`), so far."""
+    batch_size: int
+    """The sequences the last step ran (vLLM V1's scheduled requests): its decode rows,
+    the sequences its prefill chunks ran for, and their twins waiting on those prefills
+    (:meth:`._Prefill._plan`); the batch-size bound's running count for the next step's
+    drafts (:mod:`.spec_bound`)."""
     prefix: PrefixCache | None
     """Recent prompts' leading blocks (None: no prefix caching)."""
     device: torch.device

@@ -20,9 +20,17 @@ how many drafts a row may propose from how many sequences run in that step:
   ``num_speculative_tokens`` is that. Ranges are inclusive, do not overlap, and the first
   starts at 1, as vLLM checks; its five-item form (context-length ranges too) is refused.
 
-The running count is the padded engine's decoding rows plus the sequences whose prefill
-has begun (vLLM V0's running queue; V1 counts the requests its step schedules): a queued
-request not yet begun does not count.
+The running count is vLLM V1's: its scheduler looks ``k`` up by the requests a step
+schedules (``len(num_scheduled_tokens)``: decodes, and prefill chunks whether the prefill
+ends in the step or not) and hands it to the drafter, which proposes at the step's end
+the drafts the next step verifies. The padded engine proposes at a step's start, so its
+rows propose by the sequences the step before ran (:attr:`.PaddedEngine.batch_size`): its
+decode rows (those that finished in it too), the sequences its prefill chunks ran for
+(those that began in it too, and those that ended at once), and the twins waiting on
+those prefills (a request's ``n`` completions, each a request of its own to vLLM) up to
+``max_running``. A request still queued, or added since, does not count: the step whose
+prefill begins it counts it for the next step's drafts, as vLLM's does. vLLM V0
+compared its running queue in the step it proposed for; here both keys read V1's count.
 """
 
 from __future__ import annotations
