@@ -161,9 +161,9 @@ class Generate(Handler):
         if self.gone:
             raise tornado.iostream.StreamClosedError()
         if self.named:
-            self.write("".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in chunks))
-        else:
-            self.write("".join(f"data: {dumps(e)}\n\n" for e in chunks))
+            self.write("".join([f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in chunks]))
+        else:  # (a list: join makes one of a generator first)
+            self.write("".join([f"data: {dumps(e)}\n\n" for e in chunks]))
 
     async def _flush(self) -> None:
         """Send what was written (once the stream's delivered events are all written)."""
