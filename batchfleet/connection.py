@@ -168,8 +168,8 @@ class _CancelSafePubSub(aioredis.client.PubSub):
         return await not_lost(super().execute_command(*args))
 
     async def parse_response(self, block: bool = True, timeout: float = 0) -> Any:
-        # not_lost, inlined: one read a streamed token, where its coroutine layer cost
-        # the gateway ~5% of its CPU
+        # not_lost, inlined: a read a streamed token, where its coroutine layer (and a
+        # current_task() more) made the guard cost twice as much (0.9 us, not 0.5)
         count = counter()
         asked = count()
         reply = await super().parse_response(block, timeout)
