@@ -12,26 +12,38 @@ next wait (``run-batch``'s Ctrl-C waited out its hour).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+def _uncounted() -> int:
+    return 0
+
+
+def counter(task: asyncio.Task[Any] | None = None) -> Callable[[], int]:
+    """What reads :func:`cancels` of ``task`` (default: the current one): read before and
+    after an await in the awaiting frame itself, it is :func:`not_lost` without a coroutine
+    of its own (for an await made once a message, such as a pub/sub read)."""
+    task = task if task is not None else asyncio.current_task()
+    count: Callable[[], int] | None = getattr(task, "cancelling", None)
+    return count if count is not None else _uncounted
+
+
 def cancels(task: asyncio.Task[Any] | None = None) -> int:
     """The cancellations asked of ``task`` (default: the current one) and not withdrawn
     (0 before Python 3.11, which does not count them)."""
-    task = task if task is not None else asyncio.current_task()
-    count = getattr(task, "cancelling", None)
-    return count() if count is not None else 0
+    return counter(task)()
 
 
 async def not_lost(call: Awaitable[T]) -> T:
     """``call``'s result, or :class:`asyncio.CancelledError` where the current task was
     cancelled while it ran and the cancel did not come out of it."""
-    asked = cancels()
+    count = counter()
+    asked = count()
     reply = await call
-    if cancels() > asked:
+    if count() > asked:
         raise asyncio.CancelledError
     return reply
 

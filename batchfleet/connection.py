@@ -20,7 +20,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .cancels import not_lost
+from .cancels import counter, not_lost
 
 RETRY_ON = [RedisConnectionError, RedisTimeoutError]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -170,7 +170,14 @@ class _CancelSafePubSub(aioredis.client.PubSub):
         return await not_lost(super().execute_command(*args))
 
     async def parse_response(self, block: bool = True, timeout: float = 0) -> Any:
-        return await not_lost(super().parse_response(block, timeout))
+        # not_lost, inlined: a read a streamed token, where its coroutine layer (and a
+        # current_task() more) made the guard cost twice as much (0.9 us, not 0.5)
+        count = counter()
+        asked = count()
+        reply = await super().parse_response(block, timeout)
+        if count() > asked:
+            raise asyncio.CancelledError
+        return reply
 
 
 class _CancelSafeRedis(aioredis.Redis):

@@ -24,9 +24,9 @@ class _Answer(_Wire):
     @model_validator(mode="before")
     @classmethod
     def _ignore_unknown_fields(cls, data: Any, info: ValidationInfo) -> Any:
-        if isinstance(data, dict) and cls._from_wire(info):
+        if isinstance(data, dict):
             fields = cls.__pydantic_fields__  # not model_fields: a property, slower per call
-            if data.keys() <= fields.keys():
+            if data.keys() <= fields.keys() or not cls._from_wire(info):
                 return data  # the usual: nothing to drop (a delta per streamed token)
             return {k: v for k, v in data.items() if k in fields}
         return data

@@ -4,10 +4,12 @@ the producer's own request validation), results → answers, deltas → stream c
 
 from __future__ import annotations
 
+import json as _json
 from typing import Any
 
 import pytest
 from batchfleet.producer.core import GENERATION_OPTIONS
+from batchfleet.producer.gateway import handler
 from batchfleet.producer.gateway.answers import chat_response, completion_response
 from batchfleet.producer.gateway.anthropic_fields import submission as anthropic_submission
 from batchfleet.producer.gateway.chunks import Chunks, Diverged
@@ -516,7 +518,6 @@ def test_errors() -> None:
 
 def test_redis_unreachable_mid_request_is_a_503() -> None:
     import asyncio
-    import json as _json
 
     from batchfleet.producer.aio import AsyncProducer
     from batchfleet.producer.gateway.app import Gateway, make_app
@@ -726,3 +727,19 @@ def test_the_fleets_own_refusals_name_the_field_as_the_route_does() -> None:
         ("messages[0].content", {"input": []}, "input[0].content"),
     ):
         assert of_exception(RequestRejected("bad", param=param), body).param == name
+
+
+@pytest.mark.parametrize("made_once", [True, False], ids=["c-encoder", "fallback"])
+def test_answers_are_compact_utf8_json_as_json_dumps_writes_them(
+    made_once: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given each way dumps encodes (its C encoder made once; an encode a call, where the
+    # Python has no C encoder)
+    if not made_once:
+        monkeypatch.setattr(handler, "_C_ENCODE", None)
+    tricky = {"text": ' "q" café\n\t\u2028\x00 {json} 😀', "n": [1, -2.5, 1e-7, 1e300, None],
+              "ok": True, "no": False, "nested": {"": [], "k": {}}, "nan": float("nan")}  # fmt: skip
+    assert handler.dumps(tricky) == _json.dumps(tricky, ensure_ascii=False, separators=(",", ":"))
+    assert handler.dumps("alone") == '"alone"'
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        handler.dumps({"x": object()})

@@ -97,13 +97,7 @@ class Generate(Handler):
                 return
             if not body.get("stream"):
                 self.job = await self.submit(sub, body)
-                answered = Answered(
-                    f"{self.prefix}{self.job.id}",
-                    int(time.time()),
-                    sampling=await self.gateway.sampling(sub.model),
-                    frontend=self.gateway.frontend,
-                    system_fingerprint=await self.gateway.fingerprints.of(sub.model),
-                )
+                answered = await self._answered(self.job, sub.model)
                 result = named(await self.gateway.replies.wait(self.job, self.gateway.timeout_s))
                 if self.gone:
                     return
@@ -116,13 +110,7 @@ class Generate(Handler):
             rid = self.request_id(body).get("request_id") or new_request_id()
             with self.gateway.replies.stream(sub.model, rid):
                 self.job = await self.submit(sub, body, rid)
-                answered = Answered(
-                    f"{self.prefix}{self.job.id}",
-                    int(time.time()),
-                    sampling=await self.gateway.sampling(sub.model),
-                    frontend=self.gateway.frontend,
-                    system_fingerprint=await self.gateway.fingerprints.of(sub.model),
-                )
+                answered = await self._answered(self.job, sub.model)
                 chunks = self.events(body, answered, alias or self.job.model)
                 async for event in self.gateway.replies.events(self.job, self.gateway.timeout_s):
                     if isinstance(event, Result):
@@ -153,6 +141,16 @@ class Generate(Handler):
                 return self.fail(error)
             self._end_with(error)
 
+    async def _answered(self, job: AsyncJob, model: str) -> Answered:
+        """What the answer to ``job`` (submitted) names besides its result."""
+        return Answered(
+            f"{self.prefix}{job.id}",
+            int(time.time()),
+            sampling=await self.gateway.sampling(model),
+            frontend=self.gateway.frontend,
+            system_fingerprint=await self.gateway.fingerprints.of(model),
+        )
+
     def _start(self) -> bool:
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
@@ -163,9 +161,9 @@ class Generate(Handler):
         if self.gone:
             raise tornado.iostream.StreamClosedError()
         if self.named:
-            self.write("".join(f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in chunks))
-        else:
-            self.write("".join(f"data: {dumps(e)}\n\n" for e in chunks))
+            self.write("".join([f"event: {e['type']}\ndata: {dumps(e)}\n\n" for e in chunks]))
+        else:  # (a list: join makes one of a generator first)
+            self.write("".join([f"data: {dumps(e)}\n\n" for e in chunks]))
 
     async def _flush(self) -> None:
         """Send what was written (once the stream's delivered events are all written)."""

@@ -43,7 +43,9 @@ class Replay:
     def fresh(self, delta: Delta) -> bool:
         """True for a delta to send, False for one that repeats a delta sent;
         :class:`Diverged` where a regeneration differs from what was sent."""
-        sent = self.outputs.setdefault(delta.input, _Sent())
+        sent = self.outputs.get(delta.input)
+        if sent is None:  # (not setdefault: it would make a _Sent a delta)
+            sent = self.outputs[delta.input] = _Sent()
         if self.restarted and sent.replayed < len(sent.texts):
             if sent.texts[sent.replayed] != delta.text:
                 raise Diverged(
