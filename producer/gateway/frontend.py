@@ -35,6 +35,10 @@ class Frontend:
     fingerprint_mode: str = "full"
     """vLLM's ``--fingerprint-mode``: ``full``, ``hash``, ``custom`` or ``none``
     (:mod:`.fingerprint`)."""
+    data_parallel_size: int = 1
+    """vLLM's ``--data-parallel-size``: the replicas the fleet is deployed with, named in
+    ``full`` fingerprints (``dpN`` where > 1), as vLLM's configured one is: fixed, so the
+    fingerprint stays as workers come and go."""
 
 
 def chat_role(body: Mapping[str, Any], frontend: Frontend) -> str:
