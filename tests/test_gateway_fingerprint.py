@@ -198,7 +198,9 @@ def test_the_deployed_size_is_a_gateway_flag(monkeypatch: pytest.MonkeyPatch) ->
     gateway = gateway_cli(monkeypatch)
     url = "redis://127.0.0.1:1/0"
     assert gateway("--redis-url", url)["frontend"].data_parallel_size == 1
-    assert gateway("--redis-url", url, "--data-parallel-size", "4")["frontend"].data_parallel_size == 4
+    assert (
+        gateway("--redis-url", url, "--data-parallel-size", "4")["frontend"].data_parallel_size == 4
+    )
     monkeypatch.setenv("BATCHFLEET_DATA_PARALLEL_SIZE", "3")
     assert gateway("--redis-url", url)["frontend"].data_parallel_size == 3
     monkeypatch.setenv("BATCHFLEET_DATA_PARALLEL_SIZE", "three")
