@@ -55,20 +55,23 @@ def test_hostname_and_serving_ride_each_heartbeat_and_go_when_the_worker_stops(
 
 
 def test_pruning_removes_the_entries_of_workers_whose_heartbeat_is_gone(r: redis.Redis) -> None:
-    # Given a live worker, one silent past the timeout, one silent exactly that long, and
-    # one that left entries without a heartbeat (died before its first beat: an old worker)
+    # Given a live worker, one silent past the timeout, one silent exactly that long, one
+    # that left entries without a heartbeat (died before its first beat: an old worker),
+    # and one silent past the pruner's timeout but within its own longer one
     now, timeout = 1_000_000, 6000
     r.hset(KEYS.workers, mapping={"live": now - 900, "dead": now - timeout - 1,
-                                  "edge": now - timeout})  # fmt: skip
-    for name in ("live", "dead", "edge", "gone"):
+                                  "edge": now - timeout, "patient": now - 10_000})  # fmt: skip
+    for name in ("live", "dead", "edge", "gone", "patient"):
         r.hset(KEYS.hostnames, name, f"{name}@h")
-        r.hset(KEYS.serving, name, "{}")
+        r.hset(KEYS.serving, name, "not JSON" if name == "dead" else "{}")
+    r.hset(KEYS.serving, "patient", WorkerServing(heartbeat_timeout_ms=20_000).model_dump_json())
     # When a worker prunes
     removed = ModelStreams(r, MODEL, 1, "w1").prune(now, timeout)
     # Then the dead one's and the heartbeat-less one's entries went (the heartbeat hash
-    # stays: status shows stale workers), the live and the edge ones' stay
+    # stays: status shows stale workers), the others' stay
     assert removed == 4
-    assert entries(r) == ({"live", "dead", "edge"}, {"live", "edge"}, {"live", "edge"})
+    kept = {"live", "edge", "patient"}
+    assert entries(r) == (kept | {"dead"}, kept, kept)
 
 
 def test_the_intake_publishes_its_serving_and_prunes_dead_workers_now_and_then(

@@ -281,9 +281,9 @@ class ModelStreams:
 
     def prune(self, now_ms: int, timeout_ms: int) -> int:
         """Remove the hostname and serving entries of workers whose heartbeat is older than
-        ``timeout_ms`` (or gone): died or renamed without stopping cleanly
-        (``prune.lua``); returns how many went."""
-        keys = [self.keys.workers, self.keys.hostnames, self.keys.serving]
+        ``timeout_ms``, or their own where longer (or gone): died or renamed without
+        stopping cleanly (``prune.lua``); returns how many went."""
+        keys = [self.keys.workers, self.keys.serving, self.keys.hostnames]
         return int(self._prune(keys=keys, args=[now_ms, timeout_ms]))
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
