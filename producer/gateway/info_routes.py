@@ -46,7 +46,10 @@ class Models(Handler):
 
 
 def model_card(
-    name: str, info: ModelInfo | None, parent: str | None = None, configs: Mapping[str, int] = {}
+    name: str,
+    info: ModelInfo | None,
+    parent: str | None = None,
+    configs: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """vLLM's model card: ``max_model_len`` (and ``created``) where the model's workers
     published them, left out where they did not (workers older than ``bf:{model}:info``);
@@ -59,7 +62,7 @@ def model_card(
         card["created"] = info.created
         if info.max_model_len is not None:
             card["max_model_len"] = info.max_model_len
-    if len(configs) > 1:
+    if configs is not None and len(configs) > 1:
         listed = ", ".join(f"{h[:8]} ({n})" for h, n in sorted(configs.items()))
         card["warning"] = (f"mixed fleet: its live workers serve it with {len(configs)} "
                            f"configurations ({listed}); answers may differ by the worker "
