@@ -17,6 +17,7 @@ from typing import Any
 from .connection import SyncClient
 from .remote import replied_as, send_to_all
 from .schemas.keys import ModelKeys
+from .schemas.model_info import decode_worker_serving
 
 DEFAULT_TIMEOUT_S = 30.0
 """How long the workers' replies are awaited (reading an adapter takes a while)."""
@@ -68,37 +69,56 @@ def window_ms(published: Any, given_ms: int | None = None) -> int:
         return HEARTBEAT_WINDOW_MS
 
 
+def own_windows(serving: Mapping[Any, Any]) -> dict[str, int]:
+    """Each worker's own heartbeat window, from a model's ``bf:{model}:serving`` hash
+    (consumer name → ``WorkerServing`` JSON): workers of one model may run fleet-file
+    entries with different ``heartbeat_timeout_ms``; one that published none is left out."""
+    out: dict[str, int] = {}
+    for name, raw in serving.items():
+        card = decode_worker_serving(raw)
+        if card is not None and card.heartbeat_timeout_ms is not None:
+            out[as_text(name)] = card.heartbeat_timeout_ms
+    return out
+
+
 def live_among(
-    redis_time: Sequence[Any], beats: Iterable[Mapping[Any, Any]], windows: Iterable[int] = ()
+    redis_time: Sequence[Any],
+    beats: Iterable[Mapping[Any, Any]],
+    windows: Iterable[int] = (),
+    own: Iterable[Mapping[str, int]] = (),
 ) -> list[str]:
     """The consumer names among ``beats`` (heartbeat hashes: name → unix ms, one a model)
-    whose last heartbeat is within its model's window (``windows``, in the same order;
-    :data:`HEARTBEAT_WINDOW_MS` where none is given) of ``redis_time`` (``TIME``'s reply),
-    sorted."""
+    whose last heartbeat is within its window of ``redis_time`` (``TIME``'s reply), sorted:
+    the worker's ``own`` (:func:`own_windows`, one mapping a model, in the same order), else
+    its model's (``windows``, in the same order), else :data:`HEARTBEAT_WINDOW_MS`."""
     seconds, micros = redis_time
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     hearts = list(beats)
     limits = [*windows, *[HEARTBEAT_WINDOW_MS] * len(hearts)]
-    return sorted({(k.decode() if isinstance(k, bytes) else str(k))
-                   for h, limit in zip(hearts, limits, strict=False) for k, v in h.items()
-                   if now_ms - int(v) <= limit})  # fmt: skip
+    mine = [*own, *[{}] * len(hearts)]
+    return sorted({as_text(k) for h, limit, by in zip(hearts, limits, mine, strict=False)
+                   for k, v in h.items() if now_ms - int(v) <= by.get(as_text(k), limit)})  # fmt: skip
 
 
 def live_workers(
     client: SyncClient, models: Sequence[str], given_ms: int | None = None
 ) -> tuple[list[str], int]:
-    """:func:`live_among` the heartbeats of ``models``, each model's window as
-    :func:`window_ms` says, in one round trip; and the longest window applied (for a
-    message). The gateway's asynchronous twin:
-    :func:`batchfleet.producer.gateway.fleet_control.live_workers`."""
+    """:func:`live_among` the heartbeats of ``models``, each worker's window its own as it
+    published it (unless ``given_ms``), else its model's as :func:`window_ms` says, in one
+    round trip; and the longest window applied (for a message). The gateway's
+    asynchronous twin: :func:`batchfleet.producer.gateway.fleet_control.live_workers`."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
     for model in models:
         pipe.hgetall(ModelKeys(model).workers)
         pipe.get(ModelKeys(model).heartbeat_timeout)
+        pipe.hgetall(ModelKeys(model).serving)
     now, *replies = pipe.execute()
-    windows = [window_ms(p, given_ms) for p in replies[1::2]]
-    return live_among(now, replies[0::2], windows), max(windows, default=window_ms(None, given_ms))
+    windows = [window_ms(p, given_ms) for p in replies[1::3]]
+    own = [own_windows(s) if given_ms is None else {} for s in replies[2::3]]
+    live = live_among(now, replies[0::3], windows, own)
+    applied = [*windows, *(w for by in own for name, w in by.items() if name in live)]
+    return live, max(applied, default=window_ms(None, given_ms))
 
 
 def hostnames(client: SyncClient, models: Sequence[str]) -> dict[str, str]:
@@ -107,7 +127,7 @@ def hostnames(client: SyncClient, models: Sequence[str]) -> dict[str, str]:
     pipe = client.pipeline(transaction=False)
     for model in models:
         pipe.hgetall(ModelKeys(model).hostnames)
-    return {_text(k): _text(v) for found in pipe.execute() for k, v in found.items()}
+    return {as_text(k): as_text(v) for found in pipe.execute() for k, v in found.items()}
 
 
 def addressed(
@@ -122,7 +142,8 @@ def addressed(
     return chosen, [*destination, *extra]
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A Redis reply's bytes as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 

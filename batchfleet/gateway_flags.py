@@ -85,6 +85,11 @@ def _add_frontend_flags(gw: argparse.ArgumentParser) -> None:
                          help="whole answers' system_fingerprint: full (default: "
                          "batchfleet-VERSION[-dpN]-HASH8 of the model's workers), hash "
                          "(without dpN), custom (--fingerprint-value) or none (null)")  # fmt: skip
+    answers.add_argument("--data-parallel-size", type=int,
+                         default=_env("--data-parallel-size") or 1, metavar="N",
+                         help="the replicas (workers a model) the fleet is deployed with, "
+                         "as vLLM's: full fingerprints name it as dpN where N > 1 (default "
+                         "1); fixed, so they stay as workers come and go")  # fmt: skip
     answers.add_argument("--fingerprint-value", default=_env("--fingerprint-value"),
                          help="the system_fingerprint of --fingerprint-mode custom")  # fmt: skip
     _switch(
@@ -127,6 +132,9 @@ def _frontend(args: argparse.Namespace) -> Frontend:
     if args.fingerprint_mode not in FINGERPRINT_MODES:  # from the environment
         raise ValueError(f"--fingerprint-mode must be one of {', '.join(FINGERPRINT_MODES)}, "
                          f"not {args.fingerprint_mode}")  # fmt: skip
+    dp = args.data_parallel_size  # (argparse's int of its environment variable too)
+    if dp < 1:
+        raise ValueError(f"--data-parallel-size must be a whole number >= 1, not {dp}")
     custom = args.fingerprint_mode == "custom"
     if custom != bool(args.fingerprint_value):
         raise ValueError("--fingerprint-mode custom needs --fingerprint-value" if custom else
@@ -134,7 +142,7 @@ def _frontend(args: argparse.Namespace) -> Frontend:
     return Frontend(args.response_role, args.fingerprint_value,
                     args.enable_force_include_usage, args.exclude_tools_when_tool_choice_none,
                     args.enable_per_request_metrics, args.enable_tokenizer_info_endpoint,
-                    args.fingerprint_mode)  # fmt: skip
+                    args.fingerprint_mode, dp)  # fmt: skip
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:

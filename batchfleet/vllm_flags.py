@@ -291,6 +291,7 @@ def _parallel(flag: Flag, out: Conversion) -> None:
     if size > 1 and flag.name == "--data-parallel-size":
         out.judged(flag, True, f"run {size} workers with this fleet file (each serves the "
                    "model; requests are shared through Redis)")  # fmt: skip
+        out.gateway.append((flag.name, str(size)))  # its fingerprint's dpN, as vLLM's
     else:
         out.judged(flag, size == 1, "one device per worker, as here" if size == 1 else
                    "a worker serves a model on one device (no tensor, pipeline or context "

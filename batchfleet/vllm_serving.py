@@ -55,9 +55,9 @@ def _response_role(flag: Flag, out: Conversion) -> None:
 
 
 def _fingerprint_mode(flag: Flag, out: Conversion) -> None:
-    """``full`` is vLLM's default and the gateway's (its workers' version, live workers as
-    ``dp`` and serving hash in place of vLLM's); ``hash``, ``custom`` and ``none`` are the
-    gateway's flag of the same value."""
+    """``full`` is vLLM's default and the gateway's (its workers' version, the gateway's
+    ``--data-parallel-size`` as ``dp`` and their serving hash in place of vLLM's); ``hash``,
+    ``custom`` and ``none`` are the gateway's flag of the same value."""
     if flag.value == "full":
         out.judged(flag, True, "the gateway's default: batchfleet-VERSION[-dpN]-HASH8 of "
                    "the model's workers (their serving hash in place of vLLM's config's)")  # fmt: skip

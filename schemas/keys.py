@@ -129,13 +129,24 @@ class ModelKeys:
     @property
     def hostnames(self) -> str:
         """Hash of the model's workers' Celery hostnames: consumer name → hostname (where
-        control broadcasts reach it), written by each worker when it starts."""
+        control broadcasts reach it), written with each heartbeat; a worker removes its
+        entry as it stops, and the entries of workers whose heartbeat is older than the
+        heartbeat timeout are pruned by the others (``worker/lua/prune.lua``)."""
         return f"{self.tag}:hostnames"
+
+    @property
+    def serving(self) -> str:
+        """Hash of what each live worker serves the model with: consumer name → JSON
+        (``schemas/model_info.py``'s ``WorkerServing``: its version, serving hash and
+        ``heartbeat_timeout_ms``), for the gateway's fingerprint and the control commands'
+        wait. Written with each heartbeat, removed as :attr:`hostnames`' entries are."""
+        return f"{self.tag}:serving"
 
     @property
     def heartbeat_timeout(self) -> str:
         """A string holding the fleet's ``heartbeat_timeout_ms`` (past it, a worker whose
-        heartbeat stopped is taken for dead), written by workers as they start, for the
+        heartbeat stopped is taken for dead), written by workers as they start (the last
+        one's stands; each worker's own is in :attr:`serving`, read first), for the
         gateway's and the CLI's control commands: whom to wait for."""
         return f"{self.tag}:heartbeat_timeout_ms"
 

@@ -73,3 +73,26 @@ def decode_model_info(data: bytes | str) -> ModelInfo:
     """Read a published ``ModelInfo`` as a tolerant reader (unknown fields ignored); raises
     ``pydantic.ValidationError`` for one that is not JSON or lacks ``task``."""
     return ModelInfo.model_validate_json(data, context={FROM_WIRE: True})
+
+
+class WorkerServing(_Answer):
+    """What one worker serves a model with, as it publishes it with each heartbeat in
+    ``bf:{model}:serving`` (consumer name → JSON): workers of one model may run different
+    fleet-file entries, so the gateway's fingerprint and the control commands' wait read
+    each live worker's own rather than the last one started's."""
+
+    version: str | None = Field(None, max_length=64)
+    """Its batchfleet version."""
+    config_hash: str | None = Field(None, pattern=r"^[0-9a-f]{8,64}$")
+    """Its serving hash of the model (as :attr:`ModelInfo.config_hash`)."""
+    heartbeat_timeout_ms: int | None = Field(None, ge=1)
+    """Its fleet file's ``heartbeat_timeout_ms``: how long a silence of its heartbeat
+    means it is dead."""
+
+
+def decode_worker_serving(data: bytes | str) -> WorkerServing | None:
+    """Read one worker's ``WorkerServing`` tolerantly; None for one that is not ours to read."""
+    try:
+        return WorkerServing.model_validate_json(data, context={FROM_WIRE: True})
+    except ValueError:  # pydantic's ValidationError is one
+        return None

@@ -63,8 +63,10 @@ class Timings(_Answer):
     batch_id: str = ""
     worker: str = ""
     first_token_ms: float | None = None
-    """Generation: enqueue → the step that produced its first text (its first delta's;
-    a token that is only part of a character waits for the next)."""
+    """Generation: enqueue → the end of the step that generated its first token (kept
+    across a preemption; a runner that does not report the tokens of each step: its first
+    delta's, or its result's). vLLM's ``first_token_ts`` as the gateway's per-request
+    metrics read it."""
 
 
 class PromptTokensDetails(_Answer):

@@ -59,7 +59,7 @@ CASES: list[tuple[str, list[str], dict[str, Any], dict[str, Any]]] = [
                      "override_generation_config": {"max_new_tokens": 512, "temperature": 0.2,
                                                     "top_k": 20},
                      "seed": 0}},
-        {"name": "llama", "host": "0.0.0.0", "port": 8000, "token_ids": True,
+        {"name": "llama", "host": "0.0.0.0", "port": 8000, "token_ids": True, "dp": 4,
          "unsupported": ["--override-generation-config do_sample"],
          "needless": ["--data-parallel-size 4: run 4 workers", "--generation-config vllm"]},
     ),
@@ -109,6 +109,7 @@ def test_command_lines_become_fleet_files_and_gateway_commands(
     assert (args.host, args.port) == (expect["host"], expect["port"])
     assert args.config == str(tmp_path / "fleet.toml")
     assert args.return_tokens_as_token_ids is expect.get("token_ids", False)
+    assert args.data_parallel_size == expect.get("dp", 1)  # its fingerprint's dpN
     # what has no equivalent: on stderr and in a comment; what needs nothing: a comment
     text = (tmp_path / "fleet.toml").read_text()
     for flag in expect.get("unsupported", []):

@@ -14,7 +14,7 @@ from batchfleet.producer.gateway.fingerprint import Fingerprints, fingerprint
 from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Result
-from batchfleet.schemas.model_info import ModelInfo
+from batchfleet.schemas.model_info import ModelInfo, WorkerServing
 from batchfleet.worker.runner import model_info
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
@@ -27,7 +27,7 @@ INFO = ModelInfo(task="text-generation", version="1.2.3", config_hash=HASH)
 
 
 @pytest.mark.parametrize(
-    ("mode", "info", "replicas", "expected"),
+    ("mode", "info", "dp", "expected"),
     [
         ("full", INFO, 1, "batchfleet-1.2.3-01234567"),
         ("full", INFO, 3, "batchfleet-1.2.3-dp3-01234567"),
@@ -37,13 +37,14 @@ INFO = ModelInfo(task="text-generation", version="1.2.3", config_hash=HASH)
         ("full", ModelInfo(task="text-generation"), 3, None),  # workers before the hash
         ("hash", None, 1, None),  # no info at all
         ("full", ModelInfo(task="embedding", config_hash=HASH), 1, "batchfleet-unknown-01234567"),
+        ("full", WorkerServing(version="2", config_hash=HASH), 2, "batchfleet-2-dp2-01234567"),
     ],
 )
 def test_the_fingerprint_of_each_mode(
-    mode: str, info: ModelInfo | None, replicas: int, expected: str | None
+    mode: str, info: ModelInfo | WorkerServing | None, dp: int, expected: str | None
 ) -> None:
-    frontend = Frontend(system_fingerprint="fp-7", fingerprint_mode=mode)
-    assert fingerprint(frontend, info, replicas) == expected
+    frontend = Frontend(system_fingerprint="fp-7", fingerprint_mode=mode, data_parallel_size=dp)
+    assert fingerprint(frontend, info) == expected
 
 
 def test_workers_publish_a_serving_hash_that_what_decides_answers_changes() -> None:
@@ -85,9 +86,12 @@ def test_answers_carry_the_fingerprint_of_the_mode(redis_url: str) -> None:
 
     async def go() -> None:
         # When answered under each mode
-        for mode, expected in (("full", "batchfleet-1.2.3-dp2-01234567"),
-                               ("hash", "batchfleet-1.2.3-01234567"), ("none", None)):  # fmt: skip
-            frontend = Frontend(fingerprint_mode=mode)
+        for mode, dp, expected in (("full", 1, "batchfleet-1.2.3-01234567"),
+                                   ("full", 4, "batchfleet-1.2.3-dp4-01234567"),
+                                   ("hash", 4, "batchfleet-1.2.3-01234567"),
+                                   ("none", 1, None)):  # fmt: skip
+            # (two workers live: the deployed size, not the live count, is the dp)
+            frontend = Frontend(fingerprint_mode=mode, data_parallel_size=dp)
             async with gateway_in_process(redis_url, frontend=frontend) as port:
                 # Then chat and text completions carry the model's fingerprint
                 answer = await ask(port, "/v1/chat/completions", chat)
@@ -111,28 +115,94 @@ def test_the_mode_is_a_gateway_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gateway("--redis-url", url)["frontend"].fingerprint_mode == "none"
 
 
-def test_live_workers_are_counted_again_after_the_cache_and_kept_where_redis_fails(
+OTHER = "fedcba9876543210" * 4
+
+
+def test_the_fingerprint_is_most_live_workers_config_and_stays_as_workers_come_and_go(
     redis_url: str, r: redis.Redis
 ) -> None:
+    # Given live workers of one model on two fleet-file entries (two serving hashes)
+    keys = ModelKeys("mm")
     seconds, _ = r.time()
-    workers = ModelKeys("mm").workers
-    r.hset(workers, mapping={"w1": seconds * 1000, "w2": seconds * 1000})
+    now = seconds * 1000
+
+    def start(name: str, version: str, config_hash: str, beat: int = now) -> None:
+        card = WorkerServing(version=version, config_hash=config_hash, heartbeat_timeout_ms=6000)
+        r.hset(keys.workers, name, beat)
+        r.hset(keys.serving, name, card.model_dump_json())
+
+    start("w1", "1.2.3", HASH)
+    start("w2", "1.2.3", HASH)
+    start("w3", "1.2.4", OTHER)
+    info = ModelInfo(task="text-generation", version="1.2.4", config_hash=OTHER)  # the last's
 
     async def go() -> None:
         client = connect_async(redis_url)
-        fps = Fingerprints(Frontend(), client, lambda m: asyncio.sleep(0, INFO), cache_s=60.0)
+        fps = Fingerprints(Frontend(), client, lambda m: asyncio.sleep(0, info), cache_s=60.0)
         try:
-            assert await fps.of("mm") == "batchfleet-1.2.3-dp2-01234567"
-            # a third worker starts: seen once the count is due again
-            r.hset(workers, "w3", seconds * 1000)
-            assert await fps.of("mm") == "batchfleet-1.2.3-dp2-01234567"
+            # Then the fingerprint is the majority's, not the last worker started's
+            assert await fps.of("mm") == "batchfleet-1.2.3-01234567"
+            assert await fps.configs("mm") == {HASH: 2, OTHER: 1}
+            # a fourth worker starts: the fingerprint stays (no live count in it)
+            start("w4", "1.2.3", HASH)
             fps.cache_s = 0.0
-            assert await fps.of("mm") == "batchfleet-1.2.3-dp3-01234567"
-            # Redis unreachable: the answer keeps the last count rather than failing
+            assert await fps.of("mm") == "batchfleet-1.2.3-01234567"
+            # the majority's heartbeats stop: the live ones' config takes over
+            for name in ("w1", "w2", "w4"):
+                r.hset(keys.workers, name, now - 60_000)
+            assert await fps.of("mm") == "batchfleet-1.2.4-fedcba98"
+            assert await fps.configs("mm") == {OTHER: 1}
+            # a tie: the smallest hash
+            start("w5", "1.2.3", HASH)
+            assert await fps.of("mm") == "batchfleet-1.2.3-01234567"
+            # Redis unreachable: the answer keeps the last read rather than failing
             fps.client = connect_async("redis://127.0.0.1:1/0")
-            assert await fps.of("mm") == "batchfleet-1.2.3-dp3-01234567"
+            assert await fps.of("mm") == "batchfleet-1.2.3-01234567"
             await fps.client.aclose()
+            # workers older than the serving hash: the model's info
+            fps.client = client
+            r.delete(keys.serving)
+            assert await fps.of("mm") == "batchfleet-1.2.4-fedcba98"
         finally:
             await client.aclose()
 
     asyncio.run(go())
+
+
+def test_models_warn_of_a_mixed_fleet(redis_url: str, r: redis.Redis) -> None:
+    # Given a model whose live workers serve it with one configuration, then two
+    ScriptedWorker(r, "mm", info=INFO)
+    keys = ModelKeys("mm")
+    seconds, _ = r.time()
+    r.hset(keys.workers, mapping={"w1": seconds * 1000, "w2": seconds * 1000})
+    r.hset(keys.serving, "w1", WorkerServing(version="1", config_hash=HASH).model_dump_json())
+
+    async def go() -> None:
+        async with gateway_in_process(redis_url) as port:
+            status, raw = await http(port, "GET", "/v1/models/mm")
+            assert status == 200, raw
+            card = json.loads(raw)
+            assert "warning" not in card and "serving_hashes" not in card
+        r.hset(keys.serving, "w2", WorkerServing(version="1", config_hash=OTHER).model_dump_json())
+        async with gateway_in_process(redis_url) as port:
+            # Then its card says so, with each configuration's workers
+            status, raw = await http(port, "GET", "/v1/models")
+            card = json.loads(raw)["data"][0]
+            assert card["serving_hashes"] == {HASH: 1, OTHER: 1}
+            assert "mixed fleet" in card["warning"] and "01234567 (1)" in card["warning"]
+
+    asyncio.run(go())
+
+
+def test_the_deployed_size_is_a_gateway_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    gateway = gateway_cli(monkeypatch)
+    url = "redis://127.0.0.1:1/0"
+    assert gateway("--redis-url", url)["frontend"].data_parallel_size == 1
+    assert (
+        gateway("--redis-url", url, "--data-parallel-size", "4")["frontend"].data_parallel_size == 4
+    )
+    monkeypatch.setenv("BATCHFLEET_DATA_PARALLEL_SIZE", "3")
+    assert gateway("--redis-url", url)["frontend"].data_parallel_size == 3
+    monkeypatch.setenv("BATCHFLEET_DATA_PARALLEL_SIZE", "three")
+    with pytest.raises(SystemExit):  # argparse's: not a whole number
+        gateway("--redis-url", url)

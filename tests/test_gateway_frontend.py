@@ -307,6 +307,7 @@ def test_the_gateway_s_flags_and_their_environment_defaults(
     (["--fingerprint-mode", "custom"], "needs --fingerprint-value"),
     (["--fingerprint-value", "x"], "without --fingerprint-mode custom"),
     (["--response-role", ""], "must not be empty"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be a whole number >= 1, not 0"),
 ])  # fmt: skip
 def test_flags_the_gateway_refuses(
     flags: list[str], said: str, capsys: pytest.CaptureFixture[str],

@@ -587,6 +587,25 @@ def test_first_token_time_is_its_first_step_s_end_streaming_or_not() -> None:
     assert (t.batch_wait_ms, t.inference_ms) == pytest.approx((step_ms - 1, 10 * step_ms))
 
 
+def test_per_request_metrics_read_vllms_moments_off_a_generations_timings() -> None:
+    from batchfleet.producer.gateway.frontend import timing_metrics
+
+    # Given a request read during step 1, scheduled into step 2 (its first token at its
+    # end), generating 10 tokens, one a step
+    r, _ = gen_rig(Tokens(tells=True))
+    submit(r, "quiet", max_new_tokens=10)
+    submit(r, "streamed", max_new_tokens=10, stream=True, at=T0 + 0.001)
+    r.run()
+    step_ms = STEP_S * 1000
+    # Then vLLM's metrics measure from its moments: scheduled (its first step's start),
+    # first token (that step's end), last token (its tenth step's end)
+    assert timing_metrics(r.result("streamed")) == pytest.approx({
+        "queue_time_ms": step_ms - 1, "time_to_first_token_ms": step_ms,
+        "generation_time_ms": 9 * step_ms, "mean_itl_ms": step_ms,
+        "tokens_per_second": 10 / (10 * STEP_S),
+    })  # fmt: skip
+
+
 def test_inter_token_latency_and_step_tokens_metrics() -> None:
     # the lane-2 request is preempted for the lane-0 one: its gap across that is long
     r, value = preempting_run(tells=True)

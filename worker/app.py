@@ -18,12 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery, bootsteps
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
-from ..schemas.keys import ModelKeys
 from ..webhooks import tasks as webhook_tasks
 from ..webhooks.observer import webhook_observer
 from . import control
@@ -102,7 +100,9 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 observers=observers,
             )
             self.loops.append(loop)
-        _publish_hostname(client, names, consumer, worker.hostname)
+        for loop in self.loops:  # with each heartbeat: where control broadcasts reach it
+            if loop.streams is not None:
+                loop.streams.identify(hostname=worker.hostname)
         for loop in self.loops:
             thread = threading.Thread(
                 target=self._serve, args=(loop, burst), name=f"batchloop-{loop.model}", daemon=True
@@ -150,17 +150,6 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if metrics is not None:
             out["batchfleet_metrics_url"] = metrics.url
         return out
-
-
-def _publish_hostname(client: Any, models: list[str], consumer: str, hostname: str) -> None:
-    """Say where control broadcasts reach this worker (``bf:{model}:hostnames``): its Celery
-    hostname need not carry its consumer name (plain ``celery worker -n``), and ``-d NAME``
-    finds it by either. A failure is logged: only ``-d`` by name needs it."""
-    try:
-        for model in models:
-            client.hset(ModelKeys(model).hostnames, consumer, hostname)
-    except redis.RedisError as exc:
-        logger.warning("the Celery hostname of %s was not published: %s", consumer, exc)
 
 
 def create_app(

@@ -44,7 +44,8 @@ class Running:
     seq: int = 0
     """Deltas sent so far (the last one's ``seq``)."""
     first_token_at: float | None = None
-    """When the step that produced its first text ended."""
+    """When the step that generated its first token ended (a runner that does not report
+    the tokens of each step: its first delta's)."""
     last_token_at: float | None = None
     """When the last step that gave it tokens ended (inter-token latency)."""
     preempted: int = 0

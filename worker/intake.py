@@ -24,7 +24,7 @@ from ..config import WorkerConfig
 from ..redis_errors import UNREACHABLE
 from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
-from ..schemas.model_info import ModelInfo
+from ..schemas.model_info import ModelInfo, WorkerServing
 from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, Lost, ReadIdle, Retire
@@ -39,6 +39,9 @@ LANE0_ONLY_BLOCK_MS = 50
 """The longest blocking read under a grant of lane 0 alone (a generating worker's lane-0
 reserve while lower lanes fill its hold)."""
 RECLAIM_EVERY_S = 1.0
+PRUNE_EVERY_S = 30.0
+"""How often a worker removes the hostname and serving entries of workers whose heartbeat
+is gone (``ModelStreams.prune``): they only grow with restarts under new names."""
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
 RETRY_FIRST_S = 0.05
@@ -86,6 +89,7 @@ class Intake:
         self._stop = False
         self._last_beat = -1e18
         self._last_reclaim = -1e18
+        self._last_prune = -1e18
         self._holding = Holding()
         """The loop's latest snapshot of what it holds (its entries refreshed while held)."""
         self._withheld = False
@@ -126,6 +130,10 @@ class Intake:
                 "%d entries pending from a previous life: taking them again", len(self._own)
             )
         self._connected_since = self._beat_ok = self._clock()  # (a fresh start: no silence)
+        info = self.info
+        self.streams.identify(serving=WorkerServing(
+            version=info.version if info else None, config_hash=info.config_hash if info else None,
+            heartbeat_timeout_ms=self.worker.heartbeat_timeout_ms))  # fmt: skip
         self._beat(force=True)
         self._thread.start()
 
@@ -349,6 +357,9 @@ class Intake:
             self._judged = True
             live = self.streams.live_consumers(int(now * 1000), timeout)
             dead = [c for c in self.streams.holders() if c not in live]
+            if now - self._last_prune >= PRUNE_EVERY_S:
+                self._last_prune = now
+                self.streams.prune(int(now * 1000), timeout)
         found = self.streams.reclaim(
             self.worker.claim_idle_ms, count, suspects=suspects, dead=dead, dead_idle_ms=timeout
         )

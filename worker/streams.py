@@ -17,7 +17,7 @@ from redis.commands.core import Script
 from ..connection import SyncClient
 from ..schemas.keys import GROUP, LORA_UNLOADED, MODELS_KEY, ModelKeys
 from ..schemas.messages import Limits
-from ..schemas.model_info import ModelInfo, decode_model_info
+from ..schemas.model_info import ModelInfo, WorkerServing, decode_model_info
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
@@ -171,6 +171,9 @@ class ModelStreams:
         self._retire = _script(client, "retire.lua")
         self._refresh = _script(client, "refresh.lua")
         self._tokens = _script(client, "tokens.lua")
+        self._prune = _script(client, "prune.lua")
+        self._hostname: str | None = None
+        self._serving: str | None = None
 
     def ensure_groups(
         self, max_depth: int | None = None, limits: Limits | None = None,
@@ -247,12 +250,41 @@ class ModelStreams:
         replies = pipe.execute()
         return replies[0::2], [int(p["pending"]) for p in replies[1::2]]
 
+    def identify(self, hostname: str | None = None, serving: WorkerServing | None = None) -> None:
+        """What each heartbeat publishes after it: this worker's Celery ``hostname`` (where
+        control broadcasts reach it: ``-d NAME`` finds it by either name) and what it
+        ``serving`` the model with (the gateway's fingerprint, the control wait's window)."""
+        if hostname is not None:
+            self._hostname = hostname
+        if serving is not None:
+            self._serving = serving.model_dump_json(exclude_none=True)
+
     def heartbeat(self, now_ms: int) -> None:
-        """Mark this consumer alive (readiness checks and `status` read this hash)."""
-        self.client.hset(self.keys.workers, self.consumer, now_ms)
+        """Mark this consumer alive (readiness checks and `status` read this hash), with its
+        hostname and serving entries (:meth:`identify`) in the same transaction: entries
+        :meth:`prune` removed while it was silent come back with its next beat (the beat
+        first: a prune between the two sees it fresh)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.workers, self.consumer, now_ms)
+        if self._hostname is not None:
+            pipe.hset(self.keys.hostnames, self.consumer, self._hostname)
+        if self._serving is not None:
+            pipe.hset(self.keys.serving, self.consumer, self._serving)
+        pipe.execute()
 
     def unregister(self) -> None:
-        self.client.hdel(self.keys.workers, self.consumer)
+        """This worker stops: its heartbeat, hostname and serving entries go."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in (self.keys.workers, self.keys.hostnames, self.keys.serving):
+            pipe.hdel(key, self.consumer)
+        pipe.execute()
+
+    def prune(self, now_ms: int, timeout_ms: int) -> int:
+        """Remove the hostname and serving entries of workers whose heartbeat is older than
+        ``timeout_ms``, or their own where longer (or gone): died or renamed without
+        stopping cleanly (``prune.lua``); returns how many went."""
+        keys = [self.keys.workers, self.keys.serving, self.keys.hostnames]
+        return int(self._prune(keys=keys, args=[now_ms, timeout_ms]))
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
         """New entries for this consumer: up to ``counts[lane]`` from each lane (one round

@@ -13,9 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...connection import AsyncClient
-from ...control_wait import DEFAULT_TIMEOUT_S, Replies, Send, broadcast, live_among, window_ms
+from ...control_wait import (
+    DEFAULT_TIMEOUT_S,
+    Replies,
+    Send,
+    as_text,
+    broadcast,
+    live_among,
+    own_windows,
+    window_ms,
+)
 from ...remote import send_to_all
 from ...schemas.keys import ModelKeys
+from ...schemas.model_info import WorkerServing, decode_worker_serving
 from .errors import ApiError
 
 
@@ -38,13 +48,31 @@ async def live_workers(
     client: AsyncClient, models: Iterable[str], given_ms: int | None = None
 ) -> list[str]:
     """The consumer names of the workers of ``models`` whose last heartbeat is recent
-    (:func:`~batchfleet.control_wait.live_among`; each model's window:
-    :func:`~batchfleet.control_wait.window_ms`), sorted."""
+    (:func:`~batchfleet.control_wait.live_among`; each worker's own window, unless
+    ``given_ms``, else its model's: :func:`~batchfleet.control_wait.window_ms`), sorted."""
+    live, _ = await _live(client, list(models), given_ms)
+    return live
+
+
+async def live_serving(client: AsyncClient, model: str) -> dict[str, WorkerServing | None]:
+    """``model``'s live workers (as :func:`live_workers`), each with what it serves the
+    model with (``bf:{model}:serving``; None: a worker older than it)."""
+    live, (serving,) = await _live(client, [model], None)
+    cards = {as_text(k): decode_worker_serving(v) for k, v in serving.items()}
+    return {name: cards.get(name) for name in live}
+
+
+async def _live(
+    client: AsyncClient, models: list[str], given_ms: int | None
+) -> tuple[list[str], list[dict[Any, Any]]]:
+    """The live workers of ``models``, and each model's serving hash as read."""
     keys = [ModelKeys(m) for m in models]
     now = await client.time()
     beats = await asyncio.gather(*(client.hgetall(k.workers) for k in keys))
     published = await asyncio.gather(*(client.get(k.heartbeat_timeout) for k in keys))
-    return live_among(now, beats, [window_ms(p, given_ms) for p in published])
+    serving = await asyncio.gather(*(client.hgetall(k.serving) for k in keys))
+    own = [own_windows(s) if given_ms is None else {} for s in serving]
+    return live_among(now, beats, [window_ms(p, given_ms) for p in published], own), serving
 
 
 @dataclass(frozen=True, slots=True)

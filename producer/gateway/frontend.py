@@ -35,6 +35,10 @@ class Frontend:
     fingerprint_mode: str = "full"
     """vLLM's ``--fingerprint-mode``: ``full``, ``hash``, ``custom`` or ``none``
     (:mod:`.fingerprint`)."""
+    data_parallel_size: int = 1
+    """vLLM's ``--data-parallel-size``: the replicas the fleet is deployed with, named in
+    ``full`` fingerprints (``dpN`` where > 1), as vLLM's configured one is: fixed, so the
+    fingerprint stays as workers come and go."""
 
 
 def chat_role(body: Mapping[str, Any], frontend: Frontend) -> str:
@@ -70,9 +74,11 @@ def without_tools(options: dict[str, Any], frontend: Frontend) -> dict[str, Any]
 
 def timing_metrics(result: Result) -> dict[str, float | None] | None:
     """vLLM's ``PerRequestTimingMetrics`` of a one-output generation (None otherwise, as
-    vLLM's: several prompts or ``n`` > 1), from its timings (ms from enqueue): scheduled
-    when its batch was dispatched, its last token at the end of its last step. A field
-    whose moments are unknown (nothing generated) is null."""
+    vLLM's: several prompts or ``n`` > 1), from its timings (ms from enqueue): vLLM's
+    moments as the worker records them: scheduled at its first step's start, its first
+    token at the end of the step that generated it, its last at the end of its last step
+    (docs/gateway.md says where they differ). A field whose moments are unknown (nothing
+    generated) is null."""
     gens = result.generations() if result.outputs else []
     if len(gens) != 1:
         return None

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from ...schemas.errors import BatchfleetError
@@ -38,21 +39,35 @@ class Models(Handler):
             shown = [name]
         bases = [adapters.get(n, n) if n not in names else n for n in shown]
         infos = await asyncio.gather(*(self.gateway.model_info(b) for b in bases))
-        cards = [model_card(n, i, None if n == b else b)
-                 for n, b, i in zip(shown, bases, infos, strict=True)]  # fmt: skip
+        mixes = await asyncio.gather(*(self.gateway.fingerprints.configs(b) for b in bases))
+        cards = [model_card(n, i, None if n == b else b, m)
+                 for n, b, i, m in zip(shown, bases, infos, mixes, strict=True)]  # fmt: skip
         self.send_json({"object": "list", "data": cards} if name is None else cards[0])
 
 
-def model_card(name: str, info: ModelInfo | None, parent: str | None = None) -> dict[str, Any]:
+def model_card(
+    name: str,
+    info: ModelInfo | None,
+    parent: str | None = None,
+    configs: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """vLLM's model card: ``max_model_len`` (and ``created``) where the model's workers
     published them, left out where they did not (workers older than ``bf:{model}:info``);
-    a LoRA adapter's names its base model ``parent`` (its ``info``: the base's)."""
+    a LoRA adapter's names its base model ``parent`` (its ``info``: the base's). Where its
+    live workers serve it with more than one configuration (``configs``: serving hash →
+    workers), a ``warning`` says so and ``serving_hashes`` lists them (a field of ours)."""
     card: dict[str, Any] = {"id": name, "object": "model", "created": 0,
                             "owned_by": "batchfleet", "root": name, "parent": parent}  # fmt: skip
     if info is not None:
         card["created"] = info.created
         if info.max_model_len is not None:
             card["max_model_len"] = info.max_model_len
+    if configs is not None and len(configs) > 1:
+        listed = ", ".join(f"{h[:8]} ({n})" for h, n in sorted(configs.items()))
+        card["warning"] = (f"mixed fleet: its live workers serve it with {len(configs)} "
+                           f"configurations ({listed}); answers may differ by the worker "
+                           "that computed them, and system_fingerprint names the most common")  # fmt: skip
+        card["serving_hashes"] = dict(sorted(configs.items()))
     return card
 
 

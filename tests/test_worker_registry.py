@@ -1,0 +1,150 @@
+"""What a worker publishes of itself beside its heartbeat (its Celery hostname, what it
+serves the model with: ``bf:{model}:hostnames``, ``bf:{model}:serving``), against a real
+Redis: written with each beat, removed as it stops, pruned by the others once its heartbeat
+is gone; and each worker judged live by its own heartbeat timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from batchfleet.producer.gateway import fleet_control
+from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.messages import Limits
+from batchfleet.schemas.model_info import ModelInfo, WorkerServing, decode_worker_serving
+from batchfleet.worker.intake import PRUNE_EVERY_S, Intake
+from batchfleet.worker.streams import ModelStreams
+
+from batchfleet import control_wait
+from batchfleet.config import WorkerConfig
+from batchfleet.connection import connect_async
+
+MODEL = "tiny"
+KEYS = ModelKeys(MODEL)
+HASH = "0123456789abcdef" * 4
+
+
+def entries(r: redis.Redis) -> tuple[set[str], set[str], set[str]]:
+    """The consumers named in the heartbeat, hostname and serving hashes."""
+    return tuple({k.decode() for k in r.hkeys(key)}  # type: ignore[return-value]
+                 for key in (KEYS.workers, KEYS.hostnames, KEYS.serving))  # fmt: skip
+
+
+def test_hostname_and_serving_ride_each_heartbeat_and_go_when_the_worker_stops(
+    r: redis.Redis,
+) -> None:
+    # Given a worker that said who it is, and another worker's entries
+    streams = ModelStreams(r, MODEL, 1, "w1")
+    card = WorkerServing(version="1.0", config_hash=HASH, heartbeat_timeout_ms=5000)
+    streams.identify(hostname="celery@h1", serving=card)
+    r.hset(KEYS.workers, "w2", 1)
+    r.hset(KEYS.hostnames, "w2", "w2@h2")
+    # When it beats, Then both are published beside its heartbeat
+    streams.heartbeat(1000)
+    assert r.hget(KEYS.hostnames, "w1") == b"celery@h1"
+    assert decode_worker_serving(r.hget(KEYS.serving, "w1") or b"") == card
+    # removed by another worker (it was silent past the timeout): back at its next beat
+    r.hdel(KEYS.hostnames, "w1")
+    r.hdel(KEYS.serving, "w1")
+    streams.heartbeat(2000)
+    assert entries(r) == ({"w1", "w2"}, {"w1", "w2"}, {"w1"})
+    # When it stops, Then its three entries go and the other worker's stay
+    streams.unregister()
+    assert entries(r) == ({"w2"}, {"w2"}, set())
+
+
+def test_pruning_removes_the_entries_of_workers_whose_heartbeat_is_gone(r: redis.Redis) -> None:
+    # Given a live worker, one silent past the timeout, one silent exactly that long, one
+    # that left entries without a heartbeat (died before its first beat: an old worker),
+    # and one silent past the pruner's timeout but within its own longer one
+    now, timeout = 1_000_000, 6000
+    r.hset(KEYS.workers, mapping={"live": now - 900, "dead": now - timeout - 1,
+                                  "edge": now - timeout, "patient": now - 10_000})  # fmt: skip
+    for name in ("live", "dead", "edge", "gone", "patient"):
+        r.hset(KEYS.hostnames, name, f"{name}@h")
+        r.hset(KEYS.serving, name, "not JSON" if name == "dead" else "{}")
+    r.hset(KEYS.serving, "patient", WorkerServing(heartbeat_timeout_ms=20_000).model_dump_json())
+    # When a worker prunes
+    removed = ModelStreams(r, MODEL, 1, "w1").prune(now, timeout)
+    # Then the dead one's and the heartbeat-less one's entries went (the heartbeat hash
+    # stays: status shows stale workers), the others' stay
+    assert removed == 4
+    kept = {"live", "edge", "patient"}
+    assert entries(r) == (kept | {"dead"}, kept, kept)
+
+
+def test_the_intake_publishes_its_serving_and_prunes_dead_workers_now_and_then(
+    r: redis.Redis,
+) -> None:
+    # Given an intake on a clock in the test's hands (unix seconds), a worker that died
+    # long ago and one that beats
+    now = [1_000.0]
+    streams = ModelStreams(r, MODEL, 1, "w1")
+    streams.identify(hostname="w1@h")
+    info = ModelInfo(task="embedding", version="9.9", config_hash=HASH)
+    worker = WorkerConfig(heartbeat_timeout_ms=2000)
+    intake = Intake(streams, worker, Limits(), lambda: now[0], print, info=info)
+    r.hset(KEYS.workers, mapping={"old": 900_000, "busy": 999_500})
+    for name in ("old", "busy"):
+        r.hset(KEYS.hostnames, name, f"{name}@h")
+        r.hset(KEYS.serving, name, "{}")
+    # When it starts (its thread stopped at once: the test drives it)
+    intake.start(None)
+    intake.stop()
+    intake.join(5)
+    # Then its serving entry carries its version, hash and heartbeat timeout
+    served = decode_worker_serving(r.hget(KEYS.serving, "w1") or b"")
+    assert served == WorkerServing(version="9.9", config_hash=HASH, heartbeat_timeout_ms=2000)
+    assert r.hget(KEYS.hostnames, "w1") == b"w1@h"
+    # When its first takeover pass judges heartbeats (connected for a whole timeout)
+    now[0] = 1_003.0
+    r.hset(KEYS.workers, mapping={"w1": 1_003_000, "busy": 1_002_500})
+    intake._reclaim(now[0], 10, True)
+    # Then the long-dead worker's entries are pruned, the live ones' kept
+    assert entries(r)[1:] == ({"w1", "busy"}, {"w1", "busy"})
+    # and not again until PRUNE_EVERY_S passed
+    now[0] += PRUNE_EVERY_S - 1
+    r.hset(KEYS.workers, "w1", int(now[0] * 1000))
+    intake._reclaim(now[0], 10, True)
+    assert "busy" in entries(r)[1]
+    now[0] += 1
+    r.hset(KEYS.workers, "w1", int(now[0] * 1000))
+    intake._reclaim(now[0], 10, True)
+    assert entries(r)[1:] == ({"w1"}, {"w1"})
+
+
+@pytest.mark.parametrize("side", ["cli", "gateway"])
+def test_each_worker_is_judged_live_by_its_own_heartbeat_timeout(
+    redis_url: str, r: redis.Redis, side: str
+) -> None:
+    # Given workers of one model on fleet-file entries with different heartbeat timeouts,
+    # the last one started published 6 s as the model's
+    seconds, micros = r.time()
+    now = seconds * 1000 + micros // 1000
+    r.set(KEYS.heartbeat_timeout, 6000)
+    beats = {"slow": now - 10_000, "fast": now - 3000, "plain": now - 5000, "late": now - 7000}
+    r.hset(KEYS.workers, mapping=beats)
+    for name, own in (("slow", 20_000), ("fast", 2000)):
+        card = WorkerServing(heartbeat_timeout_ms=own).model_dump_json()
+        r.hset(KEYS.serving, name, card)
+    r.hset(KEYS.serving, "plain", "not ours to read")
+
+    def live(given_ms: int | None) -> list[str]:
+        if side == "cli":
+            return control_wait.live_workers(r, [MODEL], given_ms)[0]
+
+        async def go() -> list[str]:
+            client = connect_async(redis_url)
+            try:
+                return await fleet_control.live_workers(client, [MODEL], given_ms)
+            finally:
+                await client.aclose()
+
+        return asyncio.run(go())
+
+    # Then each is judged by its own timeout, else the model's; the operator's overrides
+    assert live(None) == ["plain", "slow"]
+    assert live(4000) == ["fast"]
+    if side == "cli":  # the longest window applied, for the CLI's message
+        assert control_wait.live_workers(r, [MODEL])[1] == 20_000
