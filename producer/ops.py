@@ -10,10 +10,11 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import redis
+from ..redis_errors import UNREACHABLE
 
-DOWN = (redis.ConnectionError, redis.TimeoutError)
-"""What a restarting Redis raises (``BusyLoadingError`` while it loads is a ConnectionError)."""
+DOWN = UNREACHABLE
+"""What a restarting Redis raises (``BusyLoadingError`` while it loads is a ConnectionError),
+and a Redis Cluster that no node answers (:mod:`batchfleet.redis_errors`)."""
 
 
 # --- the operations a core generator yields --------------------------------------------------

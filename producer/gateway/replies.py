@@ -31,9 +31,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from ...cancels import not_lost, stop
+from ...redis_errors import UNREACHABLE
 from ...schemas.codec import decode_message, decode_result
 from ...schemas.errors import ResultTimeout
 from ...schemas.keys import ModelKeys
@@ -49,7 +48,7 @@ MIN_SWEEP_S = 0.1
 """Sweeps are this far apart at least (a ``sweep_s`` of 0: every waiter, each time)."""
 SWEEP_END_S = 5.0
 """The longest a closing subscription waits for its sweep in flight to end."""
-DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+DOWN = (*UNREACHABLE, OSError)
 
 
 async def _as_it_came(message: Any) -> Any:
