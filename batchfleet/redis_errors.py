@@ -16,16 +16,11 @@ from redis.exceptions import RedisClusterException
 FAILED_CALL: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 """A Redis call failed (a command refused, a connection lost, a cluster unreachable)."""
 
-_CLUSTER_UNREACHABLE: tuple[type[Exception], ...] = tuple(
-    getattr(redis.exceptions, name)
-    for name in ("RedisClusterUnreachableError",)
-    if hasattr(redis.exceptions, name)
+CLUSTER_DOWN: type[Exception] = getattr(
+    redis.exceptions, "RedisClusterUnreachableError", RedisClusterException
 )
+"""A cluster's own "no node answers": redis-py 8.2 names it apart, older versions raise the
+base class."""
 
-UNREACHABLE: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    *_CLUSTER_UNREACHABLE,
-)
-"""Redis could not be reached (retried with a backoff); a cluster's own "no node answers"
-where redis-py names it apart (8.2)."""
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, CLUSTER_DOWN)
+"""Redis could not be reached (retried with a backoff), on one server or a whole cluster."""

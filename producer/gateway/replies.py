@@ -48,7 +48,7 @@ MIN_SWEEP_S = 0.1
 """Sweeps are this far apart at least (a ``sweep_s`` of 0: every waiter, each time)."""
 SWEEP_END_S = 5.0
 """The longest a closing subscription waits for its sweep in flight to end."""
-DOWN: tuple[type[Exception], ...] = (*UNREACHABLE, OSError)
+DOWN = (*UNREACHABLE, OSError)
 
 
 async def _as_it_came(message: Any) -> Any:
