@@ -434,12 +434,14 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     # Then at every step the running are the sequences that step ran, as vLLM's scheduler
     # counts after a step: none a later step admits, planned already (nor the constrained
     # ones, the step before their runner defers them); while its constraint compiles the
-    # request's two sequences wait (deferred); once compiled they run beside the plain one
+    # request's two sequences wait (deferred); once compiled they run
     assert [gauges[0] for _, gauges in seen] == ran
     assert seen[0] == (0, (1, 2, 0))  # the plain one runs; the other is admitted next
-    compiling = [(running, deferred) for n, (running, _, deferred) in seen if n]
-    assert len(compiling) >= 3 and set(compiling) == {(1, 2)}
-    assert any(running >= 3 and not deferred for n, (running, _, deferred) in seen if not n)
+    compiling = [k for k, (n, _) in enumerate(seen) if n]
+    assert len(compiling) >= 3 and {seen[k][1][2] for k in compiling} == {2}
+    assert compiling == list(range(1, compiling[-1] + 1))  # from the step after it came
+    running, _, deferred = seen[compiling[-1] + 1][1]
+    assert running >= 2 and not deferred  # compiled: its two sequences run
 
 
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
