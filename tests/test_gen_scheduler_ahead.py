@@ -4,6 +4,8 @@ wait again (a resumed one with its state) and the policy's credit is given back.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from batchfleet.batching.generation import GenerationPolicy, GenPolicy
 from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
@@ -78,3 +80,30 @@ def test_a_withdrawn_resumption_waits_again_as_preempted() -> None:
     s.finished(again.step_id, report(Final("b", [{}]),
                                      progress={"a": Progress((10,), (0,), 8)}), 1.03, 1.04)  # fmt: skip
     assert s.running["a"].resumed is None
+
+
+def test_the_state_after_a_step_tells_what_the_steps_in_flight_admit() -> None:
+    # Given a step running "run", one queued behind it admitting "next", and, once the
+    # first ended, one more queued admitting "later" (two rows)
+    from batchfleet.worker.generating import Generating
+    from batchfleet.worker.inbox import StepDone
+
+    s = scheduler()
+    s.admit(held("run", 1, 0.0))
+    first = s.decide(1.0).step
+    s.admit(held("next", 1, 0.5))
+    assert first is not None and s.decide(1.0).step is not None
+    s.finished(first.step_id, report(progress={"run": Progress((9,), (0,), 9)}), 1.0, 1.01)
+    pair = held("later", 1, 0.9)
+    s.admit(replace(pair, prepared=replace(pair.prepared, rows=2, prompts=(8, 8))))
+    third = s.decide(1.01).step
+    assert third is not None and [h.waiting.key for h in third.held] == ["later"]
+    assert len(s.inflight) == 2
+
+    # When the loop states the model after the first step
+    gen = Generating("m", None, s, None, None, None, lambda: 1.01)  # type: ignore[arg-type]
+    state = gen._state(StepDone(first.step_id, report(), 1.0, 1.01), ())
+
+    # Then all four sequences are admitted, three of them by the steps in flight (vLLM's
+    # scheduler has those waiting until a step runs them)
+    assert (state.running, state.admitting) == (4, 3)

@@ -356,14 +356,15 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     # a custom runner's model is not known to generate until its first step
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") is None
-    obs.notify(Generated(MODEL, 5, 2, 300, 1200, 1, tokens=3, compiling=1, deferred=2,
-                         prefilled=20))  # fmt: skip
+    obs.notify(Generated(MODEL, 6, 2, 300, 1200, 1, tokens=3, compiling=1, deferred=2,
+                         admitting=1, prefilled=20))  # fmt: skip
     obs.notify(Answered(MODEL, [Reply(0, request, failed, True)]))
     assert value("vllm:request_success_total", finished_reason="error") == 6  # 2 inputs x 3
-    # the sequences whose constraint compiles wait, as in vLLM's scheduler (deferred)
-    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 4)
+    # the sequences whose constraint compiles wait, as in vLLM's scheduler (deferred), and
+    # so does the one a later step admits (planned ahead)
+    assert (value("vllm:num_requests_running"), value("vllm:num_requests_waiting")) == (3, 5)
     by_reason = [value("vllm:num_requests_waiting_by_reason", reason=k) for k in WAITING_REASONS]
-    assert by_reason == [2, 2]  # waiting for room; for their constraints
+    assert by_reason == [3, 2]  # waiting for room or their step; for their constraints
     assert value("vllm:iteration_tokens_total_sum") == 23
     assert value("vllm:iteration_tokens_total_bucket", le="16.0") == 0
     assert value("vllm:iteration_tokens_total_bucket", le="32.0") == 1
@@ -373,25 +374,31 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
 
 
-def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(tiny_lm: Path) -> None:
+@pytest.mark.parametrize("ahead", [True, False])
+def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
+    tiny_lm: Path, ahead: bool
+) -> None:
     # Given a plain request and a constrained one with two completions whose constraint
-    # compiles until the runner has stepped five times (held: no sleeps)
+    # compiles until the runner has stepped five times (held: no sleeps), and one more
+    # arriving while they run; steps planned ahead or not
     runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
                                   options={"kv_cache_tokens": 2048, "page_size": 16,
-                                           "step_tokens": 64, "max_running": 16})  # fmt: skip
+                                           "step_tokens": 64, "max_running": 16,
+                                           "schedule_ahead": ahead})  # fmt: skip
     gate, real_compile, real_step = threading.Event(), runner._grammars._compile, runner.step  # type: ignore[union-attr]
-    steps = 0
+    ran: list[int] = []
+    """After each step, the sequences the runner has in its engine (running)."""
 
     def held(spec: Any) -> Any:
         assert gate.wait(60)
         return real_compile(spec)
 
     def step(work: Any) -> Any:
-        nonlocal steps
-        steps += 1
-        if steps == 5:
+        if len(ran) == 4:
             gate.set()
-        return real_step(work)
+        report = real_step(work)
+        ran.append(len(runner._by_seq))
+        return report
 
     runner._grammars._compile = held  # type: ignore[union-attr,method-assign]
     runner.step = step  # type: ignore[method-assign]
@@ -400,10 +407,14 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(tiny_lm: Pa
                          ignore_eos=True), lane=0, at=T0)  # fmt: skip
     r.source.add(Request(id="shaped", model=MODEL, inputs=["a b c"], n=2, max_new_tokens=6,
                          structured_outputs={"regex": "[0-9]{4}"}), lane=0, at=T0)  # fmt: skip
+    r.source.add(Request(id="late", model=MODEL, inputs=["it"], max_new_tokens=4,
+                         ignore_eos=True), lane=0, at=T0 + 7.5 * STEP_S)  # fmt: skip
 
     # When it runs, each step's state feeding vLLM's gauges
     r.run()
-    assert r.results()["shaped"].status == "ok"
+    assert {k: v.status for k, v in r.results().items()} == dict.fromkeys(
+        ("plain", "shaped", "late"), "ok"
+    )
     registry = CollectorRegistry()
     obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
     seen = []
@@ -420,11 +431,17 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(tiny_lm: Pa
         assert capacity + deferred == waiting  # vLLM's: the reasons add up to waiting
         seen.append((ev.compiling, (running, waiting, deferred)))
 
-    # Then while its constraint compiles its two sequences wait (deferred), not running;
-    # once compiled all three run
-    compiling = [gauges for n, gauges in seen if n]
-    assert len(compiling) >= 3 and set(compiling) == {(1, 2, 2)}
-    assert (3, 0, 0) in [gauges for n, gauges in seen if not n]
+    # Then at every step the running are the sequences that step ran, as vLLM's scheduler
+    # counts after a step: none a later step admits, planned already (nor the constrained
+    # ones, the step before their runner defers them); while its constraint compiles the
+    # request's two sequences wait (deferred); once compiled they run
+    assert [gauges[0] for _, gauges in seen] == ran
+    assert seen[0] == (0, (1, 2, 0))  # the plain one runs; the other is admitted next
+    compiling = [k for k, (n, _) in enumerate(seen) if n]
+    assert len(compiling) >= 3 and {seen[k][1][2] for k in compiling} == {2}
+    assert compiling == list(range(1, compiling[-1] + 1))  # from the step after it came
+    running, _, deferred = seen[compiling[-1] + 1][1]
+    assert running >= 2 and not deferred  # compiled: its two sequences run
 
 
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:

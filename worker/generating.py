@@ -133,12 +133,22 @@ class Generating:
             gaps=gaps,
             compiling=done.report.compiling,
             deferred=done.report.compiling_sequences,
+            admitting=self._admitting(),
             compiled_s=done.report.compiled_s,
             drafted=done.report.drafted,
             accepted=done.report.accepted,
             spec_skipped=done.report.spec_skipped,
             prefilled=done.report.prefilled,
         )
+
+    def _admitting(self) -> int:
+        """The sequences of the requests that the steps in flight admit (planned once this
+        one ended, or queued behind it): vLLM's scheduler has them waiting, until a step
+        runs them (the step a constrained one's runner defers it in, or runs it)."""
+        assert self.scheduler is not None
+        running = self.scheduler.running
+        return sum(len(r.progress.contexts) for step in self.scheduler.inflight
+                   for h in step.held if (r := running.get(h.waiting.key)) is not None)  # fmt: skip
 
     def _ttl(self, held: Held) -> int:
         """The TTL of a request's result, and of its token stream and ``started`` key."""

@@ -119,6 +119,9 @@ class Generated:
     deferred: int = 0
     """Their sequences (counted in ``running``; vLLM counts them as waiting,
     ``deferred``)."""
+    admitting: int = 0
+    """Sequences admitted by the steps after this one, planned or on the device already
+    (counted in ``running``; vLLM's scheduler has them waiting until a step runs them)."""
     compiled_s: tuple[float, ...] = ()
     """How long each constraint compiled since the last step took."""
     drafted: tuple[int, int] = (0, 0)

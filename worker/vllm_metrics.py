@@ -254,10 +254,11 @@ class VllmObserver:
         m, labels = self.m, (e.model, ENGINE)
         step = self._step_series(e.model)
         # vLLM's scheduler keeps a request whose constraint compiles waiting (skipped):
-        # counted in num_requests_waiting, by the reason "deferred", not as running
-        step.running.set(e.running - e.deferred)
-        step.waiting.set(e.waiting + e.deferred)
-        step.capacity.set(e.waiting)
+        # counted in num_requests_waiting, by the reason "deferred", not as running; and
+        # one that a later step admits (planned already) waits until that step runs it
+        step.running.set(e.running - e.deferred - e.admitting)
+        step.waiting.set(e.waiting + e.admitting + e.deferred)
+        step.capacity.set(e.waiting + e.admitting)
         step.deferred.set(e.deferred)
         step.iteration_tokens.observe(e.prefilled + e.tokens)
         usage = e.kv_tokens / max(1, e.kv_capacity)

@@ -55,17 +55,16 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...schemas.errors import ErrorCode
 from ..device import is_out_of_memory, pick_device, pick_dtype
 from ..generation.detok import Decode
-from ..runner import LOST, Failed, StepEvent, StepReport, Work
+from ..runner import StepReport, Work
 from .gen_engine import EngineSetup
-from .gen_failures import Failures
 from .gen_info import Info
 from .gen_options import Options, flag, seed_option
 from .gen_prepare import Preparing
 from .gen_setup import Setup
 from .gen_state import GenReq, GenSeq, GenSpec
+from .gen_step import Stepping
 
 if TYPE_CHECKING:
     from ...batching.generation import GenPolicy
@@ -75,14 +74,14 @@ __all__ = ["GenSpec", "TextGenerationRunner"]
 logger = logging.getLogger(__name__)
 
 
-class TextGenerationRunner(Failures, Preparing, Info, Setup, EngineSetup, Options):
+class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Options):
     """A causal LM served with continuous batching (see the module docstring).
 
     Its parts, one module each: :mod:`.gen_state` (the state they share),
     :mod:`.gen_setup`, :mod:`.gen_options`, :mod:`.gen_engine` (startup),
     :mod:`.gen_chat`, :mod:`.gen_prepare` (the loop's side),
-    :mod:`.gen_requests`, :mod:`.gen_beams`, :mod:`.gen_outputs`, :mod:`.gen_failures`
-    (the device's side), :mod:`.gen_controls` and :mod:`.gen_info` (operators')."""
+    :mod:`.gen_step`, :mod:`.gen_requests`, :mod:`.gen_beams`, :mod:`.gen_outputs`,
+    :mod:`.gen_failures` (the device's side), :mod:`.gen_controls` and :mod:`.gen_info` (operators')."""
 
     name = "text-generation"
     continuous = True
@@ -166,39 +165,14 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup, EngineSetup, Option
     # --- the device's side -------------------------------------------------------------
 
     def step(self, work: Work) -> StepReport:
-        if self._unsettled is not None:  # settled here if its caller did not
-            self._unsettled.settle()
-            self._unsettled = None
+        """One step, in phases (:mod:`.gen_step`): the operators' changes, the loop's work
+        (stops, preemptions, admissions), the engine's step (a failure handled here, once
+        its tensors are freed), its rows read into their texts, the report."""
+        self._settle_last()
         produced: dict[str, int] = {}
         report = StepReport(produced=produced)
-        events: list[StepEvent] = []
-        if work.step_tokens is not None and work.step_tokens != self.step_tokens:
-            self.step_tokens = work.step_tokens  # an operator's live change (bf_policy)
-            self.engine.set_step_tokens(work.step_tokens)
-        if self._loras.pending:  # an operator's adapter loaded or unloaded (bf_load_lora)
-            self._lora_changes()
-        if self._reset_prefix:  # an operator's bf_reset_prefix_cache
-            self._reset_prefix = False
-            self._empty_prefix_cache()
-        for key, reason in work.stop:
-            r = self._reqs.get(key)
-            if r is not None:
-                self._end(r, reason)
-                events += self._finish(r, stream=reason != LOST)
-        for key in work.preempt:
-            r = self._reqs.get(key)
-            if r is not None and not r.parked:
-                events.append(self._park(r))
-        lanes = work.lanes or (0,) * len(work.admit)
-        for (key, prep), lane in zip(work.admit, lanes, strict=True):
-            if prep.payload.lora and key not in self._reqs and not self._lora_live(prep):
-                events.append(Failed(key, f"lora adapter {prep.payload.lora_name!r} was "
-                                     "unloaded", ErrorCode.INVALID_REQUEST))  # fmt: skip
-                continue
-            if (answered := self._admit(key, prep, lane)) is not None:
-                events += self._finish(answered)
-        if self._compiling:
-            self._compiled(events)
+        self._operator_changes(work)
+        events = self._apply_work(work)
         failure = ""
         try:
             outputs = self.engine.step()
@@ -214,73 +188,9 @@ class TextGenerationRunner(Failures, Preparing, Info, Setup, EngineSetup, Option
             events += beam_events
         if self.speculative is not None:
             self._speculated(report)
-        # per row and step (the deltas wait for it): kept lean
-        touched: dict[str, GenReq] = {}
-        by_seq = self._by_seq
-        for out in outputs:
-            found = by_seq.get(out.sequence)
-            if found is None:
-                continue  # ended or parked meanwhile
-            r, seq = found
-            text = seq.text
-            if not text.tokens and out.tokens:  # its prefill ended (its first token)
-                prefilled += len(seq.prompt) - self.engine.cached(seq.name)
-            if not seq.max_new:  # a prompt to score, and nothing to generate
-                if out.tokens or out.finished:  # scored: the token its prefill took is dropped
-                    seq.finish = "length"
-                    if not out.finished:
-                        self.engine.cancel([seq.name])
-                    by_seq.pop(seq.name, None)
-                    touched[r.key] = r
-                continue
-            new = out.tokens[len(text.tokens) - seq.base :]
-            stop_ids = r.spec.stop_ids
-            ended = False
-            if stop_ids:
-                for k, t in enumerate(new):
-                    if t in stop_ids:  # kept, and nothing after it
-                        new, ended = new[: k + 1], True
-                        break
-            if text.stop and len(new) > 1:  # (speculation) no token after a stop string's
-                for k, t in enumerate(new):
-                    text.extend((t,))
-                    if text.stopped_at is not None:
-                        new = new[: k + 1]
-                        break
-            else:
-                text.extend(new)
-            if new:
-                produced[r.key] = produced.get(r.key, 0) + len(new)
-            if text.stopped_at is not None or ended:
-                seq.finish = "stop"
-                # vLLM's: a stop string, else the stop token (an end-of-sequence one: none)
-                if text.stopped_at is not None:
-                    seq.stop_reason = text.stop_string
-                elif seq.sampling.ignore_eos or new[-1] not in self.eos:
-                    seq.stop_reason = new[-1]
-                self.engine.cancel([seq.name])
-            elif out.finished:
-                eos = bool(text.tokens) and text.tokens[-1] in self.eos
-                seq.finish = "stop" if eos and not seq.sampling.ignore_eos else "length"
-            if seq.finish is not None:
-                by_seq.pop(seq.name, None)
-            touched[r.key] = r
-        for r in touched.values():
-            if r.done:
-                events += self._finish(r)
-            elif r.spec.stream:
-                events += self._deltas(r)
-        report.events = events
-        report.prefilled = prefilled
-        report.compiling = len(self._compiling)
-        report.compiling_sequences = self._compiling_sequences()
-        if not isinstance(self._grammars, str) and self._grammars.took:
-            took = self._grammars.took
-            report.compiled_s = tuple(took.popleft() for _ in range(len(took)))
-        # after the deltas: the device thread streams them first, then settles this
-        report.deferred = lambda: self._fill_progress(report)
-        self._unsettled = report
-        return report
+        touched, rows_prefilled = self._read_rows(outputs, produced)
+        events += self._touched_events(touched)
+        return self._reported(report, events, prefilled + rows_prefilled)
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and

@@ -1,0 +1,151 @@
+"""The phases of one text-generation step on the device thread, around the engine's own
+step (``TextGenerationRunner.step`` runs them in order): the operators' changes taken,
+the loop's work applied (stops, preemptions, admissions, compiled constraints), each
+output row read into its sequence's text (stop tokens and strings, the end), the
+requests it touched reported, and the report finished.
+"""
+
+from __future__ import annotations
+
+from ...schemas.errors import ErrorCode
+from ..generation.engine import Output
+from ..runner import LOST, Failed, StepEvent, StepReport, Work
+from .gen_controls import Controls
+from .gen_failures import Failures
+from .gen_state import GenReq, GenSeq
+
+
+class Stepping(Failures, Controls):
+    """One step's phases, before and after the engine steps."""
+
+    def _settle_last(self) -> None:
+        """The last step's report, settled here if its caller did not."""
+        if self._unsettled is not None:
+            self._unsettled.settle()
+            self._unsettled = None
+
+    def _operator_changes(self, work: Work) -> None:
+        """Changes operators made between steps: the step budget, adapters, prefix cache."""
+        if work.step_tokens is not None and work.step_tokens != self.step_tokens:
+            self.step_tokens = work.step_tokens  # an operator's live change (bf_policy)
+            self.engine.set_step_tokens(work.step_tokens)
+        if self._loras.pending:  # an operator's adapter loaded or unloaded (bf_load_lora)
+            self._lora_changes()
+        if self._reset_prefix:  # an operator's bf_reset_prefix_cache
+            self._reset_prefix = False
+            self._empty_prefix_cache()
+
+    def _apply_work(self, work: Work) -> list[StepEvent]:
+        """What the loop decided: requests stopped, preempted (parked) and admitted; then
+        those whose constraints compiled start. The events of those it ended."""
+        events: list[StepEvent] = []
+        for key, reason in work.stop:
+            r = self._reqs.get(key)
+            if r is not None:
+                self._end(r, reason)
+                events += self._finish(r, stream=reason != LOST)
+        for key in work.preempt:
+            r = self._reqs.get(key)
+            if r is not None and not r.parked:
+                events.append(self._park(r))
+        lanes = work.lanes or (0,) * len(work.admit)
+        for (key, prep), lane in zip(work.admit, lanes, strict=True):
+            if prep.payload.lora and key not in self._reqs and not self._lora_live(prep):
+                events.append(Failed(key, f"lora adapter {prep.payload.lora_name!r} was "
+                                     "unloaded", ErrorCode.INVALID_REQUEST))  # fmt: skip
+                continue
+            if (answered := self._admit(key, prep, lane)) is not None:
+                events += self._finish(answered)
+        if self._compiling:
+            self._compiled(events)
+        return events
+
+    def _read_rows(
+        self, outputs: list[Output], produced: dict[str, int]
+    ) -> tuple[dict[str, GenReq], int]:
+        """The engine's outputs, per row, into their sequences' texts (``produced``: the
+        tokens each request took). The requests touched, and the prompt tokens prefilled
+        by the sequences whose prefill ended. Per row and step (the deltas wait for it):
+        kept lean."""
+        prefilled = 0
+        touched: dict[str, GenReq] = {}
+        by_seq = self._by_seq
+        for out in outputs:
+            found = by_seq.get(out.sequence)
+            if found is None:
+                continue  # ended or parked meanwhile
+            r, seq = found
+            if not seq.text.tokens and out.tokens:  # its prefill ended (its first token)
+                prefilled += len(seq.prompt) - self.engine.cached(seq.name)
+            if not seq.max_new:  # a prompt to score, and nothing to generate
+                if out.tokens or out.finished:  # scored: the token its prefill took is dropped
+                    seq.finish = "length"
+                    if not out.finished:
+                        self.engine.cancel([seq.name])
+                    by_seq.pop(seq.name, None)
+                    touched[r.key] = r
+                continue
+            self._take_tokens(r, seq, out, produced)
+            if seq.finish is not None:
+                by_seq.pop(seq.name, None)
+            touched[r.key] = r
+        return touched, prefilled
+
+    def _take_tokens(self, r: GenReq, seq: GenSeq, out: Output, produced: dict[str, int]) -> None:
+        """A generating row's new tokens, up to a stop token or stop string (``seq.finish``
+        set where it ended, with vLLM's ``stop_reason``)."""
+        text = seq.text
+        new = out.tokens[len(text.tokens) - seq.base :]
+        stop_ids = r.spec.stop_ids
+        ended = False
+        if stop_ids:
+            for k, t in enumerate(new):
+                if t in stop_ids:  # kept, and nothing after it
+                    new, ended = new[: k + 1], True
+                    break
+        if text.stop and len(new) > 1:  # (speculation) no token after a stop string's
+            for k, t in enumerate(new):
+                text.extend((t,))
+                if text.stopped_at is not None:
+                    new = new[: k + 1]
+                    break
+        else:
+            text.extend(new)
+        if new:
+            produced[r.key] = produced.get(r.key, 0) + len(new)
+        if text.stopped_at is not None or ended:
+            seq.finish = "stop"
+            # vLLM's: a stop string, else the stop token (an end-of-sequence one: none)
+            if text.stopped_at is not None:
+                seq.stop_reason = text.stop_string
+            elif seq.sampling.ignore_eos or new[-1] not in self.eos:
+                seq.stop_reason = new[-1]
+            self.engine.cancel([seq.name])
+        elif out.finished:
+            eos = bool(text.tokens) and text.tokens[-1] in self.eos
+            seq.finish = "stop" if eos and not seq.sampling.ignore_eos else "length"
+
+    def _touched_events(self, touched: dict[str, GenReq]) -> list[StepEvent]:
+        """The events of the requests the step gave tokens: their end, else their deltas."""
+        events: list[StepEvent] = []
+        for r in touched.values():
+            if r.done:
+                events += self._finish(r)
+            elif r.spec.stream:
+                events += self._deltas(r)
+        return events
+
+    def _reported(self, report: StepReport, events: list[StepEvent], prefilled: int) -> StepReport:
+        """The step's report finished: its events, prefill, constraints; its progress
+        left to fill once its deltas are streamed."""
+        report.events = events
+        report.prefilled = prefilled
+        report.compiling = len(self._compiling)
+        report.compiling_sequences = self._compiling_sequences()
+        if not isinstance(self._grammars, str) and self._grammars.took:
+            took = self._grammars.took
+            report.compiled_s = tuple(took.popleft() for _ in range(len(took)))
+        # after the deltas: the device thread streams them first, then settles this
+        report.deferred = lambda: self._fill_progress(report)
+        self._unsettled = report
+        return report
