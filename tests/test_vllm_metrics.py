@@ -444,6 +444,47 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     assert running >= 2 and not deferred  # compiled: its two sequences run
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_each_of_n_completions_counts_as_a_vllm_request_waiting_and_running(
+    tiny_lm: Path, ahead: bool
+) -> None:
+    # Given a batch of four sequences that one request's three completions fill, and two
+    # more requests with n=3 behind it (3 + 3 > 4: each waits for the one before to end)
+    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                  options={"kv_cache_tokens": 2048, "page_size": 16,
+                                           "step_tokens": 64, "max_running": 4,
+                                           "schedule_ahead": ahead})  # fmt: skip
+    r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    for k, name in enumerate(("first", "second", "third")):
+        r.source.add(Request(id=name, model=MODEL, inputs=["the man was"], n=3,
+                             max_new_tokens=4 + k, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+
+    # When they run, each step's state feeding vLLM's gauges and the worker's own
+    r.run()
+    assert {k: v.status for k, v in r.results().items()} == dict.fromkeys(
+        ("first", "second", "third"), "ok"
+    )
+    registry = CollectorRegistry()
+    obs = Observers([VllmObserver(VllmMetrics(registry), MODEL, generating=True),
+                     PrometheusObserver(Metrics(registry))])  # fmt: skip
+    seen = []
+    for _, ev in r.recorder.of(Generated):
+        obs.notify(ev)
+        get = registry.get_sample_value
+        gauges = tuple(get(f"vllm:num_requests_{k}", VLLM) for k in ("running", "waiting"))
+        capacity = get("vllm:num_requests_waiting_by_reason", {**VLLM, "reason": "capacity"})
+        assert capacity == gauges[1]  # no constraint: every one waits for room
+        ours = get("batchfleet_generation_waiting_requests", {"model": MODEL})
+        seen.append((gauges, ours))
+
+    # Then, as vLLM's parallel sampling makes each completion a request of its scheduler,
+    # both gauges count completions: three run while six wait; once a request ends its
+    # three wait with the others until the next step runs them (vLLM counts after a step)
+    gauges = [g for k, (g, _) in enumerate(seen) if k == 0 or g != seen[k - 1][0]]
+    assert gauges == [(3, 6), (0, 6), (3, 3), (0, 3), (3, 0), (0, 0)]
+    assert seen[0] == ((3, 6), 2)  # the worker's own gauge counts the requests
+
+
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
     from batchfleet.schemas.messages import Generation, Usage
     from batchfleet.worker.observers import Reply

@@ -256,9 +256,11 @@ class VllmObserver:
         # vLLM's scheduler keeps a request whose constraint compiles waiting (skipped):
         # counted in num_requests_waiting, by the reason "deferred", not as running; and
         # one that a later step admits (planned already) waits until that step runs it
+        # (vLLM's parallel sampling makes each of a request's n completions a request)
+        queued = e.waiting if e.waiting_sequences is None else e.waiting_sequences
         step.running.set(e.running - e.deferred - e.admitting)
-        step.waiting.set(e.waiting + e.admitting + e.deferred)
-        step.capacity.set(e.waiting + e.admitting)
+        step.waiting.set(queued + e.admitting + e.deferred)
+        step.capacity.set(queued + e.admitting)
         step.deferred.set(e.deferred)
         step.iteration_tokens.observe(e.prefilled + e.tokens)
         usage = e.kv_tokens / max(1, e.kv_capacity)
