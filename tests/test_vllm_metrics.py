@@ -374,6 +374,14 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
 
 
+def scheduling_runner(tiny_lm: Path, ahead: bool, max_running: int) -> TextGenerationRunner:
+    """A runner without a prefix cache, its steps planned ahead or not."""
+    return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                options={"kv_cache_tokens": 2048, "page_size": 16,
+                                         "step_tokens": 64, "max_running": max_running,
+                                         "schedule_ahead": ahead})  # fmt: skip
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     tiny_lm: Path, ahead: bool
@@ -381,10 +389,7 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     # Given a plain request and a constrained one with two completions whose constraint
     # compiles until the runner has stepped five times (held: no sleeps), and one more
     # arriving while they run; steps planned ahead or not
-    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
-                                  options={"kv_cache_tokens": 2048, "page_size": 16,
-                                           "step_tokens": 64, "max_running": 16,
-                                           "schedule_ahead": ahead})  # fmt: skip
+    runner = scheduling_runner(tiny_lm, ahead, max_running=16)
     gate, real_compile, real_step = threading.Event(), runner._grammars._compile, runner.step  # type: ignore[union-attr]
     ran: list[int] = []
     """After each step, the sequences the runner has in its engine (running)."""
@@ -450,10 +455,7 @@ def test_each_of_n_completions_counts_as_a_vllm_request_waiting_and_running(
 ) -> None:
     # Given a batch of four sequences that one request's three completions fill, and two
     # more requests with n=3 behind it (3 + 3 > 4: each waits for the one before to end)
-    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
-                                  options={"kv_cache_tokens": 2048, "page_size": 16,
-                                           "step_tokens": 64, "max_running": 4,
-                                           "schedule_ahead": ahead})  # fmt: skip
+    runner = scheduling_runner(tiny_lm, ahead, max_running=4)
     r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
     for k, name in enumerate(("first", "second", "third")):
         r.source.add(Request(id=name, model=MODEL, inputs=["the man was"], n=3,
