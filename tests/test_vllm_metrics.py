@@ -154,10 +154,16 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
                  if res.usage and res.usage.prompt_tokens_details)  # fmt: skip
     assert vllm("vllm:generation_tokens_total") == completion
     assert ours("batchfleet_step_generated_tokens_total") == completion
-    assert vllm("vllm:prompt_tokens_total") == prompts == ours("batchfleet_prompt_tokens_total")
+    assert prompts == ours("batchfleet_prompt_tokens_total")  # usage: each prompt once
+    assert cached == ours("batchfleet_prompt_cached_tokens_total")
+    # vLLM's: per completion (parallel sampling makes each of n a request with its prompt,
+    # cached after its twin's prefill): "two"'s second completions add their prompts
+    twins = results["two"].generations()[1::2]
+    prompts += sum(g.prompt_tokens for g in twins)
+    cached += sum(g.cached_tokens for g in twins)
+    assert vllm("vllm:prompt_tokens_total") == prompts == sum(g.prompt_tokens for g in outs)
     assert vllm("vllm:prefix_cache_queries_total") == prompts
     assert vllm("vllm:prefix_cache_hits_total") == cached > 0
-    assert cached == ours("batchfleet_prompt_cached_tokens_total")
     # by source, as vLLM's: computed or cached, a fully cached prompt's last token in both
     # ("again" repeats "len", cached but for its last token)
     again = results["again"].generations()[0]
@@ -509,7 +515,12 @@ def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> Non
     assert value("vllm:request_generation_tokens_sum") == sum(lengths)
     assert value("vllm:request_params_max_tokens_count") == 0  # none asked
     assert value("vllm:time_to_first_token_seconds_count") == 0  # no first token: not timed
-    assert value("vllm:prompt_tokens_total") == 8  # each prompt once, as its usage says
+    # each completion's prompt, as vLLM's child requests (its usage counts each prompt once)
+    assert value("vllm:prompt_tokens_total") == 16
+    # a custom runner's outputs that tell no prompt tokens: its usage's
+    bare = result.model_copy(update={"id": "s", "outputs": [{"text": ""}] * 4})
+    obs.notify(Answered(MODEL, [Reply(0, request, bare, True)]))
+    assert value("vllm:prompt_tokens_total") == 16 + 8
 
 
 def test_cache_config_and_lora_info_are_read_off_the_runner(runner: TextGenerationRunner) -> None:
