@@ -493,6 +493,25 @@ def test_each_of_n_completions_counts_as_a_vllm_request_waiting_and_running(
     assert seen[0] == ((3, 6), 2)  # the worker's own gauge counts the requests
 
 
+def test_a_waiting_beam_search_counts_its_inputs_as_vllm_s_first_round(tiny_lm: Path) -> None:
+    # Given a batch that three completions fill, and a beam search of width 2 over two
+    # prompts behind it (4 beams: it waits); vLLM's beam search sends each prompt's
+    # first round as one request (one beam), the later rounds one per beam
+    r = rig(scheduling_runner(tiny_lm, False, max_running=4), cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    r.source.add(Request(id="first", model=MODEL, inputs=["the man was"], n=3,
+                         max_new_tokens=4, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.source.add(Request(id="beams", model=MODEL, inputs=["a", "b"], use_beam_search=True,
+                         n=2, max_new_tokens=2, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.run()
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    _, first = r.recorder.of(Generated)[0]
+    obs.notify(first)
+    # Then, while "first" runs, the beam search waits as its two prompts
+    assert registry.get_sample_value("vllm:num_requests_running", VLLM) == 3
+    assert registry.get_sample_value("vllm:num_requests_waiting", VLLM) == 2
+
+
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
     from batchfleet.schemas.messages import Generation, Usage
     from batchfleet.worker.observers import Reply
