@@ -86,6 +86,10 @@ def runner_line(model: str, flags: Mapping[str, Flag]) -> Line:
                 f"--convert {convert}: vLLM converts a model for --runner pooling only"
             )
         return Line("runner", GENERATE, f"{why} a generative model")
+    if is_gritlm(cfg) and convert not in ("auto", "none"):
+        return Line("runner", RUNNERS["embed"], f"{why} a no-op for GritLM, whose class in "
+                    "vLLM pools already (its --convert adapters leave a pooling model's class "
+                    "as it is): vLLM's embed task")  # fmt: skip
     task = convert if convert not in ("auto", "none") else _pooling_task(cfg)
     if task == "classify" and _labels(cfg) == 1:
         task = "score"  # vLLM serves a classifier with one output as a cross-encoder

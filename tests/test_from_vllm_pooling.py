@@ -344,6 +344,20 @@ def test_the_default_pooling_is_vllms_for_the_architecture_and_modules(
     assert ("none vLLM pools by" in text) is pooling.endswith("*")
 
 
+@pytest.mark.parametrize("flags", [["--convert", "embed"], ["--runner", "pooling", "--convert",
+                                   "embed"], ["--convert", "classify"], ["--convert", "reward"]])  # fmt: skip
+def test_convert_leaves_a_gritlm_its_own_pooler_as_vllm_s_adapters_do(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    # vLLM's as_embedding_model and as_seq_cls_model return a pooling model's class as it
+    # is: its GritLM embeds with its GritLM pooler whatever --convert asks
+    path = st_folder(tmp_path, ["GritLM"], None, model_type="mistral")
+    model, text, _ = model_of(tmp_path, ["serve", str(path), *flags])
+    assert model["runner"] == "embedding"
+    assert model["options"]["pooling"] == "gritlm"
+    assert "a no-op for GritLM" in text
+
+
 def test_sentence_transformers_5_module_types_are_read(tmp_path: Path) -> None:
     path = st_folder(tmp_path, ["BertModel"], {"pooling_mode": "mean"}, new_types=True)
     model, _, _ = model_of(tmp_path, ["serve", str(path)])

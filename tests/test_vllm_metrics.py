@@ -154,10 +154,16 @@ def test_vllm_series_agree_with_their_twins_and_the_results(runner: TextGenerati
                  if res.usage and res.usage.prompt_tokens_details)  # fmt: skip
     assert vllm("vllm:generation_tokens_total") == completion
     assert ours("batchfleet_step_generated_tokens_total") == completion
-    assert vllm("vllm:prompt_tokens_total") == prompts == ours("batchfleet_prompt_tokens_total")
+    assert prompts == ours("batchfleet_prompt_tokens_total")  # usage: each prompt once
+    assert cached == ours("batchfleet_prompt_cached_tokens_total")
+    # vLLM's: per completion (parallel sampling makes each of n a request with its prompt,
+    # cached after its twin's prefill): "two"'s second completions add their prompts
+    twins = results["two"].generations()[1::2]
+    prompts += sum(g.prompt_tokens for g in twins)
+    cached += sum(g.cached_tokens for g in twins)
+    assert vllm("vllm:prompt_tokens_total") == prompts == sum(g.prompt_tokens for g in outs)
     assert vllm("vllm:prefix_cache_queries_total") == prompts
     assert vllm("vllm:prefix_cache_hits_total") == cached > 0
-    assert cached == ours("batchfleet_prompt_cached_tokens_total")
     # by source, as vLLM's: computed or cached, a fully cached prompt's last token in both
     # ("again" repeats "len", cached but for its last token)
     again = results["again"].generations()[0]
@@ -374,6 +380,14 @@ def test_the_gauges_follow_the_steps_and_engine_errors_count_as_error() -> None:
     assert value("vllm:time_to_first_token_seconds_bucket", le=str(TTFT_BUCKETS[0])) == 0
 
 
+def scheduling_runner(tiny_lm: Path, ahead: bool, max_running: int) -> TextGenerationRunner:
+    """A runner without a prefix cache, its steps planned ahead or not."""
+    return TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
+                                options={"kv_cache_tokens": 2048, "page_size": 16,
+                                         "step_tokens": 64, "max_running": max_running,
+                                         "schedule_ahead": ahead})  # fmt: skip
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     tiny_lm: Path, ahead: bool
@@ -381,10 +395,7 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     # Given a plain request and a constrained one with two completions whose constraint
     # compiles until the runner has stepped five times (held: no sleeps), and one more
     # arriving while they run; steps planned ahead or not
-    runner = TextGenerationRunner(tiny_lm, device=DEVICE, dtype="float32",
-                                  options={"kv_cache_tokens": 2048, "page_size": 16,
-                                           "step_tokens": 64, "max_running": 16,
-                                           "schedule_ahead": ahead})  # fmt: skip
+    runner = scheduling_runner(tiny_lm, ahead, max_running=16)
     gate, real_compile, real_step = threading.Event(), runner._grammars._compile, runner.step  # type: ignore[union-attr]
     ran: list[int] = []
     """After each step, the sequences the runner has in its engine (running)."""
@@ -444,6 +455,63 @@ def test_requests_whose_constraint_compiles_wait_deferred_as_in_vllm(
     assert running >= 2 and not deferred  # compiled: its two sequences run
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_each_of_n_completions_counts_as_a_vllm_request_waiting_and_running(
+    tiny_lm: Path, ahead: bool
+) -> None:
+    # Given a batch of four sequences that one request's three completions fill, and two
+    # more requests with n=3 behind it (3 + 3 > 4: each waits for the one before to end)
+    runner = scheduling_runner(tiny_lm, ahead, max_running=4)
+    r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    for k, name in enumerate(("first", "second", "third")):
+        r.source.add(Request(id=name, model=MODEL, inputs=["the man was"], n=3,
+                             max_new_tokens=4 + k, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+
+    # When they run, each step's state feeding vLLM's gauges and the worker's own
+    r.run()
+    assert {k: v.status for k, v in r.results().items()} == dict.fromkeys(
+        ("first", "second", "third"), "ok"
+    )
+    registry = CollectorRegistry()
+    obs = Observers([VllmObserver(VllmMetrics(registry), MODEL, generating=True),
+                     PrometheusObserver(Metrics(registry))])  # fmt: skip
+    seen = []
+    for _, ev in r.recorder.of(Generated):
+        obs.notify(ev)
+        get = registry.get_sample_value
+        gauges = tuple(get(f"vllm:num_requests_{k}", VLLM) for k in ("running", "waiting"))
+        capacity = get("vllm:num_requests_waiting_by_reason", {**VLLM, "reason": "capacity"})
+        assert capacity == gauges[1]  # no constraint: every one waits for room
+        ours = get("batchfleet_generation_waiting_requests", {"model": MODEL})
+        seen.append((gauges, ours))
+
+    # Then, as vLLM's parallel sampling makes each completion a request of its scheduler,
+    # both gauges count completions: three run while six wait; once a request ends its
+    # three wait with the others until the next step runs them (vLLM counts after a step)
+    gauges = [g for k, (g, _) in enumerate(seen) if k == 0 or g != seen[k - 1][0]]
+    assert gauges == [(3, 6), (0, 6), (3, 3), (0, 3), (3, 0), (0, 0)]
+    assert seen[0] == ((3, 6), 2)  # the worker's own gauge counts the requests
+
+
+def test_a_waiting_beam_search_counts_its_inputs_as_vllm_s_first_round(tiny_lm: Path) -> None:
+    # Given a batch that three completions fill, and a beam search of width 2 over two
+    # prompts behind it (4 beams: it waits); vLLM's beam search sends each prompt's
+    # first round as one request (one beam), the later rounds one per beam
+    r = rig(scheduling_runner(tiny_lm, False, max_running=4), cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    r.source.add(Request(id="first", model=MODEL, inputs=["the man was"], n=3,
+                         max_new_tokens=4, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.source.add(Request(id="beams", model=MODEL, inputs=["a", "b"], use_beam_search=True,
+                         n=2, max_new_tokens=2, ignore_eos=True), lane=0, at=T0)  # fmt: skip
+    r.run()
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    _, first = r.recorder.of(Generated)[0]
+    obs.notify(first)
+    # Then, while "first" runs, the beam search waits as its two prompts
+    assert registry.get_sample_value("vllm:num_requests_running", VLLM) == 3
+    assert registry.get_sample_value("vllm:num_requests_waiting", VLLM) == 2
+
+
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
     from batchfleet.schemas.messages import Generation, Usage
     from batchfleet.worker.observers import Reply
@@ -466,7 +534,12 @@ def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> Non
     assert value("vllm:request_generation_tokens_sum") == sum(lengths)
     assert value("vllm:request_params_max_tokens_count") == 0  # none asked
     assert value("vllm:time_to_first_token_seconds_count") == 0  # no first token: not timed
-    assert value("vllm:prompt_tokens_total") == 8  # each prompt once, as its usage says
+    # each completion's prompt, as vLLM's child requests (its usage counts each prompt once)
+    assert value("vllm:prompt_tokens_total") == 16
+    # a custom runner's outputs that tell no prompt tokens: its usage's
+    bare = result.model_copy(update={"id": "s", "outputs": [{"text": ""}] * 4})
+    obs.notify(Answered(MODEL, [Reply(0, request, bare, True)]))
+    assert value("vllm:prompt_tokens_total") == 16 + 8
 
 
 def test_cache_config_and_lora_info_are_read_off_the_runner(runner: TextGenerationRunner) -> None:

@@ -195,6 +195,15 @@ class GenScheduler:
             self._step_tokens = policy.step_tokens
         self.policy.set_policy(policy)
 
+    def waiting_sequences(self) -> int:
+        """The sequences of the waiting requests, as vLLM counts its waiting requests: each
+        of a request's ``n`` completions (vLLM's parallel sampling fans ``n`` out into as
+        many requests); a preempted one's unfinished ones; a beam search's inputs (its
+        first round is a request per prompt)."""
+        return sum(len(res.prompts) if (res := self._resume.get(k)) is not None
+                   else h.request.input_count if h.request.use_beam_search
+                   else h.prepared.rows for k, h in self.held.items())  # fmt: skip
+
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
         room = 2 * self.policy.policy.max_running - len(self.held) - len(self.running)

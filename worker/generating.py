@@ -126,6 +126,7 @@ class Generating:
             self.model,
             running=sum(len(r.progress.contexts) for r in running),
             waiting=len(self.scheduler.held),
+            waiting_sequences=self.scheduler.waiting_sequences(),
             kv_tokens=sum(sum(r.progress.contexts) for r in running),
             kv_capacity=budget.kv_cache_tokens,
             preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),

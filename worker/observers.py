@@ -109,6 +109,9 @@ class Generated:
     kv_capacity: int
     preempted: int
     """Requests preempted by this step."""
+    waiting_sequences: int | None = None
+    """The ``waiting`` requests' sequences (each of a request's ``n`` completions one of vLLM's requests; a
+    preempted one's unfinished ones); None: one per request."""
     tokens: int = 0
     """Tokens the step generated."""
     gaps: tuple[tuple[int, float], ...] = ()

@@ -256,9 +256,11 @@ class VllmObserver:
         # vLLM's scheduler keeps a request whose constraint compiles waiting (skipped):
         # counted in num_requests_waiting, by the reason "deferred", not as running; and
         # one that a later step admits (planned already) waits until that step runs it
+        # (vLLM's parallel sampling makes each of a request's n completions a request)
+        queued = e.waiting if e.waiting_sequences is None else e.waiting_sequences
         step.running.set(e.running - e.deferred - e.admitting)
-        step.waiting.set(e.waiting + e.admitting + e.deferred)
-        step.capacity.set(e.waiting + e.admitting)
+        step.waiting.set(queued + e.admitting + e.deferred)
+        step.capacity.set(queued + e.admitting)
         step.deferred.set(e.deferred)
         step.iteration_tokens.observe(e.prefilled + e.tokens)
         usage = e.kv_tokens / max(1, e.kv_capacity)
@@ -279,13 +281,13 @@ class VllmObserver:
 
     def _answered(self, reply: Reply) -> None:
         m, labels, res = self.m, (self.model, ENGINE), reply.result
-        if res.usage is not None:
-            m.prompt_tokens.labels(*labels).inc(res.usage.prompt_tokens)
-            m.prefix_queries.labels(*labels).inc(res.usage.prompt_tokens)
-            details = res.usage.prompt_tokens_details
-            cached = details.cached_tokens if details is not None else 0
+        outputs = [_counts(o) for o in res.outputs or ()]
+        if (prompted := _prompted(outputs, res)) is not None:
+            prompt, cached, recomputed = prompted
+            m.prompt_tokens.labels(*labels).inc(prompt)
+            m.prefix_queries.labels(*labels).inc(prompt)
             m.prefix_hits.labels(*labels).inc(cached)
-            self._sources(res.usage.prompt_tokens, cached, _recomputed(reply))
+            self._sources(prompt, cached, recomputed)
         if res.status == "error":
             code = res.error.code if res.error is not None else None
             if code in ENGINE_ERRORS:
@@ -294,7 +296,6 @@ class VllmObserver:
         if res.status != "ok":  # expired: its deadline passed before it ran
             m.success.labels(*labels, "abort").inc(_outputs_asked(reply))
             return
-        outputs = [_counts(o) for o in res.outputs or ()]
         request = reply.request
         n = (request.n if request is not None else None) or 1
         for first in range(0, len(outputs), n):  # an input's n completions
@@ -366,16 +367,21 @@ def _counts(output: Any) -> _Output:
                    int(get("cached_tokens", 0) or 0))  # fmt: skip
 
 
-def _recomputed(reply: Reply) -> int:
-    """A request's prompts (the first completion of each input, as its usage counts them)
-    cached but for their last token, which is prefilled again for its logits: vLLM's
-    ``recomputed_tokens`` (its rule, one token per such prompt)."""
-    req, outputs = reply.request, reply.result.outputs
-    if not outputs:
-        return 0
-    n = (req.n if req is not None else None) or 1
-    return sum(1 for o in outputs[::n]
-               if (c := _counts(o)).cached_tokens and c.cached_tokens + 1 == c.prompt_tokens)  # fmt: skip
+def _prompted(outputs: list[_Output], res: Result) -> tuple[int, int, int] | None:
+    """A request's prompt tokens, cached ones, and recomputed ones (a prompt cached but for
+    its last token, prefilled again for its logits: one, vLLM's rule) as vLLM counts them:
+    per output, each of an input's ``n`` completions one of its engine's requests with its
+    prompt (prefilled, or cached after its twin's); from the usage (each prompt once)
+    where the outputs tell no prompt tokens (a custom runner's); None without either."""
+    if any(out.prompt_tokens for out in outputs):
+        return (sum(out.prompt_tokens for out in outputs),
+                sum(out.cached_tokens for out in outputs),
+                sum(1 for out in outputs
+                    if out.cached_tokens and out.cached_tokens + 1 == out.prompt_tokens))  # fmt: skip
+    if res.usage is None:
+        return None
+    details = res.usage.prompt_tokens_details
+    return res.usage.prompt_tokens, details.cached_tokens if details is not None else 0, 0
 
 
 def _phases(res: Result) -> dict[str, float] | None:
