@@ -72,13 +72,24 @@ def test_a_line_sent_while_redis_is_down_is_a_503_line_and_the_run_goes_on() -> 
         assert answer["error"]["error"]["message"].startswith("Redis unreachable: ")
 
 
+def waited(fake: ScriptedWorker, url: str) -> Taken:
+    """The next request taken, once the run waits for its result: it reads its result key
+    (at once, or again at its next sweep, 2 s on), as MONITOR shows."""
+    taken = fake.take()
+    with redis.Redis.from_url(url).monitor() as monitor:
+        for command in monitor.listen():
+            if command["command"].startswith("GET ") and taken.id in command["command"]:
+                return taken
+    raise AssertionError("MONITOR ended")
+
+
 def run_one_line_while(server: LocalRedis, outage: Any, retry_for_s: float) -> dict[str, Any]:
     """One chat line run through the fleet at ``server`` (default ``--timeout``: an hour);
-    once its request is taken, ``outage(taken, worker)`` plays the rest in a thread. Its
-    output line."""
+    once it waits for its result, ``outage(taken, worker)`` plays the rest in a thread.
+    Its output line."""
     client = redis.Redis.from_url(server.url)
     fake = ScriptedWorker(client, "mm")
-    worker = threading.Thread(target=lambda: outage(fake.take(), fake))
+    worker = threading.Thread(target=lambda: outage(waited(fake, server.url), fake))
     worker.start()
 
     async def lines() -> AsyncIterator[str]:
@@ -100,7 +111,7 @@ def run_one_line_while(server: LocalRedis, outage: Any, retry_for_s: float) -> d
 def test_a_line_waiting_when_redis_goes_away_for_good_is_a_503_line_after_retry_for(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Given a line sent and taken by a worker; When Redis then goes away and stays away
+    # Given a line waiting for its result; When Redis then goes away and stays away
     server = LocalRedis()
     server.start()
     line = run_one_line_while(server, lambda taken, fake: server.crash(), retry_for_s=0.5)
@@ -117,7 +128,7 @@ def test_a_line_waiting_when_redis_goes_away_for_good_is_a_503_line_after_retry_
 def test_a_line_waiting_when_redis_restarts_within_retry_for_is_answered(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Given a line sent and taken by a worker, on a Redis that keeps its data on disk
+    # Given a line waiting for its result, on a Redis that keeps its data on disk
     server = LocalRedis(appendonly=True, appendfsync="always")
     server.start()
 
