@@ -68,6 +68,8 @@ class RedisWatch:
         connection retries, as the reply sweeps' may: :mod:`.replies`)."""
         self._closing.set()
         await asyncio.wait({task}, timeout=STOP_WAIT_S)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            logger.error("run-batch: the Redis watch failed", exc_info=task.exception())
 
     def _answered(self) -> None:
         if self.down_since is not None:
