@@ -59,7 +59,8 @@ def output(destination: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
     """A text stream for the output lines: stdout (``-``), the file (truncated), or, for a
     URL, a temporary file in ``tmp_dir`` uploaded with PUT when the block ends, then
     removed (kept where the upload fails: :class:`UploadFailed` names it; kept and not
-    uploaded where the block raises, as a stopped run does: the log names it)."""
+    uploaded where the block raises, as a stopped run does, and kept where the upload is
+    stopped (Ctrl-C): the log names it)."""
     if destination == "-":
         yield sys.stdout
         sys.stdout.flush()
@@ -76,7 +77,12 @@ def output(destination: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
             logger.warning("run-batch: not uploaded to %s; the output so far is kept in %s",
                            destination, path)  # fmt: skip
             raise
-    upload(destination, path)
+    try:
+        upload(destination, path)
+    except KeyboardInterrupt:  # stopped between tries: the whole output stays, named
+        logger.warning("run-batch: upload to %s stopped; the output is kept in %s",
+                       destination, path)  # fmt: skip
+        raise
     os.unlink(path)
 
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from .producer.aio import AsyncProducer
+from .producer.core import DEFAULT_RETRY_FOR_S
 from .producer.gateway.app import Gateway
 from .producer.gateway.direct import Outcome, answer
 from .producer.gateway.errors import ApiError, invalid
 from .producer.gateway.frontend import Frontend
 from .producer.submit import new_request_id
 from .run_batch_metrics import RunBatchMetrics
+from .run_batch_outage import RedisWatch
 from .schemas.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,9 @@ class Settings:
     """vLLM's ``--response-role``."""
     progress_s: float = 5.0
     """Seconds between progress lines on the log (0: none)."""
+    retry_for_s: float = DEFAULT_RETRY_FOR_S
+    """Seconds a Redis outage is ridden out (the producer's ``retry_for_s``): by a line's
+    submit, by the lines waiting for their results, then 503 ``unavailable`` lines."""
 
 
 @dataclass(slots=True)
@@ -153,19 +158,21 @@ async def run_batch(
         metrics.line(outcome.status, outcome.error)
         writer.add(index, output_line(custom_id, outcome))
 
-    async with AsyncProducer(redis_url) as producer:
+    async with AsyncProducer(redis_url, retry_for_s=settings.retry_for_s) as producer:
         gateway = Gateway(producer, timeout_s=settings.timeout_s, priority=settings.priority,
                           frontend=Frontend(response_role=settings.response_role))  # fmt: skip
         gateway.replies.start()
+        watch = RedisWatch(producer, gateway.replies, settings.retry_for_s)
         room = asyncio.Semaphore(settings.max_in_flight)
         tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.ensure_future(_report(summary, writer, settings.progress_s))
+        watching = asyncio.ensure_future(watch.run())
 
         async def one(index: int, line: Line) -> None:
             try:
                 try:
                     with metrics.duration.time():
-                        outcome = await _answer_line(gateway, line, settings, sleep,
+                        outcome = await _answer_line(gateway, watch, line, settings, sleep,
                                                      metrics.retries.inc)  # fmt: skip
                 except Exception as exc:  # a fault of this program: that line says so
                     logger.exception("run-batch: line %r failed", line.custom_id)
@@ -204,6 +211,7 @@ async def run_batch(
             await asyncio.gather(*tasks, return_exceptions=True)  # (their jobs cancelled)
             reporter.cancel()  # (its last line: what was written)
             await asyncio.gather(reporter, return_exceptions=True)
+            await watch.close(watching)
             await gateway.replies.close()
     summary.failed = writer.failed
     return summary
@@ -214,7 +222,7 @@ def _refused(error: ApiError) -> Outcome:
 
 
 async def _answer_line(
-    gateway: Gateway, line: Line, settings: Settings,
+    gateway: Gateway, watch: RedisWatch, line: Line, settings: Settings,
     sleep: Callable[[float], Awaitable[object]], retried: Callable[[], object],
 ) -> Outcome:  # fmt: skip
     """``line`` answered; sent again while the fleet's lanes are full (nothing of it was
@@ -225,7 +233,8 @@ async def _answer_line(
         body = {**body, "model": settings.default_model}
     wait, waited = QUEUE_FULL_BACKOFF_S[0], 0.0
     while True:
-        outcome = await answer(gateway, line.url, body, settings.models)
+        outcome = await answer(gateway, line.url, body, settings.models,
+                               reachable=lambda: not watch.down)  # fmt: skip
         full = outcome.error is not None and outcome.error["error"].get("code") == (
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):
@@ -297,6 +306,10 @@ def _run(
     except (OSError, ValueError) as exc:
         print(f"batchfleet run-batch: cannot read {source}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a URL slow to answer)
+        print("batchfleet run-batch: stopped before the run started; nothing written",
+              file=sys.stderr)  # fmt: skip
+        return 130
     try:
         with stream, output(destination, tmp_dir) as out:
             summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings,

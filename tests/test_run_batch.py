@@ -210,10 +210,10 @@ def test_a_line_that_breaks_the_program_is_an_error_line_and_the_others_go_on(
 ) -> None:
     from batchfleet import run_batch as module
 
-    async def answer(gateway: Any, url: str, body: Any, models: Any) -> Any:
+    async def answer(gateway: Any, url: str, body: Any, models: Any, **options: Any) -> Any:
         if body["messages"][0]["content"] == "boom":
             raise RuntimeError("a bug")
-        return await real(gateway, url, body, models)
+        return await real(gateway, url, body, models, **options)
 
     real = module.answer
     monkeypatch.setattr(module, "answer", answer)

@@ -46,7 +46,7 @@ def gen() -> dict[str, Any]:
 class RunBatch:
     """``python -m batchfleet run-batch ...``; its stderr read line by line as it comes."""
 
-    def __init__(self, redis_url: str, source: Path, target: Path | str, *flags: str) -> None:
+    def __init__(self, redis_url: str, source: Path | str, target: Path | str, *flags: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "batchfleet", "run-batch", "--redis-url", redis_url, "-i",
              str(source), "-o", str(target), *flags],
@@ -183,6 +183,82 @@ def test_ctrl_c_with_an_output_url_uploads_nothing_and_keeps_what_was_written(
     assert f"not uploaded to {url}; the output so far is kept in {kept}" in stderr
     (line,) = [json.loads(line) for line in kept.read_text().splitlines()]
     assert line["custom_id"] == "line-a"
+
+
+class Stalls(http.server.BaseHTTPRequestHandler):
+    """GET: ``asked`` set, then held open until ``release`` (the hang guard at most). PUT:
+    ``put`` set, answered 503 (an upload that will not go through)."""
+
+    asked = threading.Event()
+    release = threading.Event()
+    put = threading.Event()
+
+    def do_GET(self) -> None:
+        Stalls.asked.set()
+        Stalls.release.wait(GUARD_S)
+        self.send_response(404)
+        self.end_headers()
+
+    def do_PUT(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Stalls.put.set()
+        self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def stalls() -> Iterator[str]:
+    """A :class:`Stalls` server's base URL."""
+    for event in (Stalls.asked, Stalls.release, Stalls.put):
+        event.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stalls)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    Stalls.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_ctrl_c_while_the_input_url_is_opened_exits_130_writing_nothing(
+    redis_url: str, stalls: str, tmp_path: Path
+) -> None:
+    # Given a run whose input URL is slow to answer
+    run = RunBatch(redis_url, f"{stalls}/in.jsonl", tmp_path / "out.jsonl")
+    try:
+        assert Stalls.asked.wait(GUARD_S)
+        # When it is stopped with Ctrl-C before the run starts
+        run.proc.send_signal(signal.SIGINT)
+        code, stderr = run.end()
+    finally:
+        run.kill()
+    # Then it exits 130 saying so, no traceback, nothing written (no output file)
+    assert code == 130, stderr
+    assert "Traceback" not in stderr
+    assert "stopped before the run started; nothing written" in stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_ctrl_c_during_the_upload_retries_keeps_the_output_and_names_it(
+    start: Callable[..., RunBatch], stalls: str, tmp_path: Path
+) -> None:
+    # Given a run whose upload is answered 503 (tried again 5 s later)
+    (tmp_path / "tmp").mkdir()
+    url = f"{stalls}/out.jsonl"
+    run = start(["{broken"], "--progress-interval", "0", "--output-tmp-dir",
+                str(tmp_path / "tmp"), target=url)  # fmt: skip
+    assert Stalls.put.wait(GUARD_S)
+    # When it is stopped with Ctrl-C between the tries
+    run.proc.send_signal(signal.SIGINT)
+    code, stderr = run.end()
+    # Then it exits 130, the whole output kept in its temporary file, which the log names
+    assert code == 130, stderr
+    (kept,) = (tmp_path / "tmp").iterdir()
+    assert f"upload to {url} stopped; the output is kept in {kept}" in stderr
+    (line,) = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert line["response"]["status_code"] == 400
 
 
 @pytest.mark.parametrize(("interval", "last"), [("3600", True), ("0", False)])

@@ -6,8 +6,9 @@ same translation (:mod:`.openai_fields`, :mod:`.pooling`), checks and submission
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -23,6 +24,8 @@ from .pooling import ENDPOINTS
 from .replies import DOWN
 from .split import merged, part_ids, split
 from .state import Gateway
+
+logger = logging.getLogger(__name__)
 
 GENERATION: Final[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/completions": False}
 """The generation URLs, each a chat (True) or a text completion."""
@@ -43,11 +46,14 @@ class Outcome:
 
 
 async def answer(
-    gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str] | None = None
-) -> Outcome:
+    gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str] | None = None,
+    reachable: Callable[[], bool] = lambda: True,
+) -> Outcome:  # fmt: skip
     """``body`` sent to ``url``, answered as the gateway answers it (never raises for the
     request's own faults: they are the outcome's ``error``). ``models`` maps a model the
-    body names to the fleet's model that serves it; the answer names the body's."""
+    body names to the fleet's model that serves it; the answer names the body's. Its fleet
+    requests left unanswered are cancelled, unless ``reachable()`` says Redis is known down
+    (the cancel would ride out the producer's retries in vain: logged instead)."""
     sent = _Sent(new_request_id())
     try:
         sent.id = chosen_request_id(body.get("request_id")).get("request_id") or sent.id
@@ -66,7 +72,11 @@ async def answer(
         error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
         return Outcome(sent.id, error.status, error=error.body())
     finally:
-        if sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
+        if sent.sent and not sent.ended and not reachable():
+            logger.warning("run-batch: Redis unreachable: requests %s not cancelled (the "
+                           "fleet may still answer them; nobody reads those results)",
+                           ", ".join(rid for _, rid in sent.sent))  # fmt: skip
+        elif sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
             cancels = asyncio.gather(*(gateway.producer.cancel(rid, model=model)
                                        for model, rid in sent.sent), return_exceptions=True)  # fmt: skip
             await asyncio.shield(cancels)  # (run-batch stopped: they are sent all the same)
