@@ -78,7 +78,8 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     None
 ):
     # Given a generating model's device thread (posting through its DeltaWriter), whose first
-    # step streams "a", ends "b", admits "c", and leaves a deferred fill that raises
+    # step streams "a" (running already), ends "b", admits "c", and leaves a deferred fill
+    # that raises
     def unsettled(work: Work) -> StepReport:
         def fill() -> None:
             raise RuntimeError("progress lost")
@@ -92,7 +93,7 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     device = Executor(Scripted(unsettled, _finals), lambda: 0.0, deltas.post)  # type: ignore[arg-type]
     device.start()
     # When it runs that step and another
-    device.submit(Work("s1", (("a", _prepared()), ("b", _prepared()), ("c", _prepared()))))
+    device.submit(Work("s1", (("b", _prepared()), ("c", _prepared()))))
     device.submit(Work("s2", (("d", _prepared()),)))
     first, second = _wait_all(inbox, 2)
     device.close(HANG_GUARD_S)
@@ -102,8 +103,8 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     events = first.report.events
     assert events[:2] == [Partial("a", {"text": "x"}), Final("b", ["done"])]
     assert [(e.key, e.code) for e in events[2:] if isinstance(e, Failed)] == [
-        ("a", ErrorCode.INFERENCE_FAILED),
         ("c", ErrorCode.INFERENCE_FAILED),
+        ("a", ErrorCode.INFERENCE_FAILED),
     ]
     assert all("progress lost" in e.message for e in events[2:] if isinstance(e, Failed))
     assert isinstance(second, StepDone) and second.report.events == [Final("d", ["ok"])]
