@@ -157,13 +157,13 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 loop.terminate()
 
     def _end(self, wait_s: float, how: Callable[[BatchLoop], None]) -> None:
-        signals.worker_shutting_down.disconnect(self._shutting_down)
         self.health.draining()
         for loop in self.loops:
             how(loop)
         deadline = time.monotonic() + wait_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        signals.worker_shutting_down.disconnect(self._shutting_down)  # (a cold one came meanwhile)
         if self.health_server is not None:
             self.health_server.close()
             self.health_server = None
