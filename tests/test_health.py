@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from batchfleet.producer import Producer
+from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.worker.health import Health
 from conftest import WorkerProcess, fleet_toml
 
@@ -82,20 +84,21 @@ def gated_worker(
     tmp_path: Path,
     start_worker: Callable[..., WorkerProcess],
     monkeypatch: pytest.MonkeyPatch,
-) -> Callable[[int], tuple[Path, int, WorkerProcess]]:
+) -> Callable[..., tuple[Path, int, WorkerProcess]]:
     """Starts a worker serving ``tiny`` by :class:`GatedEmbedding` with its health on a free
-    port and the given ``claim_idle_ms``: (its gate folder, the port, the worker)."""
+    port and the given ``claim_idle_ms`` (and other ``[worker]`` settings): (its gate
+    folder, the port, the worker)."""
     gate = tmp_path / "gate"
     gate.mkdir()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent),
                                                       os.environ.get("PYTHONPATH", "")]))  # fmt: skip
 
-    def start(claim_idle_ms: int) -> tuple[Path, int, WorkerProcess]:
+    def start(claim_idle_ms: int, **worker: object) -> tuple[Path, int, WorkerProcess]:
         port = free_port()
         text = fleet_toml(redis_url, {"tiny": {"runner": "gated_handler:GatedEmbedding",
                                                "path": str(tiny_embedder), "max_tokens": 32,
                                                "options": {"gate": str(gate)}}},
-                          worker={"claim_idle_ms": claim_idle_ms})  # fmt: skip
+                          worker={"claim_idle_ms": claim_idle_ms, **worker})  # fmt: skip
         text += f'\n[health]\nport = {port}\nhost = "127.0.0.1"\n'
         return gate, port, start_worker(text, "gated")
 
@@ -103,7 +106,7 @@ def gated_worker(
 
 
 def test_unready_while_loading_and_draining(
-    redis_url: str, r: redis.Redis, gated_worker: Callable[[int], tuple[Path, int, WorkerProcess]]
+    redis_url: str, r: redis.Redis, gated_worker: Callable[..., tuple[Path, int, WorkerProcess]]
 ) -> None:
     # Given a worker whose model load and batches wait for the test's go-ahead
     gate, port, w = gated_worker(600_000)  # claim_idle_ms: its device never counts as hung
@@ -136,7 +139,7 @@ def test_unready_while_loading_and_draining(
 
 
 def test_a_hung_device_fails_liveness_until_its_batch_ends(
-    redis_url: str, r: redis.Redis, gated_worker: Callable[[int], tuple[Path, int, WorkerProcess]]
+    redis_url: str, r: redis.Redis, gated_worker: Callable[..., tuple[Path, int, WorkerProcess]]
 ) -> None:
     # Given a worker whose batch waits for the test's go-ahead, the idle fallback at 1 s
     gate, port, w = gated_worker(1000)
@@ -161,3 +164,34 @@ def test_a_hung_device_fails_liveness_until_its_batch_ends(
         wait_for(lambda: probe(port, "/livez") == (200, {"ok": True, "phase": "serving",
                                                           "dead_loops": [], "hung_devices": {}}),
                  "live again")  # fmt: skip
+
+
+@pytest.mark.parametrize("warm_first", [False, True], ids=["SIGQUIT", "SIGTERM-then-SIGQUIT"])
+def test_a_cold_shutdown_hands_the_running_batch_back_at_once(
+    redis_url: str,
+    r: redis.Redis,
+    gated_worker: Callable[..., tuple[Path, int, WorkerProcess]],
+    warm_first: bool,
+) -> None:
+    # Given a worker whose batch never ends, with an hour's shutdown grace (a warm stop
+    # would wait it out) and a long idle fallback (a request handed back is marked idle
+    # this long; one merely left pending is not)
+    claim_idle_ms = 600_000
+    gate, port, w = gated_worker(claim_idle_ms, shutdown_grace_s=3600)
+    (gate / "load").touch()
+    w.wait_ready(r, "tiny")
+    with Producer(redis_url) as producer:
+        job = producer.submit("tiny", "the dog", priority=0)
+        wait_for(lambda: (gate / "running").exists(), "batch running")
+        # When it gets a cold shutdown (SIGQUIT), alone or during a warm one (SIGTERM)
+        if warm_first:
+            w.process.terminate()
+            wait_for(lambda: probe(port, "/readyz")[1].get("phase") == "draining", "draining")
+        w.process.send_signal(signal.SIGQUIT)
+        # Then it exits without waiting for the batch, the request unanswered and handed
+        # back to the fleet for the next worker's reclaim
+        w.process.wait(30)
+        keys = ModelKeys("tiny")
+        assert r.get(keys.result(job.id)) is None
+        (pending,) = r.xpending_range(keys.lane(0), GROUP, "-", "+", 10)
+        assert pending["time_since_delivered"] >= claim_idle_ms

@@ -9,20 +9,24 @@ import logging
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits
 from batchfleet.worker import intake as intake_module
 from batchfleet.worker import sink as sink_module
+from batchfleet.worker.app import BatchLoopStep
 from batchfleet.worker.cancels import CancelWatch
 from batchfleet.worker.inbox import Cancel, Event
 from batchfleet.worker.intake import Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import Observers
+from batchfleet.worker.runner import StepReport, Work
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.sink import RedisSink
 from batchfleet.worker.streams import ModelStreams
@@ -34,6 +38,8 @@ MODEL = "tiny"
 KEYS = ModelKeys(MODEL)
 HOUR = 3600.0
 HANG_GUARD_S = 60.0
+CLAIM_IDLE_MS = 600_000
+"""Long: a request handed back is marked idle this long; one merely left pending is not."""
 UNREACHABLE_CLUSTER = redis.exceptions.RedisClusterUnreachableError(
     "Redis Cluster cannot be connected. Please provide at least one reachable node"
 )
@@ -196,3 +202,44 @@ def test_a_result_is_kept_through_a_cluster_outage(
     assert len(tries) == 2
     assert decode_result(r.get(KEYS.result("r1"))).ok
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+class Stuck(EmbeddingRunner):
+    """Its steps never end until ``go`` is set (a hung device); ``running`` once one began."""
+
+    running: threading.Event
+    go: threading.Event
+
+    def step(self, work: Work) -> StepReport:
+        self.running.set()
+        self.go.wait()
+        return super().step(work)
+
+
+def test_a_terminated_loop_step_hands_its_running_batch_back_at_once(
+    r: redis.Redis, tiny_embedder: Path
+) -> None:
+    # Given the worker's loop step serving a loop whose device step never ends, with an
+    # hour's shutdown grace (a warm stop would wait it out)
+    runner = Stuck(tiny_embedder, device="cpu", max_tokens=32)
+    runner.running, runner.go = threading.Event(), threading.Event()
+    loop = BatchLoop(MODEL, ModelConfig(max_tokens=32), runner, r, consumer="w1",
+                     worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS,
+                                         shutdown_grace_s=HOUR))  # fmt: skip
+    job = Producer(client=r).submit(MODEL, "the dog", priority=0)
+    step = BatchLoopStep(SimpleNamespace())
+    step.loops = [loop]
+    step.threads = [threading.Thread(target=loop.run, daemon=True)]
+    step.threads[0].start()
+    try:
+        assert runner.running.wait(HANG_GUARD_S)
+        # When Celery terminates it (a cold shutdown)
+        step.terminate(SimpleNamespace())
+        # Then its loop ended without the step, the request unanswered and handed back
+        assert not step.threads[0].is_alive()
+        assert loop.wait_stopped(0)
+        assert r.get(KEYS.result(job.id)) is None
+        (pending,) = r.xpending_range(KEYS.lane(0), GROUP, "-", "+", 10)
+        assert pending["time_since_delivered"] >= CLAIM_IDLE_MS
+    finally:
+        runner.go.set()

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, signals
 
 from ..config import FleetConfig, load_config
 from ..connection import connect, default_url
@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 CELERY_QUEUE = "batchfleet"
 
+TERMINATE_JOIN_S = 5.0
+"""A cold shutdown's wait for the loops to hand their requests back (no step is waited
+for: a thread still in a Redis call past this is left, and the entries it held are
+reclaimed by other workers after ``claim_idle_ms``)."""
+
 
 class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Loads each served model once (in the worker process: never forked after CUDA init)
@@ -52,9 +57,14 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.threads: list[threading.Thread] = []
         self.health = Health()
         self.health_server: HealthServer | None = None
+        self.hostname = ""
 
     def start(self, worker: Any) -> None:
         app = worker.app
+        self.hostname = worker.hostname
+        # A second Ctrl-C during a warm shutdown is a cold one that never reaches terminate()
+        # (the blueprint is already stopping): Celery's signal handler sends this.
+        signals.worker_shutting_down.connect(self._shutting_down, weak=False)
         fleet: FleetConfig = app.batchfleet_config
         if fleet.health.port is not None:  # up first: it answers "unready" while models load
             self.health_server = HealthServer(self.health, fleet.health.host, fleet.health.port)
@@ -129,15 +139,34 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self, worker: Any) -> None:
+        """Warm shutdown: the steps running finish and are stored (up to the grace)."""
         fleet: FleetConfig = worker.app.batchfleet_config
+        self._end(fleet.worker.shutdown_grace_s, BatchLoop.stop)
+
+    def terminate(self, worker: Any) -> None:
+        """Cold shutdown (SIGQUIT, or Celery's ``WorkerTerminate``): every loop hands what it
+        holds and runs back to the fleet at once, steps in flight not waited for. Celery's
+        ``StartStopStep.terminate`` would do nothing here: this step has no ``obj``."""
+        self._end(TERMINATE_JOIN_S, BatchLoop.terminate)
+
+    def _shutting_down(self, sender: Any = None, how: str = "", **_: Any) -> None:
+        """Celery's ``worker_shutting_down`` (sent from its signal handler): a cold one cuts
+        the loops short, also while a warm :meth:`stop` waits for them. Only flags are set."""
+        if how == "Cold" and sender == self.hostname:
+            for loop in self.loops:
+                loop.terminate()
+
+    def _end(self, wait_s: float, how: Callable[[BatchLoop], None]) -> None:
         self.health.draining()
         for loop in self.loops:
-            loop.stop()
-        deadline = time.monotonic() + fleet.worker.shutdown_grace_s
+            how(loop)
+        deadline = time.monotonic() + wait_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        signals.worker_shutting_down.disconnect(self._shutting_down)  # (a cold one came meanwhile)
         if self.health_server is not None:
             self.health_server.close()
+            self.health_server = None
 
     def info(self, worker: Any) -> dict[str, Any]:
         models = {

@@ -36,7 +36,7 @@ from ..schemas.codec import (
     tool_chunks_json,
 )
 from ..schemas.messages import Format
-from .inbox import StepDone
+from .inbox import DeviceStopped, StepDone
 from .runner import Failed, Final, Partial, Preempted
 from .sink import Streamed
 
@@ -92,7 +92,7 @@ class DeltaWriter:
     def __init__(
         self,
         stream: Callable[[Sequence[Streamed]], None],
-        then: Callable[[StepDone], None],
+        then: Callable[[StepDone | DeviceStopped], None],
         suspect: Callable[[], bool] = lambda: False,
     ) -> None:
         self._stream = stream
@@ -112,8 +112,11 @@ class DeltaWriter:
         if targets:
             self._expected.put(targets)
 
-    def post(self, done: StepDone) -> None:
+    def post(self, done: StepDone | DeviceStopped) -> None:
         """A step ended: stream its deltas, then hand it to the loop."""
+        if isinstance(done, DeviceStopped):
+            self._then(done)
+            return
         to = self._to
         while True:
             try:

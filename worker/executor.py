@@ -1,7 +1,12 @@
 """The executor: runs a model's steps on its device thread, one at a time, in order.
 
 It only executes: no Redis, no observers, no request state. Each finished step goes back
-to the loop as a :class:`~.inbox.StepDone` with the times it began and ended.
+to the loop as a :class:`~.inbox.StepDone` with the times it began and ended, whatever
+happened in it: a step whose runner raised, or whose hand-off (its deferred ``settle()``,
+its deltas) failed, comes back with its requests failed, so the thread lives on and the
+loop is never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
+ends the thread, after a :class:`~.inbox.DeviceStopped` (the loop stops and hands the
+step's requests back to the fleet).
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ import queue
 import threading
 from collections.abc import Callable
 
-from .inbox import StepDone
-from .runner import Failed, Runner, StepReport, Work
+from .inbox import DeviceStopped, StepDone
+from .runner import Failed, Final, Preempted, Runner, StepReport, Work
 
 logger = logging.getLogger(__name__)
+
+STOPS = (SystemExit, KeyboardInterrupt)
+"""What a step may raise that means "stop", not "this step failed"."""
 
 
 class Executor:
@@ -24,7 +32,7 @@ class Executor:
         self,
         runner: Runner,
         clock: Callable[[], float],
-        post: Callable[[StepDone], None],
+        post: Callable[[StepDone | DeviceStopped], None],
         name: str = "device",
     ) -> None:
         self.runner = runner
@@ -68,16 +76,54 @@ class Executor:
 
     def _run(self) -> None:
         while (work := self._queue.get()) is not None:
-            self._post(execute(self.runner, work, self._clock))
+            try:
+                self._step(work)
+            except STOPS as exc:
+                logger.error("device thread %s told to stop (%r) in step %s: its requests go "
+                             "back to the fleet", self._thread.name, exc, work.step_id)  # fmt: skip
+                self._post(DeviceStopped(work.step_id, f"{type(exc).__name__}: {exc}"))
+                return
+
+    def _step(self, work: Work) -> None:
+        done = execute(self.runner, work, self._clock)
+        try:
+            self._post(done)  # a generating runner's deferred settle() runs in it
+        except STOPS:
+            raise
+        except BaseException as exc:  # any failure: the loop must hear of the step
+            logger.exception("handing step %s of %s over failed", work.step_id,
+                             type(self.runner).__name__)  # fmt: skip
+            report = unfinished_failed(work, done.report, exc)
+            self._post(StepDone(work.step_id, report, done.started_at, self._clock()))
 
 
 def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
-    """Run one step, timed; a runner that raises fails every request of the step."""
+    """Run one step, timed; a runner that raises (anything but a stop: :data:`STOPS`) fails
+    every request of the step."""
     started = clock()
     try:
         report = runner.step(work)
-    except Exception as exc:  # runners report request failures; this is a runner bug
+    except STOPS:
+        raise
+    except BaseException as exc:  # runners report request failures: a runner bug
         logger.exception("step %s crashed in %s", work.step_id, type(runner).__name__)
-        message = f"{type(exc).__name__}: {exc}"
-        report = StepReport(events=[Failed(key, message) for key, _ in work.admit], calls=0)
+        report = StepReport(events=[Failed(key, _message(exc)) for key, _ in work.admit], calls=0)
     return StepDone(work.step_id, report, started, clock())
+
+
+def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> StepReport:
+    """A step whose hand-off failed: its events stand (its deltas may be streamed already),
+    and every request it admitted or moved on without ending it fails after them, as the
+    runner's state after the step cannot be trusted."""
+    ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
+    message = f"finishing the step failed: {_message(exc)}"
+    failed: dict[str, Failed] = {}
+    for key in [k for k, _ in work.admit] + [ev.key for ev in report.events]:
+        if key not in ended and key not in failed:
+            failed[key] = Failed(key, message)
+    return StepReport(events=[*report.events, *failed.values()],
+                      out_of_memory=report.out_of_memory, calls=0)  # fmt: skip
+
+
+def _message(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

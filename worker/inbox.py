@@ -47,6 +47,15 @@ class StepDone:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceStopped:
+    """The device thread ended on a ``SystemExit``/``KeyboardInterrupt`` in step ``step_id``
+    (it never finished): the loop stops, and hands that step's requests back."""
+
+    step_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Wake:
     """Something the loop reads changed (a batch was stored, a flag was set): decide again."""
 
@@ -74,7 +83,7 @@ class Lost:
     entries: Sequence[Entry]
 
 
-Event = Arrived | Retire | ReadIdle | StepDone | Wake | SetPolicy | Cancel | Lost
+Event = Arrived | Retire | ReadIdle | StepDone | DeviceStopped | Wake | SetPolicy | Cancel | Lost
 
 
 class Inbox(Protocol):

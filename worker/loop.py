@@ -36,7 +36,18 @@ from .blobs import with_fetched
 from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .holding import HAND_OVER_EVERY_S, HoldingFeed
-from .inbox import Arrived, Cancel, Event, Lost, ReadIdle, Retire, SetPolicy, StepDone, Wake
+from .inbox import (
+    Arrived,
+    Cancel,
+    DeviceStopped,
+    Event,
+    Lost,
+    ReadIdle,
+    Retire,
+    SetPolicy,
+    StepDone,
+    Wake,
+)
 from .observers import (
     BatchDone,
     Dispatched,
@@ -103,6 +114,8 @@ class BatchLoop:
         self._paused = False
         self._draining = False
         self._stopping = False
+        self._terminating = False
+        self._device_gone = False
         self._stopped = threading.Event()
         self._stuck_since: float | None = None
         """The loop ended with its device thread still in a step (begun then): see :meth:`settle`."""
@@ -124,6 +137,14 @@ class BatchLoop:
         """Stop reading; running steps finish and are stored before ``run`` returns."""
         self._stopping = True
         self._state("stopping")
+
+    def terminate(self) -> None:
+        """Stop at once (a cold shutdown): as :meth:`stop`, but the step on the device is not
+        waited for, nor a generation's grace: its requests go back to the fleet too. Safe in a
+        signal handler: it only sets flags and wakes the loop (no observer hears of it)."""
+        self._terminating = True
+        self._stopping = True
+        self.parts.inbox.put(Wake())
 
     def pause(self) -> None:
         """Stop reading new entries; what this worker already holds is still answered."""
@@ -217,6 +238,7 @@ class BatchLoop:
         self.scheduler = gen or Scheduler(self.engine)
         self._unannounced.clear()
         self._stopped.clear()
+        self._device_gone = False
         self._stuck_since = None
         forget = getattr(self.runner, "forget_all", None)
         if forget is not None and not self.parts.device.alive:  # (see settle)
@@ -255,6 +277,8 @@ class BatchLoop:
         while True:
             if self._stopping and not self._handed_back:
                 self._hand_back()
+            if self._terminating or self._device_gone:
+                return  # what the device runs (if anything) goes back, unwaited for
             now = self._clock()
             decision = self._next_step(now)
             # what is held now, so the intake keeps it from others' idle fallback
@@ -312,6 +336,11 @@ class BatchLoop:
     def _handle(self, event: Event) -> None:
         if isinstance(event, StepDone):
             self._finished(event)
+        elif isinstance(event, DeviceStopped):
+            logger.error("batch loop of %s stops: its device thread ended in step %s (%s)",
+                         self.model, event.step_id, event.reason)  # fmt: skip
+            self._device_gone = True
+            self.stop()
         elif isinstance(event, Arrived):
             self._arrivals += 1
             self._idle_reads = 0
@@ -340,7 +369,7 @@ class BatchLoop:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
         answer it, hand everything else back, then let the sink store all it was given."""
         parts = self.parts
-        grace = self.worker.shutdown_grace_s
+        grace = 0.0 if self._terminating else self.worker.shutdown_grace_s
         if "source" in started:
             parts.source.stop()
             parts.source.join(min(grace, HEARTBEAT_JOIN_S))
