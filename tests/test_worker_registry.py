@@ -149,6 +149,32 @@ def test_pruning_deletes_dead_consumers_only_once_they_hold_nothing(r: redis.Red
     assert consumers(r, lanes) == [{"live", "w1"}] * lanes
 
 
+def test_a_refused_prune_is_logged_and_the_takeover_goes_on(
+    redis_url: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker whose ACL user may not XINFO (an ACL written before the prune used
+    # it), and an entry held by a dead worker, idle past the heartbeat timeout
+    r.acl_setuser("no-xinfo", enabled=True, passwords=["+pw"], categories=["+@all"],
+                  commands=["-xinfo"], keys=["*"], channels=["*"])  # fmt: skip
+    try:
+        client = redis.Redis.from_url(redis_url, username="no-xinfo", password="pw")
+        (held,) = read_as(r, "gone", 1, ack=False)
+        r.xclaim(KEYS.lane(0), GROUP, "gone", 0, [held], idle=60_000)
+        streams = ModelStreams(client, MODEL, 1, "w1")
+        intake = Intake(streams, WorkerConfig(heartbeat_timeout_ms=2000), Limits(),
+                        lambda: 1_000.0, print)  # fmt: skip
+        # When its takeover pass prunes first
+        with pytest.raises(redis.ResponseError, match="run this command"):
+            streams.prune(1_000_000, 2000, HOUR_MS)
+        found = intake._reclaim(1_000.0, 10, True)
+        # Then the refusal is logged and the dead worker's entry is taken over all the same
+        assert "pruning dead workers failed" in caplog.text
+        assert [e.id for e in found] == [held]
+        client.close()
+    finally:
+        r.acl_deluser("no-xinfo")
+
+
 def test_the_intake_publishes_its_serving_and_prunes_dead_workers_now_and_then(
     r: redis.Redis,
 ) -> None:

@@ -369,8 +369,16 @@ class Intake:
         return found
 
     def _prune(self, now_ms: int) -> None:
+        """Forget dead workers (housekeeping: a refusal, such as an ACL without ``XINFO``,
+        is logged and never stops the takeover that follows)."""
         retention_ms = self.worker.dead_worker_retention_s * 1000
-        pruned = self.streams.prune(now_ms, self.worker.heartbeat_timeout_ms, retention_ms)
+        try:
+            pruned = self.streams.prune(now_ms, self.worker.heartbeat_timeout_ms, retention_ms)
+        except redis.ResponseError as exc:
+            logger.warning(
+                "model %s: pruning dead workers failed: %s", self.streams.keys.model, exc
+            )
+            return
         if pruned.heartbeats or pruned.consumers:
             logger.info(
                 "model %s: forgot workers dead for over %d s (%d heartbeats, %d consumers)",

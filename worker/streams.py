@@ -296,7 +296,7 @@ class ModelStreams:
         their consumer in each lane's group where it holds no pending entry, once older
         than ``retention_ms``. Never this worker's own."""
         keys = [self.keys.workers, self.keys.serving, self.keys.hostnames, *self.streams]
-        args = [now_ms, timeout_ms, retention_ms, GROUP, self.consumer]
+        args: list[int | str] = [now_ms, timeout_ms, retention_ms, GROUP, self.consumer]
         return Pruned(*(int(n) for n in self._prune(keys=keys, args=args)))
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:

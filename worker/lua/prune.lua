@@ -69,7 +69,11 @@ end
 local deleted = 0
 for k = 4, #KEYS do
   local consumers = redis.pcall('XINFO', 'CONSUMERS', KEYS[k], group)
-  if consumers.err == nil then  -- (no stream or group yet: nothing to delete)
+  local err = consumers.err
+  if err and not (err:find('^NOGROUP') or err:find('no such key')) then
+    return redis.error_reply(err)
+  end
+  if not err then  -- (no stream or group yet: nothing to delete)
     for _, fields in ipairs(consumers) do
       local c = {}
       for i = 1, #fields, 2 do
