@@ -142,6 +142,17 @@ class WorkerConfig(BaseModel):
     device step runs longer than this (a hung device): keep it above your longest batch."""
     max_deliveries: int = Field(3, ge=1, le=100)
     """An entry delivered more often than this without an answer is poison: dead-lettered."""
+    dead_worker_retention_s: int = Field(3600, ge=1)
+    """A worker whose heartbeat is older than this is forgotten (Flower's
+    ``purge_offline_workers``): its heartbeat, and its consumer in each lane's group once it
+    holds no pending entry, are removed by the live workers; until then ``batchfleet
+    status`` shows it stale. At least the heartbeat timeout."""
+
+    @model_validator(mode="after")
+    def _retention(self) -> WorkerConfig:
+        if self.dead_worker_retention_s * 1000 < self.heartbeat_timeout_ms:
+            raise ValueError("dead_worker_retention_s must be at least heartbeat_timeout_ms")
+        return self
 
 
 class HealthConfig(BaseModel):

@@ -123,7 +123,9 @@ class ModelKeys:
 
     @property
     def workers(self) -> str:
-        """Hash of live consumers: name → unix ms of its last heartbeat."""
+        """Hash of consumers: name → unix ms of its last heartbeat (stale ones too, until
+        their heartbeat is older than the ``dead_worker_retention_s`` of a live worker:
+        it prunes them, ``worker/lua/prune.lua``)."""
         return f"{self.tag}:workers"
 
     @property

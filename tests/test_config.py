@@ -54,6 +54,7 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
         FLEET.replace('redis_url = "redis:', 'redis_url = "http:'),
         FLEET + "\n[models.'bad name']\npath = '/tmp'\n",
         FLEET.replace('handler = "embedding"', 'handler = "embedding"\ncolour = "blue"'),
+        FLEET + "\n[worker]\ndead_worker_retention_s = 5\n",  # under the heartbeat timeout
     ],
 )
 def test_invalid_fleet_files_fail_loudly(tmp_path: Path, bad: str) -> None:

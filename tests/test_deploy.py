@@ -25,7 +25,7 @@ from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo
-from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
+from batchfleet.worker.streams import Finish, ModelStreams, Pruned, TokenWrite
 from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_stream
 
 from batchfleet.config import load_config
@@ -406,6 +406,12 @@ def test_acl_users_can_do_their_job_and_no_more(acl_redis: int) -> None:
     streams.mark_started([("gen-1", 60)])  # admitted: its prefill begins
     assert streams.cancelled(["gen-1"]) == []
     assert streams.depths() == ([0, 1, 0], [0, 0, 0])  # the generation request waits
+    # the live workers' prune: a dead worker holding nothing goes (XINFO, XGROUP DELCONSUMER)
+    worker.xadd(keys.lane(0), {"r": "old"})
+    (entry,) = ModelStreams(worker, "minilm", 3, "old").read({0: 1}, None)
+    worker.xack(keys.lane(0), GROUP, entry.id)
+    worker.hset(keys.workers, "old", 1)
+    assert streams.prune(10**12, 6000, 0) == Pruned(entries=0, heartbeats=1, consumers=1)
     scheduled = WebhookKeys().scheduled
     worker.zadd(scheduled, {"d1": 1})
     assert worker.zrangebyscore(scheduled, 0, 2) == [b"d1"] and worker.pexpire(scheduled, 1000)

@@ -40,8 +40,9 @@ LANE0_ONLY_BLOCK_MS = 50
 reserve while lower lanes fill its hold)."""
 RECLAIM_EVERY_S = 1.0
 PRUNE_EVERY_S = 30.0
-"""How often a worker removes the hostname and serving entries of workers whose heartbeat
-is gone (``ModelStreams.prune``): they only grow with restarts under new names."""
+"""How often a worker removes what workers whose heartbeat is gone left: hostname and serving
+entries, and past ``dead_worker_retention_s`` heartbeats and consumers
+(``ModelStreams.prune``): they only grow with restarts under new names."""
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
 RETRY_FIRST_S = 0.05
@@ -359,13 +360,31 @@ class Intake:
             dead = [c for c in self.streams.holders() if c not in live]
             if now - self._last_prune >= PRUNE_EVERY_S:
                 self._last_prune = now
-                self.streams.prune(int(now * 1000), timeout)
+                self._prune(int(now * 1000))
         found = self.streams.reclaim(
             self.worker.claim_idle_ms, count, suspects=suspects, dead=dead, dead_idle_ms=timeout
         )
         if found:
             logger.info("took over %d entries (dead workers: %s)", len(found), dead)
         return found
+
+    def _prune(self, now_ms: int) -> None:
+        """Forget dead workers (housekeeping: a refusal, such as an ACL without ``XINFO``,
+        is logged and never stops the takeover that follows)."""
+        retention_ms = self.worker.dead_worker_retention_s * 1000
+        try:
+            pruned = self.streams.prune(now_ms, self.worker.heartbeat_timeout_ms, retention_ms)
+        except redis.ResponseError as exc:
+            logger.warning(
+                "model %s: pruning dead workers failed: %s", self.streams.keys.model, exc
+            )
+            return
+        if pruned.heartbeats or pruned.consumers:
+            logger.info(
+                "model %s: forgot workers dead for over %d s (%d heartbeats, %d consumers)",
+                self.streams.keys.model, self.worker.dead_worker_retention_s,
+                pruned.heartbeats, pruned.consumers,
+            )  # fmt: skip
 
     def _deliver(self, entries: list[Entry]) -> None:
         """Hand entries to the loop. Redelivered ones whose request has a result already go

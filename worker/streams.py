@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import redis
@@ -156,6 +156,16 @@ STORED, DUPLICATE, SUPERSEDED = 1, 0, 2
 (which stands), or stored nothing (a later attempt at the request owns it now)."""
 
 
+class Pruned(NamedTuple):
+    """What :meth:`ModelStreams.prune` removed."""
+
+    entries: int
+    """Hostname and serving entries."""
+    heartbeats: int
+    consumers: int
+    """Consumers deleted from the lanes' groups (one per lane a worker had read)."""
+
+
 class ModelStreams:
     """Reads and retires one model's lane streams as one consumer of the group."""
 
@@ -279,12 +289,15 @@ class ModelStreams:
             pipe.hdel(key, self.consumer)
         pipe.execute()
 
-    def prune(self, now_ms: int, timeout_ms: int) -> int:
-        """Remove the hostname and serving entries of workers whose heartbeat is older than
-        ``timeout_ms``, or their own where longer (or gone): died or renamed without
-        stopping cleanly (``prune.lua``); returns how many went."""
-        keys = [self.keys.workers, self.keys.serving, self.keys.hostnames]
-        return int(self._prune(keys=keys, args=[now_ms, timeout_ms]))
+    def prune(self, now_ms: int, timeout_ms: int, retention_ms: int) -> Pruned:
+        """Forget workers that died or were renamed without stopping cleanly
+        (``prune.lua``, atomic): their hostname and serving entries once their heartbeat is
+        older than ``timeout_ms`` (or their own, where longer) or gone; their heartbeat, and
+        their consumer in each lane's group where it holds no pending entry, once older
+        than ``retention_ms``. Never this worker's own."""
+        keys = [self.keys.workers, self.keys.serving, self.keys.hostnames, *self.streams]
+        args: list[int | str] = [now_ms, timeout_ms, retention_ms, GROUP, self.consumer]
+        return Pruned(*(int(n) for n in self._prune(keys=keys, args=args)))
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
         """New entries for this consumer: up to ``counts[lane]`` from each lane (one round
