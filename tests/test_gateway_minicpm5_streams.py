@@ -30,11 +30,12 @@ from batchfleet.producer.gateway.chunks import Chunks
 from batchfleet.producer.gateway.endpoint import Answered
 from batchfleet.producer.gateway.replies import Replies
 from batchfleet.producer.gateway.state import Gateway
+from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Delta, Request, Result, Usage
 from batchfleet.worker.deltas import StreamTo
-from batchfleet.worker.runner import Partial
+from batchfleet.worker.runner import Final, Partial
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from batchfleet.worker.streams import ModelStreams, TokenWrite
 from conftest import TINY_LM_OPTIONS
@@ -97,7 +98,8 @@ def forced(runner: TextGenerationRunner, request: Request, texts: list[str]) -> 
         chunks += [ev.chunk for ev in runner._deltas(r) if isinstance(ev, Partial)]
     *tail, final = runner._finish(r)
     chunks += [ev.chunk for ev in tail if isinstance(ev, Partial)]
-    outputs = final.outputs  # type: ignore[attr-defined]
+    assert isinstance(final, Final)
+    outputs = final.outputs
     assert [o["content"] for o in outputs] == SHOWN[: len(texts)]  # as vLLM's whole read
     return Made(chunks if request.stream else [], outputs)
 
@@ -233,10 +235,12 @@ def test_a_background_response_s_stream_and_its_resumption_show_the_deltas(
     asyncio.run(go())
 
 
-async def streamed(replies: Replies, job: AsyncJob, chunks: Chunks) -> list[dict[str, Any]]:
-    """``job``'s chunks as the chat route makes them of its events."""
+async def streamed(replies: Replies, job: AsyncJob, chunks: Chunks,
+                   seen: list[Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """``job``'s chunks as the chat route makes them of its events (each put in ``seen``)."""
     out: list[dict[str, Any]] = []
     async for event in replies.events(job, 10):
+        (seen if seen is not None else []).append(event)
         out += chunks.finish(event) if isinstance(event, Result) else chunks.feed(event)
     return out
 
@@ -261,27 +265,31 @@ def test_a_stream_read_again_from_its_token_stream_shows_the_deltas(
             streams.append_tokens(late.writes("late", None))
             r.set(KEYS.result("late"), encode_result(late.result("late")))
             job = AsyncJob("late", MODEL, producer=p, streaming=True, output_count=2)
+            seen: list[Any] = []
             with replies.stream(MODEL, "late"):
-                chunks = await streamed(replies, job, Chunks(body, Answered("c-1", 1), MODEL, True))
+                maker = Chunks(body, Answered("c-1", 1), MODEL, True)
+                chunks = await streamed(replies, job, maker, seen)
+            assert isinstance(seen[0], Restarted)
             assert chat_contents(chunks) == dict(enumerate(TEXTS))
             # the subscription lost after 5 deltas: the rest read from the token stream,
             # what was sent skipped
             cut = made("cut")
             writes = cut.writes("cut", p.reply_channel, published=5)
             job = AsyncJob("cut", MODEL, producer=p, streaming=True, output_count=2)
+            seen.clear()
             with replies.stream(MODEL, "cut"):
-                reading = asyncio.ensure_future(
-                    streamed(replies, job, Chunks(body, Answered("c-2", 1), MODEL, True))
-                )
+                maker = Chunks(body, Answered("c-2", 1), MODEL, True)
+                reading = asyncio.ensure_future(streamed(replies, job, maker, seen))
                 await asyncio.sleep(0.05)
                 streams.append_tokens(writes[:5])
-                while replies.backlog("cut") or not replies.streams["cut"].heard:
+                while len(seen) < 5:  # the five read (and their chunks sent)
                     await asyncio.sleep(0.01)
                 r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
                 streams.append_tokens(writes[5:])
                 r.set(KEYS.result("cut"), encode_result(cut.result("cut")))
                 chunks = await asyncio.wait_for(reading, 20)
             assert chat_contents(chunks) == dict(enumerate(TEXTS))
+            assert any(isinstance(e, Restarted) for e in seen[5:])  # read again from the start
             await replies.close()
 
     asyncio.run(go())
