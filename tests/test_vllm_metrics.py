@@ -512,6 +512,61 @@ def test_a_waiting_beam_search_counts_its_inputs_as_vllm_s_first_round(tiny_lm: 
     assert registry.get_sample_value("vllm:num_requests_waiting", VLLM) == 2
 
 
+def greedy(runner: TextGenerationRunner, text: str, tokens: int) -> list[int]:
+    """The first ``tokens`` tokens of ``text``'s greedy continuation."""
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
+    out = runner.model.generate(ids, max_new_tokens=tokens, do_sample=False,
+                                pad_token_id=runner.eos[0])  # fmt: skip
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_preempted_request_waits_as_its_unfinished_sequences(tiny_lm: Path, ahead: bool) -> None:
+    # Given a batch of three sequences that a lane-2 request of three inputs fills, the
+    # first of which ends with its first token (its stop token, which the others never
+    # write), and a lane-0 request of two completions arriving once it ended (2 + 2 > 3)
+    runner = scheduling_runner(tiny_lm, ahead, max_running=3)
+    inputs = ["the man was", "it was the time", "we can do"]
+    stop = greedy(runner, inputs[0], 1)[0]
+    assert all(stop not in greedy(runner, text, 12) for text in inputs[1:])
+    r = rig(runner, cost=lambda work: STEP_S)  # type: ignore[arg-type]
+    r.source.add(Request(id="low", model=MODEL, inputs=inputs, max_new_tokens=12,
+                         ignore_eos=True, stop_token_ids=[stop]), lane=2, at=T0)  # fmt: skip
+    r.source.add(Request(id="high", model=MODEL, inputs=["a b c"], n=2, max_new_tokens=3,
+                         ignore_eos=True), lane=0, at=T0 + 3.5 * STEP_S)  # fmt: skip
+
+    # When they run, each step's state feeding vLLM's gauges
+    r.run()
+    results = r.results()
+    assert {k: v.status for k, v in results.items()} == {"low": "ok", "high": "ok"}
+    low = [(g.finish_reason, g.completion_tokens) for g in results["low"].generations()]
+    assert low == [("stop", 1), ("length", 12), ("length", 12)]  # resumed without loss
+    registry = CollectorRegistry()
+    obs = VllmObserver(VllmMetrics(registry), MODEL, generating=True)
+    seen = []
+    for _, ev in r.recorder.of(Generated):
+        obs.notify(ev)
+        get = registry.get_sample_value
+        running, waiting, usage = (get(f"vllm:{k}", VLLM) for k in (
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))  # fmt: skip
+        seen.append((ev, running, waiting, usage))
+
+    # Then after the step that preempted it, as vLLM's scheduler after its step (the
+    # request freed and put back at the front of its waiting queue): its two unfinished
+    # sequences wait (not its three inputs), "high"'s two run, and the cache holds only
+    # theirs; the preemption is counted once
+    (k,) = [k for k, (ev, *_) in enumerate(seen) if ev.preempted]
+    ev, running, waiting, usage = seen[k]
+    assert (ev.waiting, running, waiting) == (1, 2, 2)
+    assert usage == ev.kv_tokens / ev.kv_capacity > 0
+    # (each of "high"'s completions holds its prompt, its first token not yet written)
+    assert ev.kv_tokens == 2 * len(runner.tokenizer("a b c").input_ids)
+    assert registry.get_sample_value("vllm:num_preemptions_total", VLLM) == 1
+    # after the first step the three inputs less the one that ended run; at the end none
+    assert seen[0][1:3] == (2, 0)
+    assert seen[-1][1:3] == (0, 0)
+
+
 def test_an_input_s_longest_completion_is_its_max_num_generation_tokens() -> None:
     from batchfleet.schemas.messages import Generation, Usage
     from batchfleet.worker.observers import Reply

@@ -299,7 +299,9 @@ class ResponseEvents:
         self, item: _Item, final: _Item, state: str, tokens: list[TokenLogprob] | None
     ) -> list[dict[str, Any]]:
         """The events that end ``item``: what the result adds to its text, then its ``done``s
-        (``tokens``: the log-probabilities asked for)."""
+        (``tokens``: the log-probabilities asked for). A text the result does not continue
+        keeps what was streamed: ``minicpm5``'s result leaves out the thinking that its
+        stream's content kept, and vLLM's ``done`` events are its deltas' sum."""
         out = []
         lps = _logprobs(tokens)
         if final.text.startswith(item.text) and final.text != item.text:
@@ -310,7 +312,8 @@ class ResponseEvents:
                             **self._where(item), "delta": rest})  # fmt: skip
             else:
                 out += self._add(item.kind, rest)
-        item.text = final.text
+        if item.kind == "function_call" or final.text.startswith(item.text):
+            item.text = final.text
         where = self._where(item)
         if item.kind == "function_call":
             out.append({"type": "response.function_call_arguments.done", **where,
@@ -349,8 +352,8 @@ class ResponseEvents:
             call_state = "completed" if held is not None else "incomplete"
             item_state = call_state if item.kind == "function_call" else state
             out += self._close(item, held or item, item_state, tokens)
-            if held is not None:
-                output.append(item.final(item_state, _logprobs(tokens)))
+            if held is not None:  # the whole response's, as the result's (vLLM's too)
+                output.append(held.final(item_state, _logprobs(tokens)))
         whole = _finished(self.body, result, self.answered, output)
         end = "response.completed" if whole["status"] == "completed" else "response.incomplete"
         out.append({"type": end, "response": whole})
