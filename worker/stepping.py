@@ -23,7 +23,7 @@ from .observers import BatchDone, Dispatched, Expired, Observers
 from .parts import Parts
 from .runner import Failed, Final, Partial, Runner
 from .scheduler import Decision, Scheduler, Step
-from .sink import Streamed
+from .streamed import Streamed
 from .streams import Entry
 
 logger = logging.getLogger(__name__)
