@@ -10,7 +10,7 @@ from typing import Any
 from batchfleet.worker.deltas import DeltaWriter, StreamTo
 from batchfleet.worker.inbox import StepDone
 from batchfleet.worker.runner import Final, Partial, Preempted, StepEvent, StepReport
-from batchfleet.worker.sink import Streamed
+from batchfleet.worker.streamed import Streamed
 
 
 def chunk(text: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Result
 from batchfleet.schemas.model_info import ModelInfo, WorkerServing
-from batchfleet.worker.runner import model_info
+from batchfleet.worker.runner_info import model_info
 from gateway_fakes import ScriptedWorker, gateway_cli, gateway_in_process, http
 
 from batchfleet import __version__

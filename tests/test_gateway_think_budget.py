@@ -94,7 +94,7 @@ def test_a_budget_to_a_model_that_takes_one_or_says_nothing_is_submitted(
 def info_of(tiny_lm: Path, **options: Any) -> ModelInfo:
     """The model info a worker of the tiny model with ``options`` publishes, as read back."""
     from batchfleet.schemas.messages import Limits
-    from batchfleet.worker.runner import model_info
+    from batchfleet.worker.runner_info import model_info
     from batchfleet.worker.runners.generation import TextGenerationRunner
     from conftest import TINY_LM_OPTIONS
     from devices import DEVICE

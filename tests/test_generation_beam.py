@@ -366,7 +366,7 @@ def test_beam_search_through_a_worker(
 def test_the_model_info_tells_clients_the_workers_take_beam_search(lm_dir: Path) -> None:
     from batchfleet.schemas.messages import DEFAULT_LIMITS
     from batchfleet.schemas.model_info import decode_model_info
-    from batchfleet.worker.runner import model_info
+    from batchfleet.worker.runner_info import model_info
 
     gen = TextGenerationRunner(lm_dir, device="cpu", dtype="float32")
     info = decode_model_info(model_info(gen, DEFAULT_LIMITS, 1).model_dump_json())

@@ -26,7 +26,8 @@ from batchfleet.schemas.messages import Limits  # noqa: E402
 from batchfleet.schemas.model_info import ModelInfo  # noqa: E402
 from batchfleet.worker.generation import defaults  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
-from batchfleet.worker.runner import PrepareError, model_info  # noqa: E402
+from batchfleet.worker.runner import PrepareError  # noqa: E402
+from batchfleet.worker.runner_info import model_info  # noqa: E402
 from batchfleet.worker.runners.generation import GenSpec, TextGenerationRunner  # noqa: E402
 from test_gateway_replies import Worker  # noqa: E402
 from test_gateway_responses import posted  # noqa: E402

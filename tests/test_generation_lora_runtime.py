@@ -44,7 +44,8 @@ from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.keys import ModelKeys  # noqa: E402
 from batchfleet.schemas.messages import Limits  # noqa: E402
 from batchfleet.schemas.model_info import decode_model_info  # noqa: E402
-from batchfleet.worker.runner import PrepareError, model_info  # noqa: E402
+from batchfleet.worker.runner import PrepareError  # noqa: E402
+from batchfleet.worker.runner_info import model_info  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 
 from batchfleet.redis_server import free_port  # noqa: E402

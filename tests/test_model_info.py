@@ -10,7 +10,7 @@ import redis
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo, decode_model_info
-from batchfleet.worker.runner import model_info
+from batchfleet.worker.runner_info import model_info
 from batchfleet.worker.streams import ModelStreams
 from conftest import TINY_LM_OPTIONS
 from pydantic import ValidationError

@@ -20,7 +20,8 @@ from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Delta, Request, Result, Timings
 from batchfleet.worker.answers import Outgoing
 from batchfleet.worker.observers import Answered, DeadLettered, LoopEvent, Observers
-from batchfleet.worker.sink import MemorySink, RedisSink, Streamed
+from batchfleet.worker.sink import MemorySink, RedisSink
+from batchfleet.worker.streamed import Streamed
 from batchfleet.worker.streams import Entry, ModelStreams
 
 MODEL = "tiny"

@@ -27,7 +27,8 @@ from ..batching.generation import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
 from .observers import Answered, Generated, LoopEvent, LoopObserver
-from .runner import Runner, model_info
+from .runner import Runner
+from .runner_info import model_info
 
 if TYPE_CHECKING:
     from .loop import BatchLoop

@@ -38,7 +38,7 @@ from ..schemas.codec import (
 from ..schemas.messages import Format
 from .inbox import DeviceStopped, StepDone
 from .runner import Failed, Final, Partial, Preempted
-from .sink import Streamed
+from .streamed import Streamed
 
 
 @dataclass(frozen=True, slots=True)

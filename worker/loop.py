@@ -12,11 +12,16 @@ The loop waits on one inbox for what those threads post (entries, finished steps
 batches), hands each to the scheduler, and carries out its decisions. Only this thread
 touches the scheduler, so nothing in it needs a lock; the time comes from an injected
 clock, so the same loop runs in virtual time in the tests.
+
+This module owns the loop's state and lifecycle (start, stop, drain, pause, a crash's
+reset) and routes the inbox's events; the work it routes them to lives beside it:
+``admission.py`` takes new entries in, ``stepping.py`` carries out the scheduler's
+decisions and answers finished steps (``generating.py`` a generating runner's), and
+``shutdown.py`` ends the loop, handing back to the fleet what it did not finish.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -27,12 +32,8 @@ from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig
 from ..connection import SyncClient
-from ..redis_errors import FAILED_CALL
-from ..schemas.codec import EntryRejected, decode_entry, envelope_of
-from ..schemas.errors import ErrorCode
-from ..schemas.messages import Format, Request
-from .answers import Answerer, BatchRun, Held, Outgoing, dead_reason, waiting_of
-from .blobs import with_fetched
+from .admission import Admission
+from .answers import Answerer
 from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .holding import HAND_OVER_EVERY_S, HoldingFeed
@@ -48,26 +49,16 @@ from .inbox import (
     StepDone,
     Wake,
 )
-from .observers import (
-    BatchDone,
-    Dispatched,
-    Expired,
-    LoopObserver,
-    Observers,
-    StateChanged,
-)
+from .observers import LoopObserver, Observers, StateChanged
 from .parts import Parts, redis_parts
-from .runner import Failed, Final, Partial, Prepared, PrepareError, Runner, is_continuous
-from .scheduler import Decision, Scheduler, Step
-from .sink import Streamed
+from .runner import Runner, is_continuous
+from .scheduler import Scheduler
+from .shutdown import hand_back, hand_over, stop_threads
 from .stats import LoopStats
-from .streams import Entry, ModelStreams
+from .stepping import Stepper
+from .streams import ModelStreams
 
 logger = logging.getLogger(__name__)
-
-HEARTBEAT_JOIN_S = 2.0
-"""At shutdown, how long to wait for the intake's read in flight to return (it never
-blocks longer than a heartbeat)."""
 
 
 class BatchLoop:
@@ -104,6 +95,7 @@ class BatchLoop:
         self.stats = LoopStats(model=model, lanes=config.lanes)
         self.observers = Observers([self.stats, *observers])
         self.answers = Answerer(model, config, consumer)
+        self.admission = Admission(model, config, self.worker, runner, self.answers, self.stats)
         self.streams: ModelStreams | None = None
         if parts is None:
             if client is None:
@@ -119,14 +111,12 @@ class BatchLoop:
         self._stopped = threading.Event()
         self._stuck_since: float | None = None
         """The loop ended with its device thread still in a step (begun then): see :meth:`settle`."""
-        self._unannounced: dict[str, Step] = {}
-        """Steps queued behind the running one (planned ahead): observers hear of each when
-        it starts; one withdrawn before it starts (planned again) never was."""
         self.parts = parts(self)
         if self.continuous and self.parts.deltas is None:
             raise ValueError("a generating runner's parts need a DeltaWriter (Parts.deltas)")
         self.generating = Generating(model, config, gen, self.answers, self.observers,
                                      self.parts, self._now)  # fmt: skip
+        self.stepper = self._stepper()
 
     def _now(self) -> float:
         return self.parts.clock()
@@ -236,7 +226,6 @@ class BatchLoop:
         if gen is not None and isinstance(self.scheduler, GenScheduler):
             gen.set_budgets(self.scheduler.policy.policy)  # live changes are kept
         self.scheduler = gen or Scheduler(self.engine)
-        self._unannounced.clear()
         self._stopped.clear()
         self._device_gone = False
         self._stuck_since = None
@@ -246,6 +235,13 @@ class BatchLoop:
         self.parts = self._make_parts(self)
         self.generating = Generating(self.model, self.config, gen, self.answers, self.observers,
                                      self.parts, self._now)  # fmt: skip
+        self.stepper = self._stepper()
+
+    def _stepper(self) -> Stepper:
+        """Carries out the scheduler's decisions for these parts (made again at a reset)."""
+        return Stepper(self.model, self.runner, self.scheduler, self.parts, self.generating,
+                       self.answers, self.observers, continuous=self.continuous,
+                       dispatching=lambda: not self._stopping)  # fmt: skip
 
     # --- the loop (its own thread) ----------------------------------------------------------
 
@@ -280,7 +276,7 @@ class BatchLoop:
             if self._terminating or self._device_gone:
                 return  # what the device runs (if anything) goes back, unwaited for
             now = self._clock()
-            decision = self._next_step(now)
+            decision = self.stepper.next_step(now)
             # what is held now, so the intake keeps it from others' idle fallback
             hold_at = self._feed.update(self.scheduler, now)
             if not self.scheduler.busy and self._done():
@@ -303,17 +299,7 @@ class BatchLoop:
         fleet at once (held ones, and steps queued behind the running one)."""
         self._handed_back = True
         self._give_up_at = self._clock() + self.worker.shutdown_grace_s
-        self.parts.source.stop()
-        queued = self.parts.device.drop_queued()
-        unstarted = [h.entry for h in self.scheduler.cancel([w.step_id for w in queued])]
-        unstarted += [h.entry for h in self.scheduler.release_all()]
-        self._release(unstarted)
-
-    def _release(self, entries: list[Entry]) -> None:
-        try:
-            self.parts.source.release(entries)
-        except FAILED_CALL as exc:  # they stay pending and are reclaimed later
-            logger.warning("could not release %d requests: %s", len(entries), exc)
+        hand_back(self.parts, self.scheduler)
 
     def _done(self) -> bool:
         if self._stopping:
@@ -335,7 +321,7 @@ class BatchLoop:
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, StepDone):
-            self._finished(event)
+            self.stepper.finished(event)
         elif isinstance(event, DeviceStopped):
             logger.error("batch loop of %s stops: its device thread ended in step %s (%s)",
                          self.model, event.step_id, event.reason)  # fmt: skip
@@ -344,11 +330,13 @@ class BatchLoop:
         elif isinstance(event, Arrived):
             self._arrivals += 1
             self._idle_reads = 0
-            self._admit(event.entries, event.read_at)
+            self.admission.admit(
+                event.entries, event.read_at, self.scheduler.admit, self.parts.sink
+            )
             if event.cancelled:
                 self.generating.cancel(event.cancelled)
-            if event.cancelled or self._may_join(event.entries):
-                self._replan()
+            if event.cancelled or self.stepper.may_join(event.entries):
+                self.stepper.replan()
         elif isinstance(event, Retire):
             self.parts.sink.retire(event.items)
         elif isinstance(event, ReadIdle):
@@ -361,257 +349,20 @@ class BatchLoop:
                 self.engine.set_policy(event.policy)
         elif isinstance(event, Cancel):
             self.generating.cancel(event.request_ids)
-            self._replan()
+            self.stepper.replan()
         elif isinstance(event, Lost) and self.generating.lose({e.key for e in event.entries}):
-            self._replan()  # (an encoder's lost requests are answered once, first come)
+            self.stepper.replan()  # (an encoder's lost requests are answered once, first come)
 
     def _shutdown(self, started: list[str]) -> None:
         """Whatever ended the loop (a stop, a drain, a crash): finish what the device runs,
         answer it, hand everything else back, then let the sink store all it was given."""
         parts = self.parts
         grace = 0.0 if self._terminating else self.worker.shutdown_grace_s
-        if "source" in started:
-            parts.source.stop()
-            parts.source.join(min(grace, HEARTBEAT_JOIN_S))
-        if "threads" in started:
-            if parts.cancels is not None:
-                parts.cancels.stop()
-            parts.device.close(grace)
-            if parts.device.alive:  # a step stuck in the device: see settle()
-                self._stuck_since = self.scheduler.busy_since or parts.clock()
-        unstarted = [h.entry for h in self.scheduler.release_all()]
-        while (event := parts.inbox.get_nowait()) is not None:
-            if isinstance(event, StepDone):
-                try:
-                    self._finished(event)
-                except Exception:
-                    logger.exception("answering step %s at shutdown failed", event.step_id)
-            elif isinstance(event, Arrived):  # read, never taken in
-                unstarted += event.entries
-            elif isinstance(event, Retire):
-                parts.sink.retire(event.items)
-        # Steps the device never finished (it did not stop in time): their requests go back.
-        unstarted += [h.entry for step in self.scheduler.inflight for h in step.held]
-        self.scheduler.inflight.clear()
-        if isinstance(self.scheduler, GenScheduler):  # generations cut short: start again elsewhere
-            unstarted += [h.entry for h in self.scheduler.release_running()]
-        if "source" in started:
-            self._release(unstarted)
-        if "threads" in started:
-            parts.sink.close(grace)
-        if "source" in started:
-            with contextlib.suppress(*FAILED_CALL):
-                parts.source.unregister()
+        if stop_threads(parts, started, grace):  # a step stuck in the device: see settle()
+            self._stuck_since = self.scheduler.busy_since or parts.clock()
+        hand_over(parts, self.scheduler, started, grace, self.stepper.finished)
         self._stopped.set()
         logger.info("batch loop for %s stopped", self.model)
-
-    # --- admitting --------------------------------------------------------------------------
-
-    def _admit(self, entries: Sequence[Entry], now: float) -> None:
-        """Decode, validate and prepare new entries; answer the bad ones at once."""
-        limits = self.config.limits
-        fresh: list[tuple[Entry, Request, Format]] = []
-        out: list[Outgoing] = []
-        for entry in entries:
-            try:
-                request, fmt = decode_entry(entry.fields, self.model, limits)
-            except EntryRejected as exc:
-                self._reject(entry, exc, now, out)
-                continue
-            if entry.deliveries > self.worker.max_deliveries:
-                reason = dead_reason(entry, self.worker.max_deliveries)
-                env = envelope_of(entry.fields, limits)
-                self._reject(
-                    entry, EntryRejected(reason, ErrorCode.POISONED, env), now, out, dead=True
-                )
-                continue
-            fresh.append((entry, with_fetched(request, entry.blobs), fmt))
-        prepared = self._prepare([req for _, req, _ in fresh]) if fresh else []
-        admit = self.scheduler.admit
-        lanes: list[int] = []
-        for (entry, request, fmt), prep in zip(fresh, prepared, strict=True):
-            if isinstance(prep, PrepareError):
-                out.append(self.answers.error(entry, request, fmt, prep.code, str(prep), now))
-                continue
-            admit(Held(entry, request, fmt, prep, waiting_of(entry, request, prep), now))
-            lanes.append(entry.lane)
-        self.stats.received(lanes)
-        self.parts.sink.send(out)
-
-    def _prepare(self, requests: list[Request]) -> list[Prepared | PrepareError]:
-        """The runner's CPU side; a runner that raises or miscounts fails the requests."""
-        try:
-            prepared = self.runner.prepare_many(requests)
-            if len(prepared) == len(requests):
-                return prepared
-            problem = f"returned {len(prepared)} prepared for {len(requests)} requests"
-        except Exception as exc:
-            logger.exception("runner %s failed to prepare requests", self.runner.name)
-            problem = f"failed: {type(exc).__name__}: {exc}"
-        error = PrepareError(f"runner {self.runner.name} {problem}", ErrorCode.INTERNAL)
-        return [error] * len(requests)
-
-    def _reject(
-        self,
-        entry: Entry,
-        exc: EntryRejected,
-        now: float,
-        out: list[Outgoing],
-        dead: bool = False,
-    ) -> None:
-        """An entry that will not be computed: answer it when its id can be read; dead-letter
-        it when it cannot (nobody to answer), or when ``dead`` (poison: operators look). The
-        answer goes first: dead-lettering removes the entry, and it must not go unanswered."""
-        self.stats.rejected(exc.code.value)
-        answer = self.answers.rejected(entry, exc, now)
-        if answer is not None and dead:
-            self.parts.sink.send([answer])
-        elif answer is not None:
-            out.append(answer)
-        if dead or answer is None:
-            self.parts.sink.dead_letter(entry, exc.code.value, str(exc))
-
-    # --- computing --------------------------------------------------------------------------
-
-    def _dispatch(self, step: Step, now: float) -> None:
-        batch = step.batch
-        logger.debug(
-            "batch %s of %s: %d requests, %d rows, %d padded tokens, reason %s",
-            step.step_id, self.model, len(step.held), batch.rows, batch.padded_tokens, batch.reason,
-        )  # fmt: skip
-        if self.continuous:
-            self.generating.dispatching(step)
-        self.parts.device.submit(step.work())
-        if isinstance(self.scheduler, GenScheduler) and self.scheduler.queued == step.step_id:
-            self._unannounced[step.step_id] = step
-        else:
-            self._announce(step, now)
-
-    def _announce(self, step: Step, now: float) -> None:
-        if self.continuous:
-            self.generating.began(step)
-        ids = tuple(h.request.id for h in step.held)
-        self.observers.notify(Dispatched(self.model, step.batch, step.step_id, ids, now))
-
-    def _may_join(self, entries: Sequence[Entry]) -> bool:
-        """New requests the queued step (planned ahead) might admit if planned again: a
-        lane-0 one (it may preempt), or any that found nothing waiting and a free slot. With
-        a backlog (saturated) the plan already left others waiting, and planning again for
-        each arrival cost the device about 8% of its throughput (tiny model, 2 cores: the
-        loop's planning beside the step's Python)."""
-        gen = self.scheduler
-        if not isinstance(gen, GenScheduler) or gen.queued is None:
-            return False
-        if any(e.lane == 0 for e in entries):
-            return True
-        return gen.room and len(gen.held) <= len(entries)
-
-    def _replan(self) -> None:
-        """Requests came that may join (:meth:`_may_join`), or a client cancelled, while a
-        step waits queued behind the running one (planned ahead): plan it again with them,
-        unless the device has taken it meanwhile (then they go with the step after)."""
-        if not isinstance(self.scheduler, GenScheduler):
-            return
-        queued = self.scheduler.queued
-        if queued is None:
-            return
-        dropped = self.parts.device.drop_queued()
-        if not dropped:
-            return
-        *first, last = dropped
-        for work in first:  # the step before it, ended but not yet taken by the device thread
-            self.parts.device.submit(work)
-        if last.step_id != queued:
-            raise RuntimeError(f"took back {[w.step_id for w in dropped]}, queued {queued}")
-        self.scheduler.withdraw(queued)
-        self._unannounced.pop(queued, None)
-        self._next_step()
-
-    def _started_next(self) -> Decision:
-        """A generating model's step ended and the one queued behind it started: observers
-        hear of that one now; then plan the next."""
-        assert isinstance(self.scheduler, GenScheduler)
-        now = self._clock()
-        if self.scheduler.inflight:
-            step = self._unannounced.pop(self.scheduler.inflight[0].step_id, None)
-            if step is not None:
-                self._announce(step, now)
-        return self._next_step(now)
-
-    def _finished(self, done: StepDone) -> None:
-        if not isinstance(self.scheduler, Scheduler):
-            self.generating.finished(done, self._started_next)
-            return
-        step = self.scheduler.finished(done.step_id, done.report, done.started_at, done.finished_at)
-        now = self._clock()
-        run = BatchRun(step.step_id, step.batch.rows, done.started_at, done.finished_at)
-        by_key = {h.waiting.key: h for h in step.held}
-        out: list[Outgoing] = []
-        streamed: list[Streamed] = []
-        seqs: dict[str, int] = {}
-        failed = 0
-        for ev in done.report.events:
-            held = by_key.pop(ev.key, None)
-            if held is None:
-                continue
-            if isinstance(ev, Final) and (
-                not isinstance(ev.outputs, list) or len(ev.outputs) != len(held.request.inputs)
-            ):
-                failed += 1
-                got = len(ev.outputs) if isinstance(ev.outputs, list) else type(ev.outputs).__name__
-                message = f"runner returned {got} outputs for {len(held.request.inputs)} inputs"
-                out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
-            elif isinstance(ev, Final):
-                out.append(self.answers.computed(run, held, ev.outputs, now))
-            elif isinstance(ev, Failed):
-                failed += 1
-                out.append(self.answers.failed(run, held, ev.code, ev.message, now))
-            elif isinstance(ev, Partial):
-                by_key[ev.key] = held  # not finished by this step
-                seqs[ev.key] = seqs.get(ev.key, 0) + 1
-                streamed.append(self.generating.delta(held, seqs[ev.key], ev.chunk))
-        for held in by_key.values():  # a one-shot runner must finish every request it admits
-            failed += 1
-            message = f"runner {self.runner.name} returned no output for it"
-            out.append(self.answers.failed(run, held, ErrorCode.INFERENCE_FAILED, message, now))
-        self.observers.notify(
-            BatchDone(self.model, step.batch, step.step_id, tuple(h.request.id for h in step.held),
-                      done.finished_at - done.started_at, done.report.out_of_memory, failed)
-        )  # fmt: skip
-        self.parts.sink.stream(streamed)
-        self.parts.sink.send(out)
-
-    def _next_step(self, now: float | None = None) -> Decision:
-        """Decide and carry it out: answer what expired, dispatch the next step. Also called
-        by a generating model's step end, with the step's state taken in and its answers
-        not yet built (its device waits for this, not for them)."""
-        now = self._clock() if now is None else now
-        decision = self._decide(now)
-        if decision.step is not None and getattr(self.scheduler, "ahead", False):
-            self._decide(now)  # and the one after it, queued behind it (gen_scheduler.py)
-        return decision
-
-    def _decide(self, now: float) -> Decision:
-        decision = self.scheduler.decide(
-            now, behind=self.parts.sink.backlog > 1, dispatch=not self._stopping
-        )
-        if decision.expired:
-            self._expire(decision.expired, now)
-        if decision.step is not None:
-            self._dispatch(decision.step, now)
-        return decision
-
-    def _expire(self, expired: Sequence[Held], now: float) -> None:
-        answers = [self.answers.expired(h, now) for h in expired]
-        if self.continuous:  # stored as this attempt's, with the token stream's end
-            answers = [
-                self.generating.attempt(a, h, 1) for a, h in zip(answers, expired, strict=True)
-            ]
-        self.parts.sink.send(answers)
-        self.observers.notify(
-            Expired(self.model, tuple(h.request.id for h in expired),
-                    tuple(h.entry.lane for h in expired), now)
-        )  # fmt: skip
 
 
 def _gen_scheduler(runner: Runner, engine: Engine, lanes: int) -> GenScheduler:

@@ -20,7 +20,8 @@ from .holding import Holding
 from .inbox import Inbox, ThreadInbox, Wake
 from .intake import Intake
 from .observers import Observers
-from .runner import Runner, Work, is_continuous, model_info
+from .runner import Runner, Work, is_continuous
+from .runner_info import model_info
 from .sink import RedisSink, ResultSink
 from .streams import Entry, ModelStreams, RedisClock
 from .tokenizer_info import tokenizer_info
