@@ -40,6 +40,15 @@ CLAIM_IDLE_MS = 600_000
 """Long: a request handed back is marked idle this long; one merely left pending is not."""
 BREAK_AT = 3
 """The step that fails: every request has generated a token or two by then."""
+AHEAD = [True]
+"""The runners' ``schedule_ahead`` (each test runs both ways, see ``ahead``)."""
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["ahead", "in-turn"])
+def ahead(request: pytest.FixtureRequest) -> Iterator[bool]:
+    AHEAD[0] = request.param
+    yield request.param
+    AHEAD[0] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,7 @@ class Breaking(TextGenerationRunner):
         self.names: dict[str, str] = {}
         """Every admitted request's sequence (one input, ``n`` 1), by key."""
         self.streaming: set[str] = set()
+        """The keys of the streaming ones."""
         self.held: list[Held] = []
 
     def step(self, work: Work) -> StepReport:
@@ -117,6 +127,7 @@ def _runner(tiny_lm: Path, break_at: int = BREAK_AT, **fault: BaseException) -> 
     """The tiny Llama breaking at step ``break_at`` (0: never), as ``fault`` says."""
     runner = Breaking(tiny_lm, device=DEVICE, dtype="float32", options=TINY_LM_OPTIONS)
     runner.break_at = break_at
+    runner.schedule_ahead = AHEAD[0]
     for name, exc in fault.items():
         setattr(runner, name, exc)
     return runner
@@ -144,7 +155,7 @@ def _submit(producer: Producer, text: str, new: int, *, stream: bool) -> Job:
 
 
 def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_on(
-    r: redis.Redis, tiny_lm: Path
+    r: redis.Redis, tiny_lm: Path, ahead: bool
 ) -> None:
     # Given two streaming generations (each step names them: a delta) and two that do not
     # stream (a step that gives them a token names neither), all read before the loop
@@ -166,8 +177,9 @@ def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_o
         assert "finishing the step failed: RuntimeError: progress lost" in res.error.message
         # (each delta streamed once, the end numbered after them: the step was handed over
         # twice, its deltas written the first time only)
-        seqs = [int(f[b"seq"]) for _, f in r.xrange(KEYS.tokens(job.id))]
-        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) > BREAK_AT
+        entries = [fields for _, fields in r.xrange(KEYS.tokens(job.id))]
+        assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
+        assert len(entries) > BREAK_AT and entries[-1].get(b"end") == b"1"
     for job in quiet:
         res = job.result(timeout=1)
         assert res.ok and res.usage is not None and res.usage.completion_tokens == 12
@@ -178,18 +190,21 @@ def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_o
     stop_at = next(i for i, h in enumerate(runner.held) if h.stops)
     stopping = runner.held[stop_at]
     assert sorted(stopping.stops) == sorted((k, LOST) for k in failed)
-    assert stop_at <= BREAK_AT  # (held[BREAK_AT - 1] is the step after the failed one)
+    # (held[BREAK_AT - 1] is the step after the failed one: planned ahead, queued already)
+    assert stop_at == BREAK_AT - 1 + ahead
     assert [h.stops for h in runner.held].count(stopping.stops) == 1  # stopped once
     assert all(not (h.keys & failed) for h in runner.held[stop_at:])
     assert all(h.keys & failed for h in runner.held[BREAK_AT - 1 : stop_at])
     # ...from then on the scheduler counts what the engine holds, sequences and KV tokens
     counted = [(seen.after[h.step_id], (h.sequences, h.kv_tokens)) for h in runner.held[stop_at:]]
     assert counted and all(ours == engine for ours, engine in counted)
-    assert any(n for (n, _), _ in counted)  # (the quiet ones still ran there)
+    assert any(sequences for _, (sequences, _) in counted)  # (the quiet ones ran on)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
 
 
-def test_requests_a_crashed_step_admitted_leave_the_engine(r: redis.Redis, tiny_lm: Path) -> None:
+def test_requests_a_crashed_step_admitted_leave_the_engine(
+    r: redis.Redis, tiny_lm: Path, ahead: bool
+) -> None:
     # Given two generations, and a model whose first step raises once it admitted them
     producer = Producer(client=r)
     jobs = [_submit(producer, f"the dog {k}", 40, stream=k == 0) for k in range(2)]
@@ -202,11 +217,10 @@ def test_requests_a_crashed_step_admitted_leave_the_engine(r: redis.Redis, tiny_
         res = job.result(timeout=1)
         assert res.status == "error" and res.error is not None
         assert "RuntimeError: runner bug" in res.error.message
-    # (planned ahead, the step after it was queued already, with them)
     crashed, *after = runner.held
     assert crashed.keys == set(runner.names) and len(crashed.keys) == 2
     stopping = next(h for h in after if h.stops)
-    assert after.index(stopping) <= 1
+    assert after.index(stopping) == int(ahead)  # (planned ahead, one was queued already)
     assert sorted(stopping.stops) == sorted((k, LOST) for k in runner.names)
     assert stopping.sequences == 0 and not stopping.keys
 

@@ -3,8 +3,9 @@
 It only executes: no Redis, no observers, no request state. Each finished step goes back
 to the loop as a :class:`~.inbox.StepDone` with the times it began and ended, whatever
 happened in it: a step whose runner raised, or whose hand-off (its deferred ``settle()``,
-its deltas) failed, comes back with its requests failed, so the thread lives on and the
-loop is never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
+its deltas) failed, comes back with its requests failed (and abandoned: the loop stops
+them in the runner, which may still run them), so the thread lives on and the loop is
+never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
 ends the thread, after a :class:`~.inbox.DeviceStopped` (the loop stops and hands the
 step's requests back to the fleet).
 """
