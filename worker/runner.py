@@ -181,14 +181,14 @@ class StepReport:
     spec_skipped: int = 0
     """Generation with speculative decoding: rows that proposed no drafts in the step
     because its batch size turned speculation off (:mod:`.generation.spec_bound`)."""
-    abandoned: tuple[str, ...] = ()
-    """Requests failed in the step without their runner ending them (its hand-off failed, or
-    it raised: :mod:`.executor`): a continuous runner may still run them, so the loop stops
-    them (:data:`LOST`) with its next step, freeing their rows and KV blocks."""
     prefilled: int = 0
     """Generation: prompt tokens computed (not taken from a cache) by the sequences whose
     prefill the step ended (their first token), counted in that step whatever chunks it
     took (vLLM's per-iteration ``prompt_token_stats.computed``)."""
+    abandoned: tuple[str, ...] = ()
+    """Requests failed in the step without their runner ending them (its hand-off failed, or
+    it raised: :mod:`.executor`): a continuous runner may still run them, so the loop stops
+    them (:data:`LOST`) with its next step, freeing their rows and KV blocks."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""
