@@ -133,7 +133,9 @@ def _runner(tiny_lm: Path, break_at: int = BREAK_AT, **fault: BaseException) -> 
     return runner
 
 
-def _loop(r: redis.Redis, runner: Any, consumer: str, *, burst: bool, seen: Seen | None = None) -> BatchLoop:  # fmt: skip
+def _loop(
+    r: redis.Redis, runner: Any, consumer: str, *, burst: bool, seen: Seen | None = None
+) -> BatchLoop:
     return BatchLoop(MODEL, ModelConfig(path="/unused", max_tokens=64), runner, r,
                      consumer=consumer, burst=burst, observers=[seen] if seen else (),
                      worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS,

@@ -20,6 +20,7 @@ from batchfleet.worker.runner import (
     Preempted,
     Prepared,
     Progress,
+    StepEvent,
     StepReport,
 )
 from batchfleet.worker.streams import Entry
@@ -39,9 +40,9 @@ def scheduler() -> GenScheduler:
 
 
 def report(
-    *events: object, progress: dict[str, Progress] | None = None, abandoned: tuple[str, ...] = ()
+    *events: StepEvent, progress: dict[str, Progress] | None = None, abandoned: tuple[str, ...] = ()
 ) -> StepReport:
-    return StepReport(events=list(events), progress=progress or {}, abandoned=abandoned)  # type: ignore[arg-type]
+    return StepReport(events=list(events), progress=progress or {}, abandoned=abandoned)
 
 
 def test_a_withdrawn_step_gives_back_its_admissions_and_credit() -> None:

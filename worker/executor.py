@@ -125,8 +125,8 @@ def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> Ste
     for key in [k for k, _ in work.admit] + [ev.key for ev in report.events]:
         if key not in ended and key not in failed:
             failed[key] = Failed(key, message)
-    return StepReport(events=[*report.events, *failed.values()],
-                      out_of_memory=report.out_of_memory, calls=0, abandoned=tuple(failed))  # fmt: skip
+    return StepReport(events=[*report.events, *failed.values()], calls=0,
+                      out_of_memory=report.out_of_memory, abandoned=tuple(failed))  # fmt: skip
 
 
 def _message(exc: BaseException) -> str:

@@ -5,7 +5,9 @@ answers the same calls; what differs is that an admitted request keeps running, 
 after step, until its runner reports it finished. Before each step it asks the admission
 policy (``batching/generation.py``) which waiting requests join, which running ones are
 preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
-expire; cancellations asked for by clients are passed on with the next step.
+expire; cancellations asked for by clients are passed on with the next step, and so is
+a :data:`~.runner.LOST` stop for each request failed without its runner ending it
+(``StepReport.abandoned``: the step's hand-off failed), which it may still be running.
 
 Without ``ahead`` one step is on the device at a time, and the next is planned from what
 the last one reported: the device waits for the loop between steps (the step's hand-off
