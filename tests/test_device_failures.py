@@ -18,7 +18,7 @@ from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP, ModelKeys
-from batchfleet.worker.deltas import DeltaWriter
+from batchfleet.worker.deltas import DeltaWriter, StreamTo
 from batchfleet.worker.executor import Executor
 from batchfleet.worker.inbox import DeviceStopped, Event, StepDone, ThreadInbox
 from batchfleet.worker.loop import BatchLoop
@@ -91,6 +91,7 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     inbox = ThreadInbox()
     deltas = DeltaWriter(streamed.extend, inbox.put)
     device = Executor(Scripted(unsettled, _finals), lambda: 0.0, deltas.post)  # type: ignore[arg-type]
+    deltas.expect([StreamTo("a", "id-a", MODEL, 60, None, "msgpack", seq=4)])
     device.start()
     # When it runs that step and another
     device.submit(Work("s1", (("b", _prepared()), ("c", _prepared()))))
@@ -109,6 +110,10 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     assert all("progress lost" in e.message for e in events[2:] if isinstance(e, Failed))
     assert isinstance(second, StepDone) and second.report.events == [Final("d", ["ok"])]
     assert not device.alive
+    # ...and the first's delta was streamed once (it was handed over twice: the loop
+    # counts it once, and numbers the stream's end after it)
+    assert [(it.request_id, it.seq, it.text) for it in streamed] == [("id-a", 5, "x")]
+    assert first.report.abandoned == ("c", "a")  # (the loop stops them in the runner)
 
 
 @pytest.mark.parametrize("stop", [SystemExit(3), KeyboardInterrupt()], ids=type)

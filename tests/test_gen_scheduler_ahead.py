@@ -1,6 +1,7 @@
 """The generating scheduler planning ahead (``worker/gen_scheduler.py``), by its calls:
 a step withdrawn before it ran (to be planned again) leaves no trace, its admissions
-wait again (a resumed one with its state) and the policy's credit is given back."""
+wait again (a resumed one with its state) and the policy's credit is given back; a
+request failed while its runner may still run it (abandoned) is stopped once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.answers import Held
 from batchfleet.worker.gen_scheduler import GenScheduler
-from batchfleet.worker.runner import Final, Partial, Preempted, Prepared, Progress, StepReport
+from batchfleet.worker.runner import (
+    LOST,
+    Failed,
+    Final,
+    Partial,
+    Preempted,
+    Prepared,
+    Progress,
+    StepEvent,
+    StepReport,
+)
 from batchfleet.worker.streams import Entry
 
 
@@ -28,8 +39,10 @@ def scheduler() -> GenScheduler:
     return GenScheduler(GenerationPolicy(policy), ahead=True)
 
 
-def report(*events: object, progress: dict[str, Progress] | None = None) -> StepReport:
-    return StepReport(events=list(events), progress=progress or {})  # type: ignore[arg-type]
+def report(
+    *events: StepEvent, progress: dict[str, Progress] | None = None, abandoned: tuple[str, ...] = ()
+) -> StepReport:
+    return StepReport(events=list(events), progress=progress or {}, abandoned=abandoned)
 
 
 def test_a_withdrawn_step_gives_back_its_admissions_and_credit() -> None:
@@ -107,3 +120,47 @@ def test_the_state_after_a_step_tells_what_the_steps_in_flight_admit() -> None:
     # Then all four sequences are admitted, three of them by the steps in flight (vLLM's
     # scheduler has those waiting until a step runs them)
     assert (state.running, state.admitting) == (4, 3)
+
+
+def _abandoning(s: GenScheduler, *, cancel: bool = False) -> str:
+    """``a`` and ``b`` admitted, the step after queued (``a`` cancelled first: it carries
+    that stop); the first step's hand-off failed ``a``, abandoned. The queued step's id."""
+    s.admit(held("a", 1, 0.0))
+    s.admit(held("b", 1, 0.0))
+    first = s.decide(1.0).step
+    assert first is not None
+    if cancel:
+        assert s.stop("a", "cancelled") is None
+    queued = s.decide(1.0).step
+    assert queued is not None and queued.stop == ((("a", "cancelled"),) if cancel else ())
+    failed = report(Partial("a", {}), Failed("a", "finishing the step failed"),
+                    progress={"b": Progress((9,), (0,), 9)}, abandoned=("a",))  # fmt: skip
+    s.finished(first.step_id, failed, 1.0, 1.01)
+    assert set(s.running) == {"b"}
+    return queued.step_id
+
+
+def test_an_abandoned_request_is_stopped_with_the_next_step_even_one_planned_again() -> None:
+    s = scheduler()
+    _abandoning(s)
+    planned = s.decide(1.02).step  # queued behind the one that runs
+    assert planned is not None and planned.stop == (("a", LOST),)
+    s.withdraw(planned.step_id)  # (an arrival or a cancel: planned again)
+    again = s.decide(1.02).step
+    assert again is not None and again.stop == (("a", LOST),)
+    assert "a" not in s.running and "a" not in s.held  # answered: failed
+
+
+def test_an_abandoned_request_its_runner_ends_meanwhile_is_not_stopped_again() -> None:
+    # Given the queued step stopping ``a`` (a client cancelled it) when it is abandoned
+    s = scheduler()
+    queued = _abandoning(s, cancel=True)
+    behind = s.decide(1.02).step  # planned while that stop is in flight: not stopped again
+    assert behind is not None and behind.stop == ()
+    # When that step's runner ends it (with the cancel)
+    s.finished(queued, report(Final("a", [{}]), progress={"b": Progress((10,), (0,), 8)}),
+               1.02, 1.03)  # fmt: skip
+    # Then no later step stops it
+    s.finished(behind.step_id, report(progress={"b": Progress((11,), (0,), 7)}), 1.03, 1.04)
+    later = s.decide(1.04).step
+    assert later is not None and later.stop == ()

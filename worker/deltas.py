@@ -106,6 +106,9 @@ class DeltaWriter:
         """Device thread: the streaming requests on the device..."""
         self._seq: dict[str, int] = {}
         """...and the last ``seq`` each was sent."""
+        self._posted: str | None = None
+        """The last step posted: one posted again (its hand-off failed, the executor posts
+        it with its unfinished requests failed) streamed its deltas already."""
 
     def expect(self, targets: Sequence[StreamTo]) -> None:
         """Requests a step about to be submitted admits (call before submitting it)."""
@@ -126,12 +129,16 @@ class DeltaWriter:
             for target in targets:
                 to[target.key] = target
                 self._seq[target.key] = target.seq
+        again = done.step_id == self._posted
+        self._posted = done.step_id
         out: list[Streamed] = []
         for ev in done.report.events:
             t = to.get(ev.key)
             if t is None:
                 continue
             if isinstance(ev, Partial):
+                if again:  # numbered and sent the first time (the loop counts it once)
+                    continue
                 seq = self._seq[ev.key] + 1
                 self._seq[ev.key] = seq
                 out.append(t.delta(seq, ev.chunk))

@@ -3,8 +3,9 @@
 It only executes: no Redis, no observers, no request state. Each finished step goes back
 to the loop as a :class:`~.inbox.StepDone` with the times it began and ended, whatever
 happened in it: a step whose runner raised, or whose hand-off (its deferred ``settle()``,
-its deltas) failed, comes back with its requests failed, so the thread lives on and the
-loop is never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
+its deltas) failed, comes back with its requests failed (and abandoned: the loop stops
+them in the runner, which may still run them), so the thread lives on and the loop is
+never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
 ends the thread, after a :class:`~.inbox.DeviceStopped` (the loop stops and hands the
 step's requests back to the fleet).
 """
@@ -107,22 +108,25 @@ def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
         raise
     except BaseException as exc:  # runners report request failures: a runner bug
         logger.exception("step %s crashed in %s", work.step_id, type(runner).__name__)
-        report = StepReport(events=[Failed(key, _message(exc)) for key, _ in work.admit], calls=0)
+        admitted = tuple(key for key, _ in work.admit)
+        report = StepReport(events=[Failed(key, _message(exc)) for key in admitted], calls=0,
+                            abandoned=admitted)  # fmt: skip
     return StepDone(work.step_id, report, started, clock())
 
 
 def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> StepReport:
     """A step whose hand-off failed: its events stand (its deltas may be streamed already),
     and every request it admitted or moved on without ending it fails after them, as the
-    runner's state after the step cannot be trusted."""
+    runner's state after the step cannot be trusted: abandoned, for the loop to stop in the
+    runner with its next step (a generator would otherwise run them on, unaccounted)."""
     ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
     message = f"finishing the step failed: {_message(exc)}"
     failed: dict[str, Failed] = {}
     for key in [k for k, _ in work.admit] + [ev.key for ev in report.events]:
         if key not in ended and key not in failed:
             failed[key] = Failed(key, message)
-    return StepReport(events=[*report.events, *failed.values()],
-                      out_of_memory=report.out_of_memory, calls=0)  # fmt: skip
+    return StepReport(events=[*report.events, *failed.values()], calls=0,
+                      out_of_memory=report.out_of_memory, abandoned=tuple(failed))  # fmt: skip
 
 
 def _message(exc: BaseException) -> str:

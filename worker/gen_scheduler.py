@@ -5,7 +5,9 @@ answers the same calls; what differs is that an admitted request keeps running, 
 after step, until its runner reports it finished. Before each step it asks the admission
 policy (``batching/generation.py``) which waiting requests join, which running ones are
 preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
-expire; cancellations asked for by clients are passed on with the next step.
+expire; cancellations asked for by clients are passed on with the next step, and so is
+a :data:`~.runner.LOST` stop for each request failed without its runner ending it
+(``StepReport.abandoned``: the step's hand-off failed), which it may still be running.
 
 Without ``ahead`` one step is on the device at a time, and the next is planned from what
 the last one reported: the device waits for the loop between steps (the step's hand-off
@@ -142,9 +144,7 @@ class GenScheduler:
                 self.running.pop(h.waiting.key, None)
                 self._resume.pop(h.waiting.key, None)
                 out.append(h)
-            for key, reason in step.stop:
-                if key in self.running:
-                    self._stops.setdefault(key, reason)
+            self._restop(step)
         if out:
             self.version += 1
         return out
@@ -173,6 +173,13 @@ class GenScheduler:
             self._stops[key] = LOST
             return None
         return self.held.pop(key, None)
+
+    def _restop(self, step: Step) -> None:
+        """A step taken back: its stops wait for the next step (of the requests still
+        running, and the abandoned ones, no longer running but maybe still in the runner)."""
+        for key, reason in step.stop:
+            if key in self.running or reason == LOST:
+                self._stops.setdefault(key, reason)
 
     def _unpark(self, key: str) -> None:
         """A preempted request back among the running, to be ended by its runner."""
@@ -309,9 +316,7 @@ class GenScheduler:
             self.held[key] = h
             if r.resumed is not None:
                 self._resume[key] = r.resumed
-        for key, reason in step.stop:
-            if key in self.running:
-                self._stops.setdefault(key, reason)
+        self._restop(step)
         if step.step_tokens is not None and self._step_tokens is None:
             self._step_tokens = step.step_tokens
         if self._credit is not None and self._credit[0] == step_id:
@@ -380,6 +385,8 @@ class GenScheduler:
         for ev in report.events:
             r = self.running.get(ev.key)
             if r is None:
+                if isinstance(ev, Final | Failed):  # (abandoned before: ended, not to stop)
+                    self._stops.pop(ev.key, None)
                 continue
             if isinstance(ev, Final | Failed):
                 del self.running[ev.key]
@@ -394,6 +401,9 @@ class GenScheduler:
                                               r.preempted + 1)  # fmt: skip
                 if ev.key in self._stops:  # cancelled while being preempted: end it parked
                     self._unpark(ev.key)
+        for key in report.abandoned:  # failed here, maybe still run by the runner: stop it
+            if key not in self.running and key not in self.held:
+                self._stops[key] = LOST
         report.settle()  # done already where a DeltaWriter posted it (the device thread)
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:

@@ -75,7 +75,8 @@ class Work:
     stop: tuple[tuple[str, str], ...] = ()
     """Running requests to end now, with the reason (``cancelled``, ``deadline``, or
     :data:`LOST`): the runner answers each with a :class:`Final` holding what it produced so
-    far (for :data:`LOST`, which nobody reads, without streaming it)."""
+    far (for :data:`LOST`, which nobody reads, without streaming it). A key it no longer
+    holds is ignored."""
     preempt: tuple[str, ...] = ()
     """Running requests to free (their memory) and keep aside: they are admitted again
     later, and the runner resumes them (by recomputation). Reported :class:`Preempted`."""
@@ -88,7 +89,9 @@ class Work:
 
 
 LOST = "lost"
-"""The stop reason of a request another worker took over: not answered, nothing streamed."""
+"""The stop reason of a request this loop no longer answers: another worker took it over,
+or the loop failed it while its runner may still run it (:attr:`StepReport.abandoned`).
+Not answered, nothing streamed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +182,10 @@ class StepReport:
     """Generation: prompt tokens computed (not taken from a cache) by the sequences whose
     prefill the step ended (their first token), counted in that step whatever chunks it
     took (vLLM's per-iteration ``prompt_token_stats.computed``)."""
+    abandoned: tuple[str, ...] = ()
+    """Requests failed in the step without their runner ending them (its hand-off failed, or
+    it raised: :mod:`.executor`): a continuous runner may still run them, so the loop stops
+    them (:data:`LOST`) with its next step, freeing their rows and KV blocks."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""
