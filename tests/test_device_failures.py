@@ -32,7 +32,7 @@ from batchfleet.worker.runner import (
     Work,
 )
 from batchfleet.worker.runners.embedding import EmbeddingRunner
-from batchfleet.worker.sink import Streamed
+from batchfleet.worker.streamed import Streamed
 from devices import DEVICE
 
 from batchfleet.config import ModelConfig, WorkerConfig

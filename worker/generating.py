@@ -22,7 +22,7 @@ from .observers import BatchDone, Generated, Observers
 from .parts import Parts
 from .runner import Failed, Final, Partial, Preempted, StepReport
 from .scheduler import Step
-from .sink import Streamed
+from .streamed import Streamed
 
 
 class Generating:

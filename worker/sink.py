@@ -24,7 +24,7 @@ from ..redis_errors import UNREACHABLE
 from ..schemas.codec import delta_fields, encode_delta, end_fields
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
-from .streamed import Streamed as Streamed  # (generating.py still imports it from here)
+from .streamed import Streamed
 from .streams import STORED, SUPERSEDED, Entry, ModelStreams, Retiring
 from .token_writes import Sent, TokenWrites
 
