@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test typecheck lint clean
+.PHONY: demo test typecheck lint clean gpu-prep
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ typecheck: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# What bench/gpu_check.sh carries to a lent GPU machine (.whl/, .gpu/; both git-ignored);
+# then one device call: bash bench/gpu_check.sh, carrying .whl and .gpu
+gpu-prep: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.gpu_prep
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build/typecheck build/mypy-cache

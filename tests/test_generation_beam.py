@@ -147,8 +147,8 @@ def test_a_token_that_ends_a_text_ends_a_beam(lm_dir: Path, as_eos: bool, penalt
                                   options={"kv_cache_tokens": 1024, "page_size": 4})  # fmt: skip
     prompt = ids_of(runner, PROMPTS[0])
     with torch.no_grad():
-        logits = runner.model(input_ids=torch.tensor([prompt])).logits[0, -1]
-    stop = int(torch.topk(logits, 2).indices[1])
+        logits = runner.model(input_ids=torch.tensor([prompt], device=runner.torch_device))
+    stop = int(torch.topk(logits.logits[0, -1], 2).indices[1])
     if as_eos:
         runner.eos.append(stop)
     kw: dict[str, Any] = {} if as_eos else {"stop_token_ids": [stop]}
@@ -179,7 +179,8 @@ def test_temperature_draws_a_candidate_that_can_only_end_a_beam(
     # outside the 2 likeliest, which is a stop token id
     prompt = ids_of(runner, PROMPTS[0])
     with torch.no_grad():
-        logits = runner.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        ids = torch.tensor([prompt], device=runner.torch_device)
+        logits = runner.model(input_ids=ids).logits[0, -1].float().cpu()  # (gen: on the CPU)
     likeliest = torch.topk(logits, 2).indices.tolist()
     hot = 50.0
     drawn = {}
@@ -351,7 +352,7 @@ def test_beam_search_through_a_worker(
     plain = submit(r, inputs=PROMPTS[:1], max_new_tokens=5)
     res = result(r, rid)
     assert res["status"] == "ok" and len(res["outputs"]) == 4
-    local = TextGenerationRunner(lm_dir, device="cpu", dtype="float32", options=opts)
+    local = TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=opts)
     for i, p in enumerate(PROMPTS):
         want = reference(local, ids_of(local, p), 2, 5, 0.5)
         got = res["outputs"][i * 2 : i * 2 + 2]

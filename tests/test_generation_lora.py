@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 from conftest import TINY_LM_OPTIONS, WorkerProcess, fleet_toml
+from devices import DEVICE
 from test_generation_runner import Driver, prepare, req
 from tiny_models import make_causal_lm
 
@@ -90,14 +91,15 @@ Reference = Callable[[str | None, str, int], list[int]]
 
 def _runner(base: Path, adapters: dict[str, Path], **opts: Any) -> TextGenerationRunner:
     opts = OPTIONS | {"lora_adapters": {k: str(v) for k, v in adapters.items()}} | opts
-    return TextGenerationRunner(base, device="cpu", dtype="float32", options=opts)
+    return TextGenerationRunner(base, device=DEVICE, dtype="float32", options=opts)
 
 
 def _reference(base: Path, adapters: dict[str, Path], runner: TextGenerationRunner) -> Reference:
-    models = {None: runner.model, **{k: merged(base, v) for k, v in adapters.items()}}
+    on = runner.torch_device
+    models = {None: runner.model, **{k: merged(base, v).to(on) for k, v in adapters.items()}}
 
     def greedy(lora: str | None, text: str, n: int) -> list[int]:
-        ids = runner.tokenizer(text, return_tensors="pt").input_ids
+        ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(on)
         model = models[lora]
         # ignore_eos: an end token never drawn (min_new_tokens would mask the real one out)
         out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=runner.eos[0],
@@ -405,7 +407,7 @@ def test_the_model_info_lists_the_adapters(runner: TextGenerationRunner) -> None
 def _start(lm: Path, adapter: Path, **opts: Any) -> TextGenerationRunner:
     return TextGenerationRunner(
         lm,
-        device="cpu",
+        device=DEVICE,
         dtype="float32",
         options=OPTIONS | {"lora_adapters": {"bad": str(adapter)}} | opts,
     )
@@ -498,7 +500,7 @@ def test_an_adapter_written_by_hand_in_peft_s_layout_is_fused_per_product(
     assert laid is not None and laid.fused is not None
     fused = laid.fused
     assert fused[0] == {} and set(fused[1]) == {"qkv"}
-    a, b = fused[1]["qkv"]
+    a, b = (t.cpu() for t in fused[1]["qkv"])
     assert torch.equal(a, torch.cat([a_q, a_v]))
     want = torch.zeros(q.out_features + k_out + v.out_features, 4)
     want[: q.out_features, :2] = b_q * 1.5

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import redis
 from conftest import WorkerProcess
+from devices import DEVICE
 from test_generation_lora import (
     OPTIONS,
     PROMPTS,
@@ -63,7 +64,7 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _serving(lm: Path, startup: dict[str, Path] | None = None, **opts: Any) -> TextGenerationRunner:
     named = {k: str(v) for k, v in (startup or {}).items()}
-    return TextGenerationRunner(lm, device="cpu", dtype="float32",
+    return TextGenerationRunner(lm, device=DEVICE, dtype="float32",
                                 options=OPTIONS | {"lora_adapters": named} | opts)  # fmt: skip
 
 
@@ -232,7 +233,7 @@ def test_an_adapter_the_lean_forward_cannot_run_is_refused_while_it_serves(
     serving does not switch forwards: refused, with what to do."""
     runner = _serving(lm)
     engine: Any = runner.engine
-    engine.model.model.layers[0].mlp.extra = torch.nn.Linear(64, 64, bias=False)
+    engine.model.model.layers[0].mlp.extra = torch.nn.Linear(64, 64, bias=False).to(DEVICE)
     path = adapters["sql"].parent / "extra"
     make_adapter(path, lm, r=2, targets=["up_proj"])  # then retargeted by hand
     from safetensors.torch import save_file

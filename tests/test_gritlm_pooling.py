@@ -12,6 +12,7 @@ import torch
 from batchfleet.worker.runner import InvalidInput
 from batchfleet.worker.runners.embedding import EmbeddingRunner
 from batchfleet.worker.runners.gritlm import GritInstruction
+from devices import DEVICE
 
 INSTRUCTED = "<|user|>\nRepresent the query\n<|embed|>\nthe quick fox"
 EMBED_ONLY = "<|embed|>\nthe quick fox"
@@ -61,8 +62,6 @@ def gritlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _reference(path: Path, text: str, prefix: str | None) -> torch.Tensor:
     """The mean of ``text``'s states after ``prefix``'s tokens (None: after none), each
     token seeing every other (a full 4D mask, eager attention: no window, not causal)."""
-    from transformers import AutoModel
-
     tok = _tokenizer()
     ids = tok.encode(text).ids
     skip = 0
@@ -70,15 +69,24 @@ def _reference(path: Path, text: str, prefix: str | None) -> torch.Tensor:
         head = tok.encode(prefix).ids
         assert ids[: len(head)] == head
         skip = len(head)
+    return _mean_states(path, ids)[skip:].mean(dim=0)
+
+
+def _mean_states(path: Path, ids: list[int]) -> torch.Tensor:
+    """``ids``' last hidden states (brought to the CPU) by the model at ``path`` on the
+    tests' device, each token seeing every other (a full 4D mask, eager attention)."""
+    from transformers import AutoModel
+
     model = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    full = torch.zeros(1, 1, len(ids), len(ids))
+    model.to(DEVICE)
+    full = torch.zeros(1, 1, len(ids), len(ids), device=DEVICE)
     with torch.inference_mode():
-        states = model(input_ids=torch.tensor([ids]), attention_mask=full).last_hidden_state[0]
-    return states[skip:].mean(dim=0)
+        ids_on = torch.tensor([ids], device=DEVICE)
+        return model(input_ids=ids_on, attention_mask=full).last_hidden_state[0].cpu()
 
 
 def _runner(path: Path, **options: object) -> EmbeddingRunner:
-    return EmbeddingRunner(path, device="cpu", dtype="float32", max_tokens=128,
+    return EmbeddingRunner(path, device=DEVICE, dtype="float32", max_tokens=128,
                            options={"pooling": "gritlm", "normalize": False, **options})  # fmt: skip
 
 
@@ -103,17 +111,11 @@ def test_without_bos_the_vector_is_the_plain_mean(gritlm: Path) -> None:
     runner._tok.post_processor = None  # type: ignore[assignment]  # <s> no longer added
     got = runner.run(runner.encode([EMBED_ONLY]))[0]
     ids = _tokenizer().encode(EMBED_ONLY).ids[1:]
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(gritlm, dtype=torch.float32, attn_implementation="eager")
-    with torch.inference_mode():
-        states = model(input_ids=torch.tensor([ids]),
-                       attention_mask=torch.zeros(1, 1, len(ids), len(ids))).last_hidden_state  # fmt: skip
-    assert torch.allclose(torch.tensor(got), states[0].mean(dim=0), atol=1e-5)
+    assert torch.allclose(torch.tensor(got), _mean_states(gritlm, ids).mean(dim=0), atol=1e-5)
 
 
 def test_vectors_are_normalised_by_default(gritlm: Path) -> None:
-    runner = EmbeddingRunner(gritlm, device="cpu", dtype="float32", options={"pooling": "gritlm"})
+    runner = EmbeddingRunner(gritlm, device=DEVICE, dtype="float32", options={"pooling": "gritlm"})
     (vector,) = runner.run(runner.encode([INSTRUCTED]))
     want = torch.nn.functional.normalize(_reference(gritlm, INSTRUCTED, USER_PREFIX), dim=0)
     assert torch.allclose(torch.tensor(vector), want, atol=1e-5)

@@ -27,6 +27,11 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tiny_llama(tmp_path_factory)
+
+
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny Llama (float32, on the CPU) the ``llama`` fixture gives."""
     from transformers import AutoModelForCausalLM
 
     path = make_causal_lm(tmp_path_factory.mktemp("llama"))
@@ -57,6 +62,11 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tiny_gpt2(tmp_path_factory)
+
+
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny GPT-2 (float32, on the CPU, sharp attention) the ``gpt2`` fixture gives."""
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)

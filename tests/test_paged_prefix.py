@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from devices import DEVICE
 from tiny_models import make_causal_lm
 
 torch = pytest.importorskip("torch")
@@ -37,7 +38,7 @@ def lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def model(lm: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval().to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def _drain(engine: PagedEngine, names: list[str]) -> dict[str, list[int]]:
 
 
 def _hf(model: Any, tokens: list[int], new: int = 6) -> list[int]:
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=model.device)
     out = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                          eos_token_id=model.config.vocab_size)  # fmt: skip
     return [int(t) for t in out[0, len(tokens) :]]
@@ -180,7 +181,7 @@ def test_a_scored_prompt_takes_no_block_and_scores_every_position(model: Any) ->
     kept = engine.prompt_logprobs("b")
     assert len(kept) == len(prompt) - 1
     with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        logits = model(torch.tensor([prompt], device=model.device)).logits[0].log_softmax(-1)
     for i, lp in enumerate(kept):
         assert lp[0] == prompt[i + 1]
         assert lp[1] == pytest.approx(float(logits[i, prompt[i + 1]]), abs=1e-4)
@@ -325,7 +326,7 @@ def test_the_runner_reports_cached_tokens_and_resets_the_shared_blocks(lm: Path)
     from batchfleet.worker.runners.generation import TextGenerationRunner
     from test_generation_runner import run
 
-    runner = TextGenerationRunner(lm, device="cpu", dtype="float32",
+    runner = TextGenerationRunner(lm, device=DEVICE, dtype="float32",
                                   options={"engine": "paged", "page_size": 16})  # fmt: skip
     words = " ".join(f"w{i}" for i in range(40))
 
@@ -348,7 +349,7 @@ def test_a_sliding_window_model_shares_nothing(tmp_path: Path) -> None:
 
     lm = make_causal_lm(tmp_path / "lm")
     path = make_other(tmp_path / "m", lm, "mistral", sliding_window=8)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(DEVICE)
     engine = _engine(model)
     assert not engine.sharing.on
     a = [*SYSTEM, 5]

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from devices import DEVICE
 from test_generation_lora import (
     check_mixed_batch,
     check_preempted,
@@ -55,12 +56,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     }  # fmt: skip
     fresh = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     models = {None: fresh, **{k: merged(base, v) for k, v in adapters.items()}}
+    models = {k: m.to(DEVICE) for k, m in models.items()}  # the runner's device
     return SimpleNamespace(base=base, adapters=adapters, models=models)
 
 
 def _runner(family: Any, **opts: Any) -> TextGenerationRunner:
     named = {k: str(v) for k, v in family.adapters.items()}
-    runner = TextGenerationRunner(family.base, device="cpu", dtype="float32",
+    runner = TextGenerationRunner(family.base, device=DEVICE, dtype="float32",
                                   options=OPTIONS | {"lora_adapters": named} | opts)  # fmt: skip
     assert runner.engine_kind == "paged"  # chosen for the window
     return runner
@@ -73,8 +75,8 @@ def runner(family: Any) -> TextGenerationRunner:
 
 def _generate(family: Any, runner: TextGenerationRunner, lora: str | None, text: str,
               n: int) -> list[int]:  # fmt: skip
-    ids = runner.tokenizer(text, return_tensors="pt").input_ids
     model = family.models[lora]
+    ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(model.device)
     out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=runner.eos[0],
                          eos_token_id=model.config.vocab_size)  # fmt: skip
     return [int(t) for t in out[0, ids.shape[1] :]]
@@ -82,8 +84,9 @@ def _generate(family: Any, runner: TextGenerationRunner, lora: str | None, text:
 
 def _log_softmax(family: Any, lora: str | None, ids: list[int]) -> Any:
     with torch.inference_mode():
-        logits = family.models[lora](torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+        model = family.models[lora]
+        logits = model(torch.tensor([ids], device=model.device)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 def _check_scores(family: Any, runner: TextGenerationRunner, lora: str | None, text: str,
@@ -193,7 +196,7 @@ def test_padded_step_inputs_take_the_adapters_and_scores_too(family: Any) -> Non
 
 
 def test_an_adapter_loaded_while_serving_is_served_and_the_base_untouched(family: Any) -> None:
-    runner = TextGenerationRunner(family.base, device="cpu", dtype="float32", options=OPTIONS)
+    runner = TextGenerationRunner(family.base, device=DEVICE, dtype="float32", options=OPTIONS)
     d = Driver(runner)
     (p0,) = prepare(runner, req("r0", inputs=[PROMPTS[0]], max_new_tokens=8, ignore_eos=True,
                                 return_token_ids=True))  # fmt: skip

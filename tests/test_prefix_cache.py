@@ -21,6 +21,7 @@ from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
 from batchfleet.worker.generation.prefix_cache import PrefixCache, _Block  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
+from devices import DEVICE  # noqa: E402
 from test_padded_engine import EOS, _until_done, generate, preempted  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
@@ -31,9 +32,11 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     show."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        make_causal_lm(tmp_path_factory.mktemp("lm"))
-    ).eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(make_causal_lm(tmp_path_factory.mktemp("lm")))
+        .eval()
+        .to(DEVICE)
+    )
 
 
 def kv_of(tokens: list[int], layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -198,7 +201,8 @@ def test_a_waiting_prompt_reports_only_the_uncached_part_as_prefill(llama: Any) 
 def reference(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
     """Each generated token's log-probability, from one full forward."""
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        ids = torch.tensor([prompt + tokens[:-1]], device=model.device)
+        logits = model(ids).logits[0, len(prompt) - 1 :]
     lp = torch.log_softmax(logits.float(), dim=-1)
     return [float(lp[i, t]) for i, t in enumerate(tokens)]
 
@@ -240,7 +244,7 @@ def test_the_runner_option(tmp_path: Path) -> None:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     path = make_causal_lm(tmp_path / "lm")
-    runner = TextGenerationRunner(path, device="cpu", dtype="float32",
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={"prefix_cache_tokens": 1024, "page_size": 16})  # fmt: skip
     info = runner.info()
     assert (info["prefix_cache_tokens"], info["prefix_cache_hit_tokens"]) == (0, 0)
@@ -279,7 +283,7 @@ def test_reset_prefix_cache_empties_it_before_the_next_step(tmp_path: Path) -> N
     from test_generation_runner import run
 
     path = make_causal_lm(tmp_path / "lm")
-    runner = TextGenerationRunner(path, device="cpu", dtype="float32",
+    runner = TextGenerationRunner(path, device=DEVICE, dtype="float32",
                                   options={"prefix_cache_tokens": 1024, "page_size": 16})  # fmt: skip
     words = " ".join(f"w{i}" for i in range(40))
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the llama fixture is imported from test_padded_engine)
 """Speculation bounded by the batch's size (vLLM's ``disable_by_batch_size`` and
 ``num_speculative_tokens_per_batch_size``) and vLLM's other ``SpeculativeConfig`` keys: the
 bound's table by running count; in the padded engine, no drafts (and no proposer call)
@@ -31,8 +30,16 @@ from batchfleet.worker.generation.speculative import (  # noqa: E402
     Row,
     parse,
 )
-from test_padded_engine import EOS, llama, run  # noqa: E402, F401  (fixture)
+from devices import DEVICE  # noqa: E402
+from test_padded_engine import EOS, run, tiny_llama  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """test_padded_engine's tiny Llama, on the tests' device."""
+    return tiny_llama(tmp_path_factory).to(DEVICE)
+
 
 # --- the bound ----------------------------------------------------------------------------
 
@@ -279,7 +286,7 @@ def test_a_draft_model_lines_up_again_after_skipped_steps(
     # Given: the target's own weights as the draft, so every draft it proposes is the
     # target's pick, and is accepted only where the draft's cache caught up with the
     # tokens the steps without speculation generated
-    twin = AutoModelForCausalLM.from_pretrained(llama.name_or_path).eval()
+    twin = AutoModelForCausalLM.from_pretrained(llama.name_or_path).eval().to(llama.device)
     proposer = DraftProposer(twin, DraftConfig("twin", 3, BatchBound(disable_by_batch_size=3)),
                              chunk=16)  # fmt: skip
     spec = Recording(proposer)
@@ -352,7 +359,7 @@ def test_the_runner_shows_the_bound_and_the_rows_that_skipped(tmp_path: Path) ->
     options = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 8,
                "speculative": {**NGRAM, "disable_by_batch_size": 2,
                                "disable_padded_drafter_batch": True}}  # fmt: skip
-    runner = TextGenerationRunner(make_causal_lm(tmp_path / "lm"), device="cpu",
+    runner = TextGenerationRunner(make_causal_lm(tmp_path / "lm"), device=DEVICE,
                                   dtype="float32", options=options)  # fmt: skip
     reqs = [Request(id=f"r{i}", model="lm", inputs=["a b c a b c a b"],
                     max_new_tokens=40 if i == 2 else 8) for i in range(3)]  # fmt: skip

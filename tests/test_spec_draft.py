@@ -22,6 +22,7 @@ from batchfleet.worker.generation.draft import DraftProposer, common, load  # no
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
 from batchfleet.worker.generation.speculative import DraftConfig, NgramConfig, parse  # noqa: E402
+from devices import DEVICE  # noqa: E402
 from test_padded_engine import EOS, _until_done, generate, run  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
@@ -34,7 +35,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     and a model of another vocabulary."""
     root = tmp_path_factory.mktemp("spec-draft")
     small = make_causal_lm(root / "small", layers=1)
-    model = _model(small)
+    model = _model(small, "cpu")  # the CPU's random draws, whatever the tests' device
     torch.manual_seed(0)
     with torch.no_grad():
         norm = model.model.norm.weight
@@ -45,10 +46,10 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": make_causal_lm(root / "target"), "small": small, "other": root / "other"}
 
 
-def _model(path: Path) -> Any:
+def _model(path: Path, device: str = DEVICE) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,9 @@ def _greedy(model: Any, context: list[int], n: int) -> list[int]:
     """``n`` argmax tokens after ``context``, each from a forward over all before it."""
     tokens = list(context)
     for _ in range(n):
-        tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+        tokens.append(
+            int(model(input_ids=torch.tensor([tokens], device=model.device)).logits[0, -1].argmax())
+        )
     return tokens[len(context) :]
 
 
@@ -161,7 +164,7 @@ class _Watch:
         model = self.draft.model
         with torch.inference_mode():
             for tokens, logits in self.forwards:
-                alone = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+                alone = model(input_ids=torch.tensor([tokens], device=model.device)).logits[0, -1]
                 torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
             for context, drafts in self.proposed:
                 assert drafts == _greedy(model, context, len(drafts)), context
@@ -352,7 +355,7 @@ def _runner(path: Path, **opts: Any) -> Any:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     base = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 8}
-    return TextGenerationRunner(path, device="cpu", dtype="float32", options={**base, **opts})
+    return TextGenerationRunner(path, device=DEVICE, dtype="float32", options={**base, **opts})
 
 
 def test_the_runner_refuses_a_bad_draft_at_load(dirs: dict[str, Path]) -> None:
@@ -415,7 +418,7 @@ def qwen3(dirs: dict[str, Path]) -> Path:
     wrong column changes its picks)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    vocab = _model(dirs["target"]).config.vocab_size
+    vocab = _model(dirs["target"], "cpu").config.vocab_size
     config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the llama and gpt2 fixtures are imported from test_padded_engine)
 """N-gram speculative decoding in the padded engine: the proposer's matches; greedy
 tokens exactly those of the engine without speculation and of one-at-a-time ``generate``
 (prompts that repeat themselves, so drafts are proposed and both accepted and rejected),
@@ -24,8 +23,22 @@ from batchfleet.worker.generation.sampling import (  # noqa: E402
     judge,
 )
 from batchfleet.worker.generation.speculative import NgramConfig, ngram_drafts, parse  # noqa: E402
-from test_padded_engine import EOS, _until_done, generate, gpt2, llama, run  # noqa: E402, F401  (fixtures)
+from devices import DEVICE  # noqa: E402
+from test_padded_engine import EOS, _until_done, generate, run, tiny_gpt2, tiny_llama  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """test_padded_engine's tiny Llama, on the tests' device."""
+    return tiny_llama(tmp_path_factory).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """test_padded_engine's tiny GPT-2, on the tests' device."""
+    return tiny_gpt2(tmp_path_factory).to(DEVICE)
+
 
 # --- the proposer -------------------------------------------------------------------------
 
@@ -276,7 +289,7 @@ def _runner(lm_dir: Any, **opts: Any) -> Any:
     from batchfleet.worker.runners.generation import TextGenerationRunner
 
     base = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 8}
-    return TextGenerationRunner(lm_dir, device="cpu", dtype="float32", options={**base, **opts})
+    return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options={**base, **opts})
 
 
 def _answers(runner: Any, requests: list[Any]) -> tuple[dict[str, Any], list[Any], dict[str, str]]:
