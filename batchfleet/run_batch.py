@@ -162,7 +162,7 @@ async def run_batch(
         gateway = Gateway(producer, timeout_s=settings.timeout_s, priority=settings.priority,
                           frontend=Frontend(response_role=settings.response_role))  # fmt: skip
         gateway.replies.start()
-        watch = RedisWatch(producer, gateway.replies, settings.retry_for_s)
+        watch = RedisWatch(producer, settings.retry_for_s)
         room = asyncio.Semaphore(settings.max_in_flight)
         tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.ensure_future(_report(summary, writer, settings.progress_s))
@@ -233,8 +233,7 @@ async def _answer_line(
         body = {**body, "model": settings.default_model}
     wait, waited = QUEUE_FULL_BACKOFF_S[0], 0.0
     while True:
-        outcome = await answer(gateway, line.url, body, settings.models,
-                               reachable=lambda: not watch.down)  # fmt: skip
+        outcome = await answer(gateway, line.url, body, settings.models, watch=watch)
         full = outcome.error is not None and outcome.error["error"].get("code") == (
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):
@@ -315,8 +314,8 @@ def _run(
             summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings,
                                             metrics=metrics))  # fmt: skip
     except KeyboardInterrupt:
-        print("batchfleet run-batch: stopped; the lines in flight were cancelled, those "
-              "written are kept", file=sys.stderr)  # fmt: skip
+        print("batchfleet run-batch: stopped; the lines in flight were cancelled (the log "
+              "names any not: Redis unreachable), those written are kept", file=sys.stderr)  # fmt: skip
         return 130
     except UploadFailed as exc:
         print(f"batchfleet run-batch: {exc}", file=sys.stderr)
