@@ -163,12 +163,17 @@ async def run_batch(
                           frontend=Frontend(response_role=settings.response_role))  # fmt: skip
         gateway.replies.start()
         watch = RedisWatch(producer, settings.retry_for_s)
+        metrics.redis_reachable.set_function(lambda: 0 if watch.down else 1)
+        fleet = metrics.watch_fleet(redis_url)
         room = asyncio.Semaphore(settings.max_in_flight)
         tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.ensure_future(_report(summary, writer, settings.progress_s))
         watching = asyncio.ensure_future(watch.run())
 
         async def one(index: int, line: Line) -> None:
+            model = line.body.get("model", settings.default_model)
+            if isinstance(model, str):
+                fleet.use(settings.models.get(model, model))
             try:
                 try:
                     with metrics.duration.time():
@@ -213,6 +218,7 @@ async def run_batch(
             await asyncio.gather(reporter, return_exceptions=True)
             await watch.close(watching)
             await gateway.replies.close()
+            metrics.unwatch_fleet()
     summary.failed = writer.failed
     return summary
 

@@ -233,7 +233,8 @@ def scrape(port: int) -> dict[str, float]:
     """The samples of run-batch's own metrics at ``port``, by name and labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("batchfleet_"))
+    samples = (line.rsplit(" ", 1) for line in text.splitlines()
+               if line.startswith(("batchfleet_", "vllm:")))  # fmt: skip
     return {name: float(value) for name, value in samples}
 
 
@@ -259,6 +260,14 @@ def test_enable_metrics_serves_the_run_s_metrics_while_it_lasts(
     assert metrics["batchfleet_run_batch_lines_in_flight"] == 1
     assert metrics["batchfleet_run_batch_line_duration_seconds_count"] == 1
     assert metrics["batchfleet_run_batch_queue_full_retries_total"] == 0
+    assert metrics["batchfleet_run_batch_redis_reachable"] == 1
+    # and the fleet's queue gauges of its model, vLLM's among them: line-b is running
+    # (read by the worker, not answered), none waits (each read at its next read of Redis)
+    running = 'vllm:num_requests_running{engine="fleet",model_name="mm"}'
+    while (metrics := scrape(port)).get(running) != 1:
+        assert time.monotonic() < guard, metrics
+    assert metrics['vllm:num_requests_waiting{engine="fleet",model_name="mm"}'] == 0
+    assert metrics['batchfleet_stream_pending{lane="1",model="mm"}'] == 1
     # and once the run ends, nothing is served
     fake.ok(taken["line-b"], [gen()])
     code, stderr = run.end()
