@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -45,20 +45,13 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
 def test_the_fleet_s_queue_gauges_of_the_models_the_batch_uses(
-    redis_url: str, client: redis.Redis
+    redis_url: str, r: redis.Redis
 ) -> None:
     # Given a fleet serving mm (one worker alive), base (an adapter "ad" on it) and other
-    fake = ScriptedWorker(client, "mm")
-    base = ScriptedWorker(client, "base", info=ModelInfo(task="generate", lora_adapters=["ad"]))
-    ScriptedWorker(client, "other").beat()
+    fake = ScriptedWorker(r, "mm")
+    base = ScriptedWorker(r, "base", info=ModelInfo(task="generate", lora_adapters=["ad"]))
+    ScriptedWorker(r, "other").beat()
     fake.beat()
     clock = Clock()
     metrics = RunBatchMetrics(clock=clock)
