@@ -73,10 +73,9 @@ def test_the_fleet_s_queue_gauges_of_the_models_the_batch_uses(
         raise AssertionError(f"{name} of {model} never {value}: {fleet(name, model)}")
 
     async def go() -> None:
-        # When the batch sends three lines to mm (by its name and a mapped name), one to
-        # base's adapter, one to a model no worker serves; mm's worker takes two
-        lines = feed(chat("a", "mm"), chat("b", "alias"), chat("c", "mm"), chat("d", "ad"),
-                     chat("e", "nope"))  # fmt: skip
+        # When the batch sends three lines to mm (by a name --model-map maps to it), one
+        # to base's adapter, one to a model no worker serves; mm's worker takes two
+        lines = feed(*(chat(c, "alias") for c in "abc"), chat("d", "ad"), chat("e", "nope"))
         settings = Settings(progress_s=0, models={"alias": "mm"})
         batch = asyncio.ensure_future(run_batch(redis_url, lines, [].append, settings,
                                                 metrics=metrics))  # fmt: skip
