@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import redis
+
+from .cancels import not_lost
 from .producer.aio import AsyncProducer
 from .producer.core import DEFAULT_RETRY_FOR_S
 from .producer.gateway.app import Gateway
@@ -189,8 +192,7 @@ async def run_batch(
             written(index, line.custom_id, outcome)  # (no longer in flight once counted)
 
         try:
-            await producer.client.ping()  # unreachable: fail now, not at every line
-            await gateway.replies.subscribed.wait()
+            await _started(producer, gateway, watch.ping_timeout_s + settings.retry_for_s)
             number = 0
             async for text in lines:
                 number += 1
@@ -221,6 +223,22 @@ async def run_batch(
             metrics.unwatch_fleet()
     summary.failed = writer.failed
     return summary
+
+
+async def _started(producer: AsyncProducer, gateway: Gateway, within_s: float) -> None:
+    """Redis answers and the reply channel is subscribed; else (unreachable: fail now, not
+    at every line) what the client raised, or :class:`redis.TimeoutError` after
+    ``within_s`` (a silent network: redis-py's own tries would take a minute)."""
+
+    async def start() -> None:
+        await producer.client.ping()
+        await gateway.replies.subscribed.wait()
+
+    try:
+        await not_lost(asyncio.wait_for(start(), within_s))  # (3.11's keeps no cancel)
+    except asyncio.TimeoutError:
+        where = producer.url.split("@")[-1]  # (no credentials)
+        raise redis.TimeoutError(f"Redis at {where} did not answer within {within_s:g} s") from None
 
 
 def _refused(error: ApiError) -> Outcome:
@@ -302,8 +320,6 @@ def _run(
     source: str, destination: str, redis_url: str, settings: Settings | None,
     tmp_dir: str | None, metrics: RunBatchMetrics,
 ) -> int:  # fmt: skip
-    import redis
-
     from .batch_files import UploadFailed, lines_of, open_input, output
 
     try:

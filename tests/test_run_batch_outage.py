@@ -165,6 +165,23 @@ def test_redis_unreachable_from_the_start_exits_1_naming_it(
     assert (tmp_path / "out.jsonl").read_text() == ""  # (created, nothing written)
 
 
+def test_a_network_silent_from_the_start_exits_1_naming_it(
+    proxy: SilentProxy, tmp_path: Path
+) -> None:
+    # Given a Redis behind a network that accepts connections and never answers
+    proxy.silence()
+    (tmp_path / "in.jsonl").write_text(chat("a") + "\n")
+    run = RunBatch(proxy.url(), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    try:
+        code, stderr = run.end(HUNG_GUARD_S)  # When the run starts
+    finally:
+        run.kill()
+    # Then it stops as where Redis refuses (not after redis-py's minute of tries): exit 1
+    assert code == 1, stderr
+    assert f"TimeoutError: Redis at {proxy.url()} did not answer within 15 s" in stderr
+    assert (tmp_path / "out.jsonl").read_text() == ""
+
+
 # --- a line waiting for its result when Redis goes --------------------------------------------
 
 
