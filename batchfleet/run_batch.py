@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import redis
+
+from .cancels import not_lost
 from .producer.aio import AsyncProducer
 from .producer.core import DEFAULT_RETRY_FOR_S
 from .producer.gateway.app import Gateway
@@ -162,13 +165,18 @@ async def run_batch(
         gateway = Gateway(producer, timeout_s=settings.timeout_s, priority=settings.priority,
                           frontend=Frontend(response_role=settings.response_role))  # fmt: skip
         gateway.replies.start()
-        watch = RedisWatch(producer, gateway.replies, settings.retry_for_s)
+        watch = RedisWatch(producer, settings.retry_for_s)
+        metrics.redis_reachable.set_function(lambda: 0 if watch.down else 1)
+        fleet = metrics.watch_fleet(redis_url)
         room = asyncio.Semaphore(settings.max_in_flight)
         tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.ensure_future(_report(summary, writer, settings.progress_s))
         watching = asyncio.ensure_future(watch.run())
 
         async def one(index: int, line: Line) -> None:
+            model = line.body.get("model", settings.default_model)
+            if isinstance(model, str):
+                fleet.use(settings.models.get(model, model))
             try:
                 try:
                     with metrics.duration.time():
@@ -184,8 +192,7 @@ async def run_batch(
             written(index, line.custom_id, outcome)  # (no longer in flight once counted)
 
         try:
-            await producer.client.ping()  # unreachable: fail now, not at every line
-            await gateway.replies.subscribed.wait()
+            await _started(producer, gateway, watch.ping_timeout_s + settings.retry_for_s)
             number = 0
             async for text in lines:
                 number += 1
@@ -213,8 +220,25 @@ async def run_batch(
             await asyncio.gather(reporter, return_exceptions=True)
             await watch.close(watching)
             await gateway.replies.close()
+            metrics.unwatch_fleet()
     summary.failed = writer.failed
     return summary
+
+
+async def _started(producer: AsyncProducer, gateway: Gateway, within_s: float) -> None:
+    """Redis answers and the reply channel is subscribed; else (unreachable: fail now, not
+    at every line) what the client raised, or :class:`redis.TimeoutError` after
+    ``within_s`` (a silent network: redis-py's own tries would take a minute)."""
+
+    async def start() -> None:
+        await producer.client.ping()
+        await gateway.replies.subscribed.wait()
+
+    try:
+        await not_lost(asyncio.wait_for(start(), within_s))  # (3.11's keeps no cancel)
+    except asyncio.TimeoutError:
+        where = producer.url.split("@")[-1]  # (no credentials)
+        raise redis.TimeoutError(f"Redis at {where} did not answer within {within_s:g} s") from None
 
 
 def _refused(error: ApiError) -> Outcome:
@@ -233,8 +257,7 @@ async def _answer_line(
         body = {**body, "model": settings.default_model}
     wait, waited = QUEUE_FULL_BACKOFF_S[0], 0.0
     while True:
-        outcome = await answer(gateway, line.url, body, settings.models,
-                               reachable=lambda: not watch.down)  # fmt: skip
+        outcome = await answer(gateway, line.url, body, settings.models, watch=watch)
         full = outcome.error is not None and outcome.error["error"].get("code") == (
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):
@@ -297,8 +320,6 @@ def _run(
     source: str, destination: str, redis_url: str, settings: Settings | None,
     tmp_dir: str | None, metrics: RunBatchMetrics,
 ) -> int:  # fmt: skip
-    import redis
-
     from .batch_files import UploadFailed, lines_of, open_input, output
 
     try:
@@ -315,8 +336,8 @@ def _run(
             summary = asyncio.run(run_batch(redis_url, lines_of(stream), out.write, settings,
                                             metrics=metrics))  # fmt: skip
     except KeyboardInterrupt:
-        print("batchfleet run-batch: stopped; the lines in flight were cancelled, those "
-              "written are kept", file=sys.stderr)  # fmt: skip
+        print("batchfleet run-batch: stopped; the lines in flight were cancelled (the log "
+              "names any not: Redis unreachable), those written are kept", file=sys.stderr)  # fmt: skip
         return 130
     except UploadFailed as exc:
         print(f"batchfleet run-batch: {exc}", file=sys.stderr)

@@ -1,12 +1,15 @@
 """``batchfleet run-batch --enable-metrics``: run-batch's own Prometheus metrics, served at
 ``--url``/``--port`` while the run lasts (vLLM's run-batch starts prometheus-client's
 ``start_http_server(port=args.port, addr=args.url)``). vLLM's serves its engine's metrics;
-a run-batch here runs no model, so it serves what the batch saw: lines read, answered by
-status and code, in flight, ``queue_full`` retries, each line's latency. The queue and
+a run-batch here runs no model, so it serves what the batch saw (lines read, answered by
+status and code, in flight, ``queue_full`` retries, each line's latency, Redis reachable)
+and the fleet's queue gauges of the models its lines go to (:mod:`.run_batch_fleet`). The
 model metrics are the workers' ``/metrics``, the gateway's its own."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Final
 
 from prometheus_client import (
@@ -19,6 +22,7 @@ from prometheus_client import (
 )
 
 from .producer.gateway.metrics import LATENCY_BUCKETS
+from .run_batch_fleet import FleetGauges
 
 DEFAULT_URL: Final = "0.0.0.0"
 DEFAULT_PORT: Final = 8000
@@ -26,9 +30,11 @@ DEFAULT_PORT: Final = 8000
 
 
 class RunBatchMetrics:
-    """One run's metric families, in their own registry (runs in one process: tests)."""
+    """One run's metric families, in their own registry (runs in one process: tests);
+    ``clock``: the fleet gauges' cache's."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         self.read = Counter(
@@ -52,6 +58,24 @@ class RunBatchMetrics:
             "batchfleet_run_batch_line_duration_seconds", "A line sent → its answer (its "
             "queue_full waits included)", buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.redis_reachable = Gauge(
+            "batchfleet_run_batch_redis_reachable", "1 while Redis answers run-batch's "
+            "pings, 0 during an outage", registry=r,
+        )  # fmt: skip
+        self.fleet: FleetGauges | None = None
+        """The fleet's queue gauges while a run lasts (:meth:`watch_fleet`)."""
+
+    def watch_fleet(self, redis_url: str) -> FleetGauges:
+        """Serve the fleet's queue gauges, read from ``redis_url``, until :meth:`unwatch_fleet`."""
+        self.fleet = FleetGauges(redis_url, self.clock)
+        self.registry.register(self.fleet)
+        return self.fleet
+
+    def unwatch_fleet(self) -> None:
+        if self.fleet is not None:
+            self.registry.unregister(self.fleet)
+            self.fleet.close()
+            self.fleet = None
 
     def line(self, status: int, error: dict[str, object] | None) -> None:
         """One output line written with ``status`` and OpenAI's error object (or None)."""

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import http.server
 import json
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,14 +19,12 @@ from typing import Any
 
 import pytest
 import redis
-from gateway_fakes import ScriptedWorker, Taken
+from batch_process import GUARD_S, RunBatch, take
+from gateway_fakes import ScriptedWorker
 
 from batchfleet.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(180)
-
-GUARD_S = 60.0
-"""How long a wait may last before the test calls it a hang (each ends far sooner)."""
 
 
 def chat(custom_id: str) -> str:
@@ -41,46 +36,6 @@ def chat(custom_id: str) -> str:
 
 def gen() -> dict[str, Any]:
     return {"text": "Hi!", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
-
-
-class RunBatch:
-    """``python -m batchfleet run-batch ...``; its stderr read line by line as it comes."""
-
-    def __init__(self, redis_url: str, source: Path | str, target: Path | str, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchfleet", "run-batch", "--redis-url", redis_url, "-i",
-             str(source), "-o", str(target), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, pattern: str) -> str:
-        """The first stderr line from here on matching ``pattern``."""
-        while (line := self.lines.get(timeout=GUARD_S)) is not None:
-            self.seen.append(line)
-            if re.search(pattern, line):
-                return line
-        raise AssertionError(f"it ended without {pattern!r}:\n{''.join(self.seen)}")
-
-    def end(self) -> tuple[int, str]:
-        """Its exit status and its whole stderr."""
-        code = self.proc.wait(timeout=GUARD_S)
-        while (line := self.lines.get(timeout=GUARD_S)) is not None:
-            self.seen.append(line)
-        return code, "".join(self.seen)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture
@@ -105,16 +60,6 @@ def start(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., RunBatch]]:
         run_.kill()
 
 
-def take(fake: ScriptedWorker) -> Taken:
-    """The next request the run sends (its start included: a process starting)."""
-    for _ in range(int(GUARD_S / 10)):
-        try:
-            return fake.take()  # (waits 10 s)
-        except ValueError:  # none yet
-            continue
-    raise AssertionError("no request came")
-
-
 def test_ctrl_c_cancels_the_lines_in_flight_and_keeps_those_written_whole(
     fake: ScriptedWorker, start: Callable[..., RunBatch], tmp_path: Path
 ) -> None:
@@ -130,7 +75,10 @@ def test_ctrl_c_cancels_the_lines_in_flight_and_keeps_those_written_whole(
     code, stderr = run.end()
     # Then it exits 130 at once (an hour's --timeout not waited), saying what it did
     assert code == 130, stderr
-    assert "stopped; the lines in flight were cancelled, those written are kept" in stderr
+    assert (
+        "stopped; the lines in flight were cancelled (the log names any not: Redis "
+        "unreachable), those written are kept" in stderr
+    )
     assert re.search(r"run-batch: end: 3 lines read, 1 written \(0 failed\), 0 in flight", stderr)
     # and the lines in flight are cancelled in the fleet, not the one answered
     assert [fake.cancelled(taken[i]) for i in ("line-a", "line-b", "line-c")] == [
@@ -285,7 +233,8 @@ def scrape(port: int) -> dict[str, float]:
     """The samples of run-batch's own metrics at ``port``, by name and labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("batchfleet_"))
+    samples = (line.rsplit(" ", 1) for line in text.splitlines()
+               if line.startswith(("batchfleet_", "vllm:")))  # fmt: skip
     return {name: float(value) for name, value in samples}
 
 
@@ -311,6 +260,14 @@ def test_enable_metrics_serves_the_run_s_metrics_while_it_lasts(
     assert metrics["batchfleet_run_batch_lines_in_flight"] == 1
     assert metrics["batchfleet_run_batch_line_duration_seconds_count"] == 1
     assert metrics["batchfleet_run_batch_queue_full_retries_total"] == 0
+    assert metrics["batchfleet_run_batch_redis_reachable"] == 1
+    # and the fleet's queue gauges of its model, vLLM's among them: line-b is running
+    # (read by the worker, not answered), none waits (each read at its next read of Redis)
+    running = 'vllm:num_requests_running{engine="fleet",model_name="mm"}'
+    while (metrics := scrape(port)).get(running) != 1:
+        assert time.monotonic() < guard, metrics
+    assert metrics['vllm:num_requests_waiting{engine="fleet",model_name="mm"}'] == 0
+    assert metrics['batchfleet_stream_pending{lane="1",model="mm"}'] == 1
     # and once the run ends, nothing is served
     fake.ok(taken["line-b"], [gen()])
     code, stderr = run.end()

@@ -30,10 +30,10 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .. import fleetview
 from ..batching.types import Batch
 from ..config import FleetConfig, MetricsConfig
 from ..connection import SyncClient, connect
+from ..queue_gauges import queue_families, read_queues
 from ..schemas.errors import ErrorCode
 from .lora_metrics import LoraCollector
 from .observers import (
@@ -343,50 +343,12 @@ class StreamCollector(Collector):  # type: ignore[misc]
         self.up = True
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        length = GaugeMetricFamily(
-            "batchfleet_stream_length", "Entries in a lane stream (its backlog).", labels=["model", "lane"]
-        )  # fmt: skip
-        pending = GaugeMetricFamily(
-            "batchfleet_stream_pending",
-            "Entries read by a worker and not yet answered.",
-            labels=["model", "lane"],
-        )
-        lag = GaugeMetricFamily(
-            "batchfleet_stream_lag",
-            "Entries no worker has read yet (consumer-group lag).",
-            labels=["model", "lane"],
-        )
-        oldest = GaugeMetricFamily(
-            "batchfleet_oldest_waiting_seconds",
-            "Age of the oldest unanswered request in a lane.",
-            labels=["model", "lane"],
-        )
-        workers = GaugeMetricFamily(
-            "batchfleet_model_workers", "Workers with a fresh heartbeat.", labels=["model"]
-        )
-        dead = GaugeMetricFamily(
-            "batchfleet_dead_letter_stream_length",
-            "Entries in a model's dead-letter stream (until replayed or purged).",
-            labels=["model"],
-        )
         try:
-            rows = fleetview.read_lanes(self.client, self.models)
-            live = fleetview.live_workers(self.client, list(self.models))
-            dead_letters = fleetview.dead_letter_counts(self.client, list(self.models))
+            state = read_queues(self.client, self.models)
         except redis.RedisError as exc:
             logger.warning("metrics: redis unreachable: %s", exc)
             return
-        for row in rows:
-            labels = [row.model, str(row.lane)]
-            length.add_metric(labels, row.length)
-            pending.add_metric(labels, row.pending)
-            lag.add_metric(labels, row.lag)
-            oldest.add_metric(labels, row.oldest_s)
-        for model, n in live.items():
-            workers.add_metric([model], n)
-        for model, n in dead_letters.items():
-            dead.add_metric([model], n)
-        yield from (length, pending, lag, oldest, workers, dead)
+        yield from queue_families(state)
         yield from _device_memory()
 
 

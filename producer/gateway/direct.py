@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 from ...schemas.errors import BatchfleetError
 from ..aio import AsyncJob
@@ -31,6 +31,13 @@ GENERATION: Final[dict[str, bool]] = {"/v1/chat/completions": True, "/v1/complet
 """The generation URLs, each a chat (True) or a text completion."""
 URLS: Final = (*GENERATION, *ENDPOINTS)
 """Every URL a body may be sent to: the gateway's generation and pooling routes."""
+LET_GO_S: Final = 2.0
+"""The longest a body's work, cancelled as Redis is lost, is waited for to end."""
+CANCEL_ON_STOP_S: Final = 3.0
+"""The longest the cancels of a stopped run's requests are waited for (Redis may be gone,
+or silent: each command would wait out redis-py's socket timeouts)."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,25 +52,35 @@ class Outcome:
     error: dict[str, Any] | None = None
 
 
+class Watch(Protocol):
+    """What run-batch knows of Redis (:class:`~batchfleet.run_batch_outage.RedisWatch`)."""
+
+    @property
+    def down(self) -> bool:
+        """Redis is known unreachable now."""
+        ...
+
+    async def lost(self) -> BatchfleetError:
+        """Returns once Redis has been unreachable too long: the error to answer with."""
+        ...
+
+
 async def answer(
     gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str] | None = None,
-    reachable: Callable[[], bool] = lambda: True,
+    watch: Watch | None = None,
 ) -> Outcome:  # fmt: skip
     """``body`` sent to ``url``, answered as the gateway answers it (never raises for the
     request's own faults: they are the outcome's ``error``). ``models`` maps a model the
     body names to the fleet's model that serves it; the answer names the body's. Its fleet
-    requests left unanswered are cancelled, unless ``reachable()`` says Redis is known down
-    (the cancel would ride out the producer's retries in vain: logged instead)."""
+    requests left unanswered are cancelled. ``watch``: where Redis is lost, the body is
+    answered its error at once, whatever it was doing (a submit, a read, a wait: each
+    could hang on a silent network), and no cancel is tried while Redis is known down
+    (it would ride out the producer's retries in vain: logged instead)."""
     sent = _Sent(new_request_id())
+    stopped = False
     try:
         sent.id = chosen_request_id(body.get("request_id")).get("request_id") or sent.id
-        if url in GENERATION:
-            out = await _generation(gateway, GENERATION[url], body, models or {}, sent)
-        elif url in ENDPOINTS:
-            out = await _unary(gateway, ENDPOINTS[url], body, models or {}, sent)
-        else:
-            raise ApiError(404, f"URL {url!r} is not served; the supported URLs: "
-                           f"{', '.join(URLS)}", code="not_found", param="url")  # fmt: skip
+        out = await _unless_lost(_routed(gateway, url, body, models or {}, sent), watch)
         return Outcome(sent.id, 200, out)
     except (ApiError, BatchfleetError) as exc:
         error = exc if isinstance(exc, ApiError) else of_exception(exc, body)
@@ -71,15 +88,80 @@ async def answer(
     except DOWN as exc:  # a call outside the producer's retries (as the gateway's 503)
         error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
         return Outcome(sent.id, error.status, error=error.body())
+    except asyncio.CancelledError:  # run-batch stopped
+        stopped = True
+        raise
     finally:
-        if sent.sent and not sent.ended and not reachable():
-            logger.warning("run-batch: Redis unreachable: requests %s not cancelled (the "
-                           "fleet may still answer them; nobody reads those results)",
-                           ", ".join(rid for _, rid in sent.sent))  # fmt: skip
-        elif sent.sent and not sent.ended:  # timed out, a part failed, or run-batch stopped
-            cancels = asyncio.gather(*(gateway.producer.cancel(rid, model=model)
-                                       for model, rid in sent.sent), return_exceptions=True)  # fmt: skip
-            await asyncio.shield(cancels)  # (run-batch stopped: they are sent all the same)
+        if sent.sent and not sent.ended:  # timed out, a part failed, Redis lost, or stopped
+            await _cancel(gateway, sent.sent, watch, stopped)
+
+
+async def _routed(
+    gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str], sent: _Sent
+) -> dict[str, Any]:
+    if url in GENERATION:
+        return await _generation(gateway, GENERATION[url], body, models, sent)
+    if url in ENDPOINTS:
+        return await _unary(gateway, ENDPOINTS[url], body, models, sent)
+    raise ApiError(404, f"URL {url!r} is not served; the supported URLs: {', '.join(URLS)}",
+                   code="not_found", param="url")  # fmt: skip
+
+
+async def _unless_lost(work: Coroutine[Any, Any, T], watch: Watch | None) -> T:
+    """``work``'s result; the watch's error once it says Redis is lost first (``work``
+    cancelled, waited for :data:`LET_GO_S` at most: a cancel redis-py swallows, say)."""
+    if watch is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(watch.lost())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=LET_GO_S)
+            task.add_done_callback(_retrieved)
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise lost.result()
+
+
+async def _cancel(
+    gateway: Gateway, sent: list[tuple[str, str]], watch: Watch | None, stopped: bool
+) -> None:
+    """Cancel the fleet requests ``sent`` (model, request id): riding out the producer's
+    retries, until the watch says Redis is lost; once run-batch is ``stopped``, for
+    :data:`CANCEL_ON_STOP_S` at most (a stop is not held by an outage). Not tried while
+    Redis is known down; each given up is logged."""
+    ids = ", ".join(rid for _, rid in sent)
+    if watch is not None and watch.down:
+        logger.warning("run-batch: Redis unreachable: requests %s not cancelled (the fleet "
+                       "may still answer them; nobody reads those results)", ids)  # fmt: skip
+        return
+    cancels = asyncio.gather(*(gateway.producer.cancel(rid, model=model) for model, rid in sent),
+                             return_exceptions=True)  # fmt: skip
+    lost = asyncio.ensure_future(watch.lost()) if watch is not None else None
+    try:
+        await asyncio.wait({cancels} | ({lost} if lost else set()),
+                           timeout=CANCEL_ON_STOP_S if stopped else None,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        if lost is not None:
+            lost.cancel()
+    if not cancels.done():
+        cancels.cancel()
+        cancels.add_done_callback(_retrieved)
+        why = ("Redis unreachable" if lost is not None and lost.done() and not lost.cancelled()
+               else f"no answer within {CANCEL_ON_STOP_S:g} s of the stop")  # fmt: skip
+        logger.warning("run-batch: requests %s not cancelled: %s (the fleet may still answer "
+                       "them; nobody reads those results)", ids, why)  # fmt: skip
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Its end read, whatever it is (never reported as an exception not retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(slots=True)
