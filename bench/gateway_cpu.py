@@ -141,7 +141,8 @@ async def one_round(
     seconds over the steps and over the whole round."""
     from batchfleet.schemas.codec import decode_entry, encode_result
     from batchfleet.schemas.messages import Result, Usage
-    from batchfleet.worker.streams import Finish, ModelStreams, TokenWrite
+    from batchfleet.worker.streams import Finish, ModelStreams
+    from batchfleet.worker.token_stream import TokenWrite
 
     from batchfleet.connection import connect
 

@@ -13,7 +13,8 @@ from typing import Any
 from batchfleet.schemas.codec import decode_entry, encode_result
 from batchfleet.schemas.messages import Limits, Request, Result, Usage
 from batchfleet.schemas.model_info import ModelInfo
-from batchfleet.worker.streams import Entry, Finish, ModelStreams, TokenWrite
+from batchfleet.worker.streams import Entry, Finish, ModelStreams
+from batchfleet.worker.token_stream import TokenWrite
 
 from batchfleet.connection import SyncClient
 from batchfleet.redis_server import free_port

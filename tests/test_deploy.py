@@ -25,7 +25,9 @@ from batchfleet.producer.gateway.frontend import Frontend
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo
-from batchfleet.worker.streams import Finish, ModelStreams, Pruned, TokenWrite
+from batchfleet.worker.registry import Pruned
+from batchfleet.worker.streams import Finish, ModelStreams
+from batchfleet.worker.token_stream import TokenWrite
 from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_stream
 
 from batchfleet.config import load_config

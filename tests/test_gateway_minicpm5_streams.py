@@ -37,7 +37,8 @@ from batchfleet.schemas.messages import Delta, Request, Result, Usage
 from batchfleet.worker.deltas import StreamTo
 from batchfleet.worker.runner import Final, Partial
 from batchfleet.worker.runners.generation import TextGenerationRunner
-from batchfleet.worker.streams import ModelStreams, TokenWrite
+from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.token_stream import TokenWrite
 from conftest import TINY_LM_OPTIONS
 from gateway_fakes import ScriptedWorker, Taken, gateway_in_process, http
 from test_generation_tools import TOOLS

@@ -313,7 +313,7 @@ def test_a_worker_restarted_under_its_name_answers_what_its_previous_life_held(
 
 
 def test_a_redis_clock_read_never_touches_redis() -> None:
-    from batchfleet.worker.streams import RedisClock
+    from batchfleet.worker.redis_clock import RedisClock
 
     class Counting:
         calls = 0
@@ -351,7 +351,8 @@ def test_finish_retried_after_a_lost_reply_is_its_own_write(r: redis.Redis) -> N
 def test_a_generation_attempt_taken_over_stores_nothing_and_its_heir_answers(
     r: redis.Redis,
 ) -> None:
-    from batchfleet.worker.streams import DUPLICATE, STORED, SUPERSEDED, Finish, TokenWrite
+    from batchfleet.worker.streams import DUPLICATE, STORED, SUPERSEDED, Finish
+    from batchfleet.worker.token_stream import TokenWrite
 
     # Given a generation request read by w1, then taken over by w2 (the idle fallback)
     # while w1 stalled; w1 resumes and finishes its attempt (life 1) first
@@ -397,7 +398,8 @@ def test_a_generation_attempt_taken_over_stores_nothing_and_its_heir_answers(
 def test_a_generation_attempt_behind_a_later_one_in_its_token_stream_stores_nothing(
     r: redis.Redis,
 ) -> None:
-    from batchfleet.worker.streams import STORED, SUPERSEDED, Finish, TokenWrite
+    from batchfleet.worker.streams import STORED, SUPERSEDED, Finish
+    from batchfleet.worker.token_stream import TokenWrite
 
     # Given an entry pending on this worker (life 1), whose token stream a later attempt
     # (life 2) has written to meanwhile

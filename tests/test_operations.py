@@ -22,7 +22,7 @@ from conftest import WorkerProcess, fleet_toml
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from batchfleet import cli
+from batchfleet import cli, cli_observe
 from batchfleet.config import load_config
 from batchfleet.redis_server import free_port
 from batchfleet.remote import parse_settings
@@ -113,11 +113,11 @@ def flower(redis_url: str, tmp_path: Path) -> Iterator[str]:
 
 def test_batchfleet_flower_leaves_the_workers_event_switch_to_the_operator() -> None:
     # Flower's default re-enables task events every 5 s, undoing `disable_events`
-    assert cli._flower_options([]) == ["--enable_events=False"]
+    assert cli_observe.flower_options([]) == ["--enable_events=False"]
     auth = ["--basic_auth=a:b"]
-    assert cli._flower_options(auth) == ["--enable_events=False", *auth]
+    assert cli_observe.flower_options(auth) == ["--enable_events=False", *auth]
     for asked in (["--enable_events=True"], ["--enable-events"], ["--enable_events", "true"]):
-        assert cli._flower_options(asked) == asked
+        assert cli_observe.flower_options(asked) == asked
 
 
 def test_flower_shows_the_worker_and_each_micro_batch_as_a_task(

@@ -446,7 +446,7 @@ def collect(shell: Shell, items: Any, into: queue.Queue[Any] | None = None) -> l
 def write_deltas(client: redis.Redis, rid: str, *deltas: tuple[int, str], end: int = 0) -> None:
     """Token-stream entries as the worker appends them (``(seq, text)`` of input 0), and the
     end entry ``end`` if set."""
-    from batchfleet.worker.streams import TokenWrite
+    from batchfleet.worker.token_stream import TokenWrite
 
     writes = [TokenWrite(rid, seq, 60, text, tokens=1) for seq, text in deltas]
     if end:
@@ -562,7 +562,7 @@ def test_stream_yields_a_part_of_the_text(
     kind: str, r: redis.Redis, redis_url: str, shells: Callable[..., Shell]
 ) -> None:
     # Given a reasoning model's deltas: each with its pieces of reasoning and answer
-    from batchfleet.worker.streams import TokenWrite
+    from batchfleet.worker.token_stream import TokenWrite
 
     shell = shells(kind, redis_url)
     job, plain = shell.submit_many("tiny", ["why?", "hi"], stream=True)

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import redis
-from batchfleet.worker.streams import TOKENS_CHUNK, ModelStreams, TokenWrite
+from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.token_stream import TOKENS_CHUNK, TokenWrite
 from batchfleet.worker.token_writes import TokenWrites
 
 

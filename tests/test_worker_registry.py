@@ -14,7 +14,8 @@ from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo, WorkerServing, decode_worker_serving
 from batchfleet.worker.intake import PRUNE_EVERY_S, Intake
-from batchfleet.worker.streams import ModelStreams, Pruned
+from batchfleet.worker.registry import Pruned
+from batchfleet.worker.streams import ModelStreams
 
 from batchfleet import control_wait
 from batchfleet.config import WorkerConfig

@@ -26,7 +26,8 @@ from ..schemas.messages import (
 )
 from .observers import Reply
 from .runner import Prepared
-from .streams import Entry, Finish, TokenWrite
+from .streams import Entry, Finish
+from .token_stream import TokenWrite
 
 logger = logging.getLogger(__name__)
 

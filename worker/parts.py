@@ -20,10 +20,11 @@ from .holding import Holding
 from .inbox import Inbox, ThreadInbox, Wake
 from .intake import Intake
 from .observers import Observers
+from .redis_clock import RedisClock
 from .runner import Runner, Work, is_continuous
 from .runner_info import model_info
 from .sink import RedisSink, ResultSink
-from .streams import Entry, ModelStreams, RedisClock
+from .streams import Entry, ModelStreams
 from .tokenizer_info import tokenizer_info
 
 

@@ -19,7 +19,7 @@ from ..schemas.codec import (
     tool_chunks_json,
 )
 from ..schemas.messages import Delta, Format
-from .streams import TokenWrite
+from .token_stream import TokenWrite
 
 EXPIRE_EVERY = 64
 """A token stream's TTL is (re)set with its 1st, 65th, ... entry and its end entry: one

@@ -1,33 +1,25 @@
-"""The worker's typed view of one model's Redis keys: read, finish, dead-letter, reclaim."""
+"""The worker's typed view of one model's lane streams: read, finish, dead-letter, reclaim.
+
+:class:`ModelStreams` is the one handle a worker holds on a model's keys: the lane streams
+here, with the registry (``registry.py``), the token streams (``token_stream.py``) and the
+model's published state (``model_publish.py``) it inherits; the Lua scripts are loaded
+once, in ``redis_model.py``."""
 
 from __future__ import annotations
 
-import importlib.resources
-import json
-import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgpack
-import redis
-from redis.commands.core import Script
-
-from ..connection import SyncClient
-from ..schemas.keys import GROUP, LORA_UNLOADED, MODELS_KEY, ModelKeys
-from ..schemas.messages import Limits
-from ..schemas.model_info import ModelInfo, WorkerServing, decode_model_info
+from ..schemas.keys import GROUP
+from .model_publish import ModelPublisher
+from .registry import Registry
+from .token_stream import TOKENS_MAXLEN, TokenStreams, TokenWrite
 
 FINISH_CHUNK = 256
 """Results stored per script call: one round trip per batch, and a bounded script run."""
 REFRESH_CHUNK = 512
 """Entries refreshed per script call (a bounded script run)."""
-
-
-def _script(client: SyncClient, name: str) -> Script:
-    source = importlib.resources.files(__package__).joinpath("lua").joinpath(name).read_text()
-    return client.register_script(source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,81 +53,6 @@ class Retiring:
     reply: str | None
 
 
-TOKENS_MAXLEN = 100_000
-"""A token stream's approximate MAXLEN (far above any request's tokens: a bound, not a cut)."""
-TOKENS_CHUNK = 256
-"""Token-stream entries per ``tokens.lua`` call."""
-_TOKENS_MAXLEN_ARG = b"$%d\r\n%d\r\n" % (len(str(TOKENS_MAXLEN)), TOKENS_MAXLEN)
-
-
-@dataclass(slots=True)  # not frozen: one per token and row (4x cheaper to build)
-class TokenWrite:
-    """One entry of a request's token stream: a delta (``text`` set), published on
-    ``reply`` too, or (``text`` None) the stream's end."""
-
-    request_id: str
-    seq: int
-    ttl_s: int
-    """The stream's TTL, set with this entry (0: left as it is)."""
-    text: str | None = None
-    input: int = 0
-    tokens: int = 0
-    reply: str | None = None
-    json: bool = False
-    """The delta's message in JSON (else msgpack)."""
-    model: str = ""
-    logprobs: str | None = None
-    """The delta's ``logprobs`` as JSON text (None: its request did not ask)."""
-    life: int = 0
-    """The writer's attempt at the request (its entry's delivery count; 0: none), negative
-    where ``tokens.lua`` is to check it against the stream's last entry's."""
-    tool_calls: str | None = None
-    """The tool calls the delta completed, as JSON text (None: none)."""
-    content: str | None = None
-    """What the delta adds to its output's ``content`` (None: the output has none)."""
-    reasoning: str | None = None
-    """What it adds to its output's ``reasoning_content`` (None: the output has none)."""
-    token_ids: str | None = None
-    """Its tokens' ids as JSON text (None: its request did not ask)."""
-    tool_call_chunks: str | None = None
-    """The calls' pieces it wrote, as JSON text (None: none)."""
-    prompt_tokens: int | None = None
-    """Its output's prompt tokens (in its first delta; None: the others)."""
-    prompt_text: str | None = None
-    """Its input's prompt text (the first delta of its first output, where asked)."""
-    prompt_logprobs: str | None = None
-    """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
-    prompt_token_ids: str | None = None
-    """Its prompt's token ids as JSON text (its output's first delta, where asked)."""
-
-    def item(self) -> list[Any]:
-        """The entry as ``tokens.lua`` takes it."""
-        if self.text is None:
-            return [self.seq, self.ttl_s, self.life]
-        item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
-                self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
-        prompt = None if self.prompt_tokens is None else str(self.prompt_tokens)
-        more = [
-            [name, value, raw]
-            for name, value, raw in (
-                ("logprobs", self.logprobs, 1),
-                ("tool_calls", self.tool_calls, 1),
-                ("token_ids", self.token_ids, 1),
-                ("tool_call_chunks", self.tool_call_chunks, 1),
-                ("content", self.content, 0),
-                ("reasoning_content", self.reasoning, 0),
-                ("prompt_tokens", prompt, 1),
-                ("prompt_text", self.prompt_text, 0),
-                ("prompt_logprobs", self.prompt_logprobs, 1),
-                ("prompt_token_ids", self.prompt_token_ids, 1),
-            )
-            if value is not None
-        ]
-        if more:
-            item.append(more)
-        return item
-
-
 @dataclass(frozen=True, slots=True)
 class Finish:
     """A result to store for one entry."""
@@ -156,100 +73,8 @@ STORED, DUPLICATE, SUPERSEDED = 1, 0, 2
 (which stands), or stored nothing (a later attempt at the request owns it now)."""
 
 
-class Pruned(NamedTuple):
-    """What :meth:`ModelStreams.prune` removed."""
-
-    entries: int
-    """Hostname and serving entries."""
-    heartbeats: int
-    consumers: int
-    """Consumers deleted from the lanes' groups (one per lane a worker had read)."""
-
-
-class ModelStreams:
+class ModelStreams(Registry, TokenStreams, ModelPublisher):
     """Reads and retires one model's lane streams as one consumer of the group."""
-
-    def __init__(self, client: SyncClient, model: str, lanes: int, consumer: str) -> None:
-        self.client = client
-        self.keys = ModelKeys(model)
-        self.lanes = lanes
-        self.consumer = consumer
-        self.streams = self.keys.lanes(lanes)
-        self._lane_of = {name.encode(): i for i, name in enumerate(self.streams)}
-        self._finish = _script(client, "finish.lua")
-        self._dead = _script(client, "dead_letter.lua")
-        self._retire = _script(client, "retire.lua")
-        self._refresh = _script(client, "refresh.lua")
-        self._tokens = _script(client, "tokens.lua")
-        self._prune = _script(client, "prune.lua")
-        self._hostname: str | None = None
-        self._serving: str | None = None
-
-    def ensure_groups(
-        self, max_depth: int | None = None, limits: Limits | None = None,
-        info: ModelInfo | None = None, tokenizer: Mapping[str, Any] | None = None,
-        heartbeat_timeout_ms: int | None = None,
-    ) -> None:  # fmt: skip
-        """Create the group on every lane (from the stream's start, so nothing queued before
-        the first worker is missed) and publish the lane count, depth limit and request
-        limits for producers, and the model's info and ``tokenizer`` configuration for
-        gateways (:meth:`publish_info`, :meth:`publish_tokenizer`), and the heartbeat
-        timeout for control commands."""
-        for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-        self.client.set(self.keys.lanes_key, self.lanes)
-        self.client.sadd(MODELS_KEY, self.keys.model)
-        if limits is not None:
-            self.client.set(self.keys.limits, limits.model_dump_json())
-        if info is not None:
-            self.publish_info(info)
-        if tokenizer is not None:
-            self.publish_tokenizer(tokenizer)
-        if heartbeat_timeout_ms is not None:
-            self.client.set(self.keys.heartbeat_timeout, heartbeat_timeout_ms)
-        if max_depth:
-            self.client.set(self.keys.max_depth, max_depth)
-        else:
-            self.client.delete(self.keys.max_depth)
-
-    def publish_info(self, info: ModelInfo) -> None:
-        """Write the model's info (no TTL, as the limits: each worker writes it when it
-        starts), keeping the ``created`` of the info already there, if any."""
-        raw = self.client.get(self.keys.info)
-        if raw is not None:
-            try:
-                created = decode_model_info(raw).created
-            except ValueError:  # not ours to read: replaced
-                created = 0
-            if 0 < created < info.created or not info.created:
-                info = info.model_copy(update={"created": created})
-        self.client.set(self.keys.info, info.model_dump_json())
-
-    def publish_tokenizer(self, config: Mapping[str, Any]) -> None:
-        """Write the model's tokenizer configuration (``/tokenizer_info``'s body; no TTL,
-        as the info: each worker writes it when it starts)."""
-        self.client.set(self.keys.tokenizer, json.dumps(config, separators=(",", ":")))
-
-    def lora_loaded(self, name: str, path: str) -> None:
-        """An adapter loaded while the model serves: workers started later load it too
-        (every worker the broadcast reaches writes the same value)."""
-        self.client.hset(self.keys.lora, name, path)
-
-    def lora_unloaded(self, name: str) -> None:
-        """An adapter unloaded while the model serves: workers started later do not serve
-        it, not even from their fleet file (a tombstone, until it is loaded again)."""
-        self.client.hset(self.keys.lora, name, LORA_UNLOADED)
-
-    def loras(self) -> dict[str, str | None]:
-        """The adapters loaded (name → directory) and unloaded (name → None) while the
-        model serves."""
-        raw = self.client.hgetall(self.keys.lora)
-        return {_text(k): _text(v) if _text(v) != LORA_UNLOADED else None
-                for k, v in raw.items()}  # fmt: skip
 
     def depths(self) -> tuple[list[int], list[int]]:
         """Entries in each lane stream, and how many of them are pending (being worked on)."""
@@ -259,45 +84,6 @@ class ModelStreams:
             pipe.xpending(stream, GROUP)
         replies = pipe.execute()
         return replies[0::2], [int(p["pending"]) for p in replies[1::2]]
-
-    def identify(self, hostname: str | None = None, serving: WorkerServing | None = None) -> None:
-        """What each heartbeat publishes after it: this worker's Celery ``hostname`` (where
-        control broadcasts reach it: ``-d NAME`` finds it by either name) and what it
-        ``serving`` the model with (the gateway's fingerprint, the control wait's window)."""
-        if hostname is not None:
-            self._hostname = hostname
-        if serving is not None:
-            self._serving = serving.model_dump_json(exclude_none=True)
-
-    def heartbeat(self, now_ms: int) -> None:
-        """Mark this consumer alive (readiness checks and `status` read this hash), with its
-        hostname and serving entries (:meth:`identify`) in the same transaction: entries
-        :meth:`prune` removed while it was silent come back with its next beat (the beat
-        first: a prune between the two sees it fresh)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self.keys.workers, self.consumer, now_ms)
-        if self._hostname is not None:
-            pipe.hset(self.keys.hostnames, self.consumer, self._hostname)
-        if self._serving is not None:
-            pipe.hset(self.keys.serving, self.consumer, self._serving)
-        pipe.execute()
-
-    def unregister(self) -> None:
-        """This worker stops: its heartbeat, hostname and serving entries go."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in (self.keys.workers, self.keys.hostnames, self.keys.serving):
-            pipe.hdel(key, self.consumer)
-        pipe.execute()
-
-    def prune(self, now_ms: int, timeout_ms: int, retention_ms: int) -> Pruned:
-        """Forget workers that died or were renamed without stopping cleanly
-        (``prune.lua``, atomic): their hostname and serving entries once their heartbeat is
-        older than ``timeout_ms`` (or their own, where longer) or gone; their heartbeat, and
-        their consumer in each lane's group where it holds no pending entry, once older
-        than ``retention_ms``. Never this worker's own."""
-        keys = [self.keys.workers, self.keys.serving, self.keys.hostnames, *self.streams]
-        args: list[int | str] = [now_ms, timeout_ms, retention_ms, GROUP, self.consumer]
-        return Pruned(*(int(n) for n in self._prune(keys=keys, args=args)))
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
         """New entries for this consumer: up to ``counts[lane]`` from each lane (one round
@@ -335,27 +121,6 @@ class ModelStreams:
         for key in keys:
             pipe.getrange(key, 0, max_bytes)
         return [bytes(v) if v else None for v in pipe.execute()]
-
-    def live_consumers(self, now_ms: int, timeout_ms: int) -> set[str]:
-        """Consumers whose last heartbeat is within ``timeout_ms`` of ``now_ms``."""
-        beats = self.client.hgetall(self.keys.workers)
-        return {
-            (k.decode() if isinstance(k, bytes) else str(k))
-            for k, v in beats.items()
-            if now_ms - int(v) <= timeout_ms
-        }
-
-    def holders(self) -> dict[str, int]:
-        """Consumers holding pending entries on any lane, with how many."""
-        pipe = self.client.pipeline(transaction=False)
-        for stream in self.streams:
-            pipe.xpending(stream, GROUP)
-        out: dict[str, int] = {}
-        for summary in pipe.execute():
-            for c in summary.get("consumers") or []:
-                name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
-                out[name] = out.get(name, 0) + int(c["pending"])
-        return out
 
     def reclaim(
         self,
@@ -495,41 +260,6 @@ class ModelStreams:
             args += [it.entry.id, it.entry.lane, it.reply or ""]
         return [bool(x) for x in self._retire(keys=keys, args=args)]
 
-    def append_tokens(self, items: Sequence[TokenWrite]) -> None:
-        """Append entries to requests' token streams and publish the deltas' messages
-        (encoded by the script): one ``tokens.lua`` call per ``TOKENS_CHUNK`` items, the
-        items packed in one argument, called directly (a pipeline holding a script first
-        asks SCRIPT EXISTS)."""
-        for start in range(0, len(items), TOKENS_CHUNK):
-            chunk = items[start : start + TOKENS_CHUNK]
-            packed = msgpack.packb([it.item() for it in chunk])
-            self._tokens(keys=[self.keys.tokens(it.request_id) for it in chunk],
-                         args=[TOKENS_MAXLEN, packed])  # fmt: skip
-
-    def tokens_commands(self, items: Sequence[TokenWrite]) -> list[bytes]:
-        """:meth:`append_tokens` as packed ``EVALSHA`` commands, one per ``TOKENS_CHUNK``
-        items, for a connection of the caller's own (worker/token_writes.py): packed here,
-        a step's call costs a tenth of the client's argument encoding."""
-        sha = self._tokens.sha.encode()
-        out: list[bytes] = []
-        for start in range(0, len(items), TOKENS_CHUNK):
-            chunk = items[start : start + TOKENS_CHUNK]
-            n = len(chunk)
-            packed = msgpack.packb([it.item() for it in chunk])
-            parts = [b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%d\r\n"
-                     % (n + 5, len(sha), sha, len(str(n)), n)]  # fmt: skip
-            for it in chunk:
-                key = self.keys.tokens(it.request_id).encode()
-                parts.append(b"$%d\r\n%s\r\n" % (len(key), key))
-            parts.append(_TOKENS_MAXLEN_ARG)
-            parts.append(b"$%d\r\n%s\r\n" % (len(packed), packed))
-            out.append(b"".join(parts))
-        return out
-
-    def load_tokens_script(self) -> None:
-        """Load ``tokens.lua`` (after ``NOSCRIPT``: a restarted or flushed Redis)."""
-        self.client.script_load(self._tokens.script)
-
     def mark_started(self, items: Sequence[tuple[str, int]]) -> None:
         """Say that this worker admitted these requests, (id, TTL in seconds) each: their
         ``started`` keys hold its consumer name (docs/protocol.md, "Started")."""
@@ -580,39 +310,3 @@ class ModelStreams:
         args = [GROUP, entry.id, code, reason[:1000], maxlen, worker, *flat]
         dead_id = self._dead(keys=[self.keys.dead, self.streams[entry.lane]], args=args)
         return dead_id.decode() if isinstance(dead_id, bytes) else str(dead_id)
-
-    def redis_time(self) -> float:
-        """Redis server clock in unix seconds."""
-        sec, usec = self.client.time()
-        return sec + usec / 1e6
-
-
-class RedisClock:
-    """Local monotonic time mapped onto the Redis server's clock (stream ids use it).
-
-    Reading it never touches Redis (any thread may, the device thread too); the intake
-    calls :meth:`sync` on its own thread, at start and every ``refresh_s``. Before the first
-    sync it is the local wall clock."""
-
-    def __init__(self, streams: ModelStreams, refresh_s: float = 60.0) -> None:
-        self._streams = streams
-        self.refresh_s = refresh_s
-        self._offset = time.time() - time.monotonic()
-        self._synced = -math.inf
-
-    def sync(self, force: bool = False) -> None:
-        """Measure the offset to the Redis clock again, if due (or ``force``)."""
-        t0 = time.monotonic()
-        if not force and t0 - self._synced < self.refresh_s:
-            return
-        self._synced = t0  # one try per period, whatever the outcome
-        server = self._streams.redis_time()
-        t1 = time.monotonic()
-        self._offset = server - (t0 + t1) / 2
-
-    def __call__(self) -> float:
-        return time.monotonic() + self._offset
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -19,7 +19,8 @@ from typing import Any
 
 import redis
 
-from .streams import ModelStreams, TokenWrite
+from .streams import ModelStreams
+from .token_stream import TokenWrite
 
 
 @dataclass(frozen=True, slots=True)
