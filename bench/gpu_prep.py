@@ -96,12 +96,14 @@ def download(pins: dict[str, str], dest: Path) -> list[Path]:
 
 def finder(dest: Path) -> Path:
     """This environment's editable finder of batchfleet, with the checkout's path as
-    :data:`ROOT` (``gpu_check.sh`` puts the machine's checkout there)."""
-    dist = md.distribution("batchfleet")
-    files = [f for f in dist.files or [] if f.name.endswith("_finder.py")]
-    if not files:
+    :data:`ROOT` (``gpu_check.sh`` puts the machine's checkout there). Every distribution
+    named batchfleet is looked at: run from the checkout, its ``batchfleet.egg-info`` (no
+    finder listed) comes before the installed one."""
+    found = [d.locate_file(f) for d in md.distributions(name="batchfleet")
+             for f in d.files or [] if f.name.endswith("_finder.py")]  # fmt: skip
+    if not found:
         raise SystemExit("batchfleet is not an editable install here (pip install -e .)")
-    text = Path(str(dist.locate_file(files[0]))).read_text()
+    text = Path(str(found[0])).read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith("MAPPING"))
     mapping: dict[str, str] = ast.literal_eval(line.split("=", 1)[1].strip())
     checkout = str(Path(mapping["batchfleet"]).parent)
