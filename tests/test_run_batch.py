@@ -124,10 +124,13 @@ def test_a_failed_result_is_an_error_line_and_order_is_kept(
 ) -> None:
     async def go() -> list[dict[str, Any]]:
         out: list[str] = []
-        batch = asyncio.ensure_future(run_batch(redis_url, feed(chat("a"), chat("b")),
-                                                out.append, QUIET))  # fmt: skip
-        first = await asyncio.to_thread(fake.take)
-        second = await asyncio.to_thread(fake.take)
+        lines = [chat(c, messages=[{"role": "user", "content": c}]) for c in "ab"]
+        batch = asyncio.ensure_future(run_batch(redis_url, feed(*lines), out.append, QUIET))
+        taken = [await asyncio.to_thread(fake.take) for _ in lines]
+        # the lines' requests reach Redis in either order (each its own connection)
+        first, second = sorted(
+            taken, key=lambda t: str(t.request.messages and t.request.messages[0].content)
+        )
         # the second answered first: nothing is written until the first is
         await asyncio.to_thread(fake.ok, second, [gen("second")], Usage(prompt_tokens=3,
                                 completion_tokens=2))  # fmt: skip
