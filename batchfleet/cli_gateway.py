@@ -60,6 +60,29 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+# The stores' limits (--flag, default, help), all whole numbers; the defaults are the
+# stores' own (stored.DEFAULT_*, conversations.DEFAULT_*), not imported: the CLI stays light.
+_STORE_LIMITS: tuple[tuple[str, int, str], ...] = (
+    ("--responses-ttl", 24 * 3600,
+     "seconds a stored /v1/responses response is kept, up to 30 days (0: store none)"),
+    ("--responses-max-bytes", 4 * 1024 * 1024,
+     "a larger stored response (with its conversation) is answered but not stored"),
+    ("--conversations-ttl", 30 * 24 * 3600,
+     "seconds a /v1/conversations conversation is kept after its last change "
+     "(default 30 days; 0: until deleted, as OpenAI's)"),
+    ("--conversations-max-items", 1000,
+     "the most items a conversation holds (adding more is refused with 400)"),
+    ("--conversations-max-bytes", 4 * 1024 * 1024,
+     "the most bytes a conversation's items hold, as JSON (more is refused with 400)"),
+)  # fmt: skip
+
+
+def _add_store_limits(gw: argparse.ArgumentParser) -> None:
+    """How long, and how much, the gateway keeps of /v1/responses and /v1/conversations."""
+    for flag, default, text in _STORE_LIMITS:
+        gw.add_argument(flag, type=int, default=default, help=text)
+
+
 def add_gateway(sub: Subparsers) -> None:
     """`gateway` and its flags (vLLM's, where it has one)."""
     gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/...)")
@@ -86,37 +109,7 @@ def add_gateway(sub: Subparsers) -> None:
         default=30.0,
         help="on SIGTERM, seconds the requests in flight get to end (then cancelled)",
     )
-    gw.add_argument(
-        "--responses-ttl",
-        type=int,
-        default=24 * 3600,  # stored.DEFAULT_TTL_S (not imported: the CLI stays light)
-        help="seconds a stored /v1/responses response is kept, up to 30 days (0: store none)",
-    )
-    gw.add_argument(
-        "--responses-max-bytes",
-        type=int,
-        default=4 * 1024 * 1024,  # stored.DEFAULT_MAX_BYTES
-        help="a larger stored response (with its conversation) is answered but not stored",
-    )
-    gw.add_argument(
-        "--conversations-ttl",
-        type=int,
-        default=30 * 24 * 3600,  # conversations.DEFAULT_TTL_S
-        help="seconds a /v1/conversations conversation is kept after its last change "
-        "(default 30 days; 0: until deleted, as OpenAI's)",
-    )
-    gw.add_argument(
-        "--conversations-max-items",
-        type=int,
-        default=1000,  # conversations.DEFAULT_MAX_ITEMS
-        help="the most items a conversation holds (adding more is refused with 400)",
-    )
-    gw.add_argument(
-        "--conversations-max-bytes",
-        type=int,
-        default=4 * 1024 * 1024,  # conversations.DEFAULT_MAX_BYTES
-        help="the most bytes a conversation's items hold, as JSON (more is refused with 400)",
-    )
+    _add_store_limits(gw)
     gw.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",

@@ -55,8 +55,8 @@ class ChatMessage(_Strict):
     )
     """An assistant turn's reasoning (a result's ``reasoning_content``; vLLM's, also as
     ``reasoning``): given to the chat template as ``reasoning_content`` (Qwen3's and
-    DeepSeek-R1's templates write it back for the turns of a tool-calling loop) and as
-    ``thinking`` (gpt-oss's)."""
+    DeepSeek-R1's templates write it back for the turns of a tool-calling loop), as
+    ``reasoning`` (vLLM gives both) and as ``thinking`` (gpt-oss's)."""
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:

@@ -104,6 +104,47 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
         "format": {"type": "text"}}})).response_format is None  # fmt: skip
 
 
+def test_an_assistant_turn_spans_its_reasoning_message_and_calls_as_vllm_s() -> None:
+    def reasoning(text: str, field: str = "content") -> dict[str, Any]:
+        kind = "reasoning_text" if field == "content" else "summary_text"
+        return {"type": "reasoning", "summary": [], field: [{"type": kind, "text": text}]}
+
+    def said(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
+
+    def call(n: int) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": f"call_{n}", "name": "get_weather",
+                "arguments": '{"city":"Rome"}'}  # fmt: skip
+
+    def turns(*items: dict[str, Any]) -> list[tuple[Any, ...]]:
+        request = built(response_submission({"model": "lm", "tools": [WEATHER],
+                                             "input": [{"role": "user", "content": "q"}, *items]}))  # fmt: skip
+        return [(m.role, m.content, m.reasoning_content,
+                 [c.id for c in m.tool_calls] if m.tool_calls else None) for m in request.messages]  # fmt: skip
+
+    user = ("user", "q", None, None)
+    # a response's output, in its order: one assistant turn (vLLM's merging)
+    assert turns(reasoning("R"), said("C"), call(1), call(2)) == [
+        user, ("assistant", "C", "R", ["call_1", "call_2"])]  # fmt: skip
+    # a call, then its output, then more reasoning: a turn of its own, with no text
+    done = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    assert turns(reasoning("R"), call(1), done, reasoning("S", "summary")) == [
+        user, ("assistant", None, "R", ["call_1"]), ("tool", "sunny", None, None),
+        ("assistant", "", "S", None)]  # fmt: skip
+    # a second reasoning, or a second message, begins a turn (each turn has one of each)
+    assert turns(said("A"), reasoning("R"), reasoning("S"), said("B"), said("C")) == [
+        user, ("assistant", "A", "R", None), ("assistant", "B", "S", None),
+        ("assistant", "C", None, None)]  # fmt: skip
+    # its content's text over its summary's; neither: empty reasoning (as vLLM reads them)
+    both = reasoning("R") | {"summary": [{"type": "summary_text", "text": "S"}]}
+    assert turns(both, said("C")) == [user, ("assistant", "C", "R", None)]
+    assert turns({"type": "reasoning", "summary": []}, said("C")) == [
+        user,
+        ("assistant", "C", "", None),
+    ]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -116,7 +157,11 @@ def test_a_responses_body_becomes_the_chat_it_means() -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": []}, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e"}]},
+         "input[0].encrypted_content"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 3}]}]},
+         "input[0].content[0].text"),
+        ({"input": [{"type": "reasoning", "summary": "hm"}]}, "input[0].summary"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"model": None}, "model"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -56,7 +56,7 @@ TOOLS_TEMPLATE = (
     "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}call {{ c['function']['name'] }}"
     " {{ c['function']['arguments']['unit'] }}{% endfor %}"
     "{% if m.get('reasoning_content') %} thought {{ m['reasoning_content'] }}"
-    " / {{ m['thinking'] }}{% endif %}{% if m.get('tool_call_id') %}"
+    " / {{ m['thinking'] }} / {{ m['reasoning'] }}{% endif %}{% if m.get('tool_call_id') %}"
     " for {{ m['tool_call_id'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -247,8 +247,9 @@ def test_the_chat_template_renders_tools_and_earlier_calls(runner: TextGeneratio
     assert "tools: get_weather get_time" in prompt
     assert "call get_weather c" in prompt  # the arguments as an object
     assert "sunny for call_1" in prompt
-    # an earlier turn's reasoning, as Qwen3's and gpt-oss's templates read it
-    assert "thought cold? / cold?" in prompt
+    # an earlier turn's reasoning, as Qwen3's and gpt-oss's templates read it, and as
+    # vLLM gives it too (reasoning)
+    assert "thought cold? / cold? / cold?" in prompt
 
 
 def test_read_calls() -> None:

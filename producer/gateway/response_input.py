@@ -99,9 +99,12 @@ def input_items(raw: Any) -> list[dict[str, Any]]:
 
 
 def input_messages(raw: Any) -> list[dict[str, Any]]:
-    """``input`` (a text, or a list of items) as chat messages: a function call joins the
-    assistant message before it (as chat writes ``tool_calls``), its output is a ``tool``
-    message; reasoning items are left out."""
+    """``input`` (a text, or a list of items) as chat messages, as vLLM builds them
+    (``construct_chat_messages_with_tool_call``): an assistant turn spans the items that
+    make it, so a ``reasoning`` item (its ``reasoning_content``), an assistant message (its
+    ``content``) and ``function_call`` items (its ``tool_calls``) join the assistant message
+    before them where it lacks that part yet, else begin one; a call's output is a
+    ``tool`` message."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -112,13 +115,18 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(item, Mapping):
             raise invalid("each input item must be an object", param)
         kind = item.get("type", "message")
+        turn = out[-1] if out and out[-1]["role"] == "assistant" else None
         if kind == "message":
-            out.append(_message(item, param))
+            message = _message(item, param)
+            if message["role"] == "assistant" and turn is not None and turn["content"] is None:
+                turn["content"] = message["content"]
+            else:
+                out.append(message)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
+            if turn is not None:
+                turn.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -126,12 +134,39 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             if isinstance(output, list):
                 output = text_parts(output, f"{param}.output", TEXT_PARTS)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            reasoning = _reasoning(item, param)
+            if turn is not None and turn.get("reasoning_content") is None:
+                turn["reasoning_content"] = reasoning
+            else:
+                out.append({"role": "assistant", "content": None, "reasoning_content": reasoning})
+        else:
             raise invalid(f"input items of type {kind!r} are not supported (messages, "
-                          "function calls and their outputs are)", f"{param}.type")  # fmt: skip
-    if not out:
-        raise invalid("input holds no message", "input")
+                          "reasoning, function calls and their outputs are)", f"{param}.type")  # fmt: skip
+    for m in out:  # a turn of reasoning only: no text (as vLLM renders it), not a null one
+        if m["role"] == "assistant" and m["content"] is None and "tool_calls" not in m:
+            m["content"] = ""
     return out
+
+
+def _reasoning(item: Mapping[str, Any], param: str) -> str:
+    """A ``reasoning`` item's text, as vLLM reads it: its first ``content`` part's, else
+    its first ``summary`` part's (none: empty); encrypted reasoning is refused (only
+    OpenAI reads it)."""
+    if item.get("encrypted_content") is not None:
+        raise invalid("encrypted reasoning (encrypted_content) is not supported",
+                      f"{param}.encrypted_content")  # fmt: skip
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts is None or parts == []:
+            continue
+        if not isinstance(parts, list) or not isinstance(parts[0], Mapping):
+            raise invalid(f"a reasoning item's {field} is a list of parts", f"{param}.{field}")
+        text = parts[0].get("text")
+        if not isinstance(text, str):
+            raise invalid("a reasoning part's text must be a string", f"{param}.{field}[0].text")
+        return text
+    return ""
 
 
 def _message(item: Mapping[str, Any], param: str) -> dict[str, Any]:

@@ -40,8 +40,13 @@ class Stored:
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
-        """What a response continuing this one continues from: its input, then its output."""
-        return [*self.input, *self.response.get("output", [])]
+        """What a response continuing this one (``previous_response_id``) continues from:
+        its input, then its output but its reasoning items, which vLLM leaves out of the
+        next turn (``construct_input_messages``: "We skip the reasoning output").
+        Its function calls stay: vLLM drops them too (vllm-project/vllm#43244, a bug: the
+        next turn's ``function_call_output`` would answer a call the prompt lacks)."""
+        output = self.response.get("output", [])
+        return [*self.input, *(item for item in output if item.get("type") != "reasoning")]
 
 
 class ResponseStore:

@@ -34,8 +34,8 @@ def _turn(m: ChatMessage, fmt: ContentFormat = "string") -> dict[str, Any]:
         turn["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         turn["name"] = m.name
-    if m.reasoning_content is not None:  # Qwen3's and R1's name, and gpt-oss's
-        turn["reasoning_content"] = turn["thinking"] = m.reasoning_content
+    if m.reasoning_content is not None:  # Qwen3's and R1's name, vLLM's, and gpt-oss's
+        turn["reasoning_content"] = turn["reasoning"] = turn["thinking"] = m.reasoning_content
     return turn
 
 
