@@ -1,4 +1,5 @@
-"""A generating loop's device failures, end to end (real Redis, the tiny Llama): a step
+"""A generating loop's device failures, end to end (real Redis, the tiny Llama on either
+engine, ``padded`` and ``paged``, where its KV blocks are checked freed too): a step
 whose hand-off fails leaves no request running in the engine that the loop failed (they
 are stopped with a later step, their rows and KV blocks freed, the scheduler's count the
 engine's again), and a stop raised in the device thread mid-generation hands the
@@ -87,6 +88,7 @@ def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_o
     assert all(not (h.keys & failed) for h in runner.held[stop_at:])
     assert all(h.keys & failed for h in runner.held[BREAK_AT - 1 : stop_at])
     failed_names = [runner.names[k] for k in failed]  # (the paged engine: their KV blocks)
+    assert all((h.blocks is not None) == (engine == "paged") for h in runner.held)
     assert not any(_blocked(runner.held[stop_at:], failed_names))
     assert all(_blocked(runner.held[BREAK_AT - 1 : stop_at], failed_names))
     # ...from then on the scheduler counts what the engine holds, sequences and KV tokens
