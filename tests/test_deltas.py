@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from batchfleet.worker.deltas import DeltaWriter, StreamTo
 from batchfleet.worker.inbox import StepDone
-from batchfleet.worker.runner import Final, Partial, Preempted, StepEvent, StepReport
+from batchfleet.worker.runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
 from batchfleet.worker.streamed import Streamed
 
 
@@ -22,10 +23,16 @@ def to(key: str, seq: int = 0) -> StreamTo:
 
 
 class Recorded:
-    def __init__(self) -> None:
+    def __init__(self, failing: tuple[int, ...] = ()) -> None:
         self.log: list[tuple[str, Any]] = []
+        self.failing = failing
+        """The calls to :meth:`stream` that raise (1: the first), writing nothing."""
+        self.calls = 0
 
     def stream(self, items: Sequence[Streamed]) -> None:
+        self.calls += 1
+        if self.calls in self.failing:
+            raise RuntimeError("sink down")
         self.log += [("delta", (it.request_id, it.seq, it.delta and it.delta.text)) for it in items]
 
     def then(self, done: StepDone) -> None:
@@ -92,3 +99,54 @@ def test_deltas_are_written_checked_while_the_worker_may_have_been_taken_for_dea
     w.post(step("s3", Partial("a", chunk("z"))))
     assert lives == [2, -2, 2]
     assert StreamTo("a", "id-a", "m", 60, None, "msgpack", 3, life=2).delta(4, None).life == -2
+
+
+def test_deltas_whose_write_failed_are_written_with_the_step_posted_again() -> None:
+    # Given a write that fails once, in a step that ends one of two streaming requests
+    rec = Recorded(failing=(2,))
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a"), to("b")])
+    w.post(step("s1", Partial("a", chunk("x"))))
+    events: list[StepEvent] = [Partial("a", chunk("y")), Partial("b", chunk("z")), Final("b", [])]
+    with pytest.raises(RuntimeError):
+        w.post(step("s2", *events))
+    # When the executor posts the step again, its unfinished request failed
+    w.post(step("s2", *events, Failed("a", "finishing the step failed")))
+    w.post(step("s3", Partial("a", chunk("late"))))  # (a failed request streams no more)
+    # Then its deltas are written first, numbered as the first time, before the step
+    assert rec.log == [
+        ("delta", ("id-a", 1, "x")), ("step", "s1"),
+        ("delta", ("id-a", 2, "y")), ("delta", ("id-b", 1, "z")), ("step", "s2"),
+        ("step", "s3"),
+    ]  # fmt: skip
+
+
+def test_deltas_that_fail_again_are_left_out_and_the_requests_they_end_fail() -> None:
+    # Given a step whose deltas fail to be written twice: the first time, and posted again
+    rec = Recorded(failing=(2, 3))
+    loop: list[StepDone] = []
+    w = DeltaWriter(rec.stream, loop.append)
+    w.expect([to("a"), to("b"), to("c")])
+    w.post(step("s1", Partial("a", chunk("x")), Partial("c", chunk("v"))))
+    events: list[StepEvent] = [Partial("c", chunk("w")), Preempted("c", (5,), 3),
+                               Partial("a", chunk("y")), Partial("b", chunk("z")), Final("b", [])]  # fmt: skip
+    with pytest.raises(RuntimeError):
+        w.post(step("s2", *events))
+    # When the executor posts it again (its unfinished request failed)
+    w.post(step("s2", *events, Failed("a", "finishing the step failed")))
+    # Then the loop gets it without the deltas, so it numbers each stream's end after the
+    # last delta written; the requests it ended or parked fail (their deltas fall short of
+    # their text), a parked one abandoned (the runner holds it)
+    assert [d.step_id for d in loop] == ["s1", "s2"]
+    report = loop[1].report
+    assert report.events == [
+        Failed("c", "writing its deltas failed: RuntimeError('sink down')"),
+        Failed("b", "writing its deltas failed: RuntimeError('sink down')"),
+        Failed("a", "finishing the step failed"),
+    ]
+    assert report.abandoned == ("c",)
+    assert [x for kind, x in rec.log if kind == "delta"] == [("id-a", 1, "x"), ("id-c", 1, "v")]
+    # ...and they stream no more (a resumed one is expected again, numbered on)
+    w.expect([to("c", seq=1)])
+    w.post(step("s3", Partial("a", chunk("late")), Partial("c", chunk("again"))))
+    assert rec.log[2:] == [("delta", ("id-c", 2, "again"))]

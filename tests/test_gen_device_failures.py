@@ -1,4 +1,5 @@
-"""A generating loop's device failures, end to end (real Redis, the tiny Llama): a step
+"""A generating loop's device failures, end to end (real Redis, the tiny Llama on either
+engine, ``padded`` and ``paged``, where its KV blocks are checked freed too): a step
 whose hand-off fails leaves no request running in the engine that the loop failed (they
 are stopped with a later step, their rows and KV blocks freed, the scheduler's count the
 engine's again), and a stop raised in the device thread mid-generation hands the
@@ -7,169 +8,58 @@ with a generous guard: a loop that missed a step would hang the test, not pass l
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 from batchfleet.producer import Producer
-from batchfleet.producer.client import Job
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.errors import ErrorCode
-from batchfleet.schemas.keys import GROUP, ModelKeys
+from batchfleet.schemas.keys import GROUP
 from batchfleet.schemas.results import Delta
-from batchfleet.worker.gen_scheduler import GenScheduler
-from batchfleet.worker.loop import BatchLoop
-from batchfleet.worker.observers import BatchDone, Generated, LoopEvent
-from batchfleet.worker.runner import LOST, StepReport, Work
-from batchfleet.worker.runners.generation import TextGenerationRunner
-from conftest import TINY_LM_OPTIONS
-from devices import DEVICE
-
-from batchfleet.config import ModelConfig, WorkerConfig
+from batchfleet.worker.runner import LOST
+from gen_faults import (
+    BREAK_AT,
+    CLAIM_IDLE_MS,
+    ENGINES,
+    KEYS,
+    Held,
+    Seen,
+    make_loop,
+    make_runner,
+    run_loop,
+    submit,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
-MODEL = "tinylm"
-KEYS = ModelKeys(MODEL)
-HANG_GUARD_S = 60.0
-CLAIM_IDLE_MS = 600_000
-"""Long: a request handed back is marked idle this long; one merely left pending is not."""
-BREAK_AT = 3
-"""The step that fails: every request has generated a token or two by then."""
-AHEAD = [True]
-"""The runners' ``schedule_ahead`` (each test runs both ways, see ``ahead``)."""
+
+@pytest.fixture(params=[True, False], ids=["ahead", "in-turn"])
+def ahead(request: pytest.FixtureRequest) -> bool:
+    """The runners' ``schedule_ahead``: each test runs both ways."""
+    return bool(request.param)
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["ahead", "in-turn"])
-def ahead(request: pytest.FixtureRequest) -> Iterator[bool]:
-    AHEAD[0] = request.param
-    yield request.param
-    AHEAD[0] = True
+def _blocked(held: list[Held], names: list[str]) -> list[bool]:
+    """Per step, whether the paged engine's own accounting still held KV blocks for any of
+    ``names`` (the padded engine has no blocks, none listed: its ``state`` says it all)."""
+    return [bool(h.blocks & set(names)) for h in held if h.blocks is not None]
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
-    """What the engine held at the end of a step (after its deltas, its progress filled)."""
-
-    step_id: str
-    stops: tuple[tuple[str, str], ...]
-    sequences: int
-    kv_tokens: int
-    keys: frozenset[str]
-
-
-class Breaking(TextGenerationRunner):
-    """The tiny Llama whose step ``break_at`` breaks: its hand-off fails (the deferred
-    progress fill raises); with ``stop``, the step raises it first; with ``crash``, the
-    step raises it once it ran (a runner bug). It notes, at the end of every step, which
-    requests' sequences its engine holds (public ``engine.state``)."""
-
-    break_at = BREAK_AT
-    stop: BaseException | None = None
-    crash: Exception | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps = 0
-        self.names: dict[str, str] = {}
-        """Every admitted request's sequence (one input, ``n`` 1), by key."""
-        self.streaming: set[str] = set()
-        """The keys of the streaming ones."""
-        self.held: list[Held] = []
-
-    def step(self, work: Work) -> StepReport:
-        self.steps += 1
-        if self.steps == self.break_at and self.stop is not None:
-            raise self.stop
-        self.names |= {key: f"{key}#0" for key, _ in work.admit}
-        self.streaming |= {key for key, prep in work.admit if prep.payload.stream}
-        report = super().step(work)
-        if self.steps == self.break_at and self.crash is not None:
-            self.held.append(self._holding(work))
-            raise self.crash
-        fill, breaks = report.deferred, self.steps == self.break_at
-        assert fill is not None
-
-        def deferred() -> None:
-            if breaks:
-                raise RuntimeError("progress lost")
-            fill()
-            self.held.append(self._holding(work))
-
-        report.deferred = deferred
-        return report
-
-    def _holding(self, work: Work) -> Held:
-        states = {k: s for k, n in self.names.items() if (s := self.engine.state(n)) is not None}
-        return Held(work.step_id, work.stop, len(states),
-                    sum(s.context for s in states.values()), frozenset(states))  # fmt: skip
-
-
-class Seen:
-    """The scheduler's count after each step: sequences running, tokens in the KV cache."""
-
-    def __init__(self) -> None:
-        self.step_id = ""
-        self.after: dict[str, tuple[int, int]] = {}
-
-    def notify(self, event: LoopEvent) -> None:
-        if isinstance(event, BatchDone):
-            self.step_id = event.batch_id
-        elif isinstance(event, Generated):
-            self.after[self.step_id] = (event.running, event.kv_tokens)
-
-
-def _runner(tiny_lm: Path, break_at: int = BREAK_AT, **fault: BaseException) -> Breaking:
-    """The tiny Llama breaking at step ``break_at`` (0: never), as ``fault`` says."""
-    runner = Breaking(tiny_lm, device=DEVICE, dtype="float32", options=TINY_LM_OPTIONS)
-    runner.break_at = break_at
-    runner.schedule_ahead = AHEAD[0]
-    for name, exc in fault.items():
-        setattr(runner, name, exc)
-    return runner
-
-
-def _loop(
-    r: redis.Redis, runner: Any, consumer: str, *, burst: bool, seen: Seen | None = None
-) -> BatchLoop:
-    return BatchLoop(MODEL, ModelConfig(path="/unused", max_tokens=64), runner, r,
-                     consumer=consumer, burst=burst, observers=[seen] if seen else (),
-                     worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS,
-                                         shutdown_grace_s=3600))  # fmt: skip
-
-
-def _run(loop: BatchLoop) -> None:
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    thread.join(HANG_GUARD_S)
-    assert not thread.is_alive(), "the loop hung"
-    assert loop.wait_stopped(0)
-
-
-def _submit(producer: Producer, text: str, new: int, *, stream: bool) -> Job:
-    return producer.submit(
-        MODEL, text, max_new_tokens=new, stream=stream, ignore_eos=True, priority=0
-    )
-
-
+@pytest.mark.parametrize("engine", ENGINES)
 def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_on(
-    r: redis.Redis, tiny_lm: Path, ahead: bool
+    r: redis.Redis, tiny_lm: Path, ahead: bool, engine: str
 ) -> None:
     # Given two streaming generations (each step names them: a delta) and two that do not
     # stream (a step that gives them a token names neither), all read before the loop
     # starts, and a model whose third step's hand-off fails (its progress fill raises)
     producer = Producer(client=r)
-    streams = [_submit(producer, f"the dog {k}", 40, stream=True) for k in range(2)]
-    quiet = [_submit(producer, f"the fox {k}", 12, stream=False) for k in range(2)]
-    runner, seen = _runner(tiny_lm), Seen()
-    loop = _loop(r, runner, "w1", burst=True, seen=seen)
-    assert isinstance(loop.scheduler, GenScheduler)
+    streams = [submit(producer, f"the dog {k}", 40, stream=True) for k in range(2)]
+    quiet = [submit(producer, f"the fox {k}", 12, stream=False) for k in range(2)]
+    runner, seen = make_runner(tiny_lm, ahead=ahead, engine=engine), Seen()
     # When a burst loop serves them
-    _run(loop)
+    run_loop(make_loop(r, runner, "w1", burst=True, seen=seen))
     # Then the streaming ones failed with the step (the runner's state after it cannot be
     # trusted), their token streams ended; the others got all their tokens
     for job in streams:
@@ -197,22 +87,36 @@ def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_o
     assert [h.stops for h in runner.held].count(stopping.stops) == 1  # stopped once
     assert all(not (h.keys & failed) for h in runner.held[stop_at:])
     assert all(h.keys & failed for h in runner.held[BREAK_AT - 1 : stop_at])
+    failed_names = [runner.names[k] for k in failed]  # (the paged engine: their KV blocks)
+    assert all((h.blocks is not None) == (engine == "paged") for h in runner.held)
+    assert not any(_blocked(runner.held[stop_at:], failed_names))
+    assert all(_blocked(runner.held[BREAK_AT - 1 : stop_at], failed_names))
     # ...from then on the scheduler counts what the engine holds, sequences and KV tokens
     counted = [(seen.after[h.step_id], (h.sequences, h.kv_tokens)) for h in runner.held[stop_at:]]
     assert counted and all(ours == engine for ours, engine in counted)
     assert any(sequences for _, (sequences, _) in counted)  # (the quiet ones ran on)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+    # ...and the quiet ones, not failed, are where the engine has them at every report
+    # after their step's (the failed one's left their progress, the next one gave it whole),
+    # and the tokens the failed step gave count (the loop's vLLM generation-token counter)
+    mine = set(runner.names) - failed
+    for h in runner.held:
+        ours = seen.contexts[h.step_id]
+        assert {k: ours[k] for k in mine & ours.keys()} == {k: h.contexts[k] for k in mine & h.keys}
+    assert seen.tokens == runner.produced
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_requests_a_crashed_step_admitted_leave_the_engine(
-    r: redis.Redis, tiny_lm: Path, ahead: bool
+    r: redis.Redis, tiny_lm: Path, ahead: bool, engine: str
 ) -> None:
     # Given two generations, and a model whose first step raises once it admitted them
     producer = Producer(client=r)
-    jobs = [_submit(producer, f"the dog {k}", 40, stream=k == 0) for k in range(2)]
-    runner = _runner(tiny_lm, break_at=1, crash=RuntimeError("runner bug"))
+    jobs = [submit(producer, f"the dog {k}", 40, stream=k == 0) for k in range(2)]
+    runner = make_runner(tiny_lm, ahead=ahead, engine=engine, break_at=1,
+                         crash=RuntimeError("runner bug"))  # fmt: skip
     # When a burst loop serves them
-    _run(_loop(r, runner, "w1", burst=True))
+    run_loop(make_loop(r, runner, "w1", burst=True))
     # Then both failed with the runner's error, and the next step stopped them in the
     # engine (which held them when the step raised): it holds nothing when the loop ends
     for job in jobs:
@@ -225,18 +129,20 @@ def test_requests_a_crashed_step_admitted_leave_the_engine(
     assert after.index(stopping) == int(ahead)  # (planned ahead, one was queued already)
     assert sorted(stopping.stops) == sorted((k, LOST) for k in runner.names)
     assert stopping.sequences == 0 and not stopping.keys
+    names = list(runner.names.values())  # (the paged engine: their KV blocks)
+    assert _blocked([crashed, stopping], names) == ([True, False] if engine == "paged" else [])
 
 
 @pytest.mark.parametrize("stop", [SystemExit(1), KeyboardInterrupt()], ids=type)
 def test_a_stop_raised_mid_generation_hands_the_requests_back_for_another_worker(
-    r: redis.Redis, tiny_lm: Path, stop: BaseException
+    r: redis.Redis, tiny_lm: Path, stop: BaseException, ahead: bool
 ) -> None:
     # Given two streaming generations, and a (non-burst) loop whose third step raises a
     # stop: both have streamed deltas by then
     producer = Producer(client=r)
-    jobs = [_submit(producer, f"the dog {k}", 10, stream=True) for k in range(2)]
+    jobs = [submit(producer, f"the dog {k}", 10, stream=True) for k in range(2)]
     # When it runs
-    _run(_loop(r, _runner(tiny_lm, stop=stop), "w1", burst=False))
+    run_loop(make_loop(r, make_runner(tiny_lm, ahead=ahead, stop=stop), "w1", burst=False))
     # Then it stopped by itself, unanswered, the requests handed back (marked idle for the
     # next reclaim), their token streams not ended (no error reaches the client)
     for job in jobs:
@@ -248,7 +154,7 @@ def test_a_stop_raised_mid_generation_hands_the_requests_back_for_another_worker
     # ...so the next worker generates them again, whole (once the first's reclaim lock,
     # 2 s, is gone): a client reading the deltas sees the restart, then all the tokens
     r.delete(KEYS.reclaim_lock)
-    _run(_loop(r, _runner(tiny_lm, break_at=0), "w2", burst=True))
+    run_loop(make_loop(r, make_runner(tiny_lm, ahead=ahead, break_at=0), "w2", burst=True))
     for job in jobs:
         res = job.result(timeout=1)
         assert res.ok and res.usage is not None and res.usage.completion_tokens == 10

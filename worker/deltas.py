@@ -23,6 +23,7 @@ last ``seq`` for its stream's end entry and for a resumed request.
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,10 @@ from ..schemas.codec import (
 )
 from ..schemas.messages import Format
 from .inbox import DeviceStopped, StepDone
-from .runner import Failed, Final, Partial, Preempted
+from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
 from .streamed import Streamed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,10 @@ class DeltaWriter:
         """...and the last ``seq`` each was sent."""
         self._posted: str | None = None
         """The last step posted: one posted again (its hand-off failed, the executor posts
-        it with its unfinished requests failed) streamed its deltas already."""
+        it with its unfinished requests failed) streamed its deltas already..."""
+        self._unwritten = False
+        """...unless writing them failed: then they are written with it (retried before
+        the loop ends their streams), or, failing again, left out (:meth:`_unstreamed`)."""
 
     def expect(self, targets: Sequence[StreamTo]) -> None:
         """Requests a step about to be submitted admits (call before submitting it)."""
@@ -120,36 +126,90 @@ class DeltaWriter:
         if isinstance(done, DeviceStopped):
             self._then(done)
             return
-        to = self._to
         while True:
             try:
                 targets = self._expected.get_nowait()
             except queue.Empty:
                 break
             for target in targets:
-                to[target.key] = target
+                self._to[target.key] = target
                 self._seq[target.key] = target.seq
-        again = done.step_id == self._posted
-        self._posted = done.step_id
-        out: list[Streamed] = []
-        for ev in done.report.events:
-            t = to.get(ev.key)
-            if t is None:
-                continue
-            if isinstance(ev, Partial):
-                if again:  # numbered and sent the first time (the loop counts it once)
-                    continue
-                seq = self._seq[ev.key] + 1
-                self._seq[ev.key] = seq
-                out.append(t.delta(seq, ev.chunk))
-            elif isinstance(ev, Final | Failed | Preempted):  # a resumed one is expected again
-                del to[ev.key], self._seq[ev.key]
-        # sent before the step's end reaches the loop, which ends streams (the sink reads
-        # Redis's answer to this before it writes anything the loop hands it)
-        if out:
-            if self._suspect():
-                for it in out:
-                    it.life = -it.life
-            self._stream(out)
+        events = done.report.events
+        if done.step_id != self._posted:
+            self._posted, self._unwritten = done.step_id, True
+            self._write(events)  # raising: the executor posts the step again
+            self._unwritten = False
+        elif self._unwritten:  # posted again, its deltas not handed over the first time
+            self._unwritten = False
+            try:
+                self._write(events)  # before the loop has the step, and ends the streams
+            except Exception as exc:
+                logger.exception("writing the deltas of step %s failed again: left out",
+                                 done.step_id)  # fmt: skip
+                self._unstreamed(done.report, f"writing its deltas failed: {exc!r}")
+        else:  # written the first time (the loop counts them once)
+            self._forget_ended(events)
         done.report.settle()  # the runner's work left for after the deltas
         self._then(done)
+
+    def _write(self, events: Sequence[StepEvent]) -> None:
+        """Number and send the deltas of a step's events, then forget the requests it
+        ended; all or nothing: a failure leaves each request's ``seq`` where it was."""
+        to, seqs = self._to, self._seq
+        out: list[Streamed] = []
+        ended = False
+        try:
+            for ev in events:
+                t = to.get(ev.key)
+                if t is None:
+                    continue
+                if isinstance(ev, Partial):
+                    seq = seqs[ev.key] + 1
+                    out.append(t.delta(seq, ev.chunk))
+                    seqs[ev.key] = seq
+                elif isinstance(ev, Final | Failed | Preempted):
+                    ended = True
+            # sent before the step's end reaches the loop, which ends streams (the sink
+            # reads Redis's answer to this before it writes anything the loop hands it)
+            if out:
+                if self._suspect():
+                    for it in out:
+                        it.life = -it.life
+                self._stream(out)
+        except BaseException:
+            numbered = len(out)  # numbered, not sent: numbered again when retried
+            for ev in events:
+                if numbered and isinstance(ev, Partial) and ev.key in to:
+                    seqs[ev.key] -= 1
+                    numbered -= 1
+            raise
+        if ended:
+            self._forget_ended(events)
+
+    def _forget_ended(self, events: Sequence[StepEvent]) -> None:
+        """The requests these events end stream no more (a resumed one is expected again)."""
+        for ev in events:
+            if isinstance(ev, Final | Failed | Preempted) and ev.key in self._to:
+                del self._to[ev.key], self._seq[ev.key]
+
+    def _unstreamed(self, report: StepReport, message: str) -> None:
+        """A step whose deltas could not be written: its streaming requests' deltas are
+        left out of the events the loop gets, which numbers each stream's end right after
+        the deltas written (no reader sees a gap); those the step ended or parked fail,
+        their deltas short of their text (a parked one abandoned, for the loop to stop)."""
+        events = report.events
+        lost = {ev.key for ev in events if isinstance(ev, Partial) and ev.key in self._to}
+        self._forget_ended(events)
+        kept: list[StepEvent] = []
+        parked: list[str] = []
+        for ev in events:
+            if ev.key not in lost:
+                kept.append(ev)
+            elif isinstance(ev, Final | Preempted):
+                kept.append(Failed(ev.key, message))
+                if isinstance(ev, Preempted):
+                    parked.append(ev.key)
+            elif not isinstance(ev, Partial):
+                kept.append(ev)
+        report.events = kept
+        report.abandoned = (*report.abandoned, *parked)

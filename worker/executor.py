@@ -115,10 +115,13 @@ def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
 
 
 def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> StepReport:
-    """A step whose hand-off failed: its events stand (its deltas may be streamed already),
-    and every request it admitted or moved on without ending it fails after them, as the
-    runner's state after the step cannot be trusted: abandoned, for the loop to stop in the
-    runner with its next step (a generator would otherwise run them on, unaccounted)."""
+    """A step whose hand-off failed: its events stand (its deltas may be streamed already;
+    a :class:`~.deltas.DeltaWriter` whose write failed retries them), and so do the tokens
+    it counted (``produced``); every request it admitted or moved on without ending it
+    fails after them, as the runner's state after the step cannot be trusted: abandoned,
+    for the loop to stop in the runner with its next step (a generator would otherwise run
+    them on, unaccounted). A running request the step did not name (it streams nothing)
+    runs on: nothing of it was lost but its progress, which the next report gives whole."""
     ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
     message = f"finishing the step failed: {_message(exc)}"
     failed: dict[str, Failed] = {}
@@ -126,7 +129,8 @@ def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> Ste
         if key not in ended and key not in failed:
             failed[key] = Failed(key, message)
     return StepReport(events=[*report.events, *failed.values()], calls=0,
-                      out_of_memory=report.out_of_memory, abandoned=tuple(failed))  # fmt: skip
+                      out_of_memory=report.out_of_memory, produced=report.produced,
+                      abandoned=tuple(failed))  # fmt: skip
 
 
 def _message(exc: BaseException) -> str:
