@@ -29,7 +29,7 @@ from .producer.gateway.errors import ApiError, invalid
 from .producer.gateway.frontend import Frontend
 from .producer.submit import new_request_id
 from .run_batch_metrics import RunBatchMetrics
-from .run_batch_outage import RedisWatch
+from .run_batch_outage import RedisWatch, ping_redis
 from .schemas.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -226,12 +226,12 @@ async def run_batch(
 
 
 async def _started(producer: AsyncProducer, gateway: Gateway, within_s: float) -> None:
-    """Redis answers and the reply channel is subscribed; else (unreachable: fail now, not
-    at every line) what the client raised, or :class:`redis.TimeoutError` after
+    """Redis answers (every master of a cluster) and the reply channel is subscribed; else
+    (unreachable: fail now, not at every line) what the client raised, or :class:`redis.TimeoutError` after
     ``within_s`` (a silent network: redis-py's own tries would take a minute)."""
 
     async def start() -> None:
-        await producer.client.ping()
+        await ping_redis(producer.client)
         await gateway.replies.subscribed.wait()
 
     try:

@@ -24,6 +24,7 @@ from gateway_fakes import ScriptedWorker, Taken
 from silent_network import SilentProxy
 
 from batchfleet import cli
+from batchfleet.connection import SyncClient
 from batchfleet.redis_server import LocalRedis, free_port
 from batchfleet.run_batch import Settings, run_batch
 
@@ -218,13 +219,14 @@ def waited(fake: ScriptedWorker, redis_url: str) -> Taken:
 
 def run_one_line(
     text: str, run_url: str, redis_url: str, outage: Callable[[Taken, ScriptedWorker], object],
-    retry_for_s: float,
+    retry_for_s: float, client: SyncClient | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The line ``text`` run through the fleet at ``run_url`` (default ``--timeout``: an
-    hour), ``redis_url`` that Redis seen directly; once it waits for its result (its last
-    part: an embeddings line of two inputs may be two requests), ``outage(taken,
-    worker)`` plays the rest in a thread. Its output line."""
-    client = redis.Redis.from_url(redis_url)
+    hour), ``redis_url`` that Redis seen directly (the node of mm's keys, on a cluster,
+    ``client`` the whole cluster's); once it waits for its result (its last part: an
+    embeddings line of two inputs may be two requests), ``outage(taken, worker)`` plays
+    the rest in a thread. Its output line."""
+    client = client or redis.Redis.from_url(redis_url)
     fake = ScriptedWorker(client, "mm")
     worker = threading.Thread(target=lambda: outage(waited(fake, redis_url), fake))
     worker.start()
