@@ -174,14 +174,11 @@ async def run_batch(
         watching = asyncio.ensure_future(watch.run())
 
         async def one(index: int, line: Line) -> None:
-            model = line.body.get("model", settings.default_model)
-            if isinstance(model, str):
-                fleet.use(settings.models.get(model, model))
             try:
                 try:
                     with metrics.duration.time():
                         outcome = await _answer_line(gateway, watch, line, settings, sleep,
-                                                     metrics.retries.inc)  # fmt: skip
+                                                     metrics.retries.inc, fleet.use)  # fmt: skip
                 except Exception as exc:  # a fault of this program: that line says so
                     logger.exception("run-batch: line %r failed", line.custom_id)
                     outcome = _refused(ApiError(500, f"internal error: {type(exc).__name__}: "
@@ -248,16 +245,18 @@ def _refused(error: ApiError) -> Outcome:
 async def _answer_line(
     gateway: Gateway, watch: RedisWatch, line: Line, settings: Settings,
     sleep: Callable[[float], Awaitable[object]], retried: Callable[[], object],
+    submitted: Callable[[str], object],
 ) -> Outcome:  # fmt: skip
     """``line`` answered; sent again while the fleet's lanes are full (nothing of it was
     taken: each time under a new request id, unless the body chose one); ``retried``
-    called at each."""
+    called at each; ``submitted`` with the fleet model of each request sent."""
     body = line.body
     if "model" not in body and settings.default_model is not None:
         body = {**body, "model": settings.default_model}
     wait, waited = QUEUE_FULL_BACKOFF_S[0], 0.0
     while True:
-        outcome = await answer(gateway, line.url, body, settings.models, watch=watch)
+        outcome = await answer(gateway, line.url, body, settings.models, watch=watch,
+                               submitted=submitted)  # fmt: skip
         full = outcome.error is not None and outcome.error["error"].get("code") == (
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):
