@@ -78,4 +78,3 @@ class FleetGauges(Collector):  # type: ignore[misc]
             logger.warning("run-batch metrics: the fleet's queues unreadable: %s", exc)
             return []
         return [*vllm_families(state, ENGINE), *queue_families(state)]
-

@@ -14,8 +14,10 @@ import pytest
 import redis
 from batchfleet.schemas.keys import MODELS_KEY
 from batchfleet.schemas.model_info import ModelInfo
+from cluster_helpers import LocalRedisCluster
 from gateway_fakes import ScriptedWorker
 
+from batchfleet.connection import connect
 from batchfleet.redis_server import free_port
 from batchfleet.run_batch import Settings, run_batch
 from batchfleet.run_batch_fleet import CACHE_S, FleetGauges
@@ -149,6 +151,24 @@ def test_a_scrape_while_redis_is_unreachable_shows_no_fleet_gauges_and_is_cached
     gauges.close()
 
 
+async def two_lines_gauged(url: str, fake: ScriptedWorker, scrapes: Scrapes) -> None:
+    """A batch of two lines to mm (one by a --model-map alias) at ``url``, one taken by
+    ``fake``: the fleet's gauges of mm say so (then both are answered)."""
+    lines = feed(chat("a", "alias"), chat("b", "mm"))
+    settings = Settings(progress_s=0, models={"alias": "mm"})
+    batch = asyncio.ensure_future(run_batch(url, lines, [].append, settings,
+                                            metrics=scrapes.metrics))  # fmt: skip
+    taken = await asyncio.to_thread(fake.take)
+    await scrapes.until("vllm:num_requests_waiting", 1)
+    assert scrapes.fleet("vllm:num_requests_running") == 1
+    assert scrapes.sample("batchfleet_stream_length", model="mm", lane="1") == 2
+    assert scrapes.sample("batchfleet_model_workers", model="mm") == 1
+    assert scrapes.fleet("vllm:num_requests_waiting", "alias") is None
+    for waiting in (taken, await asyncio.to_thread(fake.take)):
+        await asyncio.to_thread(fake.ok, waiting, [{"text": "x", "finish_reason": "stop"}])
+    await batch
+
+
 def test_the_fleet_s_gauges_need_no_scan_nor_the_set_of_models(
     redis_url: str, r: redis.Redis
 ) -> None:
@@ -160,26 +180,23 @@ def test_the_fleet_s_gauges_need_no_scan_nor_the_set_of_models(
     r.acl_setuser("batch", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                   commands=["+@all", "-scan", "-keys"])  # fmt: skip
     user_url = redis_url.replace("redis://", "redis://batch:pw@")
-    scrapes = Scrapes()
-
-    async def go() -> None:
-        # When the batch sends two lines to mm (one by a --model-map alias); a worker
-        # takes one
-        lines = feed(chat("a", "alias"), chat("b", "mm"))
-        settings = Settings(progress_s=0, models={"alias": "mm"})
-        batch = asyncio.ensure_future(run_batch(user_url, lines, [].append, settings,
-                                                metrics=scrapes.metrics))  # fmt: skip
-        taken = await asyncio.to_thread(fake.take)
-        # Then the fleet's gauges of mm are read, through its keys alone
-        await scrapes.until("vllm:num_requests_waiting", 1)
-        assert scrapes.fleet("vllm:num_requests_running") == 1
-        assert scrapes.sample("batchfleet_model_workers", model="mm") == 1
-        assert scrapes.fleet("vllm:num_requests_waiting", "alias") is None
-        for waiting in (taken, await asyncio.to_thread(fake.take)):
-            await asyncio.to_thread(fake.ok, waiting, [{"text": "x", "finish_reason": "stop"}])
-        await batch
-
     try:
-        asyncio.run(asyncio.wait_for(go(), GUARD_S))
+        # When a batch's lines go to mm, Then its gauges are read through its keys alone
+        asyncio.run(asyncio.wait_for(two_lines_gauged(user_url, fake, Scrapes()), GUARD_S))
     finally:
         r.acl_deluser("batch")
+
+
+def test_the_fleet_s_gauges_on_a_redis_cluster() -> None:
+    # Given a fleet on a Redis Cluster (whose pipelines refuse TIME, a keyless command)
+    cluster = LocalRedisCluster()
+    url = cluster.start()
+    client = connect(url)
+    try:
+        fake = ScriptedWorker(client, "mm")
+        fake.beat()
+        # When a batch's lines go to mm, Then its gauges are read
+        asyncio.run(asyncio.wait_for(two_lines_gauged(url, fake, Scrapes()), GUARD_S))
+    finally:
+        client.close()
+        cluster.stop()
