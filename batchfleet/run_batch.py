@@ -29,7 +29,7 @@ from .producer.gateway.errors import ApiError, invalid
 from .producer.gateway.frontend import Frontend
 from .producer.submit import new_request_id
 from .run_batch_metrics import RunBatchMetrics
-from .run_batch_outage import RedisWatch
+from .run_batch_outage import RedisWatch, ping_redis
 from .schemas.errors import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -174,14 +174,11 @@ async def run_batch(
         watching = asyncio.ensure_future(watch.run())
 
         async def one(index: int, line: Line) -> None:
-            model = line.body.get("model", settings.default_model)
-            if isinstance(model, str):
-                fleet.use(settings.models.get(model, model))
             try:
                 try:
                     with metrics.duration.time():
                         outcome = await _answer_line(gateway, watch, line, settings, sleep,
-                                                     metrics.retries.inc)  # fmt: skip
+                                                     metrics.retries.inc, fleet.use)  # fmt: skip
                 except Exception as exc:  # a fault of this program: that line says so
                     logger.exception("run-batch: line %r failed", line.custom_id)
                     outcome = _refused(ApiError(500, f"internal error: {type(exc).__name__}: "
@@ -226,12 +223,12 @@ async def run_batch(
 
 
 async def _started(producer: AsyncProducer, gateway: Gateway, within_s: float) -> None:
-    """Redis answers and the reply channel is subscribed; else (unreachable: fail now, not
-    at every line) what the client raised, or :class:`redis.TimeoutError` after
+    """Redis answers (every master of a cluster) and the reply channel is subscribed; else
+    (unreachable: fail now, not at every line) what the client raised, or :class:`redis.TimeoutError` after
     ``within_s`` (a silent network: redis-py's own tries would take a minute)."""
 
     async def start() -> None:
-        await producer.client.ping()
+        await ping_redis(producer.client)
         await gateway.replies.subscribed.wait()
 
     try:
@@ -248,16 +245,18 @@ def _refused(error: ApiError) -> Outcome:
 async def _answer_line(
     gateway: Gateway, watch: RedisWatch, line: Line, settings: Settings,
     sleep: Callable[[float], Awaitable[object]], retried: Callable[[], object],
+    submitted: Callable[[str], object],
 ) -> Outcome:  # fmt: skip
     """``line`` answered; sent again while the fleet's lanes are full (nothing of it was
     taken: each time under a new request id, unless the body chose one); ``retried``
-    called at each."""
+    called at each; ``submitted`` with the fleet model of each request sent."""
     body = line.body
     if "model" not in body and settings.default_model is not None:
         body = {**body, "model": settings.default_model}
     wait, waited = QUEUE_FULL_BACKOFF_S[0], 0.0
     while True:
-        outcome = await answer(gateway, line.url, body, settings.models, watch=watch)
+        outcome = await answer(gateway, line.url, body, settings.models, watch=watch,
+                               submitted=submitted)  # fmt: skip
         full = outcome.error is not None and outcome.error["error"].get("code") == (
             ErrorCode.QUEUE_FULL.value)  # fmt: skip
         if not full or (settings.timeout_s is not None and waited >= settings.timeout_s):

@@ -4,7 +4,9 @@ batch's lines go to, where vLLM's run-batch serves its engine's (``vllm:num_requ
 (:mod:`.queue_gauges`). Read from Redis when scraped, at most once per :data:`CACHE_S`
 (every scrape in between is answered from that read: several scrapers never add load), on
 a connection of its own with short timeouts (a scrape during an outage is quick, and
-shows none of them)."""
+shows none of them). The models are those the lines were sent to, their keys built by
+:class:`~batchfleet.schemas.keys.ModelKeys`: no SCAN of a shared Redis's keys (costly
+there, refused by a tight ACL), no ``bf:models`` (older workers never wrote it)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .connection import SyncClient, connect
-from .fleetview import discover_models, lane_counts, model_infos
+from .fleetview import lane_counts
 from .queue_gauges import queue_families, read_queues, vllm_families
 from .redis_errors import FAILED_CALL
 
@@ -34,8 +36,7 @@ ENGINE: Final = "fleet"
 
 
 class FleetGauges(Collector):  # type: ignore[misc]
-    """The queue gauges of the fleet models :meth:`use` named (each known to the fleet:
-    a model some worker announced, or the base model of a LoRA adapter one serves)."""
+    """The queue gauges of the fleet models :meth:`use` named."""
 
     def __init__(self, redis_url: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis_url = redis_url
@@ -47,7 +48,8 @@ class FleetGauges(Collector):  # type: ignore[misc]
         self._families: list[GaugeMetricFamily] = []
 
     def use(self, model: str) -> None:
-        """A line went to ``model`` (the fleet's name, or an adapter's)."""
+        """A line's request goes to ``model``, one the fleet serves (the gateway's routing
+        resolved the line's name: a ``--model-map`` alias, a LoRA adapter's base)."""
         self._named.add(model)
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -64,27 +66,15 @@ class FleetGauges(Collector):  # type: ignore[misc]
                 self._client = None
 
     def _read(self) -> list[GaugeMetricFamily]:
-        named = self._named.copy()  # (one C call: atomic beside the event loop's adds)
-        if not named:
+        models = sorted(self._named.copy())  # (one C call: atomic beside the loop's adds)
+        if not models:
             return []
-        if self._client is None:
-            self._client = connect(self.redis_url, socket_timeout=TIMEOUT_S, retries=0,
-                                   socket_connect_timeout=TIMEOUT_S)  # fmt: skip
         try:
-            models = _served(self._client, named)
+            if self._client is None:  # (a cluster's client reads its slot map here)
+                self._client = connect(self.redis_url, socket_timeout=TIMEOUT_S, retries=0,
+                                       socket_connect_timeout=TIMEOUT_S)  # fmt: skip
             state = read_queues(self._client, lane_counts(self._client, models))
         except FAILED_CALL as exc:
             logger.warning("run-batch metrics: the fleet's queues unreadable: %s", exc)
             return []
         return [*vllm_families(state, ENGINE), *queue_families(state)]
-
-
-def _served(client: SyncClient, named: set[str]) -> list[str]:
-    """The fleet models among ``named``, and the base models of the adapters among them."""
-    known = discover_models(client)
-    models = {name for name in named if name in known}
-    if named - models:
-        for base, info in model_infos(client, known).items():
-            if info is not None and named & set(info.lora_adapters):
-                models.add(base)
-    return sorted(models)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Final
+from collections.abc import Awaitable
+from typing import Any, Final
 
+from redis.asyncio.cluster import RedisCluster
+
+from .connection import AsyncClient
 from .producer.aio import AsyncProducer
 from .producer.gateway.replies import DOWN
 from .producer.submit import unavailable
@@ -21,12 +25,23 @@ from .schemas.errors import Unavailable
 logger = logging.getLogger(__name__)
 
 PING_EVERY_S: Final = 0.25
-"""Seconds between the watch's pings (one command: nothing beside a batch's traffic)."""
+"""Seconds between the watch's pings (one command, one a master on a Redis Cluster:
+nothing beside a batch's traffic)."""
 PING_TIMEOUT_S: Final = 5.0
 """A PING unanswered this long (``retry_for_s`` where shorter) counts as failed: Redis is
 unreachable since it was sent (redis-py's ``socket_connect_timeout``)."""
 STOP_WAIT_S: Final = 5.0
 """The longest :meth:`RedisWatch.close` waits for a ping in flight to end."""
+
+
+def ping_redis(client: AsyncClient) -> Awaitable[Any]:
+    """A PING of Redis; of every master of a Redis Cluster (its client sends a plain PING
+    to one node: a master gone silent, whose slots the batch's models, the set of models
+    or the reply channel may live on, would go unseen while each command to it waits out
+    redis-py's socket timeouts and the cluster client's retries, a minute)."""
+    if isinstance(client, RedisCluster):
+        return client.ping(target_nodes=RedisCluster.PRIMARIES)
+    return client.ping()
 
 
 class RedisWatch:
@@ -62,7 +77,7 @@ class RedisWatch:
         try:
             while not self._closing.is_set():
                 sent = time.monotonic()
-                ping = asyncio.ensure_future(self.producer.client.ping())
+                ping = asyncio.ensure_future(ping_redis(self.producer.client))
                 await asyncio.wait({ping, closing}, timeout=self.ping_timeout_s,
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 if not ping.done():  # (its end, whatever it is, read: never reported)

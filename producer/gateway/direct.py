@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
@@ -67,7 +67,7 @@ class Watch(Protocol):
 
 async def answer(
     gateway: Gateway, url: str, body: Mapping[str, Any], models: Mapping[str, str] | None = None,
-    watch: Watch | None = None,
+    watch: Watch | None = None, submitted: Callable[[str], object] | None = None,
 ) -> Outcome:  # fmt: skip
     """``body`` sent to ``url``, answered as the gateway answers it (never raises for the
     request's own faults: they are the outcome's ``error``). ``models`` maps a model the
@@ -75,8 +75,11 @@ async def answer(
     requests left unanswered are cancelled. ``watch``: where Redis is lost, the body is
     answered its error at once, whatever it was doing (a submit, a read, a wait: each
     could hang on a silent network), and no cancel is tried while Redis is known down
-    (it would ride out the producer's retries in vain: logged instead)."""
-    sent = _Sent(new_request_id())
+    (it would ride out the producer's retries in vain: logged instead). ``submitted``:
+    called with the fleet model of each request about to be sent (one a worker serves:
+    a LoRA adapter's base, the model ``models`` maps to), whether the fleet takes it or
+    refuses it (``queue_full``)."""
+    sent = _Sent(new_request_id(), submitted=submitted)
     stopped = False
     try:
         sent.id = chosen_request_id(body.get("request_id")).get("request_id") or sent.id
@@ -173,10 +176,15 @@ class _Sent:
     id: str
     sent: list[tuple[str, str]] = field(default_factory=list)
     ended: bool = False
+    submitted: Callable[[str], object] | None = None
+    """Told the model of each request about to be sent."""
 
     async def submit(self, gateway: Gateway, sub: Submission, request_id: str) -> AsyncJob:
         """Submit ``sub`` as ``request_id``; counted as sent from the start, so a run
         stopped while it is submitted still cancels it; not where it is refused."""
+        await gateway.check_model(sub.model)  # (a 404: no model of the fleet's; cached)
+        if self.submitted is not None:
+            self.submitted(sub.model)
         self.sent.append((sub.model, request_id))
         try:
             return await gateway.submit(sub, request_id)
