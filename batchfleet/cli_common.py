@@ -51,9 +51,14 @@ def redis_url_of(args: argparse.Namespace) -> str:
 
 
 def broker_url_of(args: argparse.Namespace) -> str:
-    """Where workers listen for broadcasts: ``--redis-url``, else the fleet's broker."""
+    """Where workers listen for broadcasts: ``--redis-url``, else the fleet's broker (the
+    fleet file's or ``$BATCHFLEET_BROKER_URL``: a Redis Cluster ``--redis-url`` cannot be
+    Celery's broker). Raises :class:`~batchfleet.schemas.errors.ConfigError` (a ValueError)
+    where the fleet's Redis is a cluster and no broker is given."""
     from .config import load_config
+    from .connection import is_cluster_url
 
-    if args.redis_url:
+    if args.redis_url and not is_cluster_url(args.redis_url):
         return str(args.redis_url)
-    return load_config(args.config).celery_broker_url()
+    overrides = {"redis_url": args.redis_url} if args.redis_url else {}
+    return load_config(args.config, **overrides).celery_broker_url()

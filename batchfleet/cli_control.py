@@ -55,6 +55,11 @@ def _control(args: argparse.Namespace) -> int:
         arguments["path"] = args.path
     dest = args.destination or []
     try:
+        broker_url = broker_url_of(args)
+    except ValueError as exc:  # a Redis Cluster named, and no broker
+        print(exc, file=sys.stderr)
+        return 2
+    try:
         client = connect(redis_url_of(args))
         try:
             models = [args.model] if args.model else discover_models(client)
@@ -72,7 +77,7 @@ def _control(args: argparse.Namespace) -> int:
               f"{window / 1000:g} s): nothing sent", file=sys.stderr)  # fmt: skip
         return 1
     try:
-        replies = broadcast(broker_url_of(args), f"bf_{args.command.replace('-', '_')}", arguments,
+        replies = broadcast(broker_url, f"bf_{args.command.replace('-', '_')}", arguments,
                             expect, timeout=args.timeout, destination=dest)  # fmt: skip
     except Exception as exc:  # kombu's and redis' errors alike: the broker's side
         print(f"the broker failed: {type(exc).__name__}: {exc}", file=sys.stderr)

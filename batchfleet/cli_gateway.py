@@ -34,18 +34,22 @@ def _gateway(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"batchfleet gateway: {exc}", file=sys.stderr)
         return 2
-    lora_admin = None
-    if args.allow_runtime_lora_updating:
-        from .producer.gateway.lora_admin import LoraAdmin
+    lora_admin = dev_admin = None
+    if args.allow_runtime_lora_updating or args.server_dev_mode:
+        try:
+            broker = args.broker_url or broker_url_of(args)
+        except ValueError as exc:  # a Redis Cluster named, and no broker
+            print(f"batchfleet gateway: {exc} (or pass --broker-url)", file=sys.stderr)
+            return 2
+        window = window_ms(args.heartbeat_window)
+        if args.allow_runtime_lora_updating:
+            from .producer.gateway.lora_admin import LoraAdmin
 
-        lora_admin = LoraAdmin(args.broker_url or broker_url_of(args), args.control_timeout,
-                               heartbeat_window_ms=window_ms(args.heartbeat_window))  # fmt: skip
-    dev_admin = None
-    if args.server_dev_mode:
-        from .producer.gateway.dev_routes import DevAdmin
+            lora_admin = LoraAdmin(broker, args.control_timeout, heartbeat_window_ms=window)
+        if args.server_dev_mode:
+            from .producer.gateway.dev_routes import DevAdmin
 
-        dev_admin = DevAdmin(args.broker_url or broker_url_of(args), args.control_timeout,
-                             heartbeat_window_ms=window_ms(args.heartbeat_window))  # fmt: skip
+            dev_admin = DevAdmin(broker, args.control_timeout, heartbeat_window_ms=window)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(redis_url_of(args), host=args.host, port=args.port, api_key=key,
                           timeout_s=args.timeout or None, priority=args.priority,
@@ -130,8 +134,8 @@ def add_gateway(sub: Subparsers) -> None:
     )
     gw.add_argument(
         "--broker-url",
-        help="where the workers listen for broadcasts, for those routes (default: --redis-url, "
-        "else the fleet file's broker)",
+        help="where the workers listen for broadcasts, for those routes (default: --redis-url "
+        "where it is not a Redis Cluster, else the fleet file's broker)",
     )
     gw.add_argument(
         "--control-timeout",

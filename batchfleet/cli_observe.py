@@ -19,12 +19,13 @@ def _status(args: argparse.Namespace) -> int:
 
     from .status import print_status
 
+    broker_url = None if args.no_workers else _broker_or_none(args)
     try:
         print_status(
             redis_url_of(args),
             args.model,
-            workers=not args.no_workers,
-            broker_url=broker_url_of(args),
+            workers=broker_url is not None,
+            broker_url=broker_url,
             as_json=args.json,
         )
     except redis.ConnectionError as exc:
@@ -37,8 +38,20 @@ def _top(args: argparse.Namespace) -> int:
     from .status import top
 
     with contextlib.suppress(KeyboardInterrupt):
-        top(redis_url_of(args), args.model, interval=args.interval, broker_url=broker_url_of(args))
+        broker_url = _broker_or_none(args)
+        top(redis_url_of(args), args.model, interval=args.interval,
+            workers=broker_url is not None, broker_url=broker_url)  # fmt: skip
     return 0
+
+
+def _broker_or_none(args: argparse.Namespace) -> str | None:
+    """The fleet's broker, for the workers' ``inspect stats``; None (said on stderr) where
+    the fleet's Redis is a cluster and no broker is given: the queues from Redis alone."""
+    try:
+        return broker_url_of(args)
+    except ValueError as exc:
+        print(f"{exc}; workers shown from their heartbeats alone", file=sys.stderr)
+        return None
 
 
 def _flower(args: argparse.Namespace) -> int:

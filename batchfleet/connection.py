@@ -57,6 +57,29 @@ def is_cluster_pipeline(pipe: object) -> bool:
     return isinstance(pipe, ClusterPipeline | AsyncClusterPipeline)
 
 
+def timed_pipeline(client: SyncClient) -> Any:
+    """A non-transactional pipeline whose first reply is Redis's ``TIME`` (one round trip);
+    a Redis Cluster's refuses the keyless command: :func:`execute_timed` reads it apart
+    there. Every reader of the fleet's clock with its keys goes through these two."""
+    pipe = client.pipeline(transaction=False)
+    if not is_cluster_pipeline(pipe):
+        pipe.time()
+    return pipe
+
+
+def execute_timed(
+    client: SyncClient, pipe: Any, raise_on_error: bool = True
+) -> tuple[Sequence[Any], list[Any]]:
+    """``TIME``'s reply (a cluster's: its default node's, read before the pipeline's
+    replies, as on one Redis) and the replies of the commands queued on ``pipe``
+    (:func:`timed_pipeline`'s)."""
+    if is_cluster_pipeline(pipe):
+        now = client.time()
+        return now, list(pipe.execute(raise_on_error=raise_on_error))
+    first, *replies = pipe.execute(raise_on_error=raise_on_error)
+    return first, replies
+
+
 def _queue_calls(pipe: Any, script: Any, calls: Sequence[tuple[list[Any], list[Any]]]) -> None:
     """EVALSHA on a plain pipeline; EVAL with the source on a cluster pipeline, which refuses
     EVALSHA (it cannot load a missing script on the right shard mid-pipeline)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .connection import SyncClient
+from .connection import SyncClient, execute_timed, timed_pipeline
 from .remote import replied_as, send_to_all
 from .schemas.keys import ModelKeys
 from .schemas.model_info import decode_worker_serving
@@ -105,15 +105,15 @@ def live_workers(
 ) -> tuple[list[str], int]:
     """:func:`live_among` the heartbeats of ``models``, each worker's window its own as it
     published it (unless ``given_ms``), else its model's as :func:`window_ms` says, in one
-    round trip; and the longest window applied (for a message). The gateway's
+    round trip (a Redis Cluster's ``TIME`` apart: :func:`~batchfleet.connection.timed_pipeline`);
+    and the longest window applied (for a message). The gateway's
     asynchronous twin: :func:`batchfleet.producer.gateway.fleet_control.live_workers`."""
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
+    pipe = timed_pipeline(client)
     for model in models:
         pipe.hgetall(ModelKeys(model).workers)
         pipe.get(ModelKeys(model).heartbeat_timeout)
         pipe.hgetall(ModelKeys(model).serving)
-    now, *replies = pipe.execute()
+    now, replies = execute_timed(client, pipe)
     windows = [window_ms(p, given_ms) for p in replies[1::3]]
     own = [own_windows(s) if given_ms is None else {} for s in replies[2::3]]
     live = live_among(now, replies[0::3], windows, own)

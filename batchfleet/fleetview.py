@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .connection import SyncClient, is_cluster_pipeline
+from .connection import SyncClient, execute_timed, timed_pipeline
 from .schemas.keys import (
     GROUP,
     LANES_KEY_PATTERN,
@@ -86,7 +86,7 @@ def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
     Lag is ``XINFO GROUPS``' ``lag`` on Redis 7; on 6.2 (no lag field) it is length minus
     pending, which is exact here because answered entries are deleted from the stream.
     """
-    pipe = _timed_pipeline(client)
+    pipe = timed_pipeline(client)
     order: list[tuple[str, int]] = []
     for model, lanes in models.items():
         for lane, stream in enumerate(ModelKeys(model).lanes(lanes)):
@@ -94,7 +94,8 @@ def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
             pipe.xrange(stream, count=1)
-    now_ms, replies = _timed(client, pipe, raise_on_error=False)
+    now, replies = execute_timed(client, pipe, raise_on_error=False)
+    now_ms = _ms(now)
     out = []
     for i, (model, lane) in enumerate(order):
         length, groups, first = replies[3 * i : 3 + 3 * i]
@@ -115,10 +116,11 @@ def read_lanes(client: SyncClient, models: dict[str, int]) -> list[LaneRow]:
 
 def heartbeats(client: SyncClient, models: Sequence[str]) -> dict[str, dict[str, float]]:
     """Per model: consumer name → seconds since its last heartbeat (Redis clock)."""
-    pipe = _timed_pipeline(client)
+    pipe = timed_pipeline(client)
     for model in models:
         pipe.hgetall(ModelKeys(model).workers)
-    now_ms, hashes = _timed(client, pipe)
+    now, hashes = execute_timed(client, pipe)
+    now_ms = _ms(now)
     return {
         model: {_s(k): max(0.0, (now_ms - int(v)) / 1000) for k, v in h.items()}
         for model, h in zip(models, hashes, strict=True)
@@ -136,25 +138,6 @@ def live_workers(
 def entry_ms(entry_id: bytes | str) -> int:
     """Unix ms at which a stream entry was added (the time part of its id)."""
     return int(_s(entry_id).split("-", 1)[0])
-
-
-def _timed_pipeline(client: SyncClient) -> Any:
-    """A pipeline whose first reply is Redis's ``TIME`` (one round trip); a Redis Cluster's
-    refuses the keyless command: :func:`_timed` reads it apart there."""
-    pipe = client.pipeline(transaction=False)
-    if not is_cluster_pipeline(pipe):
-        pipe.time()
-    return pipe
-
-
-def _timed(client: SyncClient, pipe: Any, raise_on_error: bool = True) -> tuple[float, list[Any]]:
-    """Redis's time in ms (a cluster's: its default node's, read before the pipeline's
-    replies, as on one Redis) and the replies of the commands queued on ``pipe``."""
-    if is_cluster_pipeline(pipe):
-        now = client.time()
-        return _ms(now), list(pipe.execute(raise_on_error=raise_on_error))
-    first, *replies = pipe.execute(raise_on_error=raise_on_error)
-    return _ms(first), replies
 
 
 def _ms(redis_time: Sequence[int]) -> float:

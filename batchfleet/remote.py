@@ -16,6 +16,9 @@ from typing import Any
 
 from celery import Celery
 
+from .connection import is_cluster_url
+from .schemas.errors import ConfigError
+
 SERIALIZERS: dict[str, Any] = {
     "accept_content": ["json", "msgpack"],
     "task_serializer": "json",
@@ -27,7 +30,14 @@ SERIALIZERS: dict[str, Any] = {
 
 @contextlib.contextmanager
 def client_app(broker_url: str, name: str = "batchfleet-client") -> Iterator[Celery]:
-    """A Celery app on the fleet's broker for broadcasts, inspect and ``send_task``."""
+    """A Celery app on the fleet's broker for broadcasts, inspect and ``send_task``. A Redis
+    Cluster URL is refused (:class:`~batchfleet.schemas.errors.ConfigError`): kombu knows
+    no such transport and would talk to ``localhost:6379`` instead."""
+    if is_cluster_url(broker_url):
+        raise ConfigError(
+            "the broker cannot be a Redis Cluster (Celery's transport needs "
+            "one node): give the fleet's broker_url, a plain redis:// URL"
+        )
     app = Celery(name, broker=broker_url, set_as_current=False)
     app.conf.update(SERIALIZERS)
     try:

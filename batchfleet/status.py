@@ -222,13 +222,14 @@ def top(
     *,
     interval: float = 2.0,
     iterations: int | None = None,
+    workers: bool = True,
     broker_url: str | None = None,
 ) -> None:
     """``batchfleet top``: the same tables, refreshed every ``interval`` seconds."""
     done = 0
 
     def view() -> Group:
-        return render(gather(redis_url, models, broker_url=broker_url))
+        return render(gather(redis_url, models, workers=workers, broker_url=broker_url))
 
     with Live(view(), refresh_per_second=4, screen=False) as live:
         while iterations is None or done < iterations:

@@ -1,8 +1,11 @@
-"""The data plane on a real 3-master Redis Cluster; Celery's broker on a plain redis-server."""
+"""The data plane on a real 3-master Redis Cluster; Celery's broker on a plain redis-server:
+requests, reclaims, and the fleet's reads (``status``, the control commands' and the
+gateway's wait for the live workers) whose Redis ``TIME`` a cluster pipeline refuses."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,12 +13,17 @@ from pathlib import Path
 import pytest
 import redis
 from batchfleet.producer import AsyncProducer, Producer
+from batchfleet.producer.gateway.dev_routes import DevAdmin
+from batchfleet.producer.gateway.errors import ApiError
+from batchfleet.producer.gateway.fleet_control import live_serving, live_workers
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from cluster_helpers import LocalRedisCluster
 from conftest import WorkerProcess, fleet_toml
+from gateway_fakes import gateway_cli, gateway_in_process, http
 
+from batchfleet import cli
 from batchfleet.config import load_config
-from batchfleet.connection import connect, is_cluster_url
+from batchfleet.connection import connect, connect_async, is_cluster_url
 from batchfleet.groups import init_groups
 from batchfleet.redis_server import LocalRedis
 
@@ -158,3 +166,94 @@ def test_async_producer_on_cluster(worker: WorkerProcess, cluster: LocalRedisClu
             return [r.status async for r in producer.results(jobs, timeout=60)]
 
     assert asyncio.run(go()) == ["ok"] * 20
+
+
+@pytest.fixture
+def no_fleet_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No fleet file or broker from the environment: a command has its arguments alone."""
+    for name in ("BATCHFLEET_CONFIG", "BATCHFLEET_BROKER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_status_on_a_cluster_shows_the_live_worker_and_its_lanes(
+    worker: WorkerProcess, cluster_fleet: Path, cluster: LocalRedisCluster,
+    no_fleet_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # When `status --json` reads the fleet its fleet file names (the broker: a plain Redis)
+    assert cli.main(["status", "--json", "--config", str(cluster_fleet)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    # Then each model shows with its lanes (two shards), and the live worker with each,
+    # its heartbeat fresh by the cluster's clock, its stats answered through the broker
+    lanes = {m["model"]: [lane["lane"] for lane in m["lanes"]] for m in status["models"]}
+    assert lanes == {"tiny": [0, 1, 2], "sentiment": [0, 1]}
+    rows = {(w["consumer"], w["model"]): w for w in status["workers"]}
+    assert set(rows) == {("cw0", "tiny"), ("cw0", "sentiment")}
+    assert all(0 <= w["heartbeat_age_s"] < 10 for w in rows.values())
+    assert all(w["worker"].startswith("cw0@") and w["state"] != "stale" for w in rows.values())
+
+    # When the tables are asked of the cluster's URL alone (no broker to ask the workers)
+    no_fleet_env.setenv("COLUMNS", "200")
+    assert cli.main(["status", "--redis-url", cluster.url]) == 0
+    out, err = capsys.readouterr()
+    # Then the lanes and the worker show from Redis, and stderr says why no stats
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines()]
+    assert [c[:4] for c in cells if c and c[0] in ("tiny", "sentiment")] == [
+        ["sentiment", "text-classification", "64", "0"], ["tiny", "embedding", "64", "0"]]  # fmt: skip
+    assert sorted(c[:3] for c in cells if c and c[0] == "cw0") == [
+        ["cw0", "sentiment", "?"], ["cw0", "tiny", "?"]]  # fmt: skip
+    assert "broker_url" in err and "heartbeats alone" in err
+
+
+def test_a_control_command_waits_for_the_live_worker_on_a_cluster(
+    worker: WorkerProcess, cluster_fleet: Path, cluster: LocalRedisCluster,
+    redis_server: LocalRedis, no_fleet_env: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # When tiny's batch policy is set (to the fleet file's own: the other tests see no change)
+    argv = ["policy", "tiny", "max_wait_ms=5", "--timeout", "30"]
+    code = cli.main([*argv, "--config", str(cluster_fleet)])
+    out, err = capsys.readouterr()
+    # Then its live worker, read on the cluster, was waited for and did it
+    assert code == 0, err
+    (line,) = out.splitlines()
+    host, _, reply = line.partition(": ")
+    assert host.startswith("cw0@") and json.loads(reply)["changes"] == {"max_wait_ms": 5}
+    # and given the cluster's URL alone, the command says where the broker must come from
+    assert cli.main([*argv, "--redis-url", cluster.url]) == 2
+    assert "set broker_url (or BATCHFLEET_BROKER_URL)" in capsys.readouterr().err
+    no_fleet_env.setenv("BATCHFLEET_BROKER_URL", redis_server.url)
+    assert cli.main([*argv, "--redis-url", cluster.url, "-d", "cw0"]) == 0
+    assert capsys.readouterr().out.startswith("cw0@")
+
+
+def test_the_gateway_s_fleet_control_on_a_cluster(
+    worker: WorkerProcess, cluster: LocalRedisCluster, redis_server: LocalRedis,
+    no_fleet_env: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    async def go() -> None:
+        client = connect_async(cluster.url)
+        try:
+            # the live workers of models on two shards, by the cluster's clock
+            assert await live_workers(client, ["tiny", "sentiment"]) == ["cw0"]
+            assert list(await live_serving(client, "sentiment")) == ["cw0"]
+        finally:
+            await client.aclose()
+        async with gateway_in_process(cluster.url, dev_admin=DevAdmin(redis_server.url)) as port:
+            # a broadcast that waits for the model's live worker (no prefix cache: a no-op)
+            for query in ("?model=tiny", ""):
+                status, raw = await http(port, "POST", "/reset_prefix_cache" + query)
+                assert (status, raw) == (200, b""), raw
+        # a cluster given as the broker: refused as such (kombu would try localhost:6379)
+        with pytest.raises(ApiError, match="broker cannot be a Redis Cluster") as refused:
+            await DevAdmin(cluster.url).broadcast("bf_reset_prefix_cache", {}, ["cw0"])
+        assert (refused.value.status, refused.value.code) == (503, "unavailable")
+
+    asyncio.run(go())
+    # `batchfleet gateway` on the cluster's URL alone: its control routes need a broker
+    gateway = gateway_cli(no_fleet_env)
+    argv = ["gateway", "--redis-url", cluster.url, "--server-dev-mode"]
+    assert cli.main(argv) == 2
+    assert gateway(*argv[1:], "--broker-url", redis_server.url)["dev_admin"] == DevAdmin(
+        redis_server.url
+    )
