@@ -54,6 +54,7 @@ import redis
 
 from batchfleet.redis_server import LocalRedis
 
+from .delta_path import evalsha_stats
 from .load import LANE_MIX, WORDS
 from .report import machine_facts
 from .stats import pct
@@ -689,6 +690,7 @@ class Fleet:
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         sys0 = cpu_seconds(self.process.pid, system_only=True)
         threads0 = thread_cpu(self.process.pid)
+        scripts0 = evalsha_stats(self.client)
         clock = time.perf_counter
         t0 = clock() + 0.02
         i = 0
@@ -722,6 +724,7 @@ class Fleet:
             cpu_seconds(self.process.pid, system_only=True) - sys0
         )
         threads = self._thread_cpu(threads0)
+        scripts = evalsha_stats(self.client)
         worker_ttft: list[float] = []
         timings: list[dict[str, float] | None] = [None] * len(jobs)
         received: list[tuple[str, int, float]] = []
@@ -753,7 +756,8 @@ class Fleet:
         out.extra = {"worker ttft ms": worker_ttft, "delta latency": (tokens_ms, step_ms),
                      "step ms": steps, "cpu s": cpu, "worker threads cpu s": threads,
                      "batch": batch, "timings": timings, "step parts": parts,
-                     "first text": first_text, "delta gaps ms": gaps}  # fmt: skip
+                     "first text": first_text, "delta gaps ms": gaps,
+                     "evalsha": (scripts[0] - scripts0[0], scripts[1] - scripts0[1])}  # fmt: skip
         return out
 
     def _thread_cpu(self, before: dict[int, float]) -> dict[str, float]:
@@ -1177,6 +1181,10 @@ def write_report(
                     lines[-1] += (
                         " Worker threads: " + ", ".join(f"{k} {v:.1f} s" for k, v in busy) + "."
                     )
+                calls, usec = o.extra.get("evalsha", (0, 0))
+                lines[-1] += (f" Redis's scripts (EVALSHA: tokens.lua once a step, {o.steps} "
+                              f"steps; finish.lua and the rest): {calls} calls, "
+                              f"{usec / max(calls, 1):.0f} µs per call.")  # fmt: skip
             parts = o.extra.get("step parts")
             if parts is not None and parts.line(o.system):
                 lines += ["", parts.line(o.system)]

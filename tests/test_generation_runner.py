@@ -23,6 +23,7 @@ from batchfleet.worker.runner import (  # noqa: E402
     Preempted,
     Prepared,
     PrepareError,
+    Progress,
     StepReport,
     Work,
 )
@@ -112,11 +113,15 @@ def run(runner: TextGenerationRunner, *reqs: Request) -> dict[str, list[dict[str
     return {k: f.outputs for k, f in d.finals.items()}
 
 
-def greedy(runner: TextGenerationRunner, text: str, n: int) -> str:
+def greedy_ids(runner: TextGenerationRunner, text: str, n: int) -> list[int]:
     ids = runner.tokenizer(text, return_tensors="pt").input_ids.to(runner.torch_device)
     out = runner.model.generate(ids, max_new_tokens=n, do_sample=False,
                                 pad_token_id=runner.eos[0])  # fmt: skip
-    return str(runner.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def greedy(runner: TextGenerationRunner, text: str, n: int) -> str:
+    return str(runner.tokenizer.decode(greedy_ids(runner, text, n), skip_special_tokens=True))
 
 
 def test_continuous_batching_gives_the_tokens_of_one_at_a_time_generate(
@@ -369,6 +374,49 @@ def test_progress_reports_context_and_prefill(runner: TextGenerationRunner) -> N
     prog = report.progress["long"]
     assert prog.prefill_left[0] == n - 64 and prog.contexts[0] == 64
     assert not report.events
+
+
+def test_progress_counts_each_unfinished_sequence_and_the_most_new_tokens_left(
+    runner: TextGenerationRunner,
+) -> None:
+    """A request of one input and one of two: per sequence its KV context and prompt left
+    to prefill, and the most new tokens any of its sequences may still take (what the
+    deltas streamed so far leave); a sequence that ended (a stop token) drops out."""
+    texts = [" ".join(["a man went home"] * 40), "a b c"]
+    made_by = [greedy_ids(runner, t, 6) for t in texts]
+    stop = next(t for t in made_by[1][1:] if t not in made_by[0])  # ends input 1 only
+    one, pair = prepare(
+        runner,
+        req("one", inputs=[" ".join(["the man was there"] * 40)], max_new_tokens=6, stream=True),
+        req("pair", inputs=texts, max_new_tokens=6, stream=True, stop_token_ids=[stop]),
+    )
+    n = len(one.payload.prompts[0])
+    d = Driver(runner)
+    d.step([("one", one), ("pair", pair)])
+    report = d.reports[-1]
+    report.settle()
+    assert report.progress["one"] == Progress((64,), (n - 64,), 6)  # the step's budget: 64
+    assert report.progress["pair"] == Progress(
+        (0, 0), tuple(len(p) for p in pair.payload.prompts), 6
+    )
+    made = {("one", 0): 0, ("pair", 0): 0, ("pair", 1): 0}
+    checked = 0
+    ended: set[tuple[str, int]] = set()
+    while len(d.finals) < 2:
+        d.step()
+        report = d.reports[-1]
+        report.settle()
+        for ev in report.events:
+            if isinstance(ev, Partial):
+                made[ev.key, ev.chunk["input"]] += ev.chunk["tokens"]
+        if made["pair", 1] > made_by[1].index(stop):
+            ended.add(("pair", 1))
+        for key, prog in report.progress.items():
+            inputs = [k for k in made if k[0] == key and k not in ended]
+            assert len(prog.contexts) == len(prog.prefill_left) == len(inputs)
+            assert prog.max_new_tokens_left == 6 - min(made[k] for k in inputs)
+            checked += 1
+    assert checked >= 6 and ended
 
 
 def test_bad_requests_are_refused_in_prepare(runner: TextGenerationRunner) -> None:

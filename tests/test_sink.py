@@ -233,6 +233,30 @@ def _logprobs(text: str, i: int) -> list[dict[str, Any]]:
             {"token": 12345 + i, "text": "😀", "logprob": -123.456787109375, "top": []}]  # fmt: skip
 
 
+def _one_field(name: str) -> Any:
+    return {"logprobs": _logprobs("a", 1), "tool_calls": _calls("a", 0),
+            "tool_call_chunks": _chunks("a", 0), "content": "c", "reasoning_content": "",
+            "token_ids": [1, 2], "prompt_tokens": 5, "prompt_text": "p",
+            "prompt_logprobs": [None, *_logprobs("a", 1)], "prompt_token_ids": []}[name]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", [None, "logprobs", "tool_calls", "tool_call_chunks", "content",
+                                   "reasoning_content", "token_ids", "prompt_tokens",
+                                   "prompt_text", "prompt_logprobs", "prompt_token_ids"])  # fmt: skip
+def test_a_delta_with_one_optional_field_or_none_carries_just_that(
+    harness: Harness, field: str | None
+) -> None:
+    # (most deltas have none: the worker writes those on a shorter path)
+    extra = {} if field is None else {field: _one_field(field)}
+    delta = Delta(id="gen-3", model="m", seq=1, input=0, text="t", tokens=1, **extra)
+    harness.sink.stream([Streamed.of(delta, 60, "chan", "msgpack")])
+    harness.sink.close(5)
+    (message,) = harness.published("chan")
+    assert msgpack.unpackb(message) == delta.model_dump(mode="json", exclude_none=True)
+    (entry,) = harness.partials("gen-3")
+    assert parse_entry(KEYS, "gen-3", entry) == delta.model_copy(update={"model": KEYS.model})
+
+
 def test_a_token_stream_ttl_is_set_with_its_first_entry_every_64th_and_its_end() -> None:
     def write(seq: int, end: bool = False) -> bool:
         return Streamed("g", seq, None if end else "x", 60, "chan", "json").write().ttl_s > 0

@@ -64,6 +64,12 @@ class TokenWrite:
             return [self.seq, self.ttl_s, self.life]
         item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
                 self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
+        if (self.logprobs is None and self.tool_calls is None and self.token_ids is None
+                and self.tool_call_chunks is None and self.content is None
+                and self.reasoning is None and self.prompt_tokens is None
+                and self.prompt_text is None and self.prompt_logprobs is None
+                and self.prompt_token_ids is None):  # fmt: skip
+            return item  # most deltas (a third of the cost of building ``more`` below)
         prompt = None if self.prompt_tokens is None else str(self.prompt_tokens)
         more = [
             [name, value, raw]
@@ -105,6 +111,7 @@ class TokenStreams(ModelRedis):
         items, for a connection of the caller's own (worker/token_writes.py): packed here,
         a step's call costs a tenth of the client's argument encoding."""
         sha = self._tokens.sha.encode()
+        prefix = self.keys.tokens("").encode()  # each key: this and the request's id
         out: list[bytes] = []
         for start in range(0, len(items), TOKENS_CHUNK):
             chunk = items[start : start + TOKENS_CHUNK]
@@ -113,8 +120,8 @@ class TokenStreams(ModelRedis):
             parts = [b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%d\r\n"
                      % (n + 5, len(sha), sha, len(str(n)), n)]  # fmt: skip
             for it in chunk:
-                key = self.keys.tokens(it.request_id).encode()
-                parts.append(b"$%d\r\n%s\r\n" % (len(key), key))
+                rid = it.request_id.encode()
+                parts.append(b"$%d\r\n%s%s\r\n" % (len(prefix) + len(rid), prefix, rid))
             parts.append(_TOKENS_MAXLEN_ARG)
             parts.append(b"$%d\r\n%s\r\n" % (len(packed), packed))
             out.append(b"".join(parts))

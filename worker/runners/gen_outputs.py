@@ -116,7 +116,7 @@ class Outputs(RunnerState):
                     chunk["logprobs"] = self._logprobs(self.engine.logprobs(s.name)[sent[i] : n])
                 if r.spec.token_ids:
                     chunk["token_ids"] = s.text.tokens[sent[i] : n]
-                out.append(Partial(r.key, chunk | parts))
+                out.append(Partial(r.key, chunk | parts if parts else chunk))
                 sent[i] = n
         return out
 
@@ -138,20 +138,23 @@ class Outputs(RunnerState):
         if r.beams is not None:
             ctx, left = r.beams.contexts()
             return Progress(ctx, (0,) * len(ctx), left)
-        contexts: list[int] = []
-        prefill: list[int] = []
-        for s in r.seqs:
+        if len(r.seqs) == 1:  # most requests: per request and step, kept lean
+            s = r.seqs[0]
             if s.finish is not None:
-                continue
-            st = self.engine.state(s.name)
-            if st is None:  # queued this step, not yet in the engine
-                contexts.append(0)
-                prefill.append(len(s.prompt) + len(s.text.tokens))
-            else:
-                contexts.append(st.context)
-                prefill.append(st.prefill_left)
-        left = max((s.max_new - len(s.text.tokens) for s in r.seqs if s.finish is None), default=0)
-        return Progress(tuple(contexts), tuple(prefill), left)
+                return Progress((), (), 0)
+            context, prefill = self._seq_progress(s)
+            return Progress((context,), (prefill,), s.max_new - len(s.text.tokens))
+        live = [s for s in r.seqs if s.finish is None]
+        each = [self._seq_progress(s) for s in live]
+        left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
+        return Progress(tuple(c for c, _ in each), tuple(p for _, p in each), left)
+
+    def _seq_progress(self, s: GenSeq) -> tuple[int, int]:
+        """An unfinished sequence's tokens in the KV cache and prompt tokens to prefill."""
+        st = self.engine.state(s.name)
+        if st is None:  # queued this step, not yet in the engine
+            return 0, len(s.prompt) + len(s.text.tokens)
+        return st.context, st.prefill_left
 
     def _fill_progress(self, report: StepReport) -> None:
         for key, r in self._reqs.items():
