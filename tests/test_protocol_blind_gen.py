@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,9 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _config(url: str, lm_dir: Path) -> str:
     opts = {**TINY_LM_OPTIONS, "kv_cache_tokens": 2 * CONTEXT}
-    spec = {"runner": "text-generation", "path": str(lm_dir), "options": opts}
+    # max_tokens: the longest prompt (docs/protocol.md: default 512, at most the context - 1)
+    spec = {"runner": "text-generation", "path": str(lm_dir), "max_tokens": CONTEXT - 1,
+            "options": opts}  # fmt: skip
     return fleet_toml(url, {M: spec}, {"heartbeat_timeout_ms": 3000})
 
 
@@ -165,7 +168,7 @@ def test_model_info_describes_a_generating_model(r: redis.Redis) -> None:
     assert info["max_new_tokens"] == 4096  # limits.max_new_tokens' default
     assert info["default_max_new_tokens"] == 256  # the model option's default
     assert info["chat_template"] is True
-    assert isinstance(info["max_prompt_tokens"], int) and info["max_prompt_tokens"] <= CONTEXT
+    assert info["max_prompt_tokens"] == CONTEXT - 1  # max_tokens, at most the context - 1
 
 
 # --- submitting: inputs, messages, encodings ------------------------------------------------
@@ -388,12 +391,15 @@ def test_max_new_tokens_zero_answers_the_prompt_alone(r: redis.Redis) -> None:
     )
 
 
-@pytest.mark.parametrize("value", [-1, 4097, "5", 5.0, True])
+@pytest.mark.parametrize("value", [-1, "5", 5.0, True])
 def test_max_new_tokens_out_of_range_or_type_is_refused(r: redis.Redis, value: Any) -> None:
-    # over limits.max_new_tokens: the doc's table says "at most"; invalid_request is
-    # "out of range", too_large "over its limit": either is an answer a client handles
-    code = error_code(r, inputs=[PROMPT], max_new_tokens=value)
-    assert code in (("invalid_request", "too_large") if value == 4097 else ("invalid_request",))
+    assert error_code(r, inputs=[PROMPT], max_new_tokens=value) == "invalid_request"
+
+
+@pytest.mark.parametrize("fields", [{"max_new_tokens": 4097}, {"stop": ["a"] * 9}],
+                         ids=["max_new_tokens", "stop"])  # fmt: skip
+def test_over_the_models_limits_is_too_large(r: redis.Redis, fields: dict[str, Any]) -> None:
+    assert error_code(r, inputs=[PROMPT], **fields) == "too_large"
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -408,11 +414,11 @@ def test_max_new_tokens_out_of_range_or_type_is_refused(r: redis.Redis, value: A
         {"top_k": -1},
         {"seed": 1.0},
         {"stop": "word"},
-        {"stop": ["a"] * 9},
         {"stream": "yes"},
         {"logprobs": 21},
         {"n": 17},
         {"deadline_ms": "60000"},
+        {"deadline_ms": 0},
         {"logit_bias": {"999999": 1}},
         {"unknown_field": 1},
         {"v": 2},
@@ -440,8 +446,9 @@ def test_token_id_outside_the_vocabulary_is_invalid_input(r: redis.Redis) -> Non
     )
 
 
-def test_prompt_over_the_context_is_too_large_with_no_token_stream(r: redis.Redis) -> None:
-    rid = submit(r, inputs=[{"prompt_token_ids": [5] * (CONTEXT + 10)}], stream=True)
+def test_prompt_over_max_prompt_tokens_is_too_large_with_no_token_stream(r: redis.Redis) -> None:
+    longest = json.loads(r.get(key("info")) or b"{}")["max_prompt_tokens"]
+    rid = submit(r, inputs=[{"prompt_token_ids": [5] * (longest + 1)}], stream=True)
     res = result(r, rid)
     assert res["status"] == "error" and res["error"]["code"] == "too_large"
     assert read_tokens(r, rid) == []
@@ -615,10 +622,42 @@ def test_cancel_key_stops_a_generation_with_the_text_so_far(r: redis.Redis) -> N
     assert deltas_text(entries) == out["text"]
 
 
+@contextmanager
+def occupied(r: redis.Redis) -> Iterator[None]:
+    """Every running slot of the worker (the fixture's max_running 16) taken by one long
+    request of 16 completions, started; cancelled afterwards."""
+    big = submit(r, inputs=[PROMPT], n=16, max_new_tokens=CONTEXT - 16, ignore_eos=True,
+                 temperature=1.0)  # fmt: skip
+    end = time.monotonic() + WAIT_S
+    while not r.exists(key(f"started:{big}")) and time.monotonic() < end:
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        r.set(key(f"cancel:{big}"), 1, ex=3600)
+        assert result(r, big)["outputs"][0]["finish_reason"] == "cancelled"
+
+
 def test_deadline_before_start_is_expired_and_never_computed(r: redis.Redis) -> None:
-    res = ask(r, inputs=[PROMPT], max_new_tokens=5, deadline_ms=1)
+    # A 1 ms deadline is not enough: an idle worker may start a request 0.6 ms in (then
+    # it ends ok, finish_reason deadline). Here it waits for a slot past its deadline.
+    with occupied(r):
+        rid = submit(r, inputs=[PROMPT], max_new_tokens=5, deadline_ms=500)
+        res = result(r, rid)
     assert res["status"] == "expired" and res["error"]["code"] == "deadline_exceeded"
     assert "outputs" not in res and res["timings"]["batch_size"] == 0
+    assert not r.exists(key(f"started:{rid}"))  # never admitted
+
+
+def test_cancel_while_waiting_is_ok_with_empty_text(r: redis.Redis) -> None:
+    with occupied(r):
+        rid = submit(r, inputs=[PROMPT], max_new_tokens=5, stream=True)
+        r.set(key(f"cancel:{rid}"), 1, ex=3600)
+        res = result(r, rid)
+    assert res["status"] == "ok"
+    assert [(o["text"], o["finish_reason"]) for o in res["outputs"]] == [("", "cancelled")]
+    assert not r.exists(key(f"started:{rid}"))
+    assert [e for _, e in read_tokens(r, rid)][-1].get("end") == "1"
 
 
 def test_deadline_mid_generation_ends_ok_with_the_text_so_far(r: redis.Redis) -> None:
