@@ -56,7 +56,7 @@ def result(r: redis.Redis, rid: str, timeout: float = WAIT_S) -> dict[str, Any]:
     """Poll `GET bf:{model}:result:<id>` with a short backoff until it exists."""
     end, pause = time.monotonic() + timeout, 0.001
     while time.monotonic() < end:
-        raw = r.get(key(f"result:{rid}"))
+        raw: Any = r.get(key(f"result:{rid}"))
         if raw is not None:
             out: dict[str, Any] = decode(raw)
             return out
@@ -82,7 +82,7 @@ def read_tokens(r: redis.Redis, rid: str, after: str = "0-0") -> list[tuple[str,
     entries: list[tuple[str, dict[str, str]]] = []
     last, end = after, time.monotonic() + WAIT_S
     while time.monotonic() < end:
-        got = r.xread({key(f"tokens:{rid}"): last}, block=1000)
+        got: Any = r.xread({key(f"tokens:{rid}"): last}, block=1000)
         if not got:
             if r.exists(key(f"result:{rid}")) and not r.xread(
                 {key(f"tokens:{rid}"): last}, block=250
@@ -588,7 +588,8 @@ def test_unreadable_entry_goes_to_dead_letters(r: redis.Redis) -> None:
     end = time.monotonic() + WAIT_S
     while r.xlen(key("dead")) == before and time.monotonic() < end:
         time.sleep(0.05)
-    _, fields = r.xrevrange(key("dead"), count=1)[0]
+    dead: Any = r.xrevrange(key("dead"), count=1)
+    _, fields = dead[0]
     assert fields[b"source_id"] == source_id and fields[b"code"] == b"malformed"
     assert fields[b"source"] == key("lane:0").encode() and b"orig_msgpack" in fields
 
@@ -851,13 +852,14 @@ def test_a_takeover_restarts_the_stream_from_seq_one(
     while r.xlen(key(f"tokens:{rid}")) < 3 and time.monotonic() < end:
         time.sleep(0.01)
     first.kill()
-    before = r.xrange(key(f"tokens:{rid}"))
+    before: Any = r.xrange(key(f"tokens:{rid}"))
     second = WorkerProcess(tmp / "fleet.toml", "blind-2", tmp / "blind-2.log")
     try:
         second.wait_ready(r, M)
         # the restarted request must not run 4000 tokens: cancel it once it restarted
         while time.monotonic() < end:
-            seqs = [int(f[b"seq"]) for _, f in r.xrange(key(f"tokens:{rid}"))]
+            now: Any = r.xrange(key(f"tokens:{rid}"))
+            seqs = [int(f[b"seq"]) for _, f in now]
             if len(seqs) > len(before) + 1:
                 break
             time.sleep(0.05)
