@@ -39,6 +39,7 @@ SERVER_FACING = {
     "test_fuzz.py",
     "test_loop.py",
     "test_producer.py",
+    "test_protocol_blind_gen.py",
     "test_protocol_raw.py",
     "test_security.py",
 }
