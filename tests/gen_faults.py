@@ -55,9 +55,10 @@ class Held:
 class Breaking(TextGenerationRunner):
     """The tiny Llama whose step ``break_at`` breaks: its hand-off fails (the deferred
     progress fill raises); with ``stop``, the step raises it first; with ``crash``, the
-    step raises it once it ran (a runner bug), and with ``cure`` so does every step after
-    it until one admits a prompt holding ``cure``; with ``poison`` instead, only a step
-    that admits a prompt holding ``poison`` raises ``crash``, before it runs.
+    step raises it once it ran (a runner bug; ``early``: before it runs), and with ``cure``
+    so does every step after it until one admits a prompt holding ``cure``; with ``poison``
+    instead, only a step that admits a prompt holding ``poison`` raises ``crash``, before
+    it runs.
     It notes, at the end of every step, which requests' sequences its engine holds
     (public ``engine.state``), and the tokens each step gave (``produced``)."""
 
@@ -65,6 +66,7 @@ class Breaking(TextGenerationRunner):
     stop: BaseException | None = None
     crash: Exception | None = None
     cure: str | None = None
+    early = False
     poison: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,16 +96,17 @@ class Breaking(TextGenerationRunner):
         self.steps += 1
         if self.steps == self.break_at and self.stop is not None:
             raise self.stop
-        if self.poison is not None and self.crash is not None and self._admits(work, self.poison):
-            self.crashed.append(work.step_id)
-            raise self.crash
         if self.cure is not None and self._admits(work, self.cure):
             self.crash = None
+        poisoned = self.poison is not None and self._admits(work, self.poison)
+        if self.crash is not None and (poisoned or (self.early and self._crashes())):
+            self.crashed.append(work.step_id)
+            raise self.crash
         self.names |= {key: f"{key}#0" for key, _ in work.admit}
         self.streaming |= {key for key, prep in work.admit if prep.payload.stream}
         report = super().step(work)
         self.produced += sum((report.produced or {}).values())
-        if self._crashes():
+        if not self.early and self._crashes():
             self.held.append(self._holding(work))
             self.crashed.append(work.step_id)
             assert self.crash is not None

@@ -19,7 +19,7 @@ from batchfleet.schemas.keys import GROUP
 from batchfleet.schemas.results import Delta
 from batchfleet.worker.crashes import RUNNER_BROKEN_AFTER
 from batchfleet.worker.observers import BatchDone, LoopEvent
-from gen_faults import BREAK_AT, ENGINES, KEYS, Seen, make_loop, make_runner, run_loop
+from gen_faults import BREAK_AT, ENGINES, KEYS, Held, Seen, make_loop, make_runner, run_loop
 from gen_faults import submit as submit_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,17 +80,19 @@ def _failed(job: Job, message: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("early", [False, True], ids=["once-run", "before-running"])
 def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
-    r: redis.Redis, tiny_lm: Path, ahead: bool, engine: str
+    r: redis.Redis, tiny_lm: Path, ahead: bool, engine: str, early: bool
 ) -> None:
     # Given two streaming generations and two that do not stream, read before the loop
-    # starts, and a runner whose every step from the third raises once it ran, until one
-    # admits a prompt holding "cure"; that one is submitted once all four have failed
+    # starts, and a runner whose every step from the third raises once it ran (``early``:
+    # before it runs: the stops it carries never applied), until one admits a prompt
+    # holding "cure"; that one is submitted once all four have failed
     producer = Producer(client=r)
     streams = [submit_job(producer, f"the dog {k}", 40, stream=True) for k in range(2)]
     quiet = [submit_job(producer, f"the fox {k}", 40, stream=False) for k in range(2)]
     runner = make_runner(tiny_lm, ahead=ahead, engine=engine, crash=RuntimeError("runner bug"))
-    runner.cure = "cure"
+    runner.cure, runner.early = "cure", early
     seen = Seen()
     failures = Failures(lambda f: sum(f.failed.values()) >= 4,
                         lambda: submit_job(producer, "the cure", 8, stream=True))  # fmt: skip
@@ -103,7 +105,7 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
     for job in streams:
         assert len(_stream(r, job)) > BREAK_AT - 1
     assert failures.failed == {runner.crashed[RUNNER_BROKEN_AFTER - 1]: 4}
-    assert runner.crashed[0] == runner.held[BREAK_AT - 1].step_id  # (the third step's)
+    assert runner.crashed[0] == failures.order[BREAK_AT - 1]
     # ...a few steps raised before the cure came (the stops of the failed ones, and, ahead,
     # the one queued), none after it
     assert RUNNER_BROKEN_AFTER <= len(runner.crashed) <= RUNNER_BROKEN_AFTER + 1 + ahead
@@ -112,10 +114,9 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
     assert failures.later is not None
     _whole(failures.later, 8, stream=True)
     _stream(r, failures.later)
-    first = len(runner.crashed) + BREAK_AT - 1  # (the crashed steps note one each)
-    after = runner.held[first:]
-    cure = set(runner.names) - runner.held[BREAK_AT - 1].keys
-    assert len(cure) == 1 and after and after[0].keys == cure
+    after = _after(runner.held, failures.order, runner.crashed[-1])
+    cure = set(list(runner.names)[-1:])  # (admitted last)
+    assert len(runner.names) == 5 and after and after[0].keys == cure
     assert all(h.keys <= cure for h in after)
     assert all(h.blocks is None or h.blocks <= {runner.names[k] for k in cure} for h in after)
     assert all(seen.after[h.step_id] == (h.sequences, h.kv_tokens) for h in after)
@@ -153,11 +154,7 @@ def test_a_poisonous_prompt_fails_alone_and_the_running_requests_finish(
     # ...the engine never held the poisonous one, and held as the scheduler counts
     assert all(len(h.keys) <= 3 for h in runner.held)
     # (from the crashed one on: ahead, one planned with it counts it running beforehand)
-    after = [
-        h
-        for h in runner.held
-        if failures.order.index(h.step_id) > failures.order.index(runner.crashed[0])
-    ]
+    after = _after(runner.held, failures.order, runner.crashed[0])
     assert after and all(seen.after[h.step_id] == (h.sequences, h.kv_tokens) for h in after)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
 
@@ -185,3 +182,8 @@ def test_a_request_ended_in_a_step_that_raised_fails_with_the_next_step(
     after = runner.held[2:]
     assert after and all(seen.after[h.step_id] == (h.sequences, h.kv_tokens) for h in after)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+def _after(held: list[Held], order: list[str], step_id: str) -> list[Held]:
+    """What the engine held after each step that ended after step ``step_id``."""
+    return [h for h in held if order.index(h.step_id) > order.index(step_id)]
