@@ -18,6 +18,7 @@ from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP
 from batchfleet.schemas.results import Delta
 from batchfleet.worker.crashes import RUNNER_BROKEN_AFTER
+from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import BatchDone, LoopEvent
 from gen_faults import BREAK_AT, ENGINES, KEYS, Held, Seen, make_loop, make_runner, run_loop
 from gen_faults import submit as submit_job
@@ -38,6 +39,9 @@ class Failures:
     def __init__(self, when: Callable[[Failures], bool], then: Callable[[], Job]) -> None:
         self.when = when
         self.then = then
+        self.loop: BatchLoop | None = None
+        self.broken: dict[str, int | None] = {}
+        """What the loop's ``broken`` said after each step."""
         self.order: list[str] = []
         """The steps, in the order they ended."""
         self.failed: dict[str, int] = {}
@@ -47,6 +51,8 @@ class Failures:
     def notify(self, event: LoopEvent) -> None:
         if isinstance(event, BatchDone):
             self.order.append(event.batch_id)
+            assert self.loop is not None
+            self.broken[event.batch_id] = self.loop.broken()
             if event.failed:
                 self.failed[event.batch_id] = event.failed
             if self.later is None and self.when(self):
@@ -97,7 +103,8 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
     failures = Failures(lambda f: sum(f.failed.values()) >= 4,
                         lambda: submit_job(producer, "the cure", 8, stream=True))  # fmt: skip
     # When a burst loop serves them
-    run_loop(make_loop(r, runner, "w1", burst=True, seen=seen, more=[failures]))
+    failures.loop = loop = make_loop(r, runner, "w1", burst=True, seen=seen, more=[failures])
+    run_loop(loop)
     # Then each of the four failed once, all with the second step in a row that raised
     # (the runner taken for broken), their token streams ended once
     for job in streams + quiet:
@@ -106,6 +113,10 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
         assert len(_stream(r, job)) > BREAK_AT - 1
     assert failures.failed == {runner.crashed[RUNNER_BROKEN_AFTER - 1]: 4}
     assert runner.crashed[0] == failures.order[BREAK_AT - 1]
+    # ...the worker's health probes failing from then (the runner broken) until a step ran
+    broken = failures.broken[runner.crashed[RUNNER_BROKEN_AFTER - 1]]
+    assert broken is not None and broken >= RUNNER_BROKEN_AFTER
+    assert failures.broken[failures.order[0]] is None and loop.broken() is None
     # ...a few steps raised before the cure came (the stops of the failed ones, and, ahead,
     # the one queued), none after it
     assert RUNNER_BROKEN_AFTER <= len(runner.crashed) <= RUNNER_BROKEN_AFTER + 1 + ahead
@@ -140,12 +151,14 @@ def test_a_poisonous_prompt_fails_alone_and_the_running_requests_finish(
     failures = Failures(lambda f: len(f.order) == 2,
                         lambda: submit_job(producer, "the poison", 8, stream=True))  # fmt: skip
     # When a burst loop serves them
-    run_loop(make_loop(r, runner, "w1", burst=True, seen=seen, more=[failures]))
+    failures.loop = loop = make_loop(r, runner, "w1", burst=True, seen=seen, more=[failures])
+    run_loop(loop)
     # Then the poisonous one failed alone, with the step that admitted it, its stream ended
     assert failures.later is not None and len(runner.crashed) == 1
     _failed(failures.later, "RuntimeError: poisoned")
     _stream(r, failures.later)
     assert failures.failed == {runner.crashed[0]: 1}
+    assert set(failures.broken.values()) == {None}  # (one crash: not broken)
     # ...and the others ran to their end, every token and delta of theirs there
     for job in streams:
         _whole(job, 30, stream=True)

@@ -68,6 +68,11 @@ class Executor:
                 dropped.append(work)
 
     @property
+    def crashed_in_a_row(self) -> int:
+        """Steps in a row whose runner raised (any thread; 0 after one that did not)."""
+        return self.crashes.in_a_row
+
+    @property
     def alive(self) -> bool:
         """The device thread runs (started, and not ended by :meth:`close`)."""
         return self._thread.is_alive()
