@@ -5,7 +5,8 @@ unanswered, while one bad request does not fail the others.
 - A step that raises fails the requests it admitted (:func:`~.executor.execute`): one
   poisonous prompt fails alone, and the running requests go on.
 - The runner's state after a crash is suspect: it may have ended a request, or applied a
-  stop, whose event was lost with the step. The first step after it that does not raise
+  stop, whose event was lost with the step. Its stops go again with the next step (the
+  scheduler, ``StepReport.crashed`` 1). The first step after it that does not raise
   settles its report at once, and every request the runner should hold but its progress
   does not name (``StepReport.progress`` names each one it holds, parked ones aside) fails.
 - The second step in a row that raises (nothing admitted by it needed to) means the
@@ -77,9 +78,7 @@ class Crashes:
         """Fail the requests the runner should hold and does not name after the step that
         followed a crash: it ended them in the crashed step, their events lost with it."""
         named = {ev.key for ev in report.events} | report.progress.keys()
-        admitted = {key for key, _ in work.admit}
-        lost = [k for k in self._held if k not in named and k not in self._parked
-                and k not in admitted]  # fmt: skip
+        lost = [k for k in self._held if k not in named and k not in self._parked]
         if lost:
             logger.error("step %s: the runner no longer holds %d requests since a step of "
                          "it raised: failed", work.step_id, len(lost))  # fmt: skip
