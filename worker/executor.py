@@ -115,6 +115,8 @@ class Executor:
                 report = unfinished_failed(work, report, exc)
                 done = StepDone(work.step_id, report, done.started_at, self._clock())
         else:
+            # the loop waits for it: past claim_idle_ms the device is reported hung (a
+            # restart), and its requests go to other workers
             logger.critical("step %s of %s could not be handed over: its loop waits for it "
                             "in vain", work.step_id, type(self.runner).__name__)  # fmt: skip
         self.crashes.track(work, report)
@@ -122,7 +124,8 @@ class Executor:
 
 def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
     """Run one step, timed; a runner that raises (anything but a stop: :data:`STOPS`) fails
-    every request of the step."""
+    the requests the step admitted, and its report says it raised (``crashed``: what it
+    means for the others is :mod:`.crashes`' to say)."""
     started = clock()
     try:
         report = runner.step(work)
