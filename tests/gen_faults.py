@@ -6,6 +6,7 @@ holds; an observer that notes what the scheduler counts; the loop, run to its en
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +55,19 @@ class Held:
 class Breaking(TextGenerationRunner):
     """The tiny Llama whose step ``break_at`` breaks: its hand-off fails (the deferred
     progress fill raises); with ``stop``, the step raises it first; with ``crash``, the
-    step raises it once it ran (a runner bug). It notes, at the end of every step, which
-    requests' sequences its engine holds (public ``engine.state``), and the tokens each
-    step gave (``produced``)."""
+    step raises it once it ran (a runner bug; ``early``: before it runs), and with ``cure``
+    so does every step after it until one admits a prompt holding ``cure``; with ``poison``
+    instead, only a step that admits a prompt holding ``poison`` raises ``crash``, before
+    it runs.
+    It notes, at the end of every step, which requests' sequences its engine holds
+    (public ``engine.state``), and the tokens each step gave (``produced``)."""
 
     break_at = BREAK_AT
     stop: BaseException | None = None
     crash: Exception | None = None
+    cure: str | None = None
+    early = False
+    poison: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,17 +79,37 @@ class Breaking(TextGenerationRunner):
         self.held: list[Held] = []
         self.produced = 0
         """Tokens generated, every step's."""
+        self.crashed: list[str] = []
+        """The steps that raised ``crash``."""
+
+    def _admits(self, work: Work, text: str) -> bool:
+        """Whether ``work`` admits a prompt holding ``text``."""
+        return any(text in self.tokenizer.decode(prep.payload.prompts[0]) for _, prep in work.admit)
+
+    def _crashes(self) -> bool:
+        """Whether this step raises ``crash`` once it ran."""
+        if self.crash is None or self.poison is not None or not 0 < self.break_at <= self.steps:
+            return False
+        return self.steps == self.break_at or self.cure is not None
 
     def step(self, work: Work) -> StepReport:
         self.steps += 1
         if self.steps == self.break_at and self.stop is not None:
             raise self.stop
+        if self.cure is not None and self._admits(work, self.cure):
+            self.crash = None
+        poisoned = self.poison is not None and self._admits(work, self.poison)
+        if self.crash is not None and (poisoned or (self.early and self._crashes())):
+            self.crashed.append(work.step_id)
+            raise self.crash
         self.names |= {key: f"{key}#0" for key, _ in work.admit}
         self.streaming |= {key for key, prep in work.admit if prep.payload.stream}
         report = super().step(work)
         self.produced += sum((report.produced or {}).values())
-        if self.steps == self.break_at and self.crash is not None:
+        if not self.early and self._crashes():
             self.held.append(self._holding(work))
+            self.crashed.append(work.step_id)
+            assert self.crash is not None
             raise self.crash
         fill, breaks = report.deferred, self.steps == self.break_at
         assert fill is not None
@@ -148,10 +175,13 @@ def make_runner(
 
 
 def make_loop(
-    r: redis.Redis, runner: Any, consumer: str, *, burst: bool, seen: Seen | None = None
-) -> BatchLoop:
+    r: redis.Redis, runner: Any, consumer: str, *, burst: bool, seen: Seen | None = None,
+    more: Sequence[Any] = (),
+) -> BatchLoop:  # fmt: skip
+    """A loop of ``runner``, observed by ``seen`` and ``more``."""
     loop = BatchLoop(MODEL, ModelConfig(path="/unused", max_tokens=64), runner, r,
-                     consumer=consumer, burst=burst, observers=[seen] if seen else (),
+                     consumer=consumer, burst=burst,
+                     observers=[*([seen] if seen else []), *more],
                      worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS,
                                          shutdown_grace_s=3600))  # fmt: skip
     if seen is not None:

@@ -1,6 +1,7 @@
 """A device thread outlives whatever a step does: a runner raising anything (a
 ``GeneratorExit`` too) fails the step's requests, a report whose deferred ``settle()``
-raises fails those it left unfinished, and a ``SystemExit``/``KeyboardInterrupt`` stops
+raises fails those it left unfinished (so does a hand-off to the loop that raises, tried
+again), and a ``SystemExit``/``KeyboardInterrupt`` stops
 the loop, its requests handed back to the fleet. Each way, the loop hears of the step,
 so it never waits for one that will not come. Threads are joined with a generous guard:
 a loop that missed a step would hang the test, not pass late."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -19,7 +20,7 @@ from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.worker.deltas import DeltaWriter, StreamTo
-from batchfleet.worker.executor import Executor
+from batchfleet.worker.executor import HANDOFF_TRIES, Executor
 from batchfleet.worker.inbox import DeviceStopped, Event, StepDone, ThreadInbox
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runner import (
@@ -114,6 +115,53 @@ def test_a_report_whose_settle_raises_fails_what_it_left_unfinished_and_the_thre
     # counts it once, and numbers the stream's end after it)
     assert [(it.request_id, it.seq, it.text) for it in streamed] == [("id-a", 5, "x")]
     assert first.report.abandoned == ("c", "a")  # (the loop stops them in the runner)
+
+
+class Refusing:
+    """Hands steps to the loop (``inbox``), but its first ``refuse`` calls raise."""
+
+    def __init__(self, inbox: ThreadInbox, refuse: int) -> None:
+        self.inbox = inbox
+        self.refuse = refuse
+        self.calls = 0
+
+    def __call__(self, done: StepDone | DeviceStopped) -> None:
+        self.calls += 1
+        if self.calls <= self.refuse:
+            raise RuntimeError(f"hand-off {self.calls} refused")
+        self.inbox.put(done)
+
+
+@pytest.mark.parametrize("refuse", [2, HANDOFF_TRIES], ids=["repost-fails", "all-fail"])
+def test_a_repost_that_raises_fails_the_step_once_and_the_thread_goes_on(refuse: int) -> None:
+    # Given a device thread whose step ends "a" and streams "b", admitting both, and whose
+    # hand-off to the loop raises ``refuse`` times: the step, then its repost (then all)
+    inbox = ThreadInbox()
+    post = Refusing(inbox, refuse)
+
+    def first(work: Work) -> StepReport:
+        return StepReport([Final("a", ["done"]), Partial("b", {"text": "x"})])
+
+    device = Executor(Scripted(first, _finals), lambda: 0.0, post)  # type: ignore[arg-type]
+    device.start()
+    # When it runs that step and another
+    device.submit(Work("s1", (("a", _prepared()), ("b", _prepared()))))
+    device.submit(Work("s2", (("c", _prepared()),)))
+    events = _wait_all(inbox, 1 if refuse == HANDOFF_TRIES else 2)
+    device.close(HANG_GUARD_S)
+    # Then the thread lived on to run the second step and end; the first, handed over at
+    # its third try, ends "a" and fails "b" once, abandoned (given up: never handed over)
+    assert not device.alive and post.calls == HANDOFF_TRIES + 1
+    *handed, second = events
+    assert isinstance(second, StepDone) and second.report.events == [Final("c", ["ok"])]
+    if handed:
+        (done,) = handed
+        assert isinstance(done, StepDone) and done.step_id == "s1"
+        assert [(type(e).__name__, e.key) for e in done.report.events] == [
+            ("Final", "a"), ("Partial", "b"), ("Failed", "b")
+        ]  # fmt: skip
+        assert "hand-off 1 refused" in cast(Failed, done.report.events[2]).message
+        assert done.report.abandoned == ("b",)
 
 
 @pytest.mark.parametrize("stop", [SystemExit(3), KeyboardInterrupt()], ids=type)

@@ -164,3 +164,27 @@ def test_an_abandoned_request_its_runner_ends_meanwhile_is_not_stopped_again() -
     s.finished(behind.step_id, report(progress={"b": Progress((11,), (0,), 7)}), 1.03, 1.04)
     later = s.decide(1.04).step
     assert later is not None and later.stop == ()
+
+
+def test_the_stops_of_a_step_whose_runner_raised_are_passed_on_again_once() -> None:
+    # Given two running requests, "a" cancelled and "b" lost to another worker: the stops
+    # go with the next step
+    s = scheduler()
+    s.admit(held("a", 0, 0.0))
+    s.admit(held("b", 0, 0.0))
+    first = s.decide(1.0).step
+    assert first is not None
+    s.finished(first.step_id, report(), 1.0, 1.01)
+    s.stop("a", "cancelled")
+    s.lose("b")
+    stopping = s.decide(2.0).step
+    assert stopping is not None and sorted(stopping.stop) == [("a", "cancelled"), ("b", LOST)]
+    # When its runner raises (maybe before it applied them), then again in the next step
+    # (which the executor takes for a broken runner, emptied: none are needed)
+    s.finished(stopping.step_id, replace(report(), crashed=1), 2.0, 2.01)
+    again = s.decide(3.0).step
+    assert again is not None and sorted(again.stop) == sorted(stopping.stop)
+    s.finished(again.step_id, replace(report(), crashed=2), 3.0, 3.01)
+    # Then the first crash passed them on again with the next step, the second did not
+    last = s.decide(4.0).step
+    assert last is not None and last.stop == ()

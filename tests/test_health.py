@@ -65,7 +65,8 @@ def test_a_hung_device_fails_liveness_and_readiness_until_its_step_ends() -> Non
     hung: dict[str, float | None] = {"a": None, "b": None}
     health = Health()
     health.serving([], {m: (lambda m=m: hung[m]) for m in hung})
-    assert health.live() == (True, {"phase": "serving", "dead_loops": [], "hung_devices": {}})
+    assert health.live() == (True, {"phase": "serving", "dead_loops": [], "hung_devices": {},
+                                    "broken_devices": {}})  # fmt: skip
     assert health.ready()[0] is True
     hung["b"] = 312.345
     ok, body = health.live()
@@ -75,6 +76,23 @@ def test_a_hung_device_fails_liveness_and_readiness_until_its_step_ends() -> Non
     assert health.live()[0] is False
     hung["b"] = None
     assert health.live()[0] is True
+
+
+def test_a_broken_runner_fails_liveness_and_readiness_until_a_step_of_it_runs() -> None:
+    # (``BatchLoop.broken``: the steps its runner raised in a row, once they are two or more)
+    broken: dict[str, int | None] = {"a": None, "b": None}
+    health = Health()
+    health.serving([], {}, {m: (lambda m=m: broken[m]) for m in broken})
+    assert health.live() == (True, {"phase": "serving", "dead_loops": [], "hung_devices": {},
+                                    "broken_devices": {}})  # fmt: skip
+    broken["a"] = 2
+    ok, body = health.live()
+    assert not ok and body["broken_devices"] == {"a": 2}
+    assert health.ready() == (
+        False, {"phase": "serving", "detail": "devices broken (steps raised in a row): {'a': 2}"}
+    )  # fmt: skip
+    broken["a"] = None
+    assert health.live()[0] is True and health.ready()[0] is True
 
 
 @pytest.fixture
@@ -162,7 +180,8 @@ def test_a_hung_device_fails_liveness_until_its_batch_ends(
         (gate / "run").touch()
         assert job.result(timeout=30).ok
         wait_for(lambda: probe(port, "/livez") == (200, {"ok": True, "phase": "serving",
-                                                          "dead_loops": [], "hung_devices": {}}),
+                                                          "dead_loops": [], "hung_devices": {},
+                                                          "broken_devices": {}}),
                  "live again")  # fmt: skip
 
 

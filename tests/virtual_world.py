@@ -20,6 +20,7 @@ from typing import Any
 
 from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.messages import Request, Result
+from batchfleet.worker.crashes import Crashes
 from batchfleet.worker.deltas import DeltaWriter
 from batchfleet.worker.executor import execute
 from batchfleet.worker.holding import Holding, hung_for
@@ -220,7 +221,8 @@ class Span:
 
 class VirtualDevice:
     """Steps run one at a time in submission order; each takes ``cost(work)`` virtual
-    seconds. The runner is called through the real executor's ``execute``."""
+    seconds. The runner is called through the real executor's ``execute``, and its crash
+    policy (``Crashes``)."""
 
     def __init__(
         self, world: World, inbox: VirtualInbox, runner: Runner, cost: Callable[[Work], float]
@@ -238,6 +240,7 @@ class VirtualDevice:
         self._queue: list[Work] = []
         """Submitted, not started."""
         self._busy = False
+        self.crashes = Crashes(runner)
 
     def start(self) -> None:
         pass
@@ -253,10 +256,11 @@ class VirtualDevice:
         start = self.world.now
         end = start + self.cost(work)
         self.spans.append(Span(work.step_id, sum(p.rows for _, p in work.admit), start, end))
-        report = execute(self.runner, work, lambda: start).report
+        report = self.crashes.checked(work, execute(self.runner, work, lambda: start).report)
 
         def finish() -> None:
             self.post(StepDone(work.step_id, report, start, end))
+            self.crashes.track(work, report)
             if self.lag:
                 self.world.at(self.world.now + self.lag, idle)
             else:
@@ -276,6 +280,10 @@ class VirtualDevice:
     @property
     def alive(self) -> bool:
         return self._busy
+
+    @property
+    def crashed_in_a_row(self) -> int:
+        return self.crashes.in_a_row
 
     def close(self, timeout: float | None = None) -> None:
         pass

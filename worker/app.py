@@ -119,7 +119,8 @@ class BatchLoopStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             self.threads.append(thread)
             thread.start()
-        self.health.serving(self.threads, {loop.model: loop.hung_for for loop in self.loops})
+        self.health.serving(self.threads, {loop.model: loop.hung_for for loop in self.loops},
+                            {loop.model: loop.broken for loop in self.loops})  # fmt: skip
 
     def _serve(self, loop: BatchLoop, burst: bool) -> None:
         """Run a loop; restart it after an unexpected error (its held entries stay pending and

@@ -1,13 +1,15 @@
 """The executor: runs a model's steps on its device thread, one at a time, in order.
 
-It only executes: no Redis, no observers, no request state. Each finished step goes back
-to the loop as a :class:`~.inbox.StepDone` with the times it began and ended, whatever
-happened in it: a step whose runner raised, or whose hand-off (its deferred ``settle()``,
-its deltas) failed, comes back with its requests failed (and abandoned: the loop stops
-them in the runner, which may still run them), so the thread lives on and the loop is
-never left waiting for a step. Only a ``SystemExit`` or ``KeyboardInterrupt``
-ends the thread, after a :class:`~.inbox.DeviceStopped` (the loop stops and hands the
-step's requests back to the fleet).
+It only executes: no Redis, no observers, no request state (but what its runner holds,
+as the steps' events tell: :mod:`.crashes`). Each finished step goes back to the loop as
+a :class:`~.inbox.StepDone` with the times it began and ended, whatever happened in it: a
+step whose runner raised, or whose hand-off (its deferred ``settle()``, its deltas)
+failed, even when handing it over again fails too, comes back with its requests failed
+(and abandoned: the loop stops them in the runner, which may still run them), so the
+thread lives on and the loop is never left waiting for a step. Steps that raise over and
+over fail every request their runner holds (:mod:`.crashes`). Only a ``SystemExit`` or
+``KeyboardInterrupt`` ends the thread, after a :class:`~.inbox.DeviceStopped` (the loop
+stops and hands the step's requests back to the fleet).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from .crashes import Crashes
 from .inbox import DeviceStopped, StepDone
 from .runner import Failed, Final, Preempted, Runner, StepReport, Work
 
@@ -24,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 STOPS = (SystemExit, KeyboardInterrupt)
 """What a step may raise that means "stop", not "this step failed"."""
+
+HANDOFF_TRIES = 3
+"""Times a step is handed to the loop before it is given up (each after the first with its
+unfinished requests failed)."""
 
 
 class Executor:
@@ -41,6 +48,7 @@ class Executor:
         self._post = post
         self._queue: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.crashes = Crashes(runner)
 
     def start(self) -> None:
         self._thread.start()
@@ -58,6 +66,11 @@ class Executor:
                 return dropped
             if work is not None:
                 dropped.append(work)
+
+    @property
+    def crashed_in_a_row(self) -> int:
+        """Steps in a row whose runner raised (any thread; 0 after one that did not)."""
+        return self.crashes.in_a_row
 
     @property
     def alive(self) -> bool:
@@ -87,20 +100,32 @@ class Executor:
 
     def _step(self, work: Work) -> None:
         done = execute(self.runner, work, self._clock)
-        try:
-            self._post(done)  # a generating runner's deferred settle() runs in it
-        except STOPS:
-            raise
-        except BaseException as exc:  # any failure: the loop must hear of the step
-            logger.exception("handing step %s of %s over failed", work.step_id,
-                             type(self.runner).__name__)  # fmt: skip
-            report = unfinished_failed(work, done.report, exc)
-            self._post(StepDone(work.step_id, report, done.started_at, self._clock()))
+        report = done.report
+        for tries in range(1, HANDOFF_TRIES + 1):
+            try:
+                if tries == 1:
+                    report = self.crashes.checked(work, report)  # (may settle it)
+                self._post(done)  # a generating runner's deferred settle() runs in it
+                break
+            except STOPS:
+                raise
+            except BaseException as exc:  # any failure: the loop must hear of the step
+                logger.exception("handing step %s of %s over failed (try %d)", work.step_id,
+                                 type(self.runner).__name__, tries)  # fmt: skip
+                report = unfinished_failed(work, report, exc)
+                done = StepDone(work.step_id, report, done.started_at, self._clock())
+        else:
+            # the loop waits for it: past claim_idle_ms the device is reported hung (a
+            # restart), and its requests go to other workers
+            logger.critical("step %s of %s could not be handed over: its loop waits for it "
+                            "in vain", work.step_id, type(self.runner).__name__)  # fmt: skip
+        self.crashes.track(work, report)
 
 
 def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
     """Run one step, timed; a runner that raises (anything but a stop: :data:`STOPS`) fails
-    every request of the step."""
+    the requests the step admitted, and its report says it raised (``crashed``: what it
+    means for the others is :mod:`.crashes`' to say)."""
     started = clock()
     try:
         report = runner.step(work)
@@ -110,7 +135,7 @@ def execute(runner: Runner, work: Work, clock: Callable[[], float]) -> StepDone:
         logger.exception("step %s crashed in %s", work.step_id, type(runner).__name__)
         admitted = tuple(key for key, _ in work.admit)
         report = StepReport(events=[Failed(key, _message(exc)) for key in admitted], calls=0,
-                            abandoned=admitted)  # fmt: skip
+                            abandoned=admitted, crashed=1)  # fmt: skip
     return StepDone(work.step_id, report, started, clock())
 
 
@@ -130,7 +155,7 @@ def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> Ste
             failed[key] = Failed(key, message)
     return StepReport(events=[*report.events, *failed.values()], calls=0,
                       out_of_memory=report.out_of_memory, produced=report.produced,
-                      abandoned=tuple(failed))  # fmt: skip
+                      abandoned=(*report.abandoned, *failed), crashed=report.crashed)  # fmt: skip
 
 
 def _message(exc: BaseException) -> str:

@@ -7,7 +7,8 @@ policy (``batching/generation.py``) which waiting requests join, which running o
 preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
 expire; cancellations asked for by clients are passed on with the next step, and so is
 a :data:`~.runner.LOST` stop for each request failed without its runner ending it
-(``StepReport.abandoned``: the step's hand-off failed), which it may still be running.
+(``StepReport.abandoned``: the step's hand-off failed), which it may still be running;
+the stops of a step whose runner raised are passed on again (``StepReport.crashed``).
 
 Without ``ahead`` one step is on the device at a time, and the next is planned from what
 the last one reported: the device waits for the loop between steps (the step's hand-off
@@ -404,6 +405,8 @@ class GenScheduler:
         for key in report.abandoned:  # failed here, maybe still run by the runner: stop it
             if key not in self.running and key not in self.held:
                 self._stops[key] = LOST
+        if report.crashed == 1:  # its runner raised, its stops maybe not applied: again
+            self._restop(step)  # (a second crash in a row empties the runner: none needed)
         report.settle()  # done already where a DeltaWriter posted it (the device thread)
         for key, progress in report.progress.items():
             if (r := self.running.get(key)) is not None:

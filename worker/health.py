@@ -2,9 +2,11 @@
 
 ``GET /readyz`` answers 200 once every model is loaded and its batch loop runs, and 503
 while models load, from the moment the worker starts draining (SIGTERM), and while a
-device hangs. ``GET /livez`` answers 200 while the process serves, unless a batch loop
-thread has died or a model's device step has run longer than ``claim_idle_ms`` (a hung
-device: its requests already go to other workers; a restart frees the device). The body
+device hangs or is broken. ``GET /livez`` answers 200 while the process serves, unless a
+batch loop thread has died, a model's device step has run longer than ``claim_idle_ms``
+(a hung device: its requests already go to other workers; a restart frees the device),
+or its runner raised in the last steps, two in a row or more (a broken one: its requests
+were failed, ``worker/crashes.py``; a restart loads it again). The body
 is a small JSON object with the reason. A stdlib ``http.server`` on a daemon thread: no
 dependency, and it keeps answering while the model loads on the main thread.
 """
@@ -34,6 +36,7 @@ class Health:
         self._detail = "loading models"
         self._threads: Sequence[threading.Thread] = ()
         self._hung: Mapping[str, Callable[[], float | None]] = {}
+        self._broken: Mapping[str, Callable[[], int | None]] = {}
 
     def loading(self, model: str) -> None:
         with self._lock:
@@ -43,12 +46,16 @@ class Health:
         self,
         threads: Sequence[threading.Thread],
         hung: Mapping[str, Callable[[], float | None]] | None = None,
+        broken: Mapping[str, Callable[[], int | None]] | None = None,
     ) -> None:
         """Every loop is started: ready from now on. ``hung``: per model, how long its
-        device step has hung (None: it has not; ``BatchLoop.hung_for``)."""
+        device step has hung (None: it has not; ``BatchLoop.hung_for``); ``broken``: the
+        steps in a row its runner raised, once they take it for broken (None: they do
+        not; ``BatchLoop.broken``)."""
         with self._lock:
             self._phase, self._detail, self._threads = self.SERVING, "", tuple(threads)
             self._hung = dict(hung or {})
+            self._broken = dict(broken or {})
 
     def draining(self) -> None:
         """Shutdown began: unready, so no new work is routed here; still live."""
@@ -59,10 +66,12 @@ class Health:
         with self._lock:
             dead = [t.name for t in self._threads if not t.is_alive()]
             hung = self._hung_devices()
-            ok = self._phase == self.SERVING and not dead and not hung
+            broken = self._broken_devices()
+            ok = self._phase == self.SERVING and not dead and not hung and not broken
             detail = self._detail or (
                 f"loop threads died: {dead}" if dead
                 else f"devices hung: {hung}" if hung
+                else f"devices broken (steps raised in a row): {broken}" if broken
                 else "ok"
             )  # fmt: skip
             return ok, {"phase": self._phase, "detail": detail}
@@ -71,9 +80,11 @@ class Health:
         with self._lock:
             dead = [t.name for t in self._threads if not t.is_alive()]
             hung = self._hung_devices()
+            broken = self._broken_devices()
             # A loop thread ends only on shutdown; one gone while serving is a wedged worker.
-            ok = not (self._phase == self.SERVING and dead) and not hung
-            return ok, {"phase": self._phase, "dead_loops": dead, "hung_devices": hung}
+            ok = not (self._phase == self.SERVING and dead) and not hung and not broken
+            return ok, {"phase": self._phase, "dead_loops": dead, "hung_devices": hung,
+                        "broken_devices": broken}  # fmt: skip
 
     def _hung_devices(self) -> dict[str, float]:
         """Models whose device step hangs, with the seconds it has run."""
@@ -83,6 +94,10 @@ class Health:
             if ran is not None:
                 out[model] = round(ran, 1)
         return out
+
+    def _broken_devices(self) -> dict[str, int]:
+        """Models whose runner is taken for broken, with the steps it raised in a row."""
+        return {m: n for m, broken in self._broken.items() if (n := broken()) is not None}
 
 
 def _handler_for(health: Health) -> type[BaseHTTPRequestHandler]:

@@ -34,6 +34,7 @@ from ..config import ModelConfig, WorkerConfig
 from ..connection import SyncClient
 from .admission import Admission
 from .answers import Answerer
+from .crashes import RUNNER_BROKEN_AFTER
 from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .holding import HAND_OVER_EVERY_S, HoldingFeed
@@ -198,6 +199,13 @@ class BatchLoop:
             if ran * 1000 > self.worker.claim_idle_ms:
                 return ran
         return hung
+
+    def broken(self) -> int | None:
+        """Steps in a row its runner raised, once that many take it for broken (its
+        requests failed, :mod:`.crashes`; the worker's ``/livez`` fails, so the
+        orchestrator restarts it), else None. Any thread."""
+        crashed = self.parts.device.crashed_in_a_row
+        return crashed if crashed >= RUNNER_BROKEN_AFTER else None
 
     def settle(self, poll_s: float = 1.0) -> bool:
         """After a crash, before :meth:`reset`: wait until the device thread has left the step

@@ -155,7 +155,9 @@ class StepReport:
     """Model calls it took: 1 when clean; more when a batch was bisected or split, and
     then its time says nothing about the batch's cost."""
     progress: dict[str, Progress] = field(default_factory=dict)
-    """Continuous runners: each still-running request's state after the step."""
+    """Continuous runners: each still-running request's state after the step (every one
+    it holds but those it preempted: after a step that raised, a request it does not name
+    is taken for lost, :mod:`.crashes`)."""
     produced: dict[str, int] | None = None
     """Continuous runners: tokens each request generated in the step (streaming or not).
     None: the runner does not tell; a request's first delta (or result) then marks its
@@ -184,8 +186,13 @@ class StepReport:
     took (vLLM's per-iteration ``prompt_token_stats.computed``)."""
     abandoned: tuple[str, ...] = ()
     """Requests failed in the step without their runner ending them (its hand-off failed, or
-    it raised: :mod:`.executor`): a continuous runner may still run them, so the loop stops
-    them (:data:`LOST`) with its next step, freeing their rows and KV blocks."""
+    it raised: :mod:`.executor`, :mod:`.crashes`): a continuous runner may still run them,
+    so the loop stops them (:data:`LOST`) with its next step, freeing their rows and KV
+    blocks."""
+
+    crashed: int = 0
+    """The runner raised in this step (its events are the executor's): the how-many-th
+    step in a row that did (:mod:`.crashes`); 0: it did not."""
 
     def settle(self) -> None:
         """Finish the report (``deferred``), once; on the device thread, before the next step."""
