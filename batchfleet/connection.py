@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import redis
@@ -47,6 +47,16 @@ def default_url() -> str:
     return (
         os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     )
+
+
+def ping_redis(client: AsyncClient) -> Awaitable[Any]:
+    """A PING of Redis; of every master of a Redis Cluster (its client sends a plain PING
+    to one node: a master gone silent, whose slots some models' keys, the set of models
+    or a reply channel may live on, would go unseen while each command to it waits out
+    redis-py's socket timeouts and the cluster client's retries, a minute)."""
+    if isinstance(client, aioredis.RedisCluster):
+        return client.ping(target_nodes=aioredis.RedisCluster.PRIMARIES)
+    return client.ping()
 
 
 def is_cluster_pipeline(pipe: object) -> bool:

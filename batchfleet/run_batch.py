@@ -21,6 +21,7 @@ from typing import Any, Final
 import redis
 
 from .cancels import not_lost
+from .connection import ping_redis
 from .producer.aio import AsyncProducer
 from .producer.core import DEFAULT_RETRY_FOR_S
 from .producer.gateway.app import Gateway
@@ -29,7 +30,7 @@ from .producer.gateway.errors import ApiError, invalid
 from .producer.gateway.frontend import Frontend
 from .producer.submit import new_request_id
 from .run_batch_metrics import RunBatchMetrics
-from .run_batch_outage import RedisWatch, ping_redis
+from .run_batch_outage import RedisWatch
 from .schemas.errors import ErrorCode
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Any, Final
+from typing import Final
 
-from redis.asyncio.cluster import RedisCluster
-
-from .connection import AsyncClient
+from .connection import ping_redis
 from .producer.aio import AsyncProducer
 from .producer.gateway.replies import DOWN
 from .producer.submit import unavailable
@@ -32,16 +29,6 @@ PING_TIMEOUT_S: Final = 5.0
 unreachable since it was sent (redis-py's ``socket_connect_timeout``)."""
 STOP_WAIT_S: Final = 5.0
 """The longest :meth:`RedisWatch.close` waits for a ping in flight to end."""
-
-
-def ping_redis(client: AsyncClient) -> Awaitable[Any]:
-    """A PING of Redis; of every master of a Redis Cluster (its client sends a plain PING
-    to one node: a master gone silent, whose slots the batch's models, the set of models
-    or the reply channel may live on, would go unseen while each command to it waits out
-    redis-py's socket timeouts and the cluster client's retries, a minute)."""
-    if isinstance(client, RedisCluster):
-        return client.ping(target_nodes=RedisCluster.PRIMARIES)
-    return client.ping()
 
 
 class RedisWatch:

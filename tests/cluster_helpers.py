@@ -148,6 +148,8 @@ class LocalRedisCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            if p.stderr is not None:
+                p.stderr.close()
         self.processes.clear()
         if self._dir is not None:
             self._dir.cleanup()

@@ -22,6 +22,7 @@ import redis
 import yaml
 from batchfleet.producer import Producer
 from batchfleet.producer.gateway.frontend import Frontend
+from batchfleet.producer.gateway.readiness import READY_TIMEOUT_S
 from batchfleet.schemas.keys import GROUP, MODELS_KEY, ModelKeys, WebhookKeys, response_key
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo
@@ -177,6 +178,8 @@ def test_gateway_service_budget_and_network_policy(
     port = int(args[args.index("--port") + 1])
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port}
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # the probe reads /health's 503 (Redis silent: within READY_TIMEOUT_S), never times out
+    assert container["readinessProbe"]["timeoutSeconds"] > READY_TIMEOUT_S
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
     # its grace for requests in flight fits the pod's, after the preStop wait
     grace = float(args[args.index("--grace") + 1])
@@ -270,6 +273,8 @@ def test_compose_services() -> None:
     port = command[command.index("--port") + 1]
     assert [p.rsplit(":", 1)[1] for p in gateway["ports"]] == [port]
     assert f"127.0.0.1:{port}/health" in " ".join(gateway["healthcheck"]["test"])
+    waits = float(re.findall(r"timeout=(\d+)", " ".join(gateway["healthcheck"]["test"]))[0])
+    assert READY_TIMEOUT_S < waits < float(gateway["healthcheck"]["timeout"].removesuffix("s"))
     assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "BATCHFLEET_API_KEY" in gateway["environment"]
     assert gateway["environment"]["REDIS_URL"].startswith("redis://gateway:")

@@ -14,15 +14,12 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 from batch_process import RunBatch, take
-from cluster_helpers import LocalRedisCluster
 from gateway_fakes import ScriptedWorker, Taken
-from silent_network import SilentProxy
+from hidden_cluster import HiddenCluster, running_hidden_cluster
 from test_run_batch_outage import (
     GEN,
     GUARD_S,
@@ -42,57 +39,17 @@ MODEL_KEYS = "{mm}"
 """The hash tag of every key of the model the lines go to (its master holds them all)."""
 
 
-@dataclass
-class HiddenCluster:
-    """A 3-master cluster whose masters the run reaches only through their proxies."""
-
-    cluster: LocalRedisCluster
-    proxies: list[SilentProxy]
-
-    @property
-    def url(self) -> str:
-        """run-batch's URL: the first master's proxy (the slot map names the others')."""
-        return f"redis+cluster://127.0.0.1:{self.proxies[0].port}"
-
-    def direct(self) -> redis.RedisCluster:
-        """A client of the masters themselves (the worker's side: no proxy between)."""
-        real = {p.port: port for p, port in zip(self.proxies, self.cluster.ports, strict=True)}
-        return redis.RedisCluster(host="127.0.0.1", port=self.cluster.ports[0],
-                                  address_remap=lambda a: (a[0], real.get(a[1], a[1])))  # fmt: skip
-
-    def master_of(self, key: str) -> int:
-        """The index of the master holding ``key``'s slot."""
-        announced = self.cluster.owner(key)
-        return next(i for i, p in enumerate(self.proxies) if p.port == announced)
-
-    def another(self, key: str) -> int:
-        """A master not holding ``key``'s slot, nor the one the run's URL names."""
-        mine = self.master_of(key)
-        return next(i for i in range(1, len(self.proxies)) if i != mine)
-
-
 @pytest.fixture(scope="module")
 def hidden_cluster() -> Iterator[HiddenCluster]:
-    cluster = LocalRedisCluster()
-    proxies = [SilentProxy(port) for port in cluster.ports]
-    try:
-        cluster.start(announce=[p.port for p in proxies])
-        yield HiddenCluster(cluster, proxies)
-    finally:
-        for proxy in proxies:
-            proxy.close()
-        cluster.stop()
+    with running_hidden_cluster() as started:
+        yield started
 
 
 @pytest.fixture
 def hidden(hidden_cluster: HiddenCluster) -> Iterator[HiddenCluster]:
     """The cluster, flushed, every proxy passing; healed again after the test."""
-    for port in hidden_cluster.cluster.ports:
-        with redis.Redis(port=port) as node:
-            node.flushall()
-    yield hidden_cluster
-    for proxy in hidden_cluster.proxies:
-        proxy.heal()
+    with hidden_cluster.fresh():
+        yield hidden_cluster
 
 
 # --- a line sent while a master is silent -----------------------------------------------------

@@ -72,8 +72,9 @@ def model_card(
 
 
 class Health(Handler):
-    """``/health``: 200 when Redis answers and the reply channel is subscribed (ready),
-    else 503, also once it is stopping; ``/livez``: 200 while the process serves HTTP at
+    """``/health``: 200 when Redis (every master of a cluster) answers a PING within
+    :data:`~.readiness.READY_TIMEOUT_S` and the reply channel is subscribed (ready), else
+    503, also once it is stopping; ``/livez``: 200 while the process serves HTTP at
     all (alive)."""
 
     def initialize(self, gateway: Gateway, deep: bool = True) -> None:
@@ -84,10 +85,8 @@ class Health(Handler):
         if self.deep and self.gateway.stopping:
             return self.fail(ApiError(503, "the gateway is shutting down", code="unavailable"))
         if self.deep:
-            try:
-                await self.gateway.producer.client.ping()
-            except Exception as exc:
-                return self.fail(ApiError(503, f"Redis unreachable: {exc}", code="unavailable"))
+            if (why := await self.gateway.readiness.unready()) is not None:
+                return self.fail(ApiError(503, why, code="unavailable"))
             if not self.gateway.replies.live:
                 return self.fail(ApiError(503, "not subscribed to the reply channel yet",
                                           code="unavailable"))  # fmt: skip

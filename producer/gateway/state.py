@@ -36,6 +36,7 @@ from .errors import ApiError, invalid, of_result
 from .fingerprint import Fingerprints
 from .frontend import Frontend, without_tools
 from .metrics import GatewayMetrics
+from .readiness import Readiness
 from .replies import DOWN, Replies
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
@@ -67,6 +68,8 @@ class Gateway:
         frontend: Frontend | None = None,
     ) -> None:
         self.producer = producer
+        self.readiness = Readiness(producer.client)
+        """Whether Redis answers, for ``/health`` (:mod:`.readiness`)."""
         self.frontend = frontend or Frontend()
         """vLLM's frontend switches of the chat and completion answers (:mod:`.frontend`)."""
         self.fingerprints = Fingerprints(self.frontend, producer.client, self.model_info,
