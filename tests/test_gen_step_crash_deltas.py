@@ -19,8 +19,17 @@ from batchfleet.schemas.results import Delta
 from batchfleet.worker.generation.engine import Output
 from batchfleet.worker.runner import StepEvent
 from batchfleet.worker.runners.gen_state import GenReq
-from gen_faults import BREAK_AT, ENGINES, KEYS, MODEL, Breaking, Seen, make_loop, make_runner
-from gen_faults import run_loop
+from gen_faults import (
+    BREAK_AT,
+    ENGINES,
+    KEYS,
+    MODEL,
+    Breaking,
+    Seen,
+    make_loop,
+    make_runner,
+    run_loop,
+)
 from test_gen_step_crashes import _stream
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,9 +65,9 @@ class LateCrash(Breaking):
 
     def _deltas(self, r: GenReq, final: bool = False) -> Sequence[StepEvent]:
         out = super()._deltas(r, final)
-        if self.where == "deltas" and self.steps == self.crash_at and out:
-            if self.target in self.tokenizer.decode(r.spec.prompts[0]):
-                self._raise()
+        at = self.where == "deltas" and self.steps == self.crash_at and bool(out)
+        if at and self.target in self.tokenizer.decode(r.spec.prompts[0]):
+            self._raise()
         return out
 
 
