@@ -27,7 +27,7 @@ class Stepping(Failures, Controls):
     def _carried_over(self, work: Work) -> list[StepEvent]:
         """The step before this one raised (a runner bug), maybe once its engine ran: its
         requests' texts moved on, their deltas and ends lost with it. Its deltas come first
-        in this step's events (so a stream still adds up to its result; :mod:`...crashes`
+        in this step's events (so a stream still adds up to its result; :mod:`..crashes`
         says what becomes of the requests it ended), but those of requests no longer held
         or stopped as ``lost``; a request whose sequences all ended in it (its end not yet
         built) ends now. Its token counts are this step's too (:class:`~.gen_state.Unsent`)."""

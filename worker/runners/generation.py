@@ -181,6 +181,7 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         return report
 
     def _step(self, work: Work, events: list[StepEvent]) -> StepReport:
+        """The step's phases, after ``events`` (those carried over)."""
         unsent = self._unsent
         produced = unsent.produced
         report = StepReport(produced=produced)
