@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from batchfleet.producer import Producer
@@ -136,6 +136,9 @@ class Breaking(TextGenerationRunner):
                     blocks)  # fmt: skip
 
 
+B = TypeVar("B", bound=Breaking)
+
+
 class Seen:
     """The scheduler's count after each step: sequences running, tokens in the KV cache,
     and each running request's context; and the tokens the loop counted."""
@@ -161,12 +164,12 @@ class Seen:
 
 def make_runner(
     tiny_lm: Path, *, ahead: bool, engine: str = "padded", break_at: int = BREAK_AT,
-    **fault: BaseException,
-) -> Breaking:  # fmt: skip
-    """The tiny Llama on ``engine``, breaking at step ``break_at`` (0: never), as
-    ``fault`` says; ``ahead``: its ``schedule_ahead``."""
+    kind: type[B] = Breaking, **fault: BaseException,
+) -> B:  # fmt: skip
+    """The tiny Llama on ``engine`` (a ``kind`` of :class:`Breaking`), breaking at step
+    ``break_at`` (0: never), as ``fault`` says; ``ahead``: its ``schedule_ahead``."""
     options = {**TINY_LM_OPTIONS, "engine": engine}
-    runner = Breaking(tiny_lm, device=DEVICE, dtype="float32", options=options)
+    runner = kind(tiny_lm, device=DEVICE, dtype="float32", options=options)
     runner.break_at = break_at
     runner.schedule_ahead = ahead
     for name, exc in fault.items():

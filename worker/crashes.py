@@ -5,7 +5,9 @@ unanswered, while one bad request does not fail the others.
 - A step that raises fails the requests it admitted (:func:`~.executor.execute`): one
   poisonous prompt fails alone, and the running requests go on.
 - The runner's state after a crash is suspect: it may have ended a request, or applied a
-  stop, whose event was lost with the step. Its stops go again with the next step (the
+  stop, whose event was lost with the step (a generating runner hands the deltas and
+  token counts of a step that raised over with its next one:
+  :class:`~.runners.gen_state.Unsent`). Its stops go again with the next step (the
   scheduler, ``StepReport.crashed`` 1). The first step after it that does not raise
   settles its report at once, and every request the runner should hold but its progress
   does not name (``StepReport.progress`` names each one it holds, parked ones aside) fails.

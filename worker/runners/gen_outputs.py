@@ -87,7 +87,7 @@ class Outputs(RunnerState):
             for token, lp, top, values, rank in kept
         ]  # fmt: skip
 
-    def _deltas(self, r: GenReq, final: bool = False) -> list[StepEvent]:
+    def _deltas(self, r: GenReq, final: bool = False) -> Sequence[StepEvent]:
         """One Partial per input with tokens not yet sent: their text that can be released
         (all of it when ``final``). Its text may be empty (tokens that show none yet: part of
         a character, the possible start of a stop string; or none at all, such as the
@@ -96,8 +96,9 @@ class Outputs(RunnerState):
         its ``content`` (and a reasoning one's ``reasoning_content``) piece by piece, which
         add up to the result's (``minicpm5``'s thinking aside, which its stream keeps,
         :attr:`.OutputSplit.streamed`), and each tool call once, in the delta that
-        completes it."""
-        out: list[StepEvent] = []
+        completes it. They are kept till the step returns (:class:`~.gen_state.Unsent`):
+        their ``sent`` offsets moved past them."""
+        out: list[Partial] = []
         sent = r.sent
         for i, s in enumerate(r.seqs):
             text = s.text.delta(final)
@@ -118,6 +119,8 @@ class Outputs(RunnerState):
                     chunk["token_ids"] = s.text.tokens[sent[i] : n]
                 out.append(Partial(r.key, chunk | parts if parts else chunk))
                 sent[i] = n
+        if out:
+            self._unsent.partials += out
         return out
 
     def _prompt_echo(self, r: GenReq, i: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..generation.reasoning import Reasoning
     from ..generation.speculative import DraftConfig, NgramConfig
     from ..generation.think_budget import Markers
-    from ..runner import StepReport
+    from ..runner import Partial, StepReport
 
 COMPILE_WAIT_S = 0.05
 """With nothing else to run, how long a step waits for a constraint being compiled."""
@@ -152,6 +152,30 @@ class GenReq:
         return all(s.finish is not None for s in seqs)
 
 
+@dataclass(slots=True)
+class Unsent:
+    """What the step under way built and has not handed over yet (its report returned):
+    kept by the runner, not the step, so that a step that raises once its engine ran (a
+    runner bug: its sequences' texts and offsets moved on) loses none of it; the next step
+    hands it over (:meth:`~.gen_step.Stepping._carried_over`)."""
+
+    open: bool = False
+    """A step began and has not returned (seen at the next step's start: it raised)."""
+    partials: list[Partial] = field(default_factory=list)
+    """Its deltas (their requests' ``sent`` offsets moved past them)."""
+    produced: dict[str, int] = field(default_factory=dict)
+    """The tokens it took, per request (the report's ``produced``)."""
+    prefilled: int = 0
+    """The prompt tokens it prefilled."""
+
+    def handed_over(self) -> None:
+        """The step returned its report, which holds all of it: start afresh."""
+        self.open = False
+        self.partials.clear()
+        self.produced = {}  # (the report holds this one)
+        self.prefilled = 0
+
+
 class RunnerState:
     """The attributes of a :class:`~.generation.TextGenerationRunner` its parts read and
     write (set by its constructor, which documents them)."""
@@ -200,6 +224,7 @@ class RunnerState:
     _reqs: dict[str, GenReq]
     _compiling: dict[str, tuple[GenReq, int]]
     _unsettled: StepReport | None
+    _unsent: Unsent
     _by_seq: dict[str, tuple[GenReq, GenSeq]]
     _beam_seqs: dict[str, GenReq]
     _spec_seen: tuple[int, int, tuple[int, ...], int]

@@ -24,6 +24,23 @@ class Stepping(Failures, Controls):
             self._unsettled.settle()
             self._unsettled = None
 
+    def _carried_over(self, work: Work) -> list[StepEvent]:
+        """The step before this one raised (a runner bug), maybe once its engine ran: its
+        requests' texts moved on, their deltas and ends lost with it. Its deltas come first
+        in this step's events (so a stream still adds up to its result; :mod:`..crashes`
+        says what becomes of the requests it ended), but those of requests no longer held
+        or stopped as ``lost``; a request whose sequences all ended in it (its end not yet
+        built) ends now. Its token counts are this step's too (:class:`~.gen_state.Unsent`)."""
+        lost = {key for key, reason in work.stop if reason == LOST}
+        reqs = self._reqs
+        unsent = self._unsent
+        unsent.partials = [p for p in unsent.partials if p.key in reqs and p.key not in lost]
+        events: list[StepEvent] = list(unsent.partials)
+        for r in [r for r in reqs.values() if r.done and r.key not in lost]:
+            if not r.parked and r.beams is None and r.compiling is None:
+                events += self._finish(r)
+        return events
+
     def _operator_changes(self, work: Work) -> None:
         """Changes operators made between steps: the step budget, adapters, prefix cache."""
         if work.step_tokens is not None and work.step_tokens != self.step_tokens:

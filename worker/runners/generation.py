@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..device import is_out_of_memory, pick_device, pick_dtype
 from ..generation.detok import Decode
-from ..runner import StepReport, Work
+from ..runner import StepEvent, StepReport, Work
 from .gen_engine import EngineSetup
 from .gen_info import Info
 from .gen_options import Options, flag, seed_option
 from .gen_prepare import Preparing
 from .gen_setup import Setup
-from .gen_state import GenReq, GenSeq, GenSpec
+from .gen_state import GenReq, GenSeq, GenSpec, Unsent
 from .gen_step import Stepping
 
 if TYPE_CHECKING:
@@ -143,6 +143,8 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         """Admitted requests waiting for their constraints, and their lanes."""
         self._unsettled: StepReport | None = None
         """The last step's report, until its progress is filled in."""
+        self._unsent = Unsent()
+        """What the step under way built, until it returns (kept should it raise)."""
         self._by_seq: dict[str, tuple[GenReq, GenSeq]] = {}
         self._beam_seqs: dict[str, GenReq] = {}
         """The beam searches' round sequences in the engine, and their requests."""
@@ -165,14 +167,26 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
     # --- the device's side -------------------------------------------------------------
 
     def step(self, work: Work) -> StepReport:
-        """One step, in phases (:mod:`.gen_step`): the operators' changes, the loop's work
-        (stops, preemptions, admissions), the engine's step (a failure handled here, once
-        its tensors are freed), its rows read into their texts, the report."""
+        """One step, in phases (:mod:`.gen_step`): what a step before it that raised left
+        unsent, the operators' changes, the loop's work (stops, preemptions, admissions),
+        the engine's step (a failure handled here, once its tensors are freed), its rows
+        read into their texts, the report. What it builds is the runner's until it returns
+        (:class:`~.gen_state.Unsent`): should it raise, the next step hands it over."""
         self._settle_last()
-        produced: dict[str, int] = {}
+        unsent = self._unsent
+        events = self._carried_over(work) if unsent.open else []
+        unsent.open = True
+        report = self._step(work, events)
+        unsent.handed_over()
+        return report
+
+    def _step(self, work: Work, events: list[StepEvent]) -> StepReport:
+        """The step's phases, after ``events`` (those carried over)."""
+        unsent = self._unsent
+        produced = unsent.produced
         report = StepReport(produced=produced)
         self._operator_changes(work)
-        events = self._apply_work(work)
+        events += self._apply_work(work)
         failure = ""
         try:
             outputs = self.engine.step()
@@ -182,15 +196,16 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
             failure = f"{type(exc).__name__}: {exc}"
         if failure:  # handled out here, once the failed step's tensors are freed with it
             return self._out_of_memory(failure, events, report)
-        prefilled = 0
         if self._beam_seqs:
             outputs, beam_events, prefilled = self._beam_step(outputs, produced)
+            unsent.prefilled += prefilled
             events += beam_events
-        if self.speculative is not None:
-            self._speculated(report)
-        touched, rows_prefilled = self._read_rows(outputs, produced)
+        touched, prefilled = self._read_rows(outputs, produced)
+        unsent.prefilled += prefilled
         events += self._touched_events(touched)
-        return self._reported(report, events, prefilled + rows_prefilled)
+        if self.speculative is not None:  # (the engine's counts since the last report)
+            self._speculated(report)
+        return self._reported(report, events, unsent.prefilled)
 
     def forget_all(self) -> None:
         """Drop every request and empty the engine: the loop crashed and starts over, and
@@ -202,3 +217,4 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         self._beam_seqs.clear()
         self._compiling.clear()
         self._unsettled = None
+        self._unsent = Unsent()
