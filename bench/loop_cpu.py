@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import math
 import pstats
+import statistics
 import tempfile
 import threading
 import time
@@ -103,6 +105,8 @@ def instrument(loop: Any, parts: Parts) -> None:
     for label, path, method in PARTS:
         obj = _resolve(loop, path)
         setattr(obj, method, parts.wrap(label, getattr(obj, method)))
+    for obs in loop.observers.observers:  # each observer's share of observers.notify
+        obs.notify = parts.wrap(f"  of it: {type(obs).__name__}", obs.notify)
 
 
 class StubEvents:
@@ -207,24 +211,38 @@ def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool)
     return out
 
 
-def report(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def per_step(res: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """µs and calls per step by part, in report order (``other`` and the total last)."""
     steps = max(res["steps"], 1)
     parts: Parts = res["parts"]
+    labels = [label for label, _, _ in PARTS]
+    at = labels.index("sink.send")  # each observer's share after observers.notify's
+    labels[at:at] = [label for label in parts.cpu if label not in labels]
+    out = {label: (parts.cpu.get(label, 0.0) / steps * 1e6, parts.calls.get(label, 0) / steps)
+           for label in labels}  # fmt: skip
     top = sum(s for label, s in parts.cpu.items() if not label.startswith(" "))
-    lines = [
+    out["other (inbox, the loop's own code)"] = ((res["cpu"] - top) / steps * 1e6, math.nan)
+    out["**the loop thread, all**"] = (res["cpu"] / steps * 1e6, math.nan)
+    return out
+
+
+def table(rows: dict[str, tuple[float, float]]) -> list[str]:
+    lines = ["| part | µs per step | calls per step |", "| --- | --- | --- |"]
+    for label, (us, calls) in rows.items():
+        lines.append(f"| {label} | {us:.0f} | {'' if math.isnan(calls) else f'{calls:.2f}'} |")
+    return lines
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    steps = max(res["steps"], 1)
+    return [
         f"{args.requests} streaming requests x {args.max_new} tokens, max_running "
         f"{args.running}: {res['results']} results, {res['steps']} steps in "
         f"{res['wall']:.1f} s; the loop thread's "
         f"CPU {res['cpu']:.3f} s = **{res['cpu'] / steps * 1e6:.0f} µs a step**",
         "",
-        "| part | µs per step | calls per step |",
-        "| --- | --- | --- |",
+        *table(per_step(res)),
     ]
-    for label, _, _ in PARTS:
-        cpu, calls = parts.cpu.get(label, 0.0), parts.calls.get(label, 0)
-        lines.append(f"| {label} | {cpu / steps * 1e6:.0f} | {calls / steps:.2f} |")
-    lines.append(f"| other (inbox, the loop's own code) | {(res['cpu'] - top) / steps * 1e6:.0f} | |")
-    return lines
 
 
 def profile_lines(res: dict[str, Any], top: int) -> list[str]:
@@ -242,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--running", type=int, default=64, help="the runner's max_running (64)")
     p.add_argument("--max-new", type=int, default=48, help="tokens a request (48)")
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=1, help="runs, each reported")
+    p.add_argument("--rounds", type=int, default=3, help="runs, each reported, then medians")
     p.add_argument("--profile", action="store_true", help="one more run under cProfile")
     p.add_argument("--top", type=int, default=30, help="cProfile's functions shown")
     args = p.parse_args(argv)
@@ -250,8 +268,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with LocalRedis() as url, tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         model_dir = tiny_llama(Path(tmp))
+        runs = []
         for _ in range(args.rounds):
-            print("\n".join(report(run_once(url, model_dir, args, False), args)), flush=True)
+            runs.append(run_once(url, model_dir, args, False))
+            print("\n".join(report(runs[-1], args)), flush=True)
+            print()
+        if len(runs) > 1:
+            tables = [per_step(r) for r in runs]
+            medians = {label: (statistics.median(t[label][0] for t in tables), calls)
+                       for label, (_, calls) in tables[0].items()}  # fmt: skip
+            print(f"Medians of {len(runs)} runs:\n")
+            print("\n".join(table(medians)), flush=True)
             print()
         if args.profile:
             res = run_once(url, model_dir, args, True)
