@@ -351,7 +351,8 @@ class GenScheduler:
         if ahead and contexts and not any(p.prefill_left):
             if left <= ahead:
                 return None  # its last token is in flight: it leaves with that step
-            contexts = tuple(c + ahead for c in contexts)
+            contexts = ((contexts[0] + ahead,) if len(contexts) == 1  # (the common case)
+                        else tuple(c + ahead for c in contexts))  # fmt: skip
             left -= ahead
         return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, contexts,
                           p.prefill_left, left, r.preempted)  # fmt: skip

@@ -1,0 +1,78 @@
+"""What the generating loop keeps from step to step instead of recomputing each time round
+(``bench/loop_cpu.py`` measures what each saves), checked against the recomputed value
+over random runs in virtual time: lanes competing for a small cache (preemption, lane 0
+going ahead), cancellations, deadlines, requests lost to other workers, planned in turn
+and ahead."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+from typing import Any
+
+import pytest
+from batchfleet.schemas.messages import Request
+from batchfleet.worker.gen_scheduler import GenScheduler
+from batchfleet.worker.inbox import Cancel, Lost
+from test_generation_loop import Tokens, gen_rig
+from virtual_world import MODEL, T0
+
+
+class Watcher:
+    """The cancel watcher's side: the last set of request ids it was told to watch."""
+
+    def __init__(self) -> None:
+        self.ids: frozenset[str] | None = None
+        self.told = 0
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def watch(self, request_ids: Collection[str]) -> None:
+        self.ids = frozenset(request_ids)
+        self.told += 1
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "ahead"])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_cancel_watcher_always_holds_every_request_waiting_or_running(
+    seed: int, ahead: bool
+) -> None:
+    # Given a random run: arrivals on every lane, cancels, deadlines, lost requests
+    rng = random.Random(seed)
+    runner = Tokens(kv_cache_tokens=256, page_size=16, max_running=6, step_tokens=64,
+                    schedule_ahead=ahead)  # fmt: skip
+    r, _ = gen_rig(runner)
+    watcher = Watcher()
+    r.loop.parts.cancels = watcher
+    entries = []
+    for k in range(30):
+        extra: dict[str, Any] = {"stream": rng.random() < 0.5}
+        if rng.random() < 0.15:
+            extra["deadline_ms"] = rng.randint(20, 400)
+        req = Request(id=f"q{k}", model=MODEL, inputs=["w " * rng.randint(1, 40)],
+                      max_new_tokens=rng.randint(1, 25), **extra)  # fmt: skip
+        entries.append(r.source.add(req, lane=rng.choice((0, 1, 2)), at=T0 + rng.uniform(0, 0.5)))
+        if rng.random() < 0.15:
+            when, rid = T0 + rng.uniform(0, 0.8), req.id
+            r.world.at(when, lambda rid=rid: r.loop.parts.inbox.put(Cancel((rid,))))
+    for entry in rng.sample(entries, 3):
+        r.world.at(T0 + rng.uniform(0.05, 0.8),
+                   lambda entry=entry: r.loop.parts.inbox.put(Lost((entry,))))  # fmt: skip
+    # When the loop tells the watcher (or not) each time round, then Then after each time:
+    # it watches exactly the requests held, waiting or running (recomputed)
+    checked = []
+    watch = r.loop.generating.watch
+
+    def checked_watch() -> None:
+        watch()
+        sched = r.loop.scheduler
+        assert isinstance(sched, GenScheduler)
+        assert watcher.ids == {h.request.id for h in sched.watched()}
+        checked.append(len(watcher.ids))
+
+    r.loop.generating.watch = checked_watch  # type: ignore[method-assign]
+    r.run()
+    assert len(checked) > 30 and max(checked) > 6  # requests waited as others ran
+    assert watcher.told < len(checked)  # and it was not told every time round
