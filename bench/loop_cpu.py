@@ -124,15 +124,15 @@ class StubEvents:
 
 
 def build_loop(url: str, model_dir: Path, running: int) -> Any:
-    from prometheus_client import CollectorRegistry
-
-    from batchfleet.config import EventsConfig, ModelConfig, WorkerConfig
     from batchfleet.worker.control import RecentRate
     from batchfleet.worker.events import FlowerEvents
     from batchfleet.worker.loop import BatchLoop
     from batchfleet.worker.metrics import Metrics, PrometheusObserver
     from batchfleet.worker.runners.generation import TextGenerationRunner
     from batchfleet.worker.vllm_metrics import VllmMetrics, VllmObserver
+    from prometheus_client import CollectorRegistry
+
+    from batchfleet.config import EventsConfig, ModelConfig, WorkerConfig
 
     options = dict(OPTIONS, max_running=running)
     cfg = ModelConfig(runner="text-generation", path=str(model_dir), device="cpu",
