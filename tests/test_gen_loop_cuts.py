@@ -7,15 +7,23 @@ and ahead."""
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import pytest
+from batchfleet.batching.generation import GenWaiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler
 from batchfleet.worker.inbox import Cancel, Lost
+from batchfleet.worker.token_gaps import ITL_BUCKETS, TokenGaps
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
 from test_generation_loop import Tokens, gen_rig
 from virtual_world import MODEL, T0
+
+GAPS = (0.0004, 0.001, 0.0123, 0.0123, 0.05, 0.2, 7.0)
+"""Gaps a step closes: mostly the same few, on bucket bounds and past the last."""
 
 
 class Watcher:
@@ -73,6 +81,63 @@ def test_the_cancel_watcher_always_holds_every_request_waiting_or_running(
         checked.append(len(watcher.ids))
 
     r.loop.generating.watch = checked_watch  # type: ignore[method-assign]
+    # and the policy's view of each waiting request (kept from step to step) is as made anew
+    sched = r.loop.scheduler
+    assert isinstance(sched, GenScheduler)
+    plan = sched.policy.plan
+    resumed = []
+
+    def checked_plan(waiting: Sequence[GenWaiting], running: Any, now: float) -> Any:
+        for w in waiting:
+            h, res = sched.held[w.key], sched._resume.get(w.key)
+            p = h.prepared
+            prompts, left = (
+                (res.prompts, res.max_new_tokens) if res else (p.prompts, p.max_new_tokens)
+            )
+            assert w == GenWaiting(w.key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline,
+                                   prompts, left)  # fmt: skip
+            resumed.append(res is not None)
+        return plan(waiting, running, now)
+
+    sched.policy.plan = checked_plan  # type: ignore[method-assign]
     r.run()
     assert len(checked) > 30 and max(checked) > 6  # requests waited as others ran
     assert watcher.told < len(checked)  # and it was not told every time round
+    assert any(resumed)  # preempted ones waited again
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(GAPS)), max_size=40),
+                      max_size=6))  # fmt: skip
+def test_token_gaps_counted_a_step_at_a_time_equal_a_histogram_observed_per_gap(
+    steps: list[list[tuple[int, float]]],
+) -> None:
+    # Given a step's gaps counted before they are labelled (add: by lane; add_to: one series)
+    gaps, one = TokenGaps(), TokenGaps("one_seconds", "x", labels=("model", "engine"))
+    registry = CollectorRegistry()
+    per_gap = Histogram("ref_seconds", "x", ["model", "lane"], buckets=ITL_BUCKETS,
+                        registry=registry)  # fmt: skip
+    per_series = Histogram("ref1_seconds", "x", ["model", "engine"], buckets=ITL_BUCKETS,
+                           registry=registry)  # fmt: skip
+    for step in steps:
+        gaps.add("m", step)
+        one.add_to(("m", "0"), step)
+        for lane, seconds in step:  # the reference: each gap observed alone
+            per_gap.labels("m", str(lane)).observe(seconds)
+            per_series.labels("m", "0").observe(seconds)
+    # Then every bucket, count and sum is the reference's
+    assert _samples(gaps, "batchfleet_inter_token_latency_seconds") == _samples(
+        per_gap, "ref_seconds"
+    )
+    assert _samples(one, "one_seconds") == _samples(per_series, "ref1_seconds")
+
+
+def _samples(collector: Any, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A histogram's samples by suffix and labels (sums rounded: summed in another order)."""
+    out = {}
+    for family in collector.collect():
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[s.name.removeprefix(name), tuple(sorted(s.labels.items()))] = round(s.value, 9)
+    return out
