@@ -275,9 +275,14 @@ class GenerationPolicy:
                 seqs += len(r.contexts)
         expire: list[str] = []
         candidates: list[GenWaiting] = []
-        for w in waiting:
-            if (w.deadline is not None and w.deadline <= now) or not self._can_ever_fit(w):
-                expire.append(w.key)
+        room = total - pol.watermark_blocks
+        for w in waiting:  # (every waiting request, every step: kept to plain arithmetic)
+            if (
+                (w.deadline is not None and w.deadline <= now)
+                or len(w.prompts) > pol.max_running
+                or admission_blocks(w, page) > room
+            ):
+                expire.append(w.key)  # its deadline passed, or it can never fit even alone
             else:
                 candidates.append(w)
 
@@ -300,13 +305,6 @@ class GenerationPolicy:
         wake = _wake_at(candidates, live, admit, set(preempt), now, bound - slack)
         return GenPlan(tuple(admit), tuple(preempt), tuple(stop), tuple(expire), wake)
 
-    def _can_ever_fit(self, w: GenWaiting) -> bool:
-        pol = self._policy
-        return (
-            len(w.prompts) <= pol.max_running
-            and admission_blocks(w, pol.page_size) <= pol.total_blocks - pol.watermark_blocks
-        )
-
     def _admit(
         self,
         candidates: list[GenWaiting],
@@ -323,6 +321,8 @@ class GenerationPolicy:
         room = pol.total_blocks - pol.watermark_blocks
         if not candidates:
             return []
+        if _slots_full(candidates, seqs, pol.max_running):
+            return []  # (the common saturated step: the ordering below is O(waiting))
         by_key = {w.key: w for w in candidates}
         by_lane = group_by_lane([_as_waiting(w) for w in candidates])
         lane_policy = _lane_policy(pol)
@@ -427,6 +427,13 @@ class GenerationPolicy:
             credit = self._lane0_credit - charged + rows * share
             self._lane0_credit = min(credit, LANE0_BURST)
         return admit
+
+
+def _slots_full(candidates: Sequence[GenWaiting], seqs: int, max_running: int) -> bool:
+    """Every slot is taken and no candidate is lane 0's (which alone may preempt for
+    one): whoever is first in line cannot fit, so admission takes no one and spends no
+    credit, as :meth:`GenerationPolicy._admit`'s loop would find after ordering them."""
+    return seqs >= max_running and all(w.lane != 0 and w.prompts for w in candidates)
 
 
 def _lane0_room(

@@ -101,6 +101,8 @@ class GenScheduler:
         """The queued step's id and the policy's credit before it was planned."""
         self.version = 0
         """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
+        self._views: dict[str, tuple[Held, Resume | None, GenWaiting]] = {}
+        """The policy's view of each waiting request, and what it was made from."""
 
     # --- state ------------------------------------------------------------------------------
 
@@ -336,11 +338,20 @@ class GenScheduler:
         return self.inflight[-1].step_id if len(self.inflight) > 1 else None
 
     def _waiting(self, h: Held) -> GenWaiting:
+        """The policy's view of a waiting request: made again only when it was preempted or
+        resumed since (every waiting request is planned each step, most of them unchanged)."""
         key = h.waiting.key
         res = self._resume.get(key)
+        known = self._views.get(key)
+        if known is not None and known[0] is h and known[1] is res:
+            return known[2]
         prompts = res.prompts if res else _prompts(h)
         left = res.max_new_tokens if res else h.prepared.max_new_tokens
-        return GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
+        view = GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
+        if len(self._views) > 2 * len(self.held) + 64:  # those no longer waiting
+            self._views = {k: v for k, v in self._views.items() if k in self.held}
+        self._views[key] = (h, res, view)
+        return view
 
     def _running(self, key: str, r: Running, ahead: int = 0) -> GenRunning | None:
         """The policy's view of a running request once the ``ahead`` steps in flight are
@@ -352,7 +363,8 @@ class GenScheduler:
         if ahead and contexts and not any(p.prefill_left):
             if left <= ahead:
                 return None  # its last token is in flight: it leaves with that step
-            contexts = tuple(c + ahead for c in contexts)
+            contexts = ((contexts[0] + ahead,) if len(contexts) == 1  # (the common case)
+                        else tuple(c + ahead for c in contexts))  # fmt: skip
             left -= ahead
         return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, contexts,
                           p.prefill_left, left, r.preempted)  # fmt: skip

@@ -2,7 +2,7 @@
 token streams, carry out cancellations, keep the cancel watcher's list current.
 
 Kept apart from ``loop.py``, which owns the loop thread and everything common to both
-kinds of runner; this is called from that thread only, and holds no state of its own —
+kinds of runner; this is called from that thread only, and holds no request state of its own —
 the request state is the :class:`~.gen_scheduler.GenScheduler`'s.
 """
 
@@ -45,6 +45,8 @@ class Generating:
         self.observers = observers
         self.parts = parts
         self._clock = clock
+        self._watched = -1
+        """The scheduler's ``version`` the cancel watcher was last told of."""
 
     def finished(self, done: StepDone, next_step: Callable[[], object] | None = None) -> None:
         """A step ended (its deltas were streamed from the device thread, see
@@ -120,14 +122,18 @@ class Generating:
 
     def _state(self, done: StepDone, gaps: tuple[tuple[int, float], ...]) -> Generated:
         assert self.scheduler is not None
-        running = self.scheduler.running.values()
+        sequences = kv_tokens = 0
+        for r in self.scheduler.running.values():  # one pass: every running request, each step
+            contexts = r.progress.contexts
+            sequences += len(contexts)
+            kv_tokens += contexts[0] if len(contexts) == 1 else sum(contexts)
         budget = self.scheduler.policy.policy
         return Generated(
             self.model,
-            running=sum(len(r.progress.contexts) for r in running),
+            running=sequences,
             waiting=len(self.scheduler.held),
             waiting_sequences=self.scheduler.waiting_sequences(),
-            kv_tokens=sum(sum(r.progress.contexts) for r in running),
+            kv_tokens=kv_tokens,
             kv_capacity=budget.kv_cache_tokens,
             preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
             tokens=sum((done.report.produced or {}).values()),
@@ -222,6 +228,11 @@ class Generating:
         return len(held)
 
     def watch(self) -> None:
-        """Tell the cancel watcher which requests may be cancelled now."""
-        if self.parts.cancels is not None and self.scheduler is not None:
-            self.parts.cancels.watch([h.request.id for h in self.scheduler.watched()])
+        """Tell the cancel watcher which requests may be cancelled now: when they changed
+        (the scheduler's ``version``: the loop asks each time round, the set changes far
+        less often, and listing it is O(every request held))."""
+        sched = self.scheduler
+        if self.parts.cancels is None or sched is None or sched.version == self._watched:
+            return
+        self._watched = sched.version
+        self.parts.cancels.watch([h.request.id for h in sched.watched()])

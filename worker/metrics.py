@@ -247,53 +247,64 @@ class PrometheusObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
         self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+        self._child: dict[tuple[int, tuple[str, ...]], Any] = {}
+        """(family id, label values) -> its child (see :meth:`of`)."""
+
+    def of(self, family: Any, *labels: str) -> Any:
+        """``family.labels(*labels)``, looked up once: a generating model's every step sets
+        a dozen series, and ``labels()`` costs more than setting one."""
+        key = (id(family), labels)
+        child = self._child.get(key)
+        if child is None:
+            child = self._child[key] = family.labels(*labels)
+        return child
 
     def notify(self, event: LoopEvent) -> None:
         if isinstance(event, Dispatched):
             self._dispatched(event.model, event.batch)
         elif isinstance(event, BatchDone):
-            self.m.inference.labels(event.model).observe(event.seconds)
-            self.m.rows.labels(event.model).inc(event.batch.rows)
+            self.of(self.m.inference, event.model).observe(event.seconds)
+            self.of(self.m.rows, event.model).inc(event.batch.rows)
             if event.out_of_memory:
-                self.m.oom.labels(event.model).inc()
+                self.of(self.m.oom, event.model).inc()
         elif isinstance(event, Answered):
             self._answered(event.model, event.replies)
         elif isinstance(event, DeadLettered):
             self.m.dead_letters.labels(event.model, event.code).inc()
         elif isinstance(event, Generated):
-            self.m.running.labels(event.model).set(event.running)
-            self.m.waiting.labels(event.model).set(event.waiting)
-            self.m.kv_usage.labels(event.model).set(event.kv_tokens / max(1, event.kv_capacity))
+            self.of(self.m.running, event.model).set(event.running)
+            self.of(self.m.waiting, event.model).set(event.waiting)
+            self.of(self.m.kv_usage, event.model).set(event.kv_tokens / max(1, event.kv_capacity))
             if event.preempted:
-                self.m.preemptions.labels(event.model).inc(event.preempted)
+                self.of(self.m.preemptions, event.model).inc(event.preempted)
             if event.tokens:
-                self.m.step_tokens.labels(event.model).inc(event.tokens)
+                self.of(self.m.step_tokens, event.model).inc(event.tokens)
             if event.prefilled:
-                self.m.step_prefill.labels(event.model).inc(event.prefilled)
+                self.of(self.m.step_prefill, event.model).inc(event.prefilled)
             if event.gaps:
                 self.m.inter_token.add(event.model, event.gaps)
             if event.drafted[0]:
                 self._speculated(event.model, event.drafted, event.accepted)
             if event.spec_skipped:
-                self.m.spec_skipped.labels(event.model).inc(event.spec_skipped)
-            self.m.compiling.labels(event.model).set(event.compiling)
+                self.of(self.m.spec_skipped, event.model).inc(event.spec_skipped)
+            self.of(self.m.compiling, event.model).set(event.compiling)
             if event.compiled_s:
-                compile_ = self.m.compile.labels(event.model)
+                compile_ = self.of(self.m.compile, event.model)
                 for seconds in event.compiled_s:
                     compile_.observe(seconds)
 
     def _speculated(self, model: str, drafted: tuple[int, int], accepted: tuple[int, ...]) -> None:
-        self.m.spec_drafts.labels(model).inc(drafted[0])
-        self.m.spec_draft_tokens.labels(model).inc(drafted[1])
-        self.m.spec_accepted.labels(model).inc(sum(accepted))
+        self.of(self.m.spec_drafts, model).inc(drafted[0])
+        self.of(self.m.spec_draft_tokens, model).inc(drafted[1])
+        self.of(self.m.spec_accepted, model).inc(sum(accepted))
         for position, n in enumerate(accepted):
-            self.m.spec_accepted_per_pos.labels(model, str(position)).inc(n)
+            self.of(self.m.spec_accepted_per_pos, model, str(position)).inc(n)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
-        self.m.batches.labels(model, batch.reason).inc()
-        self.m.batch_rows.labels(model).observe(batch.rows)
-        self.m.padded_tokens.labels(model).observe(batch.padded_tokens)
-        self.m.padding_waste.labels(model).observe(batch.padding_waste)
+        self.of(self.m.batches, model, batch.reason).inc()
+        self.of(self.m.batch_rows, model).observe(batch.rows)
+        self.of(self.m.padded_tokens, model).observe(batch.padded_tokens)
+        self.of(self.m.padding_waste, model).observe(batch.padding_waste)
 
     def _answered(self, model: str, answered: Sequence[Reply]) -> None:
         counts: Tally[tuple[str, str]] = Tally()

@@ -44,13 +44,19 @@ class TokenGaps(Collector):  # type: ignore[misc]
         """labels -> (count per bucket, the last one +Inf; [sum])"""
 
     def add(self, model: str, gaps: Sequence[tuple[int, float]]) -> None:
-        """A step's gaps: (lane, seconds) per request, a series per model and lane."""
-        self.add_keyed(((model, str(lane)), seconds) for lane, seconds in gaps)
+        """A step's gaps: (lane, seconds) per request, a series per model and lane. The
+        gaps are counted as they come (in C) before any is labelled: a step has a
+        handful of distinct ones among a gap per running request."""
+        self._add(((model, str(lane)), seconds, n) for (lane, seconds), n in Tally(gaps).items())
 
-    def add_keyed(self, gaps: Iterable[tuple[tuple[str, ...], float]]) -> None:
-        """A step's gaps: (label values, seconds) per request."""
+    def add_to(self, key: tuple[str, ...], gaps: Sequence[tuple[int, float]]) -> None:
+        """A step's gaps: (lane, seconds) per request, all in the one series ``key``."""
+        self._add((key, seconds, n) for (_, seconds), n in Tally(gaps).items())
+
+    def _add(self, counted: Iterable[tuple[tuple[str, ...], float, int]]) -> None:
+        """(label values, seconds, how many) per distinct gap."""
         with self._lock:
-            for (key, seconds), n in Tally(gaps).items():
+            for key, seconds, n in counted:
                 found = self._series.get(key)
                 if found is None:
                     found = self._series[key] = ([0] * (len(self.buckets) + 1), [0.0])

@@ -271,7 +271,7 @@ class VllmObserver:
         if e.tokens:
             step.generation_tokens.inc(e.tokens)
         if e.gaps:
-            m.inter_token.add_keyed((labels, seconds) for _, seconds in e.gaps)
+            m.inter_token.add_to(labels, e.gaps)
         if e.drafted[0]:
             m.spec_drafts.labels(*labels).inc(e.drafted[0])
             m.spec_draft_tokens.labels(*labels).inc(e.drafted[1])

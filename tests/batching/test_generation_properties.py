@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from unittest.mock import patch
+
 import pytest
+from batchfleet.batching import generation
 from batchfleet.batching.gen_simulator import StepCost, gen_poisson, simulate_generation
 from batchfleet.batching.generation import (
     GenerationPolicy,
@@ -195,3 +199,27 @@ def test_simulator_preempts_when_memory_is_short() -> None:
     assert report.violations == ()
     assert report.preemptions > 0
     assert report.finished == 400
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies(), waiting=waitings(), running=runnings(), now=st.floats(0.0, 13.0),
+       full=st.booleans(), empty=st.booleans(), rounds=st.integers(1, 3))  # fmt: skip
+def test_a_plan_with_every_slot_taken_matches_the_full_ordering(
+    policy: GenPolicy, waiting: list[GenWaiting], running: list[GenRunning], now: float,
+    full: bool, empty: bool, rounds: int,
+) -> None:  # fmt: skip
+    """The shortcut for a step with every slot taken (``_slots_full``) admits no one and
+    spends no credit, as ordering every candidate would find: plans (repeated, so the
+    lanes' credit has moved) equal to a policy's that always orders them."""
+    if empty:  # a request of no sequences takes no slot (its runner answers it at once)
+        waiting = [*waiting, GenWaiting("empty", 2, now, None, (), 4)]
+    seqs = sum(len(r.contexts) for r in running)
+    if full and seqs:  # every slot taken (else: as drawn)
+        policy = replace(policy, max_running=seqs, step_tokens=max(policy.step_tokens, seqs + 1))
+    fast, slow = GenerationPolicy(policy), GenerationPolicy(policy)
+    for k in range(rounds):
+        at = now + k * 0.5
+        with patch.object(generation, "_slots_full", lambda *_: False):
+            expected = slow.plan(waiting, running, at)
+        assert fast.plan(waiting, running, at) == expected
+        assert fast.credit() == slow.credit()
