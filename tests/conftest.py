@@ -170,8 +170,9 @@ class WorkerProcess:
             env=env,
         )  # fmt: skip
 
-    def wait_ready(self, client: redis.Redis, model: str, timeout: float = 60.0) -> None:
-        """Ready once its batch loop for ``model`` has registered (it is reading)."""
+    def wait_ready(self, client: redis.Redis, model: str, timeout: float = 120.0) -> None:
+        """Ready once its batch loop for ``model`` has registered (it is reading); a worker
+        loading several models on a loaded 2-core machine has taken over 60 s."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.process.poll() is not None:

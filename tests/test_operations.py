@@ -241,9 +241,13 @@ def test_control_metrics_and_status_change_and_show_what_the_worker_does(
     assert all(res.ok for res in results)
     assert max(res.timings.batch_size for res in results) > 2
 
-    # and the counters match what was processed
-    m = scrape(port)
-    assert total(m, "batchfleet_results_total", model="tiny", status="ok") == 15
+    # and the counters match what was processed (counted once each result is stored,
+    # which a client may see first)
+    def counted() -> dict[Any, float] | None:
+        m = scrape(port)
+        return m if total(m, "batchfleet_results_total", model="tiny", status="ok") == 15 else None
+
+    m = wait_for(counted, what="15 ok results counted")
     assert total(m, "batchfleet_results_total", lane="2") == 3
     assert total(m, "batchfleet_batch_rows_processed_total") == 15
     batches = len({res.timings.batch_id for res in results})
