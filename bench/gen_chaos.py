@@ -62,12 +62,12 @@ def tiny_lm(workdir: Path, hidden: int) -> Path:
     return path
 
 
-def plans(n: int, rng: random.Random) -> list[Plan]:
+def plans(n: int, rng: random.Random, readers: tuple[int, ...] = (4, 2, 2, 1)) -> list[Plan]:
     """``n`` request shapes: lengths, decoding, stops, cancels, deadlines and reader mixed."""
     out = []
     for i in range(n):
         greedy = rng.random() < 0.6
-        reader = rng.choices(["deltas", "stream", "reply", "none"], [4, 2, 2, 1])[0]
+        reader = rng.choices(["deltas", "stream", "reply", "none"], readers)[0]
         if reader == "stream" and not greedy:
             reader = "deltas"  # job.stream() raises when a sampled restart differs: by design
         out.append(
@@ -293,7 +293,7 @@ def submit_all(
 def run(args: argparse.Namespace) -> Report:
     """Run the chaos run ``args`` describe; its report (printed too)."""
     rng = random.Random(args.seed)
-    todo = plans(args.requests, rng)
+    todo = plans(args.requests, rng, tuple(int(w) for w in args.reader_mix.split(",")))
     with tempfile.TemporaryDirectory(prefix="gen-chaos-") as tmp:
         workdir = Path(args.workdir or tmp)
         opts = (
@@ -384,6 +384,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--claim-idle-ms", type=int, default=20_000,
                    help="the idle fallback: takes an entry whose read reply a Redis kill lost")  # fmt: skip
     p.add_argument("--readers", type=int, default=48, help="threads following streams")
+    p.add_argument("--reader-mix", default="4,2,2,1",
+                   help="weights of job.deltas(), job.stream(), reply channel, no reader")  # fmt: skip
     p.add_argument("--verify", type=int, default=60,
                    help="greedy answers checked against generate (restarted ones first)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0)

@@ -227,6 +227,8 @@ def check_greedy(model: Path, chosen: list[Result], report: Report) -> None:
     lm = AutoModelForCausalLM.from_pretrained(model).eval()
     for res in chosen:
         (g,) = res.generations()
+        if g.completion_tokens == 0:  # cancelled while waiting: no tokens, no ids given
+            continue
         if g.token_ids is None or g.prompt_token_ids is None:
             report.bad(res.id, "no token ids in the result")
             continue
