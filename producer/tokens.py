@@ -167,7 +167,8 @@ def read_tokens(
     and a quiet stream); :class:`Emit` what ``follower`` makes of each delta.
 
     A ``seq`` not above the last one seen means the request restarted: the follower gets
-    :class:`Restarted` first. Through a Redis outage it keeps trying until ``timeout``, then
+    :class:`Restarted` first; so does an end entry's (the attempt that ended the request
+    streamed nothing: taken over past its deadline, say, its text empty). Through a Redis outage it keeps trying until ``timeout``, then
     raises :class:`Unavailable`; with Redis up, :class:`ResultTimeout`.
     """
     keys = ModelKeys(model)
@@ -203,6 +204,8 @@ def read_tokens(
             after = _str(entry_id)
             event = parse_entry(keys, request_id, fields)
             if event is END:
+                if _seq(fields) <= last_seq:  # an attempt that streamed nothing ended it
+                    yield from _emit(follower.feed(Restarted(request_id)))
                 follower.end()
                 return
             if not isinstance(event, Delta):
@@ -211,6 +214,15 @@ def read_tokens(
                 yield from _emit(follower.feed(Restarted(request_id)))
             last_seq = event.seq
             yield from _emit(follower.feed(event))
+
+
+def _seq(fields: dict[Any, Any]) -> int:
+    """An entry's ``seq`` (0 where it has none, or not a number)."""
+    raw = fields.get(b"seq", fields.get("seq", 0))
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _emit(item: Any | None) -> Steps[None]:

@@ -616,6 +616,17 @@ def test_a_restarted_generation_is_followed_or_refused(
         collect(shell, other.stream(), got)
     assert info.value.request_id == other.id and got.get_nowait() == "Yes" and got.empty()
 
+    # When the attempt that ends it streams nothing (taken over past its deadline, found by
+    # bench.gen_chaos): its end's seq is not above the last delta's
+    ended = shell.submit("tiny", "c", stream=True)
+    write_deltas(r, ended.id, (1, "Yes"), (2, " no"), end=1)
+    # Then deltas() marks the restart before it ends, and stream() refuses the void text
+    marks = [type(d).__name__ if isinstance(d, Restarted) else d.seq
+             for d in collect(shell, ended.deltas())]  # fmt: skip
+    assert marks == [1, 2, "Restarted"]
+    with pytest.raises(StreamRestarted):
+        collect(shell, ended.stream())
+
 
 def test_stream_needs_stream_true_and_one_input_and_honours_its_timeout(
     kind: str, redis_url: str, shells: Callable[..., Shell]

@@ -23,6 +23,7 @@ from batchfleet.worker.observers import Answered, DeadLettered, LoopEvent, Obser
 from batchfleet.worker.sink import MemorySink, RedisSink
 from batchfleet.worker.streamed import Streamed
 from batchfleet.worker.streams import Entry, ModelStreams
+from batchfleet.worker.token_writes import Sent
 
 MODEL = "tiny"
 KEYS = ModelKeys(MODEL)
@@ -321,6 +322,36 @@ def test_what_is_handed_over_waits_for_the_answer_to_deltas_sent_at_once(
     assert readers == ["sink"]
     assert len(sent) == 1
     assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2", b"3"]
+
+
+@pytest.mark.parametrize("life", [1, -1])  # unchecked (the usual), checked (suspect)
+def test_deltas_redis_wrote_whose_answer_was_lost_are_not_written_twice(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch, life: int
+) -> None:
+    # Given deltas sent at once that Redis wrote, the answer then lost (Redis killed
+    # between running the call and replying: found by bench.gen_chaos)
+    streams = ModelStreams(r, MODEL, 3, "w")
+    sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
+
+    receive = sink._direct.receive
+
+    def lost(sent: Sent) -> None:
+        receive(sent)  # Redis ran the call...
+        raise redis.ConnectionError("lost")  # ...its answer never came
+
+    monkeypatch.setattr(sink._direct, "receive", lost)
+
+    def delta(seq: int, text: str | None = "t") -> Streamed:
+        return Streamed("g", seq, text, 60, None, "msgpack", tokens=1, model="m", life=life)
+
+    sink.stream_now([delta(1), delta(2)])
+    # When the writer thread writes them again, then the stream's end
+    sink.stream([delta(3, None)])
+    sink.start()
+    sink.close(5)
+    # Then each seq is in the stream once: a reader sees no restart
+    entries = [f for _, f in r.xrange(KEYS.tokens("g"))]
+    assert [(f[b"life"], f[b"seq"]) for f in entries] == [(b"1", b"1"), (b"1", b"2"), (b"1", b"3")]
 
 
 def test_deltas_sent_at_once_read_the_last_answer_before_they_send(

@@ -26,6 +26,7 @@ from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
 from .streamed import Streamed
 from .streams import STORED, SUPERSEDED, Entry, ModelStreams, Retiring
+from .token_stream import TokenWrite
 from .token_writes import Sent, TokenWrites
 
 logger = logging.getLogger(__name__)
@@ -305,7 +306,7 @@ class RedisSink:
                     replies.append(reply if s == STORED else replace(reply, stored=False))
             self.observers.notify(Answered(self.streams.keys.model, replies))
         elif isinstance(job, _Tokens):
-            self.streams.append_tokens([it.write() for it in job.items])
+            self.streams.append_tokens([checked(it.write()) for it in job.items])
         elif isinstance(job, _Started):
             self.streams.mark_started(job.items)
         elif isinstance(job, _Retire):
@@ -324,6 +325,15 @@ class RedisSink:
             with self._lock:
                 self._backlog -= 1
             self._wake()
+
+
+def checked(write: TokenWrite) -> TokenWrite:
+    """A token write made by the writer thread: written again after a failure (maybe
+    after Redis ran it, its answer lost), or behind one that failed, or retried by the
+    client; checked, so ``tokens.lua`` drops what this attempt wrote already (a reader
+    would take a repeated ``seq`` for a restart) and what a later attempt overtook."""
+    write.life = -abs(write.life)
+    return write
 
 
 @dataclass

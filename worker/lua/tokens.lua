@@ -25,8 +25,11 @@
 -- tokens[, each of more, JSON text as the value it holds]). A checked item whose life is
 -- below that of the stream's last entry is dropped, message too: a worker that lost the
 -- request to another (it stalled, or was cut off, past the fleet's timeouts) writes
--- nothing after the new owner's first entry. The worker asks for the check where it may
--- have been taken for dead (and for every end): it costs an XREVRANGE.
+-- nothing after the new owner's first entry. So is a checked item whose life is that of
+-- the stream's last entry and whose seq is not above it: this attempt wrote it already (a
+-- write made again after its answer was lost: Redis ran the call, then the connection
+-- died). The worker asks for the check where it may have been taken for dead, for every
+-- end, and for every write made again or behind one that failed: it costs an XREVRANGE.
 -- Returns the number of items written.
 local maxlen = ARGV[1]
 local items = cmsgpack.unpack(ARGV[2])
@@ -40,7 +43,10 @@ for i = 1, #KEYS do
     local last = redis.call('XREVRANGE', KEYS[i], '+', '-', 'COUNT', 1)
     if #last > 0 then
       local f = last[1][2]
-      stale = f[1] == 'life' and tonumber(f[2]) > life
+      if f[1] == 'life' then
+        local was = tonumber(f[2])
+        stale = was > life or (was == life and f[3] == 'seq' and tonumber(f[4]) >= seq)
+      end
     end
   end
   if not stale then
