@@ -47,9 +47,13 @@ class LosingRedis(redis.Redis):
     ``ConnectionError``, as when the connection drops while the answer is on its way."""
 
     to_lose = 1
+    to_pass = 0
+    """Replies with entries that reach the caller before the one lost."""
 
     def lost_reply(self) -> None:
-        if self.to_lose:
+        if self.to_pass:
+            self.to_pass -= 1
+        elif self.to_lose:
             self.to_lose -= 1
             raise redis.ConnectionError("connection lost while reading the reply (test)")
 
@@ -117,6 +121,38 @@ def test_a_generations_entry_whose_read_reply_was_lost_is_answered_once(
     assert res.ok and res.usage is not None and res.usage.completion_tokens == 8
     deltas = list(job.deltas(timeout=1))
     assert all(isinstance(d, Delta) for d in deltas)  # no restart: one attempt streamed
+    assert [d.seq for d in deltas if isinstance(d, Delta)] == list(range(1, len(deltas) + 1))
+
+
+def test_after_a_lost_reply_what_the_loop_holds_is_not_taken_again(
+    redis_url: str, r: redis.Redis, tiny_lm: Path
+) -> None:
+    # Given a worker generating a long request (read normally: the loop holds it), whose
+    # read of a second request loses Redis's reply
+    producer = Producer(client=r)
+    first = submit(producer, "the dog", 600, stream=True)
+    client = LosingRedis.from_url(redis_url)
+    client.to_pass = 1
+    loop = make_loop(client, make_runner(tiny_lm, ahead=False, break_at=0), "w1", burst=False)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        while not r.exists(ModelKeys(first.model).tokens(first.id)):  # it generates
+            assert time.monotonic() - start < ANSWERED_WITHIN_S
+            time.sleep(0.01)
+        second = submit(producer, "the fox", 4, stream=True)
+        # When both are answered
+        res = [first.result(timeout=60), second.result(timeout=ANSWERED_WITHIN_S)]
+    finally:
+        loop.stop()
+        thread.join(30)
+    # Then the second's reply was lost and it was taken again, and the first (pending on
+    # the same consumer, held by the loop) was not: one attempt, its stream never restarted
+    assert client.to_lose == 0
+    assert [x.ok for x in res] == [True, True]
+    deltas = list(first.deltas(timeout=1))
+    assert all(isinstance(d, Delta) for d in deltas)
     assert [d.seq for d in deltas if isinstance(d, Delta)] == list(range(1, len(deltas) + 1))
 
 
