@@ -29,6 +29,7 @@ from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, Lost, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Pending, Retiring
+from .unseen import Unseen, take_next
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,6 @@ RETRY_MAX_S = 2.0
 """A read or heartbeat that cannot reach Redis is tried again this long after, doubling."""
 ERROR_PAUSE_S = 1.0
 """The pause after any other failure of the intake's pass."""
-DELIVERED_PRUNE_AT = 4096
-"""Posted keys remembered past this many are checked against this consumer's pending entries
-(one ``XPENDING`` per lane, every few thousand deliveries)."""
 BLOB_READ_TRIES = 3
 """Tries of a read of the inputs entries reference (50 ms, then 200 ms apart); if all fail,
 those entries are handed back to the fleet, never answered as if the input were missing."""
@@ -118,11 +116,7 @@ class Intake:
         self._unseen: list[Pending] = []
         """Entries Redis delivered to this consumer whose reply was lost (a dropped
         connection, a Redis crash): pending here, yet never posted to the loop."""
-        self._delivered: set[str] = set()
-        """Keys of the entries posted to the loop (pruned to this consumer's pending ones)."""
-        self._recheck = False
-        """A Redis call failed unreachable: look for deliveries whose reply was lost."""
-        self._prune_at = DELIVERED_PRUNE_AT
+        self._lost_reads = Unseen()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- the loop's side ----------------------------------------------------------------
@@ -234,7 +228,7 @@ class Intake:
                 # for a whole timeout again (or a Redis restart looks like every worker died).
                 self._connected_since = self._clock() + backoff
                 self._judged = False
-                self._recheck = True
+                self._lost_reads.suspected = True
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 self._pause(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
@@ -305,7 +299,7 @@ class Intake:
                 "unreachable or stalled past claim_idle_ms): dropping them",
                 len(lost), self.streams.keys.model,
             )  # fmt: skip
-            self._delivered.difference_update(e.key for e in lost)
+            self._lost_reads.dropped(lost)
             self._post(Lost(tuple(lost)))
         withheld = bool(holding.entries) and not entries
         if withheld and not self._withheld and holding.busy_since is not None:
@@ -323,15 +317,14 @@ class Intake:
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
-        if self._recheck or len(self._delivered) > self._prune_at:
-            self._recheck = False
+        if self._lost_reads.due():
             self._find_unseen()
         if self._own:
-            self._own, chosen = _take_next(self._own, budget, suspects)
+            self._own, chosen = take_next(self._own, budget, suspects)
             self._deliver(self.streams.claim_own(chosen))
             return
         if self._unseen:
-            self._unseen, chosen = _take_next(self._unseen, budget, suspects)
+            self._unseen, chosen = take_next(self._unseen, budget, suspects)
             self._deliver(self.streams.claim_own(chosen, counted=False))
             return
         now = self._clock()
@@ -369,11 +362,8 @@ class Intake:
         are a previous life's): a read whose reply was lost. They are taken again with their
         delivery count kept, as the loop never saw them; those the loop (or the sink) holds
         were posted and stay theirs. Also forgets the posted keys no longer pending."""
-        pending = self.streams.own_pending(limit=len(self._delivered) + 10_000)
-        self._delivered.intersection_update(p.key for p in pending)
-        self._prune_at = max(DELIVERED_PRUNE_AT, 2 * len(self._delivered))
-        known = self._delivered | {p.key for p in self._own} | {p.key for p in self._unseen}
-        unseen = [p for p in pending if p.key not in known]
+        known = [p.key for p in (*self._own, *self._unseen)]
+        unseen = self._lost_reads.find(self.streams, known)
         if unseen:
             logger.warning(
                 "%d entries of %s were delivered to this worker in a reply it lost: taking "
@@ -429,7 +419,7 @@ class Intake:
             if self._check_cancels:
                 cancelled = self._cancelled_before(entries)
         finally:  # whatever happens, what was claimed reaches the loop
-            self._delivered.update(e.key for e in entries)
+            self._lost_reads.posted(entries)
             retired = {f.entry.key for f in retire}
             fresh = [e for e in entries if e.key not in retired]
             with self._cond:
@@ -477,14 +467,3 @@ class Intake:
         have = self.streams.have_results([k.request_id for k in known])
         self.streams.requeued([k.request_id for k, h in zip(known, have, strict=True) if not h])
         return [k for k, h in zip(known, have, strict=True) if h]
-
-
-def _take_next(
-    pending: list[Pending], budget: int, suspects: bool
-) -> tuple[list[Pending], list[Pending]]:
-    """(what is left, what to take now) of pending entries to take again: first deliveries in
-    bulk, a suspect (delivered before) alone."""
-    first = [p for p in pending if p.deliveries <= 1][:budget]
-    again = [p for p in pending if p.deliveries > 1][: 1 if suspects and not first else 0]
-    chosen = first or again
-    return [p for p in pending if p not in chosen], chosen
