@@ -2,7 +2,8 @@
 
 It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`;
 not once a device step has hung past ``claim_idle_ms``), takes over the entries of workers
-that died (and, at start, its own from a previous life under the same name), and reads as
+that died (and, at start, its own from a previous life under the same name; after an
+outage, those Redis delivered in a reply it lost: ``unseen.py``), and reads as
 many new entries as the loop last asked for (:meth:`Intake.grant`), posting them to the
 loop's inbox. Being its own thread, its
 heartbeat and refreshes never wait for a batch (a long batch or generation is taken neither
