@@ -251,7 +251,7 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
         idle = 0 if counted else min((p.idle_ms for p in items), default=0)
         for (lane, kept), chosen in groups.items():
             stream = self.streams[lane]
-            # RETRYCOUNT sets the count (and stops the increment); 0: no such group (counted)
+            # RETRYCOUNT sets the count instead of adding one (kept 0: counted, none sent)
             claimed: Any = self.client.xclaim(
                 stream, GROUP, self.consumer, idle, list(chosen), retrycount=kept or None
             )
