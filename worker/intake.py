@@ -2,7 +2,8 @@
 
 It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`;
 not once a device step has hung past ``claim_idle_ms``), takes over the entries of workers
-that died (and, at start, its own from a previous life under the same name), and reads as
+that died (and, at start, its own from a previous life under the same name; after an
+outage, those Redis delivered in a reply it lost: ``unseen.py``), and reads as
 many new entries as the loop last asked for (:meth:`Intake.grant`), posting them to the
 loop's inbox. Being its own thread, its
 heartbeat and refreshes never wait for a batch (a long batch or generation is taken neither
@@ -28,7 +29,8 @@ from ..schemas.model_info import ModelInfo, WorkerServing
 from .blobs import fetch_referenced, referenced_keys
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, Lost, ReadIdle, Retire
-from .streams import Entry, ModelStreams, Retiring
+from .streams import Entry, ModelStreams, Pending, Retiring
+from .unseen import Unseen, take_next
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,12 @@ class Intake:
         self._judged = False
         """Heartbeats were judged since the connection was last (re)made."""
         self._max_depth: int | None = None
-        self._own: list[tuple[int, str, int]] = []
+        self._own: list[Pending] = []
         """Entries pending on this consumer name when it started: a previous life's."""
+        self._unseen: list[Pending] = []
+        """Entries Redis delivered to this consumer whose reply was lost (a dropped
+        connection, a Redis crash): pending here, yet never posted to the loop."""
+        self._lost_reads = Unseen()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- the loop's side ----------------------------------------------------------------
@@ -223,6 +229,7 @@ class Intake:
                 # for a whole timeout again (or a Redis restart looks like every worker died).
                 self._connected_since = self._clock() + backoff
                 self._judged = False
+                self._lost_reads.suspected = True
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 self._pause(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
@@ -293,6 +300,7 @@ class Intake:
                 "unreachable or stalled past claim_idle_ms): dropping them",
                 len(lost), self.streams.keys.model,
             )  # fmt: skip
+            self._lost_reads.dropped(lost)
             self._post(Lost(tuple(lost)))
         withheld = bool(holding.entries) and not entries
         if withheld and not self._withheld and holding.busy_since is not None:
@@ -310,8 +318,15 @@ class Intake:
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
+        if self._lost_reads.due():
+            self._find_unseen()
         if self._own:
-            self._deliver(self._take_own(budget, suspects))
+            self._own, chosen = take_next(self._own, budget, suspects)
+            self._deliver(self.streams.claim_own(chosen))
+            return
+        if self._unseen:
+            self._unseen, chosen = take_next(self._unseen, budget, suspects)
+            self._deliver(self.streams.claim_own(chosen, counted=False))
             return
         now = self._clock()
         judge_now = (
@@ -343,13 +358,19 @@ class Intake:
         else:
             self._post(ReadIdle())
 
-    def _take_own(self, budget: int, suspects: bool) -> list[Entry]:
-        """The next of a previous life's entries: first deliveries in bulk, a suspect alone."""
-        first = [o for o in self._own if o[2] <= 1][:budget]
-        again = [o for o in self._own if o[2] > 1][: 1 if suspects and not first else 0]
-        chosen = first or again
-        self._own = [o for o in self._own if o not in chosen]
-        return self.streams.claim_own(chosen)
+    def _find_unseen(self) -> None:
+        """Note the entries pending on this consumer that were never posted to the loop (nor
+        are a previous life's): a read whose reply was lost. They are taken again with their
+        delivery count kept, as the loop never saw them; those the loop (or the sink) holds
+        were posted and stay theirs. Also forgets the posted keys no longer pending."""
+        known = [p.key for p in (*self._own, *self._unseen)]
+        unseen = self._lost_reads.find(self.streams, known)
+        if unseen:
+            logger.warning(
+                "%d entries of %s were delivered to this worker in a reply it lost: taking "
+                "them again", len(unseen), self.streams.keys.model,
+            )  # fmt: skip
+            self._unseen += unseen
 
     def _reclaim(self, now: float, count: int, suspects: bool) -> list[Entry]:
         timeout = self.worker.heartbeat_timeout_ms
@@ -399,6 +420,7 @@ class Intake:
             if self._check_cancels:
                 cancelled = self._cancelled_before(entries)
         finally:  # whatever happens, what was claimed reaches the loop
+            self._lost_reads.posted(entries)
             retired = {f.entry.key for f in retire}
             fresh = [e for e in entries if e.key not in retired]
             with self._cond:

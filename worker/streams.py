@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..schemas.keys import GROUP
 from .model_publish import ModelPublisher
@@ -42,6 +42,20 @@ class Entry:
     def enqueued_ms(self) -> int:
         """Redis server time (unix ms) at which the entry was added: its id's first part."""
         return int(self.id.split("-", 1)[0])
+
+
+class Pending(NamedTuple):
+    """An entry pending on this consumer, as ``XPENDING`` tells it."""
+
+    lane: int
+    id: str
+    deliveries: int
+    idle_ms: int
+
+    @property
+    def key(self) -> str:
+        """As :attr:`Entry.key`."""
+        return f"{self.lane}/{self.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,31 +225,40 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
             lost += [chunk[int(k)] for k in reply[1:]]
         return done, lost
 
-    def own_pending(self, limit: int = 10_000) -> list[tuple[int, str, int]]:
-        """This consumer's pending entries: (lane, id, deliveries)."""
-        out: list[tuple[int, str, int]] = []
+    def own_pending(self, limit: int = 10_000) -> list[Pending]:
+        """This consumer's pending entries."""
+        out: list[Pending] = []
         for lane, stream in enumerate(self.streams):
             for p in self.client.xpending_range(
                 stream, GROUP, "-", "+", limit, consumername=self.consumer
             ):
                 mid = p["message_id"]
-                out.append((lane, mid.decode() if isinstance(mid, bytes) else str(mid),
-                            int(p["times_delivered"])))  # fmt: skip
+                eid = mid.decode() if isinstance(mid, bytes) else str(mid)
+                delivered, idle = int(p["times_delivered"]), int(p["time_since_delivered"])
+                out.append(Pending(lane, eid, delivered, idle))
         return out
 
-    def claim_own(self, items: Sequence[tuple[int, str, int]]) -> list[Entry]:
-        """Deliver again entries pending on this consumer (a delivery is counted)."""
+    def claim_own(self, items: Sequence[Pending], *, counted: bool = True) -> list[Entry]:
+        """Deliver again entries pending on this consumer. ``counted``: a delivery is counted
+        (a previous life's entries: that process may have died of them); else each keeps
+        its count (a delivery whose reply was lost: this worker never saw it), and one
+        another worker took meanwhile (idle since) stays there."""
         out: list[Entry] = []
-        by_lane: dict[int, dict[str, int]] = {}
-        for lane, entry_id, deliveries in items:
-            by_lane.setdefault(lane, {})[entry_id] = deliveries
-        for lane, chosen in by_lane.items():
+        groups: dict[tuple[int, int], dict[str, int]] = {}
+        for p in items:
+            kept = p.deliveries if counted else max(1, p.deliveries)
+            groups.setdefault((p.lane, 0 if counted else kept), {})[p.id] = kept
+        idle = 0 if counted else min((p.idle_ms for p in items), default=0)
+        for (lane, kept), chosen in groups.items():
             stream = self.streams[lane]
-            claimed: Any = self.client.xclaim(stream, GROUP, self.consumer, 0, list(chosen))
+            # RETRYCOUNT sets the count instead of adding one (kept 0: counted, none sent)
+            claimed: Any = self.client.xclaim(
+                stream, GROUP, self.consumer, idle, list(chosen), retrycount=kept or None
+            )
             for entry_id, fields in claimed:
                 eid = entry_id.decode()
                 if fields:
-                    out.append(Entry(lane, eid, fields, chosen[eid] + 1))
+                    out.append(Entry(lane, eid, fields, chosen[eid] + int(counted)))
                 else:  # deleted while pending
                     self.client.xack(stream, GROUP, entry_id)
         return out

@@ -1,0 +1,60 @@
+"""Deliveries a worker never saw: entries Redis handed its consumer in a reply that was lost
+(the connection dropped while the answer was on its way, or Redis crashed after delivering,
+its PEL persisted). They are pending on the live worker, so no takeover moves them, and only
+the idle fallback (``claim_idle_ms``) would. The intake remembers what it posted to its loop;
+after a Redis call failed unreachable, its consumer's pending entries never posted are
+taken again (docs/reliability.md, "A lost read").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .streams import Entry, ModelStreams, Pending
+
+PRUNE_AT = 4096
+"""Posted keys remembered past this many (or twice those pending at the last look) are
+checked against the consumer's pending entries: one ``XPENDING`` per lane, every few
+thousand deliveries."""
+
+
+class Unseen:
+    """The keys posted to the loop, and whether to look for deliveries never posted."""
+
+    def __init__(self) -> None:
+        self._posted: set[str] = set()
+        self._prune_at = PRUNE_AT
+        self.suspected = False
+        """A Redis call failed unreachable since the last look: a reply may have been lost."""
+
+    def posted(self, entries: Iterable[Entry]) -> None:
+        """These entries reached the loop (which, or its sink, answers or releases them)."""
+        self._posted.update(e.key for e in entries)
+
+    def dropped(self, entries: Iterable[Entry]) -> None:
+        """These entries are no longer this consumer's (another worker took them over)."""
+        self._posted.difference_update(e.key for e in entries)
+
+    def due(self) -> bool:
+        return self.suspected or len(self._posted) > self._prune_at
+
+    def find(self, streams: ModelStreams, known: Iterable[str]) -> list[Pending]:
+        """The entries pending on this consumer that were never posted, nor are ``known``
+        (already to be taken again); forgets the posted keys no longer pending."""
+        self.suspected = False
+        pending = streams.own_pending(limit=len(self._posted) + 10_000)
+        self._posted.intersection_update(p.key for p in pending)
+        self._prune_at = max(PRUNE_AT, 2 * len(self._posted))
+        skip = self._posted.union(known)
+        return [p for p in pending if p.key not in skip]
+
+
+def take_next(
+    pending: list[Pending], budget: int, suspects: bool
+) -> tuple[list[Pending], list[Pending]]:
+    """(what is left, what to take now) of pending entries to take again: first deliveries
+    in bulk, a suspect (delivered before) alone, and only when ``suspects``."""
+    first = [p for p in pending if p.deliveries <= 1][:budget]
+    again = [p for p in pending if p.deliveries > 1][: 1 if suspects and not first else 0]
+    chosen = first or again
+    return [p for p in pending if p not in chosen], chosen
