@@ -199,6 +199,25 @@ def assert_hidden(proxy: SilentProxy, caplog: pytest.LogCaptureFixture) -> None:
     assert "redis unreachable" not in caplog.text
 
 
+def answered_by_an_encoder(
+    client: Any, r: Any, tiny_embedder: Path, rid: str, proxy: SilentProxy,
+    caplog: pytest.LogCaptureFixture, **worker: Any,
+) -> None:  # fmt: skip
+    """An encoder worker ``w1`` on ``client`` answers request ``rid`` (lane 0) once, within
+    ``HIDDEN_WITHIN_S``, though the reply that handed it over was lost, the loss hidden."""
+    keys = ModelKeys("tiny")
+    runner = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
+    config = WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS, **worker)
+    loop = BatchLoop("tiny", ModelConfig(max_tokens=32), runner, client, consumer="w1",
+                     worker=config)  # fmt: skip
+    run_until_answered(loop, r, keys.result(rid), HIDDEN_WITHIN_S)
+    assert_hidden(proxy, caplog)
+    res = decode_result(r.get(keys.result(rid)))
+    assert res.ok and res.timings.worker == "w1"
+    assert r.xpending(keys.lane(0), GROUP)["pending"] == 0
+    client.close()
+
+
 def test_an_encoders_entry_whose_lost_reply_redis_pys_retry_hid_is_answered_once(
     redis_url: str, r: redis.Redis, tiny_embedder: Path, proxy: SilentProxy,
     caplog: pytest.LogCaptureFixture,
@@ -208,19 +227,9 @@ def test_an_encoders_entry_whose_lost_reply_redis_pys_retry_hid_is_answered_once
     keys = ModelKeys("tiny")
     r.xadd(keys.lane(0), encode_request(Request(id="hidden", model="tiny", inputs=["a dog"])))
     proxy.lose_reply(b"XREADGROUP", b"hidden")
-    client = connect(proxy.url())
-    runner = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
-    loop = BatchLoop("tiny", ModelConfig(max_tokens=32), runner, client, consumer="w1",
-                     worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS))  # fmt: skip
-    # When it runs
-    run_until_answered(loop, r, keys.result("hidden"), HIDDEN_WITHIN_S)
-    # Then the loss was hidden from the worker's code, and the entry was taken again and
-    # answered by it, once, its delivery count kept
-    assert_hidden(proxy, caplog)
-    res = decode_result(r.get(keys.result("hidden")))
-    assert res.ok and res.timings.worker == "w1"
-    assert r.xpending(keys.lane(0), GROUP)["pending"] == 0
-    client.close()
+    # When it runs, then the loss was hidden from the worker's code, and the entry was
+    # taken again and answered by it, once
+    answered_by_an_encoder(connect(proxy.url()), r, tiny_embedder, "hidden", proxy, caplog)
 
 
 def test_a_generations_entry_whose_lost_reply_redis_pys_retry_hid_is_answered_once(
@@ -262,15 +271,47 @@ def test_on_a_cluster_an_entry_whose_lost_reply_the_retry_hid_is_answered_once(
         direct.xadd(keys.lane(0), encode_request(req))
         proxy = hidden.proxies[hidden.master_of(keys.lane(0))]
         proxy.lose_reply(b"XREADGROUP", b"hidden")
+        # When it runs, then the cluster client's retry hid the loss, and the worker
+        # answered it once
         client = connect(hidden.url)
-        runner = EmbeddingRunner(tiny_embedder, device="cpu", max_tokens=32)
-        loop = BatchLoop("tiny", ModelConfig(max_tokens=32), runner, client, consumer="w1",
-                         worker=WorkerConfig(block_ms=50, claim_idle_ms=CLAIM_IDLE_MS))  # fmt: skip
-        # When it runs
-        run_until_answered(loop, direct, keys.result("hidden"), HIDDEN_WITHIN_S)
-        # Then the cluster client's retry hid the loss, and the worker answered it once
-        assert_hidden(proxy, caplog)
-        res = decode_result(direct.get(keys.result("hidden")))
-        assert res.ok and res.timings.worker == "w1"
-        assert direct.xpending(keys.lane(0), GROUP)["pending"] == 0
-        client.close()
+        answered_by_an_encoder(client, direct, tiny_embedder, "hidden", proxy, caplog)
+
+
+def test_an_entry_whose_takeover_reply_the_retry_hid_is_answered_once(
+    r: redis.Redis, tiny_embedder: Path, proxy: SilentProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given an entry held by a worker that died (its heartbeat long gone), and a live
+    # worker behind a network that drops the connection carrying its XCLAIM of it
+    keys = ModelKeys("tiny")
+    dead = ModelStreams(r, "tiny", 3, "dead")
+    dead.ensure_groups()
+    r.xadd(keys.lane(0), encode_request(Request(id="orphan", model="tiny", inputs=["a dog"])))
+    assert dead.read({0: 1}, None)
+    time.sleep(0.3)  # (idle past the heartbeat timeout below)
+    proxy.lose_reply(b"XCLAIM", b"orphan")
+    # When it runs (its retried XCLAIM finds the entry no longer idle: it is w1's now),
+    # then w1 took it again as a delivery it never saw, and answered it once
+    client = connect(proxy.url())
+    answered_by_an_encoder(client, r, tiny_embedder, "orphan", proxy, caplog,
+                           heartbeat_timeout_ms=200)  # fmt: skip
+
+
+def test_a_claim_of_a_previous_lifes_entry_sent_again_counts_one_delivery(
+    r: redis.Redis, proxy: SilentProxy
+) -> None:
+    # Given an entry pending on w1 from its previous life (delivered once)
+    ModelStreams(r, "tiny", 3, "w1").ensure_groups()
+    keys = ModelKeys("tiny")
+    r.xadd(keys.lane(2), encode_request(Request(id="again", model="tiny", inputs=["a"])))
+    ModelStreams(r, "tiny", 3, "w1").read({2: 1}, None)
+    client = connect(proxy.url())
+    streams = ModelStreams(client, "tiny", 3, "w1")
+    (pending,) = streams.own_pending()
+    # When the new life claims it and the reply is lost (redis-py sends the XCLAIM again)
+    proxy.lose_reply(b"XCLAIM", b"again")
+    (entry,) = streams.claim_own([pending])
+    # Then one delivery was counted, not one per XCLAIM sent
+    assert proxy.lost == 1
+    (after,) = streams.own_pending()
+    assert entry.deliveries == after.deliveries == 2 and entry.lane == 2
+    client.close()

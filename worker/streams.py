@@ -244,7 +244,7 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
         its count (a delivery whose reply was lost: this worker never saw it), and one
         another worker took meanwhile (idle since) stays there."""
         out: list[Entry] = []
-        groups: dict[tuple[int, int], list[str]] = {}
+        groups: dict[tuple[int, int], list[Any]] = {}
         for p in items:
             count = p.deliveries + 1 if counted else max(1, p.deliveries)
             groups.setdefault((p.lane, count), []).append(p.id)
