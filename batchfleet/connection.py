@@ -21,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .cancels import counter, not_lost
+from .drops import CountingPool
 
 RETRY_ON = [RedisConnectionError, RedisTimeoutError]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -158,15 +159,20 @@ def _options(socket_timeout: float | None, extra: dict[str, Any]) -> dict[str, A
 def connect(
     url: str, *, socket_timeout: float | None = 15.0, retries: int = 3, **extra: Any
 ) -> SyncClient:
-    """A synchronous client returning bytes (a cluster client for a cluster URL)."""
+    """A synchronous client returning bytes (a cluster client for a cluster URL). Its
+    connections count their closes (:data:`.drops.DROPS`): a call redis-py retried by
+    itself may have lost a reply."""
     from redis.retry import Retry
 
     retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries)
     if is_cluster_url(url):
         opts = _options(socket_timeout, extra)
         opts.pop("retry_on_error")  # the cluster client retries and re-routes by itself
-        return redis.RedisCluster.from_url(plain_url(url), retry=retry, **opts)
-    return redis.Redis.from_url(url, retry=retry, **_options(socket_timeout, extra))
+        return redis.RedisCluster.from_url(
+            plain_url(url), retry=retry, connection_pool_class=CountingPool, **opts
+        )
+    pool = CountingPool.from_url(url, retry=retry, **_options(socket_timeout, extra))
+    return redis.Redis.from_pool(pool)
 
 
 def connect_async(

@@ -480,8 +480,8 @@ def test_a_grant_of_lane_0_alone_blocks_briefly(
     blocks: list[int | None] = []
     monkeypatch.setattr(streams, "read", lambda counts, block_ms: blocks.append(block_ms) or [])
     intake = Intake(streams, WorkerConfig(block_ms=1000), Limits(), time.monotonic, print)
-    intake._judged = True  # no takeover pass first
-    intake._last_reclaim = time.monotonic()
+    intake._takeover.judged = True  # no takeover pass first
+    intake._takeover.last = time.monotonic()
     # When the loop grants every lane, then lane 0 alone (its reserve, the hold full)
     intake._read({0: 2, 1: 3, 2: 1}, True)
     intake._read({0: 2}, True)

@@ -28,7 +28,7 @@ from batchfleet.schemas.inputs import (
 )
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Limits, Request, Result
-from batchfleet.worker.intake import BLOB_READ_TRIES
+from batchfleet.worker.arrivals import BLOB_READ_TRIES
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.image_classification import ImageClassificationRunner
 from batchfleet.worker.runners.image_text import ImageTextEmbeddingRunner

@@ -13,9 +13,10 @@ from batchfleet.producer.gateway import fleet_control
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits
 from batchfleet.schemas.model_info import ModelInfo, WorkerServing, decode_worker_serving
-from batchfleet.worker.intake import PRUNE_EVERY_S, Intake
+from batchfleet.worker.intake import Intake
 from batchfleet.worker.registry import Pruned
 from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.takeover import PRUNE_EVERY_S
 
 from batchfleet import control_wait
 from batchfleet.config import WorkerConfig
@@ -167,7 +168,7 @@ def test_a_refused_prune_is_logged_and_the_takeover_goes_on(
         # When its takeover pass prunes first
         with pytest.raises(redis.ResponseError, match="run this command"):
             streams.prune(1_000_000, 2000, HOUR_MS)
-        found = intake._reclaim(1_000.0, 10, True)
+        found = intake._takeover.take(1_000.0, 10, True)
         # Then the refusal is logged and the dead worker's entry is taken over all the same
         assert "pruning dead workers failed" in caplog.text
         assert [e.id for e in found] == [held]
@@ -202,18 +203,18 @@ def test_the_intake_publishes_its_serving_and_prunes_dead_workers_now_and_then(
     # When its first takeover pass judges heartbeats (connected for a whole timeout)
     now[0] = 1_003.0
     r.hset(KEYS.workers, mapping={"w1": 1_003_000, "busy": 1_002_500})
-    intake._reclaim(now[0], 10, True)
+    intake._takeover.take(now[0], 10, True)
     # Then the long-dead worker's entries are pruned, its heartbeat too (past the
     # retention), the live ones' kept
     assert entries(r) == ({"w1", "busy"}, {"w1", "busy"}, {"w1", "busy"})
     # and not again until PRUNE_EVERY_S passed
     now[0] += PRUNE_EVERY_S - 1
     r.hset(KEYS.workers, "w1", int(now[0] * 1000))
-    intake._reclaim(now[0], 10, True)
+    intake._takeover.take(now[0], 10, True)
     assert "busy" in entries(r)[1]
     now[0] += 1
     r.hset(KEYS.workers, "w1", int(now[0] * 1000))
-    intake._reclaim(now[0], 10, True)
+    intake._takeover.take(now[0], 10, True)
     assert entries(r)[1:] == ({"w1"}, {"w1"})
 
 

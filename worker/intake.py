@@ -2,10 +2,10 @@
 
 It heartbeats, keeps the entries the loop holds from looking abandoned (:meth:`Intake.hold`;
 not once a device step has hung past ``claim_idle_ms``), takes over the entries of workers
-that died (and, at start, its own from a previous life under the same name; after an
-outage, those Redis delivered in a reply it lost: ``unseen.py``), and reads as
-many new entries as the loop last asked for (:meth:`Intake.grant`), posting them to the
-loop's inbox. Being its own thread, its
+that died (``takeover.py``; at start, its own from a previous life under the same name;
+after an outage, or a dropped connection redis-py hid by retrying, those Redis delivered
+in a reply it lost: ``unseen.py``), and reads as many new entries as the loop last asked
+for (:meth:`Intake.grant`), posting them to the loop's inbox. Being its own thread, its
 heartbeat and refreshes never wait for a batch (a long batch or generation is taken neither
 for a dead worker's nor by another worker's idle fallback), and the loop never sits in a
 Redis ``BLOCK`` that the end of a batch could not interrupt.
@@ -22,14 +22,15 @@ from typing import Any
 import redis
 
 from ..config import WorkerConfig
+from ..drops import DROPS
 from ..redis_errors import UNREACHABLE
-from ..schemas.codec import envelope_of
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo, WorkerServing
-from .blobs import fetch_referenced, referenced_keys
+from .arrivals import answered, cancelled_before, with_blobs
 from .holding import Holding, entries_to_refresh, hung_for
 from .inbox import Arrived, Event, Lost, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Pending, Retiring
+from .takeover import Takeover
 from .unseen import Unseen, take_next
 
 logger = logging.getLogger(__name__)
@@ -40,11 +41,6 @@ SUSPECT_GRACE_S = 10.0
 LANE0_ONLY_BLOCK_MS = 50
 """The longest blocking read under a grant of lane 0 alone (a generating worker's lane-0
 reserve while lower lanes fill its hold)."""
-RECLAIM_EVERY_S = 1.0
-PRUNE_EVERY_S = 30.0
-"""How often a worker removes what workers whose heartbeat is gone left: hostname and serving
-entries, and past ``dead_worker_retention_s`` heartbeats and consumers
-(``ModelStreams.prune``): they only grow with restarts under new names."""
 REFRESH_MAX_S = 60.0
 """The held entries' idle time is reset every ``claim_idle_ms / 4``, at most this long."""
 RETRY_FIRST_S = 0.05
@@ -52,9 +48,6 @@ RETRY_MAX_S = 2.0
 """A read or heartbeat that cannot reach Redis is tried again this long after, doubling."""
 ERROR_PAUSE_S = 1.0
 """The pause after any other failure of the intake's pass."""
-BLOB_READ_TRIES = 3
-"""Tries of a read of the inputs entries reference (50 ms, then 200 ms apart); if all fail,
-those entries are handed back to the fleet, never answered as if the input were missing."""
 
 
 class Intake:
@@ -91,8 +84,6 @@ class Intake:
         self._suspects = True
         self._stop = False
         self._last_beat = -1e18
-        self._last_reclaim = -1e18
-        self._last_prune = -1e18
         self._holding = Holding()
         """The loop's latest snapshot of what it holds (its entries refreshed while held)."""
         self._withheld = False
@@ -106,18 +97,15 @@ class Intake:
         self._refresh_every = min(worker.claim_idle_ms / 4000, REFRESH_MAX_S)
         self._refreshing = threading.Lock()
         """Held across a refresh and a release: a released entry is never refreshed after."""
-        self._reclaiming = False
         self._posted = 0
-        self._connected_since = 0.0
-        self._judged = False
-        """Heartbeats were judged since the connection was last (re)made."""
+        self._takeover = Takeover(streams, worker)
         self._max_depth: int | None = None
         self._own: list[Pending] = []
         """Entries pending on this consumer name when it started: a previous life's."""
         self._unseen: list[Pending] = []
         """Entries Redis delivered to this consumer whose reply was lost (a dropped
         connection, a Redis crash): pending here, yet never posted to the loop."""
-        self._lost_reads = Unseen()
+        self._lost_reads = Unseen(DROPS)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # --- the loop's side ----------------------------------------------------------------
@@ -136,7 +124,7 @@ class Intake:
             logger.info(
                 "%d entries pending from a previous life: taking them again", len(self._own)
             )
-        self._connected_since = self._beat_ok = self._clock()  # (a fresh start: no silence)
+        self._takeover.connected_since = self._beat_ok = self._clock()  # (fresh: no silence)
         info = self.info
         self.streams.identify(serving=WorkerServing(
             version=info.version if info else None, config_hash=info.config_hash if info else None,
@@ -225,10 +213,7 @@ class Intake:
                     self._read(counts, suspects)
                 backoff = RETRY_FIRST_S
             except UNREACHABLE as exc:
-                # Heartbeats written meanwhile were lost too: judge none until connected
-                # for a whole timeout again (or a Redis restart looks like every worker died).
-                self._connected_since = self._clock() + backoff
-                self._judged = False
+                self._takeover.disconnected(self._clock() + backoff)
                 self._lost_reads.suspected = True
                 logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
                 self._pause(backoff)
@@ -329,18 +314,8 @@ class Intake:
             self._deliver(self.streams.claim_own(chosen, counted=False))
             return
         now = self._clock()
-        judge_now = (
-            not self._judged
-            and (now - self._connected_since) * 1000 >= self.worker.heartbeat_timeout_ms
-        )
-        if (
-            now - self._last_reclaim >= RECLAIM_EVERY_S
-            or (self._reclaiming and suspects)
-            or judge_now
-        ):
-            self._last_reclaim = now
-            found = self._reclaim(now, budget, suspects)
-            self._reclaiming = bool(found)
+        if self._takeover.due(now, suspects):
+            found = self._takeover.take(now, budget, suspects)
             if found:
                 self._deliver(found)
                 return
@@ -372,41 +347,6 @@ class Intake:
             )  # fmt: skip
             self._unseen += unseen
 
-    def _reclaim(self, now: float, count: int, suspects: bool) -> list[Entry]:
-        timeout = self.worker.heartbeat_timeout_ms
-        dead: list[str] = []
-        if (now - self._connected_since) * 1000 >= timeout:
-            self._judged = True
-            live = self.streams.live_consumers(int(now * 1000), timeout)
-            dead = [c for c in self.streams.holders() if c not in live]
-            if now - self._last_prune >= PRUNE_EVERY_S:
-                self._last_prune = now
-                self._prune(int(now * 1000))
-        found = self.streams.reclaim(
-            self.worker.claim_idle_ms, count, suspects=suspects, dead=dead, dead_idle_ms=timeout
-        )
-        if found:
-            logger.info("took over %d entries (dead workers: %s)", len(found), dead)
-        return found
-
-    def _prune(self, now_ms: int) -> None:
-        """Forget dead workers (housekeeping: a refusal, such as an ACL without ``XINFO``,
-        is logged and never stops the takeover that follows)."""
-        retention_ms = self.worker.dead_worker_retention_s * 1000
-        try:
-            pruned = self.streams.prune(now_ms, self.worker.heartbeat_timeout_ms, retention_ms)
-        except redis.ResponseError as exc:
-            logger.warning(
-                "model %s: pruning dead workers failed: %s", self.streams.keys.model, exc
-            )
-            return
-        if pruned.heartbeats or pruned.consumers:
-            logger.info(
-                "model %s: forgot workers dead for over %d s (%d heartbeats, %d consumers)",
-                self.streams.keys.model, self.worker.dead_worker_retention_s,
-                pruned.heartbeats, pruned.consumers,
-            )  # fmt: skip
-
     def _deliver(self, entries: list[Entry]) -> None:
         """Hand entries to the loop. Redelivered ones whose request has a result already go
         as :class:`Retire` (the sink republishes the stored result and acks them)."""
@@ -414,11 +354,12 @@ class Intake:
             return
         retire: list[Retiring] = []
         cancelled: list[str] = []
+        streams, limits = self.streams, self.limits
         try:
-            entries = self._with_blobs(entries)
-            retire = self._answered(entries)
+            entries = with_blobs(entries, streams, limits, self.worker.claim_idle_ms, self._pause)
+            retire = answered(entries, streams, limits)
             if self._check_cancels:
-                cancelled = self._cancelled_before(entries)
+                cancelled = cancelled_before(entries, streams, limits)
         finally:  # whatever happens, what was claimed reaches the loop
             self._lost_reads.posted(entries)
             retired = {f.entry.key for f in retire}
@@ -430,41 +371,3 @@ class Intake:
                 self._post(Retire(retire))
             # cancelled ones ride along: the loop ends them before any step starts them
             self._post(Arrived(fresh, self._clock(), tuple(cancelled)))
-
-    def _with_blobs(self, entries: list[Entry]) -> list[Entry]:
-        """``entries`` carrying the inputs they reference. If reading those keeps failing
-        (Redis unreachable or timing out), the referencing entries are handed back: the next
-        reclaim reads them again, and no delivery is counted for it."""
-        for attempt in range(BLOB_READ_TRIES):
-            try:
-                return fetch_referenced(entries, self.streams, self.limits)
-            except UNREACHABLE as exc:
-                error = exc
-                if attempt + 1 < BLOB_READ_TRIES:
-                    self._pause(0.05 * 4**attempt)
-        keys, limits = self.streams.keys, self.limits
-        unread = [e for e in entries if referenced_keys(e, keys, limits)]
-        logger.warning(
-            "reading the inputs %d requests reference failed %d times (%s): handed back",
-            len(unread), BLOB_READ_TRIES, error,
-        )  # fmt: skip
-        with contextlib.suppress(redis.RedisError):  # else they wait out claim_idle_ms
-            self.streams.release(unread, self.worker.claim_idle_ms)
-        gone = {e.key for e in unread}
-        return [e for e in entries if e.key not in gone]
-
-    def _cancelled_before(self, entries: list[Entry]) -> list[str]:
-        """Requests of a generating model cancelled before they were read."""
-        ids = [i for e in entries if (i := envelope_of(e.fields, self.limits).id) is not None]
-        return self.streams.cancelled(ids)
-
-    def _answered(self, entries: list[Entry]) -> list[Retiring]:
-        """The redelivered entries whose request has a result already; the others wait
-        again here, so their ``started`` keys (a previous holder's) go until admitted."""
-        again = [(e, envelope_of(e.fields, self.limits)) for e in entries if e.deliveries > 1]
-        known = [Retiring(e, env.id, env.reply) for e, env in again if env.id is not None]
-        if not known:
-            return []
-        have = self.streams.have_results([k.request_id for k in known])
-        self.streams.requeued([k.request_id for k, h in zip(known, have, strict=True) if not h])
-        return [k for k, h in zip(known, have, strict=True) if h]

@@ -244,21 +244,22 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
         its count (a delivery whose reply was lost: this worker never saw it), and one
         another worker took meanwhile (idle since) stays there."""
         out: list[Entry] = []
-        groups: dict[tuple[int, int], dict[str, int]] = {}
+        groups: dict[tuple[int, int], list[Any]] = {}
         for p in items:
-            kept = p.deliveries if counted else max(1, p.deliveries)
-            groups.setdefault((p.lane, 0 if counted else kept), {})[p.id] = kept
+            count = p.deliveries + 1 if counted else max(1, p.deliveries)
+            groups.setdefault((p.lane, count), []).append(p.id)
         idle = 0 if counted else min((p.idle_ms for p in items), default=0)
-        for (lane, kept), chosen in groups.items():
+        for (lane, count), chosen in groups.items():
             stream = self.streams[lane]
-            # RETRYCOUNT sets the count instead of adding one (kept 0: counted, none sent)
+            # RETRYCOUNT sets the count (Redis adds none then): a claim that redis-py sends
+            # again after a lost reply counts no second delivery
             claimed: Any = self.client.xclaim(
-                stream, GROUP, self.consumer, idle, list(chosen), retrycount=kept or None
+                stream, GROUP, self.consumer, idle, chosen, retrycount=count
             )
             for entry_id, fields in claimed:
                 eid = entry_id.decode()
                 if fields:
-                    out.append(Entry(lane, eid, fields, chosen[eid] + int(counted)))
+                    out.append(Entry(lane, eid, fields, count))
                 else:  # deleted while pending
                     self.client.xack(stream, GROUP, entry_id)
         return out

@@ -2,14 +2,16 @@
 (the connection dropped while the answer was on its way, or Redis crashed after delivering,
 its PEL persisted). They are pending on the live worker, so no takeover moves them, and only
 the idle fallback (``claim_idle_ms``) would. The intake remembers what it posted to its loop;
-after a Redis call failed unreachable, its consumer's pending entries never posted are
-taken again (docs/reliability.md, "A lost read").
+after a Redis call failed unreachable, or a connection was dropped (redis-py may have
+sent a call again by itself, hiding a lost reply: ``batchfleet/drops.py``), its
+consumer's pending entries never posted are taken again (docs/reliability.md, "A lost read").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..drops import DropCount
 from .streams import Entry, ModelStreams, Pending
 
 PRUNE_AT = 4096
@@ -21,11 +23,15 @@ thousand deliveries."""
 class Unseen:
     """The keys posted to the loop, and whether to look for deliveries never posted."""
 
-    def __init__(self) -> None:
+    def __init__(self, drops: DropCount | None = None) -> None:
         self._posted: set[str] = set()
         self._prune_at = PRUNE_AT
         self.suspected = False
         """A Redis call failed unreachable since the last look: a reply may have been lost."""
+        self._drops = drops
+        """Connections dropped (None: not counted), each may have lost a reply."""
+        self._dropped = drops.value if drops else 0
+        """Their count at the last look."""
 
     def posted(self, entries: Iterable[Entry]) -> None:
         """These entries reached the loop (which, or its sink, answers or releases them)."""
@@ -36,12 +42,17 @@ class Unseen:
         self._posted.difference_update(e.key for e in entries)
 
     def due(self) -> bool:
-        return self.suspected or len(self._posted) > self._prune_at
+        """Whether to look: a reply may have been lost since the last look, or the posted
+        keys grew past their bound."""
+        dropped = self._drops is not None and self._drops.value != self._dropped
+        return self.suspected or dropped or len(self._posted) > self._prune_at
 
     def find(self, streams: ModelStreams, known: Iterable[str]) -> list[Pending]:
         """The entries pending on this consumer that were never posted, nor are ``known``
         (already to be taken again); forgets the posted keys no longer pending."""
         self.suspected = False
+        if self._drops is not None:  # (read first: a drop during the look looks again)
+            self._dropped = self._drops.value
         pending = streams.own_pending(limit=len(self._posted) + 10_000)
         self._posted.intersection_update(p.key for p in pending)
         self._prune_at = max(PRUNE_AT, 2 * len(self._posted))
