@@ -13,13 +13,13 @@ import json
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from batch_process import RunBatch, take
 from gateway_fakes import ScriptedWorker, Taken
-from hidden_cluster import HiddenCluster, running_hidden_cluster
+from hidden_cluster import HiddenCluster
 from test_run_batch_outage import (
     GEN,
     GUARD_S,
@@ -37,19 +37,6 @@ pytestmark = pytest.mark.timeout(180)
 
 MODEL_KEYS = "{mm}"
 """The hash tag of every key of the model the lines go to (its master holds them all)."""
-
-
-@pytest.fixture(scope="module")
-def hidden_cluster() -> Iterator[HiddenCluster]:
-    with running_hidden_cluster() as started:
-        yield started
-
-
-@pytest.fixture
-def hidden(hidden_cluster: HiddenCluster) -> Iterator[HiddenCluster]:
-    """The cluster, flushed, every proxy passing; healed again after the test."""
-    with hidden_cluster.fresh():
-        yield hidden_cluster
 
 
 # --- a line sent while a master is silent -----------------------------------------------------
