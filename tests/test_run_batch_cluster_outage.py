@@ -28,6 +28,7 @@ from test_run_batch_outage import (
     answered_as_usual,
     chat,
     run_one_line,
+    stops_at_its_start_naming,
     unavailable,
 )
 
@@ -127,16 +128,9 @@ def test_a_cluster_with_a_master_silent_from_the_start_exits_1_naming_it(
     with hidden.direct() as client:
         ScriptedWorker(client, "mm")
     hidden.proxies[hidden.another(MODEL_KEYS)].silence()
-    (tmp_path / "in.jsonl").write_text(chat("a") + "\n")
-    run = RunBatch(hidden.url, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
-    try:
-        code, stderr = run.end(HUNG_GUARD_S)  # When the run starts
-    finally:
-        run.kill()
-    # Then it stops, naming it, as where a single Redis is silent from the start: exit 1
-    assert code == 1, stderr
-    assert f"TimeoutError: Redis at {hidden.url} did not answer within 15 s" in stderr
-    assert (tmp_path / "out.jsonl").read_text() == ""
+    # When a run starts, Then it stops, naming it, as where a single Redis is silent from
+    # the start: exit 1
+    stops_at_its_start_naming(hidden.url, tmp_path)
 
 
 def test_ctrl_c_while_a_master_is_silent_exits_130_at_once(
