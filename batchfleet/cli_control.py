@@ -34,11 +34,10 @@ def _control(args: argparse.Namespace) -> int:
     """A control command, to each live worker of the model (of every model, where none is
     named; of those ``-d`` names): exit 0 where each did it, 1 where one refused or none
     is live, 3 where some did not reply within ``--timeout`` (named; they may still do it)."""
-    import redis
-
     from .connection import connect
     from .control_wait import addressed, broadcast, hostnames, live_workers
     from .fleetview import discover_models
+    from .redis_errors import FAILED_CALL
     from .remote import parse_settings
 
     arguments: dict[str, object] = {"model": args.model}
@@ -67,7 +66,7 @@ def _control(args: argparse.Namespace) -> int:
             hosts = hostnames(client, models) if dest else {}
         finally:
             client.close()
-    except redis.RedisError as exc:
+    except FAILED_CALL as exc:  # a cluster's failures are not redis.RedisError
         print(f"cannot read the workers' heartbeats: {exc}", file=sys.stderr)
         return 1
     expect, dest = addressed(live, hosts, dest) if dest else (live, dest)

@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import redis
-
+    from .redis_errors import FAILED_CALL
     from .status import print_status
 
     broker_url = None if args.no_workers else _broker_or_none(args)
@@ -28,19 +27,24 @@ def _status(args: argparse.Namespace) -> int:
             broker_url=broker_url,
             as_json=args.json,
         )
-    except redis.ConnectionError as exc:
+    except FAILED_CALL as exc:  # a cluster's failures are not redis.RedisError
         print(f"cannot reach Redis: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 def _top(args: argparse.Namespace) -> int:
-    from .status import top
+    from .redis_errors import FAILED_CALL
+    from .top import top
 
     with contextlib.suppress(KeyboardInterrupt):
         broker_url = _broker_or_none(args)
-        top(redis_url_of(args), args.model, interval=args.interval,
-            workers=broker_url is not None, broker_url=broker_url)  # fmt: skip
+        try:
+            top(redis_url_of(args), args.model, interval=args.interval, timeout=args.timeout,
+                workers=broker_url is not None, broker_url=broker_url)  # fmt: skip
+        except FAILED_CALL as exc:  # its first read (later ones are shown, not raised)
+            print(f"cannot reach Redis: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -92,6 +96,9 @@ def add_top(sub: Subparsers) -> None:
     add_where(tp)
     tp.add_argument("--model", "-m", action="append", help="only this model (repeatable)")
     tp.add_argument("--interval", "-i", type=float, default=2.0, help="seconds between refreshes")
+    tp.add_argument("--timeout", type=float, default=5.0,
+                    help="seconds a refresh waits for Redis (past it, the last tables stay, "
+                         "marked)")  # fmt: skip
     tp.set_defaults(func=_top)
 
 

@@ -1,4 +1,5 @@
-"""``batchfleet status`` (one table) and ``batchfleet top`` (live): the fleet at a glance.
+"""``batchfleet status`` (one table; ``batchfleet top`` shows it live, :mod:`.top`): the
+fleet at a glance.
 
 Queue state comes from Redis alone (lane streams, the consumer group, the workers'
 heartbeat hash, the dead-letter stream), so it works with no worker running. Per-worker
@@ -10,13 +11,11 @@ inspect stats`` when workers answer; a worker shows as its Celery hostname then,
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console, Group
-from rich.live import Live
 from rich.table import Table
 
 from .connection import SyncClient, connect
@@ -132,9 +131,12 @@ def gather(
     *,
     workers: bool = True,
     broker_url: str | None = None,
+    socket_timeout: float | None = 15.0,
+    retries: int = 3,
 ) -> FleetStatus:
-    """Queue state from ``redis_url``; worker stats through ``broker_url`` (default the same)."""
-    client = connect(redis_url)
+    """Queue state from ``redis_url`` (each call bounded by ``socket_timeout``, tried
+    ``retries`` more times); worker stats through ``broker_url`` (default the same)."""
+    client = connect(redis_url, socket_timeout=socket_timeout, retries=retries)
     try:
         status = FleetStatus(collect(client, models))
     finally:
@@ -214,25 +216,3 @@ def print_status(
     else:
         out.print(render(status))
     return status
-
-
-def top(
-    redis_url: str,
-    models: Sequence[str] | None = None,
-    *,
-    interval: float = 2.0,
-    iterations: int | None = None,
-    workers: bool = True,
-    broker_url: str | None = None,
-) -> None:
-    """``batchfleet top``: the same tables, refreshed every ``interval`` seconds."""
-    done = 0
-
-    def view() -> Group:
-        return render(gather(redis_url, models, workers=workers, broker_url=broker_url))
-
-    with Live(view(), refresh_per_second=4, screen=False) as live:
-        while iterations is None or done < iterations:
-            time.sleep(interval)
-            live.update(view())
-            done += 1

@@ -20,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from batchfleet.schemas.keys import ModelKeys
+from hidden_cluster import HiddenCluster, running_hidden_cluster
 from tiny_models import make_causal_lm, make_classifier, make_embedding_model
 from tiny_vision import (
     make_clip,
@@ -215,3 +216,18 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture(scope="module")
+def hidden_cluster() -> Iterator[HiddenCluster]:
+    """A 3-master cluster behind proxies that can go silent (:mod:`hidden_cluster`), one
+    per test module."""
+    with running_hidden_cluster() as started:
+        yield started
+
+
+@pytest.fixture
+def hidden(hidden_cluster: HiddenCluster) -> Iterator[HiddenCluster]:
+    """The cluster, flushed, every proxy passing; healed again after the test."""
+    with hidden_cluster.fresh():
+        yield hidden_cluster

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from batchfleet.producer.gateway.readiness import READY_TIMEOUT_S, Readiness
 from gateway_fakes import gateway_in_process, http
-from hidden_cluster import HiddenCluster, running_hidden_cluster
+from hidden_cluster import HiddenCluster
 from silent_network import SilentProxy
 
 pytestmark = pytest.mark.timeout(180)
@@ -150,12 +149,6 @@ def test_health_of_a_single_redis_gone_silent_is_503_within_the_bound(redis_url:
         asyncio.run(go())
     finally:
         proxy.close()
-
-
-@pytest.fixture(scope="module")
-def hidden_cluster() -> Iterator[HiddenCluster]:
-    with running_hidden_cluster() as started:
-        yield started
 
 
 @pytest.mark.parametrize("master", [1, 2])

@@ -15,10 +15,10 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.producer.tokens import Restarted
-from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP
 from batchfleet.schemas.results import Delta
 from batchfleet.worker.runner import LOST
+from gen_checks import failed_with, stream_entries, whole
 from gen_faults import (
     BREAK_AT,
     CLAIM_IDLE_MS,
@@ -63,18 +63,12 @@ def test_requests_failed_by_a_broken_hand_off_leave_the_engine_and_the_rest_go_o
     # Then the streaming ones failed with the step (the runner's state after it cannot be
     # trusted), their token streams ended; the others got all their tokens
     for job in streams:
-        res = job.result(timeout=1)
-        assert res.status == "error" and res.error is not None
-        assert res.error.code is ErrorCode.INFERENCE_FAILED
-        assert "finishing the step failed: RuntimeError: progress lost" in res.error.message
+        failed_with(job, "finishing the step failed: RuntimeError: progress lost")
         # (each delta streamed once, the end numbered after them: the step was handed over
         # twice, its deltas written the first time only)
-        entries = [fields for _, fields in r.xrange(KEYS.tokens(job.id))]
-        assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
-        assert len(entries) > BREAK_AT and entries[-1].get(b"end") == b"1"
+        assert len(stream_entries(r, job)) > BREAK_AT
     for job in quiet:
-        res = job.result(timeout=1)
-        assert res.ok and res.usage is not None and res.usage.completion_tokens == 12
+        whole(job, 12)
     # ...and the failed ones left the engine with a step that stopped them, unanswered,
     # the first planned once the failure was in (planned ahead, one was queued already)
     failed = runner.streaming
@@ -120,9 +114,7 @@ def test_requests_a_crashed_step_admitted_leave_the_engine(
     # Then both failed with the runner's error, and the next step stopped them in the
     # engine (which held them when the step raised): it holds nothing when the loop ends
     for job in jobs:
-        res = job.result(timeout=1)
-        assert res.status == "error" and res.error is not None
-        assert "RuntimeError: runner bug" in res.error.message
+        failed_with(job, "RuntimeError: runner bug")
     crashed, *after = runner.held
     assert crashed.keys == set(runner.names) and len(crashed.keys) == 2
     stopping = next(h for h in after if h.stops)

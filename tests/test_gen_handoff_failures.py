@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 from batchfleet.producer import Producer
-from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP
 from batchfleet.worker.sink import RedisSink
 from batchfleet.worker.streamed import Streamed
+from gen_checks import failed_with, stream_entries, whole
 from gen_faults import ENGINES, KEYS, Seen, make_loop, make_runner, run_loop, submit
 
 pytestmark = pytest.mark.timeout(180)
@@ -65,15 +65,9 @@ def test_deltas_whose_write_failed_are_written_before_the_end_or_left_out_withou
     run_loop(make_loop(r, runner, "w1", burst=True, seen=seen))
     # Then the step's hand-off failed: its streaming requests failed with it...
     for job in streams:
-        res = job.result(timeout=1)
-        assert res.status == "error" and res.error is not None
-        assert res.error.code is ErrorCode.INFERENCE_FAILED
-        assert "finishing the step failed: RuntimeError: sink down" in res.error.message
+        failed_with(job, "finishing the step failed: RuntimeError: sink down")
     # ...each token stream numbered 1, 2, ... with no gap, to its end...
-    streamed = {job.id: [fields for _, fields in r.xrange(KEYS.tokens(job.id))] for job in streams}
-    for entries in streamed.values():
-        assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
-        assert entries[-1].get(b"end") == b"1"
+    streamed = {job.id: stream_entries(r, job) for job in streams}
     # ...the failed write tried again with the same deltas, numbered the same, before it;
     # the deltas written are the stream's: the failed step's among them where the retry
     # wrote them
@@ -89,8 +83,7 @@ def test_deltas_whose_write_failed_are_written_before_the_end_or_left_out_withou
     # ...while the others got all their tokens; nothing is pending, and the engine ran
     # nothing the loop had failed once its stop was in (its count the scheduler's)
     for job in quiet:
-        res = job.result(timeout=1)
-        assert res.ok and res.usage is not None and res.usage.completion_tokens == 12
+        whole(job, 12)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
     stop_at = next(i for i, h in enumerate(runner.held) if h.stops)
     assert all(not (h.keys & runner.streaming) for h in runner.held[stop_at:])

@@ -14,12 +14,11 @@ import pytest
 import redis
 from batchfleet.producer import Producer
 from batchfleet.producer.client import Job
-from batchfleet.schemas.errors import ErrorCode
 from batchfleet.schemas.keys import GROUP
-from batchfleet.schemas.results import Delta
 from batchfleet.worker.crashes import RUNNER_BROKEN_AFTER
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import BatchDone, LoopEvent
+from gen_checks import failed_with, stream_entries, whole
 from gen_faults import BREAK_AT, ENGINES, KEYS, Held, Seen, make_loop, make_runner, run_loop
 from gen_faults import submit as submit_job
 
@@ -59,32 +58,6 @@ class Failures:
                 self.later = self.then()
 
 
-def _stream(r: redis.Redis, job: Job) -> list[dict[bytes, bytes]]:
-    """A request's token stream's entries, checked numbered 1, 2, ... with one end, last."""
-    entries = [fields for _, fields in r.xrange(KEYS.tokens(job.id))]
-    assert [int(f[b"seq"]) for f in entries] == list(range(1, len(entries) + 1))
-    assert [f.get(b"end") for f in entries].count(b"1") == 1 and entries[-1][b"end"] == b"1"
-    return entries
-
-
-def _whole(job: Job, tokens: int, *, stream: bool = False) -> None:
-    """The request was answered ok, all its tokens generated; streaming, its deltas hold
-    its whole text."""
-    res = job.result(timeout=1)
-    assert res.ok and res.usage is not None and res.usage.completion_tokens == tokens
-    if stream:
-        assert res.outputs is not None
-        deltas = [d for d in job.deltas(timeout=5) if isinstance(d, Delta)]
-        assert "".join(d.text for d in deltas) == res.outputs[0]["text"]
-        assert sum(d.tokens for d in deltas) == tokens
-
-
-def _failed(job: Job, message: str) -> None:
-    res = job.result(timeout=1)
-    assert res.status == "error" and res.error is not None
-    assert res.error.code is ErrorCode.INFERENCE_FAILED and message in res.error.message
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("early", [False, True], ids=["once-run", "before-running"])
 def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
@@ -108,9 +81,9 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
     # Then each of the four failed once, all with the second step in a row that raised
     # (the runner taken for broken), their token streams ended once
     for job in streams + quiet:
-        _failed(job, f"crashed in {RUNNER_BROKEN_AFTER} steps in a row")
+        failed_with(job, f"crashed in {RUNNER_BROKEN_AFTER} steps in a row")
     for job in streams:
-        assert len(_stream(r, job)) > BREAK_AT - 1
+        assert len(stream_entries(r, job)) > BREAK_AT - 1
     assert failures.failed == {runner.crashed[RUNNER_BROKEN_AFTER - 1]: 4}
     assert runner.crashed[0] == failures.order[BREAK_AT - 1]
     # ...the worker's health probes failing from then (the runner broken) until a step ran
@@ -123,8 +96,8 @@ def test_a_runner_crashing_every_step_fails_each_request_once_then_serves_again(
     # ...the engine was emptied: from the cure's first step on it holds only the cure, its
     # KV blocks only the cure's (paged), as the scheduler counts
     assert failures.later is not None
-    _whole(failures.later, 8, stream=True)
-    _stream(r, failures.later)
+    whole(failures.later, 8, stream=True)
+    stream_entries(r, failures.later)
     after = _after(runner.held, failures.order, runner.crashed[-1])
     cure = set(list(runner.names)[-1:])  # (admitted last)
     assert len(runner.names) == 5 and after and after[0].keys == cure
@@ -155,15 +128,15 @@ def test_a_poisonous_prompt_fails_alone_and_the_running_requests_finish(
     run_loop(loop)
     # Then the poisonous one failed alone, with the step that admitted it, its stream ended
     assert failures.later is not None and len(runner.crashed) == 1
-    _failed(failures.later, "RuntimeError: poisoned")
-    _stream(r, failures.later)
+    failed_with(failures.later, "RuntimeError: poisoned")
+    stream_entries(r, failures.later)
     assert failures.failed == {runner.crashed[0]: 1}
     assert set(failures.broken.values()) == {None}  # (one crash: not broken)
     # ...and the others ran to their end, every token and delta of theirs there
     for job in streams:
-        _whole(job, 30, stream=True)
-        _stream(r, job)
-    _whole(quiet, 30)
+        whole(job, 30, stream=True)
+        stream_entries(r, job)
+    whole(quiet, 30)
     # ...the engine never held the poisonous one, and held as the scheduler counts
     assert all(len(h.keys) <= 3 for h in runner.held)
     # (from the crashed one on: ahead, one planned with it counts it running beforehand)
@@ -190,8 +163,8 @@ def test_a_request_ended_in_a_step_that_raised_fails_with_the_next_step(
     # longer held, instead of leaving it waiting; the long one ran to its end
     crashed = runner.held[1]
     assert runner.crashed == [crashed.step_id] and len(crashed.keys) == 1  # (the long one)
-    _failed(short, "generation lost: a step before this one crashed")
-    _whole(long, 20)
+    failed_with(short, "generation lost: a step before this one crashed")
+    whole(long, 20)
     after = runner.held[2:]
     assert after and all(seen.after[h.step_id] == (h.sequences, h.kv_tokens) for h in after)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0

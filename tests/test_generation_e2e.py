@@ -285,10 +285,12 @@ def test_a_request_cancelled_before_it_is_read_never_starts(
 ) -> None:
     rid = uuid.uuid4().hex
     r.set(f"bf:{{{MODEL}}}:cancel:{rid}", "1", ex=60)
-    submit(r, id=rid, inputs=["the man was"], max_new_tokens=50, stream=True)
+    submit(r, id=rid, inputs=["the man was"], max_new_tokens=50, stream=True,
+           return_token_ids=True)  # fmt: skip
     res = result(r, rid)
     assert res["status"] == "ok" and res["outputs"][0]["finish_reason"] == "cancelled"
     assert res["outputs"][0]["completion_tokens"] == 0
+    assert res["outputs"][0]["token_ids"] == []  # asked for: none generated (vLLM's abort)
     assert token_stream(r, rid) == [{b"life": b"1", b"seq": b"1", b"end": b"1"}]
 
 

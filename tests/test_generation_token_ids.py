@@ -16,14 +16,18 @@ from pydantic import ValidationError
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.producer.gateway.answers import chat_response, completion_response  # noqa: E402
+from batchfleet.producer.gateway.endpoint import Answered  # noqa: E402
 from batchfleet.schemas.errors import ErrorCode  # noqa: E402
 from batchfleet.schemas.inputs import TokenPrompt  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
+from batchfleet.worker.inbox import Cancel  # noqa: E402
 from batchfleet.worker.runner import Prepared, PrepareError  # noqa: E402
 from batchfleet.worker.runners.embedding import EmbeddingRunner  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
 from conftest import TINY_LM_OPTIONS  # noqa: E402
 from test_generation_runner import Driver, prepare, run  # noqa: E402
+from virtual_world import MODEL, T0, rig  # noqa: E402
 
 PROMPT = "the man was"
 
@@ -36,7 +40,8 @@ def runner(tiny_lm: Path, request: pytest.FixtureRequest) -> TextGenerationRunne
 
 def req(rid: str, **kw: Any) -> Request:
     kw.setdefault("inputs", [PROMPT])
-    return Request(id=rid, model="lm", **kw)
+    kw.setdefault("model", "lm")
+    return Request(id=rid, **kw)
 
 
 def test_a_prompt_of_token_ids_is_taken_as_it_is(runner: TextGenerationRunner) -> None:
@@ -224,3 +229,40 @@ def test_a_chat_s_prompt_text_is_its_rendered_template_where_decoding_differs(
     decoded = runner.tokenizer.decode(chat["prompt_token_ids"], skip_special_tokens=False)
     assert "a fine day 1" in decoded and decoded != rendered
     assert chat["prompt_text"] == rendered
+
+
+def test_a_request_cancelled_while_waiting_has_empty_token_ids_as_vllm_s_aborted_one(
+    runner: TextGenerationRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: the real loop and runner (virtual time) with room for two running sequences:
+    # one generates, two requests wait behind it, one of two completions with token ids and
+    # log-probabilities asked
+    monkeypatch.setattr(runner, "max_running", 2)
+    r = rig(runner, cost=lambda work: 0.01)
+    for rid, kw in (("run", {"max_new_tokens": 40, "return_token_ids": True}),
+                    ("wait", {"n": 2, "return_token_ids": True, "logprobs": 1}),
+                    ("plain", {})):  # fmt: skip
+        r.source.add(req(rid, model=MODEL, **kw))
+    # When: the waiting ones are cancelled before they start
+    r.world.at(T0 + 0.05, lambda: r.loop.parts.inbox.put(Cancel(("wait", "plain"))))
+    r.run()
+    # Then: each output says nothing was generated, as a list (vLLM's abort output: no new
+    # token ids); a request that did not ask has none
+    waited = r.result("wait").generations()
+    assert len(waited) == 2
+    for g in waited:
+        assert (g.finish_reason, g.text, g.completion_tokens) == ("cancelled", "", 0)
+        assert g.token_ids == [] and g.logprobs == [] and g.prompt_token_ids is None
+    (plain,) = r.result("plain").generations()
+    assert plain.finish_reason == "cancelled"
+    assert plain.token_ids is None and plain.logprobs is None
+    (ran,) = r.result("run").generations()
+    assert ran.token_ids and len(ran.token_ids) == ran.completion_tokens
+    # the OpenAI answers show them as vLLM's do: each choice's token_ids []
+    answered = Answered("x", 1)
+    chat = chat_response({"return_token_ids": True, "logprobs": True}, r.result("wait"), answered)
+    assert [c["token_ids"] for c in chat["choices"]] == [[], []]
+    assert [c["logprobs"] for c in chat["choices"]] == [{"content": []}] * 2
+    body = {"prompt": PROMPT, "return_token_ids": True, "logprobs": 1}
+    completion = completion_response(body, r.result("wait"), answered)
+    assert [c["token_ids"] for c in completion["choices"]] == [[], []]

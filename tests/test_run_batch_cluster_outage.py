@@ -13,13 +13,13 @@ import json
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from batch_process import RunBatch, take
 from gateway_fakes import ScriptedWorker, Taken
-from hidden_cluster import HiddenCluster, running_hidden_cluster
+from hidden_cluster import HiddenCluster
 from test_run_batch_outage import (
     GEN,
     GUARD_S,
@@ -28,6 +28,7 @@ from test_run_batch_outage import (
     answered_as_usual,
     chat,
     run_one_line,
+    stops_at_its_start_naming,
     unavailable,
 )
 
@@ -37,19 +38,6 @@ pytestmark = pytest.mark.timeout(180)
 
 MODEL_KEYS = "{mm}"
 """The hash tag of every key of the model the lines go to (its master holds them all)."""
-
-
-@pytest.fixture(scope="module")
-def hidden_cluster() -> Iterator[HiddenCluster]:
-    with running_hidden_cluster() as started:
-        yield started
-
-
-@pytest.fixture
-def hidden(hidden_cluster: HiddenCluster) -> Iterator[HiddenCluster]:
-    """The cluster, flushed, every proxy passing; healed again after the test."""
-    with hidden_cluster.fresh():
-        yield hidden_cluster
 
 
 # --- a line sent while a master is silent -----------------------------------------------------
@@ -140,16 +128,9 @@ def test_a_cluster_with_a_master_silent_from_the_start_exits_1_naming_it(
     with hidden.direct() as client:
         ScriptedWorker(client, "mm")
     hidden.proxies[hidden.another(MODEL_KEYS)].silence()
-    (tmp_path / "in.jsonl").write_text(chat("a") + "\n")
-    run = RunBatch(hidden.url, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
-    try:
-        code, stderr = run.end(HUNG_GUARD_S)  # When the run starts
-    finally:
-        run.kill()
-    # Then it stops, naming it, as where a single Redis is silent from the start: exit 1
-    assert code == 1, stderr
-    assert f"TimeoutError: Redis at {hidden.url} did not answer within 15 s" in stderr
-    assert (tmp_path / "out.jsonl").read_text() == ""
+    # When a run starts, Then it stops, naming it, as where a single Redis is silent from
+    # the start: exit 1
+    stops_at_its_start_naming(hidden.url, tmp_path)
 
 
 def test_ctrl_c_while_a_master_is_silent_exits_130_at_once(

@@ -191,15 +191,22 @@ def test_a_network_silent_from_the_start_exits_1_naming_it(
 ) -> None:
     # Given a Redis behind a network that accepts connections and never answers
     proxy.silence()
+    # When a run starts, Then it stops as where Redis refuses (not after redis-py's minute
+    # of tries): exit 1
+    stops_at_its_start_naming(proxy.url(), tmp_path)
+
+
+def stops_at_its_start_naming(url: str, tmp_path: Path) -> None:
+    """A run of one line on ``url``, whose Redis never answers, exits 1 at its start,
+    naming the Redis that did not answer, and writes nothing."""
     (tmp_path / "in.jsonl").write_text(chat("a") + "\n")
-    run = RunBatch(proxy.url(), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    run = RunBatch(url, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
     try:
-        code, stderr = run.end(HUNG_GUARD_S)  # When the run starts
+        code, stderr = run.end(HUNG_GUARD_S)
     finally:
         run.kill()
-    # Then it stops as where Redis refuses (not after redis-py's minute of tries): exit 1
     assert code == 1, stderr
-    assert f"TimeoutError: Redis at {proxy.url()} did not answer within 15 s" in stderr
+    assert f"TimeoutError: Redis at {url} did not answer within 15 s" in stderr
     assert (tmp_path / "out.jsonl").read_text() == ""
 
 

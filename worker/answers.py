@@ -135,11 +135,19 @@ class Answerer:
         return self._answer(held, result)
 
     def cancelled(self, held: Held, now: float) -> Outgoing:
-        """A generation request cancelled before it started: ``ok``, nothing generated."""
-        outputs = [
-            {"text": "", "finish_reason": "cancelled", "prompt_tokens": 0, "completion_tokens": 0}
-            for _ in range(held.request.output_count)
-        ]
+        """A generation request cancelled before it started: ``ok``, nothing generated. As
+        vLLM's aborted request, each output has the empty ``token_ids`` and ``logprobs``
+        its request asked for (a client reads a list, not a missing key)."""
+        req = held.request
+        outputs: list[dict[str, Any]] = []
+        for _ in range(req.output_count):
+            out: dict[str, Any] = {"text": "", "finish_reason": "cancelled", "prompt_tokens": 0,
+                                   "completion_tokens": 0}  # fmt: skip
+            if req.return_token_ids:
+                out["token_ids"] = []
+            if req.logprobs is not None:
+                out["logprobs"] = []
+            outputs.append(out)
         run = BatchRun("", 0, now, now)
         return self.generated(run, held, outputs, None, now)
 
