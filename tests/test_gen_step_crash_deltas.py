@@ -19,6 +19,7 @@ from batchfleet.schemas.results import Delta
 from batchfleet.worker.generation.engine import Output
 from batchfleet.worker.runner import StepEvent
 from batchfleet.worker.runners.gen_state import GenReq
+from gen_checks import stream_entries
 from gen_faults import (
     BREAK_AT,
     ENGINES,
@@ -30,7 +31,6 @@ from gen_faults import (
     make_runner,
     run_loop,
 )
-from test_gen_step_crashes import _stream
 
 pytestmark = pytest.mark.timeout(180)
 NEW = 24
@@ -83,7 +83,7 @@ def _streamed_whole(r: redis.Redis, job: Job, tokens: int) -> None:
     assert res.ok and res.usage is not None and res.usage.completion_tokens == tokens
     assert res.outputs is not None
     out = res.outputs[0]
-    _stream(r, job)
+    stream_entries(r, job)
     deltas = list(job.deltas(timeout=5))
     assert all(isinstance(d, Delta) for d in deltas)
     ds = [d for d in deltas if isinstance(d, Delta)]
