@@ -13,7 +13,8 @@ linear layers use), so attention scales with the cores as they do.
 Keys and values may be bfloat16 (the engine's ``kv_cache_dtype``): the kernel reads them
 as their bit patterns and widens each key's row to float32 as it reads it (a bfloat16 is
 a float32's upper half), so it computes what it computes over float32 keys holding the
-same values, reading half the bytes.
+same values, reading half the bytes (it is partly compute-bound: a tenth to a sixth less
+time a step on the benchmark's tiny Llama, not half).
 
 It is used as a transformers attention function (``ATTENTION``, registered at import)
 that falls back to ``sdpa`` for everything but a float32 CPU decode step the padded
