@@ -40,7 +40,7 @@ BY_VALUE = {**vllm_engine_flags.BY_VALUE, **vllm_server_flags.BY_VALUE}
 """Flags whose values in the first part change nothing here (the second part says why),
 the others having no equivalent (the third part says why)."""
 
-ORDER = {"--dtype": -3, "--block-size": -2, "--speculative-config": -1,
+ORDER = {"--dtype": -3, "--block-size": -2, "--kv-cache-dtype": -2, "--speculative-config": -1,
          "--num-gpu-blocks-override": 1, "--max-num-active-seqs": 1}  # fmt: skip
 """Flags read before the others (what those use: the dtype sizes a KV token) or after
 (what overrides another: vLLM's block count over its KV bytes)."""
@@ -229,7 +229,8 @@ def _kv_bytes_per_token(path: Path, out: Conversion) -> int | None:
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     dtype = next((ln.value for ln in out.model if ln.key == "dtype"), "auto")
-    width = 4 if dtype == "float32" else 2  # auto: 16-bit on a GPU
+    kv = out.setting("kv_cache_dtype")
+    width = 4 if dtype == "float32" and kv is None else 2  # auto: 16-bit on a GPU
     return 2 * layers * kv_heads * head_dim * width
 
 
@@ -313,11 +314,15 @@ def _tokenizer(flag: Flag, out: Conversion) -> None:
 
 
 def _kv_cache_dtype(flag: Flag, out: Conversion) -> None:
-    """``auto`` or the model's own dtype (``--dtype``) need nothing; another has none."""
+    """``auto`` or the model's own dtype (``--dtype``) need nothing; ``bfloat16`` is the
+    option (the padded engine keeps its cache in it); another (fp8) has none."""
     dtype = out.setting("dtype")
     same = flag.value == "auto" or (dtype is not None and DTYPES.get(flag.value) == dtype.value)
+    if not same and flag.value == "bfloat16":
+        out.option(flag, "kv_cache_dtype", "bfloat16")
+        return
     out.judged(flag, same, "the KV cache has the model's dtype" + ("" if same else
-               " (no quantized KV cache, none of another dtype)"))  # fmt: skip
+               " or bfloat16 (no quantized KV cache)"))  # fmt: skip
 
 
 def _gateway_value(flag: Flag, out: Conversion) -> None:

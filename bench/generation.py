@@ -1122,7 +1122,10 @@ METHOD = """\
   simulator's virtual time (idle until arrivals, then each batch's measured `generate`);
   one at a time: tokens / device time (back to back; at saturation it never idles), over
   two passes on different samples, one before the fleet runs and one after them.
-  Static and one-at-a-time run in this process without a queue.
+  Static and one-at-a-time run in this process without a queue. With `--kv-cache-dtype
+  bfloat16` (runner option `kv_cache_dtype`) the fleet and the engine alone keep their KV
+  cache in bfloat16; static batching and one at a time run HF `generate`, whose cache
+  keeps the model's dtype.
 - **TTFT** (fleet) = first delta received by the harness's subscriber - XADD time, one
   clock; the worker's own `timings.first_token_ms` (enqueue → first token, Redis clock) is
   shown beside it. Engine alone: end of the step that produced the first token - arrival.
@@ -1286,6 +1289,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--drain-s", type=float, default=300.0)
     p.add_argument("--engine", choices=["padded", "paged"], default="padded")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+                   help="the runner's kv_cache_dtype (fleet and engine alone; the generate "
+                   "baselines keep HF's cache)")  # fmt: skip
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--no-smol-baselines", action="store_true",
                    help="SmolLM2: skip static batching and one at a time (minutes each)")  # fmt: skip
@@ -1305,6 +1311,8 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
         "engine": args.engine, "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
         "step_tokens": args.step_tokens, "max_running": args.max_running,
     }  # fmt: skip
+    if args.kv_cache_dtype != "auto":  # (the option left out otherwise, as before)
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     calibrated = which != "smollm2"  # offered rates from a burst (not SmolLM2's CPU minutes)
     if which == "tiny":
         model = GenModel("tiny-llama", tiny_llama(workdir), options)

@@ -87,6 +87,53 @@ def _attends_like_masked_sdpa(heads: int, kv_heads: int, sliced: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_bfloat16_keys_and_values_are_read_as_their_float32_values(
+    heads: int, kv_heads: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a kv_cache_dtype cache: the kernel widens what it reads, so it gives exactly what it
+    # gives over float32 keys and values of the same numbers, and what sdpa gives on them
+    monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
+    torch.manual_seed(heads + kv_heads)
+    rows, dim, capacity = 6, 24, 80
+    lengths = [1, 7, 63, 2, 80, 31]  # odd lengths, one as long as the buffer
+    k_buf = torch.randn(rows, kv_heads, capacity, dim).to(torch.bfloat16)
+    v_buf = (torch.randn(rows, kv_heads, capacity, dim) * 3).to(torch.bfloat16)
+    width = max(lengths)
+    q = torch.randn(rows, heads, 1, dim)
+    lens = {decode_attention.LENGTHS: torch.tensor(lengths).numpy()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, _ = decode_attention.attention(
+            _Module(heads // kv_heads), q, k_buf[:, :, :width], v_buf[:, :, :width], None,
+            scaling=0.4, **lens,
+        )  # fmt: skip
+        wide, _ = decode_attention.attention(
+            _Module(heads // kv_heads), q, k_buf.float()[:, :, :width],
+            v_buf.float()[:, :, :width], None, scaling=0.4, **lens,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, wide)
+    want = _reference(q, k_buf.float(), v_buf.float(), lengths, 0.4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_reads_bfloat16_keys_widened_to_the_query_s_dtype() -> None:
+    # the prefill's attention (and the decode's off the kernel) over a bfloat16 cache
+    torch.manual_seed(2)
+    q = torch.randn(1, 4, 5, 16)
+    k, v = torch.randn(1, 2, 5, 16).to(torch.bfloat16), torch.randn(1, 2, 5, 16).to(torch.bfloat16)
+    got, _ = decode_attention.attention(_Module(2), q, k, v, None)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), is_causal=True
+    ).transpose(1, 2)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
 def test_without_lengths_or_for_a_query_block_it_is_sdpa() -> None:
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)

@@ -219,6 +219,11 @@ def test_kv_cache_bytes_become_tokens_from_the_models_config(tmp_path: Path) -> 
     code, fleet, _, _ = run(tmp_path, [str(model), "--kv-cache-memory-bytes", "1048576",
                                        "--dtype", "float32"])  # fmt: skip
     assert fleet["models"]["lm"]["options"]["kv_cache_tokens"] == 512
+    # a bfloat16 KV cache of a float32 model: 2 bytes a number again, whichever flag is first
+    code, fleet, _, _ = run(tmp_path, [str(model), "--kv-cache-memory-bytes", "1048576",
+                                       "--kv-cache-dtype", "bfloat16", "--dtype", "float32"])  # fmt: skip
+    assert fleet["models"]["lm"]["options"]["kv_cache_tokens"] == 1024
+    assert fleet["models"]["lm"]["options"]["kv_cache_dtype"] == "bfloat16"
     code, fleet, _, stderr = run(tmp_path, ["/nowhere/lm", "--kv-cache-memory-bytes", "1048576"])
     assert code == 0 and "kv_cache_tokens" not in fleet["models"]["lm"].get("options", {})
     assert "no equivalent: --kv-cache-memory-bytes 1048576" in stderr

@@ -10,10 +10,17 @@ decode step cost table). This kernel, compiled by numba, reads only each row's
 thread, a step's row-heads are dealt to that many numba threads (the OpenMP pool torch's
 linear layers use), so attention scales with the cores as they do.
 
+Keys and values may be bfloat16 (the engine's ``kv_cache_dtype``): the kernel reads them
+as their bit patterns and widens each key's row to float32 as it reads it (a bfloat16 is
+a float32's upper half), so it computes what it computes over float32 keys holding the
+same values, reading half the bytes (it is partly compute-bound: a tenth to a sixth less
+time a step on the benchmark's tiny Llama, not half).
+
 It is used as a transformers attention function (``ATTENTION``, registered at import)
 that falls back to ``sdpa`` for everything but a float32 CPU decode step the padded
 engine marked with :data:`LENGTHS` (the engine's prefill, CUDA, other dtypes, softcapping,
-sliding windows and attention sinks all take ``sdpa``).
+sliding windows and attention sinks all take ``sdpa``, over keys and values widened to
+the query's dtype: :func:`sdpa`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ LENGTHS = "batchfleet_lengths"
 """The forward keyword carrying each row's key count (a ``numpy`` int64 array)."""
 
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
+_KERNEL_KV = (torch.float32, torch.bfloat16)
+"""The key and value dtypes the kernel reads (a bfloat16 ``kv_cache_dtype`` cache: half
+the bytes)."""
 
 
 def _compile(cache: bool) -> tuple[Any, Any]:
@@ -44,22 +54,10 @@ def _compile(cache: bool) -> tuple[Any, Any]:
     import numba
 
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
-    def one(q: Any, k: Any, v: Any, n: int, r: int, h: int, scale: float, out: Any,
-            s: Any, acc: Any, top: Any, total: Any) -> None:  # fmt: skip
-        """Row ``r``, key-value head ``h``, over its first ``n`` keys (scratch: s, acc,
-        top, total)."""
-        group, dim = q.shape[2], q.shape[3]
-        for g in range(group):
-            top[g] = -np.inf
-        for j in range(n):
-            for g in range(group):
-                x = np.float32(0.0)
-                for d in range(dim):
-                    x += q[r, h, g, d] * k[r, h, j, d]
-                x *= scale
-                s[g, j] = x
-                if x > top[g]:
-                    top[g] = x
+    def softmax(s: Any, n: int, top: Any, total: Any, acc: Any) -> None:
+        """Each group's scores ``s[g, :n]`` into ``exp(score - top[g])``, their sum into
+        ``total[g]``; ``acc`` zeroed."""
+        group, dim = acc.shape
         for g in range(group):
             t = np.float32(0.0)
             for j in range(n):
@@ -69,29 +67,94 @@ def _compile(cache: bool) -> tuple[Any, Any]:
             total[g] = t
             for d in range(dim):
                 acc[g, d] = 0.0
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
+    def finish(acc: Any, total: Any, out: Any) -> None:
+        """``out[g] = acc[g] / total[g]``."""
+        group, dim = acc.shape
+        for g in range(group):
+            inv = np.float32(1.0) / total[g]
+            for d in range(dim):
+                out[g, d] = acc[g, d] * inv
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
+    def one(q: Any, k: Any, v: Any, n: int, scale: float, out: Any, s: Any, acc: Any,
+            top: Any, total: Any) -> None:  # fmt: skip
+        """One row-head: ``out[g] = softmax(q[g] . k[:n] * scale) @ v[:n]`` (q, out:
+        ``group x dim``; k, v: ``keys x dim``; scratch: s, acc, top, total)."""
+        group, dim = q.shape
+        top[:] = -np.inf
+        for j in range(n):
+            for g in range(group):
+                x = np.float32(0.0)
+                for d in range(dim):
+                    x += q[g, d] * k[j, d]
+                x *= scale
+                s[g, j] = x
+                if x > top[g]:
+                    top[g] = x
+        softmax(s, n, top, total, acc)
         for j in range(n):
             for g in range(group):
                 p = s[g, j]
                 for d in range(dim):
-                    acc[g, d] += p * v[r, h, j, d]
-        for g in range(group):
-            inv = np.float32(1.0) / total[g]
+                    acc[g, d] += p * v[j, d]
+        finish(acc, total, out)
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
+    def one16(q: Any, k: Any, v: Any, n: int, scale: float, out: Any, s: Any, acc: Any,
+              top: Any, total: Any, bits: Any) -> None:  # fmt: skip
+        """:func:`one` over bfloat16 keys and values (``uint16`` bit patterns), each row
+        widened to float32 in ``bits`` (``uint32``, ``dim``) as it is read: a bfloat16 is
+        a float32's upper half."""
+        group, dim = q.shape
+        wide = bits.view(np.float32)
+        top[:] = -np.inf
+        for j in range(n):
             for d in range(dim):
-                out[r, h, g, d] = acc[g, d] * inv
+                bits[d] = np.uint32(k[j, d]) << 16
+            for g in range(group):
+                x = np.float32(0.0)
+                for d in range(dim):
+                    x += q[g, d] * wide[d]
+                x *= scale
+                s[g, j] = x
+                if x > top[g]:
+                    top[g] = x
+        softmax(s, n, top, total, acc)
+        for j in range(n):
+            for d in range(dim):
+                bits[d] = np.uint32(v[j, d]) << 16
+            for g in range(group):
+                p = s[g, j]
+                for d in range(dim):
+                    acc[g, d] += p * wide[d]
+        finish(acc, total, out)
+
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
+    def pair(q: Any, k: Any, v: Any, n: int, r: int, h: int, scale: float, out: Any,
+             s: Any, acc: Any, top: Any, total: Any, bits: Any) -> None:  # fmt: skip
+        """Row ``r``, key-value head ``h``, over its first ``n`` keys: float32 keys and
+        values, or bfloat16 ones (``uint16``: half the bytes to read)."""
+        if k.itemsize == 2:
+            one16(q[r, h], k[r, h], v[r, h], n, scale, out[r, h], s, acc, top, total, bits)
+        else:
+            one(q[r, h], k[r, h], v[r, h], n, scale, out[r, h], s, acc, top, total)
 
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache)
     def attend(q: Any, k: Any, v: Any, lengths: Any, scale: float, out: Any) -> None:
         """``out[r, h, g] = softmax(q[r, h, g] . k[r, h, :n] * scale) @ v[r, h, :n]`` with
         ``n = lengths[r]``; q, out: ``rows x kv_heads x group x dim``; k, v: ``rows x
-        kv_heads x width x dim``."""
+        kv_heads x width x dim``, float32 or bfloat16 seen as ``uint16``."""
         rows, heads, group, dim = q.shape
         s = np.empty((group, k.shape[2]), np.float32)
         acc = np.empty((group, dim), np.float32)
         top = np.empty(group, np.float32)
         total = np.empty(group, np.float32)
+        bits = np.empty(dim, np.uint32)
         for r in range(rows):
             for h in range(heads):
-                one(q, k, v, lengths[r], r, h, scale, out, s, acc, top, total)
+                pair(q, k, v, lengths[r], r, h, scale, out, s, acc, top, total, bits)
 
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=cache, parallel=True)
     def attend_parallel(
@@ -105,9 +168,10 @@ def _compile(cache: bool) -> tuple[Any, Any]:
             acc = np.empty((group, dim), np.float32)
             top = np.empty(group, np.float32)
             total = np.empty(group, np.float32)
+            bits = np.empty(dim, np.uint32)
             for i in range(t, rows * heads, parts):
                 r = i // heads
-                one(q, k, v, lengths[r], r, i - r * heads, scale, out, s, acc, top, total)
+                pair(q, k, v, lengths[r], r, i - r * heads, scale, out, s, acc, top, total, bits)
 
     return attend, attend_parallel
 
@@ -137,8 +201,10 @@ def kernel() -> Any:
                     attend, parallel = _compile(cache)
                     q = np.zeros((2, 1, 1, 4), np.float32)
                     kv = np.zeros((2, 1, 2, 4), np.float32)
+                    half = np.zeros((2, 1, 2, 4), np.uint16)  # bfloat16 keys and values
                     lengths = np.ones(2, np.int64)
                     attend(q, kv, kv, lengths, np.float32(1.0), q.copy())
+                    attend(q, half, half, lengths, np.float32(1.0), q.copy())
                     _kernel = attend
                 except Exception as exc:  # ImportError, no cache location, no compiler
                     logger.warning("CPU decode attention (numba, cache=%s) failed: %s", cache, exc)
@@ -150,6 +216,7 @@ def kernel() -> Any:
                     import numba
 
                     parallel(q, kv, kv, lengths, np.float32(1.0), q.copy(), 2)
+                    parallel(q, half, half, lengths, np.float32(1.0), q.copy(), 2)
                     _parallel, _numba = parallel, numba
                 except Exception as exc:  # no threading layer: one thread
                     logger.warning("CPU decode attention runs on one thread: %s", exc)
@@ -213,7 +280,8 @@ def attention(
         attend is None
         or query.shape[2] != 1
         or query.dtype != torch.float32
-        or key.dtype != torch.float32
+        or key.dtype not in _KERNEL_KV
+        or value.dtype != key.dtype
         or query.device.type != "cpu"
         or dropout
         or any(kwargs.get(name) is not None for name in _UNSUPPORTED)
@@ -221,15 +289,14 @@ def attention(
         if lengths is not None and attention_mask is None and query.shape[2] == 1:
             # the engine built no padding mask for this decode: sdpa would attend padding
             raise RuntimeError("a decode step marked for per-row attention cannot use it here")
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                    **kwargs)  # fmt: skip
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
     out = torch.empty_like(q)
     scale = np.float32(dim**-0.5 if scaling is None else scaling)
-    keys, values = _whole(key), _whole(value)
+    keys, values = _whole(_bits(key)), _whole(_bits(value))
     if len(lengths) != rows or int(lengths.max()) > keys.shape[2]:  # unchecked reads below
         raise ValueError(f"row lengths {lengths} do not fit keys of shape {tuple(key.shape)}")
     work = rows * kv_heads
@@ -239,6 +306,30 @@ def attention(
     else:
         attend(q.numpy(), keys, values, lengths, scale, out.numpy())
     return out.view(rows, heads, 1, dim).transpose(1, 2), None
+
+
+def sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention over keys and values stored in another dtype than
+    the query's (a ``kv_cache_dtype`` cache): read widened to the query's, as the kernel
+    reads them (sdpa takes one dtype)."""
+    if key.dtype != query.dtype:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    return sdpa_attention_forward(  # type: ignore[no-any-return]
+        module, query, key, value, attention_mask, **kwargs
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 tensor as its bit patterns (``uint16``: numpy has no bfloat16; the
+    kernel widens them); a float32 one as it is."""
+    return t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
 
 
 def _whole(t: torch.Tensor) -> Any:

@@ -25,6 +25,9 @@ prefill chunks at once:
   transformers forward and HF ``generate`` attend);
 - each prefill chunk's appended to its sequence's own cache and attended causally by
   transformers' ``sdpa`` function, as its prefill forward does;
+- keys and values held in another dtype than the model's (the engine's
+  ``kv_cache_dtype``) read widened, by the kernel or for sdpa
+  (:func:`.decode_attention.sdpa`);
 - logits only for the decode rows and each chunk's last token;
 - where a step's tokens use LoRA adapters (:mod:`.lora`), each product adds each
   adapter's low-rank update on its own tokens (none used: no work).
@@ -42,7 +45,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import decode_attention
 from . import lora as lora_
@@ -195,7 +197,7 @@ class LeanDecoder:
                         scaling=layer.scaling, **kw,
                     )  # fmt: skip
                 else:
-                    out, _ = sdpa_attention_forward(
+                    out, _ = decode_attention.sdpa(
                         layer.attn, _rows(q, 0, rows), keys, values, padding,
                         scaling=layer.scaling,
                     )  # fmt: skip
@@ -204,7 +206,7 @@ class LeanDecoder:
             for c, mask in zip(chunks, masks, strict=True):
                 n = len(c.tokens)
                 keys, values = c.cache.update(k[:, :, at : at + n], v[:, :, at : at + n], i)
-                out, _ = sdpa_attention_forward(
+                out, _ = decode_attention.sdpa(
                     layer.attn, q[:, :, at : at + n], keys, values, mask, scaling=layer.scaling
                 )
                 parts.append(out.reshape(n, q_end))

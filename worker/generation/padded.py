@@ -35,6 +35,13 @@ otherwise hooks on the model's own modules, :mod:`.lora_hooks`, for the forwards
 adapter's row), and its prompt shares cached blocks and a prefill only with sequences of
 the same adapter (as of the same ``cache_salt``).
 
+With ``kv_cache_dtype`` bfloat16 (vLLM's option; a float32 model), the cache holds keys
+and values in bfloat16, half the bytes the decode attention reads and the rows hold: they
+are rounded wherever they are written, a prefill's slab included, and widened wherever
+they are read, so a sequence's tokens do not depend on what else runs, how its prefill
+was chunked, nor whether its prefix came from the prefix cache
+(:attr:`.padded_state._State.kv_dtype`).
+
 Nothing copies the whole batch when sequences join or leave. On CPU, given the longest
 context, the buffer is reserved once at ``max_running`` rows of it and takes memory only
 where rows write (:mod:`.reserve`); otherwise it grows by doubling (rows up to
@@ -79,6 +86,19 @@ from .speculative import Proposer
 logger = logging.getLogger(__name__)
 
 
+def _kv_dtype(model: Any, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The KV cache's dtype where it is not the model's (None: the model's); a
+    ``ValueError`` where the model's attention is not ``sdpa``, the one function that
+    reads it widened (:func:`.decode_attention.sdpa`)."""
+    if dtype is None or dtype == next(model.parameters()).dtype:
+        return None
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", decode_attention.ATTENTION):
+        raise ValueError(f"kv_cache_dtype {str(dtype).removeprefix('torch.')} needs the "
+                         f"model's attention to be sdpa, and it is {impl!r}")  # fmt: skip
+    return dtype
+
+
 class PaddedEngine(_Lean):
     """One model's continuous batching as one padded batch (module docstring; its
     attributes: :class:`.padded_state._State`; its parts: :class:`.padded_batch._Batch`,
@@ -100,6 +120,7 @@ class PaddedEngine(_Lean):
         adapters: tuple[Adapter, ...] = (),
         speculative: Proposer | None = None,
         seed: int | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.speculative = speculative
@@ -129,7 +150,8 @@ class PaddedEngine(_Lean):
         self.prefilled = 0
         self.shared = 0
         self.row_attention = decode_attention.usable(model) and row_attention is not False
-        if self.row_attention:
+        self.kv_dtype = _kv_dtype(model, kv_cache_dtype)
+        if self.row_attention or self.kv_dtype is not None:  # (sdpa reading the cache's dtype)
             model.set_attn_implementation(decode_attention.ATTENTION)
         self.lean = LeanDecoder.build(model) if lean is not False else None
         if adapters and self.lean is not None:

@@ -26,14 +26,18 @@ class SlabLayer(DynamicLayer):  # type: ignore[misc]
     """A cache layer writing into a preallocated buffer that grows by doubling, so a
     decode step appends in place instead of copying the whole cache (``DynamicLayer``);
     ``reserve``: columns to allocate at once (a prompt's length: no doubling while it
-    prefills). Only the columns written are ever read, so the buffer is not zeroed."""
+    prefills). Only the columns written are ever read, so the buffer is not zeroed.
+    ``dtype``: the buffer's (None: the keys' own; a ``kv_cache_dtype``: what is written
+    is rounded to it, and read so)."""
 
     def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                 length: int = 0, reserve: int = 0) -> None:  # fmt: skip
+                 length: int = 0, reserve: int = 0,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
         super().__init__()
         self._k = keys
         self._v = values
         self.reserve = reserve
+        self.kv_dtype = dtype
         if keys is not None and values is not None:
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
             self.device = keys.device
@@ -57,8 +61,9 @@ class SlabLayer(DynamicLayer):  # type: ignore[misc]
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
         cap = max(need, 2 * (self._k.shape[-2] if self._k is not None else 0), self.reserve, 64)
         n = self.get_seq_length()
-        new_k = k.new_empty((k.shape[0], k.shape[1], cap, k.shape[3]))
-        new_v = v.new_empty((v.shape[0], v.shape[1], cap, v.shape[3]))
+        dtype = self.kv_dtype or k.dtype
+        new_k = k.new_empty((k.shape[0], k.shape[1], cap, k.shape[3]), dtype=dtype)
+        new_v = v.new_empty((v.shape[0], v.shape[1], cap, v.shape[3]), dtype=dtype)
         if n:
             new_k[:, :, :n].copy_(self.keys)
             new_v[:, :, :n].copy_(self.values)
@@ -68,11 +73,14 @@ class SlabLayer(DynamicLayer):  # type: ignore[misc]
         return 0 if self.keys is None or not self.is_initialized else int(self.keys.shape[-2])
 
 
-def _cache(layers: list[Any] | None = None, reserve: int = 0) -> Cache:
+def _cache(
+    layers: list[Any] | None = None, reserve: int = 0, dtype: torch.dtype | None = None
+) -> Cache:
     """A cache of ``layers``, or one whose :class:`SlabLayer` layers are made as the
-    forward reaches them, each reserving ``reserve`` columns."""
+    forward reaches them, each reserving ``reserve`` columns of ``dtype``."""
     if layers is None:
-        return Cache(layer_class_to_replicate=functools.partial(SlabLayer, reserve=reserve))
+        return Cache(layer_class_to_replicate=functools.partial(
+            SlabLayer, reserve=reserve, dtype=dtype))  # fmt: skip
     return Cache(layers=layers)
 
 
@@ -105,7 +113,8 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
 
     def reserve(self, like: torch.Tensor, rows: int, width: int) -> None:
         """Room for ``rows`` rows of ``width`` columns (``like``: a ``1 x heads x n x
-        head_dim`` cache tensor giving heads, head size, dtype and device)."""
+        head_dim`` cache tensor giving heads, head size, dtype and device: a prefilled
+        sequence's, so the buffers keep the ``kv_cache_dtype`` its slab has)."""
         k = self._k
         if k is not None and k.shape[0] >= rows and k.shape[2] >= width:
             return
@@ -157,9 +166,11 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
             st.flat = ((row[:, None] * heads + head[None, :]) * capacity
                        + st.positions[:, None]).reshape(-1)  # fmt: skip
             st.capacity = capacity
-        # one row copy per (row, head): index_copy_ on a flat view, not advanced indexing
-        self._k.view(-1, dim).index_copy_(0, st.flat, key_states.reshape(-1, dim))
-        self._v.view(-1, dim).index_copy_(0, st.flat, value_states.reshape(-1, dim))
+        # one row copy per (row, head): index_copy_ on a flat view, not advanced indexing;
+        # rounded to the buffers' dtype where it is a kv_cache_dtype (index_copy_ takes one)
+        kd = self._k.dtype
+        self._k.view(-1, dim).index_copy_(0, st.flat, key_states.reshape(-1, dim).to(kd))
+        self._v.view(-1, dim).index_copy_(0, st.flat, value_states.reshape(-1, dim).to(kd))
         self.keys = self._k[:rows, :, : st.width + 1]
         self.values = self._v[:rows, :, : st.width + 1]
         return self.keys, self.values

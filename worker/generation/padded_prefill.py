@@ -44,7 +44,7 @@ class _Prefill(_State):
                 twin = begun.get(seq.key)
                 if twin is not None and _same(twin, seq):
                     continue  # takes the twin's prefill when it ends (_share)
-                seq.cache = _cache(reserve=len(seq.tokens))
+                seq.cache = _cache(reserve=len(seq.tokens), dtype=self.kv_dtype)
                 if seq.score is None:
                     self._reuse(seq)
             begun.setdefault(seq.key, seq)

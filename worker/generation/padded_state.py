@@ -105,6 +105,12 @@ class _State:
     """The KV budget in tokens, for reserved buffers (None: no bound): what their rows
     may hold written before the pages no sequence needs are released (:mod:`.padded`'s
     docstring)."""
+    kv_dtype: torch.dtype | None
+    """The KV cache's dtype where it is not the model's (``kv_cache_dtype``: bfloat16;
+    None: the model's): keys and values are rounded to it wherever they are written (a
+    prefill's slab, the batch's rows, so the prefix cache's blocks too) and widened back
+    wherever they are read, so a sequence's tokens depend on its own tokens alone, not on
+    how its prefill was chunked, nor whether a prefix was cached."""
     _written: np.ndarray
     """Per buffer row, the columns written and not released since (reserved buffers)."""
     released_bytes: int

@@ -20,7 +20,8 @@ the blocks after it in any prompt: eviction takes a prompt's tail before its hea
 block held is reachable.
 
 Held blocks cost memory beyond the engine's KV budget: ``capacity`` tokens of keys and
-values (per token ``2 x layers x kv_heads x head_dim`` numbers of the model's dtype);
+values (per token ``2 x layers x kv_heads x head_dim`` numbers of the KV cache's dtype:
+the model's, or the engine's ``kv_cache_dtype``);
 each block is a copy of its own, freed when it is evicted (a store and a lookup cost about
 half a millisecond for a 512-token prompt of the benchmark's tiny model on this CPU).
 """

@@ -1,6 +1,6 @@
 """Which engine serves the text-generation runner's model, and building it: ``padded``
 where every layer attends to the whole context, else transformers' ``paged`` engine
-(:func:`why_windowed`); the padded engine's prefix cache and speculation.
+(:func:`why_windowed`); the padded engine's prefix cache, KV cache dtype and speculation.
 
 Startup only: nothing here runs per request or per step.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..generation.speculative import DraftConfig, NgramConfig, Proposer, parse
 from .gen_options import flag
@@ -19,6 +21,11 @@ if TYPE_CHECKING:
     from ..generation.lora import Adapter
 
 logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}
+"""``options.kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype``; ``auto``: the model's
+dtype) and the dtype each keeps keys and values in. No fp8: the padded engine's attention
+reads float32 or bfloat16."""
 
 
 def why_windowed(config: Any, context: int) -> str | None:
@@ -64,6 +71,22 @@ class EngineSetup(RunnerState):
         ):
             raise ValueError(f"options.prefix_cache_tokens: {self.prefix_cache_tokens} (at least 0, "
                              "and only with engine 'padded')")  # fmt: skip
+        self._read_kv_cache_dtype(opts.get("kv_cache_dtype", "auto"), windowed)
+
+    def _read_kv_cache_dtype(self, value: Any, windowed: str | None) -> None:
+        """``options.kv_cache_dtype`` checked: ``auto`` (the model's dtype) or ``bfloat16``,
+        which only the padded engine takes (transformers' paged engine keeps its cache in
+        the model's dtype) where it is not the model's."""
+        if not isinstance(value, str) or value not in KV_CACHE_DTYPES:
+            raise ValueError(f"options.kv_cache_dtype: {value!r} is not one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")  # fmt: skip
+        dtype = KV_CACHE_DTYPES[value] or self.dtype
+        if dtype != self.dtype and self.engine_kind != "padded":
+            why = f" (this model {windowed})" if windowed else ""
+            raise ValueError(f"options.kv_cache_dtype: {value!r} needs the padded engine, and "
+                             f"this model runs on the paged engine{why}, whose cache has the "
+                             f"model's dtype ({str(self.dtype).removeprefix('torch.')})")  # fmt: skip
+        self.kv_cache_dtype = dtype
 
     def _speculative(self, raw: Any, engine: Any) -> NgramConfig | DraftConfig | None:
         """``options.speculative`` checked (a ``ValueError`` says what is wrong); None where
@@ -108,7 +131,7 @@ class EngineSetup(RunnerState):
                             resident_tokens=self.kv_cache_tokens,
                             prefix_cache=prefix, adapters=adapters,
                             speculative=self._proposer(lean),
-                            seed=self.seed)  # fmt: skip
+                            seed=self.seed, kv_cache_dtype=self.kv_cache_dtype)  # fmt: skip
 
     def _paged_engine(self, opts: dict[str, Any], adapters: tuple[Adapter, ...]) -> Engine:
         """Transformers' paged engine: ``kv_cache_tokens`` in blocks of ``page_size``, its

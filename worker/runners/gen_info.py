@@ -19,6 +19,7 @@ class Info(Controls):
             "runner": self.name, "engine": self.engine_kind, "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
             "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
+            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "step_tokens": self.step_tokens, "max_running": self.max_running,
             "compile_threads": self.compile_threads,
             "decode": "lean" if getattr(self.engine, "lean", None) is not None else "transformers",

@@ -197,6 +197,9 @@ class RunnerState:
     max_running: int
     compile_threads: int
     prefix_cache_tokens: int
+    kv_cache_dtype: torch.dtype
+    """What the KV cache holds keys and values in (``options.kv_cache_dtype``: the model's
+    dtype, or bfloat16)."""
     max_lora_rank: int
     seed: int | None
     engine_kind: str

@@ -16,6 +16,9 @@ sliding-window and hybrid models, which ``padded`` refuses; ``cuda_graphs``,
 default false: its steps replayed as CUDA graphs), ``lean_decode``
 (default true: the padded engine's steps run Llama-family models without
 transformers' module stack, :mod:`..generation.lean_decode`; false: their own forwards),
+``kv_cache_dtype`` (``auto``, the default: the model's dtype; ``bfloat16``, padded
+engine: keys and values kept in bfloat16, half the memory and the bytes the decode
+attention reads; vLLM's ``--kv-cache-dtype``),
 ``prefix_cache_tokens`` (padded engine, default ``kv_cache_tokens / 8``, 0: off; the
 keys and values of recent prompts' leading blocks of ``page_size`` tokens kept, up to
 this many tokens, so a prompt that begins like one of them prefills only the rest:
