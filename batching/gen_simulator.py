@@ -181,9 +181,9 @@ def simulate_generation(
                 continue
             live = waiting.pop(key)
             end(key, "stopped" if live.first_token is not None else "expired")
-        for key, seqs in plan.preempt_seqs:
-            preemptions += len(seqs)  # per sequence, as vLLM counts its child requests
-            running[key].park(seqs)
+        for key, ids in plan.preempt_seqs:
+            preemptions += len(ids)  # per sequence, as vLLM counts its child requests
+            running[key].park(ids)
         for key in plan.preempt:
             preemptions += len(running[key].alive)
             waiting[key] = running.pop(key)
