@@ -1,7 +1,8 @@
 """The generating scheduler (``worker/gen_scheduler.py``) with sequences preempted alone:
 a squeeze frees a child of an ``n > 1`` request, which waits under its own key while its
 siblings run on, resumes into its request when there is room (again if the step resuming
-it is withdrawn), counts among the waiting sequences, and ends with its request once."""
+it is withdrawn), counts among the waiting sequences, and ends with its request once; a
+failed hand-off fails such a request as one still running."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from batchfleet.batching.generation import GenerationPolicy, GenPolicy
 from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.answers import Held
+from batchfleet.worker.executor import unfinished_failed
 from batchfleet.worker.gen_scheduler import GenScheduler
-from batchfleet.worker.runner import Final, Preempted, Prepared, Progress, StepReport
+from batchfleet.worker.runner import Failed, Final, Preempted, Prepared, Progress, StepReport, Work
 from batchfleet.worker.streams import Entry
 
 
@@ -94,3 +96,12 @@ def test_a_request_cancelled_with_a_child_waiting_ends_once_and_the_child_never_
     assert step is not None and step.stop == (("par", "cancelled"),) and step.resume == ()
     s.finished(step.step_id, StepReport(events=[Final("par", [])]), 1.3, 1.4)
     assert "par" not in s.running and s.children.waiting == {}
+
+
+def test_a_failed_hand_off_fails_a_request_with_a_child_freed_alone_it_runs_on() -> None:
+    # (a request preempted whole left the runner: nothing of it is left to fail)
+    report = StepReport(events=[Preempted("a", (5,), 3, (1,), alone=True, freed=1),
+                                Preempted("b", (5, 5), 3, (0, 1))])  # fmt: skip
+    out = unfinished_failed(Work("s", ()), report, RuntimeError("sink down"))
+    assert [ev.key for ev in out.events if isinstance(ev, Failed)] == ["a"]
+    assert out.abandoned == ("a",)

@@ -13,9 +13,14 @@ from devices import DEVICE
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.batching.generation import GenerationPolicy  # noqa: E402
+from batchfleet.batching.types import Waiting  # noqa: E402
 from batchfleet.schemas.messages import Request  # noqa: E402
+from batchfleet.worker.answers import Held  # noqa: E402
+from batchfleet.worker.gen_scheduler import GenScheduler  # noqa: E402
 from batchfleet.worker.runner import Final, Partial, Preempted, Prepared, Work  # noqa: E402
 from batchfleet.worker.runners.generation import TextGenerationRunner  # noqa: E402
+from batchfleet.worker.streams import Entry  # noqa: E402
 from tiny_models import make_causal_lm  # noqa: E402
 
 PROMPT = "the man was"
@@ -28,8 +33,11 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(params=["padded", "paged"])
 def runner(lm_dir: Path, request: pytest.FixtureRequest) -> TextGenerationRunner:
-    opts = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64, "max_running": 16,
-            "engine": request.param}  # fmt: skip
+    """``tight``: the padded engine with a cache of 10 blocks of 16 tokens."""
+    opts: dict[str, Any] = {"kv_cache_tokens": 2048, "page_size": 16, "step_tokens": 64,
+                            "max_running": 16, "engine": request.param}  # fmt: skip
+    if request.param == "tight":
+        opts.update(engine="padded", kv_cache_tokens=160, prefix_cache_tokens=0)
     return TextGenerationRunner(lm_dir, device=DEVICE, dtype="float32", options=opts)
 
 
@@ -119,3 +127,51 @@ def test_a_request_stopped_with_a_sequence_parked_ends_once_with_every_text(
     assert first["finish_reason"] == second["finish_reason"] == "cancelled"
     assert 0 < first["completion_tokens"] < second["completion_tokens"] < 20
     assert not runner._reqs and not runner._by_seq
+
+
+def _held(runner: TextGenerationRunner, key: str, lane: int, at: float, **kw: Any) -> Held:
+    req = Request(id=key, model="lm", **kw)
+    (prep,) = runner.prepare_many([req])
+    assert isinstance(prep, Prepared)
+    return Held(Entry(lane, key, {}), req, "msgpack", prep,
+                Waiting(key, lane, at, prep.tokens, prep.rows), at)  # fmt: skip
+
+
+def _serve(runner: TextGenerationRunner, top_at: int | None) -> tuple[Final, list[Preempted]]:
+    """The scheduler and the runner in virtual time: a lane-2 request of n = 4 decoding,
+    and (at step ``top_at``) a lane-0 request of 40 prompt tokens that does not fit."""
+    s = GenScheduler(GenerationPolicy(runner.generation_policy(3, (4.0, 2.0, 1.0), 2000.0)))
+    s.admit(_held(runner, "par", 2, 0.0, inputs=[PROMPT], n=4, max_new_tokens=24,
+                  temperature=0.3, seed=5))  # fmt: skip
+    finals: dict[str, Final] = {}
+    preempted: list[Preempted] = []
+    now = 0.0
+    for i in range(200):
+        if i == top_at:
+            s.admit(_held(runner, "top", 0, now, inputs=[" ".join(["a b"] * 20)],
+                          max_new_tokens=4))  # fmt: skip
+        step = s.decide(now).step
+        if step is None:
+            break
+        report = runner.step(step.work())
+        report.settle()
+        s.finished(step.step_id, report, now, now + 0.01)
+        now += 0.01
+        finals |= {ev.key: ev for ev in report.events if isinstance(ev, Final)}
+        preempted += [ev for ev in report.events if isinstance(ev, Preempted)]
+    assert set(finals) == ({"par", "top"} if top_at is not None else {"par"})
+    assert not s.running and not s.held and not s.children.waiting
+    return finals["par"], preempted
+
+
+@pytest.mark.parametrize("runner", ["tight"], indirect=True)
+def test_a_squeeze_through_the_scheduler_frees_one_child_and_its_text_is_kept(
+    runner: TextGenerationRunner,
+) -> None:
+    # 10 blocks of 16 tokens: "par"'s four sequences take 8, the lane-0 prompt needs 3.
+    alone, none = _serve(runner, None)
+    squeezed, freed = _serve(runner, 14)
+    assert none == [] and freed and all(ev.alone for ev in freed)
+    assert sum(ev.sequences for ev in freed) < 4  # never all four at once
+    assert [o["text"] for o in squeezed.outputs] == [o["text"] for o in alone.outputs]
+    assert [o["completion_tokens"] for o in squeezed.outputs] == [24] * 4

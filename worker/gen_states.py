@@ -1,10 +1,10 @@
 """A generating request's state in its scheduler, and how the admission policy sees it.
 
-A request runs (:class:`Running`), or is preempted whole (:class:`Resume`: it waits again, all its unfinished
-sequences) or a sequence at a time (:class:`Child`: as vLLM preempts a child request of
-``n > 1``, the others run on), each such sequence waiting on its own under a key of its
-own, :func:`child_key`, and resuming into its running request. Pure state of the loop
-thread, kept by :class:`~.gen_scheduler.GenScheduler`.
+A request runs (:class:`Running`), or is preempted whole (:class:`Resume`: it waits
+again, all its unfinished sequences) or a sequence at a time (:class:`Child`: as vLLM
+preempts a child request of ``n > 1``, the others run on), each such sequence waiting on
+its own under a key of its own, :func:`child_key`, and resuming into its running request.
+Pure state of the loop thread, kept by :class:`~.gen_scheduler.GenScheduler`.
 """
 
 from __future__ import annotations
