@@ -15,31 +15,18 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .gen_sim_live import GenRequest, Live, child_key
 from .generation import (
     GenerationPolicy,
     GenPolicy,
-    GenRunning,
-    GenWaiting,
     schedule_step,
     step_blocks,
 )
 from .report import percentile
 
-
-@dataclass(frozen=True, slots=True)
-class GenRequest:
-    """One request of a trace: its sequences' prompts and the lengths they will generate."""
-
-    key: str
-    lane: int
-    arrived: float
-    prompts: tuple[int, ...]
-    max_new_tokens: int
-    lengths: tuple[int, ...]
-    """Tokens each sequence generates before it stops by itself (each <= max_new_tokens)."""
-    deadline: float | None = None
+__all__ = ["GenRequest", "GenSimReport", "StepCost", "gen_poisson", "simulate_generation"]
 
 
 def gen_poisson(
@@ -50,6 +37,7 @@ def gen_poisson(
     prompt: tuple[int, int] = (8, 512),
     output: tuple[int, int] = (8, 256),
     inputs: tuple[int, int] = (1, 1),
+    completions: tuple[int, int] = (1, 1),
     deadline_s: tuple[float, float] | None = None,
     start: float = 0.0,
     prefix: str = "g",
@@ -57,7 +45,8 @@ def gen_poisson(
 ) -> list[GenRequest]:
     """``n`` Poisson arrivals at ``rate``/s over lanes drawn with weights ``lanes``:
     prompts and ``max_new_tokens`` uniform in their ranges, each sequence finishing at a
-    uniform length in ``1..max_new_tokens``; ``deadline_s``: a deadline that far after
+    uniform length in ``1..max_new_tokens``; ``completions``: ``n`` per input, uniform in
+    the range (its sequences share their input's prompt); ``deadline_s``: a deadline that far after
     arrival (uniform in the range) on every request."""
     rng = random.Random(seed)
     t = start
@@ -68,17 +57,10 @@ def gen_poisson(
         k = rng.randint(*inputs)
         max_new = rng.randint(*output)
         deadline = None if deadline_s is None else t + rng.uniform(*deadline_s)
-        out.append(
-            GenRequest(
-                f"{prefix}{i}",
-                lane,
-                t,
-                tuple(rng.randint(*prompt) for _ in range(k)),
-                max_new,
-                tuple(rng.randint(1, max_new) for _ in range(k)),
-                deadline,
-            )
-        )
+        each = rng.randint(*completions) if completions != (1, 1) else 1
+        prompts = tuple(p for _ in range(k) for p in (rng.randint(*prompt),) * each)
+        lengths = tuple(rng.randint(1, max_new) for _ in prompts)
+        out.append(GenRequest(f"{prefix}{i}", lane, t, prompts, max_new, lengths, deadline))
     return out
 
 
@@ -146,78 +128,6 @@ class GenSimReport:
         return "\n".join([head, *rows, tail])
 
 
-@dataclass(slots=True)
-class _Live:
-    """A request's progress: what it generated, and this run's prefill."""
-
-    req: GenRequest
-    generated: list[int]
-    fill: list[int] = field(default_factory=list)
-    """Tokens to prefill in this run, per unfinished sequence index."""
-    prefilled: list[int] = field(default_factory=list)
-    run_generated: list[int] = field(default_factory=list)
-    alive: list[int] = field(default_factory=list)
-    """Indices of the sequences not finished."""
-    started_at: float = 0.0
-    first_admit: float | None = None
-    first_token: float | None = None
-    preempted: int = 0
-
-    def as_waiting(self) -> GenWaiting:
-        r = self.req
-        return GenWaiting(
-            r.key,
-            r.lane,
-            r.arrived,
-            r.deadline,
-            tuple(r.prompts[i] + self.generated[i] for i in self.alive),
-            max(r.max_new_tokens - self.generated[i] for i in self.alive),
-        )
-
-    def start(self, now: float) -> None:
-        self.fill = [self.req.prompts[i] + self.generated[i] for i in self.alive]
-        self.prefilled = [0] * len(self.alive)
-        self.run_generated = [0] * len(self.alive)
-        self.started_at = now
-        if self.first_admit is None:
-            self.first_admit = now
-
-    def as_running(self) -> GenRunning:
-        r = self.req
-        return GenRunning(
-            r.key,
-            r.lane,
-            r.arrived,
-            r.deadline,
-            self.started_at,
-            tuple(p + g for p, g in zip(self.prefilled, self.run_generated, strict=True)),
-            tuple(f - p for f, p in zip(self.fill, self.prefilled, strict=True)),
-            max(r.max_new_tokens - self.generated[i] for i in self.alive),
-            self.preempted,
-        )
-
-    def advance(self, chunks: tuple[int, ...], now: float) -> None:
-        """Apply one step: prefill chunks, a token when a prompt completes or per decode."""
-        keep: list[int] = []
-        for j, add in enumerate(chunks):
-            i = self.alive[j]
-            if self.prefilled[j] < self.fill[j]:
-                self.prefilled[j] += add
-                if self.prefilled[j] < self.fill[j]:
-                    keep.append(j)
-                    continue
-            self.run_generated[j] += 1
-            self.generated[i] += 1
-            if self.first_token is None:
-                self.first_token = now
-            if self.generated[i] < self.req.lengths[i]:
-                keep.append(j)
-        self.alive = [self.alive[j] for j in keep]
-        self.fill = [self.fill[j] for j in keep]
-        self.prefilled = [self.prefilled[j] for j in keep]
-        self.run_generated = [self.run_generated[j] for j in keep]
-
-
 def simulate_generation(
     trace: Sequence[GenRequest],
     policy: GenPolicy,
@@ -229,9 +139,9 @@ def simulate_generation(
     cost = cost or StepCost()
     gen = GenerationPolicy(policy)
     pending = deque(sorted(trace, key=lambda r: r.arrived))
-    lives: dict[str, _Live] = {}
-    waiting: dict[str, _Live] = {}
-    running: dict[str, _Live] = {}
+    lives: dict[str, Live] = {}
+    waiting: dict[str, Live] = {}
+    running: dict[str, Live] = {}
     outcome: dict[str, str] = {}
     violations: list[str] = []
     now = pending[0].arrived if pending else 0.0
@@ -246,30 +156,46 @@ def simulate_generation(
     while pending or waiting or running:
         while pending and pending[0].arrived <= now:
             req = pending.popleft()
-            live = _Live(req, [0] * len(req.prompts), alive=list(range(len(req.prompts))))
+            live = Live(req, [0] * len(req.prompts), alive=list(range(len(req.prompts))))
             lives[req.key] = waiting[req.key] = live
         if not waiting and not running:
             now = pending[0].arrived
             continue
+        children = {w.key: (w, r) for r in running.values() for w in r.children()}
         plan = gen.plan(
-            [w.as_waiting() for w in waiting.values()],
+            [*(w.as_waiting() for w in waiting.values()), *(w for w, _ in children.values())],
             [r.as_running() for r in running.values()],
             now,
         )
-        _check_plan(
-            plan.admit + plan.expire, plan.preempt + plan.stop, waiting, running, violations
-        )
+        parts = tuple(k for k, _ in plan.preempt_seqs)
+        _check_plan(plan.admit + plan.expire, plan.preempt + plan.stop + parts,
+                    {*waiting, *children}, running, violations)  # fmt: skip
         for key in plan.stop:
             end(key, "stopped")
             del running[key]
         for key in plan.expire:
+            if key in children:  # a sequence alone outgrew the cache: its request stops
+                parent = children[key][1].req.key
+                if running.pop(parent, None) is not None:
+                    end(parent, "stopped")
+                continue
             live = waiting.pop(key)
             end(key, "stopped" if live.first_token is not None else "expired")
+        for key, ids in plan.preempt_seqs:
+            preemptions += len(ids)  # per sequence, as vLLM counts its child requests
+            running[key].park(ids)
         for key in plan.preempt:
-            preemptions += 1
+            preemptions += len(running[key].alive)
             waiting[key] = running.pop(key)
-            waiting[key].preempted += 1
+            waiting[key].park_all()
         for key in plan.admit:
+            if key in children:
+                w, live = children[key]
+                if w.parent not in running or w.parent in parts + plan.preempt:
+                    violations.append(f"{key} resumed into {w.parent}, not running on")
+                    continue
+                live.resume(next(i for i in live.parked if child_key(live.req.key, i) == key))
+                continue
             live = waiting.pop(key)
             live.start(now)
             running[key] = live
@@ -306,7 +232,7 @@ def simulate_generation(
         for key in list(running):
             live = running[key]
             live.advance(chunks[key], now)
-            if not live.alive:
+            if live.done:
                 end(key, "finished")
                 del running[key]
 
@@ -333,8 +259,8 @@ def simulate_generation(
 def _check_plan(
     from_waiting: tuple[str, ...],
     from_running: tuple[str, ...],
-    waiting: dict[str, _Live],
-    running: dict[str, _Live],
+    waiting: set[str],
+    running: dict[str, Live],
     violations: list[str],
 ) -> None:
     keys = from_waiting + from_running
@@ -346,8 +272,8 @@ def _check_plan(
         violations.append(f"unknown keys planned: {unknown}")
 
 
-def _lane_reports(lives: dict[str, _Live], outcome: dict[str, str]) -> tuple[GenLaneReport, ...]:
-    by_lane: dict[int, list[_Live]] = {}
+def _lane_reports(lives: dict[str, Live], outcome: dict[str, str]) -> tuple[GenLaneReport, ...]:
+    by_lane: dict[int, list[Live]] = {}
     for live in lives.values():
         by_lane.setdefault(live.req.lane, []).append(live)
     out = []

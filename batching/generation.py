@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .gen_victims import Victim, by_order, cover, grouped, victims
 from .lanes import LaneScheduler, group_by_lane, lane_weight
 from .types import Policy, Waiting
 
@@ -57,6 +58,9 @@ class GenWaiting:
     admitted (``max_new_tokens`` 0: the prompt only, not scored)."""
     max_new_tokens: int
     """Tokens each sequence may still generate."""
+    parent: str | None = None
+    """A sequence preempted alone (:attr:`GenPlan.preempt_seqs`): the running request it
+    resumes into. Never admitted by a plan that stops or frees its parent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +80,11 @@ class GenRunning:
     max_new_tokens_left: int
     """The most tokens any of its sequences may still generate."""
     preempted: int = 0
-    """Times it was preempted before (and resumed)."""
+    """Times it (or one of its sequences) was preempted before (and resumed)."""
+    seqs: tuple[int, ...] = ()
+    """Ids of its sequences, as ``contexts``: each is preempted on its own, as vLLM preempts
+    the child requests of ``n > 1``, the last first (:mod:`.gen_victims`); empty: the
+    request is preempted whole (a beam search's rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +131,14 @@ class GenPolicy:
 
 @dataclass(frozen=True, slots=True)
 class GenPlan:
-    """What to do before the next step. A key is in at most one of the four lists.
+    """What to do before the next step. A key is in at most one of the five lists.
 
     ``admit``: waiting keys to start now, in order (their prefill is chunked by
     :func:`schedule_step`). ``preempt``: running keys to free now; they go back to waiting
-    and resume by recomputation (prompt + what they generated). ``stop``: running keys to
+    and resume by recomputation (prompt + what they generated). ``preempt_seqs``: running
+    keys and some of their :attr:`~GenRunning.seqs` to free now, the others running on;
+    each such sequence waits on its own (a :class:`GenWaiting` with ``parent``) and
+    resumes by recomputation into its request. ``stop``: running keys to
     end now with what they generated: ``finish_reason = "deadline"`` when their deadline
     has passed, ``"length"`` when one alone outgrew the KV cache. ``expire``: waiting keys
     that end without running: their deadline passed (answered ``expired``; the policy
@@ -142,6 +153,7 @@ class GenPlan:
     stop: tuple[str, ...] = ()
     expire: tuple[str, ...] = ()
     wake_at: float | None = None
+    preempt_seqs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def blocks_for(tokens: int, page_size: int) -> int:
@@ -242,7 +254,8 @@ class GenerationPolicy:
         1. Deadlines: running past theirs are stopped, waiting past theirs expire
            (``deadline <= now``).
         2. Memory short: while the running requests' reserved blocks exceed the cache,
-           or their sequences ``max_running``, preempt the lowest lane, latest started;
+           or their sequences ``max_running``, preempt the lowest lane, latest started,
+           a sequence at a time where a request names them (:mod:`.gen_victims`);
            such a plan admits nothing.
         3. Admission in lane order (:class:`~.lanes.LaneScheduler`: strict priority,
            oldest first, starving lower lanes promoted and metered by lane weight) while
@@ -277,6 +290,8 @@ class GenerationPolicy:
         candidates: list[GenWaiting] = []
         room = total - pol.watermark_blocks
         for w in waiting:  # (every waiting request, every step: kept to plain arithmetic)
+            if w.parent is not None and w.parent in stop:
+                continue  # a sequence of a request that ends now: it ends with it
             if (
                 (w.deadline is not None and w.deadline <= now)
                 or len(w.prompts) > pol.max_running
@@ -286,24 +301,25 @@ class GenerationPolicy:
             else:
                 candidates.append(w)
 
-        # 2. Memory (or slots, after a set_policy) short: free the lowest lane, latest started.
-        preempt: list[str] = []
+        # 2. Memory (or slots, after a set_policy) short: free the lowest lane, latest
+        # started, a sequence at a time (vLLM preempts each child of ``n > 1``).
+        freed: list[Victim] = []
         if used > total or seqs > pol.max_running:
-            for r in _victims(live):
+            for v in victims(by_order(live), page):
                 if used <= total and seqs <= pol.max_running:
                     break
-                preempt.append(r.key)
-                used -= reserved_blocks(r, page)
-                seqs -= len(r.contexts)
-        gone = set(preempt)
-        kept = [r for r in live if r.key not in gone] if gone else live
+                freed.append(v)
+                used -= v.blocks
+                seqs -= v.slots
 
         # As vLLM: no admission in a plan that had to preempt for growth (the victims
         # would come back behind what took their memory).
-        admit = [] if preempt else self._admit(candidates, kept, used, seqs, now, slack, preempt)
+        admit = [] if freed else self._admit(candidates, live, used, seqs, now, slack, freed)
 
-        wake = _wake_at(candidates, live, admit, set(preempt), now, bound - slack)
-        return GenPlan(tuple(admit), tuple(preempt), tuple(stop), tuple(expire), wake)
+        preempt, preempt_seqs = grouped(freed)
+        gone = set(preempt) | {k for k, _ in preempt_seqs}
+        wake = _wake_at(candidates, live, admit, gone, now, bound - slack)
+        return GenPlan(tuple(admit), preempt, tuple(stop), tuple(expire), wake, preempt_seqs)
 
     def _admit(
         self,
@@ -313,7 +329,7 @@ class GenerationPolicy:
         seqs: int,
         now: float,
         slack: float,
-        preempt: list[str],
+        preempt: list[Victim],
     ) -> list[str]:
         """Admit in lane order while it fits; ``preempt`` grows with lane 0's victims."""
         pol = self._policy
@@ -346,15 +362,17 @@ class GenerationPolicy:
         promote_after = pol.max_starvation_ms / 1000.0 - slack
         bound = pol.max_starvation_ms / 1000.0
         lost = any(w.arrived <= now - bound for w in promoted)
-        victims: list[GenRunning] = []
-        promoted_victims: list[GenRunning] = []
-        for r in _victims(live):
+        lower: list[GenRunning] = []
+        promoted_lower: list[GenRunning] = []
+        for r in by_order(live):
             if r.lane == 0:
                 continue
             if r.started_at < r.arrived_at + promote_after:
-                victims.append(r)
+                lower.append(r)
             elif lost and r.preempted == 0:
-                promoted_victims.append(r)
+                promoted_lower.append(r)
+        ours = victims(lower, page)
+        promoted_victims = victims(promoted_lower, page)
 
         admit: list[str] = []
         promoted_rows: dict[int, int] = {}
@@ -371,20 +389,22 @@ class GenerationPolicy:
             else:
                 item = low_q.popleft()
             w = by_key[item.key]
+            if w.parent is not None and any(v.run.key == w.parent for v in preempt):
+                continue  # its request is being freed by this plan: not back into it now
             need = admission_blocks(w, page)
             n = len(w.prompts)
             ahead = sum(v for lane, v in backlog.items() if lane <= w.lane)
             tokens = sum(w.prompts)
             fits = not (ahead and ahead + tokens > prefill_cap)
-            freed: list[GenRunning] | None = []
+            freed: list[Victim] | None = []
             made_room = on_credit = False
             if fits and (used + need > room or seqs + n > pol.max_running):
                 freed = None
                 if w.lane == 0:
                     short = (used + need - room, seqs + n - pol.max_running)
-                    freed = _lane0_victims(victims, *short, page)
+                    freed = cover(ours, *short)
                     if freed is None and has_credit and promoted_victims:
-                        freed = _lane0_victims(victims + promoted_victims, *short, page)
+                        freed = cover(ours + promoted_victims, *short)
                         on_credit = freed is not None
             if not fits or freed is None:
                 if jumped:  # the starving requests it went ahead of may fit: back in line
@@ -395,7 +415,7 @@ class GenerationPolicy:
                     # A promoted request that does not fit blocks the line; lane 0 behind it
                     # (no credit) may still go by freeing at least all it takes from lower
                     # lanes: the promoted request then waits for no less than before.
-                    made = _lane0_room(by_key[top_q[0].key], victims, used, seqs, backlog, pol)
+                    made = _lane0_room(by_key[top_q[0].key], ours, used, seqs, backlog, pol)
                     if made is not None:
                         promoted_q.appendleft(item)
                         item, freed = top_q.popleft(), made
@@ -405,12 +425,12 @@ class GenerationPolicy:
                 if not made_room:
                     break
             if freed:
-                for r in freed:
-                    (victims if r in victims else promoted_victims).remove(r)
-                    preempt.append(r.key)
-                    used -= reserved_blocks(r, page)
-                    seqs -= len(r.contexts)
-                    backlog[r.lane] -= sum(r.prefill_left)
+                for v in freed:
+                    (ours if v in ours else promoted_victims).remove(v)
+                    preempt.append(v)
+                    used -= v.blocks
+                    seqs -= v.slots
+                    backlog[v.run.lane] -= v.prefill
             admit.append(w.key)
             used += need
             seqs += n
@@ -438,13 +458,13 @@ def _slots_full(candidates: Sequence[GenWaiting], seqs: int, max_running: int) -
 
 def _lane0_room(
     w: GenWaiting,
-    victims: list[GenRunning],
+    victims: list[Victim],
     used: int,
     seqs: int,
     backlog: dict[int, int],
     pol: GenPolicy,
-) -> list[GenRunning] | None:
-    """Lower-lane requests whose freeing covers all that lane-0 request ``w`` takes and
+) -> list[Victim] | None:
+    """Lower-lane sequences whose freeing covers all that lane-0 request ``w`` takes and
     lets it fit (so the resources anyone else waits for do not shrink); None if it cannot
     go that way (too few victims, or lane 0's own prefill backlog is full)."""
     page = pol.page_size
@@ -453,32 +473,7 @@ def _lane0_room(
     if ahead and ahead + tokens > PREFILL_STEPS * pol.step_tokens:
         return None
     room = pol.total_blocks - pol.watermark_blocks
-    return _lane0_victims(
-        victims, max(need, used + need - room), max(n, seqs + n - pol.max_running), page
-    )
-
-
-def _lane0_victims(
-    victims: list[GenRunning], blocks: int, slots: int, page: int
-) -> list[GenRunning] | None:
-    """The fewest lower-lane running requests, in preemption order, whose freeing covers
-    ``blocks`` and ``slots``; None if all of them together would not."""
-    taken: list[GenRunning] = []
-    for r in victims:
-        if blocks <= 0 and slots <= 0:
-            break
-        taken.append(r)
-        blocks -= reserved_blocks(r, page)
-        slots -= len(r.contexts)
-    if blocks > 0 or slots > 0:
-        return None
-    return taken
-
-
-def _victims(running: Iterable[GenRunning]) -> list[GenRunning]:
-    """Preemption order: lowest lane (highest number) first, then the latest started
-    (vLLM's rule; ties by key, so the order is deterministic)."""
-    return sorted(running, key=lambda r: (r.lane, r.started_at, r.key), reverse=True)
+    return cover(victims, max(need, used + need - room), max(n, seqs + n - pol.max_running))
 
 
 def _as_waiting(w: GenWaiting) -> Waiting:

@@ -71,6 +71,16 @@ def test_a_request_not_expected_or_ended_streams_nothing_and_a_resumed_one_numbe
     assert [x for kind, x in rec.log if kind == "step"] == ["s1", "s2", "s3", "s4"]
 
 
+def test_a_sequence_preempted_alone_leaves_its_request_streaming_and_numbering_on() -> None:
+    # (its siblings run on; when it resumes its deltas follow its last one, nothing resent)
+    rec = Recorded()
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a")])
+    w.post(step("s1", Partial("a", chunk("x")), Preempted("a", (5,), 3, (1,), alone=True)))
+    w.post(step("s2", Partial("a", chunk("y"))))
+    assert [x for kind, x in rec.log if kind == "delta"] == [("id-a", 1, "x"), ("id-a", 2, "y")]
+
+
 def test_the_runner_finishes_its_report_after_the_deltas_and_before_the_loop_has_it() -> None:
     rec = Recorded()
     w = DeltaWriter(rec.stream, rec.then)

@@ -397,7 +397,7 @@ def test_progress_counts_each_unfinished_sequence_and_the_most_new_tokens_left(
     report.settle()
     assert report.progress["one"] == Progress((64,), (n - 64,), 6)  # the step's budget: 64
     assert report.progress["pair"] == Progress(
-        (0, 0), tuple(len(p) for p in pair.payload.prompts), 6
+        (0, 0), tuple(len(p) for p in pair.payload.prompts), 6, (0, 1)
     )
     made = {("one", 0): 0, ("pair", 0): 0, ("pair", 1): 0}
     checked = 0

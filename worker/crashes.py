@@ -73,7 +73,7 @@ class Crashes:
             if isinstance(ev, Final | Failed):
                 self._held.discard(ev.key)
                 self._parked.discard(ev.key)
-            elif isinstance(ev, Preempted):
+            elif isinstance(ev, Preempted) and not ev.alone:  # (alone: it runs on)
                 self._parked.add(ev.key)
 
     def _lost(self, work: Work, report: StepReport) -> None:

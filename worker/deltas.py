@@ -38,7 +38,7 @@ from ..schemas.codec import (
 )
 from ..schemas.messages import Format
 from .inbox import DeviceStopped, StepDone
-from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
+from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport, leaves
 from .streamed import Streamed
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class DeltaWriter:
                     seq = seqs[ev.key] + 1
                     out.append(t.delta(seq, ev.chunk))
                     seqs[ev.key] = seq
-                elif isinstance(ev, Final | Failed | Preempted):
+                elif leaves(ev):
                     ended = True
             # sent before the step's end reaches the loop, which ends streams (the sink
             # reads Redis's answer to this before it writes anything the loop hands it)
@@ -189,7 +189,7 @@ class DeltaWriter:
     def _forget_ended(self, events: Sequence[StepEvent]) -> None:
         """The requests these events end stream no more (a resumed one is expected again)."""
         for ev in events:
-            if isinstance(ev, Final | Failed | Preempted) and ev.key in self._to:
+            if leaves(ev) and ev.key in self._to:
                 del self._to[ev.key], self._seq[ev.key]
 
     def _unstreamed(self, report: StepReport, message: str) -> None:
@@ -205,7 +205,7 @@ class DeltaWriter:
         for ev in events:
             if ev.key not in lost:
                 kept.append(ev)
-            elif isinstance(ev, Final | Preempted):
+            elif isinstance(ev, Final) or (isinstance(ev, Preempted) and not ev.alone):
                 kept.append(Failed(ev.key, message))
                 if isinstance(ev, Preempted):
                     parked.append(ev.key)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from .crashes import Crashes
 from .inbox import DeviceStopped, StepDone
-from .runner import Failed, Final, Preempted, Runner, StepReport, Work
+from .runner import Failed, Runner, StepReport, Work, leaves
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def unfinished_failed(work: Work, report: StepReport, exc: BaseException) -> Ste
     for the loop to stop in the runner with its next step (a generator would otherwise run
     them on, unaccounted). A running request the step did not name (it streams nothing)
     runs on: nothing of it was lost but its progress, which the next report gives whole."""
-    ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
+    ended = {ev.key for ev in report.events if leaves(ev)}
     message = f"finishing the step failed: {_message(exc)}"
     failed: dict[str, Failed] = {}
     for key in [k for k, _ in work.admit] + [ev.key for ev in report.events]:

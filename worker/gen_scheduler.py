@@ -21,56 +21,24 @@ stop or a preemption is never asked twice; a request its runner ends anyway (a s
 of memory parked it) is still answered once. The loop takes the queued step back
 (:meth:`withdraw`) and plans it again when a request comes that may join it or a client
 cancels, unless the device has started it.
+
+The policy preempts a request whole or some of its sequences alone (vLLM's child requests
+of ``n > 1``): those wait on their own and resume into their request (:mod:`.gen_states`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ..batching.generation import GenerationPolicy, GenPolicy, GenRunning, GenWaiting
+from ..batching.generation import GenerationPolicy, GenPolicy
 from ..batching.types import Batch
 from .answers import Held
+from .gen_states import Children, Resume, Running, WaitingViews, prompts_of, running_view
 from .runner import LOST, Failed, Final, Preempted, Progress, StepReport
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
-
-
-@dataclass(slots=True)
-class Running:
-    """A request on the device, and what the loop tracks of it."""
-
-    held: Held
-    started_at: float
-    progress: Progress
-    seq: int = 0
-    """Deltas sent so far (the last one's ``seq``)."""
-    first_token_at: float | None = None
-    """When the step that generated its first token ended (a runner that does not report
-    the tokens of each step: its first delta's)."""
-    last_token_at: float | None = None
-    """When the last step that gave it tokens ended (inter-token latency)."""
-    preempted: int = 0
-    """Times it was preempted before."""
-    resumed: Resume | None = None
-    """Its state when it waited preempted, until the step resuming it runs."""
-    lost: bool = False
-    """Another worker took it over: it ends with the next step, unanswered."""
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """A preempted request's state when it waits again."""
-
-    prompts: tuple[int, ...]
-    max_new_tokens: int
-    first_token_at: float | None
-    last_token_at: float | None
-    seq: int
-    started_at: float
-    preempted: int = 1
-    """Times it was preempted, this one included."""
 
 
 class GenScheduler:
@@ -101,8 +69,9 @@ class GenScheduler:
         """The queued step's id and the policy's credit before it was planned."""
         self.version = 0
         """Bumped whenever the set of entries held changes (see :meth:`holding`)."""
-        self._views: dict[str, tuple[Held, Resume | None, GenWaiting]] = {}
-        """The policy's view of each waiting request, and what it was made from."""
+        self._views = WaitingViews()
+        self.children = Children()
+        """Sequences of running requests preempted alone, waiting to resume into them."""
 
     # --- state ------------------------------------------------------------------------------
 
@@ -132,6 +101,7 @@ class GenScheduler:
         held = [r.held for r in self.running.values()]
         self.running.clear()
         self._stops.clear()
+        self.children.waiting.clear()
         self.version += 1
         return held
 
@@ -148,6 +118,7 @@ class GenScheduler:
                 self._resume.pop(h.waiting.key, None)
                 out.append(h)
             self._restop(step)
+            self.children.unresume(step.step_id, self.running)
         if out:
             self.version += 1
         return out
@@ -210,9 +181,10 @@ class GenScheduler:
         of a request's ``n`` completions (vLLM's parallel sampling fans ``n`` out into as
         many requests); a preempted one's unfinished ones; a beam search's inputs (its
         first round is a request per prompt)."""
-        return sum(len(res.prompts) if (res := self._resume.get(k)) is not None
-                   else h.request.input_count if h.request.use_beam_search
-                   else h.prepared.rows for k, h in self.held.items())  # fmt: skip
+        return len(self.children.waiting) + sum(
+            len(res.prompts) if (res := self._resume.get(k)) is not None
+            else h.request.input_count if h.request.use_beam_search
+            else h.prepared.rows for k, h in self.held.items())  # fmt: skip
 
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
@@ -258,17 +230,27 @@ class GenScheduler:
             return Decision(None, [], None)
         transit = self._transit()
         credit = self.policy.credit() if ahead else None
-        waiting = [self._waiting(h) for k, h in self.held.items() if k not in transit]
+        waiting = [self._views.of(h, self._resume.get(k), self.held)
+                   for k, h in self.held.items() if k not in transit]  # fmt: skip
+        freeing = self.children.freeing(self.inflight)
         running = [
             g
             for k, r in self.running.items()
-            if k not in self._stops and k not in transit and (g := self._running(k, r, ahead))
-        ]
-        plan = self.policy.plan(waiting if dispatch else [], running, now)
+            if k not in self._stops and k not in transit
+            and (g := running_view(k, r, ahead, freeing.get(k)))
+        ]  # fmt: skip
+        # (stopping: no new request starts, but sequences preempted alone resume, so
+        # their requests end)
+        children = self.children.views(self.running, transit | set(self._stops))
+        plan = self.policy.plan([*waiting, *children] if dispatch else children, running, now)
         for k in plan.expire:  # a preempted one generated already: it stops, with its text
             if k in self._resume:
                 self._unpark(k)
                 self._stops.setdefault(k, "deadline")
+            elif (c := self.children.waiting.pop(k, None)) is not None:  # its request too
+                deadline = self.running[c.parent].held.waiting.deadline
+                late = deadline is not None and deadline <= now
+                self._stops.setdefault(c.parent, "deadline" if late else "length")
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
         if expired:
             self.version += 1
@@ -281,26 +263,33 @@ class GenScheduler:
         for k in stops:
             self._stops.pop(k, None)
         admitted = [h for k in (plan.admit if dispatch else ()) if (h := self.held.pop(k, None))]
+        resumed = self.children.take(plan.admit, self.running, stops)
         for h in admitted:
             key = h.waiting.key
             res = self._resume.pop(key, None)
             if res is None:
-                zero = tuple(0 for _ in range(h.prepared.rows))
+                rows = h.prepared.rows
+                seqs = () if h.request.use_beam_search else tuple(range(rows))
                 self.running[key] = Running(
-                    h, now, Progress(zero, _prompts(h), h.prepared.max_new_tokens)
+                    h, now, Progress((0,) * rows, prompts_of(h), h.prepared.max_new_tokens, seqs)
                 )
             else:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
-                                                res.max_new_tokens),
+                                                res.max_new_tokens, res.seqs),
                     seq=res.seq, first_token_at=res.first_token_at,
                     last_token_at=res.last_token_at, preempted=res.preempted, resumed=res,
                 )  # fmt: skip
-        if not (admitted or stops or plan.preempt or (running if ahead else self.running)):
+        parts = tuple((k, seqs) for k, seqs in plan.preempt_seqs if k not in stops)
+        if not (admitted or stops or plan.preempt or parts or resumed
+                or (running if ahead else self.running)):  # fmt: skip
             return Decision(None, expired, plan.wake_at)  # (ahead: what runs ends in flight)
         batch = Batch(tuple(h.waiting for h in admitted), "step")
         step = Step(self._new_id(), batch, admitted, now, tuple(stops.items()),
-                    tuple(k for k in plan.preempt if k in self.running), self._step_tokens)  # fmt: skip
+                    tuple(k for k in plan.preempt if k in self.running and k not in stops),
+                    self._step_tokens, parts, self.children.resuming(resumed, self.running))  # fmt: skip
+        if resumed:
+            self.children.resumed[step.step_id] = resumed
         self._step_tokens = None
         self.inflight.append(step)
         self._credit = (step.step_id, credit) if credit is not None else None
@@ -320,6 +309,7 @@ class GenScheduler:
             if r.resumed is not None:
                 self._resume[key] = r.resumed
         self._restop(step)
+        self.children.unresume(step_id, self.running)
         if step.step_tokens is not None and self._step_tokens is None:
             self._step_tokens = step.step_tokens
         if self._credit is not None and self._credit[0] == step_id:
@@ -337,38 +327,6 @@ class GenScheduler:
         """The step queued behind the running one (planned ahead), if any."""
         return self.inflight[-1].step_id if len(self.inflight) > 1 else None
 
-    def _waiting(self, h: Held) -> GenWaiting:
-        """The policy's view of a waiting request: made again only when it was preempted or
-        resumed since (every waiting request is planned each step, most of them unchanged)."""
-        key = h.waiting.key
-        res = self._resume.get(key)
-        known = self._views.get(key)
-        if known is not None and known[0] is h and known[1] is res:
-            return known[2]
-        prompts = res.prompts if res else _prompts(h)
-        left = res.max_new_tokens if res else h.prepared.max_new_tokens
-        view = GenWaiting(key, h.waiting.lane, h.waiting.arrived, h.waiting.deadline, prompts, left)
-        if len(self._views) > 2 * len(self.held) + 64:  # those no longer waiting
-            self._views = {k: v for k, v in self._views.items() if k in self.held}
-        self._views[key] = (h, res, view)
-        return view
-
-    def _running(self, key: str, r: Running, ahead: int = 0) -> GenRunning | None:
-        """The policy's view of a running request once the ``ahead`` steps in flight are
-        done: a decoding sequence a token longer per step; None if they end it."""
-        w = r.held.waiting
-        p = r.progress
-        contexts = p.contexts
-        left = p.max_new_tokens_left
-        if ahead and contexts and not any(p.prefill_left):
-            if left <= ahead:
-                return None  # its last token is in flight: it leaves with that step
-            contexts = ((contexts[0] + ahead,) if len(contexts) == 1  # (the common case)
-                        else tuple(c + ahead for c in contexts))  # fmt: skip
-            left -= ahead
-        return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, contexts,
-                          p.prefill_left, left, r.preempted)  # fmt: skip
-
     def _transit(self) -> set[str]:
         """Requests that steps in flight end or free (planned once their reports are in)."""
         return {k for s in self.inflight for k in (*s.preempt, *(k for k, _ in s.stop))}
@@ -385,6 +343,7 @@ class GenScheduler:
         if step.step_id != step_id:
             raise RuntimeError(f"step {step_id} finished, but {step.step_id} was first")
         step.started_at = started_at
+        self.children.resumed.pop(step_id, None)
         if self.inflight:  # the next one began as this one ended
             self.inflight[0].started_at = finished_at
         for ev in report.events:  # parked by its runner (out of memory), ended by a stop
@@ -404,14 +363,19 @@ class GenScheduler:
             if isinstance(ev, Final | Failed):
                 del self.running[ev.key]
                 self._stops.pop(ev.key, None)
+                self.children.drop(ev.key)
                 self.version += 1
+            elif isinstance(ev, Preempted) and ev.alone:  # its other sequences run on
+                self.children.park(ev)
+                r.preempted += 1
             elif isinstance(ev, Preempted):
+                self.children.drop(ev.key)  # (they wait with it)
                 del self.running[ev.key]
                 r.resumed = None
                 self.held[ev.key] = r.held
                 self._resume[ev.key] = Resume(ev.prompts, ev.max_new_tokens, r.first_token_at,
                                               r.last_token_at, r.seq, r.started_at,
-                                              r.preempted + 1)  # fmt: skip
+                                              r.preempted + 1, ev.seqs)  # fmt: skip
                 if ev.key in self._stops:  # cancelled while being preempted: end it parked
                     self._unpark(ev.key)
         for key in report.abandoned:  # failed here, maybe still run by the runner: stop it
@@ -430,8 +394,3 @@ class GenScheduler:
                 replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
             )
         return step, named
-
-
-def _prompts(h: Held) -> tuple[int, ...]:
-    p = h.prepared
-    return p.prompts or tuple(p.tokens for _ in range(p.rows))

@@ -16,7 +16,8 @@ from ..config import ModelConfig
 from ..schemas.errors import ErrorCode
 from .answers import Answerer, BatchRun, Held, Outgoing
 from .deltas import StreamTo
-from .gen_scheduler import GenScheduler, Running
+from .gen_scheduler import GenScheduler
+from .gen_states import Running
 from .inbox import StepDone
 from .observers import BatchDone, Generated, Observers
 from .parts import Parts
@@ -135,7 +136,7 @@ class Generating:
             waiting_sequences=self.scheduler.waiting_sequences(),
             kv_tokens=kv_tokens,
             kv_capacity=budget.kv_cache_tokens,
-            preempted=sum(isinstance(ev, Preempted) for ev in done.report.events),
+            preempted=sum(ev.sequences for ev in done.report.events if isinstance(ev, Preempted)),
             tokens=sum((done.report.produced or {}).values()),
             gaps=gaps,
             compiling=done.report.compiling,

@@ -108,7 +108,8 @@ class Generated:
     """Tokens the running sequences hold in the KV cache."""
     kv_capacity: int
     preempted: int
-    """Requests preempted by this step."""
+    """Sequences preempted by this step (a request's ``n`` completions each count, as
+    vLLM counts its child requests)."""
     waiting_sequences: int | None = None
     """The ``waiting`` requests' sequences (each of a request's ``n`` completions one of vLLM's requests; a
     preempted one's unfinished ones); None: one per request."""

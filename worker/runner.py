@@ -86,6 +86,13 @@ class Work:
     step_tokens: int | None = None
     """Continuous runners: the per-step token budget from this step on (an operator
     changed it live); None: as it was."""
+    preempt_seqs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Generating runners: sequences of running requests to free alone (by index in their
+    request, as :attr:`Progress.seqs`), as vLLM preempts a child request of ``n > 1``:
+    the others run on. Each is reported :class:`Preempted` with ``alone``."""
+    resume: tuple[tuple[str, tuple[int, ...], int], ...] = ()
+    """Generating runners: sequences freed alone to put back into their running request
+    (key, indices, its lane), resumed by recomputation after their last token."""
 
 
 LOST = "lost"
@@ -127,6 +134,17 @@ class Preempted:
     key: str
     prompts: tuple[int, ...]
     max_new_tokens: int
+    seqs: tuple[int, ...] = ()
+    """The index in the request of each sequence of ``prompts`` (empty: not named)."""
+    alone: bool = False
+    """Only ``seqs`` were freed (:attr:`Work.preempt_seqs`); the request runs on."""
+    freed: int | None = None
+    """Sequences it took off the device (None: one per prompt): what the ``preemptions``
+    counters count, per sequence as vLLM counts its child requests."""
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompts) if self.freed is None else self.freed
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +157,19 @@ class Progress:
     prefill_left: tuple[int, ...]
     """Prompt tokens not yet prefilled per unfinished sequence."""
     max_new_tokens_left: int
+    seqs: tuple[int, ...] = ()
+    """The index in its request of each sequence of ``contexts`` (input ``i``'s ``j``-th
+    completion: ``i * n + j``), each preemptable alone; empty: not named (a beam search's
+    rounds), the request is preempted whole. A sequence freed alone is in none of them."""
 
 
 StepEvent = Final | Partial | Failed | Preempted
+
+
+def leaves(ev: StepEvent) -> bool:
+    """The event takes its request out of the runner's running ones: its end, or its
+    preemption whole (not sequences freed alone: their request runs on)."""
+    return isinstance(ev, Final | Failed) or (isinstance(ev, Preempted) and not ev.alone)
 
 
 @dataclass(slots=True)

@@ -52,11 +52,14 @@ class Step:
     stop: tuple[tuple[str, str], ...] = ()
     preempt: tuple[str, ...] = ()
     step_tokens: int | None = None
+    preempt_seqs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    resume: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
     def work(self) -> Work:
         admit = tuple((h.waiting.key, h.prepared) for h in self.held)
         lanes = tuple(h.waiting.lane for h in self.held)
-        return Work(self.step_id, admit, self.stop, self.preempt, lanes, self.step_tokens)
+        return Work(self.step_id, admit, self.stop, self.preempt, lanes, self.step_tokens,
+                    self.preempt_seqs, self.resume)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,9 @@ def gw(
     prompts: tuple[int, ...] = (10,),
     max_new: int = 16,
     deadline: float | None = None,
+    parent: str | None = None,
 ) -> GenWaiting:
-    return GenWaiting(key, lane, arrived, deadline, prompts, max_new)
+    return GenWaiting(key, lane, arrived, deadline, prompts, max_new, parent)
 
 
 def gr(
@@ -28,6 +29,7 @@ def gr(
     deadline: float | None = None,
     max_new_left: int = 16,
     preempted: int = 0,
+    seqs: tuple[int, ...] = (),
 ) -> GenRunning:
     return GenRunning(
         key,
@@ -39,6 +41,7 @@ def gr(
         prefill if prefill is not None else (0,) * len(contexts),
         max_new_left,
         preempted,
+        seqs,
     )
 
 

@@ -75,9 +75,37 @@ def runnings(draw: st.DrawFn) -> list[GenRunning]:
                 tuple(draw(st.lists(st.sampled_from([0, 0, 5, 100]), min_size=k, max_size=k))),
                 draw(st.integers(0, 256)),
                 draw(st.sampled_from([0, 0, 1])),
+                tuple(range(k)) if draw(st.booleans()) else (),  # its sequences apart, or whole
             )
         )
     return out
+
+
+@st.composite
+def children(draw: st.DrawFn, running: list[GenRunning]) -> list[GenWaiting]:
+    """Sequences of running requests that name theirs, preempted alone and waiting."""
+    out = []
+    for r in running:
+        if r.seqs:
+            for i in range(draw(st.integers(0, 2))):
+                seq = len(r.seqs) + i
+                prompt = draw(st.integers(1, 400))
+                out.append(GenWaiting(f"{r.key}#{seq}", r.lane, r.arrived_at, r.deadline,
+                                      (prompt,), draw(st.integers(1, 256)), parent=r.key))  # fmt: skip
+    return out
+
+
+def _without(r: GenRunning, seqs: tuple[int, ...]) -> GenRunning:
+    """A running request less its sequences ``seqs`` (preempted alone)."""
+    keep = [j for j, s in enumerate(r.seqs) if s not in seqs] if seqs else range(len(r.contexts))
+    contexts = tuple(r.contexts[j] for j in keep)
+    prefill = tuple(r.prefill_left[j] for j in keep)
+    return replace(
+        r,
+        contexts=contexts,
+        prefill_left=prefill,
+        seqs=tuple(r.seqs[j] for j in keep) if r.seqs else (),
+    )
 
 
 def _as_running(w: GenWaiting, now: float) -> GenRunning:
@@ -86,28 +114,44 @@ def _as_running(w: GenWaiting, now: float) -> GenRunning:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(policy=policies(), waiting=waitings(), running=runnings(), now=st.floats(0.0, 13.0))
+@given(policy=policies(), waiting=waitings(), running=runnings(), now=st.floats(0.0, 13.0),
+       data=st.data())  # fmt: skip
 def test_plan_keeps_budgets_keys_and_rules(
-    policy: GenPolicy, waiting: list[GenWaiting], running: list[GenRunning], now: float
+    policy: GenPolicy,
+    waiting: list[GenWaiting],
+    running: list[GenRunning],
+    now: float,
+    data: st.DataObject,
 ) -> None:
+    waiting = waiting + data.draw(children(running))
     plan = GenerationPolicy(policy).plan(waiting, running, now)
-    keys = [*plan.admit, *plan.preempt, *plan.stop, *plan.expire]
+    parts = dict(plan.preempt_seqs)
+    keys = [*plan.admit, *plan.preempt, *plan.stop, *plan.expire, *parts]
     # Disjoint, and only known keys, each from the right side.
-    assert len(keys) == len(set(keys))
+    assert len(keys) == len(set(keys)) and len(parts) == len(plan.preempt_seqs)
     w_keys = {w.key for w in waiting}
     r_keys = {r.key for r in running}
     assert set(plan.admit) | set(plan.expire) <= w_keys
-    assert set(plan.preempt) | set(plan.stop) <= r_keys
+    assert set(plan.preempt) | set(plan.stop) | set(parts) <= r_keys
+    by_run = {r.key: r for r in running}
+    for key, seqs in parts.items():  # some of its sequences, never all: those go whole
+        assert seqs and set(seqs) < set(by_run[key].seqs)
+    # A preempted sequence resumes only into a request that runs on, whole.
+    for w in waiting:
+        if w.key in plan.admit and w.parent is not None:
+            assert w.parent not in {*plan.stop, *plan.preempt, *parts}
     # Deadlines.
     for w in waiting:
-        if w.deadline is not None and w.deadline <= now:
+        if w.parent is not None and w.parent in plan.stop:  # it ends with its request
+            assert w.key not in plan.expire and w.key not in plan.admit
+        elif w.deadline is not None and w.deadline <= now:
             assert w.key in plan.expire
     for r in running:
         if r.deadline is not None and r.deadline <= now:
             assert r.key in plan.stop
     # Budgets of the next step after applying the plan.
     gone = set(plan.preempt) | set(plan.stop)
-    kept = [r for r in running if r.key not in gone]
+    kept = [_without(r, parts.get(r.key, ())) for r in running if r.key not in gone]
     by_key = {w.key: w for w in waiting}
     batch = kept + [_as_running(by_key[k], now) for k in plan.admit]
     chunks = schedule_step(batch, policy.step_tokens)
@@ -120,14 +164,15 @@ def test_plan_keeps_budgets_keys_and_rules(
         assert sum(reserved_blocks(r, policy.page_size) for r in batch) <= room
     # Lane 0 is never preempted while a lower lane keeps running or is admitted.
     lanes_of = {r.key: r.lane for r in running} | {w.key: w.lane for w in waiting}
-    if any(lanes_of[k] == 0 for k in plan.preempt):
-        assert all(r.lane == 0 for r in kept)
+    preempted = [*plan.preempt, *parts]
+    if any(lanes_of[k] == 0 for k in preempted):
+        assert all(r.lane == 0 for r in kept if r.contexts)
         assert all(lanes_of[k] == 0 for k in plan.admit)
     # A preemption in a plan that admits is lane 0's, of lower lanes (what room is left
     # after lane 0 fits may go to the next in line).
-    if plan.preempt and plan.admit:
+    if preempted and plan.admit:
         assert any(lanes_of[k] == 0 for k in plan.admit)
-        assert all(lanes_of[k] > 0 for k in plan.preempt)
+        assert all(lanes_of[k] > 0 for k in preempted)
     assert plan.wake_at is None or plan.wake_at > now
 
 
@@ -139,16 +184,24 @@ POLICY = GenPolicy(kv_cache_tokens=16384, page_size=16, step_tokens=512, max_run
     rate=st.sampled_from([2.0, 20.0, 60.0, 150.0]),
     kv=st.sampled_from([2048, 4096, 16384]),
     deadlines=st.booleans(),
-    inputs=st.sampled_from([(1, 1), (1, 3)]),
+    # inputs per request, ``n`` per input: up to eight sequences of 200 + 256 tokens fit
+    shape=st.sampled_from([((1, 1), (1, 1)), ((1, 3), (1, 1)), ((1, 1), (2, 4)), ((1, 2), (2, 2))]),
     seed=st.integers(0, 2**16),
 )
 def test_simulator_every_request_ends_once_within_budgets(
-    rate: float, kv: int, deadlines: bool, inputs: tuple[int, int], seed: int
+    rate: float,
+    kv: int,
+    deadlines: bool,
+    shape: tuple[tuple[int, int], tuple[int, int]],
+    seed: int,
 ) -> None:
+    inputs, completions = shape
     trace = gen_poisson(
         150,
         rate,
         inputs=inputs,
+        prompt=(8, 512) if completions == (1, 1) else (8, 200),
+        completions=completions,
         deadline_s=(0.05, 3.0) if deadlines else None,
         seed=seed,
     )

@@ -147,10 +147,11 @@ class Outputs(RunnerState):
                 return Progress((), (), 0)
             context, prefill = self._seq_progress(s)
             return Progress((context,), (prefill,), s.max_new - len(s.text.tokens))
-        live = [s for s in r.seqs if s.finish is None]
-        each = [self._seq_progress(s) for s in live]
+        live = [s for s in r.seqs if s.finish is None]  # (those parked alone: waiting)
+        ids = tuple(i for i, s in enumerate(r.seqs) if s.finish is None and not s.parked)
+        each = [self._seq_progress(r.seqs[i]) for i in ids]
         left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
-        return Progress(tuple(c for c, _ in each), tuple(p for _, p in each), left)
+        return Progress(tuple(c for c, _ in each), tuple(p for _, p in each), left, ids)
 
     def _seq_progress(self, s: GenSeq) -> tuple[int, int]:
         """An unfinished sequence's tokens in the KV cache and prompt tokens to prefill."""

@@ -1,6 +1,6 @@
 """A text-generation request's life on the device thread: admitted (its sequences and
 their output splits made), started in the engine once its constraint is compiled,
-preempted (parked, its tokens kept) and resumed, and ended.
+preempted (parked, its tokens kept) and resumed, whole or a sequence at a time, and ended.
 """
 
 from __future__ import annotations
@@ -96,15 +96,19 @@ class Requests(Beams):
                 self._beam_seqs[name] = r
             return
         for seq in r.seqs:
-            if seq.finish is not None:
-                continue
-            done = len(seq.text.tokens)
-            seq.base = done
-            # a prompt scored already (its prefill ended: it generated) is not scored again
-            self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
-                            seq.sampling, priority=lane, score=seq.score if not done else None,
-                            salt=r.spec.cache_salt, lora=r.spec.lora)  # fmt: skip
-            self._by_seq[seq.name] = (r, seq)
+            if seq.finish is None and not seq.parked:
+                self._start_seq(r, seq, lane)
+
+    def _start_seq(self, r: GenReq, seq: GenSeq, lane: int) -> None:
+        """Put one sequence in the engine: its prompt and what it generated so far (a
+        resume recomputes them; its sampler's generator goes on where it stopped)."""
+        done = len(seq.text.tokens)
+        seq.base = done
+        # a prompt scored already (its prefill ended: it generated) is not scored again
+        self.engine.add(seq.name, list(seq.prompt) + seq.text.tokens, seq.max_new - done,
+                        seq.sampling, priority=lane, score=seq.score if not done else None,
+                        salt=r.spec.cache_salt, lora=r.spec.lora)  # fmt: skip
+        self._by_seq[seq.name] = (r, seq)
 
     def _compiling_sequences(self) -> int:
         """The unfinished sequences of the requests waiting for their constraints."""
@@ -146,12 +150,41 @@ class Requests(Beams):
             r.parked = True
             contexts, left = r.beams.contexts()
             return Preempted(r.key, contexts, left)
-        live = [s for s in r.seqs if s.finish is None]
-        self._cancel(live)
+        live = [(i, s) for i, s in enumerate(r.seqs) if s.finish is None]
+        self._cancel([s for _, s in live])
         r.parked = True
-        prompts = tuple(len(s.prompt) + len(s.text.tokens) for s in live)
-        left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
-        return Preempted(r.key, prompts, left)
+        freed = sum(not s.parked for _, s in live)
+        for _, s in live:  # (those parked alone before wait with it now)
+            s.parked = False
+        prompts = tuple(len(s.prompt) + len(s.text.tokens) for _, s in live)
+        left = max((s.max_new - len(s.text.tokens) for _, s in live), default=0)
+        return Preempted(r.key, prompts, left, tuple(i for i, _ in live), freed=freed)
+
+    def _park_seqs(self, r: GenReq, seqs: tuple[int, ...]) -> list[Preempted]:
+        """Free some of a request's sequences alone, as vLLM preempts a child request of
+        ``n > 1``: each keeps its tokens and generator and resumes into its request
+        (:meth:`_resume_seqs`); the others run on. One event per sequence freed."""
+        out: list[Preempted] = []
+        for i in seqs:
+            s = r.seqs[i] if 0 <= i < len(r.seqs) else None
+            if s is None or s.finish is not None or s.parked:
+                continue  # ended meanwhile (its request's final answers it)
+            self._cancel([s])
+            s.parked = True
+            made = len(s.text.tokens)
+            out.append(Preempted(r.key, (len(s.prompt) + made,), s.max_new - made, (i,),
+                                 alone=True, freed=1))  # fmt: skip
+        return out
+
+    def _resume_seqs(self, r: GenReq, seqs: tuple[int, ...], lane: int) -> None:
+        """Sequences freed alone back into their running request (recomputed from their
+        prompt and tokens; a request still waiting for its constraint starts them then)."""
+        for i in seqs:
+            s = r.seqs[i] if 0 <= i < len(r.seqs) else None
+            if s is not None and s.parked:
+                s.parked = False
+                if s.finish is None and r.compiling is None:
+                    self._start_seq(r, s, lane)
 
     def _end(self, r: GenReq, reason: str) -> None:
         if r.beams is not None:  # the best beams so far, ended for ``reason``

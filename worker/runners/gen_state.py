@@ -128,6 +128,9 @@ class GenSeq:
     split by the reasoning parser, or a request with ``tools``)."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended it (vLLM's ``stop_reason``)."""
+    parked: bool = False
+    """Preempted alone (its request runs on): out of the engine, its tokens and generator
+    kept, until it resumes into its request."""
 
 
 @dataclass(slots=True)

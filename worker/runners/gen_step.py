@@ -65,6 +65,14 @@ class Stepping(Failures, Controls):
             r = self._reqs.get(key)
             if r is not None and not r.parked:
                 events.append(self._park(r))
+        for key, seqs in work.preempt_seqs:
+            r = self._reqs.get(key)
+            if r is not None and not r.parked:
+                events += self._park_seqs(r, seqs)
+        for key, seqs, lane in work.resume:
+            r = self._reqs.get(key)
+            if r is not None and not r.parked:
+                self._resume_seqs(r, seqs, lane)
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
             if prep.payload.lora and key not in self._reqs and not self._lora_live(prep):

@@ -1,0 +1,91 @@
+"""Who a generation plan preempts: sequences, in vLLM V1's order.
+
+vLLM fans a request of ``n`` completions (or several prompts) out into child requests,
+and its scheduler preempts each child on its own, lowest priority and latest first, so a
+memory squeeze frees only as much as it needs and the other children keep generating.
+Here a running request's sequences are such children when it names them
+(:attr:`~.generation.GenRunning.seqs`); one that does not (a beam search's rounds, whose
+beams are chosen together) is freed whole. Pure: plain arithmetic on the policy's views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .generation import GenRunning
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """What one preemption frees: sequence ``seq`` of request ``run`` (None: the whole
+    request, its sequences not named)."""
+
+    run: GenRunning
+    seq: int | None
+    blocks: int
+    """KV blocks it reserves through the next step (see ``reserved_blocks``)."""
+    slots: int
+    """Sequences it takes of ``max_running``."""
+    prefill: int
+    """Its prompt tokens not yet prefilled (the prefill backlog it leaves)."""
+
+
+def by_order(running: Iterable[GenRunning]) -> list[GenRunning]:
+    """Requests in preemption order: lowest lane (highest number) first, then the latest
+    started (vLLM's rule; ties by key, so the order is deterministic)."""
+    return sorted(running, key=lambda r: (r.lane, r.started_at, r.key), reverse=True)
+
+
+def victims(ordered: Iterable[GenRunning], page_size: int) -> list[Victim]:
+    """The preemption units of requests already in preemption order: each named sequence
+    of a request of several, the last one first (vLLM pops the child added last), else
+    the request whole. Units that free nothing (a request whose running sequences all
+    ended while others wait preempted) are left out."""
+    out: list[Victim] = []
+    for r in ordered:
+        if len(r.seqs) > 1:
+            for pos in range(len(r.seqs) - 1, -1, -1):
+                c, p = r.contexts[pos], r.prefill_left[pos]
+                out.append(Victim(r, r.seqs[pos], -(-(c + p + 1) // page_size), 1, p))
+        elif r.contexts:
+            blocks = sum(-(-(c + p + 1) // page_size)
+                         for c, p in zip(r.contexts, r.prefill_left, strict=True))  # fmt: skip
+            out.append(Victim(r, None, blocks, len(r.contexts), sum(r.prefill_left)))
+    return out
+
+
+def cover(units: Sequence[Victim], blocks: int, slots: int) -> list[Victim] | None:
+    """The fewest of ``units``, in their order, whose freeing covers ``blocks`` and
+    ``slots``; None if all of them together would not."""
+    taken: list[Victim] = []
+    for v in units:
+        if blocks <= 0 and slots <= 0:
+            break
+        taken.append(v)
+        blocks -= v.blocks
+        slots -= v.slots
+    if blocks > 0 or slots > 0:
+        return None
+    return taken
+
+
+def grouped(
+    freed: Iterable[Victim],
+) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[int, ...]], ...]]:
+    """The plan's ``preempt`` (requests freed whole: every running sequence of theirs is a
+    victim, or they name none) and ``preempt_seqs`` (the others: key and sequences, in
+    order), each request once, in the order first freed."""
+    by_key: dict[str, list[Victim]] = {}
+    for v in freed:
+        by_key.setdefault(v.run.key, []).append(v)
+    whole: list[str] = []
+    part: list[tuple[str, tuple[int, ...]]] = []
+    for key, vs in by_key.items():
+        if vs[0].seq is None or len(vs) == len(vs[0].run.seqs):
+            whole.append(key)
+        else:
+            part.append((key, tuple(sorted(v.seq for v in vs if v.seq is not None))))
+    return tuple(whole), tuple(part)
