@@ -155,7 +155,7 @@ class Metrics:
             ["model"],
         )
         self.preemptions = counter(
-            "batchfleet_preemptions", "Generation: running requests preempted (resumed later).",
+            "batchfleet_preemptions", "Generation: running sequences preempted (resumed later; each of an n > 1 request counts).",
             ["model"],
         )  # fmt: skip
         self.running = gauge(
