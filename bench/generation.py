@@ -1271,6 +1271,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--drain-s", type=float, default=300.0)
     p.add_argument("--engine", choices=["padded", "paged"], default="padded")
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
+                   help="the runner option, every arm (medium: float32 linear layers in "
+                   "bfloat16 where the CPU has fast bf16)")  # fmt: skip
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--no-smol-baselines", action="store_true",
                    help="SmolLM2: skip static batching and one at a time (minutes each)")  # fmt: skip
@@ -1289,6 +1292,7 @@ def run_model(which: str, args: argparse.Namespace, plan: Plan, url: str, workdi
     options: dict[str, Any] = {
         "engine": args.engine, "kv_cache_tokens": args.kv_cache_tokens, "page_size": 32,
         "step_tokens": args.step_tokens, "max_running": args.max_running,
+        "matmul_precision": args.matmul_precision,
     }  # fmt: skip
     calibrated = which != "smollm2"  # offered rates from a burst (not SmolLM2's CPU minutes)
     if which == "tiny":
