@@ -200,22 +200,14 @@ def test_lora_adapters_add_their_float32_update_to_the_mixed_product(
     """The reference: PEFT's own (unmerged) LoRA layers over the converted base layers,
     one request at a time with ``generate``: its update is computed on the float32 input
     and added to the base layer's float32 result, as the engine's."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from test_generation_lora import check_mixed_batch, sql_and_chat
-    from transformers import AutoModelForCausalLM
 
     adapters = sql_and_chat(lm, tmp_path_factory.mktemp("adapters"))
     runner = _runner(lm, matmul_precision="medium", lean_decode=lean,
                      lora_adapters={k: str(v) for k, v in adapters.items()})  # fmt: skip
     assert (runner.engine.lean is not None) is lean  # type: ignore[attr-defined]
-    models = {None: runner.model}
-    for name, where in adapters.items():
-        base = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32)
-        model = peft.PeftModel.from_pretrained(base, where).eval()
-        for path, module in model.named_modules():  # all but the adapter's own
-            if type(module) is torch.nn.Linear and ".lora_" not in path:
-                precision.to_bf16(module)
-        models[name] = model
+    models = {None: runner.model, **{k: _peft(lm, v) for k, v in adapters.items()}}
 
     def reference(lora: str | None, text: str, n: int) -> list[int]:
         ids = runner.tokenizer(text, return_tensors="pt").input_ids
@@ -226,3 +218,53 @@ def test_lora_adapters_add_their_float32_update_to_the_mixed_product(
         return [int(t) for t in out[0, ids.shape[1] :]]
 
     check_mixed_batch(runner, reference)
+
+
+def _peft(lm: Path, adapter: Path) -> Any:
+    """PEFT's own (unmerged) LoRA model of ``adapter`` with every base linear layer
+    converted (``medium``) and the adapter's layers float32."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    for path, module in model.named_modules():  # all but the adapter's own
+        if type(module) is torch.nn.Linear and ".lora_" not in path:
+            precision.to_bf16(module)
+    return model
+
+
+def test_a_lora_update_is_computed_on_the_float32_input_in_both_forwards(
+    lm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One prompt's logits under an adapter: the lean forward's fused update and the
+    hooks' are PEFT's (to float32 rounding; an update of bfloat16 inputs is ~1e-3 off)."""
+    import numpy as np
+
+    pytest.importorskip("peft")
+    from batchfleet.worker.generation import lora
+    from batchfleet.worker.generation.lean_decode import Chunk, LeanDecoder
+    from batchfleet.worker.generation.lora_hooks import LoraHooks
+    from batchfleet.worker.generation.padded_cache import _cache
+    from test_generation_lora import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    where = make_adapter(tmp_path_factory.mktemp("adapter") / "sql", lm, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval()
+    precision.to_bf16(model)
+    adapter = lora.fuse(lora.load("sql", where, model, 64), model)
+    assert adapter is not None and adapter.fused is not None
+    lean = LeanDecoder.build(model)
+    assert lean is not None
+    ids = [(7 * j) % 300 + 3 for j in range(23)]
+    none = torch.zeros(0, dtype=torch.long)
+    with torch.inference_mode():
+        want = _peft(lm, where)(input_ids=torch.tensor([ids])).logits[0, -1]
+        with LoraHooks(model, [adapter]).rows([1]):
+            hooked = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        fused = lean.forward(none, none, np.zeros(0, np.int64), [], [Chunk(ids, 0, _cache())],
+                             lora=[(adapter.fused, torch.arange(len(ids)))])[-1]  # fmt: skip
+        plain = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert not torch.allclose(plain, want, atol=0.1)  # the adapter changes the logits
+    assert torch.allclose(hooked, want, atol=2e-5), (hooked - want).abs().max()
+    assert torch.allclose(fused, want, atol=2e-5), (fused - want).abs().max()
