@@ -41,7 +41,9 @@ def _runner(path: Path, dtype: str = "float32", **opts: Any) -> TextGenerationRu
 
 
 def _linears(model: Any) -> list[Any]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """Its plain linear layers, converted or not (not subclasses: ``nn.MultiheadAttention``'s
+    ``out_proj``, whose weight that module multiplies by itself, stays as it is)."""
+    return [m for m in model.modules() if type(m) in (torch.nn.Linear, MixedLinear)]
 
 
 def test_medium_keeps_the_linear_weights_in_bf16_and_their_results_in_float32(lm: Path) -> None:
@@ -268,3 +270,35 @@ def test_a_lora_update_is_computed_on_the_float32_input_in_both_forwards(
     assert not torch.allclose(plain, want, atol=0.1)  # the adapter changes the logits
     assert torch.allclose(hooked, want, atol=2e-5), (hooked - want).abs().max()
     assert torch.allclose(fused, want, atol=2e-5), (fused - want).abs().max()
+
+
+@pytest.mark.parametrize("which", ["siglip2", "clip"])
+def test_image_runners_take_it_too(which: str, request: pytest.FixtureRequest) -> None:
+    """SigLIP 2's patch embedding is a linear layer whose weight's dtype its pixels are cast
+    to: the layer still answers in float32, as the rest of the model expects."""
+    from batchfleet.worker.runners.image_classification import ImageClassificationRunner
+    from batchfleet.worker.runners.image_text import ImageTextEmbeddingRunner
+    from tiny_vision import image_files
+
+    if which == "siglip2":
+        cls: Any = ImageClassificationRunner
+        path, kw = request.getfixturevalue("tiny_siglip2"), {}
+        opts: dict[str, Any] = {"keep_native_resolution": True}
+    else:
+        cls, path, kw, opts = ImageTextEmbeddingRunner, request.getfixturevalue("tiny_clip"), {
+            "max_tokens": 64}, {}  # fmt: skip
+    plain = cls(path, device="cpu", dtype="float32", options=opts, **kw)
+    medium = cls(path, device="cpu", dtype="float32", options=opts | {"matmul_precision": "medium"},
+                 **kw)  # fmt: skip
+    assert medium.info()["matmul_precision"] == "medium"
+    assert all(type(m) is MixedLinear for m in _linears(medium.model))
+    if which == "siglip2":
+        patches = medium.model.vision_model.embeddings.patch_embedding
+        pixels = torch.zeros(1, patches.in_features, dtype=torch.bfloat16)
+        assert type(patches) is MixedLinear and patches(pixels).dtype == torch.float32
+    images = image_files(3)
+    want, got = plain.run(plain.encode(images)), medium.run(medium.encode(images))
+    for a, b in zip(want, got, strict=True):
+        if which == "siglip2":
+            a, b = list(a["scores"].values()), list(b["scores"].values())
+        assert a != b and torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.02)

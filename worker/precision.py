@@ -12,11 +12,13 @@ The option takes ``torch.set_float32_matmul_precision``'s names, and applies per
   embedding, holds it) and computes ``x`` rounded to bfloat16 times that weight, its
   result rounded to bfloat16 (as under ``torch.autocast``: the sums run in float32), then
   back to float32, the bias (kept in float32) added after. The residual stream, norms,
-  embeddings, attention and the KV cache stay float32. It pays where a step is
-  GEMM-bound (many rows a step: batched decodes, prefill) on a device with fast
-  bfloat16 products (a CPU with ``avx512_bf16`` or AMX, an Ampere or later GPU);
-  elsewhere bfloat16 is emulated and slower, so a warning is logged and the model stays
-  float32.
+  embeddings, attention and the KV cache stay float32, and so do subclasses of
+  ``nn.Linear`` (quantized layers; ``nn.MultiheadAttention``'s ``out_proj``, whose weight
+  that module multiplies by itself). It pays where a step is GEMM-bound (many rows a
+  step: batched decodes, prefill) on a device with fast bfloat16 products (a CPU with
+  ``avx512_bf16`` or AMX, an Ampere or later GPU); a product of a row or two costs more
+  than in float32 (oneDNN's fixed cost per bfloat16 call). Where bfloat16 is emulated it
+  is slower still: a warning is logged and the model stays float32.
 
 A model of another dtype has nothing to change (one info line says so). The conversion
 lives in the model's own modules, so every forward of it (the engines', ``generate``,
