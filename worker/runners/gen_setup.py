@@ -92,7 +92,7 @@ class Setup(RunnerState):
         self.model = model.to(self.torch_device).eval()
         self.matmul_precision = precision.apply(self.model, wanted, self.torch_device,
                                                 "the model")  # fmt: skip
-        """The precision of its linear layers' products in effect (:mod:`...precision`)."""
+        """The precision of its linear layers' products in effect (:mod:`..precision`)."""
 
     def _read_limits(self, cfg: Any, max_tokens: int) -> None:
         """The context (the model's positions, at most ``kv_cache_tokens``), the longest
