@@ -17,16 +17,23 @@ from bench.generation import main
 
 
 @pytest.mark.timeout(240)
-def test_quick_generation_run_writes_a_report(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_quick_generation_run_writes_a_report(tmp_path: Path, precision: str) -> None:
     # Given the quick mode on the random Llama, a few short requests
     code = main(["--quick", "--models", "tiny", "--requests", "4", "--unloaded", "2",
                  "--max-new", "12", "--max-prompt", "48", "--no-profile", "--drain-s", "60",
-                 "--out", str(tmp_path), "--name", "smoke"])  # fmt: skip
+                 "--out", str(tmp_path), "--name", "smoke", "--matmul-precision", precision])  # fmt: skip
 
     # Then a report with the targets and every system's row is written
     assert code == 0
     report = (tmp_path / "smoke.md").read_text()
     assert "## Targets" in report
+    if precision == "medium":  # every arm's runner option; the baselines in float32 too
+        assert "matmul_precision = medium" in report
+        assert "| static batching, matmul_precision highest |" in report
+        assert "| one at a time, matmul_precision highest |" in report
+    else:  # the default, left out of the options (workers before it refuse it)
+        assert "matmul_precision" not in report.split("## Method")[0]
     for system in ("engine alone", "static batching", "one at a time", "fleet unloaded",
                    "fleet saturated", "fleet, lane-0 probes over saturation",
                    "engine alone, again"):  # fmt: skip

@@ -1,7 +1,8 @@
 """The lean step forward (``worker/generation/lean_decode.py``): built for Llama-family
 layers and refused for anything else; its logits are exactly transformers' for a padded
 batch of rows of different lengths, through the per-row kernel and through sdpa under a
-padding mask (any device or dtype: a bfloat16 model here); decodes and prefill chunks in
+padding mask (any device or dtype: a bfloat16 model here), and with the linear layers in
+bfloat16 (``matmul_precision`` ``medium``: the same mixed products); decodes and prefill chunks in
 one forward each get transformers' logits and cache; one whose first step fails gives way
 to transformers' forwards; the runner's ``lean_decode`` option turns it off."""
 
@@ -14,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker import precision  # noqa: E402
 from batchfleet.worker.generation import decode_attention  # noqa: E402
 from batchfleet.worker.generation.lean_decode import LeanDecoder  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
@@ -33,13 +35,16 @@ def _llama(path: Path) -> Any:
 
 
 def _running(
-    llama_dir: Path, n: int, lean: bool, dtype: Any = None
+    llama_dir: Path, n: int, lean: bool, dtype: Any = None, medium: bool = False
 ) -> tuple[Any, LeanDecoder, PaddedEngine]:
     """The model, its lean forward, and an engine running ``n`` rows of different
-    lengths, three steps in (``lean``: the engine's own steps fused)."""
+    lengths, three steps in (``lean``: the engine's own steps fused; ``medium``: its
+    linear layers in bfloat16, ``matmul_precision`` ``medium``)."""
     model = _llama(llama_dir)
     if dtype is not None:
         model = model.to(dtype)
+    if medium:
+        assert precision.to_bf16(model) > 0
     decoder = LeanDecoder.build(model)
     assert decoder is not None
     engine = PaddedEngine(model, eos_token_ids=[], step_tokens=512, max_running=8, lean=lean)
@@ -50,12 +55,14 @@ def _running(
     return model, decoder, engine
 
 
+@pytest.mark.parametrize("medium", [False, True], ids=["float32", "medium"])
 def test_its_logits_are_transformers_logits_for_rows_of_different_lengths(
-    llama_dir: Path,
+    llama_dir: Path, medium: bool
 ) -> None:
     import numpy as np
 
-    model, lean, engine = _running(llama_dir, 5, lean=False)
+    model, lean, engine = _running(llama_dir, 5, lean=False, medium=medium)
+    assert (lean.layers[0].qkv.dtype == torch.bfloat16) is medium
     rows = engine._rows
     lengths = [r.context for r in rows]
     assert len(set(lengths)) == 5  # a padded batch: every row its own length
@@ -117,8 +124,9 @@ def test_a_16_bit_model_on_the_cpu_steps_through_the_lean_forward(llama_dir: Pat
     assert runner.info()["decode"] == "lean" and not engine.row_attention  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("medium", [False, True], ids=["float32", "medium"])
 def test_one_forward_of_decodes_and_prefill_chunks_gives_each_its_own_logits_and_cache(
-    llama_dir: Path,
+    llama_dir: Path, medium: bool
 ) -> None:
     """Decode rows, a fresh chunk and a chunk continuing its prompt, in one forward: each
     decode row's logits are what the decode alone gives; each chunk's last-token logits
@@ -128,7 +136,7 @@ def test_one_forward_of_decodes_and_prefill_chunks_gives_each_its_own_logits_and
     from batchfleet.worker.generation.padded_cache import _cache
     from transformers import DynamicCache
 
-    model, lean, engine = _running(llama_dir, 3, lean=True)
+    model, lean, engine = _running(llama_dir, 3, lean=True, medium=medium)
     rows = engine._rows
     lengths = [r.context for r in rows]
     ids = torch.tensor([r.generated[-1] for r in rows])

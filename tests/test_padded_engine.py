@@ -3,11 +3,13 @@ one-at-a-time ``generate`` for Llama, Qwen2 (biased projections) and GPT-2 (each
 sharp attention: its query and key projections scaled up, so a misplaced key shows) with sequences
 joining and leaving at different steps, through the lean step forward and through
 transformers' own, each with the per-row attention kernel and with sdpa over the padded
-batch (as on a GPU); chunked prefill keeps running rows decoding; cancelled rows leave at
+batch (as on a GPU), and with their linear layers in bfloat16 (``matmul_precision``
+``medium``); chunked prefill keeps running rows decoding; cancelled rows leave at
 the next step; the batch narrows when its longest row leaves."""
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from batchfleet.worker import precision  # noqa: E402
 from batchfleet.worker.generation import decode_attention, reserve  # noqa: E402
 from batchfleet.worker.generation.engine import SeqState  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
@@ -136,6 +139,21 @@ def test_greedy_tokens_equal_one_at_a_time_generate(
         _greedy_tokens_equal_generate(model, row_attention, lean and which != "gpt2", max_context)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(
+    "which,row_attention,lean",
+    [("llama", True, True), ("qwen2", False, True), ("gpt2", True, False)],
+    ids=["llama-row-attention", "qwen2-sdpa", "gpt2-row-attention-transformers"],
+)  # fmt: skip
+def test_under_matmul_precision_medium_greedy_tokens_equal_one_at_a_time_generate(
+    which: str, row_attention: bool, lean: bool, request: pytest.FixtureRequest
+) -> None:
+    """The linear layers in bfloat16 (``matmul_precision`` ``medium``; GPT-2's ``Conv1D``
+    too): the batched steps and ``generate`` of the same converted model agree."""
+    model = copy.deepcopy(request.getfixturevalue(which))
+    assert precision.to_bf16(model) > 0
+    _greedy_tokens_equal_generate(model, row_attention, lean)
 
 
 def _greedy_tokens_equal_generate(

@@ -39,7 +39,8 @@ target's row may; the buffer has a row per running sequence that proposed (at mo
 (``max_context``) plus ``k``, and goes when no sequence is left (:meth:`retain`, after
 every step). Its bytes per column are the draft's own (layers x 2 x KV heads x head size x
 dtype); on CPU only the columns written take memory (:mod:`.reserve`); ``tokens`` counts
-those held (the runner's ``info()``: ``draft_kv_tokens``).
+those held (the runner's ``info()``: ``draft_kv_tokens``). Its products are at the target's
+``matmul_precision`` (:mod:`..precision`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from .. import precision
 from ..device import is_out_of_memory
 from . import decode_attention
 from .lean_decode import Chunk, LeanDecoder, padding_mask
@@ -69,11 +71,12 @@ def vocab_size(model: Any) -> int:
 
 def load(
     config: DraftConfig, target: Any, chunk: int, max_context: int | None = None,
-    lean: bool | None = None,
+    lean: bool | None = None, matmul_precision: str = "highest",
 ) -> DraftProposer:  # fmt: skip
     """The draft model of ``config`` on ``target``'s device and dtype, checked: a
     ``ValueError`` where its vocabulary is not the target's (its token ids would mean
-    other tokens); ``lean``: False keeps transformers' forwards (``lean_decode``)."""
+    other tokens); ``lean``: False keeps transformers' forwards (``lean_decode``);
+    ``matmul_precision``: the target's (:mod:`..precision`), for its products too."""
     from transformers import AutoModelForCausalLM
 
     param = next(target.parameters())
@@ -90,7 +93,9 @@ def load(
     if most is not None and max_context is not None and most > max_context:
         raise ValueError(f"options.speculative.max_model_len: {most} exceeds the model's "
                          f"context ({max_context})")  # fmt: skip
-    return DraftProposer(model.to(param.device).eval(), config, chunk, max_context, lean)
+    model = model.to(param.device).eval()
+    precision.apply(model, matmul_precision, param.device, "the draft model")
+    return DraftProposer(model, config, chunk, max_context, lean)
 
 
 def positions(model: Any) -> int:

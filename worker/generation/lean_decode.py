@@ -17,7 +17,9 @@ prefill chunks at once:
   ``rotate_half``, where that gives ``apply_rotary_pos_emb``'s numbers exactly, checked
   when the decoder is built);
 - q, k and v in one matrix product, and gate and up in another (the weights
-  concatenated once, at build), each over all the step's tokens;
+  concatenated once, at build), each over all the step's tokens; with
+  ``matmul_precision`` ``medium`` the weights are the modules' bfloat16 ones and each
+  product is the one their forward computes (:func:`..precision.linear`);
 - the decode rows' keys and values written by the engine's :class:`~.padded_cache.SlotLayer`
   and attended either by :func:`.decode_attention.attention` (each row over its own
   length: a float32 model on the CPU) or, on any other device or dtype, by transformers'
@@ -44,13 +46,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from ..precision import MixedLinear, linear
 from . import decode_attention
 from . import lora as lora_
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2"})
 """``config.model_type`` values whose decoder layer :class:`LeanDecoder` reproduces."""
+_PLAIN = (torch.nn.Linear, MixedLinear)
+"""The projection types it multiplies by directly: plain, or bfloat16 (``matmul_precision``
+``medium``: :func:`..precision.linear`, the product their forward computes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +181,7 @@ class LeanDecoder:
         masks = [_causal(c, self.head.weight.device) for c in chunks]
         for i, layer in enumerate(self.layers):
             h = layer.input_norm(x)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             if lora:
                 lora_.apply(qkv, h, i, "qkv", lora)
             v = qkv[..., k_end:].view(1, total, kv_heads, dim).transpose(1, 2)
@@ -212,16 +217,16 @@ class LeanDecoder:
                 parts.append(out.reshape(n, q_end))
                 at += n
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-            o = F.linear(attended[None], layer.o, layer.o_bias)
+            o = linear(attended[None], layer.o, layer.o_bias)
             if lora:
                 lora_.apply(o, attended[None], i, "o", lora)
             x = x + o
             h = layer.post_norm(x)
-            gu = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            gu = linear(h, layer.gate_up, layer.gate_up_bias)
             if lora:
                 lora_.apply(gu, h, i, "gate_up", lora)
             mid = layer.act(gu[..., : self.intermediate]) * gu[..., self.intermediate :]
-            down = F.linear(mid, layer.down, layer.down_bias)
+            down = linear(mid, layer.down, layer.down_bias)
             if lora:
                 lora_.apply(down, mid, i, "down", lora)
             x = x + down
@@ -295,8 +300,10 @@ def _layer(layer: Any) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj)  # fmt: skip
-    if not all(type(p) is torch.nn.Linear for p in projections):
+    if not all(type(p) in _PLAIN for p in projections):
         raise TypeError("a projection is not a plain Linear (quantized or adapted)")
+    if len({p.weight.dtype for p in projections}) != 1:
+        raise TypeError("the projections' weights differ in dtype")
     if getattr(attn, "q_norm", None) is not None or getattr(attn, "sliding_window", None):
         raise TypeError("attention with per-head norms or a sliding window")
     return _Layer(
@@ -321,9 +328,11 @@ def _cat(*weights: torch.Tensor) -> torch.Tensor:
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(p.bias is None for p in linears):
+    biases = [p.bias for p in linears]
+    some = next((b for b in biases if b is not None), None)
+    if some is None:
         return None
     return torch.cat([
-        p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
-        for p in linears
+        b.detach() if b is not None else some.new_zeros(p.out_features)
+        for b, p in zip(biases, linears, strict=True)
     ])  # fmt: skip

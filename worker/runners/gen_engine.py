@@ -158,9 +158,11 @@ class EngineSetup(RunnerState):
     def _proposer(self, lean: bool) -> Proposer | None:
         """The padded engine's proposer: the n-gram config, or the draft model loaded
         (:func:`.draft.load`: a ``ValueError`` where its vocabulary is not the model's;
-        ``lean``: ``lean_decode``, for its forwards too)."""
+        ``lean``: ``lean_decode``, for its forwards too; at the model's
+        ``matmul_precision``)."""
         if not isinstance(self.speculative, DraftConfig):
             return self.speculative
         from ..generation import draft
 
-        return draft.load(self.speculative, self.model, self.step_tokens, self.context, lean)
+        return draft.load(self.speculative, self.model, self.step_tokens, self.context, lean,
+                          self.matmul_precision)  # fmt: skip

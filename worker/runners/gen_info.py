@@ -17,7 +17,8 @@ class Info(Controls):
     def info(self) -> dict[str, Any]:
         return {
             "runner": self.name, "engine": self.engine_kind, "device": self.device,
-            "dtype": str(self.dtype).removeprefix("torch."), "context": self.context,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "matmul_precision": self.matmul_precision, "context": self.context,
             "kv_cache_tokens": self.kv_cache_tokens, "page_size": self.page_size,
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "step_tokens": self.step_tokens, "max_running": self.max_running,

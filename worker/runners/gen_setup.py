@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .. import precision
 from ..generation.chat_template import ChatTemplates
 from ..generation.grammar import Grammars
 from ..generation.lora_table import MAX_LORAS, AdapterTable
@@ -84,10 +85,14 @@ class Setup(RunnerState):
 
     def _load_model(self, path: str | Path, opts: dict[str, Any]) -> None:
         """The weights (``gguf_file``: from that file), in :attr:`dtype` on
-        :attr:`torch_device`, in eval mode."""
+        :attr:`torch_device`, in eval mode, at ``matmul_precision`` (checked first)."""
+        wanted = precision.read(opts.get("matmul_precision"))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype,
                                                      **gguf_args(opts))  # fmt: skip
         self.model = model.to(self.torch_device).eval()
+        self.matmul_precision = precision.apply(self.model, wanted, self.torch_device,
+                                                "the model")  # fmt: skip
+        """The precision of its linear layers' products in effect (:mod:`..precision`)."""
 
     def _read_limits(self, cfg: Any, max_tokens: int) -> None:
         """The context (the model's positions, at most ``kv_cache_tokens``), the longest

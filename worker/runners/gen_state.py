@@ -189,6 +189,7 @@ class RunnerState:
     torch_device: torch.device
     device: str
     dtype: torch.dtype
+    matmul_precision: str
     templates: ChatTemplates
     eos: list[int]
     vocab_size: int

@@ -19,6 +19,9 @@ transformers' module stack, :mod:`..generation.lean_decode`; false: their own fo
 ``kv_cache_dtype`` (``auto``, the default: the model's dtype; ``bfloat16``, padded
 engine: keys and values kept in bfloat16, half the memory and the bytes the decode
 attention reads; vLLM's ``--kv-cache-dtype``),
+``matmul_precision`` (``highest``, the default; ``high``: TF32 on CUDA; ``medium``: a
+float32 model's linear layers multiply in bfloat16 where the device does so natively,
+:mod:`..precision`; the draft model's too),
 ``prefix_cache_tokens`` (padded engine, default ``kv_cache_tokens / 8``, 0: off; the
 keys and values of recent prompts' leading blocks of ``page_size`` tokens kept, up to
 this many tokens, so a prompt that begins like one of them prefills only the rest:

@@ -29,6 +29,7 @@ class ImageClassificationRunner(TakesImages, ModelDirRunner):
         super().__init__(path, **kwargs)
         self.model = AutoModelForImageClassification.from_pretrained(str(path), dtype=self.dtype)
         self.model.to(self.torch_device).eval()
+        self._set_precision(self.model)
         self.images = ImagePrep(str(path), self.model.config, self.torch_device, self.dtype,
                                 self.options)  # fmt: skip
 
@@ -46,6 +47,7 @@ class ImageClassificationRunner(TakesImages, ModelDirRunner):
             "runner": self.name,
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "matmul_precision": self.matmul_precision,
             "native_resolution": self.images.native,
             "host_buffer_allocations": self.images.allocations,
         }

@@ -11,13 +11,16 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedModel
 
 from ...schemas.inputs import AnyInput, Ranking, TextPair
+from .. import precision
 from ..device import pick_device, pick_dtype, to_device
 from ..host_buffers import HostBuffers
 from ..runner import BatchRunner, Encoded
 
 
 class ModelDirRunner(BatchRunner):
-    """Base of runners over a model directory: its device, dtype and options."""
+    """Base of runners over a model directory: its device, dtype and options, and its
+    model's ``matmul_precision`` (:mod:`..precision`; read here, before the weights load,
+    and applied by :meth:`_set_precision` once they are on the device)."""
 
     def __init__(
         self,
@@ -33,6 +36,14 @@ class ModelDirRunner(BatchRunner):
         self.torch_device = pick_device(device)
         self.device = str(self.torch_device)
         self.dtype = pick_dtype(dtype, self.torch_device)
+        self.matmul_precision = precision.read(self.options.get("matmul_precision"))
+        """The precision of the model's linear layers' products: the option, then the one
+        in effect (:meth:`_set_precision`)."""
+
+    def _set_precision(self, model: torch.nn.Module) -> None:
+        """Apply ``matmul_precision`` to ``model`` (on its device, in eval mode)."""
+        self.matmul_precision = precision.apply(model, self.matmul_precision,
+                                                self.torch_device, "the model")  # fmt: skip
 
 
 class TransformersRunner(ModelDirRunner):
@@ -61,6 +72,7 @@ class TransformersRunner(ModelDirRunner):
             raise TypeError(f"{path}: batchfleet needs a fast (Rust) tokenizer (tokenizer.json)")
         self.model: PreTrainedModel = self._load_model(str(path))
         self.model.to(self.torch_device).eval()
+        self._set_precision(self.model)
         limit = getattr(self.model.config, "max_position_embeddings", None) or max_tokens
         self.max_tokens = min(max_tokens, int(limit), int(tokenizer.model_max_length or limit))
         # A private copy: truncation on, padding off (we pad per batch, to its longest row).
@@ -131,6 +143,7 @@ class TransformersRunner(ModelDirRunner):
             "runner": self.name,
             "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "matmul_precision": self.matmul_precision,
             "max_tokens": self.max_tokens,
         }
 
