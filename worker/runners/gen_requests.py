@@ -129,7 +129,7 @@ class Requests(Beams):
                 except Exception as exc:  # GrammarError: the request's own fault
                     code = ErrorCode.INVALID_REQUEST if isinstance(exc, GrammarError) else (
                         ErrorCode.INFERENCE_FAILED)  # fmt: skip
-                    events.append(Failed(key, str(exc), code))
+                    events.append(self._built(Failed(key, str(exc), code)))
                     self._reqs.pop(key, None)
                     for seq in r.seqs:
                         self.engine.forget(seq.name)
@@ -145,13 +145,13 @@ class Requests(Beams):
             self._beam_cancel(r)
             r.parked = True
             contexts, left = r.beams.contexts()
-            return Preempted(r.key, contexts, left)
+            return self._built(Preempted(r.key, contexts, left))
         live = [s for s in r.seqs if s.finish is None]
         self._cancel(live)
         r.parked = True
         prompts = tuple(len(s.prompt) + len(s.text.tokens) for s in live)
         left = max((s.max_new - len(s.text.tokens) for s in live), default=0)
-        return Preempted(r.key, prompts, left)
+        return self._built(Preempted(r.key, prompts, left))
 
     def _end(self, r: GenReq, reason: str) -> None:
         if r.beams is not None:  # the best beams so far, ended for ``reason``
