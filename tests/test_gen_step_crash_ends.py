@@ -1,7 +1,7 @@
 """What a generating runner's step that raised leaves for the steps after it (real Redis,
 the tiny Llama, both engines, both scheduling modes; ``worker/crashes.py``,
 ``worker/runners/gen_step.py``): a request it lost fails even where the hand-off of the
-step after it raises; a beam search it left mid-way (searches ended, results not built;
+step after it raises, or where its deltas were carried over; a beam search it left mid-way (searches ended, results not built;
 a round advanced, the next not started) ends with its beams or goes on. And, the runner
 stepped directly (no loop), a request stopped while preempted or while its constraint
 compiles whose end the step lost ends with the next one."""
@@ -28,8 +28,8 @@ from batchfleet.worker.runner import (
     StepReport,
     Work,
 )
-from batchfleet.worker.runners.gen_state import GenReq
-from gen_checks import failed_with, whole
+from batchfleet.worker.runners.gen_state import GenReq, GenSeq
+from gen_checks import failed_with, stream_entries, whole
 from gen_faults import ENGINES, KEYS, MODEL, Breaking, make_loop, make_runner, run_loop, submit
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,6 +78,42 @@ def test_a_request_lost_in_a_crash_fails_though_the_next_steps_settle_raises(
     assert len(runner.crashed) == 1
     failed_with(short, "generation lost: a step before this one crashed")
     whole(long, 20)
+    assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
+
+
+class ResultCrash(Breaking):
+    """The tiny Llama whose step raises once, while it builds the result of the request
+    whose prompt holds ``victim`` (after it left the runner, before its result exists)."""
+
+    victim = "fox"
+
+    def _cancel(self, seqs: list[GenSeq]) -> None:
+        ending = bool(seqs) and seqs[0].name.rsplit("#", 1)[0] not in self._reqs  # (_final)
+        if ending and self.victim and self.victim in self.tokenizer.decode(seqs[0].prompt):
+            self.victim = ""
+            raise RuntimeError("runner bug building a result")
+        super()._cancel(seqs)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_request_whose_result_a_crashed_step_could_not_build_fails_its_deltas_aside(
+    r: redis.Redis, tiny_lm: Path, ahead: bool, engine: str
+) -> None:
+    # Given a short streaming generation (it ends in the second step) beside a longer one,
+    # and a runner whose step raises while it builds the short one's result, once its
+    # last delta was built (carried over with the next step)
+    producer = Producer(client=r)
+    short = submit(producer, "the fox", 2, stream=True)
+    long = submit(producer, "the dog", 20, stream=True)
+    runner = make_runner(tiny_lm, ahead=ahead, engine=engine, break_at=0, kind=ResultCrash)
+    # When a burst loop serves them
+    run_loop(make_loop(r, runner, "w1", burst=True))
+    # Then the short one, which its runner no longer held, failed with the next step, its
+    # token stream ended once; its deltas did not pass it for a request still running
+    assert not runner.victim
+    failed_with(short, "generation lost: a step before this one crashed")
+    stream_entries(r, short)
+    whole(long, 20, stream=True)
     assert r.xpending(KEYS.lane(0), GROUP)["pending"] == 0
 
 
@@ -150,9 +186,16 @@ def test_a_beam_search_a_crashed_step_left_mid_way_ends_with_its_beams(
 
 class EndCrash(Breaking):
     """The tiny Llama whose step raises once, when it ends the request ``victim``
-    (before its events are built)."""
+    (before its events are built); and step ``at_report`` (0: none), once all its events
+    are built."""
 
     victim = ""
+    at_report = 0
+
+    def _reported(self, report: StepReport, events: list[StepEvent], prefilled: int) -> StepReport:
+        if self.steps == self.at_report:
+            raise RuntimeError("runner bug at a step's end")
+        return super()._reported(report, events, prefilled)
 
     def _finish(self, r: GenReq, stream: bool = True) -> list[StepEvent]:
         if r.key == self.victim:
@@ -207,3 +250,25 @@ def test_a_request_stopped_aside_whose_end_a_crashed_step_lost_ends_with_the_nex
     assert [type(ev) for ev in ends["running"]] == [Final]
     assert "aside" in {ev.key for ev in reports[2].events}
     assert not runner._reqs
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_events_of_requests_a_crashed_step_admitted_are_not_carried_over(
+    tiny_lm: Path, engine: str
+) -> None:
+    # Given a runner stepped directly, running a streaming request, whose second step
+    # admits another that ends in it (one token), and raises once all its events are built
+    runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
+    runner.at_report = 2
+    running = _prepared(runner, "running", max_new_tokens=8, stream=True, ignore_eos=True)
+    doomed = _prepared(runner, "doomed", max_new_tokens=1, stream=True, ignore_eos=True)
+    runner.step(Work("s1", (("running", running),)))
+    # When that step raises (the executor fails what it admitted: "doomed")
+    with pytest.raises(RuntimeError, match="at a step's end"):
+        runner.step(Work("s2", (("doomed", doomed),)))
+    after = runner.step(Work("s3", ()))
+    # Then the next step hands over the running one's delta of the step that raised, and
+    # nothing of the one it admitted (answered failed already)
+    keys = [ev.key for ev in after.events]
+    assert keys.count("running") == 2 and "doomed" not in keys
+    assert "doomed" not in runner._reqs

@@ -5,9 +5,10 @@ unanswered, while one bad request does not fail the others.
 - A step that raises fails the requests it admitted (:func:`~.executor.execute`): one
   poisonous prompt fails alone, and the running requests go on.
 - The runner's state after a crash is suspect: it may have ended a request, or applied a
-  stop, whose event was lost with the step (a generating runner hands the deltas and
-  token counts of a step that raised over with its next one:
-  :class:`~.runners.gen_state.Unsent`). Its stops go again with the next step (the
+  stop, whose event was lost with the step (a generating runner hands the events it built
+  in a step that raised, deltas, results, failures and preemptions, and its token counts
+  over with its next one: :class:`~.runners.gen_state.Unsent`; not those of a report lost
+  after the runner returned it). Its stops go again with the next step (the
   scheduler, ``StepReport.crashed`` 1). The first step after it that does not raise
   settles its report at once, and every request the runner should hold but neither its
   events' ends nor its progress name (``StepReport.progress`` names each one it holds, parked
@@ -87,7 +88,7 @@ class Crashes:
 
     def _lost(self, work: Work, report: StepReport) -> None:
         """Fail the requests the runner should hold and does not name after the step that
-        followed a crash: it ended them in the crashed step, their events lost with it."""
+        followed a crash: it ended them in the crashed step, their ends lost with it."""
         ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
         named = ended | report.progress.keys()  # (a delta: maybe of a request lost since)
         lost = [k for k in self._held if k not in named and k not in self._parked]
