@@ -272,3 +272,29 @@ def test_the_events_of_requests_a_crashed_step_admitted_are_not_carried_over(
     keys = [ev.key for ev in after.events]
     assert keys.count("running") == 2 and "doomed" not in keys
     assert "doomed" not in runner._reqs
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_preemption_a_crashed_step_made_is_handed_over_and_the_request_resumes(
+    tiny_lm: Path, engine: str
+) -> None:
+    # Given a runner stepped directly, running a streaming request, whose second step
+    # preempts it and raises once all its events are built
+    runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
+    runner.at_report = 2
+    prep = _prepared(runner, "aside", max_new_tokens=8, stream=True, ignore_eos=True)
+    reports = [runner.step(Work("s1", (("aside", prep),)))]
+    with pytest.raises(RuntimeError, match="at a step's end"):
+        runner.step(Work("s2", (), preempt=("aside",)))
+    # When the next step runs, and the request is admitted again after it
+    reports.append(runner.step(Work("s3", ())))
+    reports += [runner.step(Work(f"s{k}", (("aside", prep),) * (k == 4))) for k in range(4, 14)]
+    # Then that step handed the preemption over (the loop learns it is parked), and the
+    # request resumed to its end, its deltas adding up to its result
+    assert [type(ev) for ev in reports[1].events] == [Preempted]
+    assert [type(ev) for ev in _ends(reports)["aside"]] == [Preempted, Final]
+    final = _ends(reports)["aside"][-1]
+    assert isinstance(final, Final) and final.outputs[0]["completion_tokens"] == 8
+    deltas = [ev.chunk for rep in reports for ev in rep.events if isinstance(ev, Partial)]
+    assert "".join(d["text"] for d in deltas) == final.outputs[0]["text"]
+    assert sum(d["tokens"] for d in deltas) == 8
