@@ -5,12 +5,15 @@ unanswered, while one bad request does not fail the others.
 - A step that raises fails the requests it admitted (:func:`~.executor.execute`): one
   poisonous prompt fails alone, and the running requests go on.
 - The runner's state after a crash is suspect: it may have ended a request, or applied a
-  stop, whose event was lost with the step (a generating runner hands the deltas and
-  token counts of a step that raised over with its next one:
-  :class:`~.runners.gen_state.Unsent`). Its stops go again with the next step (the
+  stop, whose event was lost with the step (a generating runner hands the events it built
+  in a step that raised, deltas, results, failures and preemptions, and its token counts
+  over with its next one: :class:`~.runners.gen_state.Unsent`; not those of a report lost
+  after the runner returned it). Its stops go again with the next step (the
   scheduler, ``StepReport.crashed`` 1). The first step after it that does not raise
-  settles its report at once, and every request the runner should hold but its progress
-  does not name (``StepReport.progress`` names each one it holds, parked ones aside) fails.
+  settles its report at once, and every request the runner should hold but neither its
+  events' ends nor its progress name (``StepReport.progress`` names each one it holds, parked
+  ones aside) fails. Should that settle raise, the check waits for the next step that
+  settles (a part-filled progress would fail running requests it had not reached yet).
 - The second step in a row that raises (nothing admitted by it needed to) means the
   runner, not a request, is broken, as an engine-core step error is to vLLM: every request
   it holds (running or parked) fails and the runner is emptied (``forget_all``, as for a
@@ -45,6 +48,11 @@ class Crashes:
         """Requests admitted and not ended: what the runner holds, as its events tell."""
         self._parked: set[str] = set()
         """Of them, those it preempted (kept aside, not in its progress)."""
+        self._suspect = False
+        """A step raised and no step since settled: the lost-request check is due. A
+        settle that raises leaves it due (its progress, part filled, cannot tell a lost
+        request from a running one; the executor fails what that step named), so the
+        next step that settles checks."""
 
     def checked(self, work: Work, report: StepReport) -> StepReport:
         """``report`` amended by the policy (see the module's docstring): the requests a
@@ -53,13 +61,15 @@ class Crashes:
         if report.crashed:
             self.in_a_row += 1
             report.crashed = self.in_a_row
+            self._suspect = self.continuous
             if self.in_a_row >= RUNNER_BROKEN_AFTER:
                 self._runner_broken(work, report)
-        elif self.in_a_row:
-            self.in_a_row = 0
-            if self.continuous:
-                report.settle()  # its progress: what the runner holds now
-                self._lost(work, report)
+            return report
+        self.in_a_row = 0
+        if self._suspect:
+            report.settle()  # its progress: what the runner holds now (raising: see below)
+            self._suspect = False
+            self._lost(work, report)
         return report
 
     def track(self, work: Work, report: StepReport) -> None:
@@ -78,8 +88,9 @@ class Crashes:
 
     def _lost(self, work: Work, report: StepReport) -> None:
         """Fail the requests the runner should hold and does not name after the step that
-        followed a crash: it ended them in the crashed step, their events lost with it."""
-        named = {ev.key for ev in report.events} | report.progress.keys()
+        followed a crash: it ended them in the crashed step, their ends lost with it."""
+        ended = {ev.key for ev in report.events if isinstance(ev, Final | Failed | Preempted)}
+        named = ended | report.progress.keys()  # (a delta: maybe of a request lost since)
         lost = [k for k in self._held if k not in named and k not in self._parked]
         if lost:
             logger.error("step %s: the runner no longer holds %d requests since a step of "
@@ -95,6 +106,7 @@ class Crashes:
         _fail(report, held, f"the model's runner crashed in {self.in_a_row} steps in a row")
         self._held.clear()
         self._parked.clear()
+        self._suspect = False
         forget = getattr(self.runner, "forget_all", None)
         if forget is not None:
             try:

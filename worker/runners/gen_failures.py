@@ -66,7 +66,7 @@ class Failures(Requests):
         self, running: list[GenReq], message: str, events: list[StepEvent], report: StepReport
     ) -> StepReport:
         for r in running:
-            events.append(Failed(r.key, message, ErrorCode.INFERENCE_FAILED))
+            events.append(self._built(Failed(r.key, message, ErrorCode.INFERENCE_FAILED)))
             self._reqs.pop(r.key, None)
             for seq in r.seqs:
                 self.engine.forget(seq.name)

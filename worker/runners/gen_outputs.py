@@ -9,12 +9,14 @@ Runs on the device thread, per step for the requests that produced tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..generation.detok import Decode
 from ..generation.sampling import Logprob
 from ..runner import Final, Partial, Progress, StepEvent, StepReport
 from .gen_state import ALL_SPECIAL, GenReq, GenSeq, RunnerState
+
+E = TypeVar("E", bound=StepEvent)
 
 
 class Outputs(RunnerState):
@@ -24,6 +26,13 @@ class Outputs(RunnerState):
         """Take sequences out of the engine (those it still has), freeing their blocks."""
         live = [s for s in seqs if self._by_seq.pop(s.name, None) is not None]
         self.engine.cancel(s.name for s in live)
+
+    def _built(self, ev: E) -> E:
+        """``ev``, an end (result, failure, preemption) the step built: kept with the step's
+        deltas until it returns (:class:`~.gen_state.Unsent`), as its request left the
+        runner, or parked, with it."""
+        self._unsent.events.append(ev)
+        return ev
 
     def _finish(self, r: GenReq, stream: bool = True) -> list[StepEvent]:
         """A request's last events: its unsent text (streaming), then its Final."""
@@ -68,7 +77,7 @@ class Outputs(RunnerState):
                 out["prompt_logprobs"] = self._prompt_logprobs(s)
         for s in r.seqs:
             self.engine.forget(s.name)
-        return Final(r.key, outputs)
+        return self._built(Final(r.key, outputs))
 
     def _prompt_logprobs(self, s: GenSeq) -> list[dict[str, Any] | None]:
         """A scored sequence's prompt log-probabilities; the first token has none (vLLM's
@@ -120,7 +129,7 @@ class Outputs(RunnerState):
                 out.append(Partial(r.key, chunk | parts if parts else chunk))
                 sent[i] = n
         if out:
-            self._unsent.partials += out
+            self._unsent.events += out
         return out
 
     def _prompt_echo(self, r: GenReq, i: int) -> dict[str, Any]:

@@ -133,7 +133,7 @@ class Requests(Beams):
                 except Exception as exc:  # GrammarError: the request's own fault
                     code = ErrorCode.INVALID_REQUEST if isinstance(exc, GrammarError) else (
                         ErrorCode.INFERENCE_FAILED)  # fmt: skip
-                    events.append(Failed(key, str(exc), code))
+                    events.append(self._built(Failed(key, str(exc), code)))
                     self._reqs.pop(key, None)
                     for seq in r.seqs:
                         self.engine.forget(seq.name)
@@ -149,7 +149,7 @@ class Requests(Beams):
             self._beam_cancel(r)
             r.parked = True
             contexts, left = r.beams.contexts()
-            return Preempted(r.key, contexts, left)
+            return self._built(Preempted(r.key, contexts, left))
         live = [(i, s) for i, s in enumerate(r.seqs) if s.finish is None]
         self._cancel([s for _, s in live])
         r.parked = True
@@ -158,7 +158,7 @@ class Requests(Beams):
             s.parked = False
         prompts = tuple(len(s.prompt) + len(s.text.tokens) for _, s in live)
         left = max((s.max_new - len(s.text.tokens) for _, s in live), default=0)
-        return Preempted(r.key, prompts, left, tuple(i for i, _ in live), freed=freed)
+        return self._built(Preempted(r.key, prompts, left, tuple(i for i, _ in live), freed=freed))
 
     def _park_seqs(self, r: GenReq, seqs: tuple[int, ...]) -> list[Preempted]:
         """Free some of a request's sequences alone, as vLLM preempts a child request of
@@ -172,8 +172,8 @@ class Requests(Beams):
             self._cancel([s])
             s.parked = True
             made = len(s.text.tokens)
-            out.append(Preempted(r.key, (len(s.prompt) + made,), s.max_new - made, (i,),
-                                 alone=True, freed=1))  # fmt: skip
+            out.append(self._built(Preempted(r.key, (len(s.prompt) + made,), s.max_new - made,
+                                             (i,), alone=True, freed=1)))  # fmt: skip
         return out
 
     def _resume_seqs(self, r: GenReq, seqs: tuple[int, ...], lane: int) -> None:

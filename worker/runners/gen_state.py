@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..generation.reasoning import Reasoning
     from ..generation.speculative import DraftConfig, NgramConfig
     from ..generation.think_budget import Markers
-    from ..runner import Partial, StepReport
+    from ..runner import StepEvent, StepReport
 
 COMPILE_WAIT_S = 0.05
 """With nothing else to run, how long a step waits for a constraint being compiled."""
@@ -159,13 +159,18 @@ class GenReq:
 class Unsent:
     """What the step under way built and has not handed over yet (its report returned):
     kept by the runner, not the step, so that a step that raises once its engine ran (a
-    runner bug: its sequences' texts and offsets moved on) loses none of it; the next step
-    hands it over (:meth:`~.gen_step.Stepping._carried_over`)."""
+    runner bug: its sequences' texts and offsets moved on, requests ended or parked) loses
+    none of it; the next step hands it over (:meth:`~.gen_step.Stepping._carried_over`)."""
 
     open: bool = False
     """A step began and has not returned (seen at the next step's start: it raised)."""
-    partials: list[Partial] = field(default_factory=list)
-    """Its deltas (their requests' ``sent`` offsets moved past them)."""
+    events: list[StepEvent] = field(default_factory=list)
+    """Its events, as each was built: deltas (their requests' ``sent`` offsets moved past
+    them), results and failures (their requests left the runner), preemptions (their
+    requests parked)."""
+    admitted: frozenset[str] = frozenset()
+    """The requests it admitted: a step that raises fails them (:func:`~..executor.execute`),
+    so none of their events is carried over."""
     produced: dict[str, int] = field(default_factory=dict)
     """The tokens it took, per request (the report's ``produced``)."""
     prefilled: int = 0
@@ -174,7 +179,8 @@ class Unsent:
     def handed_over(self) -> None:
         """The step returned its report, which holds all of it: start afresh."""
         self.open = False
-        self.partials.clear()
+        self.events.clear()
+        self.admitted = frozenset()
         self.produced = {}  # (the report holds this one)
         self.prefilled = 0
 

@@ -26,20 +26,35 @@ class Stepping(Failures, Controls):
 
     def _carried_over(self, work: Work) -> list[StepEvent]:
         """The step before this one raised (a runner bug), maybe once its engine ran: its
-        requests' texts moved on, their deltas and ends lost with it. Its deltas come first
-        in this step's events (so a stream still adds up to its result; :mod:`..crashes`
-        says what becomes of the requests it ended), but those of requests no longer held
-        or stopped as ``lost``; a request whose sequences all ended in it (its end not yet
-        built) ends now. Its token counts are this step's too (:class:`~.gen_state.Unsent`)."""
-        lost = {key for key, reason in work.stop if reason == LOST}
-        reqs = self._reqs
+        requests' texts moved on, the events it built lost with it. Those come first in
+        this step's events, in the order built (a stream still adds up to its result; a
+        request it ended, failed or parked is answered, or resumed later, as if it had
+        returned), but for the requests it admitted (failed with it) or that this step
+        stops as ``lost``. Then the requests it left mid-way end or go on
+        (:meth:`_left_midway`). Its token counts are this step's too
+        (:class:`~.gen_state.Unsent`); :mod:`..crashes` says what becomes of the requests
+        it lost all the same."""
         unsent = self._unsent
-        unsent.partials = [p for p in unsent.partials if p.key in reqs and p.key not in lost]
-        events: list[StepEvent] = list(unsent.partials)
-        for r in [r for r in reqs.values() if r.done and r.key not in lost]:
-            if not r.parked and r.beams is None and r.compiling is None:
-                events += self._finish(r)
+        skip = {key for key, reason in work.stop if reason == LOST} | unsent.admitted
+        unsent.events = [ev for ev in unsent.events if ev.key not in skip]
+        events: list[StepEvent] = list(unsent.events)
+        for r in [r for r in self._reqs.values() if r.key not in skip]:
+            events += self._left_midway(r)
         return events
+
+    def _left_midway(self, r: GenReq) -> list[StepEvent]:
+        """A request as a step that raised left it: ended (its sequences all ended, its
+        result not yet built; running, parked or waiting for its constraint alike) it ends
+        now; a beam search whose searches all ended takes its best beams first, and one
+        whose round advanced without the next round started starts it (only the rounds
+        missing are added). Its events, if it ended."""
+        beams = r.beams
+        if beams is not None and not r.done and not r.parked and r.compiling is None:
+            if beams.done:
+                self._beam_results(r)
+            else:
+                self._start(r, beams.lane)
+        return self._finish(r) if r.done else []
 
     def _operator_changes(self, work: Work) -> None:
         """Changes operators made between steps: the step budget, adapters, prefix cache."""
@@ -76,8 +91,8 @@ class Stepping(Failures, Controls):
         lanes = work.lanes or (0,) * len(work.admit)
         for (key, prep), lane in zip(work.admit, lanes, strict=True):
             if prep.payload.lora and key not in self._reqs and not self._lora_live(prep):
-                events.append(Failed(key, f"lora adapter {prep.payload.lora_name!r} was "
-                                     "unloaded", ErrorCode.INVALID_REQUEST))  # fmt: skip
+                events.append(self._built(Failed(key, f"lora adapter {prep.payload.lora_name!r} "
+                                                 "was unloaded", ErrorCode.INVALID_REQUEST)))  # fmt: skip
                 continue
             if (answered := self._admit(key, prep, lane)) is not None:
                 events += self._finish(answered)

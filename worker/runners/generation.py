@@ -182,6 +182,7 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         unsent = self._unsent
         events = self._carried_over(work) if unsent.open else []
         unsent.open = True
+        unsent.admitted = frozenset(key for key, _ in work.admit)
         report = self._step(work, events)
         unsent.handed_over()
         return report
