@@ -107,7 +107,7 @@ def test_a_master_killed_mid_run_loses_no_request_and_answers_each_once(
     def cut() -> None:  # the master acknowledges submits, deliveries and results, alone
         before = _keys(master, results)
         submit(ids[third : 2 * third])
-        _poll_len(lambda: _keys(master, results) - before, LOST_AT_LEAST, timeout=0.5)
+        _poll_len(lambda: _keys(master, results) - before, LOST_AT_LEAST, timeout=1.0)
         lost.update(_keys(master, results) - before)
 
     failed: list[BaseException] = []
