@@ -3,7 +3,9 @@ new topology and every request gets exactly one result. The replica is stopped f
 moment before the kill (``SIGSTOP``), so the writes the master acknowledged meanwhile are
 lost with it, as asynchronous replication loses them: requests the producer added, results
 a worker stored (with their ``XACK``), deliveries. Real processes: a 6-node cluster (a
-replica per master), an encoder worker (its Celery broker a plain Redis), a producer."""
+replica per master), an encoder worker (its Celery broker a plain Redis), a producer. And
+the two fixes it needed, each alone: the intake takes again what the sink acked and a
+failover un-acked; a script call that reached no master is raised (retried), not returned."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from batchfleet.schemas.codec import envelope_of
 from batchfleet.schemas.errors import Unavailable
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.results import Result
+from batchfleet.worker.streams import Entry, Pending
+from batchfleet.worker.unseen import Unseen
 from conftest import WorkerProcess, fleet_toml
 from failover_cluster import FailoverCluster, running_failover_cluster
 
@@ -223,3 +227,25 @@ def test_a_script_call_that_reached_no_master_raises_for_the_retry() -> None:
     # an error Redis answered is the call's reply (QUEUEFULL: the producer reads it)
     full = redis.ResponseError("QUEUEFULL bf:{tiny}:lane:0 holds 5 >= 5")
     assert run_script_calls(_Client([full]), script, [([KEYS.lane(0)], [])]) == [full]
+
+
+class _OwnPending:
+    """A consumer's pending entries as ``XPENDING`` lists them (what ``Unseen.find`` reads)."""
+
+    def __init__(self, pending: list[Pending]) -> None:
+        self.pending = pending
+
+    def own_pending(self, limit: int) -> list[Pending]:
+        return self.pending[:limit]
+
+
+def test_an_entry_acked_then_pending_again_is_taken_again_not_left_to_the_fallback() -> None:
+    held, acked = Entry(0, "1-0", {}), Entry(0, "2-0", {})
+    unseen = Unseen()
+    unseen.posted([held, acked])
+    # When the sink acks one (on the master that dies), then a failover loses the ack:
+    # both are pending on this consumer again
+    unseen.settled([acked])
+    pending = [Pending(0, "1-0", 1, 5), Pending(0, "2-0", 1, 5)]
+    # Then the look takes the acked one again; the one the loop still holds stays its own
+    assert unseen.find(_OwnPending(pending), ()) == [pending[1]]  # type: ignore[arg-type]
