@@ -301,7 +301,9 @@ class RedisSink:
             encoded = [a.encode() for a in job.answers]
             stored = self.streams.finish([f for f, _ in encoded])
             self._done(job)
-            self._settle_entries([a.entry for a in job.answers])
+            # (a superseded attempt is not acked: its entry stays the new owner's)
+            acked = zip(job.answers, stored, strict=True)
+            self._settle_entries([a.entry for a, s in acked if s != SUPERSEDED])
             replies = []
             for (_, reply), s in zip(encoded, stored, strict=True):
                 if s == SUPERSEDED:
