@@ -1,4 +1,5 @@
-"""A throwaway 3-master Redis Cluster on loopback ports (tests and the sizing script)."""
+"""A throwaway 3-master Redis Cluster on loopback ports (tests and the sizing script), with
+a replica per master where asked (``tests/failover_cluster.py``)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,16 @@ def free_cluster_port(taken: set[int]) -> int:
 
 class LocalRedisCluster:
     """Three ``--cluster-enabled yes`` masters joined by ``redis-cli --cluster create`` (or
-    Valkey's ``valkey-server`` and ``valkey-cli``: see :func:`find_server`)."""
+    Valkey's ``valkey-server`` and ``valkey-cli``: see :func:`find_server`); ``replicas``
+    more nodes per master, each replicating one (``--cluster-replicas``), promoted after
+    ``node_timeout_ms`` once their master fails."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
         self.ports: list[int] = []
-        for _ in range(masters):
+        for _ in range(masters * (1 + replicas)):
             self.ports.append(free_cluster_port(set(self.ports)))
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
         self.processes: list[subprocess.Popen[bytes]] = []
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -76,7 +81,10 @@ class LocalRedisCluster:
                 "--dir", str(node_dir),
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", "2000",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                # a replica takes over however long it was cut off; its first sync at once
+                "--cluster-replica-validity-factor", "0",
+                "--repl-diskless-sync-delay", "0",
                 "--save", "",
                 "--appendonly", "no",
                 "--maxmemory-policy", "noeviction",
@@ -91,8 +99,9 @@ class LocalRedisCluster:
         for port in self.ports:
             self._wait_ping(port, end)
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
+        replicas = ["--cluster-replicas", str(self.replicas)]
         subprocess.run(
-            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            [cli, "--cluster", "create", *nodes, *replicas, "--cluster-yes"],
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

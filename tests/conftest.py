@@ -35,6 +35,7 @@ from batchfleet.redis_server import LocalRedis
 SERVER_FACING = {
     "test_cluster.py",
     "test_cluster_cancel.py",
+    "test_cluster_failover.py",
     "test_dlq.py",
     "test_fleetview.py",
     "test_fuzz.py",

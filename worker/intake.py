@@ -183,6 +183,11 @@ class Intake:
                 self.streams.release(entries, self.worker.claim_idle_ms)
             logger.info("released %d unstarted requests to the fleet", len(entries))
 
+    def settled(self, entries: Sequence[Entry]) -> None:
+        """The sink acked these entries (any thread): pending here again after a failover
+        lost the ack, they are taken again as deliveries the loop no longer holds."""
+        self._lost_reads.settled(entries)
+
     def unregister(self) -> None:
         self.streams.unregister()
 

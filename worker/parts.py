@@ -100,7 +100,7 @@ def redis_parts(
     sink = RedisSink(
         streams, observers, lambda: inbox.put(Wake()),
         dead_letter_maxlen=worker.dead_letter_maxlen,
-        release_idle_ms=worker.claim_idle_ms, name=f"sink-{model}",
+        release_idle_ms=worker.claim_idle_ms, settled=source.settled, name=f"sink-{model}",
     )  # fmt: skip
     if not is_continuous(runner):
         device = Executor(runner, clock, inbox.put, name=f"device-{model}")

@@ -141,9 +141,13 @@ class RedisSink:
         *,
         dead_letter_maxlen: int,
         release_idle_ms: int = 300_000,
+        settled: Callable[[Sequence[Entry]], None] | None = None,
         name: str = "sink",
     ) -> None:
         self.streams = streams
+        self._settled = settled
+        """Told the entries acked (answered, retired, dead-lettered): a later look for lost
+        deliveries takes them again if Redis lost the ack (a failover)."""
         self.observers = observers
         self._wake = wake
         self._dead_maxlen = dead_letter_maxlen
@@ -297,6 +301,9 @@ class RedisSink:
             encoded = [a.encode() for a in job.answers]
             stored = self.streams.finish([f for f, _ in encoded])
             self._done(job)
+            # (a superseded attempt is not acked: its entry stays the new owner's)
+            acked = zip(job.answers, stored, strict=True)
+            self._settle_entries([a.entry for a, s in acked if s != SUPERSEDED])
             replies = []
             for (_, reply), s in zip(encoded, stored, strict=True):
                 if s == SUPERSEDED:
@@ -311,14 +318,20 @@ class RedisSink:
             self.streams.mark_started(job.items)
         elif isinstance(job, _Retire):
             self.streams.retire(job.items)
+            self._settle_entries([it.entry for it in job.items])
         else:
             dead_id = self.streams.dead_letter(
                 job.entry, job.code, job.reason, self.streams.consumer, self._dead_maxlen
             )
             logger.warning("entry %s dead-lettered as %s: %s", job.entry.id, dead_id, job.reason)
+            self._settle_entries([job.entry])
             self.observers.notify(
                 DeadLettered(self.streams.keys.model, job.entry.lane, job.code, job.reason)
             )
+
+    def _settle_entries(self, entries: Sequence[Entry]) -> None:
+        if self._settled is not None:
+            self._settled(entries)
 
     def _done(self, job: _Job) -> None:
         if isinstance(job, _Finish):

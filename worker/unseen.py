@@ -5,10 +5,12 @@ the idle fallback (``claim_idle_ms``) would. The intake remembers what it posted
 after a Redis call failed unreachable, or a connection was dropped (redis-py may have
 sent a call again by itself, hiding a lost reply: ``batchfleet/drops.py``), its
 consumer's pending entries never posted are taken again (docs/reliability.md, "A lost read").
+So are those the sink acked whose ack a Redis Cluster failover lost (the sink settles them).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from ..drops import DropCount
@@ -25,6 +27,8 @@ class Unseen:
 
     def __init__(self, drops: DropCount | None = None) -> None:
         self._posted: set[str] = set()
+        self._lock = threading.Lock()
+        """The sink's thread settles entries while the intake's posts and looks."""
         self._prune_at = PRUNE_AT
         self.suspected = False
         """A Redis call failed unreachable since the last look: a reply may have been lost."""
@@ -35,11 +39,18 @@ class Unseen:
 
     def posted(self, entries: Iterable[Entry]) -> None:
         """These entries reached the loop (which, or its sink, answers or releases them)."""
-        self._posted.update(e.key for e in entries)
+        with self._lock:
+            self._posted.update(e.key for e in entries)
 
     def dropped(self, entries: Iterable[Entry]) -> None:
         """These entries are no longer this consumer's (another worker took them over)."""
-        self._posted.difference_update(e.key for e in entries)
+        with self._lock:
+            self._posted.difference_update(e.key for e in entries)
+
+    settled = dropped
+    """These entries were acked by the sink (its thread): no longer held. Pending again
+    after a Redis Cluster failover lost the ack with the master (asynchronous
+    replication), they are taken again, not left to the idle fallback."""
 
     def due(self) -> bool:
         """Whether to look: a reply may have been lost since the last look, or the posted
@@ -54,9 +65,10 @@ class Unseen:
         if self._drops is not None:  # (read first: a drop during the look looks again)
             self._dropped = self._drops.value
         pending = streams.own_pending(limit=len(self._posted) + 10_000)
-        self._posted.intersection_update(p.key for p in pending)
-        self._prune_at = max(PRUNE_AT, 2 * len(self._posted))
-        skip = self._posted.union(known)
+        with self._lock:
+            self._posted.intersection_update(p.key for p in pending)
+            self._prune_at = max(PRUNE_AT, 2 * len(self._posted))
+            skip = self._posted.union(known)
         return [p for p in pending if p.key not in skip]
 
 
