@@ -298,7 +298,7 @@ def check_run(
     for plan in plans:
         res = results.get(plan.rid)
         if res is None:
-            report.bad(plan.rid, "no result")
+            report.bad(plan.rid, f"no result: {whereabouts(r, keys, plan.rid)}")
             report.outcomes["lost"] += 1
             continue
         report.outcomes[outcome(plan, res, report)] += 1
@@ -320,6 +320,16 @@ def check_run(
     check_greedy(model_path(config), [res for _, res in greedy[:verify]], report)
     check_fleet(r, keys, report, drain_s)
     return report
+
+
+def whereabouts(r: redis.Redis, keys: ModelKeys, rid: str) -> str:
+    """Where an unanswered request stands: its result stored since (late, not lost), the
+    worker its ``started`` key names, and its token stream's layout."""
+    started: Any = r.get(keys.started(rid))
+    entries: Any = r.xrange(keys.tokens(rid))
+    name = started.decode() if started else "none"
+    late = "stored since, " if r.exists(keys.result(rid)) else ""
+    return f"{late}started by {name}, stream {layout(entries) if entries else 'empty'}"
 
 
 def res_time(res: Result, submitted: dict[str, float], plan: Plan) -> float:
