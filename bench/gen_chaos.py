@@ -39,7 +39,7 @@ import msgpack
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result
-from batchfleet.schemas.errors import StreamRestarted
+from batchfleet.schemas.errors import ResultTimeout, StreamRestarted
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Delta
 
@@ -132,16 +132,36 @@ class Fleet:
         beat = self.r.hget(ModelKeys(MODEL).workers, self.names[i])
         return self.procs[i].poll() is None and beat is not None and int(beat) >= self.born[i]
 
-    def generating(self) -> set[str]:
-        """Consumers generating a request now: named by its ``started`` key, unanswered."""
+    def streaming(self) -> dict[str, list[tuple[str, int]]]:
+        """Requests each consumer is generating now, past their first delta: named by its
+        ``started`` key, unanswered, the token stream's last entry a delta written since
+        that consumer's process started; (request id, that delta's seq) each."""
         keys = ModelKeys(MODEL)
-        busy = set()
+        held: list[tuple[str, str]] = []
         for key in self.r.scan_iter(match=keys.started("*"), count=1000):
             rid = key.decode().rsplit(":", 1)[1]
             name: Any = self.r.get(key)
-            if name is not None and not self.r.exists(keys.result(rid)):
-                busy.add(name.decode())
-        return busy
+            if name is not None:
+                held.append((rid, name.decode()))
+        pipe = self.r.pipeline(transaction=False)
+        for rid, _ in held:
+            pipe.exists(keys.result(rid))
+            pipe.xrevrange(keys.tokens(rid), count=1)
+        replies = pipe.execute()
+        born = {name: self.born[i] for i, name in enumerate(self.names)}
+        out: dict[str, list[tuple[str, int]]] = {}
+        for (rid, name), answered, last in zip(held, replies[::2], replies[1::2], strict=True):
+            if answered or not last or b"end" in last[0][1] or name not in born:
+                continue
+            if int(last[0][0].split(b"-")[0]) >= born[name]:
+                out.setdefault(name, []).append((rid, int(last[0][1][b"seq"])))
+        return out
+
+    def unended(self, rid: str) -> bool:
+        """Request ``rid`` has no result and its token stream no end (yet)."""
+        keys = ModelKeys(MODEL)
+        last: Any = self.r.xrevrange(keys.tokens(rid), count=1)
+        return not self.r.exists(keys.result(rid)) and bool(last) and b"end" not in last[0][1]
 
     def kill_worker(self, i: int, rng: random.Random) -> str:
         """kill -9 worker ``i`` and start it again: under its name half the time (a
@@ -170,44 +190,72 @@ class Fleet:
 
 
 class Chaos(threading.Thread):
-    """kill -9 of a random generating worker (one that has served since it started) every
-    ``every`` s (±50%), where one is, until every request is
-    answered, and of Redis ``redis_kills`` times, spread over the ``span`` s of submits;
-    each event logged with its time."""
+    """kill -9, every ``every`` s (±50%) until every request is answered, of a worker
+    generating a request past its first delta (one that has served since it started),
+    waited for where there is none, so every kill lands mid-generation; the worker
+    restarted; ``worker_kills`` of them at most (0: no bound). kill -9 of Redis
+    ``redis_kills`` times, spread over the ``span`` s of submits. Each event logged with
+    its time; ``cut``: the requests a kill cut mid-generation (their streams must show a
+    restart)."""
 
-    def __init__(self, fleet: Fleet, every: float, redis_kills: int, span: float, seed: int):
+    POLL_S = 0.1
+
+    def __init__(
+        self, fleet: Fleet, every: float, redis_kills: int, span: float, seed: int,
+        worker_kills: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__(daemon=True)
+        self.kills_left = worker_kills or -1
         self.fleet, self.every, self.span = fleet, every, span
         self.rng = random.Random(seed)
         self.redis_at = [span * (k + 1) / (redis_kills + 1) for k in range(redis_kills)]
         self.events: list[tuple[float, str]] = []
         self.outages: list[tuple[float, float]] = []
+        self.cut: list[str] = []
         self.done = threading.Event()
+        self._start = 0.0
 
     def run(self) -> None:
-        start = time.monotonic()
+        self._start = time.monotonic()
         while not self.done.wait(self.every * self.rng.uniform(0.5, 1.5)):
-            at = time.monotonic() - start
-            if self.redis_at and at >= self.redis_at[0]:
+            if self._redis_due():
                 self.redis_at.pop(0)
                 down = time.monotonic()
                 self.fleet.kill_redis(1.0)
                 self.outages.append((down, time.monotonic()))
-                self.events.append((at, "kill -9 redis, restarted after 1 s"))
+                self.events.append((down - self._start, "kill -9 redis, restarted after 1 s"))
                 continue
-            try:
-                up = [i for i in range(len(self.fleet.procs)) if self.fleet.ready(i)]
-                busy = self.fleet.generating()
-            except redis.RedisError:
-                continue
-            # a worker that has served since its start (they take seconds to start here)
-            # and is generating: its streams are then regenerated by another
-            busy_up = [i for i in up if self.fleet.names[i] in busy]
-            if not busy_up:
-                continue
-            victim = self.rng.choice(busy_up)
-            name = self.fleet.kill_worker(victim, self.rng)
-            self.events.append((at, f"kill -9 worker {victim}, restarted as {name}"))
+            while self.kills_left and not self._kill_mid_generation():
+                if self.done.wait(self.POLL_S) or self._redis_due():
+                    break
+
+    def _redis_due(self) -> bool:
+        return bool(self.redis_at) and time.monotonic() - self._start >= self.redis_at[0]
+
+    def _kill_mid_generation(self) -> bool:
+        """kill -9 a worker streaming a request now, if one is; whether one was."""
+        fleet = self.fleet
+        try:
+            streaming = fleet.streaming()
+            up = [i for i, name in enumerate(fleet.names) if name in streaming and fleet.ready(i)]
+        except redis.RedisError:
+            return False
+        if not up:
+            return False
+        at = time.monotonic() - self._start
+        victim = self.rng.choice(up)
+        held = streaming[fleet.names[victim]]
+        name = fleet.kill_worker(victim, self.rng)
+        try:  # (dead now: what it had not ended stays unended until another attempt)
+            cut = [(rid, seq) for rid, seq in held if fleet.unended(rid)]
+        except redis.RedisError:
+            cut = []
+        self.cut += [rid for rid, _ in cut]
+        self.kills_left -= 1
+        what = ", ".join(f"{rid} after seq {seq}" for rid, seq in cut) or "(all ended meanwhile)"
+        self.events.append((at, f"kill -9 worker {victim} mid-generation of {what}, "
+                                f"restarted as {name}"))  # fmt: skip
+        return True
 
 
 class ReplyWatcher(threading.Thread):
@@ -315,7 +363,7 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
     watcher.start()
     watcher.ready.wait(10)
     span = args.requests / args.rate
-    chaos = Chaos(fleet, args.kill_every, args.redis_restarts, span, args.seed)
+    chaos = Chaos(fleet, args.kill_every, args.redis_restarts, span, args.seed, args.worker_kills)
     readers = ThreadPoolExecutor(args.readers)
     futures: dict[str, Future[Seen]] = {}
     jobs: dict[str, Any] = {}
@@ -346,16 +394,20 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
         submit_all(producer, todo, args.rate, on_job)
         print(f"submitted {len(todo)} in {time.monotonic() - started:.0f} s", flush=True)
         results = {}
-        for res in producer.results(list(jobs.values()), timeout=args.timeout):
-            results[res.id] = res
-            if len(results) % 100 == 0:
-                print(f"{len(results)} answered at {time.monotonic() - started:.0f} s", flush=True)
+        try:
+            for res in producer.results(list(jobs.values()), timeout=args.timeout):
+                results[res.id] = res
+                if len(results) % 100 == 0:
+                    print(f"{len(results)} answered at {time.monotonic() - started:.0f} s",
+                          flush=True)  # fmt: skip
+        except ResultTimeout as exc:  # checked all the same: each missing one a violation
+            print(f"{exc} (--timeout): checking what was answered", flush=True)
         canceller.join(30)
     finally:
         chaos.done.set()
         chaos.join()
-    seen = {rid: f.result(timeout=args.timeout) for rid, f in futures.items()}
-    readers.shutdown()
+    seen = {rid: f.result(timeout=args.timeout) for rid, f in futures.items() if rid in results}
+    readers.shutdown(wait=False, cancel_futures=True)  # (an unanswered one's reader waits on)
     time.sleep(1.0)  # the reply channel's last messages
     watcher.done.set()
     elapsed = time.monotonic() - started
@@ -364,7 +416,7 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
     r = redis.Redis.from_url(fleet.url)
     deaf = chaos.outages + watcher.deaf
     report = check_run(r, MODEL, todo, results, seen, watcher, submitted, deaf, args.verify,
-                       fleet.config, args.claim_idle_ms / 1000 + 30)  # fmt: skip
+                       fleet.config, args.claim_idle_ms / 1000 + 30, set(chaos.cut))  # fmt: skip
     report.events = [what for _, what in chaos.events]
     report.print(elapsed)
     return report
@@ -378,6 +430,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256,
                    help="the model's width: slow enough on a CPU that kills land mid-generation")  # fmt: skip
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills (±50%%)")
+    p.add_argument("--worker-kills", type=int, default=0,
+                   help="kill -9 of workers at most this many times (0: until every answer)")  # fmt: skip
     p.add_argument("--redis-restarts", type=int, default=2)
     p.add_argument("--appendfsync", default="always", choices=["always", "everysec"])
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000)

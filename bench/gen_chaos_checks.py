@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -124,9 +125,12 @@ def texts_by_input(pieces: list[tuple[int, str]]) -> dict[int, str]:
     return out
 
 
-def check_stored_stream(r: redis.Redis, keys: ModelKeys, res: Result, report: Report) -> int:
+def check_stored_stream(
+    r: redis.Redis, keys: ModelKeys, res: Result, report: Report, cut: bool = False
+) -> int:
     """The token stream as stored: one end, last; each attempt ``1..k``; ``life`` never
-    going back; the last attempt's text the result's; a TTL. Its attempt count."""
+    going back; the last attempt's text the result's; a TTL; ``cut`` (a kill cut an
+    attempt after a delta): a restart. Its attempt count."""
     rid = res.id
     entries: Any = r.xrange(keys.tokens(rid))  # redis-py types replies loosely
     if not entries:
@@ -155,6 +159,8 @@ def check_stored_stream(r: redis.Redis, keys: ModelKeys, res: Result, report: Re
         want = {i: g.text for i, g in enumerate(res.generations()) if g.text}
         if {i: t for i, t in got.items() if t} != want:
             report.bad(rid, "the last attempt's deltas are not the result's text")
+    if cut and res.ok and len(runs) < 2:  # (an error result may end no stream: poisoned)
+        report.bad(rid, f"killed mid-generation, its stream shows no restart: {layout(entries)}")
     ttl = r.ttl(keys.tokens(rid))
     if ttl < 0:
         report.bad(rid, f"token stream without a TTL ({ttl})")
@@ -282,20 +288,23 @@ def check_run(
     r: redis.Redis, model: str, plans: list[Plan], results: dict[str, Result],
     seen: dict[str, Seen], replies: Replies, submitted: dict[str, float],
     deaf: list[tuple[float, float]], verify: int, config: Path, drain_s: float,
+    cut: Collection[str] = (),
 ) -> Report:  # fmt: skip
-    """Every invariant over a finished run."""
+    """Every invariant over a finished run; ``cut``: requests whose worker was killed
+    after a delta, before their end (their stored streams must show the restart)."""
     keys = ModelKeys(model)
     report = Report()
     greedy: list[tuple[int, Result]] = []
     for plan in plans:
         res = results.get(plan.rid)
         if res is None:
-            report.bad(plan.rid, "no result")
+            report.bad(plan.rid, f"no result: {whereabouts(r, keys, plan.rid)}")
             report.outcomes["lost"] += 1
             continue
         report.outcomes[outcome(plan, res, report)] += 1
-        runs = check_stored_stream(r, keys, res, report)
+        runs = check_stored_stream(r, keys, res, report, plan.rid in cut)
         report.counts["streams regenerated (>1 attempt)"] += runs > 1
+        report.counts["requests a kill cut mid-generation"] += plan.rid in cut
         if plan.rid in seen:
             check_reader(plan, seen[plan.rid], res, report)
             report.counts[f"live readers checked ({plan.reader})"] += 1
@@ -311,6 +320,16 @@ def check_run(
     check_greedy(model_path(config), [res for _, res in greedy[:verify]], report)
     check_fleet(r, keys, report, drain_s)
     return report
+
+
+def whereabouts(r: redis.Redis, keys: ModelKeys, rid: str) -> str:
+    """Where an unanswered request stands: its result stored since (late, not lost), the
+    worker its ``started`` key names, and its token stream's layout."""
+    started: Any = r.get(keys.started(rid))
+    entries: Any = r.xrange(keys.tokens(rid))
+    name = started.decode() if started else "none"
+    late = "stored since, " if r.exists(keys.result(rid)) else ""
+    return f"{late}started by {name}, stream {layout(entries) if entries else 'empty'}"
 
 
 def res_time(res: Result, submitted: dict[str, float], plan: Plan) -> float:
