@@ -60,15 +60,31 @@ def test_deltas_are_numbered_per_request_and_leave_before_the_step() -> None:
 def test_a_request_not_expected_or_ended_streams_nothing_and_a_resumed_one_numbers_on() -> None:
     rec = Recorded()
     w = DeltaWriter(rec.stream, rec.then)
-    w.expect([to("a")])
+    w.expect([to("a"), to("b")])
     w.post(step("s1", Partial("a", chunk("x")), Partial("quiet", chunk("q"))))
-    w.post(step("s2", Preempted("a", (5,), 3)))
-    w.post(step("s3", Partial("a", chunk("late"))))  # parked: not streamed
+    w.post(step("s2", Preempted("a", (5,), 3), Partial("b", chunk("u")), Final("b", [])))
+    w.post(step("s3", Partial("b", chunk("late"))))  # ended: not streamed
     w.expect([to("a", seq=1)])  # resumed, the loop's count with it
     w.post(step("s4", Partial("a", chunk("y"))))
     deltas = [x for kind, x in rec.log if kind == "delta"]
-    assert deltas == [("id-a", 1, "x"), ("id-a", 2, "y")]
+    assert deltas == [("id-a", 1, "x"), ("id-b", 1, "u"), ("id-a", 2, "y")]
     assert [x for kind, x in rec.log if kind == "step"] == ["s1", "s2", "s3", "s4"]
+
+
+def test_a_parked_request_stopped_streams_the_delta_it_ends_with_numbered_on() -> None:
+    # Given a streaming request parked whole (preempted) after two deltas
+    rec = Recorded()
+    w = DeltaWriter(rec.stream, rec.then)
+    w.expect([to("a")])
+    w.post(step("s1", Partial("a", chunk("x")), Partial("a", chunk("y"))))
+    w.post(step("s2", Preempted("a", (5,), 3)))
+    # When it is stopped while parked (a deadline, a cancel): a step that admits nothing
+    # (nothing expected) carries its last delta and its result
+    w.post(step("s3", Partial("a", chunk("z")), Final("a", [])))
+    w.post(step("s4", Partial("a", chunk("late"))))
+    # Then that delta is streamed, right after the last one (the loop's end follows it)
+    deltas = [x for kind, x in rec.log if kind == "delta"]
+    assert deltas == [("id-a", 1, "x"), ("id-a", 2, "y"), ("id-a", 3, "z")]
 
 
 def test_a_sequence_preempted_alone_leaves_its_request_streaming_and_numbering_on() -> None:

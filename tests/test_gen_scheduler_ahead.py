@@ -78,7 +78,7 @@ def test_a_withdrawn_resumption_waits_again_as_preempted() -> None:
     s.running["a"].seq = 3  # deltas the loop counted
     s.finished(first.step_id, report(Partial("a", {}), Preempted("a", (9,), 9)), 1.0, 1.01)
     resume = s._resume["a"]
-    assert s.held["a"] and resume.seq == 3
+    assert s.held["a"] and resume.seq == 4  # the step's delta too (the device numbered it 4)
     running = s.inflight[0]
     queued = s.decide(1.02).step  # resumes "a"
     assert queued is not None and [h.waiting.key for h in queued.held] == ["a"]
@@ -87,7 +87,7 @@ def test_a_withdrawn_resumption_waits_again_as_preempted() -> None:
     assert s._resume["a"] == resume and "a" in s.held and "a" not in s.running
     again = s.decide(1.02).step
     assert again is not None and [h.waiting.key for h in again.held] == ["a"]
-    assert s.running["a"].seq == 3 and s.running["a"].preempted == resume.preempted
+    assert s.running["a"].seq == 4 and s.running["a"].preempted == resume.preempted
     # once the step resuming it ran, it is never parked back by a withdrawal
     s.finished(running.step_id, report(progress={"b": Progress((9,), (0,), 8)}), 1.02, 1.03)
     s.finished(again.step_id, report(Final("b", [{}]),
@@ -188,3 +188,20 @@ def test_the_stops_of_a_step_whose_runner_raised_are_passed_on_again_once() -> N
     # Then the first crash passed them on again with the next step, the second did not
     last = s.decide(4.0).step
     assert last is not None and last.stop == ()
+
+
+def test_a_request_parked_and_ended_in_one_step_ends_counted_and_waits_no_more() -> None:
+    # Given "a" running with 3 deltas sent, and a step whose events park it (a crashed
+    # step's preemption, carried over) and then end it (stopped: its last delta, its result)
+    s = scheduler()
+    s.admit(held("a", 1, 0.0))
+    first = s.decide(1.0).step
+    assert first is not None
+    s.running["a"].seq = 3
+    events = (Partial("a", {}), Preempted("a", (9,), 9), Partial("a", {}), Final("a", [{}]))
+    # When the loop takes the step in
+    _, named = s.finished(first.step_id, report(*events), 1.0, 1.01)
+    # Then it ended, its two deltas counted (its stream ends at 6), and it waits no more
+    assert named["a"].seq == 5
+    assert "a" not in s.running and "a" not in s.held and "a" not in s._resume
+    assert s.decide(1.02).step is None

@@ -17,8 +17,12 @@ tiny model: the call's run in Redis, which shares the cores with the loop thread
 
 The loop tells it, before it submits a step, where the requests that step admits stream
 to (:meth:`DeltaWriter.expect`); the rest is its own: which requests stream, and their
-last ``seq``. The loop counts the same ``Partial`` events, so it knows each request's
-last ``seq`` for its stream's end entry and for a resumed request.
+last ``seq``, until they end (a result or a failure). A request preempted whole stays
+its own too: stopped while parked (a deadline, a cancel), its runner ends it with its
+last delta and its result in a step that admits nothing, and that delta is streamed in
+turn; resumed, the loop expects it again. The loop counts the same ``Partial`` events,
+so it knows each request's last ``seq`` for its stream's end entry and for a resumed
+request.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from ..schemas.codec import (
 )
 from ..schemas.messages import Format
 from .inbox import DeviceStopped, StepDone
-from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport, leaves
+from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
 from .streamed import Streamed
 
 logger = logging.getLogger(__name__)
@@ -106,7 +110,7 @@ class DeltaWriter:
         later attempt's (``tokens.lua``); otherwise unchecked, at no cost."""
         self._expected: queue.SimpleQueue[Sequence[StreamTo]] = queue.SimpleQueue()
         self._to: dict[str, StreamTo] = {}
-        """Device thread: the streaming requests on the device..."""
+        """Device thread: the streaming requests on the device, or parked in its runner..."""
         self._seq: dict[str, int] = {}
         """...and the last ``seq`` each was sent."""
         self._posted: str | None = None
@@ -167,7 +171,7 @@ class DeltaWriter:
                     seq = seqs[ev.key] + 1
                     out.append(t.delta(seq, ev.chunk))
                     seqs[ev.key] = seq
-                elif leaves(ev):
+                elif _ends(ev):
                     ended = True
             # sent before the step's end reaches the loop, which ends streams (the sink
             # reads Redis's answer to this before it writes anything the loop hands it)
@@ -187,9 +191,10 @@ class DeltaWriter:
             self._forget_ended(events)
 
     def _forget_ended(self, events: Sequence[StepEvent]) -> None:
-        """The requests these events end stream no more (a resumed one is expected again)."""
+        """The requests these events end stream no more (not those parked: see the
+        module's docstring)."""
         for ev in events:
-            if leaves(ev) and ev.key in self._to:
+            if _ends(ev) and ev.key in self._to:
                 del self._to[ev.key], self._seq[ev.key]
 
     def _unstreamed(self, report: StepReport, message: str) -> None:
@@ -199,7 +204,6 @@ class DeltaWriter:
         their deltas short of their text (a parked one abandoned, for the loop to stop)."""
         events = report.events
         lost = {ev.key for ev in events if isinstance(ev, Partial) and ev.key in self._to}
-        self._forget_ended(events)
         kept: list[StepEvent] = []
         parked: list[str] = []
         for ev in events:
@@ -211,5 +215,12 @@ class DeltaWriter:
                     parked.append(ev.key)
             elif not isinstance(ev, Partial):
                 kept.append(ev)
+        self._forget_ended(kept)  # (a parked one failed too)
         report.events = kept
         report.abandoned = (*report.abandoned, *parked)
+
+
+def _ends(ev: StepEvent) -> bool:
+    """The event ends its request's stream: its result or its failure (a request parked
+    whole still streams the last delta it ends with, stopped while parked)."""
+    return isinstance(ev, Final | Failed)

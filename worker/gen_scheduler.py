@@ -36,7 +36,7 @@ from ..batching.generation import GenerationPolicy, GenPolicy
 from ..batching.types import Batch
 from .answers import Held
 from .gen_states import Children, Resume, Running, WaitingViews, prompts_of, running_view
-from .runner import LOST, Failed, Final, Preempted, Progress, StepReport
+from .runner import LOST, Failed, Final, Partial, Preempted, Progress, StepReport
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
 
@@ -338,7 +338,7 @@ class GenScheduler:
     ) -> tuple[Step, dict[str, Running]]:
         """Take back a finished step: who ended, who was preempted, where the rest stand.
         Returns the step and the running state of every request its events name (those
-        that ended are no longer running)."""
+        that ended are no longer running), its ``seq`` past the step's deltas."""
         step = self.inflight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"step {step_id} finished, but {step.step_id} was first")
@@ -350,12 +350,18 @@ class GenScheduler:
             if isinstance(ev, Final | Failed) and ev.key in self._resume:  # planned before
                 self._unpark(ev.key)
         named = {ev.key: r for ev in report.events if (r := self.running.get(ev.key)) is not None}
+        for ev in report.events:  # as the device thread numbered them (before a Resume saves it)
+            if isinstance(ev, Partial) and (r := named.get(ev.key)) is not None:
+                r.seq += 1
         for h in step.held:  # admitted by it: they started when it did (planned ahead: later)
             r = self.running.get(h.waiting.key)
             if r is not None and r.resumed is None:
                 r.started_at = started_at
         for ev in report.events:
             r = self.running.get(ev.key)
+            if r is None and isinstance(ev, Final | Failed) and ev.key in self._resume:
+                self._unpark(ev.key)  # parked earlier in these events (a crashed step's
+                r = self.running[ev.key]  # preemption, carried over), then stopped
             if r is None:
                 if isinstance(ev, Final | Failed):  # (abandoned before: ended, not to stop)
                     self._stops.pop(ev.key, None)

@@ -59,9 +59,6 @@ class Generating:
         step, named = self.scheduler.finished(
             done.step_id, report, done.started_at, done.finished_at
         )
-        for ev in report.events:
-            if isinstance(ev, Partial) and (r := named.get(ev.key)) is not None:
-                r.seq += 1  # as the device thread numbered it
         gaps = self._timing(report, named, done.finished_at)
         sink = self.parts.sink
         if next_step is not None:
