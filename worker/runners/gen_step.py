@@ -47,10 +47,14 @@ class Stepping(Failures, Controls):
         result not yet built; running, parked or waiting for its constraint alike) it ends
         now; a beam search whose searches all ended takes its best beams first, and one
         whose round advanced without the next round started starts it (only the rounds
-        missing are added). Its events, if it ended."""
-        beams = r.beams
-        if beams is not None and not r.done and not r.parked and r.compiling is None:
-            if beams.done:
+        missing are added); a running one whose start, or a sequence's resume, it left
+        part-done (rolled back, :meth:`_start`) starts the sequences the engine lacks.
+        Its events, if it ended."""
+        if not r.done and not r.parked and r.compiling is None:
+            beams = r.beams
+            if beams is None:
+                self._start(r, r.lane)  # (none missing: nothing to do)
+            elif beams.done:
                 self._beam_results(r)
             else:
                 self._start(r, beams.lane)
