@@ -98,9 +98,12 @@ class Requests(Beams):
         if r.beams is not None:
             self._start_round(r, lane)
             return
-        todo = [s for s in r.seqs
+        self._start_seqs(r, self._unstarted(r), lane)
+
+    def _unstarted(self, r: GenReq) -> list[GenSeq]:
+        """A running request's sequences that should run and are not in the engine."""
+        return [s for s in r.seqs
                 if s.finish is None and not s.parked and s.name not in self._by_seq]  # fmt: skip
-        self._start_seqs(r, todo, lane)
 
     def _start_seqs(self, r: GenReq, seqs: list[GenSeq], lane: int) -> None:
         """Put these sequences of ``r`` in the engine, all or none (see :meth:`_start`)."""

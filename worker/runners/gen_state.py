@@ -241,6 +241,7 @@ class RunnerState:
     _compiling: dict[str, tuple[GenReq, int]]
     _unsettled: StepReport | None
     _unsent: Unsent
+    _restart: list[GenReq]
     _by_seq: dict[str, tuple[GenReq, GenSeq]]
     _beam_seqs: dict[str, GenReq]
     _spec_seen: tuple[int, int, tuple[int, ...], int]
