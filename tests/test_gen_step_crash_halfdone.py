@@ -3,7 +3,9 @@ leaves (the runner stepped directly, the tiny Llama, both engines;
 ``worker/runners/gen_step.py``): a start whose sequences were added in part (its
 constraint compiled) is rolled back and starts whole with the next step; a beam search's
 best beams taken in part are taken again whole, not twice; a constraint that failed to
-compile in a step that raised is answered once, with the next step."""
+compile in a step that raised is answered once, with the next step; a LoRA adapter's
+unloading that fails a request a step that raised admitted is not handed over (the
+executor answered it)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from batchfleet.worker.generation.detok import Decode
 from batchfleet.worker.generation.grammar import GrammarError
 from batchfleet.worker.runner import Failed, Final, StepReport, Work
 from batchfleet.worker.runners.gen_state import GenReq, GenSeq
+from conftest import TINY_LM_OPTIONS
+from devices import DEVICE
 from gen_faults import ENGINES, Breaking, ends, make_runner, prepared
 from test_gen_step_crash_ends import EndCrash
 
@@ -166,3 +170,32 @@ def test_a_constraint_failure_a_crashed_step_built_is_handed_over_once(
     assert got["bad"][0] in reports[1].events
     assert [type(ev) for ev in got["running"]] == [Final]
     assert not runner._reqs and not runner._compiling
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_lora_failure_of_a_request_a_crashed_step_admitted_is_not_handed_over(
+    tiny_lm: Path, tmp_path: Path, engine: str
+) -> None:
+    # Given a runner stepped directly with an adapter, running a request, and one read
+    # with that adapter, which an operator unloads before the step that admits it; that
+    # step raises once all its events are built
+    from test_generation_lora import make_adapter
+
+    adapter = make_adapter(tmp_path / "sql", tiny_lm)
+    options = {**TINY_LM_OPTIONS, "engine": engine, "lora_adapters": {"sql": str(adapter)}}
+    runner = EndCrash(tiny_lm, device=DEVICE, dtype="float32", options=options)
+    runner.break_at, runner.schedule_ahead, runner.at_report = 0, False, 2
+    running = prepared(runner, "running", max_new_tokens=NEW, ignore_eos=True)
+    adapted = prepared(runner, "adapted", max_new_tokens=NEW, ignore_eos=True, lora="sql")
+    reports = [runner.step(Work("s1", (("running", running),)))]
+    runner.unload_lora("sql")
+    # When the step that admits it fails it (its adapter unloaded) and raises
+    with pytest.raises(RuntimeError, match="at a step's end"):
+        runner.step(Work("s2", (("adapted", adapted),)))
+    reports += _steps(runner, 3, 2 * NEW)
+    # Then its failure is not handed over (the executor fails what a step that raised
+    # admitted: answered once), the running one ran to its end, and the runner holds none
+    got = ends(reports)
+    assert "adapted" not in {ev.key for report in reports for ev in report.events}
+    assert [type(ev) for ev in got["running"]] == [Final]
+    assert not runner._reqs

@@ -93,8 +93,8 @@ class Requests(Beams):
         """Put a request's unfinished sequences in the engine (those not there yet): all or
         none. Should one raise, those it added, the one that raised included, are taken out
         again (their KV blocks freed), so a step that raises leaves no sequence in the engine
-        that its request does not know of, and the request to start whole with the next
-        step (:meth:`~.gen_step.Stepping._left_midway`)."""
+        that its request does not know of, and the request to start whole once the next
+        step's engine step freed those names (:meth:`~.gen_step.Stepping._left_midway`)."""
         if r.beams is not None:
             self._start_round(r, lane)
             return
