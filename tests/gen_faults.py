@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -215,6 +216,13 @@ def prepared(runner: TextGenerationRunner, rid: str, **kw: Any) -> Prepared:
     (prep,) = runner.prepare_many([Request(id=rid, model=MODEL, **kw)])
     assert isinstance(prep, Prepared)
     return prep
+
+
+def compiling(prep: Prepared) -> tuple[Prepared, Future[Any]]:
+    """``prep`` admitted while its constraint compiles: the future that gives it (its
+    result or exception decides when, and how, it starts)."""
+    fut: Future[Any] = Future()
+    return replace(prep, payload=replace(prep.payload, compiling=fut)), fut
 
 
 def ends(reports: list[StepReport]) -> dict[str, list[StepEvent]]:

@@ -9,8 +9,6 @@ executor answered it)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -23,7 +21,7 @@ from batchfleet.worker.runner import Failed, Final, StepReport, Work
 from batchfleet.worker.runners.gen_state import GenReq, GenSeq
 from conftest import TINY_LM_OPTIONS
 from devices import DEVICE
-from gen_faults import ENGINES, Breaking, ends, make_runner, prepared
+from gen_faults import ENGINES, Breaking, compiling, ends, make_runner, prepared
 from test_gen_step_crash_ends import EndCrash
 
 pytestmark = pytest.mark.timeout(180)
@@ -74,12 +72,10 @@ def test_a_start_a_crashed_step_left_part_done_is_rolled_back_and_starts_whole(
     # started)
     runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=StartCrash)
     runner.victim = victim
-    prep = prepared(runner, "c", max_new_tokens=NEW, n=2, ignore_eos=True)
-    compiling: Future[Any] = Future()
-    prep = replace(prep, payload=replace(prep.payload, compiling=compiling))
+    prep, constraint = compiling(prepared(runner, "c", max_new_tokens=NEW, n=2, ignore_eos=True))
     reports = [runner.step(Work("s1", (("c", prep),)))]
     # When its constraint is compiled (none), and the step that starts it raises
-    compiling.set_result(None)
+    constraint.set_result(None)
     with pytest.raises(RuntimeError, match="adding a sequence"):
         runner.step(Work("s2", ()))
     reports += _steps(runner, 3, 3 * NEW)
@@ -151,12 +147,10 @@ def test_a_constraint_failure_a_crashed_step_built_is_handed_over_once(
     runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
     runner.at_report = 2
     running = prepared(runner, "running", max_new_tokens=NEW, ignore_eos=True)
-    bad = prepared(runner, "bad", max_new_tokens=NEW, ignore_eos=True)
-    compiling: Future[Any] = Future()
-    bad = replace(bad, payload=replace(bad.payload, compiling=compiling))
+    bad, constraint = compiling(prepared(runner, "bad", max_new_tokens=NEW, ignore_eos=True))
     reports = [runner.step(Work("s1", (("running", running), ("bad", bad))))]
     # When its constraint fails to compile, in the step that raises
-    compiling.set_exception(GrammarError("no such grammar"))
+    constraint.set_exception(GrammarError("no such grammar"))
     with pytest.raises(RuntimeError, match="at a step's end"):
         runner.step(Work("s2", ()))
     reports += _steps(runner, 3, 2 * NEW)
