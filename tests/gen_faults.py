@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,11 +16,12 @@ import redis
 from batchfleet.producer import Producer
 from batchfleet.producer.client import Job
 from batchfleet.schemas.keys import ModelKeys
+from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler
 from batchfleet.worker.generation.paged import PagedEngine
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.observers import BatchDone, Generated, LoopEvent
-from batchfleet.worker.runner import StepReport, Work
+from batchfleet.worker.runner import Partial, Prepared, StepEvent, StepReport, Work
 from batchfleet.worker.runners.generation import TextGenerationRunner
 from conftest import TINY_LM_OPTIONS
 from devices import DEVICE
@@ -206,3 +208,28 @@ def submit(producer: Producer, text: str, new: int, *, stream: bool) -> Job:
     return producer.submit(
         MODEL, text, max_new_tokens=new, stream=stream, ignore_eos=True, priority=0
     )
+
+
+def prepared(runner: TextGenerationRunner, rid: str, **kw: Any) -> Prepared:
+    """A request ``rid`` for ``runner`` (prompt "the dog", or ``inputs``), prepared."""
+    kw.setdefault("inputs", ["the dog"])
+    (prep,) = runner.prepare_many([Request(id=rid, model=MODEL, **kw)])
+    assert isinstance(prep, Prepared)
+    return prep
+
+
+def compiling(prep: Prepared) -> tuple[Prepared, Future[Any]]:
+    """``prep`` admitted while its constraint compiles: the future that gives it (its
+    result or exception decides when, and how, it starts)."""
+    fut: Future[Any] = Future()
+    return replace(prep, payload=replace(prep.payload, compiling=fut)), fut
+
+
+def ends(reports: list[StepReport]) -> dict[str, list[StepEvent]]:
+    """Each request's events but its deltas, by key, over ``reports``."""
+    out: dict[str, list[StepEvent]] = {}
+    for report in reports:
+        for ev in report.events:
+            if not isinstance(ev, Partial):
+                out.setdefault(ev.key, []).append(ev)
+    return out

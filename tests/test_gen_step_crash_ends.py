@@ -18,19 +18,28 @@ import redis
 from batchfleet.producer import Producer
 from batchfleet.producer.client import Job
 from batchfleet.schemas.keys import GROUP
-from batchfleet.schemas.messages import Request
 from batchfleet.worker.runner import (
     Final,
     Partial,
     Preempted,
-    Prepared,
     StepEvent,
     StepReport,
     Work,
 )
 from batchfleet.worker.runners.gen_state import GenReq, GenSeq
 from gen_checks import failed_with, stream_entries, whole
-from gen_faults import ENGINES, KEYS, MODEL, Breaking, make_loop, make_runner, run_loop, submit
+from gen_faults import (
+    ENGINES,
+    KEYS,
+    MODEL,
+    Breaking,
+    ends,
+    make_loop,
+    make_runner,
+    prepared,
+    run_loop,
+    submit,
+)
 
 pytestmark = pytest.mark.timeout(180)
 BEAM_NEW = 5
@@ -204,22 +213,6 @@ class EndCrash(Breaking):
         return super()._finish(r, stream)
 
 
-def _prepared(runner: EndCrash, rid: str, **kw: Any) -> Prepared:
-    (prep,) = runner.prepare_many([Request(id=rid, model=MODEL, inputs=["the dog"], **kw)])
-    assert isinstance(prep, Prepared)
-    return prep
-
-
-def _ends(reports: list[StepReport]) -> dict[str, list[StepEvent]]:
-    """Each request's events but its deltas, by key, over ``reports``."""
-    out: dict[str, list[StepEvent]] = {}
-    for report in reports:
-        for ev in report.events:
-            if not isinstance(ev, Partial):
-                out.setdefault(ev.key, []).append(ev)
-    return out
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("state", ["parked", "compiling"])
 def test_a_request_stopped_aside_whose_end_a_crashed_step_lost_ends_with_the_next(
@@ -229,8 +222,8 @@ def test_a_request_stopped_aside_whose_end_a_crashed_step_lost_ends_with_the_nex
     # aside: preempted ("parked"), or admitted while its constraint compiles ("compiling")
     runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
     runner.victim = "aside"
-    aside = _prepared(runner, "aside", max_new_tokens=16, stream=True, ignore_eos=True)
-    running = _prepared(runner, "running", max_new_tokens=4, stream=True, ignore_eos=True)
+    aside = prepared(runner, "aside", max_new_tokens=16, stream=True, ignore_eos=True)
+    running = prepared(runner, "running", max_new_tokens=4, stream=True, ignore_eos=True)
     pending: Future[Any] = Future()  # never compiled
     if state == "compiling":
         aside = replace(aside, payload=replace(aside.payload, compiling=pending))
@@ -242,12 +235,12 @@ def test_a_request_stopped_aside_whose_end_a_crashed_step_lost_ends_with_the_nex
     reports += [runner.step(Work(f"s{k}", ())) for k in range(4, 8)]
     # Then the next step ended it once, with what it generated (cancelled), and the
     # running one ended too, once
-    ends = _ends(reports)
+    got = ends(reports)
     parked = [Preempted] * (state == "parked")
-    assert [type(ev) for ev in ends["aside"]] == [*parked, Final]
-    end = ends["aside"][-1]
+    assert [type(ev) for ev in got["aside"]] == [*parked, Final]
+    end = got["aside"][-1]
     assert isinstance(end, Final) and end.outputs[0]["finish_reason"] == "cancelled"
-    assert [type(ev) for ev in ends["running"]] == [Final]
+    assert [type(ev) for ev in got["running"]] == [Final]
     assert "aside" in {ev.key for ev in reports[2].events}
     assert not runner._reqs
 
@@ -260,8 +253,8 @@ def test_the_events_of_requests_a_crashed_step_admitted_are_not_carried_over(
     # admits another that ends in it (one token), and raises once all its events are built
     runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
     runner.at_report = 2
-    running = _prepared(runner, "running", max_new_tokens=8, stream=True, ignore_eos=True)
-    doomed = _prepared(runner, "doomed", max_new_tokens=1, stream=True, ignore_eos=True)
+    running = prepared(runner, "running", max_new_tokens=8, stream=True, ignore_eos=True)
+    doomed = prepared(runner, "doomed", max_new_tokens=1, stream=True, ignore_eos=True)
     runner.step(Work("s1", (("running", running),)))
     # When that step raises (the executor fails what it admitted: "doomed")
     with pytest.raises(RuntimeError, match="at a step's end"):
@@ -282,7 +275,7 @@ def test_a_preemption_a_crashed_step_made_is_handed_over_and_the_request_resumes
     # preempts it and raises once all its events are built
     runner = make_runner(tiny_lm, ahead=False, engine=engine, break_at=0, kind=EndCrash)
     runner.at_report = 2
-    prep = _prepared(runner, "aside", max_new_tokens=8, stream=True, ignore_eos=True)
+    prep = prepared(runner, "aside", max_new_tokens=8, stream=True, ignore_eos=True)
     reports = [runner.step(Work("s1", (("aside", prep),)))]
     with pytest.raises(RuntimeError, match="at a step's end"):
         runner.step(Work("s2", (), preempt=("aside",)))
@@ -292,8 +285,8 @@ def test_a_preemption_a_crashed_step_made_is_handed_over_and_the_request_resumes
     # Then that step handed the preemption over (the loop learns it is parked), and the
     # request resumed to its end, its deltas adding up to its result
     assert [type(ev) for ev in reports[1].events] == [Preempted]
-    assert [type(ev) for ev in _ends(reports)["aside"]] == [Preempted, Final]
-    final = _ends(reports)["aside"][-1]
+    assert [type(ev) for ev in ends(reports)["aside"]] == [Preempted, Final]
+    final = ends(reports)["aside"][-1]
     assert isinstance(final, Final) and final.outputs[0]["completion_tokens"] == 8
     deltas = [ev.chunk for rep in reports for ev in rep.events if isinstance(ev, Partial)]
     assert "".join(d["text"] for d in deltas) == final.outputs[0]["text"]

@@ -231,33 +231,40 @@ def test_a_chat_s_prompt_text_is_its_rendered_template_where_decoding_differs(
     assert chat["prompt_text"] == rendered
 
 
-def test_a_request_cancelled_while_waiting_has_empty_token_ids_as_vllm_s_aborted_one(
+def test_a_request_cancelled_while_waiting_has_empty_token_ids_and_its_prompt_s(
     runner: TextGenerationRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given: the real loop and runner (virtual time) with room for two running sequences:
-    # one generates, two requests wait behind it, one of two completions with token ids and
-    # log-probabilities asked
+    # one generates, two requests wait behind it, one of two completions with token ids,
+    # log-probabilities and its prompt's text asked
     monkeypatch.setattr(runner, "max_running", 2)
     r = rig(runner, cost=lambda work: 0.01)
     for rid, kw in (("run", {"max_new_tokens": 40, "return_token_ids": True}),
-                    ("wait", {"n": 2, "return_token_ids": True, "logprobs": 1}),
+                    ("wait", {"n": 2, "return_token_ids": True, "logprobs": 1,
+                              "return_prompt_text": True}),
                     ("plain", {})):  # fmt: skip
         r.source.add(req(rid, model=MODEL, **kw))
     # When: the waiting ones are cancelled before they start
     r.world.at(T0 + 0.05, lambda: r.loop.parts.inbox.put(Cancel(("wait", "plain"))))
     r.run()
     # Then: each output says nothing was generated, as a list (vLLM's abort output: no new
-    # token ids); a request that did not ask has none
+    # token ids), and counts its prompt's tokens as the one that ran does (vLLM's too); the
+    # first carries the prompt's ids and text; a request that did not ask has none
+    (ran,) = r.result("run").generations()
+    assert ran.token_ids and len(ran.token_ids) == ran.completion_tokens
+    assert ran.prompt_token_ids and ran.prompt_tokens == len(ran.prompt_token_ids)
     waited = r.result("wait").generations()
     assert len(waited) == 2
     for g in waited:
         assert (g.finish_reason, g.text, g.completion_tokens) == ("cancelled", "", 0)
-        assert g.token_ids == [] and g.logprobs == [] and g.prompt_token_ids is None
+        assert g.token_ids == [] and g.logprobs == [] and g.prompt_tokens == ran.prompt_tokens
+    assert waited[0].prompt_token_ids == ran.prompt_token_ids and waited[0].prompt_text == PROMPT
+    assert waited[1].prompt_token_ids is None and waited[1].prompt_text is None
+    usage = r.result("wait").usage
+    assert usage is not None and usage.prompt_tokens == ran.prompt_tokens  # (once per input)
     (plain,) = r.result("plain").generations()
-    assert plain.finish_reason == "cancelled"
-    assert plain.token_ids is None and plain.logprobs is None
-    (ran,) = r.result("run").generations()
-    assert ran.token_ids and len(ran.token_ids) == ran.completion_tokens
+    assert plain.finish_reason == "cancelled" and plain.prompt_tokens == ran.prompt_tokens
+    assert plain.token_ids is None and plain.logprobs is None and plain.prompt_token_ids is None
     # the OpenAI answers show them as vLLM's do: each choice's token_ids []
     answered = Answered("x", 1)
     chat = chat_response({"return_token_ids": True, "logprobs": True}, r.result("wait"), answered)

@@ -137,14 +137,26 @@ class Answerer:
     def cancelled(self, held: Held, now: float) -> Outgoing:
         """A generation request cancelled before it started: ``ok``, nothing generated. As
         vLLM's aborted request, each output has the empty ``token_ids`` and ``logprobs``
-        its request asked for (a client reads a list, not a missing key)."""
+        its request asked for (a client reads a list, not a missing key), and counts its
+        prompt's tokens (so does the usage); the first output of each input carries, as
+        asked, its ``prompt_token_ids`` and ``prompt_text``, as a result that ran would."""
         req = held.request
+        spec = held.prepared.payload  # a generating runner's: its prompts as token ids
+        prompts: tuple[tuple[int, ...], ...] = getattr(spec, "prompts", ())
+        texts: tuple[str, ...] | None = getattr(spec, "prompt_texts", None)
+        n = req.n or 1
         outputs: list[dict[str, Any]] = []
-        for _ in range(req.output_count):
-            out: dict[str, Any] = {"text": "", "finish_reason": "cancelled", "prompt_tokens": 0,
-                                   "completion_tokens": 0}  # fmt: skip
+        for k in range(req.output_count):
+            i, first = k // n, k % n == 0
+            prompt = prompts[i] if i < len(prompts) else ()
+            out: dict[str, Any] = {"text": "", "finish_reason": "cancelled",
+                                   "prompt_tokens": len(prompt), "completion_tokens": 0}  # fmt: skip
             if req.return_token_ids:
                 out["token_ids"] = []
+                if first:
+                    out["prompt_token_ids"] = list(prompt)
+            if texts is not None and first and i < len(texts):
+                out["prompt_text"] = texts[i]
             if req.logprobs is not None:
                 out["logprobs"] = []
             outputs.append(out)

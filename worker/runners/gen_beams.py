@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from ..generation.beam import BeamSearch, Ending
 from ..generation.beam_rounds import BeamRounds
+from ..generation.detok import TextStream
 from ..generation.engine import Output
 from ..runner import StepEvent
 from .gen_outputs import Outputs
-from .gen_state import GenReq, GenSpec
+from .gen_state import GenReq, GenSeq, GenSpec
 
 
 class Beams(Outputs):
@@ -92,20 +93,28 @@ class Beams(Outputs):
     def _beam_results(self, r: GenReq) -> None:
         """A beam request's outputs take its best beams (prompt by prompt, best first). A
         beam an end-of-sequence token ended leaves it out (its ``token_ids``, its
-        ``completion_tokens``) unless ``include_stop_str_in_output``, as vLLM's beams do."""
+        ``completion_tokens``) unless ``include_stop_str_in_output``, as vLLM's beams do.
+        Each output's text is built apart first, and all are taken at once: a step that
+        raises part-way changes none of them, and the next one takes them again whole
+        (:meth:`~.gen_step.Stepping._left_midway`), not a beam's text twice."""
         assert r.beams is not None
         n = r.spec.n
         best = [s.best() for s in r.beams.searches]
         eos = frozenset(() if r.spec.sampling.ignore_eos or r.spec.keep_stop else self.eos)
+        taken: list[tuple[GenSeq, TextStream, str, str | int | None]] = []
         for k, seq in enumerate(r.seqs):
             beams = best[k // n]
             if k % n >= len(beams):  # ended before its first round
-                seq.finish = seq.finish or "length"
+                taken.append((seq, seq.text, seq.finish or "length", seq.stop_reason))
                 continue
             beam = beams[k % n]
             ended = beam.finish == "stop" and beam.stop_reason is None and beam.tokens[-1] in eos
-            seq.text.extend(list(beam.tokens[:-1] if ended else beam.tokens))
-            seq.finish, seq.stop_reason = beam.finish or "length", beam.stop_reason
+            old = seq.text  # (no token yet: a beam's output is only ever filled here)
+            text = TextStream(old.decode, old.stop, old.keep_stop)
+            text.extend(list(beam.tokens[:-1] if ended else beam.tokens))
+            taken.append((seq, text, beam.finish or "length", beam.stop_reason))
+        for seq, text, finish, reason in taken:
+            seq.text, seq.finish, seq.stop_reason = text, finish, reason
 
     def _beam_cancel(self, r: GenReq) -> None:
         """Take a beam request's round out of the engine."""

@@ -61,6 +61,7 @@ class Requests(Beams):
                 return r
             self._reqs[key] = r
         r.parked = False
+        r.lane = lane
         if r.compiling is not None:  # it starts once its constraint is compiled
             self._compiling[key] = (r, lane)
             return None
@@ -89,15 +90,50 @@ class Requests(Beams):
         return split
 
     def _start(self, r: GenReq, lane: int) -> None:
-        """Put a request's unfinished sequences in the engine."""
+        """Put a request's unfinished sequences in the engine (those not there yet): all or
+        none. Should one raise, those it added, the one that raised included, are taken out
+        again (their KV blocks freed), so a step that raises leaves no sequence in the engine
+        that its request does not know of, and the request to start whole once the next
+        step's engine step freed those names (:meth:`~.gen_step.Stepping._left_midway`)."""
         if r.beams is not None:
-            r.beams.lane = lane
-            for name in r.beams.start(self.engine):
-                self._beam_seqs[name] = r
+            self._start_round(r, lane)
             return
-        for seq in r.seqs:
-            if seq.finish is None and not seq.parked:
+        self._start_seqs(r, self._unstarted(r), lane)
+
+    def _unstarted(self, r: GenReq) -> list[GenSeq]:
+        """A running request's sequences that should run and are not in the engine."""
+        return [s for s in r.seqs
+                if s.finish is None and not s.parked and s.name not in self._by_seq]  # fmt: skip
+
+    def _start_seqs(self, r: GenReq, seqs: list[GenSeq], lane: int) -> None:
+        """Put these sequences of ``r`` in the engine, all or none (see :meth:`_start`)."""
+        added: list[str] = []
+        try:
+            for seq in seqs:
+                added.append(seq.name)  # (first: an add that raises may have added it)
                 self._start_seq(r, seq, lane)
+        except BaseException:
+            for name in added:
+                self._by_seq.pop(name, None)
+            self.engine.cancel(added)
+            raise
+
+    def _start_round(self, r: GenReq, lane: int) -> None:
+        """A beam search's next round in the engine, all or none (as :meth:`_start`)."""
+        assert r.beams is not None
+        beams = r.beams
+        beams.lane = lane
+        before = set(beams.pending)
+        try:
+            beams.start(self.engine)
+        except BaseException:  # its prompts' rounds start again with the next step
+            added = [name for name in beams.pending if name not in before]
+            for name in added:
+                del beams.pending[name]
+            self.engine.cancel(added)
+            raise
+        for name in beams.pending:
+            self._beam_seqs[name] = r
 
     def _start_seq(self, r: GenReq, seq: GenSeq, lane: int) -> None:
         """Put one sequence in the engine: its prompt and what it generated so far (a
@@ -127,20 +163,23 @@ class Requests(Beams):
             if self._reqs.get(key) is not r or r.parked or fut is None:
                 del self._compiling[key]  # ended, or preempted (admitted again later)
             elif fut.done():
-                del self._compiling[key]
                 try:
                     constraint = fut.result()
                 except Exception as exc:  # GrammarError: the request's own fault
                     code = ErrorCode.INVALID_REQUEST if isinstance(exc, GrammarError) else (
                         ErrorCode.INFERENCE_FAILED)  # fmt: skip
-                    events.append(self._built(Failed(key, str(exc), code)))
+                    del self._compiling[key]
                     self._reqs.pop(key, None)
                     for seq in r.seqs:
                         self.engine.forget(seq.name)
+                    events.append(self._built(Failed(key, str(exc), code)))
                     continue
-                r.compiling = None
-                for seq in r.seqs:
+                for seq in r.seqs:  # (again, the same, where a step raised before it started)
                     seq.sampling = replace(seq.sampling, constraint=constraint)
+                # started from here on: the rest of a start a step that raised left part-done
+                # is its next step's (_left_midway); before, its entry stays for this to retry
+                r.compiling = None
+                del self._compiling[key]
                 self._start(r, lane)
 
     def _park(self, r: GenReq) -> Preempted:
@@ -182,9 +221,9 @@ class Requests(Beams):
         for i in seqs:
             s = r.seqs[i] if 0 <= i < len(r.seqs) else None
             if s is not None and s.parked:
-                s.parked = False
+                s.parked = False  # (a start that raises: the next step starts it)
                 if s.finish is None and r.compiling is None:
-                    self._start_seq(r, s, lane)
+                    self._start_seqs(r, [s], lane)
 
     def _end(self, r: GenReq, reason: str) -> None:
         if r.beams is not None:  # the best beams so far, ended for ``reason``

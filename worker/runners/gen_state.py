@@ -146,6 +146,9 @@ class GenReq:
     """Its constraint, until compiled: its sequences are not in the engine until then."""
     beams: BeamRounds | None = None
     """A beam search's rounds (its ``seqs`` then take the best beams at the end)."""
+    lane: int = 0
+    """The lane it was last admitted in: the priority its sequences start with (again, where
+    a step that raised left its start part-done)."""
 
     @property
     def done(self) -> bool:
@@ -238,6 +241,7 @@ class RunnerState:
     _compiling: dict[str, tuple[GenReq, int]]
     _unsettled: StepReport | None
     _unsent: Unsent
+    _restart: list[GenReq]
     _by_seq: dict[str, tuple[GenReq, GenSeq]]
     _beam_seqs: dict[str, GenReq]
     _spec_seen: tuple[int, int, tuple[int, ...], int]

@@ -47,14 +47,29 @@ class Stepping(Failures, Controls):
         result not yet built; running, parked or waiting for its constraint alike) it ends
         now; a beam search whose searches all ended takes its best beams first, and one
         whose round advanced without the next round started starts it (only the rounds
-        missing are added). Its events, if it ended."""
-        beams = r.beams
-        if beams is not None and not r.done and not r.parked and r.compiling is None:
-            if beams.done:
+        missing are added); a running one whose start, or a sequence's resume, it left
+        part-done (rolled back, :meth:`_start`) starts the sequences the engine lacks once
+        this step's engine step ran (:meth:`_restart_left`: an engine frees a name it was
+        told to cancel with its next step, and takes it again only after). Its events, if
+        it ended."""
+        if not r.done and not r.parked and r.compiling is None:
+            beams = r.beams
+            if beams is None:
+                if self._unstarted(r):
+                    self._restart.append(r)
+            elif beams.done:
                 self._beam_results(r)
             else:
                 self._start(r, beams.lane)
         return self._finish(r) if r.done else []
+
+    def _restart_left(self) -> None:
+        """Start the sequences that the requests a step that raised left part-started lack
+        (those still running: not ended, parked or failed since)."""
+        left, self._restart = self._restart, []
+        for r in left:
+            if self._reqs.get(r.key) is r and not r.parked and r.compiling is None:
+                self._start(r, r.lane)
 
     def _operator_changes(self, work: Work) -> None:
         """Changes operators made between steps: the step budget, adapters, prefix cache."""

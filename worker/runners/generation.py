@@ -153,6 +153,9 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         """What the step under way built, until it returns (kept should it raise)."""
         self._by_seq: dict[str, tuple[GenReq, GenSeq]] = {}
         self._beam_seqs: dict[str, GenReq] = {}
+        self._restart: list[GenReq] = []
+        """Requests a step that raised left part-started: started once the next step's
+        engine step freed the names of the sequences it took back (:meth:`_left_midway`)."""
         """The beam searches' round sequences in the engine, and their requests."""
         self._spec_seen: tuple[int, int, tuple[int, ...], int] = (0, 0, (), 0)
         """The engine's speculation counts at the last step's report."""
@@ -203,6 +206,8 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
             failure = f"{type(exc).__name__}: {exc}"
         if failure:  # handled out here, once the failed step's tensors are freed with it
             return self._out_of_memory(failure, events, report)
+        if self._restart:  # (a step before raised part-way through their start)
+            self._restart_left()
         if self._beam_seqs:
             outputs, beam_events, prefilled = self._beam_step(outputs, produced)
             unsent.prefilled += prefilled
@@ -222,6 +227,7 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         self._reqs.clear()
         self._by_seq.clear()
         self._beam_seqs.clear()
+        self._restart.clear()
         self._compiling.clear()
         self._unsettled = None
         self._unsent = Unsent()
