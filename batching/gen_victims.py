@@ -4,7 +4,7 @@ vLLM fans a request of ``n`` completions (or several prompts) out into child req
 and its scheduler preempts each child on its own, lowest priority and latest first, so a
 memory squeeze frees only as much as it needs and the other children keep generating.
 Here a running request's sequences are such children when it names them
-(:attr:`~.generation.GenRunning.seqs`); one that does not (a beam search's rounds, whose
+(:attr:`~.gen_types.GenRunning.seqs`); one that does not (a beam search's rounds, whose
 beams are chosen together) is freed whole. Pure: plain arithmetic on the policy's views.
 """
 
@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .generation import GenRunning
+from .gen_types import GenRunning
 
 
 @dataclass(frozen=True, slots=True)

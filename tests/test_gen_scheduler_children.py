@@ -6,7 +6,8 @@ failed hand-off fails such a request as one still running."""
 
 from __future__ import annotations
 
-from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+from batchfleet.batching.gen_types import GenPolicy
+from batchfleet.batching.generation import GenerationPolicy
 from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.answers import Held

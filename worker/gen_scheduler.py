@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..batching.generation import GenerationPolicy, GenPolicy
+from ..batching.gen_types import GenPolicy
+from ..batching.generation import GenerationPolicy
 from ..batching.types import Batch
 from .answers import Held
 from .gen_states import Children, Resume, Running, WaitingViews, prompts_of, running_view
