@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .gen_admission import Admission
-from .gen_blocks import admission_blocks, blocks_for, reserved_blocks
+from .gen_blocks import admission_blocks, blocks_for, outgrew, reserved_blocks
 from .gen_types import GenPlan, GenPolicy, GenRunning, GenWaiting
 from .gen_victims import Victim, by_order, grouped, victims
 
@@ -58,7 +58,7 @@ class GenerationPolicy:
         1. Deadlines: running past theirs are stopped, waiting past theirs expire
            (``deadline <= now``).
         2. Memory short: while the running requests' reserved blocks exceed the cache,
-           or their sequences ``max_running``, preempt the lowest lane, latest started,
+           or their sequences ``max_running``, preempt the lowest lane, latest arrival,
            a sequence at a time where a request names them (:mod:`.gen_victims`);
            such a plan admits nothing.
         3. Admission in lane order (:class:`~.lanes.LaneScheduler`: strict priority,
@@ -84,7 +84,7 @@ class GenerationPolicy:
             blocks = reserved_blocks(r, page)
             if r.deadline is not None and r.deadline <= now:
                 stop.append(r.key)
-            elif blocks > total:
+            elif blocks > total and outgrew(r, page, total):
                 stop.append(r.key)  # alone it outgrew the cache: resuming cannot help
             else:
                 live.append(r)
