@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .generation import GenRunning, GenWaiting
+from .gen_types import GenRunning, GenWaiting
 
 
 @dataclass(frozen=True, slots=True)

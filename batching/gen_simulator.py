@@ -2,7 +2,7 @@
 
 The loop is the worker's: before each step it asks :class:`~.generation.GenerationPolicy`
 for a plan and applies it (stop, expire, preempt back to waiting, admit), shares the
-step's tokens with :func:`~.generation.schedule_step`, and advances the clock by the cost
+step's tokens with :func:`~.gen_blocks.schedule_step`, and advances the clock by the cost
 model's step time. A sequence that finishes its prompt produces its first token in that
 step (time to first token ends there), then one token per step until its drawn length.
 A preempted request comes back with its prompt plus what it generated (recomputation).
@@ -17,13 +17,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .gen_blocks import schedule_step, step_blocks
 from .gen_sim_live import GenRequest, Live, child_key
-from .generation import (
-    GenerationPolicy,
-    GenPolicy,
-    schedule_step,
-    step_blocks,
-)
+from .gen_types import GenPolicy
+from .generation import GenerationPolicy
 from .report import percentile
 
 __all__ = ["GenRequest", "GenSimReport", "StepCost", "gen_poisson", "simulate_generation"]

@@ -1,21 +1,46 @@
 """Who a generation plan preempts: sequences, in vLLM V1's order.
 
 vLLM fans a request of ``n`` completions (or several prompts) out into child requests,
-and its scheduler preempts each child on its own, lowest priority and latest first, so a
-memory squeeze frees only as much as it needs and the other children keep generating.
-Here a running request's sequences are such children when it names them
-(:attr:`~.generation.GenRunning.seqs`); one that does not (a beam search's rounds, whose
-beams are chosen together) is freed whole. Pure: plain arithmetic on the policy's views.
+and its scheduler preempts each child on its own, so a memory squeeze frees only as much
+as it needs and the other children keep generating. Here a running request's sequences
+are such children when it names them (:attr:`~.gen_types.GenRunning.seqs`); one that
+does not (a beam search's rounds, whose beams are chosen together) is freed whole. Pure:
+plain arithmetic on the policy's views.
+
+What vLLM does (``vllm/v1/core/sched/scheduler.py`` at commit b4622cf924bc, read from
+vllm-project/vllm; ``Scheduler.schedule()``, the running-requests loop, about lines
+426-476, counted by hand in the stored copy): when ``kv_cache_manager.allocate_slots``
+cannot give a running request its next blocks, it preempts one request and tries again,
+
+- with ``SchedulingPolicy.PRIORITY``: ``max(self.running, key=lambda r: (r.priority,
+  r.arrival_time))`` (about line 442), the lowest priority (highest number), then the
+  latest arrival; among equal keys ``max`` returns the first in ``self.running`` order;
+- else (FCFS, the default): ``self.running.pop()`` (about line 466), the last request
+  in ``self.running``, which appends each request it admits or resumes;
+
+until the request fits or it preempted the request itself. ``_preempt_request`` frees its
+blocks and *prepends* it to the waiting queue (resumed first), and a step that preempted
+admits nothing new (``if not preempted_reqs:`` before the waiting loop). A request of
+``n > 1`` reaches the scheduler as ``n`` child requests ``f"{index}_{request_id}"``
+(``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest.get_child_info``), added in
+index order, copies of one request with one ``arrival_time``.
+
+Ours: lanes are vLLM's priorities, so requests go in its priority order: lowest lane,
+then latest ``arrived_at`` (ties: latest started, then key). A request's own sequences
+go last first: vLLM's FCFS order (the child admitted or resumed last; a resumed one is
+appended to :attr:`~.gen_types.GenRunning.seqs`, so it goes first again, as in
+``self.running``). Under priority scheduling vLLM's ``max`` would take the *first*
+sibling, its children tying on ``(priority, arrival_time)``: an accident of ``max``, not
+a rule, and the last loses the least (chunked prefill reached it last; a resumed one
+recomputed least), so we keep last first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .generation import GenRunning
+from .gen_types import GenRunning
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +60,9 @@ class Victim:
 
 def by_order(running: Iterable[GenRunning]) -> list[GenRunning]:
     """Requests in preemption order: lowest lane (highest number) first, then the latest
-    started (vLLM's rule; ties by key, so the order is deterministic)."""
-    return sorted(running, key=lambda r: (r.lane, r.started_at, r.key), reverse=True)
+    arrival (vLLM's priority rule, see above; ties by start, then key, so the order is
+    deterministic)."""
+    return sorted(running, key=lambda r: (r.lane, r.arrived_at, r.started_at, r.key), reverse=True)
 
 
 def victims(ordered: Iterable[GenRunning], page_size: int) -> list[Victim]:

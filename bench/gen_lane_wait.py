@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from batchfleet.batching.generation import GenerationPolicy, GenPolicy, GenRunning, GenWaiting
+from batchfleet.batching.gen_types import GenPolicy, GenRunning, GenWaiting
+from batchfleet.batching.generation import GenerationPolicy
 
 from .load import LANE_MIX
 

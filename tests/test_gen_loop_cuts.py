@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import pytest
-from batchfleet.batching.generation import GenWaiting
+from batchfleet.batching.gen_types import GenWaiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler
 from batchfleet.worker.inbox import Cancel, Lost

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+from batchfleet.batching.gen_types import GenPolicy
+from batchfleet.batching.generation import GenerationPolicy
 from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.answers import Held

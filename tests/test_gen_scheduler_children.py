@@ -6,7 +6,8 @@ failed hand-off fails such a request as one still running."""
 
 from __future__ import annotations
 
-from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+from batchfleet.batching.gen_types import GenPolicy
+from batchfleet.batching.generation import GenerationPolicy
 from batchfleet.batching.types import Waiting
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.answers import Held
@@ -105,3 +106,18 @@ def test_a_failed_hand_off_fails_a_request_with_a_child_freed_alone_it_runs_on()
     out = unfinished_failed(Work("s", ()), report, RuntimeError("sink down"))
     assert [ev.key for ev in out.events if isinstance(ev, Failed)] == ["a"]
     assert out.abandoned == ("a",)
+
+
+def test_a_request_preempted_whole_that_no_longer_fits_together_ends_with_length() -> None:
+    # Given a request of n = 2 preempted whole once its sequences had grown to 200 tokens
+    # each: 13 blocks each, 26 together of 16; no deadline
+    s = scheduler()
+    s.admit(held("big", 1, 0.0, 40, n=2))
+    first = s.decide(1.0).step
+    assert first is not None
+    s.finished(first.step_id, StepReport(events=[Preempted("big", (200, 200), 30, (0, 1))]),
+               1.0, 1.1)  # fmt: skip
+    # When it is planned again, it can never start: it ends, with what it made, by
+    # "length" (it outgrew the cache), not "deadline"
+    step = s.decide(1.2).step
+    assert step is not None and step.stop == (("big", "length"),)

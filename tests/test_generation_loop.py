@@ -12,7 +12,7 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
-from batchfleet.batching.generation import GenPolicy
+from batchfleet.batching.gen_types import GenPolicy
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.messages import Request
 from batchfleet.worker.gen_scheduler import GenScheduler

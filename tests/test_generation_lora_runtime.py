@@ -260,7 +260,8 @@ def _held(key: str, lora: str | None) -> Any:
 
 
 def test_the_metrics_show_each_adapter_s_requests(lm: Path, adapters: dict[str, Path]) -> None:
-    from batchfleet.batching.generation import GenerationPolicy, GenPolicy
+    from batchfleet.batching.gen_types import GenPolicy
+    from batchfleet.batching.generation import GenerationPolicy
     from batchfleet.worker.gen_scheduler import GenScheduler
     from batchfleet.worker.metrics import LoraCollector
     from prometheus_client import CollectorRegistry, generate_latest

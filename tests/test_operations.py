@@ -342,7 +342,7 @@ def test_policy_settings_need_key_and_value() -> None:
 
 
 def test_generation_budgets_change_live_within_the_fleet_files() -> None:
-    from batchfleet.batching.generation import GenPolicy
+    from batchfleet.batching.gen_types import GenPolicy
     from batchfleet.worker.control import generation_budgets
 
     configured = GenPolicy(kv_cache_tokens=4096, page_size=16, step_tokens=512, max_running=64)

@@ -521,7 +521,9 @@ def greedy(runner: TextGenerationRunner, text: str, tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("ahead", [True, False])
-def test_a_sequence_preempted_alone_waits_as_one_while_its_request_runs(tiny_lm: Path, ahead: bool) -> None:
+def test_a_sequence_preempted_alone_waits_as_one_while_its_request_runs(
+    tiny_lm: Path, ahead: bool
+) -> None:
     # Given a batch of three sequences that a lane-2 request of three inputs fills, the
     # first of which ends with its first token (its stop token, which the others never
     # write), and a lane-0 request of two completions arriving once it ended (2 + 2 > 3)

@@ -23,7 +23,7 @@ import redis
 from celery.worker.control import control_command, inspect_command
 from pydantic import ValidationError
 
-from ..batching.generation import GenPolicy
+from ..batching.gen_types import GenPolicy
 from ..config import BatchConfig, FleetConfig
 from ..remote import parse_settings
 from .observers import Answered, Generated, LoopEvent, LoopObserver

@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..batching.generation import GenerationPolicy, GenPolicy
+from ..batching.gen_types import GenPolicy
+from ..batching.generation import GenerationPolicy
 from ..batching.types import Batch
 from .answers import Held
 from .gen_states import Children, Resume, Running, WaitingViews, prompts_of, running_view
@@ -244,22 +245,17 @@ class GenScheduler:
         children = self.children.views(self.running, transit | set(self._stops))
         plan = self.policy.plan([*waiting, *children] if dispatch else children, running, now)
         for k in plan.expire:  # a preempted one generated already: it stops, with its text
-            if k in self._resume:
+            if k in self._resume:  # past its deadline, or its sequences outgrew the cache
                 self._unpark(k)
-                self._stops.setdefault(k, "deadline")
+                self._stops.setdefault(k, _why_ended(self.running[k], now))
             elif (c := self.children.waiting.pop(k, None)) is not None:  # its request too
-                deadline = self.running[c.parent].held.waiting.deadline
-                late = deadline is not None and deadline <= now
-                self._stops.setdefault(c.parent, "deadline" if late else "length")
+                self._stops.setdefault(c.parent, _why_ended(self.running[c.parent], now))
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
         if expired:
             self.version += 1
         stops = {k: why for k, why in self._stops.items() if k not in transit}
         for k in plan.stop:  # past its deadline, or grown past the whole cache
-            deadline = self.running[k].held.waiting.deadline
-            stops.setdefault(
-                k, "deadline" if deadline is not None and deadline <= now else "length"
-            )
+            stops.setdefault(k, _why_ended(self.running[k], now))
         for k in stops:
             self._stops.pop(k, None)
         admitted = [h for k in (plan.admit if dispatch else ()) if (h := self.held.pop(k, None))]
@@ -400,3 +396,10 @@ class GenScheduler:
                 replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
             )
         return step, named
+
+
+def _why_ended(r: Running, now: float) -> str:
+    """The finish reason of a request the policy ended or expired, having generated:
+    ``deadline`` when its deadline passed, else ``length`` (it can no longer fit)."""
+    deadline = r.held.waiting.deadline
+    return "deadline" if deadline is not None and deadline <= now else "length"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from ..batching.generation import GenRunning, GenWaiting
+from ..batching.gen_types import GenRunning, GenWaiting
 from .answers import Held
 from .runner import Preempted, Progress
 from .scheduler import Step

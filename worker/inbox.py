@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..batching.generation import GenPolicy
+from ..batching.gen_types import GenPolicy
 from ..batching.types import Policy
 from .runner import StepReport
 from .streams import Entry, Retiring

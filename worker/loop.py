@@ -27,7 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..batching.engine import Engine
-from ..batching.generation import GenerationPolicy, GenPolicy
+from ..batching.gen_types import GenPolicy
+from ..batching.generation import GenerationPolicy
 from ..batching.lanes import split_budget
 from ..batching.types import Policy
 from ..config import ModelConfig, WorkerConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchfleet.batching.generation import GenPolicy, GenRunning, GenWaiting
+from batchfleet.batching.gen_types import GenPolicy, GenRunning, GenWaiting
 
 
 def gw(

@@ -6,17 +6,11 @@ from dataclasses import replace
 from unittest.mock import patch
 
 import pytest
-from batchfleet.batching import generation
+from batchfleet.batching import gen_admission
+from batchfleet.batching.gen_blocks import reserved_blocks, schedule_step, step_blocks
 from batchfleet.batching.gen_simulator import StepCost, gen_poisson, simulate_generation
-from batchfleet.batching.generation import (
-    GenerationPolicy,
-    GenPolicy,
-    GenRunning,
-    GenWaiting,
-    reserved_blocks,
-    schedule_step,
-    step_blocks,
-)
+from batchfleet.batching.gen_types import GenPolicy, GenRunning, GenWaiting
+from batchfleet.batching.generation import GenerationPolicy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -272,7 +266,7 @@ def test_a_plan_with_every_slot_taken_matches_the_full_ordering(
     fast, slow = GenerationPolicy(policy), GenerationPolicy(policy)
     for k in range(rounds):
         at = now + k * 0.5
-        with patch.object(generation, "_slots_full", lambda *_: False):
+        with patch.object(gen_admission, "_slots_full", lambda *_: False):
             expected = slow.plan(waiting, running, at)
         assert fast.plan(waiting, running, at) == expected
         assert fast.credit() == slow.credit()

@@ -10,16 +10,10 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from batchfleet.batching.generation import (
-    PREFILL_STEPS,
-    GenerationPolicy,
-    GenPolicy,
-    GenRunning,
-    GenWaiting,
-    blocks_for,
-    schedule_step,
-    step_blocks,
-)
+from batchfleet.batching.gen_admission import PREFILL_STEPS
+from batchfleet.batching.gen_blocks import blocks_for, schedule_step, step_blocks
+from batchfleet.batching.gen_types import GenPolicy, GenRunning, GenWaiting
+from batchfleet.batching.generation import GenerationPolicy
 from gen_helpers import gr, gw, tokens_policy
 
 

@@ -4,6 +4,7 @@ each freed one waits on its own and resumes into its request (virtual time)."""
 
 from __future__ import annotations
 
+import pytest
 from batchfleet.batching.gen_simulator import GenRequest, simulate_generation
 from batchfleet.batching.generation import GenerationPolicy
 from gen_helpers import gr, gw, tokens_policy
@@ -103,3 +104,44 @@ def test_simulated_squeeze_preempts_one_sequence_and_every_request_ends_once() -
     assert report.finished == 2
     assert report.preemptions == 1
     assert report.max_step_blocks <= policy.total_blocks
+
+
+def test_a_request_whose_sequences_outgrow_the_cache_together_frees_some_of_them() -> None:
+    # Given three sequences of 16 tokens each (page 16): each next token needs a second
+    # block, 6 blocks of 3; one sequence alone fits. Then the last two are freed (as vLLM
+    # preempts child requests), not the request stopped as one that can never fit.
+    plan = GenerationPolicy(tokens_policy(kv=48, page=16)).plan(
+        [], [gr("par", 0.0, contexts=(16, 16, 16), seqs=(0, 1, 2))], 1.0
+    )
+    assert (plan.stop, plan.preempt, plan.preempt_seqs) == ((), (), (("par", (1, 2)),))
+    # A sequence that alone outgrew the cache: its request ends ("length")
+    plan = GenerationPolicy(tokens_policy(kv=48, page=16)).plan(
+        [], [gr("par", 0.0, contexts=(48, 2), seqs=(0, 1))], 1.0
+    )
+    assert (plan.stop, plan.preempt_seqs) == (("par",), ())
+
+
+# vLLM's priority scheduling preempts max(running, key=(priority, arrival_time)): the
+# lowest lane, then the latest *arrival*, whenever it was admitted (a request redelivered
+# from a lost worker keeps its place by arrival). Page 1, 101 blocks.
+ORDER_CASES = [
+    # (running: key, lane, arrived, started), expected growth victim
+    ([("a", 1, 0.0, 0.0), ("b", 1, 1.0, 1.0)], "b"),  # same lane: the later arrival
+    ([("late", 1, 0.0, 5.0), ("b", 1, 1.0, 2.0)], "b"),  # arrived first, started last
+    ([("a", 2, 0.0, 0.0), ("b", 1, 1.0, 1.0)], "a"),  # a lower lane before any arrival
+    ([("a", 1, 1.0, 0.0), ("b", 1, 1.0, 3.0)], "b"),  # same arrival: the later start
+]
+
+
+@pytest.mark.parametrize(("running", "victim"), ORDER_CASES)
+def test_growth_victim_is_the_lowest_lane_latest_arrival(
+    running: list[tuple[str, int, float, float]], victim: str
+) -> None:
+    # Each request decodes one sequence of 50 tokens, reserving 51 blocks (its next
+    # token's too): 102 > 101, one of them goes.
+    views = [
+        gr(k, started, lane=lane, arrived=arrived, contexts=(50,))
+        for k, lane, arrived, started in running
+    ]
+    plan = GenerationPolicy(tokens_policy(kv=101)).plan([], views, 9.0)
+    assert plan.preempt == (victim,)

@@ -73,7 +73,7 @@ from .gen_state import GenReq, GenSeq, GenSpec, Unsent
 from .gen_step import Stepping
 
 if TYPE_CHECKING:
-    from ...batching.generation import GenPolicy
+    from ...batching.gen_types import GenPolicy
 
 __all__ = ["GenSpec", "TextGenerationRunner"]
 
@@ -165,7 +165,7 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
     def generation_policy(self, lanes: int, lane_weights: tuple[float, ...],
                           max_starvation_ms: float) -> GenPolicy:  # fmt: skip
         """The scheduler's budgets for this model."""
-        from ...batching.generation import GenPolicy
+        from ...batching.gen_types import GenPolicy
 
         return GenPolicy(
             kv_cache_tokens=self.kv_cache_tokens, page_size=self.page_size,
