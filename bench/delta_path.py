@@ -14,8 +14,10 @@ messages with redis-py (its parser named in the output). Stages, each thread CPU
   detokenization, stop strings, events), and of it ``detokenize`` (``TextStream.extend``);
 - ``post: deltas built``: ``DeltaWriter.post`` numbering the events into ``Streamed``
   items, without the write below;
-- ``write: entries``, ``write: packed``, ``write: sent``: the items' ``TokenWrite``
-  entries, the ``EVALSHA`` commands packed, the socket write;
+- ``write: entries``, ``write: packed``, ``write: sent``: the items' entries as
+  ``ResultSink.stream_now`` hands them over (the ``Streamed`` items themselves: a plain
+  delta is packed without a ``TokenWrite``, ``Streamed.item``), the ``EVALSHA`` commands
+  packed, the socket write;
 - ``settle``: the report's progress filled in after the deltas;
 - ``answer read``: reading Redis's reply (the next step's write or the sink does);
 - ``redis tokens.lua``: ``INFO commandstats`` ``cmdstat_evalsha`` usec per call (Redis's
@@ -154,7 +156,7 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
     extend = detok.TextStream.extend
     detok.TextStream.extend = st.wrap("detokenize", extend)  # type: ignore[method-assign]
     StepReport.settle = st.wrap("settle", StepReport.settle)  # type: ignore[method-assign]
-    entries = st.wrap("write: entries", lambda items: [it.write() for it in items])
+    entries = st.wrap("write: entries", lambda items: items)  # (as stream_now: packed as they are)
     pack = st.wrap("write: packed", streams.tokens_commands)
     sent: list[Any] = []
 
@@ -224,7 +226,7 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
         ("runner after engine (rows, texts, events)", after_engine),
         ("  of it: detokenize", cpu["detokenize"]),
         ("post: deltas built (numbering, Streamed)", cpu["post"] - cpu["write"] - cpu["settle"]),
-        ("write: TokenWrite entries", cpu["write: entries"]),
+        ("write: entries", cpu["write: entries"]),
         ("write: EVALSHA packed", cpu["write: packed"]),
         ("write: sent", cpu["write: sent"]),
         ("write: other", cpu["write"] - write_parts),

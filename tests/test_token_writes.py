@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import redis
+from batchfleet.worker.deltas import StreamTo
+from batchfleet.worker.streamed import EXPIRE_EVERY, Streamed
 from batchfleet.worker.streams import ModelStreams
 from batchfleet.worker.token_stream import TOKENS_CHUNK, TokenWrite
 from batchfleet.worker.token_writes import TokenWrites
@@ -163,3 +165,40 @@ def test_an_earlier_attempt_writes_nothing_once_a_later_one_has_written(
     assert _stream(r, streams, "q")[-1][b"life"] == b"1"
     writes.append([TokenWrite("q", 6, 0, "z")])
     assert b"life" not in _stream(r, streams, "q")[-1]
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_streamed_deltas_write_what_their_token_writes_write(
+    writes: TokenWrites, r: redis.Redis, fmt: str
+) -> None:
+    streams = writes.streams
+    sub = r.pubsub()
+    sub.subscribe("chan-a", "chan-b")
+    for _ in range(2):
+        sub.get_message(timeout=1)
+
+    def made(rid: str, reply: str) -> list[Streamed]:
+        to = StreamTo("0-1", rid, "m-1", 90, reply, fmt, life=2)  # type: ignore[arg-type]
+        # plain deltas (the 1st and 65th set the TTL), one with optional fields, the end
+        chunks = [{"input": 0, "text": f"t{k} ", "tokens": 1} for k in range(EXPIRE_EVERY + 1)]
+        chunks.insert(3, {"input": 1, "text": "é", "tokens": 2, "token_ids": [5, 6]})
+        out = [to.delta(seq, c) for seq, c in enumerate(chunks, 1)]
+        return [*out, to.delta(len(out) + 1, None)]
+
+    # Given the same deltas written as Streamed items (plain ones packed without a
+    # TokenWrite) and as their TokenWrites
+    direct = made("id-b", "chan-b")
+    assert sum(it.plain for it in direct) == EXPIRE_EVERY + 1
+    writes.append(direct[:-1])
+    assert 85 <= r.ttl(streams.keys.tokens("id-b")) <= 90  # (set by the deltas, before the end)
+    writes.append(direct[-1:])
+    writes.append([it.write() for it in made("id-a", "chan-a")])
+    # Then the token streams hold the same entries and the same messages went out
+    assert _stream(r, streams, "id-b") == _stream(r, streams, "id-a")
+    got: dict[str, list[dict[str, object]]] = {"chan-a": [], "chan-b": []}
+    while (m := sub.get_message(timeout=1)) is not None:
+        if m["type"] == "message":
+            body = json.loads(m["data"]) if fmt == "json" else msgpack.unpackb(m["data"])
+            got[m["channel"].decode()].append({**body, "id": "-"})
+    assert got["chan-b"] == got["chan-a"] and len(got["chan-b"]) == EXPIRE_EVERY + 2
+    sub.close()

@@ -47,6 +47,9 @@ from .streamed import Streamed
 
 logger = logging.getLogger(__name__)
 
+_PLAIN = frozenset(("input", "text", "tokens"))
+"""A delta's chunk with nothing but its text and counts (most of them)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StreamTo:
@@ -73,6 +76,10 @@ class StreamTo:
             return Streamed(
                 self.request_id, seq, None, self.ttl_s, self.reply, self.fmt, life=-self.life
             )
+        if len(chunk) == 3 and chunk.keys() == _PLAIN:  # most deltas: see Streamed.item
+            return Streamed(self.request_id, seq, chunk["text"], self.ttl_s, self.reply,
+                            self.fmt, chunk["input"], chunk["tokens"], self.model,
+                            life=self.life, plain=True)  # fmt: skip
         lps = chunk.get("logprobs")
         calls = chunk.get("tool_calls")
         ids = chunk.get("token_ids")

@@ -201,7 +201,7 @@ class RedisSink:
                 direct = self._tokens_queued == 0  # nothing of theirs to overtake
             if direct:
                 try:
-                    self._unread = (self._direct.send([it.write() for it in items]), items)
+                    self._unread = (self._direct.send(items), items)
                     return
                 except Exception as exc:  # the writer thread retries it, in order
                     logger.warning("writing %d deltas failed (%s): queued", len(items), exc)

@@ -9,7 +9,8 @@ from ``sink.py``, which queues and writes them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..schemas.codec import (
     logprobs_json,
@@ -19,7 +20,7 @@ from ..schemas.codec import (
     tool_chunks_json,
 )
 from ..schemas.messages import Delta, Format
-from .token_stream import TokenWrite
+from .token_stream import TokenWrite, delta_item
 
 EXPIRE_EVERY = 64
 """A token stream's TTL is (re)set with its 1st, 65th, ... entry and its end entry: one
@@ -63,6 +64,9 @@ class Streamed:
     """Its input's prompt log-probabilities as JSON text (where ``prompt_text`` would be)."""
     prompt_token_ids: str | None = None
     """Its prompt's token ids as JSON text (its output's first delta, where asked)."""
+    plain: bool = field(default=False, compare=False)
+    """A delta with none of the optional fields above (its maker knows it: see
+    :meth:`item`)."""
 
     @classmethod
     def of(cls, delta: Delta, ttl_s: int, reply: str | None, fmt: Format) -> Streamed:
@@ -99,6 +103,16 @@ class Streamed:
                      else json.loads(self.prompt_logprobs),
                      prompt_token_ids=None if self.prompt_token_ids is None
                      else json.loads(self.prompt_token_ids))  # fmt: skip
+
+    def item(self) -> list[Any]:
+        """:meth:`write`'s entry as ``tokens.lua`` takes it; a plain delta's without the
+        :class:`TokenWrite` (the device thread writes one per row and step: building it
+        cost more than packing the entry)."""
+        if not self.plain or self.text is None:
+            return self.write().item()
+        ttl = self.ttl_s if self.seq % EXPIRE_EVERY == 1 else 0
+        return delta_item(self.seq, ttl, self.life, self.input, self.text, self.tokens,
+                          self.reply, self.fmt == "json", self.request_id, self.model)  # fmt: skip
 
     def write(self) -> TokenWrite:
         """The token-stream entry (and message) to write."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -62,8 +62,8 @@ class TokenWrite:
         """The entry as ``tokens.lua`` takes it."""
         if self.text is None:
             return [self.seq, self.ttl_s, self.life]
-        item = [self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
-                self.reply or "", int(self.json), self.request_id, self.model]  # fmt: skip
+        item = delta_item(self.seq, self.ttl_s, self.life, self.input, self.text, self.tokens,
+                          self.reply, self.json, self.request_id, self.model)  # fmt: skip
         if (self.logprobs is None and self.tool_calls is None and self.token_ids is None
                 and self.tool_call_chunks is None and self.content is None
                 and self.reasoning is None and self.prompt_tokens is None
@@ -92,10 +92,29 @@ class TokenWrite:
         return item
 
 
+def delta_item(seq: int, ttl_s: int, life: int, input: int, text: str, tokens: int,
+               reply: str | None, json: bool, request_id: str, model: str) -> list[Any]:  # fmt: skip
+    """A delta's entry as ``tokens.lua`` takes it, without the optional fields (most
+    deltas: see :meth:`TokenWrite.item`)."""
+    return [seq, ttl_s, life, input, text, tokens, reply or "", int(json), request_id, model]
+
+
+class Writable(Protocol):
+    """What :meth:`TokenStreams.tokens_commands` packs: a :class:`TokenWrite`, or what
+    makes one (``worker/streamed.py``: most deltas' entry without it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def item(self) -> list[Any]:
+        """The entry as ``tokens.lua`` takes it (:meth:`TokenWrite.item`)."""
+        ...
+
+
 class TokenStreams(ModelRedis):
     """Appends to the model's requests' token streams (``tokens.lua``)."""
 
-    def append_tokens(self, items: Sequence[TokenWrite]) -> None:
+    def append_tokens(self, items: Sequence[Writable]) -> None:
         """Append entries to requests' token streams and publish the deltas' messages
         (encoded by the script): one ``tokens.lua`` call per ``TOKENS_CHUNK`` items, the
         items packed in one argument, called directly (a pipeline holding a script first
@@ -106,7 +125,7 @@ class TokenStreams(ModelRedis):
             self._tokens(keys=[self.keys.tokens(it.request_id) for it in chunk],
                          args=[TOKENS_MAXLEN, packed])  # fmt: skip
 
-    def tokens_commands(self, items: Sequence[TokenWrite]) -> list[bytes]:
+    def tokens_commands(self, items: Sequence[Writable]) -> list[bytes]:
         """:meth:`append_tokens` as packed ``EVALSHA`` commands, one per ``TOKENS_CHUNK``
         items, for a connection of the caller's own (worker/token_writes.py): packed here,
         a step's call costs a tenth of the client's argument encoding."""

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from .streams import ModelStreams
-from .token_stream import TokenWrite
+from .token_stream import Writable
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +47,13 @@ class TokenWrites:
         """Held by a send or receive; :meth:`close` (another thread) never takes back a
         connection in use."""
 
-    def append(self, items: Sequence[TokenWrite]) -> None:
+    def append(self, items: Sequence[Writable]) -> None:
         """Append these entries and publish their deltas (as
         :meth:`~.streams.ModelStreams.append_tokens`); raises what Redis or the
         connection raised, the connection then dropped (never a half-read reply)."""
         self.receive(self.send(items))
 
-    def send(self, items: Sequence[TokenWrite]) -> Sent:
+    def send(self, items: Sequence[Writable]) -> Sent:
         """Send the calls that write these entries, without waiting for Redis; every
         :class:`Sent` is given to :meth:`receive` before the next ``send``."""
         if not items:
