@@ -121,6 +121,40 @@ def test_bfloat16_keys_and_values_are_read_as_their_float32_values(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_long_rows_every_remainder_of_four_keys_and_far_apart_scores_like_masked_sdpa(
+    dtype: Any, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the kernel takes keys four at a time, then the rest one by one, and computes exp by a
+    # polynomial: rows of 1-7 keys and long ones that four does not divide, at the
+    # benchmark's head shape; in the long rows one key points along a query, so at scale 1
+    # every other exp(score - max) of that query is below float32's smallest normal number
+    monkeypatch.setattr(decode_attention, "PARALLEL_MIN_KEYS", 0)
+    torch.manual_seed(5)
+    lengths = [1, 2, 3, 4, 5, 6, 7, 1000, 997, 515, 130]
+    rows, heads, kv_heads, dim, capacity = len(lengths), 4, 2, 64, 1024
+    q = torch.randn(rows, heads, 1, dim)
+    k_buf = torch.randn(rows, kv_heads, capacity, dim)
+    for r in range(7, rows):
+        k_buf[r, 0, lengths[r] // 2] = 10 * q[r, 0, 0]  # the first query head's: 10 |q|^2
+    k_buf = k_buf.to(dtype)
+    v_buf = (torch.randn(rows, kv_heads, capacity, dim) * 2).to(dtype)
+    width = max(lengths)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for scale in (0.125, 1.0):  # the model's own (1 / sqrt(dim)), and wider
+            got, _ = decode_attention.attention(
+                _Module(heads // kv_heads), q, k_buf[:, :, :width], v_buf[:, :, :width], None,
+                scaling=scale, **{decode_attention.LENGTHS: torch.tensor(lengths).numpy()},
+            )  # fmt: skip
+            want = _reference(q, k_buf.float(), v_buf.float(), lengths, scale)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_sdpa_reads_bfloat16_keys_widened_to_the_query_s_dtype() -> None:
     # the prefill's attention (and the decode's off the kernel) over a bfloat16 cache
     torch.manual_seed(2)
@@ -212,11 +246,12 @@ def test_a_sliding_window_model_keeps_sdpa() -> None:
     assert decode_attention.usable(model)
 
 
-def test_a_row_length_past_the_keys_is_refused_not_read() -> None:
+@pytest.mark.parametrize("lengths", [[3, 6], [0, 3]], ids=["past-the-keys", "no-keys"])
+def test_a_row_length_past_the_keys_or_of_none_is_refused_not_read(lengths: list[int]) -> None:
     q, k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention.attention(
-            _Module(1), q, k, v, None, **{decode_attention.LENGTHS: torch.tensor([3, 6]).numpy()}
+            _Module(1), q, k, v, None, **{decode_attention.LENGTHS: torch.tensor(lengths).numpy()}
         )
 
 
