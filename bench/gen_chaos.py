@@ -17,6 +17,16 @@ Redis runs with ``appendfsync always`` by default: docs/reliability.md promises 
 acknowledged is lost then. With ``everysec`` a Redis crash may lose up to a second of
 writes, token-stream entries included (a gap in ``seq`` the worker cannot know of), so
 that setting is for watching what breaks, not a check.
+
+Kill pace and poison: every kill counts a delivery for each entry the killed worker held,
+waiting ones too, so a request held by 4 killed workers is answered ``poisoned`` (by
+design, and allowed here) and little of it is checked. Keep ``--kill-every`` above the
+time a worker takes to restart (3-6 min on a 2-core machine
+shared with other work), or the fleet is down most of the run and kills pile up on the
+worker that just came back: ``--kill-every 20`` there poisoned 44 of the first 231
+answers (bench/results/gen-chaos-2026-12-07.md); an older full run with the defaults
+(every 4 s, no bound) poisoned 315 of 600. Bound the kills (``--worker-kills``) and space
+them to the machine rather than loosening ``max_deliveries``: the worker's is checked.
 """
 
 from __future__ import annotations
