@@ -17,6 +17,16 @@ Redis runs with ``appendfsync always`` by default: docs/reliability.md promises 
 acknowledged is lost then. With ``everysec`` a Redis crash may lose up to a second of
 writes, token-stream entries included (a gap in ``seq`` the worker cannot know of), so
 that setting is for watching what breaks, not a check.
+
+Kill pace and poison: every kill counts a delivery for each entry the killed worker held,
+waiting ones too, so a request held by 4 killed workers is answered ``poisoned`` (by
+design, and allowed here) and little of it is checked. Keep ``--kill-every`` above the
+time a worker takes to restart (3-6 min on a 2-core machine
+shared with other work), or the fleet is down most of the run and kills pile up on the
+worker that just came back: ``--kill-every 20`` there poisoned 44 of the first 231
+answers (bench/results/gen-chaos-2026-12-07.md); an older full run with the defaults
+(every 4 s, no bound) poisoned 315 of 600. Bound the kills (``--worker-kills``) and space
+them to the machine rather than loosening ``max_deliveries``: the worker's is checked.
 """
 
 from __future__ import annotations
@@ -94,27 +104,39 @@ class Fleet:
         self, workdir: Path, workers: int, appendfsync: str, worker_opts: str, hidden: int
     ) -> None:
         self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []
+        self.born: list[int] = []
+        self.lives = 0
+        lm = tiny_lm(workdir, hidden)
         self.redis = LocalRedis(appendonly=True, appendfsync=appendfsync)
         self.url = self.redis.start()
         self.config = workdir / "fleet.toml"
         self.config.write_text(
             f'redis_url = "{self.url}"\n[worker]\n{worker_opts}\n'
-            f'[models.{MODEL}]\nrunner = "text-generation"\npath = "{tiny_lm(workdir, hidden)}"\n'
+            f'[models.{MODEL}]\nrunner = "text-generation"\npath = "{lm}"\n'
             f"[models.{MODEL}.options]\n" + "".join(f"{k} = {v}\n" for k, v in OPTIONS.items())
         )
         self.r = redis.Redis.from_url(self.url, socket_timeout=5)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.names: list[str] = []
-        self.born: list[int] = []
-        self.lives = 0
-        for i in range(workers):
-            self.names.append(f"w{i}")
-            self.born.append(0)
-            self.procs.append(self._start(i))
-        end = time.monotonic() + 120
-        while not all(self.ready(i) for i in range(workers)):
+        try:
+            for i in range(workers):
+                self.names.append(f"w{i}")
+                self.born.append(0)
+                self.procs.append(self._start(i))
+            self.wait_ready(self.READY_S)
+        except BaseException:  # (no orphaned workers or Redis when the start fails)
+            self.stop()
+            raise
+
+    READY_S = 600.0
+    """How long the workers may take to start: loading torch and the model took over 2 min
+    on a 2-core machine shared with other work."""
+
+    def wait_ready(self, within_s: float) -> None:
+        end = time.monotonic() + within_s
+        while not all(self.ready(i) for i in range(len(self.procs))):
             if time.monotonic() > end:
-                raise TimeoutError(f"workers not ready: see the logs in {workdir}")
+                raise TimeoutError(f"workers not ready: see the logs in {self.workdir}")
             time.sleep(0.1)
 
     def _start(self, i: int) -> subprocess.Popen[bytes]:

@@ -33,3 +33,30 @@ def test_generation_survives_kill_9_of_workers_and_of_redis(tmp_path: Path) -> N
     # every kill cut a stream (its restart checked above), so the run checked restarts
     assert report.counts["requests a kill cut mid-generation"] >= 1, report.events
     assert report.counts["streams regenerated (>1 attempt)"] >= 1
+
+
+def test_a_fleet_that_does_not_get_ready_stops_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given workers that cannot be ready in time (no time at all)
+    monkeypatch.setattr(gen_chaos.Fleet, "READY_S", 0.0)
+    started: list[gen_chaos.Fleet] = []
+    monkeypatch.setattr(gen_chaos.Fleet, "wait_ready", _recording(started))
+    # When the fleet's start times out
+    with pytest.raises(TimeoutError, match="workers not ready"):
+        gen_chaos.Fleet(tmp_path, 2, "always", "", hidden=32)
+    # Then its worker processes and its Redis were stopped, not left orphaned
+    (fleet,) = started
+    assert len(fleet.procs) == 2
+    assert all(p.poll() is not None for p in fleet.procs)
+    assert fleet.redis.process is not None and fleet.redis.process.poll() is not None
+
+
+def _recording(started: list[gen_chaos.Fleet]) -> object:
+    wait_ready = gen_chaos.Fleet.wait_ready
+
+    def record(self: gen_chaos.Fleet, within_s: float) -> None:
+        started.append(self)
+        wait_ready(self, within_s)
+
+    return record
