@@ -6,8 +6,11 @@ naming the requests, never the raw refusal. A real server, no cluster needed."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +25,7 @@ from test_producer import Shell, lane_ids
 from test_sink_outage import delta, entries, layout, result
 
 from batchfleet.redis_errors import refused_for_now, unreachable
-from batchfleet.redis_server import LocalRedis
+from batchfleet.redis_server import LocalRedis, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,3 +206,70 @@ def test_a_refusal_past_retry_for_s_is_unavailable_naming_the_request(
         assert "NOREPLICAS" in str(gave_up.value)
     finally:
         shell.close()
+
+
+async def _post(port: int, path: str, body: dict[str, object]) -> tuple[int, str, dict[str, Any]]:
+    """One HTTP/1.0 call: the status, the ``Retry-After`` header ('' if none), the JSON."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.0\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    raw = await reader.read()
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status, *lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines)
+    return int(status.split()[1]), headers.get("Retry-After", ""), json.loads(payload)
+
+
+def test_the_gateway_answers_a_refusal_503_retry_after_then_serves_again(
+    refusing: Refusing,
+) -> None:
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway, make_app
+
+    refusing.client.set(KEYS.lanes_key, 3)  # (a worker of the model started once)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+
+    async def go() -> list[tuple[int, str, dict[str, Any]]]:
+        async with AsyncProducer(refusing.url, retry_for_s=0.2) as producer:
+            port = free_port()
+            server = make_app(Gateway(producer, timeout_s=0.5), {}).listen(port, "127.0.0.1")
+            # Given Redis refusing writes past the producer's retry_for_s: a chat is refused
+            refusing.refuse()
+            refused = await _post(port, "/v1/chat/completions", chat)
+            # When Redis takes writes again, the same gateway takes the next chat (no
+            # worker answers it: it times out, 504)
+            refusing.accept()
+            taken = await _post(port, "/v1/chat/completions", chat)
+            server.stop()
+            return [refused, taken]
+
+    refused, taken = asyncio.run(go())
+    # Then the refusal is a 503 to retry after a second, the next chat went in
+    assert refused[:2] == (503, "1") and refused[2]["error"]["code"] == "unavailable"
+    assert "NOREPLICAS" in refused[2]["error"]["message"]
+    assert taken[:2] == (504, "") and len(refusing.client.xrange(KEYS.lane(1))) == 1
+
+
+def test_a_cluster_down_outside_the_producer_s_retries_is_a_503_not_a_500(
+    refusing: Refusing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway, make_app
+
+    async def down() -> list[str]:  # (what a cluster answers while a master fails over)
+        raise redis.exceptions.ClusterDownError("The cluster is down")
+
+    async def go() -> tuple[int, str, dict[str, Any]]:
+        async with AsyncProducer(refusing.url) as producer:
+            gateway = Gateway(producer)
+            monkeypatch.setattr(gateway, "models", down)
+            port = free_port()
+            server = make_app(gateway, {}).listen(port, "127.0.0.1")
+            answer = await _post(port, "/v1/chat/completions",
+                                 {"model": "tiny", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+            server.stop()
+            return answer
+
+    status, retry_after, body = asyncio.run(go())
+    assert (status, retry_after, body["error"]["code"]) == (503, "1", "unavailable")
