@@ -4,8 +4,9 @@ it), is promoted, and the fleet follows. Every streamed request gets one result,
 token stream, read by a reader that followed it through the failover or by one that
 starts after, is at most one restart (the documented ``reset``) then the deltas of the
 result; a request cancelled after the failover ends ``cancelled``; nothing stays pending.
-The gateway during the window answers a request late or a 503 ``unavailable`` with
-``Retry-After``, and serves again by itself. Real processes: a 6-node cluster, a
+The gateway answers a chat sent in the window late or a 503 ``unavailable`` with
+``Retry-After`` (seen: the 503, its model check meeting the dead master), and serves again
+by itself. Real processes: a 6-node cluster, a
 generating worker (its Celery broker a plain Redis), a gateway, a producer."""
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from batchfleet.producer.client import Job
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Delta
-from conftest import WorkerProcess, fleet_toml
-from failover_cluster import FailoverCluster, running_failover_cluster
+from conftest import WorkerProcess
+from failover_cluster import FailoverCluster, fleet_file, running_failover_cluster
 from test_gateway import KEY, start_gateway
 from tiny_models import make_causal_lm
 
@@ -53,37 +54,32 @@ def cluster() -> Iterator[FailoverCluster]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def url(cluster: FailoverCluster) -> str:
-    return cluster.url_for(KEYS.lane(0))
-
-
 @dataclass
 class Fleet:
+    url: str
     worker: WorkerProcess
     gateway: str
     """The gateway's base URL."""
 
 
 @pytest.fixture
-def fleet(url: str, redis_server: LocalRedis, tmp_path: Path) -> Iterator[Fleet]:
-    """A generating worker and a gateway, both started before either is waited for (each
-    loads torch and transformers: on a loaded 2-core machine, a minute or more)."""
+def fleet(cluster: FailoverCluster, redis_server: LocalRedis, tmp_path: Path) -> Iterator[Fleet]:
+    """A generating worker and a gateway on a node the failover leaves alone, both started
+    before either is waited for (each loads torch and transformers: on a loaded 2-core
+    machine, a minute or more)."""
+    url = cluster.url_for(KEYS.lane(0))
     lm = make_causal_lm(tmp_path / "lm", context=4096)
     opts = {"kv_cache_tokens": 16384, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "max_new_tokens": 4000}  # fmt: skip
-    text = fleet_toml(url, {MODEL: {"runner": "text-generation", "path": str(lm),
-                                    "options": opts}}, {"claim_idle_ms": 600_000})  # fmt: skip
-    first, _, rest = text.partition("\n")
-    config = tmp_path / "fleet.toml"
-    config.write_text(f'{first}\nbroker_url = "{redis_server.url}"\n{rest}')
+    config = fleet_file(tmp_path / "fleet.toml", url, redis_server.url,
+                        {MODEL: {"runner": "text-generation", "path": str(lm), "options": opts}})  # fmt: skip
     worker = WorkerProcess(config, "gw0", tmp_path / "gw0.log")
     client = connect(url)
     gateway: subprocess.Popen[bytes] | None = None
     try:
         gateway, base = start_gateway(url, tmp_path)
         worker.wait_ready(client, MODEL, timeout=300)
-        yield Fleet(worker, base)
+        yield Fleet(url, worker, base)
     finally:
         client.close()
         if gateway is not None:
@@ -132,10 +128,10 @@ def _poll_len(get: Callable[[], Sized], at_least: int, timeout: float = 60.0) ->
 
 
 def test_a_master_killed_while_generating_loses_no_stream_and_answers_each_once(
-    cluster: FailoverCluster, url: str, fleet: Fleet
+    cluster: FailoverCluster, fleet: Fleet
 ) -> None:
     worker, gateway = fleet.worker, fleet.gateway
-    producer = Producer(url)
+    producer = Producer(fleet.url)
     ids = [f"gen-{i}" for i in range(STREAMED)]
 
     def submit(rid: str, tokens: int) -> Job:
@@ -175,11 +171,8 @@ def test_a_master_killed_while_generating_loses_no_stream_and_answers_each_once(
     asked = threading.Thread(target=lambda: window.append(_chat(gateway, "in the window", 8)))
 
     # When the master of the model's slot dies with deltas its replica never received, a
-    # client asks the gateway for a chat before the replica is promoted, and it is
-    def dead() -> None:
-        asked.start()
-
-    failover = cluster.kill_master_of(KEYS.lane(0), cut_replica=cut, while_dead=dead)
+    # client asks the gateway for a chat before the replica is promoted, and it is promoted
+    failover = cluster.kill_master_of(KEYS.lane(0), cut_replica=cut, while_dead=asked.start)
     cluster.promoted(failover, KEYS.lane(0))
     assert lost and lost[0] >= LOST_AT_LEAST, "deltas written while the replica was cut off"
 

@@ -28,8 +28,8 @@ from .replies import DOWN
 from .state import Gateway
 
 RETRY_AFTER_S = 1
-"""A 503's ``Retry-After``: a Redis restart or a cluster failover (its node timeout and
-election) takes seconds; a client that retries sooner meets the producer's own retries."""
+"""A 503's ``Retry-After``, in seconds: a Redis restart or a cluster failover (its node
+timeout, then an election) is over within seconds, and a retry then is served."""
 
 OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/load", "/version", "/metrics"})
 """Paths answered without the API key: what probes, load balancers and Prometheus poll
