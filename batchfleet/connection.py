@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .cancels import counter, not_lost
 from .drops import CountingPool
-from .redis_errors import UNREACHABLE
+from .redis_errors import unreachable
 
 RETRY_ON = [RedisConnectionError, RedisTimeoutError]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -107,8 +107,10 @@ def _no_script(replies: Sequence[Any]) -> list[int]:
     """The calls refused NOSCRIPT; raises a call's failure to reach Redis: a cluster
     pipeline hands it back as a reply with ``raise_on_error=False`` (a master killed, its
     replica not promoted yet), where a plain pipeline raises it. Raised, the caller retries
-    as on one server (a submit whose outcome is unknown, sent again with the same ids)."""
-    if down := next((r for r in replies if isinstance(r, UNREACHABLE)), None):
+    as on one server (a submit whose outcome is unknown, sent again with the same ids). A
+    temporary refusal (``NOREPLICAS``, ``CLUSTERDOWN``...) is raised so too."""
+    downs = (unreachable(r) for r in replies if isinstance(r, Exception))
+    if down := next((d for d in downs if d is not None), None):
         raise down
     return [i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)]
 

@@ -17,6 +17,7 @@ from typing_extensions import Unpack
 
 from ..cancels import cancels
 from ..connection import AsyncClient, connect_async, run_script_calls_async
+from ..redis_errors import unreachable
 from ..schemas.errors import ProducerClosed
 from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
@@ -143,7 +144,8 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
                         raise asyncio.CancelledError()
 
     async def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
-        """The reply to ``op``; a connection error is returned, for the core to handle."""
+        """The reply to ``op``; a connection error is returned, for the core to handle
+        (:func:`~batchfleet.redis_errors.unreachable`)."""
         try:
             if isinstance(op, ops.Get):
                 return await self.client.get(op.key)
@@ -168,8 +170,10 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
                 return await subscription.aclose()
             if isinstance(op, ops.Listen):
                 return await self._unless_closed(subscription.listen(op.timeout))
-        except ops.DOWN as exc:
-            return exc
+        except Exception as exc:  # (a temporary refusal as well: NOREPLICAS, CLUSTERDOWN...)
+            if (down := unreachable(exc)) is None:
+                raise
+            return down
         raise TypeError(f"cannot carry out {op!r}")
 
     async def _call(self, steps: Generator[ops.Op, Any, T]) -> T:

@@ -17,6 +17,7 @@ from redis.client import PubSub
 from typing_extensions import Unpack
 
 from ..connection import SyncClient, connect, run_script_calls
+from ..redis_errors import unreachable
 from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
@@ -121,7 +122,8 @@ class Producer(ProducerShell[SyncClient, Job]):
                     runner.reply = self._do(op, subscription)
 
     def _do(self, op: ops.Op, subscription: _Subscription) -> Any:
-        """The reply to ``op``; a connection error is returned, for the core to handle."""
+        """The reply to ``op``; a connection error is returned, for the core to handle
+        (:func:`~batchfleet.redis_errors.unreachable`)."""
         try:
             if isinstance(op, ops.Get):
                 return self.client.get(op.key)
@@ -145,8 +147,10 @@ class Producer(ProducerShell[SyncClient, Job]):
                 return subscription.close()
             if isinstance(op, ops.Listen):
                 return subscription.listen(op.timeout)
-        except ops.DOWN as exc:
-            return exc
+        except Exception as exc:  # (a temporary refusal as well: NOREPLICAS, CLUSTERDOWN...)
+            if (down := unreachable(exc)) is None:
+                raise
+            return down
         raise TypeError(f"cannot carry out {op!r}")
 
     def _call(self, steps: Generator[ops.Op, Any, T]) -> T:

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
+from ..schemas.codec import decode_result
 from ..schemas.errors import ResultTimeout, StreamRestarted
 from ..schemas.keys import ModelKeys
 from ..schemas.messages import Delta
+from .gaps import Gaps
 from .ops import DOWN, Emit, Get, Sleep, Steps, XRead
 from .submit import unavailable
 
@@ -168,13 +170,17 @@ def read_tokens(
 
     A ``seq`` not above the last one seen means the request restarted: the follower gets
     :class:`Restarted` first; so does an end entry's (the attempt that ended the request
-    streamed nothing: taken over past its deadline, say, its text empty). Through a Redis outage it keeps trying until ``timeout``, then
-    raises :class:`Unavailable`; with Redis up, :class:`ResultTimeout`.
+    streamed nothing: taken over past its deadline, say, its text empty). A ``seq`` skipped
+    (deltas lost with a failed-over master) holds the deltas after it back; once the stream
+    ends, the rest of each output comes from the result (:mod:`.gaps`). Through a Redis
+    outage it keeps trying until ``timeout``, then raises :class:`Unavailable`; with Redis
+    up, :class:`ResultTimeout`.
     """
     keys = ModelKeys(model)
     stream, result_key = keys.tokens(request_id), keys.result(request_id)
     deadline = None if timeout is None else time.monotonic() + timeout
     after, last_seq = "0-0", 0
+    gaps = Gaps()
     stored = False
     down: Exception | None = None
     while True:
@@ -198,6 +204,7 @@ def read_tokens(
             yield Sleep(RECONNECT_PAUSE_S if left is None else min(RECONNECT_PAUSE_S, left))
             continue
         if stored and not entries:
+            yield from _filled(url, result_key, deadline, gaps, follower)
             follower.end()
             return
         for entry_id, fields in entries:
@@ -205,15 +212,59 @@ def read_tokens(
             event = parse_entry(keys, request_id, fields)
             if event is END:
                 if _seq(fields) <= last_seq:  # an attempt that streamed nothing ended it
+                    gaps.restart()
                     yield from _emit(follower.feed(Restarted(request_id)))
+                gaps.lost |= _seq(fields) > last_seq + 1
+                yield from _filled(url, result_key, deadline, gaps, follower)
                 follower.end()
                 return
             if not isinstance(event, Delta):
                 continue
             if event.seq <= last_seq:
+                gaps.restart()
                 yield from _emit(follower.feed(Restarted(request_id)))
+            elif event.seq > last_seq + 1 and not gaps.lost:
+                gaps.lost = True
+                logger.warning("%s lost deltas %d-%d (a failover?): the rest comes from its "
+                               "result", stream, last_seq + 1, event.seq - 1)  # fmt: skip
             last_seq = event.seq
-            yield from _emit(follower.feed(event))
+            if not gaps.lost:
+                gaps.emitted(event)
+                yield from _emit(follower.feed(event))
+
+
+def _filled(
+    url: str, key: str, deadline: float | None, gaps: Gaps, follower: Follower
+) -> Steps[None]:
+    """Where the stream skipped a ``seq``: the deltas that complete it from the result
+    (:mod:`.gaps`); a restart and the result's whole outputs where
+    they do not continue what was emitted."""
+    if not gaps.lost:
+        return
+    raw = yield from _result(url, key, deadline)
+    if raw is None:
+        return
+    result = decode_result(raw)
+    deltas = gaps.fill(result)
+    if deltas is None:
+        yield from _emit(follower.feed(Restarted(result.id)))
+        gaps.restart()
+        deltas = gaps.fill(result) or []
+    for delta in deltas:
+        yield from _emit(follower.feed(delta))
+
+
+def _result(url: str, key: str, deadline: float | None) -> Steps[bytes | None]:
+    """The stored result (through an outage until ``deadline``)."""
+    while True:
+        try:
+            raw: bytes | None = yield Get(key)
+            return raw
+        except DOWN as exc:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise unavailable(url, exc) from exc
+            yield Sleep(RECONNECT_PAUSE_S if left is None else min(RECONNECT_PAUSE_S, left))
 
 
 def _seq(fields: dict[Any, Any]) -> int:

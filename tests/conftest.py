@@ -36,6 +36,7 @@ SERVER_FACING = {
     "test_cluster.py",
     "test_cluster_cancel.py",
     "test_cluster_failover.py",
+    "test_cluster_failover_gen.py",
     "test_dlq.py",
     "test_fleetview.py",
     "test_fuzz.py",

@@ -16,9 +16,11 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 from cluster_helpers import LocalRedisCluster
+from conftest import fleet_toml
 
 NODE_TIMEOUT_MS = 1000
 """``cluster-node-timeout``: a dead master is failed over about 1-2 s after its death."""
@@ -164,3 +166,13 @@ def running_failover_cluster() -> Iterator[FailoverCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def fleet_file(path: Path, url: str, broker_url: str, models: dict[str, dict[str, object]]) -> Path:
+    """A fleet file serving ``models`` from the cluster at ``url``, written to ``path``: its
+    Celery broker a plain Redis (``broker_url``), ``claim_idle_ms`` far above a test's run
+    (a request whose answer a failover lost is answered again by its live worker, not by
+    that fallback)."""
+    first, _, rest = fleet_toml(url, models, {"claim_idle_ms": 600_000}).partition("\n")
+    path.write_text(f'{first}\nbroker_url = "{broker_url}"\n{rest}')
+    return path

@@ -26,8 +26,8 @@ from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.results import Result
 from batchfleet.worker.streams import Entry, Pending
 from batchfleet.worker.unseen import Unseen
-from conftest import WorkerProcess, fleet_toml
-from failover_cluster import FailoverCluster, running_failover_cluster
+from conftest import WorkerProcess
+from failover_cluster import FailoverCluster, fleet_file, running_failover_cluster
 
 from batchfleet.connection import connect, connect_async, run_script_calls
 from batchfleet.redis_server import LocalRedis
@@ -61,15 +61,9 @@ def url(cluster: FailoverCluster) -> str:
 def worker(
     url: str, redis_server: LocalRedis, tiny_embedder: Path, tmp_path: Path
 ) -> Iterator[WorkerProcess]:
-    text = fleet_toml(
-        url,
-        {MODEL: {"runner": "embedding", "path": str(tiny_embedder), "max_tokens": 64,
-                 "lanes": 1, "batch": {"max_batch_size": 8, "max_wait_ms": 5}}},
-        {"claim_idle_ms": 600_000},
-    )  # fmt: skip
-    first, _, rest = text.partition("\n")
-    config = tmp_path / "fleet.toml"
-    config.write_text(f'{first}\nbroker_url = "{redis_server.url}"\n{rest}')
+    config = fleet_file(tmp_path / "fleet.toml", url, redis_server.url, {
+        MODEL: {"runner": "embedding", "path": str(tiny_embedder), "max_tokens": 64,
+                "lanes": 1, "batch": {"max_batch_size": 8, "max_wait_ms": 5}}})  # fmt: skip
     w = WorkerProcess(config, "fw0", tmp_path / "fw0.log")
     client = connect(url)
     try:

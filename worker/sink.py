@@ -20,7 +20,7 @@ from typing import Protocol
 
 import redis
 
-from ..redis_errors import UNREACHABLE
+from ..redis_errors import UNREACHABLE, refused_for_now
 from ..schemas.codec import delta_fields, encode_delta, end_fields
 from .answers import Outgoing
 from .observers import Answered, DeadLettered, Observers
@@ -117,7 +117,8 @@ TRANSIENT = (
     redis.exceptions.MasterDownError,
 )
 """Errors of a Redis that cannot write for now (out of memory under noeviction, a replica
-during failover, loading...): retried like a lost connection, never dropping a result."""
+during failover, loading...; ``NOREPLICAS``: ``refused_for_now``): retried like a lost
+connection, never dropping a result."""
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 2.0
 """Such a write is tried again this long after, doubling (until :meth:`RedisSink.close`
@@ -125,6 +126,8 @@ gives up on it)."""
 
 
 def _transient(exc: Exception) -> bool:
+    if refused_for_now(exc):  # (NOREPLICAS has no class of its own)
+        return True
     return isinstance(exc, TRANSIENT) or (
         isinstance(exc, redis.ResponseError) and str(exc).startswith(("BUSY", "OOM", "LOADING"))
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import tornado.web
 
+from ...redis_errors import refused_for_now
 from ...schemas.errors import ErrorCode
 from ...schemas.keys import REQUEST_ID
 from ...schemas.messages import Result
@@ -25,6 +26,10 @@ from .errors import ApiError, invalid
 from .metrics import CLIENT_LEFT
 from .replies import DOWN
 from .state import Gateway
+
+RETRY_AFTER_S = 1
+"""A 503's ``Retry-After``, in seconds: a Redis restart or a cluster failover (its node
+timeout, then an election) is over within seconds, and a retry then is served."""
 
 OPEN_PATHS = frozenset({"/health", "/livez", "/ping", "/load", "/version", "/metrics"})
 """Paths answered without the API key: what probes, load balancers and Prometheus poll
@@ -127,17 +132,21 @@ class Handler(tornado.web.RequestHandler):
         return error.body()
 
     def fail(self, error: ApiError) -> None:
-        """Answer with ``error`` (nothing was sent yet)."""
+        """Answer with ``error`` (nothing was sent yet); a 503 (Redis unreachable, a
+        failover under way, shutting down) says when to try again (``Retry-After``)."""
         self.clear()
         self.set_status(error.status)
+        if error.status == 503:
+            self.set_header("Retry-After", str(RETRY_AFTER_S))
         self.set_header("Content-Type", "application/json")
         self.finish(dumps(self.error_body(error)))
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         """An exception no handler answered: Redis unreachable mid-request (a call outside
-        the producer's retries) is a 503, anything else a 500."""
+        the producer's retries), or refusing for now (``CLUSTERDOWN`` while a cluster fails
+        over), is a 503, anything else a 500."""
         exc = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(exc, DOWN):
+        if isinstance(exc, DOWN) or (exc is not None and refused_for_now(exc)):
             error = ApiError(503, f"Redis unreachable: {exc}", code="unavailable")
         elif status_code >= 500:
             error = ApiError(status_code, "internal server error", code=ErrorCode.INTERNAL.value)
