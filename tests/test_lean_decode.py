@@ -2,7 +2,8 @@
 layers and refused for anything else; its logits are exactly transformers' for a padded
 batch of rows of different lengths, through the per-row kernel and through sdpa under a
 padding mask (any device or dtype: a bfloat16 model here), and with the linear layers in
-bfloat16 (``matmul_precision`` ``medium``: the same mixed products); decodes and prefill chunks in
+bfloat16 (``matmul_precision`` ``medium``: the same mixed products); its own RMS norm runs
+only where it gives the modules' numbers; decodes and prefill chunks in
 one forward each get transformers' logits and cache; one whose first step fails gives way
 to transformers' forwards; the runner's ``lean_decode`` option turns it off."""
 
@@ -211,6 +212,30 @@ def test_q_and_k_rotate_in_one_pass_only_where_that_is_the_familys_formula(
     monkeypatch.setattr(module, "apply_rotary_pos_emb", other)
     decoder = LeanDecoder.build(model)
     assert decoder is not None and decoder.rotate_half is None and decoder.rotate is other
+
+
+def test_its_own_norm_runs_only_where_it_gives_the_modules_numbers(llama_dir: Path) -> None:
+    from batchfleet.worker.generation.lean_decode import _rms, _rms_exact
+
+    # a float32 Llama: every norm through the lean forward's own (fewer tensors made)
+    model = _llama(llama_dir)
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None and decoder.rms
+    norm = model.model.norm
+    x = torch.randn(2, 7, norm.weight.shape[0])
+    with torch.inference_mode():
+        assert torch.equal(_rms(norm, x), norm(x))
+
+    class Offset(type(norm)):  # type: ignore[misc]  # a family scaling by 1 + weight
+        def forward(self, hidden: Any) -> Any:
+            return super().forward(hidden) * (1 + self.weight) / self.weight
+
+    norm.__class__ = Offset
+    assert not _rms_exact(norm)
+    assert not LeanDecoder.build(model).rms  # type: ignore[union-attr]
+    # a 16-bit model: its norms' modules (they compute in float32 and round)
+    half = LeanDecoder.build(_llama(llama_dir).to(torch.bfloat16))
+    assert half is not None and not half.rms
 
 
 def _tokens(engine: PaddedEngine, prompt: list[int], n: int) -> list[int]:

@@ -91,6 +91,11 @@ class LeanDecoder:
         self.rotate_half = rotate_half
         """Set where ``x * cos + rotate_half(x) * sin`` is ``rotate``'s formula: q and k
         are then rotated together, as one tensor (half the operators)."""
+        self.rms = self.embed.weight.dtype == torch.float32 and all(
+            _rms_exact(n) for n in (self.norm, *(
+            m for la in layers for m in (la.input_norm, la.post_norm))))  # fmt: skip
+        """Whether every norm is a float32 Llama ``RMSNorm`` that :func:`_rms` computes
+        exactly (its operators, fewer allocations); else the modules run."""
         attn = layers[0].attn
         self.heads = int(model.config.num_attention_heads)
         self.kv_heads = int(model.config.num_key_value_heads)
@@ -177,17 +182,20 @@ class LeanDecoder:
         one_pass = self.rotate_half is not None
         if one_pass:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb does
+            half = dim // 2
+            signed = (-sin[..., :half], sin[..., half:])  # rotate_half's sign moved to sin
+        norm = _rms if self.rms else _module
         kw: dict[str, Any] = {decode_attention.LENGTHS: lengths}
         masks = [_causal(c, self.head.weight.device) for c in chunks]
         for i, layer in enumerate(self.layers):
-            h = layer.input_norm(x)
+            h = norm(layer.input_norm, x)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             if lora:
                 lora_.apply(qkv, h, i, "qkv", lora)
             v = qkv[..., k_end:].view(1, total, kv_heads, dim).transpose(1, 2)
             if one_pass:
                 qk = qkv[..., :k_end].view(1, total, heads + kv_heads, dim).transpose(1, 2)
-                qk = qk * cos + self.rotate_half(qk) * sin
+                qk = _rotated(qk, cos, signed, half)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
                 q = qkv[..., :q_end].view(1, total, heads, dim).transpose(1, 2)
@@ -220,16 +228,16 @@ class LeanDecoder:
             o = linear(attended[None], layer.o, layer.o_bias)
             if lora:
                 lora_.apply(o, attended[None], i, "o", lora)
-            x = x + o
-            h = layer.post_norm(x)
+            x.add_(o)  # (x: this forward's own, the embedding's copy or a sum)
+            h = norm(layer.post_norm, x)
             gu = linear(h, layer.gate_up, layer.gate_up_bias)
             if lora:
                 lora_.apply(gu, h, i, "gate_up", lora)
-            mid = layer.act(gu[..., : self.intermediate]) * gu[..., self.intermediate :]
+            mid = layer.act(gu[..., : self.intermediate]).mul_(gu[..., self.intermediate :])
             down = linear(mid, layer.down, layer.down_bias)
             if lora:
                 lora_.apply(down, mid, i, "down", lora)
-            x = x + down
+            x.add_(down)
         if chunks:
             ends = np.cumsum([rows] + [len(c.tokens) for c in chunks])[1:] - 1
             if any(every):
@@ -241,7 +249,7 @@ class LeanDecoder:
             else:
                 keep = torch.from_numpy(np.concatenate([np.arange(rows), ends]))
             x = x[:, keep.to(x.device)]
-        logits: torch.Tensor = self.head(self.norm(x))
+        logits: torch.Tensor = self.head(norm(self.norm, x))
         return logits[0]
 
 
@@ -279,6 +287,49 @@ def _causal(chunk: Chunk, device: torch.device) -> torch.Tensor | None:
     return (cols[None, :] <= rows[:, None])[None, None]
 
 
+def _rotated(
+    qk: torch.Tensor, cos: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor], half: int
+) -> torch.Tensor:
+    """``qk * cos + rotate_half(qk) * sin``, the same numbers (a product's sign moves
+    exactly), in four operators instead of six: ``signed`` is ``(-sin[..., :half],
+    sin[..., half:])``."""
+    out = qk * cos
+    turned = torch.empty_like(out)
+    torch.mul(qk[..., half:], signed[0], out=turned[..., :half])
+    torch.mul(qk[..., :half], signed[1], out=turned[..., half:])
+    return out.add_(turned)
+
+
+def _module(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = norm(x)
+    return out
+
+
+def _rms(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a float32 Llama ``RMSNorm`` (:func:`_rms_exact`): its operators on
+    ``x``, in place where they may be (half the tensors it allocates)."""
+    scale = x.pow(2).mean(-1, keepdim=True)
+    scale.add_(norm.variance_epsilon).rsqrt_()
+    return torch.mul(x, scale).mul_(norm.weight)  # weight * y: the same product
+
+
+def _rms_exact(norm: Any) -> bool:
+    """Whether :func:`_rms` computes what ``norm`` does: a float32 weight and epsilon,
+    and the same numbers on a random input (a family's norm with another formula, say
+    ``1 + weight``, differs there)."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or eps is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, weight.shape[-1], generator=gen).to(weight.device)
+    try:
+        with torch.inference_mode():
+            return bool(torch.equal(_rms(norm, x), norm(x)))
+    except Exception:
+        return False
+
+
 def _one_pass(rotate: Any, rotate_half: Any) -> Any:
     """``rotate_half`` where ``x * cos + rotate_half(x) * sin`` gives exactly what
     ``rotate`` (the family's ``apply_rotary_pos_emb``) gives for q and k; else None."""
@@ -291,9 +342,12 @@ def _one_pass(rotate: Any, rotate_half: Any) -> Any:
         want_q, want_k = rotate(q, k, cos, sin)
         both = torch.cat([q, k], dim=1)
         got = both * cos.unsqueeze(1) + rotate_half(both) * sin.unsqueeze(1)
+        s = sin.unsqueeze(1)
+        split = _rotated(both, cos.unsqueeze(1), (-s[..., :4], s[..., 4:]), 4)
     except Exception:
         return None
-    return rotate_half if torch.equal(got, torch.cat([want_q, want_k], dim=1)) else None
+    want = torch.cat([want_q, want_k], dim=1)
+    return rotate_half if torch.equal(got, want) and torch.equal(split, want) else None
 
 
 def _layer(layer: Any) -> _Layer:

@@ -100,6 +100,12 @@ class _Step:
     """The buffers' columns when ``flat`` was computed."""
 
 
+def _flat(states: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """``states`` as contiguous ``n x dim`` rows of ``dtype``: one copy at most (``to``
+    returns a strided tensor of the right dtype as it is; ``reshape`` copies it then)."""
+    return states.to(dtype, memory_format=torch.contiguous_format).reshape(-1, dim)
+
+
 class SlotLayer(DynamicLayer):  # type: ignore[misc]
     """One layer of the running batch's KV cache (module docstring): a buffer of
     ``rows x heads x width x head_dim`` that grows by doubling and is kept."""
@@ -168,9 +174,10 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
             st.capacity = capacity
         # one row copy per (row, head): index_copy_ on a flat view, not advanced indexing;
         # rounded to the buffers' dtype where it is a kv_cache_dtype (index_copy_ takes one)
-        kd = self._k.dtype
-        self._k.view(-1, dim).index_copy_(0, st.flat, key_states.reshape(-1, dim).to(kd))
-        self._v.view(-1, dim).index_copy_(0, st.flat, value_states.reshape(-1, dim).to(kd))
+        # and made contiguous by that same copy (the rows are strided views of the step's
+        # q/k/v: a reshape would copy them once more)
+        self._k.view(-1, dim).index_copy_(0, st.flat, _flat(key_states, self._k.dtype, dim))
+        self._v.view(-1, dim).index_copy_(0, st.flat, _flat(value_states, self._v.dtype, dim))
         self.keys = self._k[:rows, :, : st.width + 1]
         self.values = self._v[:rows, :, : st.width + 1]
         return self.keys, self.values
