@@ -162,6 +162,9 @@ class Admission:
                     seqs -= v.slots
                     backlog[v.run.lane] -= v.prefill
             admit.append(w.key)
+            if w.parent is not None:  # its request takes it back in this plan: it runs on
+                ours = [v for v in ours if v.run.key != w.parent]
+                promoted_victims = [v for v in promoted_victims if v.run.key != w.parent]
             used += need
             seqs += n
             backlog[w.lane] = backlog.get(w.lane, 0) + tokens
