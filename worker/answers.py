@@ -142,7 +142,7 @@ class Answerer:
         asked, its ``prompt_token_ids`` and ``prompt_text``, as a result that ran would."""
         req = held.request
         spec = held.prepared.payload  # a generating runner's: its prompts as token ids
-        prompts: tuple[tuple[int, ...], ...] = getattr(spec, "prompts", ())
+        prompts = _prompt_ids(getattr(spec, "prompts", ()))
         texts: tuple[str, ...] | None = getattr(spec, "prompt_texts", None)
         n = req.n or 1
         outputs: list[dict[str, Any]] = []
@@ -272,3 +272,13 @@ def dead_reason(entry: Entry, max_deliveries: int) -> str:
         f"delivered {entry.deliveries} times without an answer (max_deliveries "
         f"{max_deliveries}): it keeps failing or crashing workers"
     )
+
+
+def _prompt_ids(prompts: Any) -> tuple[tuple[int, ...], ...]:
+    """A runner payload's ``prompts`` as token ids per input: empty unless it holds them
+    (another runner's payload may name something else so, e.g. prompt lengths)."""
+    if not isinstance(prompts, tuple | list):
+        return ()
+    if not all(isinstance(p, tuple | list) for p in prompts):
+        return ()
+    return tuple(tuple(p) for p in prompts)
