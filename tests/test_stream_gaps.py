@@ -131,3 +131,18 @@ def test_a_gap_after_every_chunk_adds_no_chunks(r: redis.Redis, shell: Shell) ->
     # Then the rest of the text comes without chunks
     deltas = [d for d in collect(shell, job.deltas()) if isinstance(d, Delta)]
     assert [(d.seq, d.text, d.tool_call_chunks) for d in deltas[1:]] == [(2, " done", None)]
+
+
+def test_a_gap_after_the_whole_text_still_completes_the_calls(r: redis.Redis, shell: Shell) -> None:
+    (job,) = shell.submit_many("tiny", ["a"], stream=True)
+    # Given all the text and tokens read, and a last delta lost that added only the call
+    # (its chunks and the whole call: what the whole text completes comes with the last)
+    write_deltas(r, job.id, (1, "<c>"), end=3)
+    store(r, job.id, "<c>", 1, tool_calls=[_call("time", "{}")])
+    # Then the fill adds no text or tokens, but the call, whole and as chunks
+    deltas = [d for d in collect(shell, job.deltas()) if isinstance(d, Delta)]
+    (rest,) = deltas[1:]
+    assert (rest.seq, rest.text, rest.tokens) == (2, "", 0)
+    assert [c.id for c in rest.tool_calls or ()] == ["call_time"]
+    assert [c.model_dump(exclude_none=True) for c in rest.tool_call_chunks or ()] == [
+        _chunk(0, "{}", "time")]  # fmt: skip
