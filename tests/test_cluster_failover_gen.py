@@ -5,8 +5,8 @@ token stream, read by a reader that followed it through the failover or by one t
 starts after, is at most one restart (the documented ``reset``) then the deltas of the
 result; a request cancelled after the failover ends ``cancelled``; nothing stays pending.
 The gateway answers a chat sent in the window late or a 503 ``unavailable`` with
-``Retry-After`` (seen: the 503, its model check meeting the dead master), and serves again
-by itself. Real processes: a 6-node cluster, a
+``Retry-After`` (its model check is retried as the producer's calls are:
+``tests/test_gateway_failover.py``), and serves again by itself. Real processes: a 6-node cluster, a
 generating worker (its Celery broker a plain Redis), a gateway, a producer."""
 
 from __future__ import annotations

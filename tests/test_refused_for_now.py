@@ -2,7 +2,8 @@
 replica: ``NOREPLICAS``, as a master cut off from its replicas answers) is waited out like
 a lost connection: the sink keeps its deltas and results until Redis takes them, the
 producers retry a submit or a cancel within ``retry_for_s``, then raise ``Unavailable``
-naming the requests, never the raw refusal. A real server, no cluster needed."""
+naming the requests, never the raw refusal; the gateway's model check, refused a read
+(``MASTERDOWN``), is retried as long, then a 503. A real server, no cluster needed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from batchfleet.producer.gateway.errors import ApiError
 from batchfleet.producer.ops import DOWN
 from batchfleet.schemas.errors import Unavailable
 from batchfleet.schemas.keys import GROUP, ModelKeys
@@ -83,11 +85,11 @@ class AcceptOnRetry(logging.Handler):
 
 
 @pytest.fixture
-def on_retry(refusing: Refusing) -> Iterator[Callable[[str, str], AcceptOnRetry]]:
+def on_retry(refusing: Refusing) -> Iterator[Callable[..., AcceptOnRetry]]:
     added: list[tuple[logging.Logger, AcceptOnRetry]] = []
 
-    def watch(logger: str, says: str) -> AcceptOnRetry:
-        handler = AcceptOnRetry(refusing, says)
+    def watch(logger: str, says: str, target: Refusing | None = None) -> AcceptOnRetry:
+        handler = AcceptOnRetry(target or refusing, says)
         added.append((logging.getLogger(logger), handler))
         added[-1][0].addHandler(handler)
         return handler
@@ -273,3 +275,96 @@ def test_a_cluster_down_outside_the_producer_s_retries_is_a_503_not_a_500(
 
     status, retry_after, body = asyncio.run(go())
     assert (status, retry_after, body["error"]["code"]) == (503, "1", "unavailable")
+
+
+class ReadRefusing(Refusing):
+    """:class:`Refusing`, but reads are refused too (``MASTERDOWN``, as a replica cut off
+    from its master answers with ``replica-serve-stale-data no``: what a cluster's node
+    may answer while its master fails over), keeping the data: its master is a free port
+    nothing listens on, so it never syncs."""
+
+    def refuse(self) -> None:
+        self.client.config_set("replica-serve-stale-data", "no")
+        self.client.replicaof("127.0.0.1", free_port())
+
+    def accept(self) -> None:
+        self.client.replicaof("NO", "ONE")
+        self.client.config_set("replica-serve-stale-data", "yes")
+
+
+def _gateway_chat(
+    url: str, retry_for_s: float, refusing: Refusing
+) -> tuple[int, str, dict[str, Any]]:
+    """A chat posted to a gateway of its own while ``refusing`` refuses (no worker
+    answers: taken, it times out, 504)."""
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway, make_app
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+
+    async def go() -> tuple[int, str, dict[str, Any]]:
+        async with AsyncProducer(url, retry_for_s=retry_for_s) as producer:
+            port = free_port()
+            server = make_app(Gateway(producer, timeout_s=0.5), {}).listen(port, "127.0.0.1")
+            refusing.refuse()
+            try:
+                return await _post(port, "/v1/chat/completions", chat)
+            finally:
+                server.stop()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def read_refusing(refusing: Refusing, server: LocalRedis) -> Iterator[ReadRefusing]:
+    it = ReadRefusing(server)  # (``refusing``: the server flushed, writes taken)
+    it.client.set(KEYS.lanes_key, 3)  # (a worker of the model started once)
+    yield it
+    it.accept()
+    it.client.close()
+
+
+def test_the_gateway_s_model_check_rides_out_a_read_refusal(
+    read_refusing: ReadRefusing, on_retry: Callable[..., AcceptOnRetry]
+) -> None:
+    # Given Redis refusing reads (MASTERDOWN) until the gateway says it retries its check
+    retrying = on_retry("batchfleet.producer.gateway.retried", "unreachable", read_refusing)
+    # When a chat is posted
+    status, retry_after, body = _gateway_chat(read_refusing.url, 30, read_refusing)
+    # Then the model check was retried and the chat went in (no worker: 504), no 503
+    assert retrying.seen and "MASTER is down" in retrying.seen[0]
+    assert (status, retry_after, body["error"]["code"]) == (504, "", "timeout")
+    assert len(read_refusing.client.xrange(KEYS.lane(1))) == 1
+
+
+def test_a_read_refusal_past_retry_for_s_is_a_503_retry_after(
+    read_refusing: ReadRefusing,
+) -> None:
+    # Given Redis refusing reads for longer than the producer's retry_for_s
+    status, retry_after, body = _gateway_chat(read_refusing.url, 0.2, read_refusing)
+    # Then the chat is a 503 to retry after a second, naming the refusal
+    assert (status, retry_after, body["error"]["code"]) == (503, "1", "unavailable")
+    assert "MASTER is down" in body["error"]["message"]
+    read_refusing.accept()
+    assert not read_refusing.client.exists(KEYS.lane(1))
+
+
+def test_the_model_check_alone_is_retried(
+    read_refusing: ReadRefusing, on_retry: Callable[..., AcceptOnRetry]
+) -> None:
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway
+
+    async def go() -> None:
+        async with AsyncProducer(read_refusing.url, retry_for_s=30) as producer:
+            # Given reads refused until the gateway says it retries its check of the model
+            on_retry("batchfleet.producer.gateway.retried", "model check", read_refusing)
+            read_refusing.refuse()
+            # Then the check passes (the model's lanes key is there), and an unknown
+            # model is still a 404
+            await Gateway(producer).check_model("tiny")
+            with pytest.raises(ApiError) as unknown:
+                await Gateway(producer).check_model("other")
+            assert unknown.value.status == 404
+
+    asyncio.run(go())

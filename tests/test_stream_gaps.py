@@ -6,6 +6,7 @@ attempt's), a restart and its whole text. Both producers, a real Redis."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import msgpack
@@ -14,6 +15,8 @@ import redis
 from batchfleet.producer.tokens import Restarted
 from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Delta
+from batchfleet.worker.streams import ModelStreams
+from batchfleet.worker.token_stream import TokenWrite
 from test_producer import Shell, collect, write_deltas
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,3 +63,86 @@ def test_a_stream_that_skips_a_seq_is_completed_from_the_result(
     write_deltas(r, other.id, (1, "Yes"), (3, "!"), end=4)
     store(r, other.id, "No way", 2)
     assert marks(collect(shell, other.deltas())) == [(1, "Yes", 1), "Restarted", (1, "No way", 2)]
+
+
+def _chunk(index: int, arguments: str, name: str | None = None) -> dict[str, object]:
+    """A ``tool_call_chunks`` item: a call's first (``name`` set: its id ``call_<name>``)
+    or a later piece."""
+    if name is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": f"call_{name}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def _call(name: str, arguments: str) -> dict[str, object]:
+    return {"id": f"call_{name}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def _joined(deltas: list[Delta]) -> dict[int, tuple[str | None, str | None, str]]:
+    """Each streamed call as a client joins its chunks: index → (id, name, arguments)."""
+    calls: dict[int, tuple[str | None, str | None, str]] = {}
+    for d in deltas:
+        for c in d.tool_call_chunks or ():
+            cid, name, args = calls.get(c.index, (None, None, ""))
+            calls[c.index] = (c.id or cid, c.function.name or name, args + c.function.arguments)
+    return calls
+
+
+def test_a_gap_in_streamed_tool_calls_is_completed_with_their_chunks(
+    r: redis.Redis, shell: Shell
+) -> None:
+    (job,) = shell.submit_many("tiny", ["a"], stream=True)
+    # Given a call begun (its name and part of its arguments), a call begun and left out
+    # of the result (its index 1 kept), then deltas lost: the first call's rest, and a
+    # third call whole
+    seen = [(1, "<a>", [_chunk(0, '{"city": "Par', "weather")]),
+            (2, "<b>", [_chunk(1, '{"x', "broken")]),
+            (5, "<c>", [_chunk(2, '{"q": 1}', "time")])]  # fmt: skip
+    writes = [TokenWrite(job.id, seq, 60, text, tokens=1, tool_call_chunks=json.dumps(chunks))
+              for seq, text, chunks in seen]  # fmt: skip
+    ModelStreams(r, "tiny", 3, "fake-worker").append_tokens([*writes, TokenWrite(job.id, 6, 60)])
+    calls = [_call("weather", '{"city": "Paris"}'), _call("time", '{"q": 1}')]
+    store(r, job.id, "<a><b><lost><c>", 5, tool_calls=calls)
+    # When a reader reads the stream across the gap
+    deltas = [d for d in collect(shell, job.deltas()) if isinstance(d, Delta)]
+    # Then the chunks before the gap as they came, then one delta with the rest: the
+    # first call's arguments under its index, the call never seen whole under index 2
+    assert [d.seq for d in deltas] == [1, 2, 3]
+    (rest,) = deltas[2:]
+    assert [c.model_dump(exclude_none=True) for c in rest.tool_call_chunks or ()] == [
+        _chunk(0, 'is"}'), _chunk(2, '{"q": 1}', "time")]  # fmt: skip
+    joined = _joined(deltas)
+    assert joined[0] == ("call_weather", "weather", '{"city": "Paris"}')
+    assert joined[2] == ("call_time", "time", '{"q": 1}')
+    assert [c["function"] for c in calls] == [  # type: ignore[index]
+        {"name": n, "arguments": a} for _, n, a in (joined[0], joined[2])]  # fmt: skip
+    assert [c.id for c in rest.tool_calls or ()] == ["call_weather", "call_time"]
+
+
+def test_a_gap_after_every_chunk_adds_no_chunks(r: redis.Redis, shell: Shell) -> None:
+    (job,) = shell.submit_many("tiny", ["a"], stream=True)
+    # Given every chunk of the one call read, then a lost delta of plain text
+    chunks = json.dumps([_chunk(0, '{"q": 1}', "time")])
+    ModelStreams(r, "tiny", 3, "fake-worker").append_tokens([
+        TokenWrite(job.id, 1, 60, "<c>", tokens=1, tool_call_chunks=chunks),
+        TokenWrite(job.id, 3, 60)])  # fmt: skip
+    store(r, job.id, "<c> done", 2, tool_calls=[_call("time", '{"q": 1}')])
+    # Then the rest of the text comes without chunks
+    deltas = [d for d in collect(shell, job.deltas()) if isinstance(d, Delta)]
+    assert [(d.seq, d.text, d.tool_call_chunks) for d in deltas[1:]] == [(2, " done", None)]
+
+
+def test_a_gap_after_the_whole_text_still_completes_the_calls(r: redis.Redis, shell: Shell) -> None:
+    (job,) = shell.submit_many("tiny", ["a"], stream=True)
+    # Given all the text and tokens read, and a last delta lost that added only the call
+    # (its chunks and the whole call: what the whole text completes comes with the last)
+    write_deltas(r, job.id, (1, "<c>"), end=3)
+    store(r, job.id, "<c>", 1, tool_calls=[_call("time", "{}")])
+    # Then the fill adds no text or tokens, but the call, whole and as chunks
+    deltas = [d for d in collect(shell, job.deltas()) if isinstance(d, Delta)]
+    (rest,) = deltas[1:]
+    assert (rest.seq, rest.text, rest.tokens) == (2, "", 0)
+    assert [c.id for c in rest.tool_calls or ()] == ["call_time"]
+    assert [c.model_dump(exclude_none=True) for c in rest.tool_call_chunks or ()] == [
+        _chunk(0, "{}", "time")]  # fmt: skip

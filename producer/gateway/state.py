@@ -38,6 +38,7 @@ from .frontend import Frontend, without_tools
 from .metrics import GatewayMetrics
 from .readiness import Readiness
 from .replies import DOWN, Replies
+from .retried import retried
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
 if TYPE_CHECKING:
@@ -112,15 +113,21 @@ class Gateway:
 
     async def models(self) -> list[str]:
         """The models the fleet serves: the set its workers announce them in (a SCAN of
-        their lanes keys where the workers are too old to write it)."""
+        their lanes keys where the workers are too old to write it), read with retries."""
         at, names = self._models
         if time.monotonic() - at > MODELS_CACHE_S:
-            client = self.producer.client
-            names = model_names(await client.smembers(MODELS_KEY))
-            if not names:
-                names = await self._scanned_models()
+            names = await retried(self._read_models, self.retry_for_s, "the models' read")
             self._models = (time.monotonic(), names)
         return names
+
+    @property
+    def retry_for_s(self) -> float:
+        """How long the gateway's own reads retry (:mod:`.retried`): the producer's bound."""
+        return self.producer.core.retry_for_s
+
+    async def _read_models(self) -> list[str]:
+        names = model_names(await self.producer.client.smembers(MODELS_KEY))
+        return names or await self._scanned_models()
 
     async def _scanned_models(self) -> list[str]:
         found = set()
@@ -134,14 +141,17 @@ class Gateway:
         return sorted(found)
 
     async def check_model(self, model: str) -> None:
-        """404 unless a worker of ``model`` ever started (its lanes key is there)."""
+        """404 unless a worker of ``model`` ever started (its lanes key is there); its read
+        retried as the producer's calls are (a failover is no 503 where a retry serves)."""
         try:
             keys = ModelKeys(model)
         except ValueError as exc:
             raise ApiError(404, str(exc), code="model_not_found", param="model") from None
         if time.monotonic() - self._seen.get(model, -MODELS_CACHE_S) < MODELS_CACHE_S:
             return
-        if not await self.producer.client.exists(keys.lanes_key):
+        started = await retried(lambda: self.producer.client.exists(keys.lanes_key),
+                                self.retry_for_s, f"the model check of {model!r}")  # fmt: skip
+        if not started:
             raise ApiError(404, f"The model {model!r} does not exist: no worker serves it",
                            code="model_not_found", param="model")  # fmt: skip
         self._seen[model] = time.monotonic()
