@@ -41,6 +41,10 @@ from .runner import LOST, Failed, Final, Partial, Preempted, Progress, StepRepor
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
 
+REFUSED = "this request can never start on this worker"
+"""How the ``invalid_request`` answer of a request the policy refuses begins (its
+sequences can never fit the KV cache or the running batch together)."""
+
 
 class GenScheduler:
     """Request state of one generating model; the loop thread alone calls it."""
@@ -244,14 +248,17 @@ class GenScheduler:
         # their requests end)
         children = self.children.views(self.running, transit | set(self._stops))
         plan = self.policy.plan([*waiting, *children] if dispatch else children, running, now)
-        for k in plan.expire:  # a preempted one generated already: it stops, with its text
+        never = dict(plan.refuse)
+        for k in (*plan.expire, *never):  # a preempted one generated: it stops, with its text
             if k in self._resume:  # past its deadline, or its sequences outgrew the cache
                 self._unpark(k)
                 self._stops.setdefault(k, _why_ended(self.running[k], now))
             elif (c := self.children.waiting.pop(k, None)) is not None:  # its request too
                 self._stops.setdefault(c.parent, _why_ended(self.running[c.parent], now))
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
-        if expired:
+        refused = [(h, f"{REFUSED}: {never[k]}") for k in never
+                   if (h := self.held.pop(k, None)) is not None]  # fmt: skip
+        if expired or refused:
             self.version += 1
         stops = {k: why for k, why in self._stops.items() if k not in transit}
         for k in plan.stop:  # past its deadline, or grown past the whole cache
@@ -265,21 +272,21 @@ class GenScheduler:
             res = self._resume.pop(key, None)
             if res is None:
                 rows = h.prepared.rows
-                seqs = () if h.request.use_beam_search else tuple(range(rows))
+                seqs = () if h.request.use_beam_search or rows == 1 else tuple(range(rows))
                 self.running[key] = Running(
                     h, now, Progress((0,) * rows, prompts_of(h), h.prepared.max_new_tokens, seqs)
                 )
             else:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
-                                                res.max_new_tokens, res.seqs),
+                                                res.max_new_tokens, _named(h, res.seqs)),
                     seq=res.seq, first_token_at=res.first_token_at,
                     last_token_at=res.last_token_at, preempted=res.preempted, resumed=res,
                 )  # fmt: skip
         parts = tuple((k, seqs) for k, seqs in plan.preempt_seqs if k not in stops)
         if not (admitted or stops or plan.preempt or parts or resumed
                 or (running if ahead else self.running)):  # fmt: skip
-            return Decision(None, expired, plan.wake_at)  # (ahead: what runs ends in flight)
+            return Decision(None, expired, plan.wake_at, refused)  # (ahead: ends in flight)
         batch = Batch(tuple(h.waiting for h in admitted), "step")
         step = Step(self._new_id(), batch, admitted, now, tuple(stops.items()),
                     tuple(k for k in plan.preempt if k in self.running and k not in stops),
@@ -289,7 +296,7 @@ class GenScheduler:
         self._step_tokens = None
         self.inflight.append(step)
         self._credit = (step.step_id, credit) if credit is not None else None
-        return Decision(step, expired, plan.wake_at)
+        return Decision(step, expired, plan.wake_at, refused)
 
     def withdraw(self, step_id: str) -> None:
         """Take back the step queued behind the running one, not started (the loop plans
@@ -396,6 +403,12 @@ class GenScheduler:
                 replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
             )
         return step, named
+
+
+def _named(h: Held, seqs: tuple[int, ...]) -> tuple[int, ...]:
+    """The sequences the policy preempts one at a time: those of a request of several
+    (a single sequence is preempted whole, as its runner reports it)."""
+    return seqs if h.prepared.rows > 1 else ()
 
 
 def _why_ended(r: Running, now: float) -> str:
