@@ -4,8 +4,9 @@ Like :class:`~.scheduler.Scheduler` it is pure state owned by the loop thread, a
 answers the same calls; what differs is that an admitted request keeps running, step
 after step, until its runner reports it finished. Before each step it asks the admission
 policy (``batching/generation.py``) which waiting requests join, which running ones are
-preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
-expire; cancellations asked for by clients are passed on with the next step, and so is
+preempted (freed, resumed later) or stopped at their deadline, which waiting ones
+expire, and which can never start (answered ``invalid_request``, :data:`REFUSED`);
+cancellations asked for by clients are passed on with the next step, and so is
 a :data:`~.runner.LOST` stop for each request failed without its runner ending it
 (``StepReport.abandoned``: the step's hand-off failed), which it may still be running;
 the stops of a step whose runner raised are passed on again (``StepReport.crashed``).
@@ -22,8 +23,10 @@ of memory parked it) is still answered once. The loop takes the queued step back
 (:meth:`withdraw`) and plans it again when a request comes that may join it or a client
 cancels, unless the device has started it.
 
-The policy preempts a request whole or some of its sequences alone (vLLM's child requests
-of ``n > 1``): those wait on their own and resume into their request (:mod:`.gen_states`).
+The policy preempts a request of one sequence whole, and the sequences of a request of
+several alone (vLLM's child requests of ``n > 1``), all of them if need be: those wait on
+their own and resume into their request, one at a time as memory allows
+(:mod:`.gen_states`).
 """
 
 from __future__ import annotations
