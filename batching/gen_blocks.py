@@ -35,7 +35,7 @@ def reserved_blocks(r: GenRunning, page_size: int) -> int:
 def outgrew(r: GenRunning, page_size: int, total: int) -> bool:
     """Whether ``r`` can never fit the cache of ``total`` blocks again: the smallest unit
     it is preempted by (a named sequence, else the request whole) reserves more."""
-    if len(r.seqs) > 1:
+    if r.seqs:
         return any(
             blocks_for(c + p + 1, page_size) > total
             for c, p in zip(r.contexts, r.prefill_left, strict=True)

@@ -117,7 +117,7 @@ class Live:
             tuple(f - p for f, p in zip(self.fill, self.prefilled, strict=True)),
             max((r.max_new_tokens - self.generated[i] for i in self.alive), default=0),
             self.preempted,
-            tuple(self.alive),
+            tuple(self.alive) if len(r.prompts) > 1 else (),  # (one sequence: freed whole)
         )
 
     def advance(self, chunks: tuple[int, ...], now: float) -> None:

@@ -81,6 +81,8 @@ class GenLaneReport:
     finished: int
     stopped: int
     expired: int
+    refused: int
+    """Never started: they could never fit the cache or ``max_running`` (``refuse``)."""
     ttft_p50: float
     ttft_p99: float
     wait_max: float
@@ -95,6 +97,7 @@ class GenSimReport:
     finished: int
     stopped: int
     expired: int
+    refused: int
     preemptions: int
     steps: int
     duration: float
@@ -110,9 +113,11 @@ class GenSimReport:
         return next(r for r in self.lanes if r.lane == lane)
 
     def table(self) -> str:
-        head = "lane  requests  finished stopped expired  ttft_p50 ttft_p99  wait_max  tokens"
+        head = ("lane  requests  finished stopped expired refused  ttft_p50 ttft_p99  wait_max"
+                "  tokens")  # fmt: skip
         rows = [
             f"{r.lane:>4} {r.requests:>9} {r.finished:>9} {r.stopped:>7} {r.expired:>7}"
+            f" {r.refused:>7}"
             f" {r.ttft_p50 * 1000:>7.1f}ms {r.ttft_p99 * 1000:>6.1f}ms"
             f" {r.wait_max * 1000:>7.1f}ms {r.output_tokens:>7}"
             for r in self.lanes
@@ -165,19 +170,21 @@ def simulate_generation(
             now,
         )
         parts = tuple(k for k, _ in plan.preempt_seqs)
-        _check_plan(plan.admit + plan.expire, plan.preempt + plan.stop + parts,
+        refused = tuple(k for k, _ in plan.refuse)
+        _check_plan(plan.admit + plan.expire + refused, plan.preempt + plan.stop + parts,
                     {*waiting, *children}, running, violations)  # fmt: skip
         for key in plan.stop:
             end(key, "stopped")
             del running[key]
-        for key in plan.expire:
+        for key in plan.expire + refused:
             if key in children:  # a sequence alone outgrew the cache: its request stops
                 parent = children[key][1].req.key
                 if running.pop(parent, None) is not None:
                     end(parent, "stopped")
                 continue
-            live = waiting.pop(key)
-            end(key, "stopped" if live.first_token is not None else "expired")
+            live = waiting.pop(key)  # one that generated stops with its text, as the worker's
+            unrun = "expired" if key in plan.expire else "refused"
+            end(key, "stopped" if live.first_token is not None else unrun)
         for key, ids in plan.preempt_seqs:
             preemptions += len(ids)  # per sequence, as vLLM counts its child requests
             running[key].park(ids)
@@ -242,6 +249,7 @@ def simulate_generation(
         finished=sum(1 for how in outcome.values() if how == "finished"),
         stopped=sum(1 for how in outcome.values() if how == "stopped"),
         expired=sum(1 for how in outcome.values() if how == "expired"),
+        refused=sum(1 for how in outcome.values() if how == "refused"),
         preemptions=preemptions,
         steps=steps,
         duration=now - first,
@@ -286,6 +294,7 @@ def _lane_reports(lives: dict[str, Live], outcome: dict[str, str]) -> tuple[GenL
                 finished=hows.count("finished"),
                 stopped=hows.count("stopped"),
                 expired=hows.count("expired"),
+                refused=hows.count("refused"),
                 ttft_p50=percentile(ttft, 50),
                 ttft_p99=percentile(ttft, 99),
                 wait_max=max(waits, default=0.0),

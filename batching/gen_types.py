@@ -51,9 +51,10 @@ class GenRunning:
     preempted: int = 0
     """Times it (or one of its sequences) was preempted before (and resumed)."""
     seqs: tuple[int, ...] = ()
-    """Ids of its sequences, as ``contexts``: each is preempted on its own, as vLLM preempts
-    the child requests of ``n > 1``, the last first (:mod:`.gen_victims`); empty: the
-    request is preempted whole (a beam search's rounds)."""
+    """Ids of its running sequences, as ``contexts``, for a request of several: each is
+    preempted on its own, as vLLM preempts the child requests of ``n > 1``, the last
+    first, all of them if need be (:mod:`.gen_victims`); empty: the request is preempted
+    whole (a single sequence, a beam search's rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +101,13 @@ class GenPolicy:
 
 @dataclass(frozen=True, slots=True)
 class GenPlan:
-    """What to do before the next step. A key is in at most one of the five lists.
+    """What to do before the next step. A key is in at most one of the six lists.
 
     ``admit``: waiting keys to start now, in order (their prefill is chunked by
     :func:`schedule_step`). ``preempt``: running keys to free now; they go back to waiting
     and resume by recomputation (prompt + what they generated). ``preempt_seqs``: running
-    keys and some of their :attr:`~GenRunning.seqs` to free now, the others running on;
+    keys and some or all of their :attr:`~GenRunning.seqs` to free now, the request
+    running on (with those not named, or none);
     each such sequence waits on its own (a :class:`GenWaiting` with ``parent``) and
     resumes by recomputation into its request. ``stop``: running keys to
     end now with what they generated: ``finish_reason = "deadline"`` when their deadline
@@ -113,8 +115,12 @@ class GenPlan:
     that end without running: their deadline passed (answered ``expired``; the policy
     cannot tell a preempted request from a new one, so the worker answers a preempted key
     that had produced tokens with ``finish_reason = "deadline"`` and its text, like a
-    stop), or they can never fit the KV cache or ``max_running`` even alone (answered as
-    an invalid request). ``wake_at``: plan again by then if nothing else happens.
+    stop). ``refuse``: waiting keys, with why, that can never start: their sequences
+    together need more blocks than the cache less the watermark, or more slots than
+    ``max_running`` (answered ``invalid_request``; the worker ends a preempted one that
+    no longer fits with ``finish_reason = "length"`` and its text). A key whose deadline
+    passed expires rather than being refused. ``wake_at``: plan again by then if nothing
+    else happens.
     """
 
     admit: tuple[str, ...] = ()
@@ -123,3 +129,4 @@ class GenPlan:
     expire: tuple[str, ...] = ()
     wake_at: float | None = None
     preempt_seqs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    refuse: tuple[tuple[str, str], ...] = ()

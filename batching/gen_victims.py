@@ -2,10 +2,13 @@
 
 vLLM fans a request of ``n`` completions (or several prompts) out into child requests,
 and its scheduler preempts each child on its own, so a memory squeeze frees only as much
-as it needs and the other children keep generating. Here a running request's sequences
-are such children when it names them (:attr:`~.gen_types.GenRunning.seqs`); one that
-does not (a beam search's rounds, whose beams are chosen together) is freed whole. Pure:
-plain arithmetic on the policy's views.
+as it needs and the other children keep generating; a preempted child waits on its own
+and resumes alone, as soon as its blocks are free. Here a running request's sequences
+are such children when it names them (:attr:`~.gen_types.GenRunning.seqs`): each is a
+unit of preemption, its last running one too (the request then runs on with none, its
+sequences waiting to resume into it one at a time); one that names none (a single
+sequence, or a beam search's rounds, whose beams are chosen together) is freed whole.
+Pure: plain arithmetic on the policy's views.
 
 What vLLM does (``vllm/v1/core/sched/scheduler.py`` at commit b4622cf924bc, read from
 vllm-project/vllm; ``Scheduler.schedule()``, the running-requests loop, about lines
@@ -66,13 +69,13 @@ def by_order(running: Iterable[GenRunning]) -> list[GenRunning]:
 
 
 def victims(ordered: Iterable[GenRunning], page_size: int) -> list[Victim]:
-    """The preemption units of requests already in preemption order: each named sequence
-    of a request of several, the last one first (vLLM pops the child added last), else
+    """The preemption units of requests already in preemption order: each sequence of a
+    request that names them, the last one first (vLLM pops the child added last), else
     the request whole. Units that free nothing (a request whose running sequences all
-    ended while others wait preempted) are left out."""
+    ended or were freed while others wait preempted) are left out."""
     out: list[Victim] = []
     for r in ordered:
-        if len(r.seqs) > 1:
+        if r.seqs:
             for pos in range(len(r.seqs) - 1, -1, -1):
                 c, p = r.contexts[pos], r.prefill_left[pos]
                 out.append(Victim(r, r.seqs[pos], -(-(c + p + 1) // page_size), 1, p))
@@ -101,16 +104,16 @@ def cover(units: Sequence[Victim], blocks: int, slots: int) -> list[Victim] | No
 def grouped(
     freed: Iterable[Victim],
 ) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[int, ...]], ...]]:
-    """The plan's ``preempt`` (requests freed whole: every running sequence of theirs is a
-    victim, or they name none) and ``preempt_seqs`` (the others: key and sequences, in
-    order), each request once, in the order first freed."""
+    """The plan's ``preempt`` (requests freed whole: they name no sequences) and
+    ``preempt_seqs`` (the others: key and sequences, in order, all of them if need be),
+    each request once, in the order first freed."""
     by_key: dict[str, list[Victim]] = {}
     for v in freed:
         by_key.setdefault(v.run.key, []).append(v)
     whole: list[str] = []
     part: list[tuple[str, tuple[int, ...]]] = []
     for key, vs in by_key.items():
-        if vs[0].seq is None or len(vs) == len(vs[0].run.seqs):
+        if vs[0].seq is None:
             whole.append(key)
         else:
             part.append((key, tuple(sorted(v.seq for v in vs if v.seq is not None))))

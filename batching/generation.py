@@ -56,7 +56,7 @@ class GenerationPolicy:
         """Decide the next step's changes (see the module docstring and docs/batching.md).
 
         1. Deadlines: running past theirs are stopped, waiting past theirs expire
-           (``deadline <= now``).
+           (``deadline <= now``); waiting that can never fit even alone are refused.
         2. Memory short: while the running requests' reserved blocks exceed the cache,
            or their sequences ``max_running``, preempt the lowest lane, latest arrival,
            a sequence at a time where a request names them (:mod:`.gen_victims`);
@@ -91,17 +91,16 @@ class GenerationPolicy:
                 used += blocks
                 seqs += len(r.contexts)
         expire: list[str] = []
+        refuse: list[tuple[str, str]] = []
         candidates: list[GenWaiting] = []
         room = total - pol.watermark_blocks
         for w in waiting:  # (every waiting request, every step: kept to plain arithmetic)
             if w.parent is not None and w.parent in stop:
                 continue  # a sequence of a request that ends now: it ends with it
-            if (
-                (w.deadline is not None and w.deadline <= now)
-                or len(w.prompts) > pol.max_running
-                or admission_blocks(w, page) > room
-            ):
-                expire.append(w.key)  # its deadline passed, or it can never fit even alone
+            if w.deadline is not None and w.deadline <= now:
+                expire.append(w.key)
+            elif len(w.prompts) > pol.max_running or admission_blocks(w, page) > room:
+                refuse.append((w.key, never_fits(w, pol)))  # not even alone, ever
             else:
                 candidates.append(w)
 
@@ -127,7 +126,24 @@ class GenerationPolicy:
         preempt, preempt_seqs = grouped(freed)
         gone = set(preempt) | {k for k, _ in preempt_seqs}
         wake = _wake_at(candidates, live, admit, gone, now, bound - slack)
-        return GenPlan(tuple(admit), preempt, tuple(stop), tuple(expire), wake, preempt_seqs)
+        return GenPlan(
+            tuple(admit), preempt, tuple(stop), tuple(expire), wake, preempt_seqs, tuple(refuse)
+        )
+
+
+def never_fits(w: GenWaiting, pol: GenPolicy) -> str:
+    """Why waiting request ``w`` can never start under ``pol`` (its refusal's message)."""
+    n = len(w.prompts)
+    what = "its sequence needs" if n == 1 else f"its {n} sequences together need"
+    if n > pol.max_running:
+        return f"{what} {n} slots of the running batch, over its max_running {pol.max_running}"
+    room = pol.total_blocks - pol.watermark_blocks
+    return (
+        f"{what} {admission_blocks(w, pol.page_size)} KV cache blocks of "
+        f"{pol.page_size} tokens (prompt tokens {sum(w.prompts)}, and one to generate each), "
+        f"over the {room} of {pol.total_blocks} the cache admits (kv_cache_tokens "
+        f"{pol.kv_cache_tokens} less the watermark)"
+    )
 
 
 def _wake_at(

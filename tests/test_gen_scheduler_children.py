@@ -119,5 +119,64 @@ def test_a_request_preempted_whole_that_no_longer_fits_together_ends_with_length
                1.0, 1.1)  # fmt: skip
     # When it is planned again, it can never start: it ends, with what it made, by
     # "length" (it outgrew the cache), not "deadline"
-    step = s.decide(1.2).step
+    decision = s.decide(1.2)
+    assert decision.refused == []  # (it made text: not refused)
+    step = decision.step
     assert step is not None and step.stop == (("big", "length"),)
+
+
+def test_a_new_request_whose_sequences_never_fit_together_is_refused_with_why() -> None:
+    # Given a request of n = 5 whose prompts of 60 tokens need 4 blocks each: 20 blocks
+    # together of the cache's 16 (each alone fits), and one of n = 2 behind it
+    s = scheduler()
+    s.admit(held("wide", 0, 0.0, 60, n=5))
+    s.admit(held("ok", 0, 0.1, 60, n=2))
+    # When planned: it is refused (invalid_request), not expired; the other runs
+    decision = s.decide(1.0)
+    assert decision.expired == []
+    ((h, why),) = decision.refused
+    assert h.waiting.key == "wide" and "wide" not in s.held and "wide" not in s.running
+    assert why.startswith("this request can never start") and "5 sequences together" in why
+    assert decision.step is not None and [x.waiting.key for x in decision.step.held] == ["ok"]
+
+
+def test_every_sequence_freed_alone_the_request_runs_on_and_they_resume_into_it() -> None:
+    # Given a lane-2 request of n = 2 decoding at 47 tokens each (6 of 16 blocks), when a
+    # lane-0 prompt of 250 tokens (16 blocks) comes: both sequences are freed alone (as
+    # vLLM preempts both children), not the request whole
+    s = scheduler()
+    s.admit(held("par", 2, 0.0, 40, n=2))
+    first = s.decide(1.0).step
+    assert first is not None
+    s.finished(first.step_id, StepReport(progress={"par": Progress((47,) * 2, (0,) * 2, 50,
+                                                                   (0, 1))}), 1.0, 1.1)  # fmt: skip
+    s.admit(held("top", 0, 1.2, 250))
+    step = s.decide(1.2).step
+    assert step is not None and [h.waiting.key for h in step.held] == ["top"]
+    assert step.preempt == () and step.preempt_seqs == (("par", (0, 1)),)
+    freed = [Preempted("par", (47,), 57, (i,), alone=True, freed=1) for i in (0, 1)]
+    s.finished(step.step_id, StepReport(events=freed, progress={
+        "par": Progress((), (), 57, ()), "top": Progress((250,), (0,), 64, (0,))}), 1.2, 1.3)  # fmt: skip
+    # Then it runs on with none, its two sequences waiting (not the request itself)
+    assert "par" in s.running and "par" not in s.held
+    assert sorted(s.children.waiting) == ["par#0", "par#1"] and s.waiting_sequences() == 2
+    # When lane 0 ends, they resume into it
+    step = s.decide(1.3).step
+    assert step is not None
+    s.finished(step.step_id, StepReport(events=[Final("top", [])]), 1.3, 1.4)
+    step = s.decide(1.4).step
+    assert step is not None and step.resume == (("par", (0, 1), 2),) and step.held == []
+
+
+def test_a_request_of_one_sequence_is_preempted_whole_even_before_its_first_report() -> None:
+    # Given a lane-2 request of one 200-token prompt just admitted (13 of 16 blocks; its
+    # runner has not reported yet), when a lane-0 prompt of 60 tokens (4 blocks) comes:
+    # it is preempted whole (it waits and resumes as a request), not as a sequence alone
+    s = scheduler()
+    s.admit(held("low", 2, 0.0, 200))
+    assert s.decide(1.0).step is not None
+    s.admit(held("top", 0, 1.1, 60))
+    s.ahead = True  # (planned while the first step runs: from the admission's view)
+    step = s.decide(1.1).step
+    assert step is not None and [h.waiting.key for h in step.held] == ["top"]
+    assert step.preempt == ("low",) and step.preempt_seqs == ()

@@ -2,7 +2,9 @@
 Redis: the admission policy preempts their completions a sequence at a time (vLLM's child
 requests, ``batching/gen_victims.py``), they resume by recomputation, and every request
 ends once with its ``n`` greedy outputs, each the tokens of a one-at-a-time greedy
-generation. ``batchfleet_preemptions`` counts sequences, not requests."""
+generation. ``batchfleet_preemptions`` counts sequences, not requests. A request whose
+completions can never fit the cache together is refused (``invalid_request``). One worker
+for all of it: a worker's start took most of a minute or more on a loaded 2-core machine."""
 
 from __future__ import annotations
 
@@ -138,7 +140,7 @@ def start(
     return w, port
 
 
-def test_completions_preempted_a_sequence_at_a_time_end_once_with_greedy_outputs(
+def test_completions_preempted_a_sequence_at_a_time_end_once_those_never_fitting_refused(
     redis_url: str, r: redis.Redis, lm_dir: Path, start_worker: Callable[..., WorkerProcess]
 ) -> None:
     # Given a worker whose KV cache holds 3 blocks of 16 tokens, and a request of three
@@ -169,4 +171,17 @@ def test_completions_preempted_a_sequence_at_a_time_end_once_with_greedy_outputs
     for (rid, messages), (text_, n, k) in zip(got.items(), load, strict=True):
         check_ended_once(r, lm_dir, rid, messages, text_, n, k)
     assert scrape(port, "batchfleet_preemptions_total") > 2
+
+    # And a request of four completions, a block each (each alone would fit), can never
+    # start: it is answered once, invalid_request saying why (not expired), its token
+    # stream ended without a delta; one of two completions behind it runs as usual
+    got = run(r, [(text, 4, 8), (text, 2, 8)])
+    (wide, wide_messages), (ok, ok_messages) = got.items()
+    (result,) = [m for m in wide_messages if "status" in m]
+    assert result["status"] == "error" and result["error"]["code"] == "invalid_request"
+    assert "4 sequences together need 4 KV cache blocks" in result["error"]["message"]
+    assert "over the 3 of 3" in result["error"]["message"]
+    entries = r.xrange(f"bf:{{{MODEL}}}:tokens:{wide}")
+    assert [f.get(b"end") for _, f in entries] == [b"1"]
+    check_ended_once(r, lm_dir, ok, ok_messages, text, 2, 8)
     assert b"crashed" not in w.log.read_bytes()

@@ -182,6 +182,15 @@ class Answerer:
             held, self.result(req.id, "expired", req.metadata, timings, now, error=EXPIRED)
         )
 
+    def refused(self, held: Held, message: str, now: float) -> Outgoing:
+        """``invalid_request``: it can never run here (``message`` says why): never computed."""
+        timings = self.timings(held.entry, held.read_at, now, now)
+        req = held.request
+        error = ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=message[:1000])
+        return self._answer(
+            held, self.result(req.id, "error", req.metadata, timings, now, error=error)
+        )
+
     def error(
         self, entry: Entry, request: Request, fmt: Format, code: ErrorCode, message: str, now: float
     ) -> Outgoing:

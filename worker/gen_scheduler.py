@@ -4,8 +4,9 @@ Like :class:`~.scheduler.Scheduler` it is pure state owned by the loop thread, a
 answers the same calls; what differs is that an admitted request keeps running, step
 after step, until its runner reports it finished. Before each step it asks the admission
 policy (``batching/generation.py``) which waiting requests join, which running ones are
-preempted (freed, resumed later) or stopped at their deadline, and which waiting ones
-expire; cancellations asked for by clients are passed on with the next step, and so is
+preempted (freed, resumed later) or stopped at their deadline, which waiting ones
+expire, and which can never start (answered ``invalid_request``, :data:`REFUSED`);
+cancellations asked for by clients are passed on with the next step, and so is
 a :data:`~.runner.LOST` stop for each request failed without its runner ending it
 (``StepReport.abandoned``: the step's hand-off failed), which it may still be running;
 the stops of a step whose runner raised are passed on again (``StepReport.crashed``).
@@ -22,8 +23,10 @@ of memory parked it) is still answered once. The loop takes the queued step back
 (:meth:`withdraw`) and plans it again when a request comes that may join it or a client
 cancels, unless the device has started it.
 
-The policy preempts a request whole or some of its sequences alone (vLLM's child requests
-of ``n > 1``): those wait on their own and resume into their request (:mod:`.gen_states`).
+The policy preempts a request of one sequence whole, and the sequences of a request of
+several alone (vLLM's child requests of ``n > 1``), all of them if need be: those wait on
+their own and resume into their request, one at a time as memory allows
+(:mod:`.gen_states`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ from .gen_states import Children, Resume, Running, WaitingViews, prompts_of, run
 from .runner import LOST, Failed, Final, Partial, Preempted, Progress, StepReport
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
+
+REFUSED = "this request can never start on this worker"
+"""How the ``invalid_request`` answer of a request the policy refuses begins (its
+sequences can never fit the KV cache or the running batch together)."""
 
 
 class GenScheduler:
@@ -244,14 +251,17 @@ class GenScheduler:
         # their requests end)
         children = self.children.views(self.running, transit | set(self._stops))
         plan = self.policy.plan([*waiting, *children] if dispatch else children, running, now)
-        for k in plan.expire:  # a preempted one generated already: it stops, with its text
+        never = dict(plan.refuse)
+        for k in (*plan.expire, *never):  # a preempted one generated: it stops, with its text
             if k in self._resume:  # past its deadline, or its sequences outgrew the cache
                 self._unpark(k)
                 self._stops.setdefault(k, _why_ended(self.running[k], now))
             elif (c := self.children.waiting.pop(k, None)) is not None:  # its request too
                 self._stops.setdefault(c.parent, _why_ended(self.running[c.parent], now))
         expired = [h for k in plan.expire if (h := self.held.pop(k, None)) is not None]
-        if expired:
+        refused = [(h, f"{REFUSED}: {never[k]}") for k in never
+                   if (h := self.held.pop(k, None)) is not None]  # fmt: skip
+        if expired or refused:
             self.version += 1
         stops = {k: why for k, why in self._stops.items() if k not in transit}
         for k in plan.stop:  # past its deadline, or grown past the whole cache
@@ -265,21 +275,21 @@ class GenScheduler:
             res = self._resume.pop(key, None)
             if res is None:
                 rows = h.prepared.rows
-                seqs = () if h.request.use_beam_search else tuple(range(rows))
+                seqs = () if h.request.use_beam_search or rows == 1 else tuple(range(rows))
                 self.running[key] = Running(
                     h, now, Progress((0,) * rows, prompts_of(h), h.prepared.max_new_tokens, seqs)
                 )
             else:
                 self.running[key] = Running(
                     h, res.started_at, Progress(tuple(0 for _ in res.prompts), res.prompts,
-                                                res.max_new_tokens, res.seqs),
+                                                res.max_new_tokens, _named(h, res.seqs)),
                     seq=res.seq, first_token_at=res.first_token_at,
                     last_token_at=res.last_token_at, preempted=res.preempted, resumed=res,
                 )  # fmt: skip
         parts = tuple((k, seqs) for k, seqs in plan.preempt_seqs if k not in stops)
         if not (admitted or stops or plan.preempt or parts or resumed
                 or (running if ahead else self.running)):  # fmt: skip
-            return Decision(None, expired, plan.wake_at)  # (ahead: what runs ends in flight)
+            return Decision(None, expired, plan.wake_at, refused)  # (ahead: ends in flight)
         batch = Batch(tuple(h.waiting for h in admitted), "step")
         step = Step(self._new_id(), batch, admitted, now, tuple(stops.items()),
                     tuple(k for k in plan.preempt if k in self.running and k not in stops),
@@ -289,7 +299,7 @@ class GenScheduler:
         self._step_tokens = None
         self.inflight.append(step)
         self._credit = (step.step_id, credit) if credit is not None else None
-        return Decision(step, expired, plan.wake_at)
+        return Decision(step, expired, plan.wake_at, refused)
 
     def withdraw(self, step_id: str) -> None:
         """Take back the step queued behind the running one, not started (the loop plans
@@ -396,6 +406,12 @@ class GenScheduler:
                 replace(pol, step_tokens=max(pol.page_size, pol.step_tokens // 2))
             )
         return step, named
+
+
+def _named(h: Held, seqs: tuple[int, ...]) -> tuple[int, ...]:
+    """The sequences the policy preempts one at a time: those of a request of several
+    (a single sequence is preempted whole, as its runner reports it)."""
+    return seqs if h.prepared.rows > 1 else ()
 
 
 def _why_ended(r: Running, now: float) -> str:

@@ -14,7 +14,7 @@ import itertools
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..batching.engine import Engine
 from ..batching.types import Batch, Plan
@@ -64,12 +64,14 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What to do now: dispatch ``step`` (if any), answer ``expired``, decide again by
-    ``wake_at`` (None: when an event comes)."""
+    """What to do now: dispatch ``step`` (if any), answer ``expired`` and ``refused``,
+    decide again by ``wake_at`` (None: when an event comes)."""
 
     step: Step | None
     expired: list[Held]
     wake_at: float | None
+    refused: list[tuple[Held, str]] = field(default_factory=list)
+    """Requests that can never run here, with why: answered ``invalid_request``."""
 
 
 class Scheduler:

@@ -75,6 +75,8 @@ class Stepper:
         )
         if decision.expired:
             self._expire(decision.expired, now)
+        if decision.refused:
+            self._refuse(decision.refused, now)
         if decision.step is not None:
             self._dispatch(decision.step, now)
         return decision
@@ -100,16 +102,25 @@ class Stepper:
         self.observers.notify(Dispatched(self.model, step.batch, step.step_id, ids, now))
 
     def _expire(self, expired: Sequence[Held], now: float) -> None:
-        answers = [self.answers.expired(h, now) for h in expired]
-        if self.continuous:  # stored as this attempt's, with the token stream's end
-            answers = [
-                self.generating.attempt(a, h, 1) for a, h in zip(answers, expired, strict=True)
-            ]
-        self.parts.sink.send(answers)
+        self._send_unrun([self.answers.expired(h, now) for h in expired], expired)
         self.observers.notify(
             Expired(self.model, tuple(h.request.id for h in expired),
                     tuple(h.entry.lane for h in expired), now)
         )  # fmt: skip
+
+    def _refuse(self, refused: Sequence[tuple[Held, str]], now: float) -> None:
+        """Requests the scheduler found can never run here: ``invalid_request``."""
+        for h, why in refused:
+            logger.info("request %s of %s refused: %s", h.request.id, self.model, why)
+        held = [h for h, _ in refused]
+        self._send_unrun([self.answers.refused(h, why, now) for h, why in refused], held)
+
+    def _send_unrun(self, answers: list[Outgoing], held: Sequence[Held]) -> None:
+        """Answers of requests never computed; a generating model's are stored as this
+        attempt's, with the token stream's end."""
+        if self.continuous:
+            answers = [self.generating.attempt(a, h, 1) for a, h in zip(answers, held, strict=True)]
+        self.parts.sink.send(answers)
 
     # --- a step queued ahead ----------------------------------------------------------------
 

@@ -7,7 +7,12 @@ from unittest.mock import patch
 
 import pytest
 from batchfleet.batching import gen_admission
-from batchfleet.batching.gen_blocks import reserved_blocks, schedule_step, step_blocks
+from batchfleet.batching.gen_blocks import (
+    admission_blocks,
+    reserved_blocks,
+    schedule_step,
+    step_blocks,
+)
 from batchfleet.batching.gen_simulator import StepCost, gen_poisson, simulate_generation
 from batchfleet.batching.gen_types import GenPolicy, GenRunning, GenWaiting
 from batchfleet.batching.generation import GenerationPolicy
@@ -120,16 +125,20 @@ def test_plan_keeps_budgets_keys_and_rules(
     waiting = waiting + data.draw(children(running))
     plan = GenerationPolicy(policy).plan(waiting, running, now)
     parts = dict(plan.preempt_seqs)
-    keys = [*plan.admit, *plan.preempt, *plan.stop, *plan.expire, *parts]
+    refused = dict(plan.refuse)
+    keys = [*plan.admit, *plan.preempt, *plan.stop, *plan.expire, *refused, *parts]
     # Disjoint, and only known keys, each from the right side.
     assert len(keys) == len(set(keys)) and len(parts) == len(plan.preempt_seqs)
+    assert len(refused) == len(plan.refuse)
     w_keys = {w.key for w in waiting}
     r_keys = {r.key for r in running}
-    assert set(plan.admit) | set(plan.expire) <= w_keys
+    assert set(plan.admit) | set(plan.expire) | set(refused) <= w_keys
     assert set(plan.preempt) | set(plan.stop) | set(parts) <= r_keys
     by_run = {r.key: r for r in running}
-    for key, seqs in parts.items():  # some of its sequences, never all: those go whole
-        assert seqs and set(seqs) < set(by_run[key].seqs)
+    for key, seqs in parts.items():  # some or all of its sequences, one at a time
+        assert seqs and set(seqs) <= set(by_run[key].seqs)
+    for key in plan.preempt:  # whole: only a request that names no sequences
+        assert not by_run[key].seqs
     # A preempted sequence resumes only into a request that runs on, whole.
     for w in waiting:
         if w.key in plan.admit and w.parent is not None:
@@ -140,6 +149,11 @@ def test_plan_keeps_budgets_keys_and_rules(
             assert w.key not in plan.expire and w.key not in plan.admit
         elif w.deadline is not None and w.deadline <= now:
             assert w.key in plan.expire
+        else:  # refused exactly when it can never fit, even alone, whatever runs
+            never = len(w.prompts) > policy.max_running or admission_blocks(w, policy.page_size) > (
+                policy.total_blocks - policy.watermark_blocks
+            )
+            assert (w.key in refused) == never
     for r in running:
         if r.deadline is not None and r.deadline <= now:
             assert r.key in plan.stop
@@ -204,7 +218,7 @@ def test_simulator_every_request_ends_once_within_budgets(
     policy = GenPolicy(kv_cache_tokens=kv, page_size=16, step_tokens=512, max_running=32)
     report = simulate_generation(trace, policy)
     assert report.violations == ()
-    assert report.finished + report.stopped + report.expired == len(trace)
+    assert report.finished + report.stopped + report.expired + report.refused == len(trace)
     assert report.max_step_tokens <= policy.step_tokens
     assert report.max_step_blocks <= policy.total_blocks
     assert report.max_running <= policy.max_running

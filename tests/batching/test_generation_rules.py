@@ -30,6 +30,8 @@ class Case:
     """Expected preemptions, in order (default none)."""
     stop: list[str] | None = None
     expire: list[str] | None = None
+    refuse: list[str] | None = None
+    """Expected refusals (can never fit), any order."""
     wake_at: float | None = None
     """Checked when given."""
 
@@ -116,22 +118,40 @@ CASES = [
         admit=[],
     ),
     Case(
-        "never fits even alone (over the cache less the watermark): expired at once",
+        "never fits even alone (over the cache less the watermark): refused at once",
         tokens_policy(kv=100, watermark=0.05),
         [gw("huge", 0.1, prompts=(95,)), gw("ok", 0.2, prompts=(94,))],
         [],
         0.5,
         admit=["ok"],
-        expire=["huge"],
+        refuse=["huge"],
     ),
     Case(
-        "never fits max_running even alone: expired at once",
+        "never fits max_running even alone: refused at once",
         tokens_policy(max_running=2),
         [gw("wide", 0.1, prompts=(1, 1, 1)), gw("ok", 0.2)],
         [],
         0.5,
         admit=["ok"],
-        expire=["wide"],
+        refuse=["wide"],
+    ),
+    Case(
+        "n > 1 whose sequences each fit but together never do: refused, not expired",
+        tokens_policy(kv=100, watermark=0.05),
+        [gw("n3", 0.1, prompts=(40, 40, 40)), gw("ok", 0.2, prompts=(40, 40))],
+        [],
+        0.5,
+        admit=["ok"],  # 41 + 41 = 82 <= 95; n3's 123 > 95 whatever runs
+        refuse=["n3"],
+    ),
+    Case(
+        "never fits, deadline passed: expired (the deadline is checked first)",
+        tokens_policy(kv=100),
+        [gw("late", 0.1, deadline=0.4, prompts=(60, 60))],
+        [],
+        0.5,
+        admit=[],
+        expire=["late"],
     ),
     Case(
         "memory short: the lowest lane goes first, even if started earlier",
@@ -339,6 +359,7 @@ def test_rule(case: Case) -> None:
     assert list(plan.preempt) == (case.preempt or [])
     assert sorted(plan.stop) == sorted(case.stop or [])
     assert sorted(plan.expire) == sorted(case.expire or [])
+    assert sorted(k for k, _ in plan.refuse) == sorted(case.refuse or [])
     if case.wake_at is not None:
         assert plan.wake_at == pytest.approx(case.wake_at)
 
@@ -493,3 +514,20 @@ def test_policy_validation(kwargs: dict[str, float]) -> None:
 def test_prefill_steps_is_four() -> None:
     # The cases above are written for 4 steps of budget; change them with the constant.
     assert PREFILL_STEPS == 4
+
+
+@pytest.mark.parametrize(
+    ("policy", "prompts", "words"),
+    [
+        (tokens_policy(kv=100, watermark=0.05), (40, 40, 40),
+         ["its 3 sequences together need 123 KV cache blocks", "over the 95 of 100"]),
+        (tokens_policy(kv=100, watermark=0.05), (95,), ["its sequence needs 96 KV cache blocks"]),
+        (tokens_policy(max_running=2), (1, 1, 1), ["3 slots", "max_running 2"]),
+    ],
+)  # fmt: skip
+def test_refusal_says_what_never_fits(
+    policy: GenPolicy, prompts: tuple[int, ...], words: list[str]
+) -> None:
+    plan = GenerationPolicy(policy).plan([gw("big", 0.1, prompts=prompts)], [], 0.5)
+    ((key, why),) = plan.refuse
+    assert key == "big" and all(w in why for w in words), why

@@ -41,15 +41,28 @@ def test_growth_frees_the_lowest_lane_last_sequence_only() -> None:
     assert plan.preempt_seqs == (("lo", (1,)),)
 
 
-def test_every_sequence_needed_is_a_whole_preemption() -> None:
+def test_every_sequence_needed_is_freed_each_on_its_own_not_the_request_whole() -> None:
+    # (vLLM preempts each child request: each then waits and resumes on its own)
     plan = GenerationPolicy(tokens_policy(kv=100)).plan(
         [gw("top", 1.0, prompts=(89,))],  # 90 blocks: 30 short, more than one frees
         [gr("par", 0.0, lane=1, contexts=(19, 19), seqs=(0, 1))],
         1.0,
     )
     assert plan.admit == ("top",)
-    assert plan.preempt == ("par",)
-    assert plan.preempt_seqs == ()
+    assert plan.preempt == ()
+    assert plan.preempt_seqs == (("par", (0, 1)),)
+
+
+def test_sequences_all_freed_resume_into_their_request_one_at_a_time_as_blocks_allow() -> None:
+    # Given a request whose every sequence was freed alone (it runs with none) and a
+    # lane-0 request holding 50 of 100 blocks: its two sequences wait, 30 blocks each.
+    # When planned: the first resumes (vLLM's child, as its blocks allow), the second
+    # waits for room, not for the first to fit together with it.
+    kids = [gw(f"par#{i}", 0.0, lane=1, prompts=(29,), parent="par") for i in (0, 1)]
+    running = [gr("par", 0.0, lane=1, contexts=(), seqs=()), gr("top", 1.0, contexts=(49,))]
+    plan = GenerationPolicy(tokens_policy(kv=100)).plan(kids, running, 2.0)
+    assert plan.admit == ("par#0",)
+    assert (plan.preempt, plan.preempt_seqs, plan.expire, plan.refuse) == ((), (), (), ())
 
 
 def test_a_request_that_names_no_sequences_is_freed_whole() -> None:
@@ -104,6 +117,18 @@ def test_simulated_squeeze_preempts_one_sequence_and_every_request_ends_once() -
     assert report.finished == 2
     assert report.preemptions == 1
     assert report.max_step_blocks <= policy.total_blocks
+
+
+def test_simulated_request_whose_sequences_are_all_freed_resumes_them_and_ends_once() -> None:
+    # Given a lane-2 request of n = 3 decoding, then a lane-0 prompt that needs all its
+    # blocks: its three sequences are each freed (three preemptions, as vLLM counts three
+    # children; growth may free one again later) and resume into it; both end once.
+    policy = tokens_policy(kv=200, page=4, step=256, max_running=8)
+    trace = [_parallel("par", 2, 0.0, 40, 3, 30), _parallel("top", 0, 0.1, 180, 1, 20)]
+    report = simulate_generation(trace, policy)
+    assert report.violations == ()
+    assert report.finished == 2 and report.lane(2).output_tokens == 3 * 30
+    assert report.preemptions >= 3
 
 
 def test_a_request_whose_sequences_outgrow_the_cache_together_frees_some_of_them() -> None:
