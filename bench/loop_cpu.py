@@ -162,8 +162,8 @@ def submit(client: redis.Redis, tok: Any, n: int, max_new: int, prompt_tokens: i
     pipe.execute()
 
 
-def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool) -> dict[str, Any]:
-    """One loop served to the end (burst mode): its thread's CPU by part, and its steps."""
+def saturated(url: str, model_dir: Path, args: argparse.Namespace) -> tuple[redis.Redis, Any]:
+    """A Redis emptied, a loop built on it (one torch thread), its requests queued."""
     import torch
 
     torch.set_num_threads(1)
@@ -171,6 +171,12 @@ def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool)
     client.flushall()
     loop = build_loop(url, model_dir, args.running)
     submit(client, loop.runner.tokenizer, args.requests, args.max_new, args.prompt_tokens)
+    return client, loop
+
+
+def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool) -> dict[str, Any]:
+    """One loop served to the end (burst mode): its thread's CPU by part, and its steps."""
+    client, loop = saturated(url, model_dir, args)
     parts = Parts()
     steps = [0]
     finished = loop.stepper.finished

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from ..schemas.errors import BatchfleetError, ErrorCode
@@ -161,6 +161,35 @@ class Progress:
     """The index in its request of each sequence of ``contexts`` (input ``i``'s ``j``-th
     completion: ``i * n + j``), each preemptable alone; empty: not named (a beam search's
     rounds), the request is preempted whole. A sequence freed alone is in none of them."""
+
+
+_PROGRESS_FIELDS = ("contexts", "prefill_left", "max_new_tokens_left", "seqs")
+if tuple(f.name for f in fields(Progress)) != _PROGRESS_FIELDS:
+    raise RuntimeError("Progress's fields changed: update progress() below")
+_SET_PROGRESS = tuple(getattr(Progress, name).__set__ for name in _PROGRESS_FIELDS)
+
+
+def progress(
+    contexts: tuple[int, ...],
+    prefill_left: tuple[int, ...],
+    max_new_tokens_left: int,
+    seqs: tuple[int, ...] = (),
+) -> Progress:
+    """``Progress(...)``, equal to it, at about half its cost: its slots set directly,
+    not through the frozen dataclass's ``__init__``. A generating runner makes one per
+    running request and step on the device thread, before the loop hears of the step
+    (its progress with 64 requests running took about 0.4 ms a step, a third of it here)."""
+    p = object.__new__(Progress)
+    set_contexts, set_prefill, set_left, set_seqs = _SET_PROGRESS
+    set_contexts(p, contexts)
+    set_prefill(p, prefill_left)
+    set_left(p, max_new_tokens_left)
+    set_seqs(p, seqs)
+    return p
+
+
+DONE = progress((), (), 0)
+"""The progress of a request whose sequences all ended (shared: it is immutable)."""
 
 
 StepEvent = Final | Partial | Failed | Preempted

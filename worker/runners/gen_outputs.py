@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from ..generation.detok import Decode
 from ..generation.sampling import Logprob
-from ..runner import Final, Partial, Progress, StepEvent, StepReport
+from ..runner import DONE, Final, Partial, Progress, StepEvent, StepReport, progress
 from .gen_state import ALL_SPECIAL, GenReq, GenSeq, RunnerState
 
 E = TypeVar("E", bound=StepEvent)
@@ -150,12 +150,12 @@ class Outputs(RunnerState):
         if r.beams is not None:
             ctx, left = r.beams.contexts()
             return Progress(ctx, (0,) * len(ctx), left)
-        if len(r.seqs) == 1:  # most requests: per request and step, kept lean
+        if len(r.seqs) == 1:  # most requests: per request and step, kept lean (progress())
             s = r.seqs[0]
             if s.finish is not None:
-                return Progress((), (), 0)
+                return DONE
             context, prefill = self._seq_progress(s)
-            return Progress((context,), (prefill,), s.max_new - len(s.text.tokens))
+            return progress((context,), (prefill,), s.max_new - len(s.text.tokens))
         live = [s for s in r.seqs if s.finish is None]  # (those parked alone: waiting)
         ids = tuple(i for i, s in enumerate(r.seqs) if s.finish is None and not s.parked)
         each = [self._seq_progress(r.seqs[i]) for i in ids]
@@ -170,9 +170,21 @@ class Outputs(RunnerState):
         return st.context, st.prefill_left
 
     def _fill_progress(self, report: StepReport) -> None:
+        """Every running request's progress (the step's deferred part, after its deltas).
+        Per running request and step: a lone sequence in the engine, the common case, is
+        done here in line (as :meth:`_progress` would)."""
+        out, state, of = report.progress, self.engine.state, self._progress
         for key, r in self._reqs.items():
-            if not r.parked:
-                report.progress[key] = self._progress(r)
+            if r.parked:
+                continue
+            seqs = r.seqs
+            if len(seqs) == 1 and r.beams is None:
+                s = seqs[0]
+                if s.finish is None and (st := state(s.name)) is not None:
+                    left = s.max_new - len(s.text.tokens)
+                    out[key] = progress((st.context,), (st.prefill_left,), left)
+                    continue
+            out[key] = of(r)
 
     def _marked(self, markers: tuple[str, ...]) -> Decode:
         """The decode for texts that parsers read for ``markers`` (see :meth:`_keeping`)."""
