@@ -23,7 +23,7 @@ import redis
 
 from ..config import WorkerConfig
 from ..drops import DROPS
-from ..redis_errors import UNREACHABLE
+from ..redis_errors import UNREACHABLE, refused_for_now
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo, WorkerServing
 from .arrivals import answered, cancelled_before, with_blobs
@@ -218,12 +218,11 @@ class Intake:
                     self._read(counts, suspects)
                 backoff = RETRY_FIRST_S
             except UNREACHABLE as exc:
-                self._takeover.disconnected(self._clock() + backoff)
-                self._lost_reads.suspected = True
-                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
-                self._pause(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+                backoff = self._wait_out(exc, backoff, "redis unreachable")
             except redis.ResponseError as exc:
+                if refused_for_now(exc):  # NOREPLICAS, LOADING...: a failover, not a bug
+                    backoff = self._wait_out(exc, backoff, "redis refused the call for now")
+                    continue
                 if not str(exc).startswith("NOGROUP"):
                     logger.exception("intake of %s failed; retrying", self.streams.keys.model)
                 else:  # the server lost its data (a restart without persistence): start over
@@ -238,6 +237,17 @@ class Intake:
             except Exception:
                 logger.exception("intake of %s failed; retrying", self.streams.keys.model)
                 self._pause(ERROR_PAUSE_S)
+
+    def _wait_out(self, exc: Exception, backoff: float, what: str) -> float:
+        """Redis cannot serve the intake for now: say so in one line, wait ``backoff``, and
+        return the next one (doubled). Heartbeats and replies may have been lost meanwhile,
+        as in an outage: others' heartbeats are not judged at once, and this consumer's
+        pending entries are checked for a lost reply."""
+        self._takeover.disconnected(self._clock() + backoff)
+        self._lost_reads.suspected = True
+        logger.warning("%s (%s); retrying in %.2fs", what, exc, backoff)
+        self._pause(backoff)
+        return min(backoff * 2, RETRY_MAX_S)
 
     def _beat(self, force: bool = False) -> None:
         now = self._clock()
