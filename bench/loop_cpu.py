@@ -17,6 +17,7 @@ them; compare within a run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import math
@@ -162,6 +163,18 @@ def submit(client: redis.Redis, tok: Any, n: int, max_new: int, prompt_tokens: i
     pipe.execute()
 
 
+def thread_cpu() -> dict[str, float]:
+    """Every live thread's CPU seconds so far, by name (``pthread_getcpuclockid``)."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t.ident is None:
+            continue
+        with contextlib.suppress(OSError, ProcessLookupError):
+            clock = time.pthread_getcpuclockid(t.ident)
+            out[t.name] = out.get(t.name, 0.0) + time.clock_gettime(clock)
+    return out
+
+
 def saturated(url: str, model_dir: Path, args: argparse.Namespace) -> tuple[redis.Redis, Any]:
     """A Redis emptied, a loop built on it (one torch thread), its requests queued."""
     import torch
@@ -192,6 +205,7 @@ def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool)
     def instrumented_serve() -> None:  # the feed exists once run() began
         instrument(loop, parts)
         prof = cProfile.Profile(time.thread_time) if profile else None
+        out["threads0"] = thread_cpu()
         t0 = time.thread_time()
         if prof is not None:
             prof.enable()
@@ -201,6 +215,7 @@ def run_once(url: str, model_dir: Path, args: argparse.Namespace, profile: bool)
             if prof is not None:
                 prof.disable()
             out["cpu"] = time.thread_time() - t0
+            out["threads1"] = thread_cpu()
             out["profile"] = prof
 
     loop._serve = instrumented_serve
@@ -248,7 +263,20 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
         f"CPU {res['cpu']:.3f} s = **{res['cpu'] / steps * 1e6:.0f} µs a step**",
         "",
         *table(per_step(res)),
+        "",
+        *threads_table(res),
     ]
+
+
+def threads_table(res: dict[str, Any]) -> list[str]:
+    """Each thread's CPU per step while the loop served (the device thread's is the
+    engine's; the others share the rest of the host and the GIL)."""
+    steps = max(res["steps"], 1)
+    before, after = res["threads0"], res["threads1"]
+    lines = ["| thread | µs per step |", "| --- | --- |"]
+    for name, cpu in sorted(after.items()):
+        lines.append(f"| {name} | {(cpu - before.get(name, 0.0)) / steps * 1e6:.0f} |")
+    return lines
 
 
 def profile_lines(res: dict[str, Any], top: int) -> list[str]:

@@ -56,3 +56,15 @@ def test_close_gives_the_connection_back(poll: CancelPoll) -> None:
     assert not pool._in_use_connections
     assert poll.cancelled(["a"]) == []  # a later poll takes one again
     poll.close()
+
+
+def test_keys_of_a_changing_set_are_packed_by_their_bytes(poll: CancelPoll, r: redis.Redis) -> None:
+    # Given requests whose ids are not ASCII (a key longer in bytes than in characters)
+    keys = poll.streams.keys
+    r.set(keys.cancel("é-1"), 1, ex=60)
+    r.set(keys.cancel("日本"), 1, ex=60)
+    # When the watched set changes a request at a time (its other keys' parts kept)
+    found = [poll.cancelled(ids) for ids in (["a", "é-1"], ["é-1", "日本"], ["日本", "b"])]
+    # Then each poll read exactly its own keys
+    assert found == [["é-1"], ["é-1", "日本"], ["日本"]]
+    poll.close()

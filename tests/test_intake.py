@@ -17,7 +17,7 @@ from batchfleet.schemas.codec import decode_result, encode_request
 from batchfleet.schemas.keys import GROUP, ModelKeys
 from batchfleet.schemas.messages import Limits, Request
 from batchfleet.worker.holding import Holding
-from batchfleet.worker.inbox import Lost
+from batchfleet.worker.inbox import Lost, ReadIdle
 from batchfleet.worker.intake import LANE0_ONLY_BLOCK_MS, Intake
 from batchfleet.worker.loop import BatchLoop
 from batchfleet.worker.runners.embedding import EmbeddingRunner
@@ -546,3 +546,48 @@ def test_when_a_hung_step_ends_the_intake_refreshes_at_once_and_checks_token_wri
     # the next 10 s mark); token writes are checked while it hangs and SUSPECT_GRACE_S after
     assert refreshed == [100.0, 110.0, 120.0, 130.0, 140.0, 155.0, 165.0]
     assert [t for t, s in suspect.items() if s] == [150.0 + k for k in range(15)]
+
+
+def test_a_saturated_loop_is_told_of_two_empty_reads_in_a_row_then_only_once_it_holds_none(
+    r: redis.Redis,
+) -> None:
+    # Given an intake (not started) whose loop holds a request, nothing queued
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups(None)
+    posted: list[Any] = []
+    intake = Intake(streams, WorkerConfig(block_ms=1), Limits(), time.monotonic, posted.append)
+    intake._takeover.judged = True  # no takeover pass first
+    intake._takeover.last = time.monotonic()
+    intake.hold(Holding((Entry(1, "1-0", {}),)))
+
+    def idle_reads(n: int) -> int:
+        posted.clear()
+        for _ in range(n):
+            intake._read({0: 8}, True)
+        return sum(isinstance(e, ReadIdle) for e in posted)
+
+    # When it reads an empty lane 0 five times (the reserve of a full hold)
+    # Then the loop hears of the first two only (a burst loop's stop needs two)
+    assert idle_reads(5) == 2
+    # And once a read delivers, the next two empty ones are told again
+    r.xadd(KEYS.lane(0), encode_request(Request(id="a", model=MODEL, inputs=["x"])))
+    intake._read({0: 8}, True)
+    assert idle_reads(3) == 2
+    # And once the loop holds nothing, every empty read is told
+    intake.hold(Holding(()))
+    assert idle_reads(3) == 3
+
+
+def test_a_blocking_read_of_one_lane_is_one_command(r: redis.Redis) -> None:
+    # Given lane 0 empty, then three requests in it
+    streams = ModelStreams(r, MODEL, 3, "w1")
+    streams.ensure_groups(None)
+    r.config_resetstat()
+    # When one lane is read with a block, empty and then full
+    assert streams.read({0: 8}, 1) == []
+    for k in range(3):
+        r.xadd(KEYS.lane(0), {"msgpack": f"{k}".encode()})
+    got = streams.read({0: 2}, 1000)
+    # Then the first two came at once, in order, each read one XREADGROUP
+    assert [e.fields[b"msgpack"] for e in got] == [b"0", b"1"]
+    assert r.info("commandstats")["cmdstat_xreadgroup"]["calls"] == 2

@@ -368,3 +368,56 @@ def test_the_model_check_alone_is_retried(
             assert unknown.value.status == 404
 
     asyncio.run(go())
+
+
+class AcceptOnRecord(logging.Handler):
+    """Every record of a logger; lifts the refusal at the first (no sleep)."""
+
+    def __init__(self, refusing: Refusing) -> None:
+        super().__init__(logging.DEBUG)
+        self.refusing = refusing
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.refusing.accept()
+
+
+def test_the_intake_waits_out_a_refusal_with_a_one_line_warning(refusing: Refusing) -> None:
+    import queue
+    import time
+
+    from batchfleet.schemas.codec import encode_request
+    from batchfleet.schemas.messages import Limits, Request
+    from batchfleet.worker.inbox import Arrived, Event
+    from batchfleet.worker.intake import Intake
+
+    from batchfleet.config import WorkerConfig
+
+    # Given a running intake, a request queued, and then Redis refusing writes (its reads
+    # of the group are writes) until the intake logs anything
+    r = refusing.client
+    posted: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    intake = Intake(ModelStreams(r, "tiny", 3, "w"), WorkerConfig(block_ms=50), Limits(),
+                    time.monotonic, posted.put)  # fmt: skip
+    intake.start(None)
+    r.xadd(KEYS.lane(0), encode_request(Request(id="a", model="tiny", inputs=["x"])))
+    log = logging.getLogger("batchfleet.worker.intake")
+    seen = AcceptOnRecord(refusing)
+    log.addHandler(seen)
+    refusing.refuse()
+    try:
+        # When the loop grants a read
+        intake.grant({0: 1}, True, 0)
+        event = posted.get(timeout=30)
+        while not isinstance(event, Arrived):
+            event = posted.get(timeout=30)
+    finally:
+        log.removeHandler(seen)
+        intake.stop()
+        intake.join(5)
+    # Then it said so in one line, a warning without a traceback, and read once it could
+    assert [e.fields for e in event.entries] == [r.xrange(KEYS.lane(0))[0][1]]
+    (said, *_) = seen.records
+    assert said.levelno == logging.WARNING and said.exc_info is None, said.getMessage()
+    assert "NOREPLICAS" in said.getMessage() and "\n" not in said.getMessage()

@@ -23,12 +23,12 @@ import redis
 
 from ..config import WorkerConfig
 from ..drops import DROPS
-from ..redis_errors import UNREACHABLE
+from ..redis_errors import UNREACHABLE, refused_for_now
 from ..schemas.messages import Limits
 from ..schemas.model_info import ModelInfo, WorkerServing
 from .arrivals import answered, cancelled_before, with_blobs
 from .holding import Holding, entries_to_refresh, hung_for
-from .inbox import Arrived, Event, Lost, ReadIdle, Retire
+from .inbox import IDLE_REPORTS, Arrived, Event, Lost, ReadIdle, Retire
 from .streams import Entry, ModelStreams, Pending, Retiring
 from .takeover import Takeover
 from .unseen import Unseen, take_next
@@ -98,6 +98,8 @@ class Intake:
         self._refreshing = threading.Lock()
         """Held across a refresh and a release: a released entry is never refreshed after."""
         self._posted = 0
+        self._idle_reads = 0
+        """Empty reads in a row since the last delivery (see :data:`IDLE_REPORTS`)."""
         self._takeover = Takeover(streams, worker)
         self._max_depth: int | None = None
         self._own: list[Pending] = []
@@ -218,12 +220,11 @@ class Intake:
                     self._read(counts, suspects)
                 backoff = RETRY_FIRST_S
             except UNREACHABLE as exc:
-                self._takeover.disconnected(self._clock() + backoff)
-                self._lost_reads.suspected = True
-                logger.warning("redis unreachable (%s); retrying in %.2fs", exc, backoff)
-                self._pause(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+                backoff = self._wait_out(exc, backoff, "redis unreachable")
             except redis.ResponseError as exc:
+                if refused_for_now(exc):  # NOREPLICAS, LOADING...: a failover, not a bug
+                    backoff = self._wait_out(exc, backoff, "redis refused the call for now")
+                    continue
                 if not str(exc).startswith("NOGROUP"):
                     logger.exception("intake of %s failed; retrying", self.streams.keys.model)
                 else:  # the server lost its data (a restart without persistence): start over
@@ -238,6 +239,17 @@ class Intake:
             except Exception:
                 logger.exception("intake of %s failed; retrying", self.streams.keys.model)
                 self._pause(ERROR_PAUSE_S)
+
+    def _wait_out(self, exc: Exception, backoff: float, what: str) -> float:
+        """Redis cannot serve the intake for now: say so in one line, wait ``backoff``, and
+        return the next one (doubled). Heartbeats and replies may have been lost meanwhile,
+        as in an outage: others' heartbeats are not judged at once, and this consumer's
+        pending entries are checked for a lost reply."""
+        self._takeover.disconnected(self._clock() + backoff)
+        self._lost_reads.suspected = True
+        logger.warning("%s (%s); retrying in %.2fs", what, exc, backoff)
+        self._pause(backoff)
+        return min(backoff * 2, RETRY_MAX_S)
 
     def _beat(self, force: bool = False) -> None:
         now = self._clock()
@@ -335,7 +347,9 @@ class Intake:
         entries = self.streams.read(counts, block_ms)
         if entries:
             self._deliver(entries)
-        else:
+            return
+        self._idle_reads += 1
+        if self._idle_reads <= IDLE_REPORTS or not self._holding.entries:
             self._post(ReadIdle())
 
     def _find_unseen(self) -> None:
@@ -369,6 +383,7 @@ class Intake:
             self._lost_reads.posted(entries)
             retired = {f.entry.key for f in retire}
             fresh = [e for e in entries if e.key not in retired]
+            self._idle_reads = 0
             with self._cond:
                 self._counts = {}  # consumed: the loop grants again once it has admitted them
                 self._posted += 1

@@ -40,6 +40,7 @@ from .gen_scheduler import GenScheduler
 from .generating import Generating
 from .holding import HAND_OVER_EVERY_S, HoldingFeed
 from .inbox import (
+    IDLE_REPORTS,
     Arrived,
     Cancel,
     DeviceStopped,
@@ -315,7 +316,7 @@ class BatchLoop:
             return True
         if self._draining:
             return not self.scheduler.held
-        burst_done = self.burst and not self.scheduler.held and self._idle_reads >= 2
+        burst_done = self.burst and not self.scheduler.held and self._idle_reads >= IDLE_REPORTS
         return burst_done and self.parts.sink.backlog == 0
 
     def _grant(self) -> None:

@@ -101,9 +101,16 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
 
     def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
         """New entries for this consumer: up to ``counts[lane]`` from each lane (one round
-        trip); if there are none and ``block_ms`` is set, block that long on all lanes."""
-        pipe = self.client.pipeline(transaction=False)
+        trip); if there are none and ``block_ms`` is set, block that long on all lanes.
+        One lane asked with ``block_ms``: one blocking read, which returns at once with
+        what there is (a saturated worker's lane-0 reserve, read again and again)."""
         asked = [lane for lane, n in sorted(counts.items()) if n > 0]
+        if len(asked) == 1 and block_ms is not None:
+            (lane,) = asked
+            one: Any = self.client.xreadgroup(GROUP, self.consumer, {self.streams[lane]: ">"},
+                                              count=counts[lane], block=max(1, block_ms))  # fmt: skip
+            return self._entries(one)
+        pipe = self.client.pipeline(transaction=False)
         for lane in asked:
             pipe.xreadgroup(GROUP, self.consumer, {self.streams[lane]: ">"}, count=counts[lane])
         out = [e for reply in pipe.execute() for e in self._entries(reply)]
