@@ -10,8 +10,10 @@ At the end every request is checked (:mod:`bench.gen_chaos_checks`): exactly one
 and one token-stream end (a second result write appends a second end: ``finish.lua``
 stores both in one call), an allowed status, the stored stream's attempts each numbered
 ``1..k`` and the last one's text the result's, what each reader saw after its last
-restart the result's text, greedy answers the tokens of one-at-a-time ``generate``,
-nothing pending, every token stream with a TTL. Exit 1 on any violation.
+restart the result's text, greedy answers the tokens of one-at-a-time ``generate``
+(but for float32 ties, reported apart: :mod:`bench.gen_chaos_greedy`), nothing pending,
+every token stream with a TTL. Exit 1 on any violation; Ctrl-C (SIGINT) stops the run,
+its workers and Redis at once (kill -9), exit 130.
 
 Redis runs with ``appendfsync always`` by default: docs/reliability.md promises nothing
 acknowledged is lost then. With ``everysec`` a Redis crash may lose up to a second of
@@ -32,44 +34,32 @@ them to the machine rather than loosening ``max_deliveries``: the worker's is ch
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
+import queue
 import random
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import redis
 from batchfleet.producer import Producer
 from batchfleet.schemas.codec import decode_result
 from batchfleet.schemas.errors import ResultTimeout, StreamRestarted
-from batchfleet.schemas.keys import ModelKeys
 from batchfleet.schemas.messages import Delta
 
-from batchfleet.redis_server import LocalRedis
-
 from .gen_chaos_checks import Plan, Report, Seen, check_run
+from .gen_chaos_fleet import MODEL, Chaos, Fleet
 from .load import WORDS
-from .systems import ROOT
 
-MODEL = "chaos"
-OPTIONS = {"kv_cache_tokens": 4096, "page_size": 16, "step_tokens": 64, "max_running": 16}
-"""The tests' small cache and step budgets (tests/conftest.py ``TINY_LM_OPTIONS``)."""
-
-
-def tiny_lm(workdir: Path, hidden: int) -> Path:
-    """The tests' tiny random Llama (``tests/tiny_models.py``), a little deeper."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    tiny_models: Any = importlib.import_module("tiny_models")
-    path: Path = tiny_models.make_causal_lm(workdir / "tiny-lm", layers=4, hidden=hidden)
-    return path
+INTERRUPTED = 130
+"""The exit status of a run stopped by Ctrl-C (SIGINT), its processes stopped: the
+shells' 128 + SIGINT."""
+T = TypeVar("T")
 
 
 def plans(n: int, rng: random.Random, readers: tuple[int, ...] = (4, 2, 2, 1)) -> list[Plan]:
@@ -95,189 +85,6 @@ def plans(n: int, rng: random.Random, readers: tuple[int, ...] = (4, 2, 2, 1)) -
             )
         )
     return out
-
-
-class Fleet:
-    """Redis (AOF) and the worker processes; kill -9 and restart either."""
-
-    def __init__(
-        self, workdir: Path, workers: int, appendfsync: str, worker_opts: str, hidden: int
-    ) -> None:
-        self.workdir = workdir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.names: list[str] = []
-        self.born: list[int] = []
-        self.lives = 0
-        lm = tiny_lm(workdir, hidden)
-        self.redis = LocalRedis(appendonly=True, appendfsync=appendfsync)
-        self.url = self.redis.start()
-        self.config = workdir / "fleet.toml"
-        self.config.write_text(
-            f'redis_url = "{self.url}"\n[worker]\n{worker_opts}\n'
-            f'[models.{MODEL}]\nrunner = "text-generation"\npath = "{lm}"\n'
-            f"[models.{MODEL}.options]\n" + "".join(f"{k} = {v}\n" for k, v in OPTIONS.items())
-        )
-        self.r = redis.Redis.from_url(self.url, socket_timeout=5)
-        try:
-            for i in range(workers):
-                self.names.append(f"w{i}")
-                self.born.append(0)
-                self.procs.append(self._start(i))
-            self.wait_ready(self.READY_S)
-        except BaseException:  # (no orphaned workers or Redis when the start fails)
-            self.stop()
-            raise
-
-    READY_S = 600.0
-    """How long the workers may take to start: loading torch and the model took over 2 min
-    on a 2-core machine shared with other work."""
-
-    def wait_ready(self, within_s: float) -> None:
-        end = time.monotonic() + within_s
-        while not all(self.ready(i) for i in range(len(self.procs))):
-            if time.monotonic() > end:
-                raise TimeoutError(f"workers not ready: see the logs in {self.workdir}")
-            time.sleep(0.1)
-
-    def _start(self, i: int) -> subprocess.Popen[bytes]:
-        self.lives += 1
-        name, self.born[i] = self.names[i], int(time.time() * 1000)
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        log = (self.workdir / f"{name}.log").open("ab")
-        argv = [sys.executable, "-m", "batchfleet", "worker", "--config", str(self.config),
-                "--name", name, "--loglevel", "INFO"]  # fmt: skip
-        return subprocess.Popen(argv, env=dict(os.environ, **env), stdout=log, stderr=log)
-
-    def ready(self, i: int) -> bool:
-        """Worker ``i`` is up and serving: it has beaten since it was started."""
-        beat = self.r.hget(ModelKeys(MODEL).workers, self.names[i])
-        return self.procs[i].poll() is None and beat is not None and int(beat) >= self.born[i]
-
-    def streaming(self) -> dict[str, list[tuple[str, int]]]:
-        """Requests each consumer is generating now, past their first delta: named by its
-        ``started`` key, unanswered, the token stream's last entry a delta written since
-        that consumer's process started; (request id, that delta's seq) each."""
-        keys = ModelKeys(MODEL)
-        held: list[tuple[str, str]] = []
-        for key in self.r.scan_iter(match=keys.started("*"), count=1000):
-            rid = key.decode().rsplit(":", 1)[1]
-            name: Any = self.r.get(key)
-            if name is not None:
-                held.append((rid, name.decode()))
-        pipe = self.r.pipeline(transaction=False)
-        for rid, _ in held:
-            pipe.exists(keys.result(rid))
-            pipe.xrevrange(keys.tokens(rid), count=1)
-        replies = pipe.execute()
-        born = {name: self.born[i] for i, name in enumerate(self.names)}
-        out: dict[str, list[tuple[str, int]]] = {}
-        for (rid, name), answered, last in zip(held, replies[::2], replies[1::2], strict=True):
-            if answered or not last or b"end" in last[0][1] or name not in born:
-                continue
-            if int(last[0][0].split(b"-")[0]) >= born[name]:
-                out.setdefault(name, []).append((rid, int(last[0][1][b"seq"])))
-        return out
-
-    def unended(self, rid: str) -> bool:
-        """Request ``rid`` has no result and its token stream no end (yet)."""
-        keys = ModelKeys(MODEL)
-        last: Any = self.r.xrevrange(keys.tokens(rid), count=1)
-        return not self.r.exists(keys.result(rid)) and bool(last) and b"end" not in last[0][1]
-
-    def kill_worker(self, i: int, rng: random.Random) -> str:
-        """kill -9 worker ``i`` and start it again: under its name half the time (a
-        container restarted in place takes back its entries), else under a new one."""
-        self.procs[i].kill()
-        self.procs[i].wait()
-        if rng.random() < 0.5:
-            self.names[i] = f"w{i}-{self.lives}"
-        self.procs[i] = self._start(i)
-        return self.names[i]
-
-    def kill_redis(self, down_s: float) -> None:
-        self.redis.crash()
-        time.sleep(down_s)
-        self.redis.start()
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.redis.stop()
-
-
-class Chaos(threading.Thread):
-    """kill -9, every ``every`` s (±50%) until every request is answered, of a worker
-    generating a request past its first delta (one that has served since it started),
-    waited for where there is none, so every kill lands mid-generation; the worker
-    restarted; ``worker_kills`` of them at most (0: no bound). kill -9 of Redis
-    ``redis_kills`` times, spread over the ``span`` s of submits. Each event logged with
-    its time; ``cut``: the requests a kill cut mid-generation (their streams must show a
-    restart)."""
-
-    POLL_S = 0.1
-
-    def __init__(
-        self, fleet: Fleet, every: float, redis_kills: int, span: float, seed: int,
-        worker_kills: int = 0,
-    ) -> None:  # fmt: skip
-        super().__init__(daemon=True)
-        self.kills_left = worker_kills or -1
-        self.fleet, self.every, self.span = fleet, every, span
-        self.rng = random.Random(seed)
-        self.redis_at = [span * (k + 1) / (redis_kills + 1) for k in range(redis_kills)]
-        self.events: list[tuple[float, str]] = []
-        self.outages: list[tuple[float, float]] = []
-        self.cut: list[str] = []
-        self.done = threading.Event()
-        self._start = 0.0
-
-    def run(self) -> None:
-        self._start = time.monotonic()
-        while not self.done.wait(self.every * self.rng.uniform(0.5, 1.5)):
-            if self._redis_due():
-                self.redis_at.pop(0)
-                down = time.monotonic()
-                self.fleet.kill_redis(1.0)
-                self.outages.append((down, time.monotonic()))
-                self.events.append((down - self._start, "kill -9 redis, restarted after 1 s"))
-                continue
-            while self.kills_left and not self._kill_mid_generation():
-                if self.done.wait(self.POLL_S) or self._redis_due():
-                    break
-
-    def _redis_due(self) -> bool:
-        return bool(self.redis_at) and time.monotonic() - self._start >= self.redis_at[0]
-
-    def _kill_mid_generation(self) -> bool:
-        """kill -9 a worker streaming a request now, if one is; whether one was."""
-        fleet = self.fleet
-        try:
-            streaming = fleet.streaming()
-            up = [i for i, name in enumerate(fleet.names) if name in streaming and fleet.ready(i)]
-        except redis.RedisError:
-            return False
-        if not up:
-            return False
-        at = time.monotonic() - self._start
-        victim = self.rng.choice(up)
-        held = streaming[fleet.names[victim]]
-        name = fleet.kill_worker(victim, self.rng)
-        try:  # (dead now: what it had not ended stays unended until another attempt)
-            cut = [(rid, seq) for rid, seq in held if fleet.unended(rid)]
-        except redis.RedisError:
-            cut = []
-        self.cut += [rid for rid, _ in cut]
-        self.kills_left -= 1
-        what = ", ".join(f"{rid} after seq {seq}" for rid, seq in cut) or "(all ended meanwhile)"
-        self.events.append((at, f"kill -9 worker {victim} mid-generation of {what}, "
-                                f"restarted as {name}"))  # fmt: skip
-        return True
 
 
 class ReplyWatcher(threading.Thread):
@@ -317,6 +124,41 @@ class ReplyWatcher(threading.Thread):
                         self.results[rid] = self.results.get(rid, 0) + 1
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.2)
+
+
+class Readers:
+    """``threads`` daemon threads running the readers: unlike a ``ThreadPoolExecutor``'s
+    (joined at interpreter exit), a reader still waiting on its stream when the run ends
+    or is interrupted does not keep the process alive (an interrupted run hung so)."""
+
+    def __init__(self, threads: int) -> None:
+        self._todo: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        for _ in range(threads):
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._todo.put((fut, fn))
+        return fut
+
+    def cancel_waiting(self) -> None:
+        """Cancel the readers not started yet."""
+        while True:
+            try:
+                fut, _ = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            fut.cancel()
+
+    def _work(self) -> None:
+        while True:
+            fut, fn = self._todo.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # (handed to whoever waits on it)
+                fut.set_exception(exc)
 
 
 def read(producer: Producer, plan: Plan, job: Any) -> Seen:
@@ -375,6 +217,10 @@ def run(args: argparse.Namespace) -> Report:
               f"{args.workers} workers; logs in {workdir}", flush=True)  # fmt: skip
         try:
             return drive(args, fleet, todo)
+        except KeyboardInterrupt:  # Ctrl-C: nothing of the fleet's to keep
+            print("interrupted: stopping the workers and Redis", file=sys.stderr, flush=True)
+            fleet.stop(at_once=True)
+            raise
         finally:
             fleet.stop()
 
@@ -386,7 +232,7 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
     watcher.ready.wait(10)
     span = args.requests / args.rate
     chaos = Chaos(fleet, args.kill_every, args.redis_restarts, span, args.seed, args.worker_kills)
-    readers = ThreadPoolExecutor(args.readers)
+    readers = Readers(args.readers)
     futures: dict[str, Future[Seen]] = {}
     jobs: dict[str, Any] = {}
     submitted: dict[str, float] = {}
@@ -396,7 +242,7 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
         jobs[plan.rid] = job
         submitted[plan.rid] = time.monotonic()
         if plan.reader in ("deltas", "stream"):
-            futures[plan.rid] = readers.submit(read, producer, plan, job)
+            futures[plan.rid] = readers.submit(lambda: read(producer, plan, job))
         if plan.cancel_after is not None:
             cancels.append((time.monotonic() + plan.cancel_after, plan.rid))
 
@@ -429,7 +275,7 @@ def drive(args: argparse.Namespace, fleet: Fleet, todo: list[Plan]) -> Report:
         chaos.done.set()
         chaos.join()
     seen = {rid: f.result(timeout=args.timeout) for rid, f in futures.items() if rid in results}
-    readers.shutdown(wait=False, cancel_futures=True)  # (an unanswered one's reader waits on)
+    readers.cancel_waiting()  # (an unanswered one's reader waits on, a daemon)
     time.sleep(1.0)  # the reply channel's last messages
     watcher.done.set()
     elapsed = time.monotonic() - started
@@ -471,8 +317,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 1 where the run broke an invariant."""
-    return 1 if run(parse(argv)).violations else 0
+    """Exit status 1 where the run broke an invariant; :data:`INTERRUPTED` where Ctrl-C
+    stopped it (its processes stopped first)."""
+    try:
+        report = run(parse(argv))
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    return 1 if report.violations else 0
 
 
 if __name__ == "__main__":

@@ -65,25 +65,32 @@ class BeamRounds:
 
     def start(self, engine: Engine) -> list[str]:
         """Add the round of every prompt whose search goes on and has none running; the
-        names added."""
+        names added. All or none: should an add raise, the sequences it added, the one
+        that raised included, are taken back out of the engine (their KV blocks and
+        sampler state freed), and a later call adds those rounds whole, under new names
+        (a name is never used twice, so the engine's pending cancels cannot drop them)."""
         if not self.tops:
             self.tops = [[] for _ in self.searches]
             self.cached = [-1] * len(self.searches)
         running = {i for i, _ in self.pending.values()}
         names: list[str] = []
-        for i, search in enumerate(self.searches):
-            if search.done or i in running:
-                continue
-            self.tops[i] = [None] * len(search.live)
-            for k, beam in enumerate(search.live):
-                seed = draw_seed(self.seed, i, search.rounds, k)
-                sampling = Sampling(self.temperature, seed=seed, logprobs=search.alternatives)
-                name = f"{self.key}#beam{i}.{self.added}"
-                self.added += 1
-                engine.add(name, [*self.prompts[i], *beam.tokens], 1, sampling,
-                           priority=self.lane, salt=self.salt, lora=self.lora)  # fmt: skip
-                self.pending[name] = (i, k)
-                names.append(name)
+        try:
+            for i, search in enumerate(self.searches):
+                if search.done or i in running:
+                    continue
+                self.tops[i] = [None] * len(search.live)
+                for k, beam in enumerate(search.live):
+                    seed = draw_seed(self.seed, i, search.rounds, k)
+                    sampling = Sampling(self.temperature, seed=seed, logprobs=search.alternatives)
+                    name = f"{self.key}#beam{i}.{self.added}"
+                    self.added += 1
+                    self.pending[name] = (i, k)  # (first: an add that raises may have added it)
+                    names.append(name)
+                    engine.add(name, [*self.prompts[i], *beam.tokens], 1, sampling,
+                               priority=self.lane, salt=self.salt, lora=self.lora)  # fmt: skip
+        except BaseException:
+            self._take_back(engine, names)
+            raise
         return names
 
     def prefilled(self, engine: Engine, out: Output) -> int:
@@ -123,12 +130,15 @@ class BeamRounds:
     def cancel(self, engine: Engine) -> None:
         """Take the round's sequences out of the engine (their alternatives are lost: the
         round runs again when :meth:`start` is called)."""
-        names = list(self.pending)
+        self._take_back(engine, list(self.pending))
+        self.tops = [[] for _ in self.searches]
+
+    def _take_back(self, engine: Engine, names: list[str]) -> None:
+        """Take these round sequences out of the engine and forget them."""
         engine.cancel(names)
         for name in names:
             engine.forget(name)
-        self.pending.clear()
-        self.tops = [[] for _ in self.searches]
+            self.pending.pop(name, None)
 
     def stop(self, reason: str) -> None:
         """End every search now (cancelled, past its deadline)."""

@@ -123,15 +123,7 @@ class Requests(Beams):
         assert r.beams is not None
         beams = r.beams
         beams.lane = lane
-        before = set(beams.pending)
-        try:
-            beams.start(self.engine)
-        except BaseException:  # its prompts' rounds start again with the next step
-            added = [name for name in beams.pending if name not in before]
-            for name in added:
-                del beams.pending[name]
-            self.engine.cancel(added)
-            raise
+        beams.start(self.engine)  # (all or none: should it raise, the next step starts it)
         for name in beams.pending:
             self._beam_seqs[name] = r
 
@@ -217,13 +209,15 @@ class Requests(Beams):
 
     def _resume_seqs(self, r: GenReq, seqs: tuple[int, ...], lane: int) -> None:
         """Sequences freed alone back into their running request (recomputed from their
-        prompt and tokens; a request still waiting for its constraint starts them then)."""
-        for i in seqs:
-            s = r.seqs[i] if 0 <= i < len(r.seqs) else None
-            if s is not None and s.parked:
-                s.parked = False  # (a start that raises: the next step starts it)
-                if s.finish is None and r.compiling is None:
-                    self._start_seqs(r, [s], lane)
+        prompt and tokens; a request still waiting for its constraint starts them then).
+        All are taken back first, then started together, all or none: should one raise,
+        none is left parked (the scheduler counts them all running again) and the next
+        step starts them whole (:meth:`~.gen_step.Stepping._left_midway`)."""
+        back = [s for i in seqs if 0 <= i < len(r.seqs) and (s := r.seqs[i]).parked]
+        for s in back:
+            s.parked = False
+        if r.compiling is None:
+            self._start_seqs(r, [s for s in back if s.finish is None], lane)
 
     def _end(self, r: GenReq, reason: str) -> None:
         if r.beams is not None:  # the best beams so far, ended for ``reason``
