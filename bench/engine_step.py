@@ -76,6 +76,7 @@ def instrument(parts: Parts, runner: Any) -> None:
     assert lean is not None, "the engine has no lean forward"
     lean_decode.linear = parts.wrap("linears", lean_decode.linear)
     decode_attention.attention = parts.wrap("decode attention", decode_attention.attention)
+    decode_attention.attend_rows = parts.wrap("decode attention", decode_attention.attend_rows)
     decode_attention.sdpa = parts.wrap("prefill attention (sdpa)", decode_attention.sdpa)
     for cls, name in ((padded_cache.SlotLayer, "KV write: decode rows"),
                       (padded_cache.SlabLayer, "KV write: prefill slabs")):  # fmt: skip

@@ -274,3 +274,33 @@ def test_starting_the_kernels_leaves_torchs_thread_count_alone() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
     assert out.stdout.split() == ["1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_step_planned_once_writes_each_layer_into_its_rows_of_a_shared_output(
+    dtype: Any,
+) -> None:
+    # the lean forward plans a step's rows once (rows) and each layer's kernel writes into
+    # the first rows of one attention output (attend_rows): what attention() returns there,
+    # the rows after (prefill chunks') untouched; lengths that do not fit are refused
+    torch.manual_seed(7)
+    rows, heads, kv_heads, dim, capacity = 5, 4, 2, 16, 40
+    lengths = [3, 40, 1, 17, 9]
+    plan = decode_attention.rows(torch.tensor(lengths).numpy(), kv_heads)
+    assert plan is not None and plan.longest == 40
+    out = torch.full((rows + 3, heads * dim), 7.0)
+    for layer in range(2):
+        q = torch.randn(rows, heads, 1, dim)
+        k = torch.randn(rows, kv_heads, capacity, dim).to(dtype)
+        v = torch.randn(rows, kv_heads, capacity, dim).to(dtype)
+        decode_attention.attend_rows(plan, q, k, v, 0.3, out[:rows])
+        want, _ = decode_attention.attention(
+            _Module(heads // kv_heads), q, k, v, None, scaling=0.3,
+            **{decode_attention.LENGTHS: torch.tensor(lengths).numpy()},
+        )  # fmt: skip
+        assert torch.equal(out[:rows], want.reshape(rows, heads * dim)), layer
+    assert torch.equal(out[rows:], torch.full((3, heads * dim), 7.0))
+    with pytest.raises(ValueError, match="do not fit"):  # keys narrower than a row's length
+        decode_attention.attend_rows(plan, q, k[:, :, :39], v[:, :, :39], 0.3, out[:rows])
+    with pytest.raises(ValueError, match="needs a key"):
+        decode_attention.rows(torch.tensor([2, 0]).numpy(), kv_heads)

@@ -32,13 +32,17 @@ It is used as a transformers attention function (``ATTENTION``, registered at im
 that falls back to ``sdpa`` for everything but a float32 CPU decode step the padded
 engine marked with :data:`LENGTHS` (the engine's prefill, CUDA, other dtypes, softcapping,
 sliding windows and attention sinks all take ``sdpa``, over keys and values widened to
-the query's dtype: :func:`sdpa`).
+the query's dtype: :func:`sdpa`). The lean forward (:mod:`.lean_decode`) calls the
+kernel directly instead: :func:`rows` checks a step's lengths and picks its threads once
+for all layers, and :func:`attend_rows` writes each layer's rows into the step's own
+attention output (no per-layer checks, allocation or concatenation).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -282,21 +286,62 @@ def attention(
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     **kwargs)  # fmt: skip
     rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
-    out = torch.empty_like(q)
-    scale = np.float32(dim**-0.5 if scaling is None else scaling)
-    keys, values = _whole(_bits(key)), _whole(_bits(value))
-    if len(lengths) != rows or not 0 < int(lengths.min()) <= int(lengths.max()) <= keys.shape[2]:
+    plan = Rows(lengths, _parts_for(lengths, key.shape[1]), int(lengths.max()))
+    if len(lengths) != rows or int(lengths.min()) <= 0 or plan.longest > key.shape[2]:
         # the kernel reads unchecked, and a row without keys has no softmax
         raise ValueError(f"row lengths {lengths} do not fit keys of shape {tuple(key.shape)}")
-    work = rows * kv_heads
-    parts = _parts(work) if int(lengths.sum()) * kv_heads >= PARALLEL_MIN_KEYS else 1
-    if parts > 1:
-        _parallel(q.numpy(), keys, values, lengths, scale, out.numpy(), parts)
-    else:
-        attend(q.numpy(), keys, values, lengths, scale, out.numpy())
+    out = torch.empty((rows, heads * dim), dtype=query.dtype)
+    attend_rows(plan, query, key, value, dim**-0.5 if scaling is None else scaling, out)
     return out.view(rows, heads, 1, dim).transpose(1, 2), None
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A decode step's per-row attention, checked once for all its layers (the lean
+    forward's: :func:`rows`): each row's key count, the threads, the longest row."""
+
+    lengths: np.ndarray
+    parts: int
+    longest: int
+
+
+def rows(lengths: np.ndarray, kv_heads: int) -> Rows | None:
+    """The step's :class:`Rows` for ``lengths`` (each row's key count, all positive:
+    else ValueError, as the kernel reads unchecked); None where the kernel is unavailable."""
+    if (_kernel or kernel()) is None:
+        return None
+    if not len(lengths) or int(lengths.min()) <= 0:
+        raise ValueError(f"row lengths {lengths}: each row needs a key")
+    return Rows(lengths, _parts_for(lengths, kv_heads), int(lengths.max()))
+
+
+def attend_rows(plan: Rows, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scaling: float, out: torch.Tensor) -> None:  # fmt: skip
+    """The kernel's attention of decode rows ``query`` (``rows x heads x 1 x dim``, float32
+    on the CPU) over ``key`` and ``value`` (``rows x kv_heads x columns x dim``, float32 or
+    bfloat16), written into ``out``, a C-contiguous ``rows x (heads * dim)`` float32 (the
+    lean forward's rows of its attention output: no copy after)."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    if (
+        key.dtype not in _KERNEL_KV or value.dtype != key.dtype or plan.longest > key.shape[2]
+        or len(plan.lengths) != rows or not out.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"row lengths {plan.lengths} do not fit keys {tuple(key.shape)} "
+                         f"{key.dtype} or an output {tuple(out.shape)}")  # fmt: skip
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
+    keys, values = _whole(_bits(key)), _whole(_bits(value))
+    target = out.view(rows, kv_heads, heads // kv_heads, dim).numpy()
+    if plan.parts > 1:
+        _parallel(q.numpy(), keys, values, plan.lengths, np.float32(scaling), target, plan.parts)
+    else:
+        _kernel(q.numpy(), keys, values, plan.lengths, np.float32(scaling), target)
+
+
+def _parts_for(lengths: np.ndarray, kv_heads: int) -> int:
+    """:func:`_parts` for a step of ``lengths``, 1 below :data:`PARALLEL_MIN_KEYS`."""
+    work = len(lengths) * kv_heads
+    return _parts(work) if int(lengths.sum()) * kv_heads >= PARALLEL_MIN_KEYS else 1
 
 
 def sdpa(

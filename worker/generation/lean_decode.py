@@ -21,10 +21,11 @@ prefill chunks at once:
   ``matmul_precision`` ``medium`` the weights are the modules' bfloat16 ones and each
   product is the one their forward computes (:func:`..precision.linear`);
 - the decode rows' keys and values written by the engine's :class:`~.padded_cache.SlotLayer`
-  and attended either by :func:`.decode_attention.attention` (each row over its own
-  length: a float32 model on the CPU) or, on any other device or dtype, by transformers'
-  ``sdpa`` function over the padded batch under a padding mask (as the engine's
-  transformers forward and HF ``generate`` attend);
+  and attended either by :func:`.decode_attention.attend_rows` (each row over its own
+  length: a float32 model on the CPU; planned once a step for all layers, and written
+  straight into the step's attention output, one buffer every layer reuses) or, on any
+  other device or dtype, by transformers' ``sdpa`` function over the padded batch under
+  a padding mask (as the engine's transformers forward and HF ``generate`` attend);
 - each prefill chunk's appended to its sequence's own cache and attended causally by
   transformers' ``sdpa`` function, as its prefill forward does;
 - keys and values held in another dtype than the model's (the engine's
@@ -185,8 +186,13 @@ class LeanDecoder:
             half = dim // 2
             signed = (-sin[..., :half], sin[..., half:])  # rotate_half's sign moved to sin
         norm = _rms if self.rms else _module
-        kw: dict[str, Any] = {decode_attention.LENGTHS: lengths}
         masks = [_causal(c, self.head.weight.device) for c in chunks]
+        # once a step for every layer: the rows' kernel plan (lengths checked) and the
+        # attention output, which each layer's o product reads before the next writes it
+        plan = decode_attention.rows(lengths, kv_heads) if rows and padding is None else None
+        if rows and padding is None and plan is None:  # sdpa unmasked would attend padding
+            raise RuntimeError("a decode step marked for per-row attention cannot use it here")
+        attended = torch.empty((total, q_end), dtype=x.dtype, device=x.device)
         for i, layer in enumerate(self.layers):
             h = norm(layer.input_norm, x)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
@@ -201,20 +207,17 @@ class LeanDecoder:
                 q = qkv[..., :q_end].view(1, total, heads, dim).transpose(1, 2)
                 k = qkv[..., q_end:k_end].view(1, total, kv_heads, dim).transpose(1, 2)
                 q, k = self.rotate(q, k, cos, sin)
-            parts = []
             if rows:
                 keys, values = caches[i].update(_rows(k, 0, rows), _rows(v, 0, rows))
-                if padding is None:
-                    out, _ = decode_attention.attention(
-                        layer.attn, _rows(q, 0, rows), keys, values, None,
-                        scaling=layer.scaling, **kw,
-                    )  # fmt: skip
+                if plan is not None:
+                    decode_attention.attend_rows(plan, _rows(q, 0, rows), keys, values,
+                                                 layer.scaling, attended[:rows])  # fmt: skip
                 else:
                     out, _ = decode_attention.sdpa(
                         layer.attn, _rows(q, 0, rows), keys, values, padding,
                         scaling=layer.scaling,
                     )  # fmt: skip
-                parts.append(out.reshape(rows, q_end))
+                    attended[:rows].copy_(out.reshape(rows, q_end))
             at = rows
             for c, mask in zip(chunks, masks, strict=True):
                 n = len(c.tokens)
@@ -222,9 +225,8 @@ class LeanDecoder:
                 out, _ = decode_attention.sdpa(
                     layer.attn, q[:, :, at : at + n], keys, values, mask, scaling=layer.scaling
                 )
-                parts.append(out.reshape(n, q_end))
+                attended[at : at + n].copy_(out.reshape(n, q_end))
                 at += n
-            attended = parts[0] if len(parts) == 1 else torch.cat(parts)
             o = linear(attended[None], layer.o, layer.o_bias)
             if lora:
                 lora_.apply(o, attended[None], i, "o", lora)
