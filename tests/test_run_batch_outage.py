@@ -135,17 +135,20 @@ def test_a_line_sent_while_redis_is_down_is_a_503_line_and_the_run_goes_on(kind:
 
     out: list[str] = []
     try:
-        summary = asyncio.run(run_batch(url, lines(), out.append, Settings(progress_s=0)))
+        settings = Settings(progress_s=0, retry_for_s=1.0)
+        summary = asyncio.run(run_batch(url, lines(), out.append, settings))
     finally:
         server.stop()
-    # Then each line is answered as the gateway answers then: 503, unavailable
+    # Then each line, its model read retried for retry_for_s, is answered as the gateway
+    # answers then: 503, unavailable, naming the outage
     assert (summary.lines, summary.failed) == (2, 2)
     answers = [json.loads(line) for line in out]
     assert [a["custom_id"] for a in answers] == ["a", "b"]
     for answer in answers:
         assert answer["response"]["status_code"] == 503 and answer["response"]["body"] is None
         assert answer["error"]["error"]["code"] == "unavailable"
-        assert answer["error"]["error"]["message"].startswith("Redis unreachable: ")
+        assert answer["error"]["error"]["message"].startswith("cannot reach Redis at ")
+        assert "(unreachable " in answer["error"]["error"]["message"]
 
 
 def test_a_line_sent_while_the_network_is_silent_is_a_503_line_after_retry_for(
