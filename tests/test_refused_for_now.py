@@ -370,6 +370,59 @@ def test_the_model_check_alone_is_retried(
     asyncio.run(go())
 
 
+def test_the_model_s_limits_and_info_ride_out_a_read_refusal(
+    read_refusing: ReadRefusing, on_retry: Callable[..., AcceptOnRetry]
+) -> None:
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway
+
+    read_refusing.client.set(KEYS.limits, json.dumps({"max_inputs": 7, "max_entry_bytes": 999}))
+    read_refusing.client.set(KEYS.info, json.dumps({"task": "text-generation"}))
+
+    async def go() -> None:
+        async with AsyncProducer(read_refusing.url, retry_for_s=30) as producer:
+            # Given reads refused until the gateway says it retries the model's limits
+            on_retry("batchfleet.producer.gateway.retried", "the limits of", read_refusing)
+            read_refusing.refuse()
+            # Then the published limits are read, never the defaults
+            assert await Gateway(producer).limits("tiny") == (7, 999)
+            # And the same for the model's info, refused the same way
+            on_retry("batchfleet.producer.gateway.retried", "the info of", read_refusing)
+            read_refusing.refuse()
+            info = await Gateway(producer).model_info("tiny")
+            assert info is not None and info.task == "text-generation"
+
+    asyncio.run(go())
+
+
+def test_a_read_refusal_past_retry_for_s_is_raised_not_taken_as_nothing_published(
+    read_refusing: ReadRefusing,
+) -> None:
+    from batchfleet.producer.aio import AsyncProducer
+    from batchfleet.producer.gateway.app import Gateway
+
+    read_refusing.client.set(KEYS.limits, json.dumps({"max_inputs": 7, "max_entry_bytes": 999}))
+    read_refusing.client.set(KEYS.info, json.dumps({"task": "text-generation"}))
+
+    async def go() -> None:
+        async with AsyncProducer(read_refusing.url, retry_for_s=0.2) as producer:
+            gateway = Gateway(producer)
+            # Given reads refused for longer than the producer's retry_for_s
+            read_refusing.refuse()
+            # Then the reads fail as connection errors (every route's 503), not as the
+            # defaults or "no info"
+            for read in (gateway.limits, gateway.model_info):
+                with pytest.raises(redis.ConnectionError, match="MASTER is down"):
+                    await read("tiny")
+            # And nothing was kept: once reads are taken, the published values are read
+            read_refusing.accept()
+            assert await gateway.limits("tiny") == (7, 999)
+            info = await gateway.model_info("tiny")
+            assert info is not None and info.task == "text-generation"
+
+    asyncio.run(go())
+
+
 class AcceptOnRecord(logging.Handler):
     """Every record of a logger; lifts the refusal at the first (no sleep)."""
 

@@ -37,7 +37,7 @@ from .fingerprint import Fingerprints
 from .frontend import Frontend, without_tools
 from .metrics import GatewayMetrics
 from .readiness import Readiness
-from .replies import DOWN, Replies
+from .replies import Replies
 from .retried import retried
 from .stored import DEFAULT_MAX_BYTES, DEFAULT_TTL_S, ResponseStore
 
@@ -164,12 +164,12 @@ class Gateway:
             return known
         limits = self.producer.limits
         found = (limits.max_inputs, limits.max_entry_bytes)
+        raw = await self._read(ModelKeys(model).limits, f"the limits of {model!r}")
         try:
-            raw = await self.producer.client.get(ModelKeys(model).limits)
             published = json.loads(raw) if raw is not None else {}
             found = (int(published.get("max_inputs", found[0])),
                      int(published.get("max_entry_bytes", found[1])))  # fmt: skip
-        except (*DOWN, redis.ResponseError, ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:
             logger.warning("limits of %s unreadable (%s): taking the defaults", model, exc)
         self._limits[model] = (time.monotonic(), found)
         return found
@@ -180,14 +180,25 @@ class Gateway:
         at, known = self._info.get(model, (-MODELS_CACHE_S, None))
         if time.monotonic() - at < MODELS_CACHE_S:
             return known
+        raw = await self._read(ModelKeys(model).info, f"the info of {model!r}")
         try:
-            raw = await self.producer.client.get(ModelKeys(model).info)
             known = decode_model_info(raw) if raw is not None else None
-        except (*DOWN, redis.ResponseError, ValueError) as exc:
+        except ValueError as exc:
             logger.warning("info of %s unreadable (%s): left out", model, exc)
             known = None
         self._info[model] = (time.monotonic(), known)
         return known
+
+    async def _read(self, key: str, what: str) -> bytes | str | None:
+        """``key``'s value, read with retries (:mod:`.retried`) as the model check is: a
+        failover is never taken for "nothing published" (the defaults, or no info, would
+        be kept for MODELS_CACHE_S); past ``retry_for_s`` the failure is raised (503). A
+        refusal that is Redis's answer (``NOPERM``, ``WRONGTYPE``) reads as nothing."""
+        try:
+            return await retried(lambda: self.producer.client.get(key), self.retry_for_s, what)
+        except redis.ResponseError as exc:
+            logger.warning("%s unreadable (%s): taken as none published", what, exc)
+            return None
 
     async def sampling(self, model: str) -> dict[str, float | int]:
         """``model``'s sampling defaults, as its workers published them (none: greedy)."""
