@@ -107,9 +107,14 @@ class Outputs(RunnerState):
         :attr:`.OutputSplit.streamed`), and each tool call once, in the delta that
         completes it. They are kept till the step returns (:class:`~.gen_state.Unsent`):
         their ``sent`` offsets moved past them."""
-        out: list[Partial] = []
         sent = r.sent
-        for i, s in enumerate(r.seqs):
+        seqs = r.seqs
+        if len(seqs) == 1 and sent[0] and seqs[0].split is None:
+            spec = r.spec
+            if spec.sampling.logprobs is None and not spec.token_ids:
+                return self._plain_delta(r, seqs[0], final)
+        out: list[Partial] = []
+        for i, s in enumerate(seqs):
             text = s.text.delta(final)
             n = len(s.text.tokens)
             split = s.split
@@ -131,6 +136,19 @@ class Outputs(RunnerState):
         if out:
             self._unsent.events += out
         return out
+
+    def _plain_delta(self, r: GenReq, s: GenSeq, final: bool) -> tuple[Partial, ...]:
+        """:meth:`_deltas` of most requests, per row and step: one output, past its
+        first delta, with text and counts alone (no logprobs, token ids or split)."""
+        text = s.text.delta(final)
+        n = len(s.text.tokens)
+        sent = r.sent
+        if not text and n <= sent[0]:
+            return ()
+        ev = Partial(r.key, {"input": 0, "text": text, "tokens": n - sent[0]})
+        sent[0] = n
+        self._unsent.events.append(ev)
+        return (ev,)
 
     def _prompt_echo(self, r: GenReq, i: int) -> dict[str, Any]:
         """What the first delta of output ``i`` carries of its prompt for a stream to echo
@@ -218,6 +236,17 @@ class Outputs(RunnerState):
         return decode_keeping
 
     def _decode(self, ids: Sequence[int]) -> str:
+        """``ids``' text, special tokens skipped. A lone token's comes from
+        :attr:`_one_token` once decoded: a stream's window decodes its last committed
+        token alone, per row and step (:class:`~..generation.detok.TextStream`)."""
+        if len(ids) == 1:
+            one = self._one_token.get(ids[0])
+            if one is None:
+                one = self._one_token[ids[0]] = self._decode_ids(ids)
+            return one
+        return self._decode_ids(ids)
+
+    def _decode_ids(self, ids: Sequence[int]) -> str:
         if self._backend_decode is not None:
             fast: str = self._backend_decode(ids, skip_special_tokens=True)
             return fast

@@ -81,7 +81,8 @@ class Setup(RunnerState):
             else None
         )
         """The fast tokenizer's own decode: what ``tokenizer.decode`` returns without its
-        cleanup (off here), at a quarter of the cost; a step decodes two windows per token."""
+        cleanup (off here), at a quarter of the cost; a step decodes two windows per token
+        (the first, mostly one token, kept: :meth:`~.gen_outputs.Outputs._decode`)."""
 
     def _load_model(self, path: str | Path, opts: dict[str, Any]) -> None:
         """The weights (``gguf_file``: from that file), in :attr:`dtype` on

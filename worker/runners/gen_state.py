@@ -236,6 +236,7 @@ class RunnerState:
     _think_end: Marker | None
     _think_open: int | None
     _decodes: dict[tuple[str, ...], Decode]
+    _one_token: dict[int, str]
     _grammars: Grammars | str
     _reqs: dict[str, GenReq]
     _compiling: dict[str, tuple[GenReq, int]]

@@ -142,6 +142,9 @@ class TextGenerationRunner(Stepping, Preparing, Info, Setup, EngineSetup, Option
         self._decodes: dict[tuple[str, ...], Decode] = {}
         """How the texts that parsers read are decoded, by the markers they look for
         (kept where this tokenizer makes them special tokens)."""
+        self._one_token: dict[int, str] = {}
+        """Each token's text decoded alone, special tokens skipped (:meth:`_decode`: at
+        most one entry per vocabulary token)."""
         self._grammars = self._make_grammars()
         """Compiles ``structured_outputs`` (a string: why this model cannot take them)."""
         self._reqs: dict[str, GenReq] = {}
