@@ -238,8 +238,7 @@ class GenScheduler:
             return Decision(None, [], None)
         transit = self._transit()
         credit = self.policy.credit() if ahead else None
-        waiting = [self._views.of(h, self._resume.get(k), self.held)
-                   for k, h in self.held.items() if k not in transit]  # fmt: skip
+        waiting = self._views.of_all(self.held, self._resume, transit)
         freeing = self.children.freeing(self.inflight)
         running = [
             g
