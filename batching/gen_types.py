@@ -7,7 +7,7 @@ simulator (:mod:`.gen_sim_live`) from their own state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,45 @@ class GenRunning:
     preempted on its own, as vLLM preempts the child requests of ``n > 1``, the last
     first, all of them if need be (:mod:`.gen_victims`); empty: the request is preempted
     whole (a single sequence, a beam search's rounds)."""
+
+
+_RUNNING_FIELDS = ("key", "lane", "arrived_at", "deadline", "started_at", "contexts",
+                   "prefill_left", "max_new_tokens_left", "preempted", "seqs")  # fmt: skip
+if tuple(f.name for f in fields(GenRunning)) != _RUNNING_FIELDS:
+    raise RuntimeError("GenRunning's fields changed: update running() below")
+_SET_RUNNING = tuple(getattr(GenRunning, name).__set__ for name in _RUNNING_FIELDS)
+
+
+def running(
+    key: str,
+    lane: int,
+    arrived_at: float,
+    deadline: float | None,
+    started_at: float,
+    contexts: tuple[int, ...],
+    prefill_left: tuple[int, ...],
+    max_new_tokens_left: int,
+    preempted: int = 0,
+    seqs: tuple[int, ...] = (),
+) -> GenRunning:
+    """``GenRunning(...)``, equal to it, at about a third of its cost: its slots set
+    directly, not through the frozen dataclass's ``__init__``. The worker makes one per
+    running request each plan (64 running: about 0.3 ms a step on the loop thread)."""
+    r = object.__new__(GenRunning)
+    s_key, s_lane, s_arrived, s_deadline, s_started, s_ctx, s_pre, s_left, s_pmt, s_seqs = (
+        _SET_RUNNING
+    )
+    s_key(r, key)
+    s_lane(r, lane)
+    s_arrived(r, arrived_at)
+    s_deadline(r, deadline)
+    s_started(r, started_at)
+    s_ctx(r, contexts)
+    s_pre(r, prefill_left)
+    s_left(r, max_new_tokens_left)
+    s_pmt(r, preempted)
+    s_seqs(r, seqs)
+    return r
 
 
 @dataclass(frozen=True, slots=True)

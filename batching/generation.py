@@ -77,12 +77,15 @@ class GenerationPolicy:
         bound = pol.max_starvation_ms / 1000.0
         slack = bound * STARVATION_SLACK
 
+        # (these two loops see every running and waiting request, every step: kept to
+        # plain arithmetic, the policy's attributes read once)
         stop: list[str] = []
         live: list[GenRunning] = []
         used = seqs = 0
         for r in running:
             blocks = reserved_blocks(r, page)
-            if r.deadline is not None and r.deadline <= now:
+            deadline = r.deadline
+            if deadline is not None and deadline <= now:
                 stop.append(r.key)
             elif blocks > total and outgrew(r, page, total):
                 stop.append(r.key)  # alone it outgrew the cache: resuming cannot help
@@ -94,12 +97,14 @@ class GenerationPolicy:
         refuse: list[tuple[str, str]] = []
         candidates: list[GenWaiting] = []
         room = total - pol.watermark_blocks
-        for w in waiting:  # (every waiting request, every step: kept to plain arithmetic)
-            if w.parent is not None and w.parent in stop:
+        max_running = pol.max_running
+        for w in waiting:
+            parent, deadline = w.parent, w.deadline
+            if parent is not None and parent in stop:
                 continue  # a sequence of a request that ends now: it ends with it
-            if w.deadline is not None and w.deadline <= now:
+            if deadline is not None and deadline <= now:
                 expire.append(w.key)
-            elif len(w.prompts) > pol.max_running or admission_blocks(w, page) > room:
+            elif len(w.prompts) > max_running or admission_blocks(w, page) > room:
                 refuse.append((w.key, never_fits(w, pol)))  # not even alone, ever
             else:
                 candidates.append(w)
@@ -157,16 +162,21 @@ def _wake_at(
     """Earliest future deadline of anything not ended, or promotion instant of a lower-lane
     request that waits after this plan (a preempted request waits too)."""
     admitted = set(admit)
-    times: list[float] = []
-    for w in candidates:
-        if w.deadline is not None:
-            times.append(w.deadline)
-        if w.key not in admitted and w.lane > 0:
-            times.append(w.arrived_at + promote_after)
+    soonest: float | None = None
+    for w in candidates:  # (every waiting request: no list of times built)
+        t = w.deadline
+        if t is not None and t > now and (soonest is None or t < soonest):
+            soonest = t
+        if w.lane > 0 and w.key not in admitted:
+            t = w.arrived_at + promote_after
+            if t > now and (soonest is None or t < soonest):
+                soonest = t
     for r in live:
-        if r.deadline is not None:
-            times.append(r.deadline)
-        if r.key in preempted and r.lane > 0:
-            times.append(r.arrived_at + promote_after)
-    future = [t for t in times if t > now]
-    return min(future) if future else None
+        t = r.deadline
+        if t is not None and t > now and (soonest is None or t < soonest):
+            soonest = t
+        if r.lane > 0 and r.key in preempted:
+            t = r.arrived_at + promote_after
+            if t > now and (soonest is None or t < soonest):
+                soonest = t
+    return soonest

@@ -44,6 +44,9 @@ from .runner import LOST, Failed, Final, Partial, Preempted, Progress, StepRepor
 from .scheduler import Decision, Step, step_ids
 from .streams import Entry
 
+_ENDS = (Final, Failed)
+"""The events that end a request."""
+
 REFUSED = "this request can never start on this worker"
 """How the ``invalid_request`` answer of a request the policy refuses begins (its
 sequences can never fit the KV cache or the running batch together)."""
@@ -189,10 +192,15 @@ class GenScheduler:
         of a request's ``n`` completions (vLLM's parallel sampling fans ``n`` out into as
         many requests); a preempted one's unfinished ones; a beam search's inputs (its
         first round is a request per prompt)."""
-        return len(self.children.waiting) + sum(
-            len(res.prompts) if (res := self._resume.get(k)) is not None
-            else h.request.input_count if h.request.use_beam_search
-            else h.prepared.rows for k, h in self.held.items())  # fmt: skip
+        resume = self._resume
+        n = len(self.children.waiting)
+        for k, h in self.held.items():  # (every waiting request, each step: a plain loop)
+            if resume and (res := resume.get(k)) is not None:
+                n += len(res.prompts)
+            else:
+                req = h.request
+                n += req.input_count if req.use_beam_search else h.prepared.rows
+        return n
 
     def read_budget(self) -> int:
         """Read enough to keep the admission policy choosing (about two batches' worth)."""
@@ -238,8 +246,7 @@ class GenScheduler:
             return Decision(None, [], None)
         transit = self._transit()
         credit = self.policy.credit() if ahead else None
-        waiting = [self._views.of(h, self._resume.get(k), self.held)
-                   for k, h in self.held.items() if k not in transit]  # fmt: skip
+        waiting = self._views.of_all(self.held, self._resume, transit)
         freeing = self.children.freeing(self.inflight)
         running = [
             g
@@ -352,27 +359,34 @@ class GenScheduler:
         self.children.resumed.pop(step_id, None)
         if self.inflight:  # the next one began as this one ended
             self.inflight[0].started_at = finished_at
-        for ev in report.events:  # parked by its runner (out of memory), ended by a stop
-            if isinstance(ev, Final | Failed) and ev.key in self._resume:  # planned before
-                self._unpark(ev.key)
-        named = {ev.key: r for ev in report.events if (r := self.running.get(ev.key)) is not None}
-        for ev in report.events:  # as the device thread numbered them (before a Resume saves it)
-            if isinstance(ev, Partial) and (r := named.get(ev.key)) is not None:
-                r.seq += 1
+        events = report.events  # (a token a running request: a few passes, each lean)
+        if self._resume:
+            for ev in events:  # parked by its runner (out of memory), ended by a stop
+                if isinstance(ev, _ENDS) and ev.key in self._resume:  # planned before
+                    self._unpark(ev.key)
+        running = self.running
+        named: dict[str, Running] = {}
+        for ev in events:
+            if (r := running.get(ev.key)) is not None:
+                named[ev.key] = r
+                if isinstance(ev, Partial):  # as the device thread numbered them (before a
+                    r.seq += 1  # Resume saves it)
         for h in step.held:  # admitted by it: they started when it did (planned ahead: later)
-            r = self.running.get(h.waiting.key)
+            r = running.get(h.waiting.key)
             if r is not None and r.resumed is None:
                 r.started_at = started_at
-        for ev in report.events:
-            r = self.running.get(ev.key)
-            if r is None and isinstance(ev, Final | Failed) and ev.key in self._resume:
+        for ev in events:
+            if isinstance(ev, Partial):
+                continue  # (streamed already: nothing changes here)
+            r = running.get(ev.key)
+            if r is None and isinstance(ev, _ENDS) and ev.key in self._resume:
                 self._unpark(ev.key)  # parked earlier in these events (a crashed step's
-                r = self.running[ev.key]  # preemption, carried over), then stopped
+                r = running[ev.key]  # preemption, carried over), then stopped
             if r is None:
-                if isinstance(ev, Final | Failed):  # (abandoned before: ended, not to stop)
+                if isinstance(ev, _ENDS):  # (abandoned before: ended, not to stop)
                     self._stops.pop(ev.key, None)
                 continue
-            if isinstance(ev, Final | Failed):
+            if isinstance(ev, _ENDS):
                 del self.running[ev.key]
                 self._stops.pop(ev.key, None)
                 self.children.drop(ev.key)
@@ -397,7 +411,7 @@ class GenScheduler:
             self._restop(step)  # (a second crash in a row empties the runner: none needed)
         report.settle()  # done already where a DeltaWriter posted it (the device thread)
         for key, progress in report.progress.items():
-            if (r := self.running.get(key)) is not None:
+            if (r := running.get(key)) is not None:
                 r.progress = progress
                 r.resumed = None  # it ran: withdrawing a later step never parks it again
         if report.out_of_memory:  # the runner halved its step budget (see its docstring)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from ..batching.gen_types import GenRunning, GenWaiting
+from ..batching.gen_types import GenRunning, GenWaiting, running
 from .answers import Held
 from .runner import Preempted, Progress
 from .scheduler import Step
@@ -160,12 +160,27 @@ class WaitingViews:
     def __init__(self) -> None:
         self._views: dict[str, tuple[Held, Resume | None, GenWaiting]] = {}
 
-    def of(self, h: Held, res: Resume | None, held: Mapping[str, Held]) -> GenWaiting:
-        """The view of ``h`` (``res``: its state, preempted); ``held``: all those waiting."""
+    def of_all(
+        self, held: Mapping[str, Held], resume: Mapping[str, Resume], skip: set[str]
+    ) -> list[GenWaiting]:
+        """The views of those ``held`` not in ``skip``, in order (``resume``: the state of
+        those preempted): remade only where it changed (each plan sees every waiting one)."""
+        views = self._views
+        out: list[GenWaiting] = []
+        for k, h in held.items():
+            if k in skip:
+                continue
+            res = resume.get(k) if resume else None
+            known = views.get(k)
+            if known is not None and known[0] is h and known[1] is res:
+                out.append(known[2])
+            else:
+                out.append(self._make(h, res, held))
+                views = self._views  # (pruned: a new dict)
+        return out
+
+    def _make(self, h: Held, res: Resume | None, held: Mapping[str, Held]) -> GenWaiting:
         w = h.waiting
-        known = self._views.get(w.key)
-        if known is not None and known[0] is h and known[1] is res:
-            return known[2]
         prompts = res.prompts if res else prompts_of(h)
         left = res.max_new_tokens if res else h.prepared.max_new_tokens
         view = GenWaiting(w.key, w.lane, w.arrived, w.deadline, prompts, left)
@@ -199,16 +214,18 @@ def running_view(
 ) -> GenRunning | None:
     """The policy's view of a running request once the ``ahead`` steps in flight are
     done: a decoding sequence a token longer per step, less the sequences they free
-    alone (``freeing``); None if they end it."""
+    alone (``freeing``); None if they end it. Made for every running request each plan:
+    kept to plain arithmetic, and built without the frozen dataclass's ``__init__``."""
     w = r.held.waiting
     p = without(r.progress, freeing) if freeing else r.progress
     contexts = p.contexts
+    prefill = p.prefill_left
     left = p.max_new_tokens_left
-    if ahead and contexts and not any(p.prefill_left):
+    if ahead and contexts and not (prefill[0] if len(prefill) == 1 else any(prefill)):
         if left <= ahead:
             return None  # its last token is in flight: it leaves with that step
         contexts = ((contexts[0] + ahead,) if len(contexts) == 1  # (the common case)
                     else tuple(c + ahead for c in contexts))  # fmt: skip
         left -= ahead
-    return GenRunning(key, w.lane, w.arrived, w.deadline, r.started_at, contexts,
-                      p.prefill_left, left, r.preempted, p.seqs)  # fmt: skip
+    return running(key, w.lane, w.arrived, w.deadline, r.started_at, contexts, prefill, left,
+                   r.preempted, p.seqs)  # fmt: skip

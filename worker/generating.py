@@ -67,8 +67,10 @@ class Generating:
         out: list[Outgoing] = []
         failed = 0
         for ev in done.report.events:
+            if isinstance(ev, Partial):
+                continue  # (most events: a token, streamed already)
             r = named.get(ev.key)
-            if r is None or isinstance(ev, Partial) or r.lost:
+            if r is None or r.lost:
                 continue  # (lost: another worker took it over and answers it)
             held = r.held
             run = BatchRun(step.step_id, len(named), r.started_at, done.finished_at)
@@ -107,8 +109,8 @@ class Generating:
             produced = {ev.key: 0 for ev in report.events if isinstance(ev, Partial | Final)}
         gaps: list[tuple[int, float]] = []
         for key, n in produced.items():
-            r = named.get(key) or running.get(key)
-            if r is None:
+            r = named.get(key)
+            if r is None and (r := running.get(key)) is None:
                 continue
             if r.first_token_at is None:
                 r.first_token_at = at

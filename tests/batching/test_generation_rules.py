@@ -531,3 +531,16 @@ def test_refusal_says_what_never_fits(
     plan = GenerationPolicy(policy).plan([gw("big", 0.1, prompts=prompts)], [], 0.5)
     ((key, why),) = plan.refuse
     assert key == "big" and all(w in why for w in words), why
+
+
+def test_wake_at_is_the_next_instant_strictly_after_now() -> None:
+    # No slot frees (lane 0 runs in the only one): neither lower-lane request is admitted.
+    # One is promoted right now; the plan wakes for the other's promotion, or a deadline.
+    policy = GenerationPolicy(tokens_policy(max_running=1, starvation_ms=1000))
+    waiting = [gw("due", 0.25, lane=1), gw("later", 0.5, lane=2)]
+    plan = policy.plan(waiting, [gr("a", 0.0)], 1.0)  # promote_after 0.75: at 1.0 and 1.25
+    assert plan.admit == () and plan.wake_at == 1.25
+    far = [*waiting, gw("far", 0.95, lane=1, deadline=1.5)]
+    assert policy.plan(far, [gr("a", 0.0)], 1.0).wake_at == 1.25
+    soon = [*far, gw("dl", 0.9, lane=1, deadline=1.1)]
+    assert policy.plan(soon, [gr("a", 0.0)], 1.0).wake_at == 1.1
