@@ -33,6 +33,7 @@ from ..config import FleetConfig, MetricsConfig
 from ..connection import SyncClient, connect
 from ..queue_gauges import queue_families, read_queues
 from .lora_metrics import LoraCollector
+from .metric_children import Hist, Series
 from .metric_families import Metrics
 from .observers import (
     Answered,
@@ -54,56 +55,60 @@ logger = logging.getLogger(__name__)
 
 
 class PrometheusObserver:
-    """Feeds the :class:`~.metric_families.Metrics` families from the loop's events."""
+    """Feeds the :class:`~.metric_families.Metrics` families from the loop's events: a
+    step's (the loop thread's) and a batch of results' (the sink's) at a few updates
+    each, the same values as one update per event (:mod:`.metric_children`)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
-        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._child: dict[tuple[int, tuple[str, ...]], Any] = {}
-        """(family id, label values) -> its child (see :meth:`of`)."""
+        self.series = Series()
 
     def of(self, family: Any, *labels: str) -> Any:
         """``family.labels(*labels)``, looked up once: a generating model's every step sets
         a dozen series, and ``labels()`` costs more than setting one."""
-        key = (id(family), labels)
-        child = self._child.get(key)
-        if child is None:
-            child = self._child[key] = family.labels(*labels)
-        return child
+        return self.series.count(family, *labels)
 
     def notify(self, event: LoopEvent) -> None:
-        if isinstance(event, Dispatched):
+        if isinstance(event, Generated):
+            self._generated(event)
+        elif isinstance(event, Dispatched):
             self._dispatched(event.model, event.batch)
         elif isinstance(event, BatchDone):
-            self.of(self.m.inference, event.model).observe(event.seconds)
-            self.of(self.m.rows, event.model).inc(event.batch.rows)
+            inference, rows = self.series.group(("done", event.model), lambda: (
+                self.series.hist(self.m.inference, event.model),
+                self.of(self.m.rows, event.model)))  # fmt: skip
+            inference.observe(event.seconds)
+            rows.inc(event.batch.rows)
             if event.out_of_memory:
                 self.of(self.m.oom, event.model).inc()
         elif isinstance(event, Answered):
             self._answered(event.model, event.replies)
         elif isinstance(event, DeadLettered):
-            self.m.dead_letters.labels(event.model, event.code).inc()
-        elif isinstance(event, Generated):
-            self.of(self.m.running, event.model).set(event.running)
-            self.of(self.m.waiting, event.model).set(event.waiting)
-            self.of(self.m.kv_usage, event.model).set(event.kv_tokens / max(1, event.kv_capacity))
-            if event.preempted:
-                self.of(self.m.preemptions, event.model).inc(event.preempted)
-            if event.tokens:
-                self.of(self.m.step_tokens, event.model).inc(event.tokens)
-            if event.prefilled:
-                self.of(self.m.step_prefill, event.model).inc(event.prefilled)
-            if event.gaps:
-                self.m.inter_token.add(event.model, event.gaps)
-            if event.drafted[0]:
-                self._speculated(event.model, event.drafted, event.accepted)
-            if event.spec_skipped:
-                self.of(self.m.spec_skipped, event.model).inc(event.spec_skipped)
-            self.of(self.m.compiling, event.model).set(event.compiling)
-            if event.compiled_s:
-                compile_ = self.of(self.m.compile, event.model)
-                for seconds in event.compiled_s:
-                    compile_.observe(seconds)
+            self.of(self.m.dead_letters, event.model, event.code).inc()
+
+    def _generated(self, event: Generated) -> None:
+        m, model, series = self.m, event.model, self.series
+        running, waiting, kv_usage, compiling = series.group(("step", model), lambda: tuple(
+            series.level(family, model) for family in (m.running, m.waiting, m.kv_usage,
+                                                       m.compiling)))  # fmt: skip
+        running.set(event.running)
+        waiting.set(event.waiting)
+        kv_usage.set(event.kv_tokens / max(1, event.kv_capacity))
+        if event.preempted:
+            self.of(m.preemptions, model).inc(event.preempted)
+        if event.tokens:
+            self.of(m.step_tokens, model).inc(event.tokens)
+        if event.prefilled:
+            self.of(m.step_prefill, model).inc(event.prefilled)
+        if event.gaps:
+            m.inter_token.add(model, event.gaps)
+        if event.drafted[0]:
+            self._speculated(model, event.drafted, event.accepted)
+        if event.spec_skipped:
+            self.of(m.spec_skipped, model).inc(event.spec_skipped)
+        compiling.set(event.compiling)
+        if event.compiled_s:
+            series.hist(m.compile, model).observe_all(event.compiled_s)
 
     def _speculated(self, model: str, drafted: tuple[int, int], accepted: tuple[int, ...]) -> None:
         self.of(self.m.spec_drafts, model).inc(drafted[0])
@@ -113,48 +118,75 @@ class PrometheusObserver:
             self.of(self.m.spec_accepted_per_pos, model, str(position)).inc(n)
 
     def _dispatched(self, model: str, batch: Batch) -> None:
-        self.of(self.m.batches, model, batch.reason).inc()
-        self.of(self.m.batch_rows, model).observe(batch.rows)
-        self.of(self.m.padded_tokens, model).observe(batch.padded_tokens)
-        self.of(self.m.padding_waste, model).observe(batch.padding_waste)
+        m, series = self.m, self.series
+        self.of(m.batches, model, batch.reason).inc()
+        rows, padded, waste = series.group(("dispatched", model), lambda: tuple(
+            series.hist(family, model) for family in (m.batch_rows, m.padded_tokens,
+                                                      m.padding_waste)))  # fmt: skip
+        rows.observe(batch.rows)
+        padded.observe(batch.padded_tokens)
+        waste.observe(batch.padding_waste)
 
     def _answered(self, model: str, answered: Sequence[Reply]) -> None:
+        """A batch of results: each series' values gathered, then updated once (series
+        looked up in the order one update per result would create them)."""
+        m = self.m
         counts: Tally[tuple[str, str]] = Tally()
+        errors: Tally[str] = Tally()
+        values: dict[Hist, list[float]] = {}
+        generated = prompted = cached = 0
+        used = detailed = False
         for a in answered:
             lane = str(a.lane)
             res = a.result
             counts[lane, res.status] += 1
             if res.error is not None:
                 code = res.error.code
-                self.m.errors.labels(model, getattr(code, "value", code)).inc()
+                errors[getattr(code, "value", code)] += 1
             t = res.timings
             latency, queue_wait, batch_wait = self._lane(model, lane)
-            latency.observe(t.total_ms / 1000)
+            _gather(values, latency, t.total_ms / 1000)
             if res.status == "ok":
-                queue_wait.observe(t.queued_ms / 1000)
-                batch_wait.observe(t.batch_wait_ms / 1000)
+                _gather(values, queue_wait, t.queued_ms / 1000)
+                _gather(values, batch_wait, t.batch_wait_ms / 1000)
             if t.first_token_ms is not None:
-                self.m.first_token.labels(model, lane).observe(t.first_token_ms / 1000)
+                first = self.series.hist(m.first_token, model, lane)
+                _gather(values, first, t.first_token_ms / 1000)
             if res.usage is not None:
-                self.m.generated_tokens.labels(model).inc(res.usage.completion_tokens)
-                self.m.prompt_tokens.labels(model).inc(res.usage.prompt_tokens)
+                used = True
+                generated += res.usage.completion_tokens
+                prompted += res.usage.prompt_tokens
                 details = res.usage.prompt_tokens_details
                 if details is not None:
-                    self.m.cached_tokens.labels(model).inc(details.cached_tokens)
+                    detailed = True
+                    cached += details.cached_tokens
+        for code, n in errors.items():
+            self.of(m.errors, model, code).inc(n)
+        for hist, observed in values.items():
+            hist.observe_all(observed)
+        if used:
+            self.of(m.generated_tokens, model).inc(generated)
+            self.of(m.prompt_tokens, model).inc(prompted)
+        if detailed:
+            self.of(m.cached_tokens, model).inc(cached)
         for (lane, status), n in counts.items():
-            self.m.results.labels(model, lane, status).inc(n)
+            self.of(m.results, model, lane, status).inc(n)
 
-    def _lane(self, model: str, lane: str) -> tuple[Any, Any, Any]:
-        """The per-lane histogram children (label lookups cost more than observing)."""
-        key = (model, lane)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = (
-                self.m.latency.labels(model, lane),
-                self.m.queue_wait.labels(model, lane),
-                self.m.batch_wait.labels(model, lane),
-            )
-        return found
+    def _lane(self, model: str, lane: str) -> tuple[Hist, Hist, Hist]:
+        """A lane's latency, queue-wait and batch-wait series, made together."""
+        hist, m = self.series.hist, self.m
+        return self.series.group(("lane", model, lane), lambda: (
+            hist(m.latency, model, lane), hist(m.queue_wait, model, lane),
+            hist(m.batch_wait, model, lane)))  # fmt: skip
+
+
+def _gather(values: dict[Hist, list[float]], hist: Hist, value: float) -> None:
+    """Add ``value`` to those gathered for ``hist``."""
+    found = values.get(hist)
+    if found is None:
+        values[hist] = [value]
+    else:
+        found.append(value)
 
 
 class StreamCollector(Collector):  # type: ignore[misc]

@@ -17,21 +17,16 @@ from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..schemas.errors import ErrorCode
-from ..schemas.messages import Result
-from .observers import Answered, Generated, LoopEvent, Reply
+from .metric_children import Hist, Level, Series
+from .observers import Answered, Generated, LoopEvent
 from .token_gaps import TokenGaps
+from .vllm_results import PHASES, Gathered
 
 ENGINE = "0"
 LABELS = ("model_name", "engine")
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 """vLLM's ``FINISH_REASON_STRINGS``: each ``vllm:request_success_total`` series exists
 from the start."""
-ABORTED = {"deadline": "abort", "cancelled": "abort"}
-"""Our ``finish_reason`` values vLLM names otherwise (``stop`` and ``length`` are the same)."""
-ENGINE_ERRORS = frozenset({ErrorCode.INFERENCE_FAILED, ErrorCode.POISONED, ErrorCode.INTERNAL})
-"""Error results vLLM would count as ``finished_reason="error"`` (a request that failed in
-the engine); a bad request is refused before vLLM's engine and is not counted."""
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -213,13 +208,14 @@ class VllmMetrics:
 
 class VllmObserver:
     """Feeds :class:`VllmMetrics` from the loop's events, for generating models only: one
-    whose fleet entry runs ``text-generation``, or any that reports a step."""
+    whose fleet entry runs ``text-generation``, or any that reports a step. A batch of
+    results updates each series once (:class:`~.vllm_results.Gathered`)."""
 
     def __init__(self, metrics: VllmMetrics, model: str, generating: bool) -> None:
         self.m = metrics
         self.model = model
         self.generating = False
-        self._steps: dict[str, _StepSeries] = {}
+        self.series = Series()
         if generating:
             self._start()
 
@@ -233,26 +229,15 @@ class VllmObserver:
                 self._start()
             self._generated(event)
         elif isinstance(event, Answered) and self.generating:
+            gathered = Gathered()
             for reply in event.replies:
-                self._answered(reply)
-
-    def _step_series(self, model: str) -> _StepSeries:
-        """The series every step sets (looking a labelled child up costs about 1 µs)."""
-        series = self._steps.get(model)
-        if series is None:
-            m, labels = self.m, (model, ENGINE)
-            series = self._steps[model] = _StepSeries(
-                m.running.labels(*labels), m.waiting.labels(*labels),
-                m.waiting_by_reason.labels(*labels, "capacity"),
-                m.waiting_by_reason.labels(*labels, "deferred"),
-                m.kv_usage.labels(*labels), m.gpu_cache_usage.labels(*labels),
-                m.iteration_tokens.labels(*labels), m.generation_tokens.labels(*labels),
-            )  # fmt: skip
-        return series
+                gathered.add(reply)
+            self._answered(gathered)
 
     def _generated(self, e: Generated) -> None:
         m, labels = self.m, (e.model, ENGINE)
-        step = self._step_series(e.model)
+        count = self.series.count
+        step = self.series.group(labels, lambda: _StepSeries.of(self.series, m, labels))
         # vLLM's scheduler keeps a request whose constraint compiles waiting (skipped):
         # counted in num_requests_waiting, by the reason "deferred", not as running; and
         # one that a later step admits (planned already) waits until that step runs it
@@ -267,139 +252,70 @@ class VllmObserver:
         step.kv_usage.set(usage)
         step.gpu_cache_usage.set(usage)
         if e.preempted:
-            m.preemptions.labels(*labels).inc(e.preempted)
+            count(m.preemptions, *labels).inc(e.preempted)
         if e.tokens:
             step.generation_tokens.inc(e.tokens)
         if e.gaps:
             m.inter_token.add_to(labels, e.gaps)
         if e.drafted[0]:
-            m.spec_drafts.labels(*labels).inc(e.drafted[0])
-            m.spec_draft_tokens.labels(*labels).inc(e.drafted[1])
-            m.spec_accepted.labels(*labels).inc(sum(e.accepted))
+            count(m.spec_drafts, *labels).inc(e.drafted[0])
+            count(m.spec_draft_tokens, *labels).inc(e.drafted[1])
+            count(m.spec_accepted, *labels).inc(sum(e.accepted))
             for position, n in enumerate(e.accepted):
-                m.spec_accepted_per_pos.labels(*labels, str(position)).inc(n)
+                count(m.spec_accepted_per_pos, *labels, str(position)).inc(n)
 
-    def _answered(self, reply: Reply) -> None:
-        m, labels, res = self.m, (self.model, ENGINE), reply.result
-        outputs = [_counts(o) for o in res.outputs or ()]
-        if (prompted := _prompted(outputs, res)) is not None:
-            prompt, cached, recomputed = prompted
-            m.prompt_tokens.labels(*labels).inc(prompt)
-            m.prefix_queries.labels(*labels).inc(prompt)
-            m.prefix_hits.labels(*labels).inc(cached)
-            self._sources(prompt, cached, recomputed)
-        if res.status == "error":
-            code = res.error.code if res.error is not None else None
-            if code in ENGINE_ERRORS:
-                m.success.labels(*labels, "error").inc(_outputs_asked(reply))
-            return
-        if res.status != "ok":  # expired: its deadline passed before it ran
-            m.success.labels(*labels, "abort").inc(_outputs_asked(reply))
-            return
-        request = reply.request
-        n = (request.n if request is not None else None) or 1
-        for first in range(0, len(outputs), n):  # an input's n completions
-            m.params_n.labels(*labels).observe(n)
-            most = max(out.completion_tokens for out in outputs[first : first + n])
-            m.max_generation_tokens.labels(*labels).observe(most)
-        phases = _phases(res)
-        for out in outputs:
-            m.success.labels(*labels, ABORTED.get(out.finish_reason, out.finish_reason)).inc()
-            m.request_prompt_tokens.labels(*labels).observe(out.prompt_tokens)
-            m.request_generation_tokens.labels(*labels).observe(out.completion_tokens)
-            computed = out.prompt_tokens - max(out.cached_tokens, 0)
-            m.prefill_kv_computed.labels(*labels).observe(computed)
-            if request is not None and request.max_new_tokens is not None:
-                m.params_max_tokens.labels(*labels).observe(request.max_new_tokens)
-            self._timed(out, phases)
-
-    def _sources(self, prompt: int, cached: int, recomputed: int) -> None:
-        """A request's prompt tokens by source, as vLLM's ``PromptTokenStats``: computed
-        here, or cached (a fully cached prompt's last token, recomputed, counts in both)."""
+    def _answered(self, got: Gathered) -> None:
+        """A batch of results' counts and observations, each series updated once."""
         m, labels = self.m, (self.model, ENGINE)
-        m.prompt_by_source.labels(*labels, "local_compute").inc(prompt - cached)
-        m.prompt_by_source.labels(*labels, "local_cache_hit").inc(cached + recomputed)
-        m.prompt_cached.labels(*labels).inc(cached)
-        if recomputed:
-            m.prompt_recomputed.labels(*labels).inc(recomputed)
+        count, hist = self.series.count, self.series.hist
+        if got.prompted:
+            count(m.prompt_tokens, *labels).inc(got.prompt)
+            count(m.prefix_queries, *labels).inc(got.prompt)
+            count(m.prefix_hits, *labels).inc(got.cached)
+            self._sources(got)
+        for reason, n in got.success.items():
+            count(m.success, *labels, reason).inc(n)
+        for family, values in (
+            (m.params_n, got.params_n), (m.max_generation_tokens, got.most_generated),
+            (m.request_prompt_tokens, got.prompt_tokens),
+            (m.request_generation_tokens, got.generation_tokens),
+            (m.prefill_kv_computed, got.prefill_computed),
+            (m.params_max_tokens, got.max_tokens), (m.ttft, got.ttft),
+            *((m.phases[name], got.phases[name]) for name in PHASES),
+            (m.time_per_output_token, got.per_output_token),
+        ):  # fmt: skip
+            if values:
+                hist(family, *labels).observe_all(values)
 
-    def _timed(self, out: _Output, phases: dict[str, float] | None) -> None:
-        """An output's latencies: its request's (they run, and are answered, together)."""
-        if phases is None:
-            return
-        labels = (self.model, ENGINE)
-        self.m.ttft.labels(*labels).observe(phases["ttft"])
-        for name, family in self.m.phases.items():
-            family.labels(*labels).observe(phases[name])
-        tokens = out.completion_tokens
-        per_token = phases["decode"] / (tokens - 1) if tokens > 1 else 0.0
-        self.m.time_per_output_token.labels(*labels).observe(per_token)
+    def _sources(self, got: Gathered) -> None:
+        """Prompt tokens by source, as vLLM's ``PromptTokenStats``: computed here, or
+        cached (a fully cached prompt's last token, recomputed, counts in both)."""
+        m, labels, count = self.m, (self.model, ENGINE), self.series.count
+        count(m.prompt_by_source, *labels, "local_compute").inc(got.prompt - got.cached)
+        count(m.prompt_by_source, *labels, "local_cache_hit").inc(got.cached + got.recomputed)
+        count(m.prompt_cached, *labels).inc(got.cached)
+        if got.recomputing:
+            count(m.prompt_recomputed, *labels).inc(got.recomputed)
 
 
 class _StepSeries(NamedTuple):
-    """A model's labelled children that each step sets."""
+    """A model's series that each step sets."""
 
-    running: Any
-    waiting: Any
-    capacity: Any
-    deferred: Any
-    kv_usage: Any
-    gpu_cache_usage: Any
-    iteration_tokens: Any
+    running: Level
+    waiting: Level
+    capacity: Level
+    deferred: Level
+    kv_usage: Level
+    gpu_cache_usage: Level
+    iteration_tokens: Hist
     generation_tokens: Any
 
-
-class _Output(NamedTuple):
-    """What the metrics read of one output."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-def _counts(output: Any) -> _Output:
-    """An output's finish reason and token counts, read off its map (the worker's) or its
-    :class:`Generation`, without validating the rest (its logprobs may be long)."""
-    get = output.get if isinstance(output, dict) else lambda k, d=None: getattr(output, k, d)
-    return _Output(str(get("finish_reason", "stop")), int(get("prompt_tokens", 0) or 0),
-                   int(get("completion_tokens", 0) or 0),
-                   int(get("cached_tokens", 0) or 0))  # fmt: skip
-
-
-def _prompted(outputs: list[_Output], res: Result) -> tuple[int, int, int] | None:
-    """A request's prompt tokens, cached ones, and recomputed ones (a prompt cached but for
-    its last token, prefilled again for its logits: one, vLLM's rule) as vLLM counts them:
-    per output, each of an input's ``n`` completions one of its engine's requests with its
-    prompt (prefilled, or cached after its twin's); from the usage (each prompt once)
-    where the outputs tell no prompt tokens (a custom runner's); None without either."""
-    if any(out.prompt_tokens for out in outputs):
-        return (sum(out.prompt_tokens for out in outputs),
-                sum(out.cached_tokens for out in outputs),
-                sum(1 for out in outputs
-                    if out.cached_tokens and out.cached_tokens + 1 == out.prompt_tokens))  # fmt: skip
-    if res.usage is None:
-        return None
-    details = res.usage.prompt_tokens_details
-    return res.usage.prompt_tokens, details.cached_tokens if details is not None else 0, 0
-
-
-def _phases(res: Result) -> dict[str, float] | None:
-    """vLLM's phases of a request, in seconds, from its timings: queue (enqueued to first
-    scheduled: read, then admitted to a step), prefill (to its first token), decode (to
-    its last), inference (prefill + decode), e2e (to its result); None without a first
-    token (nothing generated)."""
-    t = res.timings
-    if t.first_token_ms is None:
-        return None
-    queue = (t.queued_ms + t.batch_wait_ms) / 1000
-    inference = t.inference_ms / 1000
-    prefill = min(max(0.0, t.first_token_ms / 1000 - queue), inference)
-    return {"ttft": t.first_token_ms / 1000, "e2e": t.total_ms / 1000, "queue": queue,
-            "inference": inference, "prefill": prefill, "decode": inference - prefill}  # fmt: skip
-
-
-def _outputs_asked(reply: Reply) -> int:
-    """The outputs a request asked for (inputs x ``n``): vLLM's engine requests."""
-    req = reply.request
-    return 1 if req is None else max(1, len(req.inputs)) * (req.n or 1)
+    @classmethod
+    def of(cls, series: Series, m: VllmMetrics, labels: tuple[str, str]) -> _StepSeries:
+        level = series.level
+        return cls(level(m.running, *labels), level(m.waiting, *labels),
+                   level(m.waiting_by_reason, *labels, "capacity"),
+                   level(m.waiting_by_reason, *labels, "deferred"),
+                   level(m.kv_usage, *labels), level(m.gpu_cache_usage, *labels),
+                   series.hist(m.iteration_tokens, *labels),
+                   series.count(m.generation_tokens, *labels))  # fmt: skip
