@@ -550,16 +550,23 @@ def test_when_a_hung_step_ends_the_intake_refreshes_at_once_and_checks_token_wri
     assert [t for t, s in suspect.items() if s] == [150.0 + k for k in range(15)]
 
 
-def test_a_saturated_loop_is_told_of_two_empty_reads_in_a_row_then_only_once_it_holds_none(
-    r: redis.Redis,
-) -> None:
-    # Given an intake (not started) whose loop holds a request, nothing queued
+def idle_intake(r: redis.Redis) -> tuple[Intake, list[Any]]:
+    """An intake (not started) of a 3-lane model, nothing queued, no takeover pass due,
+    blocking 1 ms; and what it posts to its loop."""
     streams = ModelStreams(r, MODEL, 3, "w1")
     streams.ensure_groups(None)
     posted: list[Any] = []
     intake = Intake(streams, WorkerConfig(block_ms=1), Limits(), time.monotonic, posted.append)
     intake._takeover.judged = True  # no takeover pass first
     intake._takeover.last = time.monotonic()
+    return intake, posted
+
+
+def test_a_saturated_loop_is_told_of_two_empty_reads_in_a_row_then_only_once_it_holds_none(
+    r: redis.Redis,
+) -> None:
+    # Given an intake (not started) whose loop holds a request, nothing queued
+    intake, posted = idle_intake(r)
     intake.hold(Holding((Entry(1, "1-0", {}),)))
 
     def idle_reads(n: int) -> int:
@@ -597,12 +604,7 @@ def test_a_blocking_read_of_one_lane_is_one_command(r: redis.Redis) -> None:
 
 def test_an_idle_grant_read_again_blocks_at_once_until_a_read_delivers(r: redis.Redis) -> None:
     # Given an intake (not started) of a 3-lane model granted two lanes, nothing queued
-    streams = ModelStreams(r, MODEL, 3, "w1")
-    streams.ensure_groups(None)
-    posted: list[Any] = []
-    intake = Intake(streams, WorkerConfig(block_ms=1), Limits(), time.monotonic, posted.append)
-    intake._takeover.judged = True  # no takeover pass first
-    intake._takeover.last = time.monotonic()
+    intake, posted = idle_intake(r)
     grant = {1: 2, 2: 3}
 
     def xreadgroups(reads: list[dict[int, int]]) -> int:
