@@ -478,7 +478,9 @@ def test_a_grant_of_lane_0_alone_blocks_briefly(
     streams = ModelStreams(r, MODEL, 3, "w1")
     streams.ensure_groups(None)
     blocks: list[int | None] = []
-    monkeypatch.setattr(streams, "read", lambda counts, block_ms: blocks.append(block_ms) or [])
+    monkeypatch.setattr(
+        streams, "read", lambda counts, block_ms, idle=False: blocks.append(block_ms) or []
+    )
     intake = Intake(streams, WorkerConfig(block_ms=1000), Limits(), time.monotonic, print)
     intake._takeover.judged = True  # no takeover pass first
     intake._takeover.last = time.monotonic()
@@ -548,16 +550,23 @@ def test_when_a_hung_step_ends_the_intake_refreshes_at_once_and_checks_token_wri
     assert [t for t, s in suspect.items() if s] == [150.0 + k for k in range(15)]
 
 
-def test_a_saturated_loop_is_told_of_two_empty_reads_in_a_row_then_only_once_it_holds_none(
-    r: redis.Redis,
-) -> None:
-    # Given an intake (not started) whose loop holds a request, nothing queued
+def idle_intake(r: redis.Redis) -> tuple[Intake, list[Any]]:
+    """An intake (not started) of a 3-lane model, nothing queued, no takeover pass due,
+    blocking 1 ms; and what it posts to its loop."""
     streams = ModelStreams(r, MODEL, 3, "w1")
     streams.ensure_groups(None)
     posted: list[Any] = []
     intake = Intake(streams, WorkerConfig(block_ms=1), Limits(), time.monotonic, posted.append)
     intake._takeover.judged = True  # no takeover pass first
     intake._takeover.last = time.monotonic()
+    return intake, posted
+
+
+def test_a_saturated_loop_is_told_of_two_empty_reads_in_a_row_then_only_once_it_holds_none(
+    r: redis.Redis,
+) -> None:
+    # Given an intake (not started) whose loop holds a request, nothing queued
+    intake, posted = idle_intake(r)
     intake.hold(Holding((Entry(1, "1-0", {}),)))
 
     def idle_reads(n: int) -> int:
@@ -591,3 +600,33 @@ def test_a_blocking_read_of_one_lane_is_one_command(r: redis.Redis) -> None:
     # Then the first two came at once, in order, each read one XREADGROUP
     assert [e.fields[b"msgpack"] for e in got] == [b"0", b"1"]
     assert r.info("commandstats")["cmdstat_xreadgroup"]["calls"] == 2
+
+
+def test_an_idle_grant_read_again_blocks_at_once_until_a_read_delivers(r: redis.Redis) -> None:
+    # Given an intake (not started) of a 3-lane model granted two lanes, nothing queued
+    intake, posted = idle_intake(r)
+    grant = {1: 2, 2: 3}
+
+    def xreadgroups(reads: list[dict[int, int]]) -> int:
+        r.config_resetstat()
+        for counts in reads:
+            intake._read(counts, True)
+        return int(r.info("commandstats")["cmdstat_xreadgroup"]["calls"])
+
+    # When it reads the grant three times: the first looks at each lane, then blocks
+    # Then the next two only block (one command each: the wait goes on)
+    assert xreadgroups([grant]) == 3
+    assert xreadgroups([grant, grant]) == 2
+    # And another grant looks first again
+    assert xreadgroups([{1: 1, 2: 3}]) == 3
+    # And with three requests queued in lane 1, a read looks first: lane 1's own count
+    for k in range(3):
+        r.xadd(KEYS.lane(1), encode_request(Request(id=f"a{k}", model=MODEL, inputs=["x"])))
+    posted.clear()
+    assert xreadgroups([grant]) == 2
+    assert [e.lane for e in posted[0].entries] == [1, 1]
+    # And after a read that delivered, the next looks first again (the third request),
+    # and only a read that blocked and found nothing lets the next block at once
+    assert xreadgroups([grant]) == 2
+    assert xreadgroups([grant]) == 3
+    assert xreadgroups([grant]) == 1

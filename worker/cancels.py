@@ -53,11 +53,11 @@ class CancelPoll:
             return []
         if self._pool is None:
             return self.streams.cancelled(request_ids)
-        ids = tuple(request_ids)
+        ids = tuple(request_ids)  # (the watcher's own tuple: the same object, kept)
         if self._conn is None:
             self._conn = self._pool.get_connection()
         conn = self._conn
-        if ids != self._ids or self._packed is None:
+        if (ids is not self._ids and ids != self._ids) or self._packed is None:
             self._packed = self._pack(ids, conn.encoder.encode)
             self._ids = ids
         try:
@@ -66,6 +66,8 @@ class CancelPoll:
         except BaseException:
             conn.disconnect()  # never read a half-read reply as the next poll's
             raise
+        if len(found) == len(ids) and found.count(None) == len(ids):
+            return []  # (the usual reply: no cancel, seen without a loop in Python)
         return [r for r, v in zip(ids, found, strict=True) if v is not None]
 
     def _pack(self, ids: tuple[str, ...], encode: Callable[[str], bytes]) -> list[bytes]:
@@ -92,7 +94,14 @@ class CancelPoll:
 
 
 class CancelWatch:
-    """Polls the cancel keys of the requests it is told to watch."""
+    """Polls the cancel keys of the requests it is told to watch.
+
+    At saturation the thread costs the device thread the GIL it holds, so a poll does as
+    little as it can: the ids to read (watched, not yet posted) are listed only when the
+    set or the posted ones change, and the thread is woken early only when it sleeps with
+    nothing to watch. A new set is read at the next poll, at most :data:`POLL_S` later:
+    the bound on a cancel's delay, which an earlier wake-up could not shorten (a client
+    sets its key at any time)."""
 
     def __init__(
         self,
@@ -108,6 +117,8 @@ class CancelWatch:
         self._every = every_s
         self._ids: frozenset[str] = frozenset()
         self._posted: set[str] = set()
+        self._targets: tuple[str, ...] | None = ()
+        """The ids the next poll reads (watched, not posted); None: list them anew."""
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -120,9 +131,12 @@ class CancelWatch:
         ids = frozenset(request_ids)
         with self._cond:
             if ids != self._ids:
+                idle = not self._ids  # the thread sleeps until there is something to watch
                 self._ids = ids
                 self._posted &= ids
-                self._cond.notify()
+                self._targets = None
+                if idle:
+                    self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
@@ -131,25 +145,38 @@ class CancelWatch:
         if self._thread.is_alive():
             self._thread.join(2.0)
 
+    def _next(self, pause: float | None) -> tuple[str, ...] | None:
+        """After ``pause`` seconds (or a stop), the ids to poll next; None once stopped.
+        Waits without a timeout while there is nothing to watch. Under the lock."""
+        cond = self._cond
+        if pause is not None and not self._stop:
+            cond.wait(pause)
+        while not self._stop and not self._ids:
+            cond.wait()
+        if self._stop:
+            return None
+        targets = self._targets
+        if targets is None:
+            posted = self._posted
+            targets = self._targets = tuple(i for i in self._ids if i not in posted)
+        return targets
+
     def _run(self) -> None:
+        pause: float | None = None  # (the first poll at once)
         while True:
             with self._cond:
-                if self._stop:
-                    self._poll.close()
-                    return
-                if not self._ids:
-                    self._cond.wait()
-                    continue
-                ids = [i for i in self._ids if i not in self._posted]
+                ids = self._next(pause)
+            if ids is None:
+                self._poll.close()
+                return
+            pause = self._every
             try:
                 found = self._poll.cancelled(ids)
             except FAILED_CALL as exc:  # (a cluster's unreachable too: see redis_errors)
                 logger.warning("reading cancel keys failed: %s", exc)
-                found = []
+                continue
             if found:
                 with self._cond:
                     self._posted.update(found)
+                    self._targets = None
                 self._post(Cancel(tuple(found)))
-            with self._cond:
-                if not self._stop:
-                    self._cond.wait(self._every)

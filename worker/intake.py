@@ -100,6 +100,9 @@ class Intake:
         self._posted = 0
         self._idle_reads = 0
         """Empty reads in a row since the last delivery (see :data:`IDLE_REPORTS`)."""
+        self._idle_grant: dict[int, int] | None = None
+        """The grant whose last read blocked and found nothing, while nothing else was done
+        since: the next read of it blocks at once (``ModelStreams.read``'s ``idle``)."""
         self._takeover = Takeover(streams, worker)
         self._max_depth: int | None = None
         self._own: list[Pending] = []
@@ -320,6 +323,7 @@ class Intake:
 
     def _read(self, counts: dict[int, int], suspects: bool) -> None:
         budget = sum(counts.values())
+        idle, self._idle_grant = counts == self._idle_grant, None
         if self._lost_reads.due():
             self._find_unseen()
         if self._own:
@@ -336,6 +340,7 @@ class Intake:
             if found:
                 self._deliver(found)
                 return
+            idle = False  # (time went by: the lanes are looked at first again)
         # Never block past the next heartbeat (a silent worker is taken for dead) or refresh.
         block_ms = min(self.worker.block_ms, int(HEARTBEAT_EVERY_S * 1000))
         if set(counts) == {0} and self.streams.lanes > 1:
@@ -344,10 +349,11 @@ class Intake:
             block_ms = min(block_ms, LANE0_ONLY_BLOCK_MS)
         if self._holding.entries:
             block_ms = min(block_ms, max(1, int((self._refresh_due() - self._clock()) * 1000)))
-        entries = self.streams.read(counts, block_ms)
+        entries = self.streams.read(counts, block_ms, idle=idle)
         if entries:
             self._deliver(entries)
             return
+        self._idle_grant = counts
         self._idle_reads += 1
         if self._idle_reads <= IDLE_REPORTS or not self._holding.entries:
             self._post(ReadIdle())

@@ -99,12 +99,19 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
         replies = pipe.execute()
         return replies[0::2], [int(p["pending"]) for p in replies[1::2]]
 
-    def read(self, counts: Mapping[int, int], block_ms: int | None) -> list[Entry]:
+    def read(
+        self, counts: Mapping[int, int], block_ms: int | None, *, idle: bool = False
+    ) -> list[Entry]:
         """New entries for this consumer: up to ``counts[lane]`` from each lane (one round
         trip); if there are none and ``block_ms`` is set, block that long on all lanes.
         One lane asked with ``block_ms``: one blocking read, which returns at once with
-        what there is (a saturated worker's lane-0 reserve, read again and again)."""
+        what there is (a saturated worker's lane-0 reserve, read again and again).
+        ``idle``: the last read of these counts blocked and found nothing: this one goes on
+        blocking at once, without a first look (what came meanwhile, the block returns as
+        it would have had it gone on), one round trip a wait instead of two."""
         asked = [lane for lane, n in sorted(counts.items()) if n > 0]
+        if idle and len(asked) > 1 and block_ms is not None:
+            return self._block(asked, counts, block_ms)
         if len(asked) == 1 and block_ms is not None:
             (lane,) = asked
             one: Any = self.client.xreadgroup(GROUP, self.consumer, {self.streams[lane]: ">"},
@@ -116,6 +123,10 @@ class ModelStreams(Registry, TokenStreams, ModelPublisher):
         out = [e for reply in pipe.execute() for e in self._entries(reply)]
         if out or block_ms is None:
             return out
+        return self._block(asked, counts, block_ms)
+
+    def _block(self, asked: list[int], counts: Mapping[int, int], block_ms: int) -> list[Entry]:
+        """One read blocking up to ``block_ms`` on all ``asked`` lanes."""
         reply: Any = self.client.xreadgroup(
             GROUP,
             self.consumer,
