@@ -5,13 +5,14 @@ the requests the loop said stream."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import pytest
 from batchfleet.worker.deltas import DeltaWriter, StreamTo
 from batchfleet.worker.inbox import StepDone
 from batchfleet.worker.runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
-from batchfleet.worker.streamed import Streamed
+from batchfleet.worker.streamed import Streamed, plain_delta
 
 
 def chunk(text: str) -> dict[str, Any]:
@@ -176,3 +177,14 @@ def test_deltas_that_fail_again_are_left_out_and_the_requests_they_end_fail() ->
     w.expect([to("c", seq=1)])
     w.post(step("s3", Partial("a", chunk("late")), Partial("c", chunk("again"))))
     assert rec.log[2:] == [("delta", ("id-c", 2, "again"))]
+
+
+def test_a_plain_delta_equals_the_streamed_its_keywords_build() -> None:
+    # plain_delta passes every field by position (the device thread's per-row path)
+    made = plain_delta("id-a", 3, "tok", 60, "chan", "json", 1, 2, "m", 4)
+    want = Streamed("id-a", 3, "tok", 60, "chan", "json", 1, 2, "m", life=4, plain=True)
+    assert made == want  # ...and field by field: ``plain`` is left out of ``==``
+    assert [getattr(made, f.name) for f in fields(Streamed)] == [
+        getattr(want, f.name) for f in fields(Streamed)
+    ]
+    assert made.item() == want.item() == want.write().item()

@@ -10,6 +10,7 @@ the next step; the batch narrows when its longest row leaves."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from typing import Any
 
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from batchfleet.worker import precision  # noqa: E402
 from batchfleet.worker.generation import decode_attention, reserve  # noqa: E402
-from batchfleet.worker.generation.engine import SeqState  # noqa: E402
+from batchfleet.worker.generation.engine import SeqState, seq_state  # noqa: E402
 from batchfleet.worker.generation.padded import PaddedEngine  # noqa: E402
 from batchfleet.worker.generation.padded_cache import SlabLayer  # noqa: E402
 from batchfleet.worker.generation.sampling import Sampling  # noqa: E402
@@ -365,6 +366,15 @@ def test_seeded_sampling_draws_from_each_requests_own_generator(llama: Any) -> N
                 return last
 
     assert tokens(0) == tokens(3)
+
+
+def test_seq_state_equals_the_frozen_dataclass_it_builds_without_its_init() -> None:
+    made = seq_state(10, 15)
+    assert (made.context, made.prefill_left) == (10, 15)
+    assert made == SeqState(context=10, prefill_left=15) and made != seq_state(15, 10)
+    assert hash(made) == hash(SeqState(10, 15)) and repr(made) == repr(SeqState(10, 15))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.context = 1  # type: ignore[misc]
 
 
 def test_state_counts_context_and_prefill(llama: Any, fused: bool) -> None:

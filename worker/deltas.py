@@ -43,7 +43,7 @@ from ..schemas.codec import (
 from ..schemas.messages import Format
 from .inbox import DeviceStopped, StepDone
 from .runner import Failed, Final, Partial, Preempted, StepEvent, StepReport
-from .streamed import Streamed
+from .streamed import Streamed, plain_delta
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ class StreamTo:
                 self.request_id, seq, None, self.ttl_s, self.reply, self.fmt, life=-self.life
             )
         if len(chunk) == 3 and chunk.keys() == _PLAIN:  # most deltas: see Streamed.item
-            return Streamed(self.request_id, seq, chunk["text"], self.ttl_s, self.reply,
-                            self.fmt, chunk["input"], chunk["tokens"], self.model,
-                            life=self.life, plain=True)  # fmt: skip
+            return plain_delta(self.request_id, seq, chunk["text"], self.ttl_s, self.reply,
+                               self.fmt, chunk["input"], chunk["tokens"], self.model,
+                               self.life)  # fmt: skip
         lps = chunk.get("logprobs")
         calls = chunk.get("tool_calls")
         ids = chunk.get("token_ids")

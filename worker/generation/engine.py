@@ -14,7 +14,7 @@ runs exactly one step per call.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from .lora import Adapter
@@ -34,6 +34,23 @@ class Output:
 class SeqState:
     context: int
     prefill_left: int
+
+
+_STATE_FIELDS = ("context", "prefill_left")
+if tuple(f.name for f in fields(SeqState)) != _STATE_FIELDS:
+    raise RuntimeError("SeqState's fields changed: update seq_state() below")
+_NEW_STATE = object.__new__
+_SET_CONTEXT, _SET_PREFILL = (getattr(SeqState, name).__set__ for name in _STATE_FIELDS)
+
+
+def seq_state(context: int, prefill_left: int) -> SeqState:
+    """``SeqState(context, prefill_left)``, equal to it, at about half its cost: its slots
+    set directly, not through the frozen ``__init__``. The runner asks one per running
+    sequence and step (64 rows: about 25 us a step on the device thread)."""
+    s = _NEW_STATE(SeqState)
+    _SET_CONTEXT(s, context)
+    _SET_PREFILL(s, prefill_left)
+    return s
 
 
 class Engine(Protocol):

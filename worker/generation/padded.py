@@ -72,7 +72,7 @@ import torch
 
 from ..device import is_out_of_memory
 from . import decode_attention
-from .engine import Output, SeqState
+from .engine import Output, SeqState, seq_state
 from .lean_decode import LeanDecoder
 from .lora import Adapter, fuse
 from .lora_hooks import LoraHooks
@@ -243,8 +243,8 @@ class PaddedEngine(_Lean):
             if seq is None or seq.name in self._cancelled:
                 return None
         if seq.cache is None and not seq.generated:  # not begun: the cache's part counts
-            return SeqState(context=seq.cached, prefill_left=len(seq.tokens) - seq.cached)
-        return SeqState(context=seq.context, prefill_left=len(seq.tokens) - seq.done)
+            return seq_state(seq.cached, len(seq.tokens) - seq.cached)
+        return seq_state(seq.context, len(seq.tokens) - seq.done)
 
     def fuse_adapter(self, adapter: Adapter) -> Adapter:
         """``adapter`` as this engine serves it: laid out for its lean forward as well

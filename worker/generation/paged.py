@@ -44,7 +44,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from .engine import Output, SeqState
+from .engine import Output, SeqState, seq_state
 from .lora import Adapter
 from .lora_hooks import LoraHooks
 from .paged_prefix import Salt, SaltedSharing
@@ -313,12 +313,10 @@ class PagedEngine:
             for twins in self._twins.values():
                 for name, args in twins:
                     if name == sequence:  # waits for a twin's prefill
-                        return SeqState(context=0, prefill_left=len(args[0]))
+                        return seq_state(0, len(args[0]))
             return None
         left = len(st.remaining_prefill_tokens)
-        return SeqState(
-            context=len(st.initial_tokens) - left + st.generated_len(), prefill_left=left
-        )
+        return seq_state(len(st.initial_tokens) - left + st.generated_len(), left)
 
     @property
     def step_tokens(self) -> int:
