@@ -170,7 +170,10 @@ def read_tokens(
 
     A ``seq`` not above the last one seen means the request restarted: the follower gets
     :class:`Restarted` first; so does an end entry's (the attempt that ended the request
-    streamed nothing: taken over past its deadline, say, its text empty). A ``seq`` skipped
+    streamed nothing: taken over past its deadline, say, its text empty). A delta whose
+    ``seq`` is not above the last one's but whose ``life`` is the same is a repeat, skipped:
+    the same attempt's write made again (its master failed over before the worker had the
+    answer, and the replica promoted never had the write). A ``seq`` skipped
     (deltas lost with a failed-over master) holds the deltas after it back; once the stream
     ends, the rest of each output comes from the result (:mod:`.gaps`). Through a Redis
     outage it keeps trying until ``timeout``, then raises :class:`Unavailable`; with Redis
@@ -180,6 +183,7 @@ def read_tokens(
     stream, result_key = keys.tokens(request_id), keys.result(request_id)
     deadline = None if timeout is None else time.monotonic() + timeout
     after, last_seq = "0-0", 0
+    last_life: int | None = None
     gaps = Gaps()
     stored = False
     down: Exception | None = None
@@ -220,6 +224,10 @@ def read_tokens(
                 return
             if not isinstance(event, Delta):
                 continue
+            life = _life(fields)
+            if event.seq <= last_seq and life is not None and life == last_life:
+                continue  # a repeat: its write was made again across a failover
+            last_life = life
             if event.seq <= last_seq:
                 gaps.restart()
                 yield from _emit(follower.feed(Restarted(request_id)))
@@ -265,6 +273,16 @@ def _result(url: str, key: str, deadline: float | None) -> Steps[bytes | None]:
             if left is not None and left <= 0:
                 raise unavailable(url, exc) from exc
             yield Sleep(RECONNECT_PAUSE_S if left is None else min(RECONNECT_PAUSE_S, left))
+
+
+def _life(fields: dict[Any, Any]) -> int | None:
+    """An entry's ``life``: the attempt that wrote it (None where it has none: workers
+    before the field)."""
+    raw = fields.get(b"life", fields.get("life"))
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
 
 
 def _seq(fields: dict[Any, Any]) -> int:

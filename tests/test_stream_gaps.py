@@ -146,3 +146,32 @@ def test_a_gap_after_the_whole_text_still_completes_the_calls(r: redis.Redis, sh
     assert [c.id for c in rest.tool_calls or ()] == ["call_time"]
     assert [c.model_dump(exclude_none=True) for c in rest.tool_call_chunks or ()] == [
         _chunk(0, "{}", "time")]  # fmt: skip
+
+
+def _lived(client: redis.Redis, rid: str, life: int, *deltas: tuple[int, str]) -> None:
+    """Deltas of input 0 as attempt ``life`` appends them (unchecked: a failover's new
+    master has no trace of the writes the old one took)."""
+    writes = [TokenWrite(rid, seq, 60, text, tokens=1, life=life) for seq, text in deltas]
+    ModelStreams(client, "tiny", 3, "fake-worker").append_tokens(writes)
+
+
+def test_a_write_made_again_across_a_failover_is_read_once(r: redis.Redis, shell: Shell) -> None:
+    again, restarted = shell.submit_many("tiny", ["a", "b"], stream=True)
+    # Given a stream whose deltas 2-3 come again from the same attempt (its master took
+    # them, failed over before the worker had the answer, and the promoted replica never
+    # had them: the worker wrote them again), then the rest
+    _lived(r, again.id, 1, (1, "The "), (2, "cap"), (3, "ital"))
+    _lived(r, again.id, 1, (2, "cap"), (3, "ital"), (4, " is"))
+    write_deltas(r, again.id, end=5)
+    store(r, again.id, "The capital is", 4)
+    # Then a reader gets each delta once, no restart
+    assert marks(collect(shell, again.deltas())) == [
+        (1, "The ", 1), (2, "cap", 1), (3, "ital", 1), (4, " is", 1)]  # fmt: skip
+    assert "".join(collect(shell, again.stream())) == "The capital is"
+    # And a seq again from a later attempt is still a restart
+    _lived(r, restarted.id, 1, (1, "Yes"), (2, "!"))
+    _lived(r, restarted.id, 2, (1, "No"))
+    write_deltas(r, restarted.id, end=2)
+    store(r, restarted.id, "No", 1)
+    assert marks(collect(shell, restarted.deltas())) == [
+        (1, "Yes", 1), (2, "!", 1), "Restarted", (1, "No", 1)]  # fmt: skip
