@@ -171,9 +171,11 @@ def read_tokens(
     A ``seq`` not above the last one seen means the request restarted: the follower gets
     :class:`Restarted` first; so does an end entry's (the attempt that ended the request
     streamed nothing: taken over past its deadline, say, its text empty). A delta whose
-    ``seq`` is not above the last one's but whose ``life`` is the same is a repeat, skipped:
-    the same attempt's write made again (its master failed over before the worker had the
-    answer, and the replica promoted never had the write). A ``seq`` skipped
+    ``seq`` is not above the last one's but above 1, with the same ``life``, is a repeat,
+    skipped: the same attempt's write made again (its master failed over before the worker
+    had the answer, and the replica promoted never had the write). ``seq`` 1 is always a
+    restart: a request handed back uncounted (a stopped worker's) keeps its ``life``, so
+    only an attempt's first ``seq`` tells its next attempt apart. A ``seq`` skipped
     (deltas lost with a failed-over master) holds the deltas after it back; once the stream
     ends, the rest of each output comes from the result (:mod:`.gaps`). Through a Redis
     outage it keeps trying until ``timeout``, then raises :class:`Unavailable`; with Redis
@@ -225,7 +227,7 @@ def read_tokens(
             if not isinstance(event, Delta):
                 continue
             life = _life(fields)
-            if event.seq <= last_seq and life is not None and life == last_life:
+            if 1 < event.seq <= last_seq and life is not None and life == last_life:
                 continue  # a repeat: its write was made again across a failover
             last_life = life
             if event.seq <= last_seq:

@@ -175,3 +175,16 @@ def test_a_write_made_again_across_a_failover_is_read_once(r: redis.Redis, shell
     store(r, restarted.id, "No", 1)
     assert marks(collect(shell, restarted.deltas())) == [
         (1, "Yes", 1), (2, "!", 1), "Restarted", (1, "No", 1)]  # fmt: skip
+
+
+def test_a_first_seq_again_from_the_same_life_is_a_restart(r: redis.Redis, shell: Shell) -> None:
+    job = shell.submit("tiny", "a", stream=True)
+    # Given a stream whose attempt stopped (SIGTERM) and handed the request back uncounted:
+    # the next attempt writes from seq 1 with the same life
+    _lived(r, job.id, 1, (1, "Yes"), (2, "!"), (3, "!"))
+    _lived(r, job.id, 1, (1, "No"), (2, "pe"))
+    write_deltas(r, job.id, end=3)
+    store(r, job.id, "Nope", 2)
+    # Then a reader sees the restart, then the new attempt whole
+    assert marks(collect(shell, job.deltas())) == [
+        (1, "Yes", 1), (2, "!", 1), (3, "!", 1), "Restarted", (1, "No", 1), (2, "pe", 1)]  # fmt: skip
