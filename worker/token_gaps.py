@@ -17,6 +17,25 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
 """Inter-token latency: a step's length on a loaded GPU (a few ms) up to a preemption's gap."""
 
 
+_last: tuple[Sequence[tuple[int, float]], Tally[tuple[int, float]]] | None = None
+"""The gaps last tallied and their tally (see :func:`tally`)."""
+
+
+def tally(gaps: Sequence[tuple[int, float]]) -> Tally[tuple[int, float]]:
+    """How many times each (lane, seconds) gap occurs. A step's gaps go to two histograms
+    (batchfleet's and vLLM's): the same sequence is counted once (about 10 µs a step on
+    the loop thread). Any thread: the one memo is swapped whole, and holds the sequence
+    it counted, so the same tuple is the same gaps (a list may have changed since)."""
+    global _last
+    last = _last
+    if last is not None and last[0] is gaps:
+        return last[1]
+    counted = Tally(gaps)
+    if type(gaps) is tuple:
+        _last = (gaps, counted)
+    return counted
+
+
 class TokenGaps(Collector):  # type: ignore[misc]
     """A histogram of inter-token latency filled a step at a time (by default
     ``batchfleet_inter_token_latency_seconds``, per model and lane). A step closes one gap
@@ -47,11 +66,11 @@ class TokenGaps(Collector):  # type: ignore[misc]
         """A step's gaps: (lane, seconds) per request, a series per model and lane. The
         gaps are counted as they come (in C) before any is labelled: a step has a
         handful of distinct ones among a gap per running request."""
-        self._add(((model, str(lane)), seconds, n) for (lane, seconds), n in Tally(gaps).items())
+        self._add(((model, str(lane)), seconds, n) for (lane, seconds), n in tally(gaps).items())
 
     def add_to(self, key: tuple[str, ...], gaps: Sequence[tuple[int, float]]) -> None:
         """A step's gaps: (lane, seconds) per request, all in the one series ``key``."""
-        self._add((key, seconds, n) for (_, seconds), n in Tally(gaps).items())
+        self._add((key, seconds, n) for (_, seconds), n in tally(gaps).items())
 
     def _add(self, counted: Iterable[tuple[tuple[str, ...], float, int]]) -> None:
         """(label values, seconds, how many) per distinct gap."""
