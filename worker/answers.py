@@ -117,11 +117,11 @@ class Answerer:
     ) -> Outgoing:  # fmt: skip
         """An ``ok`` result of a generation (``outputs``: Generation maps), with its usage
         and time to first token. ``run`` spans its first step's start to its last's end."""
-        timings = self._batch_timings(run, held, now)
+        first: dict[str, float] = {}  # (set only if known, as a copy updated with it did)
         if first_token_at is not None:
             enq = held.entry.enqueued_ms / 1000
-            ttft = round(max(0.0, first_token_at - enq) * 1000, 3)
-            timings = timings.model_copy(update={"first_token_ms": ttft})
+            first["first_token_ms"] = round(max(0.0, first_token_at - enq) * 1000, 3)
+        timings = self._batch_timings(run, held, now, **first)
         n = held.request.n or 1  # each prompt counts once, whatever its completions
         cached = sum(int(o.get("cached_tokens", 0)) for o in outputs[::n])
         usage = Usage.model_construct(
@@ -234,10 +234,10 @@ class Answerer:
         )
         return Outgoing(entry, request, result, fmt, ttl, request.reply)
 
-    def _batch_timings(self, run: BatchRun, held: Held, now: float) -> Timings:
+    def _batch_timings(self, run: BatchRun, held: Held, now: float, **more: float) -> Timings:
         run_ms = (run.finished_at - run.started_at) * 1000
         return self.timings(held.entry, held.read_at, run.started_at, now, run_ms, run.rows,
-                            run.batch_id)  # fmt: skip
+                            run.batch_id, **more)  # fmt: skip
 
     def timings(
         self,
@@ -248,8 +248,10 @@ class Answerer:
         run_ms: float = 0.0,
         rows: int = 0,
         batch_id: str = "",
+        **more: float,
     ) -> Timings:
-        """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → start → now."""
+        """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → start → now
+        (``more``: other fields, such as a generation's ``first_token_ms``)."""
         enq = entry.enqueued_ms / 1000
         return Timings.model_construct(  # checked values (hot path)
             queued_ms=round(max(0.0, read_at - enq) * 1000, 3),
@@ -259,6 +261,7 @@ class Answerer:
             batch_size=rows,
             batch_id=batch_id,
             worker=self.consumer,
+            **more,
         )
 
 
