@@ -234,7 +234,7 @@ class Answerer:
         )
         return Outgoing(entry, request, result, fmt, ttl, request.reply)
 
-    def _batch_timings(self, run: BatchRun, held: Held, now: float, **more: float) -> Timings:
+    def _batch_timings(self, run: BatchRun, held: Held, now: float, **more: Any) -> Timings:
         run_ms = (run.finished_at - run.started_at) * 1000
         return self.timings(held.entry, held.read_at, run.started_at, now, run_ms, run.rows,
                             run.batch_id, **more)  # fmt: skip
@@ -248,7 +248,7 @@ class Answerer:
         run_ms: float = 0.0,
         rows: int = 0,
         batch_id: str = "",
-        **more: float,
+        **more: Any,
     ) -> Timings:
         """Milliseconds on the Redis clock: enqueue (the entry id's time) → read → start → now
         (``more``: other fields, such as a generation's ``first_token_ms``)."""
