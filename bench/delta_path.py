@@ -23,14 +23,19 @@ messages with redis-py (its parser named in the output). Stages, each thread CPU
 - ``redis tokens.lua``: ``INFO commandstats`` ``cmdstat_evalsha`` usec per call (Redis's
   time in the script, every XADD and PUBLISH of the step: a script's messages reach
   subscribers when it ends);
-- ``subscriber read``: the subscriber thread's CPU per message received and parsed.
+- ``subscriber read``: the subscriber's CPU per message received and parsed (a process of
+  its own reading as the generation benchmark's harness does: hiredis off the socket).
+
+Then wall times per delta (``time.perf_counter``, one clock for both processes): the
+runner's step returned → the subscriber's ``recv`` returned with the delta, and the
+``tokens.lua`` call sent → the same. Unlike the CPU times, a loaded host moves them: compare
+arms run one after the other, several times.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -100,36 +105,56 @@ def evalsha_stats(client: redis.Redis) -> tuple[int, int]:
     return int(stats.get("calls", 0)), int(stats.get("usec", 0))
 
 
+def _subscribe(url: str, ready: Any, stop: Any, out: Any) -> None:
+    """The subscriber process: the harness's reader (hiredis off the socket, every message
+    of one ``recv`` stamped with its return); sends back its CPU seconds and each delta's
+    (id, seq, received)."""
+    import msgpack
+
+    from .systems import Subscriber as Raw
+
+    raw = Raw(url, ["SUBSCRIBE", CHANNEL])
+    ready.set()
+    got: list[tuple[str, int, float]] = []
+    t0 = time.process_time()
+    while not stop.is_set():
+        t, messages = raw.receive(0.2)
+        for msg in messages:
+            if msg[0] == b"message":
+                body = msgpack.unpackb(msg[2])
+                got.append((body["id"], body["seq"], t))
+    out.send((time.process_time() - t0, got))
+    raw.sock.close()
+
+
 class Subscriber:
-    """Reads the deltas' channel on a thread of its own, counting its CPU per message."""
+    """Reads the deltas' channel in a process of its own, as a client would (in this one
+    it would wait for the device thread's GIL), counting its CPU per message."""
 
     def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url)
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(CHANNEL)
-        self.pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._ready, self._stop = ctx.Event(), ctx.Event()
+        self._out, child = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_subscribe, args=(url, self._ready, self._stop, child),
+                                 name="subscriber", daemon=True)  # fmt: skip
         self.received = 0
+        self.got: list[tuple[str, int, float]] = []
         self.cpu_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="subscriber", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        t0 = time.thread_time()
-        while not self._stop.is_set():
-            if self.pubsub.get_message(timeout=0.2) is not None:
-                self.received += 1
-        self.cpu_s = time.thread_time() - t0
+        self._proc.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the subscriber process did not start")
 
     def stop(self, expected: int, timeout: float = 10.0) -> None:
-        end = time.monotonic() + timeout
-        while self.received < expected and time.monotonic() < end:
-            time.sleep(0.01)
+        time.sleep(0.5)  # the last messages read
         self._stop.set()
-        self._thread.join()
-        self.pubsub.close()
+        if self._out.poll(timeout):
+            self.cpu_s, self.got = self._out.recv()
+        self._proc.join(5)
+        self.received = len(self.got)
 
 
 def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> list[str]:
@@ -157,25 +182,30 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
     detok.TextStream.extend = st.wrap("detokenize", extend)  # type: ignore[method-assign]
     StepReport.settle = st.wrap("settle", StepReport.settle)  # type: ignore[method-assign]
     entries = st.wrap("write: entries", lambda items: items)  # (as stream_now: packed as they are)
-    pack = st.wrap("write: packed", streams.tokens_commands)
-    sent: list[Any] = []
+    streams.tokens_commands = st.wrap("write: packed", streams.tokens_commands)  # type: ignore[method-assign]
+    writes._conn = writes._pool.get_connection()  # type: ignore[union-attr]
+    streams.load_tokens_script()
+    conn_send = writes._conn.send_packed_command
+    cur = [0]  # the step being written
+    first_sent: dict[int, float] = {}  # its call sent (perf_counter, just before)
 
-    def send(commands: list[bytes]) -> None:
+    def send_packed(commands: list[bytes], check_health: bool = True) -> None:
+        first_sent.setdefault(cur[0], time.perf_counter())
         with st.timed("write: sent"):
-            writes._conn.send_packed_command(commands, check_health=False)
-        sent.append(len(commands))
+            conn_send(commands, check_health=check_health)
+
+    writes._conn.send_packed_command = send_packed
+    sent: list[Any] = []
 
     def stream(items: Sequence[Any]) -> None:
         with st.timed("write"):
-            send(pack(entries(items)))
+            sent.append(writes.send(entries(items)))
 
     def answer() -> None:
         with st.timed("answer read"):
-            for _ in range(sent.pop() if sent else 0):
-                writes._conn.read_response()
+            if sent:
+                writes.receive(sent.pop())
 
-    writes._conn = writes._pool.get_connection()  # type: ignore[union-attr]
-    streams.load_tokens_script()
     writer = DeltaWriter(stream, lambda done: None)
     words = " ".join(WORDS[i % len(WORDS)] for i in range(prompt_tokens))
     prompt = tok.decode(tok(words)["input_ids"][:prompt_tokens])
@@ -192,6 +222,9 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
     work = Work("s0", admit)
     before = (0, 0)
     runner_cpu = 0.0
+    returned: dict[int, float] = {}  # each step's runner.step returned (perf_counter)
+    step_of: dict[tuple[str, int], int] = {}  # a measured delta's (id, seq) -> its step
+    seqs: dict[str, int] = {}
     for n in range(steps + 64):
         if n == 64:
             answer()
@@ -199,14 +232,20 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
             st.on = True
         t0 = time.thread_time()
         report = runner.step(work)
+        returned[n] = time.perf_counter()
         if st.on:
             runner_cpu += time.thread_time() - t0
         answer()
         done = StepDone(f"s{n}", report, 0.0, 0.0)
+        cur[0] = n
         with st.timed("post"):
             writer.post(done)
-        if st.on:
-            deltas += sum(isinstance(ev, Partial) for ev in report.events)
+        for ev in report.events:
+            if isinstance(ev, Partial):  # numbered as the writer numbers them
+                seqs[ev.key] = seq = seqs.get(ev.key, 0) + 1
+                if st.on:
+                    deltas += 1
+                    step_of[(f"d{ev.key[2:]}", seq)] = n
         work = Work(f"s{n + 1}", ())
     answer()
     after = evalsha_stats(client)
@@ -249,6 +288,21 @@ def run(url: str, workdir: Path, rows: int, steps: int, prompt_tokens: int) -> l
                  f"{usec / max(calls, 1):.0f} | {usec / per:.2f} |")  # fmt: skip
     lines.append(f"| subscriber read ({sub.received} messages) | "
                  f"{sub_per * deltas / measured_steps * 1e6:.0f} | {sub_per * 1e6:.2f} |")  # fmt: skip
+    wall: dict[str, list[float]] = {"step returned → received": [], "call sent → received": []}
+    for rid, seq, t in sub.got:
+        k = step_of.get((rid.decode() if isinstance(rid, bytes) else rid, seq))
+        if k is not None:
+            wall["step returned → received"].append(t - returned[k])
+            wall["call sent → received"].append(t - first_sent[k])
+    lines += ["", f"Wall times per delta, {len(wall['step returned → received'])} matched "
+              "(noisy on a shared host: compare arms run together):",
+              "", "| interval | p50 ms | p90 ms |", "| --- | --- | --- |"]  # fmt: skip
+    for name, v in wall.items():
+        v.sort()
+        if v:
+            lines.append(
+                f"| {name} | {v[len(v) // 2] * 1e3:.3f} | {v[len(v) * 9 // 10] * 1e3:.3f} |"
+            )
     return lines
 
 

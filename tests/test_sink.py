@@ -375,3 +375,39 @@ def test_deltas_sent_at_once_read_the_last_answer_before_they_send(
     assert calls[-1] == "receive"
     assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2", b"3"]
     assert r.ping()
+
+
+def test_the_writer_thread_reads_the_answer_to_deltas_sent_at_once_right_away(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (so the device thread's next write has no answer to read before it sends: a read
+    # there gave the GIL away, and a saturated worker's other threads kept it for ms)
+    streams = ModelStreams(r, MODEL, 3, "w")
+    sink = RedisSink(streams, Observers([]), lambda: None, dead_letter_maxlen=100)
+    readers: list[str] = []
+    read = threading.Event()
+    receive = sink._direct.receive
+
+    def reading(sent: Sent) -> None:
+        receive(sent)
+        readers.append(threading.current_thread().name)
+        read.set()
+
+    monkeypatch.setattr(sink._direct, "receive", reading)
+
+    def delta(seq: int) -> Streamed:
+        return Streamed("g", seq, "t", 60, None, "msgpack", tokens=1, model="m")
+
+    sink.start()
+    # When the device thread sends deltas at once and goes on
+    sink.stream_now([delta(1)])
+    # Then the writer thread reads their answer without being handed anything...
+    assert read.wait(5)
+    assert readers == ["sink"]
+    # ...so the next deltas are sent with no answer left to read first
+    read.clear()
+    sink.stream_now([delta(2)])
+    assert read.wait(5)
+    sink.close(5)
+    assert readers == ["sink", "sink"]
+    assert [f[b"seq"] for _, f in r.xrange(KEYS.tokens("g"))] == [b"1", b"2"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -30,6 +31,15 @@ def _items(rid: str, texts: list[str], reply: str | None, json_: bool) -> list[T
     return [*out, TokenWrite(rid, len(texts) + 1, 120)]  # and the stream's end
 
 
+def _subscribed(r: redis.Redis, *channels: str) -> Any:
+    """A pub/sub connection subscribed to these channels, their confirmations read."""
+    sub = r.pubsub()
+    sub.subscribe(*channels)
+    for _ in channels:
+        sub.get_message(timeout=1)
+    return sub
+
+
 def _stream(r: redis.Redis, streams: ModelStreams, rid: str) -> list[dict[bytes, bytes]]:
     return [fields for _, fields in r.xrange(streams.keys.tokens(rid))]
 
@@ -40,10 +50,7 @@ def test_writes_the_entries_and_messages_the_clients_call_writes(
 ) -> None:
     streams = writes.streams
     texts = ['say "hi"\n', "Zürich ☃ 😀", "x" * 32, "é" * 200, ""]
-    sub = r.pubsub()
-    sub.subscribe("chan-a", "chan-b")
-    for _ in range(2):
-        sub.get_message(timeout=1)
+    sub = _subscribed(r, "chan-a", "chan-b")
     # Given the same deltas (unusual ids and texts) written both ways
     streams.append_tokens(_items("id {a}:1", texts, "chan-a", json_))
     writes.append(_items("id {b}:ü", texts, "chan-b", json_))
@@ -172,10 +179,7 @@ def test_streamed_deltas_write_what_their_token_writes_write(
     writes: TokenWrites, r: redis.Redis, fmt: str
 ) -> None:
     streams = writes.streams
-    sub = r.pubsub()
-    sub.subscribe("chan-a", "chan-b")
-    for _ in range(2):
-        sub.get_message(timeout=1)
+    sub = _subscribed(r, "chan-a", "chan-b")
 
     def made(rid: str, reply: str) -> list[Streamed]:
         to = StreamTo("0-1", rid, "m-1", 90, reply, fmt, life=2)  # type: ignore[arg-type]
@@ -201,4 +205,50 @@ def test_streamed_deltas_write_what_their_token_writes_write(
             body = json.loads(m["data"]) if fmt == "json" else msgpack.unpackb(m["data"])
             got[m["channel"].decode()].append({**body, "id": "-"})
     assert got["chan-b"] == got["chan-a"] and len(got["chan-b"]) == EXPIRE_EVERY + 2
+    sub.close()
+
+
+class _Padded:
+    """A plain delta's item with an empty ``more`` appended: ``tokens.lua`` then takes its
+    general branch, which must write what the plain branch writes."""
+
+    def __init__(self, write: TokenWrite) -> None:
+        self.request_id = write.request_id
+        self._item = write.item()
+
+    def item(self) -> list[object]:
+        return [*self._item, []]
+
+
+@pytest.mark.parametrize("json_", [False, True])
+@pytest.mark.parametrize("life", [0, 3, -3])
+def test_a_plain_delta_s_branch_writes_what_the_general_one_writes_byte_for_byte(
+    writes: TokenWrites, r: redis.Redis, json_: bool, life: int
+) -> None:
+    streams = writes.streams
+    sub = _subscribed(r, "chan-a", "chan-b")
+    texts = ['say "hi"\n', "Zürich ☃ 😀", "x" * 32, "é" * 200, ""]
+
+    def made(rid: str, reply: str) -> list[TokenWrite]:  # the 1st sets the TTL
+        return [TokenWrite(rid, i + 1, 60 if i == 0 else 0, t, i % 2, i + 1, reply, json_,
+                           "m-1", life=life) for i, t in enumerate(texts)]  # fmt: skip
+
+    # Given the same deltas, plain (10 fields) and with an empty list of optional fields
+    plain = made("id-b", "chan-b")
+    assert all(len(it.item()) == 10 for it in plain)
+    writes.append(plain)
+    writes.append([_Padded(it) for it in made("id-a", "chan-a")])
+    # Then the streams hold the same fields in the same order, with the same TTL...
+    assert _stream(r, streams, "id-b") == _stream(r, streams, "id-a")
+    assert [list(e) for e in _stream(r, streams, "id-b")] == [
+        list(e) for e in _stream(r, streams, "id-a")
+    ]
+    assert 55 <= r.ttl(streams.keys.tokens("id-b")) <= 60
+    # ...and the messages are the same bytes, but for the request's id
+    raw: dict[str, list[bytes]] = {"chan-a": [], "chan-b": []}
+    while (m := sub.get_message(timeout=0.5)) is not None:
+        if m["type"] == "message":
+            raw[m["channel"].decode()].append(m["data"])
+    assert len(raw["chan-b"]) == len(texts)
+    assert raw["chan-b"] == [m.replace(b"id-a", b"id-b") for m in raw["chan-a"]]
     sub.close()

@@ -9,8 +9,8 @@ writer thread, it waited for that thread to get the GIL and for Redis, beside th
 step (saturated, fresh workers alternating, ``tokens.lua`` encoding the messages: 2.6
 against 3.6 ms p50 when written here, at the same tokens/s). It sends the write and hands
 the step to the loop without waiting for Redis's answer: the device thread goes on to the
-next step, and the answer is read by the next step's write or by the sink's writer thread
-before it writes anything the loop handed it, whichever comes first, so a stream's end or
+next step, and the answer is read by the sink's writer thread, woken for it (else by the
+next step's write), before it writes anything the loop handed it, so a stream's end or
 result never overtakes its deltas, and deltas whose write failed are written again first.
 Reading it here, before the next step, the device idled about 0.5 ms a step (saturated,
 tiny model: the call's run in Redis, which shares the cores with the loop thread).

@@ -52,10 +52,10 @@ class ResultSink(Protocol):
     def stream_now(self, items: Sequence[Streamed]) -> None:
         """Deltas, sent on the calling thread at once when no token write waits for the
         writer thread (else, or if sending fails, queued like :meth:`stream`). Redis's
-        answer is not waited for: it is read by whichever needs it first, the next
-        ``stream_now`` (before it sends) or the writer thread (before its next write, so
-        nothing handed over later overtakes these deltas); on a failure the deltas are
-        queued again, ahead of any later write."""
+        answer is not waited for: the writer thread is woken to read it, and it is read
+        by whichever needs it first, the next ``stream_now`` (before it sends) or the
+        writer thread (before its next write, so nothing handed over later overtakes these
+        deltas); on a failure the deltas are queued again, ahead of any later write."""
         ...
 
     def started(self, items: Sequence[tuple[str, int]]) -> None:
@@ -205,9 +205,11 @@ class RedisSink:
             if direct:
                 try:
                     self._unread = (self._direct.send(items), items)
-                    return
                 except Exception as exc:  # the writer thread retries it, in order
                     logger.warning("writing %d deltas failed (%s): queued", len(items), exc)
+                else:
+                    self._queue.put(_Tokens(()))  # the writer thread reads the answer
+                    return
         self.stream(items)
 
     def settle(self) -> None:
@@ -255,7 +257,7 @@ class RedisSink:
             for items in again:
                 self._write(_Tokens(items))
             if isinstance(job, _Tokens) and not job.items:
-                continue  # the wake-up of a failed write (written above)
+                continue  # a wake-up: deltas sent at once, or failed (read, written above)
             self._write(job)
 
     def _write(self, job: _Job) -> None:

@@ -30,6 +30,10 @@
 -- write made again after its answer was lost: Redis ran the call, then the connection
 -- died). The worker asks for the check where it may have been taken for dead, for every
 -- end, and for every write made again or behind one that failed: it costs an XREVRANGE.
+-- A plain delta (10 fields, no `more`: most of them) takes a branch of its own: the same
+-- commands, message and reply, without an argument table built and unpacked. Every
+-- message of a call reaches subscribers only when the call ends, so its cost is delta
+-- latency: Redis's CPU per call of 32 plain deltas, 482 against 560 us (medians of 9).
 -- Returns the number of items written.
 local maxlen = ARGV[1]
 local items = cmsgpack.unpack(ARGV[2])
@@ -49,7 +53,24 @@ for i = 1, #KEYS do
       end
     end
   end
-  if not stale then
+  if not stale and #it == 10 then  -- a plain delta (most): no tables built for it
+    written = written + 1
+    if life > 0 then
+      redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'life', life, 'seq', seq,
+                 'input', it[4], 'text', it[5], 'tokens', it[6])
+    else
+      redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'seq', seq,
+                 'input', it[4], 'text', it[5], 'tokens', it[6])
+    end
+    if ttl > 0 then
+      redis.call('EXPIRE', KEYS[i], ttl)
+    end
+    if it[7] ~= '' then
+      local body = {v = 1, kind = 'delta', id = it[9], model = it[10], seq = seq,
+                    input = it[4], text = it[5], tokens = it[6]}
+      redis.call('PUBLISH', it[7], it[8] == 1 and cjson.encode(body) or cmsgpack.pack(body))
+    end
+  elseif not stale then
     written = written + 1
     local args = {'XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*'}
     if life > 0 then
