@@ -77,6 +77,8 @@ def instrument(parts: Parts, runner: Any) -> None:
     lean_decode.linear = parts.wrap("linears", lean_decode.linear)
     decode_attention.attention = parts.wrap("decode attention", decode_attention.attention)
     decode_attention.attend_rows = parts.wrap("decode attention", decode_attention.attend_rows)
+    decode_attention.attend_arrays = parts.wrap("decode attention",
+                                                decode_attention.attend_arrays)  # fmt: skip
     decode_attention.sdpa = parts.wrap("prefill attention (sdpa)", decode_attention.sdpa)
     for cls, name in ((padded_cache.SlotLayer, "KV write: decode rows"),
                       (padded_cache.SlabLayer, "KV write: prefill slabs")):  # fmt: skip

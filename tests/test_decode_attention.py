@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -304,3 +305,34 @@ def test_a_step_planned_once_writes_each_layer_into_its_rows_of_a_shared_output(
         decode_attention.attend_rows(plan, q, k[:, :, :39], v[:, :, :39], 0.3, out[:rows])
     with pytest.raises(ValueError, match="needs a key"):
         decode_attention.rows(torch.tensor([2, 0]).numpy(), kv_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_buffers_arrays_made_once_attend_as_its_column_slices_do(dtype: Any) -> None:
+    # the lean forward reads a cache buffer through the arrays made with it (arrays), the
+    # step's first rows of them whole (attend_arrays): the same numbers as attend_rows over
+    # the step's column slice of the same buffer; what does not fit is refused
+    torch.manual_seed(11)
+    rows, heads, kv_heads, dim, capacity = 4, 4, 2, 16, 48
+    lengths = np.array([30, 2, 19, 7], dtype=np.int64)
+    plan = decode_attention.rows(lengths, kv_heads)
+    assert plan is not None
+    k = torch.randn(rows + 2, kv_heads, capacity, dim).to(dtype)  # more rows than the step's
+    v = torch.randn(rows + 2, kv_heads, capacity, dim).to(dtype)
+    keys, values = decode_attention.arrays(k), decode_attention.arrays(v)
+    assert keys is not None and values is not None
+    k[1, 0, 1] = 5.0  # the same memory: a write after the arrays are made is read
+    q = torch.randn(rows, heads, 1, dim)
+    want = torch.empty(rows, heads * dim)
+    decode_attention.attend_rows(plan, q, k[:rows, :, :30], v[:rows, :, :30], 0.3, want)
+    got = torch.full((rows + 1, heads * dim), 7.0)
+    decode_attention.attend_arrays(plan, q, keys[:rows], values[:rows], 0.3, got[:rows].numpy())
+    assert torch.equal(got[:rows], want)
+    assert torch.equal(got[rows], torch.full((heads * dim,), 7.0))
+    with pytest.raises(ValueError, match="do not fit"):  # the buffer's rows, not the step's
+        decode_attention.attend_arrays(plan, q, keys, values, 0.3, got[:rows].numpy())
+    with pytest.raises(ValueError, match="do not fit"):  # narrower than the longest row
+        decode_attention.attend_arrays(plan, q, keys[:rows, :, :29].copy(),
+                                       values[:rows, :, :29].copy(), 0.3, got[:rows].numpy())  # fmt: skip
+    assert decode_attention.arrays(k.to(torch.float16)) is None  # a dtype it cannot read
+    assert decode_attention.arrays(k[:, :, :30]) is None  # not a whole buffer

@@ -301,3 +301,61 @@ def test_the_runner_uses_it_unless_told_not_to(llama_dir: Path) -> None:
     off = TextGenerationRunner(llama_dir, device="cpu", options={"lean_decode": False})
     assert on.info()["decode"] == "lean" and on.engine.lean is not None  # type: ignore[attr-defined]
     assert off.info()["decode"] == "transformers" and off.engine.lean is None  # type: ignore[attr-defined]
+
+
+def _steps_logits(engine: PaddedEngine, arrivals: dict[int, list[tuple[str, list[int], int]]],
+                  steps: int) -> list[Any]:  # fmt: skip
+    """Each step's lean forward logits while ``arrivals`` (by step) join and rows leave."""
+    assert engine.lean is not None
+    seen: list[Any] = []
+    forward = engine.lean.forward
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        seen.append(out.clone())
+        return out
+
+    engine.lean.forward = kept  # type: ignore[method-assign]
+    for step in range(steps):
+        for name, prompt, n in arrivals.get(step, []):
+            engine.add(name, prompt, n, Sampling())
+        engine.step()
+    return seen
+
+
+def test_the_buffers_arrays_made_once_give_the_logits_of_fresh_views_as_rows_join_and_leave(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the lean forward attends through each cache buffer's arrays, made once with the
+    # buffer (decode_attention.arrays), not views made anew each layer and step: as rows
+    # join (a long one growing the buffers), leave (the last row moved into a hole) and
+    # new ones take the freed rows, every step's logits are those of an engine that makes
+    # the views each time (attend_rows), bit for bit
+    def prompt(k: int, n: int) -> list[int]:
+        return [(7 * k + 3 * j) % 300 + 3 for j in range(n)]
+
+    arrivals = {0: [("a", prompt(0, 9), 6), ("b", prompt(1, 40), 30), ("c", prompt(2, 17), 4)],
+                3: [("d", prompt(3, 280), 12)],  # past the buffers' 256 columns: they grow
+                6: [("e", prompt(4, 5), 20), ("f", prompt(5, 60), 9)],
+                12: [("g", prompt(6, 33), 8)]}  # fmt: skip
+    calls = []
+    attend_arrays = decode_attention.attend_arrays
+
+    def counted(*args: Any) -> None:
+        calls.append(1)
+        attend_arrays(*args)
+
+    monkeypatch.setattr(decode_attention, "attend_arrays", counted)
+    engine = PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=64, max_running=8)
+    got = _steps_logits(engine, arrivals, 30)
+    layer = engine._layers[0]
+    assert layer._k is not None and layer.arrays is not None
+    assert layer.arrays[0].ctypes.data == layer._k.data_ptr()  # the grown buffer's own
+    assert engine.moves > 0 and layer._k.shape[2] > 256 and calls
+    monkeypatch.setattr(decode_attention, "arrays", lambda t: None)
+    fresh = PaddedEngine(_llama(llama_dir), eos_token_ids=[], step_tokens=64, max_running=8)
+    want = _steps_logits(fresh, arrivals, 30)
+    assert fresh._layers[0].arrays is None
+    assert len(got) == len(want) == 30
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), step

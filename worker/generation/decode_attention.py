@@ -62,6 +62,8 @@ _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
 _KERNEL_KV = (torch.float32, torch.bfloat16)
 """The key and value dtypes the kernel reads (a bfloat16 ``kv_cache_dtype`` cache: half
 the bytes)."""
+_KERNEL_ARRAYS = (np.dtype(np.float32), np.dtype(np.uint16))
+"""The same as the arrays it is given (bfloat16 as its bits)."""
 
 
 def _compile(cache: bool) -> tuple[Any, Any]:
@@ -321,21 +323,46 @@ def attend_rows(plan: Rows, query: torch.Tensor, key: torch.Tensor, value: torch
     on the CPU) over ``key`` and ``value`` (``rows x kv_heads x columns x dim``, float32 or
     bfloat16), written into ``out``, a C-contiguous ``rows x (heads * dim)`` float32 (the
     lean forward's rows of its attention output: no copy after)."""
-    rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
     if (
         key.dtype not in _KERNEL_KV or value.dtype != key.dtype or plan.longest > key.shape[2]
-        or len(plan.lengths) != rows or not out.is_contiguous()
+        or not out.is_contiguous()
     ):  # fmt: skip
         raise ValueError(f"row lengths {plan.lengths} do not fit keys {tuple(key.shape)} "
                          f"{key.dtype} or an output {tuple(out.shape)}")  # fmt: skip
-    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous()
-    keys, values = _whole(_bits(key)), _whole(_bits(value))
-    target = out.view(rows, kv_heads, heads // kv_heads, dim).numpy()
+    attend_arrays(plan, query, _whole(_bits(key)), _whole(_bits(value)), scaling, out.numpy())
+
+
+def arrays(t: torch.Tensor) -> np.ndarray | None:
+    """A ``rows x kv_heads x capacity x dim`` CPU cache buffer as the array
+    :func:`attend_arrays` reads (the same memory; bfloat16 as its bits), made once where
+    the buffer is, so a step's layers skip :func:`attend_rows`' per-call views; None for
+    a buffer the kernel cannot read."""
+    if t.device.type != "cpu" or t.dtype not in _KERNEL_KV or not t.is_contiguous():
+        return None
+    return np.asarray(_bits(t).numpy())
+
+
+def attend_arrays(plan: Rows, query: torch.Tensor, keys: np.ndarray, values: np.ndarray,
+                  scaling: float, out: np.ndarray) -> None:  # fmt: skip
+    """:func:`attend_rows` over whole rows of cache buffers as :func:`arrays` gives them
+    (``keys[r]``: row ``r``'s, its first ``plan.lengths[r]`` columns read), written into
+    ``out``, a C-contiguous ``rows x (heads * dim)`` float32 array."""
+    rows, heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    if (
+        keys.dtype not in _KERNEL_ARRAYS or keys.dtype != values.dtype
+        or keys.shape != values.shape or len(keys) != rows
+        or plan.longest > keys.shape[2] or len(plan.lengths) != rows
+        or out.shape != (rows, heads * dim) or not out.flags.c_contiguous
+    ):  # fmt: skip
+        raise ValueError(f"row lengths {plan.lengths} do not fit keys {keys.shape} "
+                         f"{keys.dtype} or an output {out.shape}")  # fmt: skip
+    q = query.reshape(rows, kv_heads, heads // kv_heads, dim).contiguous().numpy()
+    target = out.reshape(rows, kv_heads, heads // kv_heads, dim)
     if plan.parts > 1:
-        _parallel(q.numpy(), keys, values, plan.lengths, np.float32(scaling), target, plan.parts)
+        _parallel(q, keys, values, plan.lengths, np.float32(scaling), target, plan.parts)
     else:
-        _kernel(q.numpy(), keys, values, plan.lengths, np.float32(scaling), target)
+        _kernel(q, keys, values, plan.lengths, np.float32(scaling), target)
 
 
 def _parts_for(lengths: np.ndarray, kv_heads: int) -> int:

@@ -21,11 +21,13 @@ prefill chunks at once:
   ``matmul_precision`` ``medium`` the weights are the modules' bfloat16 ones and each
   product is the one their forward computes (:func:`..precision.linear`);
 - the decode rows' keys and values written by the engine's :class:`~.padded_cache.SlotLayer`
-  and attended either by :func:`.decode_attention.attend_rows` (each row over its own
-  length: a float32 model on the CPU; planned once a step for all layers, and written
-  straight into the step's attention output, one buffer every layer reuses) or, on any
-  other device or dtype, by transformers' ``sdpa`` function over the padded batch under
-  a padding mask (as the engine's transformers forward and HF ``generate`` attend);
+  and attended either by the per-row kernel (each row over its own length: a float32
+  model on the CPU; planned once a step for all layers; each layer's buffers read through
+  the arrays made with them, :func:`.decode_attention.attend_arrays`, no views made a
+  layer; written straight into the step's attention output, one buffer every layer
+  reuses) or, on any other device or dtype, by transformers' ``sdpa`` function over the
+  padded batch under a padding mask (as the engine's transformers forward and HF
+  ``generate`` attend);
 - each prefill chunk's appended to its sequence's own cache and attended causally by
   transformers' ``sdpa`` function, as its prefill forward does;
 - keys and values held in another dtype than the model's (the engine's
@@ -193,6 +195,7 @@ class LeanDecoder:
         if rows and padding is None and plan is None:  # sdpa unmasked would attend padding
             raise RuntimeError("a decode step marked for per-row attention cannot use it here")
         attended = torch.empty((total, q_end), dtype=x.dtype, device=x.device)
+        row_out = attended[:rows].numpy() if plan is not None else None
         for i, layer in enumerate(self.layers):
             h = norm(layer.input_norm, x)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
@@ -209,7 +212,12 @@ class LeanDecoder:
                 q, k = self.rotate(q, k, cos, sin)
             if rows:
                 keys, values = caches[i].update(_rows(k, 0, rows), _rows(v, 0, rows))
-                if plan is not None:
+                whole = getattr(caches[i], "arrays", None) if plan is not None else None
+                if whole is not None:  # the buffers' arrays, made once (no views a layer)
+                    assert plan is not None and row_out is not None
+                    decode_attention.attend_arrays(plan, _rows(q, 0, rows), whole[0][:rows],
+                                                   whole[1][:rows], layer.scaling, row_out)  # fmt: skip
+                elif plan is not None:
                     decode_attention.attend_rows(plan, _rows(q, 0, rows), keys, values,
                                                  layer.scaling, attended[:rows])  # fmt: skip
                 else:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import reserve
+from . import decode_attention, reserve
 
 
 class SlabLayer(DynamicLayer):  # type: ignore[misc]
@@ -115,6 +115,9 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
         self.step = step
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self.arrays: tuple[Any, Any] | None = None
+        """The buffers as the CPU decode kernel reads them (:func:`.decode_attention.arrays`:
+        the same memory), made with them; None where it cannot."""
         self.is_initialized = True
 
     def reserve(self, like: torch.Tensor, rows: int, width: int) -> None:
@@ -131,6 +134,8 @@ class SlotLayer(DynamicLayer):  # type: ignore[misc]
             new_k[:old_rows, :, :old_width] = self._k
             new_v[:old_rows, :, :old_width] = self._v
         self._k, self._v = new_k, new_v
+        k, v = decode_attention.arrays(new_k), decode_attention.arrays(new_v)
+        self.arrays = (k, v) if k is not None and v is not None else None
 
     def place(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Row ``row`` takes a prefilled sequence's cache (``1 x heads x n x head_dim``)."""
