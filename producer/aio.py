@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Generator, Iterable
+from collections.abc import AsyncIterator, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from ..schemas.errors import ProducerClosed
 from ..schemas.messages import Delta, Request, Result
 from ..webhooks.status import WebhookStatus, parse_status
 from . import ops
+from .aio_reads import Reads
 from .core import JobRef, ManyOptions, SubmitOptions, generation_texts, raise_for_status
 from .ops import Runner
 from .shell import CANCEL_TTL_S, STREAM_TIMEOUT_S, ProducerShell
@@ -77,6 +78,10 @@ class AsyncJob(JobRef):
         await self.producer.cancel(self, ttl_s=ttl_s)
 
 
+_READS = (ops.Get, ops.GetMany, ops.XRead, ops.Sleep, ops.Subscribe, ops.Listen)
+"""The waits' operations that a close cuts short (:mod:`.aio_reads`)."""
+
+
 class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     """``async with AsyncProducer(url) as p: job = await p.submit("minilm", "text")``.
 
@@ -88,38 +93,23 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
     def _job(self, request: Request) -> AsyncJob:
         return AsyncJob.of(request, producer=self)  # type: ignore[no-any-return]
 
-    _closing: asyncio.Event | None = None
+    _reads: Reads | None = None
+
+    @property
+    def reads(self) -> Reads:
+        """The waits' reads under way (made on first use)."""
+        if self._reads is None:
+            self._reads = Reads()
+        return self._reads
 
     @property
     def closed(self) -> bool:
         """:meth:`close` was called: waits under way end with :class:`ProducerClosed`."""
-        return self._closing is not None and self._closing.is_set()
+        return self.reads.closed
 
     async def close(self) -> None:
-        self._on_close().set()
+        self.reads.close()
         await self.client.aclose()
-
-    def _on_close(self) -> asyncio.Event:
-        if self._closing is None:
-            self._closing = asyncio.Event()
-        return self._closing
-
-    async def _unless_closed(self, call: Awaitable[T]) -> T:
-        """``call``'s reply, or :class:`ProducerClosed` where the producer closes first. A
-        blocking read is cut short so: redis-py retries one whose connection the close
-        broke, on a new connection, and a ``results()`` would wait on to its timeout."""
-        work = asyncio.ensure_future(call)
-        closing = asyncio.ensure_future(self._on_close().wait())
-        try:
-            await asyncio.wait((work, closing), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closing.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.wait((work,))  # (let go of its connection before going on)
-        if work.cancelled() or (self.closed and work.exception() is not None):
-            raise ProducerClosed("the producer was closed")
-        return work.result()
 
     async def __aenter__(self) -> AsyncProducer:
         return self
@@ -139,7 +129,9 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
                 elif self.closed:
                     raise ProducerClosed("the producer was closed")
                 else:
-                    runner.reply = await self._do(op, subscription)
+                    reply = self._do(op, subscription)
+                    cut = isinstance(op, _READS)
+                    runner.reply = await (self.reads.cut_at_close(reply) if cut else reply)
                     if cancels() > asked:  # swallowed on the way (see batchfleet.cancels)
                         raise asyncio.CancelledError()
 
@@ -157,8 +149,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
             if isinstance(op, ops.RunScript):
                 return await run_script_calls_async(self.client, self._submit, op.calls)
             if isinstance(op, ops.XRead):
-                read = self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
-                reply = await (read if op.block_s is None else self._unless_closed(read))
+                reply = await self.client.xread({op.key: op.after}, op.count, ops.block_ms(op))
                 return ops.stream_entries(reply)
             if isinstance(op, ops.SetEx):
                 return await self.client.set(op.key, op.value, ex=op.ttl_s)
@@ -169,7 +160,7 @@ class AsyncProducer(ProducerShell[AsyncClient, AsyncJob]):
             if isinstance(op, ops.Unsubscribe):
                 return await subscription.aclose()
             if isinstance(op, ops.Listen):
-                return await self._unless_closed(subscription.listen(op.timeout))
+                return await subscription.listen(op.timeout)
         except Exception as exc:  # (a temporary refusal as well: NOREPLICAS, CLUSTERDOWN...)
             if (down := unreachable(exc)) is None:
                 raise

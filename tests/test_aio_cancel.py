@@ -5,6 +5,8 @@ producer while they wait. Real Redis; the test plays the worker, which never ans
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -12,6 +14,8 @@ import pytest
 import redis
 from batchfleet.producer import AsyncJob, AsyncProducer, ProducerClosed, ResultTimeout
 from gateway_fakes import ScriptedWorker
+
+from batchfleet.redis_server import LocalRedis
 
 TRIES = 120  # each lands the cancel a few event-loop turns later than the last
 TURNS = 100  # event-loop turns a blocking read takes to end once the producer closes
@@ -84,6 +88,16 @@ def test_wait_for_around_a_result_ends_at_its_own_timeout(
     assert not isinstance(asyncio.run(go()), ResultTimeout)  # wait_for's, not the job's
 
 
+async def _ended_soon(tasks: list[asyncio.Task[Any]]) -> None:
+    """Each of ``tasks`` ends within a few turns of a close (a loaded machine's socket
+    close: within the grace), not at its job's timeout nor at a socket timeout (15 s)."""
+    for _ in range(TURNS):  # a read under way is cut short, a poll's sleep too
+        await asyncio.sleep(0)
+    if not all(task.done() for task in tasks):
+        await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
+    assert all(task.done() for task in tasks), "under way long after close"
+
+
 async def _waiting(producer: AsyncProducer, wait: Wait) -> AsyncIterator[asyncio.Task[Any]]:
     """Waits of each kind under way on their own job: past their first Redis calls."""
     for _ in range(3):
@@ -103,16 +117,70 @@ def test_closing_the_producer_ends_the_waits_under_way(
         tasks = [task async for task in _waiting(producer, wait)]
         assert not any(task.done() for task in tasks)
         await producer.close()
-        if wait is not _result:  # a blocking read is cut short, not waited out (a poll's
-            for _ in range(TURNS):  # sleep of up to 25 ms is)
-                await asyncio.sleep(0)
-            if not all(task.done() for task in tasks):  # a loaded machine's socket close
-                await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
-            assert all(task.done() for task in tasks), "under way long after close"
-        await asyncio.wait(tasks)
+        await _ended_soon(tasks)
         with pytest.raises(ProducerClosed):  # and anything asked of it after
             await producer.submit("mm", "late")
         return [task.exception() for task in tasks]
 
     ends = asyncio.run(go())
     assert all(isinstance(end, ProducerClosed) for end in ends), ends
+
+
+@pytest.mark.parametrize("wait", WAITS, ids=lambda w: w.__name__)
+def test_closing_ends_a_wait_whose_redis_does_not_answer(wait: Wait) -> None:
+    """Whatever read a wait is in (a ``results()`` sweep's pipeline, a poll's ``GET``, a
+    subscribe, a blocking read) it ends at the close: a stopped server (``SIGSTOP``: a VM
+    pause) answers none of them, and redis-py would wait out its socket and connect
+    timeouts (15 s and more) first. A close landing mid-sweep on a live server did the
+    same, about once in 50 (no answer to a pipeline whose connection the close broke)."""
+    server = LocalRedis()
+    url = server.start()
+    assert server.process is not None
+    try:
+        ScriptedWorker(redis.Redis.from_url(url), "mm")
+
+        async def go() -> list[BaseException | None]:
+            producer = AsyncProducer(url)
+            job = await _submitted(producer)
+            os.kill(server.process.pid, signal.SIGSTOP)
+            task = asyncio.ensure_future(wait(job))
+            for _ in range(40):  # (into its first read, which gets no answer)
+                await asyncio.sleep(0)
+            assert not task.done()
+            await producer.close()
+            await _ended_soon([task])
+            return [task.exception()]
+
+        ends = asyncio.run(go())
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+    assert all(isinstance(end, ProducerClosed) for end in ends), ends
+
+
+@pytest.mark.parametrize("wait", WAITS, ids=lambda w: w.__name__)
+@pytest.mark.parametrize("cancel_first", [True, False], ids=["cancel-close", "close-cancel"])
+def test_a_cancel_that_comes_with_the_close_ends_the_wait_cancelled(
+    redis_url: str, fake: ScriptedWorker, wait: Wait, cancel_first: bool
+) -> None:
+    """The close cuts a read by cancelling the waiting task, then takes its cancel back: a
+    cancel of the caller's own, asked in the same turn, is not taken back with it."""
+
+    async def go() -> BaseException | None:
+        producer = AsyncProducer(redis_url)
+        job = await _submitted(producer)
+        task = asyncio.ensure_future(wait(job))
+        for _ in range(40):
+            await asyncio.sleep(0)
+        assert not task.done()
+        if cancel_first:
+            task.cancel()
+        closing = asyncio.ensure_future(producer.close())
+        if not cancel_first:
+            await asyncio.sleep(0)  # the close's first step (the cut) runs, the wait does not
+            assert not task.done()
+            task.cancel()
+        await asyncio.wait((task, closing))
+        return None if task.cancelled() else task.exception()
+
+    assert asyncio.run(go()) is None  # cancelled, not ProducerClosed
