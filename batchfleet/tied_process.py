@@ -7,8 +7,8 @@ kernel for a SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``) and then
 program in its place, so the pid, pipes and exit status are the program's own.
 (``Popen(preexec_fn=...)`` would do the same in the forked child, but is unsafe in a
 process with threads.) SIGKILL rather than SIGTERM: nobody is left to read the server's
-data, and a server stopped with SIGSTOP (the failover tests stop replicas) or one waiting
-for its replicas at shutdown would ignore a SIGTERM.
+data, a server stopped with SIGSTOP (the failover tests stop replicas) would never act on
+a SIGTERM, and one with replicas would first wait for them to catch up.
 
 The kernel's "parent" is the *thread* that forked: a child forked by a thread that later
 ends is killed with that thread. So every tied child is forked by one daemon thread that

@@ -89,10 +89,13 @@ def reap() -> Iterator[list[int]]:
 
 @linux_only
 @pytest.mark.parametrize("started_from", ["main", "thread"])
-def test_a_server_dies_with_its_sigkilled_parent(started_from: str, reap: list[int]) -> None:
+def test_a_server_dies_with_its_sigkilled_parent(
+    started_from: str, reap: list[int], tmp_path: Path
+) -> None:
     # Given a Python process that started a server (from a thread that has since ended)
     argv = [sys.executable, "-c", STARTER, started_from]
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as parent:
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # (the data folder the killed one leaves)
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as parent:
         assert parent.stdout is not None
         said = json.loads(parent.stdout.readline())
         reap.append(said["pid"])
