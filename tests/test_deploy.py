@@ -34,6 +34,7 @@ from gateway_fakes import ScriptedWorker, gateway_in_process, http, leave_mid_st
 from batchfleet.config import load_config
 from batchfleet.connection import connect
 from batchfleet.redis_server import find_redis_server, free_port
+from batchfleet.tied_process import tied_popen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -326,7 +327,7 @@ def acl_redis() -> Iterator[int]:
             r"^aclfile .*$", f"aclfile {DEPLOY / 'redis' / 'users.acl'}", conf, flags=re.M
         )
         Path(tmp, "redis.conf").write_text(conf)
-        proc = subprocess.Popen(
+        proc = tied_popen(
             [find_redis_server(), str(Path(tmp, "redis.conf")), "--port", str(port),
              "--bind", "127.0.0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -74,17 +74,17 @@ def serving(
     """A fleet (Redis, one worker) serving the tiny Llama as ``LM`` (hermes tool calls; its
     chat ``template`` where given) and the ``more`` models, and a gateway in front of it."""
     lm = make_causal_lm(tmp / "lm", context=4096, template=template)
-    server = LocalRedis()
-    server.start()
     opts = {"kv_cache_tokens": 8192, "page_size": 16, "step_tokens": 64, "max_running": 16,
             "tool_call_parser": "hermes", "max_new_tokens": 4000}  # fmt: skip
     config = tmp / "fleet.toml"
     models = {LM: {"runner": "text-generation", "path": str(lm), "options": opts}, **(more or {})}
-    config.write_text(fleet_toml(server.url, models))
-    worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
+    server = LocalRedis()
+    server.start()
     r = redis.Redis.from_url(server.url)
-    gateway = None
+    worker = gateway = None
     try:
+        config.write_text(fleet_toml(server.url, models))
+        worker = WorkerProcess(config, "gw-worker", tmp / "worker.log")
         for model in models:
             worker.wait_ready(r, model)
         gateway, base = start_gateway(server.url, tmp)
@@ -94,7 +94,8 @@ def serving(
         if gateway is not None:
             gateway.terminate()
             gateway.wait(10)
-        worker.stop()
+        if worker is not None:
+            worker.stop()
         r.close()
         server.stop()
 

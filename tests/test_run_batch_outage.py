@@ -121,12 +121,9 @@ def proxy(redis_url: str) -> Iterator[SilentProxy]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_line_sent_while_redis_is_down_is_a_503_line_and_the_run_goes_on(kind: str) -> None:
     # Given a run whose Redis stops once it has started (connected, subscribed)
+    make, _ = KINDS[kind]
     server = LocalRedis()
     url = server.start()
-    client = redis.Redis.from_url(url)
-    ScriptedWorker(client, "mm")  # (the model's lanes)
-    client.close()
-    make, _ = KINDS[kind]
 
     async def lines() -> AsyncIterator[str]:
         server.stop()  # When Redis goes away before the lines are sent
@@ -135,6 +132,8 @@ def test_a_line_sent_while_redis_is_down_is_a_503_line_and_the_run_goes_on(kind:
 
     out: list[str] = []
     try:
+        with redis.Redis.from_url(url) as client:
+            ScriptedWorker(client, "mm")  # (the model's lanes)
         settings = Settings(progress_s=0, retry_for_s=1.0)
         summary = asyncio.run(run_batch(url, lines(), out.append, settings))
     finally:

@@ -17,6 +17,7 @@ from batchfleet.worker.runners.embedding import EmbeddingRunner
 
 from batchfleet.config import ModelConfig, WorkerConfig
 from batchfleet.redis_server import LocalRedis, find_server, free_port
+from batchfleet.tied_process import tied_popen
 
 ACL_FILE = Path(__file__).parents[1] / "deploy" / "redis" / "users.acl"
 KEYS = ModelKeys("tiny")
@@ -103,27 +104,29 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
         check=True, capture_output=True,
     )  # fmt: skip
     port = free_port()
-    server = subprocess.Popen(
+    server = tied_popen(
         [binaries.server, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
          "--tls-auth-clients", "no", "--save", "", "--dir", str(d)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
-    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if server.poll() is not None:
-                pytest.skip(f"redis-server without TLS: {server.stderr.read().decode()[:200]}")
-            import time
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        client = redis.Redis.from_url(url)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if server.poll() is not None:
+                    pytest.skip(f"redis-server without TLS: {server.stderr.read().decode()[:200]}")
+                import time
 
-            time.sleep(0.05)
-    yield url, cert
-    server.terminate()
-    server.wait()
+                time.sleep(0.05)
+        yield url, cert
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def test_rediss_end_to_end(tls_redis: tuple[str, Path], tiny_embedder: Path) -> None:

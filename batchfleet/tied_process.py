@@ -1,0 +1,99 @@
+"""Child processes that die with the process that started them, even when it is SIGKILLed.
+
+A Redis server started for the demo or a test and left behind by a parent killed with
+SIGKILL (an OOM kill, a CI timeout) would run forever, holding its port, memory and CPU.
+On Linux :func:`tied_popen` starts the program through a tiny Python shim that asks the
+kernel for a SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``) and then execs the
+program in its place, so the pid, pipes and exit status are the program's own.
+(``Popen(preexec_fn=...)`` would do the same in the forked child, but is unsafe in a
+process with threads.) SIGKILL rather than SIGTERM: nobody is left to read the server's
+data, a server stopped with SIGSTOP (the failover tests stop replicas) would never act on
+a SIGTERM, and one with replicas would first wait for them to catch up.
+
+The kernel's "parent" is the *thread* that forked: a child forked by a thread that later
+ends is killed with that thread. So every tied child is forked by one daemon thread that
+lives as long as the process. Elsewhere than Linux: a plain ``Popen``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from queue import SimpleQueue
+from typing import IO
+
+PDEATHSIG_SUPPORTED = sys.platform == "linux"
+
+_SHIM = """\
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0):
+    sys.exit(f"prctl(PR_SET_PDEATHSIG): errno {ctypes.get_errno()}")
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the parent died before the death signal was set")
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores these two; Popen restores
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # them for the program it runs, so does this
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+"""Run as ``python -I -S -c _SHIM <parent pid> <program> <args...>``: the parent-pid check
+covers a parent that died between the fork and the ``prctl``."""
+
+_Redirect = int | IO[bytes] | None
+_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+
+
+class _Forker:
+    """A daemon thread that runs every tied ``Popen``, so the children's kernel parent is
+    a thread that lives as long as the process (started afresh in a forked child)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: SimpleQueue[_Job] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, args=(self._jobs,), name="batchfleet-forker", daemon=True
+                )
+                self._thread.start()
+            done: Future[subprocess.Popen[bytes]] = Future()
+            self._jobs.put((start, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(jobs: SimpleQueue[_Job]) -> None:
+        while True:
+            start, done = jobs.get()
+            try:
+                done.set_result(start())
+            except BaseException as e:  # handed to the caller, who raises it
+                done.set_exception(e)
+
+
+_forker = _Forker()
+if hasattr(os, "register_at_fork"):  # a forked child has no forker thread, maybe a held lock
+    os.register_at_fork(after_in_child=_forker.reset)
+
+
+def tied_popen(
+    args: Sequence[str], *, stdout: _Redirect = None, stderr: _Redirect = None
+) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(args, stdout=..., stderr=...)`` whose process gets SIGKILL when
+    this process dies (Linux; elsewhere a plain ``Popen``)."""
+    program = shutil.which(args[0])
+    if program is None:  # as Popen raises, not a shim that exits with a traceback
+        raise FileNotFoundError(f"no such program: {args[0]}")
+    if not PDEATHSIG_SUPPORTED or not sys.executable:  # (no Python to run the shim with)
+        return subprocess.Popen([program, *args[1:]], stdout=stdout, stderr=stderr)
+    argv = [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()), program, *args[1:]]
+    return _forker.run(lambda: subprocess.Popen(argv, stdout=stdout, stderr=stderr))
