@@ -45,6 +45,7 @@ SERVER_FACING = {
     "test_protocol_blind_gen.py",
     "test_protocol_raw.py",
     "test_security.py",
+    "test_tied_process.py",
 }
 """Test files exercising what differs between Redis-compatible servers (streams, Lua, ACL,
 cluster): marked ``server``, which CI runs again against Valkey."""
