@@ -23,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .cancels import counter, not_lost
 from .drops import CountingPool
 from .redis_errors import unreachable
+from .send_cancel import cancel_safe
 
 RETRY_ON = [RedisConnectionError, RedisTimeoutError]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -256,6 +257,7 @@ class _WaitingPool(aioredis.ConnectionPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slots = asyncio.Semaphore(self.max_connections)
+        self.connection_class = cancel_safe(self.connection_class)  # (.send_cancel)
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         await self._slots.acquire()

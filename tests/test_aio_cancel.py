@@ -18,7 +18,7 @@ from gateway_fakes import ScriptedWorker
 from batchfleet.redis_server import LocalRedis
 
 TRIES = 120  # each lands the cancel a few event-loop turns later than the last
-TURNS = 100  # event-loop turns a blocking read takes to end once the producer closes
+TURNS = 100  # event-loop turns a read takes to end once cancelled, or the producer closed
 JOB_TIMEOUT_S = 30.0  # what a wait that lost its cancel runs into (a failure, not a hang)
 CLOSE_GRACE_S = 10.0  # past the turns, on a loaded machine: still far short of the above
 
@@ -54,7 +54,7 @@ def test_a_cancelled_wait_ends_cancelled_wherever_the_cancel_lands(
     redis_url: str, fake: ScriptedWorker, wait: Wait
 ) -> None:
     async def go() -> dict[str, int]:
-        ends = {"cancelled": 0, "went on": 0}
+        ends = {"cancelled": 0, "went on": 0, "late": 0}
         async with AsyncProducer(redis_url) as producer:
             job = await _submitted(producer)
             for n in range(TRIES):
@@ -62,6 +62,11 @@ def test_a_cancelled_wait_ends_cancelled_wherever_the_cancel_lands(
                 for _ in range(n % 40):
                     await asyncio.sleep(0)
                 task.cancel()
+                for _ in range(TURNS):  # not carried into its next read (a block of 1 s)
+                    if task.done():
+                        break
+                    await asyncio.sleep(0)
+                ends["late"] += not task.done()
                 try:
                     await task
                     ends["went on"] += 1
@@ -72,7 +77,7 @@ def test_a_cancelled_wait_ends_cancelled_wherever_the_cancel_lands(
         return ends
 
     ends = asyncio.run(go())
-    assert ends == {"cancelled": TRIES, "went on": 0}
+    assert ends == {"cancelled": TRIES, "went on": 0, "late": 0}
 
 
 def test_wait_for_around_a_result_ends_at_its_own_timeout(
