@@ -17,6 +17,7 @@ from redis.exceptions import RedisClusterException
 
 from .cancels import not_lost
 from .connection import _CancelSafePubSub
+from .send_cancel import cancel_safe
 
 
 class CancelSafeClusterPipeline(ClusterPipeline):
@@ -38,7 +39,18 @@ class CancelSafeClusterPubSub(ClusterPubSub, _CancelSafePubSub):
 
 class CancelSafeRedisCluster(RedisCluster):
     """redis-py's asyncio cluster client; a cancellation during a command, a pipeline's
-    ``execute`` or a pub/sub call is raised, never turned into the reply."""
+    ``execute`` or a pub/sub call is raised, never turned into the reply, nor carried from
+    a command's write into its read (:mod:`.send_cancel`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # RedisCluster picks the connection class itself (plain or TLS) and hands it to
+        # each node through connection_kwargs: the nodes made so far and those found later
+        safe = cancel_safe(self.connection_kwargs["connection_class"])
+        self.connection_kwargs["connection_class"] = safe
+        self.nodes_manager.connection_kwargs["connection_class"] = safe
+        for node in (*self.startup_nodes, *self.nodes_manager.startup_nodes.values()):
+            node.connection_class = safe
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         return await not_lost(super().execute_command(*args, **kwargs))

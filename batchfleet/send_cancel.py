@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import TypeVar, cast
 
 from redis.asyncio.connection import AbstractConnection
 
@@ -32,10 +33,12 @@ class _CancelSafeSend(AbstractConnection):
             raise asyncio.CancelledError
 
 
+C = TypeVar("C", bound=AbstractConnection)
+
 _made: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
-def cancel_safe(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+def cancel_safe(connection_class: type[C]) -> type[C]:
     """``connection_class`` (plain, TLS, Unix socket), its write keeping a cancellation
     (one subclass made per class)."""
     if issubclass(connection_class, _CancelSafeSend):
@@ -44,4 +47,4 @@ def cancel_safe(connection_class: type[AbstractConnection]) -> type[AbstractConn
     if made is None:
         name = f"CancelSafe{connection_class.__name__}"
         made = _made[connection_class] = type(name, (_CancelSafeSend, connection_class), {})
-    return made
+    return cast("type[C]", made)

@@ -7,12 +7,16 @@ their cases guard the wrapper, they did not fail on the stock client."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 import test_connection_cancel as single
 from cluster_helpers import LocalRedisCluster
+
+from batchfleet.connection import connect_async
+from batchfleet.send_cancel import _CancelSafeSend
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,3 +54,19 @@ def test_a_cancellation_during_a_cluster_command_is_never_lost(
     ends = single.lost_cancellations(cluster_url, command)
     assert ends["lost"] == 0, ends
     assert ends["cancelled"] > 0, ends  # (the cancellations did land mid-command)
+
+
+def test_every_node_connection_keeps_a_cancel_landing_on_its_write(cluster_url: str) -> None:
+    """The nodes found at startup and later connect with :mod:`batchfleet.send_cancel`'s
+    connections (RedisCluster picks the class itself)."""
+
+    async def go() -> list[type]:
+        client = connect_async(cluster_url)
+        await _keys_on_every_node(client)
+        classes = [type(c) for node in client.get_nodes() for c in node._connections]
+        await client.aclose()
+        return classes
+
+    classes = asyncio.run(go())
+    assert len(classes) >= 3  # (a connection to each master at least)
+    assert all(issubclass(c, _CancelSafeSend) for c in classes), classes
