@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .connection import connect
 from .schemas.keys import ModelKeys
+from .tied_process import tied_popen
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,16 @@ class DemoWorker:
 @contextlib.contextmanager
 def worker_process(url: str, workdir: Path, model: str, fleet: str) -> Iterator[DemoWorker]:
     """Start a worker with the fleet file text ``fleet`` (after ``redis_url``); stop it on
-    exit. It is not waited for: call ``wait_ready``."""
+    exit, or when this process dies, SIGKILL included (:func:`.tied_popen`). It is not
+    waited for: call ``wait_ready``."""
     config = workdir / f"{model}.toml"
     config.write_text(f'redis_url = "{url}"\n\n{fleet}')
     log = workdir / f"{model}-worker.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     name = f"demo-{model}-{os.getpid()}"
     cmd = [sys.executable, "-m", "batchfleet", "worker", "--config", str(config), "--name", name]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    with log.open("wb") as out:
+        proc = tied_popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         yield DemoWorker(proc, name, model, log)
     finally:

@@ -13,19 +13,23 @@ a SIGTERM, and one with replicas would first wait for them to catch up.
 The kernel's "parent" is the *thread* that forked: a child forked by a thread that later
 ends is killed with that thread. So every tied child is forked by one daemon thread that
 lives as long as the process. Elsewhere than Linux: a plain ``Popen``.
+
+A tied Celery worker needs nothing more for its prefork pool: Celery's pool processes ask
+for the same SIGKILL when the worker dies (``celery.concurrency.prefork`` sets it).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from queue import SimpleQueue
-from typing import IO
+from typing import IO, Any, Literal, overload
 
 PDEATHSIG_SUPPORTED = sys.platform == "linux"
 
@@ -36,15 +40,18 @@ if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 
     sys.exit(f"prctl(PR_SET_PDEATHSIG): errno {ctypes.get_errno()}")
 if os.getppid() != int(sys.argv[1]):
     sys.exit("the parent died before the death signal was set")
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores these two; Popen restores
-signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # them for the program it runs, so does this
-os.execv(sys.argv[2], sys.argv[2:])
+# Python ignores SIGPIPE and SIGXFSZ, Popen restores them for the program it runs: so does
+# this, with the signals the caller asked to have at their default too
+for number in [signal.SIGPIPE, signal.SIGXFSZ, *map(int, filter(None, sys.argv[2].split(",")))]:
+    signal.signal(number, signal.SIG_DFL)
+os.execv(sys.argv[3], sys.argv[3:])
 """
-"""Run as ``python -I -S -c _SHIM <parent pid> <program> <args...>``: the parent-pid check
-covers a parent that died between the fork and the ``prctl``."""
+"""Run as ``python -I -S -c _SHIM <parent pid> <signals> <program> <args...>`` (``signals``:
+numbers, comma-separated, maybe none): the parent-pid check covers a parent that died
+between the fork and the ``prctl``."""
 
-_Redirect = int | IO[bytes] | None
-_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+_Redirect = int | IO[bytes] | IO[str] | None
+_Job = tuple[Callable[[], "subprocess.Popen[Any]"], "Future[subprocess.Popen[Any]]"]
 
 
 class _Forker:
@@ -59,14 +66,14 @@ class _Forker:
         self._jobs: SimpleQueue[_Job] = SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def run(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    def run(self, start: Callable[[], subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._serve, args=(self._jobs,), name="batchfleet-forker", daemon=True
                 )
                 self._thread.start()
-            done: Future[subprocess.Popen[bytes]] = Future()
+            done: Future[subprocess.Popen[Any]] = Future()
             self._jobs.put((start, done))
         return done.result()
 
@@ -85,15 +92,79 @@ if hasattr(os, "register_at_fork"):  # a forked child has no forker thread, mayb
     os.register_at_fork(after_in_child=_forker.reset)
 
 
+@overload
 def tied_popen(
-    args: Sequence[str], *, stdout: _Redirect = None, stderr: _Redirect = None
-) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(args, stdout=..., stderr=...)`` whose process gets SIGKILL when
-    this process dies (Linux; elsewhere a plain ``Popen``)."""
-    program = shutil.which(args[0])
+    args: Sequence[str],
+    *,
+    stdin: _Redirect = None,
+    stdout: _Redirect = None,
+    stderr: _Redirect = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    start_new_session: bool = False,
+    default_signals: Sequence[int] = (),
+    text: Literal[False] = False,
+) -> subprocess.Popen[bytes]: ...
+
+
+@overload
+def tied_popen(
+    args: Sequence[str],
+    *,
+    stdin: _Redirect = None,
+    stdout: _Redirect = None,
+    stderr: _Redirect = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    start_new_session: bool = False,
+    default_signals: Sequence[int] = (),
+    text: Literal[True],
+) -> subprocess.Popen[str]: ...
+
+
+def tied_popen(
+    args: Sequence[str],
+    *,
+    stdin: _Redirect = None,
+    stdout: _Redirect = None,
+    stderr: _Redirect = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    start_new_session: bool = False,
+    default_signals: Sequence[int] = (),
+    text: bool = False,
+) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(args, ...)`` with these arguments' meanings, whose process gets
+    SIGKILL when this process dies (Linux; elsewhere a plain ``Popen``).
+
+    ``default_signals``: signals the program starts with at their default action even if
+    this process ignores them (what a ``preexec_fn`` would do, without its hazards).
+    ``args[0]`` is looked up in ``env``'s ``PATH`` when given, as ``Popen`` does."""
+    path = (env if env is not None else os.environ).get("PATH", os.defpath)
+    program = shutil.which(args[0], path=path)
     if program is None:  # as Popen raises, not a shim that exits with a traceback
         raise FileNotFoundError(f"no such program: {args[0]}")
+    options: dict[str, Any] = {
+        "stdin": stdin, "stdout": stdout, "stderr": stderr, "env": env, "cwd": cwd,
+        "start_new_session": start_new_session, "text": text,
+    }  # fmt: skip
     if not PDEATHSIG_SUPPORTED or not sys.executable:  # (no Python to run the shim with)
-        return subprocess.Popen([program, *args[1:]], stdout=stdout, stderr=stderr)
-    argv = [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()), program, *args[1:]]
-    return _forker.run(lambda: subprocess.Popen(argv, stdout=stdout, stderr=stderr))
+        return _popen_with_defaults([program, *args[1:]], default_signals, options)
+    signals = ",".join(str(int(s)) for s in default_signals)
+    shim = [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()), signals]
+    argv = [*shim, os.path.abspath(program), *args[1:]]
+    return _forker.run(lambda: subprocess.Popen(argv, **options))
+
+
+def _popen_with_defaults(
+    argv: list[str], default_signals: Sequence[int], options: dict[str, Any]
+) -> subprocess.Popen[Any]:
+    """A plain ``Popen`` (no shim), its ``default_signals`` set in the child."""
+    if not default_signals:
+        return subprocess.Popen(argv, **options)
+
+    def defaults() -> None:
+        for number in default_signals:
+            signal.signal(number, signal.SIG_DFL)
+
+    return subprocess.Popen(argv, preexec_fn=defaults, **options)

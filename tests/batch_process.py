@@ -13,6 +13,8 @@ from pathlib import Path
 
 from gateway_fakes import ScriptedWorker, Taken
 
+from batchfleet.tied_process import tied_popen
+
 GUARD_S = 60.0
 """How long a wait may last before the test calls it a hang (each ends far sooner)."""
 
@@ -21,7 +23,7 @@ class RunBatch:
     """``python -m batchfleet run-batch ...``; its stderr read line by line as it comes."""
 
     def __init__(self, redis_url: str, source: Path | str, target: Path | str, *flags: str) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = tied_popen(
             [sys.executable, "-m", "batchfleet", "run-batch", "--redis-url", redis_url, "-i",
              str(source), "-o", str(target), *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

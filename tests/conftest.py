@@ -31,6 +31,7 @@ from tiny_vision import (
 )
 
 from batchfleet.redis_server import LocalRedis
+from batchfleet.tied_process import tied_popen
 
 SERVER_FACING = {
     "test_cluster.py",
@@ -166,13 +167,12 @@ class WorkerProcess:
         here = str(Path(__file__).parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchfleet", "worker", "--config", str(config),
-             *(["--name", name] if named else []), "--loglevel", "INFO", *extra],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )  # fmt: skip
+        with log.open("wb") as out:  # (dies with the test run, even one SIGKILLed)
+            self.process = tied_popen(
+                [sys.executable, "-m", "batchfleet", "worker", "--config", str(config),
+                 *(["--name", name] if named else []), "--loglevel", "INFO", *extra],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
 
     def wait_ready(self, client: redis.Redis, model: str, timeout: float = 120.0) -> None:
         """Ready once its batch loop for ``model`` has registered (it is reading); a worker

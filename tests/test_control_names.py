@@ -17,6 +17,7 @@ from batchfleet.schemas.keys import ModelKeys
 from conftest import WorkerProcess, fleet_toml
 
 from batchfleet import cli
+from batchfleet.tied_process import tied_popen
 
 MODEL = "emb"
 
@@ -36,12 +37,13 @@ def plain_celery(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
                    BATCHFLEET_CONFIG=str(config))  # fmt: skip
-        w.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "batchfleet.worker.app", "worker",
-             "-P", "solo", "-n", f"{node}@%h", "-Q", "batchfleet", "--without-mingle",
-             "--without-gossip", "--loglevel", "INFO"],
-            stdout=w.log.open("wb"), stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+        with w.log.open("wb") as out:
+            w.process = tied_popen(
+                [sys.executable, "-m", "celery", "-A", "batchfleet.worker.app", "worker",
+                 "-P", "solo", "-n", f"{node}@%h", "-Q", "batchfleet", "--without-mingle",
+                 "--without-gossip", "--loglevel", "INFO"],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
         started.append(w)
         return w
 

@@ -20,6 +20,7 @@ import pytest
 import redis
 from batchfleet.schemas.keys import ModelKeys
 
+from batchfleet.tied_process import tied_popen
 from bench import gen_chaos
 from bench.systems import ROOT
 
@@ -86,9 +87,8 @@ def test_ctrl_c_stops_the_run_its_workers_and_redis(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench.gen_chaos", "--requests", "200", "--rate", "10",
             "--workers", "1", "--hidden", "64", "--kill-every", "100000", "--redis-restarts",
             "0", "--verify", "0", "--timeout", "300", "--workdir", str(tmp_path)]  # fmt: skip
-    harness = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    harness = tied_popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True, text=True, default_signals=[signal.SIGINT])  # fmt: skip
     lines: list[str] = []
     started: list[tuple[int, int]] = []
     try:

@@ -33,6 +33,7 @@ from tiny_models import make_causal_lm, make_classifier, make_embedding_model
 from tiny_vision import make_cross_encoder
 
 from batchfleet.redis_server import LocalRedis, free_port
+from batchfleet.tied_process import tied_popen
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,12 +105,12 @@ def start_gateway(url: str, tmp: Path, *extra: str) -> tuple[subprocess.Popen[by
     """`batchfleet gateway` on a free port, once its /health answers; its base URL."""
     port = free_port()
     log = tmp / f"gateway-{port}.log"
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", url,
-         "--port", str(port), "--api-key", KEY, *extra],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+    with log.open("wb") as out:
+        gateway = tied_popen(
+            [sys.executable, "-m", "batchfleet", "gateway", "--redis-url", url,
+             "--port", str(port), "--api-key", KEY, *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
     end = time.monotonic() + 60
     while True:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)

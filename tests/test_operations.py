@@ -27,6 +27,7 @@ from batchfleet.config import load_config
 from batchfleet.redis_server import free_port
 from batchfleet.remote import parse_settings
 from batchfleet.status import print_status
+from batchfleet.tied_process import tied_popen
 
 pytestmark = pytest.mark.timeout(120)
 HOST = socket.gethostname()
@@ -92,13 +93,13 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "") ->
 def flower(redis_url: str, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     env = dict(os.environ, REDIS_URL=redis_url, FLOWER_UNAUTHENTICATED_API="true")
-    log = (tmp_path / "flower.log").open("wb")
     # `batchfleet flower` runs `celery -A batchfleet.remote flower`: a torch-free app
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "batchfleet", "flower", "--port", str(port),
-         "--address", "127.0.0.1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
+    with (tmp_path / "flower.log").open("wb") as log:
+        proc = tied_popen(
+            [sys.executable, "-m", "batchfleet", "flower", "--port", str(port),
+             "--address", "127.0.0.1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: get_json(f"{url}/api/workers") is not None, 30, "flower to listen")

@@ -23,6 +23,7 @@ from webhook_receiver import Answer, Receiver
 
 from batchfleet.cli import main as cli_main
 from batchfleet.redis_server import free_port
+from batchfleet.tied_process import tied_popen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,11 +60,12 @@ class WebhooksWorker:
     def __init__(self, config: Path, log: Path, name: str = "wh") -> None:
         self.log = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchfleet", "webhooks", "worker", "--config", str(config),
-             "--name", f"{name}-{config.stem}", "--concurrency", "4"],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+        with log.open("wb") as out:
+            self.process = tied_popen(
+                [sys.executable, "-m", "batchfleet", "webhooks", "worker", "--config",
+                 str(config), "--name", f"{name}-{config.stem}", "--concurrency", "4"],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
